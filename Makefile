@@ -1,0 +1,29 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   -- create .venv, install seqpar, run the main job on its embedded default
+#   make test   -- create .venv, install seqpar with dev tools, lint and run the test suite
+# TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine use e.g.
+#   make test TORCH_SPEC='torch>=2.4'
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m seqpar memory --measure --all --tp 2
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check seqpar tests
+
+test: lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

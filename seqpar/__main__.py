@@ -1,0 +1,3 @@
+from seqpar.cli import main
+
+raise SystemExit(main())

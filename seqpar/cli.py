@@ -1,0 +1,30 @@
+"""`seqpar <verb>`: thin. Each verb lives in ``seqpar.commands.<verb>`` and provides
+``add_arguments(parser)`` and ``run(args) -> int``; this file only parses and dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# verb -> (module, one-line help)
+VERBS: dict[str, tuple[str, str]] = {
+    "memory": ("seqpar.commands.memory", "activation bytes per layer: formula and measurement"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seqpar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    for verb, (module, help_text) in VERBS.items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return int(importlib.import_module(args._module).run(args) or 0)

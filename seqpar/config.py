@@ -1,0 +1,154 @@
+"""Small validated dataclasses: the whole configuration of a run.
+
+Every rule is checked here, before any process group starts, and every error names the rule
+and the numbers (``hidden 1000 is not divisible by heads 12``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+class ConfigError(ValueError):
+    """A configuration breaks a rule; the message names the rule and the numbers."""
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _probability(**values: float) -> None:
+    for name, value in values.items():
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The paper's GPT (Fig. 2): notation of Table 1 in the comments."""
+
+    vocab_size: int = 256  # v
+    hidden_size: int = 128  # h
+    num_heads: int = 4  # a
+    num_layers: int = 2  # L
+    seq_len: int = 64  # s (also the size of the learned position table)
+    ffn_hidden_size: int | None = None  # 4h when None
+    embd_dropout: float = 0.1
+    attn_dropout: float = 0.1  # on the softmax output
+    hidden_dropout: float = 0.1  # after out-proj and after fc2
+    label_smoothing: float = 0.0
+    layernorm_eps: float = 1e-5
+    init_std: float = 0.02
+    dtype: str = "fp32"
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def validate(self) -> ModelConfig:
+        _positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_heads=self.num_heads,
+                  num_layers=self.num_layers, seq_len=self.seq_len, ffn_hidden_size=self.ffn)
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"hidden {self.hidden_size} is not divisible by heads {self.num_heads}")
+        _probability(embd_dropout=self.embd_dropout, attn_dropout=self.attn_dropout,
+                     hidden_dropout=self.hidden_dropout, label_smoothing=self.label_smoothing)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.layernorm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("layernorm_eps and init_std must be positive")
+        return self
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """world = dp × pp × tp, tp innermost (consecutive ranks share a tensor-parallel group)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sp: bool = False  # sequence parallelism over the tp group (Sec. 4.2.2)
+    interleave: int = 1  # m: virtual pipeline chunks per pipeline rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def validate(self, model: ModelConfig | None = None, world_size: int | None = None) -> ParallelConfig:
+        _positive(tp=self.tp, pp=self.pp, dp=self.dp, interleave=self.interleave)
+        if world_size is not None and self.world_size != world_size:
+            raise ConfigError(f"dp {self.dp} × pp {self.pp} × tp {self.tp} = {self.world_size} "
+                              f"!= world size {world_size}")
+        if self.interleave > 1 and self.pp == 1:
+            raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
+        if model is not None:
+            if model.num_heads % self.tp:
+                raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")
+            if model.ffn % self.tp:
+                raise ConfigError(f"ffn width {model.ffn} is not divisible by tp {self.tp}")
+            if self.sp and model.seq_len % self.tp:
+                raise ConfigError(f"sequence {model.seq_len} is not divisible by tp {self.tp} "
+                                  "(sequence parallelism splits it)")
+            chunks = self.pp * self.interleave
+            if model.num_layers % chunks:
+                raise ConfigError(f"layers {model.num_layers} are not divisible by pp {self.pp} × "
+                                  f"interleave {self.interleave} = {chunks}")
+        return self
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Sec. 5: none | selective (the attention core) | full (whole layers).
+
+    For ``full``: ``method='uniform'`` checkpoints groups of ``num_layers`` consecutive layers
+    (each group keeps only its input); ``method='block'`` checkpoints the first ``num_layers``
+    layers of each stage individually and keeps everything of the rest.
+    """
+
+    granularity: str = "none"
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def validate(self, layers_per_stage: int | None = None) -> RecomputeConfig:
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ConfigError(f"recompute {self.granularity!r} is not one of {list(RECOMPUTE_GRANULARITIES)}")
+        if self.method not in RECOMPUTE_METHODS:
+            raise ConfigError(f"recompute method {self.method!r} is not one of {list(RECOMPUTE_METHODS)}")
+        if self.granularity == "full":
+            if not isinstance(self.num_layers, int) or self.num_layers < 1:
+                raise ConfigError(f"recompute num_layers must be a positive integer, got {self.num_layers!r}")
+            if layers_per_stage is not None and self.num_layers > layers_per_stage:
+                raise ConfigError(f"recompute num_layers {self.num_layers} exceeds the "
+                                  f"{layers_per_stage} layers of a stage")
+        return self
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Model + parallel + recompute, validated together."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+
+    def validate(self, world_size: int | None = None) -> RunConfig:
+        self.model.validate()
+        self.parallel.validate(self.model, world_size)
+        per_stage = self.model.num_layers // (self.parallel.pp * self.parallel.interleave)
+        self.recompute.validate(per_stage)
+        return self

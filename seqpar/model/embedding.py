@@ -1,0 +1,46 @@
+"""Input embedding (Fig. 2): vocab-parallel word embedding + learned positions + dropout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from seqpar.config import ModelConfig
+from seqpar.parallel import comm
+from seqpar.parallel.dims import group_size
+from seqpar.parallel.layers import VocabParallelEmbedding, mark
+from seqpar.parallel.rng import Dropout, RNGTracker
+
+
+class Embedding(nn.Module):
+    """tokens ``[b, s]`` → ``[s, b, h]`` (TP) or ``[s/t, b, h]`` (SP).
+
+    The word embedding's partial sums are all-reduced (f̄) or, under SP, reduce-scattered (ḡ)
+    straight into the sequence shard; then this rank's slice of the position table is added.
+    """
+
+    def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker, device=None):
+        super().__init__()
+        self.group = group
+        self.sp = sequence_parallel and group_size(group) > 1
+        dtype = cfg.torch_dtype
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group, cfg.init_std, dtype, device)
+        self.position = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, dtype=dtype, device=device))
+        mark(self.position, sequence_parallel=self.sp, init_std=cfg.init_std)
+        self.dropout = Dropout(cfg.embd_dropout, tracker, "sharded" if self.sp else "replicated")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        if s > self.position.shape[0]:
+            raise ValueError(f"sequence {s} is longer than the position table {self.position.shape[0]}")
+        x = self.word(tokens.t())  # [s, b, h], a partial sum under TP
+        positions = self.position[:s]  # [s, h]
+        if self.sp:
+            x = comm.g_bar(x, self.group)  # [s/t, b, h]
+            chunk = s // group_size(self.group)
+            start = dist.get_rank(self.group) * chunk
+            positions = positions[start:start + chunk]  # [s/t, h]
+        else:
+            x = comm.f_bar(x, self.group)  # [s, b, h]
+        return self.dropout(x + positions.unsqueeze(1))  # [s(/t), b, h]

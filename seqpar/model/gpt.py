@@ -1,0 +1,128 @@
+"""The paper's GPT (Fig. 2) as pipeline stages.
+
+A ``GPTStage`` holds a contiguous range of layers (global indices, so parameter names do not
+depend on the split); the first stage also holds the embedding, the last the final LN, the output
+layer (sharing the word-embedding weight) and the loss. With one stage it is the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seqpar.config import ModelConfig
+from seqpar.model.embedding import Embedding
+from seqpar.model.init import init_parameters
+from seqpar.model.layer import TransformerLayer, layer_norm
+from seqpar.parallel import comm
+from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from seqpar.parallel.dims import ParallelDims, group_size
+from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
+from seqpar.parallel.rng import RNGTracker
+
+IGNORE_INDEX = -100
+
+
+class GPTStage(nn.Module):
+    def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker,
+                 layer_ids: list[int], first: bool, last: bool, device=None):
+        super().__init__()
+        self.cfg, self.group, self.tracker = cfg, group, tracker
+        self.sp = sequence_parallel and group_size(group) > 1
+        self.first, self.last = first, last
+        self.layer_ids = list(layer_ids)
+        self.embedding = Embedding(cfg, group, sequence_parallel, tracker, device) if first else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, group, sequence_parallel, tracker, device)
+                                     for i in self.layer_ids})
+        self.final_ln = layer_norm(cfg, self.sp, device) if last else None
+        self.output_weight = None
+        if last and not first:  # the tied weight lives on two stages; its gradients are summed
+            t = group_size(group)
+            shape = (padded_vocab(cfg.vocab_size, t) // t, cfg.hidden_size)
+            self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=cfg.torch_dtype, device=device)),
+                                      split_dim=0, full_size=cfg.vocab_size, init_std=cfg.init_std)
+            self.output_weight.init_key = "embedding.word.weight"
+        # Set by seqpar.recompute: [(first, last)] index ranges into self.layers run as one
+        # checkpointed unit; layers outside every range keep all their activations.
+        self.full_recompute_groups: list[tuple[int, int]] = []
+        self.checkpoint = None
+
+    # ------------------------------------------------------------------ pieces
+    def word_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.output_weight is None else self.output_weight
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        layers = list(self.layers.values())
+        groups = {start: stop for start, stop in self.full_recompute_groups}
+        i = 0
+        while i < len(layers):
+            if i in groups:
+                x = self.checkpoint(_chain(layers[i:groups[i]]), x)  # keeps only the chunk's input
+                i = groups[i]
+            else:
+                x = layers[i](x)
+                i += 1
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final LN and the output layer: ``[s(/t), b, h]`` → ``[s, b, v_pad/t]``."""
+        x = self.final_ln(x)
+        weight = self.word_weight()
+        if self.sp:
+            return LinearWithGatheredInput.apply(x, weight, None, self.group)  # [s, b, v/t]
+        return F.linear(comm.f(x, self.group), weight)  # [s, b, v/t]
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of per-token losses and the number of counted tokens; labels ``[b, s]``."""
+        target = labels.t()  # [s, b]
+        per_token = vocab_parallel_cross_entropy(logits, target, self.group, self.cfg.vocab_size,
+                                                 self.cfg.label_smoothing, IGNORE_INDEX)  # [s, b]
+        return per_token.sum(), (target != IGNORE_INDEX).sum()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+        """First stage: ``x`` = tokens ``[b, s]``; later stages: hidden ``[s(/t), b, h]``.
+
+        Last stage with ``labels``: returns the mean loss over non-ignored tokens; without labels
+        the logits. Other stages: the hidden state to send on.
+        """
+        if self.first:
+            x = self.embedding(x)
+        x = self.run_layers(x)
+        if not self.last:
+            return x
+        logits = self.logits(x)
+        if labels is None:
+            return logits
+        total, count = self.loss(logits, labels)
+        return total / count.clamp(min=1)
+
+
+def _chain(layers):
+    """The layers run one after another, as one function (for a checkpointed group)."""
+
+    def run(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return run
+
+
+def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_parallel: bool = False,
+                seed: int = 1234, layer_ids: list[int] | None = None, first: bool = True, last: bool = True,
+                device=None) -> GPTStage:
+    """Build (one stage of) the GPT for this rank and initialise it from ``seed``.
+
+    The initialisation is independent of the parallel layout: every parameter is drawn whole from a
+    generator seeded by ``seed`` and its name, then sharded, so any tp/pp split computes the same
+    function as the single-process model.
+    """
+    cfg.validate()
+    dims = dims or ParallelDims.single()
+    tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank)
+    ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
+    stage = GPTStage(cfg, dims.tp_group, sequence_parallel, tracker, ids, first, last, device)
+    init_parameters(stage, seed, dims.tp_rank, dims.tp)
+    return stage

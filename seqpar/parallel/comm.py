@@ -1,0 +1,121 @@
+"""The paper's conjugate communication operators (Sec. 4.2, Fig. 4 and Fig. 5).
+
+Tensor parallelism (Megatron):
+  f     -- forward: identity;                        backward: all-reduce
+  f_bar -- forward: all-reduce;                      backward: identity
+Sequence parallelism (activations sequence-first ``[s, b, h]``, split along dim 0):
+  g     -- forward: all-gather along s;              backward: reduce-scatter along s
+  g_bar -- forward: reduce-scatter along s;          backward: all-gather along s
+
+Every operator takes the tensor-parallel group explicitly; a ``None`` group (size 1) makes
+it the identity. The raw collectives below are the only calls into ``torch.distributed`` for
+these operators, so tests can observe their order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqpar.parallel.dims import group_size
+
+
+# ---------------------------------------------------------------- raw collectives (device from tensor)
+def all_reduce(x: torch.Tensor, group, async_op: bool = False):
+    """Sum ``x`` in place over ``group``; returns the work handle when ``async_op``."""
+    return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+def all_gather_seq(x: torch.Tensor, group, async_op: bool = False):
+    """``[s/t, ...]`` -> ``[s, ...]``: concatenate the shards of all ranks along dim 0."""
+    t = group_size(group)
+    out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
+    """``[s, ...]`` -> ``[s/t, ...]``: sum over ranks, each keeps its slice of dim 0."""
+    t = group_size(group)
+    if x.shape[0] % t:
+        raise ValueError(f"sequence {x.shape[0]} is not divisible by tp {t}")
+    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slice of dim 0 (no communication)."""
+    t = group_size(group)
+    if t == 1:
+        return x
+    rank = dist.get_rank(group)
+    return x.chunk(t, dim=0)[rank].contiguous()
+
+
+# ---------------------------------------------------------------- the four operators
+class _F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _FBar(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone(memory_format=torch.contiguous_format)
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _G(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.group), None
+
+
+class _GBar(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None
+
+
+def f(x: torch.Tensor, group) -> torch.Tensor:
+    """TP entry: identity forward, all-reduce backward."""
+    return x if group_size(group) == 1 else _F.apply(x, group)
+
+
+def f_bar(x: torch.Tensor, group) -> torch.Tensor:
+    """TP exit: all-reduce forward, identity backward."""
+    return x if group_size(group) == 1 else _FBar.apply(x, group)
+
+
+def g(x: torch.Tensor, group) -> torch.Tensor:
+    """SP -> TP transition: all-gather along s forward, reduce-scatter backward."""
+    return x if group_size(group) == 1 else _G.apply(x, group)
+
+
+def g_bar(x: torch.Tensor, group) -> torch.Tensor:
+    """TP -> SP transition: reduce-scatter along s forward, all-gather backward."""
+    return x if group_size(group) == 1 else _GBar.apply(x, group)

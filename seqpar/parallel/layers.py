@@ -1,0 +1,144 @@
+"""Megatron-style parallel layers (Sec. 4.2.1) with the sequence-parallel stored-input trick.
+
+Every parameter carries its tensor-parallel layout as attributes (see ``mark``), so that
+sharding a full model, gathering it back and all-reducing sequence-parallel gradients are
+generic operations over ``module.parameters()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seqpar.parallel import comm
+from seqpar.parallel.dims import group_rank, group_size
+
+
+def mark(param: nn.Parameter, split_dim: int | None = None, sequence_parallel: bool = False,
+         full_size: int | None = None, init: str = "normal", init_std: float = 0.02) -> nn.Parameter:
+    """Record a parameter's layout: split along ``split_dim`` over the TP group (None: replicated),
+    ``sequence_parallel``: replicated but its gradient comes from sequence-sharded data, so it is a
+    partial sum that must be all-reduced over the TP group; ``full_size``: the unpadded size of the
+    split dimension (vocabulary padding); ``init``: normal | zeros | ones."""
+    param.tp_split_dim = split_dim
+    param.sequence_parallel = sequence_parallel
+    param.tp_full_size = full_size
+    param.init_method = init
+    param.init_std = init_std
+    return param
+
+
+def _param(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+class LinearWithGatheredInput(torch.autograd.Function):
+    """``Y = g(X_i^s) W^T + b`` that keeps only the shard ``X_i^s`` (the stored-input trick).
+
+    Forward: all-gather the ``[s/t, b, h]`` shard to ``[s, b, h]`` and multiply; save the shard.
+    Backward: start the all-gather of the saved shard again, compute the input gradient (which
+    does not need X) while it runs, wait; start the reduce-scatter of the input gradient, compute
+    the weight gradient while it runs, wait.
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        x = comm.all_gather_seq(x_shard, group)  # [s, b, h]
+        ctx.save_for_backward(x_shard, weight)  # only [s/t, b, h] is kept
+        return F.linear(x, weight, bias)  # [s, b, out/t]
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out: [s, b, out/t]
+        x_shard, weight = ctx.saved_tensors
+        group = ctx.group
+        x, gather = comm.all_gather_seq(x_shard, group, async_op=True)  # [s, b, h], in flight
+        grad_x = grad_out.matmul(weight)  # [s, b, h]: overlaps the gather
+        gather.wait()
+        grad_x_shard, scatter = comm.reduce_scatter_seq(grad_x, group, async_op=True)  # [s/t, b, h]
+        out_features = grad_out.shape[-1]
+        grad_w = grad_out.reshape(-1, out_features).t().matmul(x.reshape(-1, x.shape[-1]))  # overlaps
+        grad_b = grad_out.reshape(-1, out_features).sum(0) if ctx.has_bias else None
+        scatter.wait()
+        return grad_x_shard, grad_w, grad_b, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y_i = X A_i``: the weight's output dimension is split over the TP group.
+
+    Input: ``[s, b, in]`` replicated (TP; wrapped in ``f``) or ``[s/t, b, in]`` (SP; gathered
+    by ``g`` inside ``LinearWithGatheredInput``). Output: ``[s, b, out/t]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False,
+                 bias: bool = True, init_std: float = 0.02, dtype=torch.float32, device=None):
+        super().__init__()
+        t = group_size(group)
+        if out_features % t:
+            raise ValueError(f"output features {out_features} are not divisible by tp {t}")
+        self.group, self.sequence_parallel = group, sequence_parallel and t > 1
+        self.weight = mark(_param((out_features // t, in_features), dtype, device), split_dim=0,
+                           init_std=init_std)
+        self.bias = mark(_param((out_features // t,), dtype, device), split_dim=0, init="zeros") if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return LinearWithGatheredInput.apply(x, self.weight, self.bias, self.group)
+        return F.linear(comm.f(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = sum_i X_i A_i``: the weight's input dimension is split; the partial sums are
+    all-reduced (``f_bar``, TP) or reduce-scattered along s (``g_bar``, SP). The bias is added after
+    the reduction. Input ``[s, b, in/t]``; output ``[s, b, out]`` or ``[s/t, b, out]`` under SP."""
+
+    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False,
+                 bias: bool = True, init_std: float = 0.02, dtype=torch.float32, device=None):
+        super().__init__()
+        t = group_size(group)
+        if in_features % t:
+            raise ValueError(f"input features {in_features} are not divisible by tp {t}")
+        self.group, self.sequence_parallel = group, sequence_parallel and t > 1
+        self.weight = mark(_param((out_features, in_features // t), dtype, device), split_dim=1,
+                           init_std=init_std)
+        self.bias = (mark(_param((out_features,), dtype, device), sequence_parallel=self.sequence_parallel,
+                          init="zeros") if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # [s, b, out] partial sum
+        y = comm.g_bar(y, self.group) if self.sequence_parallel else comm.f_bar(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+def padded_vocab(vocab_size: int, t: int, multiple: int = 1) -> int:
+    """Vocabulary rounded up to a multiple of ``multiple × t`` so each rank holds an equal shard."""
+    unit = multiple * t
+    return -(-vocab_size // unit) * unit
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embedding whose rows (vocabulary) are split over the TP group.
+
+    Returns each rank's partial ``[s, b, h]``: rows of other ranks contribute zeros; the caller
+    reduces with ``f_bar`` (TP) or ``g_bar`` (SP). Padded rows exist only to even the shards.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, group, init_std: float = 0.02,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        t, r = group_size(group), group_rank(group)
+        self.group, self.vocab_size = group, vocab_size
+        self.padded_size = padded_vocab(vocab_size, t)
+        per_rank = self.padded_size // t
+        self.vocab_start, self.vocab_end = r * per_rank, (r + 1) * per_rank
+        self.weight = mark(_param((per_rank, hidden), dtype, device), split_dim=0, full_size=vocab_size,
+                           init_std=init_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens [s, b]
+        if group_size(self.group) == 1:
+            return F.embedding(tokens, self.weight)  # [s, b, h]
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)  # [s, b]
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)  # [s, b, h]
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)

@@ -1,0 +1,74 @@
+"""Activation recomputation (Sec. 5): none | selective | full (uniform or block).
+
+* selective -- checkpoint only the attention core (QK^T, softmax, softmax dropout, attention·V):
+  it produces the 5as²b/t terms with few FLOPs per element; its input, the QKV output, is kept.
+* full, method ``uniform`` -- layers in groups of N; each group keeps only its input.
+* full, method ``block``   -- the first N layers of a stage keep only their input; the rest keep all.
+
+Checkpointing saves the dropout RNG tracker's state with the inputs and restores it for the
+recomputation, so recomputed masks equal the original ones bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from seqpar.config import RecomputeConfig
+from seqpar.parallel.rng import STREAMS, RNGTracker
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, tracker: RNGTracker, *inputs):
+        ctx.run, ctx.tracker = run, tracker
+        for x in inputs:  # make sure every stream exists on this device before taking its state
+            for stream in STREAMS:
+                tracker.generator(stream, x.device)
+        ctx.rng_state = tracker.get_state()
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return run(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        after_forward = ctx.tracker.get_state()
+        ctx.tracker.set_state(ctx.rng_state)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run(*inputs)
+        finally:
+            ctx.tracker.set_state(after_forward)
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *[x.grad if x.requires_grad else None for x in inputs])
+
+
+def checkpoint(run, *inputs: torch.Tensor, tracker: RNGTracker):
+    """``run(*inputs)`` keeping only ``inputs`` for backward; recomputed in backward."""
+    return _Checkpoint.apply(run, tracker, *inputs)
+
+
+def full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list[tuple[int, int]]:
+    """Index ranges ``[start, stop)`` of a stage's layers that are checkpointed as one unit each."""
+    if cfg.granularity != "full":
+        return []
+    n = cfg.num_layers
+    if cfg.method == "uniform":
+        return [(i, min(i + n, num_layers)) for i in range(0, num_layers, n)]
+    return [(i, i + 1) for i in range(min(n, num_layers))]  # block
+
+
+def apply_recompute(stage, cfg: RecomputeConfig):
+    """Configure a ``GPTStage`` (or anything with ``layers`` and ``tracker``) for ``cfg``."""
+    cfg.validate()
+    ckpt = functools.partial(checkpoint, tracker=stage.tracker)
+    selective = cfg.granularity == "selective"
+    for layer in stage.layers.values():
+        layer.attention.checkpoint = ckpt if selective else None
+    stage.checkpoint = ckpt
+    stage.full_recompute_groups = full_recompute_groups(len(stage.layers), cfg)
+    return stage

@@ -62,7 +62,7 @@ class _F(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share `grad` with other nodes
         all_reduce(grad, ctx.group)
         return grad, None
 

@@ -1,0 +1,121 @@
+"""Measured activation memory: the bytes one transformer layer keeps for backward.
+
+Every tensor autograd saves during the forward pass is seen through
+``torch.autograd.graph.saved_tensors_hooks``; tensors are de-duplicated by storage (Q, K and V are
+views of one QKV output; a linear layer keeps its input reshaped to 2-D), and parameters and buffers
+are excluded. This is the measurement the formulas of ``seqpar.analysis.memory`` are checked against.
+
+Unlike the rest of ``seqpar.analysis`` this module builds the real model, so it imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.model.init import init_parameters
+from seqpar.model.layer import TransformerLayer
+from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.rng import RNGTracker
+from seqpar.recompute import checkpoint
+
+
+@dataclass
+class SavedTensor:
+    name: str  # the innermost module running when autograd saved it
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int  # bytes of the whole storage it keeps alive
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class SavedTensorMeter:
+    """Context manager recording every distinct storage autograd saves while it is active."""
+
+    def __init__(self, module: nn.Module | None = None):
+        self.tensors: list[SavedTensor] = []
+        self._seen: set[int] = set()
+        self._exclude: set[int] = set()
+        self._stack: list[str] = []
+        self._handles = []
+        if module is not None:
+            for t in [*module.parameters(), *module.buffers()]:
+                self._exclude.add(t.untyped_storage().data_ptr())
+            for name, sub in module.named_modules():
+                self._handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
+                self._handles.append(sub.register_forward_hook(self._pop))
+
+    def _push(self, name):
+        def hook(module, args):
+            self._stack.append(name)
+        return hook
+
+    def _pop(self, module, args, output):
+        if self._stack:
+            self._stack.pop()
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._exclude and key not in self._seen and storage.nbytes() > 0:
+            self._seen.add(key)
+            where = self._stack[-1] if self._stack else "<outside>"
+            self.tensors.append(SavedTensor(where, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                            storage.nbytes()))
+        return t
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors)
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
+    """Bytes of one LayerNorm mean/rstd element: fp32 on accelerators, the activation dtype on CPU."""
+    return torch.empty((), dtype=dtype).element_size() if device.type == "cpu" else 4
+
+
+def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False, recompute: str = "none",
+                  micro_batch: int = 1, device: str | torch.device = "cpu", seed: int = 0,
+                  backward: bool = True) -> SavedTensorMeter:
+    """Run one layer forward (and backward) on this rank and return what its forward kept.
+
+    The layer input ``[s(/t), b, h]`` requires grad, as the output of a previous layer would.
+    ``group``: the tensor-parallel group (None: no TP); collective over it.
+    """
+    device = torch.device(device)
+    t, sp = group_size(group), sequence_parallel and group_size(group) > 1
+    tracker = RNGTracker(seed, group_rank(group))
+    layer = TransformerLayer(cfg, group, sp, tracker, device=device)
+    init_parameters(layer, seed, group_rank(group), t)
+    RecomputeConfig(recompute).validate()
+    if recompute == "selective":
+        layer.attention.checkpoint = lambda fn, x: checkpoint(fn, x, tracker=tracker)
+    s = cfg.seq_len // t if sp else cfg.seq_len
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(s, micro_batch, cfg.hidden_size, generator=gen, device=device)
+    x = x.to(cfg.torch_dtype).requires_grad_(True)  # [s(/t), b, h]
+    meter = SavedTensorMeter(layer)
+    with meter:
+        y = checkpoint(layer, x, tracker=tracker) if recompute == "full" else layer(x)
+    if backward:
+        y.float().square().mean().backward()
+    with contextlib.suppress(AttributeError):
+        del layer.attention.checkpoint
+    return meter

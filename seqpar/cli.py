@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from seqpar.config import ConfigError
+
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except ConfigError as err:  # a rule the configuration breaks: usage error, no traceback
+        parser.exit(2, f"seqpar {args.verb}: error: {err}\n")

@@ -21,6 +21,11 @@ from seqpar.parallel.dims import group_size
 
 
 # ---------------------------------------------------------------- raw collectives (device from tensor)
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_reduce(x: torch.Tensor, group, async_op: bool = False):
     """Sum ``x`` in place over ``group``; returns the work handle when ``async_op``."""
     return dist.all_reduce(x, group=group, async_op=async_op)
@@ -30,7 +35,7 @@ def all_gather_seq(x: torch.Tensor, group, async_op: bool = False):
     """``[s/t, ...]`` -> ``[s, ...]``: concatenate the shards of all ranks along dim 0."""
     t = group_size(group)
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    work = _all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -40,7 +45,7 @@ def reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
     if x.shape[0] % t:
         raise ValueError(f"sequence {x.shape[0]} is not divisible by tp {t}")
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=async_op)
+    work = _reduce_scatter_single(out, x.contiguous(), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 

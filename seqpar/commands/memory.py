@@ -1,0 +1,80 @@
+"""`seqpar memory`: activation bytes of one transformer layer on one rank -- the paper's Table 2
+formula, the exact per-tensor derivation, and (``--measure``) what autograd really keeps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from seqpar.config import RECOMPUTE_GRANULARITIES, ModelConfig
+
+
+def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
+    d = {"layers": 1, "hidden": 512, "heads": 8, "seq": 256, "micro_batch": 2, "vocab": 512, "ffn": None,
+         "dtype": "bf16", "dropout": 0.1} | defaults
+    g = p.add_argument_group("model (paper notation)")
+    g.add_argument("--layers", type=int, default=d["layers"], help="L (default %(default)s)")
+    g.add_argument("--hidden", type=int, default=d["hidden"], help="h (default %(default)s)")
+    g.add_argument("--heads", type=int, default=d["heads"], help="a (default %(default)s)")
+    g.add_argument("--seq", type=int, default=d["seq"], help="s (default %(default)s)")
+    g.add_argument("--micro-batch", type=int, default=d["micro_batch"], help="b (default %(default)s)")
+    g.add_argument("--vocab", type=int, default=d["vocab"], help="v (default %(default)s)")
+    g.add_argument("--ffn", type=int, default=d["ffn"], help="FFN width f (default 4h)")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
+    g.add_argument("--dropout", type=float, default=d["dropout"],
+                   help="attention and hidden dropout; 0 removes the masks (default %(default)s)")
+
+
+def model_from_args(args) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
+                       seq_len=args.seq, ffn_hidden_size=args.ffn, dtype=args.dtype, embd_dropout=args.dropout,
+                       attn_dropout=args.dropout, hidden_dropout=args.dropout).validate()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--measure", action="store_true", help="run the layer on --tp local gloo ranks and measure")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none")
+    p.add_argument("--all", action="store_true", help="the six Table 2 rows for this t")
+    p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_arguments(p)
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def run(args) -> int:
+    from seqpar.analysis.table2 import measure_rows, plan_rows
+
+    cfg = model_from_args(args)
+    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all)
+    if args.measure:
+        measure_rows(cfg, args.micro_batch, rows)
+    if args.json:
+        print(json.dumps({"rows": [r.as_json() for r in rows]}))
+        return 0
+    s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
+    print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {args.dropout}")
+    head = f"{'row':<16}{'t':>3} {'sp':<4}{'recompute':<10}{'measured':>14}{'exact':>14}{'Table 2':>14}"
+    print(head + f"{'meas-exact':>12}{'meas/T2':>9}")
+    for r in rows:
+        diff = "-" if r.measured_bytes is None else f"{r.measured_bytes - r.exact_bytes:,.0f}"
+        ratio = "-" if r.measured_bytes is None else f"{r.measured_bytes / r.formula_bytes:.4f}"
+        print(f"{r.row:<16}{r.tp:>3} {'on' if r.sp else 'off':<4}{r.recompute:<10}{_human(r.measured_bytes):>14}"
+              f"{_human(r.exact_bytes):>14}{_human(r.formula_bytes):>14}{diff:>12}{ratio:>9}")
+        if args.tensors:
+            for t in r.tensors:
+                print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
+    print("exact = Table 2 + LayerNorm mean/rstd (4·s·b per layer, /t under SP), which the paper drops.")
+    if args.dropout == 0:
+        print("dropout 0: no masks, and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t).")
+    return 0

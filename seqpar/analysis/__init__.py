@@ -1,0 +1,1 @@
+"""Analytic memory and FLOPs model of the paper (torch-free)."""

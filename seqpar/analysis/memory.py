@@ -1,0 +1,134 @@
+"""Activation memory of ONE transformer layer on ONE tensor-parallel rank (Sec. 4.1, Table 2).
+
+``layer_activation_terms`` lists, per stored tensor of the Sec. 4.1 table, the bytes kept for
+backward; the paper's Eq. 1 constants (34 and 5) are the sum of those terms, not typed in.
+``table2_bytes`` is the paper's printed closed form for each Table 2 row, kept separately so the
+tests can show the derivation reproduces it.
+
+Which regions are split over the t ranks:
+- the attention core and the MLP interior (Q, K, V, scores, out-proj input, GeLU in/out) always
+  (Megatron tensor parallelism, Sec. 4.2.1);
+- LN inputs, the QKV / fc1 inputs and the two post-block dropout masks only under sequence
+  parallelism (Sec. 4.2.2, with the stored-input trick for the QKV / fc1 inputs); without it they
+  are replicated: the "10" of ``sbh(10 + 24/t + 5as/(ht))``.
+"""
+
+from __future__ import annotations
+
+from seqpar.analysis.shapes import AnalysisError
+
+TABLE2_ROWS = ("none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+# Tensors that selective recompute (Sec. 5) drops: the attention core's s^2 outputs.
+SELECTIVE_DROPPED = ("softmax_output", "softmax_dropout_mask", "softmax_dropout_output")
+
+
+def _check(s, b, h, a, t, recompute):
+    for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
+        if value <= 0:
+            raise AnalysisError(f"{name} must be positive, got {value!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_MODES)}")
+
+
+def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
+                           mask_bytes=1, dropout=True, ln_stats_bytes=0,
+                           fused_attention=False) -> dict[str, float]:
+    """Bytes one layer keeps for backward on one tp rank, one entry per stored tensor (Sec. 4.1).
+
+    ``recompute``: "none"; "selective" drops the softmax output, its dropout mask and the dropout
+    output (the 5as^2b/t terms, Sec. 5) and keeps Q, K, V; "full" keeps only the layer input
+    (Table 2 last row: 2sbh, or 2sbh/t when sequence-sharded). ``ffn`` is the FFN width f (4h when
+    None): the MLP then stores sbh(3 + 4f/h). ``dropout=False``: no masks, and attention*V reads the
+    softmax output itself, so the s^2 terms are 2as^2b/t. ``fused_attention`` (not in the paper;
+    flash-attention style): no s^2 tensors at all, the kernel keeps an fp32 log-sum-exp per row
+    (4asb/t) and regenerates its dropout mask, so selective recompute has nothing left to drop.
+    ``ln_stats_bytes`` > 0 adds the LayerNorm mean and rstd the paper ignores.
+    """
+    _check(s, b, h, a, t, recompute)
+    f = 4 * h if ffn is None else ffn
+    rep = t if sp else 1  # divisor of the regions sequence parallelism shards (else replicated)
+    if recompute == "full":
+        return {"layer_input": act_bytes * s * b * h / rep}
+    terms: dict[str, float] = {
+        "ln1_input": act_bytes * s * b * h / rep,
+        "qkv_input": act_bytes * s * b * h / rep,  # LN1 output; shard only under SP (stored-input trick)
+        "qk": 2 * act_bytes * s * b * h / t,  # Q and K for Q K^T
+    }
+    if fused_attention:
+        terms["softmax_lse"] = 4 * a * s * b / t  # fp32 log-sum-exp, one per (head, query)
+    else:
+        terms["softmax_output"] = act_bytes * a * s * s * b / t
+        if dropout:
+            terms["softmax_dropout_mask"] = mask_bytes * a * s * s * b / t
+            terms["softmax_dropout_output"] = act_bytes * a * s * s * b / t
+    terms["v"] = act_bytes * s * b * h / t
+    terms["out_proj_input"] = act_bytes * s * b * h / t
+    if dropout:
+        terms["attn_dropout_mask"] = mask_bytes * s * b * h / rep
+    terms["ln2_input"] = act_bytes * s * b * h / rep
+    terms["fc1_input"] = act_bytes * s * b * h / rep  # LN2 output; shard only under SP
+    terms["gelu_input"] = act_bytes * s * b * f / t
+    terms["fc2_input"] = act_bytes * s * b * f / t
+    if dropout:
+        terms["mlp_dropout_mask"] = mask_bytes * s * b * h / rep
+    if recompute == "selective":
+        for name in SELECTIVE_DROPPED:
+            terms.pop(name, None)
+    if ln_stats_bytes > 0:
+        terms["ln_stats"] = 2 * 2 * s * b / rep * ln_stats_bytes  # 2 LNs x (mean, rstd)
+    return terms
+
+
+def layer_activation_bytes(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
+                           mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False) -> float:
+    """Sum of ``layer_activation_terms``: Eq. 1 / Table 2 derived per stored tensor."""
+    return sum(layer_activation_terms(s, b, h, a, t, sp=sp, recompute=recompute, ffn=ffn,
+                                      act_bytes=act_bytes, mask_bytes=mask_bytes, dropout=dropout,
+                                      ln_stats_bytes=ln_stats_bytes,
+                                      fused_attention=fused_attention).values())
+
+
+def table2_bytes(row, s, b, h, a, t, *, sp=False) -> float:
+    """The paper's printed Table 2 closed form for ``row`` (one of ``TABLE2_ROWS``).
+
+    "none" ignores t. "full" is 2sbh as printed; ``sp=True`` gives 2sbh/t, the sequence-sharded
+    layer input the paper mentions beside the table (``sp`` is ignored by the other rows).
+    """
+    _check(s, b, h, a, t, "none")
+    sbh = s * b * h
+    forms = {
+        "none": lambda: sbh * (34 + 5 * a * s / h),  # Eq. 1
+        "tp": lambda: sbh * (10 + 24 / t + 5 * a * s / (h * t)),  # Table 2, TP
+        "tp_sp": lambda: sbh / t * (34 + 5 * a * s / h),  # Table 2, TP + SP
+        "tp_selective": lambda: sbh * (10 + 24 / t),
+        "tp_sp_selective": lambda: 34 * sbh / t,
+        "full": lambda: 2 * sbh / t if sp else 2 * sbh,
+    }
+    if row not in forms:
+        raise AnalysisError(f"Table 2 row {row!r} is not one of {list(TABLE2_ROWS)}")
+    return forms[row]()
+
+
+def table2_config(row) -> tuple[int | None, bool, str]:
+    """(t, sp, recompute) of a Table 2 row; t is None where the row keeps the caller's t and 1
+    where the row has no tensor parallelism ("none")."""
+    configs = {
+        "none": (1, False, "none"),
+        "tp": (None, False, "none"),
+        "tp_sp": (None, True, "none"),
+        "tp_selective": (None, False, "selective"),
+        "tp_sp_selective": (None, True, "selective"),
+        "full": (None, False, "full"),
+    }
+    if row not in configs:
+        raise AnalysisError(f"Table 2 row {row!r} is not one of {list(TABLE2_ROWS)}")
+    return configs[row]
+
+
+def table2_row_bytes(row, s, b, h, a, t, **options) -> float:
+    """Per-tensor derived bytes for a Table 2 row (what ``seqpar paper`` reports)."""
+    row_t, sp, recompute = table2_config(row)
+    return layer_activation_bytes(s, b, h, a, t if row_t is None else row_t, sp=sp,
+                                  recompute=recompute, **options)

@@ -1,0 +1,319 @@
+"""`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
+
+Dimensions: tp (<= GPUs per node, dividing heads and FFN width), pp (dividing L), dp (the rest,
+dividing the global batch), interleave m (m > 1 needs pp > 1, L divisible by pp m and the
+microbatch count by pp, as Megatron requires), SP on/off (tp > 1), microbatch, recompute:
+none, selective, full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or
+full with the most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on rank 0 and
+the last rank (the in-flight count falls with the rank, so they bound the rest). Time:
+``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, predicted_mfu
+from seqpar.analysis.shapes import (
+    ActivationOptions,
+    AnalysisError,
+    ModelShape,
+    OptimizerOptions,
+    Parallelism,
+    Recompute,
+)
+from seqpar.analysis.stage import StageMemory, all_stages, most_loaded, stage_memory
+
+TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One point of the search space."""
+
+    par: Parallelism
+    rc: Recompute
+    micro_batch: int
+    distributed_optimizer: bool = False
+
+    @property
+    def label(self) -> str:
+        p = self.par
+        text = (f"tp={p.tp},pp={p.pp},dp={p.dp},m={p.interleave},sp={'on' if p.sp else 'off'},"
+                f"recompute={self.rc.label},mb={self.micro_batch}")
+        return text + (",distopt=on" if self.distributed_optimizer else "")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asks: model, GPUs, batch, machine, byte widths."""
+
+    shape: ModelShape
+    gpus: int
+    global_batch: int
+    hw: Hardware = field(default_factory=Hardware)
+    opts: ActivationOptions = field(default_factory=ActivationOptions)
+    opt: OptimizerOptions = field(default_factory=OptimizerOptions)
+    try_distributed_optimizer: bool = False
+    max_micro_batch: int = 16
+    max_interleave: int = 8
+
+
+@dataclass
+class Evaluation:
+    """A plan with its memory per (examined) rank, fit, predicted time and MFU, or why it is invalid."""
+
+    plan: Plan
+    stages: list[StageMemory] = field(default_factory=list)
+    time: IterationTime | None = None
+    mfu: float = 0.0
+    fits: bool = False
+    error: str | None = None
+    usable_bytes: float = 0.0
+
+    @property
+    def peak(self) -> StageMemory | None:
+        return most_loaded(self.stages) if self.stages else None
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.peak.total if self.stages else 0.0
+
+    def to_json(self) -> dict:
+        p = self.plan.par
+        out = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "interleave": p.interleave, "sp": p.sp,
+               "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
+               "distributed_optimizer": self.plan.distributed_optimizer,
+               "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
+               "predicted_iteration_s": self.time.total if self.time else None,
+               "predicted_mfu": self.mfu if self.time else None}
+        if self.peak is not None:
+            out["most_loaded_rank"] = self.peak.rank
+            out["memory_terms"] = dict(self.peak.terms)
+        if self.time is not None:
+            out["time_terms"] = dict(self.time.terms)
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _opt(req: Request, plan: Plan) -> OptimizerOptions:
+    return replace(req.opt, distributed=plan.distributed_optimizer)
+
+
+def num_microbatches(req: Request, plan: Plan) -> int:
+    return req.global_batch // (plan.par.dp * plan.micro_batch)
+
+
+def check_plan(req: Request, plan: Plan) -> None:
+    """Raise AnalysisError naming the numbers when ``plan`` cannot run ``req``."""
+    p = plan.par
+    p.validate(req.shape)
+    plan.rc.validate(p.layers_per_chunk(req.shape))
+    if p.gpus != req.gpus:
+        raise AnalysisError(f"dp {p.dp} x pp {p.pp} x tp {p.tp} = {p.gpus} != gpus {req.gpus}")
+    if p.tp > req.hw.gpus_per_node:
+        raise AnalysisError(f"tp {p.tp} exceeds the {req.hw.gpus_per_node} GPUs of a node")
+    if req.global_batch % (p.dp * plan.micro_batch):
+        raise AnalysisError(f"global batch {req.global_batch} is not divisible by dp {p.dp} x "
+                            f"micro batch {plan.micro_batch}")
+    n = num_microbatches(req, plan)
+    if p.interleave > 1 and n % p.pp:
+        raise AnalysisError(f"interleaving needs the {n} microbatches to be a multiple of pp {p.pp}")
+
+
+def stages_of(req: Request, plan: Plan, every_rank: bool = False) -> list[StageMemory]:
+    """Memory of rank 0 and the last rank (or of every rank)."""
+    n = num_microbatches(req, plan)
+    args = (req.shape, plan.par, plan.rc, plan.micro_batch, n, req.opts, _opt(req, plan))
+    if every_rank:
+        return all_stages(*args)
+    return [stage_memory(*args, rank=r) for r in sorted({0, plan.par.pp - 1})]
+
+
+def fits(req: Request, plan: Plan) -> bool:
+    return most_loaded(stages_of(req, plan)).total <= req.hw.usable_bytes
+
+
+def evaluate(req: Request, plan: Plan, every_rank: bool = False) -> Evaluation:
+    """Memory, fit, predicted time and MFU of one plan (``error`` set when it cannot run)."""
+    ev = Evaluation(plan=plan, usable_bytes=req.hw.usable_bytes)
+    try:
+        check_plan(req, plan)
+    except AnalysisError as err:
+        ev.error = str(err)
+        return ev
+    ev.stages = stages_of(req, plan, every_rank)
+    ev.fits = ev.memory_bytes <= req.hw.usable_bytes
+    ev.time = iteration_time(req.shape, plan.par, plan.rc, plan.micro_batch, req.global_batch, req.hw,
+                             _opt(req, plan), req.opts)
+    ev.mfu = predicted_mfu(req.shape, plan.par, req.global_batch, ev.time.total, req.hw)
+    return ev
+
+
+def _largest_fitting(lo: int, hi: int, ok) -> int | None:
+    """Largest x in [lo, hi] with ok(x), ok monotone non-increasing in x; None if none."""
+    if not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def recompute_options(req: Request, base: Plan) -> list[Recompute]:
+    """none, selective, full-uniform-1, the cheapest fitting full-block-N and App. C variants."""
+    chunk = base.par.layers_per_chunk(req.shape)
+    options = [Recompute("none"), Recompute("selective"), Recompute("full")]
+
+    def fits_with(rc: Recompute) -> bool:
+        return fits(req, replace(base, rc=rc))
+
+    if chunk > 1:  # fewest checkpointed layers that fit = least recompute
+        smallest = _largest_fitting(-(chunk - 1), -1, lambda neg: fits_with(Recompute("full", "block", -neg)))
+        if smallest is not None:
+            options.append(Recompute("full", "block", -smallest))
+    n = num_microbatches(req, base)
+    in_flight = stage_memory(req.shape, base.par, Recompute(), base.micro_batch, n, req.opts,
+                             _opt(req, base)).in_flight
+    for granularity in ("selective", "full"):
+        if fits_with(Recompute(granularity, keep_microbatches=in_flight)):
+            continue  # keeping everything fits: plain "none" covers it
+        k = _largest_fitting(1, in_flight - 1, lambda k, g=granularity: fits_with(Recompute(g, keep_microbatches=k)))
+        if k:
+            options.append(Recompute(granularity, keep_microbatches=k))
+    return options
+
+
+def layouts(req: Request) -> Iterator[Plan]:
+    """Every (tp, pp, dp, m, sp, microbatch) the rules allow, with recompute none (filled in later)."""
+    shape = req.shape
+    for tp in _divisors(min(req.hw.gpus_per_node, req.gpus)):
+        if shape.heads % tp or shape.f % tp or req.gpus % tp:
+            continue
+        for pp in _divisors(req.gpus // tp):
+            if shape.layers % pp:
+                continue
+            dp = req.gpus // (tp * pp)
+            if req.global_batch % dp:
+                continue
+            for mb in _divisors(req.global_batch // dp):
+                if mb > req.max_micro_batch:
+                    break
+                n = req.global_batch // (dp * mb)
+                for m in _divisors(shape.layers // pp):
+                    if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
+                        continue
+                    for sp in ((False, True) if tp > 1 and shape.seq % tp == 0 else (False,)):
+                        for dist in ((False, True) if req.try_distributed_optimizer and dp > 1 else (False,)):
+                            yield Plan(Parallelism(tp, pp, dp, sp, m), Recompute(), mb, dist)
+
+
+def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
+    """Fastest first; plans within ``tie`` (relative) of the fastest of their group are a tie,
+    ordered by memory (the cost model is not that precise, and headroom is worth something)."""
+    by_time = sorted(found, key=lambda e: (e.time.total, e.memory_bytes))
+    ranked: list[Evaluation] = []
+    while by_time:
+        limit = by_time[0].time.total * (1 + tie)
+        group = [e for e in by_time if e.time.total <= limit]
+        by_time = by_time[len(group):]
+        ranked += sorted(group, key=lambda e: (e.memory_bytes, e.time.total))
+    return ranked
+
+
+def search(req: Request) -> list[Evaluation]:
+    """All fitting plans, fastest first (``rank_plans``)."""
+    req.shape.validate()
+    found: list[Evaluation] = []
+    for base in layouts(req):
+        states = stage_memory(req.shape, base.par, Recompute("full"), base.micro_batch,
+                              num_microbatches(req, base), req.opts, _opt(req, base)).states
+        if states > req.hw.usable_bytes:
+            continue  # parameters + optimizer alone do not fit
+        for rc in recompute_options(req, base):
+            ev = evaluate(req, replace(base, rc=rc))
+            if ev.fits:
+                found.append(ev)
+    return rank_plans(found)
+
+
+def rank_of(ev: Evaluation, ranked: list[Evaluation]) -> int | None:
+    """1-based position ``ev`` takes among the fitting ``ranked`` plans (None if it does not fit)."""
+    if not ev.fits or ev.time is None:
+        return None
+    for i, other in enumerate(ranked):
+        if other.plan == ev.plan:
+            return i + 1
+    others = [e for e in ranked if e.plan != ev.plan]
+    return rank_plans(others + [ev]).index(ev) + 1
+
+
+def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
+    """The paper's techniques at ``plan``'s layout: why TP alone (or no recompute) is not chosen."""
+    variants = {
+        "TP only, no recompute": (False, Recompute("none")),
+        "TP + SP, no recompute": (True, Recompute("none")),
+        "TP + selective": (False, Recompute("selective")),
+        "TP + SP + selective": (True, Recompute("selective")),
+        "TP + SP + full recompute": (True, Recompute("full")),
+    }
+    out = {}
+    for name, (sp, rc) in variants.items():
+        if sp and plan.par.tp == 1:
+            continue
+        out[name] = evaluate(req, replace(plan, par=replace(plan.par, sp=sp), rc=rc))
+    return out
+
+
+_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "m": "interleave", "interleave": "interleave", "sp": "sp",
+         "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
+         "distopt": "distopt", "distributed_optimizer": "distopt"}
+
+
+def _flag(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "on", "true", "yes"):
+        return True
+    if low in ("0", "off", "false", "no"):
+        return False
+    raise AnalysisError(f"expected on/off, got {text!r}")
+
+
+def parse_recompute(text: str, keep: int = 0) -> Recompute:
+    """'none' | 'selective' | 'full' | 'full-uniform-N' | 'full-block-N', optional '+keepK' (App. C)."""
+    body, _, suffix = text.partition("+keep")
+    if suffix:
+        keep = int(suffix)
+    parts = body.split("-")
+    try:
+        if parts[0] == "full" and len(parts) == 3:
+            return Recompute("full", parts[1], int(parts[2]), keep).validate()
+        if len(parts) == 1:
+            return Recompute(parts[0], keep_microbatches=keep).validate()
+    except ValueError as err:
+        raise AnalysisError(f"recompute {text!r}: {err}") from err
+    raise AnalysisError(f"recompute {text!r} is not none, selective, full, full-uniform-N or full-block-N")
+
+
+def parse_plan(text: str, gpus: int) -> Plan:
+    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan; dp defaults to gpus / (tp pp)."""
+    values: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in _KEYS:
+            raise AnalysisError(f"plan item {item!r}: expected KEY=VALUE with KEY in {sorted(_KEYS)}")
+        values[_KEYS[key.strip()]] = value.strip()
+    try:
+        tp, pp = int(values.get("tp", 1)), int(values.get("pp", 1))
+        dp = int(values["dp"]) if "dp" in values else max(1, gpus // (tp * pp))
+        par = Parallelism(tp, pp, dp, _flag(values.get("sp", "off")), int(values.get("interleave", 1)))
+        rc = parse_recompute(values.get("recompute", "none"), int(values.get("keep", 0)))
+        return Plan(par, rc, int(values.get("micro_batch", 1)), _flag(values.get("distopt", "off")))
+    except ValueError as err:
+        raise AnalysisError(f"plan {text!r}: {err}") from err

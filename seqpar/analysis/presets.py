@@ -1,0 +1,100 @@
+"""Model presets: the paper's Table 3 set-ups, plus the iteration times Table 5 measured.
+
+Table 3 is an input (shapes, parallel layout, batch), as are Table 5's measured iteration times
+(from which ``seqpar paper`` computes MFU/HFU). ``TABLE5_PAPER_PERCENT`` holds the MFU/HFU the paper
+printed, used only as the reference the recomputed values are shown and tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqpar.analysis.shapes import AnalysisError, ModelShape, Parallelism
+
+
+@dataclass(frozen=True)
+class PaperSetup:
+    """One row of Table 3 (t = 8, s = 2048, v = 51200, no data parallelism, A100 80 GB)."""
+
+    shape: ModelShape
+    tp: int
+    pp: int
+    gpus: int
+    global_batch: int
+    micro_batch: int
+    interleave: int  # m; 1 where Table 3 has none
+
+    def parallelism(self, sp: bool = True) -> Parallelism:
+        return Parallelism(tp=self.tp, pp=self.pp, dp=self.gpus // (self.tp * self.pp), sp=sp,
+                           interleave=self.interleave)
+
+    @property
+    def num_microbatches(self) -> int:
+        dp = self.gpus // (self.tp * self.pp)
+        return self.global_batch // (dp * self.micro_batch)
+
+
+def _gpt(name: str, a: int, h: int, n_layers: int) -> ModelShape:
+    return ModelShape(layers=n_layers, hidden=h, heads=a, seq=2048, vocab=51200, name=name)
+
+
+# Table 3
+TABLE3: dict[str, PaperSetup] = {
+    "22B": PaperSetup(_gpt("22B", 64, 6144, 48), tp=8, pp=1, gpus=8, global_batch=4, micro_batch=4,
+                      interleave=1),
+    "175B": PaperSetup(_gpt("175B", 96, 12288, 96), tp=8, pp=8, gpus=64, global_batch=64, micro_batch=1,
+                       interleave=3),
+    "530B": PaperSetup(_gpt("530B", 128, 20480, 105), tp=8, pp=35, gpus=280, global_batch=280,
+                       micro_batch=1, interleave=3),
+    "1T": PaperSetup(_gpt("1T", 160, 25600, 128), tp=8, pp=64, gpus=512, global_batch=512, micro_batch=1,
+                     interleave=1),
+}
+
+# Table 5: measured seconds per iteration (full recompute, SP + selective recompute).
+TABLE5_ITERATION_S: dict[str, tuple[float, float]] = {
+    "22B": (1.42, 1.10), "175B": (18.13, 13.75), "530B": (49.05, 37.83), "1T": (94.42, 71.49),
+}
+# Table 5 as printed (MFU %, HFU %): reference only, never used to compute anything.
+TABLE5_PAPER_PERCENT: dict[str, tuple[float, float]] = {
+    "22B": (41.5, 43.7), "175B": (51.4, 52.8), "530B": (56.0, 57.0), "1T": (56.3, 57.0),
+}
+
+# The paper's names for the selective-recompute examples of Sec. 5.
+GPT3, MT_NLG = "175B", "530B"
+
+# Extra presets for `seqpar plan` (shape only): small GPTs.
+EXTRA_SHAPES: dict[str, ModelShape] = {
+    "gpt2-medium": ModelShape(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257, name="gpt2-medium"),
+    "gpt2-xl": ModelShape(layers=48, hidden=1600, heads=25, seq=1024, vocab=50257, name="gpt2-xl"),
+    "gpt3-6.7b": ModelShape(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200, name="gpt3-6.7b"),
+    "gpt3-13b": ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, name="gpt3-13b"),
+}
+
+
+def preset_names() -> list[str]:
+    return [k.lower() for k in TABLE3] + list(EXTRA_SHAPES)
+
+
+def preset_shape(name: str) -> ModelShape:
+    """The ModelShape of a preset (case-insensitive: 22b, 175b, 530b, 1t, gpt2-xl, ...)."""
+    key = name.lower()
+    for paper_name, setup in TABLE3.items():
+        if paper_name.lower() == key:
+            return setup.shape
+    if key in EXTRA_SHAPES:
+        return EXTRA_SHAPES[key]
+    raise AnalysisError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
+
+
+def preset_setup(name: str) -> PaperSetup | None:
+    """The Table 3 set-up of a paper preset, None for the extra shapes."""
+    for paper_name, setup in TABLE3.items():
+        if paper_name.lower() == name.lower():
+            return setup
+    return None
+
+# Table 4: one 22B layer, measured (forward ms, backward ms).
+TABLE4_22B_LAYER_MS: dict[str, tuple[float, float]] = {
+    "baseline": (7.7, 11.9), "sp": (7.2, 11.8), "full": (7.7, 19.5), "selective": (7.7, 13.2),
+    "selective_sp": (7.2, 13.1),
+}

@@ -1,0 +1,157 @@
+"""Memory of one pipeline rank (one tp rank of it): model states + activations, per term.
+
+Activations: the rank's in-flight chunk-microbatches (``schedule.in_flight_chunks``) times the
+bytes one chunk keeps under the recompute plan (Table 2 per layer, Sec. 5 for full uniform/block),
+App. C kept microbatches, the Sec. 4.3 terms outside the layers, App. B pipeline outputs, and the
+transient working set that recomputation rebuilds during backward. On rank 0 with n >= p and
+m = 1 the layer term is Eq. 5 (Eq. 6 with selective recompute).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from seqpar.analysis.memory import layer_activation_bytes
+from seqpar.analysis.schedule import first_chunk_in_flight, in_flight_chunks
+from seqpar.analysis.shapes import (
+    ActivationOptions,
+    AnalysisError,
+    ModelShape,
+    OptimizerOptions,
+    Parallelism,
+    Recompute,
+)
+from seqpar.analysis.states import stage_parameters, state_bytes
+
+STATE_TERMS = ("parameters", "gradients", "optimizer_states")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one tp rank of pipeline rank ``rank``, one entry per term."""
+
+    rank: int
+    in_flight: int  # chunk-microbatches alive at the peak
+    terms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def states(self) -> float:
+        return sum(v for k, v in self.terms.items() if k in STATE_TERMS)
+
+    @property
+    def activations(self) -> float:
+        return self.total - self.states
+
+
+def layer_bytes(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOptions,
+                recompute: str) -> float:
+    """Table 2 bytes of one layer of this model on one tp rank."""
+    return layer_activation_bytes(shape.seq, b, shape.hidden, shape.heads, par.tp, sp=par.sp,
+                                  recompute=recompute, ffn=shape.f, act_bytes=opts.act_bytes,
+                                  mask_bytes=opts.mask_bytes, dropout=opts.dropout,
+                                  ln_stats_bytes=opts.ln_stats_bytes,
+                                  fused_attention=opts.fused_attention)
+
+
+def chunk_bytes(shape: ModelShape, par: Parallelism, rc: Recompute, b: int,
+                opts: ActivationOptions) -> float:
+    """Bytes one chunk-microbatch (L/(pm) layers) keeps under ``rc``'s granularity (Sec. 5)."""
+    n_layers = par.layers_per_chunk(shape)
+    if rc.granularity in ("none", "selective"):
+        return n_layers * layer_bytes(shape, par, b, opts, rc.granularity)
+    checkpoint = layer_bytes(shape, par, b, opts, "full")  # one layer input
+    if rc.method == "uniform":  # each group of N layers keeps its input
+        return math.ceil(n_layers / rc.num_layers) * checkpoint
+    kept = n_layers - rc.num_layers  # block: the first N layers checkpointed, the rest keep all
+    return rc.num_layers * checkpoint + kept * layer_bytes(shape, par, b, opts, "none")
+
+
+def recompute_working_bytes(shape: ModelShape, par: Parallelism, rc: Recompute, b: int,
+                            opts: ActivationOptions) -> float:
+    """Transient bytes recomputation rebuilds in backward for one chunk-microbatch at a time."""
+    full_layer = layer_bytes(shape, par, b, opts, "none")
+    if rc.granularity == "selective":
+        return full_layer - layer_bytes(shape, par, b, opts, "selective")
+    if rc.granularity == "full":
+        return (rc.num_layers if rc.method == "uniform" else 1) * full_layer
+    return 0.0
+
+
+def sec43_extra_terms(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOptions,
+                      rank: int, n: int | None) -> dict[str, float]:
+    """Sec. 4.3: activations outside the layers. Rank 0: embedding-dropout mask for its p in-flight
+    microbatches. Last rank (one microbatch in flight at the head): final-LN input, output-layer
+    input (sequence-sharded under SP) and the fp32 logits (vocabulary-parallel)."""
+    s, h, t, p = shape.seq, shape.hidden, par.tp, par.pp
+    rep = t if par.sp else 1
+    terms: dict[str, float] = {}
+    if rank == 0 and opts.dropout:
+        terms["embedding_dropout_mask"] = opts.mask_bytes * s * b * h / rep * first_chunk_in_flight(p, n)
+    if rank == p - 1:
+        terms["final_ln_input"] = opts.act_bytes * s * b * h / rep
+        terms["output_layer_input"] = opts.act_bytes * s * b * h / rep
+        terms["logits"] = opts.logits_bytes * s * b * shape.vocab / t
+    return terms
+
+
+def sec43_extra_bytes_paper(shape: ModelShape, t: int, p: int, b: int) -> float:
+    """The paper's Sec. 4.3 closed form for rank 0 (TP + SP): sbhL/t (p/L + d(p=1)(4/L)(1 + v/h))."""
+    s, h, n_layers, v = shape.seq, shape.hidden, shape.layers, shape.vocab
+    head = 4 / n_layers * (1 + v / h) if p == 1 else 0.0
+    return s * b * h * n_layers / t * (p / n_layers + head)
+
+
+def pipeline_output_bytes(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOptions,
+                          rank: int, in_flight: int) -> float:
+    """App. B: each sent stage output whose data is kept (only when App. B's freeing is off)."""
+    if opts.free_pipeline_outputs or par.pp == 1:
+        return 0.0
+    if rank < par.pp - 1:
+        sent = in_flight
+    elif par.interleave > 1:
+        sent = max(0, in_flight - 1)  # every chunk but the model's last one sends its output
+    else:
+        sent = 0
+    return opts.act_bytes * shape.seq * b * shape.hidden / (par.tp if par.sp else 1) * sent
+
+
+def stage_memory(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, n: int | None = None,
+                 opts: ActivationOptions | None = None, opt: OptimizerOptions | None = None,
+                 rank: int = 0) -> StageMemory:
+    """Every term on one tp rank of pipeline rank ``rank``; ``n`` microbatches per iteration."""
+    opts = opts or ActivationOptions()
+    opt = opt or OptimizerOptions()
+    shape.validate()
+    par.validate(shape)
+    rc.validate(par.layers_per_chunk(shape))
+    if b < 1:
+        raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
+    r = in_flight_chunks(rank, par.pp, par.interleave, n)
+    kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
+    terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp)
+    terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts)
+    if kept:
+        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, Recompute(), b, opts)
+    terms.update(sec43_extra_terms(shape, par, b, opts, rank, n))
+    if not opts.free_pipeline_outputs and par.pp > 1:
+        terms["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, r)
+    if r > kept and rc.granularity != "none":
+        terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts)
+    return StageMemory(rank=rank, in_flight=r, terms=terms)
+
+
+def all_stages(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, n: int | None = None,
+               opts: ActivationOptions | None = None,
+               opt: OptimizerOptions | None = None) -> list[StageMemory]:
+    """``stage_memory`` for every pipeline rank."""
+    return [stage_memory(shape, par, rc, b, n, opts, opt, rank) for rank in range(par.pp)]
+
+
+def most_loaded(stages: list[StageMemory]) -> StageMemory:
+    """The rank whose total is largest (the one that decides whether a plan fits)."""
+    return max(stages, key=lambda m: m.total)

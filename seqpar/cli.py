@@ -10,6 +10,8 @@ import sys
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "memory": ("seqpar.commands.memory", "activation bytes per layer: formula and measurement"),
+    "plan": ("seqpar.commands.plan", "which parallel layout, recompute and microbatch fits and runs fastest"),
+    "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
 }
 
 

@@ -227,16 +227,20 @@ def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evalu
     return ranked
 
 
-def search(req: Request) -> list[Evaluation]:
-    """All fitting plans, fastest first (``rank_plans``)."""
+def search(req: Request, stats: dict | None = None) -> list[Evaluation]:
+    """All fitting plans, fastest first (``rank_plans``); ``stats`` gets the counts examined."""
     req.shape.validate()
+    stats = {} if stats is None else stats
+    stats.update(examined=0, states_too_big=0)
     found: list[Evaluation] = []
     for base in layouts(req):
         states = stage_memory(req.shape, base.par, Recompute("full"), base.micro_batch,
                               num_microbatches(req, base), req.opts, _opt(req, base)).states
         if states > req.hw.usable_bytes:
-            continue  # parameters + optimizer alone do not fit
+            stats["states_too_big"] += 1  # parameters + optimizer alone do not fit
+            continue
         for rc in recompute_options(req, base):
+            stats["examined"] += 1
             ev = evaluate(req, replace(base, rc=rc))
             if ev.fits:
                 found.append(ev)

@@ -9,13 +9,13 @@ def gb(nbytes: float, digits: int = 1) -> str:
     return f"{nbytes / GB:.{digits}f}"
 
 
-def table(headers: list[str], rows: list[list], align_left: int = 1) -> str:
-    """Columns padded to their widest cell; the first ``align_left`` columns left-aligned."""
+def table(headers: list[str], rows: list[list], left: tuple[int, ...] = (0,)) -> str:
+    """Columns padded to their widest cell; columns in ``left`` left-aligned, the rest right-aligned."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < align_left else c.rjust(w)
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
                          for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
 
     rule = "  ".join("-" * w for w in widths)

@@ -1,0 +1,105 @@
+"""The human-readable `seqpar plan` report and `--explain` text."""
+
+from __future__ import annotations
+
+from seqpar.analysis.planner import Evaluation, Request, alternatives, num_microbatches, rank_of
+from seqpar.analysis.stage import STATE_TERMS, StageMemory
+from seqpar.analysis.text import gb, table
+
+
+def header(req: Request) -> str:
+    sh, hw = req.shape, req.hw
+    return (f"model {sh.name}: L={sh.layers} h={sh.hidden} a={sh.heads} s={sh.seq} v={sh.vocab} f={sh.f}; "
+            f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {gb(hw.memory_bytes)} GB, usable "
+            f"{gb(hw.usable_bytes)} GB ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
+            f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.0f} "
+            f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.0f} / "
+            f"{hw.inter_node_bw / 1e9:.0f} GB/s intra / inter node")
+
+
+def memory_terms(stage: StageMemory) -> str:
+    rows = [[k, gb(v, 2)] for k, v in stage.terms.items()]
+    rows.append(["total", gb(stage.total, 2)])
+    return table([f"rank {stage.rank} ({stage.in_flight} chunk-microbatches in flight)", "GB"], rows)
+
+
+def time_terms(ev: Evaluation) -> str:
+    rows = [[k, f"{v:.2f}"] for k, v in ev.time.terms.items()]
+    rows.append(["iteration", f"{ev.time.total:.2f}"])
+    return table([f"time (slowest rank {ev.time.slowest_rank})", "s"], rows)
+
+
+def plans_table(ranked: list[Evaluation], top: int) -> str:
+    rows = [[i + 1, ev.plan.label, f"{gb(ev.memory_bytes)} (rank {ev.peak.rank})", f"{ev.time.total:.2f}",
+             f"{100 * ev.mfu:.1f}%"] for i, ev in enumerate(ranked[:top])]
+    return table(["#", "plan", "GB most loaded", "iteration s", "MFU"], rows, left=(0, 1))
+
+
+def _verdict(ev: Evaluation, best: Evaluation | None) -> str:
+    if ev.error:
+        return f"invalid: {ev.error}"
+    peak = ev.peak
+    if not ev.fits:
+        return (f"does not fit: rank {peak.rank} needs {gb(peak.total)} GB > {gb(ev.usable_bytes)} GB usable "
+                f"(states {gb(peak.states)} + activations {gb(peak.activations)})")
+    if best is not None and ev.plan != best.plan:
+        slower = 100 * (ev.time.total / best.time.total - 1)
+        return f"fits ({gb(peak.total)} GB) but {slower:+.1f}% iteration time vs the best"
+    return f"fits ({gb(peak.total)} GB): this is the best plan"
+
+
+def why_not(req: Request, best: Evaluation) -> str:
+    """The paper's techniques at the best plan's layout, each with why it is (not) chosen."""
+    rows = []
+    for name, ev in alternatives(req, best.plan).items():
+        time = f"{ev.time.total:.2f}" if ev.time else "-"
+        rows.append([name, gb(ev.memory_bytes) if ev.stages else "-", time, _verdict(ev, best)])
+    return table(["technique at the best layout", "GB", "iteration s", "verdict"], rows, left=(0, 3))
+
+
+def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -> str:
+    parts = [header(req)]
+    if not ranked:
+        parts.append(f"no plan fits: {stats.get('examined', 0)} examined, {stats.get('states_too_big', 0)} "
+                     "layouts rejected because parameters + optimizer alone exceed the usable memory")
+        return "\n\n".join(parts)
+    best = ranked[0]
+    parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined; "
+                 f"{stats.get('states_too_big', 0)} layouts dropped because the model states alone exceed "
+                 "the usable memory). Fastest first (times within 1% tie; less memory wins):\n"
+                 + plans_table(ranked, top))
+    parts.append(f"best: {best.plan.label}, {num_microbatches(req, best.plan)} microbatches of "
+                 f"{best.plan.micro_batch}, predicted {best.time.total:.2f} s/iteration, MFU "
+                 f"{100 * best.mfu:.1f}%\n" + memory_terms(best.peak) + "\n\n" + time_terms(best))
+    parts.append(why_not(req, best))
+    return "\n\n".join(parts)
+
+
+def _stage_rows(stages: list[StageMemory], usable: float) -> list[list]:
+    rows = []
+    for st in stages:
+        layer = st.terms.get("layer_activations", 0.0) + st.terms.get("kept_microbatches", 0.0)
+        other = st.activations - layer
+        rows.append([st.rank, st.in_flight] + [gb(st.terms[k], 2) for k in STATE_TERMS]
+                    + [gb(layer, 2), gb(other, 2), gb(st.total, 2), "yes" if st.total <= usable else "NO"])
+    return rows
+
+
+def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> str:
+    parts = [header(req), f"plan {ev.plan.label}"]
+    if ev.error:
+        parts.append(f"rejected: {ev.error}")
+        return "\n\n".join(parts)
+    n = num_microbatches(req, ev.plan)
+    parts.append(f"{n} microbatches of {ev.plan.micro_batch} per iteration; memory per pipeline rank (GB):\n"
+                 + table(["rank", "in flight", "params", "grads", "optimizer", "layer acts", "other acts",
+                          "total", "fits"], _stage_rows(ev.stages, req.hw.usable_bytes)))
+    parts.append("most loaded rank, per term:\n" + memory_terms(ev.peak))
+    best = ranked[0] if ranked else None
+    parts.append(("" if ev.fits else "rejected: ") + _verdict(ev, best))
+    parts.append(time_terms(ev) + f"\npredicted MFU {100 * ev.mfu:.1f}%")
+    position = rank_of(ev, ranked)
+    if position is not None:
+        parts.append(f"rank {position} of {len(ranked) + (0 if ev.plan in [e.plan for e in ranked] else 1)} "
+                     f"fitting plans" + (f" (best: {best.plan.label}, {best.time.total:.2f} s)" if best else ""))
+    return "\n\n".join(parts)

@@ -1,0 +1,36 @@
+"""`seqpar paper`: the paper's Table 2, Figures 1 and 7, Table 5 MFU/HFU and the Sec. 5 numbers,
+recomputed from seqpar's own memory and FLOPs model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help='print one object {"table2", "figure7", "figure1", "table5"}')
+    p.add_argument("--plot", type=Path, metavar="DIR", help="write figure1.png and figure7.png into DIR")
+
+
+def run(args) -> int:
+    from seqpar.analysis import paper, paper_report
+    from seqpar.analysis.shapes import AnalysisError
+
+    if args.json:
+        print(json.dumps(paper.reproduce()))
+    else:
+        print(paper_report.render())
+    if args.plot:
+        try:
+            from seqpar.analysis import plots
+
+            args.plot.mkdir(parents=True, exist_ok=True)
+            for path in (plots.figure1(args.plot / "figure1.png"), plots.figure7(args.plot / "figure7.png")):
+                print(f"wrote {path}", file=sys.stderr)
+        except AnalysisError as err:
+            print(f"seqpar paper: {err}", file=sys.stderr)
+            return 2
+    return 0

@@ -1,0 +1,128 @@
+"""`seqpar plan`: which tp / pp / dp / interleave / SP / recompute / microbatch fits and runs fastest
+(analytic memory and cost model, seqpar.analysis; no torch needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model: a preset, or dimensions (which also override a preset's)")
+    g.add_argument("--model", help="preset: 22b, 175b, 530b, 1t (Table 3), gpt2-medium, gpt2-xl, gpt3-6.7b, gpt3-13b")
+    g.add_argument("--layers", type=int, help="L")
+    g.add_argument("--hidden", type=int, help="h")
+    g.add_argument("--heads", type=int, help="a")
+    g.add_argument("--seq", type=int, help="s")
+    g.add_argument("--vocab", type=int, help="v")
+    g.add_argument("--ffn", type=int, help="FFN width f (default 4h)")
+    g = p.add_argument_group("machine")
+    g.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="(default %(default)s); tp stays within a node")
+    g.add_argument("--gpu-memory", type=float, default=80, help="GB per GPU (default %(default)s)")
+    g.add_argument("--gpu", default="a100", help="accelerator for the peak FLOP/s (default %(default)s)")
+    g.add_argument("--peak-tflops", type=float, help="peak dense 16-bit TFLOP/s per GPU (overrides --gpu)")
+    g.add_argument("--gemm-efficiency", type=float, default=0.65,
+                   help="fraction of peak the GEMMs reach (default %(default)s)")
+    g.add_argument("--intra-node-gbps", type=float, default=300, help="GB/s per GPU in a node (default %(default)s)")
+    g.add_argument("--inter-node-gbps", type=float, default=25, help="GB/s per GPU across nodes (default %(default)s)")
+    g.add_argument("--reserve", type=float, default=0.10,
+                   help="fraction of memory kept free for fragmentation and workspaces (default %(default)s)")
+    g = p.add_argument_group("training")
+    g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
+    g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
+    g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    g.add_argument("--no-dropout", action="store_true", help="no dropout: no masks (Sec. 4.1 terms vanish)")
+    g.add_argument("--fused-attention", action="store_true", help="flash-style attention: no s^2 tensors kept")
+    g.add_argument("--keep-pipeline-outputs", action="store_true",
+                   help="do not free sent stage outputs (App. B off)")
+    g = p.add_argument_group("output")
+    g.add_argument("--top", type=int, default=8, help="plans listed (default %(default)s)")
+    g.add_argument("--json", action="store_true", help='print {"best": PLAN, "plans": [PLAN, ...]}')
+    g.add_argument("--plot", type=Path, metavar="FILE", help="PNG of the best plans' memory")
+    g.add_argument("--explain", metavar="PLAN",
+                   help='e.g. "tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1": memory per stage, time, rank')
+
+
+def _shape(args):
+    from seqpar.analysis.presets import preset_shape
+    from seqpar.analysis.shapes import AnalysisError, ModelShape
+
+    dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn")}
+    if args.model:
+        base = preset_shape(args.model)
+        given = {k: v for k, v in dims.items() if v is not None}
+        fields = {"layers": base.layers, "hidden": base.hidden, "heads": base.heads, "seq": base.seq,
+                  "vocab": base.vocab, "ffn": base.ffn} | given
+        return ModelShape(**fields, name=base.name + ("*" if given else "")).validate()
+    missing = [k for k in ("layers", "hidden", "heads", "seq", "vocab") if dims[k] is None]
+    if missing:
+        raise AnalysisError(f"give --model or all of --layers --hidden --heads --seq --vocab (missing: "
+                            f"{', '.join('--' + m for m in missing)})")
+    return ModelShape(**dims).validate()
+
+
+def request_from_args(args):
+    from seqpar.analysis.costmodel import Hardware
+    from seqpar.analysis.hardware import peak_flops
+    from seqpar.analysis.planner import Request
+    from seqpar.analysis.presets import preset_setup
+    from seqpar.analysis.shapes import ActivationOptions, AnalysisError
+
+    shape = _shape(args)
+    batch = args.global_batch
+    if batch is None:
+        setup = preset_setup(args.model) if args.model else None
+        if setup is None:
+            raise AnalysisError("give --global-batch (only the Table 3 presets have a default)")
+        batch = setup.global_batch
+    for name, value in (("gpus", args.gpus), ("gpus-per-node", args.gpus_per_node), ("global-batch", batch)):
+        if value < 1:
+            raise AnalysisError(f"--{name} must be positive, got {value}")
+    if not 0 <= args.reserve < 1 or not 0 < args.gemm_efficiency <= 1:
+        raise AnalysisError(f"--reserve {args.reserve} must be in [0, 1) and --gemm-efficiency "
+                            f"{args.gemm_efficiency} in (0, 1]")
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(args.gpu)
+    hw = Hardware(gpus_per_node=args.gpus_per_node, memory_bytes=args.gpu_memory * 1e9, peak_flops=peak,
+                  gemm_efficiency=args.gemm_efficiency, intra_node_bw=args.intra_node_gbps * 1e9,
+                  inter_node_bw=args.inter_node_gbps * 1e9, reserve_fraction=args.reserve)
+    opts = ActivationOptions(dropout=not args.no_dropout, fused_attention=args.fused_attention,
+                             free_pipeline_outputs=not args.keep_pipeline_outputs)
+    return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
+                   try_distributed_optimizer=args.distributed_optimizer, max_micro_batch=args.max_micro_batch)
+
+
+def run(args) -> int:
+    from seqpar.analysis import plan_report, planner
+    from seqpar.analysis.shapes import AnalysisError
+
+    try:
+        req = request_from_args(args)
+        explain = planner.parse_plan(args.explain, args.gpus) if args.explain else None
+        stats: dict = {}
+        ranked = planner.search(req, stats)
+        if explain is not None:
+            ev = planner.evaluate(req, explain, every_rank=True)
+            if args.json:
+                print(json.dumps({"plan": ev.to_json(), "rank": planner.rank_of(ev, ranked),
+                                  "stages": [{"rank": s.rank, "in_flight": s.in_flight, "terms": s.terms,
+                                              "total": s.total} for s in ev.stages]}))
+            else:
+                print(plan_report.render_explain(req, ev, ranked))
+            return 0
+        if args.json:
+            print(json.dumps({"best": ranked[0].to_json() if ranked else None,
+                              "plans": [ev.to_json() for ev in ranked]}))
+        else:
+            print(plan_report.render_plan(req, ranked, stats, args.top))
+        if args.plot and ranked:
+            from seqpar.analysis.plots import plan_memory
+
+            path = plan_memory(args.plot, ranked[:args.top], req.hw.usable_bytes, req.hw.memory_bytes)
+            print(f"wrote {path}", file=sys.stderr)
+        return 0 if ranked else 1
+    except AnalysisError as err:
+        print(f"seqpar plan: {err}", file=sys.stderr)
+        return 2

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from seqpar.parallel.dims import group_size
 
-
 # ---------------------------------------------------------------- raw collectives (device from tensor)
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

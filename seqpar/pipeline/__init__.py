@@ -1,0 +1,12 @@
+"""Pipeline parallelism (Sec. 4.2.3, 4.3, App. B, C): stage split, p2p, schedules, gradient sync.
+
+    chunks = build_stages(cfg, parallel, recompute, dims, seed)
+    loss = forward_backward(chunks, microbatches, dims, parallel)   # local mean over microbatches
+    finalize_grads(chunks, dims, parallel)                          # SP, tied weights, dp average
+"""
+
+from seqpar.pipeline.build import build_stages
+from seqpar.pipeline.grads import finalize_grads
+from seqpar.pipeline.schedules import forward_backward
+
+__all__ = ["build_stages", "finalize_grads", "forward_backward"]

@@ -1,0 +1,65 @@
+"""Peak activation bytes held by one rank over a whole pipeline step (Sec. 4.2.3, 4.3, App. B).
+
+Unlike ``seqpar.analysis.measure.SavedTensorMeter`` (what ONE forward saves), this tracks what is
+LIVE over time: a storage is counted when autograd saves it during a forward step (or when the
+schedule keeps a stage output for its backward, ``hold``) and stops counting when the storage is
+freed -- after its backward, or when App. B frees a sent output. Storages are de-duplicated (Q, K, V
+are views of one QKV output; a linear keeps its input reshaped) and parameters are excluded.
+Memory only grows when something is counted, so checking the total there gives the exact peak.
+
+Only forward-time saves count: the transient working set that recomputation rebuilds during a
+backward is not an activation held across the schedule (it is the same for any number of
+microbatches in flight) and is left out, as the paper's Eq. 5/6 leave it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+class ScheduleMeter:
+    """Live saved-activation bytes of this rank, and their peak."""
+
+    def __init__(self, modules):
+        self._exclude = {t.untyped_storage().data_ptr() for mod in modules
+                         for t in [*mod.parameters(), *mod.buffers()]}
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak_bytes = 0
+        self.current_bytes = 0
+
+    def _prune(self) -> None:
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            self.current_bytes -= self._live.pop(key)[1]
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._exclude or storage.nbytes() == 0:
+            return
+        self._prune()  # a freed storage's address may be reused: forget the dead ones first
+        if key in self._live:
+            return
+        self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.current_bytes += storage.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def _pack(self, t: torch.Tensor):
+        self._count(t)
+        return t
+
+    def hold(self, t: torch.Tensor) -> None:
+        """The schedule keeps ``t`` (a stage output) until its backward: count it while it lives."""
+        self._count(t)
+
+    @contextlib.contextmanager
+    def forward(self):
+        """Count what autograd saves inside this block (one chunk-microbatch forward)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+
+    def live_bytes(self) -> int:
+        self._prune()
+        return self.current_bytes

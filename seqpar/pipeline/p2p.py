@@ -1,0 +1,65 @@
+"""Point-to-point exchange between neighbouring pipeline ranks (Sec. 4.2.3), gloo or NCCL.
+
+Every exchange is one ``torch.distributed.batch_isend_irecv`` call and waits for all of its
+operations, sends included, so a sent tensor may be freed afterwards (App. B). The ranks form a
+ring (rank p-1's next is rank 0) for the interleaved schedule. Operations are posted in one fixed
+order -- sends before receives, activations (tag 0) before gradients (tag 1) -- so that with
+p = 2, where the previous and the next rank are the same process, messages still pair up.
+
+Under sequence parallelism the activations crossing a stage boundary are the sequence shards
+``[s/t, b, h]``; without it ``[s, b, h]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from seqpar.parallel.dims import ParallelDims
+
+ACTIVATION, GRADIENT = 0, 1
+
+
+@dataclass
+class PipeComm:
+    """This rank's pipeline neighbours and the shape/dtype/device of boundary tensors."""
+
+    dims: ParallelDims
+    shape: tuple[int, ...]  # [s(/t), b, h]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def next_rank(self) -> int:
+        return self.dims.pp_ranks[(self.dims.pp_rank + 1) % self.dims.pp]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.dims.pp_ranks[(self.dims.pp_rank - 1) % self.dims.pp]
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+                 recv_prev: bool = False, recv_next: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Send an activation forward and/or a gradient backward; receive an activation from the
+        previous rank and/or a gradient from the next. Returns ``(from_prev, from_next)``."""
+        group = self.dims.pp_group
+        ops, from_prev, from_next = [], None, None
+        if send_next is not None:
+            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next_rank, group, ACTIVATION))
+        if send_prev is not None:
+            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev_rank, group, GRADIENT))
+        if recv_prev:
+            from_prev = self._empty()  # [s(/t), b, h]
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, group, ACTIVATION))
+        if recv_next:
+            from_next = self._empty()  # [s(/t), b, h]
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, group, GRADIENT))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return from_prev, from_next

@@ -1,0 +1,70 @@
+"""No pipelining and 1F1B (PipeDream-Flush), Sec. 4.2.3.
+
+1F1B on pipeline rank S of p with n microbatches: min(p - S - 1, n) warm-up forwards, then
+alternately one forward and one backward, then the remaining backwards. Rank S therefore holds at
+most p - S microbatches of its L/p layers; the first rank holds p of them, L layers' worth (Eq. 5).
+"""
+
+from __future__ import annotations
+
+from seqpar.pipeline.p2p import PipeComm
+from seqpar.pipeline.step import StepRunner, as_input
+
+
+def run_no_pipelining(runner: StepRunner) -> None:
+    """p = 1: gradient accumulation, one microbatch after the other."""
+    for mb in range(runner.num_microbatches):
+        out = runner.forward(0, mb, None)
+        runner.backward(0, mb, None, out, None)
+
+
+def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
+    """One chunk per rank, p > 1."""
+    dims, n = comm.dims, runner.num_microbatches
+    first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
+    warmup = min(dims.pp - dims.pp_rank - 1, n)
+    steady = n - warmup
+    inputs, outputs = [], []  # per in-flight microbatch, oldest first
+    fwd_mb = bwd_mb = 0
+
+    def recv_forward():
+        return None if first else as_input(comm.exchange(recv_prev=True)[0])
+
+    def send_forward(out):
+        if not last:
+            comm.exchange(send_next=out)
+
+    for _ in range(warmup):
+        x = recv_forward()
+        out = runner.forward(0, fwd_mb, x)
+        send_forward(out)
+        runner.release_output(0, out)
+        inputs.append(x)
+        outputs.append(out)
+        fwd_mb += 1
+
+    x = recv_forward() if steady > 0 else None
+    for i in range(steady):
+        out = runner.forward(0, fwd_mb, x)
+        fwd_mb += 1
+        grad = None if last else comm.exchange(send_next=out, recv_next=True)[1]
+        runner.release_output(0, out)
+        inputs.append(x)
+        outputs.append(out)
+        x_done, out_done = inputs.pop(0), outputs.pop(0)
+        dx = runner.backward(0, bwd_mb, x_done, out_done, grad)
+        bwd_mb += 1
+        if i == steady - 1:
+            x = None
+            if not first:
+                comm.exchange(send_prev=dx)
+        else:
+            x = None if first else as_input(comm.exchange(send_prev=dx, recv_prev=True)[0])
+
+    for _ in range(warmup):
+        x_done, out_done = inputs.pop(0), outputs.pop(0)
+        grad = None if last else comm.exchange(recv_next=True)[1]
+        dx = runner.backward(0, bwd_mb, x_done, out_done, grad)
+        bwd_mb += 1
+        if not first:
+            comm.exchange(send_prev=dx)

@@ -1,0 +1,68 @@
+"""``forward_backward``: run every microbatch of a step with the configured schedule.
+
+No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3). Gradients
+accumulate into the parameters as the gradient of the MEAN over this rank's microbatches of each
+microbatch's mean loss; with data parallelism each dp rank runs its own microbatches and
+``finalize_grads`` averages over dp, so the result is the gradient of the mean over all dp ranks'
+microbatches. The returned loss is this dp rank's local mean (all-reduce it over dp to log the
+global one); every pipeline rank returns it (broadcast from the last stage).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from seqpar.config import ConfigError, ParallelConfig
+from seqpar.parallel.dims import ParallelDims
+from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
+from seqpar.pipeline.p2p import PipeComm
+from seqpar.pipeline.schedule_1f1b import run_1f1b, run_no_pipelining
+from seqpar.pipeline.schedule_interleaved import run_interleaved
+from seqpar.pipeline.split import validate_microbatches
+from seqpar.pipeline.step import StepRunner
+
+
+def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
+    """Shape of the activation crossing a stage boundary: ``[s/t, b, h]`` under SP, else ``[s, b, h]``."""
+    b, s = tokens.shape
+    t = dist.get_world_size(chunk.group) if chunk.sp else 1
+    return (s // t, b, chunk.cfg.hidden_size)
+
+
+def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
+                     free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
+                     meter=None) -> float:
+    """Forward and backward of every microbatch; returns the mean loss over them (every pp rank).
+
+    ``microbatches``: [(tokens [b, s], labels [b, s])], the same list on every pp/tp rank of a
+    pipeline (only the first stage reads tokens, only the last labels).
+    ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
+    chunk-microbatches that store every activation instead of recomputing.
+    ``meter``: an optional ``seqpar.pipeline.meter.ScheduleMeter`` recording the activation peak.
+    """
+    m = parallel.interleave
+    if len(chunks) != m:
+        raise ConfigError(f"{len(chunks)} model chunks on this rank, interleave {m} needs {m}")
+    validate_microbatches(len(microbatches), parallel.pp, m)
+    k = keep_for_rank(keep_microbatches, dims.pp_rank, dims.pp)
+    runner = StepRunner(chunks, list(microbatches), free_outputs=free_outputs,
+                        keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter)
+    device = next(chunks[0].parameters()).device
+    if dims.pp == 1:
+        run_no_pipelining(runner)
+    else:
+        comm = PipeComm(dims, boundary_shape(chunks[0], microbatches[0][0]), chunks[0].cfg.torch_dtype, device)
+        if m == 1:
+            run_1f1b(runner, comm)
+        else:
+            run_interleaved(runner, comm, m)
+    return broadcast_loss(runner.mean_loss(), dims, device)
+
+
+def broadcast_loss(loss: float | None, dims: ParallelDims, device) -> float:
+    """The last pipeline rank's loss, on every rank of the pipeline."""
+    value = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64, device=device)
+    if dims.pp > 1:
+        dist.broadcast(value, src=dims.pp_ranks[-1], group=dims.pp_group)
+    return float(value.item())

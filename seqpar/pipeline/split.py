@@ -1,0 +1,53 @@
+"""Stage split (Sec. 4.2.3): which global layers each pipeline rank and virtual chunk holds.
+
+With p pipeline ranks and m chunks per rank (interleaved schedule) the model is cut into p·m
+*virtual stages* in order; virtual stage ``c·p + r`` is chunk ``c`` of rank ``r`` (Megatron's
+layout), so a microbatch visits rank 0, 1, ..., p-1, then rank 0 again for chunk 1, and so on.
+The embedding lives in virtual stage 0, the final LN, output layer and loss in virtual stage p·m-1.
+"""
+
+from __future__ import annotations
+
+from seqpar.config import ConfigError
+
+
+def virtual_stage(rank: int, chunk: int, pp: int) -> int:
+    """Index of chunk ``chunk`` of pipeline rank ``rank`` in the model's order."""
+    return chunk * pp + rank
+
+
+def layer_counts(num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None) -> list[int]:
+    """Layers per virtual stage: even by default, or the explicit uneven ``counts`` (validated)."""
+    stages = pp * interleave
+    if counts is None:
+        if num_layers % stages:
+            raise ConfigError(f"layers {num_layers} are not divisible by pp {pp} × interleave {interleave} "
+                              f"= {stages}; pass an explicit uneven split")
+        return [num_layers // stages] * stages
+    counts = list(counts)
+    if len(counts) != stages:
+        raise ConfigError(f"uneven split has {len(counts)} entries, pp {pp} × interleave {interleave} "
+                          f"needs {stages}")
+    if any(not isinstance(c, int) or c < 0 for c in counts):
+        raise ConfigError(f"uneven split {counts} must hold non-negative integers")
+    if sum(counts) != num_layers:
+        raise ConfigError(f"uneven split {counts} sums to {sum(counts)}, the model has {num_layers} layers")
+    return counts
+
+
+def stage_layers(num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None
+                 ) -> list[list[list[int]]]:
+    """``result[rank][chunk]`` = the global layer indices of that chunk, in order."""
+    sizes = layer_counts(num_layers, pp, interleave, counts)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [[list(range(starts[virtual_stage(r, c, pp)], starts[virtual_stage(r, c, pp)]
+                        + sizes[virtual_stage(r, c, pp)])) for c in range(interleave)] for r in range(pp)]
+
+
+def validate_microbatches(n: int, pp: int, interleave: int = 1) -> None:
+    """The interleaved schedule runs microbatches in groups of p (Megatron's rule): n % p == 0."""
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"microbatch count must be a positive integer, got {n!r}")
+    if interleave > 1 and n % pp:
+        raise ConfigError(f"the interleaved schedule needs the microbatch count {n} to be a multiple of "
+                          f"pp {pp}")

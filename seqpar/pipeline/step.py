@@ -1,0 +1,87 @@
+"""One chunk-microbatch forward or backward: the unit every schedule is built from.
+
+``StepRunner.forward`` runs a model chunk on a microbatch (tokens on the first virtual stage, the
+received hidden state elsewhere); on the last virtual stage it returns the microbatch's mean loss
+divided by the number of microbatches, so that accumulated gradients are those of the MEAN over
+microbatches. ``StepRunner.backward`` back-propagates a chunk output and returns the gradient of
+the chunk input, to be sent to the previous stage.
+
+App. B: once a non-last chunk's output has been sent, ``release_output`` frees its data (the
+tensor keeps only its autograd node, a 1-element placeholder holds its place); ``backward`` then
+starts from the output's gradient edge, whose recorded shape is the original one.
+App. C: ``keep`` decides per microbatch whether its activations are all stored (recompute off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from seqpar.pipeline.keep import KeepPolicy
+
+
+@dataclass
+class StepRunner:
+    chunks: list  # this rank's GPTStage chunks, in chunk order
+    microbatches: list  # [(tokens [b, s], labels [b, s])]
+    free_outputs: bool = True  # App. B
+    keep: KeepPolicy | None = None  # App. C
+    meter: object = None  # seqpar.pipeline.meter.ScheduleMeter or None
+    losses: list = field(default_factory=list)  # unscaled microbatch losses (last virtual stage)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    def forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
+        """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state or the scaled loss."""
+        chunk = self.chunks[chunk_id]
+        tokens, labels = self.microbatches[mb]
+        x = tokens.to(self._device(chunk)) if chunk.first else input_tensor
+        keep = self.keep.start(chunk_id, mb) if self.keep is not None else contextlib.nullcontext()
+        record = self.meter.forward() if self.meter is not None else contextlib.nullcontext()
+        with keep, record:
+            if chunk.last:
+                loss = chunk(x, labels.to(self._device(chunk)))
+                self.losses.append(loss.detach())
+                return loss / self.num_microbatches
+            out = chunk(x)  # [s(/t), b, h]
+        if self.meter is not None:
+            self.meter.hold(out)  # the schedule keeps it until its backward
+        return out
+
+    def release_output(self, chunk_id: int, out: torch.Tensor | None) -> None:
+        """App. B: free the data of an output that has been sent (keep its autograd node)."""
+        if (not self.free_outputs or out is None or self.chunks[chunk_id].last or out.grad_fn is None
+                or out._base is not None):
+            return
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+
+    def backward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None, output: torch.Tensor,
+                 output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Back-propagate one chunk-microbatch; returns d(loss)/d(input) (None on the first stage)."""
+        if output_grad is None:  # the scaled loss of the last virtual stage
+            torch.autograd.backward(output)
+        else:
+            torch.autograd.backward(get_gradient_edge(output), output_grad)
+        if self.keep is not None:
+            self.keep.finish(chunk_id, mb)
+        return None if input_tensor is None else input_tensor.grad
+
+    @staticmethod
+    def _device(chunk) -> torch.device:
+        return next(chunk.parameters()).device
+
+    def mean_loss(self) -> float | None:
+        """Mean over microbatches of each microbatch's mean loss (last virtual stage only)."""
+        if not self.losses:
+            return None
+        return float(torch.stack(self.losses).float().mean())
+
+
+def as_input(received: torch.Tensor | None) -> torch.Tensor | None:
+    """A received activation becomes a leaf that collects its gradient."""
+    return None if received is None else received.requires_grad_(True)

@@ -1,0 +1,146 @@
+"""`seqpar train`: train a GPT with tensor/sequence/pipeline/data parallelism and recompute.
+
+Under ``torchrun`` every rank runs this verb; ``--nproc N`` starts N local ranks itself through
+PyTorch's own launcher (``torch.distributed.run``). The config is a TOML file (``--config``)
+overridden by flags; everything is validated before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from seqpar.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
+from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
+
+# flag dest -> (section, key)
+FLAG_KEYS = {
+    "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
+    "interleave": ("parallel", "interleave"),
+    "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
+    "recompute_layers": ("recompute", "num_layers"),
+    "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"), "heads": ("model", "num_heads"),
+    "seq": ("model", "seq_len"), "dtype": ("model", "dtype"),
+    "steps": ("train", "steps"), "lr": ("train", "lr"), "warmup": ("train", "warmup"),
+    "micro_batch": ("train", "micro_batch"), "global_batch": ("train", "global_batch"),
+    "seed": ("train", "seed"), "data": ("train", "data"), "tokenizer": ("train", "tokenizer"),
+    "out": ("train", "out_dir"), "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
+    "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
+    "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file with [model] [parallel] [recompute] [train] tables")
+    p.add_argument("--nproc", type=int, help="start this many local ranks (torch.distributed.run)")
+    p.add_argument("--resume", nargs="?", const="auto", default="",
+                   help="continue from a checkpoint folder (default: OUT's latest)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="any config value")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--dp", type=int, help="default: world / (tp × pp)")
+    g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
+    g.add_argument("--interleave", type=int, help="virtual pipeline chunks per rank")
+    g.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES)
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS)
+    g.add_argument("--recompute-layers", type=int)
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--seq", type=int)
+    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--warmup", type=int)
+    g.add_argument("--micro-batch", type=int)
+    g.add_argument("--global-batch", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--data", help="text file or folder, or a pre-tokenized .bin (default: the stdlib sources)")
+    g.add_argument("--tokenizer", help="a tokenizers JSON file")
+    g.add_argument("--out", help="output folder (metrics, checkpoints, plots)")
+    g.add_argument("--eval-every", type=int)
+    g.add_argument("--log-every", type=int)
+    g.add_argument("--save-every", type=int)
+    g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: probe/lookup)")
+    g.add_argument("--nonfinite", choices=["skip", "stop"])
+    g.add_argument("--sample-tokens", type=int, help="print a sample of this many tokens at the end")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def job_from_args(args, world_size: int) -> JobConfig:
+    """The validated job: TOML, then --set, then flags; dp defaults to world / (tp × pp)."""
+    sections = load_toml(args.config) if args.config else {}
+    overrides: dict[str, dict] = {}
+    for text in args.set:
+        section, key, value = parse_assignment(text)
+        overrides.setdefault(section, {})[key] = value
+    for dest, (section, key) in FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+    if args.no_progress:
+        overrides.setdefault("train", {})["progress"] = False
+    sections = merge(sections, overrides)
+    par = sections.setdefault("parallel", {})
+    if "dp" not in par:
+        tp, pp = par.get("tp", 1), par.get("pp", 1)
+        if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0 and world_size % (tp * pp) == 0:
+            par["dp"] = world_size // (tp * pp)
+    return build_job(sections).validate(world_size)
+
+
+def _launch(args, argv: list[str]) -> int:
+    """Re-run this command on ``--nproc`` local ranks through torch.distributed.run."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    launcher = get_args_parser().parse_args(
+        ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "0",
+         "-m", "seqpar", "train", *rest])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    try:
+        run(launcher)
+    except ChildFailedError as err:
+        failures = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in err.failures.values())
+        print(f"seqpar train: failed: {failures}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args) -> int:
+    under_launcher = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.nproc is not None and not under_launcher:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc must be a positive integer, got {args.nproc}")
+        job_from_args(args, args.nproc)  # every rule checked before any process starts
+        argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []
+        return _launch(args, argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    job = job_from_args(args, world)
+    from seqpar.train.loop import train
+    from seqpar.train.report import print_summary
+
+    t0 = time.perf_counter()
+    summary = train(job, resume=resume_path(args, job))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_summary(job, summary, time.perf_counter() - t0)
+    return 0
+
+
+def resume_path(args, job: JobConfig) -> str:
+    if not args.resume:
+        return ""
+    return job.train.out_dir if args.resume == "auto" else args.resume

@@ -1,0 +1,199 @@
+"""TrainConfig and the job's TOML file: ``[model]``, ``[parallel]``, ``[recompute]``, ``[train]``.
+
+Every value is type-checked and validated here, before any process group starts; errors name the
+key, the rule and the numbers (``global_batch 10 is not divisible by micro_batch 4 × dp 2 = 8``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
+
+NONFINITE_POLICIES = ("skip", "stop")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, data, logging and checkpointing of a run."""
+
+    steps: int = 300
+    lr: float = 3e-3  # peak learning rate, reached after ``warmup`` steps
+    min_lr: float = 3e-4  # end of the cosine decay
+    warmup: int = 20
+    weight_decay: float = 0.1  # on matrices only (not biases, LayerNorm)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
+    micro_batch: int = 8  # sequences per microbatch per data-parallel rank
+    global_batch: int = 16  # sequences per optimizer step over all data-parallel ranks
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 4
+    log_every: int = 10
+    save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    seed: int = 1234
+    data: str = ""  # empty: the Python standard library's own source files
+    tokenizer: str = ""  # optional tokenizers.json (needs the `tokenizers` package)
+    token_dtype: str = "uint16"  # for pre-tokenized .bin files
+    val_fraction: float = 0.05
+    out_dir: str = "runs/default"
+    peak_tflops: float = 0.0  # per device; 0: look it up on GPU, probe a GEMM on CPU
+    nonfinite: str = "skip"  # skip | stop
+    max_skipped: int = 20  # stop when this many steps in a row were skipped
+    sample_tokens: int = 0  # print a sample of this many tokens at the end (0: none)
+    sample_prompt: str = "def "
+    progress: bool = True
+
+    def microbatches(self, dp: int) -> int:
+        return self.global_batch // (self.micro_batch * dp)
+
+    def validate(self, dp: int = 1) -> TrainConfig:
+        _check_types(self)
+        for name in ("steps", "micro_batch", "global_batch", "eval_batches", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "save_every", "seed", "max_skipped", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
+            if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
+                raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.lr == 0:
+            raise ConfigError("train.lr must be positive, got 0")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr {self.min_lr} exceeds train.lr {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):
+            raise ConfigError(f"train.beta1 {self.beta1} and beta2 {self.beta2} must be in [0, 1), "
+                              f"eps {self.eps} positive")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"train.val_fraction must be in (0, 1), got {self.val_fraction}")
+        unit = self.micro_batch * dp
+        if self.global_batch % unit:
+            raise ConfigError(f"train.global_batch {self.global_batch} is not divisible by micro_batch "
+                              f"{self.micro_batch} × dp {dp} = {unit}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"train.nonfinite {self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}")
+        if self.token_dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"train.token_dtype {self.token_dtype!r} is not one of ['uint16', 'uint32']")
+        return self
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything one ``seqpar train`` run needs."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.run.model
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.run.parallel
+
+    @property
+    def recompute(self) -> RecomputeConfig:
+        return self.run.recompute
+
+    def validate(self, world_size: int | None = None) -> JobConfig:
+        self.run.validate(world_size)
+        self.train.validate(self.parallel.dp)
+        return self
+
+    def to_dict(self) -> dict:
+        return {"model": dataclasses.asdict(self.model), "parallel": dataclasses.asdict(self.parallel),
+                "recompute": dataclasses.asdict(self.recompute), "train": dataclasses.asdict(self.train)}
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig}
+
+
+def _check_types(obj) -> None:
+    """Each field holds its annotated type (ints where ints belong, no bools for numbers)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, hint = getattr(obj, f.name), hints[f.name]
+        allowed = typing.get_args(hint) or (hint,)
+        ok = any(_is(value, t) for t in allowed)
+        if not ok:
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ConfigError(f"{type(obj).__name__}.{f.name} must be {names}, got {value!r}")
+
+
+def _is(value, t) -> bool:
+    if t is type(None):
+        return value is None
+    if t is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
+
+
+def _coerce(value, hint):
+    """TOML/flag values into the field's type (ints are accepted where floats belong)."""
+    allowed = typing.get_args(hint) or (hint,)
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def build_job(sections: dict[str, dict]) -> JobConfig:
+    """A JobConfig from ``{"model": {...}, "train": {...}}``; unknown sections or keys are errors."""
+    built = {}
+    for name, values in sections.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section [{name}]; known: {sorted(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table, got {values!r}")
+    for name, cls in SECTIONS.items():
+        values = sections.get(name, {})
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"unknown key {name}.{key}; known: {sorted(known)}")
+        obj = cls(**{k: _coerce(v, hints[k]) for k, v in values.items()})
+        _check_types(obj)
+        built[name] = obj
+    run = RunConfig(built["model"], built["parallel"], built["recompute"])
+    return JobConfig(run, built["train"])
+
+
+def load_toml(path: str | Path) -> dict[str, dict]:
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+
+
+def merge(base: dict[str, dict], overrides: dict[str, dict]) -> dict[str, dict]:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, values in overrides.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def parse_assignment(text: str) -> tuple[str, str, object]:
+    """``section.key=value`` (value parsed as a TOML value, else kept as a string)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    lhs, raw = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value

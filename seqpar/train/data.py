@@ -1,0 +1,151 @@
+"""Token streams with no download, and deterministic batches.
+
+Sources (``load_tokens``):
+  * default: the Python standard library's own top-level ``*.py`` files (every install has them),
+    sorted by name, as bytes (vocabulary 256);
+  * ``--data FILE|DIR``: a text file, or every regular file of a folder (sorted), as bytes;
+  * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped;
+  * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package.
+
+The split is fixed: the first ``1 - val_fraction`` of the stream trains, the rest validates.
+Batches are a pure function of (seed, step): the step's ``global_batch`` window offsets are drawn
+from a generator seeded by both, and data-parallel rank ``r`` takes its own contiguous slice, so
+the global batch does not depend on dp and resuming at step ``k`` needs only ``k``.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from seqpar.config import ConfigError
+
+BYTE_VOCAB = 256
+
+
+class DataError(ConfigError):
+    """The data cannot be used: the message names the path and the problem."""
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise DataError(f"no *.py files in the standard library folder {root}")
+    return files
+
+
+def _read_bytes(paths: list[Path]) -> np.ndarray:
+    chunks = []
+    for path in paths:
+        try:
+            chunks.append(path.read_bytes())
+        except OSError as err:
+            raise DataError(f"cannot read {path}: {err.strerror}") from None
+    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+
+
+def _text_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise DataError(f"data path {path} does not exist")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise DataError(f"data folder {path} holds no files")
+    return files
+
+
+def _encode(paths: list[Path], tokenizer_path: str) -> np.ndarray:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError("--tokenizer needs the `tokenizers` package (pip install tokenizers)") from None
+    tok = Tokenizer.from_file(tokenizer_path)
+    ids: list[int] = []
+    for path in paths:
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text") from None
+        ids.extend(tok.encode(text).ids)
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16") -> tuple[np.ndarray, str]:
+    """The whole token stream and a short description of where it came from."""
+    if not data:
+        files = stdlib_files()
+        tokens, source = _read_bytes(files), f"stdlib ({len(files)} files of {files[0].parent})"
+    else:
+        path = Path(data)
+        if path.suffix == ".bin":
+            if not path.is_file():
+                raise DataError(f"data path {path} does not exist")
+            size = np.dtype(token_dtype).itemsize
+            if path.stat().st_size % size:
+                raise DataError(f"{path}: {path.stat().st_size} bytes is not a whole number of {token_dtype}")
+            tokens = np.memmap(path, dtype=token_dtype, mode="r") if path.stat().st_size else np.zeros(0)
+            source = f"{path} ({token_dtype} tokens)"
+        else:
+            files = _text_files(path)
+            tokens = _encode(files, tokenizer) if tokenizer else _read_bytes(files)
+            source = f"{path} ({len(files)} files)"
+    if len(tokens) == 0:
+        raise DataError(f"data {data or 'stdlib'} is empty")
+    return tokens, source
+
+
+@dataclass
+class TokenData:
+    """Train and validation streams with the batch rule described in the module docstring."""
+
+    train: np.ndarray
+    val: np.ndarray
+    seq_len: int
+    source: str = ""
+
+    @classmethod
+    def build(cls, seq_len: int, vocab_size: int, data: str = "", tokenizer: str = "", token_dtype: str = "uint16",
+              val_fraction: float = 0.05) -> TokenData:
+        tokens, source = load_tokens(data, tokenizer, token_dtype)
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise DataError(f"data {source} holds token id {top} >= vocab_size {vocab_size}")
+        cut = int(len(tokens) * (1 - val_fraction))
+        train, val = tokens[:cut], tokens[cut:]
+        for name, part in (("train", train), ("validation", val)):
+            if len(part) < seq_len + 1:
+                raise DataError(f"the {name} split of {source} has {len(part)} tokens, fewer than "
+                                f"seq_len {seq_len} + 1")
+        return cls(train, val, seq_len, source)
+
+    def _windows(self, stream: np.ndarray, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.seq_len
+        rows = np.stack([np.asarray(stream[o:o + s + 1], dtype=np.int64) for o in offsets.tolist()])
+        rows = torch.from_numpy(rows)  # [b, s + 1]
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # tokens [b, s], labels [b, s]
+
+    def train_offsets(self, seed: int, step: int, global_batch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        return torch.randint(0, len(self.train) - self.seq_len, (global_batch,), generator=gen)  # [B]
+
+    def train_batch(self, seed: int, step: int, global_batch: int, micro_batch: int, dp_rank: int,
+                    dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This dp rank's microbatches of ``step``: a list of (tokens, labels), each ``[b, s]``."""
+        offsets = self.train_offsets(seed, step, global_batch)
+        per_rank = global_batch // dp
+        mine = offsets[dp_rank * per_rank:(dp_rank + 1) * per_rank]  # [B/dp]
+        return [self._windows(self.train, mine[i:i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+
+    def val_batches(self, n_batches: int, micro_batch: int, dp_rank: int, dp: int):
+        """Fixed validation windows, evenly spaced over the split; dp ranks take disjoint ones."""
+        total = n_batches * micro_batch * dp
+        offsets = torch.linspace(0, len(self.val) - self.seq_len - 1, total).long()  # [n·b·dp]
+        per_rank = n_batches * micro_batch
+        mine = offsets[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return [self._windows(self.val, mine[i:i + micro_batch]) for i in range(0, per_rank, micro_batch)]

@@ -1,0 +1,204 @@
+"""The training loop: config → validate → data → process groups → model → recompute → schedule.
+
+One step: reseed dropout from (seed, step) → this dp rank's microbatches → the pipeline's
+``forward_backward`` → ``finalize_grads`` (SP, tied-embedding and dp reductions) → global grad norm
+→ non-finite policy → clipped AdamW on fp32 masters. Rank 0 logs, every rank saves its part of the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.rng import STREAMS
+from seqpar.train import checkpoint as ckpt
+from seqpar.train.config import JobConfig, build_job
+from seqpar.train.data import TokenData
+from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
+from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
+from seqpar.train.optim import MasterOptimizer
+from seqpar.train.perf import Throughput
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped on a non-finite loss or gradient (policy ``stop``)."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # the next step to run
+    skipped: int = 0  # steps skipped for non-finite values, in total
+    skipped_in_row: int = 0
+    losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
+    val_loss: float = float("nan")
+
+
+def default_device() -> torch.device:
+    """This rank's device: the local accelerator when there is one, else the CPU."""
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if acc is None or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(acc.type, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_distributed(world_size: int, device: torch.device) -> None:
+    if world_size > 1 and not dist.is_initialized():
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)
+        backend = dist.get_default_backend_for_device(device)
+        dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get("SEQPAR_TIMEOUT", "300"))))
+
+
+def reseed_dropout(chunks: list, seed_step: int) -> None:
+    """Dropout masks as a pure function of (the tracker's seeds, chunk, step): exact resumes."""
+    for i, chunk in enumerate(chunks):
+        device = next(chunk.parameters()).device
+        for stream in STREAMS:
+            base = chunk.tracker.seeds[stream] + 7919 * i
+            chunk.tracker.generator(stream, device).manual_seed(base * 1_000_003 + seed_step)
+
+
+def _pipeline():
+    from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+    return build_stages, forward_backward, finalize_grads
+
+
+class Trainer:
+    """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
+
+    def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.job = job.validate(world)  # every rule, before any process group starts
+        t, m = job.train, job.model
+        self.data = TokenData.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
+        self.resume_path = ckpt.resolve(resume) if resume else None  # a bad path fails before groups too
+        self.device = device or default_device()
+        init_distributed(world, self.device)
+        self.dims = ParallelDims.build(job.parallel)
+        self.rank0 = self.dims.rank == 0
+        self.quiet = quiet or not self.rank0
+        build_stages, self._forward_backward, self._finalize = _pipeline()
+        self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
+        self.opt = MasterOptimizer(self.chunks, t, self.dims)
+        self.state = TrainState()
+        if self.resume_path is not None:
+            self.load(self.resume_path)
+        self.throughput = Throughput(job, self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load(self, path) -> None:
+        meta = ckpt.read_meta(path)
+        has_opt = bool(meta.get("has_optimizer", True))
+        shards = ckpt.load_shards(path, self.opt.local_state(), self.dims, has_opt)
+        step = int(meta.get("step", 0))
+        self.opt.load_local_state(shards, step if has_opt else 0)
+        self.state.step = step if has_opt else 0
+        self.state.skipped = int(meta.get("skipped", 0))
+        self.log(f"resumed from {path} at step {self.state.step}"
+                 f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
+                 f" dp {meta['config']['parallel']['dp']})")
+
+    def save(self) -> str:
+        tensors = ckpt.full_state(self.opt.local_state(), self.dims)
+        meta = {"step": self.state.step, "skipped": self.state.skipped, "has_optimizer": True,
+                "config": self.job.to_dict(), "val_loss": self.state.val_loss,
+                "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
+                "data": self.data.source}
+        return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), self.state.step, tensors, meta,
+                             self.job.train.keep_checkpoints))
+
+    # ------------------------------------------------------------------ steps
+    def log(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+    def train_step(self, step: int) -> tuple[float, float, bool]:
+        """One optimizer step; returns (loss, grad norm, applied)."""
+        t, dims = self.job.train, self.dims
+        reseed_dropout(self.chunks, t.seed * 7 + step)
+        mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
+        self.opt.zero_grad()
+        loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel)
+        self._finalize(self.chunks, dims, self.job.parallel)
+        loss = broadcast_from_last_stage(loss, dims, self.device)
+        norm = float(self.opt.grad_norm())
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.opt.step(step, torch.tensor(norm))
+            self.state.skipped_in_row = 0
+            return loss, norm, True
+        self.state.skipped += 1
+        self.state.skipped_in_row += 1
+        self.opt.zero_grad()  # the non-finite gradients never reach the weights
+        return loss, norm, False
+
+    def validate_loss(self) -> float:
+        t = self.job.train
+        batches = self.data.val_batches(t.eval_batches, t.micro_batch, self.dims.dp_rank, self.dims.dp)
+        return evaluate(self.chunks, batches, self.dims)
+
+    def run(self) -> dict:
+        t = self.job.train
+        metrics = MetricsLog(t.out_dir, enabled=self.rank0)
+        progress = Progress(t.steps, self.state.step, enabled=t.progress and not self.quiet)
+        self.throughput.measure_activations(self.chunks, self.data, self.dims)
+        if self.rank0:
+            metrics.log({"event": "start", **self.throughput.describe(), "data": self.data.source,
+                         "config": self.job.to_dict()})
+        last = {}
+        window_t, window_steps = time.perf_counter(), 0
+        try:
+            while self.state.step < t.steps:
+                step = self.state.step
+                loss, norm, applied = self.train_step(step)
+                self.state.losses.append(loss if applied else float("nan"))
+                self.state.step += 1
+                window_steps += 1
+                done = self.state.step
+                if not applied:
+                    rec = {"step": done, "event": "nonfinite", "loss": loss, "grad_norm": norm,
+                           "skipped": self.state.skipped}
+                    metrics.log(rec)
+                    self.log(f"step {done}: non-finite loss {loss} or grad norm {norm}; update skipped "
+                             f"({self.state.skipped} so far, policy {t.nonfinite})")
+                    if t.nonfinite == "stop" or self.state.skipped_in_row >= max(t.max_skipped, 1):
+                        self.state.step -= 1  # the checkpoint holds the last good state
+                        path = self.save()
+                        raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
+                                             f"stopped, last good state saved at {path}")
+                    continue
+                if done % t.log_every == 0 or done == t.steps:
+                    dt = (time.perf_counter() - window_t) / window_steps
+                    last = {"step": done, "loss": loss, "lr": self.opt.opt.param_groups[0]["lr"],
+                            "grad_norm": norm, **self.throughput.rates(dt)}
+                    if t.eval_every and done % t.eval_every == 0 or done == t.steps:
+                        self.state.val_loss = last["val_loss"] = self.validate_loss()
+                    metrics.log(last)
+                    progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
+                    window_t, window_steps = time.perf_counter(), 0
+                if t.save_every and done % t.save_every == 0 and done != t.steps:
+                    self.save()
+        finally:
+            progress.close()
+        if "val_loss" not in last:
+            self.state.val_loss = last["val_loss"] = self.validate_loss()
+        path = self.save()
+        plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 else None
+        metrics.log({"event": "end", "checkpoint": path, **last})
+        metrics.close()
+        return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
+                "losses": self.state.losses}
+
+
+def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False) -> dict:
+    """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own)."""
+    job = build_job(job) if isinstance(job, dict) else job
+    trainer = Trainer(job, resume, device, quiet)
+    return trainer.run()

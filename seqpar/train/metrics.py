@@ -1,0 +1,137 @@
+"""Rank 0's metrics: a JSONL file, a progress bar with ETA, TensorBoard and a loss-curve PNG.
+
+The progress bar uses ``rich`` when installed, else ``tqdm``, else a plain line per log step.
+TensorBoard logs are written when the ``tensorboard`` package is installed, the PNG when
+``matplotlib`` is. None of them is required.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+class Progress:
+    """A bar over ``total`` steps; ``update(step, text)``."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True):
+        self.total, self.start, self.t0 = total, start, time.perf_counter()
+        self.kind, self._bar = ("plain" if enabled else "off"), None
+        if not enabled or not sys.stderr.isatty():
+            return
+        try:
+            from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+            self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
+            self._task = self._bar.add_task("", total=total, completed=start)
+            self._bar.start()
+            self.kind = "rich"
+            return
+        except ImportError:
+            pass
+        try:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            self.kind = "tqdm"
+        except ImportError:
+            pass
+
+    def eta(self, step: int) -> float:
+        done = step - self.start
+        return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else float("nan")
+
+    def update(self, step: int, text: str) -> None:
+        if self.kind == "rich":
+            self._bar.update(self._task, completed=step, description=text)
+        elif self.kind == "tqdm":
+            self._bar.n = step
+            self._bar.set_postfix_str(text)
+        elif self.kind == "plain":
+            eta = self.eta(step)
+            print(f"step {step}/{self.total} {text} eta {eta:.0f}s" if math.isfinite(eta)
+                  else f"step {step}/{self.total} {text}", flush=True)
+
+    def close(self) -> None:
+        if self.kind == "rich":
+            self._bar.stop()
+        elif self.kind == "tqdm":
+            self._bar.close()
+
+
+class MetricsLog:
+    """Appends one JSON object per record to ``out_dir/metrics.jsonl`` (and TensorBoard)."""
+
+    def __init__(self, out_dir: str | Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.records: list[dict] = []
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+        except ImportError:
+            self._tb = None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tb is not None and "step" in record:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_records(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(records: list[dict], out: str | Path) -> Path | None:
+    """Train and validation loss against step as a PNG; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)
+
+
+def format_record(record: dict, keys: tuple[str, ...]) -> str:
+    return " ".join(f"{k} {_fmt(record[k])}" for k in keys if k in record)

@@ -1,0 +1,90 @@
+"""Throughput, MFU/HFU (Sec. 6.3) and activation memory, predicted next to measured.
+
+The peak FLOP/s is the user's ``peak_tflops``; else the accelerator's from the analysis table; else
+(CPU) a short fp32 GEMM probe at start -- so a CPU MFU says "fraction of what this process's GEMMs
+reach", not of a spec sheet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from seqpar.analysis.flops import hardware_flops, model_flops
+from seqpar.analysis.measure import SavedTensorMeter, layernorm_stat_bytes
+from seqpar.analysis.memory import layer_activation_bytes
+
+
+def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3) -> float:
+    """FLOP/s of an ``n × n`` GEMM on ``device`` (best of a short loop)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        (a @ b).sum().item()
+        best = max(best, 2 * n ** 3 / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
+def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    if peak_tflops > 0:
+        return peak_tflops * 1e12, "given"
+    if device.type != "cpu":
+        from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
+        name = torch.accelerator.get_device_name(device) if hasattr(torch.accelerator, "get_device_name") else ""
+        for key in sorted(PEAK_DENSE_16BIT_TFLOPS, key=len, reverse=True):
+            if key in name.lower().replace(" ", "-"):
+                return PEAK_DENSE_16BIT_TFLOPS[key] * 1e12, f"spec sheet ({key})"
+    return gemm_probe(device, dtype), "GEMM probe"
+
+
+def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
+    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for ``layers`` layers of one microbatch."""
+    m, p, r = job.model, job.parallel, job.recompute
+    dtype_bytes = torch.empty((), dtype=m.torch_dtype).element_size()
+    dropout = m.attn_dropout > 0 or m.hidden_dropout > 0
+    per_layer = layer_activation_bytes(m.seq_len, job.train.micro_batch, m.hidden_size, m.num_heads, p.tp,
+                                       sp=p.sp and p.tp > 1, recompute=r.granularity, ffn=m.ffn,
+                                       act_bytes=dtype_bytes, dropout=dropout,
+                                       ln_stats_bytes=layernorm_stat_bytes(device, m.torch_dtype))
+    return per_layer * layers
+
+
+class Throughput:
+    def __init__(self, job, device: torch.device):
+        self.job = job
+        self.peak, self.peak_source = peak_flops(job.train.peak_tflops, device, job.model.torch_dtype)
+        m, t = job.model, job.train
+        self.tokens = t.global_batch * m.seq_len
+        args = (t.global_batch, m.num_layers, m.seq_len, m.hidden_size, m.vocab_size)
+        self.model_flops = model_flops(*args)
+        self.hardware_flops = hardware_flops(*args, job.recompute.granularity)
+        self.device = device
+        self.activations: dict = {}
+
+    def describe(self) -> dict:
+        return {"peak_tflops_per_rank": self.peak / 1e12, "peak_source": self.peak_source,
+                "model_flops_per_step": self.model_flops, "world": self.job.parallel.world_size,
+                **self.activations}
+
+    def rates(self, step_seconds: float) -> dict:
+        world = self.job.parallel.world_size
+        return {"step_time": step_seconds, "tokens_per_s": self.tokens / step_seconds,
+                "mfu": self.model_flops / (step_seconds * world * self.peak),
+                "hfu": self.hardware_flops / (step_seconds * world * self.peak)}
+
+    def measure_activations(self, chunks, data, dims) -> None:
+        """Bytes one microbatch's forward keeps in the transformer layers (pp = 1 only), vs formula."""
+        layers = sum(len(c.layers) for c in chunks)
+        self.activations = {"act_bytes_predicted": predicted_activation_bytes(self.job, layers, self.device)}
+        if dims.pp != 1 or len(chunks) != 1:
+            return
+        chunk = chunks[0]
+        t = self.job.train
+        tokens, labels = data.val_batches(1, t.micro_batch, 0, 1)[0]
+        with SavedTensorMeter(chunk) as meter:
+            chunk(tokens.to(self.device), labels.to(self.device))
+        measured = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
+        self.activations["act_bytes_measured"] = measured

@@ -1,0 +1,57 @@
+"""Text generation from a single-process model: temperature, top-k; temperature 0 is greedy.
+
+The checkpoint is loaded at tp = pp = 1 whatever layout wrote it (checkpoints hold full tensors).
+Byte-level models decode bytes (invalid UTF-8 shown as replacement characters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqpar.config import ModelConfig
+from seqpar.model.gpt import GPTStage, build_model
+from seqpar.parallel.sharding import load_full_state_dict
+from seqpar.train import checkpoint as ckpt
+from seqpar.train.config import build_job
+
+
+def load_model(path: str, device=None) -> tuple[GPTStage, dict]:
+    """The single-process model of a checkpoint (eval mode) and its meta.json."""
+    state, meta = ckpt.load_model_state(path)
+    cfg = build_job(meta["config"]).model
+    model = build_model(cfg, device=device)
+    load_full_state_dict(model, state, 0, 1)
+    return model.eval(), meta
+
+
+@torch.no_grad()
+def generate(model: GPTStage, prompt: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 0,
+             seed: int = 0) -> list[int]:
+    """Append ``new_tokens`` tokens to ``prompt``; the context is cropped to the position table."""
+    cfg: ModelConfig = model.cfg
+    if temperature < 0 or top_k < 0:
+        raise ValueError(f"temperature {temperature} and top_k {top_k} must be >= 0")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = list(prompt) or [0]
+    for _ in range(new_tokens):
+        context = torch.tensor([ids[-cfg.seq_len:]], device=device)  # [1, s']
+        logits = model(context)[-1, 0, :cfg.vocab_size].float()  # [v]
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        ids.append(nxt)
+    return ids
+
+
+def encode_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode_bytes(ids: list[int]) -> str:
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

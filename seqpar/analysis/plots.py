@@ -37,9 +37,9 @@ def figure7(path: Path) -> Path:
     ax.axhline(100, color="black", linewidth=1, linestyle="--", label="TP baseline (100%)")
     ax.set_xticks(range(len(models)), [f"{m}" for m in models])
     ax.set_ylabel("% of TP-baseline activation memory")
-    ax.set_ylim(0, 110)
+    ax.set_ylim(0, 125)
     ax.set_title("Activation memory per layer vs tensor-parallel baseline (cf. Figure 7)")
-    ax.legend(fontsize=8, ncol=3, loc="upper center")
+    ax.legend(fontsize=8, ncol=3, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -72,13 +72,19 @@ def figure1(path: Path, memory_bytes: float = paper.GPU_MEMORY) -> Path:
     return path
 
 
+def _short(position: int, plan) -> str:
+    p = plan.par
+    return (f"#{position}: tp{p.tp} pp{p.pp} dp{p.dp} m{p.interleave}\nsp {'on' if p.sp else 'off'}, "
+            f"mb {plan.micro_batch}\n{plan.rc.label}")
+
+
 def plan_memory(path: Path, evaluations: list, usable_bytes: float, memory_bytes: float) -> Path:
     """Stacked bars of the most loaded rank's memory terms for each plan, with the budget lines."""
     plt = _pyplot()
     terms: list[str] = []
     for ev in evaluations:
         terms += [k for k in ev.peak.terms if k not in terms]
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(evaluations) + 3), 5))
+    fig, ax = plt.subplots(figsize=(max(6, 1.7 * len(evaluations) + 3), 5))
     bottoms = [0.0] * len(evaluations)
     for term in terms:
         vals = [ev.peak.terms.get(term, 0.0) / GB for ev in evaluations]
@@ -86,10 +92,34 @@ def plan_memory(path: Path, evaluations: list, usable_bytes: float, memory_bytes
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     ax.axhline(memory_bytes / GB, color="red", linestyle="--", label="GPU memory")
     ax.axhline(usable_bytes / GB, color="orange", linestyle=":", label="usable (after reserve)")
-    names = [ev.plan.label.replace(",", "\n") for ev in evaluations]
-    ax.set_xticks(range(len(evaluations)), names, fontsize=6)
+    names = [_short(i + 1, ev.plan) for i, ev in enumerate(evaluations)]
+    ax.set_xticks(range(len(evaluations)), names, fontsize=7)
     ax.set_ylabel("GB on the most loaded rank")
     ax.set_title("Plans: memory of the most loaded pipeline rank")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def stages_memory(path: Path, stages: list, usable_bytes: float, memory_bytes: float, title: str) -> Path:
+    """Stacked bars of every term on every pipeline rank of one plan (``seqpar plan --explain --plot``)."""
+    plt = _pyplot()
+    terms: list[str] = []
+    for st in stages:
+        terms += [k for k in st.terms if k not in terms]
+    fig, ax = plt.subplots(figsize=(max(6, 0.25 * len(stages) + 4), 5))
+    bottoms = [0.0] * len(stages)
+    for term in terms:
+        vals = [st.terms.get(term, 0.0) / GB for st in stages]
+        ax.bar([st.rank for st in stages], vals, 0.8, bottom=bottoms, label=term)
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    ax.axhline(memory_bytes / GB, color="red", linestyle="--", label="GPU memory")
+    ax.axhline(usable_bytes / GB, color="orange", linestyle=":", label="usable (after reserve)")
+    ax.set_xlabel("pipeline rank")
+    ax.set_ylabel("GB per GPU")
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

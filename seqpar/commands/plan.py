@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=8, help="plans listed (default %(default)s)")
     g.add_argument("--json", action="store_true", help='print {"best": PLAN, "plans": [PLAN, ...]}')
-    g.add_argument("--plot", type=Path, metavar="FILE", help="PNG of the best plans' memory")
+    g.add_argument("--plot", type=Path, metavar="FILE",
+                   help="PNG of the best plans' memory (with --explain: of every pipeline rank of that plan)")
     g.add_argument("--explain", metavar="PLAN",
                    help='e.g. "tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1": memory per stage, time, rank')
 
@@ -111,6 +112,12 @@ def run(args) -> int:
                                               "total": s.total} for s in ev.stages]}))
             else:
                 print(plan_report.render_explain(req, ev, ranked))
+            if args.plot and ev.stages:
+                from seqpar.analysis.plots import stages_memory
+
+                path = stages_memory(args.plot, ev.stages, req.hw.usable_bytes, req.hw.memory_bytes,
+                                     f"{req.shape.name}: {ev.plan.label}")
+                print(f"wrote {path}", file=sys.stderr)
             return 0
         if args.json:
             print(json.dumps({"best": ranked[0].to_json() if ranked else None,

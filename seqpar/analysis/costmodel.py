@@ -8,7 +8,7 @@ One microbatch on one pipeline rank costs
                 SP: same volume, Sec. 4.2.2), +2 for each fully recomputed layer, ring cost
                 2(t-1)/t x bytes / bandwidth, intra-node when tp fits in a node
     pp_p2p      per chunk one activation forward and one gradient backward, 2sbh/t bytes each
-                (scatter-gather over the tp ranks), inter-node when a stage boundary crosses nodes
+                (scatter-gather over the tp ranks), inter-node unless the whole job is one node
 The slowest rank's microbatch time T_mb sets the pace: iteration = n T_mb + bubble + dp, with the
 (interleaved) 1F1B bubble (p-1)/m x T_mb (i.e. (p-1)/(mn) of the useful time) and the data-parallel
 gradient all-reduce 2(d-1)/d x gradient bytes / bandwidth (reduce-scatter + all-gather of the
@@ -92,7 +92,9 @@ def rank_microbatch_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int
     intra = t <= hw.gpus_per_node
     msg = opts.act_bytes * s * b * h
     allreduce = ring_allreduce_s(msg, t, hw.intra_node_bw if intra else hw.inter_node_bw)
-    p2p_bw = hw.intra_node_bw if t * par.dp < hw.gpus_per_node else hw.inter_node_bw
+    # pipeline ranks are tp x dp apart (tp innermost, then dp, then pp): the pipeline leaves the node
+    # unless the whole job fits in one
+    p2p_bw = hw.intra_node_bw if par.gpus <= hw.gpus_per_node else hw.inter_node_bw
     p2p = 0.0 if par.pp == 1 else 2 * par.interleave * msg / t / p2p_bw
     return {
         "compute": (3 * layers * layer_fwd + head) / gemm,

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
     g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    g.add_argument("--activation-bytes", type=int, choices=(2, 4), default=2,
+                   help="bytes per activation element: 2 (bf16/fp16, default) or 4 (fp32)")
     g.add_argument("--no-dropout", action="store_true", help="no dropout: no masks (Sec. 4.1 terms vanish)")
     g.add_argument("--fused-attention", action="store_true", help="flash-style attention: no s^2 tensors kept")
     g.add_argument("--keep-pipeline-outputs", action="store_true",
@@ -89,7 +91,8 @@ def request_from_args(args):
     hw = Hardware(gpus_per_node=args.gpus_per_node, memory_bytes=args.gpu_memory * 1e9, peak_flops=peak,
                   gemm_efficiency=args.gemm_efficiency, intra_node_bw=args.intra_node_gbps * 1e9,
                   inter_node_bw=args.inter_node_gbps * 1e9, reserve_fraction=args.reserve)
-    opts = ActivationOptions(dropout=not args.no_dropout, fused_attention=args.fused_attention,
+    opts = ActivationOptions(act_bytes=args.activation_bytes, dropout=not args.no_dropout,
+                             fused_attention=args.fused_attention,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    try_distributed_optimizer=args.distributed_optimizer, max_micro_batch=args.max_micro_batch)

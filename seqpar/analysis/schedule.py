@@ -29,9 +29,14 @@ def interleaving_factor(p: int, m: int) -> float:
     return 1 + (p - 1) / (p * m)
 
 
-def first_chunk_in_flight(p: int, n: int | None = None) -> int:
-    """Microbatches alive in the first model chunk on rank 0: p (Sec. 4.3's embedding-dropout count)."""
-    return p if n is None else min(p, n)
+def first_chunk_in_flight(p: int, n: int | None = None, m: int = 1) -> int:
+    """Microbatches alive in the first model chunk on rank 0 (the embedding-dropout masks of Sec. 4.3).
+
+    1F1B: p, as the paper says. Interleaved: forwards go in groups of p per chunk, so by the first
+    backward chunk 0 has run p + (p - 1) of them and one more in the first steady-state step: 2p.
+    """
+    count = p if m == 1 else 2 * p
+    return count if n is None else min(count, n)
 
 
 def outstanding_backwards(rank: int, p: int) -> int:

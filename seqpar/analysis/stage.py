@@ -84,14 +84,16 @@ def recompute_working_bytes(shape: ModelShape, par: Parallelism, rc: Recompute, 
 
 def sec43_extra_terms(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOptions,
                       rank: int, n: int | None) -> dict[str, float]:
-    """Sec. 4.3: activations outside the layers. Rank 0: embedding-dropout mask for its p in-flight
-    microbatches. Last rank (one microbatch in flight at the head): final-LN input, output-layer
-    input (sequence-sharded under SP) and the fp32 logits (vocabulary-parallel)."""
+    """Sec. 4.3: activations outside the layers. Rank 0: embedding-dropout mask for the microbatches
+    in flight in its first chunk (p; 2p when interleaved). Last rank (one microbatch in flight at the
+    head): final-LN input, output-layer input (sequence-sharded under SP) and the fp32 logits
+    (vocabulary-parallel)."""
     s, h, t, p = shape.seq, shape.hidden, par.tp, par.pp
     rep = t if par.sp else 1
     terms: dict[str, float] = {}
     if rank == 0 and opts.dropout:
-        terms["embedding_dropout_mask"] = opts.mask_bytes * s * b * h / rep * first_chunk_in_flight(p, n)
+        first_chunk = first_chunk_in_flight(p, n, par.interleave)
+        terms["embedding_dropout_mask"] = opts.mask_bytes * s * b * h / rep * first_chunk
     if rank == p - 1:
         terms["final_ln_input"] = opts.act_bytes * s * b * h / rep
         terms["output_layer_input"] = opts.act_bytes * s * b * h / rep

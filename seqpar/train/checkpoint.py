@@ -142,8 +142,9 @@ def stored_keys(path: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
-def load_full(path: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Read the full tensors ``wanted`` (key → expected full shape); every rank calls this."""
+def load_full(path: Path, wanted: dict[str, tuple[int, ...]], local: bool = False) -> dict[str, torch.Tensor]:
+    """Read the full tensors ``wanted`` (key → expected full shape); every rank calls this, unless
+    ``local`` (one process reads on its own, e.g. rank 0 sampling after training)."""
     stored = stored_keys(path)
     for key, shape in wanted.items():
         if key not in stored:
@@ -155,7 +156,7 @@ def load_full(path: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, torch
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            dcp.load(out, checkpoint_id=str(path), no_dist=local or not dist.is_initialized())
     except Exception as err:  # noqa: BLE001 - DCP raises many types for damaged files
         raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: {err}") from None
     for key, value in out.items():
@@ -187,9 +188,10 @@ def load_shards(path: Path, states, dims: ParallelDims, with_optimizer: bool) ->
 
 
 def load_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The full single-process model state dict and meta.json of a checkpoint (no process group)."""
+    """The full single-process model state dict and meta.json of a checkpoint, read by this
+    process alone (no collective)."""
     path = resolve(path)
     meta = read_meta(path)
     shapes = {k: s for k, s in stored_keys(path).items() if k.startswith("model.")}
-    full = load_full(path, shapes)
+    full = load_full(path, shapes, local=True)
     return {k[len("model."):]: v for k, v in full.items()}, meta

@@ -19,7 +19,6 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from seqpar.config import ConfigError
@@ -39,14 +38,17 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def _read_bytes(paths: list[Path]) -> np.ndarray:
+TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
+
+
+def _read_bytes(paths: list[Path]) -> torch.Tensor:
     chunks = []
     for path in paths:
         try:
             chunks.append(path.read_bytes())
         except OSError as err:
             raise DataError(f"cannot read {path}: {err.strerror}") from None
-    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+    return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8)
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -60,7 +62,7 @@ def _text_files(path: Path) -> list[Path]:
     return files
 
 
-def _encode(paths: list[Path], tokenizer_path: str) -> np.ndarray:
+def _encode(paths: list[Path], tokenizer_path: str) -> torch.Tensor:
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -73,10 +75,10 @@ def _encode(paths: list[Path], tokenizer_path: str) -> np.ndarray:
         except UnicodeDecodeError as err:
             raise DataError(f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text") from None
         ids.extend(tok.encode(text).ids)
-    return np.asarray(ids, dtype=np.uint32)
+    return torch.tensor(ids, dtype=torch.int64)
 
 
-def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16") -> tuple[np.ndarray, str]:
+def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16") -> tuple[torch.Tensor, str]:
     """The whole token stream and a short description of where it came from."""
     if not data:
         files = stdlib_files()
@@ -86,10 +88,13 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
         if path.suffix == ".bin":
             if not path.is_file():
                 raise DataError(f"data path {path} does not exist")
-            size = np.dtype(token_dtype).itemsize
-            if path.stat().st_size % size:
-                raise DataError(f"{path}: {path.stat().st_size} bytes is not a whole number of {token_dtype}")
-            tokens = np.memmap(path, dtype=token_dtype, mode="r") if path.stat().st_size else np.zeros(0)
+            dtype = TOKEN_DTYPES[token_dtype]
+            size, nbytes = dtype.itemsize, path.stat().st_size
+            if nbytes % size:
+                raise DataError(f"{path}: {nbytes} bytes is not a whole number of {token_dtype}")
+            # memory-mapped, copy-on-write (the file is never written)
+            tokens = torch.from_file(str(path), shared=False, size=nbytes // size, dtype=dtype) if nbytes \
+                else torch.zeros(0, dtype=dtype)
             source = f"{path} ({token_dtype} tokens)"
         else:
             files = _text_files(path)
@@ -104,8 +109,8 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
 class TokenData:
     """Train and validation streams with the batch rule described in the module docstring."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: torch.Tensor
+    val: torch.Tensor
     seq_len: int
     source: str = ""
 
@@ -113,7 +118,8 @@ class TokenData:
     def build(cls, seq_len: int, vocab_size: int, data: str = "", tokenizer: str = "", token_dtype: str = "uint16",
               val_fraction: float = 0.05) -> TokenData:
         tokens, source = load_tokens(data, tokenizer, token_dtype)
-        top = int(tokens.max())
+        top = max(int(part.int().max() if part.dtype != torch.int64 else part.max())
+                  for part in tokens.split(1 << 24))
         if top >= vocab_size:
             raise DataError(f"data {source} holds token id {top} >= vocab_size {vocab_size}")
         cut = int(len(tokens) * (1 - val_fraction))
@@ -124,10 +130,9 @@ class TokenData:
                                 f"seq_len {seq_len} + 1")
         return cls(train, val, seq_len, source)
 
-    def _windows(self, stream: np.ndarray, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, stream: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.seq_len
-        rows = np.stack([np.asarray(stream[o:o + s + 1], dtype=np.int64) for o in offsets.tolist()])
-        rows = torch.from_numpy(rows)  # [b, s + 1]
+        rows = torch.stack([stream[o:o + s + 1].to(torch.int64) for o in offsets.tolist()])  # [b, s + 1]
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # tokens [b, s], labels [b, s]
 
     def train_offsets(self, seed: int, step: int, global_batch: int) -> torch.Tensor:

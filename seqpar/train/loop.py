@@ -49,12 +49,15 @@ def default_device() -> torch.device:
     return torch.device(acc.type, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_distributed(world_size: int, device: torch.device) -> None:
+def init_distributed(world_size: int, device: torch.device) -> bool:
+    """Start the default process group (under torchrun); True when this call started it."""
     if world_size > 1 and not dist.is_initialized():
         if device.type != "cpu":
             torch.accelerator.set_device_index(device.index)
         backend = dist.get_default_backend_for_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get("SEQPAR_TIMEOUT", "300"))))
+        return True
+    return False
 
 
 def reseed_dropout(chunks: list, seed_step: int) -> None:
@@ -81,7 +84,7 @@ class Trainer:
         self.data = TokenData.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
         self.resume_path = ckpt.resolve(resume) if resume else None  # a bad path fails before groups too
         self.device = device or default_device()
-        init_distributed(world, self.device)
+        self.owns_group = init_distributed(world, self.device)
         self.dims = ParallelDims.build(job.parallel)
         self.rank0 = self.dims.rank == 0
         self.quiet = quiet or not self.rank0
@@ -191,7 +194,7 @@ class Trainer:
             self.state.val_loss = last["val_loss"] = self.validate_loss()
         path = self.save()
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 else None
-        metrics.log({"event": "end", "checkpoint": path, **last})
+        metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
                 "losses": self.state.losses}
@@ -201,4 +204,8 @@ def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = Fa
     """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own)."""
     job = build_job(job) if isinstance(job, dict) else job
     trainer = Trainer(job, resume, device, quiet)
-    return trainer.run()
+    try:
+        return trainer.run()
+    finally:
+        if trainer.owns_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,21 @@
+"""`seqpar import-hf DIR --out CKPT`: a local Hugging Face GPT-2 folder → a seqpar checkpoint.
+
+The checkpoint holds full tensors, so ``seqpar train --resume CKPT`` shards it for any tp/pp/dp.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", help="folder with config.json and model.safetensors (or pytorch_model.bin)")
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+
+
+def run(args) -> int:
+    from seqpar.interop.checkpoints import import_hf
+
+    path = import_hf(args.folder, args.out)
+    print(f"imported {args.folder} -> {path}")
+    return 0

@@ -1,0 +1,151 @@
+"""Hugging Face GPT-2 ⇄ seqpar: configs and full (single-process) state dicts.
+
+GPT-2 stores its linear layers as ``Conv1D`` (weight ``[in, out]``, ``y = x W + b``) and its fused
+QKV output columns as ``[q (all heads); k; v]``; seqpar stores ``nn.Linear`` weights ``[out, in]``
+and QKV rows per head, ``(head, {q, k, v}, head_dim)``, so a contiguous tp split keeps whole heads.
+Both use learned positions, pre-LN layers, a tied output layer and 1/sqrt(d) attention scaling.
+
+GeLU: seqpar's MLP uses the exact GeLU. GPT-2's ``gelu_new`` is the tanh approximation; a model
+with it imports, but its outputs differ slightly (|Δ| < 1e-3 per activation), and a warning says so.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from seqpar.config import ConfigError, ModelConfig
+
+EXACT_GELU = ("gelu",)
+LAYER_MAP = {  # seqpar suffix -> (GPT-2 suffix, is a Conv1D weight to transpose)
+    "ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),
+    "attention.out_proj.weight": ("attn.c_proj.weight", True), "attention.out_proj.bias": ("attn.c_proj.bias", False),
+    "ln2.weight": ("ln_2.weight", False), "ln2.bias": ("ln_2.bias", False),
+    "mlp.fc1.weight": ("mlp.c_fc.weight", True), "mlp.fc1.bias": ("mlp.c_fc.bias", False),
+    "mlp.fc2.weight": ("mlp.c_proj.weight", True), "mlp.fc2.bias": ("mlp.c_proj.bias", False),
+}
+
+
+# ---------------------------------------------------------------- configs
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """A ModelConfig from a GPT-2 ``config.json`` dict (fp32; the position table is n_positions)."""
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ConfigError(f"model_type {hf.get('model_type')!r} is not gpt2")
+    for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                    ("scale_attn_weights", True), ("tie_word_embeddings", True)):
+        if hf.get(key, ok) != ok:
+            raise ConfigError(f"GPT-2 option {key}={hf[key]} is not supported (seqpar needs {ok})")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in EXACT_GELU:
+        warnings.warn(f"GPT-2 activation {act!r} is the tanh GeLU approximation; seqpar uses the exact GeLU, so "
+                      "outputs differ slightly (< 1e-3 per activation)", stacklevel=2)
+    return ModelConfig(vocab_size=hf["vocab_size"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
+                       num_layers=hf["n_layer"], seq_len=hf["n_positions"], ffn_hidden_size=hf.get("n_inner"),
+                       embd_dropout=hf.get("embd_pdrop", 0.1), attn_dropout=hf.get("attn_pdrop", 0.1),
+                       hidden_dropout=hf.get("resid_pdrop", 0.1), layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                       init_std=hf.get("initializer_range", 0.02)).validate()
+
+
+def hf_config_from_model(cfg: ModelConfig) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+            "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu",
+            "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.embd_dropout, "attn_pdrop": cfg.attn_dropout,
+            "layer_norm_epsilon": cfg.layernorm_eps, "initializer_range": cfg.init_std,
+            "tie_word_embeddings": True, "scale_attn_weights": True, "torch_dtype": "float32"}
+
+
+# ---------------------------------------------------------------- QKV layout
+def qkv_from_hf(weight: torch.Tensor, bias: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``c_attn`` (weight ``[h, 3h]``, columns (part, head, d)) → rows (head, part, d)."""
+    h = weight.shape[0]
+    d = h // heads
+    w = weight.t().reshape(3, heads, d, h).permute(1, 0, 2, 3).reshape(3 * h, h)  # [3h, h]
+    b = bias.reshape(3, heads, d).permute(1, 0, 2).reshape(3 * h)  # [3h]
+    return w.contiguous(), b.contiguous()
+
+
+def qkv_to_hf(weight: torch.Tensor, bias: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``qkv_from_hf``."""
+    h = weight.shape[1]
+    d = h // heads
+    w = weight.reshape(heads, 3, d, h).permute(1, 0, 2, 3).reshape(3 * h, h).t()  # [h, 3h]
+    b = bias.reshape(heads, 3, d).permute(1, 0, 2).reshape(3 * h)  # [3h]
+    return w.contiguous(), b.contiguous()
+
+
+# ---------------------------------------------------------------- state dicts
+def _strip(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("transformer."): v for k, v in sd.items()}
+
+
+def state_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """GPT-2 weights (with or without the ``transformer.`` prefix) → seqpar's full state dict."""
+    sd = _strip(sd)
+
+    def get(key):
+        if key not in sd:
+            raise ConfigError(f"GPT-2 weights have no {key}")
+        return sd[key].float()
+
+    out = {"embedding.word.weight": get("wte.weight"), "embedding.position": get("wpe.weight"),
+           "final_ln.weight": get("ln_f.weight"), "final_ln.bias": get("ln_f.bias")}
+    for i in range(cfg.num_layers):
+        w, b = qkv_from_hf(get(f"h.{i}.attn.c_attn.weight"), get(f"h.{i}.attn.c_attn.bias"), cfg.num_heads)
+        out[f"layers.{i}.attention.qkv.weight"], out[f"layers.{i}.attention.qkv.bias"] = w, b
+        for ours, (theirs, conv) in LAYER_MAP.items():
+            value = get(f"h.{i}.{theirs}")
+            out[f"layers.{i}.{ours}"] = value.t().contiguous() if conv else value
+    return out
+
+
+def state_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """seqpar's full state dict → GPT-2 weights with the ``transformer.`` prefix (lm_head is tied)."""
+    out = {"wte.weight": sd["embedding.word.weight"], "wpe.weight": sd["embedding.position"],
+           "ln_f.weight": sd["final_ln.weight"], "ln_f.bias": sd["final_ln.bias"]}
+    for i in range(cfg.num_layers):
+        w, b = qkv_to_hf(sd[f"layers.{i}.attention.qkv.weight"], sd[f"layers.{i}.attention.qkv.bias"], cfg.num_heads)
+        out[f"h.{i}.attn.c_attn.weight"], out[f"h.{i}.attn.c_attn.bias"] = w, b
+        for ours, (theirs, conv) in LAYER_MAP.items():
+            value = sd[f"layers.{i}.{ours}"]
+            out[f"h.{i}.{theirs}"] = value.t() if conv else value
+    return {f"transformer.{k}": v.float().contiguous().clone() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- folders
+def _safetensors():
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        raise ConfigError("Hugging Face interop needs the `safetensors` package: "
+                          "pip install 'seqpar[interop]'") from None
+    return load_file, save_file
+
+
+def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``config.json`` + ``model.safetensors`` (or ``pytorch_model.bin``) → (ModelConfig, seqpar state)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} has no config.json (a Hugging Face GPT-2 folder is expected)")
+    cfg = model_config_from_hf(json.loads((folder / "config.json").read_text()))
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        load_file = _safetensors()[0]
+        sd = {k: v for f in files for k, v in load_file(str(f)).items()}
+    elif (folder / "pytorch_model.bin").is_file():
+        sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ConfigError(f"{folder} has no *.safetensors or pytorch_model.bin weights")
+    return cfg, state_from_hf(sd, cfg)
+
+
+def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file = _safetensors()[1]
+    save_file(state_to_hf(state, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
+    return folder

@@ -12,6 +12,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "memory": ("seqpar.commands.memory", "activation bytes per layer: formula and measurement"),
     "plan": ("seqpar.commands.plan", "which parallel layout, recompute and microbatch fits and runs fastest"),
     "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
+    "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
+    "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
+    "import-hf": ("seqpar.commands.import_hf", "a local Hugging Face GPT-2 folder -> a seqpar checkpoint"),
+    "export-hf": ("seqpar.commands.export_hf", "a seqpar checkpoint -> a Hugging Face GPT-2 folder"),
 }
 
 

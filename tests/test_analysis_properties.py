@@ -81,7 +81,13 @@ def test_app_c_trades_memory_for_time(tp, pp, b, granularity, k):
     par = Parallelism(tp=tp, pp=pp, sp=tp > 1)
     n = 16
     less, more = Recompute(granularity, keep_microbatches=k), Recompute(granularity, keep_microbatches=k + 1)
-    assert stage_memory(SHAPE, par, less, b, n).total <= stage_memory(SHAPE, par, more, b, n).total
+    # Stored activations grow with every kept microbatch. The transient buffer of recomputing one
+    # layer in backward is not monotone: it vanishes once every in-flight microbatch is kept.
+    def stored(rc):
+        mem = stage_memory(SHAPE, par, rc, b, n)
+        return mem.total - mem.terms.get("recompute_working", 0.0)
+
+    assert stored(less) <= stored(more)
     hw = Hardware()
     t_less = iteration_time(SHAPE, par, less, b, n * b, hw).total
     assert iteration_time(SHAPE, par, more, b, n * b, hw).total <= t_less + 1e-12

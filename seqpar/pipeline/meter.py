@@ -23,12 +23,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 class ScheduleMeter:
     """Live saved-activation bytes of this rank, and their peak."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, detail: bool = False):
+        self.detail = detail  # keep (shape, dtype, bytes) of what is live at the peak
+        self.peak_tensors: list[tuple[tuple[int, ...], str, int]] = []
         self._exclude = {t.untyped_storage().data_ptr() for mod in modules
                          for t in [*mod.parameters(), *mod.buffers()]}
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._what: dict[int, tuple[tuple[int, ...], str, int]] = {}
         self.peak_bytes = 0
         self.current_bytes = 0
+
+    def exclude(self, tensors) -> None:
+        """Never count these tensors' storages (e.g. the input tokens: data, not activations)."""
+        self._exclude.update(t.untyped_storage().data_ptr() for t in tensors)
 
     def _prune(self) -> None:
         for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
@@ -44,7 +51,12 @@ class ScheduleMeter:
             return
         self._live[key] = (StorageWeakRef(storage), storage.nbytes())
         self.current_bytes += storage.nbytes()
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.detail:
+            self._what[key] = (tuple(t.shape), str(t.dtype).removeprefix("torch."), storage.nbytes())
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            if self.detail:
+                self.peak_tensors = [self._what[k] for k in self._live]
 
     def _pack(self, t: torch.Tensor):
         self._count(t)

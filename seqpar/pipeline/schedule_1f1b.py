@@ -41,6 +41,7 @@ def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
         runner.release_output(0, out)
         inputs.append(x)
         outputs.append(out)
+        x = out = None  # only the lists keep them, so they die with their backward
         fwd_mb += 1
 
     x = recv_forward() if steady > 0 else None
@@ -51,8 +52,8 @@ def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
         runner.release_output(0, out)
         inputs.append(x)
         outputs.append(out)
-        x_done, out_done = inputs.pop(0), outputs.pop(0)
-        dx = runner.backward(0, bwd_mb, x_done, out_done, grad)
+        x = out = None  # a local reference would keep the finished microbatch's graph alive
+        dx = runner.backward(0, bwd_mb, inputs.pop(0), outputs.pop(0), grad)  # drops them once done
         bwd_mb += 1
         if i == steady - 1:
             x = None
@@ -62,9 +63,8 @@ def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
             x = None if first else as_input(comm.exchange(send_prev=dx, recv_prev=True)[0])
 
     for _ in range(warmup):
-        x_done, out_done = inputs.pop(0), outputs.pop(0)
         grad = None if last else comm.exchange(recv_next=True)[1]
-        dx = runner.backward(0, bwd_mb, x_done, out_done, grad)
+        dx = runner.backward(0, bwd_mb, inputs.pop(0), outputs.pop(0), grad)
         bwd_mb += 1
         if not first:
             comm.exchange(send_prev=dx)

@@ -61,6 +61,7 @@ def run_interleaved(runner: StepRunner, comm: PipeComm, m: int) -> None:
             x, _ = comm.exchange(send_next=send, recv_prev=recv_prev)
         runner.release_output(c, send)
         inputs[next_c].append(as_input(x))
+        out = send = x = None  # only the lists keep them, so they die with their backward
 
     for k in range(steady):
         fk, bk = k + warmup, k
@@ -89,6 +90,7 @@ def run_interleaved(runner: StepRunner, comm: PipeComm, m: int) -> None:
             inputs[next_fc].append(as_input(x))
         if recv_next:
             grads[next_bc].append(g)
+        out = send = x = g = dx = None  # a local reference would keep a finished graph alive
 
     if steady == 0:
         grads[m - 1].append(None if rank == p - 1 else comm.exchange(recv_next=True)[1])

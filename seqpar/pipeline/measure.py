@@ -1,0 +1,163 @@
+"""Activation memory over a pipeline schedule: measured per stage, next to the formula.
+
+Runs one training step of the configured schedule on p × t local gloo ranks, recording with
+``ScheduleMeter`` the peak of the activation bytes each rank holds, and computes the formula of
+``seqpar.analysis.stage`` for the same stage: Eq. 5 (Eq. 6 with selective recompute) on the first
+stage, the interleaving factor (1 + (p-1)/(pm)), the Sec. 4.3 terms outside the layers, App. B's
+kept outputs when freeing is off and App. C's kept microbatches. The formula is the *exact* one:
+LayerNorm mean/rstd included (the paper drops them), the activation byte width of the model's
+dtype, the fp32 logits. The recompute working set (transient, during a backward) is left out of
+both; see ``seqpar.pipeline.meter``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from seqpar.analysis.measure import layernorm_stat_bytes
+from seqpar.analysis.schedule import first_chunk_in_flight
+from seqpar.analysis.shapes import ActivationOptions, ModelShape, Parallelism, Recompute
+from seqpar.analysis.stage import stage_memory
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.pipeline.build import build_stages
+from seqpar.pipeline.keep import keep_for_rank
+from seqpar.pipeline.meter import ScheduleMeter
+from seqpar.pipeline.schedules import forward_backward
+from seqpar.pipeline.split import validate_microbatches
+
+
+@dataclass
+class StagePeak:
+    stage: int  # pipeline rank
+    measured_peak_bytes: int  # max over the rank's tp ranks
+    formula_bytes: float  # the analytic model (seqpar.analysis.stage), LayerNorm statistics included
+    exact_bytes: float  # formula + implementation_terms: what this code should measure to the byte
+    terms: dict  # every term of exact_bytes
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_peak_bytes / self.formula_bytes
+
+    def as_json(self) -> dict:
+        return {"stage": self.stage, "measured_peak_bytes": self.measured_peak_bytes,
+                "formula_bytes": self.formula_bytes, "exact_bytes": self.exact_bytes,
+                "measured_over_formula": round(self.ratio, 5)}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def uses_dropout(cfg: ModelConfig) -> bool:
+    on = {cfg.embd_dropout > 0, cfg.attn_dropout > 0, cfg.hidden_dropout > 0}
+    if len(on) > 1:
+        raise ConfigError(f"the formula needs every dropout on or every dropout off, got embedding "
+                          f"{cfg.embd_dropout}, attention {cfg.attn_dropout}, hidden {cfg.hidden_dropout}")
+    return on.pop()
+
+
+def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig,
+                        micro_batch: int, microbatches: int, rank: int, free_outputs: bool = True,
+                        keep: int = 0, device: str = "cpu") -> tuple[float, dict]:
+    """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
+    shape = ModelShape(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, seq=cfg.seq_len,
+                       vocab=cfg.vocab_size, ffn=cfg.ffn)
+    par = Parallelism(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp and parallel.tp > 1,
+                      interleave=parallel.interleave)
+    rc = Recompute(recompute.granularity, recompute.method, recompute.num_layers, keep)
+    act = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    opts = ActivationOptions(act_bytes=act, mask_bytes=1, logits_bytes=4,
+                             ln_stats_bytes=layernorm_stat_bytes(torch.device(device), cfg.torch_dtype),
+                             dropout=uses_dropout(cfg), free_pipeline_outputs=free_outputs)
+    memory = stage_memory(shape, par, rc, micro_batch, microbatches, opts, rank=rank)
+    terms = {k: v for k, v in memory.terms.items() if k not in ("parameters", "gradients", "optimizer_states",
+                                                                 "recompute_working")}
+    return sum(terms.values()), terms
+
+
+def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch: int, microbatches: int,
+                         rank: int, free_outputs: bool = True, device: str = "cpu") -> dict[str, float]:
+    """Small bytes this implementation keeps that the analytic model leaves out (all O(sb) or O(sbh)).
+
+    * ``output_in_transit``: with App. B on, a non-last rank's peak comes right after a forward,
+      while that output is alive until it has been sent (one [s(/t), b, h] tensor);
+    * ``embedding_indices``: under TP the vocab-parallel embedding keeps its local indices (int64)
+      and out-of-range mask (bool), [s, b] each, for each microbatch in the first chunk;
+    * ``final_ln_stats``: the final LayerNorm's mean and rstd;
+    * ``loss_indices``: the vocab-parallel cross entropy's target index (int64), two [s, b] bool
+      masks, the padded-vocabulary mask and the token count.
+    """
+    s, b, h, t, p = cfg.seq_len, micro_batch, cfg.hidden_size, parallel.tp, parallel.pp
+    rep = t if parallel.sp and t > 1 else 1
+    act = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    terms: dict[str, float] = {}
+    if free_outputs and rank < p - 1:
+        terms["output_in_transit"] = act * s * b * h / rep
+    if rank == 0 and t > 1:
+        in_flight = first_chunk_in_flight(p, microbatches, parallel.interleave)
+        terms["embedding_indices"] = (8 + 1) * s * b * in_flight
+    if rank == p - 1:
+        terms["final_ln_stats"] = 2 * s * b / rep * layernorm_stat_bytes(torch.device(device), cfg.torch_dtype)
+        v_pad = -(-cfg.vocab_size // t) * t
+        terms["loss_indices"] = (8 + 1 + 1) * s * b + v_pad // t + 8
+    return terms
+
+
+def synthetic_microbatches(cfg: ModelConfig, micro_batch: int, n: int, seed: int = 0) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen),
+             torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len), generator=gen)) for _ in range(n)]
+
+
+def measure_here(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, dims: ParallelDims,
+                 micro_batch: int, microbatches: int, free_outputs: bool = True,
+                 keep: int | list[int] = 0, seed: int = 0) -> tuple[int, float]:
+    """On this rank (collective over the pipeline): one step's activation peak and its mean loss."""
+    chunks = build_stages(cfg, parallel, recompute, dims, seed=seed)
+    batches = synthetic_microbatches(cfg, micro_batch, microbatches, seed)
+    meter = ScheduleMeter(chunks)
+    meter.exclude([t for batch in batches for t in batch])  # the data, not activations
+    loss = forward_backward(chunks, batches, dims, parallel, free_outputs=free_outputs, keep_microbatches=keep,
+                            meter=meter)
+    return meter.peak_bytes, loss
+
+
+def _worker(rank, world, cfg, parallel, runs):
+    dims = ParallelDims.build(parallel)
+    out = []
+    for recompute, micro_batch, n, free, keep in runs:
+        peak, loss = measure_here(cfg, parallel, recompute, dims, micro_batch, n, free, keep)
+        out.append({"stage": dims.pp_rank, "tp_rank": dims.tp_rank, "peak": peak, "loss": loss})
+    return out
+
+
+def measure_schedules(cfg: ModelConfig, parallel: ParallelConfig, runs: list[tuple]) -> list[list[StagePeak]]:
+    """Each run ``(recompute, micro_batch, microbatches, free_outputs, keep)`` on p × t gloo ranks
+    (one spawn for all runs); per run, one ``StagePeak`` per pipeline rank (max over its tp ranks)."""
+    if parallel.dp != 1:
+        raise ConfigError(f"the schedule measurement runs one pipeline (dp 1), got dp {parallel.dp}")
+    parallel.validate(cfg)
+    for recompute, _, n, _, keep in runs:
+        recompute.validate(cfg.num_layers // (parallel.pp * parallel.interleave))
+        validate_microbatches(n, parallel.pp, parallel.interleave)
+        for r in range(parallel.pp):
+            keep_for_rank(keep, r, parallel.pp)
+    results = run_ranks(_worker, parallel.world_size, cfg, parallel, runs)
+    report = []
+    for i, (recompute, micro_batch, n, free, keep) in enumerate(runs):
+        stages = []
+        for r in range(parallel.pp):
+            peak = max(res[i]["peak"] for res in results if res[i]["stage"] == r)
+            formula, terms = formula_stage_bytes(cfg, parallel, recompute, micro_batch, n, r, free,
+                                                 keep_for_rank(keep, r, parallel.pp))
+            extra = implementation_terms(cfg, parallel, micro_batch, n, r, free)
+            stages.append(StagePeak(r, peak, formula, formula + sum(extra.values()), terms | extra))
+        report.append(stages)
+    return report
+
+
+def losses_of(results: list) -> list[float]:
+    return [res["loss"] for res in results]

@@ -23,7 +23,7 @@ FLAG_KEYS = {
     "recompute_layers": ("recompute", "num_layers"),
     "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"), "heads": ("model", "num_heads"),
     "seq": ("model", "seq_len"), "dtype": ("model", "dtype"),
-    "steps": ("train", "steps"), "lr": ("train", "lr"), "warmup": ("train", "warmup"),
+    "steps": ("train", "steps"), "stop_at": ("train", "stop_at"), "lr": ("train", "lr"), "warmup": ("train", "warmup"),
     "micro_batch": ("train", "micro_batch"), "global_batch": ("train", "global_batch"),
     "seed": ("train", "seed"), "data": ("train", "data"), "tokenizer": ("train", "tokenizer"),
     "out": ("train", "out_dir"), "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int)
+    g.add_argument("--stop-at", type=int, help="stop after this step (checkpoint), keeping the --steps schedule")
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int)
     g.add_argument("--micro-batch", type=int)
@@ -114,7 +115,7 @@ def _launch(args, argv: list[str]) -> int:
     try:
         run(launcher)
     except ChildFailedError as err:
-        failures = ", ".join(f"rank {f.rank} (exit code {f.exitcode})" for f in err.failures.values())
+        failures = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in sorted(err.failures.items()))
         print(f"seqpar train: failed: {failures}", file=sys.stderr)
         return 1
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ class TrainConfig:
     """Optimisation, data, logging and checkpointing of a run."""
 
     steps: int = 300
+    stop_at: int = 0  # stop (checkpoint and exit) after this step, keeping the schedule of ``steps``; 0: off
     lr: float = 3e-3  # peak learning rate, reached after ``warmup`` steps
     min_lr: float = 3e-4  # end of the cosine decay
     warmup: int = 20
@@ -49,6 +51,7 @@ class TrainConfig:
     sample_tokens: int = 0  # print a sample of this many tokens at the end (0: none)
     sample_prompt: str = "def "
     progress: bool = True
+    plot: bool = True  # loss-curve PNG at the end (needs matplotlib)
 
     def microbatches(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)
@@ -58,12 +61,14 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "global_batch", "eval_batches", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "save_every", "seed", "max_skipped", "sample_tokens"):
+        for name in ("stop_at", "warmup", "eval_every", "save_every", "seed", "max_skipped", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
             if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.stop_at > self.steps:
+            raise ConfigError(f"train.stop_at {self.stop_at} is beyond train.steps {self.steps}")
         if self.lr == 0:
             raise ConfigError("train.lr must be positive, got 0")
         if self.min_lr > self.lr:
@@ -121,14 +126,25 @@ def _check_types(obj) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, hint = getattr(obj, f.name), hints[f.name]
-        allowed = typing.get_args(hint) or (hint,)
+        allowed = _alternatives(hint)
         ok = any(_is(value, t) for t in allowed)
         if not ok:
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            names = " or ".join("None" if t is type(None) else str(t).replace("<class '", "").rstrip("'>")
+                                for t in allowed)
             raise ConfigError(f"{type(obj).__name__}.{f.name} must be {names}, got {value!r}")
 
 
+def _alternatives(hint) -> tuple:
+    """``int | None`` → (int, NoneType); anything else → (hint,)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
 def _is(value, t) -> bool:
+    if typing.get_origin(t) is tuple:
+        item = typing.get_args(t)[0] if typing.get_args(t) else object
+        return isinstance(value, tuple) and all(isinstance(x, item) for x in value)
     if t is type(None):
         return value is None
     if t is float:
@@ -140,9 +156,11 @@ def _is(value, t) -> bool:
 
 def _coerce(value, hint):
     """TOML/flag values into the field's type (ints are accepted where floats belong)."""
-    allowed = typing.get_args(hint) or (hint,)
+    allowed = _alternatives(hint)
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if any(typing.get_origin(t) is tuple for t in allowed) and isinstance(value, list):
+        return tuple(value)
     return value
 
 

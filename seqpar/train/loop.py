@@ -150,7 +150,8 @@ class Trainer:
     def run(self) -> dict:
         t = self.job.train
         metrics = MetricsLog(t.out_dir, enabled=self.rank0)
-        progress = Progress(t.steps, self.state.step, enabled=t.progress and not self.quiet)
+        end = t.stop_at or t.steps
+        progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
         if self.rank0:
             metrics.log({"event": "start", **self.throughput.describe(), "data": self.data.source,
@@ -158,7 +159,7 @@ class Trainer:
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         try:
-            while self.state.step < t.steps:
+            while self.state.step < end:
                 step = self.state.step
                 loss, norm, applied = self.train_step(step)
                 self.state.losses.append(loss if applied else float("nan"))
@@ -177,23 +178,23 @@ class Trainer:
                         raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
                                              f"stopped, last good state saved at {path}")
                     continue
-                if done % t.log_every == 0 or done == t.steps:
+                if done % t.log_every == 0 or done == end:
                     dt = (time.perf_counter() - window_t) / window_steps
                     last = {"step": done, "loss": loss, "lr": self.opt.opt.param_groups[0]["lr"],
                             "grad_norm": norm, **self.throughput.rates(dt)}
-                    if t.eval_every and done % t.eval_every == 0 or done == t.steps:
+                    if t.eval_every and done % t.eval_every == 0 or done == end:
                         self.state.val_loss = last["val_loss"] = self.validate_loss()
                     metrics.log(last)
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0
-                if t.save_every and done % t.save_every == 0 and done != t.steps:
+                if t.save_every and done % t.save_every == 0 and done != end:
                     self.save()
         finally:
             progress.close()
         if "val_loss" not in last:
             self.state.val_loss = last["val_loss"] = self.validate_loss()
         path = self.save()
-        plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 else None
+        plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,

@@ -40,6 +40,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_arguments(p)
+    add_schedule_arguments(p)
+
+
+def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """Whole-schedule mode (Sec. 4.2.3, 4.3, App. B/C): peak activation bytes of every pipeline stage."""
+    g = p.add_argument_group("pipeline schedule (--pp or --microbatches: peak over one step, per stage)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size p (default %(default)s)")
+    g.add_argument("--microbatches", type=int, default=None, help="microbatches per step")
+    g.add_argument("--interleave", type=int, default=1, help="m, chunks per pipeline rank (default %(default)s)")
+    g.add_argument("--keep-outputs", action="store_true",
+                   help="do not free a stage's output once sent (App. B off)")
+    g.add_argument("--keep-microbatches", type=int, default=0,
+                   help="App. C: in-flight microbatches per rank that store everything (default %(default)s)")
+    # L defaults to 1 for one layer; a schedule needs p·m chunks, so it defaults to 2 layers per chunk there.
+    p.set_defaults(layers=None)
+    for action in p._actions:
+        if action.dest == "layers":
+            action.help = "L (default 1; with --pp/--microbatches 2 per pipeline chunk)"
 
 
 def _human(n: float | None) -> str:
@@ -55,6 +73,10 @@ def _human(n: float | None) -> str:
 def run(args) -> int:
     from seqpar.analysis.table2 import measure_rows, plan_rows
 
+    if getattr(args, "pp", 1) > 1 or getattr(args, "microbatches", None) is not None:
+        return run_schedule(args)
+    if args.layers is None:
+        args.layers = 1
     cfg = model_from_args(args)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all)
     if args.measure:
@@ -77,4 +99,55 @@ def run(args) -> int:
     print("exact = Table 2 + LayerNorm mean/rstd (4·s·b per layer, /t under SP), which the paper drops.")
     if args.dropout == 0:
         print("dropout 0: no masks, and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t).")
+    return 0
+
+
+def run_schedule(args) -> int:
+    """``--pp P --microbatches M [--interleave m]``: one training step of the pipeline schedule on
+    P × T gloo ranks; per stage the measured peak next to the formula (Eq. 5/6, interleave factor,
+    Sec. 4.3 terms; ``seqpar.pipeline.measure``)."""
+    from seqpar.config import ConfigError, ParallelConfig, RecomputeConfig
+    from seqpar.pipeline.measure import formula_stage_bytes, implementation_terms, measure_schedules
+
+    if args.layers is None:
+        args.layers = 2 * args.pp * args.interleave
+    if args.microbatches is None:
+        raise ConfigError(f"the schedule mode needs --microbatches (pp {args.pp})")
+    cfg = model_from_args(args)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, interleave=args.interleave).validate(cfg)
+    recompute = RecomputeConfig(args.recompute).validate()
+    free, keep = not args.keep_outputs, args.keep_microbatches
+    run = (recompute, args.micro_batch, args.microbatches, free, keep)
+    if args.measure:
+        stages = measure_schedules(cfg, parallel, [run])[0]
+    else:
+        from seqpar.pipeline.measure import StagePeak, validate_microbatches
+
+        validate_microbatches(args.microbatches, args.pp, args.interleave)
+        stages = []
+        for r in range(args.pp):
+            formula, terms = formula_stage_bytes(cfg, parallel, recompute, args.micro_batch, args.microbatches,
+                                                 r, free, keep)
+            extra = implementation_terms(cfg, parallel, args.micro_batch, args.microbatches, r, free)
+            stages.append(StagePeak(r, None, formula, formula + sum(extra.values()), terms | extra))
+    if args.json:
+        print(json.dumps({"stages": [st.as_json() for st in stages]}))
+        return 0
+    s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
+    print(f"one step, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} m={args.interleave} "
+          f"n={args.microbatches} recompute={args.recompute} App.B={'on' if free else 'off'} App.C K={keep}: "
+          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, dropout {args.dropout}")
+    print(f"{'stage':>5}{'measured peak':>16}{'formula':>14}{'exact':>14}{'meas/formula':>14}{'meas-exact':>12}")
+    for st in stages:
+        m = st.measured_peak_bytes
+        ratio = "-" if m is None else f"{m / st.formula_bytes:.4f}"
+        diff = "-" if m is None else f"{m - st.exact_bytes:,.0f}"
+        print(f"{st.stage:>5}{_human(m):>16}{_human(st.formula_bytes):>14}{_human(st.exact_bytes):>14}"
+              f"{ratio:>14}{diff:>12}")
+        if args.tensors:
+            for name, value in st.terms.items():
+                print(f"      {name:<28}{_human(value):>14}")
+    print("formula = Eq. 5/6 layers in flight (× (1 + (p-1)/(pm)) interleaved on rank 0) + Sec. 4.3 terms + "
+          "LayerNorm mean/rstd; exact adds the output being sent (App. B) and index/int64 bookkeeping.")
+    print("The recompute working set rebuilt during a backward is transient and left out of both.")
     return 0

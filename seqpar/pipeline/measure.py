@@ -33,19 +33,19 @@ from seqpar.pipeline.split import validate_microbatches
 @dataclass
 class StagePeak:
     stage: int  # pipeline rank
-    measured_peak_bytes: int  # max over the rank's tp ranks
+    measured_peak_bytes: int | None  # max over the rank's tp ranks (None: not measured)
     formula_bytes: float  # the analytic model (seqpar.analysis.stage), LayerNorm statistics included
     exact_bytes: float  # formula + implementation_terms: what this code should measure to the byte
     terms: dict  # every term of exact_bytes
 
     @property
-    def ratio(self) -> float:
-        return self.measured_peak_bytes / self.formula_bytes
+    def ratio(self) -> float | None:
+        return None if self.measured_peak_bytes is None else self.measured_peak_bytes / self.formula_bytes
 
     def as_json(self) -> dict:
         return {"stage": self.stage, "measured_peak_bytes": self.measured_peak_bytes,
                 "formula_bytes": self.formula_bytes, "exact_bytes": self.exact_bytes,
-                "measured_over_formula": round(self.ratio, 5)}
+                "measured_over_formula": None if self.ratio is None else round(self.ratio, 5)}
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -48,7 +48,8 @@ def _read_bytes(paths: list[Path]) -> torch.Tensor:
             chunks.append(path.read_bytes())
         except OSError as err:
             raise DataError(f"cannot read {path}: {err.strerror}") from None
-    return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8)
+    raw = b"\n".join(chunks)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
 
 
 def _text_files(path: Path) -> list[Path]:

@@ -1,0 +1,46 @@
+"""seqpar's benchmarks (issue 7): ``python -m benchmarks NAME [--json]`` or ``seqpar bench NAME``.
+
+Each benchmark module provides ``add_arguments(parser)``, ``QUICK`` (tiny sizes for smoke tests),
+``run(args) -> dict`` and ``render(result) -> str``. Goals live here, never in timed tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "table4": ("benchmarks.table4", "the paper's Table 4: one layer's fwd/bwd time per recompute/SP mode, t=2"),
+    "vs-torch": ("benchmarks.vs_torch", "seqpar vs PyTorch-native DTensor TP+SP: step time and bytes per layer"),
+    "single": ("benchmarks.single", "seqpar at t=1 vs a plain single-file GPT of the same math: step time"),
+    "mfu": ("benchmarks.mfu", "measured GEMM peak and the model FLOP/s of a t=1 training step: MFU on CPU"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="name", metavar="NAME")
+    sub.required = True
+    for name, (module, help_text) in BENCHMARKS.items():
+        q = sub.add_parser(name, help=help_text, description=help_text)
+        q.add_argument("--json", action="store_true", help="print one JSON object")
+        q.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke test, not a result)")
+        importlib.import_module(module).add_arguments(q)
+        q.set_defaults(_bench=module)
+
+
+def run(args: argparse.Namespace) -> dict:
+    module = importlib.import_module(args._bench)
+    if args.quick:
+        for key, value in module.QUICK.items():
+            setattr(args, key, value)
+    result = module.run(args)
+    print(json.dumps(result) if args.json else module.render(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0

@@ -1,0 +1,89 @@
+"""``single``: seqpar at t = 1 against the plain single-file GPT (``benchmarks/plain_gpt.py``).
+
+Same config, same weights (copied from seqpar), one process, all cores. A step is forward +
+backward of the mean cross entropy (no optimizer); the two models alternate step by step; median.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks import common
+from benchmarks.plain_gpt import GPT
+from seqpar.config import ModelConfig
+from seqpar.model import build_model
+from seqpar.parallel.sharding import full_state_dict
+
+QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 2, "vocab": 128, "repeats": 1, "warmup": 0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
+                       seq_len=args.seq, embd_dropout=args.dropout, attn_dropout=args.dropout,
+                       hidden_dropout=args.dropout, dtype=args.dtype).validate()
+
+
+def build_pair(cfg: ModelConfig):
+    ours = build_model(cfg).train()
+    plain = GPT.from_config(cfg).train()
+    plain.load_state_dict(full_state_dict(ours, None))
+    return ours, plain
+
+
+def batch(cfg: ModelConfig, b: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]  # [b, s] each
+
+
+def step(model, tokens, labels):
+    def run():
+        loss = model(tokens, labels)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+    return run
+
+
+def run(args) -> dict:
+    cfg = model_config(args)
+    ours, plain = build_pair(cfg)
+    tokens, labels = batch(cfg, args.micro_batch)
+    times = {"seqpar": [], "plain": []}
+    for i in range(args.warmup + args.repeats):
+        for name, model in (("seqpar", ours), ("plain", plain)):
+            seconds = common.timed(step(model, tokens, labels))
+            if i >= args.warmup:
+                times[name].append(seconds)
+    seqpar_ms, plain_ms = 1e3 * common.median(times["seqpar"]), 1e3 * common.median(times["plain"])
+    return {"seqpar_ms": seqpar_ms, "plain_ms": plain_ms, "ratio": seqpar_ms / plain_ms,
+            "target_met": seqpar_ms / plain_ms <= 1.05,
+            "config": {"s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size, "a": cfg.num_heads,
+                       "layers": cfg.num_layers, "v": cfg.vocab_size, "dtype": cfg.dtype, "dropout": args.dropout,
+                       "repeats": args.repeats},
+            "machine": common.machine()}
+
+
+def render(r: dict) -> str:
+    c = r["config"]
+    return "\n".join([
+        f"single: t=1, {c['layers']} layers, s={c['s']} b={c['b']} h={c['h']} a={c['a']} v={c['v']} {c['dtype']}, "
+        f"dropout {c['dropout']}; fwd+bwd step, median of {c['repeats']}, {r['machine']['threads']} threads",
+        common.table(["model", "step ms"],
+                     [["seqpar", f"{r['seqpar_ms']:.1f}"], ["plain GPT", f"{r['plain_ms']:.1f}"]]),
+        f"ratio seqpar/plain = {r['ratio']:.3f} (target ≤ 1.05: {'met' if r['target_met'] else 'NOT met'})"])

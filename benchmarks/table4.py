@@ -1,0 +1,126 @@
+"""``table4``: the paper's Table 4 on this machine -- one transformer layer, t = 2 on gloo.
+
+Rows: baseline (TP, no recompute), sp (TP+SP), full (TP, the layer checkpointed: keeps its input and
+runs its forward again in backward), selective (TP, the attention core checkpointed), selective_sp.
+Forward and backward are timed separately on every rank (ranks start each phase together; a phase
+takes as long as its slowest rank); the five layers run round-robin, median over repeats. FLOPs per
+row: App. A's GEMM FLOPs of the layer (forward + 2 × forward) plus what recompute runs again, summed
+over the t ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from benchmarks import common
+from seqpar.analysis.flops import layer_forward_flops, recompute_extra_flops
+from seqpar.config import ModelConfig, ParallelConfig
+from seqpar.model.init import init_parameters
+from seqpar.model.layer import TransformerLayer
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.parallel.rng import RNGTracker
+from seqpar.recompute import checkpoint
+
+ROWS = (("baseline", False, "none"), ("sp", True, "none"), ("full", False, "full"),
+        ("selective", False, "selective"), ("selective_sp", True, "selective"))
+QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "repeats": 1, "warmup": 0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+
+
+def _layer(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: str):
+    tracker = RNGTracker(0, dims.tp_rank)
+    layer = TransformerLayer(cfg, dims.tp_group, sp, tracker).train()
+    init_parameters(layer, 0, dims.tp_rank, dims.tp)
+    if recompute == "selective":
+        layer.attention.checkpoint = functools.partial(checkpoint, tracker=tracker)
+    if recompute == "full":
+        return layer, lambda x: checkpoint(layer, x, tracker=tracker)
+    return layer, layer
+
+
+def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmup: int) -> dict:
+    dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
+    s, h = cfg.seq_len, cfg.hidden_size
+    gen = torch.Generator().manual_seed(rank)
+    runs = {}
+    for name, sp, recompute in ROWS:
+        layer, fn = _layer(cfg, dims, sp, recompute)
+        rows = s // world if sp else s
+        x = torch.randn(rows, b, h, generator=gen).to(cfg.torch_dtype)  # [s(/t), b, h]
+        dy = torch.randn(rows, b, h, generator=gen).to(cfg.torch_dtype)
+        runs[name] = (layer, fn, x, dy)
+    fwd = {name: [] for name in runs}
+    bwd = {name: [] for name in runs}
+    for i in range(warmup + repeats):
+        for name, (layer, fn, x, dy) in runs.items():
+            x = x.detach().requires_grad_(True)
+            out = []
+            f = common.timed(lambda fn=fn, x=x, out=out: out.append(fn(x)))
+            bt = common.timed(lambda out=out, dy=dy: out[0].backward(dy))
+            layer.zero_grad(set_to_none=True)
+            if i >= warmup:
+                fwd[name].append(f)
+                bwd[name].append(bt)
+    result = {}
+    for name in runs:
+        f, bt = common.max_over_ranks(fwd[name]), common.max_over_ranks(bwd[name])
+        result[name] = {"forward_ms": 1e3 * common.median(f), "backward_ms": 1e3 * common.median(bt),
+                        "combined_ms": 1e3 * common.median([a + c for a, c in zip(f, bt, strict=True)])}
+    return result
+
+
+def row_flops(cfg: ModelConfig, b: int, recompute: str) -> float:
+    s, h, f = cfg.seq_len, cfg.hidden_size, cfg.ffn
+    fwd = sum(layer_forward_flops(b, s, h, f).values())
+    return 3 * fwd + recompute_extra_flops(b, 1, s, h, recompute, f)
+
+
+def run(args) -> dict:
+    cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_heads=args.heads, num_layers=1, seq_len=args.seq,
+                      embd_dropout=args.dropout, attn_dropout=args.dropout, hidden_dropout=args.dropout,
+                      dtype=args.dtype).validate()
+    ParallelConfig(tp=args.tp, sp=True).validate(cfg)
+    times = run_ranks(_worker, args.tp, cfg, args.micro_batch, args.repeats, args.warmup)[0]
+    base = times["baseline"]["combined_ms"]
+    rows = []
+    for name, _sp, recompute in ROWS:
+        t = times[name]
+        rows.append({"name": name, **t, "overhead_pct": 100.0 * (t["combined_ms"] / base - 1.0),
+                     "flops": row_flops(cfg, args.micro_batch, recompute)})
+    by = {r["name"]: r for r in rows}
+    full_over = by["full"]["overhead_pct"]
+    target = {"selective_sp_overhead_pct": by["selective_sp"]["overhead_pct"], "full_overhead_pct": full_over,
+              "share_of_full": by["selective_sp"]["overhead_pct"] / full_over if full_over else None}
+    target["met"] = target["share_of_full"] is not None and target["share_of_full"] <= 0.25
+    return {"config": {"t": args.tp, "s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size,
+                       "a": cfg.num_heads, "dtype": cfg.dtype, "dropout": args.dropout, "repeats": args.repeats},
+            "machine": common.machine(), "rows": rows, "target": target}
+
+
+def render(result: dict) -> str:
+    c, tg = result["config"], result["target"]
+    out = [f"table4: one layer, t={c['t']} (gloo), s={c['s']} b={c['b']} h={c['h']} a={c['a']} {c['dtype']}, "
+           f"dropout {c['dropout']}; median of {c['repeats']}, max over ranks"]
+    rows = [[r["name"], f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}", f"{r['combined_ms']:.1f}",
+             f"{r['overhead_pct']:+.1f}%", f"{r['flops'] / 1e9:.2f}"] for r in result["rows"]]
+    out.append(common.table(["row", "forward ms", "backward ms", "combined ms", "overhead", "GFLOPs"], rows))
+    share = tg["share_of_full"]
+    out.append(f"target: selective+SP overhead ≤ 25% of full's: {tg['selective_sp_overhead_pct']:+.1f}% vs "
+               f"{tg['full_overhead_pct']:+.1f}% -> " + ("-" if share is None else f"{100 * share:.0f}%")
+               + (" (met)" if tg["met"] else " (NOT met)"))
+    return "\n".join(out)

@@ -16,6 +16,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
     "import-hf": ("seqpar.commands.import_hf", "a local Hugging Face GPT-2 folder -> a seqpar checkpoint"),
     "export-hf": ("seqpar.commands.export_hf", "a seqpar checkpoint -> a Hugging Face GPT-2 folder"),
+    "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu (from a source checkout)"),
 }
 
 

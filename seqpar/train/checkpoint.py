@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from seqpar.config import ConfigError
 from seqpar.parallel.dims import ParallelDims
@@ -157,8 +158,10 @@ def load_full(path: Path, wanted: dict[str, tuple[int, ...]], local: bool = Fals
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(out, checkpoint_id=str(path), no_dist=local or not dist.is_initialized())
-    except Exception as err:  # noqa: BLE001 - DCP raises many types for damaged files
-        raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: {err}") from None
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises many types for damaged files
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        cause = lines[-1][:300] if lines else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file?): {cause}") from None
     for key, value in out.items():
         if not torch.isfinite(value).all():
             raise CheckpointError(f"checkpoint {path}: {key} holds non-finite values")

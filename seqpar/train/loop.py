@@ -130,6 +130,7 @@ class Trainer:
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         self.opt.zero_grad()
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel)
+        self.opt.stage_grads()
         self._finalize(self.chunks, dims, self.job.parallel)
         loss = broadcast_from_last_stage(loss, dims, self.device)
         norm = float(self.opt.grad_norm())

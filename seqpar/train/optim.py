@@ -1,8 +1,10 @@
 """AdamW over fp32 master weights, warmup + cosine schedule, global gradient-norm clipping.
 
-When the model computes in bf16/fp16, the optimizer owns an fp32 copy of every parameter: the
-gradients are cast up, the update runs in fp32, and the result is cast back into the model.
-In fp32 the master *is* the model parameter (no copy).
+When the model computes in bf16/fp16, the optimizer owns an fp32 copy of every parameter, and a
+post-accumulate-grad hook moves each microbatch's gradient into an fp32 buffer (``main_grad``), so
+gradients accumulate over microbatches in fp32. ``stage_grads`` then hands the sum back as ``.grad``
+for the cross-rank reductions of ``finalize_grads`` (in the compute dtype), the update runs in fp32
+and the result is cast back into the model. In fp32 the master *is* the model parameter (no copy).
 """
 
 from __future__ import annotations
@@ -52,9 +54,28 @@ class MasterOptimizer:
             self.masters.append(p if p.dtype == torch.float32 else nn.Parameter(p.detach().float()))
         decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() >= 2]
         no_decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() < 2]
+        for (_, p), m in zip(self.named, self.masters, strict=True):
+            if m is not p:
+                m.main_grad = torch.zeros_like(m)
+                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+    @staticmethod
+    def _accumulate_into(master: nn.Parameter):
+        def hook(param: nn.Parameter) -> None:
+            master.main_grad.add_(param.grad)  # fp32 += low precision, per microbatch
+            param.grad = None
+
+        return hook
+
+    def stage_grads(self) -> None:
+        """After ``forward_backward``: the fp32 sums become ``.grad`` (compute dtype) for the reductions."""
+        for (_, p), m in zip(self.named, self.masters, strict=True):
+            if m is not p:
+                p.grad = m.main_grad.to(p.dtype)
+                m.main_grad.zero_()
 
     @property
     def mixed(self) -> bool:

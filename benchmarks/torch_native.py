@@ -37,7 +37,7 @@ aten = torch.ops.aten
 CORE_OPS = {aten.bmm.default, aten.mul_.Tensor, aten.mul.Tensor, aten.masked_fill_.Scalar, aten._softmax.default,
             aten.native_dropout.default, aten.view.default, aten.permute.default, aten.unbind.int,
             aten.select.int, aten._unsafe_view.default, aten.clone.default, aten.reshape.default,
-            aten.slice.Tensor, aten.expand.default}
+            aten.slice.Tensor, aten.expand.default, aten.alias.default, aten.detach.default}
 
 
 def _policy(ctx, op, *args, **kwargs):

@@ -65,7 +65,7 @@ def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
 def _input(cfg: ModelConfig, micro_batch: int, group) -> torch.Tensor:
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(cfg.seq_len, micro_batch, cfg.hidden_size, generator=gen).to(cfg.torch_dtype)  # [s, b, h]
-    return split_seq(x, group)  # [s/t, b, h]
+    return split_seq(x, group).clone()  # [s/t, b, h], its own storage
 
 
 def _loss(y: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""Smoke tests of the benchmarks (issue 7) at tiny sizes: they run, report what they promise, and the
+reference models compute the same function as seqpar. No timing thresholds: goals live in benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` sits at the checkout's root
+
+from benchmarks import add_arguments  # noqa: E402
+from benchmarks import run as run_benchmark  # noqa: E402
+from benchmarks.single import batch, build_pair  # noqa: E402
+from benchmarks.vs_torch import formula_bytes  # noqa: E402
+from seqpar.config import ModelConfig  # noqa: E402
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _run(capsys, *argv: str) -> dict:
+    result = run_benchmark(_args(*argv, "--quick", "--json"))
+    printed = json.loads(capsys.readouterr().out)
+    assert printed.keys() == json.loads(json.dumps(result)).keys()
+    return result
+
+
+def test_plain_gpt_equals_seqpar_at_t1():
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, embd_dropout=0.0,
+                      attn_dropout=0.0, hidden_dropout=0.0).validate()
+    ours, plain = build_pair(cfg)
+    tokens, labels = batch(cfg, 3)
+    a, b = ours(tokens, labels), plain(tokens, labels)
+    torch.testing.assert_close(a, b)
+    a.backward()
+    b.backward()
+    theirs = dict(plain.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, msg=name)
+
+
+def test_plain_gpt_keeps_the_same_bytes_as_seqpar():
+    from benchmarks.common import Meter
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_heads=4, num_layers=1, seq_len=16, dtype="bf16",
+                      embd_dropout=0.1, attn_dropout=0.1, hidden_dropout=0.1).validate()
+    ours, plain = build_pair(cfg)
+    x = torch.randn(cfg.seq_len, 2, cfg.hidden_size).to(torch.bfloat16).requires_grad_(True)
+    kept = []
+    for layer in (ours.layers["0"], plain.layers[0]):
+        meter = Meter(layer)
+        with meter:
+            layer(x)
+        kept.append(meter.total_bytes)
+    assert kept[0] == kept[1]
+
+
+def test_vs_torch_same_loss_and_the_gathered_inputs(capsys):
+    result = _run(capsys, "vs-torch", "--tp", "2")
+    assert [(r["tp"], r["recompute"]) for r in result["rows"]] == [(2, "none"), (2, "selective")]
+    for r in result["rows"]:
+        assert r["seqpar_loss"] == pytest.approx(r["torch_loss"], rel=2e-2)  # bf16, different reduction orders
+        assert r["seqpar_bytes"] == r["exact_bytes"]
+        assert r["torch_bytes"] == r["torch_expected_bytes"]  # + 4sbh(1 - 1/t) bytes: the gathered inputs
+        assert r["seqpar_ms"] > 0 and r["torch_ms"] > 0
+
+
+def test_vs_torch_fp32_loss_matches_closely(capsys):
+    result = _run(capsys, "vs-torch", "--tp", "2", "--dtype", "fp32")
+    for r in result["rows"]:
+        assert r["seqpar_loss"] == pytest.approx(r["torch_loss"], rel=1e-5)
+
+
+def test_formula_bytes_excess_is_the_gathered_inputs():
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=32, attn_dropout=0.0, hidden_dropout=0.0,
+                      dtype="bf16").validate()
+    for t in (2, 4):
+        f = formula_bytes(cfg, 2, t, "none")
+        assert f["torch_expected"] - f["exact"] == 4 * 32 * 2 * 64 * (t - 1) // t
+
+
+def test_table4_rows(capsys):
+    result = _run(capsys, "table4")
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["baseline", "sp", "full", "selective", "selective_sp"]
+    assert rows["baseline"]["overhead_pct"] == 0.0
+    assert rows["full"]["flops"] > rows["selective"]["flops"] > rows["baseline"]["flops"] == rows["sp"]["flops"]
+    for r in rows.values():
+        assert r["combined_ms"] > 0 and r["forward_ms"] > 0 and r["backward_ms"] > 0
+
+
+def test_single_and_mfu(capsys):
+    single = _run(capsys, "single")
+    assert single["seqpar_ms"] > 0 and single["plain_ms"] > 0
+    mfu = _run(capsys, "mfu")
+    assert mfu["peak_flops"] > 0 and mfu["mfu"] > 0
+    assert mfu["peak_flops_by_dtype"].keys() == {"bf16", "fp32"}
+
+
+def test_seqpar_bench_verb_is_registered():
+    from seqpar.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "single", "--quick"])
+    assert args.name == "single" and args.quick

@@ -13,6 +13,12 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+# Finer selective recompute (beyond the paper): what a layer may checkpoint.
+RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+ATTENTIONS = ("materialized", "sdpa")
 
 
 class ConfigError(ValueError):
@@ -48,10 +54,24 @@ class ModelConfig:
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
     dtype: str = "fp32"
+    # Architecture options (the paper's GPT is the default; Llama-style: rmsnorm, swiglu, rope,
+    # kv_heads < heads, bias False, tie_embeddings False, dropout 0).
+    norm: str = "layernorm"
+    activation: str = "gelu"  # swiglu: fc1 produces gate and up (2f), silu(gate) * up
+    position: str = "learned"  # rope: rotary embeddings on Q and K, no position table
+    kv_heads: int | None = None  # grouped-query attention; None: = num_heads
+    bias: bool = True
+    tie_embeddings: bool = True
+    attention: str = "materialized"  # the paper's s^2 scores, or fused scaled_dot_product_attention
+    rope_theta: float = 10000.0
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads if self.kv_heads is None else self.kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +90,18 @@ class ModelConfig:
                      hidden_dropout=self.hidden_dropout, label_smoothing=self.label_smoothing)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        for name, value, allowed in (("norm", self.norm, NORMS), ("activation", self.activation, ACTIVATIONS),
+                                     ("position", self.position, POSITIONS),
+                                     ("attention", self.attention, ATTENTIONS)):
+            if value not in allowed:
+                raise ConfigError(f"{name} {value!r} is not one of {list(allowed)}")
+        _positive(kv_heads=self.num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"heads {self.num_heads} is not divisible by kv heads {self.num_kv_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dimension, got {self.head_dim}")
+        if self.attention == "sdpa" and self.attn_dropout > 0:
+            raise ConfigError(f"fused attention (sdpa) takes attention dropout 0, got {self.attn_dropout}")
         if self.layernorm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("layernorm_eps and init_std must be positive")
         return self
@@ -99,6 +131,10 @@ class ParallelConfig:
         if model is not None:
             if model.num_heads % self.tp:
                 raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")
+            kv = model.num_kv_heads
+            if kv % self.tp and self.tp % kv:
+                raise ConfigError(f"kv heads {kv} and tp {self.tp}: one must divide the other "
+                                  "(kv heads are split, or replicated when fewer than tp)")
             if model.ffn % self.tp:
                 raise ConfigError(f"ffn width {model.ffn} is not divisible by tp {self.tp}")
             if self.sp and model.seq_len % self.tp:
@@ -123,10 +159,25 @@ class RecomputeConfig:
     granularity: str = "none"
     method: str = "uniform"
     num_layers: int = 1
+    # For ``selective``: which parts of each layer to checkpoint. Empty means the paper's choice,
+    # ("core_attention",). "norm": both norms; "activation": GeLU / SwiGLU; "mlp": the whole MLP.
+    modules: tuple[str, ...] = ()
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        if self.granularity != "selective":
+            return ()
+        return tuple(self.modules) or ("core_attention",)
 
     def validate(self, layers_per_stage: int | None = None) -> RecomputeConfig:
         if self.granularity not in RECOMPUTE_GRANULARITIES:
             raise ConfigError(f"recompute {self.granularity!r} is not one of {list(RECOMPUTE_GRANULARITIES)}")
+        unknown = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(f"recompute modules {unknown} are not among {list(RECOMPUTE_MODULES)}")
+        if self.modules and self.granularity != "selective":
+            raise ConfigError(f"recompute modules {list(self.modules)} need granularity 'selective', "
+                              f"not {self.granularity!r}")
         if self.method not in RECOMPUTE_METHODS:
             raise ConfigError(f"recompute method {self.method!r} is not one of {list(RECOMPUTE_METHODS)}")
         if self.granularity == "full":

@@ -2,6 +2,9 @@
 
 * selective -- checkpoint only the attention core (QK^T, softmax, softmax dropout, attention·V):
   it produces the 5as²b/t terms with few FLOPs per element; its input, the QKV output, is kept.
+  Finer modules beyond the paper (``RecomputeConfig.modules``): "norm" keeps only each norm's input
+  (its statistics and output -- the next linear's input -- are rebuilt in backward), "activation"
+  rebuilds the GeLU/SwiGLU output (fc2's input), "mlp" keeps only the MLP input. None adds GEMMs.
 * full, method ``uniform`` -- layers in groups of N; each group keeps only its input.
 * full, method ``block``   -- the first N layers of a stage keep only their input; the rest keep all.
 
@@ -52,6 +55,34 @@ def checkpoint(run, *inputs: torch.Tensor, tracker: RNGTracker):
     return _Checkpoint.apply(run, tracker, *inputs)
 
 
+def checkpoint_without_output(run, x: torch.Tensor, consumer, *, tracker: RNGTracker):
+    """``consumer(run(x))`` keeping ``x`` but not ``run(x)``, although the consumer saves it.
+
+    ``run(x)`` is checkpointed (only ``x`` kept); once the consumer has run, the storage of its input
+    is released, and a hook on the consumer's backward node recomputes it into the same storage just
+    before that backward needs it (the "discard the output" checkpoint of Megatron-LM).
+    """
+    y = checkpoint(run, x, tracker=tracker)
+    out = consumer(y)
+    if out.grad_fn is None:  # no backward will come (no_grad, or inside a full-recompute forward)
+        return out
+    storage = y.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    # Same storage, shape and strides as the tensor the consumer saved; ``.data`` has its own version
+    # counter, so refilling it does not look like an in-place change of a saved tensor.
+    held = y.data
+
+    def restore(grad_outputs):
+        if storage.nbytes() == 0:
+            storage.resize_(nbytes)
+            with torch.no_grad():
+                held.copy_(run(x))
+
+    out.grad_fn.register_prehook(restore)
+    return out
+
+
 def full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list[tuple[int, int]]:
     """Index ranges ``[start, stop)`` of a stage's layers that are checkpointed as one unit each."""
     if cfg.granularity != "full":
@@ -62,13 +93,23 @@ def full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list[tuple[i
     return [(i, i + 1) for i in range(min(n, num_layers))]  # block
 
 
+def configure_layer(layer, cfg: RecomputeConfig, tracker: RNGTracker):
+    """Set a ``TransformerLayer``'s selective recompute modules (none for ``none`` and ``full``)."""
+    ckpt = functools.partial(checkpoint, tracker=tracker)
+    modules = cfg.selective_modules
+    layer.attention.checkpoint = ckpt if "core_attention" in modules else None
+    layer.mlp.recompute_activation = "activation" in modules
+    layer.mlp_checkpoint = ckpt if "mlp" in modules else None
+    layer.recompute_norm = (functools.partial(checkpoint_without_output, tracker=tracker)
+                            if "norm" in modules else None)
+    return layer
+
+
 def apply_recompute(stage, cfg: RecomputeConfig):
     """Configure a ``GPTStage`` (or anything with ``layers`` and ``tracker``) for ``cfg``."""
     cfg.validate()
-    ckpt = functools.partial(checkpoint, tracker=stage.tracker)
-    selective = cfg.granularity == "selective"
     for layer in stage.layers.values():
-        layer.attention.checkpoint = ckpt if selective else None
-    stage.checkpoint = ckpt
+        configure_layer(layer, cfg, stage.tracker)
+    stage.checkpoint = functools.partial(checkpoint, tracker=stage.tracker)
     stage.full_recompute_groups = full_recompute_groups(len(stage.layers), cfg)
     return stage

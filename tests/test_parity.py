@@ -6,11 +6,9 @@ import pytest
 import torch
 
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
-from seqpar.model import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
-from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
-from seqpar.recompute import apply_recompute
+from seqpar.testing import parity_step, relative_error
 
 # v = 101 is padded at t = 2 and t = 4, so the padding path is exercised.
 CFG = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=2, seq_len=16,
@@ -20,25 +18,7 @@ RECOMPUTES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeCo
               RecomputeConfig("full", "block", 1)]
 
 
-def _batch(cfg):
-    gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
-    labels[0, :3] = -100  # ignored positions
-    return tokens, labels
-
-
-def _step(cfg, dims, sp, recompute):
-    model = apply_recompute(build_model(cfg, dims, sequence_parallel=sp, seed=3), recompute)
-    tokens, labels = _batch(cfg)
-    loss = model(tokens, labels)
-    loss.backward()
-    allreduce_sequence_parallel_grads(model, dims.tp_group)
-    return loss.detach(), full_state_dict(model, dims.tp_group, grads=True)
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+_step, _rel = parity_step, relative_error
 
 
 def _parity_worker(rank, world):

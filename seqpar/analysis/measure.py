@@ -10,7 +10,6 @@ Unlike the rest of ``seqpar.analysis`` this module builds the real model, so it 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,7 +20,7 @@ from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import group_rank, group_size
 from seqpar.parallel.rng import RNGTracker
-from seqpar.recompute import checkpoint
+from seqpar.recompute import checkpoint, configure_layer
 
 
 @dataclass
@@ -40,6 +39,7 @@ class SavedTensorMeter:
 
     def __init__(self, module: nn.Module | None = None):
         self.tensors: list[SavedTensor] = []
+        self._pending: list[tuple[object, SavedTensor]] = []  # (storage, record) until exit
         self._seen: set[int] = set()
         self._exclude: set[int] = set()
         self._stack: list[str] = []
@@ -66,8 +66,8 @@ class SavedTensorMeter:
         if key not in self._exclude and key not in self._seen and storage.nbytes() > 0:
             self._seen.add(key)
             where = self._stack[-1] if self._stack else "<outside>"
-            self.tensors.append(SavedTensor(where, tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                                            storage.nbytes()))
+            record = SavedTensor(where, tuple(t.shape), str(t.dtype).removeprefix("torch."), 0)
+            self._pending.append((storage, record))
         return t
 
     @property
@@ -80,6 +80,13 @@ class SavedTensorMeter:
         return self
 
     def __exit__(self, *exc):
+        # Bytes are read when the forward is over: a storage released after it was saved (a
+        # recomputed norm output, a pipeline stage's sent output) no longer counts.
+        for storage, record in self._pending:
+            record.bytes = storage.nbytes()
+            if record.bytes:
+                self.tensors.append(record)
+        self._pending.clear()
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -91,7 +98,8 @@ def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() if device.type == "cpu" else 4
 
 
-def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False, recompute: str = "none",
+def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
+                  recompute: str | RecomputeConfig = "none",
                   micro_batch: int = 1, device: str | torch.device = "cpu", seed: int = 0,
                   backward: bool = True) -> SavedTensorMeter:
     """Run one layer forward (and backward) on this rank and return what its forward kept.
@@ -104,9 +112,9 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
     tracker = RNGTracker(seed, group_rank(group))
     layer = TransformerLayer(cfg, group, sp, tracker, device=device)
     init_parameters(layer, seed, group_rank(group), t)
-    RecomputeConfig(recompute).validate()
-    if recompute == "selective":
-        layer.attention.checkpoint = lambda fn, x: checkpoint(fn, x, tracker=tracker)
+    rc = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(recompute)
+    configure_layer(layer, rc.validate(), tracker)
+    recompute = rc.granularity
     s = cfg.seq_len // t if sp else cfg.seq_len
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(s, micro_batch, cfg.hidden_size, generator=gen, device=device)
@@ -116,6 +124,4 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
         y = checkpoint(layer, x, tracker=tracker) if recompute == "full" else layer(x)
     if backward:
         y.float().square().mean().backward()
-    with contextlib.suppress(AttributeError):
-        del layer.attention.checkpoint
     return meter

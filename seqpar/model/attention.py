@@ -2,8 +2,14 @@
 
 The attention core -- QK^T, scale + causal mask + softmax, softmax dropout, attention·V -- is the
 part selective recomputation checkpoints (Sec. 5). Q, K and V stay views of the fused QKV output
-(one storage of 6sbh/t bytes); scale and causal mask are folded into one autograd function that
-keeps only the softmax output.
+(one storage); scale and causal mask are folded into one autograd function that keeps only the
+softmax output.
+
+QKV rows are ordered (kv group, [q_0 … q_{g-1}, k, v], head_dim) with g = heads / kv heads (g = 1:
+the paper's multi-head attention, rows (head, {q, k, v}, head_dim)). A contiguous split then gives
+each rank whole groups; with fewer kv heads than ranks each rank holds heads/t query heads of one
+group and that group's k, v (``GroupedQKVLayout``). Query head j of every group is one strided view,
+so attention runs as g batched GEMMs over (b, local groups) without copying Q, K or V.
 """
 
 from __future__ import annotations
@@ -11,23 +17,25 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from seqpar.config import ModelConfig
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.parallel.rng import Dropout, RNGTracker
+from seqpar.parallel.sharding import GroupedQKVLayout
 
 
 class CausalSoftmax(torch.autograd.Function):
     """``softmax(scale · scores + causal mask)``, keeping only its output (2as²b/t bytes)."""
 
     @staticmethod
-    def forward(ctx, scores, scale: float):  # scores [b·a/t, s, s]
+    def forward(ctx, scores, scale: float):  # scores [..., s, s]
         s = scores.shape[-1]
         future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)  # [s, s]
         probs = torch.softmax(scores.float().mul_(scale).masked_fill_(future, float("-inf")), dim=-1)
-        probs = probs.to(scores.dtype)  # [b·a/t, s, s]
+        probs = probs.to(scores.dtype)  # [..., s, s]
         ctx.scale = scale
         ctx.save_for_backward(probs)
         return probs
@@ -40,26 +48,89 @@ class CausalSoftmax(torch.autograd.Function):
         return dx.to(grad.dtype), None
 
 
-class CoreAttention(nn.Module):
-    """QK^T → softmax → dropout → ·V on this rank's a/t heads. ``[s, b, 3h/t]`` → ``[s, b, h/t]``."""
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
 
-    def __init__(self, heads_local: int, head_dim: int, attn_dropout: float, tracker: RNGTracker):
+
+class RotaryQKV(torch.autograd.Function):
+    """Rotary position embedding of the q and k rows of a QKV output ``[s, b, groups, g + 2, d]``.
+
+    Returns a new QKV tensor (v copied) so Q, K, V stay views of one storage; keeps nothing for
+    backward (the inverse rotation needs only the angles, shared by every layer).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin):  # cos, sin [s, 1, 1, 1, d]
+        ctx.cos, ctx.sin = cos, sin
+        out = qkv.clone()
+        qk = qkv[..., :-1, :].float()  # [s, b, groups, g + 1, d]
+        out[..., :-1, :] = (qk * cos + _rotate_half(qk) * sin).to(qkv.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_in = grad.clone()
+        gqk = grad[..., :-1, :].float()
+        grad_in[..., :-1, :] = (gqk * ctx.cos - _rotate_half(gqk * ctx.sin)).to(grad.dtype)
+        return grad_in, None, None
+
+
+class Rotary(nn.Module):
+    """Angles of rotary embeddings (rotate-half convention), cached per length and device."""
+
+    def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        self.n, self.d = heads_local, head_dim
+        self.head_dim, self.theta = head_dim, theta
+        self._cache: dict = {}
+
+    def angles(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (s, str(device))
+        if key not in self._cache:
+            inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
+            freqs = torch.outer(torch.arange(s, device=device).float(), inv)  # [s, d/2]
+            emb = torch.cat([freqs, freqs], dim=-1).view(s, 1, 1, 1, self.head_dim)  # [s, 1, 1, 1, d]
+            self._cache[key] = (emb.cos(), emb.sin())
+        return self._cache[key]
+
+
+class CoreAttention(nn.Module):
+    """Attention of this rank's heads: ``[s, b, groups·(g+2)·d]`` → ``[s, b, groups·g·d]``.
+
+    ``materialized``: the paper's QK^T → softmax → dropout → ·V, keeping the s² tensors;
+    ``sdpa``: ``scaled_dot_product_attention`` (fused: keeps Q, K, V, its output and one fp32
+    log-sum-exp per row instead).
+    """
+
+    def __init__(self, groups: int, g: int, head_dim: int, attn_dropout: float, tracker: RNGTracker,
+                 fused: bool = False):
+        super().__init__()
+        self.groups, self.g, self.d = groups, g, head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.fused = fused
         self.dropout = Dropout(attn_dropout, tracker, "sharded")  # heads are split over TP ranks
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         s, b, _ = qkv.shape
-        n, d = self.n, self.d
-        q, k, v = qkv.view(s, b, n, 3, d).unbind(dim=3)  # each [s, b, a/t, d], views of qkv
-        q = q.permute(1, 2, 0, 3).reshape(b * n, s, d)  # [b·a/t, s, d] (view)
-        k = k.permute(1, 2, 3, 0).reshape(b * n, d, s)  # [b·a/t, d, s] (view)
-        v = v.permute(1, 2, 0, 3).reshape(b * n, s, d)  # [b·a/t, s, d] (view)
-        scores = torch.bmm(q, k)  # [b·a/t, s, s]
-        probs = self.dropout(CausalSoftmax.apply(scores, self.scale))  # [b·a/t, s, s]
-        context = torch.bmm(probs, v)  # [b·a/t, s, d]
-        return context.view(b, n, s, d).permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, h/t]
+        n, g, d = self.groups, self.g, self.d
+        qkv = qkv.view(s, b, n, g + 2, d)  # [s, b, groups, g + 2, d]
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # each [s, b, groups, d], views
+        queries = [qkv[:, :, :, j] for j in range(g)]  # query head j of every group, views
+        if self.fused:
+            kb, vb = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d] (views)
+            contexts = [F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kb, vb, is_causal=True)
+                        for q in queries]  # each [b, groups, s, d]
+            contexts = [c.permute(2, 0, 1, 3) for c in contexts]  # each [s, b, groups, d]
+        else:
+            kt = k.permute(1, 2, 3, 0).reshape(b * n, d, s)  # [b·groups, d, s] (view)
+            vb = v.permute(1, 2, 0, 3).reshape(b * n, s, d)  # [b·groups, s, d] (view)
+            qs = [q.permute(1, 2, 0, 3).reshape(b * n, s, d) for q in queries]  # [b·groups, s, d] (views)
+            scores = (torch.stack([torch.bmm(q, kt) for q in qs], dim=1) if g > 1
+                      else torch.bmm(qs[0], kt).unsqueeze(1))  # [b·groups, g, s, s]
+            probs = self.dropout(CausalSoftmax.apply(scores, self.scale))  # [b·groups, g, s, s]
+            contexts = [torch.bmm(probs[:, j], vb).view(b, n, s, d).permute(2, 0, 1, 3)
+                        for j in range(g)]  # each [s, b, groups, d]
+        return torch.stack(contexts, dim=3).view(s, b, n * g * d)  # [s, b, h/t]
 
 
 class SelfAttention(nn.Module):
@@ -68,17 +139,31 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker,
                  output_std: float, device=None):
         super().__init__()
-        t, h, dtype = group_size(group), cfg.hidden_size, cfg.torch_dtype
-        # QKV weight rows are ordered (head, {q, k, v}, head_dim): a contiguous split gives each rank
-        # whole heads, and q, k, v of a head are adjacent so they stay views of one output.
-        self.qkv = ColumnParallelLinear(h, 3 * h, group, sequence_parallel, init_std=cfg.init_std,
-                                        dtype=dtype, device=device)
-        self.core = CoreAttention(cfg.num_heads // t, cfg.head_dim, cfg.attn_dropout, tracker)
-        self.out_proj = RowParallelLinear(h, h, group, sequence_parallel, init_std=output_std,
+        t, h, dtype, d = group_size(group), cfg.hidden_size, cfg.torch_dtype, cfg.head_dim
+        a, kv = cfg.num_heads, cfg.num_kv_heads
+        g = a // kv
+        qkv_rows = kv * (g + 2) * d
+        layout = GroupedQKVLayout(a, kv, d, t) if kv < t else None
+        rows = (a // t + 2) * d * t if layout else qkv_rows  # over all ranks (k, v repeated with a layout)
+        self.qkv = ColumnParallelLinear(h, rows, group, sequence_parallel, bias=cfg.bias,
+                                        init_std=cfg.init_std, dtype=dtype, device=device)
+        if layout is not None:
+            for p in self.qkv.parameters():
+                p.tp_layout = layout
+            self.core = CoreAttention(1, a // t, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")
+        else:
+            self.core = CoreAttention(kv // t, g, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")
+        self.rotary = Rotary(d, cfg.rope_theta) if cfg.position == "rope" else None
+        self.out_proj = RowParallelLinear(h, h, group, sequence_parallel, bias=cfg.bias, init_std=output_std,
                                           dtype=dtype, device=device)
         self.checkpoint = None  # set by seqpar.recompute for selective recomputation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, 3h/t]
+        qkv = self.qkv(x)  # [s, b, groups·(g+2)·d]
+        if self.rotary is not None:
+            s, b, _ = qkv.shape
+            cos, sin = self.rotary.angles(s, qkv.device)
+            shape = (s, b, self.core.groups, self.core.g + 2, self.core.d)
+            qkv = RotaryQKV.apply(qkv.view(shape), cos, sin).view(s, b, -1)
         context = self.core(qkv) if self.checkpoint is None else self.checkpoint(self.core, qkv)  # [s, b, h/t]
         return self.out_proj(context)  # [s(/t), b, h]

@@ -26,21 +26,25 @@ class Embedding(nn.Module):
         self.sp = sequence_parallel and group_size(group) > 1
         dtype = cfg.torch_dtype
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group, cfg.init_std, dtype, device)
-        self.position = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, dtype=dtype, device=device))
-        mark(self.position, sequence_parallel=self.sp, init_std=cfg.init_std)
+        self.position = None  # rotary embeddings act inside attention instead
+        if cfg.position == "learned":
+            self.position = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, dtype=dtype, device=device))
+            mark(self.position, sequence_parallel=self.sp, init_std=cfg.init_std)
+        self.max_len = cfg.seq_len
         self.dropout = Dropout(cfg.embd_dropout, tracker, "sharded" if self.sp else "replicated")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        if s > self.position.shape[0]:
-            raise ValueError(f"sequence {s} is longer than the position table {self.position.shape[0]}")
+        if s > self.max_len:
+            raise ValueError(f"sequence {s} is longer than the model's sequence length {self.max_len}")
         x = self.word(tokens.t())  # [s, b, h], a partial sum under TP
-        positions = self.position[:s]  # [s, h]
+        start, stop = 0, s
         if self.sp:
             x = comm.g_bar(x, self.group)  # [s/t, b, h]
             chunk = s // group_size(self.group)
-            start = dist.get_rank(self.group) * chunk
-            positions = positions[start:start + chunk]  # [s/t, h]
+            start, stop = dist.get_rank(self.group) * chunk, (dist.get_rank(self.group) + 1) * chunk
         else:
             x = comm.f_bar(x, self.group)  # [s, b, h]
-        return self.dropout(x + positions.unsqueeze(1))  # [s(/t), b, h]
+        if self.position is not None:
+            x = x + self.position[start:stop].unsqueeze(1)  # [s(/t), 1, h] broadcast over b
+        return self.dropout(x)  # [s(/t), b, h]

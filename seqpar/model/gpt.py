@@ -14,7 +14,8 @@ from torch import nn
 from seqpar.config import ModelConfig
 from seqpar.model.embedding import Embedding
 from seqpar.model.init import init_parameters
-from seqpar.model.layer import TransformerLayer, layer_norm
+from seqpar.model.layer import TransformerLayer
+from seqpar.model.norm import make_norm
 from seqpar.parallel import comm
 from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from seqpar.parallel.dims import ParallelDims, group_size
@@ -35,14 +36,17 @@ class GPTStage(nn.Module):
         self.embedding = Embedding(cfg, group, sequence_parallel, tracker, device) if first else None
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, group, sequence_parallel, tracker, device)
                                      for i in self.layer_ids})
-        self.final_ln = layer_norm(cfg, self.sp, device) if last else None
+        self.final_ln = make_norm(cfg, self.sp, device) if last else None
         self.output_weight = None
-        if last and not first:  # the tied weight lives on two stages; its gradients are summed
+        if last and (not first or not cfg.tie_embeddings):
+            # Untied: the output layer's own weight. Tied across stages: the last stage's copy of the
+            # word embedding (same initial value); the two copies' gradients are summed.
             t = group_size(group)
             shape = (padded_vocab(cfg.vocab_size, t) // t, cfg.hidden_size)
             self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=cfg.torch_dtype, device=device)),
                                       split_dim=0, full_size=cfg.vocab_size, init_std=cfg.init_std)
-            self.output_weight.init_key = "embedding.word.weight"
+            if cfg.tie_embeddings:
+                self.output_weight.init_key = "embedding.word.weight"
         # Set by seqpar.recompute: [(first, last)] index ranges into self.layers run as one
         # checkpointed unit; layers outside every range keep all their activations.
         self.full_recompute_groups: list[tuple[int, int]] = []

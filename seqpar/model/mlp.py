@@ -1,4 +1,7 @@
-"""MLP (Fig. 2): fc1 column-parallel h → f/t, GeLU, fc2 row-parallel f/t → h."""
+"""MLP (Fig. 2): fc1 column-parallel h → f/t, GeLU, fc2 row-parallel f/t → h.
+
+SwiGLU (Llama-style): fc1 produces [gate; up] (2f, each half split over TP), ``silu(gate) · up``.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +13,70 @@ from seqpar.config import ModelConfig
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) · up`` from ``[..., 2f/t]``, keeping only its input (silu recomputed in backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = x.chunk(2, dim=-1)  # each [s, b, f/t]
+        ctx.save_for_backward(x)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        gate, up = x.float().chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        g = grad.float()
+        grad_gate = g * up * sig * (1 + gate * (1 - sig))
+        return torch.cat([grad_gate, g * silu], dim=-1).to(x.dtype)
+
+
+def activation(cfg: ModelConfig):
+    return _SwiGLU.apply if cfg.activation == "swiglu" else F.gelu
+
+
+class _RecomputedActivationLinear(torch.autograd.Function):
+    """``act(y) W^T`` keeping only ``y`` (the fc1 output): the activation output, fc2's input, is
+    recomputed in backward (elementwise, no GEMM FLOPs) -- the "activation" recompute module."""
+
+    @staticmethod
+    def forward(ctx, y, weight, act):
+        ctx.act = act
+        ctx.save_for_backward(y, weight)
+        with torch.no_grad():
+            return F.linear(act(y), weight)  # [s, b, h] partial sum
+
+    @staticmethod
+    def backward(ctx, grad_out):  # [s, b, h]
+        y, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            y = y.detach().requires_grad_(True)
+            z = ctx.act(y)  # [s, b, f/t], recomputed
+        grad_z = grad_out.matmul(weight)  # [s, b, f/t]
+        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(z.detach().reshape(-1, z.shape[-1]))
+        z.backward(grad_z)
+        return y.grad, grad_w, None
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, output_std: float, device=None):
         super().__init__()
         h, f, dtype = cfg.hidden_size, cfg.ffn, cfg.torch_dtype
-        self.fc1 = ColumnParallelLinear(h, f, group, sequence_parallel, init_std=cfg.init_std,
-                                        dtype=dtype, device=device)
-        self.fc2 = RowParallelLinear(f, h, group, sequence_parallel, init_std=output_std,
+        parts = 2 if cfg.activation == "swiglu" else 1
+        self.fc1 = ColumnParallelLinear(h, parts * f, group, sequence_parallel, bias=cfg.bias,
+                                        init_std=cfg.init_std, dtype=dtype, device=device)
+        for p in self.fc1.parameters():
+            p.tp_split_parts = parts  # [gate; up]: each rank holds its slice of both halves
+        self.act = activation(cfg)
+        self.fc2 = RowParallelLinear(f, h, group, sequence_parallel, bias=cfg.bias, init_std=output_std,
                                      dtype=dtype, device=device)
+        self.recompute_activation = False  # set by seqpar.recompute (the "activation" module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)  # [s, b, f/t]   keeps its input (2sbh, or 2sbh/t under SP)
-        y = F.gelu(y)  # keeps the fc1 output (8sbh/t for f = 4h)
-        return self.fc2(y)  # keeps the GeLU output (8sbh/t); output [s(/t), b, h]
+        y = self.fc1(x)  # [s, b, f/t] (2f/t for SwiGLU)   keeps its input (2sbh, or 2sbh/t under SP)
+        if self.recompute_activation:
+            return self.fc2.reduce(_RecomputedActivationLinear.apply(y, self.fc2.weight, self.act))
+        y = self.act(y)  # keeps the fc1 output
+        return self.fc2(y)  # keeps the activation output [s, b, f/t]; output [s(/t), b, h]

@@ -106,8 +106,11 @@ class RowParallelLinear(nn.Module):
                           init="zeros") if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [s, b, out] partial sum
-        y = comm.g_bar(y, self.group) if self.sequence_parallel else comm.f_bar(y, self.group)
+        return self.reduce(F.linear(x, self.weight))  # [s, b, out] partial sum, reduced
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial products (f̄, or ḡ under SP), then add the bias."""
+        y = comm.g_bar(partial, self.group) if self.sequence_parallel else comm.f_bar(partial, self.group)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,37 @@
+"""Parity helpers: one training step of a configuration, gradients gathered to full size, so any
+tp/sp/recompute layout can be compared with the single-process model (used by the tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.model import build_model
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
+from seqpar.recompute import apply_recompute
+
+
+def parity_batch(cfg: ModelConfig, batch: int = 2, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels ``[b, s]``, a few labels ignored (-100)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
+    labels[0, :3] = -100
+    return tokens, labels
+
+
+def parity_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: RecomputeConfig,
+                seed: int = 3) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and full-size gradients (collective over the tp group) of one step on ``parity_batch``."""
+    model = apply_recompute(build_model(cfg, dims, sequence_parallel=sp, seed=seed), recompute)
+    tokens, labels = parity_batch(cfg)
+    loss = model(tokens, labels)
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, dims.tp_group)
+    return loss.detach(), full_state_dict(model, dims.tp_group, grads=True)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()

@@ -57,9 +57,11 @@ def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
         last = dims.pp_rank == p - 1 and c == m - 1
         chunk = build_model(cfg, dims, sequence_parallel=parallel.sp, seed=seed, layer_ids=ids,
                             first=first, last=last, device=device)
-        chunk.tied_group = group if (first or last) and p > 1 else None
+        tied = getattr(cfg, "tie_embeddings", True)  # untied models have no copies to sum
+        chunk.tied_group = group if (first or last) and p > 1 and tied else None
         # build_model seeds the dropout streams by pipeline rank; give every chunk of this rank its own
         # streams too (seed + 100 × virtual stage), or two chunks would draw the same masks.
         chunk.tracker.seeds = {k: v + 100 * c * p for k, v in chunk.tracker.seeds.items()}
+        chunk.recompute_config = recompute  # App. C switches it off per microbatch and back
         chunks.append(apply_recompute(chunk, recompute))
     return chunks

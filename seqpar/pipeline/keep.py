@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import contextlib
 
-from seqpar.config import ConfigError
+from seqpar.config import ConfigError, RecomputeConfig
+from seqpar.recompute import apply_recompute
 
 
 @contextlib.contextmanager
 def recompute_off(chunk):
-    """Run a ``GPTStage`` chunk with every activation stored (selective and full recompute off)."""
-    saved_attn = {name: layer.attention.checkpoint for name, layer in chunk.layers.items()}
-    saved_groups = chunk.full_recompute_groups
+    """Run a ``GPTStage`` chunk with every activation stored: recompute is re-applied as "none" for
+    the duration, then the chunk's own plan (``chunk.recompute_config``, set by ``build_stages``)."""
     try:
-        for layer in chunk.layers.values():
-            layer.attention.checkpoint = None
-        chunk.full_recompute_groups = []
+        apply_recompute(chunk, RecomputeConfig("none"))
         yield
     finally:
-        for name, layer in chunk.layers.items():
-            layer.attention.checkpoint = saved_attn[name]
-        chunk.full_recompute_groups = saved_groups
+        apply_recompute(chunk, chunk.recompute_config)
 
 
 class KeepPolicy:

@@ -37,6 +37,7 @@ class StagePeak:
     formula_bytes: float  # the analytic model (seqpar.analysis.stage), LayerNorm statistics included
     exact_bytes: float  # formula + implementation_terms: what this code should measure to the byte
     terms: dict  # every term of exact_bytes
+    loss: float | None = None  # the step's mean loss (the same on every rank)
 
     @property
     def ratio(self) -> float | None:
@@ -125,39 +126,67 @@ def measure_here(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
     return meter.peak_bytes, loss
 
 
-def _worker(rank, world, cfg, parallel, runs):
-    dims = ParallelDims.build(parallel)
+def measure_jobs_here(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]]) -> list[list[dict]]:
+    """On this rank (collective over the world): every run of every job; raw per-rank results."""
     out = []
-    for recompute, micro_batch, n, free, keep in runs:
-        peak, loss = measure_here(cfg, parallel, recompute, dims, micro_batch, n, free, keep)
-        out.append({"stage": dims.pp_rank, "tp_rank": dims.tp_rank, "peak": peak, "loss": loss})
+    for parallel, runs in jobs:
+        dims = ParallelDims.build(parallel)
+        results = []
+        for recompute, micro_batch, n, free, keep in runs:
+            peak, loss = measure_here(cfg, parallel, recompute, dims, micro_batch, n, free, keep)
+            results.append({"stage": dims.pp_rank, "tp_rank": dims.tp_rank, "peak": peak, "loss": loss})
+        out.append(results)
     return out
 
 
+def _worker(rank, world, cfg, jobs):
+    return measure_jobs_here(cfg, jobs)
+
+
+def validate_jobs(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]]) -> int:
+    """Check every job before any rank starts; returns their common world size."""
+    worlds = {parallel.world_size for parallel, _ in jobs}
+    if len(worlds) != 1:
+        raise ConfigError(f"one spawn runs one world size, the jobs need {sorted(worlds)}")
+    for parallel, runs in jobs:
+        if parallel.dp != 1:
+            raise ConfigError(f"the schedule measurement runs one pipeline (dp 1), got dp {parallel.dp}")
+        parallel.validate(cfg)
+        for recompute, _, n, _, keep in runs:
+            recompute.validate(cfg.num_layers // (parallel.pp * parallel.interleave))
+            validate_microbatches(n, parallel.pp, parallel.interleave)
+            for r in range(parallel.pp):
+                keep_for_rank(keep, r, parallel.pp)
+    return worlds.pop()
+
+
+def report(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]], results: list) -> list:
+    """Per job and run, one ``StagePeak`` per pipeline rank (max over its tp ranks) from every rank's
+    ``measure_jobs_here`` result, next to the formula."""
+    out = []
+    for j, (parallel, runs) in enumerate(jobs):
+        job = []
+        for i, (recompute, micro_batch, n, free, keep) in enumerate(runs):
+            stages = []
+            for r in range(parallel.pp):
+                mine = [res[j][i] for res in results if res[j][i]["stage"] == r]
+                formula, terms = formula_stage_bytes(cfg, parallel, recompute, micro_batch, n, r, free,
+                                                     keep_for_rank(keep, r, parallel.pp))
+                extra = implementation_terms(cfg, parallel, micro_batch, n, r, free)
+                stages.append(StagePeak(r, max(x["peak"] for x in mine), formula, formula + sum(extra.values()),
+                                        terms | extra, mine[0]["loss"]))
+            job.append(stages)
+        out.append(job)
+    return out
+
+
+def measure_many(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]]) -> list[list[list[StagePeak]]]:
+    """Several ``(parallel, runs)`` jobs of one world size in one spawn of p × t gloo ranks. A run is
+    ``(recompute, micro_batch, microbatches, free_outputs, keep)``."""
+    world = validate_jobs(cfg, jobs)
+    return report(cfg, jobs, run_ranks(_worker, world, cfg, jobs))
+
+
 def measure_schedules(cfg: ModelConfig, parallel: ParallelConfig, runs: list[tuple]) -> list[list[StagePeak]]:
-    """Each run ``(recompute, micro_batch, microbatches, free_outputs, keep)`` on p × t gloo ranks
-    (one spawn for all runs); per run, one ``StagePeak`` per pipeline rank (max over its tp ranks)."""
-    if parallel.dp != 1:
-        raise ConfigError(f"the schedule measurement runs one pipeline (dp 1), got dp {parallel.dp}")
-    parallel.validate(cfg)
-    for recompute, _, n, _, keep in runs:
-        recompute.validate(cfg.num_layers // (parallel.pp * parallel.interleave))
-        validate_microbatches(n, parallel.pp, parallel.interleave)
-        for r in range(parallel.pp):
-            keep_for_rank(keep, r, parallel.pp)
-    results = run_ranks(_worker, parallel.world_size, cfg, parallel, runs)
-    report = []
-    for i, (recompute, micro_batch, n, free, keep) in enumerate(runs):
-        stages = []
-        for r in range(parallel.pp):
-            peak = max(res[i]["peak"] for res in results if res[i]["stage"] == r)
-            formula, terms = formula_stage_bytes(cfg, parallel, recompute, micro_batch, n, r, free,
-                                                 keep_for_rank(keep, r, parallel.pp))
-            extra = implementation_terms(cfg, parallel, micro_batch, n, r, free)
-            stages.append(StagePeak(r, peak, formula, formula + sum(extra.values()), terms | extra))
-        report.append(stages)
-    return report
-
-
-def losses_of(results: list) -> list[float]:
-    return [res["loss"] for res in results]
+    """``measure_many`` for one parallel layout: per run, one ``StagePeak`` per pipeline rank."""
+    return measure_many(cfg, [(parallel, runs)])[0]

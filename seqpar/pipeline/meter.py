@@ -5,7 +5,8 @@ LIVE over time: a storage is counted when autograd saves it during a forward ste
 schedule keeps a stage output for its backward, ``hold``) and stops counting when the storage is
 freed -- after its backward, or when App. B frees a sent output. Storages are de-duplicated (Q, K, V
 are views of one QKV output; a linear keeps its input reshaped) and parameters are excluded.
-Memory only grows when something is counted, so checking the total there gives the exact peak.
+Sizes are read when each forward ends. Memory grows only during forwards and holds, so checking
+the total there gives the exact peak.
 
 Only forward-time saves count: the transient working set that recomputation rebuilds during a
 backward is not an activation held across the schedule (it is the same for any number of
@@ -30,6 +31,7 @@ class ScheduleMeter:
                          for t in [*mod.parameters(), *mod.buffers()]}
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._what: dict[int, tuple[tuple[int, ...], str, int]] = {}
+        self._pending: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str]] = {}
         self.peak_bytes = 0
         self.current_bytes = 0
 
@@ -40,37 +42,45 @@ class ScheduleMeter:
     def _prune(self) -> None:
         for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
             self.current_bytes -= self._live.pop(key)[1]
+            self._what.pop(key, None)
 
-    def _count(self, t: torch.Tensor) -> None:
+    def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self._exclude or storage.nbytes() == 0:
-            return
+        if key not in self._exclude and storage.nbytes() > 0 and key not in self._pending:
+            self._pending[key] = (storage, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        return t
+
+    def _settle(self) -> None:
+        """Count what the last forward saved, at the size its storage has now that the forward is over
+        (a storage the model released after saving it -- a recomputed norm output -- counts 0)."""
         self._prune()  # a freed storage's address may be reused: forget the dead ones first
-        if key in self._live:
-            return
-        self._live[key] = (StorageWeakRef(storage), storage.nbytes())
-        self.current_bytes += storage.nbytes()
-        if self.detail:
-            self._what[key] = (tuple(t.shape), str(t.dtype).removeprefix("torch."), storage.nbytes())
+        for key, (storage, shape, dtype) in self._pending.items():
+            nbytes = storage.nbytes()
+            if key in self._live or nbytes == 0:
+                continue
+            self._live[key] = (StorageWeakRef(storage), nbytes)
+            self.current_bytes += nbytes
+            if self.detail:
+                self._what[key] = (shape, dtype, nbytes)
+        self._pending.clear()
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             if self.detail:
                 self.peak_tensors = [self._what[k] for k in self._live]
 
-    def _pack(self, t: torch.Tensor):
-        self._count(t)
-        return t
-
     def hold(self, t: torch.Tensor) -> None:
         """The schedule keeps ``t`` (a stage output) until its backward: count it while it lives."""
-        self._count(t)
+        self._pack(t)
+        self._settle()
 
     @contextlib.contextmanager
     def forward(self):
-        """Count what autograd saves inside this block (one chunk-microbatch forward)."""
+        """Count what autograd saves inside this block (one chunk-microbatch forward). Memory only
+        grows during a forward, so reading the total when it ends gives the exact peak."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
+        self._settle()
 
     def live_bytes(self) -> int:
         self._prune()

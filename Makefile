@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m seqpar memory --measure --all --tp 2
+	$(PY) -m seqpar train --config configs/default.toml --nproc 2
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check seqpar tests

@@ -118,6 +118,22 @@ class Trainer:
         return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), self.state.step, tensors, meta,
                              self.job.train.keep_checkpoints))
 
+    def banner(self, info: dict) -> str:
+        m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
+        params = sum(p_.numel() for _, p_ in self.opt.named if not getattr(p_, "is_tied_copy", False))
+        lines = [f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
+                 f"vocab {m.vocab_size}, {m.dtype}; {params:,} parameters on rank 0",
+                 f"  tp {p.tp} × pp {p.pp} × dp {p.dp} (interleave {p.interleave}), sequence parallel "
+                 f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {t.microbatches(p.dp)} microbatches of "
+                 f"{t.micro_batch} per step",
+                 f"  data {self.data.source}: {len(self.data.train):,} train / {len(self.data.val):,} validation "
+                 "tokens",
+                 f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
+        if "act_bytes_measured" in info:
+            lines.append(f"  activations kept by the layers for one microbatch on this rank: measured "
+                         f"{info['act_bytes_measured']:,} B, formula {info['act_bytes_predicted']:,.0f} B")
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------ steps
     def log(self, text: str) -> None:
         if not self.quiet:
@@ -150,13 +166,14 @@ class Trainer:
 
     def run(self) -> dict:
         t = self.job.train
-        metrics = MetricsLog(t.out_dir, enabled=self.rank0)
+        metrics = MetricsLog(t.out_dir, enabled=self.rank0, fresh=self.state.step == 0)
         end = t.stop_at or t.steps
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
         if self.rank0:
-            metrics.log({"event": "start", **self.throughput.describe(), "data": self.data.source,
-                         "config": self.job.to_dict()})
+            info = self.throughput.describe()
+            metrics.log({"event": "start", **info, "data": self.data.source, "config": self.job.to_dict()})
+            self.log(self.banner(info))
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         try:
@@ -181,7 +198,9 @@ class Trainer:
                     continue
                 if done % t.log_every == 0 or done == end:
                     dt = (time.perf_counter() - window_t) / window_steps
-                    last = {"step": done, "loss": loss, "lr": self.opt.opt.param_groups[0]["lr"],
+                    recent = [x for x in self.state.losses[-window_steps:] if math.isfinite(x)]
+                    last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
+                            "lr": self.opt.opt.param_groups[0]["lr"],
                             "grad_norm": norm, **self.throughput.rates(dt)}
                     if t.eval_every and done % t.eval_every == 0 or done == end:
                         self.state.val_loss = last["val_loss"] = self.validate_loss()

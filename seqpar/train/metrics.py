@@ -71,7 +71,8 @@ class Progress:
 class MetricsLog:
     """Appends one JSON object per record to ``out_dir/metrics.jsonl`` (and TensorBoard)."""
 
-    def __init__(self, out_dir: str | Path, enabled: bool = True):
+    def __init__(self, out_dir: str | Path, enabled: bool = True, fresh: bool = False):
+        """``fresh``: a run starting at step 0 replaces an old metrics file; a resumed run appends."""
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self.records: list[dict] = []
@@ -79,6 +80,8 @@ class MetricsLog:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and self.path.exists():
+            self.path.unlink()
         try:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))

@@ -24,7 +24,7 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
           f"recompute {r.granularity}")
     print(f"  steps {summary.get('step', t.steps)}, global batch {t.global_batch} × {m.seq_len} tokens")
     loss, val = summary.get("loss", math.nan), summary.get("val_loss", math.nan)
-    print(f"  final train loss {loss:.4f}  validation loss {val:.4f} nats/token"
+    print(f"  final train loss {loss:.4f} (mean of the last {t.log_every} steps)  validation loss {val:.4f} nats/token"
           + (f" ({val / math.log(2):.3f} bits/byte)" if m.vocab_size == 256 else ""))
     if "tokens_per_s" in summary:
         print(f"  throughput {summary['tokens_per_s']:,.0f} tokens/s, step {summary['step_time'] * 1e3:.0f} ms, "

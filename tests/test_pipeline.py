@@ -1,7 +1,8 @@
 """The issue's acceptance for pipelining, one spawn of gloo ranks per world size (2, 4, 8).
 
 Parity: (dp, pp, tp) ∈ {(1,2,1), (1,4,1), (1,2,2), (2,2,1), (2,1,2), (2,2,2)}, SP when t > 1, selective
-recompute, 1F1B and interleaved (m = 2), fp32 and dropout 0: loss and every gradient (after
+recompute, 1F1B and interleaved (m = 2), plus uneven splits (an embedding-only first stage), fp32 and
+dropout 0: loss and every gradient (after
 ``finalize_grads``) within 1e-5 relative of the single-process model's gradient of the mean over all
 microbatches of the global batch.
 
@@ -32,7 +33,7 @@ SEL, FULL = RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)
 PARITY_CFG = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=8, seq_len=16,
                          embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
 MICRO, PER_DP = 2, 4  # microbatch size, microbatches per dp rank
-PARITY = {2: [(1, 2, 1, 1), (1, 2, 1, 2)],  # (dp, pp, tp, m)
+PARITY = {2: [(1, 2, 1, 1), (1, 2, 1, 2), (1, 2, 1, 1, (0, 8)), (1, 2, 1, 2, (1, 3, 2, 2))],  # (dp, pp, tp, m[, split])
           4: [(1, 4, 1, 1), (1, 4, 1, 2), (1, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 1), (2, 2, 1, 2), (2, 1, 2, 1)],
           8: [(2, 2, 2, 1), (2, 2, 2, 2)]}
 
@@ -58,14 +59,15 @@ def _rel(a, b):
 
 def parity_here(cases):
     refs, out = {}, {}
-    for dp, pp, tp, m in cases:
+    for case in cases:
+        dp, pp, tp, m, *split = case
         parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, interleave=m)
         batches = global_batch(dp)
         if dp not in refs:
             refs[dp] = reference(batches)
         ref_losses, ref_grads = refs[dp]
         dims = ParallelDims.build(parallel)
-        chunks = build_stages(PARITY_CFG, parallel, SEL, dims, seed=5)
+        chunks = build_stages(PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None)
         mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
         loss = forward_backward(chunks, batches[mine], dims, parallel)
         finalize_grads(chunks, dims, parallel)
@@ -74,7 +76,7 @@ def parity_here(cases):
             for name, g in full_state_dict(chunk, dims.tp_group, grads=True).items():
                 grads["embedding.word.weight" if name == "output_weight" else name] = g
         local = ref_losses[mine].mean().item()  # the documented return value: this dp rank's mean
-        out[(dp, pp, tp, m)] = (abs(loss - local) / abs(local), max(_rel(g, ref_grads[k]) for k, g in grads.items()),
+        out[case] = (abs(loss - local) / abs(local), max(_rel(g, ref_grads[k]) for k, g in grads.items()),
                                 sorted(grads), sorted(ref_grads))
     return out
 

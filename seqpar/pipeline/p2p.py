@@ -42,6 +42,13 @@ class PipeComm:
     def _empty(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
+    def init_communicator(self) -> None:
+        """NCCL: ``batch_isend_irecv`` needs every rank of the group in the group's first call, but a
+        pipeline's first exchange involves two ranks only; a one-element all-reduce over the whole
+        pipeline group first creates the communicator everywhere. Nothing to do on gloo."""
+        if self.dims.pp > 1 and dist.get_backend(self.dims.pp_group) == "nccl":
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.dims.pp_group)
+
     def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
                  recv_prev: bool = False, recv_next: bool = False
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

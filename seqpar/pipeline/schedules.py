@@ -45,6 +45,10 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     if len(chunks) != m:
         raise ConfigError(f"{len(chunks)} model chunks on this rank, interleave {m} needs {m}")
     validate_microbatches(len(microbatches), parallel.pp, m)
+    shapes = {(tuple(tokens.shape), tuple(labels.shape)) for tokens, labels in microbatches}
+    if len(shapes) != 1:
+        raise ConfigError(f"every microbatch must have one shape (the stage-boundary buffers are sized by it), "
+                          f"got tokens/labels shapes {sorted(shapes)}")
     k = keep_for_rank(keep_microbatches, dims.pp_rank, dims.pp)
     runner = StepRunner(chunks, list(microbatches), free_outputs=free_outputs,
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter)
@@ -53,6 +57,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         run_no_pipelining(runner)
     else:
         comm = PipeComm(dims, boundary_shape(chunks[0], microbatches[0][0]), chunks[0].cfg.torch_dtype, device)
+        comm.init_communicator()
         if m == 1:
             run_1f1b(runner, comm)
         else:

@@ -51,3 +51,43 @@ def test_sp_keeps_no_gathered_activation():
     shapes = [tuple(t["shape"]) for t in tensors]
     assert (16, 2, 64) in shapes  # the LN inputs and the QKV / fc1 input shards
     assert (32, 2, 64) not in shapes and (64, 64) not in shapes, shapes
+
+
+ARCHS = [  # (name, config changes): each measured under every Table 2 row and the finer modules
+    ("llama kv2 sdpa", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=2,
+                            attention="sdpa", tie_embeddings=False, embd_dropout=0.0, attn_dropout=0.0,
+                            hidden_dropout=0.0, ffn_hidden_size=176)),
+    ("llama kv2 materialized", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=2,
+                                    embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
+    ("llama kv1 materialized", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=1,
+                                    embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
+    ("gpt gqa dropout", dict(kv_heads=2)),
+]
+MODULES = [("norm",), ("activation",), ("mlp",), ("core_attention", "norm", "activation"), ("norm", "mlp")]
+
+
+def _arch_rows(t):
+    from dataclasses import replace
+
+    base = ModelConfig(hidden_size=128, num_heads=8, seq_len=64, num_layers=1, dtype="bf16")
+    for name, changes in ARCHS:
+        cfg = replace(base, **changes)
+        rows = plan_rows(cfg, 2, t, False, "none", all_rows=True)
+        for sp in ([False, True] if t > 1 else [False]):
+            for modules in MODULES:
+                rows += plan_rows(cfg, 2, t, sp, "selective", all_rows=False, modules=modules)
+        yield name, cfg, rows
+
+
+def _arch_worker(rank, world):
+    return [(name, rows, _measure_worker(rank, world, cfg, 2, rows)) for name, cfg, rows in _arch_rows(world)]
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_architectures_and_recompute_modules_measured_equals_exact(t):
+    checked = 0
+    for name, rows, measured in run_ranks(_arch_worker, t)[0]:
+        for r, (total, _) in zip(rows, measured, strict=True):
+            assert total == r.exact_bytes, (name, r.row, r.sp, r.recompute, r.modules, total, r.exact_bytes)
+            checked += 1
+    assert checked == len(ARCHS) * (6 + len(MODULES) * (2 if t > 1 else 1))

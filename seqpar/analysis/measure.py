@@ -46,7 +46,7 @@ class SavedTensorMeter:
         self._handles = []
         if module is not None:
             for t in [*module.parameters(), *module.buffers()]:
-                self._exclude.add(t.untyped_storage().data_ptr())
+                self._exclude.add(t.untyped_storage()._cdata)
             for name, sub in module.named_modules():
                 self._handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
                 self._handles.append(sub.register_forward_hook(self._pop))
@@ -62,7 +62,10 @@ class SavedTensorMeter:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        # The storage object's identity, not its address: a storage released during the forward
+        # (a recomputed norm output) may see its address reused by a later tensor. Holding the
+        # storage in _pending keeps the identity unique until the forward ends.
+        key = storage._cdata
         if key not in self._exclude and key not in self._seen and storage.nbytes() > 0:
             self._seen.add(key)
             where = self._stack[-1] if self._stack else "<outside>"

@@ -33,61 +33,82 @@ def _check(s, b, h, a, t, recompute):
 
 
 def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
-                           mask_bytes=1, dropout=True, ln_stats_bytes=0,
-                           fused_attention=False) -> dict[str, float]:
+                           mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False,
+                           kv_heads=None, norm="layernorm", activation="gelu",
+                           modules=None) -> dict[str, float]:
     """Bytes one layer keeps for backward on one tp rank, one entry per stored tensor (Sec. 4.1).
 
-    ``recompute``: "none"; "selective" drops the softmax output, its dropout mask and the dropout
-    output (the 5as^2b/t terms, Sec. 5) and keeps Q, K, V; "full" keeps only the layer input
-    (Table 2 last row: 2sbh, or 2sbh/t when sequence-sharded). ``ffn`` is the FFN width f (4h when
-    None): the MLP then stores sbh(3 + 4f/h). ``dropout=False``: no masks, and attention*V reads the
-    softmax output itself, so the s^2 terms are 2as^2b/t. ``fused_attention`` (not in the paper;
-    flash-attention style): no s^2 tensors at all, the kernel keeps an fp32 log-sum-exp per row
-    (4asb/t) and regenerates its dropout mask, so selective recompute has nothing left to drop.
-    ``ln_stats_bytes`` > 0 adds the LayerNorm mean and rstd the paper ignores.
+    ``recompute``: "none"; "selective" drops what its ``modules`` rebuild in backward (default the
+    paper's ("core_attention",): the softmax output, its dropout mask and the dropout output, i.e. the
+    5as^2b/t terms, Sec. 5); "full" keeps only the layer input (Table 2 last row: 2sbh, or 2sbh/t when
+    sequence-sharded). ``ffn`` is the FFN width f (4h when None): the MLP then stores sbh(3 + 4f/h).
+    ``dropout=False``: no masks, and attention*V reads the softmax output itself, so the s^2 terms are
+    2as^2b/t. ``fused_attention`` (not in the paper; ``scaled_dot_product_attention``): no s^2 tensors;
+    the kernel keeps its output (2sbh/t) and an fp32 log-sum-exp per row (4asb/t).
+    ``ln_stats_bytes`` > 0 adds the norm statistics the paper ignores: LayerNorm keeps mean and rstd
+    (``ln_stats_bytes`` each), RMSNorm one fp32 rstd.
+
+    Beyond the paper (Llama-style): ``kv_heads`` < a shrinks K and V (a rank holds kv/t kv heads, or one
+    replicated kv head when kv < t); ``activation="swiglu"`` makes fc1 2f wide, its output (kept by the
+    SwiGLU) 4sbf/t bytes; finer selective ``modules``: "norm" keeps only the norm inputs (their
+    statistics and outputs, the QKV / fc1 inputs, are rebuilt), "activation" rebuilds fc2's input,
+    "mlp" keeps only the MLP input.
     """
     _check(s, b, h, a, t, recompute)
     f = 4 * h if ffn is None else ffn
+    kv = a if kv_heads is None else kv_heads
+    # kv heads on one rank: split with the query heads (MHA, or kv >= t), else one replicated kv head
+    kv_local = kv / t if kv_heads is None or kv >= t else 1
+    d = h / a
     rep = t if sp else 1  # divisor of the regions sequence parallelism shards (else replicated)
     if recompute == "full":
         return {"layer_input": act_bytes * s * b * h / rep}
+    rebuilt = set(modules or ("core_attention",)) if recompute == "selective" else set()
+    sbh = s * b * h
     terms: dict[str, float] = {
-        "ln1_input": act_bytes * s * b * h / rep,
-        "qkv_input": act_bytes * s * b * h / rep,  # LN1 output; shard only under SP (stored-input trick)
-        "qk": 2 * act_bytes * s * b * h / t,  # Q and K for Q K^T
+        "ln1_input": act_bytes * sbh / rep,
+        "qkv_input": act_bytes * sbh / rep,  # LN1 output; shard only under SP (stored-input trick)
+        "qk": act_bytes * s * b * d * (a / t + kv_local),  # Q and K for Q K^T
     }
     if fused_attention:
         terms["softmax_lse"] = 4 * a * s * b / t  # fp32 log-sum-exp, one per (head, query)
+        terms["attention_output"] = act_bytes * sbh / t  # the fused kernel's output, kept for backward
     else:
         terms["softmax_output"] = act_bytes * a * s * s * b / t
         if dropout:
             terms["softmax_dropout_mask"] = mask_bytes * a * s * s * b / t
             terms["softmax_dropout_output"] = act_bytes * a * s * s * b / t
-    terms["v"] = act_bytes * s * b * h / t
-    terms["out_proj_input"] = act_bytes * s * b * h / t
+    terms["v"] = act_bytes * s * b * d * kv_local
+    terms["out_proj_input"] = act_bytes * sbh / t
     if dropout:
-        terms["attn_dropout_mask"] = mask_bytes * s * b * h / rep
-    terms["ln2_input"] = act_bytes * s * b * h / rep
-    terms["fc1_input"] = act_bytes * s * b * h / rep  # LN2 output; shard only under SP
-    terms["gelu_input"] = act_bytes * s * b * f / t
+        terms["attn_dropout_mask"] = mask_bytes * sbh / rep
+    terms["ln2_input"] = act_bytes * sbh / rep
+    terms["fc1_input"] = act_bytes * sbh / rep  # LN2 output; shard only under SP
+    if activation == "swiglu":
+        terms["swiglu_input"] = act_bytes * s * b * 2 * f / t  # fc1 output: gate and up
+    else:
+        terms["gelu_input"] = act_bytes * s * b * f / t
     terms["fc2_input"] = act_bytes * s * b * f / t
     if dropout:
-        terms["mlp_dropout_mask"] = mask_bytes * s * b * h / rep
-    if recompute == "selective":
-        for name in SELECTIVE_DROPPED:
-            terms.pop(name, None)
+        terms["mlp_dropout_mask"] = mask_bytes * sbh / rep
     if ln_stats_bytes > 0:
-        terms["ln_stats"] = 2 * 2 * s * b / rep * ln_stats_bytes  # 2 LNs x (mean, rstd)
+        per_norm = 2 * ln_stats_bytes if norm == "layernorm" else 4  # mean + rstd, or one fp32 rstd
+        terms["ln_stats"] = 2 * s * b / rep * per_norm  # 2 norms per layer
+    dropped = {
+        "core_attention": SELECTIVE_DROPPED + ("softmax_lse", "attention_output"),
+        "norm": ("ln_stats", "qkv_input", "fc1_input"),
+        "activation": ("fc2_input",),
+        "mlp": ("gelu_input", "swiglu_input", "fc2_input"),
+    }
+    for module in rebuilt:
+        for name in dropped[module]:
+            terms.pop(name, None)
     return terms
 
 
-def layer_activation_bytes(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
-                           mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False) -> float:
+def layer_activation_bytes(s, b, h, a, t=1, **options) -> float:
     """Sum of ``layer_activation_terms``: Eq. 1 / Table 2 derived per stored tensor."""
-    return sum(layer_activation_terms(s, b, h, a, t, sp=sp, recompute=recompute, ffn=ffn,
-                                      act_bytes=act_bytes, mask_bytes=mask_bytes, dropout=dropout,
-                                      ln_stats_bytes=ln_stats_bytes,
-                                      fused_attention=fused_attention).values())
+    return sum(layer_activation_terms(s, b, h, a, t, **options).values())
 
 
 def table2_bytes(row, s, b, h, a, t, *, sp=False) -> float:

@@ -10,8 +10,17 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from seqpar.analysis.measure import layernorm_stat_bytes, measure_layer
-from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_bytes, table2_bytes, table2_config
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig
+from seqpar.analysis.memory import (
+    TABLE2_ROWS,
+    layer_activation_bytes,
+    layer_activation_terms,
+    table2_bytes,
+    table2_config,
+)
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+
+PAPER_GPT = ModelConfig()  # the architecture options Table 2 assumes (the defaults)
+ARCH_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention")
 
 
 @dataclass
@@ -23,12 +32,24 @@ class Row:
     exact_bytes: float
     formula_bytes: float
     measured_bytes: int | None = None
+    modules: tuple[str, ...] = ()
+    vanished: list[str] = field(default_factory=list)  # paper terms this architecture does not keep
+    added: list[str] = field(default_factory=list)  # terms it keeps that the paper's GPT does not
     tensors: list[dict] = field(default_factory=list)
 
+    @property
+    def recompute_config(self) -> RecomputeConfig:
+        return RecomputeConfig(self.recompute, modules=self.modules)
+
     def as_json(self) -> dict:
-        return {"row": self.row, "tp": self.tp, "sp": self.sp, "recompute": self.recompute,
-                "measured_bytes": self.measured_bytes, "exact_bytes": self.exact_bytes,
-                "formula_bytes": self.formula_bytes}
+        out = {"row": self.row, "tp": self.tp, "sp": self.sp, "recompute": self.recompute,
+               "measured_bytes": self.measured_bytes, "exact_bytes": self.exact_bytes,
+               "formula_bytes": self.formula_bytes}
+        if self.modules:
+            out["modules"] = list(self.modules)
+        if self.vanished or self.added:
+            out["vanished_terms"], out["added_terms"] = self.vanished, self.added
+        return out
 
 
 def row_name(tp: int, sp: bool, recompute: str) -> str:
@@ -36,46 +57,60 @@ def row_name(tp: int, sp: bool, recompute: str) -> str:
     for name in TABLE2_ROWS:
         row_t, row_sp, row_rc = table2_config(name)
         if (row_t in (None, tp)) and row_sp == sp and row_rc == recompute and (name != "none" or tp == 1):
-            if name == "tp" and tp == 1:
-                return "none"
             return name
-    return "custom"
+    return "none" if (tp, sp, recompute) == (1, False, "none") else "custom"
 
 
-def uses_dropout(cfg: ModelConfig) -> bool:
-    on = (cfg.attn_dropout > 0, cfg.hidden_dropout > 0)
-    if on[0] != on[1]:
+def is_paper_gpt(cfg: ModelConfig) -> bool:
+    return all(getattr(cfg, f) == getattr(PAPER_GPT, f) for f in ARCH_FIELDS)
+
+
+def formula_options(cfg: ModelConfig) -> dict:
+    """The keyword options of ``layer_activation_terms`` that describe ``cfg``'s architecture."""
+    fused = cfg.attention == "sdpa"
+    dropout = cfg.hidden_dropout > 0
+    if not fused and (cfg.attn_dropout > 0) != dropout:
         raise ConfigError(f"the exact formula needs attention dropout ({cfg.attn_dropout}) and hidden dropout "
                           f"({cfg.hidden_dropout}) both on or both off")
-    return on[0]
+    return {"ffn": cfg.ffn, "act_bytes": torch.empty((), dtype=cfg.torch_dtype).element_size(),
+            "dropout": dropout, "fused_attention": fused, "kv_heads": cfg.kv_heads, "norm": cfg.norm,
+            "activation": cfg.activation}
 
 
 def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str, all_rows: bool,
-              device: str = "cpu") -> list[Row]:
-    """The rows to report, with their exact and formula bytes; validated before any rank starts."""
+              device: str = "cpu", modules: tuple[str, ...] = ()) -> list[Row]:
+    """The rows to report, with their exact and formula bytes; validated before any rank starts.
+
+    ``formula_bytes`` is Table 2's closed form for the paper's GPT, and the per-tensor derivation
+    without the small terms the paper drops for other architectures.
+    """
     cfg.validate()
+    RecomputeConfig(recompute, modules=modules).validate()
     configs = []
     if all_rows:
         for name in TABLE2_ROWS:
             row_t, row_sp, row_rc = table2_config(name)
-            configs.append((name, tp if row_t is None else row_t, row_sp, row_rc))
+            configs.append((name, tp if row_t is None else row_t, row_sp, row_rc, ()))
     else:
-        configs.append((row_name(tp, sp, recompute), tp, sp, recompute))
+        name = row_name(tp, sp, recompute) if not modules else "custom"
+        configs.append((name, tp, sp, recompute, tuple(modules)))
     s, b, h, a = cfg.seq_len, micro_batch, cfg.hidden_size, cfg.num_heads
-    act = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    opts = formula_options(cfg)
     stats = layernorm_stat_bytes(torch.device(device), cfg.torch_dtype)
-    dropout = uses_dropout(cfg)
+    paper = is_paper_gpt(cfg)
     rows = []
-    for name, t, row_sp, rc in configs:
+    for name, t, row_sp, rc, mods in configs:
         ParallelConfig(tp=t, sp=row_sp).validate(replace(cfg, num_layers=1))
-        exact = layer_activation_bytes(s, b, h, a, t, sp=row_sp and t > 1, recompute=rc, ffn=cfg.ffn,
-                                       act_bytes=act, dropout=dropout, ln_stats_bytes=stats)
-        if name == "custom":
-            formula = layer_activation_bytes(s, b, h, a, t, sp=row_sp and t > 1, recompute=rc, ffn=cfg.ffn,
-                                             act_bytes=act, dropout=dropout)
-        else:
+        kw = {"sp": row_sp and t > 1, "recompute": rc, "modules": mods or None}
+        exact = layer_activation_bytes(s, b, h, a, t, ln_stats_bytes=stats, **kw, **opts)
+        if paper and name != "custom":
             formula = table2_bytes(name, s, b, h, a, t, sp=row_sp and t > 1)
-        rows.append(Row(name, t, row_sp, rc, exact, formula))
+        else:
+            formula = layer_activation_bytes(s, b, h, a, t, **kw, **opts)
+        mine = layer_activation_terms(s, b, h, a, t, **kw, **opts)
+        reference = layer_activation_terms(s, b, h, a, t, **kw)
+        rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods,
+                        vanished=sorted(reference.keys() - mine.keys()), added=sorted(mine.keys() - reference.keys())))
     return rows
 
 
@@ -88,7 +123,7 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, r
         if row.tp == 1 and rank != 0:
             results.append(None)
             continue
-        meter = measure_layer(cfg, group if row.tp > 1 else None, row.sp, row.recompute, micro_batch,
+        meter = measure_layer(cfg, group if row.tp > 1 else None, row.sp, row.recompute_config, micro_batch,
                               backward=False)
         results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors]))
     return results

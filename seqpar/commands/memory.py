@@ -6,12 +6,20 @@ from __future__ import annotations
 import argparse
 import json
 
-from seqpar.config import RECOMPUTE_GRANULARITIES, ModelConfig
+from seqpar.config import (
+    ACTIVATIONS,
+    ATTENTIONS,
+    NORMS,
+    POSITIONS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_MODULES,
+    ModelConfig,
+)
 
 
 def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     d = {"layers": 1, "hidden": 512, "heads": 8, "seq": 256, "micro_batch": 2, "vocab": 512, "ffn": None,
-         "dtype": "bf16", "dropout": 0.1} | defaults
+         "dtype": "bf16"} | defaults
     g = p.add_argument_group("model (paper notation)")
     g.add_argument("--layers", type=int, default=d["layers"], help="L (default %(default)s)")
     g.add_argument("--hidden", type=int, default=d["hidden"], help="h (default %(default)s)")
@@ -21,14 +29,30 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--vocab", type=int, default=d["vocab"], help="v (default %(default)s)")
     g.add_argument("--ffn", type=int, default=d["ffn"], help="FFN width f (default 4h)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
-    g.add_argument("--dropout", type=float, default=d["dropout"],
-                   help="attention and hidden dropout; 0 removes the masks (default %(default)s)")
+    g.add_argument("--dropout", type=float, default=None,
+                   help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama)")
+    a = p.add_argument_group("architecture (default: the paper's GPT)")
+    a.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
+                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0")
+    a.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: = heads)")
+    a.add_argument("--attention", choices=ATTENTIONS, default="materialized",
+                   help="materialized s² scores (the paper) or fused scaled_dot_product_attention")
+    a.add_argument("--norm", choices=NORMS, default=None)
+    a.add_argument("--activation", choices=ACTIVATIONS, default=None)
+    a.add_argument("--position", choices=POSITIONS, default=None)
+
+
+LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False}
 
 
 def model_from_args(args) -> ModelConfig:
+    arch = LLAMA if args.arch == "llama" else {}
+    dropout = args.dropout if args.dropout is not None else (0.0 if args.arch == "llama" else 0.1)
+    chosen = {k: getattr(args, k) for k in ("norm", "activation", "position") if getattr(args, k) is not None}
     return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                       seq_len=args.seq, ffn_hidden_size=args.ffn, dtype=args.dtype, embd_dropout=args.dropout,
-                       attn_dropout=args.dropout, hidden_dropout=args.dropout).validate()
+                       seq_len=args.seq, ffn_hidden_size=args.ffn, dtype=args.dtype, embd_dropout=dropout,
+                       attn_dropout=0.0 if args.attention == "sdpa" else dropout, hidden_dropout=dropout,
+                       kv_heads=args.kv_heads, attention=args.attention, **(arch | chosen)).validate()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none")
+    p.add_argument("--recompute-modules", default="", metavar="M1,M2",
+                   help=f"with --recompute selective: any of {','.join(RECOMPUTE_MODULES)} "
+                        "(default core_attention, the paper's)")
     p.add_argument("--all", action="store_true", help="the six Table 2 rows for this t")
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -78,27 +105,39 @@ def run(args) -> int:
     if args.layers is None:
         args.layers = 1
     cfg = model_from_args(args)
-    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all)
+    modules = tuple(m for m in args.recompute_modules.split(",") if m)
+    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules)
     if args.measure:
         measure_rows(cfg, args.micro_batch, rows)
     if args.json:
         print(json.dumps({"rows": [r.as_json() for r in rows]}))
         return 0
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
-    print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {args.dropout}")
-    head = f"{'row':<16}{'t':>3} {'sp':<4}{'recompute':<10}{'measured':>14}{'exact':>14}{'Table 2':>14}"
-    print(head + f"{'meas-exact':>12}{'meas/T2':>9}")
+    arch = f"{args.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {cfg.attention}"
+    print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {cfg.hidden_dropout} "
+          f"({arch})")
+    head = f"{'row':<16}{'t':>3} {'sp':<4}{'recompute':<10}{'measured':>14}{'exact':>14}{'formula':>14}"
+    print(head + f"{'meas-exact':>12}{'meas/form':>10}")
     for r in rows:
         diff = "-" if r.measured_bytes is None else f"{r.measured_bytes - r.exact_bytes:,.0f}"
         ratio = "-" if r.measured_bytes is None else f"{r.measured_bytes / r.formula_bytes:.4f}"
         print(f"{r.row:<16}{r.tp:>3} {'on' if r.sp else 'off':<4}{r.recompute:<10}{_human(r.measured_bytes):>14}"
-              f"{_human(r.exact_bytes):>14}{_human(r.formula_bytes):>14}{diff:>12}{ratio:>9}")
+              f"{_human(r.exact_bytes):>14}{_human(r.formula_bytes):>14}{diff:>12}{ratio:>10}")
         if args.tensors:
             for t in r.tensors:
                 print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
-    print("exact = Table 2 + LayerNorm mean/rstd (4·s·b per layer, /t under SP), which the paper drops.")
-    if args.dropout == 0:
+    print("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
+    if rows[0].vanished or rows[0].added:
+        print("formula = the per-tensor derivation for this architecture (Table 2 assumes the paper's GPT).")
+    for r in rows:
+        if r.vanished or r.added:
+            print(f"{r.row}: vanished vs the paper's GPT: {', '.join(r.vanished) or '-'}; "
+                  f"added: {', '.join(r.added) or '-'}")
+    if cfg.hidden_dropout == 0:
         print("dropout 0: no masks, and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t).")
+    if cfg.attention == "sdpa":
+        print("fused attention: no s² terms; selective recompute only drops the kernel's output and "
+              "log-sum-exp, and re-runs the whole attention forward to do it.")
     return 0
 
 
@@ -136,7 +175,7 @@ def run_schedule(args) -> int:
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     print(f"one step, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} m={args.interleave} "
           f"n={args.microbatches} recompute={args.recompute} App.B={'on' if free else 'off'} App.C K={keep}: "
-          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, dropout {args.dropout}")
+          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, dropout {cfg.hidden_dropout}")
     print(f"{'stage':>5}{'measured peak':>16}{'formula':>14}{'exact':>14}{'meas/formula':>14}{'meas-exact':>12}")
     for st in stages:
         m = st.measured_peak_bytes

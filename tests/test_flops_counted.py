@@ -62,3 +62,31 @@ def test_recompute_adds_exactly_its_flops_and_the_step_equals_eq7(t):
             assert layer[(sp, "full")] - none == forward  # one more forward of the layer
             assert model[(sp, "none")] == model_flops(B, L, s, h, v) / t  # Eq. 7 per rank
             assert model[(sp, "selective")] - model[(sp, "none")] == L * selective_recompute_flops(B, s, h) / t
+
+
+def _modules_worker(rank, world):
+    from dataclasses import replace
+
+    dims = ParallelDims.build(ParallelConfig(tp=world))
+    out = {}
+    for activation in ("gelu", "swiglu"):
+        cfg = replace(CFG, activation=activation, ffn_hidden_size=96, embd_dropout=0.0, attn_dropout=0.0,
+                      hidden_dropout=0.0)
+        for modules in ((), ("norm",), ("activation",), ("mlp",)):
+            rc = RecomputeConfig("selective", modules=modules) if modules else RecomputeConfig("none")
+            stage = apply_recompute(build_model(cfg, dims, sequence_parallel=world > 1), rc)
+            tokens = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len))
+            out[(activation, modules)] = _count(lambda stage=stage, tokens=tokens: stage(tokens, tokens).backward())
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_finer_recompute_modules_add_no_gemm_flops_except_the_mlp(t):
+    s, h, L, f = CFG.seq_len, CFG.hidden_size, CFG.num_layers, 96
+    for counts in run_ranks(_modules_worker, t):
+        for activation, fc1_width in (("gelu", f), ("swiglu", 2 * f)):
+            base = counts[(activation, ())]
+            assert counts[(activation, ("norm",))] == base  # norms and activations: elementwise only
+            assert counts[(activation, ("activation",))] == base
+            mlp_forward = 2 * B * s * h * (fc1_width + f) / t  # fc1 and fc2 run again
+            assert counts[(activation, ("mlp",))] - base == L * mlp_forward

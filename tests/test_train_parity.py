@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from seqpar.train.local import train_local
+from seqpar.train.local import train_local, train_local_many
 
 TINY = {
     "model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
@@ -34,11 +34,24 @@ def reference(tmp_path_factory):
     return train_local(sections(tmp_path_factory.mktemp("ref")))["losses"]
 
 
+def _world(parallel):
+    return parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
+
+
+@pytest.fixture(scope="module")
+def curves(tmp_path_factory):
+    """Every layout's 50 losses; the layouts of one world size share one launch of ranks."""
+    out = {}
+    for world in sorted({_world(p) for p, _ in LAYOUTS.values()}):
+        names = [n for n, (p, _) in LAYOUTS.items() if _world(p) == world]
+        jobs = [sections(tmp_path_factory.mktemp(n), *LAYOUTS[n]) for n in names]
+        out.update(zip(names, (s["losses"] for s in train_local_many(jobs, world)), strict=True))
+    return out
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_loss_curve_matches_single_process(name, reference, tmp_path):
-    parallel, recompute = LAYOUTS[name]
-    world = parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
-    losses = train_local(sections(tmp_path, parallel, recompute), world)["losses"]
+def test_loss_curve_matches_single_process(name, reference, curves):
+    losses = curves[name]
     assert len(losses) == len(reference) == 50
     worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
     print(f"{name}: max |loss - reference| over 50 steps = {worst:.2e}")

@@ -24,3 +24,17 @@ def train_local(sections: dict, world: int = 1, resume: str = "", timeout: float
 
         return train(job, resume=resume, quiet=True)
     return run_ranks(_worker, world, sections, resume, timeout=timeout)[0]
+
+
+def _many_worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    from seqpar.train.loop import train
+
+    return [train(build_job(sections), quiet=True) for sections in jobs]
+
+
+def train_local_many(jobs: list[dict], world: int, timeout: float = 900.0) -> list[dict]:
+    """Rank 0's summaries of several jobs run one after another on the same ``world`` ranks
+    (one launch for all: cheaper for tests)."""
+    for sections in jobs:
+        build_job(sections).validate(world)
+    return run_ranks(_many_worker, world, jobs, timeout=timeout)[0]

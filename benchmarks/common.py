@@ -11,8 +11,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from seqpar.analysis.measure import SavedTensorMeter
-
 
 def machine() -> dict:
     """What ran the benchmark: CPU, cores, torch, date. Other processes may have been running."""
@@ -53,36 +51,47 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-class Meter(SavedTensorMeter):
-    """``SavedTensorMeter`` that also counts DTensors (by their local tensor's storage) and the inputs a
-    non-reentrant ``torch.utils.checkpoint`` keeps outside autograd's saved tensors."""
+class Meter:
+    """What autograd keeps for backward while active, in bytes: every distinct storage saved (views
+    and 2-D reshapes of one storage count once), parameters and buffers excluded -- the accounting of
+    ``seqpar.analysis.measure.SavedTensorMeter``, extended to DTensors (counted by their local
+    tensor's storage) and to the inputs a non-reentrant ``torch.utils.checkpoint`` keeps alive outside
+    autograd's saved tensors (reported through ``benchmarks.torch_native.KeptInputs``)."""
 
-    def __init__(self, module):
-        super().__init__(None)
+    def __init__(self, module: torch.nn.Module):
         from torch.distributed.tensor import DTensor
 
         self._dtensor = DTensor
-        for t in [*module.parameters(), *module.buffers()]:
-            self._exclude.add(self._local(t).untyped_storage().data_ptr())
+        self._exclude = {self._local(t).untyped_storage().data_ptr() for t in [*module.parameters(),
+                                                                                 *module.buffers()]}
+        self._kept: dict[int, object] = {}  # data_ptr -> storage, held until exit so no address is reused
+        self.total_bytes = 0
 
     def _local(self, t):
         return t._local_tensor if isinstance(t, self._dtensor) else t
 
     def _pack(self, t):
-        super()._pack(self._local(t))
+        storage = self._local(t).untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._exclude and key not in self._kept and storage.nbytes() > 0:
+            self._kept[key] = storage
         return t
 
     def __enter__(self):
         from benchmarks.torch_native import KeptInputs
 
         KeptInputs.sink = self._pack
-        return super().__enter__()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
 
     def __exit__(self, *exc):
         from benchmarks.torch_native import KeptInputs
 
         KeptInputs.sink = None
-        return super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+        self.total_bytes = sum(storage.nbytes() for storage in self._kept.values())
+        self._kept.clear()
 
 
 def fmt_bytes(n: float) -> str:
@@ -94,3 +103,17 @@ def table(headers: list[str], rows: list[list], widths: list[int] | None = None)
     lines = ["".join(f"{h:>{w}}" for h, w in zip(headers, widths, strict=True))]
     lines += ["".join(f"{c!s:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
+
+
+def profile_table(fn, rows: int = 15) -> str:
+    """torch.profiler's per-op table (self CPU time) of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    lines = [f"{'op':<44}{'self ms':>10}{'self %':>8}{'calls':>7}"]
+    lines += [f"{e.key[:43]:<44}{e.self_cpu_time_total / 1e3:>10.1f}{100 * e.self_cpu_time_total / total:>7.1f}%"
+              f"{e.count:>7}" for e in events[:rows]]
+    return "\n".join([*lines, f"{'total':<44}{total / 1e3:>10.1f}"])

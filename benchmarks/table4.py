@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="print rank 0's per-op profile of each row")
 
 
 def _layer(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: str):
@@ -53,7 +54,8 @@ def _layer(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: str):
     return layer, layer
 
 
-def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmup: int) -> dict:
+def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmup: int,
+            profile: bool = False) -> dict:
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
     s, h = cfg.seq_len, cfg.hidden_size
     gen = torch.Generator().manual_seed(rank)
@@ -76,7 +78,13 @@ def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmu
             if i >= warmup:
                 fwd[name].append(f)
                 bwd[name].append(bt)
-    result = {}
+    result = {"profiles": {}}
+    if profile:
+        for name, (layer, fn, x, dy) in runs.items():
+            def once(fn=fn, x=x, dy=dy, layer=layer):
+                fn(x.detach().requires_grad_(True)).backward(dy)
+                layer.zero_grad(set_to_none=True)
+            result["profiles"][name] = common.profile_table(once)
     for name in runs:
         f, bt = common.max_over_ranks(fwd[name]), common.max_over_ranks(bwd[name])
         result[name] = {"forward_ms": 1e3 * common.median(f), "backward_ms": 1e3 * common.median(bt),
@@ -95,7 +103,9 @@ def run(args) -> dict:
                       embd_dropout=args.dropout, attn_dropout=args.dropout, hidden_dropout=args.dropout,
                       dtype=args.dtype).validate()
     ParallelConfig(tp=args.tp, sp=True).validate(cfg)
-    times = run_ranks(_worker, args.tp, cfg, args.micro_batch, args.repeats, args.warmup)[0]
+    times = run_ranks(_worker, args.tp, cfg, args.micro_batch, args.repeats, args.warmup,
+                      getattr(args, "profile", False))[0]
+    profiles = times.pop("profiles")
     base = times["baseline"]["combined_ms"]
     rows = []
     for name, _sp, recompute in ROWS:
@@ -109,7 +119,7 @@ def run(args) -> dict:
     target["met"] = target["share_of_full"] is not None and target["share_of_full"] <= 0.25
     return {"config": {"t": args.tp, "s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size,
                        "a": cfg.num_heads, "dtype": cfg.dtype, "dropout": args.dropout, "repeats": args.repeats},
-            "machine": common.machine(), "rows": rows, "target": target}
+            "machine": common.machine(), "rows": rows, "target": target, "profiles": profiles}
 
 
 def render(result: dict) -> str:
@@ -123,4 +133,6 @@ def render(result: dict) -> str:
     out.append(f"target: selective+SP overhead ≤ 25% of full's: {tg['selective_sp_overhead_pct']:+.1f}% vs "
                f"{tg['full_overhead_pct']:+.1f}% -> " + ("-" if share is None else f"{100 * share:.0f}%")
                + (" (met)" if tg["met"] else " (NOT met)"))
+    for name, text in result.get("profiles", {}).items():
+        out += [f"-- profile of one fwd+bwd, rank 0: {name}", text]
     return "\n".join(out)

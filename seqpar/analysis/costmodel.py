@@ -76,7 +76,7 @@ def rank_microbatch_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int
     s, h, t = shape.seq, shape.hidden, par.tp
     layers = shape.layers // par.pp
     gemm = hw.peak_flops * hw.gemm_efficiency
-    fwd = layer_forward_flops(b, s, h, shape.f)
+    fwd = layer_forward_flops(b, s, h, shape.f, kv_ratio=shape.kv_ratio, gated=shape.llama)
     layer_fwd = sum(fwd.values()) / t
     head = 3 * logits_forward_flops(b, s, h, shape.vocab) / t if rank == par.pp - 1 else 0.0
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
@@ -136,5 +136,6 @@ def iteration_time(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, g
 def predicted_mfu(shape: ModelShape, par: Parallelism, global_batch: int, seconds: float,
                   hw: Hardware) -> float:
     """Eq. 7 model FLOPs of the iteration over (seconds x GPUs x peak)."""
-    flops = model_flops_from_gemms(global_batch, shape.layers, shape.seq, shape.hidden, shape.vocab, shape.f)
+    flops = model_flops_from_gemms(global_batch, shape.layers, shape.seq, shape.hidden, shape.vocab, shape.f,
+                                   kv_ratio=shape.kv_ratio, gated=shape.llama)
     return flops / (seconds * par.gpus * hw.peak_flops)

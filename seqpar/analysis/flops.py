@@ -12,15 +12,20 @@ from seqpar.analysis.shapes import AnalysisError
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def layer_forward_flops(B: float, s: int, h: int, f: int | None = None) -> dict[str, float]:
-    """App. A: forward GEMM FLOPs of one layer, per GEMM (24Bsh^2 + 4Bs^2h for f = 4h)."""
+def layer_forward_flops(B: float, s: int, h: int, f: int | None = None, *, kv_ratio: float = 1.0,
+                        gated: bool = False) -> dict[str, float]:
+    """App. A: forward GEMM FLOPs of one layer, per GEMM (24Bsh^2 + 4Bs^2h for f = 4h).
+
+    Beyond the paper: ``kv_ratio`` = kv heads / heads shrinks the K and V projections (GQA);
+    ``gated`` (SwiGLU) makes fc1 2f wide: the MLP costs 6Bshf instead of 4Bshf.
+    """
     f = 4 * h if f is None else f
     return {
-        "qkv": 6 * B * s * h * h,
+        "qkv": 2 * B * s * h * h * (1 + 2 * kv_ratio),
         "qk": 2 * B * s * s * h,
         "attention_v": 2 * B * s * s * h,
         "out_proj": 2 * B * s * h * h,
-        "mlp": 4 * B * s * h * f,
+        "mlp": (6 if gated else 4) * B * s * h * f,
     }
 
 
@@ -58,13 +63,16 @@ def hardware_flops(B: float, L: int, s: int, h: int, v: int, recompute: str = "n
     raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_MODES)}")
 
 
-def model_flops_from_gemms(B: float, L: int, s: int, h: int, v: int, f: int | None = None) -> float:
+def model_flops_from_gemms(B: float, L: int, s: int, h: int, v: int, f: int | None = None, *,
+                           kv_ratio: float = 1.0, gated: bool = False) -> float:
     """Eq. 7 summed GEMM by GEMM (forward + 2x backward); equals ``model_flops`` for f = 4h."""
-    return 3 * (L * sum(layer_forward_flops(B, s, h, f).values()) + logits_forward_flops(B, s, h, v))
+    layer = sum(layer_forward_flops(B, s, h, f, kv_ratio=kv_ratio, gated=gated).values())
+    return 3 * (L * layer + logits_forward_flops(B, s, h, v))
 
 
 def recompute_extra_flops(B: float, L: int, s: int, h: int, recompute: str,
-                          f: int | None = None, recomputed_layers: int | None = None) -> float:
+                          f: int | None = None, recomputed_layers: int | None = None, *,
+                          kv_ratio: float = 1.0, gated: bool = False) -> float:
     """FLOPs recompute adds: selective 4Bs^2h per layer; full one forward of each recomputed layer
     (all L unless ``recomputed_layers``, e.g. the N block layers per chunk x chunks)."""
     if recompute == "none":
@@ -73,7 +81,7 @@ def recompute_extra_flops(B: float, L: int, s: int, h: int, recompute: str,
         return L * selective_recompute_flops(B, s, h)
     if recompute == "full":
         layers = L if recomputed_layers is None else recomputed_layers
-        return layers * sum(layer_forward_flops(B, s, h, f).values())
+        return layers * sum(layer_forward_flops(B, s, h, f, kv_ratio=kv_ratio, gated=gated).values())
     raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_MODES)}")
 
 

@@ -68,6 +68,17 @@ EXTRA_SHAPES: dict[str, ModelShape] = {
     "gpt2-xl": ModelShape(layers=48, hidden=1600, heads=25, seq=1024, vocab=50257, name="gpt2-xl"),
     "gpt3-6.7b": ModelShape(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200, name="gpt3-6.7b"),
     "gpt3-13b": ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, name="gpt3-13b"),
+    # Llama-family shapes (public model cards): RMSNorm, SwiGLU, RoPE, no biases, untied output.
+    "llama2-7b": ModelShape(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=11008,
+                            arch="llama", name="llama2-7b"),
+    "llama2-13b": ModelShape(layers=40, hidden=5120, heads=40, seq=4096, vocab=32000, ffn=13824,
+                             arch="llama", name="llama2-13b"),
+    "llama2-70b": ModelShape(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, ffn=28672, kv_heads=8,
+                             arch="llama", name="llama2-70b"),
+    "llama3-8b": ModelShape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, kv_heads=8,
+                            arch="llama", name="llama3-8b"),
+    "llama3-70b": ModelShape(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn=28672, kv_heads=8,
+                             arch="llama", name="llama3-70b"),
 }
 
 

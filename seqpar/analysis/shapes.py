@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 GRANULARITIES = ("none", "selective", "full")
 METHODS = ("uniform", "block")
+ARCHS = ("gpt", "llama")
 
 
 class AnalysisError(ValueError):
@@ -26,7 +27,11 @@ def _positive(**values: int) -> None:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The paper's GPT (Fig. 2) as numbers: L, h, a, s, v and the FFN width f (4h when None)."""
+    """The paper's GPT (Fig. 2) as numbers: L, h, a, s, v and the FFN width f (4h when None).
+
+    ``arch="llama"`` (beyond the paper): RMSNorm, SwiGLU MLP (three f-wide matrices), rotary positions
+    (no position table), no biases, untied output layer; ``kv_heads`` < a: grouped-query attention.
+    """
 
     layers: int  # L
     hidden: int  # h
@@ -35,16 +40,41 @@ class ModelShape:
     vocab: int  # v
     ffn: int | None = None  # f
     name: str = "custom"
+    kv_heads: int | None = None
+    arch: str = "gpt"
 
     @property
     def f(self) -> int:
         return self.ffn if self.ffn is not None else 4 * self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def kv_ratio(self) -> float:
+        """kv heads / heads: the size of K (and of V) relative to Q."""
+        return self.kv / self.heads
+
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
+
+    def layer_options(self) -> dict:
+        """Architecture keywords of ``memory.layer_activation_terms``."""
+        return {"kv_heads": self.kv_heads, "norm": "rmsnorm" if self.llama else "layernorm",
+                "activation": "swiglu" if self.llama else "gelu"}
 
     def validate(self) -> ModelShape:
         _positive(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
                   vocab=self.vocab, ffn=self.f)
         if self.hidden % self.heads:
             raise AnalysisError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.arch not in ARCHS:
+            raise AnalysisError(f"arch {self.arch!r} is not one of {list(ARCHS)}")
+        _positive(kv_heads=self.kv)
+        if self.heads % self.kv:
+            raise AnalysisError(f"heads {self.heads} is not divisible by kv heads {self.kv}")
         return self
 
 
@@ -70,6 +100,8 @@ class Parallelism:
         _positive(tp=self.tp, pp=self.pp, dp=self.dp, interleave=self.interleave)
         if shape.heads % self.tp:
             raise AnalysisError(f"heads {shape.heads} is not divisible by tp {self.tp}")
+        if shape.kv % self.tp and self.tp % shape.kv:
+            raise AnalysisError(f"kv heads {shape.kv} and tp {self.tp}: one must divide the other")
         if shape.f % self.tp:
             raise AnalysisError(f"ffn width {shape.f} is not divisible by tp {self.tp}")
         if self.sp and shape.seq % self.tp:

@@ -55,7 +55,7 @@ def layer_bytes(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOpt
                                   recompute=recompute, ffn=shape.f, act_bytes=opts.act_bytes,
                                   mask_bytes=opts.mask_bytes, dropout=opts.dropout,
                                   ln_stats_bytes=opts.ln_stats_bytes,
-                                  fused_attention=opts.fused_attention)
+                                  fused_attention=opts.fused_attention, **shape.layer_options())
 
 
 def chunk_bytes(shape: ModelShape, par: Parallelism, rc: Recompute, b: int,

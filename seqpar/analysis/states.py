@@ -13,33 +13,58 @@ from __future__ import annotations
 from seqpar.analysis.shapes import ModelShape, OptimizerOptions, Parallelism
 
 
-def layer_parameters(h: int, f: int) -> int:
-    """Parameters of one transformer layer (12h^2 + 13h for f = 4h)."""
+def layer_parameters(h: int, f: int, *, kv_ratio: float = 1.0, llama: bool = False) -> float:
+    """Parameters of one transformer layer (12h^2 + 13h for f = 4h).
+
+    Llama-style (beyond the paper): Q and out-proj h^2 each, K and V h^2·kv_ratio each, SwiGLU 3hf,
+    two RMSNorm weights 2h, no biases: (2 + 2·kv_ratio)h^2 + 3hf + 2h.
+    """
+    if llama:
+        return (2 + 2 * kv_ratio) * h * h + 3 * h * f + 2 * h
     return 4 * h * h + 2 * h * f + 9 * h + f
 
 
-def layer_parameters_per_rank(h: int, f: int, t: int) -> float:
-    """Parameters of one layer held by one tp rank: split GEMM weights + split biases + 6h replicated."""
+def layer_parameters_per_rank(h: int, f: int, t: int, *, kv_ratio: float = 1.0, llama: bool = False,
+                              kv_heads: int | None = None, heads: int | None = None) -> float:
+    """Parameters of one layer held by one tp rank: split GEMM weights + split biases + replicated norms
+    (and biases). With fewer kv heads than ranks, each rank holds one whole kv head's K and V."""
+    if llama:
+        kv_local = 2 * h * h * kv_ratio / t
+        if kv_heads is not None and heads is not None and kv_heads < t:
+            kv_local = 2 * h * (h // heads)  # one replicated kv head
+        return (2 * h * h + 3 * h * f) / t + kv_local + 2 * h
     split = 4 * h * h + 2 * h * f + 3 * h + f
     return split / t + 6 * h
 
 
-def model_parameters(shape: ModelShape) -> int:
-    """All parameters: L layers + word and position embeddings + final LN (output layer tied)."""
+def _layer(shape: ModelShape, t: int | None = None) -> float:
+    kw = {"kv_ratio": shape.kv_ratio, "llama": shape.llama}
+    if t is None:
+        return layer_parameters(shape.hidden, shape.f, **kw)
+    return layer_parameters_per_rank(shape.hidden, shape.f, t, kv_heads=shape.kv, heads=shape.heads, **kw)
+
+
+def model_parameters(shape: ModelShape) -> float:
+    """All parameters: L layers + word and position embeddings + final LN (output layer tied).
+
+    Llama-style: no position table, a final RMSNorm (h) and an untied output layer (v x h)."""
     h = shape.hidden
-    return shape.layers * layer_parameters(h, shape.f) + shape.vocab * h + shape.seq * h + 2 * h
+    if shape.llama:
+        return shape.layers * _layer(shape) + 2 * shape.vocab * h + h
+    return shape.layers * _layer(shape) + shape.vocab * h + shape.seq * h + 2 * h
 
 
 def stage_parameters(shape: ModelShape, par: Parallelism, rank: int) -> float:
     """Parameters held by one tp rank of pipeline rank ``rank`` (all its interleaved chunks)."""
     h, t, p = shape.hidden, par.tp, par.pp
-    n = shape.layers // p * layer_parameters_per_rank(h, shape.f, t)
+    n = shape.layers // p * _layer(shape, t)
     if rank == 0:
-        n += shape.vocab * h / t + shape.seq * h  # word (vocab-parallel) + position embeddings
+        n += shape.vocab * h / t  # word embedding (vocab-parallel)
+        n += 0 if shape.llama else shape.seq * h  # position embedding
     if rank == p - 1:
-        n += 2 * h  # final LayerNorm
-        if p > 1:
-            n += shape.vocab * h / t  # copy of the tied word embedding for the output layer
+        n += h if shape.llama else 2 * h  # final norm
+        if p > 1 or shape.llama:
+            n += shape.vocab * h / t  # the output layer: copy of the tied embedding, or untied
     return n
 
 

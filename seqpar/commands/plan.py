@@ -11,13 +11,17 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model: a preset, or dimensions (which also override a preset's)")
-    g.add_argument("--model", help="preset: 22b, 175b, 530b, 1t (Table 3), gpt2-medium, gpt2-xl, gpt3-6.7b, gpt3-13b")
+    g.add_argument("--model", help="preset: 22b, 175b, 530b, 1t (Table 3), gpt2-medium, gpt2-xl, gpt3-6.7b, "
+                                   "gpt3-13b, llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b")
     g.add_argument("--layers", type=int, help="L")
     g.add_argument("--hidden", type=int, help="h")
     g.add_argument("--heads", type=int, help="a")
     g.add_argument("--seq", type=int, help="s")
     g.add_argument("--vocab", type=int, help="v")
     g.add_argument("--ffn", type=int, help="FFN width f (default 4h)")
+    g.add_argument("--kv-heads", type=int, help="grouped-query attention: kv heads (default = heads)")
+    g.add_argument("--arch", choices=["gpt", "llama"],
+                   help="gpt (the paper's, default) or llama: RMSNorm, SwiGLU, RoPE, no biases, untied output")
     g = p.add_argument_group("machine")
     g.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     g.add_argument("--gpus-per-node", type=int, default=8, help="(default %(default)s); tp stays within a node")
@@ -53,13 +57,14 @@ def _shape(args):
     from seqpar.analysis.presets import preset_shape
     from seqpar.analysis.shapes import AnalysisError, ModelShape
 
-    dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn")}
+    dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "arch")}
     if args.model:
         base = preset_shape(args.model)
         given = {k: v for k, v in dims.items() if v is not None}
         fields = {"layers": base.layers, "hidden": base.hidden, "heads": base.heads, "seq": base.seq,
-                  "vocab": base.vocab, "ffn": base.ffn} | given
+                  "vocab": base.vocab, "ffn": base.ffn, "kv_heads": base.kv_heads, "arch": base.arch} | given
         return ModelShape(**fields, name=base.name + ("*" if given else "")).validate()
+    dims["arch"] = dims["arch"] or "gpt"
     missing = [k for k in ("layers", "hidden", "heads", "seq", "vocab") if dims[k] is None]
     if missing:
         raise AnalysisError(f"give --model or all of --layers --hidden --heads --seq --vocab (missing: "

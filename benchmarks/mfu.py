@@ -16,7 +16,7 @@ import torch
 from benchmarks import common
 from benchmarks.single import batch, step
 from seqpar.analysis.flops import model_flops
-from seqpar.config import ModelConfig
+from seqpar.config import DTYPES, ModelConfig
 from seqpar.model import build_model
 
 QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 1, "vocab": 128, "gemm": 256,
@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], nargs="+", default=["bf16", "fp32"],
+                   help="one step per dtype, each against its own GEMM peak; the first is the headline")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--gemm", type=int, default=4096, help="n of the square GEMM for the peak")
     p.add_argument("--repeats", type=int, default=5)
@@ -52,38 +53,43 @@ def gemm_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
     return 2 * n**3 / best
 
 
-def run(args) -> dict:
+def step_mfu(args, dtype: str, peak: float) -> dict:
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
                       seq_len=args.seq, embd_dropout=args.dropout, attn_dropout=args.dropout,
-                      hidden_dropout=args.dropout, dtype=args.dtype).validate()
-    peaks = {"bf16": gemm_peak(args.gemm, torch.bfloat16, args.repeats),
-             "fp32": gemm_peak(args.gemm, torch.float32, args.repeats)}
+                      hidden_dropout=args.dropout, dtype=dtype).validate()
     model = build_model(cfg).train()
     tokens, labels = batch(cfg, args.micro_batch)
     fn = step(model, tokens, labels)
-    times = [common.timed(fn) for _ in range(args.warmup + args.repeats)][args.warmup:]
-    seconds = common.median(times)
+    seconds = common.median([common.timed(fn) for _ in range(args.warmup + args.repeats)][args.warmup:])
     flops = model_flops(args.micro_batch, cfg.num_layers, cfg.seq_len, cfg.hidden_size, cfg.vocab_size)
-    per_s = flops / seconds
-    mfu = per_s / peaks[cfg.dtype]
-    return {"peak_flops": peaks[cfg.dtype], "peak_flops_by_dtype": peaks, "model_flops_per_s": per_s, "mfu": mfu,
-            "step_ms": 1e3 * seconds, "model_flops": flops, "target_met": mfu >= 0.5 and cfg.hidden_size >= 1024,
-            "config": {"s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size, "a": cfg.num_heads,
-                       "layers": cfg.num_layers, "v": cfg.vocab_size, "dtype": cfg.dtype, "dropout": args.dropout,
-                       "gemm_n": args.gemm, "repeats": args.repeats},
+    return {"dtype": dtype, "step_ms": 1e3 * seconds, "model_flops": flops, "model_flops_per_s": flops / seconds,
+            "peak_flops": peak, "mfu": flops / seconds / peak}
+
+
+def run(args) -> dict:
+    dtypes = list(dict.fromkeys(args.dtype))
+    peaks = {d: gemm_peak(args.gemm, DTYPES[d], args.repeats) for d in ("bf16", "fp32")}
+    rows = [step_mfu(args, d, peaks[d]) for d in dtypes]
+    head = rows[0]
+    return {"peak_flops": head["peak_flops"], "model_flops_per_s": head["model_flops_per_s"], "mfu": head["mfu"],
+            "dtype": head["dtype"], "peak_flops_by_dtype": peaks, "rows": rows,
+            "target_met": head["mfu"] >= 0.5 and args.hidden >= 1024,
+            "config": {"s": args.seq, "b": args.micro_batch, "h": args.hidden, "a": args.heads, "layers": args.layers,
+                       "v": args.vocab, "dropout": args.dropout, "gemm_n": args.gemm, "repeats": args.repeats},
             "machine": common.machine()}
 
 
 def render(r: dict) -> str:
     c, p = r["config"], r["peak_flops_by_dtype"]
+    rows = [[f"GEMM peak (n={c['gemm_n']})", f"{p['bf16'] / 1e9:.1f}", f"{p['fp32'] / 1e9:.1f}"]]
+    by = {row["dtype"]: row for row in r["rows"]}
+    get = lambda key, fmt: [fmt(by[d][key]) if d in by else "-" for d in ("bf16", "fp32")]  # noqa: E731
+    rows.append(["step time (fwd+bwd) ms", *get("step_ms", lambda v: f"{v:.1f}")])
+    rows.append(["model GFLOPs per step (Eq. 7)", *get("model_flops", lambda v: f"{v / 1e9:.2f}")])
+    rows.append(["model GFLOP/s", *get("model_flops_per_s", lambda v: f"{v / 1e9:.1f}")])
+    rows.append(["MFU (vs that dtype's peak)", *get("mfu", lambda v: f"{100 * v:.1f}%")])
     return "\n".join([
-        f"mfu: t=1, {c['layers']} layers, s={c['s']} b={c['b']} h={c['h']} a={c['a']} v={c['v']} {c['dtype']}, "
+        f"mfu: t=1, {c['layers']} layers, s={c['s']} b={c['b']} h={c['h']} a={c['a']} v={c['v']}, "
         f"dropout {c['dropout']}, {r['machine']['threads']} threads",
-        common.table(["quantity", "value"], [
-            [f"GEMM peak bf16 (n={c['gemm_n']})", f"{p['bf16'] / 1e9:.1f} GFLOP/s"],
-            [f"GEMM peak fp32 (n={c['gemm_n']})", f"{p['fp32'] / 1e9:.1f} GFLOP/s"],
-            ["step time (fwd+bwd)", f"{r['step_ms']:.1f} ms"],
-            ["model FLOPs per step (Eq. 7)", f"{r['model_flops'] / 1e9:.2f} GFLOP"],
-            ["model FLOP/s", f"{r['model_flops_per_s'] / 1e9:.1f} GFLOP/s"],
-            [f"MFU (vs {c['dtype']} peak)", f"{100 * r['mfu']:.1f}%"]]),
-        f"target MFU ≥ 50% with h ≥ 1024: {'met' if r['target_met'] else 'NOT met'}"])
+        common.table(["quantity", "bf16", "fp32"], rows),
+        f"target MFU ≥ 50% with h ≥ 1024 ({r['dtype']}): {'met' if r['target_met'] else 'NOT met'}"])

@@ -103,6 +103,7 @@ def test_single_and_mfu(capsys):
     mfu = _run(capsys, "mfu")
     assert mfu["peak_flops"] > 0 and mfu["mfu"] > 0
     assert mfu["peak_flops_by_dtype"].keys() == {"bf16", "fp32"}
+    assert [r["dtype"] for r in mfu["rows"]] == ["bf16", "fp32"]
 
 
 def test_seqpar_bench_verb_is_registered():

@@ -109,8 +109,11 @@ class JobConfig:
         return self.run.recompute
 
     def validate(self, world_size: int | None = None) -> JobConfig:
+        from seqpar.pipeline.split import validate_microbatches
+
         self.run.validate(world_size)
         self.train.validate(self.parallel.dp)
+        validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self
 
     def to_dict(self) -> dict:

@@ -27,16 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, (module, help_text) in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(p)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from seqpar.analysis.shapes import AnalysisError
     from seqpar.config import ConfigError
 
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except ConfigError as err:  # a rule the configuration breaks: usage error, no traceback
-        parser.exit(2, f"seqpar {args.verb}: error: {err}\n")
+    except (ConfigError, AnalysisError) as err:  # bad input: a usage error naming the rule, no traceback
+        args._parser.error(str(err))  # prints the verb's usage line, exits 2

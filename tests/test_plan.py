@@ -97,10 +97,18 @@ def test_cli_explain(capsys):
     assert "memory per pipeline rank" in out and "predicted MFU" in out and "rank 1 of" in out
 
 
+def _exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:  # usage errors exit 2 through argparse
+        return exc.code
+
+
 def test_cli_errors(capsys):
-    assert main(["plan", "--model", "3b", "--gpus", "8"]) == 2
-    assert "known: 22b, 175b, 530b, 1t" in capsys.readouterr().err
-    assert main(["plan", "--layers", "4", "--gpus", "8"]) == 2
+    assert _exit_code(["plan", "--model", "3b", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "known: 22b, 175b, 530b, 1t" in err and "usage:" in err
+    assert _exit_code(["plan", "--layers", "4", "--gpus", "8"]) == 2
     assert "missing: --hidden" in capsys.readouterr().err
-    assert main(["plan", "--model", "gpt2-xl", "--gpus", "8"]) == 2
+    assert _exit_code(["plan", "--model", "gpt2-xl", "--gpus", "8"]) == 2
     assert "give --global-batch" in capsys.readouterr().err

@@ -99,7 +99,12 @@ def _human(n: float | None) -> str:
 
 def run(args) -> int:
     from seqpar.analysis.table2 import measure_rows, plan_rows
+    from seqpar.config import ConfigError
 
+    for flag in ("pp", "interleave", "microbatches", "tp", "micro_batch"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     if getattr(args, "pp", 1) > 1 or getattr(args, "microbatches", None) is not None:
         return run_schedule(args)
     if args.layers is None:

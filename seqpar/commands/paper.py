@@ -30,7 +30,6 @@ def run(args) -> int:
             args.plot.mkdir(parents=True, exist_ok=True)
             for path in (plots.figure1(args.plot / "figure1.png"), plots.figure7(args.plot / "figure7.png")):
                 print(f"wrote {path}", file=sys.stderr)
-        except AnalysisError as err:
-            print(f"seqpar paper: {err}", file=sys.stderr)
-            return 2
+        except AnalysisError:
+            raise  # seqpar.cli turns it into a usage error (exit 2)
     return 0

@@ -86,9 +86,14 @@ def request_from_args(args):
         if setup is None:
             raise AnalysisError("give --global-batch (only the Table 3 presets have a default)")
         batch = setup.global_batch
-    for name, value in (("gpus", args.gpus), ("gpus-per-node", args.gpus_per_node), ("global-batch", batch)):
-        if value < 1:
+    for name, value in (("gpus", args.gpus), ("gpus-per-node", args.gpus_per_node), ("global-batch", batch),
+                        ("gpu-memory", args.gpu_memory), ("intra-node-gbps", args.intra_node_gbps),
+                        ("inter-node-gbps", args.inter_node_gbps), ("top", args.top),
+                        ("max-micro-batch", args.max_micro_batch)):
+        if value < 1 if isinstance(value, int) else value <= 0:
             raise AnalysisError(f"--{name} must be positive, got {value}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise AnalysisError(f"--peak-tflops must be positive, got {args.peak_tflops}")
     if not 0 <= args.reserve < 1 or not 0 < args.gemm_efficiency <= 1:
         raise AnalysisError(f"--reserve {args.reserve} must be in [0, 1) and --gemm-efficiency "
                             f"{args.gemm_efficiency} in (0, 1]")
@@ -138,6 +143,5 @@ def run(args) -> int:
             path = plan_memory(args.plot, ranked[:args.top], req.hw.usable_bytes, req.hw.memory_bytes)
             print(f"wrote {path}", file=sys.stderr)
         return 0 if ranked else 1
-    except AnalysisError as err:
-        print(f"seqpar plan: {err}", file=sys.stderr)
-        return 2
+    except AnalysisError:
+        raise  # seqpar.cli turns it into a usage error (exit 2)

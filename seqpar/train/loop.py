@@ -168,12 +168,12 @@ class Trainer:
         t = self.job.train
         metrics = MetricsLog(t.out_dir, enabled=self.rank0, fresh=self.state.step == 0)
         end = t.stop_at or t.steps
-        progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
         if self.rank0:
             info = self.throughput.describe()
             metrics.log({"event": "start", **info, "data": self.data.source, "config": self.job.to_dict()})
             self.log(self.banner(info))
+        progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         try:
@@ -184,6 +184,7 @@ class Trainer:
                 self.state.step += 1
                 window_steps += 1
                 done = self.state.step
+                progress.tick(done)
                 if not applied:
                     rec = {"step": done, "event": "nonfinite", "loss": loss, "grad_norm": norm,
                            "skipped": self.state.skipped}

@@ -51,15 +51,24 @@ class Progress:
         return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else float("nan")
 
     def update(self, step: int, text: str) -> None:
+        """Advance the bar and print ``text`` as a line that stays above it."""
+        eta = self.eta(step)
+        line = f"step {step}/{self.total} {text}" + (f" eta {eta:.0f}s" if math.isfinite(eta) else "")
         if self.kind == "rich":
-            self._bar.update(self._task, completed=step, description=text)
+            self._bar.update(self._task, completed=step)
+            self._bar.console.print(line, highlight=False)
         elif self.kind == "tqdm":
-            self._bar.n = step
-            self._bar.set_postfix_str(text)
+            self._bar.update(step - self._bar.n)
+            self._bar.write(line)
         elif self.kind == "plain":
-            eta = self.eta(step)
-            print(f"step {step}/{self.total} {text} eta {eta:.0f}s" if math.isfinite(eta)
-                  else f"step {step}/{self.total} {text}", flush=True)
+            print(line, flush=True)
+
+    def tick(self, step: int) -> None:
+        """Advance the bar without a line (every step)."""
+        if self.kind == "rich":
+            self._bar.update(self._task, completed=step)
+        elif self.kind == "tqdm":
+            self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
         if self.kind == "rich":

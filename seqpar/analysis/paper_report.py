@@ -84,5 +84,16 @@ def _overhead() -> str:
 def render() -> str:
     data = paper.reproduce()
     parts = [_table2(data["table2"]), _figure7(data["figure7"]), _figure1(data["figure1"]),
-             _table5(data["table5"]), _selective(), _headlines(data["table2"])]
+             _table5(data["table5"]), _selective(), _headlines(data["table2"]), _beyond()]
     return "\n\n".join(parts)
+
+
+def _beyond() -> str:
+    rows = [[name, f"{d['tp_sp']:.1f}%", f"{d['tp_sp_selective']:.1f}%", f"{d['tp_sp_norm_activation']:.1f}%",
+             f"{d['full']:.1f}%", f"+{d['selective_extra_flops_pct']:.1f}%"]
+            for name, d in paper.beyond_the_paper().items()]
+    head = ["model, attention", "TP+SP", "+selective", "+norm+act. instead", "full", "selective FLOPs"]
+    return ("Beyond the paper: Llama-style presets, t = 8, b = 1, dropout 0; activation bytes per layer as % of "
+            "TP alone. With fused attention (sdpa) there are no s² terms: selective recompute saves little and "
+            "re-runs the attention GEMMs, while norm + activation recompute saves more for no GEMM FLOPs.\n"
+            + table(head, rows))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -115,10 +116,21 @@ def _launch(args, argv: list[str]) -> int:
     try:
         run(launcher)
     except ChildFailedError as err:
-        failures = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in sorted(err.failures.items()))
-        print(f"seqpar train: failed: {failures}", file=sys.stderr)
+        first, failure = err.get_first_failure()
+        others = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(err.failures.items()) if r != first)
+        print(f"seqpar train: rank {first} failed first ({_describe_exit(failure.exitcode)})"
+              + (f"; the launcher then stopped {others}" if others else ""), file=sys.stderr)
         return 1
     return 0
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def run(args) -> int:

@@ -75,23 +75,21 @@ class ParallelDims:
         def rank_of(d: int, p: int, t: int) -> int:
             return (d * pp + p) * tp + t
 
-        # new_group is collective over the world: every rank creates every group.
-        for d in range(dp):
-            for p in range(pp):
-                ranks = [rank_of(d, p, t) for t in range(tp)]
-                g = dist.new_group(ranks) if tp > 1 else None
-                if dims.rank in ranks:
-                    dims.tp_group, dims.tp_ranks = g, ranks
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [rank_of(d, p, t) for p in range(pp)]
-                g = dist.new_group(ranks) if pp > 1 else None
-                if dims.rank in ranks:
-                    dims.pp_group, dims.pp_ranks = g, ranks
-        for p in range(pp):
-            for t in range(tp):
-                ranks = [rank_of(d, p, t) for d in range(dp)]
-                g = dist.new_group(ranks) if dp > 1 else None
-                if dims.rank in ranks:
-                    dims.dp_group = g
+        # new_group is collective over the world: every rank creates every group, in the same order.
+        dims.tp_group, dims.tp_ranks = _my_group(
+            [[rank_of(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)], dims.rank)
+        dims.pp_group, dims.pp_ranks = _my_group(
+            [[rank_of(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)], dims.rank)
+        dims.dp_group, _ = _my_group(
+            [[rank_of(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)], dims.rank)
         return dims
+
+
+def _my_group(rank_lists: list[list[int]], rank: int) -> tuple[object, list[int]]:
+    """Create one group per list (None for a single rank); return the one holding ``rank``."""
+    mine = (None, [rank])
+    for ranks in rank_lists:
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = (group, ranks)
+    return mine

@@ -4,10 +4,13 @@ selective recompute, then `seqpar sample`, `seqpar export-hf` and `seqpar import
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from seqpar.cli import main
+
+TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
 
 
 def seqpar_here(capsys, *args):
@@ -26,7 +29,7 @@ def seqpar(*args, timeout=300):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli")
-    stdout = seqpar("train", "--config", "configs/tiny.toml", "--nproc", "2", "--tp", "2", "--sp",
+    stdout = seqpar("train", "--config", TINY, "--nproc", "2", "--tp", "2", "--sp",
                     "--recompute", "selective", "--steps", "10", "--out", str(out), "--no-progress",
                     "--sample-tokens", "8")
     return out, stdout

@@ -1,6 +1,8 @@
 """TrainConfig and the TOML job file: every value checked before anything starts, errors name numbers;
 the CLI exits 2 with a message (no traceback) on bad values."""
 
+from pathlib import Path
+
 import pytest
 
 from seqpar.cli import main
@@ -8,12 +10,14 @@ from seqpar.config import ConfigError
 from seqpar.train.config import TrainConfig, build_job, load_toml, parse_assignment
 from seqpar.train.optim import lr_at
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
 
 def test_presets_load_and_validate():
-    for name, world in (("configs/default.toml", 2), ("configs/tiny.toml", 1)):
-        job = build_job(load_toml(name)).validate(world)
+    for name, world in (("default.toml", 2), ("tiny.toml", 1)):
+        job = build_job(load_toml(CONFIGS / name)).validate(world)
         assert job.train.steps > 0
-    assert build_job(load_toml("configs/default.toml")).parallel.sp
+    assert build_job(load_toml(CONFIGS / "default.toml")).parallel.sp
 
 
 @pytest.mark.parametrize("sections, message", [

@@ -55,7 +55,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
             "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu",
             "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.embd_dropout, "attn_pdrop": cfg.attn_dropout,
             "layer_norm_epsilon": cfg.layernorm_eps, "initializer_range": cfg.init_std,
-            "tie_word_embeddings": True, "scale_attn_weights": True, "torch_dtype": "float32"}
+            "tie_word_embeddings": True, "scale_attn_weights": True, "torch_dtype": "float32",
+            "bos_token_id": None, "eos_token_id": None}
 
 
 # ---------------------------------------------------------------- QKV layout

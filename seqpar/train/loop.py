@@ -120,11 +120,12 @@ class Trainer:
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
+        n = t.microbatches(p.dp)
         params = sum(p_.numel() for _, p_ in self.opt.named if not getattr(p_, "is_tied_copy", False))
         lines = [f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
                  f"vocab {m.vocab_size}, {m.dtype}; {params:,} parameters on rank 0",
                  f"  tp {p.tp} × pp {p.pp} × dp {p.dp} (interleave {p.interleave}), sequence parallel "
-                 f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {t.microbatches(p.dp)} microbatches of "
+                 f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
                  f"{t.micro_batch} per step",
                  f"  data {self.data.source}: {len(self.data.train):,} train / {len(self.data.val):,} validation "
                  "tokens",

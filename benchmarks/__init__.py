@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q = sub.add_parser(name, help=help_text, description=help_text)
         q.add_argument("--json", action="store_true", help="print one JSON object")
         q.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke test, not a result)")
+        q.add_argument("--out", metavar="FILE", help="also write the JSON object to FILE")
         importlib.import_module(module).add_arguments(q)
         q.set_defaults(_bench=module)
 
@@ -36,6 +37,9 @@ def run(args: argparse.Namespace) -> dict:
             setattr(args, key, value)
     result = module.run(args)
     print(json.dumps(result) if args.json else module.render(result))
+    if getattr(args, "out", None):
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
     return result
 
 

@@ -62,3 +62,19 @@ def test_pretokenized_bin(tmp_path):
 def test_bad_data_is_a_clear_error(tmp_path, make, message):
     with pytest.raises(DataError, match=message):
         TokenData.build(16, 256, data=make(tmp_path))
+
+
+def test_local_tokenizer_file(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(text)], trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    d = TokenData.build(8, 64, data=str(text), tokenizer=str(tmp_path / "tokenizer.json"))
+    assert int(d.train.max()) < tok.get_vocab_size() <= 64
+    with pytest.raises(DataError, match="token id"):
+        TokenData.build(8, 10, data=str(text), tokenizer=str(tmp_path / "tokenizer.json"))

@@ -65,3 +65,12 @@ def test_export_then_import_hf(run_dir, tmp_path, capsys):
     b = seqpar_here(capsys, "sample", "--checkpoint", str(tmp_path / "back"), "--prompt", "def", "--tokens", "8",
                     "--temperature", "0")
     assert a == b
+
+
+def test_resume_without_config_uses_the_checkpoints(run_dir, tmp_path, capsys):
+    """An imported (or any) checkpoint resumes with its own model shape; here at tp=1 after tp=2."""
+    out, _ = run_dir
+    text = seqpar_here(capsys, "train", "--resume", str(out), "--tp", "1", "--steps", "12", "--out", str(tmp_path),
+                       "--no-progress", "--sample-tokens", "0")
+    assert "resumed from" in text and "written with tp 2" in text
+    assert "layout tp 1 × pp 1 × dp 1" in text and "steps 12" in text

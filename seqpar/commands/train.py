@@ -74,9 +74,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true")
 
 
+def base_sections(args) -> dict[str, dict]:
+    """The TOML file; without one, a resumed run starts from the checkpoint's own configuration
+    (``seqpar train --resume runs/demo`` continues it; an imported GPT-2 brings its model shape)."""
+    if args.config:
+        return load_toml(args.config)
+    if not args.resume:
+        return {}
+    from seqpar.train import checkpoint as ckpt
+    from seqpar.train.config import TrainConfig
+
+    path = args.resume if args.resume != "auto" else (args.out or TrainConfig().out_dir)
+    sections = ckpt.read_meta(ckpt.resolve(path))["config"]
+    sections.get("parallel", {}).pop("dp", None)  # re-derived from this run's world size
+    return sections
+
+
 def job_from_args(args, world_size: int) -> JobConfig:
-    """The validated job: TOML, then --set, then flags; dp defaults to world / (tp × pp)."""
-    sections = load_toml(args.config) if args.config else {}
+    """The validated job: TOML (or a resumed checkpoint's config), then --set, then flags;
+    dp defaults to world / (tp × pp)."""
+    sections = base_sections(args)
     overrides: dict[str, dict] = {}
     for text in args.set:
         section, key, value = parse_assignment(text)

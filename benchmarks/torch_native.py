@@ -59,6 +59,15 @@ def selective_checkpoint(core: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
 
 
+def reduce_partial_grads(model: nn.Module) -> None:
+    """Make every ``Partial`` gradient (the norms' weights and biases under SP) ``Replicate``: the all-reduce
+    DTensor defers until something (an optimizer step, a grad-norm) reads the gradient."""
+    for p in model.parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            p.grad = grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+
+
 def layer_plan() -> dict:
     """torchtitan's per-block plan with sequence dim 0."""
     return {

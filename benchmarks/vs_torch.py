@@ -1,9 +1,10 @@
 """``vs-torch``: seqpar TP+SP against PyTorch-native DTensor TP+SP on the same layers, same weights.
 
 For t in {2, 4} and recompute in {none, selective}: step time of L layers (forward + backward of a
-sum-of-squares loss on the sequence-sharded output, including the LayerNorm-gradient all-reduce of
-SP) and the activation bytes per layer per rank (what autograd keeps, de-duplicated by storage,
-parameters excluded; DTensors counted by their local tensors; the inputs a non-reentrant
+sum-of-squares loss on the sequence-sharded output, including the all-reduce of the LayerNorm
+gradients SP needs: seqpar's one flattened all-reduce; DTensor's ``Partial`` gradients made
+``Replicate``) and the activation bytes per layer per rank (what autograd keeps, de-duplicated by
+storage, parameters excluded; DTensors counted by their local tensors; the inputs a non-reentrant
 ``torch.utils.checkpoint`` holds are counted too). Both models run in the same processes,
 alternating step by step. Dropout defaults to 0: the two models' dropout RNGs cannot draw the same
 masks, and at dropout 0 their losses must agree (checked before timing).
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import common
+from benchmarks.torch_native import reduce_partial_grads
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.model import build_model
 from seqpar.parallel.comm import split_seq
@@ -84,8 +86,10 @@ def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute
             x = x_local.detach().requires_grad_(True)
             loss = _loss(model(x))
             loss.backward()
-            if sync_sp_grads:
+            if sync_sp_grads:  # the SP gradients (norms) all-reduced, as a training step needs them
                 allreduce_sequence_parallel_grads(model, group)
+            else:
+                reduce_partial_grads(model)
             model.zero_grad(set_to_none=True)
             return loss.detach()
         return run

@@ -30,7 +30,7 @@ def seqpar(*args, timeout=300):
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli")
     stdout = seqpar("train", "--config", TINY, "--nproc", "2", "--tp", "2", "--sp",
-                    "--recompute", "selective", "--steps", "10", "--out", str(out), "--no-progress",
+                    "--recompute", "selective", "--steps", "4", "--out", str(out), "--no-progress",
                     "--sample-tokens", "8")
     return out, stdout
 
@@ -43,8 +43,8 @@ def test_train_nproc_2(run_dir):
     start = records[0]
     assert start["event"] == "start" and start["act_bytes_measured"] > 0 and start["act_bytes_predicted"] > 0
     steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == [10] and "val_loss" in steps[-1] and "mfu" in steps[-1]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000010"
+    assert [r["step"] for r in steps] == [4] and "val_loss" in steps[-1] and "mfu" in steps[-1]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000004"
 
 
 def test_sample_command(run_dir, capsys):
@@ -70,7 +70,7 @@ def test_export_then_import_hf(run_dir, tmp_path, capsys):
 def test_resume_without_config_uses_the_checkpoints(run_dir, tmp_path, capsys):
     """An imported (or any) checkpoint resumes with its own model shape; here at tp=1 after tp=2."""
     out, _ = run_dir
-    text = seqpar_here(capsys, "train", "--resume", str(out), "--tp", "1", "--steps", "12", "--out", str(tmp_path),
+    text = seqpar_here(capsys, "train", "--resume", str(out), "--tp", "1", "--steps", "6", "--out", str(tmp_path),
                        "--no-progress", "--sample-tokens", "0")
     assert "resumed from" in text and "written with tp 2" in text
-    assert "layout tp 1 × pp 1 × dp 1" in text and "steps 12" in text
+    assert "layout tp 1 × pp 1 × dp 1" in text and "steps 6" in text

@@ -21,9 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.tokens < 0 or args.temperature < 0 or args.top_k < 0:
-        raise ConfigError(f"--tokens {args.tokens}, --temperature {args.temperature} and --top-k {args.top_k} "
-                          "must be >= 0")
+    if args.tokens < 0 or args.temperature < 0 or args.top_k < 0 or args.seed < 0:
+        raise ConfigError(f"--tokens {args.tokens}, --temperature {args.temperature}, --top-k {args.top_k} and "
+                          f"--seed {args.seed} must be >= 0")
     from seqpar.train.sample import decode_bytes, encode_bytes, generate, load_model
 
     model, meta = load_model(args.checkpoint)

@@ -112,6 +112,9 @@ class JobConfig:
         from seqpar.pipeline.split import validate_microbatches
 
         self.run.validate(world_size)
+        n = self.recompute.num_layers  # checked for every granularity: a flag given is a flag checked
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"recompute num_layers must be a positive integer, got {n!r}")
         self.train.validate(self.parallel.dp)
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self

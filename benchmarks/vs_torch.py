@@ -109,14 +109,18 @@ def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute
         per_layer[name] = meter.total_bytes / cfg.num_layers
 
     times = {"seqpar": [], "torch": []}
+    cpu = {"seqpar": [], "torch": []}
     for i in range(warmup + repeats):
         for name, fn in (("seqpar", step(ours, True)), ("torch", step(theirs, False))):
-            seconds = common.timed(fn)
+            seconds, cpu_seconds = common.timed_cpu(fn)
             if i >= warmup:
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
     times = {k: common.max_over_ranks(v, group) for k, v in times.items()}
+    cpu = {k: common.max_over_ranks(v, group) for k, v in cpu.items()}
     return {"seqpar_ms": 1e3 * common.median(times["seqpar"]), "torch_ms": 1e3 * common.median(times["torch"]),
             "seqpar_min_ms": 1e3 * min(times["seqpar"]), "torch_min_ms": 1e3 * min(times["torch"]),
+            "seqpar_cpu_ms": 1e3 * common.median(cpu["seqpar"]), "torch_cpu_ms": 1e3 * common.median(cpu["torch"]),
             "seqpar_bytes": per_layer["seqpar"], "torch_bytes": per_layer["torch"],
             "seqpar_loss": losses[0].item(), "torch_loss": losses[1].item()}
 
@@ -148,7 +152,8 @@ def run(args) -> dict:
                          "torch_expected_bytes": f["torch_expected"],
                          "bytes_ratio": r["seqpar_bytes"] / r["torch_bytes"],
                          "time_ratio": r["seqpar_ms"] / r["torch_ms"],
-                         "time_ratio_min": r["seqpar_min_ms"] / r["torch_min_ms"]})
+                         "time_ratio_min": r["seqpar_min_ms"] / r["torch_min_ms"],
+                         "cpu_ratio": r["seqpar_cpu_ms"] / r["torch_cpu_ms"]})
     return {"config": {"s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size, "a": cfg.num_heads,
                        "layers": cfg.num_layers, "dtype": cfg.dtype, "dropout": args.dropout},
             "machine": common.machine(), "rows": rows}
@@ -161,14 +166,16 @@ def render(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         rows.append([r["tp"], r["recompute"], f"{r['seqpar_ms']:.1f}", f"{r['torch_ms']:.1f}", f"{r['time_ratio']:.3f}",
-                     f"{r['time_ratio_min']:.3f}",
+                     f"{r['time_ratio_min']:.3f}", f"{r['cpu_ratio']:.3f}",
                      common.fmt_bytes(r["seqpar_bytes"]), common.fmt_bytes(r["torch_bytes"]), f"{r['bytes_ratio']:.3f}",
                      common.fmt_bytes(r["torch_bytes"] - r["seqpar_bytes"]),
                      "yes" if r["seqpar_bytes"] == r["exact_bytes"] else "NO",
                      "yes" if r["torch_bytes"] == r["torch_expected_bytes"] else "NO"])
-    out.append(common.table(["t", "recompute", "seqpar ms", "torch ms", "time ×", "best ×", "seqpar B/layer",
+    out.append(common.table(["t", "recompute", "seqpar ms", "torch ms", "time ×", "best ×", "CPU ×",
+                             "seqpar B/layer",
                              "torch B/layer", "bytes ×", "torch excess", "seqpar=exact",
                              "torch=exact+4sbh(1-1/t)"], rows))
-    out.append("time ×: seqpar/torch of the medians; best ×: of the fastest steps. "
+    out.append("time ×: seqpar/torch of the median steps; best ×: of the fastest; CPU ×: of the median CPU "
+               "times. "
                "bytes: per layer per rank; exact = Table 2 at this dropout + LayerNorm mean/rstd (4sb/t elements).")
     return "\n".join(out)

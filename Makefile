@@ -1,11 +1,14 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- create .venv, install seqpar, run the main job on its embedded default
 #   make test   -- create .venv, install seqpar with dev tools, lint and run the test suite
+# Both install the extras the tests and the demo use (plots, progress bar, Hugging Face interop):
+# every test runs, none is skipped for a missing package.
 # TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine use e.g.
 #   make test TORCH_SPEC='torch>=2.4'
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,interop,plots,progress
 PY := $(VENV)/bin/python
 
 .PHONY: demo test lint clean
@@ -13,14 +16,14 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q '$(TORCH_SPEC)'
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 demo: $(VENV)/.installed
 	$(PY) -m seqpar train --config configs/default.toml --nproc 2
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check seqpar tests
+	$(VENV)/bin/ruff check seqpar tests benchmarks
 
 test: lint
 	$(PY) -m pytest -q

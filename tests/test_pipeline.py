@@ -14,6 +14,8 @@ with it on none does. App. C: the peak lies between the all-recomputed and all-s
 with K, and the loss is bit-identical.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -102,12 +104,17 @@ def _worker(rank, world):
     return parity_here(PARITY[world]), measure_jobs_here(MEM_CFG, memory_jobs(world))
 
 
-@pytest.fixture(scope="module", params=[2, 4, 8])
-def spawned(request):
-    world = request.param
+@functools.cache
+def _spawn(world):
+    """One launch of ``world`` ranks runs every parity case and memory job of that world size."""
     assert validate_jobs(MEM_CFG, memory_jobs(world)) == world
     results = run_ranks(_worker, world)
     return world, [r[0] for r in results], report(MEM_CFG, memory_jobs(world), [r[1] for r in results])
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8])
+def spawned(request):
+    return _spawn(request.param)
 
 
 def test_parity_with_single_process_model(spawned):
@@ -150,10 +157,8 @@ def test_peak_matches_formula_per_stage(spawned):
             assert off.measured_peak_bytes - on.measured_peak_bytes == (sent - in_transit) * boundary, (on, off)
 
 
-def test_app_c_keeps_some_microbatches(spawned):
-    world, _, measured = spawned
-    if world != 2:
-        pytest.skip("App. C runs in the 2-rank spawn")
+def test_app_c_keeps_some_microbatches():
+    _, _, measured = _spawn(2)  # the App. C jobs run in the 2-rank launch
     runs = measured[-1]
     for granularity in ("selective", "full"):
         peaks = {k: stages for (rc, _, _, _, k), stages in zip(APP_C, runs, strict=True)

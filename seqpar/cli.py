@@ -21,7 +21,10 @@ VERBS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="seqpar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
+        "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
+        epilog="`seqpar VERB --help` describes each verb.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module, help_text) in VERBS.items():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from seqpar.config import ParallelConfig
-from seqpar.interop.gpt2 import qkv_from_hf, qkv_to_hf, read_hf_folder
+from seqpar.interop.gpt2 import qkv_from_hf, qkv_to_hf
+from seqpar.interop.hf import read_hf_folder
 from seqpar.model.gpt import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks

@@ -1,5 +1,5 @@
-"""`seqpar export-hf CKPT --out DIR`: a seqpar checkpoint → a Hugging Face GPT-2 folder
-(config.json + model.safetensors) that ``transformers.GPT2LMHeadModel.from_pretrained`` loads."""
+"""`seqpar export-hf CKPT --out DIR`: a seqpar checkpoint → a Hugging Face GPT-2 or Llama folder
+(config.json + model.safetensors) that ``transformers`` loads (GPT2LMHeadModel or LlamaForCausalLM)."""
 
 from __future__ import annotations
 

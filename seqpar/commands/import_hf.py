@@ -1,4 +1,4 @@
-"""`seqpar import-hf DIR --out CKPT`: a local Hugging Face GPT-2 folder → a seqpar checkpoint.
+"""`seqpar import-hf DIR --out CKPT`: a local Hugging Face GPT-2 or Llama folder → a seqpar checkpoint.
 
 The checkpoint holds full tensors, so ``seqpar train --resume CKPT`` shards it for any tp/pp/dp.
 """

@@ -11,9 +11,7 @@ with it imports, but its outputs differ slightly (|Δ| < 1e-3 per activation), a
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -114,39 +112,3 @@ def state_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
             value = sd[f"layers.{i}.{ours}"]
             out[f"h.{i}.{theirs}"] = value.t() if conv else value
     return {f"transformer.{k}": v.float().contiguous().clone() for k, v in out.items()}
-
-
-# ---------------------------------------------------------------- folders
-def _safetensors():
-    try:
-        from safetensors.torch import load_file, save_file
-    except ImportError:
-        raise ConfigError("Hugging Face interop needs the `safetensors` package: "
-                          "pip install 'seqpar[interop]'") from None
-    return load_file, save_file
-
-
-def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """``config.json`` + ``model.safetensors`` (or ``pytorch_model.bin``) → (ModelConfig, seqpar state)."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{folder} has no config.json (a Hugging Face GPT-2 folder is expected)")
-    cfg = model_config_from_hf(json.loads((folder / "config.json").read_text()))
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        load_file = _safetensors()[0]
-        sd = {k: v for f in files for k, v in load_file(str(f)).items()}
-    elif (folder / "pytorch_model.bin").is_file():
-        sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise ConfigError(f"{folder} has no *.safetensors or pytorch_model.bin weights")
-    return cfg, state_from_hf(sd, cfg)
-
-
-def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file = _safetensors()[1]
-    save_file(state_to_hf(state, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
-    return folder

@@ -1,0 +1,61 @@
+"""Local Hugging Face folders (``config.json`` + safetensors) ⇄ seqpar full state dicts, for the
+model families in ``FAMILIES`` (GPT-2, Llama), chosen by ``model_type``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from seqpar.config import ConfigError, ModelConfig
+from seqpar.interop import gpt2, llama
+
+FAMILIES = {"gpt2": gpt2, "llama": llama}
+
+
+def family_of(cfg: ModelConfig):
+    """The interop module a seqpar model exports through."""
+    return llama if cfg.norm == "rmsnorm" else gpt2
+
+
+def _safetensors():
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        raise ConfigError("Hugging Face interop needs the `safetensors` package: "
+                          "pip install 'seqpar[interop]'") from None
+    return load_file, save_file
+
+
+def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``config.json`` + ``*.safetensors`` (or ``pytorch_model.bin``) → (ModelConfig, seqpar state)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} has no config.json (a Hugging Face GPT-2 or Llama folder is expected)")
+    hf = json.loads((folder / "config.json").read_text())
+    kind = hf.get("model_type", "gpt2")
+    if kind not in FAMILIES:
+        raise ConfigError(f"model_type {kind!r} is not one of {sorted(FAMILIES)}")
+    family = FAMILIES[kind]
+    cfg = family.model_config_from_hf(hf)
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        load_file = _safetensors()[0]
+        sd = {k: v for f in files for k, v in load_file(str(f)).items()}
+    elif (folder / "pytorch_model.bin").is_file():
+        sd = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ConfigError(f"{folder} has no *.safetensors or pytorch_model.bin weights")
+    return cfg, family.state_from_hf(sd, cfg)
+
+
+def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
+    """A folder ``transformers`` loads with ``from_pretrained`` (GPT2LMHeadModel or LlamaForCausalLM)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    family = family_of(cfg)
+    save_file = _safetensors()[1]
+    save_file(family.state_to_hf(state, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(family.hf_config_from_model(cfg), indent=2))
+    return folder

@@ -16,7 +16,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # Finer selective recompute (beyond the paper): what a layer may checkpoint.
 RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp")
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu_tanh: GPT-2's "gelu_new"
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("materialized", "sdpa")
 

@@ -24,9 +24,9 @@ def _tokens(vocab, seq):
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     torch.manual_seed(0)
-    # vocab 101 is padded at tp = 2; exact GeLU because seqpar's MLP uses it (gelu_new is the tanh form).
+    # vocab 101 is padded at tp = 2; gelu_new (the tanh GeLU) as in the released GPT-2 checkpoints.
     config = transformers.GPT2Config(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                     activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                      bos_token_id=None, eos_token_id=None)
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # non-trivial biases and norms, so a layout slip cannot hide

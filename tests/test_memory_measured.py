@@ -62,6 +62,7 @@ ARCHS = [  # (name, config changes): each measured under every Table 2 row and t
     ("llama kv1 materialized", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=1,
                                     embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
     ("gpt gqa dropout", dict(kv_heads=2)),
+    ("gpt-2 tanh gelu", dict(activation="gelu_tanh")),
 ]
 MODULES = [("norm",), ("activation",), ("mlp",), ("core_attention", "norm", "activation"), ("norm", "mlp")]
 

@@ -5,19 +5,17 @@ QKV output columns as ``[q (all heads); k; v]``; seqpar stores ``nn.Linear`` wei
 and QKV rows per head, ``(head, {q, k, v}, head_dim)``, so a contiguous tp split keeps whole heads.
 Both use learned positions, pre-LN layers, a tied output layer and 1/sqrt(d) attention scaling.
 
-GeLU: seqpar's MLP uses the exact GeLU. GPT-2's ``gelu_new`` is the tanh approximation; a model
-with it imports, but its outputs differ slightly (|Δ| < 1e-3 per activation), and a warning says so.
+GeLU: GPT-2's ``gelu_new`` (and ``gelu_pytorch_tanh``) is the tanh approximation, seqpar's
+``activation="gelu_tanh"``; ``gelu`` is the exact one.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 
 from seqpar.config import ConfigError, ModelConfig
 
-EXACT_GELU = ("gelu",)
+GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # GPT-2 name -> seqpar
 LAYER_MAP = {  # seqpar suffix -> (GPT-2 suffix, is a Conv1D weight to transpose)
     "ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),
     "attention.out_proj.weight": ("attn.c_proj.weight", True), "attention.out_proj.bias": ("attn.c_proj.bias", False),
@@ -37,20 +35,20 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         if hf.get(key, ok) != ok:
             raise ConfigError(f"GPT-2 option {key}={hf[key]} is not supported (seqpar needs {ok})")
     act = hf.get("activation_function", "gelu_new")
-    if act not in EXACT_GELU:
-        warnings.warn(f"GPT-2 activation {act!r} is the tanh GeLU approximation; seqpar uses the exact GeLU, so "
-                      "outputs differ slightly (< 1e-3 per activation)", stacklevel=2)
+    if act not in GELUS:
+        raise ConfigError(f"GPT-2 activation {act!r} is not one of {sorted(GELUS)}")
     return ModelConfig(vocab_size=hf["vocab_size"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
                        num_layers=hf["n_layer"], seq_len=hf["n_positions"], ffn_hidden_size=hf.get("n_inner"),
                        embd_dropout=hf.get("embd_pdrop", 0.1), attn_dropout=hf.get("attn_pdrop", 0.1),
                        hidden_dropout=hf.get("resid_pdrop", 0.1), layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       init_std=hf.get("initializer_range", 0.02)).validate()
+                       init_std=hf.get("initializer_range", 0.02), activation=GELUS[act]).validate()
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
             "n_positions": cfg.seq_len, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu",
+            "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size,
+            "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
             "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.embd_dropout, "attn_pdrop": cfg.attn_dropout,
             "layer_norm_epsilon": cfg.layernorm_eps, "initializer_range": cfg.init_std,
             "tie_word_embeddings": True, "scale_attn_weights": True, "torch_dtype": "float32",

@@ -33,8 +33,13 @@ class _SwiGLU(torch.autograd.Function):
         return torch.cat([grad_gate, g * silu], dim=-1).to(x.dtype)
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def activation(cfg: ModelConfig):
-    return _SwiGLU.apply if cfg.activation == "swiglu" else F.gelu
+    """The MLP's nonlinearity; each keeps only its input for backward."""
+    return {"swiglu": _SwiGLU.apply, "gelu_tanh": _gelu_tanh}.get(cfg.activation, F.gelu)
 
 
 class _RecomputedActivationLinear(torch.autograd.Function):

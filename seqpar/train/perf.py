@@ -11,9 +11,11 @@ import time
 
 import torch
 
-from seqpar.analysis.flops import hardware_flops, model_flops
+from seqpar.analysis.flops import layer_forward_flops, model_flops_from_gemms, recompute_extra_flops
 from seqpar.analysis.measure import SavedTensorMeter, layernorm_stat_bytes
 from seqpar.analysis.memory import layer_activation_bytes
+from seqpar.analysis.table2 import formula_options
+from seqpar.config import ConfigError
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3) -> float:
@@ -43,13 +45,31 @@ def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> 
 def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
     """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for ``layers`` layers of one microbatch."""
     m, p, r = job.model, job.parallel, job.recompute
-    dtype_bytes = torch.empty((), dtype=m.torch_dtype).element_size()
-    dropout = m.attn_dropout > 0 or m.hidden_dropout > 0
+    try:
+        options = formula_options(m)  # the architecture's per-tensor terms
+    except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
+        return float("nan")
     per_layer = layer_activation_bytes(m.seq_len, job.train.micro_batch, m.hidden_size, m.num_heads, p.tp,
-                                       sp=p.sp and p.tp > 1, recompute=r.granularity, ffn=m.ffn,
-                                       act_bytes=dtype_bytes, dropout=dropout,
-                                       ln_stats_bytes=layernorm_stat_bytes(device, m.torch_dtype))
+                                       sp=p.sp and p.tp > 1, recompute=r.granularity, modules=r.modules or None,
+                                       ln_stats_bytes=layernorm_stat_bytes(device, m.torch_dtype), **options)
     return per_layer * layers
+
+
+def step_flops(job) -> tuple[float, float]:
+    """Model FLOPs (Eq. 7, GEMM by GEMM: also right for GQA, SwiGLU and any FFN width) and hardware
+    FLOPs (plus what the recompute runs again) of one step."""
+    m, r = job.model, job.recompute
+    B, L, s, h = job.train.global_batch, m.num_layers, m.seq_len, m.hidden_size
+    arch = {"kv_ratio": m.num_kv_heads / m.num_heads, "gated": m.activation == "swiglu"}
+    model = model_flops_from_gemms(B, L, s, h, m.vocab_size, m.ffn, **arch)
+    fwd = layer_forward_flops(B, s, h, m.ffn, **arch)
+    modules = r.selective_modules
+    extra = L * ((fwd["qk"] + fwd["attention_v"]) * ("core_attention" in modules) + fwd["mlp"] * ("mlp" in modules))
+    if r.granularity == "full":
+        per_stage = L // (job.parallel.pp * job.parallel.interleave)
+        share = 1.0 if r.method == "uniform" else min(r.num_layers, per_stage) / per_stage
+        extra = recompute_extra_flops(B, L, s, h, "full", m.ffn, recomputed_layers=L * share, **arch)
+    return model, model + extra
 
 
 class Throughput:
@@ -58,9 +78,7 @@ class Throughput:
         self.peak, self.peak_source = peak_flops(job.train.peak_tflops, device, job.model.torch_dtype)
         m, t = job.model, job.train
         self.tokens = t.global_batch * m.seq_len
-        args = (t.global_batch, m.num_layers, m.seq_len, m.hidden_size, m.vocab_size)
-        self.model_flops = model_flops(*args)
-        self.hardware_flops = hardware_flops(*args, job.recompute.granularity)
+        self.model_flops, self.hardware_flops = step_flops(job)
         self.device = device
         self.activations: dict = {}
 

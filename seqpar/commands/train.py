@@ -130,15 +130,58 @@ def _launch(args, argv: list[str]) -> int:
         ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "0",
          "-m", "seqpar", "train", *rest])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (_die_with_launcher)
     try:
         run(launcher)
     except ChildFailedError as err:
-        first, failure = err.get_first_failure()
+        first, failure = _first_failure(err.failures)
         others = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(err.failures.items()) if r != first)
-        print(f"seqpar train: rank {first} failed first ({_describe_exit(failure.exitcode)})"
+        print(f"seqpar train: rank {first} failed first ({_describe_exit(failure.exitcode)}{_cause(failure)})"
               + (f"; the launcher then stopped {others}" if others else ""), file=sys.stderr)
         return 1
     return 0
+
+
+# a rank whose collective lost its peer failed because another rank did, not first
+PEER_LOST = ("by peer", "Connection closed", "Connection reset", "Broken pipe", "DistNetworkError",
+             "DistBackendError")
+
+
+def _first_failure(failures: dict) -> tuple[int, object]:
+    """The rank that failed first. The launcher's own pick (earliest timestamp, in whole seconds)
+    can name a rank that only saw its peer vanish; consequences -- stopped by the launcher
+    (SIGTERM) or a collective error about a lost peer -- rank after every real cause."""
+    def key(item):
+        failure = item[1]
+        consequence = failure.exitcode == -signal.SIGTERM or any(s in _cause(failure) for s in PEER_LOST)
+        return consequence, failure.timestamp
+
+    return min(failures.items(), key=key)
+
+
+def _cause(failure) -> str:
+    """The exception a rank recorded (``record`` in ``run``), e.g. ``: RuntimeError: ...``; else ''."""
+    message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    text = message.get("message", "") if isinstance(message, dict) else ""
+    return f": {text.splitlines()[0][:300]}" if text else ""
+
+
+LAUNCHER_ENV = "SEQPAR_LAUNCHER_PID"
+
+
+def _die_with_launcher() -> None:
+    """A rank started by ``--nproc`` gets SIGKILL when its launcher dies, however it dies (Linux
+    ``PR_SET_PDEATHSIG``). The launcher stops the ranks when it can; after its own SIGKILL it
+    cannot, and the ranks (in sessions of their own) would train on as orphans."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # the launcher died before the call above
+        os._exit(1)
 
 
 def _describe_exit(code: int) -> str:
@@ -158,12 +201,18 @@ def run(args) -> int:
         job_from_args(args, args.nproc)  # every rule checked before any process starts
         argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []
         return _launch(args, argv)
+    if under_launcher:
+        _die_with_launcher()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     job = job_from_args(args, world)
     from seqpar.train.loop import train
     from seqpar.train.report import print_summary
 
     t0 = time.perf_counter()
+    if under_launcher:  # an exception is written to the launcher's error file: its report names it
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        train = record(train)
     summary = train(job, resume=resume_path(args, job))
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(job, summary, time.perf_counter() - t0)

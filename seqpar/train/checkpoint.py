@@ -75,29 +75,55 @@ def full_state(states, dims: ParallelDims, with_optimizer: bool = True) -> dict[
     return out
 
 
-def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2) -> Path:
-    """Write ``tensors`` (full, by key) at ``root/step_N`` atomically; every rank calls this."""
+def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2,
+         written=None) -> Path:
+    """Write ``tensors`` (full, by key) at ``root/step_N`` atomically; every rank calls this.
+
+    A failed write (disk full, ...) removes the temporary folder and raises CheckpointError; the
+    previous checkpoint and ``latest`` are untouched. ``written()`` (a test hook) runs on every rank
+    once its part of the temporary folder is on disk, before the commit."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
-    if _is_rank0():
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a save that was killed
-            shutil.rmtree(tmp)
-    _barrier()
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    _barrier()
-    if _is_rank0():
-        _write_atomic(tmp / META, json.dumps({"format": FORMAT, **meta}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_atomic(root / LATEST, final.name + "\n")
-        _prune(root, keep)
+    try:
+        if _is_rank0():
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a save that was killed
+                shutil.rmtree(tmp)
+        _barrier()
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        if written is not None:
+            written()
+        _barrier()
+        if _is_rank0():
+            _write_atomic(tmp / META, json.dumps({"format": FORMAT, **meta}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _write_atomic(root / LATEST, final.name + "\n")
+            _prune(root, keep)
+    except (OSError, CheckpointException) as err:  # DCP gathers every rank's write error into one
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final} ({_write_failure(err)}); "
+                              f"{_last_good(root)}") from None
     _barrier()
     return final
+
+
+def _write_failure(err: BaseException) -> str:
+    if isinstance(err, CheckpointException):
+        return "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in sorted(err.failures.items()))
+    return str(err)
+
+
+def _last_good(root: Path) -> str:
+    latest = root / LATEST
+    if latest.is_file():
+        return f"the last good checkpoint {latest.read_text().strip()} is kept ({latest} names it)"
+    return "no earlier checkpoint exists"
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -151,8 +177,10 @@ def load_full(path: Path, wanted: dict[str, tuple[int, ...]], local: bool = Fals
         if key not in stored:
             raise CheckpointError(f"checkpoint {path} holds no tensor {key}")
         if stored[key] != tuple(shape):
+            hint = (f" (its position table holds {stored[key][0]} positions; seq_len {shape[0]} needs {shape[0]})"
+                    if key.endswith("embedding.position") else "")
             raise CheckpointError(f"checkpoint {path}: {key} has shape {stored[key]}, the model expects "
-                                  f"{tuple(shape)}")
+                                  f"{tuple(shape)}{hint}")
     out = {k: torch.empty(shape) for k, shape in wanted.items()}
     try:
         with warnings.catch_warnings():

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.rng import STREAMS
 from seqpar.train import checkpoint as ckpt
+from seqpar.train import fault as fault_hook
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
@@ -81,6 +82,7 @@ class Trainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
+        self.fault = fault_hook.from_env()  # test hook (SEQPAR_FAULT, see fault.py); None in real runs
         self.data = TokenData.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
         self.resume_path = ckpt.resolve(resume) if resume else None  # a bad path fails before groups too
         self.device = device or default_device()
@@ -115,8 +117,10 @@ class Trainer:
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
-        return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), self.state.step, tensors, meta,
-                             self.job.train.keep_checkpoints))
+        step, fault = self.state.step, self.fault
+        written = (lambda: fault.hit(self.dims.rank, step, "save")) if fault else None
+        return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
+                             self.job.train.keep_checkpoints, written=written))
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
@@ -180,6 +184,8 @@ class Trainer:
         try:
             while self.state.step < end:
                 step = self.state.step
+                if self.fault:
+                    self.fault.hit(self.dims.rank, step + 1, "step")
                 loss, norm, applied = self.train_step(step)
                 self.state.losses.append(loss if applied else float("nan"))
                 self.state.step += 1

@@ -1,0 +1,56 @@
+"""TEST HOOK: make one rank fail at a chosen point, to show that a failing rank stops the whole job.
+
+``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill]"`` (read once when a Trainer starts):
+
+* ``at=step`` (default): rank R fails just before it runs step K (1-based, as logged);
+* ``at=save``: rank R fails while saving the checkpoint of step K, after its part of the temporary
+  ``step_K.tmp`` folder is written and before the checkpoint is committed (renamed, ``latest``);
+* ``do=raise`` raises RuntimeError (the default at a step); ``do=kill`` sends SIGKILL to the
+  rank's own process (the default at a save: nothing gets to clean up).
+
+Unset in real runs; the reliability tests (``tests/test_reliability_*.py``) set it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from seqpar.config import ConfigError
+
+ENV = "SEQPAR_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    at: str = "step"
+    do: str = "raise"
+
+    def hit(self, rank: int, step: int, at: str) -> None:
+        """Fail here if this is the chosen (rank, step, point); else do nothing."""
+        if (rank, step, at) != (self.rank, self.step, self.at):
+            return
+        if self.do == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        where = f"step {step}" if at == "step" else f"the save of step {step}"
+        raise RuntimeError(f"{ENV}: injected failure on rank {rank} at {where}")
+
+
+def from_env() -> Fault | None:
+    """The fault named by ``SEQPAR_FAULT``, or None when it is unset or empty."""
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    try:
+        fields = dict(part.split("=", 1) for part in text.split(","))
+        rank, step = int(fields.pop("rank")), int(fields.pop("step"))
+        at = fields.pop("at", "step")
+        do = fields.pop("do", "kill" if at == "save" else "raise")
+    except (ValueError, KeyError):
+        raise ConfigError(f"{ENV}={text!r}: expected rank=R,step=K[,at=step|save][,do=raise|kill]") from None
+    if fields or at not in ("step", "save") or do not in ("raise", "kill"):
+        raise ConfigError(f"{ENV}={text!r}: expected rank=R,step=K[,at=step|save][,do=raise|kill]")
+    return Fault(rank, step, at, do)

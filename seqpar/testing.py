@@ -35,3 +35,23 @@ def parity_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: Recom
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def hf_folder_logits(rank: int, world: int, folder, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``[b, s, v]`` of a Hugging Face folder imported into seqpar at tp = ``world`` (SP when
+    ``world`` > 1); a ``run_ranks`` worker (collective over the ranks)."""
+    from seqpar.config import ParallelConfig
+    from seqpar.interop.hf import read_hf_folder
+    from seqpar.parallel.sharding import load_full_state_dict
+
+    cfg, state = read_hf_folder(folder)
+    dims = ParallelDims.build(ParallelConfig(tp=world, sp=world > 1)) if world > 1 else ParallelDims.single()
+    model = build_model(cfg, dims, sequence_parallel=world > 1)
+    load_full_state_dict(model, state, dims.tp_rank, dims.tp)
+    with torch.no_grad():
+        local = model.eval()(tokens)  # [s, b, v_pad/t]
+    if world > 1:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        torch.distributed.all_gather(parts, local, group=dims.tp_group)
+        local = torch.cat(parts, dim=-1)  # [s, b, v_pad]
+    return local[..., :cfg.vocab_size].transpose(0, 1)  # [b, s, v]

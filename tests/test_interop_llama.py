@@ -5,13 +5,9 @@ back, transformers reloads identical weights and logits."""
 import pytest
 import torch
 
-from seqpar.config import ParallelConfig
-from seqpar.interop.hf import read_hf_folder
 from seqpar.interop.llama import qkv_from_hf, qkv_to_hf
-from seqpar.model.gpt import build_model
-from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
-from seqpar.parallel.sharding import load_full_state_dict
+from seqpar.testing import hf_folder_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,17 +42,7 @@ def folders(tmp_path_factory):
 
 
 def _seqpar_logits(rank, world, folder):
-    cfg, state = read_hf_folder(folder)
-    dims = ParallelDims.build(ParallelConfig(tp=world, sp=world > 1)) if world > 1 else ParallelDims.single()
-    model = build_model(cfg, dims, sequence_parallel=world > 1)
-    load_full_state_dict(model, state, dims.tp_rank, dims.tp)
-    with torch.no_grad():
-        local = model.eval()(_tokens(cfg.vocab_size, cfg.seq_len))  # [s, b, v_pad/t]
-    if world > 1:
-        parts = [torch.empty_like(local) for _ in range(world)]
-        torch.distributed.all_gather(parts, local, group=dims.tp_group)
-        local = torch.cat(parts, dim=-1)  # [s, b, v_pad]
-    return local[..., :cfg.vocab_size].transpose(0, 1)  # [b, s, v]
+    return hf_folder_logits(rank, world, folder, _tokens(101, 16))
 
 
 def _both(rank, world, folders):

@@ -15,6 +15,7 @@ the global batch does not depend on dp and resuming at step ``k`` needs only ``k
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +53,24 @@ def _read_bytes(paths: list[Path]) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
 
 
-def _text_files(path: Path) -> list[Path]:
+def _check_file(path: Path, folder: bool = False) -> None:
+    """A clear DataError unless ``path`` is an existing regular file (or, with ``folder``, a folder)."""
     if not path.exists():
+        if path.is_symlink():
+            raise DataError(f"data path {path} is a broken symbolic link (to {os.readlink(path)})")
         raise DataError(f"data path {path} does not exist")
+    if not (path.is_file() or folder and path.is_dir()):
+        kind = "a regular file or folder" if folder else "a regular file"
+        raise DataError(f"data path {path} is not {kind} (a FIFO, socket, device or folder cannot be read as data)")
+
+
+def _text_files(path: Path) -> list[Path]:
+    _check_file(path, folder=True)
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = sorted(p for p in path.rglob("*") if not p.is_dir() and not p.name.startswith("."))
+    for file in files:  # a FIFO would block reading and a broken link would vanish silently
+        _check_file(file)
     if not files:
         raise DataError(f"data folder {path} holds no files")
     return files
@@ -73,6 +86,8 @@ def _encode(paths: list[Path], tokenizer_path: str) -> torch.Tensor:
     for path in paths:
         try:
             text = path.read_bytes().decode("utf-8")
+        except OSError as err:
+            raise DataError(f"cannot read {path}: {err.strerror}") from None
         except UnicodeDecodeError as err:
             raise DataError(f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text") from None
         ids.extend(tok.encode(text).ids)
@@ -87,12 +102,16 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
     else:
         path = Path(data)
         if path.suffix == ".bin":
-            if not path.is_file():
-                raise DataError(f"data path {path} does not exist")
+            _check_file(path)
             dtype = TOKEN_DTYPES[token_dtype]
             size, nbytes = dtype.itemsize, path.stat().st_size
             if nbytes % size:
                 raise DataError(f"{path}: {nbytes} bytes is not a whole number of {token_dtype}")
+            try:
+                with path.open("rb") as fh:  # readable? (torch.from_file would fail with its own message)
+                    fh.read(1)
+            except OSError as err:
+                raise DataError(f"cannot read {path}: {err.strerror}") from None
             # memory-mapped, copy-on-write (the file is never written)
             tokens = torch.from_file(str(path), shared=False, size=nbytes // size, dtype=dtype) if nbytes \
                 else torch.zeros(0, dtype=dtype)

@@ -139,6 +139,8 @@ def _launch(args, argv: list[str]) -> int:
         print(f"seqpar train: rank {first} failed first ({_describe_exit(failure.exitcode)}{_cause(failure)})"
               + (f"; the launcher then stopped {others}" if others else ""), file=sys.stderr)
         return 1
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
     return 0
 
 
@@ -173,14 +175,18 @@ def _die_with_launcher() -> None:
     """A rank started by ``--nproc`` gets SIGKILL when its launcher dies, however it dies (Linux
     ``PR_SET_PDEATHSIG``). The launcher stops the ranks when it can; after its own SIGKILL it
     cannot, and the ranks (in sessions of their own) would train on as orphans."""
-    launcher = os.environ.get(LAUNCHER_ENV, "")
+    launcher = os.environ.pop(LAUNCHER_ENV, "")  # not inherited by anything this rank starts
     if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    if os.getppid() != int(launcher):  # started by something else (a stale variable), or orphaned already
+        if not os.path.exists(f"/proc/{launcher}"):
+            os._exit(1)
         return
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(launcher):  # the launcher died before the call above
+    if os.getppid() != int(launcher):  # the launcher died just before the call above
         os._exit(1)
 
 

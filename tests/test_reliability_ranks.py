@@ -14,9 +14,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from seqpar.commands import train as train_command
 from seqpar.config import ConfigError
 from seqpar.train import fault
 
@@ -176,3 +178,25 @@ def test_fault_hook_is_off_by_default_and_precise(monkeypatch):
         hook.hit(1, 3, "step")
     monkeypatch.setenv(fault.ENV, "rank=0,step=4,at=save")
     assert fault.from_env() == fault.Fault(0, 4, "save", "kill")
+
+
+def _failure(exitcode, message="", timestamp=100):
+    data = {"message": {"message": message}} if message else {}
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, error_file_data=data)
+
+
+def test_the_report_names_the_cause_not_the_peer_that_saw_it_vanish():
+    """The launcher's timestamps are whole seconds and its failures come in rank order: a rank 0 that only
+    lost its peer in a collective would tie with the real cause, rank 1, and win."""
+    peer_lost = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30600"
+    cases = [
+        ({0: _failure(1, peer_lost), 1: _failure(-9)}, 1),  # kill -9 of rank 1
+        ({0: _failure(1, peer_lost), 1: _failure(1, "RuntimeError: injected")}, 1),
+        ({0: _failure(-15), 1: _failure(1, "ValueError: x", timestamp=101)}, 1),  # stopped by the launcher
+        ({0: _failure(1, "OSError: disk", timestamp=101), 1: _failure(1, "OSError: disk")}, 1),  # earliest
+        ({0: _failure(-15), 1: _failure(1, peer_lost)}, 0),  # only consequences: earliest, then rank order
+    ]
+    for failures, expected in cases:
+        assert train_command._first_failure(failures)[0] == expected, failures
+    assert train_command._cause(_failure(1, "RuntimeError: injected\nmore")) == ": RuntimeError: injected"
+    assert train_command._cause(_failure(-9)) == ""

@@ -34,8 +34,7 @@ class CausalSoftmax(torch.autograd.Function):
     def forward(ctx, scores, scale: float):  # scores [..., s, s]
         s = scores.shape[-1]
         future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)  # [s, s]
-        probs = torch.softmax(scores.float().mul_(scale).masked_fill_(future, float("-inf")), dim=-1)
-        probs = probs.to(scores.dtype)  # [..., s, s]
+        probs = torch.softmax((scores * scale).masked_fill_(future, float("-inf")), dim=-1)  # [..., s, s]
         ctx.scale = scale
         ctx.save_for_backward(probs)
         return probs
@@ -43,9 +42,8 @@ class CausalSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (probs,) = ctx.saved_tensors
-        y, dy = probs.float(), grad.float()
-        dx = y * (dy - (dy * y).sum(dim=-1, keepdim=True)) * ctx.scale  # masked entries: y = 0
-        return dx.to(grad.dtype), None
+        # softmax's own backward kernel, y · (dy − Σ dy·y), times the folded scale; masked entries: y = 0
+        return torch._softmax_backward_data(grad, probs, -1, probs.dtype).mul_(ctx.scale), None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

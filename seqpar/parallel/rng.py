@@ -44,12 +44,24 @@ class RNGTracker:
             self.generator(stream, torch.device(device)).set_state(value)
 
 
+def keep_mask(shape: torch.Size, p: float, generator: torch.Generator) -> torch.Tensor:
+    """A bool mask, True with probability 1 − p (p rounded to a multiple of 2⁻¹⁶), from ``generator``.
+
+    Drawn as random 64-bit words read as four 16-bit integers each, compared with a threshold:
+    several times faster on CPU than ``bernoulli_`` element by element, and as reproducible.
+    """
+    n = shape.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=generator.device)
+    words.random_(-(2 ** 63), None, generator=generator)
+    return (words.view(torch.int16)[:n] >= -32768 + round(p * 65536)).view(shape)
+
+
 class _Dropout(torch.autograd.Function):
     """Inverted dropout that keeps only a 1-byte bool mask for backward."""
 
     @staticmethod
     def forward(ctx, x, p: float, generator: torch.Generator):
-        keep = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - p, generator=generator)
+        keep = keep_mask(x.shape, p, generator)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return x * keep * ctx.scale

@@ -139,7 +139,8 @@ def run(args) -> int:
             print(f"{r.row}: vanished vs the paper's GPT: {', '.join(r.vanished) or '-'}; "
                   f"added: {', '.join(r.added) or '-'}")
     if cfg.hidden_dropout == 0:
-        print("dropout 0: no masks, and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t).")
+        print("dropout 0: no masks" + ("." if cfg.attention == "sdpa" else
+                                       ", and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t)."))
     if cfg.attention == "sdpa":
         print("fused attention: no s² terms; selective recompute only drops the kernel's output and "
               "log-sum-exp, and re-runs the whole attention forward to do it.")

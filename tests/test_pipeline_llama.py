@@ -57,3 +57,18 @@ def test_llama_pipeline_parity():
     for rank, errors in enumerate(run_ranks(_worker, 4)):
         for case, err in zip(CASES, errors, strict=True):
             assert err < 1e-5, (rank, case, err)
+
+
+def test_llama_stage_memory_measured_equals_exact():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "seqpar", "memory", "--measure", "--pp", "2", "--tp", "2", "--sp",
+                          "--microbatches", "4", "--arch", "llama", "--kv-heads", "2", "--attention", "sdpa",
+                          "--hidden", "128", "--heads", "8", "--seq", "64", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for stage in json.loads(out.stdout)["stages"]:
+        assert stage["measured_peak_bytes"] == stage["exact_bytes"], stage
+        assert abs(stage["measured_peak_bytes"] / stage["formula_bytes"] - 1) < 0.02, stage

@@ -60,19 +60,30 @@ def uses_dropout(cfg: ModelConfig) -> bool:
     return on.pop()
 
 
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """The analytic model's view of ``cfg``: the paper's GPT, or the Llama-style layer (RMSNorm + SwiGLU)."""
+    llama = (cfg.norm, cfg.activation) == ("rmsnorm", "swiglu")
+    gpt = cfg.norm == "layernorm" and cfg.activation in ("gelu", "gelu_tanh")
+    if not (llama or gpt):
+        raise ConfigError(f"the stage formula models the paper's GPT or a Llama-style layer, not norm "
+                          f"{cfg.norm!r} with activation {cfg.activation!r}")
+    return ModelShape(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, seq=cfg.seq_len,
+                      vocab=cfg.vocab_size, ffn=cfg.ffn, kv_heads=cfg.kv_heads, arch="llama" if llama else "gpt")
+
+
 def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig,
                         micro_batch: int, microbatches: int, rank: int, free_outputs: bool = True,
                         keep: int = 0, device: str = "cpu") -> tuple[float, dict]:
     """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
-    shape = ModelShape(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, seq=cfg.seq_len,
-                       vocab=cfg.vocab_size, ffn=cfg.ffn)
+    shape = model_shape(cfg)
     par = Parallelism(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp and parallel.tp > 1,
                       interleave=parallel.interleave)
     rc = Recompute(recompute.granularity, recompute.method, recompute.num_layers, keep)
     act = torch.empty((), dtype=cfg.torch_dtype).element_size()
     opts = ActivationOptions(act_bytes=act, mask_bytes=1, logits_bytes=4,
                              ln_stats_bytes=layernorm_stat_bytes(torch.device(device), cfg.torch_dtype),
-                             dropout=uses_dropout(cfg), free_pipeline_outputs=free_outputs)
+                             dropout=uses_dropout(cfg), fused_attention=cfg.attention == "sdpa",
+                             free_pipeline_outputs=free_outputs)
     memory = stage_memory(shape, par, rc, micro_batch, microbatches, opts, rank=rank)
     terms = {k: v for k, v in memory.terms.items() if k not in ("parameters", "gradients", "optimizer_states",
                                                                  "recompute_working")}

@@ -75,21 +75,29 @@ class RotaryQKV(torch.autograd.Function):
 
 
 class Rotary(nn.Module):
-    """Angles of rotary embeddings (rotate-half convention), cached per length and device."""
+    """Angles of rotary embeddings (rotate-half convention).
+
+    One table per (head dim, theta, device), shared by every layer and holding the longest length
+    asked for so far; shorter lengths are views of its first rows. Memory is bounded by one table
+    of the longest sequence (a per-length cache grew with every length ``generate`` visits).
+    """
+
+    _tables: dict = {}  # (head_dim, theta, device) -> (cos, sin), each [s_max, 1, 1, 1, d]
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        self._cache: dict = {}
 
     def angles(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (s, str(device))
-        if key not in self._cache:
-            inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
+        key = (self.head_dim, self.theta, str(device))
+        table = Rotary._tables.get(key)
+        if table is None or table[0].shape[0] < s:
+            d = self.head_dim
+            inv = 1.0 / self.theta ** (torch.arange(0, d, 2, device=device).float() / d)  # [d/2]
             freqs = torch.outer(torch.arange(s, device=device).float(), inv)  # [s, d/2]
-            emb = torch.cat([freqs, freqs], dim=-1).view(s, 1, 1, 1, self.head_dim)  # [s, 1, 1, 1, d]
-            self._cache[key] = (emb.cos(), emb.sin())
-        return self._cache[key]
+            emb = torch.cat([freqs, freqs], dim=-1).view(s, 1, 1, 1, d)  # [s, 1, 1, 1, d]
+            table = Rotary._tables[key] = (emb.cos(), emb.sin())
+        return table[0][:s], table[1][:s]  # views, [s, 1, 1, 1, d]
 
 
 class CoreAttention(nn.Module):

@@ -3,8 +3,12 @@
 Sources (``load_tokens``):
   * default: the Python standard library's own top-level ``*.py`` files (every install has them),
     sorted by name, as bytes (vocabulary 256);
-  * ``--data FILE|DIR``: a text file, or every regular file of a folder (sorted), as bytes;
-  * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped;
+  * ``--data FILE|DIR``: a text file, or every regular file of a folder (sorted), as bytes. Hidden
+    files and everything under hidden folders are skipped, and so are files that are not text (a
+    NUL byte, or a gzip/bzip2/xz/zip/zstd magic number); the source line counts and names them;
+  * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped: raw little-endian ids, or an
+    llm.c file (a 1024-byte header: magic, version, token count). A NumPy ``.npy``, a compressed file,
+    text, a size that is not whole ids and uint32 ids read as uint16 are refused, naming the file;
   * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package.
 
 The split is fixed: the first ``1 - val_fraction`` of the stream trains, the rest validates.
@@ -16,6 +20,7 @@ the global batch does not depend on dp and resuming at step ``k`` needs only ``k
 from __future__ import annotations
 
 import os
+import struct
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +47,52 @@ def stdlib_files() -> list[Path]:
 TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 
 
-def _read_bytes(paths: list[Path]) -> torch.Tensor:
-    chunks = []
+COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"PK\x03\x04", "zip"), (b"PK\x05\x06", "zip"),
+              (b"(\xb5/\xfd", "zstd"))
+
+
+def not_text(raw: bytes) -> str:
+    """Why ``raw`` is not text -- a compressed format's magic number or a NUL byte -- or '' (it may be)."""
+    for magic, name in COMPRESSED:
+        if raw.startswith(magic):
+            return f"{name}-compressed"
+    if raw.startswith(b"BZh") and raw[3:4].isdigit() and raw[4:10] == b"1AY&SY":
+        return "bzip2-compressed"
+    nul = raw.find(b"\0")
+    return f"binary (a NUL byte at offset {nul})" if nul >= 0 else ""
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err.strerror}") from None
+
+
+def _read_texts(paths: list[Path], root: Path) -> tuple[list[tuple[Path, bytes]], list[str]]:
+    """The text files' bytes, and ``name: reason`` for each file skipped as not text. A single
+    file (``root`` itself) that is not text is an error."""
+    texts, skipped = [], []
     for path in paths:
-        try:
-            chunks.append(path.read_bytes())
-        except OSError as err:
-            raise DataError(f"cannot read {path}: {err.strerror}") from None
+        raw = _read(path)
+        reason = not_text(raw)
+        if not reason:
+            texts.append((path, raw))
+        elif path == root:
+            raise DataError(f"data file {path} is not text ({reason}); give text, or token ids as a .bin file")
+        else:
+            skipped.append(f"{path.relative_to(root)}: {reason}")
+    if not texts:
+        raise DataError(f"data folder {root} holds no text files ({len(skipped)} skipped as not text: "
+                        f"{_names(skipped)})")
+    return texts, skipped
+
+
+def _names(items: list[str], shown: int = 3) -> str:
+    return ", ".join(items[:shown]) + (f", ... ({len(items) - shown} more)" if len(items) > shown else "")
+
+
+def _as_tokens(chunks: list[bytes]) -> torch.Tensor:
     raw = b"\n".join(chunks)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
 
@@ -64,62 +108,124 @@ def _check_file(path: Path, folder: bool = False) -> None:
         raise DataError(f"data path {path} is not {kind} (a FIFO, socket, device or folder cannot be read as data)")
 
 
-def _text_files(path: Path) -> list[Path]:
+def _text_files(path: Path) -> tuple[list[Path], list[str]]:
+    """The files to read (sorted) and the hidden entries skipped (``.git/``, ``.env``): hidden files
+    and hidden folders are skipped alike (a folder's contents are not listed)."""
     _check_file(path, folder=True)
     if path.is_file():
-        return [path]
-    files = sorted(p for p in path.rglob("*") if not p.is_dir() and not p.name.startswith("."))
+        return [path], []
+    files, hidden = [], []
+    for folder, dirs, names in os.walk(path):  # symbolic links to folders are not followed (nor read)
+        here = Path(folder)
+        hidden += [f"{(here / d).relative_to(path)}/" for d in sorted(dirs) if d.startswith(".")]
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            (hidden.append(str((here / name).relative_to(path))) if name.startswith(".")
+             else files.append(here / name))
+    files.sort()
     for file in files:  # a FIFO would block reading and a broken link would vanish silently
         _check_file(file)
     if not files:
-        raise DataError(f"data folder {path} holds no files")
-    return files
+        raise DataError(f"data folder {path} holds no files"
+                        + (f" (skipped {len(hidden)} hidden: {_names(sorted(hidden))})" if hidden else ""))
+    return files, sorted(hidden)
 
 
-def _encode(paths: list[Path], tokenizer_path: str) -> torch.Tensor:
+def _encode(texts: list[tuple[Path, bytes]], tokenizer_path: str) -> torch.Tensor:
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise DataError("--tokenizer needs the `tokenizers` package (pip install tokenizers)") from None
     tok = Tokenizer.from_file(tokenizer_path)
     ids: list[int] = []
-    for path in paths:
+    for path, raw in texts:
         try:
-            text = path.read_bytes().decode("utf-8")
-        except OSError as err:
-            raise DataError(f"cannot read {path}: {err.strerror}") from None
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
             raise DataError(f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text") from None
         ids.extend(tok.encode(text).ids)
     return torch.tensor(ids, dtype=torch.int64)
 
 
+# llm.c's token files: 256 little-endian int32 (magic, version, token count, ...) then the ids
+LLMC_HEADER_BYTES = 1024
+LLMC_FORMATS = {(20240520, 1): "uint16", (20240801, 7): "uint32"}
+
+
+def _looks_like_text(head: bytes) -> bool:
+    """The first bytes are printable UTF-8 (token ids almost never are, over 16 bytes or more)."""
+    if len(head) < 16 or b"\0" in head:
+        return False
+    for cut in range(4):  # the sample may end inside a character
+        try:
+            text = head[:len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return all(c.isprintable() or c in "\t\n\r" for c in text)
+    return False
+
+
+def _load_bin(path: Path, token_dtype: str) -> tuple[torch.Tensor, str]:
+    """Token ids from a ``.bin`` file, after checking that it is one (see the module docstring)."""
+    _check_file(path)
+    nbytes = path.stat().st_size
+    try:
+        with path.open("rb") as fh:  # readable? (torch.from_file would fail with its own message)
+            head = fh.read(4096)
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err.strerror}") from None
+    header, kind = 0, f"{token_dtype} tokens"
+    fmt = LLMC_FORMATS.get(struct.unpack("<2i", head[:8])) if len(head) >= LLMC_HEADER_BYTES else None
+    if fmt is not None:
+        count = struct.unpack("<i", head[8:12])[0]
+        if fmt != token_dtype:
+            raise DataError(f"{path} is an llm.c file of {fmt} tokens; set train.token_dtype = \"{fmt}\" "
+                            f"(it is {token_dtype!r})")
+        expected = LLMC_HEADER_BYTES + count * TOKEN_DTYPES[fmt].itemsize
+        if nbytes != expected:
+            raise DataError(f"{path}: its llm.c header says {count} {fmt} tokens ({expected} bytes), the file "
+                            f"has {nbytes} bytes (truncated?)")
+        header, kind = LLMC_HEADER_BYTES, f"llm.c file of {fmt} tokens"
+    elif head.startswith(b"\x93NUMPY"):
+        raise DataError(f"{path} is a NumPy .npy file, not raw token ids (write them with "
+                        f"array.astype(numpy.{token_dtype}).tofile(path))")
+    elif not_text(head).endswith("compressed"):
+        raise DataError(f"{path} is {not_text(head)}, not raw token ids; decompress it first")
+    elif _looks_like_text(head):
+        raise DataError(f"{path} looks like text, not {token_dtype} token ids; give text without the .bin suffix")
+    dtype = TOKEN_DTYPES[token_dtype]
+    size = dtype.itemsize
+    if (nbytes - header) % size:
+        raise DataError(f"{path}: {nbytes} bytes is not a whole number of {token_dtype}")
+    # memory-mapped, copy-on-write (the file is never written)
+    tokens = torch.from_file(str(path), shared=False, size=nbytes // size, dtype=dtype)[header // size:] \
+        if nbytes else torch.zeros(0, dtype=dtype)
+    if token_dtype == "uint16" and len(tokens) >= 64:
+        sample = tokens[:1 << 16].to(torch.int32)  # [n]
+        if not sample[1::2].any() and sample[0::2].any():  # little-endian uint32 ids < 65536
+            raise DataError(f"{path}: every second uint16 id is 0 -- these look like uint32 ids; set "
+                            "train.token_dtype = \"uint32\"")
+    return tokens, f"{path} ({kind})"
+
+
 def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16") -> tuple[torch.Tensor, str]:
     """The whole token stream and a short description of where it came from."""
     if not data:
         files = stdlib_files()
-        tokens, source = _read_bytes(files), f"stdlib ({len(files)} files of {files[0].parent})"
+        tokens = _as_tokens([_read(f) for f in files])
+        source = f"stdlib ({len(files)} files of {files[0].parent})"
     else:
         path = Path(data)
         if path.suffix == ".bin":
-            _check_file(path)
-            dtype = TOKEN_DTYPES[token_dtype]
-            size, nbytes = dtype.itemsize, path.stat().st_size
-            if nbytes % size:
-                raise DataError(f"{path}: {nbytes} bytes is not a whole number of {token_dtype}")
-            try:
-                with path.open("rb") as fh:  # readable? (torch.from_file would fail with its own message)
-                    fh.read(1)
-            except OSError as err:
-                raise DataError(f"cannot read {path}: {err.strerror}") from None
-            # memory-mapped, copy-on-write (the file is never written)
-            tokens = torch.from_file(str(path), shared=False, size=nbytes // size, dtype=dtype) if nbytes \
-                else torch.zeros(0, dtype=dtype)
-            source = f"{path} ({token_dtype} tokens)"
+            tokens, source = _load_bin(path, token_dtype)
         else:
-            files = _text_files(path)
-            tokens = _encode(files, tokenizer) if tokenizer else _read_bytes(files)
-            source = f"{path} ({len(files)} files)"
+            files, hidden = _text_files(path)
+            texts, binary = _read_texts(files, path)
+            tokens = _encode(texts, tokenizer) if tokenizer else _as_tokens([raw for _, raw in texts])
+            skipped = ([f"{len(hidden)} hidden ({_names(hidden)})"] if hidden else []) + \
+                ([f"{len(binary)} not text ({_names(binary)})"] if binary else [])
+            source = (f"{path} ({len(texts)} file{'s' if len(texts) != 1 else ''}"
+                      + (f"; skipped {' and '.join(skipped)})" if skipped else ")"))
     if len(tokens) == 0:
         raise DataError(f"data {data or 'stdlib'} is empty")
     return tokens, source
@@ -138,8 +244,8 @@ class TokenData:
     def build(cls, seq_len: int, vocab_size: int, data: str = "", tokenizer: str = "", token_dtype: str = "uint16",
               val_fraction: float = 0.05) -> TokenData:
         tokens, source = load_tokens(data, tokenizer, token_dtype)
-        top = max(int(part.int().max() if part.dtype != torch.int64 else part.max())
-                  for part in tokens.split(1 << 24))
+        # int64 holds every uint32 id (``.int()`` would wrap ids >= 2^31 to negative numbers)
+        top = max(int(part.to(torch.int64).max()) for part in tokens.split(1 << 24))
         if top >= vocab_size:
             raise DataError(f"data {source} holds token id {top} >= vocab_size {vocab_size}")
         cut = int(len(tokens) * (1 - val_fraction))

@@ -32,6 +32,12 @@ def _check(s, b, h, a, t, recompute):
         raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_MODES)}")
 
 
+def norm_stat_bytes(norm: str, ln_stats_bytes: int) -> int:
+    """Bytes one norm keeps per normalised row: LayerNorm's mean and rstd (``ln_stats_bytes`` each: the
+    activation dtype on CPU, fp32 on accelerators), RMSNorm's one fp32 rstd."""
+    return 2 * ln_stats_bytes if norm == "layernorm" else 4
+
+
 def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
                            mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False,
                            kv_heads=None, norm="layernorm", activation="gelu",
@@ -92,8 +98,7 @@ def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=N
     if dropout:
         terms["mlp_dropout_mask"] = mask_bytes * sbh / rep
     if ln_stats_bytes > 0:
-        per_norm = 2 * ln_stats_bytes if norm == "layernorm" else 4  # mean + rstd, or one fp32 rstd
-        terms["ln_stats"] = 2 * s * b / rep * per_norm  # 2 norms per layer
+        terms["ln_stats"] = 2 * s * b / rep * norm_stat_bytes(norm, ln_stats_bytes)  # 2 norms per layer
     dropped = {
         "core_attention": SELECTIVE_DROPPED + ("softmax_lse", "attention_output"),
         "norm": ("ln_stats", "qkv_input", "fc1_input"),

@@ -60,6 +60,11 @@ class ModelShape:
     def llama(self) -> bool:
         return self.arch == "llama"
 
+    def vocab_per_rank(self, t: int) -> int:
+        """Vocabulary rows (and logit columns) one of t ranks holds: the vocabulary is padded to a
+        multiple of t so the shards are equal, ceil(v/t) each (v/t when t divides v)."""
+        return -(-self.vocab // t)
+
     def layer_options(self) -> dict:
         """Architecture keywords of ``memory.layer_activation_terms``."""
         return {"kv_heads": self.kv_heads, "norm": "rmsnorm" if self.llama else "layernorm",

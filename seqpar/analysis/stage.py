@@ -87,7 +87,7 @@ def sec43_extra_terms(shape: ModelShape, par: Parallelism, b: int, opts: Activat
     """Sec. 4.3: activations outside the layers. Rank 0: embedding-dropout mask for the microbatches
     in flight in its first chunk (p; 2p when interleaved). Last rank (one microbatch in flight at the
     head): final-LN input, output-layer input (sequence-sharded under SP) and the fp32 logits
-    (vocabulary-parallel)."""
+    (vocabulary-parallel: ceil(v/t) columns per rank, the vocabulary padded to a multiple of t)."""
     s, h, t, p = shape.seq, shape.hidden, par.tp, par.pp
     rep = t if par.sp else 1
     terms: dict[str, float] = {}
@@ -97,7 +97,7 @@ def sec43_extra_terms(shape: ModelShape, par: Parallelism, b: int, opts: Activat
     if rank == p - 1:
         terms["final_ln_input"] = opts.act_bytes * s * b * h / rep
         terms["output_layer_input"] = opts.act_bytes * s * b * h / rep
-        terms["logits"] = opts.logits_bytes * s * b * shape.vocab / t
+        terms["logits"] = opts.logits_bytes * s * b * shape.vocab_per_rank(t)  # padded vocabulary shard
     return terms
 
 

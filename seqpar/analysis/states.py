@@ -6,6 +6,7 @@ for f = 4h. Under tensor parallelism the QKV/fc1 weights and biases and the out-
 are split over t; the out-proj and fc2 biases and the LayerNorms (6h) are replicated. The word
 embedding (v x h) is vocabulary-parallel; the position embedding (s x h) is replicated; the output
 layer shares the word embedding, so with p > 1 the last stage holds a second copy of its shard.
+A vocabulary that t does not divide is padded to a multiple of t: each rank holds ceil(v/t) rows.
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ def stage_parameters(shape: ModelShape, par: Parallelism, rank: int) -> float:
     """Parameters held by one tp rank of pipeline rank ``rank`` (all its interleaved chunks)."""
     h, t, p = shape.hidden, par.tp, par.pp
     n = shape.layers // p * _layer(shape, t)
+    shard = shape.vocab_per_rank(t) * h  # vocab-parallel rows, the vocabulary padded to a multiple of t
     if rank == 0:
-        n += shape.vocab * h / t  # word embedding (vocab-parallel)
+        n += shard  # word embedding
         n += 0 if shape.llama else shape.seq * h  # position embedding
     if rank == p - 1:
         n += h if shape.llama else 2 * h  # final norm
         if p > 1 or shape.llama:
-            n += shape.vocab * h / t  # the output layer: copy of the tied embedding, or untied
+            n += shard  # the output layer: copy of the tied embedding, or untied
     return n
 
 

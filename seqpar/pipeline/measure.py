@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from seqpar.analysis.measure import layernorm_stat_bytes
+from seqpar.analysis.memory import norm_stat_bytes
 from seqpar.analysis.schedule import first_chunk_in_flight
 from seqpar.analysis.shapes import ActivationOptions, ModelShape, Parallelism, Recompute
 from seqpar.analysis.stage import stage_memory
@@ -53,9 +54,14 @@ class StagePeak:
 
 
 def uses_dropout(cfg: ModelConfig) -> bool:
-    on = {cfg.embd_dropout > 0, cfg.attn_dropout > 0, cfg.hidden_dropout > 0}
+    """Whether the stage keeps dropout masks. Fused attention (sdpa) runs with attention dropout 0 and
+    keeps no s² tensor either way, so only the embedding and hidden dropouts decide there."""
+    on = {cfg.embd_dropout > 0, cfg.hidden_dropout > 0}
+    if cfg.attention != "sdpa":
+        on.add(cfg.attn_dropout > 0)
     if len(on) > 1:
-        raise ConfigError(f"the formula needs every dropout on or every dropout off, got embedding "
+        kinds = "embedding and hidden" if cfg.attention == "sdpa" else "embedding, attention and hidden"
+        raise ConfigError(f"the formula needs the {kinds} dropouts all on or all off, got embedding "
                           f"{cfg.embd_dropout}, attention {cfg.attn_dropout}, hidden {cfg.hidden_dropout}")
     return on.pop()
 
@@ -98,7 +104,7 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
       while that output is alive until it has been sent (one [s(/t), b, h] tensor);
     * ``embedding_indices``: under TP the vocab-parallel embedding keeps its local indices (int64)
       and out-of-range mask (bool), [s, b] each, for each microbatch in the first chunk;
-    * ``final_ln_stats``: the final LayerNorm's mean and rstd;
+    * ``final_ln_stats``: the final norm's statistics (LayerNorm mean and rstd, RMSNorm one fp32 rstd);
     * ``loss_indices``: the vocab-parallel cross entropy's target index (int64), two [s, b] bool
       masks, the padded-vocabulary mask and the token count.
     """
@@ -112,7 +118,8 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
         in_flight = first_chunk_in_flight(p, microbatches, parallel.interleave)
         terms["embedding_indices"] = (8 + 1) * s * b * in_flight
     if rank == p - 1:
-        terms["final_ln_stats"] = 2 * s * b / rep * layernorm_stat_bytes(torch.device(device), cfg.torch_dtype)
+        stats = layernorm_stat_bytes(torch.device(device), cfg.torch_dtype)
+        terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
         v_pad = -(-cfg.vocab_size // t) * t
         terms["loss_indices"] = (8 + 1 + 1) * s * b + v_pad // t + 8
     return terms

@@ -19,6 +19,7 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu_tanh: GPT-2's "gelu_new"
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("materialized", "sdpa")
+ROPE_SCALINGS = ("none", "linear", "llama3")  # how rotary frequencies are stretched (Llama 3.x: llama3)
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,14 @@ class ModelConfig:
     tie_embeddings: bool = True
     attention: str = "materialized"  # the paper's s^2 scores, or fused scaled_dot_product_attention
     rope_theta: float = 10000.0
+    # RoPE frequency scaling (position="rope" only). linear: every inverse frequency / rope_factor;
+    # llama3 (Llama 3.1+): wavelengths above rope_original_max_len / rope_low_freq_factor are divided by
+    # rope_factor, below rope_original_max_len / rope_high_freq_factor kept, the band between blended.
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_len: int | None = None  # llama3 only: the pre-training context; None = seq_len
 
     @property
     def ffn(self) -> int:
@@ -80,6 +89,42 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def rope_scaling_params(self) -> tuple:
+        """The RoPE scaling as one hashable tuple: ("none",), ("linear", factor) or
+        ("llama3", factor, low_freq_factor, high_freq_factor, original_max_len)."""
+        if self.rope_scaling == "linear":
+            return ("linear", float(self.rope_factor))
+        if self.rope_scaling == "llama3":
+            original = self.seq_len if self.rope_original_max_len is None else self.rope_original_max_len
+            return ("llama3", float(self.rope_factor), float(self.rope_low_freq_factor),
+                    float(self.rope_high_freq_factor), original)
+        return ("none",)
+
+    def _validate_rope(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(f"rope_scaling {self.rope_scaling!r} is not one of {list(ROPE_SCALINGS)}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        if self.rope_scaling != "none" and self.position != "rope":
+            raise ConfigError(f"rope_scaling {self.rope_scaling!r} needs position 'rope', not {self.position!r}")
+        if self.rope_scaling == "none" and self.rope_factor != 1.0:
+            raise ConfigError(f"rope_factor {self.rope_factor} needs rope_scaling 'linear' or 'llama3'")
+        if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
+            raise ConfigError(f"rope_factor must be >= 1 (it stretches the context), got {self.rope_factor!r}")
+        llama3 = (self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_len)
+        if self.rope_scaling != "llama3":
+            if llama3 != (1.0, 4.0, None):
+                raise ConfigError("rope_low_freq_factor, rope_high_freq_factor and rope_original_max_len "
+                                  f"need rope_scaling 'llama3', not {self.rope_scaling!r}")
+            return
+        low, high, original = llama3
+        if not 0 < low < high:
+            raise ConfigError(f"llama3 rope scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, "
+                              f"got {low} and {high}")
+        if original is not None:
+            _positive(rope_original_max_len=original)
 
     def validate(self) -> ModelConfig:
         _positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_heads=self.num_heads,
@@ -98,6 +143,7 @@ class ModelConfig:
         _positive(kv_heads=self.num_kv_heads)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"heads {self.num_heads} is not divisible by kv heads {self.num_kv_heads}")
+        self._validate_rope()
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dimension, got {self.head_dim}")
         if self.attention == "sdpa" and self.attn_dropout > 0:

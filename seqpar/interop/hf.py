@@ -1,5 +1,6 @@
 """Local Hugging Face folders (``config.json`` + safetensors) ⇄ seqpar full state dicts, for the
-model families in ``FAMILIES`` (GPT-2, Llama), chosen by ``model_type``."""
+model families in ``FAMILIES`` (GPT-2, Llama, StableLM, GPT-NeoX), chosen by ``model_type`` on import
+and, on export, by the one architecture that represents the model exactly (else refused by name)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,22 @@ from pathlib import Path
 import torch
 
 from seqpar.config import ConfigError, ModelConfig
-from seqpar.interop import gpt2, llama
+from seqpar.interop import gpt2, llama, neox
 
-FAMILIES = {"gpt2": gpt2, "llama": llama}
+FAMILIES = {"gpt2": gpt2, "llama": llama, "stablelm": llama, "gpt_neox": neox}
 
 
 def family_of(cfg: ModelConfig):
-    """The interop module a seqpar model exports through."""
-    return llama if cfg.norm == "rmsnorm" else gpt2
+    """The interop module whose architecture represents ``cfg`` exactly; a one-line ConfigError naming
+    the model's architecture fields and what each exportable architecture needs when none does."""
+    for family in (gpt2, llama, neox):
+        if family.architecture(cfg) is not None:
+            return family
+    fields = (f"norm={cfg.norm}, activation={cfg.activation}, position={cfg.position}, "
+              f"bias={str(cfg.bias).lower()}, kv_heads={cfg.num_kv_heads} of heads={cfg.num_heads}")
+    needs = "; ".join([gpt2.EXPORTS, *llama.EXPORTS.values(), neox.EXPORTS])
+    raise ConfigError(f"no Hugging Face architecture represents this model exactly ({fields}); "
+                      f"exportable: {needs}")
 
 
 def _safetensors():
@@ -32,7 +41,7 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     """``config.json`` + ``*.safetensors`` (or ``pytorch_model.bin``) → (ModelConfig, seqpar state)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise ConfigError(f"{folder} has no config.json (a Hugging Face GPT-2 or Llama folder is expected)")
+        raise ConfigError(f"{folder} has no config.json (a Hugging Face {' / '.join(FAMILIES)} folder is expected)")
     hf = json.loads((folder / "config.json").read_text())
     kind = hf.get("model_type", "gpt2")
     if kind not in FAMILIES:
@@ -51,11 +60,14 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
 
 
 def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
-    """A folder ``transformers`` loads with ``from_pretrained`` (GPT2LMHeadModel or LlamaForCausalLM)."""
+    """A folder ``transformers`` loads with ``from_pretrained`` (GPT2LMHeadModel, LlamaForCausalLM,
+    StableLmForCausalLM or GPTNeoXForCausalLM); refused (ConfigError) before anything is written when
+    no architecture represents ``cfg`` exactly."""
+    family = family_of(cfg)
+    hf_config = family.hf_config_from_model(cfg)
+    save_file = _safetensors()[1]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    family = family_of(cfg)
-    save_file = _safetensors()[1]
     save_file(family.state_to_hf(state, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(family.hf_config_from_model(cfg), indent=2))
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
     return folder

@@ -74,26 +74,49 @@ class RotaryQKV(torch.autograd.Function):
         return grad_in, None, None
 
 
+def inverse_frequencies(head_dim: int, theta: float, scaling: tuple = ("none",), device=None) -> torch.Tensor:
+    """RoPE inverse frequencies ``theta^(-2i/d)``, i < d/2, stretched by ``scaling``: ``("none",)``,
+    ``("linear", factor)`` (all divided by factor) or ``("llama3", factor, low, high, original_len)``
+    (Llama 3.1: wavelengths longer than original_len/low divided by factor, shorter than
+    original_len/high kept, the band between blended linearly in original_len/wavelength)."""
+    d = head_dim
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=device).float() / d)  # [d/2]
+    kind = scaling[0]
+    if kind == "linear":
+        return inv / scaling[1]
+    if kind == "llama3":
+        factor, low, high, original = scaling[1:]
+        wavelen = 2 * math.pi / inv  # [d/2]
+        smooth = (original / wavelen - low) / (high - low)  # 0 at original/low, 1 at original/high
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        scaled = torch.where(wavelen > original / low, inv / factor, inv)
+        return torch.where((wavelen >= original / high) & (wavelen <= original / low), blended, scaled)
+    if kind != "none":
+        raise ValueError(f"rope scaling {kind!r} is not one of 'none', 'linear', 'llama3'")
+    return inv
+
+
 class Rotary(nn.Module):
     """Angles of rotary embeddings (rotate-half convention).
 
-    One table per (head dim, theta, device), shared by every layer and holding the longest length
-    asked for so far; shorter lengths are views of its first rows. Memory is bounded by one table
-    of the longest sequence (a per-length cache grew with every length ``generate`` visits).
+    One table per (head dim, theta, scaling, device), shared by every layer and holding the longest
+    length asked for so far; shorter lengths are views of its first rows. Memory is bounded by one
+    table of the longest sequence per model configuration (a per-length cache grew with every length
+    ``generate`` visits). ``scaling`` is ``ModelConfig.rope_scaling_params`` (see ``inverse_frequencies``).
     """
 
-    _tables: dict = {}  # (head_dim, theta, device) -> (cos, sin), each [s_max, 1, 1, 1, d]
+    _tables: dict = {}  # (head_dim, theta, scaling, device) -> (cos, sin), each [s_max, 1, 1, 1, d]
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: tuple = ("none",)):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, tuple(scaling)
 
     def angles(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (self.head_dim, self.theta, str(device))
+        key = (self.head_dim, self.theta, self.scaling, str(device))
         table = Rotary._tables.get(key)
         if table is None or table[0].shape[0] < s:
             d = self.head_dim
-            inv = 1.0 / self.theta ** (torch.arange(0, d, 2, device=device).float() / d)  # [d/2]
+            inv = inverse_frequencies(d, self.theta, self.scaling, device)  # [d/2]
             freqs = torch.outer(torch.arange(s, device=device).float(), inv)  # [s, d/2]
             emb = torch.cat([freqs, freqs], dim=-1).view(s, 1, 1, 1, d)  # [s, 1, 1, 1, d]
             table = Rotary._tables[key] = (emb.cos(), emb.sin())
@@ -159,7 +182,7 @@ class SelfAttention(nn.Module):
             self.core = CoreAttention(1, a // t, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")
         else:
             self.core = CoreAttention(kv // t, g, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")
-        self.rotary = Rotary(d, cfg.rope_theta) if cfg.position == "rope" else None
+        self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling_params) if cfg.position == "rope" else None
         self.out_proj = RowParallelLinear(h, h, group, sequence_parallel, bias=cfg.bias, init_std=output_std,
                                           dtype=dtype, device=device)
         self.checkpoint = None  # set by seqpar.recompute for selective recomputation

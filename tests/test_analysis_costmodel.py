@@ -1,48 +1,124 @@
-"""The plan cost model, term by term on a small case computed by hand."""
+"""The plan cost model, term by term on small cases computed by hand."""
+
+from dataclasses import replace
 
 import pytest
 
-from seqpar.analysis.costmodel import Hardware, iteration_time, predicted_mfu, ring_allreduce_s
-from seqpar.analysis.flops import model_flops
-from seqpar.analysis.shapes import ModelShape, Parallelism, Recompute
+from seqpar.analysis.costmodel import (
+    Hardware,
+    iteration_time,
+    layer_elementwise_bytes,
+    layer_gemms,
+    layer_pass_s,
+    layer_time_s,
+    optimizer_bytes_per_parameter,
+    predicted_mfu,
+    ring_allreduce_s,
+    ring_gather_s,
+)
+from seqpar.analysis.flops import layer_forward_flops, model_flops
+from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
+from seqpar.analysis.states import stage_parameters
 
 # L=4, h=8, a=2, s=4, v=16: one layer forward for b=1 is 24*4*64 + 4*16*8 = 6656 FLOPs
 SHAPE = ModelShape(layers=4, hidden=8, heads=2, seq=4, vocab=16)
-HW = Hardware(gpus_per_node=8, peak_flops=1e6, gemm_efficiency=0.5, intra_node_bw=1e3, inter_node_bw=1e2)
+# memory, latency and overheads out of the way unless a test puts them back
+HW = Hardware(gpus_per_node=8, peak_flops=1e6, gemm_efficiency=0.5, memory_bw=1e30, intra_node_bw=1e3,
+              inter_node_bw=1e2, p2p_latency=0.0, layer_overhead=0.0, step_overhead=0.0)
+OPTS = ActivationOptions()
 
 
-def test_ring_allreduce():
-    assert ring_allreduce_s(1000, 1, 1e3) == 0
+def test_collectives():
+    assert ring_allreduce_s(1000, 1, 1e3) == 0 == ring_gather_s(1000, 1, 1e3)
     assert ring_allreduce_s(1000, 4, 1e3) == pytest.approx(2 * 3 / 4)
+    assert ring_gather_s(1000, 4, 1e3) == pytest.approx(3 / 4)
 
 
-def test_single_gpu_is_just_gemm_time():
+@pytest.mark.parametrize("t", [1, 2])
+def test_gemms_are_app_a_over_t(t):
+    for shape in (SHAPE, ModelShape(layers=2, hidden=16, heads=4, seq=8, vocab=32, ffn=40, kv_heads=2, arch="llama")):
+        gemms = layer_gemms(shape, t, 3, OPTS)
+        flops = layer_forward_flops(3, shape.seq, shape.hidden, shape.f, kv_ratio=shape.kv_ratio, gated=shape.llama)
+        assert sum(f for f, _ in gemms.values()) == pytest.approx(sum(flops.values()) / t)
+    # operand traffic of the out-projection [sb, h/t] x [h/t, h] in 2-byte elements
+    assert layer_gemms(SHAPE, 2, 1, OPTS)["out_proj"][1] == 2 * (4 * 4 + 4 * 8 + 4 * 8)
+
+
+def test_elementwise_bytes_by_hand():
+    sbh, scores = 4 * 1 * 8, 2 * 4 * 4  # b = 1; a b s^2 scores
+    el = layer_elementwise_bytes(SHAPE, 1, False, 1, OPTS)
+    assert el == {"norm_residual": 22 * sbh, "activation": 2 * 2 * 4 * sbh, "attention_core": 9 * scores}
+    sp = layer_elementwise_bytes(SHAPE, 2, True, 1, OPTS)
+    assert sp["norm_residual"] == 22 * sbh / 2 and sp["attention_core"] == 9 * scores / 2
+    fused = layer_elementwise_bytes(SHAPE, 1, False, 1, replace(OPTS, fused_attention=True, dropout=False))
+    assert fused["attention_core"] == 0 and fused["norm_residual"] == 20 * sbh
+
+
+def test_single_gpu_is_gemm_time_and_the_optimizer():
     it = iteration_time(SHAPE, Parallelism(), Recompute(), 1, 2, HW)
     per_mb = (3 * 4 * 6656 + 3 * 2 * 4 * 8 * 16) / (1e6 * 0.5)
     assert it.terms["compute"] == pytest.approx(2 * per_mb)
-    assert it.total == pytest.approx(2 * per_mb)  # no bubble, no communication
+    assert it.total == pytest.approx(2 * per_mb)  # no bubble, no communication, memory infinitely fast
     mfu = predicted_mfu(SHAPE, Parallelism(), 2, it.total, HW)
     assert mfu == pytest.approx(model_flops(2, 4, 4, 8, 16) / (it.total * 1e6))
     assert mfu == pytest.approx(0.5)  # GEMM efficiency, nothing else lost
+    slow = replace(HW, memory_bw=1e3, step_overhead=0.25)
+    it = iteration_time(SHAPE, Parallelism(), Recompute(), 1, 2, slow)
+    opt = OptimizerOptions()
+    assert optimizer_bytes_per_parameter(opt) == 3 * 4 + 2 * 4 + 2 * 8 + 2
+    assert it.terms["optimizer"] == pytest.approx(stage_parameters(SHAPE, Parallelism(), 0) * 38 / 1e3)
+    assert it.terms["step_overhead"] == 0.25
+
+
+def test_tp_backward_collectives_hide_behind_the_weight_gradient_gemms():
+    msg = 2 * 4 * 1 * 8
+    allreduce, gather = ring_allreduce_s(msg, 2, 1e3), ring_gather_s(msg, 2, 1e3)
+    slow = replace(HW, peak_flops=1e3)
+    slow_gemms = layer_pass_s(SHAPE, Parallelism(tp=2), 1, slow, OPTS)
+    assert slow_gemms["forward"]["tp_comm"] == pytest.approx(2 * allreduce)
+    assert slow_gemms["backward"]["tp_comm"] == 0  # the all-reduces of f fit under the wgrad GEMMs
+    sp = layer_pass_s(SHAPE, Parallelism(tp=2, sp=True), 1, slow, OPTS)
+    assert sp["forward"]["tp_comm"] == pytest.approx(2 * allreduce)  # same volume (Sec. 4.2.2)
+    assert sp["backward"]["tp_comm"] == pytest.approx(2 * gather)  # g-bar's all-gathers are exposed
+    instant = replace(HW, peak_flops=1e30)
+    tp = layer_pass_s(SHAPE, Parallelism(tp=2), 1, instant, OPTS)
+    assert tp["backward"]["tp_comm"] == pytest.approx(2 * allreduce)
+    sp = layer_pass_s(SHAPE, Parallelism(tp=2, sp=True), 1, instant, OPTS)
+    assert sp["backward"]["tp_comm"] == pytest.approx(2 * gather + 2 * 2 * gather)  # + reduce-scatter, re-gather
+
+
+def test_recompute_in_the_backward_pass():
+    hw = replace(HW, memory_bw=1e4, layer_overhead=1e-3)
+    par = Parallelism(tp=2)
+    fwd, bwd = layer_time_s(SHAPE, par, Recompute(), 1, hw)
+    full = layer_time_s(SHAPE, par, Recompute("full"), 1, hw)
+    assert full == pytest.approx((fwd, bwd + fwd))
+    core = layer_pass_s(SHAPE, par, 1, hw, OPTS)["attention_core"]
+    selective = layer_time_s(SHAPE, par, Recompute("selective"), 1, hw)
+    assert selective[1] - bwd == pytest.approx(sum(core.values()))
+    gemms = layer_gemms(SHAPE, 2, 1, OPTS)
+    attention = sum(gemms[k][0] / (1e6 * 0.5) + gemms[k][1] / 1e4 for k in ("qk", "attention_v"))
+    assert core["compute"] == pytest.approx(attention)
 
 
 def test_terms_for_tp_pp_selective():
+    hw = replace(HW, p2p_latency=1e-3)
     par = Parallelism(tp=2, pp=2, sp=True, interleave=2)
-    it = iteration_time(SHAPE, par, Recompute("selective"), 1, 4, HW)
+    it = iteration_time(SHAPE, par, Recompute("selective"), 1, 4, hw)
     n, gemm = 4, 1e6 * 0.5
     assert it.terms["recompute"] == pytest.approx(n * 2 * (4 * 16 * 8) / 2 / gemm)  # 2 layers, 4bs^2h / t
-    allreduce = 2 * (2 - 1) / 2 * (2 * 4 * 8) / 1e3
-    assert it.terms["tp_comm"] == pytest.approx(n * 4 * 2 * allreduce)  # 4 per layer, 2 layers per rank
-    assert it.terms["pp_p2p"] == pytest.approx(n * 2 * 2 * (2 * 4 * 8) / 2 / 1e3)  # 4 GPUs in one node
+    assert it.terms["pp_p2p"] == pytest.approx(n * 2 * 2 * (1e-3 + (2 * 4 * 8) / 2 / 1e3))  # 4 GPUs in one node
     assert it.terms["bubble"] == pytest.approx((2 - 1) / 2 * it.microbatch_s)
     assert it.terms["dp_allreduce"] == 0 and it.slowest_rank == 1  # the last rank computes the logits
 
 
-def test_full_recompute_costs_a_forward_and_two_all_reduces_per_layer():
+def test_full_recompute_block_and_app_c():
     par = Parallelism(tp=2)
-    none = iteration_time(SHAPE, par, Recompute(), 1, 1, HW)
     full = iteration_time(SHAPE, par, Recompute("full"), 1, 1, HW)
-    assert full.terms["recompute"] == pytest.approx(4 * 6656 / 2 / (1e6 * 0.5))
-    assert full.terms["tp_comm"] == pytest.approx(none.terms["tp_comm"] * 6 / 4)
+    assert full.terms["recompute"] == pytest.approx(sum(layer_pass_s(SHAPE, par, 1, HW, OPTS)["forward"].values()) * 4)
     block = iteration_time(SHAPE, par, Recompute("full", "block", 1), 1, 1, HW)
     assert block.terms["recompute"] == pytest.approx(full.terms["recompute"] / 4)
+    pp = Parallelism(pp=2)
+    every = iteration_time(SHAPE, pp, Recompute("full"), 1, 4, HW)
+    kept = iteration_time(SHAPE, pp, Recompute("full", keep_microbatches=1), 1, 4, HW)
+    assert kept.terms["recompute"] == pytest.approx(every.terms["recompute"] / 2)  # rank 0: 2 in flight, 1 kept

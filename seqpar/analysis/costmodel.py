@@ -1,44 +1,74 @@
-"""A transparent iteration-time model for ranking plans (not a simulator).
+"""A transparent iteration-time model for ranking plans (not a simulator), with few physical parameters.
 
-One microbatch on one pipeline rank costs
-    compute     forward + backward GEMMs, 3 x App. A forward FLOPs / t, at ``gemm_efficiency`` x peak
-    recompute   the FLOPs recompute runs again (Sec. 5): selective 4bs^2h/t per layer, full one forward
-                of each recomputed layer; App. C kept chunk-microbatches are not recomputed
-    tp_comm     4 all-reduce volumes of the [s, b, h] activation per layer (f/f-bar, or g/g-bar under
-                SP: same volume, Sec. 4.2.2), +2 for each fully recomputed layer, ring cost
-                2(t-1)/t x bytes / bandwidth, intra-node when tp fits in a node
-    pp_p2p      per chunk one activation forward and one gradient backward, 2sbh/t bytes each
-                (scatter-gather over the tp ranks), inter-node unless the whole job is one node
-The slowest rank's microbatch time T_mb sets the pace: iteration = n T_mb + bubble + dp, with the
-(interleaved) 1F1B bubble (p-1)/m x T_mb (i.e. (p-1)/(mn) of the useful time) and the data-parallel
-gradient all-reduce 2(d-1)/d x gradient bytes / bandwidth (reduce-scatter + all-gather of the
-16-bit weights with the distributed optimizer). Nothing is assumed overlapped; the optimizer step
-and the embedding are ignored.
+The machine (``Hardware``) is seven numbers a calibration fits (``calibration.py``, ``seqpar calibrate``):
+``gemm_efficiency`` (fraction of peak a large GEMM reaches), ``memory_bw`` (bytes/s element-wise ops and
+GEMM operands move), ``intra_node_bw`` / ``inter_node_bw`` (achieved bus bandwidth of a collective in a
+node / per GPU across nodes), ``p2p_latency`` (seconds per pipeline message), ``layer_overhead``
+(fixed seconds per layer per pass: kernel launches, framework) and ``step_overhead`` (fixed seconds per
+iteration). Nothing else is tuned, and nothing per model.
+
+One layer on one tensor-parallel rank, one microbatch of b samples:
+    GEMM        each of QKV, QK^T, attention*V, out-proj, fc1, fc2 (App. A shapes, /t) costs
+                FLOPs / (peak x gemm_efficiency) + operand bytes / memory_bw; backward = 2 x forward
+                (input gradient + weight gradient)
+    element-wise  bytes read + written by LN, dropout + residual (split over t under SP, Sec. 4.2.2),
+                GeLU, softmax + dropout of the s^2 scores (none with fused attention), / memory_bw;
+                backward moves twice the forward's bytes
+    tp_comm     forward: 2 all-reduces of the [s, b, h] activation (f-bar after out-proj and fc2), or
+                all-gather + reduce-scatter of the same volume under SP (g, g-bar). Backward, as Megatron
+                runs it: TP's 2 all-reduces (f) overlap the weight-gradient GEMM of QKV / fc1; under SP the
+                2 all-gathers of g-bar are exposed, the reduce-scatters of g overlap the weight-gradient
+                GEMM and the re-gather of the stored input shard (Sec. 4.2.2) the input-gradient GEMM.
+                An overlapped collective costs only what exceeds its GEMM.
+    recompute   selective: the attention core's forward again (QK^T, softmax, dropout, attention*V);
+                full: each recomputed layer's whole forward (GEMMs, element-wise, collectives, overhead);
+                App. C kept chunk-microbatches are not recomputed
+    pp_p2p      per chunk one activation forward and one gradient backward, e sbh/t bytes each
+                (scatter-gather over the tp ranks) + p2p_latency, inter-node unless the job is one node
+The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
+microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the dp
+gradient all-reduce (not overlapped) + the optimizer step (memory-bound: bytes of the mixed-precision
+Adam update / memory_bw) + ``step_overhead``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.analysis.flops import layer_forward_flops, logits_forward_flops, model_flops_from_gemms
+from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.schedule import in_flight_chunks
 from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
 from seqpar.analysis.states import stage_parameters
 
-TIME_TERMS = ("compute", "recompute", "tp_comm", "pp_p2p", "bubble", "dp_allreduce")
+PASS_TERMS = ("compute", "elementwise", "tp_comm", "overhead")
+TIME_TERMS = (*PASS_TERMS, "recompute", "pp_p2p", "bubble", "dp_allreduce", "optimizer", "step_overhead")
+FIT_PARAMETERS = ("gemm_efficiency", "memory_bw", "intra_node_bw", "inter_node_bw", "p2p_latency",
+                  "layer_overhead", "step_overhead")
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """The machine: per-GPU memory and peak, and the link speeds the cost model uses (bytes/s)."""
+    """The machine: memory, peak, and the cost-model parameters (rates in bytes/s, times in s).
+
+    The defaults are an A100-80GB from its data sheet with generic efficiencies (the prior a fit
+    starts from); ``hardware.profile`` gives the calibrated ones. ``error_band`` is the relative error
+    the profile's calibration showed: plans closer than that are reported as ties.
+    """
 
     gpus_per_node: int = 8
     memory_bytes: float = 80e9
     peak_flops: float = 312e12  # A100 dense 16-bit
-    gemm_efficiency: float = 0.65  # achieved fraction of peak in the layer GEMMs
-    intra_node_bw: float = 300e9  # NVLink, per GPU per direction
-    inter_node_bw: float = 25e9  # one 200 Gb/s adapter per GPU
+    gemm_efficiency: float = 0.70
+    memory_bw: float = 1.6e12  # 80% of 2.04 TB/s HBM2e
+    intra_node_bw: float = 230e9  # NVLink bus bandwidth a ring collective reaches (300 GB/s per direction)
+    inter_node_bw: float = 20e9  # one 200 Gb/s adapter per GPU
+    p2p_latency: float = 20e-6
+    layer_overhead: float = 50e-6
+    step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     reserve_fraction: float = 0.10  # kept free for allocator fragmentation, workspaces, NCCL buffers
+    error_band: float = 0.10
+    name: str = "a100-80gb"
+    source: str = "data sheet, uncalibrated"
 
     @property
     def usable_bytes(self) -> float:
@@ -59,8 +89,91 @@ class IterationTime:
 
 
 def ring_allreduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
-    """Ring all-reduce: 2(n-1)/n x bytes over the link (= reduce-scatter + all-gather)."""
+    """Ring all-reduce: 2(n-1)/n x bytes over the bus bandwidth (= reduce-scatter + all-gather)."""
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def ring_gather_s(nbytes: float, ranks: int, bandwidth: float) -> float:
+    """Ring all-gather or reduce-scatter of a ``nbytes`` full tensor: (n-1)/n x bytes / bus bandwidth."""
+    return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def gemm_s(flops: float, nbytes: float, hw: Hardware) -> float:
+    """One GEMM: FLOPs at ``gemm_efficiency`` x peak, plus its operands' traffic at ``memory_bw``."""
+    return flops / (hw.peak_flops * hw.gemm_efficiency) + nbytes / hw.memory_bw
+
+
+def layer_gemms(shape: ModelShape, t: int, b: int, opts: ActivationOptions) -> dict[str, tuple[float, float]]:
+    """Forward GEMMs of one layer on one of t ranks: name -> (FLOPs, bytes read + written).
+
+    FLOPs are App. A's /t (``flops.layer_forward_flops``); attention runs b a/t heads of [s, d] x [d, s]
+    and [s, s] x [s, d], whose s x s scores stay on chip with fused attention."""
+    s, h, e = shape.seq, shape.hidden, opts.act_bytes
+    m, d, heads = s * b, h // shape.heads, b * shape.heads / t
+
+    def mm(rows: float, inner: float, cols: float, batch: float = 1.0) -> tuple[float, float]:
+        return 2 * batch * rows * inner * cols, e * batch * (rows * inner + inner * cols + rows * cols)
+
+    width = shape.f * (2 if shape.llama else 1)  # SwiGLU: fc1 is gate and up, 2f wide
+    out = {"qkv": mm(m, h, (1 + 2 * shape.kv_ratio) * h / t), "qk": mm(s, d, s, heads),
+           "attention_v": mm(s, s, d, heads), "out_proj": mm(m, h / t, h), "fc1": mm(m, h, width / t),
+           "fc2": mm(m, shape.f / t, h)}
+    if opts.fused_attention:  # the scores never reach memory: only Q, K, V and the output move
+        out["qk"] = (out["qk"][0], e * heads * 2 * s * d)
+        out["attention_v"] = (out["attention_v"][0], e * heads * 2 * s * d)
+    return out
+
+
+def layer_elementwise_bytes(shape: ModelShape, t: int, sp: bool, b: int, opts: ActivationOptions) -> dict[str, float]:
+    """Forward bytes read + written by one layer's element-wise ops on one of t ranks.
+
+    LN (or RMSNorm) x 2: read + write e sbh; dropout + residual x 2: read two, write one, a mask
+    (split over t under SP); GeLU read + write e sbf/t (SwiGLU reads 2, writes 1; rotary rewrites Q
+    and K); scale + mask + softmax and its dropout over the b a/t s^2 scores (none when fused)."""
+    s, h, e = shape.seq, shape.hidden, opts.act_bytes
+    mask = opts.mask_bytes if opts.dropout else 0
+    region = s * b * h / (t if sp else 1)
+    act = (3 if shape.llama else 2) * e * s * b * shape.f / t
+    rope = 2 * e * s * b * h * (1 + shape.kv_ratio) / t if shape.llama else 0.0
+    scores = 0.0 if opts.fused_attention else b * shape.heads / t * s * s
+    return {"norm_residual": region * (2 * 2 * e + 2 * (3 * e + mask)), "activation": act + rope,
+            "attention_core": scores * (2 * e + (2 * e + mask if opts.dropout else 0))}
+
+
+def layer_pass_s(shape: ModelShape, par: Parallelism, b: int, hw: Hardware,
+                 opts: ActivationOptions) -> dict[str, dict[str, float]]:
+    """Seconds of one layer's forward, backward and attention-core forward (what selective recompute
+    runs again) on one tp rank, each per term (compute, elementwise, tp_comm, overhead)."""
+    t = par.tp
+    g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts).items()}
+    el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts).items()}
+    bw = hw.intra_node_bw if t <= hw.gpus_per_node else hw.inter_node_bw
+    msg = opts.act_bytes * shape.seq * b * shape.hidden
+    allreduce, gather = ring_allreduce_s(msg, t, bw), ring_gather_s(msg, t, bw)
+    if par.sp:  # g-bar backward all-gathers exposed; g's reduce-scatter || wgrad, re-gather || dgrad
+        bwd_comm = 2 * gather + sum(2 * max(0.0, gather - g[k]) for k in ("qkv", "fc1"))
+    else:  # f's all-reduce || the weight-gradient GEMM of QKV and fc1
+        bwd_comm = sum(max(0.0, allreduce - g[k]) for k in ("qkv", "fc1"))
+    fwd = {"compute": sum(g.values()), "elementwise": sum(el.values()), "tp_comm": 2 * allreduce,
+           "overhead": hw.layer_overhead}
+    bwd = {"compute": 2 * fwd["compute"], "elementwise": 2 * fwd["elementwise"], "tp_comm": bwd_comm,
+           "overhead": hw.layer_overhead}
+    core = {"compute": g["qk"] + g["attention_v"], "elementwise": el["attention_core"], "tp_comm": 0.0,
+            "overhead": 0.0}
+    return {"forward": fwd, "backward": bwd, "attention_core": core}
+
+
+def layer_time_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, hw: Hardware,
+                 opts: ActivationOptions | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer with recompute ``rc`` (Table 4's columns): backward
+    includes what the recompute runs again."""
+    p = layer_pass_s(shape, par, b, hw, opts or ActivationOptions())
+    fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
+    if rc.granularity == "selective":
+        bwd += sum(p["attention_core"].values())
+    elif rc.granularity == "full":
+        bwd += fwd
+    return fwd, bwd
 
 
 def recomputed_fraction(rc: Recompute, in_flight: int) -> float:
@@ -70,38 +183,37 @@ def recomputed_fraction(rc: Recompute, in_flight: int) -> float:
     return 1 - min(rc.keep_microbatches, in_flight) / in_flight
 
 
+def head_s(shape: ModelShape, t: int, b: int, hw: Hardware, opts: ActivationOptions) -> dict[str, float]:
+    """The last stage's logits GEMM (forward + 2x backward) and cross entropy over fp32 logits."""
+    s, h, v = shape.seq, shape.hidden, shape.vocab_per_rank(t)
+    flops = 2 * s * b * h * v
+    nbytes = opts.act_bytes * (s * b * h + h * v + s * b * v)
+    ce = s * b * v * (opts.act_bytes + 3 * opts.logits_bytes)  # cast, softmax read + write
+    return {"compute": 3 * gemm_s(flops, nbytes, hw), "elementwise": 2 * ce / hw.memory_bw}
+
+
 def rank_microbatch_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, hw: Hardware,
                       rank: int, n: int, opts: ActivationOptions) -> dict[str, float]:
     """Seconds one microbatch costs pipeline rank ``rank``, per term."""
-    s, h, t = shape.seq, shape.hidden, par.tp
     layers = shape.layers // par.pp
-    gemm = hw.peak_flops * hw.gemm_efficiency
-    fwd = layer_forward_flops(b, s, h, shape.f, kv_ratio=shape.kv_ratio, gated=shape.llama)
-    layer_fwd = sum(fwd.values()) / t
-    head = 3 * logits_forward_flops(b, s, h, shape.vocab) / t if rank == par.pp - 1 else 0.0
+    p = layer_pass_s(shape, par, b, hw, opts)
+    terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in PASS_TERMS}
+    if rank == par.pp - 1:
+        for k, v in head_s(shape, par.tp, b, hw, opts).items():
+            terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
     if rc.granularity == "selective":
-        redo_layers, redo_flops = 0.0, layers * (fwd["qk"] + fwd["attention_v"]) / t
+        redo = layers * sum(p["attention_core"].values())
     elif rc.granularity == "full":
-        chunk = par.layers_per_chunk(shape)
-        share = 1.0 if rc.method == "uniform" else rc.num_layers / chunk
-        redo_layers = layers * share
-        redo_flops = redo_layers * layer_fwd
+        share = 1.0 if rc.method == "uniform" else rc.num_layers / par.layers_per_chunk(shape)
+        redo = layers * share * sum(p["forward"].values())
     else:
-        redo_layers = redo_flops = 0.0
-    intra = t <= hw.gpus_per_node
-    msg = opts.act_bytes * s * b * h
-    allreduce = ring_allreduce_s(msg, t, hw.intra_node_bw if intra else hw.inter_node_bw)
-    # pipeline ranks are tp x dp apart (tp innermost, then dp, then pp): the pipeline leaves the node
-    # unless the whole job fits in one
+        redo = 0.0
+    terms["recompute"] = frac * redo
     p2p_bw = hw.intra_node_bw if par.gpus <= hw.gpus_per_node else hw.inter_node_bw
-    p2p = 0.0 if par.pp == 1 else 2 * par.interleave * msg / t / p2p_bw
-    return {
-        "compute": (3 * layers * layer_fwd + head) / gemm,
-        "recompute": frac * redo_flops / gemm,
-        "tp_comm": (4 * layers + 2 * frac * redo_layers) * allreduce,
-        "pp_p2p": p2p,
-    }
+    msg = opts.act_bytes * shape.seq * b * shape.hidden / par.tp
+    terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.p2p_latency + msg / p2p_bw)
+    return terms
 
 
 def dp_allreduce_s(shape: ModelShape, par: Parallelism, hw: Hardware, opt: OptimizerOptions) -> float:
@@ -113,6 +225,19 @@ def dp_allreduce_s(shape: ModelShape, par: Parallelism, hw: Hardware, opt: Optim
     if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
         return (par.dp - 1) / par.dp * params * (opt.grad_bytes + opt.param_bytes) / bw
     return ring_allreduce_s(params * opt.grad_bytes, par.dp, bw)
+
+
+def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
+    """Bytes the mixed-precision Adam step moves per parameter: gradients read (norm, update) and
+    zeroed; fp32 master weights and both moments read and written; 16-bit weights written. With the
+    distributed optimizer the master/moment part is 1/dp of the parameters."""
+    sharded = 2 * opt.master_bytes + 2 * opt.adam_bytes + opt.param_bytes
+    return 3 * opt.grad_bytes + (sharded / dp if opt.distributed else sharded)
+
+
+def optimizer_s(shape: ModelShape, par: Parallelism, hw: Hardware, opt: OptimizerOptions) -> float:
+    params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
+    return params * optimizer_bytes_per_parameter(opt, par.dp) / hw.memory_bw
 
 
 def iteration_time(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, global_batch: int,
@@ -130,6 +255,8 @@ def iteration_time(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, g
     terms = {k: n * v for k, v in mb.items()}
     terms["bubble"] = (par.pp - 1) / par.interleave * t_mb
     terms["dp_allreduce"] = dp_allreduce_s(shape, par, hw, opt)
+    terms["optimizer"] = optimizer_s(shape, par, hw, opt)
+    terms["step_overhead"] = hw.step_overhead
     return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest)
 
 

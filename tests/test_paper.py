@@ -21,7 +21,9 @@ def data():
 
 
 def test_json_shape(data):
-    assert list(data) == ["table2", "figure7", "figure1", "table5"]
+    assert list(data) == ["table2", "figure7", "figure1", "table5", "cost_model"]
+    for row in data["cost_model"]["rows"]:
+        assert set(row) == {"source", "model", "config", "measured_s", "predicted_s", "heldout_predicted_s"}
     for model in MODELS:
         assert list(data["table2"][model]) == list(TABLE2_ROWS)
         assert list(data["figure7"][model]) == ["tp_sp", "tp_selective", "tp_sp_selective", "full"]
@@ -66,7 +68,7 @@ def test_cli_json_and_text(capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(paper.reproduce()))
     assert main(["paper"]) == 0
     out = capsys.readouterr().out
-    assert "Table 2" in out and "Figure 7" in out and "Figure 1" in out and "Table 5" in out
+    assert "Table 2" in out and "Figure 7" in out and "Figure 1" in out and "Table 5" in out and "Cost model" in out
 
 
 def test_plots_are_written(tmp_path):

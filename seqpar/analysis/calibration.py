@@ -18,13 +18,13 @@ from functools import lru_cache
 
 from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, iteration_time, layer_time_s
 from seqpar.analysis.fit import least_squares
+from seqpar.analysis.paper import DP8_GPUS, DP8_ITERATION_S
 from seqpar.analysis.presets import TABLE3, TABLE4_22B_LAYER_MS, TABLE5_ITERATION_S, PaperSetup
 from seqpar.analysis.shapes import AnalysisError, Parallelism, Recompute
 
 # residual per e-fold away from the prior: a factor 2 costs like a 7% error. Chosen by leave-one-model-out
 # cross-validation among 0.005, 0.02, 0.05, 0.1, 0.2 (held-out max error 22, 27, 8, 7, 8%).
 PRIOR_WEIGHT = 0.1
-DP8_GPUS, DP8_ITERATION_S = 2240, 39.15  # Sec. 6.3: 530B with 8-way data parallelism
 TABLE4_CONFIGS: dict[str, tuple[bool, str]] = {  # Table 4 row -> (SP, recompute)
     "baseline": (False, "none"), "sp": (True, "none"), "full": (False, "full"), "selective": (False, "selective"),
     "selective_sp": (True, "selective"),

@@ -22,11 +22,12 @@ def parity_batch(cfg: ModelConfig, batch: int = 2, seed: int = 7) -> tuple[torch
 
 
 def parity_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: RecomputeConfig,
-                seed: int = 3) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss and full-size gradients (collective over the tp group) of one step on ``parity_batch``."""
-    model = apply_recompute(build_model(cfg, dims, sequence_parallel=sp, seed=seed), recompute)
+                seed: int = 3, device=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and full-size gradients (collective over the tp group) of one step on ``parity_batch``,
+    on ``device`` (default: the CPU); the results stay on that device."""
+    model = apply_recompute(build_model(cfg, dims, sequence_parallel=sp, seed=seed, device=device), recompute)
     tokens, labels = parity_batch(cfg)
-    loss = model(tokens, labels)
+    loss = model(tokens.to(device), labels.to(device))
     loss.backward()
     allreduce_sequence_parallel_grads(model, dims.tp_group)
     return loss.detach(), full_state_dict(model, dims.tp_group, grads=True)

@@ -7,6 +7,7 @@ reach", not of a spec sheet.
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -30,15 +31,39 @@ def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int 
     return best
 
 
+def spec_sheet_key(device_name: str) -> str | None:
+    """The peak table's entry for a device name, matched on whole words: "NVIDIA H100 80GB HBM3" is
+    h100, "NVIDIA H100 PCIe" h100-pcie, "NVIDIA A100-SXM4-80GB" a100; "NVIDIA L40S" is not l4 (a
+    substring match took it for one, at a third of its peak). None when the table has no entry."""
+    from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
+
+    words = re.findall(r"[a-z0-9]+", device_name.lower())
+    for key in sorted(PEAK_DENSE_16BIT_TFLOPS, key=len, reverse=True):
+        parts = key.split("-")
+        if any(words[i:i + len(parts)] == parts for i in range(len(words))):
+            return key
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's marketing name ("NVIDIA H100 80GB HBM3"), or "" on CPU."""
+    if device.type == "cpu":
+        return ""
+    get = getattr(torch.accelerator, "get_device_name", None)  # not in every release
+    if get is not None:
+        return get(device)
+    module = getattr(torch, device.type, None)
+    return module.get_device_name(device) if hasattr(module, "get_device_name") else ""
+
+
 def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     if peak_tflops > 0:
         return peak_tflops * 1e12, "given"
-    if device.type != "cpu":
+    key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
+    if key is not None:
         from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
-        name = torch.accelerator.get_device_name(device) if hasattr(torch.accelerator, "get_device_name") else ""
-        for key in sorted(PEAK_DENSE_16BIT_TFLOPS, key=len, reverse=True):
-            if key in name.lower().replace(" ", "-"):
-                return PEAK_DENSE_16BIT_TFLOPS[key] * 1e12, f"spec sheet ({key})"
+
+        return PEAK_DENSE_16BIT_TFLOPS[key] * 1e12, f"spec sheet ({key})"
     return gemm_probe(device, dtype), "GEMM probe"
 
 

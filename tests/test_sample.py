@@ -36,3 +36,26 @@ def test_top_k_restricts_and_seed_reproduces(model):
 
 def test_bytes_round_trip():
     assert decode_bytes(encode_bytes("héllo")) == "héllo"
+
+
+def test_empty_prompt_starts_after_a_newline_not_a_nul(model):
+    """Issue 20 item 8: an empty prompt is conditioned on START_TEXT ("\\n"), which is not returned."""
+    from seqpar.train.sample import START_TEXT
+
+    start = encode_bytes(START_TEXT)
+    ids = generate(model, [], 6, temperature=0.0, start=start)
+    assert len(ids) == 6 and ids == generate(model, start, 6, temperature=0.0)[len(start):]
+    with pytest.raises(ValueError, match="empty prompt needs start tokens"):
+        generate(model, [], 3, temperature=0.0)
+
+
+def test_sample_command_with_an_empty_prompt_prints_no_nul(model, tmp_path, capsys):
+    from seqpar.cli import main
+    from seqpar.interop.checkpoints import save_model
+
+    ckpt = save_model(tmp_path / "ckpt", CFG, model.state_dict())
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(ckpt), "--prompt", "", "--tokens", "6", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "\x00" not in text
+    assert text == decode_bytes(generate(model, [], 6, temperature=0.0, start=[ord("\n")])) + "\n"

@@ -4,22 +4,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seqpar.config import RunConfig
+import torch
+
+from seqpar.config import ModelConfig, RunConfig
 from seqpar.interop.hf import read_hf_folder, write_hf_folder
 from seqpar.train import checkpoint as ckpt
 from seqpar.train.config import JobConfig, build_job
 
 
-def import_hf(folder: str | Path, out: str | Path) -> Path:
-    """Write a step-0 seqpar checkpoint (no optimizer state) at ``out`` from a GPT-2 or Llama folder."""
-    cfg, state = read_hf_folder(folder)
+def save_model(out: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], **meta) -> Path:
+    """A step-0, model-only seqpar checkpoint (no optimizer state) of full tensors at ``out``."""
     job = JobConfig(RunConfig(model=cfg))
-    meta = {"step": 0, "skipped": 0, "has_optimizer": False, "config": job.to_dict(), "imported_from": str(folder)}
+    meta = {"step": 0, "skipped": 0, "has_optimizer": False, "config": job.to_dict(), **meta}
     return ckpt.save(out, 0, {f"model.{k}": v.float() for k, v in state.items()}, meta, keep=1)
 
 
+def import_hf(folder: str | Path, out: str | Path) -> Path:
+    """Write a step-0 seqpar checkpoint (no optimizer state) at ``out`` from a GPT-2, Llama, StableLM or
+    GPT-NeoX folder."""
+    cfg, state = read_hf_folder(folder)
+    return save_model(out, cfg, state, imported_from=str(folder))
+
+
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a GPT-2 or Llama folder (config.json + model.safetensors) from a seqpar checkpoint."""
+    """Write a GPT-2, Llama, StableLM or GPT-NeoX folder (config.json + model.safetensors) from a seqpar
+    checkpoint: the architecture that represents its model exactly, else a ConfigError naming the fields."""
     state, meta = ckpt.load_model_state(checkpoint)
     cfg = build_job(meta["config"]).model
     return write_hf_folder(out, cfg, state)

@@ -13,8 +13,8 @@ from seqpar.config import ConfigError, ModelConfig
 
 SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}  # Hugging Face rope_type -> seqpar
 KEYS = {  # keys a rope dict may hold, per rope_type (besides rope_type/type, rope_theta, partial_rotary_factor)
-    "default": set(), "linear": {"factor"},
-    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "default": (), "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
@@ -49,7 +49,7 @@ def rope_from_hf(hf: dict, family: str) -> dict:
     if kind not in SCALINGS:
         raise ConfigError(f"{family} rope scaling type {kind!r} is not supported "
                           f"(seqpar implements {sorted(SCALINGS)})")
-    extra = sorted((set(params) | set(scaling)) - COMMON - KEYS[kind])
+    extra = sorted((set(params) | set(scaling)) - COMMON - set(KEYS[kind]))
     if extra:
         raise ConfigError(f"{family} rope parameter {extra[0]!r} is not supported with rope_type {kind!r}")
     partial = pick("partial_rotary_factor", 1.0, top=("partial_rotary_factor", "rotary_pct"))
@@ -60,7 +60,7 @@ def rope_from_hf(hf: dict, family: str) -> dict:
            "rope_scaling": SCALINGS[kind]}
     if kind == "default":
         return out
-    for key in KEYS[kind] - {"original_max_position_embeddings"}:
+    for key in KEYS[kind][:3]:  # original_max_position_embeddings defaults to max_position_embeddings
         if pick(key) is None:
             raise ConfigError(f"{family} rope_type {kind!r} needs {key!r} in rope_parameters")
     out["rope_factor"] = float(pick("factor"))

@@ -2,6 +2,10 @@
 
 The checkpoint is loaded at tp = pp = 1 whatever layout wrote it (checkpoints hold full tensors).
 Byte-level models decode bytes (invalid UTF-8 shown as replacement characters).
+
+An empty prompt is conditioned on ``START_TEXT``, a newline -- the separator seqpar's text data puts
+between files, so the model continues as at the start of a file -- and that start is not part of the
+output (token 0, used before, decoded as a NUL byte).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from seqpar.model.gpt import GPTStage, build_model
 from seqpar.parallel.sharding import load_full_state_dict
 from seqpar.train import checkpoint as ckpt
 from seqpar.train.config import build_job
+
+START_TEXT = "\n"  # what an empty prompt is conditioned on (encoded with the model's tokenizer or bytes)
 
 
 def load_model(path: str, device=None) -> tuple[GPTStage, dict]:
@@ -26,16 +32,21 @@ def load_model(path: str, device=None) -> tuple[GPTStage, dict]:
 
 @torch.no_grad()
 def generate(model: GPTStage, prompt: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 0,
-             seed: int = 0) -> list[int]:
-    """Append ``new_tokens`` tokens to ``prompt``; the context is cropped to the position table."""
+             seed: int = 0, start: list[int] | None = None) -> list[int]:
+    """``prompt`` followed by ``new_tokens`` generated tokens; the context is cropped to the position
+    table. An empty ``prompt`` is conditioned on ``start`` (the encoding of ``START_TEXT``), which is
+    not returned."""
     cfg: ModelConfig = model.cfg
     if temperature < 0 or top_k < 0:
         raise ValueError(f"temperature {temperature} and top_k {top_k} must be >= 0")
+    hidden = [] if prompt else list(start or [])
+    if not prompt and not hidden:
+        raise ValueError("an empty prompt needs start tokens to condition on (the encoding of START_TEXT)")
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    ids = list(prompt) or [0]
+    ids = list(prompt)
     for _ in range(new_tokens):
-        context = torch.tensor([ids[-cfg.seq_len:]], device=device)  # [1, s']
+        context = torch.tensor([(hidden + ids)[-cfg.seq_len:]], device=device)  # [1, s']
         logits = model(context)[-1, 0, :cfg.vocab_size].float()  # [v]
         if temperature == 0:
             nxt = int(logits.argmax())

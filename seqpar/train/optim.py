@@ -9,25 +9,20 @@ and the result is cast back into the model. In fp32 the master *is* the model pa
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from seqpar.parallel.dims import ParallelDims
 from seqpar.train.config import TrainConfig
+from seqpar.train.schedule import learning_rate
 
 TIED_NAME = "output_weight"  # the last stage's copy of the word embedding (pp > 1)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at ``steps``."""
-    if cfg.warmup and step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(cfg.steps - cfg.warmup, 1)
-    progress = min(max(step - cfg.warmup, 0) / span, 1.0)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    """Linear warmup to ``lr``, then ``cfg.schedule`` (constant, linear, cosine, WSD; see schedule.py)."""
+    return learning_rate(step, cfg)
 
 
 def canonical_name(name: str, param: nn.Parameter) -> str:

@@ -195,7 +195,8 @@ def run_schedule(args) -> int:
         if args.tensors:
             for name, value in st.terms.items():
                 print(f"      {name:<28}{_human(value):>14}")
-    print("formula = Eq. 5/6 layers in flight (× (1 + (p-1)/(pm)) interleaved on rank 0) + Sec. 4.3 terms + "
-          "LayerNorm mean/rstd; exact adds the output being sent (App. B) and index/int64 bookkeeping.")
+    print("formula = Eq. 5/6 layers in flight (× (1 + (p-1)/(pm)) interleaved on rank 0) + Sec. 4.3 terms (logits "
+          "of the padded vocabulary shard ⌈v/t⌉) + norm statistics (LayerNorm mean/rstd, RMSNorm fp32 rstd); exact "
+          "adds the final norm's statistics, the output being sent (App. B) and index/int64 bookkeeping.")
     print("The recompute working set rebuilt during a backward is transient and left out of both.")
     return 0

@@ -17,6 +17,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "import-hf": ("seqpar.commands.import_hf", "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX folder -> a checkpoint"),
     "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu (from a source checkout)"),
+    "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
 }
 
 

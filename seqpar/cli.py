@@ -14,22 +14,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
     "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
-    "import-hf": ("seqpar.commands.import_hf", "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX folder -> a checkpoint"),
-    "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
+    "import-hf": ("seqpar.commands.import_hf", "a local Hugging Face GPT-2 or Llama folder -> a seqpar checkpoint"),
+    "export-hf": ("seqpar.commands.export_hf", "a seqpar checkpoint -> a Hugging Face GPT-2 or Llama folder"),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu (from a source checkout)"),
-    "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
 }
-
-
-def version_line() -> str:
-    """``seqpar 0.1.0 (torch 2.13.0, python 3.11.2)``."""
-    import platform
-
-    import torch
-
-    from seqpar import __version__
-
-    return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
         "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
         epilog="`seqpar VERB --help` describes each verb.")
-    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module, help_text) in VERBS.items():

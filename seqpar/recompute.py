@@ -19,17 +19,14 @@ import functools
 import torch
 
 from seqpar.config import RecomputeConfig
-from seqpar.parallel.rng import STREAMS, RNGTracker
+from seqpar.parallel.rng import RNGTracker
 
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, tracker: RNGTracker, *inputs):
         ctx.run, ctx.tracker = run, tracker
-        for x in inputs:  # make sure every stream exists on this device before taking its state
-            for stream in STREAMS:
-                tracker.generator(stream, x.device)
-        ctx.rng_state = tracker.get_state()
+        ctx.rng_state = tracker.get_state()  # Python ints (seed key, draw counters): no tensor to keep
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run(*inputs)

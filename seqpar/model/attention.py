@@ -55,12 +55,14 @@ class RotaryQKV(torch.autograd.Function):
     """Rotary position embedding of the q and k rows of a QKV output ``[s, b, groups, g + 2, d]``.
 
     Returns a new QKV tensor (v copied) so Q, K, V stay views of one storage; keeps nothing for
-    backward (the inverse rotation needs only the angles, shared by every layer).
+    backward: the inverse rotation looks the angles up again in the ``Rotary`` table shared by
+    every layer (model state, like a weight -- the autograd graph holds no reference to it).
     """
 
     @staticmethod
-    def forward(ctx, qkv, cos, sin):  # cos, sin [s, 1, 1, 1, d]
-        ctx.cos, ctx.sin = cos, sin
+    def forward(ctx, qkv, rotary):
+        cos, sin = rotary.angles(qkv.shape[0], qkv.device)  # [s, 1, 1, 1, d]
+        ctx.rotary = rotary
         out = qkv.clone()
         qk = qkv[..., :-1, :].float()  # [s, b, groups, g + 1, d]
         out[..., :-1, :] = (qk * cos + _rotate_half(qk) * sin).to(qkv.dtype)
@@ -68,10 +70,11 @@ class RotaryQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        cos, sin = ctx.rotary.angles(grad.shape[0], grad.device)  # [s, 1, 1, 1, d]
         grad_in = grad.clone()
         gqk = grad[..., :-1, :].float()
-        grad_in[..., :-1, :] = (gqk * ctx.cos - _rotate_half(gqk * ctx.sin)).to(grad.dtype)
-        return grad_in, None, None
+        grad_in[..., :-1, :] = (gqk * cos - _rotate_half(gqk * sin)).to(grad.dtype)
+        return grad_in, None
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: tuple = ("none",), device=None) -> torch.Tensor:
@@ -191,8 +194,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, groups·(g+2)·d]
         if self.rotary is not None:
             s, b, _ = qkv.shape
-            cos, sin = self.rotary.angles(s, qkv.device)
             shape = (s, b, self.core.groups, self.core.g + 2, self.core.d)
-            qkv = RotaryQKV.apply(qkv.view(shape), cos, sin).view(s, b, -1)
+            qkv = RotaryQKV.apply(qkv.view(shape), self.rotary).view(s, b, -1)  # [s, b, groups·(g+2)·d]
         context = self.core(qkv) if self.checkpoint is None else self.checkpoint(self.core, qkv)  # [s, b, h/t]
         return self.out_proj(context)  # [s(/t), b, h]

@@ -41,7 +41,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = target - start
         on_rank = valid & (local_target >= 0) & (local_target < per_rank)
         index = local_target.clamp(0, per_rank - 1).unsqueeze(-1)
-        target_logit = shifted.gather(-1, index).squeeze(-1) * on_rank  # [s, b]
+        # where(), not a product: a rank holding only padding has shifted = -inf, and -inf * 0 is NaN
+        target_logit = torch.where(on_rank, shifted.gather(-1, index).squeeze(-1), 0.0)  # [s, b]
         target_logit = _all_reduce(target_logit, group)
         loss = log_z - target_logit  # -log p(target)
         if label_smoothing > 0:
@@ -76,4 +77,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     t = group_size(group)
     if logits.shape[-1] * t < vocab_size:
         raise ValueError(f"logits hold {logits.shape[-1]} × tp {t} columns < vocabulary {vocab_size}")
+    outside = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if bool(outside.any()):  # identical targets on every tp rank: all raise together
+        bad = int(target[outside][0])
+        raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab_size}) and is not the ignore "
+                         f"index {ignore_index} ({int(outside.sum())} such targets)")
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, label_smoothing, ignore_index)

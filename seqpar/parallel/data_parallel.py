@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.parallel.dims import group_size
+from seqpar.parallel.main_grad import grad_or_zeros
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -47,15 +48,9 @@ def all_reduce_mean(tensors: list[torch.Tensor], group, bucket_bytes: int = BUCK
 
 
 def average_gradients(params, group, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Average ``.grad`` of ``params`` over the dp group; a missing gradient counts as zero, so
-    every rank all-reduces the same list."""
+    """Average the gradients (``grad_of``: fp32 ``main_grad`` or ``.grad``) of ``params`` over the dp
+    group; a missing gradient counts as zero, so every rank all-reduces the same list."""
     if group_size(group) == 1:
         return
-    grads = []
-    for p in params:
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+    grads = [grad_or_zeros(p) for p in params if p.requires_grad]  # fp32 main_grad when there is one
     all_reduce_mean(grads, group, bucket_bytes)

@@ -1,12 +1,18 @@
 """Dropout RNG per region, device-agnostic (Sec. 4.2.2 and the spec's correctness notes).
 
-Two streams, each an explicit ``torch.Generator`` on the tensor's device:
+Two streams, each drawing through an explicit ``torch.Generator`` on the tensor's device:
   * ``replicated`` -- identical on every tensor-parallel rank: dropout on tensors that all TP
     ranks hold whole (the post-block dropouts and the embedding dropout under TP alone);
   * ``sharded``    -- different on every tensor-parallel rank: dropout on tensors split over
     the TP group (attention probabilities, split by heads; under SP the sequence-split regions).
-The tracker's state is saved and restored around recomputation so recomputed masks are
-identical to the original ones. Masks are kept as 1 byte per element (bool), as on GPU.
+
+Counter-based, like Megatron's Philox (seed, offset) state on CUDA: the n-th dropout of a stream
+since the last ``reseed(key)`` draws from a generator seeded with ``mix(stream seed, key, n)``.
+The tracker's whole state is therefore a few Python integers (the key and one counter per
+stream), which recomputation saves and restores so recomputed masks equal the original ones bit
+for bit -- no generator state tensor is kept for backward (a CPU generator's is 5,056 bytes, which
+the activation formula would otherwise have to count per checkpoint). Masks are kept as 1 byte per
+element (bool), as on GPU.
 """
 
 from __future__ import annotations
@@ -15,33 +21,52 @@ import torch
 from torch import nn
 
 STREAMS = ("replicated", "sharded")
+_MASK64 = 2**64 - 1
+
+
+def mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 finaliser per value): distinct inputs, unrelated seeds."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h & (2**63 - 1)
 
 
 class RNGTracker:
-    """Seeds and lazily created generators of the two dropout streams, per device."""
+    """Seeds and draw counters of the two dropout streams; generators created lazily per device."""
 
     def __init__(self, seed: int = 1234, tp_rank: int = 0, pp_rank: int = 0):
         # Different pipeline stages hold different layers: give each stage its own streams.
         base = seed + 100 * pp_rank
         self.seeds = {"replicated": base, "sharded": base + 2718 + tp_rank}
+        self.key = 0
+        self.offsets = dict.fromkeys(STREAMS, 0)
         self._gens: dict[tuple[str, str], torch.Generator] = {}
 
+    def reseed(self, key: int) -> None:
+        """Start a new sequence of draws (e.g. per training step): masks depend on (seeds, key, n)."""
+        self.key = key
+        self.offsets = dict.fromkeys(STREAMS, 0)
+
     def generator(self, stream: str, device: torch.device) -> torch.Generator:
+        """The generator for the stream's next dropout on ``device``, seeded for it (advances the count)."""
         key = (stream, str(device))
         gen = self._gens.get(key)
         if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self.seeds[stream])
-            self._gens[key] = gen
+            gen = self._gens[key] = torch.Generator(device=device)
+        gen.manual_seed(mix(self.seeds[stream], self.key, self.offsets[stream]))
+        self.offsets[stream] += 1
         return gen
 
-    def get_state(self) -> dict[tuple[str, str], torch.Tensor]:
-        return {key: gen.get_state() for key, gen in self._gens.items()}
+    def get_state(self) -> tuple[int, dict[str, int]]:
+        """The whole state: Python integers, no tensors (nothing for an activation meter to count)."""
+        return self.key, dict(self.offsets)
 
-    def set_state(self, state: dict[tuple[str, str], torch.Tensor]) -> None:
-        for key, value in state.items():
-            stream, device = key
-            self.generator(stream, torch.device(device)).set_state(value)
+    def set_state(self, state: tuple[int, dict[str, int]]) -> None:
+        self.key, offsets = state
+        self.offsets = dict(offsets)
 
 
 def keep_mask(shape: torch.Size, p: float, generator: torch.Generator) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.parallel.dims import group_size
+from seqpar.parallel.main_grad import grad_of
 
 
 def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -105,9 +106,10 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group) -> None:
         return
     for param in module.parameters():
         layout = getattr(param, "tp_layout", None)
-        if layout is not None and param.grad is not None:
-            layout.reduce_partial_grad(param.grad, dist.get_rank(group), group)
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+        if layout is not None and grad_of(param) is not None:
+            layout.reduce_partial_grad(grad_of(param), dist.get_rank(group), group)
+    grads = [grad_of(p) for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and grad_of(p) is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
@@ -149,6 +151,11 @@ class GroupedQKVLayout:
             full[q] = shard[: self.n * self.d]
             full[kv] = shard[self.n * self.d:]
         return full
+
+    def counted_rows(self, grad: torch.Tensor, rank: int) -> torch.Tensor:
+        """The rows of this rank's gradient that a global norm counts: its query rows always, the k, v
+        rows (equal on the ranks sharing them once reduced) only on the first rank of its group."""
+        return grad if rank % self.ranks_per_group == 0 else grad[: self.n * self.d]
 
     def reduce_partial_grad(self, grad: torch.Tensor, rank: int, group) -> None:
         """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the group)."""

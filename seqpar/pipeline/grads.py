@@ -1,6 +1,7 @@
 """Make every rank's gradients those of the single-process model, after ``forward_backward``.
 
-Three sums/averages, all linear, so their order does not matter:
+Three sums/averages, all linear, so their order does not matter; each reads ``grad_of(param)``,
+the fp32 ``main_grad`` of a bf16/fp16 parameter (so every reduction runs in fp32):
   * sequence parallelism: LayerNorm weights/biases (and other replicated parameters fed by sequence
     shards) hold partial sums over the tp group: all-reduce them (spec, Sec. 4.2.2 notes);
   * the tied word-embedding / output weight (Fig. 2): with p > 1 its two copies, on the first and
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from seqpar.config import ParallelConfig
 from seqpar.parallel.data_parallel import average_gradients
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.main_grad import grad_or_zeros
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads
 
 
@@ -31,9 +33,7 @@ def sum_tied_weight_grads(chunks) -> None:
         weight = tied_weight(chunk)
         if weight is None:
             continue
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=chunk.tied_group)
+        dist.all_reduce(grad_or_zeros(weight), group=chunk.tied_group)
 
 
 def finalize_grads(chunks, dims: ParallelDims, parallel: ParallelConfig) -> None:

@@ -32,7 +32,7 @@ def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
 
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
                      free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
-                     meter=None) -> float:
+                     meter=None, loss_scale: float = 1.0) -> float:
     """Forward and backward of every microbatch; returns the mean loss over them (every pp rank).
 
     ``microbatches``: [(tokens [b, s], labels [b, s])], the same list on every pp/tp rank of a
@@ -40,6 +40,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
     chunk-microbatches that store every activation instead of recomputing.
     ``meter``: an optional ``seqpar.pipeline.meter.ScheduleMeter`` recording the activation peak.
+    ``loss_scale``: backward starts from loss · loss_scale (fp16); the returned loss is unscaled.
     """
     m = parallel.interleave
     if len(chunks) != m:
@@ -51,7 +52,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
                           f"got tokens/labels shapes {sorted(shapes)}")
     k = keep_for_rank(keep_microbatches, dims.pp_rank, dims.pp)
     runner = StepRunner(chunks, list(microbatches), free_outputs=free_outputs,
-                        keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter)
+                        keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
+                        loss_scale=loss_scale)
     device = next(chunks[0].parameters()).device
     if dims.pp == 1:
         run_no_pipelining(runner)

@@ -2,9 +2,9 @@
 
 ``StepRunner.forward`` runs a model chunk on a microbatch (tokens on the first virtual stage, the
 received hidden state elsewhere); on the last virtual stage it returns the microbatch's mean loss
-divided by the number of microbatches, so that accumulated gradients are those of the MEAN over
-microbatches. ``StepRunner.backward`` back-propagates a chunk output and returns the gradient of
-the chunk input, to be sent to the previous stage.
+divided by the number of microbatches (and times the fp16 loss scale), so that accumulated
+gradients are those of the MEAN over microbatches. ``StepRunner.backward`` back-propagates a chunk
+output and returns the gradient of the chunk input, to be sent to the previous stage.
 
 App. B: once a non-last chunk's output has been sent, ``release_output`` frees its data (the
 tensor keeps only its autograd node, a 1-element placeholder holds its place); ``backward`` then
@@ -30,6 +30,7 @@ class StepRunner:
     free_outputs: bool = True  # App. B
     keep: KeepPolicy | None = None  # App. C
     meter: object = None  # seqpar.pipeline.meter.ScheduleMeter or None
+    loss_scale: float = 1.0  # fp16 dynamic loss scaling: backward starts from loss · scale
     losses: list = field(default_factory=list)  # unscaled microbatch losses (last virtual stage)
 
     @property
@@ -47,7 +48,7 @@ class StepRunner:
             if chunk.last:
                 loss = chunk(x, labels.to(self._device(chunk)))
                 self.losses.append(loss.detach())
-                return loss / self.num_microbatches
+                return loss * (self.loss_scale / self.num_microbatches)
             out = chunk(x)  # [s(/t), b, h]
         if self.meter is not None:
             self.meter.hold(out)  # the schedule keeps it until its backward

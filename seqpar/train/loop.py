@@ -13,19 +13,17 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.rng import STREAMS
+from seqpar.parallel.rng import mix
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import fault as fault_hook
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
-from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
 from seqpar.train.optim import MasterOptimizer
 from seqpar.train.perf import Throughput
@@ -66,10 +64,7 @@ def init_distributed(world_size: int, device: torch.device) -> bool:
 def reseed_dropout(chunks: list, seed_step: int) -> None:
     """Dropout masks as a pure function of (the tracker's seeds, chunk, step): exact resumes."""
     for i, chunk in enumerate(chunks):
-        device = next(chunk.parameters()).device
-        for stream in STREAMS:
-            base = chunk.tracker.seeds[stream] + 7919 * i
-            chunk.tracker.generator(stream, device).manual_seed(base * 1_000_003 + seed_step)
+        chunk.tracker.reseed(mix(seed_step, i))
 
 
 def _pipeline():
@@ -109,6 +104,8 @@ class Trainer:
         self.opt.load_local_state(shards, step if has_opt else 0)
         self.state.step = step if has_opt else 0
         self.state.skipped = int(meta.get("skipped", 0))
+        if self.opt.scaler is not None and has_opt and "loss_scaler" in meta:
+            self.opt.scaler.load_state_dict(meta["loss_scaler"])
         self.log(f"resumed from {path} at step {self.state.step}"
                  f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
                  f" dp {meta['config']['parallel']['dp']})")
@@ -119,6 +116,8 @@ class Trainer:
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
+        if self.opt.scaler is not None:
+            meta["loss_scaler"] = self.opt.scaler.state_dict()
         step, fault = self.state.step, self.fault
         written = (lambda: fault.hit(self.dims.rank, step, "save")) if fault else None
         return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
@@ -127,7 +126,7 @@ class Trainer:
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
         n = t.microbatches(p.dp)
-        params = sum(p_.numel() for _, p_ in self.opt.named if not getattr(p_, "is_tied_copy", False))
+        params = self.opt.num_parameters()
         lines = [f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
                  f"vocab {m.vocab_size}, {m.dtype}; {params:,} parameters on rank 0",
                  f"  tp {p.tp} × pp {p.pp} × dp {p.dp} (interleave {p.interleave}), sequence parallel "
@@ -146,57 +145,39 @@ class Trainer:
         if not self.quiet:
             print(text, flush=True)
 
-    def train_step(self, step: int) -> tuple[float, float, bool]:
-        """One optimizer step; returns (loss, grad norm, applied)."""
-        t, dims = self.job.train, self.dims
+    def train_step(self, step: int) -> tuple[float, float, str]:
+        """One optimizer step; returns (loss, grad norm, outcome): ``applied``, ``overflow`` (fp16: the
+        scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``."""
+        t, dims, opt = self.job.train, self.dims, self.opt
         reseed_dropout(self.chunks, t.seed * 7 + step)
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
-        self.opt.zero_grad()
-        loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel)
-        self.opt.stage_grads()
-        self._finalize(self.chunks, dims, self.job.parallel)
+        opt.zero_grad()
+        loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale)
+        self._finalize(self.chunks, dims, self.job.parallel)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
-        norm = float(self.opt.grad_norm())
+        opt.unscale()
+        norm = float(opt.grad_norm())  # global: every rank decides alike
         if math.isfinite(loss) and math.isfinite(norm):
-            self.opt.step(step, torch.tensor(norm))
+            opt.step(step, torch.tensor(norm))
+            if opt.scaler is not None:
+                opt.scaler.update(True)
             self.state.skipped_in_row = 0
-            return loss, norm, True
+            return loss, norm, "applied"
+        opt.zero_grad()  # the non-finite gradients never reach the weights
+        if math.isfinite(loss) and opt.scaler is not None and opt.scaler.update(False):
+            return loss, norm, "overflow"
         self.state.skipped += 1
         self.state.skipped_in_row += 1
-        self.opt.zero_grad()  # the non-finite gradients never reach the weights
-        return loss, norm, False
+        return loss, norm, "nonfinite"
 
     def validate_loss(self) -> float:
         t = self.job.train
         batches = self.data.val_batches(t.eval_batches, t.micro_batch, self.dims.dp_rank, self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
 
-    def _abort_message(self) -> str | None:
-        """The line a second Ctrl-C prints (rank 0 only) before exiting at once."""
-        return abort_line(self.job.train.out_dir) if self.rank0 else None
-
-    def _interrupted(self, stop: StopFlag, metrics: MetricsLog, last: dict) -> dict:
-        """After a SIGINT/SIGTERM: save this step (all ranks), say so in one line, return the summary."""
-        latest = Path(self.job.train.out_dir, "checkpoints", "latest")
-        saved = latest.read_text().strip() if latest.is_file() else ""
-        if saved == f"step_{self.state.step:06d}":  # a periodic save of this very step just finished
-            path = str(latest.parent / saved)
-        else:  # nothing new to save before the first step
-            path = self.save() if self.state.losses else None
-        stop.done = True
-        where = f"saved {path}" if path else "nothing new to save"
-        self.log(f"interrupted ({stop.signal_name or 'a signal on another rank'}) at step {self.state.step}; "
-                 f"{where}; resume with: {resume_hint(self.job.train.out_dir, self.dims.world_size)}")
-        metrics.log({"event": "interrupted", "step": self.state.step, "checkpoint": path})
-        t = self.job.train
-        plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
-        metrics.close()
-        return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses, "interrupted": True, "step": self.state.step}
-
     def run(self) -> dict:
         t = self.job.train
-        metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
+        metrics = MetricsLog(t.out_dir, enabled=self.rank0, fresh=self.state.step == 0)
         end = t.stop_at or t.steps
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
         if self.rank0:
@@ -206,20 +187,23 @@ class Trainer:
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last = {}
         window_t, window_steps = time.perf_counter(), 0
-        stop = StopFlag(self._abort_message).install()  # Ctrl-C / SIGTERM: stop after this step (interrupt.py)
         try:
             while self.state.step < end:
-                if stop.requested(self.device):  # every rank agrees on the step to stop after
-                    return self._interrupted(stop, metrics, last)
                 step = self.state.step
                 if self.fault:
                     self.fault.hit(self.dims.rank, step + 1, "step")
-                loss, norm, applied = self.train_step(step)
-                self.state.losses.append(loss if applied else float("nan"))
+                loss, norm, outcome = self.train_step(step)
+                applied = outcome == "applied"
+                self.state.losses.append(loss if outcome != "nonfinite" else float("nan"))
                 self.state.step += 1
                 window_steps += 1
                 done = self.state.step
                 progress.tick(done)
+                if outcome == "overflow":
+                    metrics.log({"step": done, "event": "overflow", "loss": loss, "loss_scale": self.opt.loss_scale})
+                    self.log(f"step {done}: fp16 gradients overflowed; update skipped, loss scale now "
+                             f"{self.opt.loss_scale:g}")
+                    continue
                 if not applied:
                     rec = {"step": done, "event": "nonfinite", "loss": loss, "grad_norm": norm,
                            "skipped": self.state.skipped}
@@ -236,7 +220,6 @@ class Trainer:
                     dt = (time.perf_counter() - window_t) / window_steps
                     recent = [x for x in self.state.losses[-window_steps:] if math.isfinite(x)]
                     last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
-                            "loss_steps": len(recent),
                             "lr": self.opt.opt.param_groups[0]["lr"],
                             "grad_norm": norm, **self.throughput.rates(dt)}
                     if t.eval_every and done % t.eval_every == 0 or done == end:
@@ -245,14 +228,9 @@ class Trainer:
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0
                 if t.save_every and done % t.save_every == 0 and done != end:
-                    t_save = time.perf_counter()
                     self.save()
-                    saved_in = time.perf_counter() - t_save  # not counted as training time
-                    window_t += saved_in
-                    progress.t0 += saved_in
         finally:
             progress.close()
-            stop.restore()
         if "val_loss" not in last:
             self.state.val_loss = last["val_loss"] = self.validate_loss()
         path = self.save()

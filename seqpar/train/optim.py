@@ -1,10 +1,12 @@
 """AdamW over fp32 master weights, warmup + cosine schedule, global gradient-norm clipping.
 
-When the model computes in bf16/fp16, the optimizer owns an fp32 copy of every parameter, and a
-post-accumulate-grad hook moves each microbatch's gradient into an fp32 buffer (``main_grad``), so
-gradients accumulate over microbatches in fp32. ``stage_grads`` then hands the sum back as ``.grad``
-for the cross-rank reductions of ``finalize_grads`` (in the compute dtype), the update runs in fp32
-and the result is cast back into the model. In fp32 the master *is* the model parameter (no copy).
+When the model computes in bf16/fp16, the optimizer owns an fp32 copy of every parameter, and each
+model parameter gets an fp32 ``main_grad`` buffer: a post-accumulate-grad hook adds each
+microbatch's gradient into it and frees ``.grad``. The cross-rank reductions of ``finalize_grads``,
+the global norm and the update then all work on fp32 sums, and the model states peak at
+2 (weight) + 4 (main_grad) + 4 (master) + 8 (Adam) = 18 bytes per parameter. In fp32 the master
+*is* the model parameter and ``.grad`` the gradient (16 bytes per parameter).
+fp16 adds dynamic loss scaling (``seqpar.train.loss_scale``).
 """
 
 from __future__ import annotations
@@ -14,15 +16,25 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.main_grad import grad_of
 from seqpar.train.config import TrainConfig
+from seqpar.train.loss_scale import DynamicLossScaler
 from seqpar.train.schedule import learning_rate
 
-TIED_NAME = "output_weight"  # the last stage's copy of the word embedding (pp > 1)
+TIED_NAME = "output_weight"  # the last stage's copy of the word embedding (tied, pp > 1)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to ``lr``, then ``cfg.schedule`` (constant, linear, cosine, WSD; see schedule.py)."""
     return learning_rate(step, cfg)
+
+
+def is_tied_copy(chunk: nn.Module, name: str) -> bool:
+    """The last stage's copy of a tied word embedding (its first-stage twin is the one counted).
+
+    An untied model's ``output_weight`` is a parameter of its own: it is not a copy.
+    """
+    return name == TIED_NAME and getattr(chunk, "tied_group", None) is not None
 
 
 def canonical_name(name: str, param: nn.Parameter) -> str:
@@ -41,9 +53,7 @@ class MasterOptimizer:
     def __init__(self, chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims
         self.named = named_parameters(chunks)
-        for chunk in chunks:
-            for n, p in chunk.named_parameters():
-                p.is_tied_copy = n == TIED_NAME
+        self.tied_copies = {id(p) for chunk in chunks for n, p in chunk.named_parameters() if is_tied_copy(chunk, n)}
         self.masters: list[nn.Parameter] = []
         for _, p in self.named:
             self.masters.append(p if p.dtype == torch.float32 else nn.Parameter(p.detach().float()))
@@ -51,50 +61,65 @@ class MasterOptimizer:
         no_decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() < 2]
         for (_, p), m in zip(self.named, self.masters, strict=True):
             if m is not p:
-                m.main_grad = torch.zeros_like(m)
-                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
+                p.main_grad = torch.zeros_like(m)  # fp32
+                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
-
-    @staticmethod
-    def _accumulate_into(master: nn.Parameter):
-        def hook(param: nn.Parameter) -> None:
-            master.main_grad.add_(param.grad)  # fp32 += low precision, per microbatch
-            param.grad = None
-
-        return hook
-
-    def stage_grads(self) -> None:
-        """After ``forward_backward``: the fp32 sums become ``.grad`` (compute dtype) for the reductions."""
-        for (_, p), m in zip(self.named, self.masters, strict=True):
-            if m is not p:
-                p.grad = m.main_grad.to(p.dtype)
-                m.main_grad.zero_()
+        fp16 = any(p.dtype == torch.float16 for _, p in self.named)
+        self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
 
     @property
     def mixed(self) -> bool:
         return any(m is not p for (_, p), m in zip(self.named, self.masters, strict=True))
 
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def num_parameters(self) -> int:
+        """Parameters this rank holds, a tied copy counted once (with its first-stage twin)."""
+        return sum(p.numel() for _, p in self.named if id(p) not in self.tied_copies)
+
     def zero_grad(self) -> None:
         for (_, p), m in zip(self.named, self.masters, strict=True):
             p.grad = None
             m.grad = None
+            if m is not p:
+                p.main_grad.zero_()
+
+    def unscale(self) -> None:
+        """Divide the (reduced) fp32 gradients by the loss scale (fp16 only)."""
+        if self.scaler is None:
+            return
+        inv = 1.0 / self.scaler.scale
+        for _, p in self.named:
+            grad = grad_of(p)
+            if grad is not None:
+                grad.mul_(inv)
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients, each unique parameter counted once over tp/pp/dp.
+        """Global L2 norm of the gradients, each unique parameter element counted once over tp/pp/dp.
 
-        Gradients are already averaged over dp (identical there), so the sum of squares is reduced
-        over the tensor- and pipeline-parallel groups only.
+        Gradients are already reduced (identical over dp, and over tp for replicated parameters), so
+        this rank adds its split parameters, the k/v rows it is first to hold (grouped-query layout),
+        replicated parameters on tp rank 0 only, and never a tied copy; the sum of squares is then
+        reduced over the tensor- and pipeline-parallel groups.
         """
         device = self.masters[0].device
         total = torch.zeros((), dtype=torch.float64, device=device)
+        tp_rank = self.dims.tp_rank
         for _, p in self.named:
-            if p.grad is None or getattr(p, "is_tied_copy", False):
+            grad = grad_of(p)
+            if grad is None or id(p) in self.tied_copies:
                 continue
-            if getattr(p, "tp_split_dim", None) is None and self.dims.tp_rank != 0:
+            layout = getattr(p, "tp_layout", None)
+            if layout is not None:
+                grad = layout.counted_rows(grad, tp_rank)
+            elif getattr(p, "tp_split_dim", None) is None and tp_rank != 0:
                 continue
-            total += p.grad.detach().double().pow(2).sum()
+            total += grad.detach().double().pow(2).sum()
         for group in (self.dims.tp_group, self.dims.pp_group):
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -109,13 +134,15 @@ class MasterOptimizer:
         if self.cfg.grad_clip > 0 and grad_norm is not None:
             scale = min(1.0, self.cfg.grad_clip / (float(grad_norm) + 1e-6))
         for (_, p), m in zip(self.named, self.masters, strict=True):
-            if p.grad is None:
+            grad = grad_of(p)
+            if grad is None:
                 continue
-            g = p.grad if m is p else p.grad.float()
             if scale != 1.0:
-                g = g.mul(scale) if m is not p else g.mul_(scale)
-            m.grad = g
+                grad.mul_(scale)
+            m.grad = grad  # fp32: the main_grad buffer itself, or the fp32 parameter's own .grad
         self.opt.step()
+        for m in self.masters:
+            m.grad = None
         if self.mixed:
             with torch.no_grad():
                 for (_, p), m in zip(self.named, self.masters, strict=True):
@@ -146,3 +173,9 @@ class MasterOptimizer:
                 self.opt.state[m] = {"step": torch.tensor(float(opt_step)),
                                      "exp_avg": s["exp_avg"].to(m).clone(),
                                      "exp_avg_sq": s["exp_avg_sq"].to(m).clone()}
+
+
+def _accumulate_into_main_grad(param: nn.Parameter) -> None:
+    """Post-accumulate-grad hook: fp32 ``main_grad`` += this microbatch's low-precision gradient."""
+    param.main_grad.add_(param.grad)
+    param.grad = None

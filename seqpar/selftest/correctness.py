@@ -8,6 +8,7 @@ returns ``(ok, figures, summary)`` for this rank.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import replace
 
@@ -48,12 +49,12 @@ def deterministic(device: torch.device):
     if device.type == "cpu":
         yield
         return
-    before = torch.are_deterministic_algorithms_enabled()
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _on_cpu(loss: torch.Tensor, grads: dict) -> tuple[torch.Tensor, dict]:
@@ -148,6 +149,16 @@ def _shape(cfg: ModelConfig, b: int | None = None) -> dict:
     return out if b is None else {**out, "b": b}
 
 
+def _settle(device: torch.device) -> None:
+    """Let the allocator return what finished collectives still hold: wait for the device, drop
+    unreachable objects, and allocate once (the CUDA caching allocator frees blocks used on
+    another stream -- NCCL's -- when it next allocates, not when their tensors die)."""
+    sync(device)
+    gc.collect()
+    torch.empty(1, device=device)
+    sync(device)
+
+
 def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, device: torch.device,
                 seed: int = 0) -> dict:
     """One layer's forward on ``device``: the saved-tensor meter, and on an accelerator the
@@ -176,7 +187,7 @@ def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, 
         y = run(x)  # [s(/t), b, h]
     out = {"meter_bytes": meter.total_bytes, "tensors": len(meter.tensors)}
     if acc:
-        sync(device)
+        _settle(device)
         kept = torch.accelerator.memory_allocated(device) - base
         y.float().square().mean().backward()
         sync(device)

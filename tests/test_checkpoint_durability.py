@@ -1,5 +1,6 @@
 """Checkpoints: atomic (an interrupted save leaves the previous one), damaged ones give a clear error."""
 
+import json
 import shutil
 
 import pytest
@@ -44,21 +45,39 @@ def test_interrupted_save_keeps_previous(run_dir, tmp_path):
         ckpt.resolve(root / "step_000006.tmp")
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: (d / ".metadata").write_bytes(b"garbage"), "metadata file is damaged"),
-    (lambda d: (d / ".metadata").unlink(), "metadata file is missing"),
-    (lambda d: (d / "meta.json").write_text("{"), "meta.json is unreadable"),
-    (lambda d: [f.write_bytes(f.read_bytes()[:100]) for f in d.glob("*.distcp")], "could not be read"),
+def _forget_checksums(folder):
+    """The checkpoint as seqpar wrote it before it recorded checksums."""
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["files"], meta["model_sha256"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage, message, without_checksums", [
+    (lambda d: (d / ".metadata").write_bytes(b"garbage"), r".metadata has 7 bytes, the save wrote \d+",
+     "metadata file is damaged"),
+    (lambda d: (d / ".metadata").unlink(), "metadata file is missing", None),  # found before any check
+    (lambda d: (d / "meta.json").write_text("{"), "meta.json is unreadable", None),
+    (lambda d: [f.write_bytes(f.read_bytes()[:100]) for f in d.glob("*.distcp")],
+     r"__0_0.distcp has 100 bytes, the save wrote \d+ \(truncated", "could not be read"),
 ])
-def test_damaged_checkpoint_is_a_clear_error(run_dir, tmp_path, damage, message):
+def test_damaged_checkpoint_is_a_clear_error(run_dir, tmp_path, damage, message, without_checksums, capsys):
     root = _copy(run_dir, tmp_path)
     damage(root / "step_000004")
     with pytest.raises(ckpt.CheckpointError, match=message):
         ckpt.load_model_state(root)
+    if without_checksums:  # an older checkpoint: the same damage found by reading it, after a note
+        root = _copy(run_dir, tmp_path / "old")
+        _forget_checksums(root / "step_000004")
+        damage(root / "step_000004")
+        capsys.readouterr()
+        with pytest.raises(ckpt.CheckpointError, match=without_checksums):
+            ckpt.load_model_state(root)
+        assert "records no checksums" in capsys.readouterr().err
 
 
 def test_resume_checks_shapes(run_dir, tmp_path):
     sections = {"model": {**SECTIONS["model"], "hidden_size": 64},
                 "train": {**SECTIONS["train"], "out_dir": str(tmp_path), "steps": 6}}
-    with pytest.raises(ckpt.CheckpointError, match="the model expects"):
+    with pytest.raises(ckpt.CheckpointError, match="a different model .hidden_size 32 in the checkpoint, 64 in "
+                                                   "this run"):
         train_local(sections, resume=str(run_dir))

@@ -130,11 +130,13 @@ LLAMA_PRESETS = ("llama2-7b", "llama3-8b", "llama3-70b")
 
 
 def beyond_the_paper(t: int = 8) -> dict[str, dict[str, dict[str, float]]]:
-    """Not in the paper: Llama-style presets (dropout 0), materialised vs fused attention. Per layer per
+    """Not in the paper: Llama-style presets (``default_dropout("llama")``, 0), materialised vs fused
+    attention. Per layer per
     tp rank, each technique as % of TP alone, and the GEMM FLOPs each recompute choice adds as % of the
     layer's training FLOPs -- which recompute still pays off when attention is fused."""
     from seqpar.analysis.flops import layer_forward_flops
     from seqpar.analysis.presets import preset_shape
+    from seqpar.analysis.shapes import default_dropout
 
     out = {}
     for name in LLAMA_PRESETS:
@@ -143,7 +145,8 @@ def beyond_the_paper(t: int = 8) -> dict[str, dict[str, dict[str, float]]]:
         fwd = layer_forward_flops(1, s, h, sh.f, kv_ratio=sh.kv_ratio, gated=True)
         train = 3 * sum(fwd.values())
         for attention in ("materialized", "sdpa"):
-            kw = dict(ffn=sh.f, dropout=False, fused_attention=attention == "sdpa", **sh.layer_options())
+            kw = dict(ffn=sh.f, dropout=default_dropout(sh.arch) > 0, fused_attention=attention == "sdpa",
+                      **sh.layer_options())
 
             def layer(**more):
                 return layer_activation_bytes(s, 1, h, a, t, **kw, **more)  # noqa: B023

@@ -5,6 +5,7 @@ from __future__ import annotations
 from seqpar.analysis import paper
 from seqpar.analysis.memory import TABLE2_ROWS
 from seqpar.analysis.presets import TABLE3, TABLE5_ITERATION_S, TABLE5_PAPER_PERCENT
+from seqpar.analysis.shapes import default_dropout
 from seqpar.analysis.text import gb, table
 
 ROW_NAMES = {"none": "no parallelism", "tp": "TP", "tp_sp": "TP + SP", "tp_selective": "TP + selective",
@@ -94,10 +95,12 @@ def _beyond() -> str:
              f"{d['full']:.1f}%", f"+{d['selective_extra_flops_pct']:.1f}%"]
             for name, d in paper.beyond_the_paper().items()]
     head = ["model, attention", "TP+SP", "+selective", "+norm+act. instead", "full", "selective FLOPs"]
-    return ("Beyond the paper: Llama-style presets, t = 8, b = 1, dropout 0; activation bytes per layer as % of "
+    return (f"Beyond the paper: Llama-style presets, t = 8, b = 1, dropout {default_dropout('llama'):g} (the Llama "
+            "default of seqpar plan and seqpar memory too); activation bytes per layer as % of "
             "TP alone. With fused attention (sdpa) there are no s² terms: selective recompute saves little and "
             "re-runs the attention GEMMs, while norm + activation recompute saves more for no GEMM FLOPs.\n"
             + table(head, rows))
+
 
 COST_MODEL_TARGETS = (0.05, 0.10)  # issue 19: in-sample and leave-one-model-out relative error
 
@@ -116,7 +119,7 @@ def _cost_model(data: dict) -> str:
     p = data["parameters"]
     params = (f"fitted A100 parameters: GEMM efficiency {100 * p['gemm_efficiency']:.1f}% of 312 TFLOP/s, memory "
               f"{p['memory_bw'] / 1e12:.2f} TB/s, bus bandwidth {p['intra_node_bw'] / 1e9:.0f} GB/s in a node and "
-              f"{p['inter_node_bw'] / 1e9:.1f} GB/s per GPU across nodes, p2p latency {1e6 * p['p2p_latency']:.0f} us, "
+              f"{p['inter_node_bw'] / 1e9:.1f} GB/s per GPU across nodes, {1e6 * p['comm_latency']:.0f} us per message, "
               f"{1e6 * p['layer_overhead']:.0f} us per layer per pass, {1e3 * p['step_overhead']:.1f} ms per iteration")
     ins, out = data["max_abs_error"], data["max_abs_heldout_error"]
     verdict = (f"largest error {100 * ins:.1f}% in sample (target {100 * COST_MODEL_TARGETS[0]:.0f}%: "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from seqpar.analysis.planner import Evaluation, Request, alternatives, num_microbatches, rank_of
+from seqpar.analysis.planner import Evaluation, Request, alternatives, num_microbatches, rank_of, settings
 from seqpar.analysis.stage import STATE_TERMS, StageMemory
 from seqpar.analysis.text import gb, table
 
@@ -15,7 +15,18 @@ def header(req: Request) -> str:
             f"{gb(hw.usable_bytes)} GB ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
             f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.0f} "
             f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.0f} / "
-            f"{hw.inter_node_bw / 1e9:.0f} GB/s intra / inter node")
+            f"{hw.inter_node_bw / 1e9:.0f} GB/s intra / inter node\n" + assumptions(req))
+
+
+def assumptions(req: Request) -> str:
+    """One line: precision, model-state and activation bytes, dropout (the architecture's default
+    unless given), attention kernel."""
+    st = settings(req)
+    dropout = f"dropout {st['dropout']:g}" + ("" if req.opts.dropout else " (no masks)")
+    kernel = "fused attention (no s² tensors)" if st["fused_attention"] else "materialized attention"
+    precision = "fp32 throughout" if st["precision"] == "fp32" else f"{st['precision']} mixed precision"
+    return (f"{precision}: {st['bytes_per_parameter']:g} B/param model states, "
+            f"{st['activation_bytes']}-byte activations; {dropout}; {kernel}")
 
 
 def memory_terms(stage: StageMemory) -> str:

@@ -24,6 +24,7 @@ from seqpar.analysis.shapes import (
     Recompute,
 )
 from seqpar.analysis.stage import StageMemory, all_stages, most_loaded, stage_memory
+from seqpar.analysis.states import bytes_per_parameter
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
 
@@ -58,6 +59,15 @@ class Request:
     try_distributed_optimizer: bool = False
     max_micro_batch: int = 16
     max_interleave: int = 8
+    precision: str = "bf16"  # what ``opt`` and ``opts.act_bytes`` stand for (reported, not re-derived)
+    dropout: float = 0.1  # the probability behind ``opts.dropout`` (reported)
+
+
+def settings(req: Request) -> dict:
+    """The assumptions every plan of ``req`` shares, as the reports print them."""
+    return {"precision": req.precision, "bytes_per_parameter": bytes_per_parameter(req.opt),
+            "activation_bytes": req.opts.act_bytes, "dropout": req.dropout,
+            "fused_attention": req.opts.fused_attention}
 
 
 @dataclass
@@ -113,6 +123,8 @@ def num_microbatches(req: Request, plan: Plan) -> int:
 def check_plan(req: Request, plan: Plan) -> None:
     """Raise AnalysisError naming the numbers when ``plan`` cannot run ``req``."""
     p = plan.par
+    if not isinstance(plan.micro_batch, int) or isinstance(plan.micro_batch, bool) or plan.micro_batch < 1:
+        raise AnalysisError(f"micro batch must be a positive integer, got {plan.micro_batch!r}")
     p.validate(req.shape)
     plan.rc.validate(p.layers_per_chunk(req.shape))
     if p.gpus != req.gpus:
@@ -194,8 +206,8 @@ def layouts(req: Request) -> Iterator[Plan]:
     """Every (tp, pp, dp, m, sp, microbatch) the rules allow, with recompute none (filled in later)."""
     shape = req.shape
     for tp in _divisors(min(req.hw.gpus_per_node, req.gpus)):
-        if shape.heads % tp or shape.f % tp or req.gpus % tp:
-            continue
+        if shape.heads % tp or shape.f % tp or req.gpus % tp or (shape.kv % tp and tp % shape.kv):
+            continue  # the rules of Parallelism.validate: heads, FFN width and kv heads split over tp
         for pp in _divisors(req.gpus // tp):
             if shape.layers % pp:
                 continue
@@ -292,10 +304,12 @@ def _flag(text: str) -> bool:
 def parse_recompute(text: str, keep: int = 0) -> Recompute:
     """'none' | 'selective' | 'full' | 'full-uniform-N' | 'full-block-N', optional '+keepK' (App. C)."""
     body, _, suffix = text.partition("+keep")
-    if suffix:
-        keep = int(suffix)
     parts = body.split("-")
     try:
+        if suffix:
+            if not suffix.isdigit():
+                raise AnalysisError(f"keep {suffix!r} is not an integer >= 0")
+            keep = int(suffix)
         if parts[0] == "full" and len(parts) == 3:
             return Recompute("full", parts[1], int(parts[2]), keep).validate()
         if len(parts) == 1:
@@ -305,19 +319,34 @@ def parse_recompute(text: str, keep: int = 0) -> Recompute:
     raise AnalysisError(f"recompute {text!r} is not none, selective, full, full-uniform-N or full-block-N")
 
 
+def _count(values: dict[str, tuple[str, str]], key: str, default: int, least: int = 1) -> int:
+    """The integer given for ``key`` (``default`` when absent), at least ``least``."""
+    name, text = values.get(key, (key, str(default)))
+    try:
+        number = int(text)
+    except ValueError:
+        number = None
+    if number is None or number < least:
+        rule = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise AnalysisError(f"{name} must be {rule}, got {text!r}")
+    return number
+
+
 def parse_plan(text: str, gpus: int) -> Plan:
-    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan; dp defaults to gpus / (tp pp)."""
-    values: dict[str, str] = {}
+    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan; dp defaults to gpus / (tp pp).
+
+    Every count must be a positive integer (keep >= 0): the error names the key and the value."""
+    values: dict[str, tuple[str, str]] = {}  # canonical key -> (the key as written, value)
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or key.strip() not in _KEYS:
             raise AnalysisError(f"plan item {item!r}: expected KEY=VALUE with KEY in {sorted(_KEYS)}")
-        values[_KEYS[key.strip()]] = value.strip()
+        values[_KEYS[key.strip()]] = (key.strip(), value.strip())
     try:
-        tp, pp = int(values.get("tp", 1)), int(values.get("pp", 1))
-        dp = int(values["dp"]) if "dp" in values else max(1, gpus // (tp * pp))
-        par = Parallelism(tp, pp, dp, _flag(values.get("sp", "off")), int(values.get("interleave", 1)))
-        rc = parse_recompute(values.get("recompute", "none"), int(values.get("keep", 0)))
-        return Plan(par, rc, int(values.get("micro_batch", 1)), _flag(values.get("distopt", "off")))
-    except ValueError as err:
+        tp, pp = _count(values, "tp", 1), _count(values, "pp", 1)
+        dp = _count(values, "dp", max(1, gpus // (tp * pp)))
+        par = Parallelism(tp, pp, dp, _flag(values.get("sp", ("", "off"))[1]), _count(values, "interleave", 1))
+        rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
+        return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
+    except ValueError as err:  # AnalysisError is one
         raise AnalysisError(f"plan {text!r}: {err}") from err

@@ -13,10 +13,22 @@ from dataclasses import dataclass
 GRANULARITIES = ("none", "selective", "full")
 METHODS = ("uniform", "block")
 ARCHS = ("gpt", "llama")
+PRECISIONS = ("bf16", "fp16", "fp32")  # the training dtype: 16-bit mixed precision, or fp32 throughout
+# The dropout probability assumed when none is given, one value per architecture for `seqpar plan`,
+# `seqpar memory` and `seqpar paper` alike: the paper's GPT trains with 0.1 (Sec. 4.1 counts its masks),
+# Llama-style models without dropout.
+DEFAULT_DROPOUT = {"gpt": 0.1, "llama": 0.0}
 
 
 class AnalysisError(ValueError):
     """Bad input to the analytic model; the message names the rule and the numbers."""
+
+
+def default_dropout(arch: str) -> float:
+    """``DEFAULT_DROPOUT`` of ``arch`` (an AnalysisError names the known ones)."""
+    if arch not in DEFAULT_DROPOUT:
+        raise AnalysisError(f"arch {arch!r} is not one of {list(ARCHS)}")
+    return DEFAULT_DROPOUT[arch]
 
 
 def _positive(**values: int) -> None:
@@ -197,3 +209,13 @@ class OptimizerOptions:
     master_bytes: int = 4
     adam_bytes: int = 8
     distributed: bool = False
+
+    @classmethod
+    def for_precision(cls, precision: str, distributed: bool = False) -> OptimizerOptions:
+        """bf16 / fp16: mixed precision as above, 18 B/param. fp32: the fp32 weights are the ones
+        the update is applied to (no master copy) and gradients are fp32: 4 + 4 + 8 = 16 B/param."""
+        if precision not in PRECISIONS:
+            raise AnalysisError(f"precision {precision!r} is not one of {list(PRECISIONS)}")
+        if precision == "fp32":
+            return cls(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8, distributed=distributed)
+        return cls(distributed=distributed)

@@ -30,7 +30,8 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--ffn", type=int, default=d["ffn"], help="FFN width f (default 4h)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
     g.add_argument("--dropout", type=float, default=None,
-                   help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama)")
+                   help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
+                        "as in `seqpar plan` and `seqpar paper`)")
     a = p.add_argument_group("architecture (default: the paper's GPT)")
     a.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
                    help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0")
@@ -47,7 +48,9 @@ LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": 
 
 def model_from_args(args) -> ModelConfig:
     arch = LLAMA if args.arch == "llama" else {}
-    dropout = args.dropout if args.dropout is not None else (0.0 if args.arch == "llama" else 0.1)
+    from seqpar.analysis.shapes import default_dropout
+
+    dropout = args.dropout if args.dropout is not None else default_dropout(args.arch)
     chosen = {k: getattr(args, k) for k in ("norm", "activation", "position") if getattr(args, k) is not None}
     return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
                        seq_len=args.seq, ffn_hidden_size=args.ffn, dtype=args.dtype, embd_dropout=dropout,
@@ -192,7 +195,8 @@ def run_schedule(args) -> int:
         if args.tensors:
             for name, value in st.terms.items():
                 print(f"      {name:<28}{_human(value):>14}")
-    print("formula = Eq. 5/6 layers in flight (× (1 + (p-1)/(pm)) interleaved on rank 0) + Sec. 4.3 terms + "
-          "LayerNorm mean/rstd; exact adds the output being sent (App. B) and index/int64 bookkeeping.")
+    print("formula = Eq. 5/6 layers in flight (× (1 + (p-1)/(pm)) interleaved on rank 0) + Sec. 4.3 terms (logits "
+          "of the padded vocabulary shard ⌈v/t⌉) + norm statistics (LayerNorm mean/rstd, RMSNorm fp32 rstd); exact "
+          "adds the final norm's statistics, the output being sent (App. B) and index/int64 bookkeeping.")
     print("The recompute working set rebuilt during a backward is transient and left out of both.")
     return 0

@@ -38,9 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
     g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
-    g.add_argument("--activation-bytes", type=int, choices=(2, 4), default=2,
-                   help="bytes per activation element: 2 (bf16/fp16, default) or 4 (fp32)")
-    g.add_argument("--no-dropout", action="store_true", help="no dropout: no masks (Sec. 4.1 terms vanish)")
+    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="training precision: bf16/fp16 mixed precision (18 B/param model states, default) or "
+                        "fp32 throughout (16 B/param, 4-byte activations)")
+    g.add_argument("--activation-bytes", type=int, choices=(2, 4), default=None,
+                   help="bytes per activation element (default: 2 for bf16/fp16, 4 for fp32)")
+    g.add_argument("--dropout", type=float, default=None,
+                   help="dropout probability; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
+                        "as in `seqpar memory` and `seqpar paper`)")
+    g.add_argument("--no-dropout", action="store_true", help="same as --dropout 0")
     g.add_argument("--fused-attention", action="store_true", help="flash-style attention: no s^2 tensors kept")
     g.add_argument("--keep-pipeline-outputs", action="store_true",
                    help="do not free sent stage outputs (App. B off)")
@@ -77,7 +83,7 @@ def request_from_args(args):
     from seqpar.analysis.hardware import peak_flops
     from seqpar.analysis.planner import Request
     from seqpar.analysis.presets import preset_setup
-    from seqpar.analysis.shapes import ActivationOptions, AnalysisError
+    from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
 
     shape = _shape(args)
     batch = args.global_batch
@@ -101,10 +107,14 @@ def request_from_args(args):
     hw = Hardware(gpus_per_node=args.gpus_per_node, memory_bytes=args.gpu_memory * 1e9, peak_flops=peak,
                   gemm_efficiency=args.gemm_efficiency, intra_node_bw=args.intra_node_gbps * 1e9,
                   inter_node_bw=args.inter_node_gbps * 1e9, reserve_fraction=args.reserve)
-    opts = ActivationOptions(act_bytes=args.activation_bytes, dropout=not args.no_dropout,
-                             fused_attention=args.fused_attention,
+    dropout = 0.0 if args.no_dropout else args.dropout if args.dropout is not None else default_dropout(shape.arch)
+    if not 0 <= dropout < 1:
+        raise AnalysisError(f"--dropout must be in [0, 1), got {dropout}")
+    act_bytes = args.activation_bytes or (4 if args.dtype == "fp32" else 2)
+    opts = ActivationOptions(act_bytes=act_bytes, dropout=dropout > 0, fused_attention=args.fused_attention,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
+                   opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,
                    try_distributed_optimizer=args.distributed_optimizer, max_micro_batch=args.max_micro_batch)
 
 
@@ -114,13 +124,19 @@ def run(args) -> int:
 
     try:
         req = request_from_args(args)
-        explain = planner.parse_plan(args.explain, args.gpus) if args.explain else None
+        explain = planner.parse_plan(args.explain, args.gpus) if args.explain is not None else None
+        if explain is not None:  # a layout that cannot run this model is bad input: one line, exit 2
+            try:
+                planner.check_plan(req, explain)
+            except AnalysisError as err:
+                raise AnalysisError(f"--explain {args.explain!r}: {err}") from None
         stats: dict = {}
         ranked = planner.search(req, stats)
         if explain is not None:
             ev = planner.evaluate(req, explain, every_rank=True)
             if args.json:
                 print(json.dumps({"plan": ev.to_json(), "rank": planner.rank_of(ev, ranked),
+                                  "settings": planner.settings(req),
                                   "stages": [{"rank": s.rank, "in_flight": s.in_flight, "terms": s.terms,
                                               "total": s.total} for s in ev.stages]}))
             else:
@@ -134,7 +150,7 @@ def run(args) -> int:
             return 0
         if args.json:
             print(json.dumps({"best": ranked[0].to_json() if ranked else None,
-                              "plans": [ev.to_json() for ev in ranked]}))
+                              "plans": [ev.to_json() for ev in ranked], "settings": planner.settings(req)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
         if args.plot and ranked:

@@ -15,6 +15,8 @@ CHECK_NAMES = ("parity", "memory", "table4", "mfu", "training")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("Exit status 0 only if every check passes on every rank, 1 otherwise, 2 for bad arguments. "
+                "Several GPUs or nodes: torchrun ... -m seqpar selftest. See docs/gpu.md.")
     p.add_argument("--device", default="auto",
                    help="auto (the accelerator if there is one, else cpu), cpu, cuda, cuda:1, ... "
                         "(default %(default)s)")

@@ -17,6 +17,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "import-hf": ("seqpar.commands.import_hf", "a local Hugging Face GPT-2 or Llama folder -> a seqpar checkpoint"),
     "export-hf": ("seqpar.commands.export_hf", "a seqpar checkpoint -> a Hugging Face GPT-2 or Llama folder"),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu (from a source checkout)"),
+    "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
 }
 
 

@@ -14,8 +14,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
     "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
-    "import-hf": ("seqpar.commands.import_hf", "a local Hugging Face GPT-2 or Llama folder -> a seqpar checkpoint"),
-    "export-hf": ("seqpar.commands.export_hf", "a seqpar checkpoint -> a Hugging Face GPT-2 or Llama folder"),
+    "import-hf": ("seqpar.commands.import_hf", "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX folder -> a checkpoint"),
+    "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu (from a source checkout)"),
     "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
 }

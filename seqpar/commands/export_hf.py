@@ -1,5 +1,7 @@
-"""`seqpar export-hf CKPT --out DIR`: a seqpar checkpoint → a Hugging Face GPT-2 or Llama folder
-(config.json + model.safetensors) that ``transformers`` loads (GPT2LMHeadModel or LlamaForCausalLM)."""
+"""`seqpar export-hf CKPT --out DIR`: a seqpar checkpoint → a Hugging Face folder (config.json +
+model.safetensors) of the architecture that computes the same model -- GPT2LMHeadModel, LlamaForCausalLM,
+StableLmForCausalLM or GPTNeoXForCausalLM -- or, when none does, a one-line refusal naming the model's
+fields (exit 2, nothing written)."""
 
 from __future__ import annotations
 

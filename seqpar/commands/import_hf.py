@@ -1,6 +1,8 @@
-"""`seqpar import-hf DIR --out CKPT`: a local Hugging Face GPT-2 or Llama folder → a seqpar checkpoint.
+"""`seqpar import-hf DIR --out CKPT`: a local Hugging Face GPT-2, Llama, StableLM or GPT-NeoX folder →
+a seqpar checkpoint (rope theta and linear / llama3 scaling included, in either config layout).
 
-The checkpoint holds full tensors, so ``seqpar train --resume CKPT`` shards it for any tp/pp/dp.
+The checkpoint holds full tensors, so ``seqpar train --resume CKPT`` shards it for any tp/pp/dp. A
+folder seqpar cannot compute exactly is refused by name (exit 2).
 """
 
 from __future__ import annotations

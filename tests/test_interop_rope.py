@@ -111,7 +111,7 @@ def hf_configs(draw):
                 seed=draw(st.integers(0, 1000)))
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(hf_configs())
 def test_import_matches_transformers_over_config_fields(tmp_path_factory, draw):
     folder = tmp_path_factory.mktemp("hf")

@@ -45,16 +45,20 @@ def sync(device: torch.device) -> None:
 @contextlib.contextmanager
 def deterministic(device: torch.device):
     """Deterministic kernels where the device has a choice (CUDA's atomics-based scatter/index
-    backward), so that two equal runs agree bit for bit and a recompute mismatch is the code's."""
+    backward), so that two equal runs agree bit for bit and a recompute mismatch is the code's; and
+    full fp32 matmuls (no TF32, whatever the environment asked for), so fp32 parity means fp32."""
     if device.type == "cpu":
         yield
         return
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    precision = torch.get_float32_matmul_precision()
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_float32_matmul_precision("highest")
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.set_float32_matmul_precision(precision)
 
 
 def _on_cpu(loss: torch.Tensor, grads: dict) -> tuple[torch.Tensor, dict]:

@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vs-torch": ("benchmarks.vs_torch", "seqpar vs PyTorch-native DTensor TP+SP: step time and bytes per layer"),
     "single": ("benchmarks.single", "seqpar at t=1 vs a plain single-file GPT of the same math: step time"),
     "mfu": ("benchmarks.mfu", "measured GEMM peak and the model FLOP/s of a t=1 training step: MFU on CPU"),
+    "planner": ("benchmarks.planner", "calibrate, predict small layouts' step time, train them: predicted vs measured"),
 }
 
 

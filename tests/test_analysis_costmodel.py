@@ -24,7 +24,7 @@ from seqpar.analysis.states import stage_parameters
 SHAPE = ModelShape(layers=4, hidden=8, heads=2, seq=4, vocab=16)
 # memory, latency and overheads out of the way unless a test puts them back
 HW = Hardware(gpus_per_node=8, peak_flops=1e6, gemm_efficiency=0.5, memory_bw=1e30, intra_node_bw=1e3,
-              inter_node_bw=1e2, p2p_latency=0.0, layer_overhead=0.0, step_overhead=0.0)
+              inter_node_bw=1e2, comm_latency=0.0, layer_overhead=0.0, step_overhead=0.0)
 OPTS = ActivationOptions()
 
 
@@ -102,7 +102,7 @@ def test_recompute_in_the_backward_pass():
 
 
 def test_terms_for_tp_pp_selective():
-    hw = replace(HW, p2p_latency=1e-3)
+    hw = replace(HW, comm_latency=1e-3)
     par = Parallelism(tp=2, pp=2, sp=True, interleave=2)
     it = iteration_time(SHAPE, par, Recompute("selective"), 1, 4, hw)
     n, gemm = 4, 1e6 * 0.5

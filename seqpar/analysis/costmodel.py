@@ -3,7 +3,8 @@
 The machine (``Hardware``) is seven numbers a calibration fits (``calibration.py``, ``seqpar calibrate``):
 ``gemm_efficiency`` (fraction of peak a large GEMM reaches), ``memory_bw`` (bytes/s element-wise ops and
 GEMM operands move), ``intra_node_bw`` / ``inter_node_bw`` (achieved bus bandwidth of a collective in a
-node / per GPU across nodes), ``p2p_latency`` (seconds per pipeline message), ``layer_overhead``
+node / per GPU across nodes), ``comm_latency`` (seconds per message: each collective call and each
+pipeline send), ``layer_overhead``
 (fixed seconds per layer per pass: kernel launches, framework) and ``step_overhead`` (fixed seconds per
 iteration). Nothing else is tuned, and nothing per model.
 
@@ -24,7 +25,7 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 full: each recomputed layer's whole forward (GEMMs, element-wise, collectives, overhead);
                 App. C kept chunk-microbatches are not recomputed
     pp_p2p      per chunk one activation forward and one gradient backward, e sbh/t bytes each
-                (scatter-gather over the tp ranks) + p2p_latency, inter-node unless the job is one node
+                (scatter-gather over the tp ranks) + comm_latency, inter-node unless the job is one node
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the dp
 gradient all-reduce (not overlapped) + the optimizer step (memory-bound: bytes of the mixed-precision
@@ -42,7 +43,7 @@ from seqpar.analysis.states import stage_parameters
 
 PASS_TERMS = ("compute", "elementwise", "tp_comm", "overhead")
 TIME_TERMS = (*PASS_TERMS, "recompute", "pp_p2p", "bubble", "dp_allreduce", "optimizer", "step_overhead")
-FIT_PARAMETERS = ("gemm_efficiency", "memory_bw", "intra_node_bw", "inter_node_bw", "p2p_latency",
+FIT_PARAMETERS = ("gemm_efficiency", "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency",
                   "layer_overhead", "step_overhead")
 
 
@@ -62,9 +63,10 @@ class Hardware:
     memory_bw: float = 1.6e12  # 80% of 2.04 TB/s HBM2e
     intra_node_bw: float = 230e9  # NVLink bus bandwidth a ring collective reaches (300 GB/s per direction)
     inter_node_bw: float = 20e9  # one 200 Gb/s adapter per GPU
-    p2p_latency: float = 20e-6
+    comm_latency: float = 20e-6  # per collective call or pipeline message
     layer_overhead: float = 50e-6
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
+    gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
     reserve_fraction: float = 0.10  # kept free for allocator fragmentation, workspaces, NCCL buffers
     error_band: float = 0.10
     name: str = "a100-80gb"
@@ -99,8 +101,10 @@ def ring_gather_s(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 
 def gemm_s(flops: float, nbytes: float, hw: Hardware) -> float:
-    """One GEMM: FLOPs at ``gemm_efficiency`` x peak, plus its operands' traffic at ``memory_bw``."""
-    return flops / (hw.peak_flops * hw.gemm_efficiency) + nbytes / hw.memory_bw
+    """One GEMM: FLOPs at ``gemm_efficiency`` x peak, plus its operands' traffic at ``memory_bw`` (or at
+    ``gemm_operand_bw`` where a calibration measured that apart: a CPU's caches serve GEMM operands far
+    faster than its element-wise ops run)."""
+    return flops / (hw.peak_flops * hw.gemm_efficiency) + nbytes / (hw.gemm_operand_bw or hw.memory_bw)
 
 
 def layer_gemms(shape: ModelShape, t: int, b: int, opts: ActivationOptions) -> dict[str, tuple[float, float]]:
@@ -149,7 +153,8 @@ def layer_pass_s(shape: ModelShape, par: Parallelism, b: int, hw: Hardware,
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts).items()}
     bw = hw.intra_node_bw if t <= hw.gpus_per_node else hw.inter_node_bw
     msg = opts.act_bytes * shape.seq * b * shape.hidden
-    allreduce, gather = ring_allreduce_s(msg, t, bw), ring_gather_s(msg, t, bw)
+    latency = hw.comm_latency if t > 1 else 0.0
+    allreduce, gather = latency + ring_allreduce_s(msg, t, bw), latency + ring_gather_s(msg, t, bw)
     if par.sp:  # g-bar backward all-gathers exposed; g's reduce-scatter || wgrad, re-gather || dgrad
         bwd_comm = 2 * gather + sum(2 * max(0.0, gather - g[k]) for k in ("qkv", "fc1"))
     else:  # f's all-reduce || the weight-gradient GEMM of QKV and fc1
@@ -212,7 +217,7 @@ def rank_microbatch_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int
     terms["recompute"] = frac * redo
     p2p_bw = hw.intra_node_bw if par.gpus <= hw.gpus_per_node else hw.inter_node_bw
     msg = opts.act_bytes * shape.seq * b * shape.hidden / par.tp
-    terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.p2p_latency + msg / p2p_bw)
+    terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.comm_latency + msg / p2p_bw)
     return terms
 
 
@@ -223,8 +228,8 @@ def dp_allreduce_s(shape: ModelShape, par: Parallelism, hw: Hardware, opt: Optim
     params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
     bw = hw.intra_node_bw if par.tp * par.dp <= hw.gpus_per_node else hw.inter_node_bw
     if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
-        return (par.dp - 1) / par.dp * params * (opt.grad_bytes + opt.param_bytes) / bw
-    return ring_allreduce_s(params * opt.grad_bytes, par.dp, bw)
+        return 2 * hw.comm_latency + (par.dp - 1) / par.dp * params * (opt.grad_bytes + opt.param_bytes) / bw
+    return hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, par.dp, bw)
 
 
 def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
@@ -258,6 +263,15 @@ def iteration_time(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, g
     terms["optimizer"] = optimizer_s(shape, par, hw, opt)
     terms["step_overhead"] = hw.step_overhead
     return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest)
+
+
+def ties_with_best(times: list[float], band: float) -> list[bool]:
+    """Which predicted times cannot be told from the fastest within a relative error ``band``: their
+    ranges t(1 +- band) overlap the fastest one's."""
+    if not times:
+        return []
+    best = min(times)
+    return [t * (1 - band) <= best * (1 + band) for t in times]
 
 
 def predicted_mfu(shape: ModelShape, par: Parallelism, global_batch: int, seconds: float,

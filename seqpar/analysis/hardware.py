@@ -52,8 +52,8 @@ DATASHEET: dict[str, tuple[float, float, float, float]] = {
 
 BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
-                  "memory_bw", "intra_node_bw", "inter_node_bw", "p2p_latency", "layer_overhead",
-                  "step_overhead", "reserve_fraction", "error_band")
+                  "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
+                  "step_overhead", "gemm_operand_bw", "reserve_fraction", "error_band")
 
 
 def _known(gpu: str) -> str:
@@ -104,8 +104,9 @@ def scaled_from_a100(gpu: str):
                   f"{gpu}; run seqpar calibrate there)")
     scale = {n: getattr(sheet, n) * getattr(fitted, n) / getattr(sheet_a100, n)
              for n in ("memory_bw", "intra_node_bw", "inter_node_bw")}
-    return replace(sheet, **scale, gemm_efficiency=fitted.gemm_efficiency, p2p_latency=fitted.p2p_latency,
-                   layer_overhead=fitted.layer_overhead, error_band=band, source=source,
+    return replace(sheet, **scale, gemm_efficiency=fitted.gemm_efficiency, comm_latency=fitted.comm_latency,
+                   layer_overhead=fitted.layer_overhead, step_overhead=fitted.step_overhead, error_band=band,
+                   source=source,
                    name=next(k for k, v in BUILTIN_PROFILES.items() if v == gpu) if gpu in BUILTIN_PROFILES.values()
                    else gpu)
 
@@ -137,7 +138,9 @@ def profile_from_json(data: dict, where: str = "profile"):
         if f.name not in data:
             continue
         v = data[f.name]
-        if f.name in ("name", "source"):
+        if f.name == "gemm_operand_bw" and v is None:
+            pass
+        elif f.name in ("name", "source"):
             if not isinstance(v, str):
                 raise AnalysisError(f"{where}: {f.name} must be a string, got {v!r}")
         elif f.name == "gpus_per_node":
@@ -146,7 +149,7 @@ def profile_from_json(data: dict, where: str = "profile"):
         else:
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 raise AnalysisError(f"{where}: {f.name} must be a number, got {v!r}")
-            if f.name in ("reserve_fraction", "step_overhead", "p2p_latency", "layer_overhead"):
+            if f.name in ("reserve_fraction", "step_overhead", "comm_latency", "layer_overhead"):
                 if v < 0 or (f.name == "reserve_fraction" and v >= 1):
                     raise AnalysisError(f"{where}: {f.name} {v} is out of range")
             elif v <= 0 or (f.name == "gemm_efficiency" and v > 1):
@@ -172,3 +175,22 @@ def load_profile(text: str):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AnalysisError(f"hardware profile {text}: not readable JSON ({err})") from err
     return profile_from_json(data, where=f"hardware profile {text}")
+
+
+def hardware_for(profile: str | None, gpu: str = "a100", *, gpus_per_node: int | None = None,
+                 memory_gb: float | None = None, peak_tflops: float | None = None,
+                 gemm_efficiency: float | None = None, intra_node_gbps: float | None = None,
+                 inter_node_gbps: float | None = None, reserve: float | None = None):
+    """The cost model's machine for `seqpar plan`: ``profile`` (built-in name or file), else ``gpu``'s data
+    sheet x the A100 fit's achieved fractions; then each value given overrides the profile's (and the
+    source says so)."""
+    hw = load_profile(profile) if profile else scaled_from_a100(_known(gpu))
+    given = {"gpus_per_node": gpus_per_node, "memory_bytes": memory_gb and memory_gb * 1e9,
+             "peak_flops": peak_tflops and peak_tflops * TFLOPS, "gemm_efficiency": gemm_efficiency,
+             "intra_node_bw": intra_node_gbps and intra_node_gbps * 1e9,
+             "inter_node_bw": inter_node_gbps and inter_node_gbps * 1e9, "reserve_fraction": reserve}
+    given = {k: v for k, v in given.items() if v is not None}
+    timing = sorted(set(given) & {"peak_flops", "gemm_efficiency", "intra_node_bw", "inter_node_bw"})
+    if timing:
+        hw = replace(hw, source=hw.source + f"; overridden by hand: {', '.join(timing)}")
+    return replace(hw, **given)

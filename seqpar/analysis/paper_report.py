@@ -119,8 +119,9 @@ def _cost_model(data: dict) -> str:
     p = data["parameters"]
     params = (f"fitted A100 parameters: GEMM efficiency {100 * p['gemm_efficiency']:.1f}% of 312 TFLOP/s, memory "
               f"{p['memory_bw'] / 1e12:.2f} TB/s, bus bandwidth {p['intra_node_bw'] / 1e9:.0f} GB/s in a node and "
-              f"{p['inter_node_bw'] / 1e9:.1f} GB/s per GPU across nodes, {1e6 * p['comm_latency']:.0f} us per message, "
-              f"{1e6 * p['layer_overhead']:.0f} us per layer per pass, {1e3 * p['step_overhead']:.1f} ms per iteration")
+              f"{p['inter_node_bw'] / 1e9:.1f} GB/s per GPU across nodes, {1e6 * p['comm_latency']:.0f} us per "
+              f"message, {1e6 * p['layer_overhead']:.0f} us per layer per pass, {1e3 * p['step_overhead']:.1f} ms per "
+              "iteration")
     ins, out = data["max_abs_error"], data["max_abs_heldout_error"]
     verdict = (f"largest error {100 * ins:.1f}% in sample (target {100 * COST_MODEL_TARGETS[0]:.0f}%: "
                f"{'met' if ins <= COST_MODEL_TARGETS[0] else 'NOT met'}), {100 * out:.1f}% held out (target "

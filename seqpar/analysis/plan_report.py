@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from seqpar.analysis.costmodel import ties_with_best
 from seqpar.analysis.planner import Evaluation, Request, alternatives, num_microbatches, rank_of, settings
 from seqpar.analysis.stage import STATE_TERMS, StageMemory
 from seqpar.analysis.text import gb, table
@@ -41,10 +42,14 @@ def time_terms(ev: Evaluation) -> str:
     return table([f"time (slowest rank {ev.time.slowest_rank})", "s"], rows)
 
 
-def plans_table(ranked: list[Evaluation], top: int) -> str:
+def plans_table(ranked: list[Evaluation], top: int, band: float = 0.0) -> str:
+    """The best ``top`` plans; "≈ best" marks those the cost model cannot tell from the fastest
+    (``costmodel.ties_with_best`` within the profile's error ``band``)."""
+    ties = ties_with_best([ev.time.total for ev in ranked], band)
     rows = [[i + 1, ev.plan.label, f"{gb(ev.memory_bytes)} (rank {ev.peak.rank})", f"{ev.time.total:.2f}",
-             f"{100 * ev.mfu:.1f}%"] for i, ev in enumerate(ranked[:top])]
-    return table(["#", "plan", "GB most loaded", "iteration s", "MFU"], rows, left=(0, 1))
+             f"{100 * ev.mfu:.1f}%", "≈ best" if tie else ""]
+            for i, (ev, tie) in enumerate(zip(ranked[:top], ties[:top], strict=True))]
+    return table(["#", "plan", "GB most loaded", "iteration s", "MFU", "tie"], rows, left=(0, 1))
 
 
 def _verdict(ev: Evaluation, best: Evaluation | None) -> str:
@@ -70,7 +75,7 @@ def why_not(req: Request, best: Evaluation) -> str:
 
 
 def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -> str:
-    parts = [header(req)]
+    parts = [header(req), cost_model_line(req)]
     if not ranked:
         parts.append(f"no plan fits: {stats.get('examined', 0)} examined, {stats.get('states_too_big', 0)} "
                      "layouts rejected because parameters + optimizer alone exceed the usable memory")
@@ -78,8 +83,10 @@ def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -
     best = ranked[0]
     parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined; "
                  f"{stats.get('states_too_big', 0)} layouts dropped because the model states alone exceed "
-                 "the usable memory). Fastest first (times within 1% tie; less memory wins):\n"
-                 + plans_table(ranked, top))
+                 "the usable memory). Fastest first (times within 1% ordered by memory); '≈ best': a tie with the "
+                 f"best, within the cost model's ±{100 * req.hw.error_band:.0f}% error band "
+                 f"({sum(ties_with_best([e.time.total for e in ranked], req.hw.error_band))} plans):\n"
+                 + plans_table(ranked, top, req.hw.error_band))
     parts.append(f"best: {best.plan.label}, {num_microbatches(req, best.plan)} microbatches of "
                  f"{best.plan.micro_batch}, predicted {best.time.total:.2f} s/iteration, MFU "
                  f"{100 * best.mfu:.1f}%\n" + memory_terms(best.peak) + "\n\n" + time_terms(best))
@@ -98,7 +105,7 @@ def _stage_rows(stages: list[StageMemory], usable: float) -> list[list]:
 
 
 def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> str:
-    parts = [header(req), f"plan {ev.plan.label}"]
+    parts = [header(req), cost_model_line(req), f"plan {ev.plan.label}"]
     if ev.error:
         parts.append(f"rejected: {ev.error}")
         return "\n\n".join(parts)
@@ -115,3 +122,10 @@ def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> st
         parts.append(f"rank {position} of {len(ranked) + (0 if ev.plan in [e.plan for e in ranked] else 1)} "
                      f"fitting plans" + (f" (best: {best.plan.label}, {best.time.total:.2f} s)" if best else ""))
     return "\n\n".join(parts)
+
+
+def cost_model_line(req: Request) -> str:
+    """Where the time predictions come from, and how far to trust them."""
+    hw = req.hw
+    return (f"cost model: {hw.name} ({hw.source}); predicted times are within about ±{100 * hw.error_band:.0f}% "
+            "(the profile's error band), so plans closer than that are ties")

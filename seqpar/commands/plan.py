@@ -24,16 +24,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gpt (the paper's, default) or llama: RMSNorm, SwiGLU, RoPE, no biases, untied output")
     g = p.add_argument_group("machine")
     g.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="(default %(default)s); tp stays within a node")
-    g.add_argument("--gpu-memory", type=float, default=80, help="GB per GPU (default %(default)s)")
-    g.add_argument("--gpu", default="a100", help="accelerator for the peak FLOP/s (default %(default)s)")
-    g.add_argument("--peak-tflops", type=float, help="peak dense 16-bit TFLOP/s per GPU (overrides --gpu)")
-    g.add_argument("--gemm-efficiency", type=float, default=0.65,
-                   help="fraction of peak the GEMMs reach (default %(default)s)")
-    g.add_argument("--intra-node-gbps", type=float, default=300, help="GB/s per GPU in a node (default %(default)s)")
-    g.add_argument("--inter-node-gbps", type=float, default=25, help="GB/s per GPU across nodes (default %(default)s)")
-    g.add_argument("--reserve", type=float, default=0.10,
-                   help="fraction of memory kept free for fragmentation and workspaces (default %(default)s)")
+    g.add_argument("--hardware", metavar="PROFILE",
+                   help="cost-model profile: a100-80gb (fitted to the paper's measured times), h100-80gb, "
+                        "h200-141gb, or a JSON file from `seqpar calibrate` (default: the --gpu's); the flags "
+                        "below override its values")
+    g.add_argument("--gpu", default="a100", help="accelerator without --hardware: its data sheet (peak, memory, "
+                                                  "links) x the A100 fit's achieved fractions (default %(default)s)")
+    g.add_argument("--gpus-per-node", type=int, help="(default: the profile's, 8 for GPUs); tp stays within a node")
+    g.add_argument("--gpu-memory", type=float, help="GB per GPU (default: the profile's / the data sheet's)")
+    g.add_argument("--peak-tflops", type=float, help="peak dense 16-bit TFLOP/s per GPU (overrides the profile)")
+    g.add_argument("--gemm-efficiency", type=float, help="fraction of peak the GEMMs reach (default: the profile's)")
+    g.add_argument("--intra-node-gbps", type=float, help="bus GB/s per GPU in a node (default: the profile's)")
+    g.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU across nodes (default: the profile's)")
+    g.add_argument("--reserve", type=float,
+                   help="fraction of memory kept free for fragmentation and workspaces (default: the profile's, "
+                        "0.10)")
     g = p.add_argument_group("training")
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
@@ -79,8 +84,7 @@ def _shape(args):
 
 
 def request_from_args(args):
-    from seqpar.analysis.costmodel import Hardware
-    from seqpar.analysis.hardware import peak_flops
+    from seqpar.analysis.hardware import hardware_for
     from seqpar.analysis.planner import Request
     from seqpar.analysis.presets import preset_setup
     from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
@@ -95,18 +99,17 @@ def request_from_args(args):
     for name, value in (("gpus", args.gpus), ("gpus-per-node", args.gpus_per_node), ("global-batch", batch),
                         ("gpu-memory", args.gpu_memory), ("intra-node-gbps", args.intra_node_gbps),
                         ("inter-node-gbps", args.inter_node_gbps), ("top", args.top),
-                        ("max-micro-batch", args.max_micro_batch)):
-        if value < 1 if isinstance(value, int) else value <= 0:
+                        ("max-micro-batch", args.max_micro_batch), ("peak-tflops", args.peak_tflops)):
+        if value is not None and (value < 1 if isinstance(value, int) else value <= 0):
             raise AnalysisError(f"--{name} must be positive, got {value}")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        raise AnalysisError(f"--peak-tflops must be positive, got {args.peak_tflops}")
-    if not 0 <= args.reserve < 1 or not 0 < args.gemm_efficiency <= 1:
-        raise AnalysisError(f"--reserve {args.reserve} must be in [0, 1) and --gemm-efficiency "
-                            f"{args.gemm_efficiency} in (0, 1]")
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(args.gpu)
-    hw = Hardware(gpus_per_node=args.gpus_per_node, memory_bytes=args.gpu_memory * 1e9, peak_flops=peak,
-                  gemm_efficiency=args.gemm_efficiency, intra_node_bw=args.intra_node_gbps * 1e9,
-                  inter_node_bw=args.inter_node_gbps * 1e9, reserve_fraction=args.reserve)
+    if args.reserve is not None and not 0 <= args.reserve < 1:
+        raise AnalysisError(f"--reserve {args.reserve} must be in [0, 1)")
+    if args.gemm_efficiency is not None and not 0 < args.gemm_efficiency <= 1:
+        raise AnalysisError(f"--gemm-efficiency {args.gemm_efficiency} must be in (0, 1]")
+    hw = hardware_for(args.hardware, args.gpu, gpus_per_node=args.gpus_per_node, memory_gb=args.gpu_memory,
+                      peak_tflops=args.peak_tflops, gemm_efficiency=args.gemm_efficiency,
+                      intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                      reserve=args.reserve)
     dropout = 0.0 if args.no_dropout else args.dropout if args.dropout is not None else default_dropout(shape.arch)
     if not 0 <= dropout < 1:
         raise AnalysisError(f"--dropout must be in [0, 1), got {dropout}")
@@ -149,8 +152,13 @@ def run(args) -> int:
                 print(f"wrote {path}", file=sys.stderr)
             return 0
         if args.json:
-            print(json.dumps({"best": ranked[0].to_json() if ranked else None,
-                              "plans": [ev.to_json() for ev in ranked], "settings": planner.settings(req)}))
+            from seqpar.analysis.costmodel import ties_with_best
+            from seqpar.analysis.hardware import profile_to_json
+
+            ties = ties_with_best([ev.time.total for ev in ranked], req.hw.error_band)
+            plans = [ev.to_json() | {"tie_with_best": tie} for ev, tie in zip(ranked, ties, strict=True)]
+            print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
+                              "settings": planner.settings(req), "hardware": profile_to_json(req.hw)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
         if args.plot and ranked:

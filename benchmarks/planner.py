@@ -1,0 +1,149 @@
+"""``planner``: the cost model's closed loop on this machine (issue 19).
+
+Calibrate the local devices (``seqpar calibrate``: micro-benchmarks on ``--nproc`` ranks), predict the
+step time of several small layouts with the planner's cost model, then train each for a few steps
+with ``seqpar train --nproc`` and compare. The measured step time of a layout is the median of its
+log windows after the first (the first holds the warm-up); its noise is the spread of those windows.
+Goal: every layout within 20%, and the predicted order of any two layouts matching the measured one
+where they differ by more than their noise. On a machine other people are using, timings move with
+their load: the report gives the CPU and the load before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import common
+
+LAYOUTS = ["tp=2,sp=off,recompute=none", "tp=2,sp=on,recompute=selective", "tp=2,sp=on,recompute=full",
+           "tp=1,dp=2,recompute=none", "tp=1,pp=2,recompute=full"]
+QUICK = {"layers": 2, "hidden": 32, "heads": 2, "seq": 16, "micro_batch": 1, "global_batch": 2, "steps": 4,
+         "log_every": 2, "size": "quick", "layouts": LAYOUTS[:1] + LAYOUTS[3:4]}
+TARGET = 0.20
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="local ranks (default %(default)s)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--steps", type=int, default=12, help="training steps per layout (default %(default)s)")
+    p.add_argument("--log-every", type=int, default=3, help="steps per timing window (default %(default)s)")
+    p.add_argument("--size", choices=["quick", "full"], default="full", help="calibration sizes")
+    p.add_argument("--profile", metavar="FILE", help="use this profile instead of calibrating now")
+    p.add_argument("--layouts", nargs="+", default=LAYOUTS, metavar="PLAN",
+                   help="layouts in seqpar plan --explain syntax (default: %(default)s)")
+
+
+def _shape(args):
+    from seqpar.analysis.shapes import ModelShape
+
+    return ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=256,
+                      name="bench").validate()
+
+
+def predict(args, hw, label: str) -> dict:
+    """The cost model's step time of ``label`` for the benchmark's model on ``hw``."""
+    from seqpar.analysis.costmodel import iteration_time
+    from seqpar.analysis.planner import parse_plan
+    from seqpar.calibrate import act_options, optimizer_options
+
+    plan = parse_plan(f"{label},mb={args.micro_batch}", args.nproc)
+    it = iteration_time(_shape(args), plan.par, plan.rc, plan.micro_batch, args.global_batch, hw,
+                        optimizer_options(args.dtype), act_options(args.dtype))
+    return {"plan": plan, "predicted_s": it.total, "terms": it.terms}
+
+
+def measure(args, plan, out_dir: str) -> dict:
+    """Train ``plan`` with ``seqpar train --nproc``; step seconds per log window (first one dropped)."""
+    p = plan.par
+    cmd = [sys.executable, "-m", "seqpar", "train", "--nproc", str(args.nproc), "--tp", str(p.tp), "--pp", str(p.pp),
+           "--dp", str(p.dp), "--sp" if p.sp else "--no-sp", "--recompute", plan.rc.granularity,
+           "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq",
+           str(args.seq), "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
+           "--dtype", args.dtype, "--steps", str(args.steps), "--log-every", str(args.log_every), "--out", out_dir,
+           "--no-progress", "--set", "model.vocab_size=256", "--set", "train.eval_every=0",
+           "--set", "train.eval_batches=1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if run.returncode:
+        raise RuntimeError(f"seqpar train failed ({run.returncode}): {run.stderr.strip()[-500:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as fh:
+        windows = [r["step_time"] for r in map(json.loads, fh) if "step_time" in r]
+    steady = windows[1:] or windows
+    median = statistics.median(steady)
+    return {"windows_s": windows, "measured_s": median, "noise": (max(steady) - min(steady)) / median}
+
+
+def ranking(rows: list[dict]) -> dict:
+    """Pairs whose measured times differ by more than both noises: does the prediction order them so?"""
+    pairs, agree = [], 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            gap = abs(a["measured_s"] - b["measured_s"])
+            if gap <= a["noise"] * a["measured_s"] + b["noise"] * b["measured_s"]:
+                continue
+            same = (a["measured_s"] < b["measured_s"]) == (a["predicted_s"] < b["predicted_s"])
+            agree += same
+            pairs.append({"faster_measured": a["layout"] if a["measured_s"] < b["measured_s"] else b["layout"],
+                          "slower_measured": b["layout"] if a["measured_s"] < b["measured_s"] else a["layout"],
+                          "prediction_agrees": same})
+    return {"distinguishable_pairs": len(pairs), "agreeing": agree, "pairs": pairs}
+
+
+def run(args) -> dict:
+    from seqpar.analysis.hardware import load_profile, profile_from_json
+
+    before = common.machine()
+    if args.profile:
+        profile = json.loads(Path(args.profile).read_text())
+        hw = load_profile(args.profile)
+    else:
+        from seqpar.calibrate import calibrate
+
+        profile = calibrate(args.nproc, args.dtype, args.size)
+        hw = profile_from_json(profile)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, label in enumerate(args.layouts):
+            pred = predict(args, hw, label)
+            got = measure(args, pred["plan"], os.path.join(tmp, str(i)))
+            rows.append({"layout": label, "predicted_s": pred["predicted_s"], **got,
+                         "error": pred["predicted_s"] / got["measured_s"] - 1, "terms": pred["terms"]})
+    rank = ranking(rows)
+    within = all(abs(r["error"]) <= TARGET for r in rows)
+    return {"rows": rows, "ranking": rank, "target": TARGET, "within_target": within,
+            "ranking_matches": rank["agreeing"] == rank["distinguishable_pairs"],
+            "profile": {k: v for k, v in profile.items() if k != "measurements"},
+            "config": {"nproc": args.nproc, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                       "seq": args.seq, "vocab": 256, "micro_batch": args.micro_batch,
+                       "global_batch": args.global_batch, "dtype": args.dtype, "steps": args.steps,
+                       "log_every": args.log_every},
+            "machine": {**before, "load_avg_1min_after": common.machine()["load_avg_1min"]}}
+
+
+def render(r: dict) -> str:
+    c, m, p = r["config"], r["machine"], r["profile"]
+    rows = [[x["layout"], f"{1e3 * x['predicted_s']:.1f}", f"{1e3 * x['measured_s']:.1f}", f"{100 * x['error']:+.1f}%",
+             f"{100 * x['noise']:.0f}%"] for x in r["rows"]]
+    rk = r["ranking"]
+    return "\n".join([
+        f"planner: {c['nproc']} ranks, {c['layers']} layers, h={c['hidden']} a={c['heads']} s={c['seq']} v=256, "
+        f"micro batch {c['micro_batch']}, global batch {c['global_batch']}, {c['dtype']}; CPU {m['cpu']} "
+        f"({m['nproc']} cores), 1-min load {m['load_avg_1min']:.2f} before, {m['load_avg_1min_after']:.2f} after",
+        f"profile: {p['source']}",
+        common.table(["layout", "predicted ms", "measured ms", "error", "noise"], rows),
+        f"every layout within {100 * r['target']:.0f}%: {'yes' if r['within_target'] else 'NO'}; ranking: "
+        f"{rk['agreeing']} of {rk['distinguishable_pairs']} pairs that differ by more than their noise ordered as "
+        "measured"])

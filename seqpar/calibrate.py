@@ -1,0 +1,320 @@
+"""`seqpar calibrate`: micro-benchmarks on the local devices, fitted into a hardware profile for
+``seqpar plan --hardware profile.json`` (``seqpar.analysis.costmodel.Hardware``, issue 19).
+
+Every local rank runs each benchmark at the same time (on a CPU each rank gets cores / ranks threads,
+as ``seqpar train --nproc`` gives them); a benchmark's time is the median over repeats on the slowest
+rank. What is measured, and which parameter it gives:
+    GEMM sweep (training dtype)     peak_flops = the best FLOP/s seen; gemm_efficiency and
+                                    gemm_operand_bw fitted to every shape with the cost model's GEMM
+                                    formula (FLOPs / (peak x eff) + operand bytes / operand bandwidth)
+    element-wise ops (fwd + bwd)    memory_bw = the bytes the cost model counts for LayerNorm, GeLU,
+                                    the attention core's softmax + dropout, dropout + residual / time
+    all-reduce, all-gather,         intra_node_bw and comm_latency fitted to every size with the cost
+    reduce-scatter, p2p send/recv   model's latency + ring volume / bus bandwidth (the local ranks are one
+    ping-pong                       node; inter_node_bw is set to the same: not measured)
+    seqpar's own training step      layer_overhead, step_overhead: a tiny model (dp over the ranks) at 1
+                                    and 3 layers; the time the fitted terms do not explain, per layer
+                                    pass and per step
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from seqpar.analysis.calibration import DataPoint, fit
+from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time
+from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
+
+SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
+    "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
+              "collective_bytes": [1 << 14, 1 << 16], "repeats": 3, "framework_repeats": 3},
+    "full": {"gemm": [(m, k, n) for m in (256, 1024) for k in (256, 1024) for n in (256, 768, 1024)]
+             + [(512, 512, 512)],
+             "elementwise": (128, 4, 256, 4), "collective_bytes": [1 << 16, 1 << 19, 1 << 22], "repeats": 7,
+             "framework_repeats": 8},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _device() -> torch.device:
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if acc is None or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(acc.type, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def _slowest(seconds: float) -> float:
+    if not dist.is_initialized():
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # gloo and nccl both take a CPU double via the default group
+    return float(t.item())
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn()`` after one warm-up, all ranks starting together; the slowest rank's."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(max(1, repeats)):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return _slowest(statistics.median(times))
+
+
+def gemm_sweep(shapes, dtype, device, repeats: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, generator=gen).to(device, dtype)
+        b = torch.randn(k, n, generator=gen).to(device, dtype)
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        seconds = timed(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), repeats, device)
+        rows.append({"m": m, "k": k, "n": n, "flops": 2 * m * k * n,
+                     "bytes": a.element_size() * (m * k + k * n + m * n), "seconds": seconds})
+    return rows
+
+
+def elementwise(sizes, dtype, device, repeats: int, dropout: float = 0.1) -> list[dict]:
+    """Forward + backward of the element-wise ops the cost model counts; ``bytes`` is its count
+    (3x the forward's: backward moves twice the forward's bytes)."""
+    s, b, h, a = sizes
+    e = torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(1)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_(True)
+
+    x, x4, scores, res = leaf(s, b, h), leaf(s, b, 4 * h), leaf(b * a, s, s), leaf(s, b, h)
+    ln = torch.nn.LayerNorm(h, device=device, dtype=dtype)
+    ops = {  # name -> (forward + backward, forward bytes counted by the cost model)
+        "layernorm": (lambda: ln(x).backward(torch.ones_like(x)), 2 * e * x.numel()),
+        "gelu": (lambda: F.gelu(x4).backward(torch.ones_like(x4)), 2 * e * x4.numel()),
+        "softmax_dropout": (lambda: F.dropout(torch.softmax(scores, -1), dropout).backward(torch.ones_like(scores)),
+                            (4 * e + 1) * scores.numel()),
+        "dropout_residual": (lambda: (F.dropout(x, dropout) + res).backward(torch.ones_like(x)),
+                             (3 * e + 1) * x.numel()),
+    }
+    return [{"op": name, "bytes": 3 * nbytes, "seconds": timed(fn, repeats, device)}
+            for name, (fn, nbytes) in ops.items()]
+
+
+def collectives(sizes: list[int], dtype, device, repeats: int) -> list[dict]:
+    """Bus bandwidth of all-reduce (2(n-1)/n x bytes / time), all-gather and reduce-scatter ((n-1)/n)."""
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    if n == 1:
+        return []
+    e = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    for nbytes in sizes:
+        numel = max(n, nbytes // e // n * n)
+        full = torch.ones(numel, dtype=dtype, device=device)
+        shard = torch.ones(numel // n, dtype=dtype, device=device)
+        ops = {"all_reduce": (lambda full=full: dist.all_reduce(full), 2),
+               "all_gather": (lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard), 1),
+               "reduce_scatter": (lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full), 1)}
+        for name, (fn, factor) in ops.items():
+            seconds = timed(fn, repeats, device)
+            rows.append({"op": name, "bytes": numel * e, "seconds": seconds,
+                         "bus_bw": factor * (n - 1) / n * numel * e / seconds})
+    return rows
+
+
+def p2p(sizes: list[int], device, repeats: int) -> list[dict]:
+    """One-way seconds of a rank 0 <-> rank 1 ping-pong (half the round trip)."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return []
+    rank, rows = dist.get_rank(), []
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=device)
+
+        def pingpong(buf=buf):
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        rows.append({"bytes": buf.numel(), "seconds": timed(pingpong, repeats, device) / 2})
+    return rows
+
+
+def _tiny_job(layers: int, dtype: str, world: int, out_dir: str):
+    from seqpar.train.config import build_job
+
+    return build_job({"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 2, "num_layers": layers,
+                                "seq_len": 16, "dtype": dtype},
+                      "parallel": {"tp": 1, "pp": 1, "dp": world},
+                      "train": {"steps": 1000, "micro_batch": 1, "global_batch": world, "out_dir": out_dir,
+                                "progress": False, "eval_every": 0}})
+
+
+def framework(dtype: str, device, repeats: int) -> list[dict]:
+    """Median seconds of seqpar's own training step (forward, backward, dp all-reduce, optimizer) on a
+    tiny model at 1 and 3 layers: what no GEMM or byte explains is per-layer and per-step overhead."""
+    from seqpar.train.loop import Trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for layers in (1, 3):
+            trainer = Trainer(_tiny_job(layers, dtype, world, out), device=device, quiet=True)
+            step = iter(range(10**6))
+            seconds = timed(lambda trainer=trainer, step=step: trainer.train_step(next(step)), repeats, device)
+            rows.append({"layers": layers, "seconds": seconds})
+    return rows
+
+
+def _worker(rank: int, world: int, port: int, dtype: str, size: str, path: str) -> None:
+    if world > 1:  # a spawned rank (one rank runs in the calling process and leaves its environment alone)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames the tensor collectives
+    device = _device()
+    if device.type == "cpu" and world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)
+        dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank, world_size=world)
+    try:
+        sz, tdt = SIZES[size], DTYPES[dtype]
+        out = {"gemm": gemm_sweep(sz["gemm"], tdt, device, sz["repeats"]),
+               "elementwise": elementwise(sz["elementwise"], tdt, device, sz["repeats"]),
+               "collectives": collectives(sz["collective_bytes"], tdt, device, sz["repeats"]),
+               "p2p": p2p([8, sz["collective_bytes"][-1]], device, sz["repeats"]),
+               "framework": framework(dtype, device, sz["framework_repeats"])}
+        if rank == 0:
+            with open(path, "w") as fh:
+                json.dump(out, fh)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(nproc: int, dtype: str = "fp32", size: str = "full") -> dict:
+    """Run the micro-benchmarks on ``nproc`` local ranks; returns rank 0's measurements."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "measurements.json")
+        if nproc == 1:
+            _worker(0, 1, 0, dtype, size, path)
+        else:
+            mp.start_processes(_worker, args=(nproc, _free_port(), dtype, size, path), nprocs=nproc,
+                               start_method="spawn")
+        with open(path) as fh:
+            return json.load(fh)
+
+
+def act_options(dtype: str) -> ActivationOptions:
+    """What seqpar's trainer keeps and moves in ``dtype``: activations of that width, 1-byte masks."""
+    return ActivationOptions(act_bytes=DTYPES[dtype].itemsize)
+
+
+def optimizer_options(dtype: str) -> OptimizerOptions:
+    """Adam as seqpar runs it: fp32 training has no separate master copy; 16-bit keeps an fp32 master."""
+    if dtype == "fp32":
+        return OptimizerOptions(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8)
+    return OptimizerOptions()
+
+
+def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local") -> Hardware:
+    """The measurements as a ``Hardware`` (see the module doc for which benchmark gives what)."""
+    peak = max(r["flops"] / r["seconds"] for r in meas["gemm"])
+    memory_bw = sum(r["bytes"] for r in meas["elementwise"]) / sum(r["seconds"] for r in meas["elementwise"])
+    hw = Hardware(gpus_per_node=max(1, nproc), peak_flops=peak, memory_bw=memory_bw, intra_node_bw=memory_bw,
+                  inter_node_bw=memory_bw, comm_latency=1e-5, layer_overhead=0.0, step_overhead=0.0,
+                  gemm_efficiency=0.9, name=name, memory_bytes=_memory_bytes(), reserve_fraction=0.10)
+    if meas["collectives"]:  # bus bandwidth and latency as the cost model uses them: latency + volume / bw
+        factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+        points = [DataPoint("collective", "", f"{r['op']} {r['bytes']} B", r["seconds"],
+                            lambda h, r=r: h.comm_latency + factor[r["op"]] * (nproc - 1) / nproc * r["bytes"]
+                            / h.intra_node_bw) for r in meas["collectives"]]
+        points += [DataPoint("p2p", "", f"send {r['bytes']} B", r["seconds"],
+                             lambda h, r=r: h.comm_latency + r["bytes"] / h.intra_node_bw) for r in meas["p2p"]]
+        hw = fit(points, hw, names=("intra_node_bw", "comm_latency"), prior_weight=1e-3)
+        hw = replace(hw, inter_node_bw=hw.intra_node_bw)  # one machine: nothing crosses nodes
+    points = [DataPoint("gemm", "", f"{r['m']}x{r['k']}x{r['n']}", r["seconds"],
+                        lambda h, r=r: gemm_s(r["flops"], r["bytes"], h)) for r in meas["gemm"]]
+    hw = fit(points, replace(hw, gemm_operand_bw=memory_bw), names=("gemm_efficiency", "gemm_operand_bw"),
+             prior_weight=1e-3)
+    # per-layer and per-step overhead: what the fitted terms leave of the tiny training steps
+    opts, opt = act_options(dtype), optimizer_options(dtype)
+    residual = {}
+    for r in meas["framework"]:
+        job = _tiny_job(r["layers"], dtype, nproc, "-")
+        m = job.model
+        shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, seq=m.seq_len,
+                           vocab=m.vocab_size)
+        modelled = iteration_time(shape, Parallelism(dp=nproc), Recompute(), 1, nproc, hw, opt, opts).total
+        residual[r["layers"]] = r["seconds"] - modelled
+    per_layer = max(0.0, (residual[3] - residual[1]) / (2 * 2))  # forward + backward pass of 2 more layers
+    per_step = max(0.0, residual[1] - 2 * per_layer)
+    return replace(hw, layer_overhead=per_layer, step_overhead=per_step)
+
+
+def _memory_bytes() -> float:
+    device = _device()
+    if device.type != "cpu":
+        return float(torch.accelerator.get_memory_info(device)[1]) if hasattr(torch.accelerator, "get_memory_info") \
+            else float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9
+
+
+def machine() -> dict:
+    """What was calibrated: device, CPU model, cores, load, torch."""
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    device = _device()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    return {"device": device.type, "device_name": name, "cpu": cpu, "cores": os.cpu_count(),
+            "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def calibrate(nproc: int, dtype: str = "fp32", size: str = "full") -> dict:
+    """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine)."""
+    from seqpar.analysis.hardware import profile_to_json
+
+    info = machine()
+    meas = measure(nproc, dtype, size)
+    label = f"{info['device_name']} x{nproc}"
+    hw = fit_profile(meas, nproc, dtype, name=f"local {info['device']}")
+    source = (f"seqpar calibrate on {label} ({dtype}, {size} sizes, {info['date']}, 1-min load "
+              f"{info['load_avg_1min']:.2f}); cross-node bandwidth not measured (set to the local one)")
+    return {**profile_to_json(replace(hw, source=source)), "dtype": dtype, "machine": info, "measurements": meas}

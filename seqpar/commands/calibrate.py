@@ -1,0 +1,57 @@
+"""`seqpar calibrate`: micro-benchmarks on this machine's devices -> a hardware profile for
+``seqpar plan --hardware FILE`` (see ``seqpar.calibrate``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, help="local ranks (default: every accelerator, or 2 on a CPU)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="the training dtype of the GEMM sweep and element-wise ops (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (a smoke test, not a profile)")
+    p.add_argument("--json", action="store_true", help="print the profile (with its measurements) as JSON")
+    p.add_argument("--out", type=Path, metavar="FILE", help="write the profile to FILE (for plan --hardware)")
+
+
+def _default_nproc() -> int:
+    import torch
+
+    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        return torch.accelerator.device_count()
+    return 2
+
+
+def render(profile: dict) -> str:
+    from seqpar.analysis.text import table
+
+    rows = [["peak (best GEMM)", f"{profile['peak_flops'] / 1e12:.4g} TFLOP/s"],
+            ["GEMM efficiency", f"{100 * profile['gemm_efficiency']:.1f}%"],
+            ["GEMM operand bandwidth", "= memory" if profile["gemm_operand_bw"] is None
+             else f"{profile['gemm_operand_bw'] / 1e9:.4g} GB/s"],
+            ["element-wise bytes/s (memory_bw)", f"{profile['memory_bw'] / 1e9:.4g} GB/s"],
+            ["collective bus bandwidth", f"{profile['intra_node_bw'] / 1e9:.4g} GB/s"],
+            ["latency per message", f"{1e6 * profile['comm_latency']:.1f} us"],
+            ["overhead per layer per pass", f"{1e3 * profile['layer_overhead']:.3f} ms"],
+            ["overhead per step", f"{1e3 * profile['step_overhead']:.3f} ms"],
+            ["memory", f"{profile['memory_bytes'] / 1e9:.1f} GB"]]
+    return f"profile {profile['name']}: {profile['source']}\n" + table(["parameter", "value"], rows)
+
+
+def run(args) -> int:
+    from seqpar.calibrate import calibrate
+    from seqpar.config import ConfigError
+
+    nproc = args.nproc if args.nproc is not None else _default_nproc()
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
+    profile = calibrate(nproc, args.dtype, "quick" if args.quick else "full")
+    if args.out:
+        args.out.write_text(json.dumps(profile, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(json.dumps(profile) if args.json else render(profile))
+    return 0

@@ -36,6 +36,7 @@ def test_cpu_selftest_passes_with_the_promised_json(cpu_report):
     assert set(layouts) == {"t1", "t2_sp", "pp2"}
     for name in ("t1", "t2_sp"):
         assert all(layouts[name]["dropout_bit_identical_to_none"].values())
+        assert all(layouts[name]["dropout_bit_identical_to_none_bf16"].values())
         assert layouts[name]["dropout_changes_loss"] and layouts[name]["worst_rel_error"] <= 1e-5
     rows = checks["memory"]["figures"]["rows"]
     assert [r["row"] for r in rows] == ["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
@@ -65,8 +66,9 @@ def test_parity_fails_when_recompute_does_not_restore_the_dropout_stream(monkeyp
     monkeypatch.setattr(RNGTracker, "set_state", lambda self, state: None)
     code, report = _selftest_in_process(capsys, "--only", "parity")
     assert code == 1 and [c["ok"] for c in report["checks"]] == [False]
-    identical = report["checks"][0]["figures"]["layouts"]["t1"]["dropout_bit_identical_to_none"]
-    assert not identical["selective"] and not identical["full_uniform"]
+    layout = report["checks"][0]["figures"]["layouts"]["t1"]
+    for identical in (layout["dropout_bit_identical_to_none"], layout["dropout_bit_identical_to_none_bf16"]):
+        assert not identical["selective"] and not identical["full_uniform"]
 
 
 def test_memory_fails_when_the_formula_counts_other_bytes(monkeypatch, capsys):

@@ -72,7 +72,8 @@ def _identical(a: tuple, b: tuple) -> bool:
 
 def parity(ctx) -> tuple[bool, dict, str]:
     """Every recompute mode against the single-process fp32 model on the CPU (dropout 0), at t=1 on
-    this device and at t=N with SP; with dropout, every mode bit-identical to no recompute; with
+    this device and at t=N with SP; with dropout, every mode bit-identical to no recompute (fp32
+    and bf16); with
     N > 1 also one pipeline step at pp = N (p2p between the devices)."""
     device, cfg, world = ctx.device, ctx.sizes.parity, ctx.world
     tol = TOLERANCE.get(device.type, DEVICE_TOLERANCE)
@@ -85,7 +86,7 @@ def parity(ctx) -> tuple[bool, dict, str]:
     ok = True
     with deterministic(device):
         for name, dims, sp in layouts:
-            errors, identical = {}, {}
+            errors, identical, identical_bf16 = {}, {}, {}
             for mode, rc in RECOMPUTES.items():
                 loss, grads = _on_cpu(*parity_step(cfg, dims, sp, rc, device=device))
                 errors[mode] = {"loss": relative_error(loss, ref_loss),
@@ -93,14 +94,19 @@ def parity(ctx) -> tuple[bool, dict, str]:
             nodrop_loss = parity_step(cfg, dims, sp, RECOMPUTES["none"], device=device)[0].cpu()
             base = _on_cpu(*parity_step(dropout_cfg, dims, sp, RECOMPUTES["none"], device=device))
             repeat = _on_cpu(*parity_step(dropout_cfg, dims, sp, RECOMPUTES["none"], device=device))
+            bf16_cfg = replace(dropout_cfg, dtype="bf16")  # the training dtype: its kernels recompute too
+            base_bf16 = _on_cpu(*parity_step(bf16_cfg, dims, sp, RECOMPUTES["none"], device=device))
             for mode, rc in RECOMPUTES.items():
                 if mode != "none":
                     identical[mode] = _identical(_on_cpu(*parity_step(dropout_cfg, dims, sp, rc, device=device)), base)
+                    identical_bf16[mode] = _identical(
+                        _on_cpu(*parity_step(bf16_cfg, dims, sp, rc, device=device)), base_bf16)
             worst = max(max(e.values()) for e in errors.values())
-            layout_ok = (worst <= tol and all(identical.values()) and not torch.equal(base[0], nodrop_loss))
+            layout_ok = (worst <= tol and all(identical.values()) and all(identical_bf16.values())
+                         and not torch.equal(base[0], nodrop_loss))
             figures["layouts"][name] = {
                 "rel_error_vs_reference": errors, "worst_rel_error": worst,
-                "dropout_bit_identical_to_none": identical,
+                "dropout_bit_identical_to_none": identical, "dropout_bit_identical_to_none_bf16": identical_bf16,
                 "dropout_repeat_bit_identical": _identical(repeat, base),  # False: the device is not deterministic
                 "dropout_changes_loss": not torch.equal(base[0], nodrop_loss), "ok": layout_ok}
             ok = ok and layout_ok
@@ -111,8 +117,9 @@ def parity(ctx) -> tuple[bool, dict, str]:
                                                  "ok": worst <= tol}
             ok = ok and worst <= tol
     parts = [f"{n}: worst rel. error {f['worst_rel_error']:.1e}" + (
-             "" if "dropout_bit_identical_to_none" not in f else ", dropout recompute "
-             + ("bit-identical" if all(f["dropout_bit_identical_to_none"].values()) else "DIFFERS"))
+             "" if "dropout_bit_identical_to_none" not in f else ", dropout recompute (fp32, bf16) "
+             + ("bit-identical" if all(f["dropout_bit_identical_to_none"].values())
+                and all(f["dropout_bit_identical_to_none_bf16"].values()) else "DIFFERS"))
              for n, f in figures["layouts"].items()]
     return ok, figures, f"{len(RECOMPUTES)} recompute modes; " + "; ".join(parts) + f" (tolerance {tol:g})"
 

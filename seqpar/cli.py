@@ -22,11 +22,23 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+def version_line() -> str:
+    """``seqpar 0.1.0 (torch 2.13.0, python 3.11.2)``."""
+    import platform
+
+    import torch
+
+    from seqpar import __version__
+
+    return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
         "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
         epilog="`seqpar VERB --help` describes each verb.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module, help_text) in VERBS.items():

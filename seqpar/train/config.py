@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
+from seqpar.train.schedule import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -25,7 +26,9 @@ class TrainConfig:
     steps: int = 300
     stop_at: int = 0  # stop (checkpoint and exit) after this step, keeping the schedule of ``steps``; 0: off
     lr: float = 3e-3  # peak learning rate, reached after ``warmup`` steps
-    min_lr: float = 3e-4  # end of the cosine decay
+    min_lr: float = 3e-4  # where the linear, cosine and WSD schedules end
+    schedule: str = "cosine"  # after warmup: constant | linear | cosine | wsd (seqpar/train/schedule.py)
+    decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays to min_lr
     warmup: int = 20
     weight_decay: float = 0.1  # on matrices only (not biases, LayerNorm)
     beta1: float = 0.9
@@ -90,6 +93,10 @@ class TrainConfig:
                               f"{self.micro_batch} × dp {dp} = {unit}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"train.nonfinite {self.nonfinite!r} is not one of {list(NONFINITE_POLICIES)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule {self.schedule!r} is not one of {list(SCHEDULES)}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.token_dtype not in ("uint16", "uint32"):
             raise ConfigError(f"train.token_dtype {self.token_dtype!r} is not one of ['uint16', 'uint32']")
         return self
@@ -128,6 +135,31 @@ class JobConfig:
     def to_dict(self) -> dict:
         return {"model": dataclasses.asdict(self.model), "parallel": dataclasses.asdict(self.parallel),
                 "recompute": dataclasses.asdict(self.recompute), "train": dataclasses.asdict(self.train)}
+
+
+def inert_settings(job: JobConfig) -> list[str]:
+    """Settings that are valid but do nothing in this job (``seqpar train`` warns once about each)."""
+    m, p, r, t = job.model, job.parallel, job.recompute, job.train
+    notes = []
+    if p.sp and p.tp == 1:
+        notes.append("sequence parallelism does nothing at tp 1 (it splits the sequence over the tp ranks)")
+    n = t.microbatches(p.dp)
+    if p.pp > 1 and n < p.pp:
+        notes.append(f"pp {p.pp} with {n} microbatch{'es' if n != 1 else ''} per step: the pipeline stages mostly "
+                     f"wait for each other (raise global_batch / micro_batch to at least {p.pp} microbatches)")
+    if t.warmup >= t.steps:
+        notes.append(f"warmup {t.warmup} is not shorter than the run's {t.steps} steps: the learning rate never "
+                     f"reaches lr {t.lr:g}" + (f" and the {t.schedule} decay never starts" if t.schedule != "constant"
+                                               else ""))
+    if "core_attention" in r.selective_modules and m.attention == "sdpa":
+        notes.append("selective recompute of the attention core does nothing with fused attention (sdpa keeps no "
+                     "s² tensors); use --recompute none, or attention 'materialized'")
+    if t.tokenizer and t.data.endswith(".bin"):
+        notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
+                     "recorded for sample and export-hf only")
+    if t.schedule != "wsd" and t.decay_fraction != TrainConfig.decay_fraction:
+        notes.append(f"decay_fraction {t.decay_fraction} applies to the wsd schedule only, not {t.schedule}")
+    return notes
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig}

@@ -1,12 +1,13 @@
 """TEST HOOK: make one rank fail at a chosen point, to show that a failing rank stops the whole job.
 
-``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill]"`` (read once when a Trainer starts):
+``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill|pause]"`` (read once when a Trainer starts):
 
 * ``at=step`` (default): rank R fails just before it runs step K (1-based, as logged);
 * ``at=save``: rank R fails while saving the checkpoint of step K, after its part of the temporary
   ``step_K.tmp`` folder is written and before the checkpoint is committed (renamed, ``latest``);
 * ``do=raise`` raises RuntimeError (the default at a step); ``do=kill`` sends SIGKILL to the
-  rank's own process (the default at a save: nothing gets to clean up).
+  rank's own process (the default at a save: nothing gets to clean up); ``do=pause`` sleeps
+  ``PAUSE_S`` seconds there (a slow save or step, for the Ctrl-C tests).
 
 Unset in real runs; the reliability tests (``tests/test_reliability_*.py``) set it.
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from seqpar.config import ConfigError
 
 ENV = "SEQPAR_FAULT"
+PAUSE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class Fault:
             return
         if self.do == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.do == "pause":
+            time.sleep(PAUSE_S)
+            return
         where = f"step {step}" if at == "step" else f"the save of step {step}"
         raise RuntimeError(f"{ENV}: injected failure on rank {rank} at {where}")
 
@@ -50,7 +56,7 @@ def from_env() -> Fault | None:
         at = fields.pop("at", "step")
         do = fields.pop("do", "kill" if at == "save" else "raise")
     except (ValueError, KeyError):
-        raise ConfigError(f"{ENV}={text!r}: expected rank=R,step=K[,at=step|save][,do=raise|kill]") from None
-    if fields or at not in ("step", "save") or do not in ("raise", "kill"):
-        raise ConfigError(f"{ENV}={text!r}: expected rank=R,step=K[,at=step|save][,do=raise|kill]")
+        raise ConfigError(f"{ENV}={text!r}: expected rank=R,step=K[,at=step|save][,do=raise|kill|pause]") from None
+    if fields or at not in ("step", "save") or do not in ("raise", "kill", "pause"):
+        raise ConfigError(f"{ENV}={text!r}: expected rank=R,step=K[,at=step|save][,do=raise|kill|pause]")
     return Fault(rank, step, at, do)

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from seqpar.train import fault as fault_hook
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
+from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
 from seqpar.train.optim import MasterOptimizer
 from seqpar.train.perf import Throughput
@@ -175,9 +177,32 @@ class Trainer:
         batches = self.data.val_batches(t.eval_batches, t.micro_batch, self.dims.dp_rank, self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
 
+    def _abort_message(self) -> str | None:
+        """The line a second Ctrl-C prints (rank 0 only) before exiting at once."""
+        return abort_line(self.job.train.out_dir) if self.rank0 else None
+
+    def _interrupted(self, stop: StopFlag, metrics: MetricsLog, last: dict) -> dict:
+        """After a SIGINT/SIGTERM: save this step (all ranks), say so in one line, return the summary."""
+        latest = Path(self.job.train.out_dir, "checkpoints", "latest")
+        saved = latest.read_text().strip() if latest.is_file() else ""
+        if saved == f"step_{self.state.step:06d}":  # a periodic save of this very step just finished
+            path = str(latest.parent / saved)
+        else:  # nothing new to save before the first step
+            path = self.save() if self.state.losses else None
+        stop.done = True
+        where = f"saved {path}" if path else "nothing new to save"
+        self.log(f"interrupted ({stop.signal_name or 'a signal on another rank'}) at step {self.state.step}; "
+                 f"{where}; resume with: {resume_hint(self.job.train.out_dir, self.dims.world_size)}")
+        metrics.log({"event": "interrupted", "step": self.state.step, "checkpoint": path})
+        t = self.job.train
+        plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
+        metrics.close()
+        return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
+                "losses": self.state.losses, "interrupted": True, "step": self.state.step}
+
     def run(self) -> dict:
         t = self.job.train
-        metrics = MetricsLog(t.out_dir, enabled=self.rank0, fresh=self.state.step == 0)
+        metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
         end = t.stop_at or t.steps
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
         if self.rank0:
@@ -187,8 +212,11 @@ class Trainer:
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last = {}
         window_t, window_steps = time.perf_counter(), 0
+        stop = StopFlag(self._abort_message).install()  # Ctrl-C / SIGTERM: stop after this step (interrupt.py)
         try:
             while self.state.step < end:
+                if stop.requested(self.device):  # every rank agrees on the step to stop after
+                    return self._interrupted(stop, metrics, last)
                 step = self.state.step
                 if self.fault:
                     self.fault.hit(self.dims.rank, step + 1, "step")
@@ -220,6 +248,7 @@ class Trainer:
                     dt = (time.perf_counter() - window_t) / window_steps
                     recent = [x for x in self.state.losses[-window_steps:] if math.isfinite(x)]
                     last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
+                            "loss_steps": len(recent),
                             "lr": self.opt.opt.param_groups[0]["lr"],
                             "grad_norm": norm, **self.throughput.rates(dt)}
                     if t.eval_every and done % t.eval_every == 0 or done == end:
@@ -228,9 +257,14 @@ class Trainer:
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0
                 if t.save_every and done % t.save_every == 0 and done != end:
+                    t_save = time.perf_counter()
                     self.save()
+                    saved_in = time.perf_counter() - t_save  # not counted as training time
+                    window_t += saved_in
+                    progress.t0 += saved_in
         finally:
             progress.close()
+            stop.restore()
         if "val_loss" not in last:
             self.state.val_loss = last["val_loss"] = self.validate_loss()
         path = self.save()

@@ -80,8 +80,10 @@ class Progress:
 class MetricsLog:
     """Appends one JSON object per record to ``out_dir/metrics.jsonl`` (and TensorBoard)."""
 
-    def __init__(self, out_dir: str | Path, enabled: bool = True, fresh: bool = False):
-        """``fresh``: a run starting at step 0 replaces an old metrics file; a resumed run appends."""
+    def __init__(self, out_dir: str | Path, enabled: bool = True, start_step: int = 0):
+        """A run starting at step 0 replaces an old metrics file. A run resumed at ``start_step`` keeps
+        the history up to that step (``records`` holds it, so the loss curve shows the whole run) and
+        drops what an earlier run logged after it (steps it repeats now), then appends."""
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self.records: list[dict] = []
@@ -89,8 +91,13 @@ class MetricsLog:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh and self.path.exists():
+        if start_step == 0 and self.path.exists():
             self.path.unlink()
+        elif self.path.exists():
+            self.records = [r for r in read_records(self.path) if r.get("step", 0) <= start_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            tmp.replace(self.path)
         try:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
@@ -117,7 +124,13 @@ def read_records(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a crash mid-write
+            continue
+    return records
 
 
 def plot_losses(records: list[dict], out: str | Path) -> Path | None:
@@ -128,7 +141,7 @@ def plot_losses(records: list[dict], out: str | Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r and "event" not in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
@@ -145,5 +158,18 @@ def plot_losses(records: list[dict], out: str | Path) -> Path | None:
     return Path(out)
 
 
+# how a progress line shows each value: the same units as the end-of-run summary
+_SHOWN = {"loss": ("loss", "{:.4f}"), "val_loss": ("val_loss", "{:.4f}"), "lr": ("lr", "{:.3g}"),
+          "tokens_per_s": ("tokens/s", "{:,.0f}"), "mfu": ("MFU", "{:.1%}"), "hfu": ("HFU", "{:.1%}"),
+          "grad_norm": ("grad_norm", "{:.3g}")}
+
+
+def format_value(key: str, value) -> str:
+    if isinstance(value, float) and math.isfinite(value) and key in _SHOWN:
+        return _SHOWN[key][1].format(value)
+    return _fmt(value)
+
+
 def format_record(record: dict, keys: tuple[str, ...]) -> str:
-    return " ".join(f"{k} {_fmt(record[k])}" for k in keys if k in record)
+    """``loss 2.3456 lr 0.003 tokens/s 11,210 MFU 12.3%``: percentages and plain numbers, as the summary."""
+    return " ".join(f"{_SHOWN.get(k, (k,))[0]} {format_value(k, record[k])}" for k in keys if k in record)

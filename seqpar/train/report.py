@@ -24,11 +24,13 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
           f"recompute {r.granularity}")
     print(f"  steps {summary.get('step', t.steps)}, global batch {t.global_batch} × {m.seq_len} tokens")
     loss, val = summary.get("loss", math.nan), summary.get("val_loss", math.nan)
-    print(f"  final train loss {loss:.4f} (mean of the last {t.log_every} steps)  validation loss {val:.4f} nats/token"
-          + (f" ({val / math.log(2):.3f} bits/byte)" if m.vocab_size == 256 else ""))
+    n = summary.get("loss_steps", t.log_every)
+    print(f"  final train loss {loss:.4f} (mean of the last {n} step{'s' if n != 1 else ''})  "
+          f"validation loss {val:.4f} nats/token"
+          + (f" ({val / math.log(2):.3f} bits/byte)" if m.vocab_size == 256 and not t.tokenizer else ""))
     if "tokens_per_s" in summary:
         print(f"  throughput {summary['tokens_per_s']:,.0f} tokens/s, step {summary['step_time'] * 1e3:.0f} ms, "
-              f"MFU {summary['mfu'] * 100:.1f}%, HFU {summary['hfu'] * 100:.1f}%")
+              f"MFU {summary['mfu']:.1%}, HFU {summary['hfu']:.1%} (of the last log window, saves excluded)")
     if summary.get("skipped"):
         print(f"  {summary['skipped']} steps skipped for non-finite values")
     print(f"  wall time {seconds:.1f} s")
@@ -37,12 +39,25 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
         print(f"  loss curve {summary['plot']}")
     print(f"  metrics {t.out_dir}/metrics.jsonl")
     if t.sample_tokens and summary.get("checkpoint"):
-        from seqpar.train.sample import decode_bytes, encode_bytes, generate, load_model
+        print_sample(summary["checkpoint"], t.sample_prompt, t.sample_tokens, t.tokenizer, t.seed)
 
-        model, _ = load_model(summary["checkpoint"])
-        if m.vocab_size == 256 and not t.tokenizer:
-            ids = generate(model, encode_bytes(t.sample_prompt), t.sample_tokens, temperature=0.8, top_k=20,
-                           seed=t.seed)
-            print(f"--- sample (temperature 0.8, top-k 20, prompt {t.sample_prompt!r}) ---")
-            print(decode_bytes(ids))
-            print("---")
+
+def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:
+    """A sample from the saved checkpoint (temperature 0.8, top-k 20): bytes, or the run's tokenizer."""
+    from seqpar.train.sample import decode_bytes, encode_bytes, generate, load_model
+
+    model, _ = load_model(checkpoint)
+    if tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(tokenizer)
+        encode, decode = (lambda text: tok.encode(text).ids), tok.decode
+    elif model.cfg.vocab_size == 256:
+        encode, decode = encode_bytes, decode_bytes
+    else:
+        print(f"  (no sample: vocab {model.cfg.vocab_size} is not byte-level and the run used no tokenizer)")
+        return
+    ids = generate(model, encode(prompt), tokens, temperature=0.8, top_k=20, seed=seed)
+    print(f"--- sample (temperature 0.8, top-k 20, prompt {prompt!r}) ---")
+    print(decode(ids))
+    print("---")

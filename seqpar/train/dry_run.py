@@ -1,0 +1,81 @@
+"""``seqpar train --dry-run``: the resolved configuration and the memory each rank is predicted to
+need (the analysis package's model-state and activation terms), without starting anything."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from seqpar.config import ConfigError
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def config_toml(sections: dict[str, dict]) -> str:
+    """The configuration as a TOML file ``--config`` reads back (unset optional values as comments)."""
+    lines = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        for key, value in values.items():
+            lines.append(f"# {key} unset" if value is None else f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def predicted_memory(job, device: torch.device | None = None) -> list:
+    """``StageMemory`` of every pipeline rank (one tp rank's bytes; dp ranks repeat them)."""
+    from seqpar.analysis.measure import layernorm_stat_bytes
+    from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, Parallelism, Recompute
+    from seqpar.analysis.stage import all_stages
+    from seqpar.pipeline.measure import model_shape, uses_dropout
+
+    m, p, r, t = job.model, job.parallel, job.recompute, job.train
+    device = device or torch.device("cpu")
+    shape = model_shape(m)
+    par = Parallelism(tp=p.tp, pp=p.pp, dp=p.dp, sp=p.sp and p.tp > 1, interleave=p.interleave)
+    rc = Recompute(r.granularity, r.method, r.num_layers)
+    act = torch.empty((), dtype=m.torch_dtype).element_size()
+    opts = ActivationOptions(act_bytes=act, mask_bytes=1, logits_bytes=4,
+                             ln_stats_bytes=layernorm_stat_bytes(device, m.torch_dtype), dropout=uses_dropout(m),
+                             fused_attention=m.attention == "sdpa")
+    # the trainer's states: fp32 -- weight 4 + grad 4 + Adam 8; 16-bit -- weight 2 + fp32 grad 4 + master 4 + Adam 8
+    opt = (OptimizerOptions(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8) if act == 4
+           else OptimizerOptions())
+    return all_stages(shape, par, rc, t.micro_batch, t.microbatches(p.dp), opts, opt)
+
+
+def describe(job, world: int) -> str:
+    m, p, t = job.model, job.parallel, job.train
+    lines = [f"# seqpar train --dry-run: {world} rank{'s' if world != 1 else ''} = dp {p.dp} × pp {p.pp} × tp {p.tp}; "
+             f"{t.microbatches(p.dp)} microbatch(es) of {t.micro_batch} per step; nothing was started",
+             config_toml(job.to_dict()), ""]
+    try:
+        stages = predicted_memory(job)
+    except ConfigError as err:
+        lines.append(f"predicted memory: not available ({err})")
+        return "\n".join(lines)
+    lines.append("predicted memory per rank (seqpar.analysis: states = weights + gradients + optimizer, "
+                 "activations at the pipeline peak):")
+    for st in stages:
+        ranks = [d * p.pp * p.tp + st.rank * p.tp + k for d in range(p.dp) for k in range(p.tp)]
+        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+        terms = ", ".join(f"{k} {_gib(v)}" for k, v in st.terms.items() if v)
+        lines.append(f"  pipeline rank {st.rank} (ranks {shown}): states {_gib(st.states)} + activations "
+                     f"{_gib(st.activations)} = {_gib(st.total)}  [{terms}]")
+    peak = max(stages, key=lambda st: st.total)
+    lines.append(f"most loaded: pipeline rank {peak.rank}, {_gib(peak.total)} "
+                 f"({peak.total:,.0f} B; {m.dtype}, {peak.in_flight} microbatch(es) in flight)")
+    return "\n".join(lines)

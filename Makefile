@@ -2,7 +2,7 @@
 #   make demo   -- create .venv, install seqpar, run the main job on its embedded default
 #   make test   -- create .venv, install seqpar with dev tools, lint and run the test suite
 # Both install the extras the tests and the demo use (plots, progress bar, Hugging Face interop):
-# every test runs, none is skipped for a missing package.
+# every test runs, none is skipped for a missing package. The demo adds TensorBoard.
 # TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine use e.g.
 #   make test TORCH_SPEC='torch>=2.4'
 PYTHON ?= python3
@@ -19,8 +19,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
-demo: $(VENV)/.installed
-	$(PY) -m seqpar train --config configs/default.toml --nproc 2
+# the demo also logs to TensorBoard (OUT/tensorboard; `tensorboard --logdir runs/demo/tensorboard`)
+$(VENV)/.demo-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[tensorboard]'
+	touch $@
+
+# --overwrite: each `make demo` starts the demo run afresh in runs/demo
+demo: $(VENV)/.demo-installed
+	$(PY) -m seqpar train --config configs/default.toml --nproc 2 --overwrite
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check seqpar tests benchmarks

@@ -13,6 +13,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("seqpar.commands.plan", "which parallel layout, recompute and microbatch fits and runs fastest"),
     "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
     "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
+    "eval": ("seqpar.commands.eval", "the loss of a checkpoint on given data (its own validation split by default)"),
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
     "import-hf": ("seqpar.commands.import_hf", "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX folder -> a checkpoint"),
     "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
@@ -33,11 +34,41 @@ def version_line() -> str:
     return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
 
 
+def version_line() -> str:
+    """``seqpar 0.1.0 (torch 2.13.0, python 3.11.2)``."""
+    import platform
+
+    import torch
+
+    from seqpar import __version__
+
+    return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's help says its default: ``(default: X)`` is added where the text does not already
+    (any verb's, nested ones included), so no flag's default is left for the user to guess."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
+            continue
+        if action.option_strings and action.help is None:  # a flag nobody described: at least its name
+            action.help = action.dest.replace("_", " ")
+        if (not action.option_strings or action.required or action.help in (None, argparse.SUPPRESS)
+                or isinstance(action, argparse._StoreConstAction | argparse._HelpAction | argparse._VersionAction)
+                or "default" in action.help):
+            continue
+        value = "none" if action.default in (None, "", []) else "%(default)s"
+        action.help = f"{action.help} (default: {value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
         "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
         epilog="`seqpar VERB --help` describes each verb.")
+    parser.add_argument("--version", action="version", version=version_line())
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
@@ -45,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(verb, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(p)
         p.set_defaults(_module=module, _parser=p)
+    show_defaults(parser)
     return parser
 
 

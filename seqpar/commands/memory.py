@@ -34,13 +34,16 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
                         "as in `seqpar plan` and `seqpar paper`)")
     a = p.add_argument_group("architecture (default: the paper's GPT)")
     a.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
-                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0")
+                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default %(default)s)")
     a.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: = heads)")
     a.add_argument("--attention", choices=ATTENTIONS, default="materialized",
-                   help="materialized s² scores (the paper) or fused scaled_dot_product_attention")
-    a.add_argument("--norm", choices=NORMS, default=None)
-    a.add_argument("--activation", choices=ACTIVATIONS, default=None)
-    a.add_argument("--position", choices=POSITIONS, default=None)
+                   help="materialized s² scores (the paper) or fused scaled_dot_product_attention "
+                        "(default %(default)s)")
+    a.add_argument("--norm", choices=NORMS, default=None, help="override the --arch's norm (default: the arch's)")
+    a.add_argument("--activation", choices=ACTIVATIONS, default=None,
+                   help="override the --arch's MLP activation (default: the arch's)")
+    a.add_argument("--position", choices=POSITIONS, default=None,
+                   help="override the --arch's positions (default: the arch's)")
 
 
 LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False}
@@ -62,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="run the layer on --tp local gloo ranks and measure")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none")
+    p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none",
+                   help="activation recomputation (default %(default)s)")
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
                    help=f"with --recompute selective: any of {','.join(RECOMPUTE_MODULES)} "
                         "(default core_attention, the paper's)")
@@ -77,7 +81,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """Whole-schedule mode (Sec. 4.2.3, 4.3, App. B/C): peak activation bytes of every pipeline stage."""
     g = p.add_argument_group("pipeline schedule (--pp or --microbatches: peak over one step, per stage)")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size p (default %(default)s)")
-    g.add_argument("--microbatches", type=int, default=None, help="microbatches per step")
+    g.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: pp)")
     g.add_argument("--interleave", type=int, default=1, help="m, chunks per pipeline rank (default %(default)s)")
     g.add_argument("--keep-outputs", action="store_true",
                    help="do not free a stage's output once sent (App. B off)")

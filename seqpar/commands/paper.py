@@ -12,7 +12,8 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help='print one object {"table2", "figure7", "figure1", "table5", "cost_model"}')
-    p.add_argument("--plot", type=Path, metavar="DIR", help="write figure1.png and figure7.png into DIR")
+    p.add_argument("--plot", type=Path, metavar="DIR", help="write figure1.png and figure7.png into DIR "
+                   "(default: none)")
 
 
 def run(args) -> int:

@@ -12,12 +12,13 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model: a preset, or dimensions (which also override a preset's)")
     g.add_argument("--model", help="preset: 22b, 175b, 530b, 1t (Table 3), gpt2-medium, gpt2-xl, gpt3-6.7b, "
-                                   "gpt3-13b, llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b")
-    g.add_argument("--layers", type=int, help="L")
-    g.add_argument("--hidden", type=int, help="h")
-    g.add_argument("--heads", type=int, help="a")
-    g.add_argument("--seq", type=int, help="s")
-    g.add_argument("--vocab", type=int, help="v")
+                                   "gpt3-13b, llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b (default: none; "
+                                   "then give --layers --hidden --heads --seq --vocab)")
+    g.add_argument("--layers", type=int, help="L (default: the preset's)")
+    g.add_argument("--hidden", type=int, help="h (default: the preset's)")
+    g.add_argument("--heads", type=int, help="a (default: the preset's)")
+    g.add_argument("--seq", type=int, help="s (default: the preset's)")
+    g.add_argument("--vocab", type=int, help="v (default: the preset's)")
     g.add_argument("--ffn", type=int, help="FFN width f (default 4h)")
     g.add_argument("--kv-heads", type=int, help="grouped-query attention: kv heads (default = heads)")
     g.add_argument("--arch", choices=["gpt", "llama"],
@@ -32,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "links) x the A100 fit's achieved fractions (default %(default)s)")
     g.add_argument("--gpus-per-node", type=int, help="(default: the profile's, 8 for GPUs); tp stays within a node")
     g.add_argument("--gpu-memory", type=float, help="GB per GPU (default: the profile's / the data sheet's)")
-    g.add_argument("--peak-tflops", type=float, help="peak dense 16-bit TFLOP/s per GPU (overrides the profile)")
+    g.add_argument("--peak-tflops", type=float,
+                   help="peak dense 16-bit TFLOP/s per GPU (overrides the profile; default: the profile's)")
     g.add_argument("--gemm-efficiency", type=float, help="fraction of peak the GEMMs reach (default: the profile's)")
     g.add_argument("--intra-node-gbps", type=float, help="bus GB/s per GPU in a node (default: the profile's)")
     g.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU across nodes (default: the profile's)")
@@ -58,10 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=8, help="plans listed (default %(default)s)")
     g.add_argument("--json", action="store_true", help='print {"best": PLAN, "plans": [PLAN, ...]}')
-    g.add_argument("--plot", type=Path, metavar="FILE",
-                   help="PNG of the best plans' memory (with --explain: of every pipeline rank of that plan)")
+    g.add_argument("--plot", type=Path, metavar="DIR",
+                   help="write plan_memory.png (the best plans' memory) into DIR, or with --explain "
+                        "plan_stages.png (every pipeline rank of that plan); as paper --plot (default: none)")
     g.add_argument("--explain", metavar="PLAN",
-                   help='e.g. "tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1": memory per stage, time, rank')
+                   help='e.g. "tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1": memory per stage, time, rank '
+                        "(default: none, search)")
 
 
 def _shape(args):
@@ -147,7 +151,9 @@ def run(args) -> int:
             if args.plot and ev.stages:
                 from seqpar.analysis.plots import stages_memory
 
-                path = stages_memory(args.plot, ev.stages, req.hw.usable_bytes, req.hw.memory_bytes,
+                args.plot.mkdir(parents=True, exist_ok=True)
+                path = stages_memory(args.plot / "plan_stages.png", ev.stages, req.hw.usable_bytes,
+                                     req.hw.memory_bytes,
                                      f"{req.shape.name}: {ev.plan.label}")
                 print(f"wrote {path}", file=sys.stderr)
             return 0
@@ -164,7 +170,9 @@ def run(args) -> int:
         if args.plot and ranked:
             from seqpar.analysis.plots import plan_memory
 
-            path = plan_memory(args.plot, ranked[:args.top], req.hw.usable_bytes, req.hw.memory_bytes)
+            args.plot.mkdir(parents=True, exist_ok=True)
+            path = plan_memory(args.plot / "plan_memory.png", ranked[:args.top], req.hw.usable_bytes,
+                               req.hw.memory_bytes)
             print(f"wrote {path}", file=sys.stderr)
         return 0 if ranked else 1
     except AnalysisError:

@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import argparse
 
+from seqpar.commands.checkpoint_arg import add_checkpoint_argument, checkpoint_of
 from seqpar.config import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder (step_N, OUT, or OUT/checkpoints)")
+    add_checkpoint_argument(p)  # `sample DIR` or `sample --checkpoint DIR`
     p.add_argument("--prompt", default="", help="text to continue (default: empty: start as after a newline, "
                    "which is not printed)")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--tokenizer", help="tokenizers JSON file (default: the one training used; else bytes)")
 
 
 def run(args) -> int:
+    args.checkpoint = checkpoint_of(args)
     if args.tokens < 0 or args.temperature < 0 or args.top_k < 0 or args.seed < 0:
         raise ConfigError(f"--tokens {args.tokens}, --temperature {args.temperature}, --top-k {args.top_k} and "
                           f"--seed {args.seed} must be >= 0")

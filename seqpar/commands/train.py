@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="resolve and validate the configuration, print it with the predicted memory of every "
                         "pipeline rank (analysis package: model states + activations), and exit")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="any config value, e.g. --set train.weight_decay=0 (repeatable)")
+                   help="any config value, e.g. --set train.weight_decay=0 (repeatable; default: none)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, help=f"tensor-parallel size t {d('tp')}")
     g.add_argument("--pp", type=int, help=f"pipeline-parallel size p {d('pp')}")
@@ -456,7 +456,7 @@ def check_resume(args, job: JobConfig) -> None:
     from seqpar.train import checkpoint as ckpt
 
     if args.resume:
-        ckpt.read_meta(ckpt.resolve(resume_path(args, job)))
+        ckpt.check_resume(resume_path(args, job), job.model)
 
 
 def warn_inert(job: JobConfig) -> None:
@@ -477,9 +477,9 @@ def run(args) -> int:
             return dry_run(args, job)
         try:
             claim_out(args, job)
-        except RunFolderError as err:
+            preflight(args, job)
+        except ConfigError as err:  # RunFolderError, DataError, CheckpointError
             return _one_line(err)
-        preflight(args, job)
         warn_inert(job)
         argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []
         return _launch(args, argv, job.train.out_dir)

@@ -83,7 +83,8 @@ class Trainer:
         t, m = job.train, job.model
         self.fault = fault_hook.from_env()  # test hook (SEQPAR_FAULT, see fault.py); None in real runs
         self.data = TokenData.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
-        self.resume_path = ckpt.resolve(resume) if resume else None  # a bad path fails before groups too
+        # a bad path, or a checkpoint of another model, fails before groups too
+        self.resume_path = ckpt.check_resume(resume, m) if resume else None
         self.device = device or default_device()
         self.owns_group = init_distributed(world, self.device)
         self.dims = ParallelDims.build(job.parallel)

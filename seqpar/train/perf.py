@@ -1,14 +1,19 @@
 """Throughput, MFU/HFU (Sec. 6.3) and activation memory, predicted next to measured.
 
 The peak FLOP/s is the user's ``peak_tflops``; else the accelerator's from the analysis table; else
-(CPU) a short fp32 GEMM probe at start -- so a CPU MFU says "fraction of what this process's GEMMs
-reach", not of a spec sheet.
+(CPU) a short fp32 GEMM probe, measured once per machine and cached (``cached_gemm_probe``) -- so a
+CPU MFU says "fraction of what this machine's GEMMs reach", not of a spec sheet, and does not move
+with the load of the moment.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,7 +69,49 @@ def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> 
         from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
 
         return PEAK_DENSE_16BIT_TFLOPS[key] * 1e12, f"spec sheet ({key})"
-    return gemm_probe(device, dtype), "GEMM probe"
+    return cached_gemm_probe(device, dtype)
+
+
+def probe_cache_path() -> Path:
+    """``$SEQPAR_CACHE_DIR/gemm_probe.json`` (default ``~/.cache/seqpar``)."""
+    root = os.environ.get("SEQPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "seqpar")
+    return Path(root) / "gemm_probe.json"
+
+
+def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
+    """This machine, device, dtype, torch and thread count: what the probe's answer depends on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    what = device_name(device) or cpu
+    return f"{platform.node()} | {what} | {dtype} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def cached_gemm_probe(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The GEMM probe measured once per machine (and device, dtype, thread count) and then read back,
+    so MFU does not move with the load of the moment (a fresh probe moved it by ±10% between runs)."""
+    path, key = probe_cache_path(), _machine_key(device, dtype)
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key) if isinstance(table, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), float) and entry["flops"] > 0:
+        return entry["flops"], f"GEMM probe of {entry.get('date', '?')}, cached in {path}"
+    flops = gemm_probe(device, dtype)
+    table = table if isinstance(table, dict) else {}
+    table[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    except OSError:
+        return flops, "GEMM probe (not cached: the cache folder is not writable)"
+    return flops, f"GEMM probe, cached in {path}"
 
 
 def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:

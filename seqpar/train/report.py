@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from seqpar.train.config import JobConfig
 
@@ -38,6 +39,9 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     if summary.get("plot"):
         print(f"  loss curve {summary['plot']}")
     print(f"  metrics {t.out_dir}/metrics.jsonl")
+    board = Path(t.out_dir) / "tensorboard"
+    print(f"  tensorboard {board}" if board.is_dir() else
+          "  tensorboard: not written (pip install tensorboard, or `make demo`, which installs it)")
     if t.sample_tokens and summary.get("checkpoint"):
         print_sample(summary["checkpoint"], t.sample_prompt, t.sample_tokens, t.tokenizer, t.seed)
 

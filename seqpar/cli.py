@@ -19,19 +19,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu, planner (from a source checkout)"),
     "calibrate": ("seqpar.commands.calibrate", "micro-benchmarks of this machine -> a hardware profile for plan"),
+    "verify": ("seqpar.commands.verify", "check a checkpoint: file checksums, config vs tensors, every tensor read"),
     "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
 }
-
-
-def version_line() -> str:
-    """``seqpar 0.1.0 (torch 2.13.0, python 3.11.2)``."""
-    import platform
-
-    import torch
-
-    from seqpar import __version__
-
-    return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
 
 
 def version_line() -> str:
@@ -68,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
         "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
         epilog="`seqpar VERB --help` describes each verb.")
-    parser.add_argument("--version", action="version", version=version_line())
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True

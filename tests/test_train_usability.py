@@ -126,10 +126,24 @@ def test_a_resumed_metrics_log_keeps_the_history_and_repeats_no_step(tmp_path):
     assert MetricsLog(tmp_path, start_step=0).records == [] and not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_resume_in_process_plots_the_whole_run(tmp_path, capsys):
-    out = tmp_path / "run"
-    tiny_run(capsys, out, "--steps", 6, "--stop-at", 3, "--log-every", 1)
-    tiny_run(capsys, out, "--steps", 6, "--log-every", 1, "--resume")
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """A tiny run stopped at step 3 (checkpoint) and resumed to step 6: (OUT, the resumed run's stdout)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("resumed") / "run"
+    common = ["train", "--config", TINY, "--out", str(out), "--no-progress", "--steps", "6", "--log-every", "1"]
+    assert main([*common, "--stop-at", "3"]) == 0
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert main([*common, "--resume"]) == 0
+    return out, text.getvalue()
+
+
+def test_resume_keeps_the_whole_history_once_and_plots_it(resumed_run):
+    out, stdout = resumed_run
+    assert f"resumed from {out}/checkpoints/step_000003 at step 3" in stdout
     steps = [r["step"] for r in read_records(out / "metrics.jsonl") if "loss" in r and "event" not in r]
     assert steps == [1, 2, 3, 4, 5, 6] and (out / "loss.png").is_file()
 
@@ -270,13 +284,12 @@ def test_dry_run_prints_a_config_that_reads_back_and_every_pipeline_ranks_memory
     assert f"({max(s.total for s in stages):,.0f} B;" in out
 
 
-def test_eval_reports_the_loss_training_validated(tmp_path, capsys):
-    out = tmp_path / "run"
-    summary_line = tiny_run(capsys, out, "--steps", 3)
-    val = float(summary_line.split("validation loss ")[1].split()[0])
+def test_eval_reports_the_loss_training_validated(resumed_run, capsys):
+    out, stdout = resumed_run
+    val = float(stdout.split("validation loss ")[1].split()[0])
     code, text, _ = seqpar(capsys, "eval", out, "--micro-batch", 2, "--batches", 2, "--json")  # the trainer's windows
     result = json.loads(text)
-    assert code == 0 and result["step"] == 3 and result["split"] == "val" and result["tokens"] == 2 * 2 * 32
+    assert code == 0 and result["step"] == 6 and result["split"] == "val" and result["tokens"] == 2 * 2 * 32
     assert result["loss"] == pytest.approx(val, abs=5e-5)
     code, text, _ = seqpar(capsys, "eval", "--checkpoint", out, "--split", "all", "--batches", 3)
     assert code == 0 and "all split: loss" in text and "over 768 tokens (24 windows of 32)" in text

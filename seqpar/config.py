@@ -153,6 +153,30 @@ class ModelConfig:
         return self
 
 
+def layer_counts(num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None) -> list[int]:
+    """Layers per virtual stage (Sec. 4.2.3): even by default, or the explicit uneven ``counts``."""
+    stages = pp * interleave
+    if counts is None:
+        if num_layers % stages:
+            raise ConfigError(f"layers {num_layers} are not divisible by pp {pp} × interleave {interleave} "
+                              f"= {stages}; pass an explicit uneven split")
+        return [num_layers // stages] * stages
+    counts = list(counts)
+    if len(counts) != stages:
+        raise ConfigError(f"uneven split has {len(counts)} entries, pp {pp} × interleave {interleave} "
+                          f"needs {stages}")
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts):
+        raise ConfigError(f"uneven split {counts} must hold non-negative integers")
+    if sum(counts) != num_layers:
+        raise ConfigError(f"uneven split {counts} sums to {sum(counts)}, the model has {num_layers} layers")
+    empty = [i for i in range(1, stages - 1) if counts[i] == 0]
+    if empty:  # a middle chunk with no layers would hold no parameters and only pass activations on
+        i = empty[0]
+        raise ConfigError(f"uneven split {counts}: virtual stage {i} (pp rank {i % pp}, chunk {i // pp}) has 0 "
+                          "layers; only the first (embedding) and the last (output layer) stage may be empty")
+    return counts
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """world = dp × pp × tp, tp innermost (consecutive ranks share a tensor-parallel group)."""
@@ -162,10 +186,17 @@ class ParallelConfig:
     dp: int = 1
     sp: bool = False  # sequence parallelism over the tp group (Sec. 4.2.2)
     interleave: int = 1  # m: virtual pipeline chunks per pipeline rank
+    # Layers per virtual stage in model order (pp × interleave entries) for an uneven split; empty:
+    # num_layers / (pp × interleave) each. Only the first and the last virtual stage may be empty.
+    layer_split: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
+
+    def layer_counts(self, num_layers: int) -> list[int]:
+        """Layers of each virtual stage, in model order (validated)."""
+        return layer_counts(num_layers, self.pp, self.interleave, list(self.layer_split) or None)
 
     def validate(self, model: ModelConfig | None = None, world_size: int | None = None) -> ParallelConfig:
         _positive(tp=self.tp, pp=self.pp, dp=self.dp, interleave=self.interleave)
@@ -186,10 +217,7 @@ class ParallelConfig:
             if self.sp and model.seq_len % self.tp:
                 raise ConfigError(f"sequence {model.seq_len} is not divisible by tp {self.tp} "
                                   "(sequence parallelism splits it)")
-            chunks = self.pp * self.interleave
-            if model.num_layers % chunks:
-                raise ConfigError(f"layers {model.num_layers} are not divisible by pp {self.pp} × "
-                                  f"interleave {self.interleave} = {chunks}")
+            self.layer_counts(model.num_layers)
         return self
 
 
@@ -246,6 +274,6 @@ class RunConfig:
     def validate(self, world_size: int | None = None) -> RunConfig:
         self.model.validate()
         self.parallel.validate(self.model, world_size)
-        per_stage = self.model.num_layers // (self.parallel.pp * self.parallel.interleave)
-        self.recompute.validate(per_stage)
+        # every stage with layers must hold a full-recompute group (an empty stage checkpoints nothing)
+        self.recompute.validate(min(n for n in self.parallel.layer_counts(self.model.num_layers) if n) or None)
         return self

@@ -91,3 +91,20 @@ def test_buckets_group_by_dtype_and_size():
     ts = [torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(30)]
     groups = buckets(ts, bucket_bytes=80)
     assert [[t.numel() for t in g] for g in groups] == [[10, 10], [10], [30]]
+
+
+def test_an_empty_middle_chunk_is_refused_at_validation():
+    """Split (1, 0, 1, 2) at pp=2, interleave 2 used to end in a bare StopIteration on one rank and
+    'connection reset' on the others; now the configuration is refused before any process starts."""
+    from seqpar.train.config import build_job
+
+    sections = {"model": {"vocab_size": 64, "hidden_size": 16, "num_heads": 2, "num_layers": 4, "seq_len": 8},
+                "parallel": {"pp": 2, "interleave": 2, "layer_split": [1, 0, 1, 2]},
+                "train": {"micro_batch": 1, "global_batch": 2}}
+    with pytest.raises(ConfigError, match=r"virtual stage 1 \(pp rank 1, chunk 0\) has 0 layers"):
+        build_job(sections).validate(2)
+    with pytest.raises(ConfigError, match="has 0 layers"):
+        build_stages(CFG, ParallelConfig(pp=2, interleave=2), RecomputeConfig(), ParallelDims.single(), 0,
+                     layer_split=[2, 2, 0, 0])
+    # the first and the last virtual stage may be empty (embedding / output layer only)
+    assert build_job({**sections, "parallel": {"pp": 2, "interleave": 2, "layer_split": [0, 2, 2, 0]}}).validate(2)

@@ -127,4 +127,6 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
         y = checkpoint(layer, x, tracker=tracker) if recompute == "full" else layer(x)
     if backward:
         y.float().square().mean().backward()
+    else:
+        meter.output = y  # the graph is still alive: tests walk it (tests/test_saved_graph.py)
     return meter

@@ -40,16 +40,17 @@ def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
     """This rank's model chunks (one, or ``parallel.interleave``), recompute applied.
 
     ``layer_split``: optional explicit layers per virtual stage (p·m entries, model order), for an
-    uneven split; by default L/(p·m) layers each. Every rank must call this (it creates groups).
+    uneven split; by default ``parallel.layer_split``, or L/(p·m) layers each. Every rank must call
+    this (it creates groups).
     """
     cfg.validate()
-    if layer_split is None:
-        parallel.validate(cfg)
-    else:  # the layer-count rule is replaced by the explicit split, checked by stage_layers
-        parallel.validate(dataclasses.replace(cfg, num_layers=parallel.pp * parallel.interleave))
+    if layer_split is not None:  # an explicit split given here replaces the configuration's
+        parallel = dataclasses.replace(parallel, layer_split=tuple(layer_split))
+    parallel.validate(cfg)
     m, p = parallel.interleave, parallel.pp
-    layers = stage_layers(cfg.num_layers, p, m, layer_split)[dims.pp_rank]
-    recompute.validate(min(len(ids) for ids in layers) if recompute.granularity == "full" else None)
+    counts = parallel.layer_counts(cfg.num_layers)
+    layers = stage_layers(cfg.num_layers, p, m, counts)[dims.pp_rank]
+    recompute.validate(min((len(ids) for ids in layers if ids), default=None))  # empty chunks checkpoint nothing
     group = tied_weight_group(dims)
     chunks = []
     for c, ids in enumerate(layers):

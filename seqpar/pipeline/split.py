@@ -8,31 +8,14 @@ The embedding lives in virtual stage 0, the final LN, output layer and loss in v
 
 from __future__ import annotations
 
-from seqpar.config import ConfigError
+from seqpar.config import ConfigError, layer_counts
+
+__all__ = ["layer_counts", "stage_layers", "validate_microbatches", "virtual_stage"]
 
 
 def virtual_stage(rank: int, chunk: int, pp: int) -> int:
     """Index of chunk ``chunk`` of pipeline rank ``rank`` in the model's order."""
     return chunk * pp + rank
-
-
-def layer_counts(num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None) -> list[int]:
-    """Layers per virtual stage: even by default, or the explicit uneven ``counts`` (validated)."""
-    stages = pp * interleave
-    if counts is None:
-        if num_layers % stages:
-            raise ConfigError(f"layers {num_layers} are not divisible by pp {pp} × interleave {interleave} "
-                              f"= {stages}; pass an explicit uneven split")
-        return [num_layers // stages] * stages
-    counts = list(counts)
-    if len(counts) != stages:
-        raise ConfigError(f"uneven split has {len(counts)} entries, pp {pp} × interleave {interleave} "
-                          f"needs {stages}")
-    if any(not isinstance(c, int) or c < 0 for c in counts):
-        raise ConfigError(f"uneven split {counts} must hold non-negative integers")
-    if sum(counts) != num_layers:
-        raise ConfigError(f"uneven split {counts} sums to {sum(counts)}, the model has {num_layers} layers")
-    return counts
 
 
 def stage_layers(num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None

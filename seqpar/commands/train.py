@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -550,7 +551,21 @@ def _train(args, job: JobConfig) -> int:
     from seqpar.train.report import print_summary
 
     t0 = time.perf_counter()
-    summary = train(job, resume=resume_path(args, job))
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+
+    def before_training(signum, frame):  # data, process groups, model, checkpoint: nothing to save yet
+        if rank0:
+            print("seqpar train: interrupted before the first step; nothing was saved", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # the trainer's own take over once it trains
+        previous = {sig: signal.signal(sig, before_training) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        summary = train(job, resume=resume_path(args, job))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if summary.get("interrupted"):
         return EXIT_INTERRUPTED  # rank 0 said where it saved and how to resume
     if int(os.environ.get("RANK", "0")) == 0:

@@ -202,6 +202,14 @@ class Trainer:
                 "losses": self.state.losses, "interrupted": True, "step": self.state.step}
 
     def run(self) -> dict:
+        """Train to ``train.steps`` (or ``stop_at``); a SIGINT/SIGTERM stops after the step, saved (interrupt.py)."""
+        stop = StopFlag(self._abort_message).install()  # until the last checkpoint is written
+        try:
+            return self._run(stop)
+        finally:
+            stop.restore()
+
+    def _run(self, stop: StopFlag) -> dict:
         t = self.job.train
         metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
         end = t.stop_at or t.steps
@@ -213,7 +221,6 @@ class Trainer:
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last = {}
         window_t, window_steps = time.perf_counter(), 0
-        stop = StopFlag(self._abort_message).install()  # Ctrl-C / SIGTERM: stop after this step (interrupt.py)
         try:
             while self.state.step < end:
                 if stop.requested(self.device):  # every rank agrees on the step to stop after
@@ -265,7 +272,6 @@ class Trainer:
                     progress.t0 += saved_in
         finally:
             progress.close()
-            stop.restore()
         if "val_loss" not in last:
             self.state.val_loss = last["val_loss"] = self.validate_loss()
         path = self.save()

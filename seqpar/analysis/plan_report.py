@@ -14,9 +14,9 @@ def header(req: Request) -> str:
     return (f"model {sh.name}: L={sh.layers} h={sh.hidden} a={sh.heads}{arch} s={sh.seq} v={sh.vocab} f={sh.f}; "
             f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {gb(hw.memory_bytes)} GB, usable "
             f"{gb(hw.usable_bytes)} GB ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
-            f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.0f} "
-            f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.0f} / "
-            f"{hw.inter_node_bw / 1e9:.0f} GB/s intra / inter node\n" + assumptions(req))
+            f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.3g} "
+            f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.3g} / "
+            f"{hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req))
 
 
 def assumptions(req: Request) -> str:

@@ -199,6 +199,7 @@ def test_inert_settings_are_named_once_each():
     text = notes(recompute={"granularity": "selective"}, model={"attention": "sdpa", "attn_dropout": 0.0})[0]
     assert "selective recompute of the attention core does nothing with fused attention" in text
     assert "does not read x.bin" in notes(train={"data": "x.bin", "tokenizer": "t.json"})[0]
+    assert "tokenizer t.json is not used: the default data" in notes(train={"tokenizer": "t.json"})[0]
 
 
 # ---------------------------------------------------------------- 9. the flags

@@ -154,6 +154,9 @@ def inert_settings(job: JobConfig) -> list[str]:
     if "core_attention" in r.selective_modules and m.attention == "sdpa":
         notes.append("selective recompute of the attention core does nothing with fused attention (sdpa keeps no "
                      "s² tensors); use --recompute none, or attention 'materialized'")
+    if t.tokenizer and not t.data:
+        notes.append(f"tokenizer {t.tokenizer} is not used: the default data (the standard library's sources) is "
+                     "read as bytes; give --data to tokenize text")
     if t.tokenizer and t.data.endswith(".bin"):
         notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
                      "recorded for sample and export-hf only")

@@ -120,12 +120,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, help=f"linear warmup steps {d('warmup')}")
     g.add_argument("--micro-batch", type=int, help=f"sequences per microbatch per dp rank {d('micro_batch')}")
     g.add_argument("--global-batch", type=int, help=f"sequences per step over all dp ranks {d('global_batch')}")
-    g.add_argument("--seed", type=int, help=f"{d('seed')}")
+    g.add_argument("--seed", type=int, help=f"seeds the weights, the batch order and dropout {d('seed')}")
     g.add_argument("--data", help="text file or folder, or a pre-tokenized .bin (default: the stdlib sources)")
     g.add_argument("--tokenizer", help="a tokenizers JSON file for text data (default: none, bytes)")
     g.add_argument("--out", help=f"output folder: metrics, checkpoints, plots {d('out')}")
     g.add_argument("--eval-every", type=int, help=f"validation every N steps, 0: only at the end {d('eval_every')}")
-    g.add_argument("--log-every", type=int, help=f"{d('log_every')}")
+    g.add_argument("--log-every", type=int, help=f"a metrics record and progress line every N steps {d('log_every')}")
     g.add_argument("--save-every", type=int, help=f"checkpoint every N steps, 0: only at the end {d('save_every')}")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: spec sheet on GPUs, "
                    "a cached GEMM probe on CPU)")
@@ -133,8 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sample-tokens", type=int,
                    help=f"print a sample of this many tokens at the end {d('sample_tokens')}")
     g.add_argument("--sample-prompt", help=f"the sample's prompt (default {_default('train', 'sample_prompt')!r})")
-    g.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar (default: a bar "
-                   "when stderr is a terminal)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
+                   "bar when stderr is a terminal, else a plain line every --log-every steps)")
 
 
 def base_sections(args) -> dict[str, dict]:

@@ -105,3 +105,18 @@ def test_rank_flag_first_signal_sets_it_second_exits_130_with_one_line():
     assert proc.returncode == 130, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "first signal: flag set"
     assert proc.stderr.strip() == "second signal: stopped at once"
+
+
+NO_RANKS_YET = """
+import os, signal
+from seqpar.commands.train import LauncherSignals
+LauncherSignals("unused").install()
+os.kill(os.getpid(), signal.SIGINT)
+print("not reached")
+"""
+
+
+def test_a_launcher_interrupted_before_its_ranks_start_exits_130_in_one_line():
+    proc = subprocess.run([sys.executable, "-c", NO_RANKS_YET], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (130, "")
+    assert proc.stderr == "seqpar train: interrupted before the ranks started; nothing was saved\n"

@@ -303,7 +303,12 @@ class LauncherSignals:
         now = time.monotonic()
         if self.first is None:
             self.first = now
-            for pid in self.children():
+            ranks = self.children()
+            if not ranks:  # still in rendezvous: ranks started later die with this process (_die_with_launcher)
+                print("seqpar train: interrupted before the ranks started; nothing was saved", file=sys.stderr,
+                      flush=True)
+                os._exit(EXIT_INTERRUPTED)
+            for pid in ranks:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
             return

@@ -35,7 +35,7 @@ def test_uint32_ids_at_or_above_2_31_are_refused_not_wrapped(tmp_path, bad):
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(top=st.integers(0, 2**32 - 1), vocab=st.integers(64, 2**31))
+@given(top=st.integers(2**31, 2**32 - 1) | st.integers(0, 2**31 - 1), vocab=st.integers(64, 2**31))
 def test_uint32_vocabulary_check_over_the_whole_id_range(tmp_path_factory, top, vocab):
     path = tmp_path_factory.mktemp("u32") / "t.bin"
     ids = [i % min(vocab, 64) for i in range(400)]

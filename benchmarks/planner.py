@@ -1,12 +1,14 @@
 """``planner``: the cost model's closed loop on this machine (issue 19).
 
-Calibrate the local devices (``seqpar calibrate``: micro-benchmarks on ``--nproc`` ranks), predict the
-step time of several small layouts with the planner's cost model, then train each for a few steps
-with ``seqpar train --nproc`` and compare. The measured step time of a layout is the median of its
-log windows after the first (the first holds the warm-up); its noise is the spread of those windows.
-Goal: every layout within 20%, and the predicted order of any two layouts matching the measured one
-where they differ by more than their noise. On a machine other people are using, timings move with
-their load: the report gives the CPU and the load before and after.
+Calibrate the local devices (``seqpar calibrate``: micro-benchmarks on ``--nproc`` ranks), train each of
+several small layouts for a few steps with ``seqpar train --nproc``, calibrate again, and compare each
+layout's measured step time with the planner's cost model: the mean of its predictions from the two
+profiles, which bracket the runs (on a shared machine the load moves between them; both are reported).
+The measured step time of a layout is the median of its log windows after the first (the first holds
+the warm-up); its noise is the spread of those windows. Goal: every layout within 20%, and the
+predicted order of any two layouts matching the measured one where they differ by more than their
+noise. On a machine other people are using, timings move with their load: the report gives the CPU
+and the load before and after.
 """
 
 from __future__ import annotations
@@ -102,30 +104,42 @@ def ranking(rows: list[dict]) -> dict:
     return {"distinguishable_pairs": len(pairs), "agreeing": agree, "pairs": pairs}
 
 
+def _calibrate(args) -> dict:
+    from seqpar.calibrate import calibrate
+
+    return calibrate(args.nproc, args.dtype, args.size)
+
+
 def run(args) -> dict:
     from seqpar.analysis.hardware import load_profile, profile_from_json
 
     before = common.machine()
     if args.profile:
         profile = json.loads(Path(args.profile).read_text())
-        hw = load_profile(args.profile)
-    else:
-        from seqpar.calibrate import calibrate
-
-        profile = calibrate(args.nproc, args.dtype, args.size)
-        hw = profile_from_json(profile)
-    rows = []
+        hws = [load_profile(args.profile)]
+    else:  # calibrate before and after the runs: the load other processes put on the cores moves
+        profile = _calibrate(args)
+        hws = [profile_from_json(profile)]
+    rows, runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, label in enumerate(args.layouts):
-            pred = predict(args, hw, label)
-            got = measure(args, pred["plan"], os.path.join(tmp, str(i)))
-            rows.append({"layout": label, "predicted_s": pred["predicted_s"], **got,
-                         "error": pred["predicted_s"] / got["measured_s"] - 1, "terms": pred["terms"]})
+            plan = predict(args, hws[0], label)["plan"]
+            runs.append((label, measure(args, plan, os.path.join(tmp, str(i)))))
+    after = None
+    if not args.profile:
+        after = _calibrate(args)
+        hws.append(profile_from_json(after))
+    for label, got in runs:
+        preds = [predict(args, hw, label) for hw in hws]
+        mean = statistics.mean(p["predicted_s"] for p in preds)
+        rows.append({"layout": label, "predicted_s": mean, "predicted_each_s": [p["predicted_s"] for p in preds],
+                     **got, "error": mean / got["measured_s"] - 1, "terms": preds[0]["terms"]})
     rank = ranking(rows)
     within = all(abs(r["error"]) <= TARGET for r in rows)
     return {"rows": rows, "ranking": rank, "target": TARGET, "within_target": within,
             "ranking_matches": rank["agreeing"] == rank["distinguishable_pairs"],
             "profile": {k: v for k, v in profile.items() if k != "measurements"},
+            "profile_after": {k: v for k, v in after.items() if k != "measurements"} if after else None,
             "config": {"nproc": args.nproc, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                        "seq": args.seq, "vocab": 256, "micro_batch": args.micro_batch,
                        "global_batch": args.global_batch, "dtype": args.dtype, "steps": args.steps,
@@ -135,15 +149,18 @@ def run(args) -> dict:
 
 def render(r: dict) -> str:
     c, m, p = r["config"], r["machine"], r["profile"]
-    rows = [[x["layout"], f"{1e3 * x['predicted_s']:.1f}", f"{1e3 * x['measured_s']:.1f}", f"{100 * x['error']:+.1f}%",
-             f"{100 * x['noise']:.0f}%"] for x in r["rows"]]
+    rows = [[x["layout"], " / ".join(f"{1e3 * v:.1f}" for v in x["predicted_each_s"]), f"{1e3 * x['predicted_s']:.1f}",
+             f"{1e3 * x['measured_s']:.1f}", f"{100 * x['error']:+.1f}%", f"{100 * x['noise']:.0f}%"]
+            for x in r["rows"]]
     rk = r["ranking"]
     return "\n".join([
         f"planner: {c['nproc']} ranks, {c['layers']} layers, h={c['hidden']} a={c['heads']} s={c['seq']} v=256, "
         f"micro batch {c['micro_batch']}, global batch {c['global_batch']}, {c['dtype']}; CPU {m['cpu']} "
         f"({m['nproc']} cores), 1-min load {m['load_avg_1min']:.2f} before, {m['load_avg_1min_after']:.2f} after",
-        f"profile: {p['source']}",
-        common.table(["layout", "predicted ms", "measured ms", "error", "noise"], rows),
+        f"profile: {p['source']}" + (f"\nprofile after the runs: {r['profile_after']['source']}"
+                                     if r.get("profile_after") else ""),
+        common.table(["layout", "predicted ms (before / after)", "predicted ms", "measured ms", "error", "noise"],
+                     rows),
         f"every layout within {100 * r['target']:.0f}%: {'yes' if r['within_target'] else 'NO'}; ranking: "
         f"{rk['agreeing']} of {rk['distinguishable_pairs']} pairs that differ by more than their noise ordered as "
         "measured"])

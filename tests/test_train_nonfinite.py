@@ -23,8 +23,8 @@ def _trainer(tmp_path, poison_step, where, policy):
     snapshots = {}
     fb, fin = trainer._forward_backward, trainer._finalize
 
-    def forward_backward(chunks, mbs, dims, parallel):
-        loss = fb(chunks, mbs, dims, parallel)
+    def forward_backward(chunks, mbs, dims, parallel, **kwargs):
+        loss = fb(chunks, mbs, dims, parallel, **kwargs)
         return float("nan") if where == "loss" and trainer.state.step == poison_step else loss
 
     def finalize(chunks, dims, parallel):

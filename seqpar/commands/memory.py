@@ -112,6 +112,8 @@ def run(args) -> int:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "keep_microbatches", 0) < 0:
+        raise ConfigError(f"--keep-microbatches must be >= 0, got {args.keep_microbatches}")
     if getattr(args, "pp", 1) > 1 or getattr(args, "microbatches", None) is not None:
         return run_schedule(args)
     if args.layers is None:

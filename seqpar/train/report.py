@@ -48,20 +48,15 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
 
 def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:
     """A sample from the saved checkpoint (temperature 0.8, top-k 20): bytes, or the run's tokenizer."""
-    from seqpar.train.sample import decode_bytes, encode_bytes, generate, load_model
+    from seqpar.train.sample import START_TEXT, codec, generate, load_model
 
     model, _ = load_model(checkpoint)
-    if tokenizer:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(tokenizer)
-        encode, decode = (lambda text: tok.encode(text).ids), tok.decode
-    elif model.cfg.vocab_size == 256:
-        encode, decode = encode_bytes, decode_bytes
-    else:
+    pair = codec(model.cfg.vocab_size, tokenizer)
+    if pair is None:
         print(f"  (no sample: vocab {model.cfg.vocab_size} is not byte-level and the run used no tokenizer)")
         return
-    ids = generate(model, encode(prompt), tokens, temperature=0.8, top_k=20, seed=seed)
+    encode, decode = pair
+    ids = generate(model, encode(prompt), tokens, temperature=0.8, top_k=20, seed=seed, start=encode(START_TEXT))
     print(f"--- sample (temperature 0.8, top-k 20, prompt {prompt!r}) ---")
     print(decode(ids))
     print("---")

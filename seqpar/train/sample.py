@@ -66,3 +66,16 @@ def encode_bytes(text: str) -> list[int]:
 
 def decode_bytes(ids: list[int]) -> str:
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def codec(vocab_size: int, tokenizer: str = ""):
+    """(encode, decode) for a model: the tokenizers.json it was trained with, or bytes when its
+    vocabulary is byte-level (256); None when neither applies."""
+    if tokenizer:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(tokenizer)
+        return (lambda text: tok.encode(text).ids), tok.decode
+    if vocab_size == 256:
+        return encode_bytes, decode_bytes
+    return None

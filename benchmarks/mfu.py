@@ -17,7 +17,8 @@ import torch
 from benchmarks import common
 from benchmarks.single import batch, step
 from seqpar.analysis.flops import model_flops
-from seqpar.config import DTYPES, ModelConfig
+from seqpar.config import ModelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
 
 QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 1, "vocab": 128, "gemm": 256,
@@ -71,7 +72,7 @@ def step_mfu(args, dtype: str) -> dict:
 def run(args) -> dict:
     dtypes = list(dict.fromkeys(args.dtype))
     def peaks_now():
-        return {d: gemm_peak(args.gemm, DTYPES[d], args.gemm_repeats) for d in ("bf16", "fp32")}
+        return {d: gemm_peak(args.gemm, torch_dtype(d), args.gemm_repeats) for d in ("bf16", "fp32")}
 
     before = peaks_now()
     steps = [step_mfu(args, d) for d in dtypes]

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar.dtypes import torch_dtype
+
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Inverted dropout keeping a bool mask (``F.dropout`` keeps a 2-byte mask on CPU)."""
@@ -126,7 +128,7 @@ class GPT(nn.Module):
     def from_config(cls, cfg) -> GPT:
         """From a ``seqpar.config.ModelConfig`` (only its fields are read)."""
         return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_layers, cfg.seq_len, cfg.ffn,
-                   cfg.embd_dropout, cfg.attn_dropout, cfg.hidden_dropout, cfg.layernorm_eps, cfg.torch_dtype)
+                   cfg.embd_dropout, cfg.attn_dropout, cfg.hidden_dropout, cfg.layernorm_eps, torch_dtype(cfg.dtype))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embedding(tokens)  # [s, b, h]

@@ -20,6 +20,7 @@ import torch
 from benchmarks import common
 from seqpar.analysis.flops import layer_forward_flops, recompute_extra_flops
 from seqpar.config import ModelConfig, ParallelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import ParallelDims
@@ -67,8 +68,8 @@ def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmu
     for name, sp, recompute in ROWS:
         layer, fn = _layer(cfg, dims, sp, recompute)
         rows = s // world if sp else s
-        x = torch.randn(rows, b, h, generator=gen).to(cfg.torch_dtype)  # [s(/t), b, h]
-        dy = torch.randn(rows, b, h, generator=gen).to(cfg.torch_dtype)
+        x = torch.randn(rows, b, h, generator=gen).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]
+        dy = torch.randn(rows, b, h, generator=gen).to(torch_dtype(cfg.dtype))
         runs[name] = (layer, fn, x, dy)
     fwd = {name: [] for name in runs}
     bwd = {name: [] for name in runs}

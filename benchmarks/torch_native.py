@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from benchmarks.plain_gpt import Block
+from seqpar.dtypes import torch_dtype
 
 # The attention core's ops (Sec. 5's selective set and the views/masking between them).
 aten = torch.ops.aten
@@ -86,7 +87,7 @@ def layer_plan() -> dict:
 
 def block_from_config(cfg) -> Block:
     return Block(cfg.hidden_size, cfg.num_heads, cfg.ffn, cfg.seq_len, cfg.attn_dropout, cfg.hidden_dropout,
-                 cfg.layernorm_eps, cfg.torch_dtype)
+                 cfg.layernorm_eps, torch_dtype(cfg.dtype))
 
 
 class Layers(nn.Module):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.torch_native import reduce_partial_grads
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
 from seqpar.parallel.comm import split_seq
 from seqpar.parallel.dims import ParallelDims
@@ -66,7 +67,7 @@ def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
 
 def _input(cfg: ModelConfig, micro_batch: int, group) -> torch.Tensor:
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(cfg.seq_len, micro_batch, cfg.hidden_size, generator=gen).to(cfg.torch_dtype)  # [s, b, h]
+    x = torch.randn(cfg.seq_len, micro_batch, cfg.hidden_size, generator=gen).to(torch_dtype(cfg.dtype))  # [s, b, h]
     return split_seq(x, group).clone()  # [s/t, b, h], its own storage
 
 
@@ -129,7 +130,7 @@ def formula_bytes(cfg: ModelConfig, b: int, t: int, recompute: str) -> dict:
     """The paper's TP+SP bytes per layer (Table 2) at this dropout, the LN statistics seqpar keeps, and
     the gathered linear inputs PyTorch-native SP keeps on top: 4sbh(1 - 1/t) bytes in 16 bits."""
     s, h, a = cfg.seq_len, cfg.hidden_size, cfg.num_heads
-    e = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    e = cfg.dtype_bytes
     unit = s * b * h * e // 2  # "sbh" in the paper's 2-byte units
     masks = cfg.attn_dropout > 0
     attention_s2 = (5 if masks else 2) * a * s * s * b * e // 2  # probs (+ mask + dropout output)

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from seqpar.analysis.calibration import DataPoint, fit
 from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time
 from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
+from seqpar.config import DTYPE_BYTES
+from seqpar.dtypes import torch_dtype
 
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
     "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
@@ -47,7 +49,6 @@ SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate 
              "framework_repeats": 5, "block": 0.25},
 }
 CLOSED_LOOP_BAND = 0.20  # issue 19's goal for predicted vs measured step time on the calibrated machine
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _device() -> torch.device:
@@ -213,7 +214,7 @@ def _worker(rank: int, world: int, port: int, dtype: str, size: str, path: str) 
             torch.accelerator.set_device_index(device.index)
         dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank, world_size=world)
     try:
-        sz, tdt = SIZES[size], DTYPES[dtype]
+        sz, tdt = SIZES[size], torch_dtype(dtype)
         block, reps = sz["block"], sz["repeats"]
         out = {"gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
                "elementwise": elementwise(sz["elementwise"], tdt, device, reps, block),
@@ -251,7 +252,7 @@ def measure(nproc: int, dtype: str = "fp32", size: str = "full") -> dict:
 
 def act_options(dtype: str) -> ActivationOptions:
     """What seqpar's trainer keeps and moves in ``dtype``: activations of that width, 1-byte masks."""
-    return ActivationOptions(act_bytes=DTYPES[dtype].itemsize)
+    return ActivationOptions(act_bytes=DTYPE_BYTES[dtype])
 
 
 def optimizer_options(dtype: str) -> OptimizerOptions:

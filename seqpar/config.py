@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Bytes per element of each dtype name (the torch dtype is looked up in seqpar.dtypes, where tensors are made).
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # Finer selective recompute (beyond the paper): what a layer may checkpoint.
@@ -87,8 +86,9 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def dtype_bytes(self) -> int:
+        """Bytes per activation element."""
+        return DTYPE_BYTES[self.dtype]
 
     @property
     def rope_scaling_params(self) -> tuple:
@@ -133,8 +133,8 @@ class ModelConfig:
             raise ConfigError(f"hidden {self.hidden_size} is not divisible by heads {self.num_heads}")
         _probability(embd_dropout=self.embd_dropout, attn_dropout=self.attn_dropout,
                      hidden_dropout=self.hidden_dropout, label_smoothing=self.label_smoothing)
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         for name, value, allowed in (("norm", self.norm, NORMS), ("activation", self.activation, ACTIVATIONS),
                                      ("position", self.position, POSITIONS),
                                      ("attention", self.attention, ATTENTIONS)):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import group_rank, group_size
@@ -121,7 +122,7 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
     s = cfg.seq_len // t if sp else cfg.seq_len
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(s, micro_batch, cfg.hidden_size, generator=gen, device=device)
-    x = x.to(cfg.torch_dtype).requires_grad_(True)  # [s(/t), b, h]
+    x = x.to(torch_dtype(cfg.dtype)).requires_grad_(True)  # [s(/t), b, h]
     meter = SavedTensorMeter(layer)
     with meter:
         y = checkpoint(layer, x, tracker=tracker) if recompute == "full" else layer(x)

@@ -18,6 +18,7 @@ from seqpar.analysis.memory import (
     table2_config,
 )
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.dtypes import torch_dtype
 
 PAPER_GPT = ModelConfig()  # the architecture options Table 2 assumes (the defaults)
 ARCH_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention")
@@ -72,7 +73,7 @@ def formula_options(cfg: ModelConfig) -> dict:
     if not fused and (cfg.attn_dropout > 0) != dropout:
         raise ConfigError(f"the exact formula needs attention dropout ({cfg.attn_dropout}) and hidden dropout "
                           f"({cfg.hidden_dropout}) both on or both off")
-    return {"ffn": cfg.ffn, "act_bytes": torch.empty((), dtype=cfg.torch_dtype).element_size(),
+    return {"ffn": cfg.ffn, "act_bytes": cfg.dtype_bytes,
             "dropout": dropout, "fused_attention": fused, "kv_heads": cfg.kv_heads, "norm": cfg.norm,
             "activation": cfg.activation}
 
@@ -96,7 +97,7 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         configs.append((name, tp, sp, recompute, tuple(modules)))
     s, b, h, a = cfg.seq_len, micro_batch, cfg.hidden_size, cfg.num_heads
     opts = formula_options(cfg)
-    stats = layernorm_stat_bytes(torch.device(device), cfg.torch_dtype)
+    stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
     paper = is_paper_gpt(cfg)
     rows = []
     for name, t, row_sp, rc, mods in configs:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqpar.config import ModelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.parallel.rng import Dropout, RNGTracker
@@ -171,7 +172,7 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker,
                  output_std: float, device=None):
         super().__init__()
-        t, h, dtype, d = group_size(group), cfg.hidden_size, cfg.torch_dtype, cfg.head_dim
+        t, h, dtype, d = group_size(group), cfg.hidden_size, torch_dtype(cfg.dtype), cfg.head_dim
         a, kv = cfg.num_heads, cfg.num_kv_heads
         g = a // kv
         qkv_rows = kv * (g + 2) * d

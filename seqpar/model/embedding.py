@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import ModelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.parallel import comm
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layers import VocabParallelEmbedding, mark
@@ -24,7 +25,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.group = group
         self.sp = sequence_parallel and group_size(group) > 1
-        dtype = cfg.torch_dtype
+        dtype = torch_dtype(cfg.dtype)
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group, cfg.init_std, dtype, device)
         self.position = None  # rotary embeddings act inside attention instead
         if cfg.position == "learned":

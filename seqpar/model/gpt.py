@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqpar.config import ModelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.model.embedding import Embedding
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
@@ -43,7 +44,7 @@ class GPTStage(nn.Module):
             # word embedding (same initial value); the two copies' gradients are summed.
             t = group_size(group)
             shape = (padded_vocab(cfg.vocab_size, t) // t, cfg.hidden_size)
-            self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=cfg.torch_dtype, device=device)),
+            self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=torch_dtype(cfg.dtype), device=device)),
                                       split_dim=0, full_size=cfg.vocab_size, init_std=cfg.init_std)
             if cfg.tie_embeddings:
                 self.output_weight.init_key = "embedding.word.weight"

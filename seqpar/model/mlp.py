@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqpar.config import ModelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -68,7 +69,7 @@ class _RecomputedActivationLinear(torch.autograd.Function):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, output_std: float, device=None):
         super().__init__()
-        h, f, dtype = cfg.hidden_size, cfg.ffn, cfg.torch_dtype
+        h, f, dtype = cfg.hidden_size, cfg.ffn, torch_dtype(cfg.dtype)
         parts = 2 if cfg.activation == "swiglu" else 1
         self.fc1 = ColumnParallelLinear(h, parts * f, group, sequence_parallel, bias=cfg.bias,
                                         init_std=cfg.init_std, dtype=dtype, device=device)

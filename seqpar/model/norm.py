@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from seqpar.config import ModelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.parallel.layers import mark
 
 
@@ -47,9 +48,9 @@ class RMSNorm(nn.Module):
 def make_norm(cfg: ModelConfig, sequence_parallel: bool, device=None) -> nn.Module:
     """The configured norm, its parameters marked (partial gradients under SP)."""
     if cfg.norm == "rmsnorm":
-        norm = RMSNorm(cfg.hidden_size, cfg.layernorm_eps, cfg.torch_dtype, device)
+        norm = RMSNorm(cfg.hidden_size, cfg.layernorm_eps, torch_dtype(cfg.dtype), device)
     else:
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=cfg.torch_dtype, device=device)
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=torch_dtype(cfg.dtype), device=device)
         mark(norm.bias, sequence_parallel=sequence_parallel, init="zeros")
     mark(norm.weight, sequence_parallel=sequence_parallel, init="ones")
     return norm

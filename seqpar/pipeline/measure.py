@@ -22,6 +22,7 @@ from seqpar.analysis.schedule import first_chunk_in_flight
 from seqpar.analysis.shapes import ActivationOptions, ModelShape, Parallelism, Recompute
 from seqpar.analysis.stage import stage_memory
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline.build import build_stages
@@ -85,9 +86,9 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
     par = Parallelism(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp and parallel.tp > 1,
                       interleave=parallel.interleave)
     rc = Recompute(recompute.granularity, recompute.method, recompute.num_layers, keep)
-    act = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    act = cfg.dtype_bytes
     opts = ActivationOptions(act_bytes=act, mask_bytes=1, logits_bytes=4,
-                             ln_stats_bytes=layernorm_stat_bytes(torch.device(device), cfg.torch_dtype),
+                             ln_stats_bytes=layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
                              dropout=uses_dropout(cfg), fused_attention=cfg.attention == "sdpa",
                              free_pipeline_outputs=free_outputs)
     memory = stage_memory(shape, par, rc, micro_batch, microbatches, opts, rank=rank)
@@ -110,7 +111,7 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
     """
     s, b, h, t, p = cfg.seq_len, micro_batch, cfg.hidden_size, parallel.tp, parallel.pp
     rep = t if parallel.sp and t > 1 else 1
-    act = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    act = cfg.dtype_bytes
     terms: dict[str, float] = {}
     if free_outputs and rank < p - 1:
         terms["output_in_transit"] = act * s * b * h / rep
@@ -118,7 +119,7 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
         in_flight = first_chunk_in_flight(p, microbatches, parallel.interleave)
         terms["embedding_indices"] = (8 + 1) * s * b * in_flight
     if rank == p - 1:
-        stats = layernorm_stat_bytes(torch.device(device), cfg.torch_dtype)
+        stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
         terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
         v_pad = -(-cfg.vocab_size // t) * t
         terms["loss_indices"] = (8 + 1 + 1) * s * b + v_pad // t + 8

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.config import ConfigError, ParallelConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
 from seqpar.pipeline.p2p import PipeComm
@@ -58,7 +59,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     if dims.pp == 1:
         run_no_pipelining(runner)
     else:
-        comm = PipeComm(dims, boundary_shape(chunks[0], microbatches[0][0]), chunks[0].cfg.torch_dtype, device)
+        comm = PipeComm(dims, boundary_shape(chunks[0], microbatches[0][0]), torch_dtype(chunks[0].cfg.dtype), device)
         comm.init_communicator()
         if m == 1:
             run_1f1b(runner, comm)

@@ -17,6 +17,7 @@ import torch
 from seqpar.analysis.measure import SavedTensorMeter
 from seqpar.analysis.table2 import plan_rows
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import ParallelDims, group_rank, group_size
@@ -184,7 +185,7 @@ def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, 
     run = (lambda x: checkpoint(layer, x, tracker=tracker)) if rc.granularity == "full" else layer
     gen = torch.Generator(device=device).manual_seed(seed)
     s = cfg.seq_len // t if sp else cfg.seq_len
-    x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(cfg.torch_dtype)  # [s(/t), b, h]
+    x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]
     x.requires_grad_(True)
     run(x).float().square().mean().backward()  # warm-up: GEMM workspaces and communicators exist now
     layer.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from seqpar.analysis.flops import layer_forward_flops, recompute_extra_flops
 from seqpar.config import RecomputeConfig
+from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.rng import RNGTracker
@@ -69,8 +70,8 @@ def table4(ctx) -> tuple[bool, dict, str]:
         configure_layer(layer, RecomputeConfig(rc), tracker)
         fn = (lambda x, layer=layer, tracker=tracker: checkpoint(layer, x, tracker=tracker)) if rc == "full" else layer
         s = cfg.seq_len // t if sp and t > 1 else cfg.seq_len
-        x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(cfg.torch_dtype)  # [s(/t), b, h]
-        dy = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(cfg.torch_dtype)
+        x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]
+        dy = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))
         runs[name] = (layer, fn, x, dy)
     fwd, bwd = {n: [] for n in runs}, {n: [] for n in runs}
     for i in range(ctx.sizes.warmup + ctx.sizes.repeats):

@@ -8,6 +8,7 @@ import json
 import torch
 
 from seqpar.config import ConfigError
+from seqpar.dtypes import torch_dtype
 
 
 def _toml_value(value) -> str:
@@ -47,9 +48,9 @@ def predicted_memory(job, device: torch.device | None = None) -> list:
     shape = model_shape(m)
     par = Parallelism(tp=p.tp, pp=p.pp, dp=p.dp, sp=p.sp and p.tp > 1, interleave=p.interleave)
     rc = Recompute(r.granularity, r.method, r.num_layers)
-    act = torch.empty((), dtype=m.torch_dtype).element_size()
+    act = m.dtype_bytes
     opts = ActivationOptions(act_bytes=act, mask_bytes=1, logits_bytes=4,
-                             ln_stats_bytes=layernorm_stat_bytes(device, m.torch_dtype), dropout=uses_dropout(m),
+                             ln_stats_bytes=layernorm_stat_bytes(device, torch_dtype(m.dtype)), dropout=uses_dropout(m),
                              fused_attention=m.attention == "sdpa")
     # the trainer's states: fp32 -- weight 4 + grad 4 + Adam 8; 16-bit -- weight 2 + fp32 grad 4 + master 4 + Adam 8
     opt = (OptimizerOptions(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8) if act == 4

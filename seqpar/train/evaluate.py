@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import ParallelDims
 
 
@@ -51,7 +52,7 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
                 if dims.pp_rank == owner:
                     chunk = chunks[chunk_id]
                     if v > 0 and owner != (v - 1) % dims.pp:
-                        x = torch.empty(hidden_shape(chunk, tokens.shape[0]), dtype=chunk.cfg.torch_dtype,
+                        x = torch.empty(hidden_shape(chunk, tokens.shape[0]), dtype=torch_dtype(chunk.cfg.dtype),
                                         device=device)
                         dist.recv(x, src=dims.pp_ranks[(v - 1) % dims.pp], group=dims.pp_group)
                     inp = tokens.to(device) if chunk.first else x

@@ -22,6 +22,7 @@ from seqpar.analysis.measure import SavedTensorMeter, layernorm_stat_bytes
 from seqpar.analysis.memory import layer_activation_bytes
 from seqpar.analysis.table2 import formula_options
 from seqpar.config import ConfigError
+from seqpar.dtypes import torch_dtype
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3) -> float:
@@ -123,7 +124,7 @@ def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
         return float("nan")
     per_layer = layer_activation_bytes(m.seq_len, job.train.micro_batch, m.hidden_size, m.num_heads, p.tp,
                                        sp=p.sp and p.tp > 1, recompute=r.granularity, modules=r.modules or None,
-                                       ln_stats_bytes=layernorm_stat_bytes(device, m.torch_dtype), **options)
+                                       ln_stats_bytes=layernorm_stat_bytes(device, torch_dtype(m.dtype)), **options)
     return per_layer * layers
 
 
@@ -147,7 +148,7 @@ def step_flops(job) -> tuple[float, float]:
 class Throughput:
     def __init__(self, job, device: torch.device):
         self.job = job
-        self.peak, self.peak_source = peak_flops(job.train.peak_tflops, device, job.model.torch_dtype)
+        self.peak, self.peak_source = peak_flops(job.train.peak_tflops, device, torch_dtype(job.model.dtype))
         m, t = job.model, job.train
         self.tokens = t.global_batch * m.seq_len
         self.model_flops, self.hardware_flops = step_flops(job)

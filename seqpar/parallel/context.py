@@ -1,0 +1,59 @@
+"""Context parallelism's sequence layout: which tokens a cp rank holds (load-balanced causal split).
+
+The sequence of length s is cut into 2·cp chunks of s/(2·cp) tokens; cp rank i holds chunks i and
+2·cp − 1 − i, concatenated in that order. Under a causal mask the early chunk sees few keys and the
+late chunk many, so every rank does the same attention work (a plain split into cp pieces would give
+the last rank cp times the work of the first). The local sequence stays in increasing global order,
+so causal attention of a rank's own tokens is an ordinary causal mask over its 2·s/(2·cp) positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seqpar.config import ConfigError
+
+
+def check_divisible(seq_len: int, cp: int) -> None:
+    """Refuse a sequence that does not cut into 2·cp equal chunks."""
+    if cp < 1:
+        raise ConfigError(f"cp must be positive, got {cp}")
+    if seq_len % (2 * cp):
+        raise ConfigError(f"seq {seq_len} is not divisible by 2 × cp {cp} = {2 * cp} "
+                          f"(each cp rank holds two chunks of the sequence)")
+
+
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2·cp) cp rank ``rank`` holds: ``(rank, 2·cp − 1 − rank)``."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"cp rank {rank} is not in [0, {cp})")
+    return rank, 2 * cp - 1 - rank
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions ``[s/cp]`` of the tokens cp rank ``rank`` holds, in local order."""
+    check_divisible(seq_len, cp)
+    c = seq_len // (2 * cp)
+    first, second = chunk_ids(cp, rank)
+    return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
+                      torch.arange(second * c, (second + 1) * c, device=device)])  # [s/cp]
+
+
+def split_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """The tokens of cp rank ``rank`` along ``dim``: ``[.., s, ..]`` → ``[.., s/cp, ..]`` (a copy)."""
+    if cp == 1:
+        return x
+    check_divisible(x.shape[dim], cp)
+    chunks = x.chunk(2 * cp, dim=dim)  # 2·cp views of s/(2·cp)
+    first, second = chunk_ids(cp, rank)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)  # [.., s/cp, ..]
+
+
+def gather_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Inverse of ``split_sequence`` over all cp ranks: ``cp × [.., s/cp, ..]`` → ``[.., s, ..]``."""
+    cp = len(parts)
+    chunks: list = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = chunk_ids(cp, rank)
+        chunks[first], chunks[second] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)  # [.., s, ..]

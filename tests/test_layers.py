@@ -11,6 +11,7 @@ from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.layers import ColumnParallelLinear, padded_vocab
+from seqpar.parallel.layout import ParamLayout
 from seqpar.parallel.sharding import shard_tensor
 
 
@@ -92,7 +93,7 @@ class _VocabParam:
 
     def __init__(self, per_rank, vocab):
         self.shape = (6, 3, per_rank)
-        self.tp_split_dim, self.tp_full_size = 2, vocab
+        self.parallel_layout = ParamLayout(split_dim=2, full_size=vocab)
 
 
 def test_stored_input_trick_overlaps_collectives_with_gemms():

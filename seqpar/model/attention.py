@@ -24,8 +24,8 @@ from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from seqpar.parallel.layout import GroupedQKVLayout, relayout
 from seqpar.parallel.rng import Dropout, RNGTracker
-from seqpar.parallel.sharding import GroupedQKVLayout
 
 
 class CausalSoftmax(torch.autograd.Function):
@@ -182,7 +182,7 @@ class SelfAttention(nn.Module):
                                         init_std=cfg.init_std, dtype=dtype, device=device)
         if layout is not None:
             for p in self.qkv.parameters():
-                p.tp_layout = layout
+                relayout(p, grouped=layout)
             self.core = CoreAttention(1, a // t, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")
         else:
             self.core = CoreAttention(kv // t, g, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")

@@ -21,6 +21,7 @@ from seqpar.parallel import comm
 from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from seqpar.parallel.dims import ParallelDims, group_size
 from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
+from seqpar.parallel.layout import relayout
 from seqpar.parallel.rng import RNGTracker
 
 IGNORE_INDEX = -100
@@ -47,7 +48,7 @@ class GPTStage(nn.Module):
             self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=torch_dtype(cfg.dtype), device=device)),
                                       split_dim=0, full_size=cfg.vocab_size, init_std=cfg.init_std)
             if cfg.tie_embeddings:
-                self.output_weight.init_key = "embedding.word.weight"
+                relayout(self.output_weight, init_key="embedding.word.weight")
         # Set by seqpar.recompute: [(first, last)] index ranges into self.layers run as one
         # checkpointed unit; layers outside every range keep all their activations.
         self.full_recompute_groups: list[tuple[int, int]] = []

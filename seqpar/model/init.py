@@ -7,6 +7,7 @@ import zlib
 import torch
 from torch import nn
 
+from seqpar.parallel.layout import layout_of
 from seqpar.parallel.sharding import full_shape, shard_tensor
 
 
@@ -23,7 +24,6 @@ def full_init(name: str, shape: tuple[int, ...], method: str, std: float, seed: 
 @torch.no_grad()
 def init_parameters(module: nn.Module, seed: int, tp_rank: int = 0, tp: int = 1) -> None:
     for name, param in module.named_parameters():
-        key = getattr(param, "init_key", name)
-        full = full_init(key, full_shape(param, tp), getattr(param, "init_method", "normal"),
-                         getattr(param, "init_std", 0.02), seed)
+        layout = layout_of(param)
+        full = full_init(layout.init_key or name, full_shape(param, tp), layout.init, layout.init_std, seed)
         param.copy_(shard_tensor(full, param, tp_rank, tp))

@@ -12,6 +12,7 @@ from torch import nn
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from seqpar.parallel.layout import relayout
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -74,7 +75,7 @@ class MLP(nn.Module):
         self.fc1 = ColumnParallelLinear(h, parts * f, group, sequence_parallel, bias=cfg.bias,
                                         init_std=cfg.init_std, dtype=dtype, device=device)
         for p in self.fc1.parameters():
-            p.tp_split_parts = parts  # [gate; up]: each rank holds its slice of both halves
+            relayout(p, parts=parts)  # [gate; up]: each rank holds its slice of both halves
         self.act = activation(cfg)
         self.fc2 = RowParallelLinear(f, h, group, sequence_parallel, bias=cfg.bias, init_std=output_std,
                                      dtype=dtype, device=device)

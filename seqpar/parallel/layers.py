@@ -1,6 +1,6 @@
 """Megatron-style parallel layers (Sec. 4.2.1) with the sequence-parallel stored-input trick.
 
-Every parameter carries its tensor-parallel layout as attributes (see ``mark``), so that
+Every parameter carries its tensor-parallel layout as one ``ParamLayout`` (see ``mark``), so that
 sharding a full model, gathering it back and all-reducing sequence-parallel gradients are
 generic operations over ``module.parameters()``.
 """
@@ -13,19 +13,18 @@ from torch import nn
 
 from seqpar.parallel import comm
 from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.layout import ParamLayout
 
 
 def mark(param: nn.Parameter, split_dim: int | None = None, sequence_parallel: bool = False,
          full_size: int | None = None, init: str = "normal", init_std: float = 0.02) -> nn.Parameter:
-    """Record a parameter's layout: split along ``split_dim`` over the TP group (None: replicated),
-    ``sequence_parallel``: replicated but its gradient comes from sequence-sharded data, so it is a
-    partial sum that must be all-reduced over the TP group; ``full_size``: the unpadded size of the
-    split dimension (vocabulary padding); ``init``: normal | zeros | ones."""
-    param.tp_split_dim = split_dim
-    param.sequence_parallel = sequence_parallel
-    param.tp_full_size = full_size
-    param.init_method = init
-    param.init_std = init_std
+    """Record a parameter's layout (``param.parallel_layout``, a ``ParamLayout``): split along
+    ``split_dim`` over the TP group (None: replicated), ``sequence_parallel``: replicated but its
+    gradient comes from sequence-sharded data, so it is a partial sum that must be all-reduced over
+    the TP group; ``full_size``: the unpadded size of the split dimension (vocabulary padding);
+    ``init``: normal | zeros | ones."""
+    param.parallel_layout = ParamLayout(split_dim=split_dim, full_size=full_size,
+                                        sequence_parallel=sequence_parallel, init=init, init_std=init_std)
     return param
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
 from seqpar.train.config import TrainConfig
 from seqpar.train.loss_scale import DynamicLossScaler
@@ -39,7 +40,7 @@ def is_tied_copy(chunk: nn.Module, name: str) -> bool:
 
 def canonical_name(name: str, param: nn.Parameter) -> str:
     """The parameter's name in the single-process model (the tied copy maps to the embedding)."""
-    return getattr(param, "init_key", name) if name == TIED_NAME else name
+    return (layout_of(param).init_key or name) if name == TIED_NAME else name
 
 
 def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -114,10 +115,10 @@ class MasterOptimizer:
             grad = grad_of(p)
             if grad is None or id(p) in self.tied_copies:
                 continue
-            layout = getattr(p, "tp_layout", None)
-            if layout is not None:
-                grad = layout.counted_rows(grad, tp_rank)
-            elif getattr(p, "tp_split_dim", None) is None and tp_rank != 0:
+            layout = layout_of(p)
+            if layout.grouped is not None:
+                grad = layout.grouped.counted_rows(grad, tp_rank)
+            elif layout.split_dim is None and tp_rank != 0:
                 continue
             total += grad.detach().double().pow(2).sum()
         for group in (self.dims.tp_group, self.dims.pp_group):

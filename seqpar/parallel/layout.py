@@ -1,0 +1,160 @@
+"""A parameter's tensor-parallel layout: one small dataclass, ``param.parallel_layout`` (set by ``layers.mark``).
+
+A *full* tensor is the one the single-process model holds (vocabulary unpadded); a *local* tensor is this
+rank's shard. The layout answers every placement question from the local shape, the tp rank and tp:
+
+* ``full_shape``: the full tensor's shape;
+* ``pieces``: where this rank's slices of the split dimension lie in the full tensor (one piece for a plain
+  split, one per part for ``parts`` > 1 -- SwiGLU's fc1 holds [gate; up] and each rank takes its slice of
+  both -- a query piece and a k/v piece for grouped QKV; a vocabulary shard past the end is clipped);
+* how it is initialised (``init``, ``init_std``; ``init_key``: the name whose values it takes, e.g. the last
+  stage's copy of a tied word embedding) and whether its gradient is a partial sum over the tp group
+  (``sequence_parallel``: replicated but fed by sequence-sharded data).
+
+Sharding, gathering, checkpoint chunk offsets and block-wise initialisation are all built on ``pieces``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``length`` entries of the split dimension: from ``local`` in the shard, from ``full`` in the full tensor."""
+
+    local: int
+    full: int
+    length: int
+
+
+@dataclass(frozen=True)
+class GroupedQKVLayout:
+    """Fused QKV rows ordered (kv group, [q_0 … q_{g-1}, k, v], head_dim), g = heads / kv_heads, with
+    fewer kv groups than tp ranks: rank r holds heads/t query heads of group r // (t / kv_heads) and
+    that group's k and v, which are replicated on t / kv_heads ranks (their gradients are partial)."""
+
+    heads: int
+    kv: int
+    d: int
+    tp: int
+
+    def __post_init__(self):
+        if self.tp % self.kv or self.heads % self.tp:
+            raise ValueError(f"grouped QKV layout needs kv heads {self.kv} | tp {self.tp} | heads {self.heads}")
+
+    @property
+    def g(self) -> int:  # query heads per kv group
+        return self.heads // self.kv
+
+    @property
+    def n(self) -> int:  # query heads per rank
+        return self.heads // self.tp
+
+    @property
+    def ranks_per_group(self) -> int:
+        return self.tp // self.kv
+
+    def full_rows(self) -> int:
+        return self.kv * (self.g + 2) * self.d
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """This rank's query rows, then its group's k, v rows (shard order)."""
+        group, first = divmod(rank, self.ranks_per_group)
+        base = group * (self.g + 2) * self.d
+        q = self.n * self.d
+        return [Piece(0, base + first * q, q), Piece(q, base + self.g * self.d, 2 * self.d)]
+
+    def counted_rows(self, grad: torch.Tensor, rank: int) -> torch.Tensor:
+        """The rows of this rank's gradient that a global norm counts: its query rows always, the k, v
+        rows (equal on the ranks sharing them once reduced) only on the first rank of its group."""
+        return grad if rank % self.ranks_per_group == 0 else grad[: self.n * self.d]
+
+    def reduce_partial_grad(self, grad: torch.Tensor, rank: int, group) -> None:
+        """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the group)."""
+        rows = 2 * self.d
+        buffer = grad.new_zeros((self.kv * rows, *grad.shape[1:]))
+        mine = slice((rank // self.ranks_per_group) * rows, (rank // self.ranks_per_group + 1) * rows)
+        buffer[mine] = grad[self.n * self.d:]
+        dist.all_reduce(buffer, group=group)
+        grad[self.n * self.d:] = buffer[mine]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where a parameter's shard lies in the full tensor, and how the parameter is initialised."""
+
+    split_dim: int | None = None  # None: replicated over the tp group
+    full_size: int | None = None  # the unpadded size of the split dimension (vocabulary padding)
+    parts: int = 1  # equal parts of the split dimension, each split on its own ([gate; up])
+    grouped: GroupedQKVLayout | None = None  # fused QKV with fewer kv heads than ranks
+    sequence_parallel: bool = False  # replicated, gradient a partial sum over the tp group
+    init: str = "normal"  # normal | zeros | ones
+    init_std: float = 0.02
+    init_key: str | None = None  # the name whose initial values it takes (None: its own)
+
+    @property
+    def dim(self) -> int:
+        """The dimension ``pieces`` index (0 for a replicated parameter)."""
+        return 0 if self.split_dim is None else self.split_dim
+
+    def full_shape(self, local_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        shape = list(local_shape)
+        if self.grouped is not None:
+            shape[self.dim] = self.grouped.full_rows()
+        elif self.split_dim is not None:
+            shape[self.dim] = self.full_size or shape[self.dim] * tp
+        return tuple(shape)
+
+    def pieces(self, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Piece]:
+        """This rank's slices of dimension ``dim``, in shard order; their lengths sum to the local size
+        less the padding."""
+        local = local_shape[self.dim]
+        if self.grouped is not None:
+            return self.grouped.pieces(tp_rank)
+        if self.split_dim is None:
+            return [Piece(0, 0, local)]
+        if self.parts > 1:
+            part = local // self.parts  # each part's slice on this rank
+            return [Piece(k * part, k * part * tp + tp_rank * part, part) for k in range(self.parts)]
+        full = self.full_size or local * tp
+        start = tp_rank * local
+        return [Piece(0, min(start, full), max(0, min(local, full - start)))]
+
+    def shard(self, full: torch.Tensor, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> torch.Tensor:
+        """This rank's shard of ``full`` (padding rows zero)."""
+        if self.split_dim is None:
+            return full
+        local = full.new_zeros(local_shape)
+        for p in self.pieces(local_shape, tp_rank, tp):
+            local.narrow(self.dim, p.local, p.length).copy_(full.narrow(self.dim, p.full, p.length))
+        return local
+
+    def gather(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every tp rank's shard, in rank order."""
+        local_shape, tp = tuple(shards[0].shape), len(shards)
+        if self.split_dim is None:
+            return shards[0]
+        full = shards[0].new_empty(self.full_shape(local_shape, tp))
+        for rank, shard in enumerate(shards):
+            for p in self.pieces(local_shape, rank, tp):
+                full.narrow(self.dim, p.full, p.length).copy_(shard.narrow(self.dim, p.local, p.length))
+        return full
+
+
+REPLICATED = ParamLayout()
+
+
+def layout_of(param: torch.Tensor) -> ParamLayout:
+    """The parameter's layout (replicated, N(0, 0.02²) for a parameter never marked)."""
+    return getattr(param, "parallel_layout", None) or REPLICATED
+
+
+def relayout(param: torch.Tensor, **changes) -> torch.Tensor:
+    """Replace fields of ``param``'s layout (e.g. ``parts=2``, ``grouped=...``, ``init_key=...``)."""
+    param.parallel_layout = dataclasses.replace(layout_of(param), **changes)
+    return param

@@ -45,7 +45,7 @@ def step_norm(cfg: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, re
     if record_dtypes:
         dist.all_reduce = spy
     try:
-        finalize_grads(chunks, dims, parallel)
+        finalize_grads(chunks, dims)
     finally:
         dist.all_reduce = original
     return float(opt.grad_norm()), opt, chunks, seen, leftover

@@ -46,7 +46,7 @@ def fp16_grads(dtype: str, scale: float | None) -> dict[str, torch.Tensor]:
     opt.zero_grad()
     forward_backward(chunks, [(tokens[i:i + 4], labels[i:i + 4]) for i in range(0, 16, 4)], dims, parallel,
                      loss_scale=opt.loss_scale)
-    finalize_grads(chunks, dims, parallel)
+    finalize_grads(chunks, dims)
     opt.unscale()
     return {name: grad_of(p).float().clone() for name, p in opt.named}
 

@@ -72,7 +72,7 @@ def parity_here(cases):
         chunks = build_stages(PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None)
         mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
         loss = forward_backward(chunks, batches[mine], dims, parallel)
-        finalize_grads(chunks, dims, parallel)
+        finalize_grads(chunks, dims)
         grads = {}
         for chunk in chunks:  # the last stage's copy of the tied weight must equal the embedding's
             for name, g in full_state_dict(chunk, dims.tp_group, grads=True).items():

@@ -43,7 +43,7 @@ def _worker(rank, world):
         dims = ParallelDims.build(parallel)
         chunks = build_stages(cfg, parallel, rc, dims, seed=9)
         forward_backward(chunks, batches[dims.dp_rank * PER_DP:(dims.dp_rank + 1) * PER_DP], dims, parallel)
-        finalize_grads(chunks, dims, parallel)
+        finalize_grads(chunks, dims)
         worst = 0.0
         for chunk in chunks:
             for name, grad in full_state_dict(chunk, dims.tp_group, grads=True).items():

@@ -76,7 +76,7 @@ def test_no_pipelining_accumulates_the_mean_gradient():
         meter = ScheduleMeter(chunks)
         meter.exclude([t for b in batches for t in b])
         loss = forward_backward(chunks, batches, dims, parallel, keep_microbatches=keep, meter=meter)
-        finalize_grads(chunks, dims, parallel)
+        finalize_grads(chunks, dims)
         grads = full_state_dict(chunks[0], None, grads=True)
         assert loss == pytest.approx(losses.mean().item(), rel=1e-6)
         assert all(torch.allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7) for k in ref_grads)

@@ -23,15 +23,18 @@ from seqpar.parallel.dims import ParallelDims, group_size
 from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
 from seqpar.parallel.layout import relayout
 from seqpar.parallel.rng import RNGTracker
+from seqpar.parallel.tied import NAME as TIED_NAME
+from seqpar.parallel.tied import TiedEmbedding, holds_copy
 
 IGNORE_INDEX = -100
 
 
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker,
-                 layer_ids: list[int], first: bool, last: bool, device=None):
+                 layer_ids: list[int], first: bool, last: bool, device=None, tied: TiedEmbedding | None = None):
         super().__init__()
         self.cfg, self.group, self.tracker = cfg, group, tracker
+        self.tied = tied or TiedEmbedding()  # the shared word-embedding weight's copies (seqpar/parallel/tied.py)
         self.sp = sequence_parallel and group_size(group) > 1
         self.first, self.last = first, last
         self.layer_ids = list(layer_ids)
@@ -47,8 +50,8 @@ class GPTStage(nn.Module):
             shape = (padded_vocab(cfg.vocab_size, t) // t, cfg.hidden_size)
             self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=torch_dtype(cfg.dtype), device=device)),
                                       split_dim=0, full_size=cfg.vocab_size, init_std=cfg.init_std)
-            if cfg.tie_embeddings:
-                relayout(self.output_weight, init_key="embedding.word.weight")
+            if holds_copy(cfg.tie_embeddings, first, last):
+                relayout(self.output_weight, init_key=TIED_NAME)
         # Set by seqpar.recompute: [(first, last)] index ranges into self.layers run as one
         # checkpointed unit; layers outside every range keep all their activations.
         self.full_recompute_groups: list[tuple[int, int]] = []
@@ -118,8 +121,11 @@ def _chain(layers):
 
 def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_parallel: bool = False,
                 seed: int = 1234, layer_ids: list[int] | None = None, first: bool = True, last: bool = True,
-                device=None) -> GPTStage:
+                device=None, stage: int | None = None, tied: TiedEmbedding | None = None) -> GPTStage:
     """Build (one stage of) the GPT for this rank and initialise it from ``seed``.
+
+    ``stage``: the virtual pipeline stage, for the dropout seeds (default: this pipeline rank);
+    ``tied``: the tied word embedding's group when its copies live on two stages.
 
     The initialisation is independent of the parallel layout: every parameter is drawn whole from a
     generator seeded by ``seed`` and its name, then sharded, so any tp/pp split computes the same
@@ -127,8 +133,8 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     """
     cfg.validate()
     dims = dims or ParallelDims.single()
-    tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank)
+    tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank if stage is None else stage)
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
-    stage = GPTStage(cfg, dims.tp_group, sequence_parallel, tracker, ids, first, last, device)
-    init_parameters(stage, seed, dims.tp_rank, dims.tp)
-    return stage
+    model = GPTStage(cfg, dims.tp_group, sequence_parallel, tracker, ids, first, last, device, tied)
+    init_parameters(model, seed, dims.tp_rank, dims.tp)
+    return model

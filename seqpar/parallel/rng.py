@@ -1,4 +1,4 @@
-"""Dropout RNG per region, device-agnostic (Sec. 4.2.2 and the spec's correctness notes).
+"""Dropout RNG per region, device-agnostic (Sec. 4.2.2; docs/analysis.md, "Recompute RNG state").
 
 Two streams, each drawing through an explicit ``torch.Generator`` on the tensor's device:
   * ``replicated`` -- identical on every tensor-parallel rank: dropout on tensors that all TP
@@ -13,6 +13,10 @@ stream), which recomputation saves and restores so recomputed masks equal the or
 for bit -- no generator state tensor is kept for backward (a CPU generator's is 5,056 bytes, which
 the activation formula would otherwise have to count per checkpoint). Masks are kept as 1 byte per
 element (bool), as on GPU.
+
+The seed scheme is ``stream_seeds`` (each stream's seed on a tensor-parallel rank of a virtual
+pipeline stage) and ``step_key`` (the key a training step reseeds with): checkpoints and resumed
+runs depend on these numbers staying as they are.
 """
 
 from __future__ import annotations
@@ -34,13 +38,25 @@ def mix(*values: int) -> int:
     return h & (2**63 - 1)
 
 
+def stream_seeds(seed: int, tp_rank: int = 0, stage: int = 0) -> dict[str, int]:
+    """The two streams' seeds on tensor-parallel rank ``tp_rank`` of virtual pipeline stage ``stage``
+    (pipeline rank + chunk × p): different stages hold different layers, so each has its own streams;
+    ``replicated`` is equal over the tp ranks, ``sharded`` differs per tp rank."""
+    base = seed + 100 * stage
+    return {"replicated": base, "sharded": base + 2718 + tp_rank}
+
+
+def step_key(seed: int, step: int, chunk: int) -> int:
+    """The key a training step's dropout draws start from on this rank's ``chunk``-th model chunk:
+    masks are a pure function of (seed, step), so a resumed run draws the same ones."""
+    return mix(seed * 7 + step, chunk)
+
+
 class RNGTracker:
     """Seeds and draw counters of the two dropout streams; generators created lazily per device."""
 
-    def __init__(self, seed: int = 1234, tp_rank: int = 0, pp_rank: int = 0):
-        # Different pipeline stages hold different layers: give each stage its own streams.
-        base = seed + 100 * pp_rank
-        self.seeds = {"replicated": base, "sharded": base + 2718 + tp_rank}
+    def __init__(self, seed: int = 1234, tp_rank: int = 0, stage: int = 0):
+        self.seeds = stream_seeds(seed, tp_rank, stage)
         self.key = 0
         self.offsets = dict.fromkeys(STREAMS, 0)
         self._gens: dict[tuple[str, str], torch.Generator] = {}

@@ -2,7 +2,7 @@
 
     chunks = build_stages(cfg, parallel, recompute, dims, seed)
     loss = forward_backward(chunks, microbatches, dims, parallel)   # local mean over microbatches
-    finalize_grads(chunks, dims, parallel)                          # SP, tied weights, dp average
+    finalize_grads(chunks, dims)                                    # SP, tied weights, dp average
 """
 
 from seqpar.pipeline.build import build_stages

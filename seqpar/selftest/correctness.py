@@ -130,6 +130,7 @@ def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: in
     against the single-process model on the CPU: relative errors of the loss and of the worst
     gradient of this rank's stage (the tied embedding/output weight after its two copies are summed)."""
     from seqpar.model import build_model
+    from seqpar.parallel.tied import canonical_name
     from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 
     cfg = replace(cfg, num_layers=world)
@@ -139,7 +140,7 @@ def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: in
     tokens, labels = parity_batch(cfg)  # [2, s]
     microbatches = [(tokens[i:i + 1], labels[i:i + 1]) for i in range(tokens.shape[0])]
     loss = forward_backward(chunks, microbatches, dims, parallel)
-    finalize_grads(chunks, dims, parallel)
+    finalize_grads(chunks, dims)
     reference = build_model(cfg, seed=seed)
     ref_loss = 0.0
     for tok, lab in microbatches:  # the schedule's loss: the mean over microbatches of each one's mean
@@ -150,7 +151,7 @@ def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: in
     errors = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            key = "embedding.word.weight" if name == "output_weight" else name
+            key = canonical_name(chunk, name)
             errors[key] = relative_error(p.grad.cpu(), ref_grads[key])
     return errors
 

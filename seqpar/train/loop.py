@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.rng import mix
+from seqpar.parallel.rng import step_key
+from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import fault as fault_hook
 from seqpar.train.config import JobConfig, build_job
@@ -63,15 +64,10 @@ def init_distributed(world_size: int, device: torch.device) -> bool:
     return False
 
 
-def reseed_dropout(chunks: list, seed_step: int) -> None:
+def reseed_dropout(chunks: list, seed: int, step: int) -> None:
     """Dropout masks as a pure function of (the tracker's seeds, chunk, step): exact resumes."""
     for i, chunk in enumerate(chunks):
-        chunk.tracker.reseed(mix(seed_step, i))
-
-
-def _pipeline():
-    from seqpar.pipeline import build_stages, finalize_grads, forward_backward
-    return build_stages, forward_backward, finalize_grads
+        chunk.tracker.reseed(step_key(seed, step, i))
 
 
 class Trainer:
@@ -90,7 +86,7 @@ class Trainer:
         self.dims = ParallelDims.build(job.parallel)
         self.rank0 = self.dims.rank == 0
         self.quiet = quiet or not self.rank0
-        build_stages, self._forward_backward, self._finalize = _pipeline()
+        self._forward_backward, self._finalize = forward_backward, finalize_grads  # tests wrap them
         self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
         self.opt = MasterOptimizer(self.chunks, t, self.dims)
         self.state = TrainState()
@@ -152,11 +148,11 @@ class Trainer:
         """One optimizer step; returns (loss, grad norm, outcome): ``applied``, ``overflow`` (fp16: the
         scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``."""
         t, dims, opt = self.job.train, self.dims, self.opt
-        reseed_dropout(self.chunks, t.seed * 7 + step)
+        reseed_dropout(self.chunks, t.seed, step)
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad()
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale)
-        self._finalize(self.chunks, dims, self.job.parallel)  # fp32 reductions of the (scaled) gradients
+        self._finalize(self.chunks, dims)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike

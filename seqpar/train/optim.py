@@ -18,11 +18,10 @@ from torch import nn
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
+from seqpar.parallel.tied import canonical_name
 from seqpar.train.config import TrainConfig
 from seqpar.train.loss_scale import DynamicLossScaler
 from seqpar.train.schedule import learning_rate
-
-TIED_NAME = "output_weight"  # the last stage's copy of the word embedding (tied, pp > 1)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -30,22 +29,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return learning_rate(step, cfg)
 
 
-def is_tied_copy(chunk: nn.Module, name: str) -> bool:
-    """The last stage's copy of a tied word embedding (its first-stage twin is the one counted).
-
-    An untied model's ``output_weight`` is a parameter of its own: it is not a copy.
-    """
-    return name == TIED_NAME and getattr(chunk, "tied_group", None) is not None
-
-
-def canonical_name(name: str, param: nn.Parameter) -> str:
-    """The parameter's name in the single-process model (the tied copy maps to the embedding)."""
-    return (layout_of(param).init_key or name) if name == TIED_NAME else name
-
-
 def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """(canonical name, parameter) of every chunk this rank holds, in a fixed order."""
-    return [(canonical_name(n, p), p) for chunk in chunks for n, p in chunk.named_parameters()]
+    return [(canonical_name(chunk, n), p) for chunk in chunks for n, p in chunk.named_parameters()]
 
 
 class MasterOptimizer:
@@ -54,7 +40,8 @@ class MasterOptimizer:
     def __init__(self, chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims
         self.named = named_parameters(chunks)
-        self.tied_copies = {id(p) for chunk in chunks for n, p in chunk.named_parameters() if is_tied_copy(chunk, n)}
+        self.tied_copies = {id(p) for chunk in chunks for n, p in chunk.named_parameters()
+                            if chunk.tied.is_copy(chunk, n)}  # counted with their first-stage twin
         self.masters: list[nn.Parameter] = []
         for _, p in self.named:
             self.masters.append(p if p.dtype == torch.float32 else nn.Parameter(p.detach().float()))

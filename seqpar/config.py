@@ -179,11 +179,16 @@ def layer_counts(num_layers: int, pp: int, interleave: int = 1, counts: list[int
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """world = dp × pp × tp, tp innermost (consecutive ranks share a tensor-parallel group)."""
+    """world = dp × pp × cp × tp, tp innermost (consecutive ranks share a tensor-parallel group).
+
+    ``cp``: context parallelism, the sequence split over cp ranks in every region of the layer, the
+    attention core exchanging K/V around them (``seqpar.parallel.ring_attention``).
+    """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     sp: bool = False  # sequence parallelism over the tp group (Sec. 4.2.2)
     interleave: int = 1  # m: virtual pipeline chunks per pipeline rank
     # Layers per virtual stage in model order (pp × interleave entries) for an uneven split; empty:
@@ -192,17 +197,24 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
+
+    def describe_world(self) -> str:
+        """``dp 2 × pp 1 × cp 2 × tp 4`` (cp named only when used)."""
+        cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        return f"dp {self.dp} × pp {self.pp}{cp} × tp {self.tp}"
 
     def layer_counts(self, num_layers: int) -> list[int]:
         """Layers of each virtual stage, in model order (validated)."""
         return layer_counts(num_layers, self.pp, self.interleave, list(self.layer_split) or None)
 
     def validate(self, model: ModelConfig | None = None, world_size: int | None = None) -> ParallelConfig:
-        _positive(tp=self.tp, pp=self.pp, dp=self.dp, interleave=self.interleave)
+        _positive(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, interleave=self.interleave)
         if world_size is not None and self.world_size != world_size:
-            raise ConfigError(f"dp {self.dp} × pp {self.pp} × tp {self.tp} = {self.world_size} "
-                              f"!= world size {world_size}")
+            raise ConfigError(f"{self.describe_world()} = {self.world_size} != world size {world_size}")
+        if self.cp > 1 and self.pp > 1:
+            raise ConfigError(f"cp {self.cp} with pp {self.pp}: context parallelism does not run with "
+                              "pipeline parallelism yet")
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
         if model is not None:
@@ -214,9 +226,13 @@ class ParallelConfig:
                                   "(kv heads are split, or replicated when fewer than tp)")
             if model.ffn % self.tp:
                 raise ConfigError(f"ffn width {model.ffn} is not divisible by tp {self.tp}")
-            if self.sp and model.seq_len % self.tp:
-                raise ConfigError(f"sequence {model.seq_len} is not divisible by tp {self.tp} "
-                                  "(sequence parallelism splits it)")
+            if self.cp > 1 and model.seq_len % (2 * self.cp):
+                raise ConfigError(f"sequence {model.seq_len} is not divisible by 2 × cp {self.cp} = "
+                                  f"{2 * self.cp} (each cp rank holds two chunks of it)")
+            if self.sp and (model.seq_len // self.cp) % self.tp:
+                split = f"sequence {model.seq_len} / cp {self.cp} = {model.seq_len // self.cp}" if self.cp > 1 \
+                    else f"sequence {model.seq_len}"
+                raise ConfigError(f"{split} is not divisible by tp {self.tp} (sequence parallelism splits it)")
             self.layer_counts(model.num_layers)
         return self
 

@@ -121,7 +121,8 @@ def _ranks(rank, cp, s):
             out.sum().backward()
     finally:
         ring.exchange = exchange
-    return results, events
+    sequence_first = out.permute(3, 0, 1, 2, 4).is_contiguous()  # storage [s/cp, b, kv, g, d]
+    return results, events, sequence_first
 
 
 @functools.cache
@@ -131,9 +132,10 @@ def _run(cp: int, s: int = 16):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_single_process(cp):
-    for rank, (results, _) in enumerate(_run(cp)):
+    for rank, (results, _, sequence_first) in enumerate(_run(cp)):
         for case, errors in results.items():
             assert max(errors) < 1e-5, (cp, rank, case, "out dq dk dv", errors)
+        assert sequence_first, "the output's storage is [s/cp, b, kv, g, d]: the caller's [s/cp, b, h] is a view"
 
 
 def test_ring_exchange_overlaps_block_compute():
@@ -144,7 +146,7 @@ def test_ring_exchange_overlaps_block_compute():
         bwd = ["kv started", "compute", "dkv started", "kv waited"] + \
               ["kv started", "compute", "dkv waited", "dkv started", "kv waited"] * (cp - 2) + \
               ["compute", "dkv waited", "dkv started", "dkv waited"]
-        for rank, (_, events) in enumerate(_run(cp)):
+        for rank, (_, events, _) in enumerate(_run(cp)):
             assert events == fwd * (cp - 1) + ["compute", "backward"] + bwd, (cp, rank, events)
 
 

@@ -1,7 +1,12 @@
-"""ParallelDims: world = dp × pp × tp, tp innermost, and the process groups that follow.
+"""ParallelDims: world = dp × pp × cp × tp, tp innermost, and the process groups that follow.
 
-Rank layout: ``rank = (dp_rank * pp + pp_rank) * tp + tp_rank``, so the ranks of one
-tensor-parallel group are consecutive (on one node when tp <= GPUs per node).
+Rank layout: ``rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank``. The ranks of one
+tensor-parallel group are consecutive (on one node when tp <= GPUs per node): TP's all-gathers and
+reduce-scatters sit on every layer's critical path, twice each way. Context parallelism comes next:
+its ring sends K/V to one neighbour per step, overlapped with the block's compute, so it tolerates a
+slower link but still wants the node's links when tp · cp fits in it. Pipeline parallelism (one p2p
+per microbatch at each stage boundary) and data parallelism (one gradient all-reduce per step) are
+the least frequent and go outermost.
 """
 
 from __future__ import annotations
@@ -29,28 +34,41 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     rank: int = 0
     tp_group: object = field(default=None, repr=False)
     pp_group: object = field(default=None, repr=False)
     dp_group: object = field(default=None, repr=False)
+    cp_group: object = field(default=None, repr=False)
+    # dp × cp: the ranks holding the same parameters (same pp and tp coordinates); gradients are
+    # averaged over it (each cp rank's gradient is the whole sequence's, see GPTStage.forward)
+    grad_group: object = field(default=None, repr=False)
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
     tp_ranks: list[int] = field(default_factory=lambda: [0])
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
+
+    @property
     def pp_rank(self) -> int:
-        return (self.rank // self.tp) % self.pp
+        return (self.rank // (self.tp * self.cp)) % self.pp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.pp)
+        return self.rank // (self.tp * self.cp * self.pp)
+
+    def rank_of(self, dp: int, pp: int, cp: int, tp: int) -> int:
+        """The global rank at coordinates (dp, pp, cp, tp)."""
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     @classmethod
     def single(cls) -> ParallelDims:
@@ -61,27 +79,33 @@ class ParallelDims:
     def build(cls, parallel: ParallelConfig) -> ParallelDims:
         """Create every group; every rank must call this, in the same order.
 
-        ``torch.distributed`` must already be initialised with world = dp × pp × tp.
+        ``torch.distributed`` must already be initialised with world = dp × pp × cp × tp.
         """
         if not dist.is_initialized():
             if parallel.world_size == 1:
                 return cls.single()
-            raise ConfigError(f"dp {parallel.dp} × pp {parallel.pp} × tp {parallel.tp} = "
-                              f"{parallel.world_size} ranks need torch.distributed to be initialised")
+            raise ConfigError(f"{parallel.describe_world()} = {parallel.world_size} ranks need "
+                              "torch.distributed to be initialised")
         parallel.validate(world_size=dist.get_world_size())
-        tp, pp, dp = parallel.tp, parallel.pp, parallel.dp
-        dims = cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank())
+        tp, pp, dp, cp = parallel.tp, parallel.pp, parallel.dp, parallel.cp
+        dims = cls(tp=tp, pp=pp, dp=dp, cp=cp, rank=dist.get_rank())
+        coords = [(d, p, c, t) for d in range(dp) for p in range(pp) for c in range(cp) for t in range(tp)]
 
-        def rank_of(d: int, p: int, t: int) -> int:
-            return (d * pp + p) * tp + t
+        def groups(vary: str) -> list[list[int]]:
+            """One rank list per setting of the other coordinates, ``vary`` running fastest."""
+            keep = [i for i, name in enumerate("dpct") if name not in vary]
+            out: dict[tuple, list[int]] = {}
+            for co in coords:
+                out.setdefault(tuple(co[i] for i in keep), []).append(dims.rank_of(*co))
+            return list(out.values())
 
         # new_group is collective over the world: every rank creates every group, in the same order.
-        dims.tp_group, dims.tp_ranks = _my_group(
-            [[rank_of(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)], dims.rank)
-        dims.pp_group, dims.pp_ranks = _my_group(
-            [[rank_of(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)], dims.rank)
-        dims.dp_group, _ = _my_group(
-            [[rank_of(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)], dims.rank)
+        dims.tp_group, dims.tp_ranks = _my_group(groups("t"), dims.rank)
+        dims.pp_group, dims.pp_ranks = _my_group(groups("p"), dims.rank)
+        dims.dp_group, _ = _my_group(groups("d"), dims.rank)
+        dims.cp_group, _ = _my_group(groups("c"), dims.rank)
+        dims.grad_group = dims.dp_group if cp == 1 else dims.cp_group if dp == 1 else \
+            _my_group(groups("dc"), dims.rank)[0]
         return dims
 
 

@@ -175,12 +175,16 @@ class RingAttention(torch.autograd.Function):
     """Causal attention over the cp ring: ``q [b, kv, g, s/cp, d]``, ``k, v [b, kv, s/cp, d]`` → like q.
 
     Keeps q, k, v (the inputs, no copy), the output and the log-sum-exp ``[b, kv, g, s/cp]``
-    (fp32, or the input dtype when wider) for backward; dropout seeds are Python integers."""
+    (fp32, or the input dtype when wider) for backward; dropout seeds are Python integers. The
+    output's storage is sequence-first ``[s/cp, b, kv, g, d]``: a caller's ``[s/cp, b, heads·d]``
+    view of it (the next linear layer's saved input) is the same storage as the kept output."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale: float, core: str, dropout_p: float, draw):
         cp, rank, s = group_size(group), group_rank(group), q.shape[3]
-        out = torch.empty(q.shape, dtype=_acc(q.dtype), device=q.device)  # [b, kv, g, s/cp, d]
+        b, n, g, _, d = q.shape
+        out = torch.empty((s, b, n, g, d), dtype=_acc(q.dtype), device=q.device)  # sequence-first storage
+        out = out.permute(1, 2, 3, 0, 4)  # [b, kv, g, s/cp, d] (view)
         lse = torch.empty(q.shape[:-1], dtype=_acc(q.dtype), device=q.device)  # [b, kv, g, s/cp]
         seeds, kv = [], [k, v]
         for step in range(cp):

@@ -6,7 +6,8 @@ the fp32 ``main_grad`` of a bf16/fp16 parameter (so every reduction runs in fp32
     shards) hold partial sums over the tp group: all-reduce them (Sec. 4.2.2, ``seqpar.parallel.sharding``);
   * the tied word-embedding / output weight (Fig. 2): with p > 1 its two copies, on the first and
     the last pipeline rank, each hold part of the gradient: ``seqpar.parallel.tied`` sums them;
-  * data parallelism: average over the dp group (``seqpar.parallel.data_parallel``).
+  * data (and context) parallelism: average over the dp × cp group (``seqpar.parallel.data_parallel``;
+    a cp rank holds cp times its own tokens' share of the gradient, see ``GPTStage.forward``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from seqpar.parallel.sharding import allreduce_sequence_parallel_grads
 
 
 def finalize_grads(chunks, dims: ParallelDims) -> None:
-    """SP partial sums over tp, tied weights over {first, last}, average over dp."""
+    """SP partial sums over tp, tied weights over {first, last}, average over dp × cp."""
     for chunk in chunks:
         allreduce_sequence_parallel_grads(chunk, dims.tp_group)
     for chunk in chunks:
         chunk.tied.sum_grads([chunk])
-    average_gradients([p for chunk in chunks for p in chunk.parameters()], dims.dp_group)
+    average_gradients([p for chunk in chunks for p in chunk.parameters()], dims.grad_group)

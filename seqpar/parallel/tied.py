@@ -49,11 +49,12 @@ class TiedEmbedding:
             return cls()
         mine = None
         for d in range(dims.dp):
-            for t in range(dims.tp):
-                ranks = [(d * dims.pp + 0) * dims.tp + t, (d * dims.pp + dims.pp - 1) * dims.tp + t]
-                group = dist.new_group(ranks)
-                if dims.rank in ranks:
-                    mine = group
+            for c in range(dims.cp):
+                for t in range(dims.tp):
+                    ranks = [dims.rank_of(d, 0, c, t), dims.rank_of(d, dims.pp - 1, c, t)]
+                    group = dist.new_group(ranks)
+                    if dims.rank in ranks:
+                        mine = group
         return cls(mine)
 
     def weight(self, chunk) -> torch.nn.Parameter | None:

@@ -5,13 +5,20 @@ The sequence of length s is cut into 2·cp chunks of s/(2·cp) tokens; cp rank i
 late chunk many, so every rank does the same attention work (a plain split into cp pieces would give
 the last rank cp times the work of the first). The local sequence stays in increasing global order,
 so causal attention of a rank's own tokens is an ordinary causal mask over its 2·s/(2·cp) positions.
+
+``CPContext`` is what a model is built with: the cp group, and the three things the model asks of it
+(its tokens, their positions, and the loss summed over the ring).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from seqpar.config import ConfigError
+from seqpar.parallel.dims import group_rank, group_size
 
 
 def check_divisible(seq_len: int, cp: int) -> None:
@@ -57,3 +64,49 @@ def gather_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         first, second = chunk_ids(cp, rank)
         chunks[first], chunks[second] = part.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)  # [.., s, ..]
+
+
+@dataclass(frozen=True, eq=False)
+class CPContext:
+    """The context-parallel group a model is built with (``None``: cp = 1, every call an identity)."""
+
+    group: object = None
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's tokens of a whole-sequence tensor (tokens, labels ``[b, s]`` → ``[b, s/cp]``)."""
+        return split_sequence(x, dim, self.size, self.rank)
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions ``[s/cp]`` of this rank's tokens in a sequence of ``seq_len``."""
+        return chunk_positions(seq_len, self.size, self.rank, device)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the cp ranks, differentiable: backward sums the gradients of the cp copies too (the
+        adjoint), so a loss summed here gives each rank cp times its own tokens' share of the gradient,
+        and the average over the cp ranks (``ParallelDims.grad_group``) is the whole sequence's."""
+        return x if self.size == 1 else _SumOverRanks.apply(x, self.group)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: all-reduce (sum) over ``group``; backward: all-reduce of the gradient (its adjoint)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

@@ -38,11 +38,12 @@ def mix(*values: int) -> int:
     return h & (2**63 - 1)
 
 
-def stream_seeds(seed: int, tp_rank: int = 0, stage: int = 0) -> dict[str, int]:
+def stream_seeds(seed: int, tp_rank: int = 0, stage: int = 0, cp_rank: int = 0) -> dict[str, int]:
     """The two streams' seeds on tensor-parallel rank ``tp_rank`` of virtual pipeline stage ``stage``
     (pipeline rank + chunk × p): different stages hold different layers, so each has its own streams;
-    ``replicated`` is equal over the tp ranks, ``sharded`` differs per tp rank."""
-    base = seed + 100 * stage
+    ``replicated`` is equal over the tp ranks, ``sharded`` differs per tp rank. Both differ per
+    context-parallel rank ``cp_rank``: cp ranks hold different tokens (cp_rank 0 keeps the cp = 1 seeds)."""
+    base = seed + 100 * stage + 10007 * cp_rank
     return {"replicated": base, "sharded": base + 2718 + tp_rank}
 
 
@@ -55,8 +56,8 @@ def step_key(seed: int, step: int, chunk: int) -> int:
 class RNGTracker:
     """Seeds and draw counters of the two dropout streams; generators created lazily per device."""
 
-    def __init__(self, seed: int = 1234, tp_rank: int = 0, stage: int = 0):
-        self.seeds = stream_seeds(seed, tp_rank, stage)
+    def __init__(self, seed: int = 1234, tp_rank: int = 0, stage: int = 0, cp_rank: int = 0):
+        self.seeds = stream_seeds(seed, tp_rank, stage, cp_rank)
         self.key = 0
         self.offsets = dict.fromkeys(STREAMS, 0)
         self._gens: dict[tuple[str, str], torch.Generator] = {}

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from seqpar.train import checkpoint as ckpt
-from seqpar.train.local import train_local
+from seqpar.train.loop import train_local
 
 SECTIONS = {
     "model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16},

@@ -3,7 +3,7 @@ checkpoint resumed at tp=1 continues within 1e-4 of the uninterrupted run."""
 
 import pytest
 
-from seqpar.train.local import train_local
+from seqpar.train.loop import train_local
 
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
          "embd_dropout": 0.1, "attn_dropout": 0.1, "hidden_dropout": 0.1}

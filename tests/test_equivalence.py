@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from seqpar.train.checkpoint import load_model_state
-from seqpar.train.local import train_local, train_local_many
+from seqpar.train.loop import train_local, train_local_many
 
 STEPS, SEQ, HEADS, CLIP = 5, 16, 4, 0.01
 RECOMPUTE = {

@@ -14,7 +14,7 @@ from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.testing import parity_batch
 from seqpar.train.checkpoint import read_meta, resolve
 from seqpar.train.config import TrainConfig
-from seqpar.train.local import train_local
+from seqpar.train.loop import train_local
 from seqpar.train.loss_scale import DynamicLossScaler
 from seqpar.train.optim import MasterOptimizer
 

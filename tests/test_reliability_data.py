@@ -12,7 +12,7 @@ import pytest
 
 from seqpar.cli import main
 from seqpar.train.data import DataError, TokenData
-from seqpar.train.local import train_local
+from seqpar.train.loop import train_local
 
 UNREADABLE = Path("/proc/self/mem")  # a regular file whose read() fails (EIO at offset 0) for any user
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from seqpar.train import checkpoint as ckpt
-from seqpar.train.local import train_local
+from seqpar.train.loop import train_local
 
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
          "embd_dropout": 0.1, "attn_dropout": 0.1, "hidden_dropout": 0.1}

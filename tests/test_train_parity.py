@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from seqpar.train.local import train_local, train_local_many
+from seqpar.train.loop import train_local, train_local_many
 
 TINY = {
     "model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,

@@ -256,6 +256,12 @@ class TokenData:
                                 f"seq_len {seq_len} + 1")
         return cls(train, val, seq_len, source)
 
+    @classmethod
+    def for_job(cls, job) -> TokenData:
+        """The data of a ``JobConfig``: its model's sequence length and vocabulary, its [train] source."""
+        m, t = job.model, job.train
+        return cls.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
+
     def _windows(self, stream: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.seq_len
         rows = torch.stack([stream[o:o + s + 1].to(torch.int64) for o in offsets.tolist()])  # [b, s + 1]

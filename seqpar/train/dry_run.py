@@ -80,3 +80,18 @@ def describe(job, world: int) -> str:
     lines.append(f"most loaded: pipeline rank {peak.rank}, {_gib(peak.total)} "
                  f"({peak.total:,.0f} B; {m.dtype}, {peak.in_flight} microbatch(es) in flight)")
     return "\n".join(lines)
+
+
+def print_dry_run(job, existing: str = "") -> None:
+    """``--dry-run``'s output: the configuration, each rank's predicted memory, the data, and what
+    a real run would be told (``existing``: an earlier run in the output folder, see start.py)."""
+    from seqpar.train.config import inert_settings
+    from seqpar.train.data import TokenData
+
+    data = TokenData.for_job(job)
+    print(describe(job, job.parallel.world_size))
+    print(f"data {data.source}: {len(data.train):,} train / {len(data.val):,} validation tokens")
+    if existing:
+        print(f"note: {job.train.out_dir} already holds a run ({existing}): a real run needs --resume or --overwrite")
+    for note in inert_settings(job):
+        print(f"warning: {note}")

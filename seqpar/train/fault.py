@@ -1,6 +1,8 @@
 """TEST HOOK: make one rank fail at a chosen point, to show that a failing rank stops the whole job.
 
-``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill|pause]"`` (read once when a Trainer starts):
+``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill|pause]"``: ``hooks_from_env`` turns it into
+a step hook (``seqpar.train.loop.StepHook``) that ``seqpar train`` gives its Trainer
+(``seqpar/train/start.py``); the Trainer itself knows nothing of faults.
 
 * ``at=step`` (default): rank R fails just before it runs step K (1-based, as logged);
 * ``at=save``: rank R fails while saving the checkpoint of step K, after its part of the temporary
@@ -9,7 +11,8 @@
   rank's own process (the default at a save: nothing gets to clean up); ``do=pause`` sleeps
   ``PAUSE_S`` seconds there (a slow save or step, for the Ctrl-C tests).
 
-Unset in real runs; the reliability tests (``tests/test_reliability_*.py``) set it.
+Unset in real runs; the reliability tests (``tests/test_reliability_*.py``, ``tests/test_train_interrupt.py``)
+set it for the ranks they start.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ class Fault:
         where = f"step {step}" if at == "step" else f"the save of step {step}"
         raise RuntimeError(f"{ENV}: injected failure on rank {rank} at {where}")
 
+    # the step hook (seqpar.train.loop.StepHook)
+    def before_step(self, rank: int, step: int) -> None:
+        self.hit(rank, step, "step")
+
+    def checkpoint_written(self, rank: int, step: int) -> None:
+        self.hit(rank, step, "save")
+
 
 def from_env() -> Fault | None:
     """The fault named by ``SEQPAR_FAULT``, or None when it is unset or empty."""
@@ -60,3 +70,9 @@ def from_env() -> Fault | None:
     if fields or at not in ("step", "save") or do not in ("raise", "kill", "pause"):
         raise ConfigError(f"{ENV}={text!r}: expected rank=R,step=K[,at=step|save][,do=raise|kill|pause]")
     return Fault(rank, step, at, do)
+
+
+def hooks_from_env() -> tuple[Fault, ...]:
+    """The Trainer's step hooks ``SEQPAR_FAULT`` asks for: none in a real run."""
+    fault = from_env()
+    return (fault,) if fault is not None else ()

@@ -20,9 +20,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from seqpar.parallel.launch import EXIT_INTERRUPTED, REPEAT_S
+
+__all__ = ["EXIT_INTERRUPTED", "REPEAT_S", "StopFlag", "abort_line", "resume_hint"]
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's status for a Ctrl-C'd command
-REPEAT_S = 1.0  # a second signal sooner than this after the first is the same interruption
 
 
 class StopFlag:

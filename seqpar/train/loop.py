@@ -11,18 +11,20 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
-from seqpar.train import fault as fault_hook
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
@@ -34,6 +36,16 @@ from seqpar.train.perf import Throughput
 
 class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient (policy ``stop``)."""
+
+
+class StepHook(Protocol):
+    """Called at fixed points of training (the reliability tests' fault injection, seqpar/train/fault.py)."""
+
+    def before_step(self, rank: int, step: int) -> None:
+        """Before step ``step`` (1-based, as logged) runs."""
+
+    def checkpoint_written(self, rank: int, step: int) -> None:
+        """Once this rank's part of checkpoint ``step`` is written, before the checkpoint is committed."""
 
 
 @dataclass
@@ -73,12 +85,13 @@ def reseed_dropout(chunks: list, seed: int, step: int) -> None:
 class Trainer:
     """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
 
-    def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False):
+    def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False,
+                 hooks: Sequence[StepHook] = ()):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
-        self.fault = fault_hook.from_env()  # test hook (SEQPAR_FAULT, see fault.py); None in real runs
-        self.data = TokenData.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
+        self.hooks = tuple(hooks)
+        self.data = TokenData.for_job(job)
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
         self.device = device or default_device()
@@ -117,8 +130,8 @@ class Trainer:
                 "data": self.data.source}
         if self.opt.scaler is not None:
             meta["loss_scaler"] = self.opt.scaler.state_dict()
-        step, fault = self.state.step, self.fault
-        written = (lambda: fault.hit(self.dims.rank, step, "save")) if fault else None
+        rank, step = self.dims.rank, self.state.step
+        written = (lambda: [hook.checkpoint_written(rank, step) for hook in self.hooks]) if self.hooks else None
         return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
                              self.job.train.keep_checkpoints, written=written))
 
@@ -222,8 +235,8 @@ class Trainer:
                 if stop.requested(self.device):  # every rank agrees on the step to stop after
                     return self._interrupted(stop, metrics, last)
                 step = self.state.step
-                if self.fault:
-                    self.fault.hit(self.dims.rank, step + 1, "step")
+                for hook in self.hooks:
+                    hook.before_step(self.dims.rank, step + 1)
                 loss, norm, outcome = self.train_step(step)
                 applied = outcome == "applied"
                 self.state.losses.append(loss if outcome != "nonfinite" else float("nan"))
@@ -278,12 +291,35 @@ class Trainer:
                 "losses": self.state.losses}
 
 
-def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False) -> dict:
+def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,
+          hooks: Sequence[StepHook] = ()) -> dict:
     """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own)."""
     job = build_job(job) if isinstance(job, dict) else job
-    trainer = Trainer(job, resume, device, quiet)
+    trainer = Trainer(job, resume, device, quiet, hooks)
     try:
         return trainer.run()
     finally:
         if trainer.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- from Python, on N local ranks
+def _rank_trains(rank: int, world: int, jobs: list[dict], resume: str) -> list[dict]:
+    return [train(build_job(sections), resume=resume, quiet=True) for sections in jobs]
+
+
+def train_local(sections: dict, world: int = 1, resume: str = "", timeout: float = 600.0) -> dict:
+    """Rank 0's summary of ``sections`` trained on ``world`` local ranks (in this process when 1;
+    tests, notebooks, benchmarks). ``torchrun`` / ``seqpar train --nproc`` launch real jobs."""
+    job = build_job(sections).validate(world)
+    if world == 1:
+        return train(job, resume=resume, quiet=True)
+    return run_ranks(_rank_trains, world, [sections], resume, timeout=timeout)[0][0]
+
+
+def train_local_many(jobs: list[dict], world: int, timeout: float = 900.0) -> list[dict]:
+    """Rank 0's summaries of several jobs run one after another on the same ``world`` ranks
+    (one launch for all: cheaper for tests)."""
+    for sections in jobs:
+        build_job(sections).validate(world)
+    return run_ranks(_rank_trains, world, jobs, "", timeout=timeout)[0]

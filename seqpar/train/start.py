@@ -1,0 +1,200 @@
+"""Start a ``seqpar train`` run: check everything, claim the output folder, then train here, on
+``--nproc`` local ranks (``seqpar.parallel.launch.relaunch``), or as one rank of torchrun's.
+
+What the ranks would find only after launch is found once before it: the configuration (every
+rule), the tokenizer, the data (with ``--nproc``) and the checkpoint to resume. A bad input is one
+line and exit status 2; a new run never writes into an old one (``claim_out``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from seqpar.config import ConfigError
+from seqpar.parallel import launch
+from seqpar.train.config import JobConfig, inert_settings
+from seqpar.train.interrupt import EXIT_INTERRUPTED, abort_line
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard")
+
+
+class RunFolderError(ConfigError):
+    """``--out`` holds an earlier run (one line, exit 2)."""
+
+
+def existing_run(out_dir: str) -> str:
+    """What an earlier run left in ``out_dir`` ('' when nothing): checkpoints, metrics."""
+    root = Path(out_dir)
+    found = []
+    checkpoints = root / "checkpoints"
+    latest = checkpoints / "latest"
+    if latest.is_file():
+        found.append(f"checkpoint {latest.read_text().strip()}")
+    elif checkpoints.is_dir() and any(checkpoints.glob("step_*")):
+        found.append("checkpoint folders")
+    if (root / "metrics.jsonl").is_file():
+        found.append("metrics.jsonl")
+    return ", ".join(found)
+
+
+def claim_out(out: str, resume: str, overwrite: bool) -> None:
+    """A new run never writes into an old one: refused unless resuming or ``overwrite`` (which
+    deletes the old run's checkpoints, metrics and plots first)."""
+    if resume:
+        return
+    if not overwrite:
+        found = existing_run(out)
+        if found:
+            raise RunFolderError(f"{out} already holds a run ({found}); continue it with --resume {out}, "
+                                 "or start over with --overwrite")
+        return
+    for name in RUN_FILES:
+        path = Path(out) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def resume_path(resume: str, job: JobConfig) -> str:
+    """The checkpoint to resume ('' for a new run); ``auto`` (a bare ``--resume``): the run's own folder."""
+    if not resume:
+        return ""
+    return job.train.out_dir if resume == "auto" else resume
+
+
+def check_tokenizer(job: JobConfig) -> None:
+    """``--tokenizer``: an existing tokenizers JSON file whose vocabulary fits the model, checked before launch."""
+    path = job.train.tokenizer
+    if not path:
+        return
+    if not os.path.isfile(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a file"
+        raise ConfigError(f"tokenizer file {path} {what}")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(f"--tokenizer {path} needs the tokenizers package (pip install tokenizers)") from None
+    try:
+        size = Tokenizer.from_file(path).get_vocab_size()
+    except Exception as err:  # tokenizers raises plain Exception for unreadable or invalid JSON
+        raise ConfigError(f"tokenizer file {path} is not a tokenizers JSON file: {str(err).splitlines()[0]}") from None
+    if size > job.model.vocab_size:
+        raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {job.model.vocab_size} "
+                          f"(--vocab {size} or more)")
+
+
+def check_resume(job: JobConfig, resume: str) -> None:
+    """A checkpoint of this run's model, checked before anything starts."""
+    from seqpar.train import checkpoint as ckpt
+
+    if resume:
+        ckpt.check_resume(resume_path(resume, job), job.model)
+
+
+def warn_inert(job: JobConfig) -> None:
+    for note in inert_settings(job):
+        print(f"seqpar train: warning: {note}", file=sys.stderr)
+
+
+def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume: str = "", overwrite: bool = False,
+          dry_run: bool = False, argv: list[str] | None = None) -> int:
+    """The exit status of one ``seqpar train``. ``make_job(world size)``: the validated job;
+    ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks."""
+    if launch.under_torchrun():
+        return _as_rank(make_job, resume, overwrite, dry_run)
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
+    job = make_job(nproc or int(os.environ.get("WORLD_SIZE", "1")))  # every rule, before any process starts
+    check_tokenizer(job)
+    if dry_run:
+        return _dry_run(job, resume)
+    try:
+        claim_out(job.train.out_dir, resume, overwrite)
+        if nproc:  # the ranks would each find bad data only after launch
+            from seqpar.train.data import TokenData
+
+            TokenData.for_job(job)
+        check_resume(job, resume)
+    except ConfigError as err:  # RunFolderError, DataError, CheckpointError
+        return _one_line(err)
+    warn_inert(job)
+    if nproc:
+        out = job.train.out_dir
+        return launch.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out))
+    return train_and_report(job, resume)
+
+
+def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool) -> int:
+    """One torchrun rank. Started by ``--nproc``, whose launcher checked, warned and reports; under
+    plain torchrun rank 0 checks the folder (and clears it with ``overwrite``) and warns."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    ours = launch.started_by_relaunch()
+
+    def main() -> int:
+        job = make_job(int(os.environ["WORLD_SIZE"]))
+        check_tokenizer(job)
+        if dry_run:
+            return _dry_run(job, resume) if rank0 else 0
+        if not ours:
+            if rank0 or not overwrite:
+                claim_out(job.train.out_dir, resume, overwrite)
+            if rank0:
+                warn_inert(job)
+        return train_and_report(job, resume)
+
+    try:
+        return launch.as_rank(main)
+    except ConfigError as err:  # a bad input: one line, once (the --nproc launcher prints it), exit 2
+        if rank0 and not ours:
+            print(f"seqpar train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _dry_run(job: JobConfig, resume: str) -> int:
+    from seqpar.train.dry_run import print_dry_run
+
+    print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir))
+    return 0
+
+
+def _one_line(err: Exception) -> int:
+    print(f"seqpar train: error: {err}", file=sys.stderr)
+    return 2
+
+
+def train_and_report(job: JobConfig, resume: str) -> int:
+    """Train (this rank of) ``job``; rank 0 prints the summary. A signal before the first step exits
+    130 at once (nothing to save yet); after it the trainer's own handlers take over."""
+    from seqpar.train import fault
+    from seqpar.train.loop import train
+    from seqpar.train.report import print_summary
+
+    t0 = time.perf_counter()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+
+    def before_training(signum, frame):  # data, process groups, model, checkpoint: nothing to save yet
+        if rank0:
+            print("seqpar train: interrupted before the first step; nothing was saved", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, before_training) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        summary = train(job, resume=resume_path(resume, job), hooks=fault.hooks_from_env())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if summary.get("interrupted"):
+        return EXIT_INTERRUPTED  # rank 0 said where it saved and how to resume
+    if rank0:
+        print_summary(job, summary, time.perf_counter() - t0)
+    return 0

@@ -17,7 +17,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
     "import-hf": ("seqpar.commands.import_hf", "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX folder -> a checkpoint"),
     "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
-    "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu, planner (from a source checkout)"),
+    "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu, planner"),
     "calibrate": ("seqpar.commands.calibrate", "micro-benchmarks of this machine -> a hardware profile for plan"),
     "verify": ("seqpar.commands.verify", "check a checkpoint: file checksums, config vs tensors, every tensor read"),
     "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),

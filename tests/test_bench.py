@@ -1,23 +1,20 @@
-"""Smoke tests of the benchmarks (issue 7) at tiny sizes: they run, report what they promise, and the
-reference models compute the same function as seqpar. No timing thresholds: goals live in benchmarks."""
+"""Smoke tests of the benchmarks (seqpar.bench, docs/benchmarks.md) at tiny sizes: they run, report what
+they promise, and the reference models compute the same function as seqpar. No timing thresholds: goals
+live in benchmarks."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` sits at the checkout's root
-
-from benchmarks import add_arguments  # noqa: E402
-from benchmarks import run as run_benchmark  # noqa: E402
-from benchmarks.single import batch, build_pair  # noqa: E402
-from benchmarks.vs_torch import formula_bytes  # noqa: E402
-from seqpar.config import ModelConfig  # noqa: E402
+from seqpar.bench import add_arguments
+from seqpar.bench import run as run_benchmark
+from seqpar.bench.single import batch, build_pair
+from seqpar.bench.vs_torch import formula_bytes
+from seqpar.config import ModelConfig
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -48,7 +45,7 @@ def test_plain_gpt_equals_seqpar_at_t1():
 
 
 def test_plain_gpt_keeps_the_same_bytes_as_seqpar():
-    from benchmarks.common import Meter
+    from seqpar.bench.common import Meter
 
     cfg = ModelConfig(vocab_size=96, hidden_size=32, num_heads=4, num_layers=1, seq_len=16, dtype="bf16",
                       embd_dropout=0.1, attn_dropout=0.1, hidden_dropout=0.1).validate()

@@ -144,11 +144,8 @@ def test_calibrated_profile_changes_the_plan(capsys, tmp_path):
 
 def test_bench_planner_predicts_each_layout_and_judges_the_ranking():
     import argparse
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` sits at the checkout's root
-    from benchmarks import planner
+    from seqpar.bench import planner
 
     p = argparse.ArgumentParser()
     planner.add_arguments(p)

@@ -1,4 +1,4 @@
-"""``single``: seqpar at t = 1 against the plain single-file GPT (``benchmarks/plain_gpt.py``).
+"""``single``: seqpar at t = 1 against the plain single-file GPT (``seqpar/bench/plain_gpt.py``).
 
 Same config, same weights (copied from seqpar), one process, all cores. A step is forward +
 backward of the mean cross entropy (no optimizer); the two models alternate step by step; median.
@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-from benchmarks import common
-from benchmarks.plain_gpt import GPT
+from seqpar.bench import common
+from seqpar.bench.plain_gpt import GPT
 from seqpar.config import ModelConfig
 from seqpar.model import build_model
 from seqpar.parallel.sharding import full_state_dict

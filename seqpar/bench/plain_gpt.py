@@ -55,7 +55,7 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(h, 3 * h, dtype=dtype)
         self.core = CoreAttention(seq_len, h // heads, attn_dropout)
         self.out_proj = nn.Linear(h, h, dtype=dtype)
-        self.checkpoint = None  # fn(core, qkv) for selective recompute (benchmarks.torch_native)
+        self.checkpoint = None  # fn(core, qkv) for selective recompute (seqpar.bench.torch_native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [s, b, h]
         qkv = self.qkv(x)  # [s, b, 3h]

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from benchmarks.plain_gpt import Block
+from seqpar.bench.plain_gpt import Block
 from seqpar.dtypes import torch_dtype
 
 # The attention core's ops (Sec. 5's selective set and the views/masking between them).

@@ -17,8 +17,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from benchmarks import common
-from benchmarks.torch_native import reduce_partial_grads
+from seqpar.bench import common
+from seqpar.bench.torch_native import reduce_partial_grads
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
@@ -54,7 +54,7 @@ def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
     """seqpar's layers and the same weights in the plain GPT's blocks under DTensor TP+SP."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.torch_native import Layers, block_from_config, parallelize_layers
+    from seqpar.bench.torch_native import Layers, block_from_config, parallelize_layers
 
     ours = build_model(cfg, dims, sequence_parallel=True, first=False, last=False)
     apply_recompute(ours, RecomputeConfig(recompute))

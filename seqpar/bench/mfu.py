@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from benchmarks import common
-from benchmarks.single import batch, step
 from seqpar.analysis.flops import model_flops
+from seqpar.bench import common
+from seqpar.bench.single import batch, step
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model

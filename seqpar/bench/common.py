@@ -65,7 +65,7 @@ class Meter:
     and 2-D reshapes of one storage count once), parameters and buffers excluded -- the accounting of
     ``seqpar.analysis.measure.SavedTensorMeter``, extended to DTensors (counted by their local
     tensor's storage) and to the inputs a non-reentrant ``torch.utils.checkpoint`` keeps alive outside
-    autograd's saved tensors (reported through ``benchmarks.torch_native.KeptInputs``)."""
+    autograd's saved tensors (reported through ``seqpar.bench.torch_native.KeptInputs``)."""
 
     def __init__(self, module: torch.nn.Module):
         from torch.distributed.tensor import DTensor
@@ -87,7 +87,7 @@ class Meter:
         return t
 
     def __enter__(self):
-        from benchmarks.torch_native import KeptInputs
+        from seqpar.bench.torch_native import KeptInputs
 
         KeptInputs.sink = self._pack
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -95,7 +95,7 @@ class Meter:
         return self
 
     def __exit__(self, *exc):
-        from benchmarks.torch_native import KeptInputs
+        from seqpar.bench.torch_native import KeptInputs
 
         KeptInputs.sink = None
         self._hooks.__exit__(*exc)

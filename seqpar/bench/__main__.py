@@ -1,5 +1,5 @@
 import sys
 
-from benchmarks import main
+from seqpar.bench import main
 
 sys.exit(main())

@@ -17,8 +17,8 @@ import functools
 
 import torch
 
-from benchmarks import common
 from seqpar.analysis.flops import layer_forward_flops, recompute_extra_flops
+from seqpar.bench import common
 from seqpar.config import ModelConfig, ParallelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters

@@ -1,4 +1,4 @@
-"""seqpar's benchmarks (issue 7): ``python -m benchmarks NAME [--json]`` or ``seqpar bench NAME``.
+"""seqpar's benchmarks (docs/benchmarks.md, results in benchmarks/RESULTS.md): ``seqpar bench NAME [--json]``.
 
 Each benchmark module provides ``add_arguments(parser)``, ``QUICK`` (tiny sizes for smoke tests),
 ``run(args) -> dict`` and ``render(result) -> str``. Goals live here, never in timed tests.
@@ -11,11 +11,12 @@ import importlib
 import json
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "table4": ("benchmarks.table4", "the paper's Table 4: one layer's fwd/bwd time per recompute/SP mode, t=2"),
-    "vs-torch": ("benchmarks.vs_torch", "seqpar vs PyTorch-native DTensor TP+SP: step time and bytes per layer"),
-    "single": ("benchmarks.single", "seqpar at t=1 vs a plain single-file GPT of the same math: step time"),
-    "mfu": ("benchmarks.mfu", "measured GEMM peak and the model FLOP/s of a t=1 training step: MFU on CPU"),
-    "planner": ("benchmarks.planner", "calibrate, predict small layouts' step time, train them: predicted vs measured"),
+    "table4": ("seqpar.bench.table4", "the paper's Table 4: one layer's fwd/bwd time per recompute/SP mode, t=2"),
+    "vs-torch": ("seqpar.bench.vs_torch", "seqpar vs PyTorch-native DTensor TP+SP: step time and bytes per layer"),
+    "single": ("seqpar.bench.single", "seqpar at t=1 vs a plain single-file GPT of the same math: step time"),
+    "mfu": ("seqpar.bench.mfu", "measured GEMM peak and the model FLOP/s of a t=1 training step: MFU on CPU"),
+    "planner": ("seqpar.bench.planner",
+                "calibrate, predict small layouts' step time, train them: predicted vs measured"),
 }
 
 
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m seqpar.bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     run(parser.parse_args(argv))
     return 0

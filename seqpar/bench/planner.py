@@ -1,4 +1,4 @@
-"""``planner``: the cost model's closed loop on this machine (issue 19).
+"""``planner``: the cost model's closed loop on this machine (docs/analysis.md, its calibration; docs/benchmarks.md).
 
 Calibrate the local devices (``seqpar calibrate``: micro-benchmarks on ``--nproc`` ranks), train each of
 several small layouts for a few steps with ``seqpar train --nproc``, calibrate again, and compare each
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks import common
+from seqpar.bench import common
 
 LAYOUTS = ["tp=2,sp=off,recompute=none", "tp=2,sp=on,recompute=selective", "tp=2,sp=on,recompute=full",
            "tp=1,dp=2,recompute=none", "tp=1,pp=2,recompute=full"]

@@ -1,4 +1,4 @@
-"""Issue 19: the cost model fitted to the paper's measured times, hardware profiles, `seqpar calibrate`,
+"""The cost model fitted to the paper's measured times, hardware profiles, `seqpar calibrate`,
 and the planner's ties. The fit is computed from the data points: change one and the prediction moves."""
 
 from __future__ import annotations

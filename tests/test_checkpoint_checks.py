@@ -1,4 +1,4 @@
-"""What a checkpoint load checks (issue 20 items 3, 4; issue 16 item 10): a resumed run's model equals the
+"""What a checkpoint load checks (docs/training.md, checkpoints): a resumed run's model equals the
 checkpoint's; the model tensors fit the config meta.json records, on every load; every file matches the
 SHA-256 recorded at save (bit flips, truncation); `seqpar verify`; a folder that is not a checkpoint
 (a Hugging Face folder above all) is named as such."""
@@ -121,7 +121,7 @@ def test_resume_accepts_layout_like_model_changes(llama_ckpt, name):
 ])
 @pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]])
 def test_resume_with_a_different_model_is_one_line_exit_2(gpt_ckpt, tmp_path, capsys, flags, change, nproc):
-    """The issue's case (--heads 8 on a 4-head checkpoint), in-process and before --nproc starts ranks."""
+    """A user's case (--heads 8 on a 4-head checkpoint), in-process and before --nproc starts ranks."""
     code, out, err = _run(capsys, "train", "--resume", str(gpt_ckpt), "--out", str(tmp_path / "run"), *TRAIN,
                           *flags, *nproc)
     assert code == 2, err

@@ -1,4 +1,4 @@
-"""Issue 5 acceptance: stop at 20 + resume to 40 == uninterrupted 40 (bit-identical losses); a tp=2 + SP
+"""Stop at 20 + resume to 40 == uninterrupted 40 (bit-identical losses); a tp=2 + SP
 checkpoint resumed at tp=1 continues within 1e-4 of the uninterrupted run."""
 
 import pytest

@@ -1,5 +1,5 @@
 """CLI fuzz: unknown flags, wrong types and out-of-range values exit 2 with a usage line, never a
-traceback, and never start work (issue 6, item 2). 220 seeded random cases over every verb."""
+traceback, and never start work. 220 seeded random cases over every verb."""
 
 import argparse
 import contextlib

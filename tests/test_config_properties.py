@@ -1,4 +1,4 @@
-"""Configuration validation over random configurations (issue 6, item 1): every broken rule raises
+"""Configuration validation over random configurations: every broken rule raises
 ConfigError naming the numbers before anything is built; every valid configuration builds and runs
 one training step at tiny size on one process."""
 
@@ -34,7 +34,7 @@ def _draw(rng, fields):
 
 
 def broken_rules(m: dict, p: dict, r: dict) -> list[str]:
-    """The rules a configuration breaks, written from the spec independently of seqpar.config."""
+    """The rules a configuration breaks, written from docs/training.md independently of seqpar.config."""
     f = 4 * m["hidden_size"] if m["ffn_hidden_size"] is None else m["ffn_hidden_size"]
     kv = m["num_heads"] if m["kv_heads"] is None else m["kv_heads"]
     sizes = [m["vocab_size"], m["hidden_size"], m["num_heads"], m["num_layers"], m["seq_len"], f, kv,

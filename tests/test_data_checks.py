@@ -1,4 +1,4 @@
-"""What the data loader refuses or skips, and says so (issue 20 items 5, 7; issue 16 item 6):
+"""What the data loader refuses or skips, and says so (docs/training.md, data):
 uint32 ids >= 2^31 are checked against the vocabulary without wrapping; hidden folders are skipped like
 hidden files; files that are not text are skipped in text mode; .bin files are checked (llm.c header,
 .npy, compressed, text, uint32 ids read as uint16, size) and the error names the file."""

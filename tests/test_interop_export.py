@@ -1,4 +1,4 @@
-"""Issue 20 item 2: `export-hf` writes the Hugging Face architecture that represents a model exactly,
+"""`export-hf` writes the Hugging Face architecture that represents a model exactly,
 or refuses by name (exit 2), never a different model.
 
 seqpar models are drawn over the architecture fields (norm, activation, position, biases, kv heads,
@@ -145,7 +145,7 @@ def test_cli_refuses_in_one_line_with_exit_2(tmp_path, capsys):
 
 
 def test_cli_exports_an_untied_gpt2_with_its_own_head(tmp_path, capsys):
-    """The issue's case: tie_embeddings=false used to exit 0 with a tied GPT-2 (the trained head dropped)."""
+    """A reported case: tie_embeddings=false used to exit 0 with a tied GPT-2 (the trained head dropped)."""
     from seqpar.cli import main
     from seqpar.interop.checkpoints import save_model
 

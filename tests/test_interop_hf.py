@@ -1,4 +1,4 @@
-"""Issue 5 acceptance: a random-weight transformers.GPT2LMHeadModel (no download), saved locally, imported
+"""A random-weight transformers.GPT2LMHeadModel (no download), saved locally, imported
 at tp=1 and tp=2 + SP gives the same logits within 1e-4 (fp32); exported back, transformers reloads it
 and gives identical logits."""
 

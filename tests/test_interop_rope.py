@@ -1,4 +1,4 @@
-"""Issue 20 item 1: Hugging Face folders import with their rotary settings, in both config layouts.
+"""Hugging Face folders import with their rotary settings, in both config layouts.
 
 Random-weight transformers models (Llama, StableLM, GPT-NeoX, GPT-2; no download) are drawn over the
 config fields import accepts -- rope theta, rope type none/linear/llama3 and its factors, kv heads,

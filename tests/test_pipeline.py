@@ -1,4 +1,4 @@
-"""The issue's acceptance for pipelining, one spawn of gloo ranks per world size (2, 4, 8).
+"""Pipelining against the single-process model, one spawn of gloo ranks per world size (2, 4, 8).
 
 Parity: (dp, pp, tp) ∈ {(1,2,1), (1,4,1), (1,2,2), (2,2,1), (2,1,2), (2,2,2)}, SP when t > 1, selective
 recompute, 1F1B and interleaved (m = 2), plus uneven splits (an embedding-only first stage), fp32 and

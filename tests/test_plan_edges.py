@@ -1,4 +1,4 @@
-"""`seqpar plan` edge cases (issue 20 items 12-14): the search skips tp values kv heads rule out,
+"""`seqpar plan` edge cases: the search skips tp values kv heads rule out,
 --explain input is validated to one line (fuzzed), fp32 training is expressible (16 B/param), and the
 dropout default is one value per architecture across plan, memory and paper, printed."""
 

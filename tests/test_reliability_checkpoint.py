@@ -1,4 +1,4 @@
-"""Issue 6, item 4, for real: kill -9 of a rank in the middle of a checkpoint save (a `seqpar train --nproc 2`
+"""For real: kill -9 of a rank in the middle of a checkpoint save (a `seqpar train --nproc 2`
 job, SEQPAR_FAULT hook) and a full disk during a save (the DCP file writer raises ENOSPC) both leave the
 previous checkpoint intact and named by `latest`, and `--resume` continues from it. (Damaged checkpoints:
 tests/test_checkpoint_durability.py.)"""

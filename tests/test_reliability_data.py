@@ -1,4 +1,4 @@
-"""Issue 6, item 6, the cases beyond tests/test_data.py: data that cannot be read (a FIFO, a broken link, a
+"""The cases beyond tests/test_data.py: data that cannot be read (a FIFO, a broken link, a
 folder named like a file, bytes the kernel refuses to give -- /proc/self/mem reads fail with EIO even for
 root, where chmod 000 would not stop anything) and a sequence longer than the position table. Each is a
 clear error before training starts (or, for sampling, a cropped context): never a traceback, never a hang."""

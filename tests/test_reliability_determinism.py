@@ -1,4 +1,4 @@
-"""Issue 6, item 7: the same seed and config give bit-identical losses on CPU, dropout on -- in the same
+"""The same seed and config give bit-identical losses on CPU, dropout on -- in the same
 process and in a fresh one -- and the same final weights; another seed does not. (Interrupted and resumed
 == uninterrupted, bit for bit: tests/test_checkpoint_resume.py::test_stop_and_resume_is_bit_identical.)"""
 

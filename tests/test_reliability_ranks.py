@@ -1,4 +1,4 @@
-"""Issue 6, item 3: a failing rank stops the job. Real `seqpar train --nproc 2` jobs (torch.distributed.run)
+"""A failing rank stops the job. Real `seqpar train --nproc 2` jobs (torch.distributed.run)
 in subprocesses: kill -9 of one rank, an exception on one rank (the SEQPAR_FAULT test hook), kill -9 of
 the launcher itself -> every process of the job is gone within 60 s, the launcher exits non-zero and names
 the rank that failed first. Every process of a job carries a tag in its environment, so "no process left"
@@ -24,7 +24,7 @@ from seqpar.train import fault
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
 TAG = "SEQPAR_TEST_JOB"
-BOUND_S = 60.0  # the issue's bound: every rank gone this long after the failure
+BOUND_S = 60.0  # every rank gone this long after the failure (docs/training.md, Reliability)
 
 
 def tagged_processes(tag: str) -> dict[int, dict[str, str]]:

@@ -39,7 +39,7 @@ def test_bytes_round_trip():
 
 
 def test_empty_prompt_starts_after_a_newline_not_a_nul(model):
-    """Issue 20 item 8: an empty prompt is conditioned on START_TEXT ("\\n"), which is not returned."""
+    """An empty prompt is conditioned on START_TEXT ("\\n"), which is not returned."""
     from seqpar.train.sample import START_TEXT
 
     start = encode_bytes(START_TEXT)

@@ -1,4 +1,4 @@
-"""`seqpar selftest` (issue 18): the device self-test passes on the CPU with two gloo ranks, its
+"""`seqpar selftest` (docs/gpu.md): the device self-test passes on the CPU with two gloo ranks, its
 JSON has the promised shape, each check can fail, and bad arguments are one-line usage errors."""
 
 import json

@@ -1,5 +1,5 @@
 """Pipeline stages, measured == exact over seeded draws of architecture, dtype, vocabulary, tp, pp, SP,
-attention kernel, dropout and recompute (issue 20 items 9-11): the final RMSNorm keeps one fp32 rstd,
+attention kernel, dropout and recompute: the final RMSNorm keeps one fp32 rstd,
 a vocabulary that t does not divide is padded to ceil(v/t) per rank (logits and parameters), and fused
 attention with dropout on elsewhere is a configuration the stage formula accepts. Each rank's parameter
 count equals ``stage_parameters``. One spawn of 4 gloo ranks runs every draw; SEQPAR_DRAWS=N runs N."""

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM (issue 16, item 2): the first signal finishes the step, saves, prints one line and
+"""Ctrl-C and SIGTERM (seqpar/train/interrupt.py): the first signal finishes the step, saves, prints one line and
 exits 130 -- on every rank of `seqpar train --nproc 2` alike --, `--resume` continues, and a second
 signal aborts at once without a traceback, keeping the last complete checkpoint."""
 

@@ -1,4 +1,4 @@
-"""`seqpar train` and friends as a user meets them (issue 16; issue 20 item 6): run folders, errors
+"""`seqpar train` and friends as a user meets them: run folders, errors
 after launch, metrics on resume, one --plot convention, summary formatting, warnings for settings that
 do nothing, the flags (--arch, --model, --version, help with defaults, one checkpoint argument form),
 --dry-run, eval, export-hf's tokenizer files, LR schedules and the cached GEMM probe."""

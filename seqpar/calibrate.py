@@ -1,5 +1,5 @@
 """`seqpar calibrate`: micro-benchmarks on the local devices, fitted into a hardware profile for
-``seqpar plan --hardware profile.json`` (``seqpar.analysis.costmodel.Hardware``, issue 19).
+``seqpar plan --hardware profile.json`` (``seqpar.analysis.costmodel.Hardware``; docs/analysis.md).
 
 Every local rank runs each benchmark at the same time (on a CPU each rank gets cores / ranks threads,
 as ``seqpar train --nproc`` gives them); a benchmark's time is the median over repeats on the slowest
@@ -20,9 +20,7 @@ which parameter it gives:
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +36,7 @@ from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time
 from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
 from seqpar.config import DTYPE_BYTES
 from seqpar.dtypes import torch_dtype
+from seqpar.parallel.launch import default_device, run_ranks
 
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
     "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
@@ -48,14 +47,7 @@ SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate 
              "elementwise": (128, 4, 256, 4), "collective_bytes": [1 << 16, 1 << 19, 1 << 22], "repeats": 5,
              "framework_repeats": 5, "block": 0.25},
 }
-CLOSED_LOOP_BAND = 0.20  # issue 19's goal for predicted vs measured step time on the calibrated machine
-
-
-def _device() -> torch.device:
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if acc is None or not torch.accelerator.is_available():
-        return torch.device("cpu")
-    return torch.device(acc.type, int(os.environ.get("LOCAL_RANK", "0")))
+CLOSED_LOOP_BAND = 0.20  # the goal for predicted vs measured step time on the calibrated machine (seqpar bench planner)
 
 
 def _sync(device: torch.device) -> None:
@@ -201,53 +193,27 @@ def framework(dtype: str, device, repeats: int, block: float = 0.0) -> list[dict
     return rows
 
 
-def _worker(rank: int, world: int, port: int, dtype: str, size: str, path: str) -> None:
-    if world > 1:  # a spawned rank (one rank runs in the calling process and leaves its environment alone)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-        warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames the tensor collectives
-    device = _device()
-    if device.type == "cpu" and world > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+def _measure(rank: int, world: int, dtype: str, size: str) -> dict:
+    """This rank's micro-benchmarks (every rank joins the collectives)."""
     if world > 1:
-        if device.type != "cpu":
-            torch.accelerator.set_device_index(device.index)
-        dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank, world_size=world)
-    try:
-        sz, tdt = SIZES[size], torch_dtype(dtype)
-        block, reps = sz["block"], sz["repeats"]
-        out = {"gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
-               "elementwise": elementwise(sz["elementwise"], tdt, device, reps, block),
-               "collectives": collectives(sz["collective_bytes"], tdt, device, reps, block),
-               "p2p": p2p([8, sz["collective_bytes"][-1]], device, reps, block),
-               "framework": framework(dtype, device, sz["framework_repeats"], block)}
-        if rank == 0:
-            with open(path, "w") as fh:
-                json.dump(out, fh)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames the tensor collectives
+    device = default_device()
+    sz, tdt = SIZES[size], torch_dtype(dtype)
+    block, reps = sz["block"], sz["repeats"]
+    return {"gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
+            "elementwise": elementwise(sz["elementwise"], tdt, device, reps, block),
+            "collectives": collectives(sz["collective_bytes"], tdt, device, reps, block),
+            "p2p": p2p([8, sz["collective_bytes"][-1]], device, reps, block),
+            "framework": framework(dtype, device, sz["framework_repeats"], block)}
 
 
 def measure(nproc: int, dtype: str = "fp32", size: str = "full") -> dict:
-    """Run the micro-benchmarks on ``nproc`` local ranks; returns rank 0's measurements."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "measurements.json")
-        if nproc == 1:
-            _worker(0, 1, 0, dtype, size, path)
-        else:
-            mp.start_processes(_worker, args=(nproc, _free_port(), dtype, size, path), nprocs=nproc,
-                               start_method="spawn")
-        with open(path) as fh:
-            return json.load(fh)
+    """Run the micro-benchmarks on ``nproc`` local ranks (one: in this process); rank 0's measurements."""
+    if nproc == 1:
+        return _measure(0, 1, dtype, size)
+    device_type = default_device().type
+    threads = max(1, (os.cpu_count() or 1) // nproc) if device_type == "cpu" else torch.get_num_threads()
+    return run_ranks(_measure, nproc, dtype, size, threads=threads, device_type=device_type, timeout=3600.0)[0]
 
 
 def act_options(dtype: str) -> ActivationOptions:
@@ -298,7 +264,7 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
 
 
 def _memory_bytes() -> float:
-    device = _device()
+    device = default_device()
     if device.type != "cpu":
         return float(torch.accelerator.get_memory_info(device)[1]) if hasattr(torch.accelerator, "get_memory_info") \
             else float(torch.cuda.get_device_properties(device).total_memory)
@@ -316,7 +282,7 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    device = _device()
+    device = default_device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     return {"device": device.type, "device_name": name, "cpu": cpu, "cores": os.cpu_count(),
             "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "torch": torch.__version__,

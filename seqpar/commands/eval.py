@@ -31,8 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import torch
 
+    from seqpar.parallel.launch import default_device
     from seqpar.train.data import TokenData
-    from seqpar.train.loop import default_device
     from seqpar.train.sample import load_model
 
     path = checkpoint_of(args)

@@ -36,6 +36,15 @@ REPEAT_S = 1.0  # a second signal sooner than this after the first is the same i
 LAUNCHER_ENV = "SEQPAR_LAUNCHER_PID"  # set by relaunch() for its ranks
 
 
+def default_device() -> torch.device:
+    """This rank's device: local accelerator ``LOCAL_RANK`` when there is one (the launchers put rank
+    r on device r), else the CPU."""
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if acc is None or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(acc.type, int(os.environ.get("LOCAL_RANK", "0")))
+
+
 # ---------------------------------------------------------------------- a function on N spawned ranks
 def free_port() -> int:
     with socket.socket() as sock:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.launch import run_ranks
+from seqpar.parallel.launch import default_device, run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
@@ -55,14 +55,6 @@ class TrainState:
     skipped_in_row: int = 0
     losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
     val_loss: float = float("nan")
-
-
-def default_device() -> torch.device:
-    """This rank's device: the local accelerator when there is one, else the CPU."""
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if acc is None or not torch.accelerator.is_available():
-        return torch.device("cpu")
-    return torch.device(acc.type, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init_distributed(world_size: int, device: torch.device) -> bool:

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.interop.checkpoints import export_hf
+    from seqpar.interop.checkpoints import export_hf, write_tokenizer
 
     args.checkpoint = checkpoint_of(args)
     path = export_hf(args.checkpoint, args.out)
@@ -25,29 +25,3 @@ def run(args) -> int:
     if tokenizer:
         print(f"  with the run's tokenizer: {tokenizer}")
     return 0
-
-
-def write_tokenizer(checkpoint: str, out) -> str:
-    """The tokenizer the run trained with, as ``tokenizer.json`` + ``tokenizer_config.json`` (what
-    ``AutoTokenizer.from_pretrained`` reads); '' for byte-level runs. A tokenizer file that is gone
-    since training is an error naming it."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from seqpar.config import ConfigError
-    from seqpar.train import checkpoint as ckpt
-
-    meta = ckpt.read_meta(ckpt.resolve(checkpoint))
-    source = meta.get("config", {}).get("train", {}).get("tokenizer", "")
-    if not source:
-        return ""
-    if not Path(source).is_file():
-        raise ConfigError(f"the run's tokenizer {source} (recorded in {checkpoint}) is gone; the model was "
-                          f"exported to {out} without tokenizer files")
-    out = Path(out)
-    shutil.copyfile(source, out / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast",
-              "model_max_length": int(meta["config"]["model"]["seq_len"])}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return str(out / "tokenizer.json")

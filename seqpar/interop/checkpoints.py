@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
 
-from seqpar.config import ModelConfig, RunConfig
+from seqpar.config import ConfigError, ModelConfig, RunConfig
 from seqpar.interop.hf import read_hf_folder, write_hf_folder
 from seqpar.train import checkpoint as ckpt
 from seqpar.train.config import JobConfig, build_job
@@ -32,3 +34,22 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     state, meta = ckpt.load_model_state(checkpoint)
     cfg = build_job(meta["config"]).model
     return write_hf_folder(out, cfg, state)
+
+
+def write_tokenizer(checkpoint: str, out) -> str:
+    """The tokenizer the run trained with, as ``tokenizer.json`` + ``tokenizer_config.json`` (what
+    ``AutoTokenizer.from_pretrained`` reads); '' for byte-level runs. A tokenizer file that is gone
+    since training is an error naming it."""
+    meta = ckpt.read_meta(ckpt.resolve(checkpoint))
+    source = meta.get("config", {}).get("train", {}).get("tokenizer", "")
+    if not source:
+        return ""
+    if not Path(source).is_file():
+        raise ConfigError(f"the run's tokenizer {source} (recorded in {checkpoint}) is gone; the model was "
+                          f"exported to {out} without tokenizer files")
+    out = Path(out)
+    shutil.copyfile(source, out / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "model_max_length": int(meta["config"]["model"]["seq_len"])}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(out / "tokenizer.json")

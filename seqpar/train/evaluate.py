@@ -68,3 +68,46 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
             c.train(mode)
     mean = float(torch.stack(losses).mean()) if losses else None
     return broadcast_from_last_stage(mean, dims, device)
+
+
+@torch.no_grad()
+def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = None, split: str = "val",
+                        micro_batch: int = 8, batches: int = 0) -> dict:
+    """``seqpar eval``: a checkpoint's mean loss per token, in one process on this rank's device.
+
+    ``data``/``tokenizer`` default to the run's own; ``split`` ``val`` is the held-out tail training
+    validated on, ``all`` every token. Windows of ``seq_len`` tokens, evenly spaced over the split
+    and covering it once (``batches`` > 0 caps the forwards)."""
+    import math
+
+    from seqpar.parallel.launch import default_device
+    from seqpar.train.data import TokenData
+    from seqpar.train.sample import load_model
+
+    model, meta = load_model(path, device=default_device())
+    cfg, train = model.cfg, meta["config"]["train"]
+    data = data if data is not None else train.get("data", "")
+    tokenizer = tokenizer if tokenizer is not None else train.get("tokenizer", "")
+    if tokenizer and data.endswith(".bin"):
+        tokenizer = ""  # token ids already
+    tokens = TokenData.build(cfg.seq_len, cfg.vocab_size, data, tokenizer, train.get("token_dtype", "uint16"),
+                             train.get("val_fraction", 0.05))
+    stream = tokens.val if split == "val" else torch.cat([tokens.train, tokens.val])
+    tokens.val = stream
+    windows = max((len(stream) - 1) // cfg.seq_len, 1)
+    n = math.ceil(windows / micro_batch)
+    if batches:
+        n = min(n, batches)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for x, y in tokens.val_batches(n, micro_batch, 0, 1):
+        loss = model(x.to(device), y.to(device)).float()  # mean over the batch's tokens
+        total += float(loss) * y.numel()
+        count += y.numel()
+    loss = total / count
+    result = {"checkpoint": str(path), "step": meta.get("step", 0), "data": tokens.source, "split": split,
+              "tokens": count, "windows": n * micro_batch, "seq_len": cfg.seq_len, "loss": loss,
+              "perplexity": math.exp(min(loss, 700.0))}
+    if cfg.vocab_size == 256 and not tokenizer:
+        result["bits_per_byte"] = loss / math.log(2)
+    return result

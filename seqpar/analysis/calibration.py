@@ -1,4 +1,4 @@
-"""The cost model calibrated against every time the paper measured (issue 19).
+"""The cost model calibrated against every time the paper measured (docs/analysis.md).
 
 Data points: Table 4 (one 22B layer at t = 8, b = 4: forward and backward for baseline TP, SP, full,
 selective, selective + SP), Table 5 (iteration seconds with full recompute and with SP + selective for

@@ -165,7 +165,7 @@ def beyond_the_paper(t: int = 8) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def cost_model() -> dict:
-    """Issue 19: the cost model fitted to every measured time of Tables 4, 5 and Sec. 6.3 (``calibration``):
+    """The cost model fitted to every measured time of Tables 4, 5 and Sec. 6.3 (``calibration``):
     ``rows`` {source, model, config, measured_s, predicted_s, heldout_predicted_s} (held out: fitted
     without that model's points), the fitted parameters and the largest relative errors."""
     from seqpar.analysis.calibration import paper_calibration

@@ -102,7 +102,7 @@ def _beyond() -> str:
             + table(head, rows))
 
 
-COST_MODEL_TARGETS = (0.05, 0.10)  # issue 19: in-sample and leave-one-model-out relative error
+COST_MODEL_TARGETS = (0.05, 0.10)  # in-sample and leave-one-model-out relative error goals
 
 
 def _cost_model(data: dict) -> str:

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from seqpar.analysis.calibration import DataPoint, fit
 from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time
-from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
-from seqpar.config import DTYPE_BYTES
+from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
+from seqpar.config import DTYPE_BYTES, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.launch import default_device, run_ranks
 
@@ -254,9 +254,7 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
     for r in meas["framework"]:
         job = _tiny_job(r["layers"], dtype, nproc, "-")
         m = job.model
-        shape = ModelShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads, seq=m.seq_len,
-                           vocab=m.vocab_size)
-        modelled = iteration_time(shape, Parallelism(dp=nproc), Recompute(), 1, nproc, hw, opt, opts).total
+        modelled = iteration_time(m, ParallelConfig(dp=nproc), RecomputeConfig(), 1, nproc, hw, opt, opts).total
         residual[r["layers"]] = r["seconds"] - modelled
     per_layer = max(0.0, (residual[3] - residual[1]) / (2 * 2))  # forward + backward pass of 2 more layers
     per_step = max(0.0, residual[1] - 2 * per_layer)

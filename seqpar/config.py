@@ -1,7 +1,9 @@
-"""Small validated dataclasses: the whole configuration of a run.
+"""Small validated dataclasses: the whole configuration of a run, and of the analytic model.
 
 Every rule is checked here, before any process group starts, and every error names the rule
-and the numbers (``hidden 1000 is not divisible by heads 12``).
+and the numbers (``hidden 1000 is not divisible by heads 12``). Torch-free: ``seqpar.analysis``
+(formulas, planner) reads the same classes without torch; the torch dtype of ``ModelConfig.dtype``
+is looked up in ``seqpar.dtypes`` where a tensor is made.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # Finer selective recompute (beyond the paper): what a layer may checkpoint.
 RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp")
+# The two layer families the analytic model knows, as ModelConfig fields: the paper's GPT (Fig. 2) and a
+# Llama-style layer (RMSNorm, SwiGLU, rotary positions, no biases, untied output layer, no dropout).
+ARCH_FIELDS = {
+    "gpt": {"norm": "layernorm", "activation": "gelu", "position": "learned", "bias": True, "tie_embeddings": True},
+    "llama": {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False,
+              "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
+}
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu_tanh: GPT-2's "gelu_new"
 POSITIONS = ("learned", "rope")
@@ -89,6 +98,24 @@ class ModelConfig:
     def dtype_bytes(self) -> int:
         """Bytes per activation element."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_ratio(self) -> float:
+        """kv heads / heads: the size of K (and of V) relative to Q."""
+        return self.num_kv_heads / self.num_heads
+
+    @property
+    def arch(self) -> str:
+        """The analytic model's layer family: "llama" (RMSNorm + SwiGLU), "gpt" (LayerNorm + GeLU), else
+        "custom" (the per-layer formula still applies, the stage and parameter formulas refuse)."""
+        if (self.norm, self.activation) == ("rmsnorm", "swiglu"):
+            return "llama"
+        return "gpt" if self.norm == "layernorm" and self.activation in ("gelu", "gelu_tanh") else "custom"
+
+    def vocab_per_rank(self, t: int) -> int:
+        """Vocabulary rows (and logit columns) one of t ranks holds: the vocabulary is padded to a
+        multiple of t so the shards are equal, ceil(v/t) each (v/t when t divides v)."""
+        return -(-self.vocab_size // t)
 
     @property
     def rope_scaling_params(self) -> tuple:
@@ -222,8 +249,8 @@ class ParallelConfig:
                 raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")
             kv = model.num_kv_heads
             if kv % self.tp and self.tp % kv:
-                raise ConfigError(f"kv heads {kv} and tp {self.tp}: one must divide the other "
-                                  "(kv heads are split, or replicated when fewer than tp)")
+                # kv heads are split over tp, or replicated when fewer than tp
+                raise ConfigError(f"kv heads {kv} and tp {self.tp}: one must divide the other")
             if model.ffn % self.tp:
                 raise ConfigError(f"ffn width {model.ffn} is not divisible by tp {self.tp}")
             if self.cp > 1 and model.seq_len % (2 * self.cp):
@@ -252,12 +279,27 @@ class RecomputeConfig:
     # For ``selective``: which parts of each layer to checkpoint. Empty means the paper's choice,
     # ("core_attention",). "norm": both norms; "activation": GeLU / SwiGLU; "mlp": the whole MLP.
     modules: tuple[str, ...] = ()
+    # App. C: on each pipeline rank up to this many in-flight chunk-microbatches keep all their
+    # activations and are not recomputed; the others follow ``granularity``.
+    keep_microbatches: int = 0
 
     @property
     def selective_modules(self) -> tuple[str, ...]:
         if self.granularity != "selective":
             return ()
         return tuple(self.modules) or ("core_attention",)
+
+    @property
+    def label(self) -> str:
+        """``none``, ``selective``, ``selective(norm,activation)``, ``full-block-2``; ``+keepK`` for App. C."""
+        text = self.granularity
+        if self.granularity == "full":
+            text = f"full-{self.method}-{self.num_layers}"
+        if self.modules:
+            text += f"({','.join(self.modules)})"
+        if self.keep_microbatches and self.granularity != "none":
+            text += f"+keep{self.keep_microbatches}"
+        return text
 
     def validate(self, layers_per_stage: int | None = None) -> RecomputeConfig:
         if self.granularity not in RECOMPUTE_GRANULARITIES:
@@ -270,6 +312,9 @@ class RecomputeConfig:
                               f"not {self.granularity!r}")
         if self.method not in RECOMPUTE_METHODS:
             raise ConfigError(f"recompute method {self.method!r} is not one of {list(RECOMPUTE_METHODS)}")
+        k = self.keep_microbatches
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"keep_microbatches must be an integer >= 0, got {k!r}")
         if self.granularity == "full":
             if not isinstance(self.num_layers, int) or self.num_layers < 1:
                 raise ConfigError(f"recompute num_layers must be a positive integer, got {self.num_layers!r}")

@@ -17,11 +17,12 @@ from seqpar.analysis.costmodel import (
     ring_gather_s,
 )
 from seqpar.analysis.flops import layer_forward_flops, model_flops
-from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
+from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, model_config
 from seqpar.analysis.states import stage_parameters
+from seqpar.config import ParallelConfig, RecomputeConfig
 
 # L=4, h=8, a=2, s=4, v=16: one layer forward for b=1 is 24*4*64 + 4*16*8 = 6656 FLOPs
-SHAPE = ModelShape(layers=4, hidden=8, heads=2, seq=4, vocab=16)
+SHAPE = model_config(layers=4, hidden=8, heads=2, seq=4, vocab=16)
 # memory, latency and overheads out of the way unless a test puts them back
 HW = Hardware(gpus_per_node=8, peak_flops=1e6, gemm_efficiency=0.5, memory_bw=1e30, intra_node_bw=1e3,
               inter_node_bw=1e2, comm_latency=0.0, layer_overhead=0.0, step_overhead=0.0)
@@ -36,9 +37,10 @@ def test_collectives():
 
 @pytest.mark.parametrize("t", [1, 2])
 def test_gemms_are_app_a_over_t(t):
-    for shape in (SHAPE, ModelShape(layers=2, hidden=16, heads=4, seq=8, vocab=32, ffn=40, kv_heads=2, arch="llama")):
+    for shape in (SHAPE, model_config(layers=2, hidden=16, heads=4, seq=8, vocab=32, ffn=40, kv_heads=2, arch="llama")):
         gemms = layer_gemms(shape, t, 3, OPTS)
-        flops = layer_forward_flops(3, shape.seq, shape.hidden, shape.f, kv_ratio=shape.kv_ratio, gated=shape.llama)
+        flops = layer_forward_flops(3, shape.seq_len, shape.hidden_size, shape.ffn, kv_ratio=shape.kv_ratio,
+                                    gated=shape.arch == "llama")
         assert sum(f for f, _ in gemms.values()) == pytest.approx(sum(flops.values()) / t)
     # operand traffic of the out-projection [sb, h/t] x [h/t, h] in 2-byte elements
     assert layer_gemms(SHAPE, 2, 1, OPTS)["out_proj"][1] == 2 * (4 * 4 + 4 * 8 + 4 * 8)
@@ -55,18 +57,18 @@ def test_elementwise_bytes_by_hand():
 
 
 def test_single_gpu_is_gemm_time_and_the_optimizer():
-    it = iteration_time(SHAPE, Parallelism(), Recompute(), 1, 2, HW)
+    it = iteration_time(SHAPE, ParallelConfig(), RecomputeConfig(), 1, 2, HW)
     per_mb = (3 * 4 * 6656 + 3 * 2 * 4 * 8 * 16) / (1e6 * 0.5)
     assert it.terms["compute"] == pytest.approx(2 * per_mb)
     assert it.total == pytest.approx(2 * per_mb)  # no bubble, no communication, memory infinitely fast
-    mfu = predicted_mfu(SHAPE, Parallelism(), 2, it.total, HW)
+    mfu = predicted_mfu(SHAPE, ParallelConfig(), 2, it.total, HW)
     assert mfu == pytest.approx(model_flops(2, 4, 4, 8, 16) / (it.total * 1e6))
     assert mfu == pytest.approx(0.5)  # GEMM efficiency, nothing else lost
     slow = replace(HW, memory_bw=1e3, step_overhead=0.25)
-    it = iteration_time(SHAPE, Parallelism(), Recompute(), 1, 2, slow)
+    it = iteration_time(SHAPE, ParallelConfig(), RecomputeConfig(), 1, 2, slow)
     opt = OptimizerOptions()
     assert optimizer_bytes_per_parameter(opt) == 3 * 4 + 2 * 4 + 2 * 8 + 2
-    assert it.terms["optimizer"] == pytest.approx(stage_parameters(SHAPE, Parallelism(), 0) * 38 / 1e3)
+    assert it.terms["optimizer"] == pytest.approx(stage_parameters(SHAPE, ParallelConfig(), 0) * 38 / 1e3)
     assert it.terms["step_overhead"] == 0.25
 
 
@@ -74,27 +76,27 @@ def test_tp_backward_collectives_hide_behind_the_weight_gradient_gemms():
     msg = 2 * 4 * 1 * 8
     allreduce, gather = ring_allreduce_s(msg, 2, 1e3), ring_gather_s(msg, 2, 1e3)
     slow = replace(HW, peak_flops=1e3)
-    slow_gemms = layer_pass_s(SHAPE, Parallelism(tp=2), 1, slow, OPTS)
+    slow_gemms = layer_pass_s(SHAPE, ParallelConfig(tp=2), 1, slow, OPTS)
     assert slow_gemms["forward"]["tp_comm"] == pytest.approx(2 * allreduce)
     assert slow_gemms["backward"]["tp_comm"] == 0  # the all-reduces of f fit under the wgrad GEMMs
-    sp = layer_pass_s(SHAPE, Parallelism(tp=2, sp=True), 1, slow, OPTS)
+    sp = layer_pass_s(SHAPE, ParallelConfig(tp=2, sp=True), 1, slow, OPTS)
     assert sp["forward"]["tp_comm"] == pytest.approx(2 * allreduce)  # same volume (Sec. 4.2.2)
     assert sp["backward"]["tp_comm"] == pytest.approx(2 * gather)  # g-bar's all-gathers are exposed
     instant = replace(HW, peak_flops=1e30)
-    tp = layer_pass_s(SHAPE, Parallelism(tp=2), 1, instant, OPTS)
+    tp = layer_pass_s(SHAPE, ParallelConfig(tp=2), 1, instant, OPTS)
     assert tp["backward"]["tp_comm"] == pytest.approx(2 * allreduce)
-    sp = layer_pass_s(SHAPE, Parallelism(tp=2, sp=True), 1, instant, OPTS)
+    sp = layer_pass_s(SHAPE, ParallelConfig(tp=2, sp=True), 1, instant, OPTS)
     assert sp["backward"]["tp_comm"] == pytest.approx(2 * gather + 2 * 2 * gather)  # + reduce-scatter, re-gather
 
 
 def test_recompute_in_the_backward_pass():
     hw = replace(HW, memory_bw=1e4, layer_overhead=1e-3)
-    par = Parallelism(tp=2)
-    fwd, bwd = layer_time_s(SHAPE, par, Recompute(), 1, hw)
-    full = layer_time_s(SHAPE, par, Recompute("full"), 1, hw)
+    par = ParallelConfig(tp=2)
+    fwd, bwd = layer_time_s(SHAPE, par, RecomputeConfig(), 1, hw)
+    full = layer_time_s(SHAPE, par, RecomputeConfig("full"), 1, hw)
     assert full == pytest.approx((fwd, bwd + fwd))
     core = layer_pass_s(SHAPE, par, 1, hw, OPTS)["attention_core"]
-    selective = layer_time_s(SHAPE, par, Recompute("selective"), 1, hw)
+    selective = layer_time_s(SHAPE, par, RecomputeConfig("selective"), 1, hw)
     assert selective[1] - bwd == pytest.approx(sum(core.values()))
     gemms = layer_gemms(SHAPE, 2, 1, OPTS)
     attention = sum(gemms[k][0] / (1e6 * 0.5) + gemms[k][1] / 1e4 for k in ("qk", "attention_v"))
@@ -103,8 +105,8 @@ def test_recompute_in_the_backward_pass():
 
 def test_terms_for_tp_pp_selective():
     hw = replace(HW, comm_latency=1e-3)
-    par = Parallelism(tp=2, pp=2, sp=True, interleave=2)
-    it = iteration_time(SHAPE, par, Recompute("selective"), 1, 4, hw)
+    par = ParallelConfig(tp=2, pp=2, sp=True, interleave=2)
+    it = iteration_time(SHAPE, par, RecomputeConfig("selective"), 1, 4, hw)
     n, gemm = 4, 1e6 * 0.5
     assert it.terms["recompute"] == pytest.approx(n * 2 * (4 * 16 * 8) / 2 / gemm)  # 2 layers, 4bs^2h / t
     assert it.terms["pp_p2p"] == pytest.approx(n * 2 * 2 * (1e-3 + (2 * 4 * 8) / 2 / 1e3))  # 4 GPUs in one node
@@ -113,12 +115,12 @@ def test_terms_for_tp_pp_selective():
 
 
 def test_full_recompute_block_and_app_c():
-    par = Parallelism(tp=2)
-    full = iteration_time(SHAPE, par, Recompute("full"), 1, 1, HW)
+    par = ParallelConfig(tp=2)
+    full = iteration_time(SHAPE, par, RecomputeConfig("full"), 1, 1, HW)
     assert full.terms["recompute"] == pytest.approx(sum(layer_pass_s(SHAPE, par, 1, HW, OPTS)["forward"].values()) * 4)
-    block = iteration_time(SHAPE, par, Recompute("full", "block", 1), 1, 1, HW)
+    block = iteration_time(SHAPE, par, RecomputeConfig("full", "block", 1), 1, 1, HW)
     assert block.terms["recompute"] == pytest.approx(full.terms["recompute"] / 4)
-    pp = Parallelism(pp=2)
-    every = iteration_time(SHAPE, pp, Recompute("full"), 1, 4, HW)
-    kept = iteration_time(SHAPE, pp, Recompute("full", keep_microbatches=1), 1, 4, HW)
+    pp = ParallelConfig(pp=2)
+    every = iteration_time(SHAPE, pp, RecomputeConfig("full"), 1, 4, HW)
+    kept = iteration_time(SHAPE, pp, RecomputeConfig("full", keep_microbatches=1), 1, 4, HW)
     assert kept.terms["recompute"] == pytest.approx(every.terms["recompute"] / 2)  # rank 0: 2 in flight, 1 kept

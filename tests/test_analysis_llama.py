@@ -7,7 +7,7 @@ import sys
 from seqpar.analysis.flops import layer_forward_flops, model_flops, model_flops_from_gemms
 from seqpar.analysis.memory import layer_activation_terms
 from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.shapes import ModelShape
+from seqpar.analysis.shapes import model_config
 from seqpar.analysis.states import model_parameters
 
 
@@ -23,7 +23,7 @@ def test_gqa_and_swiglu_flops():
     gqa = layer_forward_flops(B, s, h, f, kv_ratio=0.25, gated=True)
     assert gqa["qkv"] == 2 * B * s * h * (h + 2 * h // 4)  # Q h×h, K and V h×h/4 each
     assert gqa["mlp"] == 2 * B * s * h * 3 * f and mha["mlp"] == 2 * B * s * h * 2 * f
-    gpt = ModelShape(layers=4, hidden=64, heads=4, seq=128, vocab=256)
+    gpt = model_config(layers=4, hidden=64, heads=4, seq=128, vocab=256)
     assert abs(model_flops_from_gemms(2, 4, 128, 64, 256) / model_flops(2, 4, 128, 64, 256) - 1) < 1e-12  # Eq. 7
     assert gpt.kv_ratio == 1.0
 

@@ -7,8 +7,9 @@ from seqpar.analysis.costmodel import Hardware, iteration_time
 from seqpar.analysis.flops import hardware_flops, model_flops
 from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_bytes, table2_bytes, table2_config
 from seqpar.analysis.schedule import in_flight_chunks
-from seqpar.analysis.shapes import ModelShape, Parallelism, Recompute
+from seqpar.analysis.shapes import model_config
 from seqpar.analysis.stage import stage_memory
+from seqpar.config import ParallelConfig, RecomputeConfig
 
 dims = st.fixed_dictionaries({
     "s": st.integers(1, 4096), "b": st.integers(1, 16), "heads": st.integers(1, 128),
@@ -71,16 +72,17 @@ def test_hardware_flops_order(B, s, h, L, v):
     assert corrected < hardware_flops(B, L, s, h, v, "full")
 
 
-SHAPE = ModelShape(layers=8, hidden=64, heads=4, seq=32, vocab=128)
+SHAPE = model_config(layers=8, hidden=64, heads=4, seq=32, vocab=128)
 
 
 @settings(max_examples=40)
 @given(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]), st.integers(1, 4),
        st.sampled_from(["selective", "full"]), st.integers(0, 12))
 def test_app_c_trades_memory_for_time(tp, pp, b, granularity, k):
-    par = Parallelism(tp=tp, pp=pp, sp=tp > 1)
+    par = ParallelConfig(tp=tp, pp=pp, sp=tp > 1)
     n = 16
-    less, more = Recompute(granularity, keep_microbatches=k), Recompute(granularity, keep_microbatches=k + 1)
+    less = RecomputeConfig(granularity, keep_microbatches=k)
+    more = RecomputeConfig(granularity, keep_microbatches=k + 1)
     # Stored activations grow with every kept microbatch. The transient buffer of recomputing one
     # layer in backward is not monotone: it vanishes once every in-flight microbatch is kept.
     def stored(rc):

@@ -5,14 +5,7 @@ import pytest
 from seqpar.analysis.memory import layer_activation_bytes
 from seqpar.analysis.presets import TABLE3
 from seqpar.analysis.schedule import in_flight_chunks, interleaving_factor, outstanding_backwards
-from seqpar.analysis.shapes import (
-    ActivationOptions,
-    AnalysisError,
-    ModelShape,
-    OptimizerOptions,
-    Parallelism,
-    Recompute,
-)
+from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, model_config
 from seqpar.analysis.stage import all_stages, sec43_extra_bytes_paper, stage_memory
 from seqpar.analysis.states import (
     bytes_per_parameter,
@@ -21,10 +14,11 @@ from seqpar.analysis.states import (
     model_parameters,
     stage_parameters,
 )
+from seqpar.config import ParallelConfig, RecomputeConfig
 
 # L=4, h=8, a=2, s=4, v=16, b=2, t=2: sbh/t = 32, one SP layer = 32 (34 + 5) = 1248 bytes
-TINY = ModelShape(layers=4, hidden=8, heads=2, seq=4, vocab=16)
-SP2 = Parallelism(tp=2, pp=2, sp=True)
+TINY = model_config(layers=4, hidden=8, heads=2, seq=4, vocab=16)
+SP2 = ParallelConfig(tp=2, pp=2, sp=True)
 
 
 def test_in_flight_counts_1f1b_and_interleaved():
@@ -37,60 +31,60 @@ def test_in_flight_counts_1f1b_and_interleaved():
 
 
 def test_eq5_first_stage_holds_L_layers():
-    m = stage_memory(TINY, SP2, Recompute(), 2, n=8)
+    m = stage_memory(TINY, SP2, RecomputeConfig(), 2, n=8)
     assert m.in_flight == 2 and m.terms["layer_activations"] == 4 * 1248
 
 
 def test_eq6_selective():
-    m = stage_memory(TINY, SP2, Recompute("selective"), 2, n=8)
+    m = stage_memory(TINY, SP2, RecomputeConfig("selective"), 2, n=8)
     assert m.terms["layer_activations"] == 34 * 32 * 4  # 34 sbhL/t
 
 
 def test_interleaving_factor_on_rank0():
-    par = Parallelism(tp=2, pp=2, sp=True, interleave=2)
-    m = stage_memory(TINY, par, Recompute(), 2, n=8)
+    par = ParallelConfig(tp=2, pp=2, sp=True, interleave=2)
+    m = stage_memory(TINY, par, RecomputeConfig(), 2, n=8)
     assert m.terms["layer_activations"] == 1248 * 4 * interleaving_factor(2, 2) == 1248 * 5
 
 
 def test_sec43_terms_match_the_paper_formula():
     for p in (1, 2):
-        par = Parallelism(tp=2, pp=p, sp=True)
-        m = stage_memory(TINY, par, Recompute(), 2, n=8)
+        par = ParallelConfig(tp=2, pp=p, sp=True)
+        m = stage_memory(TINY, par, RecomputeConfig(), 2, n=8)
         extra = m.total - m.states - m.terms["layer_activations"]
         assert extra == sec43_extra_bytes_paper(TINY, 2, p, 2)
-    p1 = stage_memory(TINY, Parallelism(tp=2, sp=True), Recompute(), 2, n=8).terms
+    p1 = stage_memory(TINY, ParallelConfig(tp=2, sp=True), RecomputeConfig(), 2, n=8).terms
     assert (p1["embedding_dropout_mask"], p1["final_ln_input"], p1["output_layer_input"], p1["logits"]) == (
         32, 64, 64, 4 * 4 * 2 * 16 / 2)
 
 
 def test_app_b_pipeline_outputs():
     keep = ActivationOptions(free_pipeline_outputs=False)
-    m = stage_memory(TINY, SP2, Recompute(), 2, n=8, opts=keep)
+    m = stage_memory(TINY, SP2, RecomputeConfig(), 2, n=8, opts=keep)
     assert m.terms["pipeline_outputs"] == 2 * 32 * 2  # 2 bytes x sbh/t x 2 in flight
-    assert "pipeline_outputs" not in stage_memory(TINY, SP2, Recompute(), 2, n=8).terms
-    last = stage_memory(TINY, SP2, Recompute(), 2, n=8, opts=keep, rank=1)
+    assert "pipeline_outputs" not in stage_memory(TINY, SP2, RecomputeConfig(), 2, n=8).terms
+    last = stage_memory(TINY, SP2, RecomputeConfig(), 2, n=8, opts=keep, rank=1)
     assert last.terms["pipeline_outputs"] == 0  # the last stage sends nothing
 
 
 def test_full_uniform_block_and_app_c():
     none_layer = layer_activation_bytes(4, 2, 8, 2, 2, sp=True)
     checkpoint = 2 * 32
-    uniform = stage_memory(TINY, SP2, Recompute("full"), 2, n=8).terms
+    uniform = stage_memory(TINY, SP2, RecomputeConfig("full"), 2, n=8).terms
     assert uniform["layer_activations"] == 2 * 2 * checkpoint  # 2 in flight x 2 layers
     assert uniform["recompute_working"] == none_layer
-    group = stage_memory(TINY, SP2, Recompute("full", "uniform", 2), 2, n=8).terms
+    group = stage_memory(TINY, SP2, RecomputeConfig("full", "uniform", 2), 2, n=8).terms
     assert group["layer_activations"] == 2 * checkpoint and group["recompute_working"] == 2 * none_layer
-    block = stage_memory(TINY, SP2, Recompute("full", "block", 1), 2, n=8).terms
+    block = stage_memory(TINY, SP2, RecomputeConfig("full", "block", 1), 2, n=8).terms
     assert block["layer_activations"] == 2 * (checkpoint + none_layer)
-    app_c = stage_memory(TINY, SP2, Recompute("full", keep_microbatches=1), 2, n=8).terms
+    app_c = stage_memory(TINY, SP2, RecomputeConfig("full", keep_microbatches=1), 2, n=8).terms
     assert app_c["layer_activations"] == 2 * checkpoint and app_c["kept_microbatches"] == 2 * none_layer
-    all_kept = stage_memory(TINY, SP2, Recompute("full", keep_microbatches=5), 2, n=8).terms
+    all_kept = stage_memory(TINY, SP2, RecomputeConfig("full", keep_microbatches=5), 2, n=8).terms
     assert all_kept["layer_activations"] == 0 and "recompute_working" not in all_kept
 
 
 def test_recompute_layers_cannot_exceed_a_chunk():
     with pytest.raises(AnalysisError, match="num_layers 3 exceeds the 2 layers"):
-        stage_memory(TINY, SP2, Recompute("full", "block", 3), 2, n=8)
+        stage_memory(TINY, SP2, RecomputeConfig("full", "block", 3), 2, n=8)
 
 
 def test_parameter_counts():
@@ -100,8 +94,8 @@ def test_parameter_counts():
     gpt3 = TABLE3["175B"].shape
     assert model_parameters(gpt3) == pytest.approx(175e9, rel=0.01)
     for p in (1, 2, 4):
-        par = Parallelism(pp=p)
-        tied_copy = TINY.vocab * TINY.hidden if p > 1 else 0
+        par = ParallelConfig(pp=p)
+        tied_copy = TINY.vocab_size * TINY.hidden_size if p > 1 else 0
         assert sum(stage_parameters(TINY, par, r) for r in range(p)) == model_parameters(TINY) + tied_copy
 
 
@@ -109,21 +103,21 @@ def test_bytes_per_parameter_mixed_precision_adam():
     assert bytes_per_parameter(OptimizerOptions()) == 18  # 2 + 4 + 4 + 8
     assert bytes_per_parameter(OptimizerOptions(grad_bytes=2)) == 16
     assert bytes_per_parameter(OptimizerOptions(distributed=True), dp=4) == 6 + 12 / 4
-    m = stage_memory(TINY, Parallelism(dp=4), Recompute(), 1, n=1, opt=OptimizerOptions(distributed=True))
+    m = stage_memory(TINY, ParallelConfig(dp=4), RecomputeConfig(), 1, n=1, opt=OptimizerOptions(distributed=True))
     assert m.terms["optimizer_states"] == model_parameters(TINY) * 12 / 4
 
 
 def test_first_stage_is_the_most_loaded_in_activations():
-    shape = ModelShape(layers=8, hidden=16, heads=4, seq=8, vocab=32)
-    stages = all_stages(shape, Parallelism(tp=2, pp=4, sp=True, interleave=2), Recompute(), 1, n=8)
+    shape = model_config(layers=8, hidden=16, heads=4, seq=8, vocab=32)
+    stages = all_stages(shape, ParallelConfig(tp=2, pp=4, sp=True, interleave=2), RecomputeConfig(), 1, n=8)
     layer = [s.terms["layer_activations"] for s in stages]
     assert layer == sorted(layer, reverse=True) and stages[0].in_flight == 2 * 3 + 4 + 1
 
 
 def test_invalid_layouts_name_the_numbers():
     with pytest.raises(AnalysisError, match="layers 4 are not divisible by pp 3 x interleave 1 = 3"):
-        stage_memory(TINY, Parallelism(pp=3), Recompute(), 1)
+        stage_memory(TINY, ParallelConfig(pp=3), RecomputeConfig(), 1)
     with pytest.raises(AnalysisError, match="heads 2 is not divisible by tp 4"):
-        stage_memory(TINY, Parallelism(tp=4), Recompute(), 1)
+        stage_memory(TINY, ParallelConfig(tp=4), RecomputeConfig(), 1)
     with pytest.raises(AnalysisError, match="hidden 10 is not divisible by heads 3"):
-        stage_memory(ModelShape(4, 10, 3, 4, 16), Parallelism(), Recompute(), 1)
+        stage_memory(model_config(4, 10, 3, 4, 16), ParallelConfig(), RecomputeConfig(), 1)

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from seqpar.analysis.table2 import _measure_worker, plan_rows
 from seqpar.config import ModelConfig
+from seqpar.measure.table2 import _measure_worker, plan_rows
 from seqpar.parallel.launch import run_ranks
 
 GRID = list(itertools.product([256, 512], [4, 8], [128, 256], [1, 2]))  # h, a, s, b

@@ -21,12 +21,12 @@ import torch
 
 from seqpar.analysis.memory import layer_activation_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.measure.stages import measure_jobs_here, report, validate_jobs
 from seqpar.model import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import full_state_dict
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
-from seqpar.pipeline.measure import measure_jobs_here, report, validate_jobs
 
 SEL, FULL = RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)
 

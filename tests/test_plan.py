@@ -15,8 +15,9 @@ from seqpar.analysis.planner import (
     search,
 )
 from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.shapes import AnalysisError, ModelShape, Recompute
+from seqpar.analysis.shapes import AnalysisError, model_config
 from seqpar.cli import main
+from seqpar.config import RecomputeConfig
 
 PAPER_530B = "tp=8,pp=35,dp=1,m=3,sp=on,recompute=selective,mb=1"
 ARGS_530B = ["plan", "--model", "530b", "--gpus", "280", "--gpus-per-node", "8", "--gpu-memory", "80"]
@@ -64,14 +65,14 @@ def test_invalid_plans_say_why():
 
 
 def test_parse_recompute():
-    assert parse_recompute("full-block-3") == Recompute("full", "block", 3)
-    assert parse_recompute("selective+keep4") == Recompute("selective", keep_microbatches=4)
+    assert parse_recompute("full-block-3") == RecomputeConfig("full", "block", 3)
+    assert parse_recompute("selective+keep4") == RecomputeConfig("selective", keep_microbatches=4)
     with pytest.raises(AnalysisError, match="recompute 'half'"):
         parse_recompute("half")
 
 
 def test_small_model_on_one_gpu_prefers_no_recompute():
-    shape = ModelShape(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
+    shape = model_config(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
     ranked = search(Request(shape, gpus=1, global_batch=8))
     assert ranked[0].plan.rc.granularity == "none"
 

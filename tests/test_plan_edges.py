@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpar.analysis.planner import Request, check_plan, evaluate, layouts, parse_plan, search
-from seqpar.analysis.shapes import AnalysisError, ModelShape, OptimizerOptions, default_dropout
+from seqpar.analysis.shapes import AnalysisError, OptimizerOptions, default_dropout, model_config
 from seqpar.analysis.states import bytes_per_parameter, stage_parameters
 from seqpar.cli import build_parser, main
 
@@ -40,10 +40,11 @@ def _error_line(err: str) -> str:
 def requests(draw):
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 24]))
     kv = draw(st.sampled_from([k for k in range(1, heads + 1) if heads % k == 0]))
-    shape = ModelShape(layers=draw(st.sampled_from([1, 2, 3, 4, 6, 8])), hidden=heads * draw(st.sampled_from([8, 16])),
-                       heads=heads, seq=draw(st.sampled_from([6, 8, 12, 16])), vocab=draw(st.integers(5, 300)),
-                       ffn=draw(st.sampled_from([None, 36, 48, 96])), kv_heads=kv,
-                       arch=draw(st.sampled_from(["gpt", "llama"])))
+    shape = model_config(layers=draw(st.sampled_from([1, 2, 3, 4, 6, 8])),
+                         hidden=heads * draw(st.sampled_from([8, 16])), heads=heads,
+                         seq=draw(st.sampled_from([6, 8, 12, 16])), vocab=draw(st.integers(5, 300)),
+                         ffn=draw(st.sampled_from([None, 36, 48, 96])), kv_heads=kv,
+                         arch=draw(st.sampled_from(["gpt", "llama"])))
     gpus = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
     return Request(shape.validate(), gpus=gpus, global_batch=gpus * draw(st.sampled_from([1, 2, 4])),
                    max_micro_batch=4, max_interleave=2)
@@ -56,7 +57,7 @@ def test_search_only_enumerates_valid_layouts_and_never_aborts(req):
         check_plan(req, plan)  # every candidate the enumeration yields can run this model
     for ev in search(req):
         assert ev.fits and ev.error is None
-        assert req.shape.kv % ev.plan.par.tp == 0 or ev.plan.par.tp % req.shape.kv == 0
+        assert req.shape.num_kv_heads % ev.plan.par.tp == 0 or ev.plan.par.tp % req.shape.num_kv_heads == 0
 
 
 def test_kv_heads_case_prints_plans_and_explain_of_an_invalid_tp_is_one_line():
@@ -91,7 +92,7 @@ VALUES = st.one_of(st.integers(-3, 70).map(str), st.sampled_from(
     st.text(max_size=6))
 ITEMS = st.one_of(st.tuples(st.sampled_from(KEYS), VALUES).map(lambda kv: f"{kv[0]}={kv[1]}"), st.text(max_size=8))
 PLAN_TEXT = st.one_of(st.lists(ITEMS, max_size=6).map(",".join), st.text(max_size=30))
-FUZZ_REQ = Request(ModelShape(layers=8, hidden=64, heads=8, seq=32, vocab=100, kv_heads=2, arch="llama"),
+FUZZ_REQ = Request(model_config(layers=8, hidden=64, heads=8, seq=32, vocab=100, kv_heads=2, arch="llama"),
                    gpus=8, global_batch=16)
 
 
@@ -135,9 +136,9 @@ def test_fp32_training_is_16_bytes_per_parameter_and_mixed_precision_18():
         best = data["best"]
         states = sum(best["memory_terms"][k] for k in ("parameters", "gradients", "optimizer_states"))
         from seqpar.analysis.presets import preset_shape
-        from seqpar.analysis.shapes import Parallelism
+        from seqpar.config import ParallelConfig
 
-        par = Parallelism(best["tp"], best["pp"], best["dp"], best["sp"], best["interleave"])
+        par = ParallelConfig(best["tp"], best["pp"], best["dp"], best["sp"], best["interleave"])
         assert states == per_param * stage_parameters(preset_shape("gpt2-medium"), par, best["most_loaded_rank"])
     code, out, _ = _run(args[:-1] + ["--dtype", "fp32"])
     assert "fp32 throughout: 16 B/param model states, 4-byte activations" in out
@@ -172,9 +173,9 @@ def test_dropout_default_is_one_value_per_architecture_everywhere():
     from seqpar.analysis.presets import preset_shape
 
     sh = preset_shape("llama2-7b")
-    kw = dict(ffn=sh.f, dropout=False, **sh.layer_options())
-    tp_only = layer_activation_bytes(sh.seq, 1, sh.hidden, sh.heads, 8, **kw)
-    tp_sp = layer_activation_bytes(sh.seq, 1, sh.hidden, sh.heads, 8, sp=True, **kw)
+    kw = dict(ffn=sh.ffn, dropout=False, kv_heads=sh.kv_heads, norm=sh.norm, activation=sh.activation)
+    tp_only = layer_activation_bytes(sh.seq_len, 1, sh.hidden_size, sh.num_heads, 8, **kw)
+    tp_sp = layer_activation_bytes(sh.seq_len, 1, sh.hidden_size, sh.num_heads, 8, sp=True, **kw)
     assert table["llama2-7b materialized"]["tp_sp"] == 100 * tp_sp / tp_only
     code, out, _ = _run(["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch", "8"])
     assert "dropout 0 (no masks)" in out.splitlines()[1]

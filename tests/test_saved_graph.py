@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.measure import measure_layer
 from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.measure.saved import measure_layer
 from seqpar.parallel.launch import run_ranks
 
 

@@ -73,7 +73,7 @@ def test_parity_fails_when_recompute_does_not_restore_the_dropout_stream(monkeyp
 
 def test_memory_fails_when_the_formula_counts_other_bytes(monkeypatch, capsys):
     """An exact formula that counts the accelerator's fp32 norm statistics on the CPU is caught."""
-    import seqpar.analysis.table2 as table2
+    import seqpar.measure.table2 as table2
 
     monkeypatch.setattr(table2, "layernorm_stat_bytes", lambda device, dtype: 4)
     code, report = _selftest_in_process(capsys, "--only", "memory")

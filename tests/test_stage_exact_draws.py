@@ -8,14 +8,13 @@ import os
 import random
 from dataclasses import replace
 
-from seqpar.analysis.shapes import Parallelism
 from seqpar.analysis.states import stage_parameters
 from seqpar.commands.memory import LLAMA
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.measure.stages import measure_jobs_here, report, validate_jobs
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline.build import build_stages
-from seqpar.pipeline.measure import measure_jobs_here, model_shape, report, validate_jobs
 
 WORLD = 4
 DRAWS = int(os.environ.get("SEQPAR_DRAWS", "6"))
@@ -74,8 +73,8 @@ def test_stages_measured_equal_exact_and_parameters_equal_the_formula():
         stages = report(cfg, [(parallel, [run])], [[r[i][0][0]] for r in results])[0][0]
         for st in stages:
             assert st.measured_peak_bytes == st.exact_bytes, (label, st.stage, st.measured_peak_bytes - st.exact_bytes)
-        shape = model_shape(cfg)
-        par = Parallelism(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp)
+        shape = cfg
+        par = ParallelConfig(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp)
         for r in results:
             _, stage, params = r[i]
             assert params == stage_parameters(shape, par, stage), (label, stage, params)
@@ -83,7 +82,7 @@ def test_stages_measured_equal_exact_and_parameters_equal_the_formula():
 
 def test_padding_and_rstd_terms_by_hand():
     """The two corrected terms in closed form, beside the draws: t = 2, v = 301, s = 32, b = 1."""
-    from seqpar.pipeline.measure import formula_stage_bytes, implementation_terms
+    from seqpar.measure.stages import formula_stage_bytes, implementation_terms
 
     gpt = ModelConfig(vocab_size=301, hidden_size=64, num_heads=4, num_layers=4, seq_len=32).validate()
     par = ParallelConfig(tp=2, pp=2)

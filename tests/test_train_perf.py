@@ -9,8 +9,9 @@ import torch
 
 from seqpar.analysis.flops import hardware_flops, model_flops
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
+from seqpar.measure.activations import predicted_activation_bytes
 from seqpar.train.config import JobConfig, TrainConfig
-from seqpar.train.perf import predicted_activation_bytes, step_flops
+from seqpar.train.perf import step_flops
 
 GPT = ModelConfig(vocab_size=512, hidden_size=64, num_heads=4, num_layers=4, seq_len=32)
 

@@ -20,7 +20,8 @@ from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, iteration_time, 
 from seqpar.analysis.fit import least_squares
 from seqpar.analysis.paper import DP8_GPUS, DP8_ITERATION_S
 from seqpar.analysis.presets import TABLE3, TABLE4_22B_LAYER_MS, TABLE5_ITERATION_S, PaperSetup
-from seqpar.analysis.shapes import AnalysisError, Parallelism, Recompute
+from seqpar.analysis.shapes import AnalysisError
+from seqpar.config import ParallelConfig, RecomputeConfig
 
 # residual per e-fold away from the prior: a factor 2 costs like a 7% error. Chosen by leave-one-model-out
 # cross-validation among 0.005, 0.02, 0.05, 0.1, 0.2 (held-out max error 22, 27, 8, 7, 8%).
@@ -44,10 +45,10 @@ class DataPoint:
 
 def _table4_point(name: str, sp: bool, rc: str, which: int, ms: float) -> DataPoint:
     setup = TABLE3["22B"]
-    par = Parallelism(tp=setup.tp, sp=sp)
+    par = ParallelConfig(tp=setup.tp, sp=sp)
 
     def predict(hw: Hardware) -> float:
-        return layer_time_s(setup.shape, par, Recompute(rc), setup.micro_batch, hw)[which]
+        return layer_time_s(setup.shape, par, RecomputeConfig(rc), setup.micro_batch, hw)[which]
 
     label = f"one layer, {name.replace('_', ' + ')}, {('forward', 'backward')[which]}"
     return DataPoint("Table 4", "22B", label, ms / 1e3, predict)
@@ -55,10 +56,11 @@ def _table4_point(name: str, sp: bool, rc: str, which: int, ms: float) -> DataPo
 
 def _iteration_point(source: str, model: str, config: str, setup: PaperSetup, dp: int, sp: bool, rc: str,
                      seconds: float) -> DataPoint:
-    par = Parallelism(setup.tp, setup.pp, dp, sp, setup.interleave)
+    par = ParallelConfig(setup.tp, setup.pp, dp, sp, setup.interleave)
 
     def predict(hw: Hardware) -> float:
-        return iteration_time(setup.shape, par, Recompute(rc), setup.micro_batch, setup.global_batch * dp, hw).total
+        return iteration_time(setup.shape, par, RecomputeConfig(rc), setup.micro_batch, setup.global_batch * dp,
+                              hw).total
 
     return DataPoint(source, model, config, seconds, predict)
 

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.schedule import in_flight_chunks
-from seqpar.analysis.shapes import ActivationOptions, ModelShape, OptimizerOptions, Parallelism, Recompute
+from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, layers_per_chunk
 from seqpar.analysis.states import stage_parameters
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 PASS_TERMS = ("compute", "elementwise", "tp_comm", "overhead")
 TIME_TERMS = (*PASS_TERMS, "recompute", "pp_p2p", "bubble", "dp_allreduce", "optimizer", "step_overhead")
@@ -107,44 +108,44 @@ def gemm_s(flops: float, nbytes: float, hw: Hardware) -> float:
     return flops / (hw.peak_flops * hw.gemm_efficiency) + nbytes / (hw.gemm_operand_bw or hw.memory_bw)
 
 
-def layer_gemms(shape: ModelShape, t: int, b: int, opts: ActivationOptions) -> dict[str, tuple[float, float]]:
+def layer_gemms(shape: ModelConfig, t: int, b: int, opts: ActivationOptions) -> dict[str, tuple[float, float]]:
     """Forward GEMMs of one layer on one of t ranks: name -> (FLOPs, bytes read + written).
 
     FLOPs are App. A's /t (``flops.layer_forward_flops``); attention runs b a/t heads of [s, d] x [d, s]
     and [s, s] x [s, d], whose s x s scores stay on chip with fused attention."""
-    s, h, e = shape.seq, shape.hidden, opts.act_bytes
-    m, d, heads = s * b, h // shape.heads, b * shape.heads / t
+    s, h, e = shape.seq_len, shape.hidden_size, opts.act_bytes
+    m, d, heads = s * b, h // shape.num_heads, b * shape.num_heads / t
 
     def mm(rows: float, inner: float, cols: float, batch: float = 1.0) -> tuple[float, float]:
         return 2 * batch * rows * inner * cols, e * batch * (rows * inner + inner * cols + rows * cols)
 
-    width = shape.f * (2 if shape.llama else 1)  # SwiGLU: fc1 is gate and up, 2f wide
+    width = shape.ffn * (2 if shape.arch == "llama" else 1)  # SwiGLU: fc1 is gate and up, 2f wide
     out = {"qkv": mm(m, h, (1 + 2 * shape.kv_ratio) * h / t), "qk": mm(s, d, s, heads),
            "attention_v": mm(s, s, d, heads), "out_proj": mm(m, h / t, h), "fc1": mm(m, h, width / t),
-           "fc2": mm(m, shape.f / t, h)}
+           "fc2": mm(m, shape.ffn / t, h)}
     if opts.fused_attention:  # the scores never reach memory: only Q, K, V and the output move
         out["qk"] = (out["qk"][0], e * heads * 2 * s * d)
         out["attention_v"] = (out["attention_v"][0], e * heads * 2 * s * d)
     return out
 
 
-def layer_elementwise_bytes(shape: ModelShape, t: int, sp: bool, b: int, opts: ActivationOptions) -> dict[str, float]:
+def layer_elementwise_bytes(shape: ModelConfig, t: int, sp: bool, b: int, opts: ActivationOptions) -> dict[str, float]:
     """Forward bytes read + written by one layer's element-wise ops on one of t ranks.
 
     LN (or RMSNorm) x 2: read + write e sbh; dropout + residual x 2: read two, write one, a mask
     (split over t under SP); GeLU read + write e sbf/t (SwiGLU reads 2, writes 1; rotary rewrites Q
     and K); scale + mask + softmax and its dropout over the b a/t s^2 scores (none when fused)."""
-    s, h, e = shape.seq, shape.hidden, opts.act_bytes
+    s, h, e = shape.seq_len, shape.hidden_size, opts.act_bytes
     mask = opts.mask_bytes if opts.dropout else 0
     region = s * b * h / (t if sp else 1)
-    act = (3 if shape.llama else 2) * e * s * b * shape.f / t
-    rope = 2 * e * s * b * h * (1 + shape.kv_ratio) / t if shape.llama else 0.0
-    scores = 0.0 if opts.fused_attention else b * shape.heads / t * s * s
+    act = (3 if shape.arch == "llama" else 2) * e * s * b * shape.ffn / t
+    rope = 2 * e * s * b * h * (1 + shape.kv_ratio) / t if shape.arch == "llama" else 0.0
+    scores = 0.0 if opts.fused_attention else b * shape.num_heads / t * s * s
     return {"norm_residual": region * (2 * 2 * e + 2 * (3 * e + mask)), "activation": act + rope,
             "attention_core": scores * (2 * e + (2 * e + mask if opts.dropout else 0))}
 
 
-def layer_pass_s(shape: ModelShape, par: Parallelism, b: int, hw: Hardware,
+def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
                  opts: ActivationOptions) -> dict[str, dict[str, float]]:
     """Seconds of one layer's forward, backward and attention-core forward (what selective recompute
     runs again) on one tp rank, each per term (compute, elementwise, tp_comm, overhead)."""
@@ -152,7 +153,7 @@ def layer_pass_s(shape: ModelShape, par: Parallelism, b: int, hw: Hardware,
     g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts).items()}
     bw = hw.intra_node_bw if t <= hw.gpus_per_node else hw.inter_node_bw
-    msg = opts.act_bytes * shape.seq * b * shape.hidden
+    msg = opts.act_bytes * shape.seq_len * b * shape.hidden_size
     latency = hw.comm_latency if t > 1 else 0.0
     allreduce, gather = latency + ring_allreduce_s(msg, t, bw), latency + ring_gather_s(msg, t, bw)
     if par.sp:  # g-bar backward all-gathers exposed; g's reduce-scatter || wgrad, re-gather || dgrad
@@ -168,7 +169,7 @@ def layer_pass_s(shape: ModelShape, par: Parallelism, b: int, hw: Hardware,
     return {"forward": fwd, "backward": bwd, "attention_core": core}
 
 
-def layer_time_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, hw: Hardware,
+def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
                  opts: ActivationOptions | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one layer with recompute ``rc`` (Table 4's columns): backward
     includes what the recompute runs again."""
@@ -181,26 +182,26 @@ def layer_time_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, hw:
     return fwd, bwd
 
 
-def recomputed_fraction(rc: Recompute, in_flight: int) -> float:
+def recomputed_fraction(rc: RecomputeConfig, in_flight: int) -> float:
     """Share of a rank's chunk-microbatches that are recomputed (App. C keeps the others)."""
     if rc.granularity == "none" or in_flight == 0:
         return 0.0
     return 1 - min(rc.keep_microbatches, in_flight) / in_flight
 
 
-def head_s(shape: ModelShape, t: int, b: int, hw: Hardware, opts: ActivationOptions) -> dict[str, float]:
+def head_s(shape: ModelConfig, t: int, b: int, hw: Hardware, opts: ActivationOptions) -> dict[str, float]:
     """The last stage's logits GEMM (forward + 2x backward) and cross entropy over fp32 logits."""
-    s, h, v = shape.seq, shape.hidden, shape.vocab_per_rank(t)
+    s, h, v = shape.seq_len, shape.hidden_size, shape.vocab_per_rank(t)
     flops = 2 * s * b * h * v
     nbytes = opts.act_bytes * (s * b * h + h * v + s * b * v)
     ce = s * b * v * (opts.act_bytes + 3 * opts.logits_bytes)  # cast, softmax read + write
     return {"compute": 3 * gemm_s(flops, nbytes, hw), "elementwise": 2 * ce / hw.memory_bw}
 
 
-def rank_microbatch_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, hw: Hardware,
+def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
                       rank: int, n: int, opts: ActivationOptions) -> dict[str, float]:
     """Seconds one microbatch costs pipeline rank ``rank``, per term."""
-    layers = shape.layers // par.pp
+    layers = shape.num_layers // par.pp
     p = layer_pass_s(shape, par, b, hw, opts)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in PASS_TERMS}
     if rank == par.pp - 1:
@@ -210,18 +211,18 @@ def rank_microbatch_s(shape: ModelShape, par: Parallelism, rc: Recompute, b: int
     if rc.granularity == "selective":
         redo = layers * sum(p["attention_core"].values())
     elif rc.granularity == "full":
-        share = 1.0 if rc.method == "uniform" else rc.num_layers / par.layers_per_chunk(shape)
+        share = 1.0 if rc.method == "uniform" else rc.num_layers / layers_per_chunk(shape, par)
         redo = layers * share * sum(p["forward"].values())
     else:
         redo = 0.0
     terms["recompute"] = frac * redo
-    p2p_bw = hw.intra_node_bw if par.gpus <= hw.gpus_per_node else hw.inter_node_bw
-    msg = opts.act_bytes * shape.seq * b * shape.hidden / par.tp
+    p2p_bw = hw.intra_node_bw if par.world_size <= hw.gpus_per_node else hw.inter_node_bw
+    msg = opts.act_bytes * shape.seq_len * b * shape.hidden_size / par.tp
     terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.comm_latency + msg / p2p_bw)
     return terms
 
 
-def dp_allreduce_s(shape: ModelShape, par: Parallelism, hw: Hardware, opt: OptimizerOptions) -> float:
+def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
     """Gradient synchronisation over dp once per iteration (the largest stage's parameters)."""
     if par.dp == 1:
         return 0.0
@@ -240,12 +241,12 @@ def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
     return 3 * opt.grad_bytes + (sharded / dp if opt.distributed else sharded)
 
 
-def optimizer_s(shape: ModelShape, par: Parallelism, hw: Hardware, opt: OptimizerOptions) -> float:
+def optimizer_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
     params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
     return params * optimizer_bytes_per_parameter(opt, par.dp) / hw.memory_bw
 
 
-def iteration_time(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, global_batch: int,
+def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, global_batch: int,
                    hw: Hardware, opt: OptimizerOptions | None = None,
                    opts: ActivationOptions | None = None) -> IterationTime:
     """Predicted seconds per iteration of ``global_batch`` samples, per term (see module doc)."""
@@ -274,9 +275,9 @@ def ties_with_best(times: list[float], band: float) -> list[bool]:
     return [t * (1 - band) <= best * (1 + band) for t in times]
 
 
-def predicted_mfu(shape: ModelShape, par: Parallelism, global_batch: int, seconds: float,
+def predicted_mfu(shape: ModelConfig, par: ParallelConfig, global_batch: int, seconds: float,
                   hw: Hardware) -> float:
     """Eq. 7 model FLOPs of the iteration over (seconds x GPUs x peak)."""
-    flops = model_flops_from_gemms(global_batch, shape.layers, shape.seq, shape.hidden, shape.vocab, shape.f,
-                                   kv_ratio=shape.kv_ratio, gated=shape.llama)
-    return flops / (seconds * par.gpus * hw.peak_flops)
+    flops = model_flops_from_gemms(global_batch, shape.num_layers, shape.seq_len, shape.hidden_size,
+                                   shape.vocab_size, shape.ffn, kv_ratio=shape.kv_ratio, gated=shape.arch == "llama")
+    return flops / (seconds * par.world_size * hw.peak_flops)

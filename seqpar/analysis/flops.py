@@ -8,8 +8,11 @@ B is the number of samples the FLOPs are counted for (an iteration's global batc
 from __future__ import annotations
 
 from seqpar.analysis.shapes import AnalysisError
+from seqpar.config import RECOMPUTE_GRANULARITIES, ModelConfig, ParallelConfig, RecomputeConfig
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+# The GEMMs (keys of ``layer_forward_flops``) each selective-recompute module (config.RECOMPUTE_MODULES, the
+# same keys) runs again in backward: the norms and the activation are elementwise and add none.
+RECOMPUTED_GEMMS = {"core_attention": ("qk", "attention_v"), "norm": (), "activation": (), "mlp": ("mlp",)}
 
 
 def layer_forward_flops(B: float, s: int, h: int, f: int | None = None, *, kv_ratio: float = 1.0,
@@ -60,7 +63,7 @@ def hardware_flops(B: float, L: int, s: int, h: int, v: int, recompute: str = "n
         return 72 * B * L * s * h * h * (1 + attention + v / (12 * h * L))
     if recompute == "full":
         return 96 * B * L * s * h * h * (1 + s / (6 * h) + v / (16 * h * L))
-    raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_MODES)}")
+    raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_GRANULARITIES)}")
 
 
 def model_flops_from_gemms(B: float, L: int, s: int, h: int, v: int, f: int | None = None, *,
@@ -71,18 +74,35 @@ def model_flops_from_gemms(B: float, L: int, s: int, h: int, v: int, f: int | No
 
 
 def recompute_extra_flops(B: float, L: int, s: int, h: int, recompute: str,
-                          f: int | None = None, recomputed_layers: int | None = None, *,
-                          kv_ratio: float = 1.0, gated: bool = False) -> float:
-    """FLOPs recompute adds: selective 4Bs^2h per layer; full one forward of each recomputed layer
-    (all L unless ``recomputed_layers``, e.g. the N block layers per chunk x chunks)."""
+                          f: int | None = None, recomputed_layers: float | None = None, *,
+                          kv_ratio: float = 1.0, gated: bool = False, modules: tuple[str, ...] | None = None) -> float:
+    """FLOPs recompute adds: selective, the GEMMs each of its ``modules`` runs again per layer
+    (``RECOMPUTED_GEMMS``; the paper's ("core_attention",) by default: 4Bs^2h, Sec. 5); full, one forward
+    of each recomputed layer (all L unless ``recomputed_layers``, e.g. the N block layers per chunk x chunks)."""
     if recompute == "none":
         return 0.0
+    fwd = layer_forward_flops(B, s, h, f, kv_ratio=kv_ratio, gated=gated)
     if recompute == "selective":
-        return L * selective_recompute_flops(B, s, h)
+        return L * sum(fwd[gemm] for module in modules or ("core_attention",) for gemm in RECOMPUTED_GEMMS[module])
     if recompute == "full":
         layers = L if recomputed_layers is None else recomputed_layers
-        return layers * sum(layer_forward_flops(B, s, h, f, kv_ratio=kv_ratio, gated=gated).values())
-    raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_MODES)}")
+        return layers * sum(fwd.values())
+    raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_GRANULARITIES)}")
+
+
+def training_flops(model: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, B: float) -> tuple[float, float]:
+    """Model FLOPs (Eq. 7, GEMM by GEMM: also right for GQA, SwiGLU and any FFN width) and hardware FLOPs
+    (plus what ``rc`` runs again: its selective modules, or the full-recomputed layers) of B samples."""
+    L, s, h = model.num_layers, model.seq_len, model.hidden_size
+    arch = {"kv_ratio": model.kv_ratio, "gated": model.activation == "swiglu"}
+    flops = model_flops_from_gemms(B, L, s, h, model.vocab_size, model.ffn, **arch)
+    layers = None
+    if rc.granularity == "full" and rc.method == "block":  # the first N layers of every chunk
+        chunk = L // (par.pp * par.interleave)  # (the runtime may split unevenly: its mean chunk)
+        layers = L * (min(rc.num_layers, chunk) / chunk)
+    extra = recompute_extra_flops(B, L, s, h, rc.granularity, model.ffn, layers, modules=rc.selective_modules,
+                                  **arch)
+    return flops, flops + extra
 
 
 def flops_utilization(flops: float, seconds: float, gpus: int, peak_flops_per_gpu: float) -> float:

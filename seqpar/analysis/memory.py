@@ -16,20 +16,28 @@ Which regions are split over the t ranks:
 from __future__ import annotations
 
 from seqpar.analysis.shapes import AnalysisError
+from seqpar.config import RECOMPUTE_GRANULARITIES
 
 TABLE2_ROWS = ("none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full")
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 # Tensors that selective recompute (Sec. 5) drops: the attention core's s^2 outputs.
 SELECTIVE_DROPPED = ("softmax_output", "softmax_dropout_mask", "softmax_dropout_output")
+# What each selective-recompute module (config.RECOMPUTE_MODULES, the same keys) rebuilds in backward
+# instead of keeping.
+REBUILT = {
+    "core_attention": SELECTIVE_DROPPED + ("softmax_lse", "attention_output"),
+    "norm": ("ln_stats", "qkv_input", "fc1_input"),
+    "activation": ("fc2_input",),
+    "mlp": ("gelu_input", "swiglu_input", "fc2_input"),
+}
 
 
 def _check(s, b, h, a, t, recompute):
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         if value <= 0:
             raise AnalysisError(f"{name} must be positive, got {value!r}")
-    if recompute not in RECOMPUTE_MODES:
-        raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_MODES)}")
+    if recompute not in RECOMPUTE_GRANULARITIES:
+        raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_GRANULARITIES)}")
 
 
 def norm_stat_bytes(norm: str, ln_stats_bytes: int) -> int:
@@ -38,75 +46,83 @@ def norm_stat_bytes(norm: str, ln_stats_bytes: int) -> int:
     return 2 * ln_stats_bytes if norm == "layernorm" else 4
 
 
+def kv_heads_per_rank(a: int, t: int, kv_heads: int | None) -> float:
+    """kv heads on one of t ranks: split with the query heads (MHA, or kv >= t), else one replicated head."""
+    kv = a if kv_heads is None else kv_heads
+    return kv / t if kv_heads is None or kv >= t else 1
+
+
+def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused_attention) -> dict[str, float]:
+    """Sec. 4.1, the attention core: softmax output 2as^2b, its dropout mask as^2b and output 2as^2b (the
+    5as^2b of Eq. 1), split over t. Without dropout attention*V reads the softmax output itself (2as^2b).
+    Fused (not in the paper): the kernel's output 2sbh/t and an fp32 log-sum-exp per (head, query), 4asb/t."""
+    if fused_attention:
+        return {"softmax_lse": 4 * a * s * b / t, "attention_output": act_bytes * s * b * h / t}
+    terms = {"softmax_output": act_bytes * a * s * s * b / t}
+    if dropout:
+        terms["softmax_dropout_mask"] = mask_bytes * a * s * s * b / t
+        terms["softmax_dropout_output"] = act_bytes * a * s * s * b / t
+    return terms
+
+
+def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused_attention,
+                    kv_heads) -> dict[str, float]:
+    """Sec. 4.1, the attention block (11sbh + 5as^2b with LN1's input): LN1 input 2sbh, QKV input 2sbh (both
+    sequence-sharded only under SP, the stored-input trick), Q and K 4sbh, the core, V 2sbh, out-proj input
+    2sbh and the dropout mask sbh. GQA: K and V of the kv heads one rank holds."""
+    d, kv_local, sbh = h / a, kv_heads_per_rank(a, t, kv_heads), s * b * h
+    terms = {"ln1_input": act_bytes * sbh / rep, "qkv_input": act_bytes * sbh / rep,
+             "qk": act_bytes * s * b * d * (a / t + kv_local)}
+    terms |= attention_core_terms(s, b, h, a, t, act_bytes=act_bytes, mask_bytes=mask_bytes, dropout=dropout,
+                                  fused_attention=fused_attention)
+    terms["v"] = act_bytes * s * b * d * kv_local
+    terms["out_proj_input"] = act_bytes * sbh / t
+    if dropout:
+        terms["attn_dropout_mask"] = mask_bytes * sbh / rep
+    return terms
+
+
+def mlp_terms(s, b, h, f, t, rep, *, act_bytes, mask_bytes, dropout, activation) -> dict[str, float]:
+    """Sec. 4.1, the MLP block (19sbh + LN2's input 2sbh for f = 4h): LN2 input 2sbh and fc1 input 2sbh
+    (sequence-sharded under SP), GeLU input 2sbf and fc2 input 2sbf (split over t), dropout mask sbh.
+    SwiGLU (beyond the paper): fc1 is 2f wide, its output (gate and up) 4sbf/t."""
+    sbh = s * b * h
+    terms = {"ln2_input": act_bytes * sbh / rep, "fc1_input": act_bytes * sbh / rep}
+    if activation == "swiglu":
+        terms["swiglu_input"] = act_bytes * s * b * 2 * f / t
+    else:
+        terms["gelu_input"] = act_bytes * s * b * f / t
+    terms["fc2_input"] = act_bytes * s * b * f / t
+    if dropout:
+        terms["mlp_dropout_mask"] = mask_bytes * sbh / rep
+    return terms
+
+
 def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
                            mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False,
                            kv_heads=None, norm="layernorm", activation="gelu",
                            modules=None) -> dict[str, float]:
     """Bytes one layer keeps for backward on one tp rank, one entry per stored tensor (Sec. 4.1).
 
-    ``recompute``: "none"; "selective" drops what its ``modules`` rebuild in backward (default the
-    paper's ("core_attention",): the softmax output, its dropout mask and the dropout output, i.e. the
-    5as^2b/t terms, Sec. 5); "full" keeps only the layer input (Table 2 last row: 2sbh, or 2sbh/t when
-    sequence-sharded). ``ffn`` is the FFN width f (4h when None): the MLP then stores sbh(3 + 4f/h).
-    ``dropout=False``: no masks, and attention*V reads the softmax output itself, so the s^2 terms are
-    2as^2b/t. ``fused_attention`` (not in the paper; ``scaled_dot_product_attention``): no s^2 tensors;
-    the kernel keeps its output (2sbh/t) and an fp32 log-sum-exp per row (4asb/t).
-    ``ln_stats_bytes`` > 0 adds the norm statistics the paper ignores: LayerNorm keeps mean and rstd
-    (``ln_stats_bytes`` each), RMSNorm one fp32 rstd.
-
-    Beyond the paper (Llama-style): ``kv_heads`` < a shrinks K and V (a rank holds kv/t kv heads, or one
-    replicated kv head when kv < t); ``activation="swiglu"`` makes fc1 2f wide, its output (kept by the
-    SwiGLU) 4sbf/t bytes; finer selective ``modules``: "norm" keeps only the norm inputs (their
-    statistics and outputs, the QKV / fc1 inputs, are rebuilt), "activation" rebuilds fc2's input,
-    "mlp" keeps only the MLP input.
+    ``recompute``: "none"; "selective" drops what its ``modules`` rebuild in backward (``REBUILT``; default
+    the paper's ("core_attention",): the 5as^2b/t terms, Sec. 5); "full" keeps only the layer input (Table 2
+    last row: 2sbh, or 2sbh/t when sequence-sharded). ``ffn`` is the FFN width f (4h when None).
+    ``dropout=False``: no masks. ``ln_stats_bytes`` > 0 adds the norm statistics the paper ignores.
+    ``fused_attention``, ``kv_heads`` and ``activation="swiglu"``: see ``attention_core_terms``,
+    ``attention_terms`` and ``mlp_terms``.
     """
     _check(s, b, h, a, t, recompute)
-    f = 4 * h if ffn is None else ffn
-    kv = a if kv_heads is None else kv_heads
-    # kv heads on one rank: split with the query heads (MHA, or kv >= t), else one replicated kv head
-    kv_local = kv / t if kv_heads is None or kv >= t else 1
-    d = h / a
     rep = t if sp else 1  # divisor of the regions sequence parallelism shards (else replicated)
     if recompute == "full":
         return {"layer_input": act_bytes * s * b * h / rep}
-    rebuilt = set(modules or ("core_attention",)) if recompute == "selective" else set()
-    sbh = s * b * h
-    terms: dict[str, float] = {
-        "ln1_input": act_bytes * sbh / rep,
-        "qkv_input": act_bytes * sbh / rep,  # LN1 output; shard only under SP (stored-input trick)
-        "qk": act_bytes * s * b * d * (a / t + kv_local),  # Q and K for Q K^T
-    }
-    if fused_attention:
-        terms["softmax_lse"] = 4 * a * s * b / t  # fp32 log-sum-exp, one per (head, query)
-        terms["attention_output"] = act_bytes * sbh / t  # the fused kernel's output, kept for backward
-    else:
-        terms["softmax_output"] = act_bytes * a * s * s * b / t
-        if dropout:
-            terms["softmax_dropout_mask"] = mask_bytes * a * s * s * b / t
-            terms["softmax_dropout_output"] = act_bytes * a * s * s * b / t
-    terms["v"] = act_bytes * s * b * d * kv_local
-    terms["out_proj_input"] = act_bytes * sbh / t
-    if dropout:
-        terms["attn_dropout_mask"] = mask_bytes * sbh / rep
-    terms["ln2_input"] = act_bytes * sbh / rep
-    terms["fc1_input"] = act_bytes * sbh / rep  # LN2 output; shard only under SP
-    if activation == "swiglu":
-        terms["swiglu_input"] = act_bytes * s * b * 2 * f / t  # fc1 output: gate and up
-    else:
-        terms["gelu_input"] = act_bytes * s * b * f / t
-    terms["fc2_input"] = act_bytes * s * b * f / t
-    if dropout:
-        terms["mlp_dropout_mask"] = mask_bytes * sbh / rep
+    f = 4 * h if ffn is None else ffn
+    width = {"act_bytes": act_bytes, "mask_bytes": mask_bytes, "dropout": dropout}
+    terms = attention_terms(s, b, h, a, t, rep, fused_attention=fused_attention, kv_heads=kv_heads, **width)
+    terms |= mlp_terms(s, b, h, f, t, rep, activation=activation, **width)
     if ln_stats_bytes > 0:
         terms["ln_stats"] = 2 * s * b / rep * norm_stat_bytes(norm, ln_stats_bytes)  # 2 norms per layer
-    dropped = {
-        "core_attention": SELECTIVE_DROPPED + ("softmax_lse", "attention_output"),
-        "norm": ("ln_stats", "qkv_input", "fc1_input"),
-        "activation": ("fc2_input",),
-        "mlp": ("gelu_input", "swiglu_input", "fc2_input"),
-    }
-    for module in rebuilt:
-        for name in dropped[module]:
+    for module in (modules or ("core_attention",)) if recompute == "selective" else ():
+        for name in REBUILT[module]:
             terms.pop(name, None)
     return terms
 

@@ -11,8 +11,8 @@ from seqpar.analysis.flops import hardware_flops, mfu, model_flops
 from seqpar.analysis.hardware import peak_flops
 from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_bytes, table2_config, table2_row_bytes
 from seqpar.analysis.presets import GPT3, MT_NLG, TABLE3, TABLE4_22B_LAYER_MS, TABLE5_ITERATION_S, PaperSetup
-from seqpar.analysis.shapes import Parallelism, Recompute
 from seqpar.analysis.stage import StageMemory, stage_memory
+from seqpar.config import ParallelConfig, RecomputeConfig
 
 FIGURE7_ROWS = ("tp_sp", "tp_selective", "tp_sp_selective", "full")
 FIGURE1_TECHNIQUES = ("tp", "tp_sp", "tp_selective", "tp_sp_selective", "full")
@@ -23,7 +23,7 @@ DP8_GPUS, DP8_ITERATION_S = 2240, 39.15  # Sec. 6.3: 530B with 8-way data parall
 
 def _layer(setup: PaperSetup, row: str) -> float:
     sh = setup.shape
-    return table2_row_bytes(row, sh.seq, setup.micro_batch, sh.hidden, sh.heads, setup.tp)
+    return table2_row_bytes(row, sh.seq_len, setup.micro_batch, sh.hidden_size, sh.num_heads, setup.tp)
 
 
 def table2() -> dict[str, dict[str, float]]:
@@ -43,8 +43,8 @@ def figure7() -> dict[str, dict[str, float]]:
 def figure1_stage(setup: PaperSetup, technique: str) -> StageMemory:
     """First-stage memory per GPU (parameters + optimizer + activations) for a Table 2 technique."""
     _, sp, recompute = table2_config(technique)
-    par = Parallelism(setup.tp, setup.pp, setup.gpus // (setup.tp * setup.pp), sp, setup.interleave)
-    return stage_memory(setup.shape, par, Recompute(recompute), setup.micro_batch, setup.num_microbatches)
+    par = ParallelConfig(setup.tp, setup.pp, setup.gpus // (setup.tp * setup.pp), sp, setup.interleave)
+    return stage_memory(setup.shape, par, RecomputeConfig(recompute), setup.micro_batch, setup.num_microbatches)
 
 
 def figure1(memory_bytes: float = GPU_MEMORY) -> dict[str, dict[str, dict]]:
@@ -60,7 +60,7 @@ def figure1(memory_bytes: float = GPU_MEMORY) -> dict[str, dict[str, dict]]:
 
 def _dims(setup: PaperSetup) -> tuple:
     sh = setup.shape
-    return sh.layers, sh.seq, sh.hidden, sh.vocab
+    return sh.num_layers, sh.seq_len, sh.hidden_size, sh.vocab_size
 
 
 def table5(gpu: str = PAPER_GPU) -> dict[str, dict[str, float]]:
@@ -98,11 +98,11 @@ def selective_savings() -> dict[str, dict[str, float]]:
     for label, name in (("GPT-3", GPT3), ("MT-NLG", MT_NLG)):
         setup = TABLE3[name]
         sh, dims = setup.shape, _dims(setup)
-        none = layer_activation_bytes(sh.seq, 1, sh.hidden, sh.heads)
-        kept = layer_activation_bytes(sh.seq, 1, sh.hidden, sh.heads, recompute="selective")
+        none = layer_activation_bytes(sh.seq_len, 1, sh.hidden_size, sh.num_heads)
+        kept = layer_activation_bytes(sh.seq_len, 1, sh.hidden_size, sh.num_heads, recompute="selective")
         model = model_flops(1, *dims)
         out[label] = {
-            "five_as_over_h": 5 * sh.heads * sh.seq / sh.hidden,
+            "five_as_over_h": 5 * sh.num_heads * sh.seq_len / sh.hidden_size,
             "memory_saved_pct": 100 * (1 - kept / none),
             "extra_flops_pct": 100 * (hardware_flops(1, *dims, "selective") / model - 1),
             "extra_flops_as_printed_pct": 100 * (hardware_flops(1, *dims, "selective", as_printed=True)
@@ -141,12 +141,12 @@ def beyond_the_paper(t: int = 8) -> dict[str, dict[str, dict[str, float]]]:
     out = {}
     for name in LLAMA_PRESETS:
         sh = preset_shape(name)
-        s, h, a = sh.seq, sh.hidden, sh.heads
-        fwd = layer_forward_flops(1, s, h, sh.f, kv_ratio=sh.kv_ratio, gated=True)
+        s, h, a = sh.seq_len, sh.hidden_size, sh.num_heads
+        fwd = layer_forward_flops(1, s, h, sh.ffn, kv_ratio=sh.kv_ratio, gated=True)
         train = 3 * sum(fwd.values())
         for attention in ("materialized", "sdpa"):
-            kw = dict(ffn=sh.f, dropout=default_dropout(sh.arch) > 0, fused_attention=attention == "sdpa",
-                      **sh.layer_options())
+            kw = dict(ffn=sh.ffn, dropout=default_dropout(sh.arch) > 0, fused_attention=attention == "sdpa",
+                      kv_heads=sh.kv_heads, norm=sh.norm, activation=sh.activation)
 
             def layer(**more):
                 return layer_activation_bytes(s, 1, h, a, t, **kw, **more)  # noqa: B023

@@ -10,8 +10,9 @@ from seqpar.analysis.text import gb, table
 
 def header(req: Request) -> str:
     sh, hw = req.shape, req.hw
-    arch = f" kv={sh.kv} ({sh.arch})" if sh.llama or sh.kv != sh.heads else ""
-    return (f"model {sh.name}: L={sh.layers} h={sh.hidden} a={sh.heads}{arch} s={sh.seq} v={sh.vocab} f={sh.f}; "
+    arch = f" kv={sh.num_kv_heads} ({sh.arch})" if sh.arch == "llama" or sh.num_kv_heads != sh.num_heads else ""
+    return (f"model {req.name}: L={sh.num_layers} h={sh.hidden_size} a={sh.num_heads}{arch} s={sh.seq_len} "
+            f"v={sh.vocab_size} f={sh.ffn}; "
             f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {gb(hw.memory_bytes)} GB, usable "
             f"{gb(hw.usable_bytes)} GB ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
             f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.3g} "

@@ -15,16 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, predicted_mfu
-from seqpar.analysis.shapes import (
-    ActivationOptions,
-    AnalysisError,
-    ModelShape,
-    OptimizerOptions,
-    Parallelism,
-    Recompute,
-)
+from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
 from seqpar.analysis.stage import StageMemory, all_stages, most_loaded, stage_memory
 from seqpar.analysis.states import bytes_per_parameter
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
 
@@ -33,8 +27,8 @@ TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memor
 class Plan:
     """One point of the search space."""
 
-    par: Parallelism
-    rc: Recompute
+    par: ParallelConfig
+    rc: RecomputeConfig
     micro_batch: int
     distributed_optimizer: bool = False
 
@@ -50,7 +44,7 @@ class Plan:
 class Request:
     """What the user asks: model, GPUs, batch, machine, byte widths."""
 
-    shape: ModelShape
+    shape: ModelConfig
     gpus: int
     global_batch: int
     hw: Hardware = field(default_factory=Hardware)
@@ -61,6 +55,7 @@ class Request:
     max_interleave: int = 8
     precision: str = "bf16"  # what ``opt`` and ``opts.act_bytes`` stand for (reported, not re-derived)
     dropout: float = 0.1  # the probability behind ``opts.dropout`` (reported)
+    name: str = "custom"  # the model preset's name, as the reports print it
 
 
 def settings(req: Request) -> dict:
@@ -125,10 +120,9 @@ def check_plan(req: Request, plan: Plan) -> None:
     p = plan.par
     if not isinstance(plan.micro_batch, int) or isinstance(plan.micro_batch, bool) or plan.micro_batch < 1:
         raise AnalysisError(f"micro batch must be a positive integer, got {plan.micro_batch!r}")
-    p.validate(req.shape)
-    plan.rc.validate(p.layers_per_chunk(req.shape))
-    if p.gpus != req.gpus:
-        raise AnalysisError(f"dp {p.dp} x pp {p.pp} x tp {p.tp} = {p.gpus} != gpus {req.gpus}")
+    plan.rc.validate(validate_layout(req.shape, p))
+    if p.world_size != req.gpus:
+        raise AnalysisError(f"dp {p.dp} x pp {p.pp} x tp {p.tp} = {p.world_size} != gpus {req.gpus}")
     if p.tp > req.hw.gpus_per_node:
         raise AnalysisError(f"tp {p.tp} exceeds the {req.hw.gpus_per_node} GPUs of a node")
     if req.global_batch % (p.dp * plan.micro_batch):
@@ -178,27 +172,28 @@ def _largest_fitting(lo: int, hi: int, ok) -> int | None:
     return lo
 
 
-def recompute_options(req: Request, base: Plan) -> list[Recompute]:
+def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     """none, selective, full-uniform-1, the cheapest fitting full-block-N and App. C variants."""
-    chunk = base.par.layers_per_chunk(req.shape)
-    options = [Recompute("none"), Recompute("selective"), Recompute("full")]
+    chunk = layers_per_chunk(req.shape, base.par)
+    options = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full")]
 
-    def fits_with(rc: Recompute) -> bool:
+    def fits_with(rc: RecomputeConfig) -> bool:
         return fits(req, replace(base, rc=rc))
 
     if chunk > 1:  # fewest checkpointed layers that fit = least recompute
-        smallest = _largest_fitting(-(chunk - 1), -1, lambda neg: fits_with(Recompute("full", "block", -neg)))
+        smallest = _largest_fitting(-(chunk - 1), -1, lambda neg: fits_with(RecomputeConfig("full", "block", -neg)))
         if smallest is not None:
-            options.append(Recompute("full", "block", -smallest))
+            options.append(RecomputeConfig("full", "block", -smallest))
     n = num_microbatches(req, base)
-    in_flight = stage_memory(req.shape, base.par, Recompute(), base.micro_batch, n, req.opts,
+    in_flight = stage_memory(req.shape, base.par, RecomputeConfig(), base.micro_batch, n, req.opts,
                              _opt(req, base)).in_flight
     for granularity in ("selective", "full"):
-        if fits_with(Recompute(granularity, keep_microbatches=in_flight)):
+        if fits_with(RecomputeConfig(granularity, keep_microbatches=in_flight)):
             continue  # keeping everything fits: plain "none" covers it
-        k = _largest_fitting(1, in_flight - 1, lambda k, g=granularity: fits_with(Recompute(g, keep_microbatches=k)))
+        k = _largest_fitting(1, in_flight - 1,
+                             lambda k, g=granularity: fits_with(RecomputeConfig(g, keep_microbatches=k)))
         if k:
-            options.append(Recompute(granularity, keep_microbatches=k))
+            options.append(RecomputeConfig(granularity, keep_microbatches=k))
     return options
 
 
@@ -206,10 +201,11 @@ def layouts(req: Request) -> Iterator[Plan]:
     """Every (tp, pp, dp, m, sp, microbatch) the rules allow, with recompute none (filled in later)."""
     shape = req.shape
     for tp in _divisors(min(req.hw.gpus_per_node, req.gpus)):
-        if shape.heads % tp or shape.f % tp or req.gpus % tp or (shape.kv % tp and tp % shape.kv):
-            continue  # the rules of Parallelism.validate: heads, FFN width and kv heads split over tp
+        kv = shape.num_kv_heads
+        if shape.num_heads % tp or shape.ffn % tp or req.gpus % tp or (kv % tp and tp % kv):
+            continue  # the rules of ParallelConfig.validate: heads, FFN width and kv heads split over tp
         for pp in _divisors(req.gpus // tp):
-            if shape.layers % pp:
+            if shape.num_layers % pp:
                 continue
             dp = req.gpus // (tp * pp)
             if req.global_batch % dp:
@@ -218,12 +214,12 @@ def layouts(req: Request) -> Iterator[Plan]:
                 if mb > req.max_micro_batch:
                     break
                 n = req.global_batch // (dp * mb)
-                for m in _divisors(shape.layers // pp):
+                for m in _divisors(shape.num_layers // pp):
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
-                    for sp in ((False, True) if tp > 1 and shape.seq % tp == 0 else (False,)):
+                    for sp in ((False, True) if tp > 1 and shape.seq_len % tp == 0 else (False,)):
                         for dist in ((False, True) if req.try_distributed_optimizer and dp > 1 else (False,)):
-                            yield Plan(Parallelism(tp, pp, dp, sp, m), Recompute(), mb, dist)
+                            yield Plan(ParallelConfig(tp, pp, dp, sp, m), RecomputeConfig(), mb, dist)
 
 
 def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
@@ -246,7 +242,7 @@ def search(req: Request, stats: dict | None = None) -> list[Evaluation]:
     stats.update(examined=0, states_too_big=0)
     found: list[Evaluation] = []
     for base in layouts(req):
-        states = stage_memory(req.shape, base.par, Recompute("full"), base.micro_batch,
+        states = stage_memory(req.shape, base.par, RecomputeConfig("full"), base.micro_batch,
                               num_microbatches(req, base), req.opts, _opt(req, base)).states
         if states > req.hw.usable_bytes:
             stats["states_too_big"] += 1  # parameters + optimizer alone do not fit
@@ -273,11 +269,11 @@ def rank_of(ev: Evaluation, ranked: list[Evaluation]) -> int | None:
 def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     """The paper's techniques at ``plan``'s layout: why TP alone (or no recompute) is not chosen."""
     variants = {
-        "TP only, no recompute": (False, Recompute("none")),
-        "TP + SP, no recompute": (True, Recompute("none")),
-        "TP + selective": (False, Recompute("selective")),
-        "TP + SP + selective": (True, Recompute("selective")),
-        "TP + SP + full recompute": (True, Recompute("full")),
+        "TP only, no recompute": (False, RecomputeConfig("none")),
+        "TP + SP, no recompute": (True, RecomputeConfig("none")),
+        "TP + selective": (False, RecomputeConfig("selective")),
+        "TP + SP + selective": (True, RecomputeConfig("selective")),
+        "TP + SP + full recompute": (True, RecomputeConfig("full")),
     }
     out = {}
     for name, (sp, rc) in variants.items():
@@ -301,7 +297,7 @@ def _flag(text: str) -> bool:
     raise AnalysisError(f"expected on/off, got {text!r}")
 
 
-def parse_recompute(text: str, keep: int = 0) -> Recompute:
+def parse_recompute(text: str, keep: int = 0) -> RecomputeConfig:
     """'none' | 'selective' | 'full' | 'full-uniform-N' | 'full-block-N', optional '+keepK' (App. C)."""
     body, _, suffix = text.partition("+keep")
     parts = body.split("-")
@@ -311,9 +307,9 @@ def parse_recompute(text: str, keep: int = 0) -> Recompute:
                 raise AnalysisError(f"keep {suffix!r} is not an integer >= 0")
             keep = int(suffix)
         if parts[0] == "full" and len(parts) == 3:
-            return Recompute("full", parts[1], int(parts[2]), keep).validate()
+            return RecomputeConfig("full", parts[1], int(parts[2]), keep_microbatches=keep).validate()
         if len(parts) == 1:
-            return Recompute(parts[0], keep_microbatches=keep).validate()
+            return RecomputeConfig(parts[0], keep_microbatches=keep).validate()
     except ValueError as err:
         raise AnalysisError(f"recompute {text!r}: {err}") from err
     raise AnalysisError(f"recompute {text!r} is not none, selective, full, full-uniform-N or full-block-N")
@@ -345,7 +341,7 @@ def parse_plan(text: str, gpus: int) -> Plan:
     try:
         tp, pp = _count(values, "tp", 1), _count(values, "pp", 1)
         dp = _count(values, "dp", max(1, gpus // (tp * pp)))
-        par = Parallelism(tp, pp, dp, _flag(values.get("sp", ("", "off"))[1]), _count(values, "interleave", 1))
+        par = ParallelConfig(tp, pp, dp, _flag(values.get("sp", ("", "off"))[1]), _count(values, "interleave", 1))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one

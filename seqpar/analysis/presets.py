@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from seqpar.analysis.shapes import AnalysisError, ModelShape, Parallelism
+from seqpar.analysis.shapes import AnalysisError, model_config
+from seqpar.config import ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
 class PaperSetup:
     """One row of Table 3 (t = 8, s = 2048, v = 51200, no data parallelism, A100 80 GB)."""
 
-    shape: ModelShape
+    shape: ModelConfig
     tp: int
     pp: int
     gpus: int
@@ -24,8 +25,8 @@ class PaperSetup:
     micro_batch: int
     interleave: int  # m; 1 where Table 3 has none
 
-    def parallelism(self, sp: bool = True) -> Parallelism:
-        return Parallelism(tp=self.tp, pp=self.pp, dp=self.gpus // (self.tp * self.pp), sp=sp,
+    def parallelism(self, sp: bool = True) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.gpus // (self.tp * self.pp), sp=sp,
                            interleave=self.interleave)
 
     @property
@@ -34,19 +35,19 @@ class PaperSetup:
         return self.global_batch // (dp * self.micro_batch)
 
 
-def _gpt(name: str, a: int, h: int, n_layers: int) -> ModelShape:
-    return ModelShape(layers=n_layers, hidden=h, heads=a, seq=2048, vocab=51200, name=name)
+def _gpt(a: int, h: int, n_layers: int) -> ModelConfig:
+    return model_config(layers=n_layers, hidden=h, heads=a, seq=2048, vocab=51200)
 
 
 # Table 3
 TABLE3: dict[str, PaperSetup] = {
-    "22B": PaperSetup(_gpt("22B", 64, 6144, 48), tp=8, pp=1, gpus=8, global_batch=4, micro_batch=4,
+    "22B": PaperSetup(_gpt(64, 6144, 48), tp=8, pp=1, gpus=8, global_batch=4, micro_batch=4,
                       interleave=1),
-    "175B": PaperSetup(_gpt("175B", 96, 12288, 96), tp=8, pp=8, gpus=64, global_batch=64, micro_batch=1,
+    "175B": PaperSetup(_gpt(96, 12288, 96), tp=8, pp=8, gpus=64, global_batch=64, micro_batch=1,
                        interleave=3),
-    "530B": PaperSetup(_gpt("530B", 128, 20480, 105), tp=8, pp=35, gpus=280, global_batch=280,
+    "530B": PaperSetup(_gpt(128, 20480, 105), tp=8, pp=35, gpus=280, global_batch=280,
                        micro_batch=1, interleave=3),
-    "1T": PaperSetup(_gpt("1T", 160, 25600, 128), tp=8, pp=64, gpus=512, global_batch=512, micro_batch=1,
+    "1T": PaperSetup(_gpt(160, 25600, 128), tp=8, pp=64, gpus=512, global_batch=512, micro_batch=1,
                      interleave=1),
 }
 
@@ -63,22 +64,20 @@ TABLE5_PAPER_PERCENT: dict[str, tuple[float, float]] = {
 GPT3, MT_NLG = "175B", "530B"
 
 # Extra presets for `seqpar plan` (shape only): small GPTs.
-EXTRA_SHAPES: dict[str, ModelShape] = {
-    "gpt2-medium": ModelShape(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257, name="gpt2-medium"),
-    "gpt2-xl": ModelShape(layers=48, hidden=1600, heads=25, seq=1024, vocab=50257, name="gpt2-xl"),
-    "gpt3-6.7b": ModelShape(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200, name="gpt3-6.7b"),
-    "gpt3-13b": ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, name="gpt3-13b"),
+EXTRA_SHAPES: dict[str, ModelConfig] = {
+    "gpt2-medium": model_config(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257),
+    "gpt2-xl": model_config(layers=48, hidden=1600, heads=25, seq=1024, vocab=50257),
+    "gpt3-6.7b": model_config(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200),
+    "gpt3-13b": model_config(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200),
     # Llama-family shapes (public model cards): RMSNorm, SwiGLU, RoPE, no biases, untied output.
-    "llama2-7b": ModelShape(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=11008,
-                            arch="llama", name="llama2-7b"),
-    "llama2-13b": ModelShape(layers=40, hidden=5120, heads=40, seq=4096, vocab=32000, ffn=13824,
-                             arch="llama", name="llama2-13b"),
-    "llama2-70b": ModelShape(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, ffn=28672, kv_heads=8,
-                             arch="llama", name="llama2-70b"),
-    "llama3-8b": ModelShape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, kv_heads=8,
-                            arch="llama", name="llama3-8b"),
-    "llama3-70b": ModelShape(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn=28672, kv_heads=8,
-                             arch="llama", name="llama3-70b"),
+    "llama2-7b": model_config(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=11008, arch="llama"),
+    "llama2-13b": model_config(layers=40, hidden=5120, heads=40, seq=4096, vocab=32000, ffn=13824, arch="llama"),
+    "llama2-70b": model_config(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, ffn=28672,
+                              kv_heads=8, arch="llama"),
+    "llama3-8b": model_config(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336,
+                              kv_heads=8, arch="llama"),
+    "llama3-70b": model_config(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn=28672,
+                              kv_heads=8, arch="llama"),
 }
 
 
@@ -86,8 +85,14 @@ def preset_names() -> list[str]:
     return [k.lower() for k in TABLE3] + list(EXTRA_SHAPES)
 
 
-def preset_shape(name: str) -> ModelShape:
-    """The ModelShape of a preset (case-insensitive: 22b, 175b, 530b, 1t, gpt2-xl, ...)."""
+def preset_name(name: str) -> str:
+    """A preset's name as the paper (or the model card) spells it: 530b -> 530B."""
+    key = name.lower()
+    return next((paper for paper in TABLE3 if paper.lower() == key), key)
+
+
+def preset_shape(name: str) -> ModelConfig:
+    """The ModelConfig of a preset (case-insensitive: 22b, 175b, 530b, 1t, gpt2-xl, ...)."""
     key = name.lower()
     for paper_name, setup in TABLE3.items():
         if paper_name.lower() == key:

@@ -1,27 +1,26 @@
-"""The inputs of the analytic model: model shape, parallel layout, recompute plan, byte widths.
+"""The inputs of the analytic model beside the configuration: byte widths and optimizer states.
 
-Torch-free on purpose (``seqpar.config`` imports torch; the analysis must run without it).
-Notation of paper Table 1: a heads, b microbatch, h hidden, L layers, p pipeline, s sequence,
+The model, parallel layout and recompute plan are ``seqpar.config``'s ModelConfig, ParallelConfig and
+RecomputeConfig, the same classes the runtime uses (torch-free); ``model_config`` spells a ModelConfig
+in the notation of paper Table 1: a heads, b microbatch, h hidden, L layers, p pipeline, s sequence,
 t tensor parallel, v vocabulary, m interleaving chunks per pipeline rank.
 Every error names the rule and the numbers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-GRANULARITIES = ("none", "selective", "full")
-METHODS = ("uniform", "block")
-ARCHS = ("gpt", "llama")
+from seqpar.config import ARCH_FIELDS, ConfigError, ModelConfig, ParallelConfig
+
+ARCHS = tuple(ARCH_FIELDS)
 PRECISIONS = ("bf16", "fp16", "fp32")  # the training dtype: 16-bit mixed precision, or fp32 throughout
 # The dropout probability assumed when none is given, one value per architecture for `seqpar plan`,
 # `seqpar memory` and `seqpar paper` alike: the paper's GPT trains with 0.1 (Sec. 4.1 counts its masks),
 # Llama-style models without dropout.
 DEFAULT_DROPOUT = {"gpt": 0.1, "llama": 0.0}
-
-
-class AnalysisError(ValueError):
-    """Bad input to the analytic model; the message names the rule and the numbers."""
+# Bad input to the analytic model: a configuration error like any other (one class, one set of rules).
+AnalysisError = ConfigError
 
 
 def default_dropout(arch: str) -> float:
@@ -31,147 +30,37 @@ def default_dropout(arch: str) -> float:
     return DEFAULT_DROPOUT[arch]
 
 
-def _positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise AnalysisError(f"{name} must be a positive integer, got {value!r}")
+def model_config(layers: int, hidden: int, heads: int, seq: int, vocab: int, ffn: int | None = None,
+                 kv_heads: int | None = None, arch: str = "gpt") -> ModelConfig:
+    """The ModelConfig of L layers, h hidden, a heads, s sequence, v vocabulary and FFN width f (4h when
+    None). ``arch="llama"`` (beyond the paper): RMSNorm, SwiGLU MLP (three f-wide matrices), rotary
+    positions (no position table), no biases, untied output layer; ``kv_heads`` < a: grouped-query attention."""
+    if arch not in ARCH_FIELDS:
+        raise AnalysisError(f"arch {arch!r} is not one of {list(ARCHS)}")
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, num_heads=heads, num_layers=layers, seq_len=seq,
+                       ffn_hidden_size=ffn, kv_heads=kv_heads, **ARCH_FIELDS[arch])
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The paper's GPT (Fig. 2) as numbers: L, h, a, s, v and the FFN width f (4h when None).
-
-    ``arch="llama"`` (beyond the paper): RMSNorm, SwiGLU MLP (three f-wide matrices), rotary positions
-    (no position table), no biases, untied output layer; ``kv_heads`` < a: grouped-query attention.
-    """
-
-    layers: int  # L
-    hidden: int  # h
-    heads: int  # a
-    seq: int  # s
-    vocab: int  # v
-    ffn: int | None = None  # f
-    name: str = "custom"
-    kv_heads: int | None = None
-    arch: str = "gpt"
-
-    @property
-    def f(self) -> int:
-        return self.ffn if self.ffn is not None else 4 * self.hidden
-
-    @property
-    def kv(self) -> int:
-        return self.heads if self.kv_heads is None else self.kv_heads
-
-    @property
-    def kv_ratio(self) -> float:
-        """kv heads / heads: the size of K (and of V) relative to Q."""
-        return self.kv / self.heads
-
-    @property
-    def llama(self) -> bool:
-        return self.arch == "llama"
-
-    def vocab_per_rank(self, t: int) -> int:
-        """Vocabulary rows (and logit columns) one of t ranks holds: the vocabulary is padded to a
-        multiple of t so the shards are equal, ceil(v/t) each (v/t when t divides v)."""
-        return -(-self.vocab // t)
-
-    def layer_options(self) -> dict:
-        """Architecture keywords of ``memory.layer_activation_terms``."""
-        return {"kv_heads": self.kv_heads, "norm": "rmsnorm" if self.llama else "layernorm",
-                "activation": "swiglu" if self.llama else "gelu"}
-
-    def validate(self) -> ModelShape:
-        _positive(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
-                  vocab=self.vocab, ffn=self.f)
-        if self.hidden % self.heads:
-            raise AnalysisError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
-        if self.arch not in ARCHS:
-            raise AnalysisError(f"arch {self.arch!r} is not one of {list(ARCHS)}")
-        _positive(kv_heads=self.kv)
-        if self.heads % self.kv:
-            raise AnalysisError(f"heads {self.heads} is not divisible by kv heads {self.kv}")
-        return self
+def layers_per_chunk(model: ModelConfig, par: ParallelConfig) -> int:
+    """L/(pm): the analytic model splits the layers evenly over the p·m virtual stages."""
+    chunks = par.pp * par.interleave
+    if model.num_layers % chunks:
+        raise AnalysisError(f"layers {model.num_layers} are not divisible by pp {par.pp} x "
+                            f"interleave {par.interleave} = {chunks}")
+    return model.num_layers // chunks
 
 
-@dataclass(frozen=True)
-class Parallelism:
-    """gpus = dp x pp x tp; ``sp`` shards the LN/dropout regions over the tp ranks (Sec. 4.2.2);
-    ``interleave`` is m, the virtual pipeline chunks per pipeline rank."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    sp: bool = False
-    interleave: int = 1
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def layers_per_chunk(self, shape: ModelShape) -> int:
-        return shape.layers // (self.pp * self.interleave)
-
-    def validate(self, shape: ModelShape) -> Parallelism:
-        _positive(tp=self.tp, pp=self.pp, dp=self.dp, interleave=self.interleave)
-        if shape.heads % self.tp:
-            raise AnalysisError(f"heads {shape.heads} is not divisible by tp {self.tp}")
-        if shape.kv % self.tp and self.tp % shape.kv:
-            raise AnalysisError(f"kv heads {shape.kv} and tp {self.tp}: one must divide the other")
-        if shape.f % self.tp:
-            raise AnalysisError(f"ffn width {shape.f} is not divisible by tp {self.tp}")
-        if self.sp and shape.seq % self.tp:
-            raise AnalysisError(f"sequence {shape.seq} is not divisible by tp {self.tp} "
-                                "(sequence parallelism splits it)")
-        if self.interleave > 1 and self.pp == 1:
-            raise AnalysisError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
-        chunks = self.pp * self.interleave
-        if shape.layers % chunks:
-            raise AnalysisError(f"layers {shape.layers} are not divisible by pp {self.pp} x "
-                                f"interleave {self.interleave} = {chunks}")
-        return self
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Sec. 5 recomputation plus App. C.
-
-    ``granularity``: none | selective | full. For full, ``method='uniform'`` checkpoints groups of
-    ``num_layers`` consecutive layers (each group keeps its input); ``method='block'`` checkpoints
-    the first ``num_layers`` layers of every chunk and keeps all activations of the rest.
-    ``keep_microbatches`` (App. C): on each pipeline rank up to this many in-flight
-    chunk-microbatches keep all their activations and are not recomputed; the others follow
-    ``granularity``.
-    """
-
-    granularity: str = "none"
-    method: str = "uniform"
-    num_layers: int = 1
-    keep_microbatches: int = 0
-
-    @property
-    def label(self) -> str:
-        text = self.granularity
-        if self.granularity == "full":
-            text = f"full-{self.method}-{self.num_layers}"
-        if self.keep_microbatches and self.granularity != "none":
-            text += f"+keep{self.keep_microbatches}"
-        return text
-
-    def validate(self, layers_per_chunk: int | None = None) -> Recompute:
-        if self.granularity not in GRANULARITIES:
-            raise AnalysisError(f"recompute {self.granularity!r} is not one of {list(GRANULARITIES)}")
-        if self.method not in METHODS:
-            raise AnalysisError(f"recompute method {self.method!r} is not one of {list(METHODS)}")
-        _positive(num_layers=self.num_layers)
-        if not isinstance(self.keep_microbatches, int) or self.keep_microbatches < 0:
-            raise AnalysisError(f"keep_microbatches must be an integer >= 0, got {self.keep_microbatches!r}")
-        if (self.granularity == "full" and layers_per_chunk is not None
-                and self.num_layers > layers_per_chunk):
-            raise AnalysisError(f"recompute num_layers {self.num_layers} exceeds the "
-                                f"{layers_per_chunk} layers of a pipeline chunk")
-        return self
+def validate_layout(model: ModelConfig, par: ParallelConfig) -> int:
+    """The model's and the layout's rules (those of ``ParallelConfig.validate``, every one but the layer
+    split), then the analytic model's even split; returns the layers per chunk, L/(pm)."""
+    model.validate()
+    if model.arch == "custom":
+        raise AnalysisError(f"the stage formula models the paper's GPT or a Llama-style layer, not norm "
+                            f"{model.norm!r} with activation {model.activation!r}")
+    if par.layer_split:
+        raise AnalysisError(f"the analytic model splits layers evenly, not as {list(par.layer_split)}")
+    par.validate(replace(model, num_layers=max(1, par.pp * par.interleave)))  # every rule but the layer count
+    return layers_per_chunk(model, par)
 
 
 @dataclass(frozen=True)
@@ -219,3 +108,33 @@ class OptimizerOptions:
         if precision == "fp32":
             return cls(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8, distributed=distributed)
         return cls(distributed=distributed)
+
+
+def uses_dropout(cfg: ModelConfig, embedding: bool = True) -> bool:
+    """Whether the formula counts dropout masks for ``cfg`` (its one ``ActivationOptions.dropout`` switch).
+
+    Every dropout of the counted region must be on, or every one off (else a ConfigError names them): the
+    attention and hidden dropouts of the layers, and with ``embedding`` (a pipeline stage, not one layer)
+    the embedding's. Fused attention (sdpa) runs with attention dropout 0 and keeps no s² tensor either way,
+    so there its attention dropout does not count."""
+    on = {"hidden": cfg.hidden_dropout > 0}
+    if cfg.attention != "sdpa":
+        on = {"attention": cfg.attn_dropout > 0} | on
+    if embedding:
+        on = {"embedding": cfg.embd_dropout > 0} | on
+    if len(set(on.values())) > 1:
+        rates = {"embedding": cfg.embd_dropout, "attention": cfg.attn_dropout, "hidden": cfg.hidden_dropout}
+        kinds = ", ".join(list(on)[:-1]) + " and " + list(on)[-1]
+        raise AnalysisError(f"the formula needs the {kinds} dropouts all on or all off, got "
+                            + ", ".join(f"{k} {rates[k]}" for k in on))
+    return on["hidden"]
+
+
+def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: bool = True,
+                       free_pipeline_outputs: bool = True) -> ActivationOptions:
+    """The formula inputs of a runtime configuration, the one adapter from a ModelConfig to them: the
+    activation width of its dtype, 1-byte dropout masks (``uses_dropout``), fp32 logits, fused attention
+    for sdpa, and the norm statistics' bytes per element the caller measured (``ln_stats_bytes``)."""
+    return ActivationOptions(act_bytes=cfg.dtype_bytes, mask_bytes=1, logits_bytes=4, ln_stats_bytes=ln_stats_bytes,
+                             dropout=uses_dropout(cfg, embedding), fused_attention=cfg.attention == "sdpa",
+                             free_pipeline_outputs=free_pipeline_outputs)

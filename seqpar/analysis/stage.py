@@ -12,19 +12,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from seqpar.analysis.memory import layer_activation_bytes
+from seqpar.analysis.memory import layer_activation_terms
 from seqpar.analysis.schedule import first_chunk_in_flight, in_flight_chunks
-from seqpar.analysis.shapes import (
-    ActivationOptions,
-    AnalysisError,
-    ModelShape,
-    OptimizerOptions,
-    Parallelism,
-    Recompute,
-)
+from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
 from seqpar.analysis.states import stage_parameters, state_bytes
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
+NONE, FULL = RecomputeConfig("none"), RecomputeConfig("full")
 
 
 @dataclass(frozen=True)
@@ -48,47 +43,54 @@ class StageMemory:
         return self.total - self.states
 
 
-def layer_bytes(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOptions,
-                recompute: str) -> float:
-    """Table 2 bytes of one layer of this model on one tp rank."""
-    return layer_activation_bytes(shape.seq, b, shape.hidden, shape.heads, par.tp, sp=par.sp,
-                                  recompute=recompute, ffn=shape.f, act_bytes=opts.act_bytes,
-                                  mask_bytes=opts.mask_bytes, dropout=opts.dropout,
-                                  ln_stats_bytes=opts.ln_stats_bytes,
-                                  fused_attention=opts.fused_attention, **shape.layer_options())
+def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
+                rc: RecomputeConfig) -> dict[str, float]:
+    """Table 2 bytes of one layer of this model on one tp rank under ``rc`` (its finer modules included),
+    per stored tensor (``memory.layer_activation_terms``)."""
+    return layer_activation_terms(shape.seq_len, b, shape.hidden_size, shape.num_heads, par.tp, sp=par.sp,
+                                  recompute=rc.granularity, modules=rc.selective_modules or None, ffn=shape.ffn,
+                                  act_bytes=opts.act_bytes, mask_bytes=opts.mask_bytes, dropout=opts.dropout,
+                                  ln_stats_bytes=opts.ln_stats_bytes, fused_attention=opts.fused_attention,
+                                  kv_heads=shape.kv_heads, norm=shape.norm, activation=shape.activation)
 
 
-def chunk_bytes(shape: ModelShape, par: Parallelism, rc: Recompute, b: int,
+def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
+                rc: RecomputeConfig) -> float:
+    """Sum of ``layer_terms``."""
+    return sum(layer_terms(shape, par, b, opts, rc).values())
+
+
+def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                 opts: ActivationOptions) -> float:
     """Bytes one chunk-microbatch (L/(pm) layers) keeps under ``rc``'s granularity (Sec. 5)."""
-    n_layers = par.layers_per_chunk(shape)
+    n_layers = layers_per_chunk(shape, par)
     if rc.granularity in ("none", "selective"):
-        return n_layers * layer_bytes(shape, par, b, opts, rc.granularity)
-    checkpoint = layer_bytes(shape, par, b, opts, "full")  # one layer input
+        return n_layers * layer_bytes(shape, par, b, opts, rc)
+    checkpoint = layer_bytes(shape, par, b, opts, FULL)  # one layer input
     if rc.method == "uniform":  # each group of N layers keeps its input
         return math.ceil(n_layers / rc.num_layers) * checkpoint
     kept = n_layers - rc.num_layers  # block: the first N layers checkpointed, the rest keep all
-    return rc.num_layers * checkpoint + kept * layer_bytes(shape, par, b, opts, "none")
+    return rc.num_layers * checkpoint + kept * layer_bytes(shape, par, b, opts, NONE)
 
 
-def recompute_working_bytes(shape: ModelShape, par: Parallelism, rc: Recompute, b: int,
+def recompute_working_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                             opts: ActivationOptions) -> float:
     """Transient bytes recomputation rebuilds in backward for one chunk-microbatch at a time."""
-    full_layer = layer_bytes(shape, par, b, opts, "none")
+    full_layer = layer_bytes(shape, par, b, opts, NONE)
     if rc.granularity == "selective":
-        return full_layer - layer_bytes(shape, par, b, opts, "selective")
+        return full_layer - layer_bytes(shape, par, b, opts, rc)
     if rc.granularity == "full":
         return (rc.num_layers if rc.method == "uniform" else 1) * full_layer
     return 0.0
 
 
-def sec43_extra_terms(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOptions,
+def sec43_extra_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
                       rank: int, n: int | None) -> dict[str, float]:
     """Sec. 4.3: activations outside the layers. Rank 0: embedding-dropout mask for the microbatches
     in flight in its first chunk (p; 2p when interleaved). Last rank (one microbatch in flight at the
     head): final-LN input, output-layer input (sequence-sharded under SP) and the fp32 logits
     (vocabulary-parallel: ceil(v/t) columns per rank, the vocabulary padded to a multiple of t)."""
-    s, h, t, p = shape.seq, shape.hidden, par.tp, par.pp
+    s, h, t, p = shape.seq_len, shape.hidden_size, par.tp, par.pp
     rep = t if par.sp else 1
     terms: dict[str, float] = {}
     if rank == 0 and opts.dropout:
@@ -101,14 +103,14 @@ def sec43_extra_terms(shape: ModelShape, par: Parallelism, b: int, opts: Activat
     return terms
 
 
-def sec43_extra_bytes_paper(shape: ModelShape, t: int, p: int, b: int) -> float:
+def sec43_extra_bytes_paper(shape: ModelConfig, t: int, p: int, b: int) -> float:
     """The paper's Sec. 4.3 closed form for rank 0 (TP + SP): sbhL/t (p/L + d(p=1)(4/L)(1 + v/h))."""
-    s, h, n_layers, v = shape.seq, shape.hidden, shape.layers, shape.vocab
+    s, h, n_layers, v = shape.seq_len, shape.hidden_size, shape.num_layers, shape.vocab_size
     head = 4 / n_layers * (1 + v / h) if p == 1 else 0.0
     return s * b * h * n_layers / t * (p / n_layers + head)
 
 
-def pipeline_output_bytes(shape: ModelShape, par: Parallelism, b: int, opts: ActivationOptions,
+def pipeline_output_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
                           rank: int, in_flight: int) -> float:
     """App. B: each sent stage output whose data is kept (only when App. B's freeing is off)."""
     if opts.free_pipeline_outputs or par.pp == 1:
@@ -119,18 +121,16 @@ def pipeline_output_bytes(shape: ModelShape, par: Parallelism, b: int, opts: Act
         sent = max(0, in_flight - 1)  # every chunk but the model's last one sends its output
     else:
         sent = 0
-    return opts.act_bytes * shape.seq * b * shape.hidden / (par.tp if par.sp else 1) * sent
+    return opts.act_bytes * shape.seq_len * b * shape.hidden_size / (par.tp if par.sp else 1) * sent
 
 
-def stage_memory(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, n: int | None = None,
+def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int | None = None,
                  opts: ActivationOptions | None = None, opt: OptimizerOptions | None = None,
                  rank: int = 0) -> StageMemory:
     """Every term on one tp rank of pipeline rank ``rank``; ``n`` microbatches per iteration."""
     opts = opts or ActivationOptions()
     opt = opt or OptimizerOptions()
-    shape.validate()
-    par.validate(shape)
-    rc.validate(par.layers_per_chunk(shape))
+    rc.validate(validate_layout(shape, par))
     if b < 1:
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
     r = in_flight_chunks(rank, par.pp, par.interleave, n)
@@ -138,7 +138,7 @@ def stage_memory(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, n: 
     terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp)
     terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts)
     if kept:
-        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, Recompute(), b, opts)
+        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts)
     terms.update(sec43_extra_terms(shape, par, b, opts, rank, n))
     if not opts.free_pipeline_outputs and par.pp > 1:
         terms["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, r)
@@ -147,7 +147,7 @@ def stage_memory(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, n: 
     return StageMemory(rank=rank, in_flight=r, terms=terms)
 
 
-def all_stages(shape: ModelShape, par: Parallelism, rc: Recompute, b: int, n: int | None = None,
+def all_stages(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int | None = None,
                opts: ActivationOptions | None = None,
                opt: OptimizerOptions | None = None) -> list[StageMemory]:
     """``stage_memory`` for every pipeline rank."""

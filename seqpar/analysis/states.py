@@ -11,7 +11,8 @@ A vocabulary that t does not divide is padded to a multiple of t: each rank hold
 
 from __future__ import annotations
 
-from seqpar.analysis.shapes import ModelShape, OptimizerOptions, Parallelism
+from seqpar.analysis.shapes import OptimizerOptions
+from seqpar.config import ModelConfig, ParallelConfig
 
 
 def layer_parameters(h: int, f: int, *, kv_ratio: float = 1.0, llama: bool = False) -> float:
@@ -38,34 +39,35 @@ def layer_parameters_per_rank(h: int, f: int, t: int, *, kv_ratio: float = 1.0, 
     return split / t + 6 * h
 
 
-def _layer(shape: ModelShape, t: int | None = None) -> float:
-    kw = {"kv_ratio": shape.kv_ratio, "llama": shape.llama}
+def _layer(shape: ModelConfig, t: int | None = None) -> float:
+    kw = {"kv_ratio": shape.kv_ratio, "llama": shape.arch == "llama"}
     if t is None:
-        return layer_parameters(shape.hidden, shape.f, **kw)
-    return layer_parameters_per_rank(shape.hidden, shape.f, t, kv_heads=shape.kv, heads=shape.heads, **kw)
+        return layer_parameters(shape.hidden_size, shape.ffn, **kw)
+    return layer_parameters_per_rank(shape.hidden_size, shape.ffn, t, kv_heads=shape.num_kv_heads,
+                                     heads=shape.num_heads, **kw)
 
 
-def model_parameters(shape: ModelShape) -> float:
+def model_parameters(shape: ModelConfig) -> float:
     """All parameters: L layers + word and position embeddings + final LN (output layer tied).
 
     Llama-style: no position table, a final RMSNorm (h) and an untied output layer (v x h)."""
-    h = shape.hidden
-    if shape.llama:
-        return shape.layers * _layer(shape) + 2 * shape.vocab * h + h
-    return shape.layers * _layer(shape) + shape.vocab * h + shape.seq * h + 2 * h
+    h = shape.hidden_size
+    if shape.arch == "llama":
+        return shape.num_layers * _layer(shape) + 2 * shape.vocab_size * h + h
+    return shape.num_layers * _layer(shape) + shape.vocab_size * h + shape.seq_len * h + 2 * h
 
 
-def stage_parameters(shape: ModelShape, par: Parallelism, rank: int) -> float:
+def stage_parameters(shape: ModelConfig, par: ParallelConfig, rank: int) -> float:
     """Parameters held by one tp rank of pipeline rank ``rank`` (all its interleaved chunks)."""
-    h, t, p = shape.hidden, par.tp, par.pp
-    n = shape.layers // p * _layer(shape, t)
+    h, t, p = shape.hidden_size, par.tp, par.pp
+    n = shape.num_layers // p * _layer(shape, t)
     shard = shape.vocab_per_rank(t) * h  # vocab-parallel rows, the vocabulary padded to a multiple of t
     if rank == 0:
         n += shard  # word embedding
-        n += 0 if shape.llama else shape.seq * h  # position embedding
+        n += 0 if shape.arch == "llama" else shape.seq_len * h  # position embedding
     if rank == p - 1:
-        n += h if shape.llama else 2 * h  # final norm
-        if p > 1 or shape.llama:
+        n += h if shape.arch == "llama" else 2 * h  # final norm
+        if p > 1 or shape.arch == "llama":
             n += shard  # the output layer: copy of the tied embedding, or untied
     return n
 

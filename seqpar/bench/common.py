@@ -63,7 +63,7 @@ def timed_cpu(fn) -> tuple[float, float]:
 class Meter:
     """What autograd keeps for backward while active, in bytes: every distinct storage saved (views
     and 2-D reshapes of one storage count once), parameters and buffers excluded -- the accounting of
-    ``seqpar.analysis.measure.SavedTensorMeter``, extended to DTensors (counted by their local
+    ``seqpar.measure.saved.SavedTensorMeter``, extended to DTensors (counted by their local
     tensor's storage) and to the inputs a non-reentrant ``torch.utils.checkpoint`` keeps alive outside
     autograd's saved tensors (reported through ``seqpar.bench.torch_native.KeptInputs``)."""
 

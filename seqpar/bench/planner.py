@@ -50,10 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _shape(args):
-    from seqpar.analysis.shapes import ModelShape
+    from seqpar.analysis.shapes import model_config
 
-    return ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=256,
-                      name="bench").validate()
+    return model_config(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=256).validate()
 
 
 def predict(args, hw, label: str) -> dict:

@@ -105,8 +105,8 @@ def _human(n: float | None) -> str:
 
 
 def run(args) -> int:
-    from seqpar.analysis.table2 import measure_rows, plan_rows
     from seqpar.config import ConfigError
+    from seqpar.measure.table2 import measure_rows, plan_rows
 
     for flag in ("pp", "interleave", "microbatches", "tp", "micro_batch"):
         value = getattr(args, flag, None)
@@ -159,9 +159,9 @@ def run(args) -> int:
 def run_schedule(args) -> int:
     """``--pp P --microbatches M [--interleave m]``: one training step of the pipeline schedule on
     P × T gloo ranks; per stage the measured peak next to the formula (Eq. 5/6, interleave factor,
-    Sec. 4.3 terms; ``seqpar.pipeline.measure``)."""
+    Sec. 4.3 terms; ``seqpar.measure.stages``)."""
     from seqpar.config import ConfigError, ParallelConfig, RecomputeConfig
-    from seqpar.pipeline.measure import formula_stage_bytes, implementation_terms, measure_schedules
+    from seqpar.measure.stages import formula_stage_bytes, implementation_terms, measure_schedules
 
     if args.layers is None:
         args.layers = 2 * args.pp * args.interleave
@@ -175,7 +175,7 @@ def run_schedule(args) -> int:
     if args.measure:
         stages = measure_schedules(cfg, parallel, [run])[0]
     else:
-        from seqpar.pipeline.measure import StagePeak, validate_microbatches
+        from seqpar.measure.stages import StagePeak, validate_microbatches
 
         validate_microbatches(args.microbatches, args.pp, args.interleave)
         stages = []

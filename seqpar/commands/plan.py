@@ -69,22 +69,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _shape(args):
-    from seqpar.analysis.presets import preset_shape
-    from seqpar.analysis.shapes import AnalysisError, ModelShape
+    """The model of ``--model`` and the dimension flags, and its name for the reports."""
+    from seqpar.analysis.presets import preset_name, preset_shape
+    from seqpar.analysis.shapes import AnalysisError, model_config
 
     dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "arch")}
     if args.model:
         base = preset_shape(args.model)
         given = {k: v for k, v in dims.items() if v is not None}
-        fields = {"layers": base.layers, "hidden": base.hidden, "heads": base.heads, "seq": base.seq,
-                  "vocab": base.vocab, "ffn": base.ffn, "kv_heads": base.kv_heads, "arch": base.arch} | given
-        return ModelShape(**fields, name=base.name + ("*" if given else "")).validate()
+        fields = {"layers": base.num_layers, "hidden": base.hidden_size, "heads": base.num_heads,
+                  "seq": base.seq_len, "vocab": base.vocab_size, "ffn": base.ffn_hidden_size,
+                  "kv_heads": base.kv_heads, "arch": base.arch} | given
+        return model_config(**fields).validate(), preset_name(args.model) + ("*" if given else "")
     dims["arch"] = dims["arch"] or "gpt"
     missing = [k for k in ("layers", "hidden", "heads", "seq", "vocab") if dims[k] is None]
     if missing:
         raise AnalysisError(f"give --model or all of --layers --hidden --heads --seq --vocab (missing: "
                             f"{', '.join('--' + m for m in missing)})")
-    return ModelShape(**dims).validate()
+    return model_config(**dims).validate(), "custom"
 
 
 def request_from_args(args):
@@ -93,7 +95,7 @@ def request_from_args(args):
     from seqpar.analysis.presets import preset_setup
     from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
 
-    shape = _shape(args)
+    shape, model_name = _shape(args)
     batch = args.global_batch
     if batch is None:
         setup = preset_setup(args.model) if args.model else None
@@ -122,7 +124,8 @@ def request_from_args(args):
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,
-                   try_distributed_optimizer=args.distributed_optimizer, max_micro_batch=args.max_micro_batch)
+                   try_distributed_optimizer=args.distributed_optimizer, max_micro_batch=args.max_micro_batch,
+                   name=model_name)
 
 
 def run(args) -> int:
@@ -154,7 +157,7 @@ def run(args) -> int:
                 args.plot.mkdir(parents=True, exist_ok=True)
                 path = stages_memory(args.plot / "plan_stages.png", ev.stages, req.hw.usable_bytes,
                                      req.hw.memory_bytes,
-                                     f"{req.shape.name}: {ev.plan.label}")
+                                     f"{req.name}: {ev.plan.label}")
                 print(f"wrote {path}", file=sys.stderr)
             return 0
         if args.json:

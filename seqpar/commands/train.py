@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from seqpar.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
+from seqpar.config import ARCH_FIELDS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
 from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
 from seqpar.train.start import start
 
@@ -35,11 +35,6 @@ FLAG_KEYS = {
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
-ARCH_FIELDS = {
-    "gpt": {"norm": "layernorm", "activation": "gelu", "position": "learned", "bias": True, "tie_embeddings": True},
-    "llama": {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False,
-              "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
-}
 
 
 def _default(section: str, key: str) -> str:
@@ -159,8 +154,8 @@ def model_overrides(args) -> dict:
             shape = preset_shape(args.model)
         except AnalysisError as err:
             raise ConfigError(str(err)) from None
-        out = {"num_layers": shape.layers, "hidden_size": shape.hidden, "num_heads": shape.heads,
-               "seq_len": shape.seq, "vocab_size": shape.vocab, "ffn_hidden_size": shape.ffn,
+        out = {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
+               "seq_len": shape.seq_len, "vocab_size": shape.vocab_size, "ffn_hidden_size": shape.ffn_hidden_size,
                "kv_heads": shape.kv_heads} | ARCH_FIELDS[shape.arch]
     if getattr(args, "arch", None):
         out |= ARCH_FIELDS[args.arch]

@@ -29,7 +29,7 @@ class StepRunner:
     microbatches: list  # [(tokens [b, s], labels [b, s])]
     free_outputs: bool = True  # App. B
     keep: KeepPolicy | None = None  # App. C
-    meter: object = None  # seqpar.pipeline.meter.ScheduleMeter or None
+    meter: object = None  # seqpar.measure.meter.ScheduleMeter or None
     loss_scale: float = 1.0  # fp16 dynamic loss scaling: backward starts from loss · scale
     losses: list = field(default_factory=list)  # unscaled microbatch losses (last virtual stage)
 

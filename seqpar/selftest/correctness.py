@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import torch
 
-from seqpar.analysis.measure import SavedTensorMeter
-from seqpar.analysis.table2 import plan_rows
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
+from seqpar.measure.saved import SavedTensorMeter
+from seqpar.measure.table2 import plan_rows
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import ParallelDims, group_rank, group_size
@@ -176,7 +176,7 @@ def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, 
                 seed: int = 0) -> dict:
     """One layer's forward on ``device``: the saved-tensor meter, and on an accelerator the
     allocator -- ``memory_allocated`` around the forward, ``max_memory_allocated`` over forward and
-    backward -- as ``seqpar.analysis.measure.measure_layer`` builds it (collective over ``group``)."""
+    backward -- as ``seqpar.measure.saved.measure_layer`` builds it (collective over ``group``)."""
     t = group_size(group)
     sp = sp and t > 1
     tracker = RNGTracker(seed, group_rank(group))

@@ -38,24 +38,17 @@ def _gib(n: float) -> str:
 
 def predicted_memory(job, device: torch.device | None = None) -> list:
     """``StageMemory`` of every pipeline rank (one tp rank's bytes; dp ranks repeat them)."""
-    from seqpar.analysis.measure import layernorm_stat_bytes
-    from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, Parallelism, Recompute
+    from seqpar.analysis.shapes import OptimizerOptions, activation_options
     from seqpar.analysis.stage import all_stages
-    from seqpar.pipeline.measure import model_shape, uses_dropout
+    from seqpar.measure.saved import layernorm_stat_bytes
 
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     device = device or torch.device("cpu")
-    shape = model_shape(m)
-    par = Parallelism(tp=p.tp, pp=p.pp, dp=p.dp, sp=p.sp and p.tp > 1, interleave=p.interleave)
-    rc = Recompute(r.granularity, r.method, r.num_layers)
-    act = m.dtype_bytes
-    opts = ActivationOptions(act_bytes=act, mask_bytes=1, logits_bytes=4,
-                             ln_stats_bytes=layernorm_stat_bytes(device, torch_dtype(m.dtype)), dropout=uses_dropout(m),
-                             fused_attention=m.attention == "sdpa")
+    opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)))
     # the trainer's states: fp32 -- weight 4 + grad 4 + Adam 8; 16-bit -- weight 2 + fp32 grad 4 + master 4 + Adam 8
-    opt = (OptimizerOptions(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8) if act == 4
+    opt = (OptimizerOptions(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8) if m.dtype_bytes == 4
            else OptimizerOptions())
-    return all_stages(shape, par, rc, t.micro_batch, t.microbatches(p.dp), opts, opt)
+    return all_stages(m, p, r, t.micro_batch, t.microbatches(p.dp), opts, opt)
 
 
 def describe(job, world: int) -> str:

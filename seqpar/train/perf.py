@@ -1,4 +1,4 @@
-"""Throughput, MFU/HFU (Sec. 6.3) and activation memory, predicted next to measured.
+"""Throughput, MFU/HFU (Sec. 6.3) and activation memory (``seqpar.measure.activations``), predicted next to measured.
 
 The peak FLOP/s is the user's ``peak_tflops``; else the accelerator's from the analysis table; else
 (CPU) a short fp32 GEMM probe, measured once per machine and cached (``cached_gemm_probe``) -- so a
@@ -17,12 +17,9 @@ from pathlib import Path
 
 import torch
 
-from seqpar.analysis.flops import layer_forward_flops, model_flops_from_gemms, recompute_extra_flops
-from seqpar.analysis.measure import SavedTensorMeter, layernorm_stat_bytes
-from seqpar.analysis.memory import layer_activation_bytes
-from seqpar.analysis.table2 import formula_options
-from seqpar.config import ConfigError
+from seqpar.analysis.flops import training_flops
 from seqpar.dtypes import torch_dtype
+from seqpar.measure.activations import measure_activations
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3) -> float:
@@ -115,34 +112,9 @@ def cached_gemm_probe(device: torch.device, dtype: torch.dtype) -> tuple[float, 
     return flops, f"GEMM probe, cached in {path}"
 
 
-def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
-    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for ``layers`` layers of one microbatch."""
-    m, p, r = job.model, job.parallel, job.recompute
-    try:
-        options = formula_options(m)  # the architecture's per-tensor terms
-    except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
-        return float("nan")
-    per_layer = layer_activation_bytes(m.seq_len, job.train.micro_batch, m.hidden_size, m.num_heads, p.tp,
-                                       sp=p.sp and p.tp > 1, recompute=r.granularity, modules=r.modules or None,
-                                       ln_stats_bytes=layernorm_stat_bytes(device, torch_dtype(m.dtype)), **options)
-    return per_layer * layers
-
-
 def step_flops(job) -> tuple[float, float]:
-    """Model FLOPs (Eq. 7, GEMM by GEMM: also right for GQA, SwiGLU and any FFN width) and hardware
-    FLOPs (plus what the recompute runs again) of one step."""
-    m, r = job.model, job.recompute
-    B, L, s, h = job.train.global_batch, m.num_layers, m.seq_len, m.hidden_size
-    arch = {"kv_ratio": m.num_kv_heads / m.num_heads, "gated": m.activation == "swiglu"}
-    model = model_flops_from_gemms(B, L, s, h, m.vocab_size, m.ffn, **arch)
-    fwd = layer_forward_flops(B, s, h, m.ffn, **arch)
-    modules = r.selective_modules
-    extra = L * ((fwd["qk"] + fwd["attention_v"]) * ("core_attention" in modules) + fwd["mlp"] * ("mlp" in modules))
-    if r.granularity == "full":
-        per_stage = L // (job.parallel.pp * job.parallel.interleave)
-        share = 1.0 if r.method == "uniform" else min(r.num_layers, per_stage) / per_stage
-        extra = recompute_extra_flops(B, L, s, h, "full", m.ffn, recomputed_layers=L * share, **arch)
-    return model, model + extra
+    """Model and hardware FLOPs of one step (``seqpar.analysis.flops.training_flops``)."""
+    return training_flops(job.model, job.parallel, job.recompute, job.train.global_batch)
 
 
 class Throughput:
@@ -168,14 +140,4 @@ class Throughput:
 
     def measure_activations(self, chunks, data, dims) -> None:
         """Bytes one microbatch's forward keeps in the transformer layers (pp = 1 only), vs formula."""
-        layers = sum(len(c.layers) for c in chunks)
-        self.activations = {"act_bytes_predicted": predicted_activation_bytes(self.job, layers, self.device)}
-        if dims.pp != 1 or len(chunks) != 1:
-            return
-        chunk = chunks[0]
-        t = self.job.train
-        tokens, labels = data.val_batches(1, t.micro_batch, 0, 1)[0]
-        with SavedTensorMeter(chunk) as meter:
-            chunk(tokens.to(self.device), labels.to(self.device))
-        measured = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
-        self.activations["act_bytes_measured"] = measured
+        self.activations = measure_activations(self.job, chunks, data, dims, self.device)

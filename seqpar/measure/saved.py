@@ -4,8 +4,6 @@ Every tensor autograd saves during the forward pass is seen through
 ``torch.autograd.graph.saved_tensors_hooks``; tensors are de-duplicated by storage (Q, K and V are
 views of one QKV output; a linear layer keeps its input reshaped to 2-D), and parameters and buffers
 are excluded. This is the measurement the formulas of ``seqpar.analysis.memory`` are checked against.
-
-Unlike the rest of ``seqpar.analysis`` this module builds the real model, so it imports it.
 """
 
 from __future__ import annotations

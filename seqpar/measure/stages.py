@@ -7,27 +7,27 @@ stage, the interleaving factor (1 + (p-1)/(pm)), the Sec. 4.3 terms outside the 
 kept outputs when freeing is off and App. C's kept microbatches. The formula is the *exact* one:
 LayerNorm mean/rstd included (the paper drops them), the activation byte width of the model's
 dtype, the fp32 logits. The recompute working set (transient, during a backward) is left out of
-both; see ``seqpar.pipeline.meter``.
+both; see ``seqpar.measure.meter``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from seqpar.analysis.measure import layernorm_stat_bytes
 from seqpar.analysis.memory import norm_stat_bytes
 from seqpar.analysis.schedule import first_chunk_in_flight
-from seqpar.analysis.shapes import ActivationOptions, ModelShape, Parallelism, Recompute
+from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import stage_memory
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
+from seqpar.measure.meter import ScheduleMeter
+from seqpar.measure.saved import layernorm_stat_bytes
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline.build import build_stages
 from seqpar.pipeline.keep import keep_for_rank
-from seqpar.pipeline.meter import ScheduleMeter
 from seqpar.pipeline.schedules import forward_backward
 from seqpar.pipeline.split import validate_microbatches
 
@@ -54,44 +54,14 @@ class StagePeak:
         return asdict(self)
 
 
-def uses_dropout(cfg: ModelConfig) -> bool:
-    """Whether the stage keeps dropout masks. Fused attention (sdpa) runs with attention dropout 0 and
-    keeps no s² tensor either way, so only the embedding and hidden dropouts decide there."""
-    on = {cfg.embd_dropout > 0, cfg.hidden_dropout > 0}
-    if cfg.attention != "sdpa":
-        on.add(cfg.attn_dropout > 0)
-    if len(on) > 1:
-        kinds = "embedding and hidden" if cfg.attention == "sdpa" else "embedding, attention and hidden"
-        raise ConfigError(f"the formula needs the {kinds} dropouts all on or all off, got embedding "
-                          f"{cfg.embd_dropout}, attention {cfg.attn_dropout}, hidden {cfg.hidden_dropout}")
-    return on.pop()
-
-
-def model_shape(cfg: ModelConfig) -> ModelShape:
-    """The analytic model's view of ``cfg``: the paper's GPT, or the Llama-style layer (RMSNorm + SwiGLU)."""
-    llama = (cfg.norm, cfg.activation) == ("rmsnorm", "swiglu")
-    gpt = cfg.norm == "layernorm" and cfg.activation in ("gelu", "gelu_tanh")
-    if not (llama or gpt):
-        raise ConfigError(f"the stage formula models the paper's GPT or a Llama-style layer, not norm "
-                          f"{cfg.norm!r} with activation {cfg.activation!r}")
-    return ModelShape(layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, seq=cfg.seq_len,
-                      vocab=cfg.vocab_size, ffn=cfg.ffn, kv_heads=cfg.kv_heads, arch="llama" if llama else "gpt")
-
-
 def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig,
                         micro_batch: int, microbatches: int, rank: int, free_outputs: bool = True,
                         keep: int = 0, device: str = "cpu") -> tuple[float, dict]:
     """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
-    shape = model_shape(cfg)
-    par = Parallelism(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp and parallel.tp > 1,
-                      interleave=parallel.interleave)
-    rc = Recompute(recompute.granularity, recompute.method, recompute.num_layers, keep)
-    act = cfg.dtype_bytes
-    opts = ActivationOptions(act_bytes=act, mask_bytes=1, logits_bytes=4,
-                             ln_stats_bytes=layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
-                             dropout=uses_dropout(cfg), fused_attention=cfg.attention == "sdpa",
-                             free_pipeline_outputs=free_outputs)
-    memory = stage_memory(shape, par, rc, micro_batch, microbatches, opts, rank=rank)
+    opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
+                              free_pipeline_outputs=free_outputs)
+    memory = stage_memory(cfg, replace(parallel, dp=1), replace(recompute, keep_microbatches=keep), micro_batch,
+                          microbatches, opts, rank=rank)
     terms = {k: v for k, v in memory.terms.items() if k not in ("parameters", "gradients", "optimizer_states",
                                                                  "recompute_working")}
     return sum(terms.values()), terms

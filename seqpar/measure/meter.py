@@ -1,6 +1,6 @@
 """Peak activation bytes held by one rank over a whole pipeline step (Sec. 4.2.3, 4.3, App. B).
 
-Unlike ``seqpar.analysis.measure.SavedTensorMeter`` (what ONE forward saves), this tracks what is
+Unlike ``seqpar.measure.saved.SavedTensorMeter`` (what ONE forward saves), this tracks what is
 LIVE over time: a storage is counted when autograd saves it during a forward step (or when the
 schedule keeps a stage output for its backward, ``hold``) and stops counting when the storage is
 freed -- after its backward, or when App. B frees a sent output. Storages are de-duplicated (Q, K, V

@@ -1,7 +1,4 @@
-"""Table 2, measured: each row's configuration run on real ranks next to its exact and paper bytes.
-
-Imports the model (through ``measure``), unlike the formula modules of this package.
-"""
+"""Table 2, measured: each row's configuration run on real ranks next to its exact and paper bytes."""
 
 from __future__ import annotations
 
@@ -9,19 +6,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from seqpar.analysis.measure import layernorm_stat_bytes, measure_layer
-from seqpar.analysis.memory import (
-    TABLE2_ROWS,
-    layer_activation_bytes,
-    layer_activation_terms,
-    table2_bytes,
-    table2_config,
-)
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_terms, table2_bytes, table2_config
+from seqpar.analysis.shapes import activation_options
+from seqpar.analysis.stage import layer_terms
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
+from seqpar.measure.saved import layernorm_stat_bytes, measure_layer
 
 PAPER_GPT = ModelConfig()  # the architecture options Table 2 assumes (the defaults)
-ARCH_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention")
+PAPER_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention")
 
 
 @dataclass
@@ -63,19 +56,7 @@ def row_name(tp: int, sp: bool, recompute: str) -> str:
 
 
 def is_paper_gpt(cfg: ModelConfig) -> bool:
-    return all(getattr(cfg, f) == getattr(PAPER_GPT, f) for f in ARCH_FIELDS)
-
-
-def formula_options(cfg: ModelConfig) -> dict:
-    """The keyword options of ``layer_activation_terms`` that describe ``cfg``'s architecture."""
-    fused = cfg.attention == "sdpa"
-    dropout = cfg.hidden_dropout > 0
-    if not fused and (cfg.attn_dropout > 0) != dropout:
-        raise ConfigError(f"the exact formula needs attention dropout ({cfg.attn_dropout}) and hidden dropout "
-                          f"({cfg.hidden_dropout}) both on or both off")
-    return {"ffn": cfg.ffn, "act_bytes": cfg.dtype_bytes,
-            "dropout": dropout, "fused_attention": fused, "kv_heads": cfg.kv_heads, "norm": cfg.norm,
-            "activation": cfg.activation}
+    return all(getattr(cfg, f) == getattr(PAPER_GPT, f) for f in PAPER_FIELDS)
 
 
 def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str, all_rows: bool,
@@ -96,20 +77,19 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         name = row_name(tp, sp, recompute) if not modules else "custom"
         configs.append((name, tp, sp, recompute, tuple(modules)))
     s, b, h, a = cfg.seq_len, micro_batch, cfg.hidden_size, cfg.num_heads
-    opts = formula_options(cfg)
-    stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
+    exact_opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
+                                    embedding=False)  # one layer: no embedding dropout
+    opts = replace(exact_opts, ln_stats_bytes=0)
     paper = is_paper_gpt(cfg)
     rows = []
     for name, t, row_sp, rc, mods in configs:
-        ParallelConfig(tp=t, sp=row_sp).validate(replace(cfg, num_layers=1))
-        kw = {"sp": row_sp and t > 1, "recompute": rc, "modules": mods or None}
-        exact = layer_activation_bytes(s, b, h, a, t, ln_stats_bytes=stats, **kw, **opts)
-        if paper and name != "custom":
-            formula = table2_bytes(name, s, b, h, a, t, sp=row_sp and t > 1)
-        else:
-            formula = layer_activation_bytes(s, b, h, a, t, **kw, **opts)
-        mine = layer_activation_terms(s, b, h, a, t, **kw, **opts)
-        reference = layer_activation_terms(s, b, h, a, t, **kw)
+        par = ParallelConfig(tp=t, sp=row_sp and t > 1).validate(replace(cfg, num_layers=1))
+        recompute = RecomputeConfig(rc, modules=mods)
+        exact = sum(layer_terms(cfg, par, b, exact_opts, recompute).values())
+        mine = layer_terms(cfg, par, b, opts, recompute)
+        paper_row = paper and name != "custom"
+        formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
+        reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
         rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods,
                         vanished=sorted(reference.keys() - mine.keys()), added=sorted(mine.keys() - reference.keys())))
     return rows

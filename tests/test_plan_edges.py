@@ -138,7 +138,7 @@ def test_fp32_training_is_16_bytes_per_parameter_and_mixed_precision_18():
         from seqpar.analysis.presets import preset_shape
         from seqpar.config import ParallelConfig
 
-        par = ParallelConfig(best["tp"], best["pp"], best["dp"], best["sp"], best["interleave"])
+        par = ParallelConfig(tp=best["tp"], pp=best["pp"], dp=best["dp"], sp=best["sp"], interleave=best["interleave"])
         assert states == per_param * stage_parameters(preset_shape("gpt2-medium"), par, best["most_loaded_rank"])
     code, out, _ = _run(args[:-1] + ["--dtype", "fp32"])
     assert "fp32 throughout: 16 B/param model states, 4-byte activations" in out

@@ -56,7 +56,7 @@ def _table4_point(name: str, sp: bool, rc: str, which: int, ms: float) -> DataPo
 
 def _iteration_point(source: str, model: str, config: str, setup: PaperSetup, dp: int, sp: bool, rc: str,
                      seconds: float) -> DataPoint:
-    par = ParallelConfig(setup.tp, setup.pp, dp, sp, setup.interleave)
+    par = ParallelConfig(tp=setup.tp, pp=setup.pp, dp=dp, sp=sp, interleave=setup.interleave)
 
     def predict(hw: Hardware) -> float:
         return iteration_time(setup.shape, par, RecomputeConfig(rc), setup.micro_batch, setup.global_batch * dp,

@@ -43,7 +43,8 @@ def figure7() -> dict[str, dict[str, float]]:
 def figure1_stage(setup: PaperSetup, technique: str) -> StageMemory:
     """First-stage memory per GPU (parameters + optimizer + activations) for a Table 2 technique."""
     _, sp, recompute = table2_config(technique)
-    par = ParallelConfig(setup.tp, setup.pp, setup.gpus // (setup.tp * setup.pp), sp, setup.interleave)
+    par = ParallelConfig(tp=setup.tp, pp=setup.pp, dp=setup.gpus // (setup.tp * setup.pp), sp=sp,
+                         interleave=setup.interleave)
     return stage_memory(setup.shape, par, RecomputeConfig(recompute), setup.micro_batch, setup.num_microbatches)
 
 

@@ -219,7 +219,8 @@ def layouts(req: Request) -> Iterator[Plan]:
                         continue
                     for sp in ((False, True) if tp > 1 and shape.seq_len % tp == 0 else (False,)):
                         for dist in ((False, True) if req.try_distributed_optimizer and dp > 1 else (False,)):
-                            yield Plan(ParallelConfig(tp, pp, dp, sp, m), RecomputeConfig(), mb, dist)
+                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, interleave=m)
+                            yield Plan(par, RecomputeConfig(), mb, dist)
 
 
 def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
@@ -341,7 +342,8 @@ def parse_plan(text: str, gpus: int) -> Plan:
     try:
         tp, pp = _count(values, "tp", 1), _count(values, "pp", 1)
         dp = _count(values, "dp", max(1, gpus // (tp * pp)))
-        par = ParallelConfig(tp, pp, dp, _flag(values.get("sp", ("", "off"))[1]), _count(values, "interleave", 1))
+        par = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=_flag(values.get("sp", ("", "off"))[1]),
+                             interleave=_count(values, "interleave", 1))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one

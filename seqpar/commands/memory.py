@@ -8,6 +8,7 @@ import json
 
 from seqpar.config import (
     ACTIVATIONS,
+    ARCH_FIELDS,
     ATTENTIONS,
     NORMS,
     POSITIONS,
@@ -46,7 +47,8 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
                    help="override the --arch's positions (default: the arch's)")
 
 
-LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False}
+# the Llama-style layer's fields but its dropout, which --dropout sets
+LLAMA = {k: v for k, v in ARCH_FIELDS["llama"].items() if not k.endswith("dropout")}
 
 
 def model_from_args(args) -> ModelConfig:

@@ -202,6 +202,38 @@ class Trainer:
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
                 "losses": self.state.losses, "interrupted": True, "step": self.state.step}
 
+    def _skipped_update(self, outcome: str, loss: float, norm: float, metrics: MetricsLog) -> None:
+        """Log a step whose update was skipped (fp16 overflow, non-finite values); on non-finite values
+        stop, with the last good state saved, when the policy says so."""
+        t, done = self.job.train, self.state.step
+        if outcome == "overflow":
+            metrics.log({"step": done, "event": "overflow", "loss": loss, "loss_scale": self.opt.loss_scale})
+            self.log(f"step {done}: fp16 gradients overflowed; update skipped, loss scale now "
+                     f"{self.opt.loss_scale:g}")
+            return
+        metrics.log({"step": done, "event": "nonfinite", "loss": loss, "grad_norm": norm,
+                     "skipped": self.state.skipped})
+        self.log(f"step {done}: non-finite loss {loss} or grad norm {norm}; update skipped "
+                 f"({self.state.skipped} so far, policy {t.nonfinite})")
+        if t.nonfinite == "stop" or self.state.skipped_in_row >= max(t.max_skipped, 1):
+            self.state.step -= 1  # the checkpoint holds the last good state
+            path = self.save()
+            raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
+                                 f"stopped, last good state saved at {path}")
+
+    def _window_record(self, norm: float, step_time: float, steps: int, validate: bool) -> dict:
+        """The metrics record of the ``steps`` steps since the last log: their mean loss, the last grad
+        norm, the rates at ``step_time`` seconds per step, and the validation loss when ``validate``."""
+        done = self.state.step
+        recent = [x for x in self.state.losses[-steps:] if math.isfinite(x)]
+        last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
+                "loss_steps": len(recent),
+                "lr": self.opt.opt.param_groups[0]["lr"],
+                "grad_norm": norm, **self.throughput.rates(step_time)}
+        if validate:
+            self.state.val_loss = last["val_loss"] = self.validate_loss()
+        return last
+
     def run(self) -> dict:
         """Train to ``train.steps`` (or ``stop_at``); a SIGINT/SIGTERM stops after the step, saved (interrupt.py)."""
         stop = StopFlag(self._abort_message).install()  # until the last checkpoint is written
@@ -230,38 +262,17 @@ class Trainer:
                 for hook in self.hooks:
                     hook.before_step(self.dims.rank, step + 1)
                 loss, norm, outcome = self.train_step(step)
-                applied = outcome == "applied"
                 self.state.losses.append(loss if outcome != "nonfinite" else float("nan"))
                 self.state.step += 1
                 window_steps += 1
                 done = self.state.step
                 progress.tick(done)
-                if outcome == "overflow":
-                    metrics.log({"step": done, "event": "overflow", "loss": loss, "loss_scale": self.opt.loss_scale})
-                    self.log(f"step {done}: fp16 gradients overflowed; update skipped, loss scale now "
-                             f"{self.opt.loss_scale:g}")
-                    continue
-                if not applied:
-                    rec = {"step": done, "event": "nonfinite", "loss": loss, "grad_norm": norm,
-                           "skipped": self.state.skipped}
-                    metrics.log(rec)
-                    self.log(f"step {done}: non-finite loss {loss} or grad norm {norm}; update skipped "
-                             f"({self.state.skipped} so far, policy {t.nonfinite})")
-                    if t.nonfinite == "stop" or self.state.skipped_in_row >= max(t.max_skipped, 1):
-                        self.state.step -= 1  # the checkpoint holds the last good state
-                        path = self.save()
-                        raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
-                                             f"stopped, last good state saved at {path}")
+                if outcome != "applied":
+                    self._skipped_update(outcome, loss, norm, metrics)
                     continue
                 if done % t.log_every == 0 or done == end:
-                    dt = (time.perf_counter() - window_t) / window_steps
-                    recent = [x for x in self.state.losses[-window_steps:] if math.isfinite(x)]
-                    last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
-                            "loss_steps": len(recent),
-                            "lr": self.opt.opt.param_groups[0]["lr"],
-                            "grad_norm": norm, **self.throughput.rates(dt)}
-                    if t.eval_every and done % t.eval_every == 0 or done == end:
-                        self.state.val_loss = last["val_loss"] = self.validate_loss()
+                    last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
+                                               validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
                     metrics.log(last)
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0

@@ -28,18 +28,8 @@ def run(args) -> int:
     if args.tokens < 0 or args.temperature < 0 or args.top_k < 0 or args.seed < 0:
         raise ConfigError(f"--tokens {args.tokens}, --temperature {args.temperature}, --top-k {args.top_k} and "
                           f"--seed {args.seed} must be >= 0")
-    from seqpar.train.sample import START_TEXT, codec, generate, load_model
+    from seqpar.train.sample import sample_text
 
-    model, meta = load_model(args.checkpoint)
-    tokenizer = args.tokenizer or meta["config"]["train"].get("tokenizer", "")
-    pair = codec(model.cfg.vocab_size, tokenizer)
-    if pair is None:
-        raise ConfigError(f"vocab {model.cfg.vocab_size} is not byte-level and the checkpoint names no tokenizer")
-    encode, decode = pair
-    prompt, start = encode(args.prompt), encode(START_TEXT)
-    if not prompt and not start:
-        raise ConfigError(f"--prompt is empty and the tokenizer {tokenizer} encodes a newline as no tokens: "
-                          "give a --prompt")
-    ids = generate(model, prompt, args.tokens, args.temperature, args.top_k, args.seed, start=start)
-    print(decode(ids))
+    print(sample_text(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+                      args.tokenizer or ""))
     return 0

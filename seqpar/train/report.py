@@ -48,15 +48,14 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
 
 def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:
     """A sample from the saved checkpoint (temperature 0.8, top-k 20): bytes, or the run's tokenizer."""
-    from seqpar.train.sample import START_TEXT, codec, generate, load_model
+    from seqpar.config import ConfigError
+    from seqpar.train.sample import sample_text
 
-    model, _ = load_model(checkpoint)
-    pair = codec(model.cfg.vocab_size, tokenizer)
-    if pair is None:
-        print(f"  (no sample: vocab {model.cfg.vocab_size} is not byte-level and the run used no tokenizer)")
+    try:
+        text = sample_text(checkpoint, prompt, tokens, temperature=0.8, top_k=20, seed=seed, tokenizer=tokenizer)
+    except ConfigError as err:
+        print(f"  (no sample: {err})")
         return
-    encode, decode = pair
-    ids = generate(model, encode(prompt), tokens, temperature=0.8, top_k=20, seed=seed, start=encode(START_TEXT))
     print(f"--- sample (temperature 0.8, top-k 20, prompt {prompt!r}) ---")
-    print(decode(ids))
+    print(text)
     print("---")

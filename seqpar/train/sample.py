@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.config import ModelConfig
+from seqpar.config import ConfigError, ModelConfig
 from seqpar.model.gpt import GPTStage, build_model
 from seqpar.parallel.sharding import load_full_state_dict
 from seqpar.train import checkpoint as ckpt
@@ -79,3 +79,21 @@ def codec(vocab_size: int, tokenizer: str = ""):
     if vocab_size == 256:
         return encode_bytes, decode_bytes
     return None
+
+
+def sample_text(checkpoint: str, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = 0,
+                seed: int = 0, tokenizer: str = "") -> str:
+    """``tokens`` tokens generated from ``checkpoint`` after ``prompt``, decoded with ``tokenizer``
+    (default: the run's own) or as bytes; a ConfigError when the model can be neither encoded nor
+    decoded, or when the prompt and ``START_TEXT`` both encode to nothing."""
+    model, meta = load_model(checkpoint)
+    tokenizer = tokenizer or meta["config"]["train"].get("tokenizer", "")
+    pair = codec(model.cfg.vocab_size, tokenizer)
+    if pair is None:
+        raise ConfigError(f"vocab {model.cfg.vocab_size} is not byte-level and the checkpoint names no tokenizer")
+    encode, decode = pair
+    ids, start = encode(prompt), encode(START_TEXT)
+    if not ids and not start:
+        raise ConfigError(f"--prompt is empty and the tokenizer {tokenizer} encodes a newline as no tokens: "
+                          "give a --prompt")
+    return decode(generate(model, ids, tokens, temperature, top_k, seed, start=start))

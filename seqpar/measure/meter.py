@@ -46,8 +46,12 @@ class ScheduleMeter:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._exclude and storage.nbytes() > 0 and key not in self._pending:
+        # The storage object's identity, not its address: a storage released during the forward (a
+        # recomputed norm output, resized to 0) frees its address for a later tensor of the same forward,
+        # which an address key would take for the released one and skip. Holding the storage in _pending
+        # keeps the identity unique until the forward ends; _prune drops dead ones before reuse.
+        key = storage._cdata
+        if storage.data_ptr() not in self._exclude and storage.nbytes() > 0 and key not in self._pending:
             self._pending[key] = (storage, tuple(t.shape), str(t.dtype).removeprefix("torch."))
         return t
 

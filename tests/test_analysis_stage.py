@@ -1,5 +1,7 @@
 """Whole-model memory per pipeline rank: Eq. 5/6, interleaving, Sec. 4.3, App. B/C, model states."""
 
+from dataclasses import replace
+
 import pytest
 
 from seqpar.analysis.memory import layer_activation_bytes
@@ -121,3 +123,23 @@ def test_invalid_layouts_name_the_numbers():
         stage_memory(TINY, ParallelConfig(tp=4), RecomputeConfig(), 1)
     with pytest.raises(AnalysisError, match="hidden 10 is not divisible by heads 3"):
         stage_memory(model_config(4, 10, 3, 4, 16), ParallelConfig(), RecomputeConfig(), 1)
+
+
+def test_layouts_the_analytic_model_has_no_formula_for_are_refused():
+    """An uneven layer split, context parallelism and a layer family outside gpt/llama: a clear refusal,
+    never the numbers of an even split or of another model."""
+    with pytest.raises(AnalysisError, match=r"splits layers evenly, not as \[1, 3\]"):
+        stage_memory(TINY, ParallelConfig(pp=2, layer_split=(1, 3)), RecomputeConfig(), 1)
+    with pytest.raises(AnalysisError, match="no context parallelism, got cp 2"):
+        stage_memory(TINY, ParallelConfig(cp=2), RecomputeConfig(), 1)
+    with pytest.raises(AnalysisError, match="not norm 'layernorm' with activation 'swiglu'"):
+        stage_memory(replace(TINY, activation="swiglu"), ParallelConfig(), RecomputeConfig(), 1)
+
+
+def test_the_stage_formula_honours_the_recompute_modules():
+    rc = RecomputeConfig("selective", modules=("norm", "activation"))
+    m = stage_memory(TINY, SP2, rc, 2, n=8)
+    layer = layer_activation_bytes(4, 2, 8, 2, 2, sp=True, recompute="selective", modules=("norm", "activation"))
+    assert m.terms["layer_activations"] == 2 * 2 * layer  # 2 in flight x 2 layers
+    assert layer != layer_activation_bytes(4, 2, 8, 2, 2, sp=True, recompute="selective")
+    assert rc.label == "selective(norm,activation)"

@@ -11,6 +11,33 @@ import time
 import torch
 import torch.distributed as dist
 
+from seqpar.config import ModelConfig
+
+
+def add_shape_arguments(p, hidden: int, heads: int, seq: int, micro_batch: int, layers: int | None = None,
+                        vocab: int | None = None) -> None:
+    """The model shape flags every benchmark takes (``--layers``, ``--vocab`` where it has them)."""
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--micro-batch", type=int, default=micro_batch)
+    if layers is not None:
+        p.add_argument("--layers", type=int, default=layers)
+    if vocab is not None:
+        p.add_argument("--vocab", type=int, default=vocab)
+
+
+def add_timing_arguments(p, repeats: int, warmup: int) -> None:
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--warmup", type=int, default=warmup)
+
+
+def model_config(args, dtype: str | None = None, vocab: int | None = None, layers: int | None = None) -> ModelConfig:
+    """The benchmark's model from its flags (``dropout`` at all three sites), validated."""
+    return ModelConfig(vocab_size=vocab or args.vocab, hidden_size=args.hidden, num_heads=args.heads,
+                       num_layers=layers or args.layers, seq_len=args.seq, embd_dropout=args.dropout,
+                       attn_dropout=args.dropout, hidden_dropout=args.dropout, dtype=dtype or args.dtype).validate()
+
 
 def machine() -> dict:
     """What ran the benchmark: CPU, cores, torch, date. Other processes may have been running."""

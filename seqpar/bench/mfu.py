@@ -17,7 +17,6 @@ import torch
 from seqpar.analysis.flops import model_flops
 from seqpar.bench import common
 from seqpar.bench.single import batch, step
-from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
 
@@ -26,20 +25,14 @@ QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 1, "vo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    common.add_shape_arguments(p, hidden=2048, heads=16, seq=256, micro_batch=4, layers=2, vocab=8192)
     p.add_argument("--dtype", choices=["bf16", "fp32"], nargs="+", default=["bf16"],
                    help="one step per dtype, each against its own GEMM peak; the first is the headline")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--gemm", type=int, default=4096, help="n of the square GEMM for the peak")
     p.add_argument("--gemm-repeats", type=int, default=10, help="GEMM peak: best of this many, taken "
                    "before and after the steps (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    common.add_timing_arguments(p, repeats=5, warmup=1)
 
 
 def gemm_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -58,9 +51,7 @@ def gemm_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
 
 
 def step_mfu(args, dtype: str) -> dict:
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                      seq_len=args.seq, embd_dropout=args.dropout, attn_dropout=args.dropout,
-                      hidden_dropout=args.dropout, dtype=dtype).validate()
+    cfg = common.model_config(args, dtype=dtype)
     model = build_model(cfg).train()
     tokens, labels = batch(cfg, args.micro_batch)
     fn = step(model, tokens, labels)

@@ -20,22 +20,10 @@ QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 2, "vo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    common.add_shape_arguments(p, hidden=1024, heads=16, seq=512, micro_batch=2, layers=2, vocab=8192)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-
-
-def model_config(args) -> ModelConfig:
-    return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                       seq_len=args.seq, embd_dropout=args.dropout, attn_dropout=args.dropout,
-                       hidden_dropout=args.dropout, dtype=args.dtype).validate()
+    common.add_timing_arguments(p, repeats=7, warmup=2)
 
 
 def build_pair(cfg: ModelConfig):
@@ -61,7 +49,7 @@ def step(model, tokens, labels):
 
 
 def run(args) -> dict:
-    cfg = model_config(args)
+    cfg = common.model_config(args)
     ours, plain = build_pair(cfg)
     tokens, labels = batch(cfg, args.micro_batch)
     times = {"seqpar": [], "plain": []}

@@ -37,14 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=2)
     # the paper's 22B layer (h=6144, a=64, s=2048) at half width, half the heads and half the sequence:
     # the same head size 96 and s/h = 1/3, so GEMMs and attention-core work keep the paper's proportions
-    p.add_argument("--hidden", type=int, default=3072)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--micro-batch", type=int, default=1)
+    common.add_shape_arguments(p, hidden=3072, heads=32, seq=1024, micro_batch=1)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    common.add_timing_arguments(p, repeats=5, warmup=1)
     p.add_argument("--profile", action="store_true", help="print rank 0's per-op profile of each row")
 
 
@@ -108,9 +104,7 @@ def row_flops(cfg: ModelConfig, b: int, recompute: str) -> float:
 
 
 def run(args) -> dict:
-    cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_heads=args.heads, num_layers=1, seq_len=args.seq,
-                      embd_dropout=args.dropout, attn_dropout=args.dropout, hidden_dropout=args.dropout,
-                      dtype=args.dtype).validate()
+    cfg = common.model_config(args, vocab=128, layers=1)
     ParallelConfig(tp=args.tp, sp=True).validate(cfg)
     times = run_ranks(_worker, args.tp, cfg, args.micro_batch, args.repeats, args.warmup,
                       getattr(args, "profile", False))[0]

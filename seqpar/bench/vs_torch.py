@@ -33,21 +33,10 @@ QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 2, "re
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=2)
+    common.add_shape_arguments(p, hidden=1024, heads=16, seq=512, micro_batch=1, layers=2)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--dropout", type=float, default=0.0, help="0 by default (see the module docstring)")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-
-
-def model_config(args) -> ModelConfig:
-    return ModelConfig(vocab_size=128, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                       seq_len=args.seq, embd_dropout=args.dropout, attn_dropout=args.dropout,
-                       hidden_dropout=args.dropout, dtype=args.dtype).validate()
+    common.add_timing_arguments(p, repeats=7, warmup=2)
 
 
 def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
@@ -143,7 +132,7 @@ def formula_bytes(cfg: ModelConfig, b: int, t: int, recompute: str) -> dict:
 
 
 def run(args) -> dict:
-    cfg = model_config(args)
+    cfg = common.model_config(args, vocab=128)
     rows = []
     for t in args.tp:
         for recompute in ("none", "selective"):

@@ -92,6 +92,18 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 900.0, threads: int =
 
 
 # ---------------------------------------------------------------------- a command on N torchrun ranks
+def init_distributed(world_size: int, device: torch.device) -> bool:
+    """Start the default process group of a torchrun rank on ``device``'s backend (collective timeout
+    ``SEQPAR_TIMEOUT`` seconds, default 300); True when this call started it."""
+    if world_size > 1 and not dist.is_initialized():
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)  # before the group: NCCL binds to the current device
+        dist.init_process_group(backend_for(device.type),
+                                timeout=timedelta(seconds=int(os.environ.get("SEQPAR_TIMEOUT", "300"))))
+        return True
+    return False
+
+
 def under_torchrun() -> bool:
     """This process is a rank that torchrun (or ``relaunch``) started."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -127,7 +127,7 @@ def run_selftest(device: str = "auto", nproc: int | None = None, quick: bool = F
 
 
 def _under_torchrun(dev: torch.device, nproc: int | None, opts: dict) -> tuple[dict, bool, str]:
-    from seqpar.train.loop import init_distributed
+    from seqpar.parallel.launch import init_distributed
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if nproc is not None and nproc != world:

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.launch import default_device, run_ranks
+from seqpar.parallel.launch import default_device, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
@@ -55,17 +54,6 @@ class TrainState:
     skipped_in_row: int = 0
     losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
     val_loss: float = float("nan")
-
-
-def init_distributed(world_size: int, device: torch.device) -> bool:
-    """Start the default process group (under torchrun); True when this call started it."""
-    if world_size > 1 and not dist.is_initialized():
-        if device.type != "cpu":
-            torch.accelerator.set_device_index(device.index)
-        backend = dist.get_default_backend_for_device(device)
-        dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get("SEQPAR_TIMEOUT", "300"))))
-        return True
-    return False
 
 
 def reseed_dropout(chunks: list, seed: int, step: int) -> None:

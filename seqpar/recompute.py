@@ -8,13 +8,19 @@
 * full, method ``uniform`` -- layers in groups of N; each group keeps only its input.
 * full, method ``block``   -- the first N layers of a stage keep only their input; the rest keep all.
 
+``RecomputePlan`` is the configuration resolved for one model stage when it is built: each module
+asks it once, in its constructor, how to run the piece it owns (``checkpointed``, ``norm_then``,
+``choose``, ``layer_blocks``), so the modules' forwards hold no recompute branches. Inside
+``keep_everything()`` (App. C: a microbatch that stores all its activations) every piece runs as
+under ``none``.
+
 Checkpointing saves the dropout RNG tracker's state with the inputs and restores it for the
 recomputation, so recomputed masks equal the original ones bit for bit.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import torch
 
@@ -90,23 +96,94 @@ def full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list[tuple[i
     return [(i, i + 1) for i in range(min(n, num_layers))]  # block
 
 
-def configure_layer(layer, cfg: RecomputeConfig, tracker: RNGTracker):
-    """Set a ``TransformerLayer``'s selective recompute modules (none for ``none`` and ``full``)."""
-    ckpt = functools.partial(checkpoint, tracker=tracker)
-    modules = cfg.selective_modules
-    layer.attention.checkpoint = ckpt if "core_attention" in modules else None
-    layer.mlp.recompute_activation = "activation" in modules
-    layer.mlp_checkpoint = ckpt if "mlp" in modules else None
-    layer.recompute_norm = (functools.partial(checkpoint_without_output, tracker=tracker)
-                            if "norm" in modules else None)
-    return layer
+class RecomputePlan:
+    """What one model stage keeps for backward: ``cfg`` resolved for the modules that ask.
+
+    ``tracker``: the stage's dropout RNG tracker, whose state every checkpoint saves and restores.
+    """
+
+    def __init__(self, cfg: RecomputeConfig | None = None, tracker: RNGTracker | None = None):
+        self.cfg = (cfg or RecomputeConfig()).validate()
+        self.tracker = tracker or RNGTracker()
+        self.modules = frozenset(self.cfg.selective_modules)
+        self.keeping_everything = False
+
+    @contextlib.contextmanager
+    def keep_everything(self):
+        """App. C: within this context every piece stores all its activations (as under ``none``)."""
+        before, self.keeping_everything = self.keeping_everything, True
+        try:
+            yield
+        finally:
+            self.keeping_everything = before
+
+    def choose(self, module: str, plain, recomputed):
+        """``recomputed`` if the plan recomputes ``module`` (outside ``keep_everything``), else ``plain``."""
+        return _Switch(self, plain, recomputed) if module in self.modules else plain
+
+    def checkpointed(self, module: str, run):
+        """``run``, keeping only its inputs when the plan recomputes ``module``."""
+        return self.choose(module, run, _Checkpointed(run, self.tracker))
+
+    def norm_then(self, norm, consumer):
+        """``consumer(norm(x))``; under the "norm" module the norm output is not kept (rebuilt for the
+        consumer's backward)."""
+        return self.choose("norm", _Then(norm, consumer), _NormNotKept(norm, consumer, self.tracker))
+
+    def layer_blocks(self, layers: list) -> list:
+        """The stage's layers as the units it runs in order: one layer, or a full-recompute group
+        checkpointed as one unit (keeps only its input)."""
+        blocks, i = [], 0
+        for start, stop in full_recompute_groups(len(layers), self.cfg):
+            blocks += layers[i:start]
+            chain = _Chain(layers[start:stop])
+            blocks.append(_Switch(self, chain, _Checkpointed(chain, self.tracker)))
+            i = stop
+        return blocks + layers[i:]
 
 
-def apply_recompute(stage, cfg: RecomputeConfig):
-    """Configure a ``GPTStage`` (or anything with ``layers`` and ``tracker``) for ``cfg``."""
-    cfg.validate()
-    for layer in stage.layers.values():
-        configure_layer(layer, cfg, stage.tracker)
-    stage.checkpoint = functools.partial(checkpoint, tracker=stage.tracker)
-    stage.full_recompute_groups = full_recompute_groups(len(stage.layers), cfg)
-    return stage
+class _Switch:
+    """``recomputed`` under the plan, ``plain`` inside ``RecomputePlan.keep_everything``."""
+
+    def __init__(self, plan: RecomputePlan, plain, recomputed):
+        self.plan, self.plain, self.recomputed = plan, plain, recomputed
+
+    def __call__(self, *args):
+        return (self.plain if self.plan.keeping_everything else self.recomputed)(*args)
+
+
+class _Checkpointed:
+    def __init__(self, run, tracker: RNGTracker):
+        self.run, self.tracker = run, tracker
+
+    def __call__(self, *inputs):
+        return checkpoint(self.run, *inputs, tracker=self.tracker)
+
+
+class _Then:
+    def __init__(self, first, then):
+        self.first, self.then = first, then
+
+    def __call__(self, x):
+        return self.then(self.first(x))
+
+
+class _NormNotKept(_Then):
+    def __init__(self, norm, consumer, tracker: RNGTracker):
+        super().__init__(norm, consumer)
+        self.tracker = tracker
+
+    def __call__(self, x):
+        return checkpoint_without_output(self.first, x, self.then, tracker=self.tracker)
+
+
+class _Chain:
+    """Layers run one after another, as one function (a checkpointed group)."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

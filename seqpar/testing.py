@@ -9,7 +9,6 @@ from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.model import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
-from seqpar.recompute import apply_recompute
 
 
 def parity_batch(cfg: ModelConfig, batch: int = 2, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,7 +24,7 @@ def parity_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: Recom
                 seed: int = 3, device=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and full-size gradients (collective over the tp group) of one step on ``parity_batch``,
     on ``device`` (default: the CPU); the results stay on that device."""
-    model = apply_recompute(build_model(cfg, dims, sequence_parallel=sp, seed=seed, device=device), recompute)
+    model = build_model(cfg, dims, sequence_parallel=sp, seed=seed, device=device, recompute=recompute)
     tokens, labels = parity_batch(cfg)
     loss = model(tokens.to(device), labels.to(device))
     loss.backward()

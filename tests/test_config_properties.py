@@ -9,7 +9,6 @@ import torch
 
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
 from seqpar.model import build_model
-from seqpar.recompute import apply_recompute
 
 CASES = 300
 # Each field: valid values first, then one or two that break a rule (drawn 1 time in 8).
@@ -97,7 +96,7 @@ def test_random_configurations_are_rejected_with_numbers_or_build_and_step():
             continue
         counts["valid"] += 1
         assert not expected, (m, p, r, f"broken rules {expected} accepted")
-        model = apply_recompute(build_model(run.model, seed=0), run.recompute)  # one process, tiny
+        model = build_model(run.model, seed=0, recompute=run.recompute)  # one process, tiny
         tokens = torch.randint(0, run.model.vocab_size, (2, run.model.seq_len))
         loss = model(tokens, tokens)
         loss.backward()

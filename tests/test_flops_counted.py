@@ -13,7 +13,8 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.layers import padded_vocab
 from seqpar.parallel.rng import RNGTracker
-from seqpar.recompute import apply_recompute, checkpoint
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan, checkpoint
 
 CFG = ModelConfig(vocab_size=250, hidden_size=64, num_heads=4, num_layers=2, seq_len=32)
 B = 2
@@ -27,10 +28,9 @@ def _count(fn) -> int:
 
 def _layer_step(group, sp, recompute, t):
     tracker = RNGTracker(0, 0)
-    layer = TransformerLayer(CFG, group, sp, tracker)
+    plan = RecomputePlan(RecomputeConfig(recompute) if recompute == "selective" else None, tracker)
+    layer = TransformerLayer(CFG, TPContext(group, sp, tracker), plan)
     init_parameters(layer, 0, 0, t)
-    if recompute == "selective":
-        layer.attention.checkpoint = lambda fn, x: checkpoint(fn, x, tracker=tracker)
     x = torch.randn(CFG.seq_len // t if sp else CFG.seq_len, B, CFG.hidden_size, requires_grad=True)
     y = checkpoint(layer, x, tracker=tracker) if recompute == "full" else layer(x)
     y.sum().backward()
@@ -43,7 +43,7 @@ def _flops_worker(rank, world):
     model = {}
     for sp in (False, True):
         for rc in ("none", "selective"):
-            stage = apply_recompute(build_model(CFG, dims, sequence_parallel=sp), RecomputeConfig(rc))
+            stage = build_model(CFG, dims, sequence_parallel=sp, recompute=RecomputeConfig(rc))
             tokens = torch.randint(0, CFG.vocab_size, (B, CFG.seq_len))
             model[(sp, rc)] = _count(lambda stage=stage, tokens=tokens: stage(tokens, tokens).backward())
     return layer, model
@@ -74,7 +74,7 @@ def _modules_worker(rank, world):
                       hidden_dropout=0.0)
         for modules in ((), ("norm",), ("activation",), ("mlp",)):
             rc = RecomputeConfig("selective", modules=modules) if modules else RecomputeConfig("none")
-            stage = apply_recompute(build_model(cfg, dims, sequence_parallel=world > 1), rc)
+            stage = build_model(cfg, dims, sequence_parallel=world > 1, recompute=rc)
             tokens = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len))
             out[(activation, modules)] = _count(lambda stage=stage, tokens=tokens: stage(tokens, tokens).backward())
     return out

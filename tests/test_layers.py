@@ -13,6 +13,7 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.layers import ColumnParallelLinear, padded_vocab
 from seqpar.parallel.layout import ParamLayout
 from seqpar.parallel.sharding import shard_tensor
+from seqpar.parallel.tp_context import TPContext
 
 
 class _GemmLog(TorchDispatchMode):
@@ -45,7 +46,7 @@ def _record(events, name, collective):
 
 def _overlap_order(rank, world):
     group = ParallelDims.build(ParallelConfig(tp=world)).tp_group
-    layer = ColumnParallelLinear(8, 12, group, sequence_parallel=True)
+    layer = ColumnParallelLinear(8, 12, TPContext(group, sequence_parallel=True))
     x = torch.randn(4, 3, 8, requires_grad=True)  # [s/t, b, h]
     y = layer(x)  # [s, b, 12/t]
     events = []

@@ -13,20 +13,20 @@ over the t ranks.
 from __future__ import annotations
 
 import argparse
-import functools
 
 import torch
 
 from seqpar.analysis.flops import layer_forward_flops, recompute_extra_flops
 from seqpar.bench import common
-from seqpar.config import ModelConfig, ParallelConfig
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.rng import RNGTracker
-from seqpar.recompute import checkpoint
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan, checkpoint
 
 ROWS = (("baseline", False, "none"), ("sp", True, "none"), ("full", False, "full"),
         ("selective", False, "selective"), ("selective_sp", True, "selective"))
@@ -46,10 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _layer(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: str):
     tracker = RNGTracker(0, dims.tp_rank)
-    layer = TransformerLayer(cfg, dims.tp_group, sp, tracker).train()
+    plan = RecomputePlan(RecomputeConfig(recompute) if recompute == "selective" else None, tracker)
+    layer = TransformerLayer(cfg, TPContext(dims.tp_group, sp, tracker), plan).train()
     init_parameters(layer, 0, dims.tp_rank, dims.tp)
-    if recompute == "selective":
-        layer.attention.checkpoint = functools.partial(checkpoint, tracker=tracker)
     if recompute == "full":
         return layer, lambda x: checkpoint(layer, x, tracker=tracker)
     return layer, layer

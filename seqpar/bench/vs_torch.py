@@ -26,7 +26,6 @@ from seqpar.parallel.comm import split_seq
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
-from seqpar.recompute import apply_recompute
 
 QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 2, "repeats": 1, "warmup": 0}
 
@@ -45,8 +44,8 @@ def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
 
     from seqpar.bench.torch_native import Layers, block_from_config, parallelize_layers
 
-    ours = build_model(cfg, dims, sequence_parallel=True, first=False, last=False)
-    apply_recompute(ours, RecomputeConfig(recompute))
+    ours = build_model(cfg, dims, sequence_parallel=True, first=False, last=False,
+                       recompute=RecomputeConfig(recompute))
     theirs = Layers([block_from_config(cfg) for _ in range(cfg.num_layers)])
     theirs.load_state_dict(full_state_dict(ours, dims.tp_group))
     mesh = init_device_mesh("cpu", (dims.tp,), mesh_dim_names=("tp",))

@@ -17,9 +17,10 @@ from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
-from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.dims import group_rank
 from seqpar.parallel.rng import RNGTracker
-from seqpar.recompute import checkpoint, configure_layer
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan, checkpoint
 
 
 @dataclass
@@ -110,12 +111,11 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
     ``group``: the tensor-parallel group (None: no TP); collective over it.
     """
     device = torch.device(device)
-    t, sp = group_size(group), sequence_parallel and group_size(group) > 1
-    tracker = RNGTracker(seed, group_rank(group))
-    layer = TransformerLayer(cfg, group, sp, tracker, device=device)
-    init_parameters(layer, seed, group_rank(group), t)
+    tp = TPContext(group, sequence_parallel, RNGTracker(seed, group_rank(group)))
+    t, sp, tracker = tp.size, tp.sequence_parallel, tp.tracker
     rc = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(recompute)
-    configure_layer(layer, rc.validate(), tracker)
+    layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device)
+    init_parameters(layer, seed, group_rank(group), t)
     recompute = rc.granularity
     s = cfg.seq_len // t if sp else cfg.seq_len
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -22,10 +22,11 @@ from torch import nn
 
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
-from seqpar.parallel.dims import group_size
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.parallel.layout import GroupedQKVLayout, relayout
 from seqpar.parallel.rng import Dropout, RNGTracker
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan
 
 
 class CausalSoftmax(torch.autograd.Function):
@@ -169,27 +170,26 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     """``[s(/t), b, h]`` → ``[s(/t), b, h]``; the output is reduced (f̄, or ḡ under SP), bias added."""
 
-    def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker,
-                 output_std: float, device=None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan, output_std: float, device=None):
         super().__init__()
-        t, h, dtype, d = group_size(group), cfg.hidden_size, torch_dtype(cfg.dtype), cfg.head_dim
+        t, h, dtype, d = tp.size, cfg.hidden_size, torch_dtype(cfg.dtype), cfg.head_dim
         a, kv = cfg.num_heads, cfg.num_kv_heads
         g = a // kv
         qkv_rows = kv * (g + 2) * d
         layout = GroupedQKVLayout(a, kv, d, t) if kv < t else None
         rows = (a // t + 2) * d * t if layout else qkv_rows  # over all ranks (k, v repeated with a layout)
-        self.qkv = ColumnParallelLinear(h, rows, group, sequence_parallel, bias=cfg.bias,
+        self.qkv = ColumnParallelLinear(h, rows, tp, bias=cfg.bias,
                                         init_std=cfg.init_std, dtype=dtype, device=device)
         if layout is not None:
             for p in self.qkv.parameters():
                 relayout(p, grouped=layout)
-            self.core = CoreAttention(1, a // t, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")
+            self.core = CoreAttention(1, a // t, d, cfg.attn_dropout, tp.tracker, cfg.attention == "sdpa")
         else:
-            self.core = CoreAttention(kv // t, g, d, cfg.attn_dropout, tracker, cfg.attention == "sdpa")
+            self.core = CoreAttention(kv // t, g, d, cfg.attn_dropout, tp.tracker, cfg.attention == "sdpa")
         self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling_params) if cfg.position == "rope" else None
-        self.out_proj = RowParallelLinear(h, h, group, sequence_parallel, bias=cfg.bias, init_std=output_std,
+        self.out_proj = RowParallelLinear(h, h, tp, bias=cfg.bias, init_std=output_std,
                                           dtype=dtype, device=device)
-        self.checkpoint = None  # set by seqpar.recompute for selective recomputation
+        self.run_core = plan.checkpointed("core_attention", self.core)  # selective: keeps only its input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups·(g+2)·d]
@@ -197,5 +197,5 @@ class SelfAttention(nn.Module):
             s, b, _ = qkv.shape
             shape = (s, b, self.core.groups, self.core.g + 2, self.core.d)
             qkv = RotaryQKV.apply(qkv.view(shape), self.rotary).view(s, b, -1)  # [s, b, groups·(g+2)·d]
-        context = self.core(qkv) if self.checkpoint is None else self.checkpoint(self.core, qkv)  # [s, b, h/t]
+        context = self.run_core(qkv)  # [s, b, h/t]
         return self.out_proj(context)  # [s(/t), b, h]

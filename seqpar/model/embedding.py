@@ -9,9 +9,9 @@ from torch import nn
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel import comm
-from seqpar.parallel.dims import group_size
 from seqpar.parallel.layers import VocabParallelEmbedding, mark
-from seqpar.parallel.rng import Dropout, RNGTracker
+from seqpar.parallel.rng import Dropout
+from seqpar.parallel.tp_context import TPContext
 
 
 class Embedding(nn.Module):
@@ -21,18 +21,17 @@ class Embedding(nn.Module):
     straight into the sequence shard; then this rank's slice of the position table is added.
     """
 
-    def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker, device=None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, device=None):
         super().__init__()
-        self.group = group
-        self.sp = sequence_parallel and group_size(group) > 1
+        self.group, self.sp, self.t = tp.group, tp.sequence_parallel, tp.size
         dtype = torch_dtype(cfg.dtype)
-        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group, cfg.init_std, dtype, device)
+        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.init_std, dtype, device)
         self.position = None  # rotary embeddings act inside attention instead
         if cfg.position == "learned":
             self.position = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, dtype=dtype, device=device))
             mark(self.position, sequence_parallel=self.sp, init_std=cfg.init_std)
         self.max_len = cfg.seq_len
-        self.dropout = Dropout(cfg.embd_dropout, tracker, "sharded" if self.sp else "replicated")
+        self.dropout = Dropout(cfg.embd_dropout, tp.tracker, tp.stream)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
@@ -42,7 +41,7 @@ class Embedding(nn.Module):
         start, stop = 0, s
         if self.sp:
             x = comm.g_bar(x, self.group)  # [s/t, b, h]
-            chunk = s // group_size(self.group)
+            chunk = s // self.t
             start, stop = dist.get_rank(self.group) * chunk, (dist.get_rank(self.group) + 1) * chunk
         else:
             x = comm.f_bar(x, self.group)  # [s, b, h]

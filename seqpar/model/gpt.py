@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seqpar.config import ModelConfig
+from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.embedding import Embedding
 from seqpar.model.init import init_parameters
@@ -19,59 +19,51 @@ from seqpar.model.layer import TransformerLayer
 from seqpar.model.norm import make_norm
 from seqpar.parallel import comm
 from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
-from seqpar.parallel.dims import ParallelDims, group_size
+from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
 from seqpar.parallel.layout import relayout
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tied import NAME as TIED_NAME
 from seqpar.parallel.tied import TiedEmbedding, holds_copy
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan
 
 IGNORE_INDEX = -100
 
 
 class GPTStage(nn.Module):
-    def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker,
-                 layer_ids: list[int], first: bool, last: bool, device=None, tied: TiedEmbedding | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, layer_ids: list[int], first: bool, last: bool,
+                 device=None, tied: TiedEmbedding | None = None, recompute: RecomputePlan | None = None):
         super().__init__()
-        self.cfg, self.group, self.tracker = cfg, group, tracker
+        self.recompute = recompute or RecomputePlan(tracker=tp.tracker)  # what backward keeps
+        self.cfg, self.tp = cfg, tp
+        self.group, self.sp, self.tracker = tp.group, tp.sequence_parallel, tp.tracker
         self.tied = tied or TiedEmbedding()  # the shared word-embedding weight's copies (seqpar/parallel/tied.py)
-        self.sp = sequence_parallel and group_size(group) > 1
         self.first, self.last = first, last
         self.layer_ids = list(layer_ids)
-        self.embedding = Embedding(cfg, group, sequence_parallel, tracker, device) if first else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, group, sequence_parallel, tracker, device)
+        self.embedding = Embedding(cfg, tp, device) if first else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, self.recompute, device)
                                      for i in self.layer_ids})
+        self.blocks = self.recompute.layer_blocks(list(self.layers.values()))  # layers or full-recompute groups
         self.final_ln = make_norm(cfg, self.sp, device) if last else None
         self.output_weight = None
         if last and (not first or not cfg.tie_embeddings):
             # Untied: the output layer's own weight. Tied across stages: the last stage's copy of the
             # word embedding (same initial value); the two copies' gradients are summed.
-            t = group_size(group)
+            t = tp.size
             shape = (padded_vocab(cfg.vocab_size, t) // t, cfg.hidden_size)
             self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=torch_dtype(cfg.dtype), device=device)),
                                       split_dim=0, full_size=cfg.vocab_size, init_std=cfg.init_std)
             if holds_copy(cfg.tie_embeddings, first, last):
                 relayout(self.output_weight, init_key=TIED_NAME)
-        # Set by seqpar.recompute: [(first, last)] index ranges into self.layers run as one
-        # checkpointed unit; layers outside every range keep all their activations.
-        self.full_recompute_groups: list[tuple[int, int]] = []
-        self.checkpoint = None
 
     # ------------------------------------------------------------------ pieces
     def word_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.output_weight is None else self.output_weight
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        layers = list(self.layers.values())
-        groups = {start: stop for start, stop in self.full_recompute_groups}
-        i = 0
-        while i < len(layers):
-            if i in groups:
-                x = self.checkpoint(_chain(layers[i:groups[i]]), x)  # keeps only the chunk's input
-                i = groups[i]
-            else:
-                x = layers[i](x)
-                i += 1
+        for block in self.blocks:
+            x = block(x)  # [s(/t), b, h]
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,21 +100,12 @@ class GPTStage(nn.Module):
         return total / count.clamp(min=1)
 
 
-def _chain(layers):
-    """The layers run one after another, as one function (for a checkpointed group)."""
-
-    def run(x):
-        for layer in layers:
-            x = layer(x)
-        return x
-
-    return run
-
-
 def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_parallel: bool = False,
                 seed: int = 1234, layer_ids: list[int] | None = None, first: bool = True, last: bool = True,
-                device=None, stage: int | None = None, tied: TiedEmbedding | None = None) -> GPTStage:
-    """Build (one stage of) the GPT for this rank and initialise it from ``seed``.
+                device=None, stage: int | None = None, tied: TiedEmbedding | None = None,
+                recompute: RecomputeConfig | None = None) -> GPTStage:
+    """Build (one stage of) the GPT for this rank, keeping for backward what ``recompute`` says
+    (default: everything), and initialise it from ``seed``.
 
     ``stage``: the virtual pipeline stage, for the dropout seeds (default: this pipeline rank);
     ``tied``: the tied word embedding's group when its copies live on two stages.
@@ -135,6 +118,7 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     dims = dims or ParallelDims.single()
     tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank if stage is None else stage)
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
-    model = GPTStage(cfg, dims.tp_group, sequence_parallel, tracker, ids, first, last, device, tied)
+    model = GPTStage(cfg, TPContext(dims.tp_group, sequence_parallel, tracker), ids, first, last, device, tied,
+                     RecomputePlan(recompute, tracker))
     init_parameters(model, seed, dims.tp_rank, dims.tp)
     return model

@@ -11,8 +11,9 @@ from seqpar.config import ModelConfig
 from seqpar.model.attention import SelfAttention
 from seqpar.model.mlp import MLP
 from seqpar.model.norm import make_norm
-from seqpar.parallel.dims import group_size
-from seqpar.parallel.rng import Dropout, RNGTracker
+from seqpar.parallel.rng import Dropout
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan
 
 
 class TransformerLayer(nn.Module):
@@ -20,29 +21,26 @@ class TransformerLayer(nn.Module):
 
     Under SP the LN, dropout and residual regions see ``[s/t, b, h]`` and draw sharded masks;
     under TP alone they see ``[s, b, h]``, replicated on every TP rank, with replicated masks.
+
+    What backward keeps is the ``plan``'s (``seqpar.recompute``), resolved here: selective
+    recomputation checkpoints the attention core (inside ``SelfAttention``); the finer modules
+    rebuild each norm's output ("norm"), the MLP activation ("activation", inside ``MLP``) or the
+    whole MLP from its input ("mlp"). Full recomputation wraps whole layers (``GPTStage``).
     """
 
-    def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, tracker: RNGTracker, device=None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan | None = None, device=None):
         super().__init__()
-        sp = sequence_parallel and group_size(group) > 1
+        plan = plan or RecomputePlan(tracker=tp.tracker)
         output_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)  # scaled init of the output projections
-        stream = "sharded" if sp else "replicated"
-        self.ln1 = make_norm(cfg, sp, device)
-        self.attention = SelfAttention(cfg, group, sp, tracker, output_std, device)
-        self.attn_dropout = Dropout(cfg.hidden_dropout, tracker, stream)
-        self.ln2 = make_norm(cfg, sp, device)
-        self.mlp = MLP(cfg, group, sp, output_std, device)
-        self.mlp_dropout = Dropout(cfg.hidden_dropout, tracker, stream)
-        # Set by seqpar.recompute for the finer recompute modules "norm" and "mlp".
-        self.recompute_norm = None  # (norm, x, consumer) -> consumer(norm(x)), the norm output not kept
-        self.mlp_checkpoint = None  # (mlp, y) -> mlp(y), keeping only y
+        self.ln1 = make_norm(cfg, tp.sequence_parallel, device)
+        self.attention = SelfAttention(cfg, tp, plan, output_std, device)
+        self.attn_dropout = Dropout(cfg.hidden_dropout, tp.tracker, tp.stream)
+        self.ln2 = make_norm(cfg, tp.sequence_parallel, device)
+        self.mlp = MLP(cfg, tp, plan, output_std, device)
+        self.mlp_dropout = Dropout(cfg.hidden_dropout, tp.tracker, tp.stream)
+        self.attention_block = plan.norm_then(self.ln1, self.attention)  # x -> attention(ln1(x))
+        self.mlp_block = plan.norm_then(self.ln2, plan.checkpointed("mlp", self.mlp))  # x -> mlp(ln2(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [s(/t), b, h]
-        x = x + self.attn_dropout(self._norm_then(self.ln1, x, self.attention))  # [s(/t), b, h]
-        return x + self.mlp_dropout(self._norm_then(self.ln2, x, self._mlp))  # [s(/t), b, h]
-
-    def _norm_then(self, norm, x, consumer):
-        return consumer(norm(x)) if self.recompute_norm is None else self.recompute_norm(norm, x, consumer)
-
-    def _mlp(self, y):
-        return self.mlp(y) if self.mlp_checkpoint is None else self.mlp_checkpoint(self.mlp, y)
+        x = x + self.attn_dropout(self.attention_block(x))  # [s(/t), b, h]
+        return x + self.mlp_dropout(self.mlp_block(x))  # [s(/t), b, h]

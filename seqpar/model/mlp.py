@@ -13,6 +13,8 @@ from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.parallel.layout import relayout
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -68,22 +70,27 @@ class _RecomputedActivationLinear(torch.autograd.Function):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, group, sequence_parallel: bool, output_std: float, device=None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan, output_std: float, device=None):
         super().__init__()
         h, f, dtype = cfg.hidden_size, cfg.ffn, torch_dtype(cfg.dtype)
         parts = 2 if cfg.activation == "swiglu" else 1
-        self.fc1 = ColumnParallelLinear(h, parts * f, group, sequence_parallel, bias=cfg.bias,
+        self.fc1 = ColumnParallelLinear(h, parts * f, tp, bias=cfg.bias,
                                         init_std=cfg.init_std, dtype=dtype, device=device)
         for p in self.fc1.parameters():
             relayout(p, parts=parts)  # [gate; up]: each rank holds its slice of both halves
         self.act = activation(cfg)
-        self.fc2 = RowParallelLinear(f, h, group, sequence_parallel, bias=cfg.bias, init_std=output_std,
+        self.fc2 = RowParallelLinear(f, h, tp, bias=cfg.bias, init_std=output_std,
                                      dtype=dtype, device=device)
-        self.recompute_activation = False  # set by seqpar.recompute (the "activation" module)
+        self.act_fc2 = plan.choose("activation", self._act_fc2, self._recomputed_act_fc2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [s, b, f/t] (2f/t for SwiGLU)   keeps its input (2sbh, or 2sbh/t under SP)
-        if self.recompute_activation:
-            return self.fc2.reduce(_RecomputedActivationLinear.apply(y, self.fc2.weight, self.act))
-        y = self.act(y)  # keeps the fc1 output
-        return self.fc2(y)  # keeps the activation output [s, b, f/t]; output [s(/t), b, h]
+        return self.act_fc2(y)  # [s(/t), b, h]
+
+    def _act_fc2(self, y: torch.Tensor) -> torch.Tensor:
+        # the activation keeps the fc1 output, fc2 keeps the activation output [s, b, f/t]
+        return self.fc2(self.act(y))
+
+    def _recomputed_act_fc2(self, y: torch.Tensor) -> torch.Tensor:
+        # keeps only the fc1 output; the activation output is rebuilt in backward
+        return self.fc2.reduce(_RecomputedActivationLinear.apply(y, self.fc2.weight, self.act))

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from seqpar.parallel import comm
-from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.dims import group_size
 from seqpar.parallel.layout import ParamLayout
+from seqpar.parallel.tp_context import TPContext
 
 
 def mark(param: nn.Parameter, split_dim: int | None = None, sequence_parallel: bool = False,
@@ -70,13 +71,13 @@ class ColumnParallelLinear(nn.Module):
     by ``g`` inside ``LinearWithGatheredInput``). Output: ``[s, b, out/t]``.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False,
-                 bias: bool = True, init_std: float = 0.02, dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = True,
+                 init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
-        t = group_size(group)
+        t = tp.size
         if out_features % t:
             raise ValueError(f"output features {out_features} are not divisible by tp {t}")
-        self.group, self.sequence_parallel = group, sequence_parallel and t > 1
+        self.group, self.sequence_parallel = tp.group, tp.sequence_parallel
         self.weight = mark(_param((out_features // t, in_features), dtype, device), split_dim=0,
                            init_std=init_std)
         self.bias = mark(_param((out_features // t,), dtype, device), split_dim=0, init="zeros") if bias else None
@@ -92,13 +93,13 @@ class RowParallelLinear(nn.Module):
     all-reduced (``f_bar``, TP) or reduce-scattered along s (``g_bar``, SP). The bias is added after
     the reduction. Input ``[s, b, in/t]``; output ``[s, b, out]`` or ``[s/t, b, out]`` under SP."""
 
-    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool = False,
-                 bias: bool = True, init_std: float = 0.02, dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = True,
+                 init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
-        t = group_size(group)
+        t = tp.size
         if in_features % t:
             raise ValueError(f"input features {in_features} are not divisible by tp {t}")
-        self.group, self.sequence_parallel = group, sequence_parallel and t > 1
+        self.group, self.sequence_parallel = tp.group, tp.sequence_parallel
         self.weight = mark(_param((out_features, in_features // t), dtype, device), split_dim=1,
                            init_std=init_std)
         self.bias = (mark(_param((out_features,), dtype, device), sequence_parallel=self.sequence_parallel,
@@ -126,11 +127,11 @@ class VocabParallelEmbedding(nn.Module):
     reduces with ``f_bar`` (TP) or ``g_bar`` (SP). Padded rows exist only to even the shards.
     """
 
-    def __init__(self, vocab_size: int, hidden: int, group, init_std: float = 0.02,
+    def __init__(self, vocab_size: int, hidden: int, tp: TPContext, init_std: float = 0.02,
                  dtype=torch.float32, device=None):
         super().__init__()
-        t, r = group_size(group), group_rank(group)
-        self.group, self.vocab_size = group, vocab_size
+        t, r = tp.size, tp.rank
+        self.group, self.vocab_size = tp.group, vocab_size
         self.padded_size = padded_vocab(vocab_size, t)
         per_rank = self.padded_size // t
         self.vocab_start, self.vocab_end = r * per_rank, (r + 1) * per_rank

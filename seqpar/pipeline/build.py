@@ -14,12 +14,11 @@ from seqpar.model.gpt import GPTStage, build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.tied import TiedEmbedding
 from seqpar.pipeline.split import stage_layers
-from seqpar.recompute import apply_recompute
 
 
 def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, dims: ParallelDims,
                  seed: int, device=None, layer_split: list[int] | None = None) -> list[GPTStage]:
-    """This rank's model chunks (one, or ``parallel.interleave``), recompute applied.
+    """This rank's model chunks (one, or ``parallel.interleave``), each built with the ``recompute`` plan.
 
     ``layer_split``: optional explicit layers per virtual stage (p·m entries, model order), for an
     uneven split; by default ``parallel.layer_split``, or L/(p·m) layers each. Every rank must call
@@ -40,7 +39,7 @@ def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
         last = dims.pp_rank == p - 1 and c == m - 1
         # every virtual stage (pp rank + c·p) has its own dropout streams, or two chunks would draw alike
         chunk = build_model(cfg, dims, sequence_parallel=parallel.sp, seed=seed, layer_ids=ids,
-                            first=first, last=last, device=device, stage=dims.pp_rank + c * p, tied=tied)
-        chunk.recompute_config = recompute  # App. C switches it off per microbatch and back
-        chunks.append(apply_recompute(chunk, recompute))
+                            first=first, last=last, device=device, stage=dims.pp_rank + c * p, tied=tied,
+                            recompute=recompute)
+        chunks.append(chunk)
     return chunks

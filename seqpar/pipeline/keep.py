@@ -2,8 +2,9 @@
 
 Pipeline rank S has at most max(0, p - S) outstanding backward passes in 1F1B (more chunk-
 microbatches when interleaved). ``KeepPolicy`` lets up to K of a rank's in-flight chunk-microbatches
-run without recomputation (all activations stored); the others follow the configured recompute
-(selective or full). K may differ per rank, since the early ranks hold the most microbatches.
+run without recomputation (all activations stored: the chunk's ``recompute.keep_everything()``
+context); the others follow the plan the chunk was built with (selective or full). K may differ
+per rank, since the early ranks hold the most microbatches.
 Recomputation only changes what is stored, never the values, so the loss is unchanged.
 """
 
@@ -11,19 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from seqpar.config import ConfigError, RecomputeConfig
-from seqpar.recompute import apply_recompute
-
-
-@contextlib.contextmanager
-def recompute_off(chunk):
-    """Run a ``GPTStage`` chunk with every activation stored: recompute is re-applied as "none" for
-    the duration, then the chunk's own plan (``chunk.recompute_config``, set by ``build_stages``)."""
-    try:
-        apply_recompute(chunk, RecomputeConfig("none"))
-        yield
-    finally:
-        apply_recompute(chunk, chunk.recompute_config)
+from seqpar.config import ConfigError
 
 
 class KeepPolicy:
@@ -41,7 +30,7 @@ class KeepPolicy:
             yield
             return
         self.kept.add((chunk_id, mb))
-        with recompute_off(self.chunks[chunk_id]):
+        with self.chunks[chunk_id].recompute.keep_everything():
             yield
 
     def finish(self, chunk_id: int, mb: int) -> None:

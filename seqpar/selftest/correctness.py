@@ -22,7 +22,8 @@ from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import ParallelDims, group_rank, group_size
 from seqpar.parallel.rng import RNGTracker
-from seqpar.recompute import checkpoint, configure_layer
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan, checkpoint
 from seqpar.testing import parity_batch, parity_step, relative_error
 
 RECOMPUTES = {
@@ -178,11 +179,10 @@ def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, 
     allocator -- ``memory_allocated`` around the forward, ``max_memory_allocated`` over forward and
     backward -- as ``seqpar.measure.saved.measure_layer`` builds it (collective over ``group``)."""
     t = group_size(group)
-    sp = sp and t > 1
-    tracker = RNGTracker(seed, group_rank(group))
-    layer = TransformerLayer(cfg, group, sp, tracker, device=device)
+    tp = TPContext(group, sp, RNGTracker(seed, group_rank(group)))
+    sp, tracker = tp.sequence_parallel, tp.tracker
+    layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device)
     init_parameters(layer, seed, group_rank(group), t)
-    configure_layer(layer, rc, tracker)
     run = (lambda x: checkpoint(layer, x, tracker=tracker)) if rc.granularity == "full" else layer
     gen = torch.Generator(device=device).manual_seed(seed)
     s = cfg.seq_len // t if sp else cfg.seq_len

@@ -21,7 +21,8 @@ from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.rng import RNGTracker
-from seqpar.recompute import checkpoint, configure_layer
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan, checkpoint
 from seqpar.selftest.correctness import sync
 from seqpar.train.perf import device_name, gemm_probe, spec_sheet_key
 
@@ -65,9 +66,9 @@ def table4(ctx) -> tuple[bool, dict, str]:
     runs = {}
     for name, sp, rc in rows:
         tracker = RNGTracker(0, ctx.dims.tp_rank)
-        layer = TransformerLayer(cfg, group, sp, tracker, device=device).train()
+        plan = RecomputePlan(RecomputeConfig(rc), tracker)
+        layer = TransformerLayer(cfg, TPContext(group, sp, tracker), plan, device=device).train()
         init_parameters(layer, 0, ctx.dims.tp_rank, t)
-        configure_layer(layer, RecomputeConfig(rc), tracker)
         fn = (lambda x, layer=layer, tracker=tracker: checkpoint(layer, x, tracker=tracker)) if rc == "full" else layer
         s = cfg.seq_len // t if sp and t > 1 else cfg.seq_len
         x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]

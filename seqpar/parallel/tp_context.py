@@ -1,0 +1,36 @@
+"""The tensor-parallel context every parallel module is built with (Sec. 4.2).
+
+One small frozen value: the TP group, whether sequence parallelism is on, and the dropout RNG
+tracker. It is normalised once, here: sequence parallelism over a group of one rank is plain
+tensor parallelism (there is no sequence to split), so modules read ``sequence_parallel`` as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.rng import RNGTracker
+
+
+@dataclass(frozen=True, eq=False)
+class TPContext:
+    group: object = None  # the tensor-parallel process group; None: one rank
+    sequence_parallel: bool = False
+    tracker: RNGTracker = field(default_factory=RNGTracker)
+
+    def __post_init__(self):
+        object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+    @property
+    def stream(self) -> str:
+        """The dropout stream of the residual regions: sharded under SP, else replicated on every rank."""
+        return "sharded" if self.sequence_parallel else "replicated"

@@ -21,6 +21,7 @@ recomputation, so recomputed masks equal the original ones bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -123,12 +124,13 @@ class RecomputePlan:
 
     def checkpointed(self, module: str, run):
         """``run``, keeping only its inputs when the plan recomputes ``module``."""
-        return self.choose(module, run, _Checkpointed(run, self.tracker))
+        return self.choose(module, run, functools.partial(checkpoint, run, tracker=self.tracker))
 
     def norm_then(self, norm, consumer):
         """``consumer(norm(x))``; under the "norm" module the norm output is not kept (rebuilt for the
         consumer's backward)."""
-        return self.choose("norm", _Then(norm, consumer), _NormNotKept(norm, consumer, self.tracker))
+        return self.choose("norm", _Then(norm, consumer),
+                           functools.partial(checkpoint_without_output, norm, consumer=consumer, tracker=self.tracker))
 
     def layer_blocks(self, layers: list) -> list:
         """The stage's layers as the units it runs in order: one layer, or a full-recompute group
@@ -137,7 +139,7 @@ class RecomputePlan:
         for start, stop in full_recompute_groups(len(layers), self.cfg):
             blocks += layers[i:start]
             chain = _Chain(layers[start:stop])
-            blocks.append(_Switch(self, chain, _Checkpointed(chain, self.tracker)))
+            blocks.append(_Switch(self, chain, functools.partial(checkpoint, chain, tracker=self.tracker)))
             i = stop
         return blocks + layers[i:]
 
@@ -152,29 +154,14 @@ class _Switch:
         return (self.plain if self.plan.keeping_everything else self.recomputed)(*args)
 
 
-class _Checkpointed:
-    def __init__(self, run, tracker: RNGTracker):
-        self.run, self.tracker = run, tracker
-
-    def __call__(self, *inputs):
-        return checkpoint(self.run, *inputs, tracker=self.tracker)
-
-
 class _Then:
+    """``then(first(x))``."""
+
     def __init__(self, first, then):
         self.first, self.then = first, then
 
     def __call__(self, x):
         return self.then(self.first(x))
-
-
-class _NormNotKept(_Then):
-    def __init__(self, norm, consumer, tracker: RNGTracker):
-        super().__init__(norm, consumer)
-        self.tracker = tracker
-
-    def __call__(self, x):
-        return checkpoint_without_output(self.first, x, self.then, tracker=self.tracker)
 
 
 class _Chain:

@@ -32,6 +32,10 @@ IGNORE_INDEX = -100
 
 
 class GPTStage(nn.Module):
+    """Embedding (first stage), layers, final LN + output layer + loss (last stage). ``recompute``
+    says what backward keeps; under full recomputation ``blocks`` groups the layers into units
+    checkpointed as one (each keeps only its input)."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, layer_ids: list[int], first: bool, last: bool,
                  device=None, tied: TiedEmbedding | None = None, recompute: RecomputePlan | None = None):
         super().__init__()

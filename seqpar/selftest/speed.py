@@ -65,12 +65,12 @@ def table4(ctx) -> tuple[bool, dict, str]:
     gen = torch.Generator(device=device).manual_seed(ctx.dims.tp_rank)
     runs = {}
     for name, sp, rc in rows:
-        tracker = RNGTracker(0, ctx.dims.tp_rank)
-        plan = RecomputePlan(RecomputeConfig(rc), tracker)
-        layer = TransformerLayer(cfg, TPContext(group, sp, tracker), plan, device=device).train()
+        tp = TPContext(group, sp, RNGTracker(0, ctx.dims.tp_rank))
+        tracker = tp.tracker
+        layer = TransformerLayer(cfg, tp, RecomputePlan(RecomputeConfig(rc), tracker), device=device).train()
         init_parameters(layer, 0, ctx.dims.tp_rank, t)
         fn = (lambda x, layer=layer, tracker=tracker: checkpoint(layer, x, tracker=tracker)) if rc == "full" else layer
-        s = cfg.seq_len // t if sp and t > 1 else cfg.seq_len
+        s = cfg.seq_len // t if tp.sequence_parallel else cfg.seq_len
         x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]
         dy = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))
         runs[name] = (layer, fn, x, dy)

@@ -11,7 +11,8 @@ rank's shard. The layout answers every placement question from the local shape, 
   stage's copy of a tied word embedding) and whether its gradient is a partial sum over the tp group
   (``sequence_parallel``: replicated but fed by sequence-sharded data).
 
-Sharding, gathering, checkpoint chunk offsets and block-wise initialisation are all built on ``pieces``.
+Sharding, gathering, checkpoint chunk offsets and block-wise initialisation are all built on ``pieces``;
+the last two cut them at a grid of blocks along the split dimension that depends on the full shape only.
 """
 
 from __future__ import annotations
@@ -125,6 +126,20 @@ class ParamLayout:
         start = tp_rank * local
         return [Piece(0, min(start, full), max(0, min(local, full - start)))]
 
+    def blocks(self, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> list[tuple[int, Piece]]:
+        """``pieces`` cut at the block grid of dimension ``dim`` (``block_length`` entries each, fixed by
+        the full shape alone, so the same at every tp): (block index, the part of a piece inside it)."""
+        step = block_length(self.full_shape(local_shape, tp), self.dim)
+        out = []
+        for p in self.pieces(local_shape, tp_rank, tp):
+            at = p.full
+            while at < p.full + p.length:
+                block = at // step
+                stop = min((block + 1) * step, p.full + p.length)
+                out.append((block, Piece(p.local + at - p.full, at, stop - at)))
+                at = stop
+        return out
+
     def shard(self, full: torch.Tensor, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> torch.Tensor:
         """This rank's shard of ``full`` (padding rows zero)."""
         if self.split_dim is None:
@@ -144,6 +159,18 @@ class ParamLayout:
             for p in self.pieces(local_shape, rank, tp):
                 full.narrow(self.dim, p.full, p.length).copy_(shard.narrow(self.dim, p.local, p.length))
         return full
+
+
+BLOCK_ELEMENTS = 1 << 22  # the unit of initialisation and of checkpoint chunks (16 MiB in fp32)
+
+
+def block_length(full_shape: tuple[int, ...], dim: int) -> int:
+    """Entries of dimension ``dim`` per block: about ``BLOCK_ELEMENTS`` elements, at least one slice."""
+    numel = 1
+    for n in full_shape:
+        numel *= n
+    per_slice = numel // full_shape[dim] if full_shape[dim] else 1
+    return max(1, BLOCK_ELEMENTS // max(per_slice, 1))
 
 
 REPLICATED = ParamLayout()

@@ -5,10 +5,12 @@ Layout on disk::
     OUT/checkpoints/step_000040/   DCP files (.metadata, *.distcp) + meta.json (config, step, ...)
     OUT/checkpoints/latest         the name of the newest complete checkpoint
 
-Every tensor is stored at its *full* (single-process) shape under its single-process name --
+Every tensor is described at its *full* (single-process) shape under its single-process name --
 ``model.<name>``, ``optim.<name>.exp_avg``, ``optim.<name>.exp_avg_sq`` -- so a checkpoint written
-with one tp/pp/dp loads with any other: each rank asks DCP for the full tensors of the parameters it
-holds and cuts its shard. The tp ranks hold identical full copies; DCP's planner writes each once.
+with one tp/pp/dp loads with any other. Each rank writes only the chunks it holds, with their offsets
+in the full tensor, and reads into its own shards in place (``sharded.py``): no rank builds a full
+tensor of a split parameter or of its optimizer state. Chunks several ranks hold are written once.
+Checkpoints of the previous format (``seqpar-dcp-1``: whole tensors) load the same way.
 
 Atomicity: every rank writes into ``step_N.tmp``; after a barrier the ranks checksum the files
 (SHA-256, split over the ranks), rank 0 adds ``meta.json`` (the completeness marker, holding the
@@ -43,11 +45,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.sharding import full_shape, gather_tensor, shard_tensor
+from seqpar.parallel.layout import layout_of
+from seqpar.train.sharded import LoadPlanner, SavePlanner, ShardedView
 
 META = "meta.json"
 LATEST = "latest"
-FORMAT = "seqpar-dcp-1"
+FORMAT = "seqpar-dcp-2"  # chunks of at most one block each; seqpar-dcp-1 stored whole tensors
+READABLE = (FORMAT, "seqpar-dcp-1")
 
 
 class CheckpointError(ConfigError):
@@ -72,22 +76,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def full_state(states, dims: ParallelDims, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
-    """``states``: [(name, param, {"weight", "exp_avg", "exp_avg_sq"})] → full tensors by DCP key.
-
-    Collective over the tp group (every tp rank must call it)."""
+def sharded_state(states, dims: ParallelDims, with_optimizer: bool = True) -> dict[str, ShardedView]:
+    """``states``: [(name, param, {"weight", "exp_avg", "exp_avg_sq"})] (fp32, local shapes) → this rank's
+    shards by DCP key, placed in the full tensors by each parameter's layout. No communication."""
+    kinds = ("weight", "exp_avg", "exp_avg_sq") if with_optimizer else ("weight",)
     out = {}
     for name, param, tensors in states:
-        out[f"model.{name}"] = gather_tensor(tensors["weight"].float(), param, dims.tp_group)
-        if with_optimizer:
-            for kind in ("exp_avg", "exp_avg_sq"):
-                out[f"optim.{name}.{kind}"] = gather_tensor(tensors[kind].float(), param, dims.tp_group)
+        for kind in kinds:
+            key = f"model.{name}" if kind == "weight" else f"optim.{name}.{kind}"
+            out[key] = ShardedView(tensors[kind], layout_of(param), dims.tp_rank, dims.tp)
     return out
 
 
-def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2,
+def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedView], meta: dict, keep: int = 2,
          written=None) -> Path:
-    """Write ``tensors`` (full, by key) at ``root/step_N`` atomically; every rank calls this.
+    """Write ``tensors`` (this rank's shards, or full tensors) at ``root/step_N`` atomically; every rank
+    calls this.
 
     A failed write (disk full, ...) removes the temporary folder and raises CheckpointError; the
     previous checkpoint and ``latest`` are untouched. ``written()`` (a test hook) runs on every rank
@@ -103,7 +107,8 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: di
         _barrier()
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(tensors, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+            views = {k: v if isinstance(v, ShardedView) else ShardedView(v.float()) for k, v in tensors.items()}
+            dcp.save(views, checkpoint_id=str(tmp), planner=SavePlanner(), no_dist=not dist.is_initialized())
         if written is not None:
             written()
         _barrier()
@@ -356,8 +361,9 @@ def read_meta(path: Path) -> dict:
         meta = json.loads((path / META).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({err})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format") not in READABLE:
+        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r} is not one seqpar reads "
+                              f"({', '.join(map(repr, READABLE))})")
     return meta
 
 
@@ -383,42 +389,42 @@ def load_full(path: Path, wanted: dict[str, tuple[int, ...]], local: bool = Fals
             raise CheckpointError(f"checkpoint {path}: {key} has shape {stored[key]}, the model expects "
                                   f"{tuple(shape)}{hint}")
     out = {k: torch.empty(shape) for k, shape in wanted.items()}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, checkpoint_id=str(path), no_dist=local or not dist.is_initialized())
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises many types for damaged files
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        cause = lines[-1][:300] if lines else type(err).__name__
-        raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file?): {cause}") from None
+    _read(path, out, local=local)
     for key, value in out.items():
         if not torch.isfinite(value).all():
             raise CheckpointError(f"checkpoint {path}: {key} holds non-finite values")
     return out
 
 
-def load_shards(path: Path, states, dims: ParallelDims, with_optimizer: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's shards of every parameter in ``states`` (same structure as ``full_state``), after
-    ``check_before_load`` (every rank calls this)."""
+def load_shards(path: Path, states, dims: ParallelDims, with_optimizer: bool) -> None:
+    """Read this rank's shards of every parameter in ``states`` (same structure as ``sharded_state``)
+    into those tensors, in place, after ``check_before_load`` (every rank calls this)."""
     check_before_load(path, read_meta(path), collective=True)
-    wanted = {}
-    for name, param, _ in states:
-        shape = full_shape(param, dims.tp)
-        wanted[f"model.{name}"] = shape
-        if with_optimizer:
-            wanted[f"optim.{name}.exp_avg"] = shape
-            wanted[f"optim.{name}.exp_avg_sq"] = shape
-    full = load_full(path, wanted)
-    shards = {}
-    for name, param, _ in states:
-        def cut(key, param=param):
-            return shard_tensor(full[key], param, dims.tp_rank, dims.tp).to(param.device)
+    views = sharded_state(states, dims, with_optimizer)
+    stored = stored_keys(path)
+    for key, view in views.items():
+        if key not in stored:
+            raise CheckpointError(f"checkpoint {path} holds no tensor {key}")
+        if stored[key] != tuple(view.size()):
+            hint = (f" (its position table holds {stored[key][0]} positions; seq_len {view.size()[0]} needs "
+                    f"{view.size()[0]})" if key.endswith("embedding.position") else "")
+            raise CheckpointError(f"checkpoint {path}: {key} has shape {stored[key]}, the model expects "
+                                  f"{tuple(view.size())}{hint}")
+    _read(path, views, planner=LoadPlanner())
+    for key, view in views.items():
+        if not torch.isfinite(view.local).all():
+            raise CheckpointError(f"checkpoint {path}: {key} holds non-finite values")
 
-        shards[name] = {"weight": cut(f"model.{name}")}
-        if with_optimizer:
-            shards[name]["exp_avg"] = cut(f"optim.{name}.exp_avg")
-            shards[name]["exp_avg_sq"] = cut(f"optim.{name}.exp_avg_sq")
-    return shards
+
+def _read(path: Path, state: dict, planner=None, local: bool = False) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path), planner=planner, no_dist=local or not dist.is_initialized())
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises many types for damaged files
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        cause = lines[-1][:300] if lines else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file?): {cause}") from None
 
 
 def load_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:

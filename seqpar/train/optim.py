@@ -140,27 +140,30 @@ class MasterOptimizer:
 
     # ---------------------------------------------------------------- state for checkpoints
     def local_state(self) -> list[tuple[str, nn.Parameter, dict[str, torch.Tensor]]]:
-        """(name, model parameter, {"weight": fp32 master, "exp_avg", "exp_avg_sq"}) per parameter."""
+        """(name, model parameter, {"weight": fp32 master, "exp_avg", "exp_avg_sq"}) per parameter: the
+        optimizer's own tensors (Adam's moments created as zeros before the first step), so that a
+        checkpoint is written from them and read into them in place."""
         out = []
         for (name, p), m in zip(self.named, self.masters, strict=True):
-            state = self.opt.state.get(m, {})
-            out.append((name, p, {"weight": m.detach(),
-                                  "exp_avg": state.get("exp_avg", torch.zeros_like(m)),
-                                  "exp_avg_sq": state.get("exp_avg_sq", torch.zeros_like(m))}))
+            state = self.opt.state[m]
+            if "exp_avg" not in state:  # what AdamW's first step would create
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+            out.append((name, p, {"weight": m.detach(), "exp_avg": state["exp_avg"],
+                                  "exp_avg_sq": state["exp_avg_sq"]}))
         return out
 
     @torch.no_grad()
-    def load_local_state(self, shards: dict[str, dict[str, torch.Tensor]], opt_step: int) -> None:
-        """Install this rank's shards (already cut to local shape) and the optimizer step count."""
-        for (name, p), m in zip(self.named, self.masters, strict=True):
-            s = shards[name]
-            m.copy_(s["weight"])
-            if m is not p:
-                p.copy_(m)
+    def loaded(self, opt_step: int) -> None:
+        """After a checkpoint was read into ``local_state()``: copy the masters into the model and set the
+        step count (0: the checkpoint held no optimizer state, Adam starts afresh)."""
+        for m_p, m in zip(self.named, self.masters, strict=True):
+            if m is not m_p[1]:
+                m_p[1].copy_(m)
+            state = self.opt.state[m]
             if opt_step > 0:
-                self.opt.state[m] = {"step": torch.tensor(float(opt_step)),
-                                     "exp_avg": s["exp_avg"].to(m).clone(),
-                                     "exp_avg_sq": s["exp_avg_sq"].to(m).clone()}
+                state["step"] = torch.tensor(float(opt_step))
+            else:
+                state.clear()
 
 
 def _accumulate_into_main_grad(param: nn.Parameter) -> None:

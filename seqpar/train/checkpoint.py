@@ -460,7 +460,8 @@ def verify(path: str | Path) -> tuple[list[str], list[str]]:
         problems = [f"{folder}: {p}" for p in model_problems(folder, meta)]
         if not problems:
             stored = stored_keys(folder)
-            load_full(folder, stored, local=True)
+            for key, shape in stored.items():  # one full tensor in memory at a time
+                load_full(folder, {key: shape}, local=True)
     except CheckpointError as err:
         problems = [str(err)]
     if not problems:

@@ -1,0 +1,218 @@
+"""bench scale: a model of Llama-3-8B's layer shapes (h 4096, 32 heads, 8 kv heads, SwiGLU 14336, RMSNorm,
+RoPE, untied, vocabulary 32000), 2 layers, s 256, b 1, on 2 local ranks at tp=2 + SP, bf16 with fp32 master
+weights and Adam: build, one training step, save a checkpoint, then load it at tp=1 in a fresh process and
+compare the weights with the ones the tp=2 ranks saved.
+
+Per rank: the bytes of the model states it holds (bf16 parameters, fp32 main gradients, fp32 masters and
+Adam moments) next to the analysis package's prediction, and the peak *extra* resident memory of the
+process during initialisation, save and load: the highest resident set a sampling thread saw during the
+phase less the larger of the resident sets at its start and end (what the phase needed beyond what the
+process holds before and after it). The load is a fresh pair of tp=2 ranks reading the checkpoint into
+their (zeroed) states; the tp=1 process reads only the fp32 weights and reports ``reload_max_abs_diff``.
+Goals: state bytes within 2% of the prediction, every peak extra at most 25% of the rank's state bytes.
+The checkpoint (~12 bytes per parameter, ~8.4 GB at full size) is deleted at the end unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from seqpar.bench.common import machine
+
+QUICK = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 160, "vocab": 250, "seq": 16}
+TARGET_STATE, TARGET_PEAK = 0.02, 0.25
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary folder)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint")
+
+
+def sections(args, out: str, tp: int) -> dict:
+    model = {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_heads": args.heads,
+             "kv_heads": args.kv_heads, "ffn_hidden_size": args.ffn, "num_layers": args.layers,
+             "seq_len": args.seq, "norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False,
+             "tie_embeddings": False, "dtype": "bf16", "attention": "sdpa",
+             "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0}
+    train = {"steps": 1, "micro_batch": 1, "global_batch": 1, "warmup": 0, "out_dir": out, "progress": False,
+             "plot": False, "eval_every": 0, "peak_tflops": 1.0}
+    return {"model": model, "parallel": {"tp": tp, "sp": tp > 1}, "recompute": {}, "train": train}
+
+
+class ResidentPeak:
+    """Samples this process's resident set (``/proc/self/statm``) every millisecond on a thread."""
+
+    def __init__(self):
+        self.peak, self._stop = 0, threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * self._page
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def extra(self, fn) -> tuple[object, int]:
+        """(``fn()``, its peak resident bytes beyond the larger of the resident sets before and after)."""
+        before = self.now()
+        self.peak = before
+        out = fn()
+        time.sleep(0.005)  # one more sample
+        after = self.now()
+        return out, max(0, max(self.peak, after) - max(before, after))
+
+
+def state_bytes(chunks, opt) -> dict[str, int]:
+    """Bytes of the model states this rank holds: parameters, gradients (fp32 main_grad), optimizer."""
+    params = [p for c in chunks for p in c.parameters()]
+    grads = sum(p.main_grad.numel() * p.main_grad.element_size() for p in params if hasattr(p, "main_grad"))
+    masters = sum(m.numel() * m.element_size() for (_, p), m in zip(opt.named, opt.masters, strict=True)
+                  if m is not p)
+    adam = sum(t.numel() * t.element_size() for s in opt.opt.state.values() for t in s.values() if t.dim() > 0)
+    return {"parameters": sum(p.numel() * p.element_size() for p in params), "gradients": grads,
+            "optimizer": masters + adam}
+
+
+def predicted_state_bytes(cfg, parallel, rank: int) -> float:
+    """The analysis package's model-state bytes for pipeline rank ``rank`` (one of its tp ranks)."""
+    from seqpar.analysis.shapes import OptimizerOptions
+    from seqpar.analysis.states import bytes_per_parameter, stage_parameters
+
+    return stage_parameters(cfg, parallel, rank) * bytes_per_parameter(OptimizerOptions())
+
+
+def _train_and_save(rank: int, world: int, args, out: str, ref: str) -> dict:
+    from seqpar.parallel.dims import ParallelDims
+    from seqpar.parallel.layout import layout_of
+    from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+    from seqpar.train import checkpoint as ckpt
+    from seqpar.train.config import build_job
+    from seqpar.train.optim import MasterOptimizer
+
+    job = build_job(sections(args, out, world))
+    m, par, t = job.model, job.parallel, job.train
+    rss = ResidentPeak()
+
+    def init():
+        dims = ParallelDims.build(par)
+        chunks = build_stages(m, par, job.recompute, dims, t.seed, device=torch.device("cpu"))
+        return dims, chunks, MasterOptimizer(chunks, t, dims)
+
+    (dims, chunks, opt), init_extra = rss.extra(init)
+    gen = torch.Generator().manual_seed(rank // world)
+    tokens = torch.randint(0, m.vocab_size, (1, m.seq_len + 1), generator=gen)  # [b, s + 1]
+    opt.zero_grad()
+    loss = forward_backward(chunks, [(tokens[:, :-1], tokens[:, 1:])], dims, par)
+    finalize_grads(chunks, dims)
+    opt.step(1, opt.grad_norm())
+    states = opt.local_state()
+    held = state_bytes(chunks, opt)
+    meta = {"step": 1, "skipped": 0, "has_optimizer": True, "config": job.to_dict()}
+    path, save_extra = rss.extra(lambda: ckpt.save(Path(out) / "checkpoints", 1, ckpt.sharded_state(states, dims),
+                                                   meta))
+    torch.save({name: (s["weight"], layout_of(p)) for name, p, s in states}, Path(ref) / f"rank{rank}.pt")
+    return {"rank": rank, "state_bytes": sum(held.values()), "state": held,
+            "predicted_state_bytes": predicted_state_bytes(m, par, 0), "loss": float(loss),
+            "init_peak_extra_bytes": init_extra, "save_peak_extra_bytes": save_extra, "checkpoint": str(path)}
+
+
+def _load(rank: int, world: int, args, out: str) -> int:
+    """A fresh tp=2 rank: build, read the checkpoint into its zeroed state; the load's peak extra."""
+    from seqpar.parallel.dims import ParallelDims
+    from seqpar.pipeline import build_stages
+    from seqpar.train import checkpoint as ckpt
+    from seqpar.train.config import build_job
+    from seqpar.train.optim import MasterOptimizer
+
+    job = build_job(sections(args, out, world))
+    dims = ParallelDims.build(job.parallel)
+    chunks = build_stages(job.model, job.parallel, job.recompute, dims, job.train.seed, device=torch.device("cpu"))
+    opt = MasterOptimizer(chunks, job.train, dims)
+    states = opt.local_state()
+    rss = ResidentPeak()
+    _, extra = rss.extra(lambda: ckpt.load_shards(ckpt.resolve(Path(out) / "checkpoints"), states, dims, True))
+    return extra
+
+
+def reload_at_tp1(path: str, ref: str, tp: int) -> float:
+    """In this (fresh) process: each fp32 weight of the checkpoint read whole, as tp=1 holds it, against
+    the shards the tp ranks saved (placed by their layouts); the largest absolute difference."""
+    from seqpar.train import checkpoint as ckpt
+
+    folder = ckpt.resolve(path)
+    saved = [torch.load(Path(ref) / f"rank{r}.pt", weights_only=False) for r in range(tp)]
+    worst = 0.0
+    for name in saved[0]:
+        shape = ckpt.stored_keys(folder)[f"model.{name}"]
+        full = ckpt.load_full(folder, {f"model.{name}": shape}, local=True)[f"model.{name}"]  # [full shape]
+        for rank, shards in enumerate(saved):
+            local, layout = shards[name]
+            for piece in layout.pieces(tuple(local.shape), rank, tp):
+                mine = local.narrow(layout.dim, piece.local, piece.length)
+                worst = max(worst, float((mine - full.narrow(layout.dim, piece.full, piece.length)).abs().max()))
+    return worst
+
+
+def _reload_main(argv: list[str]) -> None:
+    print(reload_at_tp1(argv[0], argv[1], int(argv[2])))
+
+
+def run(args) -> dict:
+    from seqpar.parallel.launch import run_ranks
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="seqpar-bench-scale-"))
+    out, ref = root / "run", root / "ref"
+    ref.mkdir(parents=True, exist_ok=True)
+    try:
+        ranks = run_ranks(_train_and_save, 2, args, str(out), str(ref), timeout=3600)
+        loads = run_ranks(_load, 2, args, str(out), timeout=3600)
+        for r, extra in zip(ranks, loads, strict=True):
+            r["load_peak_extra_bytes"] = extra
+        reload = subprocess.run([sys.executable, "-c", "import sys; from seqpar.bench.scale import _reload_main; "
+                                 "_reload_main(sys.argv[1:])", ranks[0]["checkpoint"], str(ref), "2"],
+                                capture_output=True, text=True, check=True)
+        files = sorted((p.name, p.stat().st_size) for p in Path(ranks[0]["checkpoint"]).iterdir())
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return {"ranks": [{k: r[k] for k in ("rank", "state_bytes", "predicted_state_bytes", "init_peak_extra_bytes",
+                                         "save_peak_extra_bytes", "load_peak_extra_bytes")} for r in ranks],
+            "reload_max_abs_diff": float(reload.stdout.strip().splitlines()[-1]),
+            "state": [r["state"] for r in ranks], "files": dict(files), "loss": ranks[0]["loss"],
+            "machine": machine()}
+
+
+def render(result: dict) -> str:
+    lines = ["bench scale: per rank, model-state bytes vs the prediction, peak extra resident memory"]
+    for r in result["ranks"]:
+        state, pred = r["state_bytes"], r["predicted_state_bytes"]
+        lines.append(f"  rank {r['rank']}: state {state / 2**30:.3f} GiB (predicted {pred / 2**30:.3f} GiB, "
+                     f"{100 * (state / pred - 1):+.2f}%); peak extra init {r['init_peak_extra_bytes'] / 2**20:.0f} "
+                     f"MiB, save {r['save_peak_extra_bytes'] / 2**20:.0f} MiB, load "
+                     f"{r['load_peak_extra_bytes'] / 2**20:.0f} MiB "
+                     f"({100 * max(r[k] for k in r if k.endswith('peak_extra_bytes')) / state:.1f}% of state)")
+    lines.append(f"  reloaded at tp=1: max |w - saved| = {result['reload_max_abs_diff']:.3g}")
+    lines.append("  checkpoint files: " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in result["files"].items()))
+    return "\n".join(lines)

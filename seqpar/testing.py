@@ -7,6 +7,7 @@ import torch
 
 from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.model import build_model
+from seqpar.parallel.data_parallel import average_gradients
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
 
@@ -23,12 +24,14 @@ def parity_batch(cfg: ModelConfig, batch: int = 2, seed: int = 7) -> tuple[torch
 def parity_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: RecomputeConfig,
                 seed: int = 3, device=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and full-size gradients (collective over the tp group) of one step on ``parity_batch``,
-    on ``device`` (default: the CPU); the results stay on that device."""
+    on ``device`` (default: the CPU); the results stay on that device. Under cp the gradients are
+    averaged over the dp × cp group, as the trainer does."""
     model = build_model(cfg, dims, sequence_parallel=sp, seed=seed, device=device, recompute=recompute)
     tokens, labels = parity_batch(cfg)
     loss = model(tokens.to(device), labels.to(device))
     loss.backward()
     allreduce_sequence_parallel_grads(model, dims.tp_group)
+    average_gradients(list(model.parameters()), dims.grad_group)
     return loss.detach(), full_state_dict(model, dims.tp_group, grads=True)
 
 

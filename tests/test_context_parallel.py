@@ -1,9 +1,19 @@
-"""Context parallelism in the configuration and the rank layout (world = dp × pp × cp × tp)."""
+"""Context parallelism: the configuration, the rank layout (world = dp × pp × cp × tp), and parity of
+cp (alone and with tp + SP) with the single-process model: loss and every gradient within 1e-5 in fp32,
+GPT and Llama-style (kv heads < heads, RoPE, both attention cores), under none/selective/full recompute;
+with dropout, recompute bit-identical to none at the same cp. SEQPAR_CP_FULL=1 adds cp = 4."""
+
+import os
+from dataclasses import replace
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.testing import parity_step, relative_error
 
 
 def test_rank_layout_tp_innermost_then_cp():
@@ -28,3 +38,53 @@ def test_rank_layout_tp_innermost_then_cp():
 def test_cp_validation_names_the_numbers(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+# ---------------------------------------------------------------- parity with the single-process model
+GPT = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=2, seq_len=16,
+                  embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0, label_smoothing=0.1)
+LLAMA = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, ffn_hidden_size=48,
+                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False,
+                    kv_heads=2, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
+CASES = {"gpt": GPT, "llama-kv2-sdpa": replace(LLAMA, attention="sdpa"), "llama-kv1": replace(LLAMA, kv_heads=1)}
+RECOMPUTES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 2),
+              RecomputeConfig("full", "block", 1)]
+LAYOUTS = [(2, 1), (2, 2)] + ([(4, 1)] if os.environ.get("SEQPAR_CP_FULL") else [])  # (cp, tp)
+
+
+def _cp_worker(rank, world, cp, tp):
+    parallel = ParallelConfig(tp=tp, cp=cp, sp=tp > 1)
+    dims = ParallelDims.build(parallel)
+    groups = {"tp": dist.get_process_group_ranks(dims.tp_group) if tp > 1 else [rank],
+              "cp": dist.get_process_group_ranks(dims.cp_group),
+              "grad": dist.get_process_group_ranks(dims.grad_group)}
+    errors = {}
+    for name, cfg in CASES.items():
+        ref_loss, ref_grads = parity_step(cfg, ParallelDims.single(), False, RECOMPUTES[0])
+        for rc in RECOMPUTES:
+            loss, grads = parity_step(cfg, dims, parallel.sp, rc)
+            assert grads.keys() == ref_grads.keys()
+            worst = max((relative_error(grads[k], ref_grads[k]), k) for k in grads)
+            errors[(name, rc.granularity, rc.method)] = (relative_error(loss, ref_loss), worst)
+    # With dropout (every dropout, the ring's per-block masks included), recompute is bit-identical to none.
+    identical = {}
+    dropout_cfg = replace(GPT, embd_dropout=0.1, attn_dropout=0.1, hidden_dropout=0.1)
+    base_loss, base_grads = parity_step(dropout_cfg, dims, parallel.sp, RECOMPUTES[0])
+    for rc in RECOMPUTES[1:]:
+        loss, grads = parity_step(dropout_cfg, dims, parallel.sp, rc)
+        identical[(rc.granularity, rc.method)] = (torch.equal(loss, base_loss)
+                                                  and all(torch.equal(grads[k], base_grads[k]) for k in grads))
+    identical["dropout changes the loss"] = not torch.equal(base_loss, parity_step(GPT, dims, parallel.sp,
+                                                                                   RECOMPUTES[0])[0])
+    return groups, errors, identical
+
+
+@pytest.mark.parametrize("cp, tp", LAYOUTS)
+def test_cp_parity_with_single_process_model(cp, tp):
+    for rank, (groups, errors, identical) in enumerate(run_ranks(_cp_worker, cp * tp, cp, tp)):
+        tp_rank, cp_rank = rank % tp, rank // tp
+        assert groups == {"tp": [cp_rank * tp + t for t in range(tp)], "cp": [c * tp + tp_rank for c in range(cp)],
+                          "grad": [c * tp + tp_rank for c in range(cp)]}, (rank, groups)
+        for key, (loss_err, (grad_err, where)) in errors.items():
+            assert loss_err < 1e-5 and grad_err < 1e-5, (cp, tp, rank, key, loss_err, grad_err, where)
+        assert all(identical.values()), (cp, tp, rank, identical)

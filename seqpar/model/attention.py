@@ -22,6 +22,8 @@ from torch import nn
 
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
+from seqpar.model.context_attention import RingCoreAttention
+from seqpar.parallel.context import CPContext
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.parallel.layout import GroupedQKVLayout, relayout
 from seqpar.parallel.rng import Dropout, RNGTracker
@@ -108,15 +110,25 @@ class Rotary(nn.Module):
     length asked for so far; shorter lengths are views of its first rows. Memory is bounded by one
     table of the longest sequence per model configuration (a per-length cache grew with every length
     ``generate`` visits). ``scaling`` is ``ModelConfig.rope_scaling_params`` (see ``inverse_frequencies``).
+    Under context parallelism (``cp``) a rank's s tokens are its two chunks of a sequence of s·cp: the
+    angles are those of their global positions.
     """
 
     _tables: dict = {}  # (head_dim, theta, scaling, device) -> (cos, sin), each [s_max, 1, 1, 1, d]
 
-    def __init__(self, head_dim: int, theta: float, scaling: tuple = ("none",)):
+    def __init__(self, head_dim: int, theta: float, scaling: tuple = ("none",), cp: CPContext | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, tuple(scaling)
+        self.cp = cp or CPContext()
 
     def angles(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cp.size > 1:
+            cos, sin = self.table(s * self.cp.size, device)  # [s·cp, 1, 1, 1, d] each
+            return self.cp.split(cos, 0), self.cp.split(sin, 0)  # [s, 1, 1, 1, d] each, this rank's positions
+        return self.table(s, device)
+
+    def table(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Angles of positions 0 … s − 1."""
         key = (self.head_dim, self.theta, self.scaling, str(device))
         table = Rotary._tables.get(key)
         if table is None or table[0].shape[0] < s:
@@ -170,9 +182,17 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     """``[s(/t), b, h]`` → ``[s(/t), b, h]``; the output is reduced (f̄, or ḡ under SP), bias added."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan, output_std: float, device=None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan, output_std: float, device=None,
+                 cp: CPContext | None = None):
         super().__init__()
         t, h, dtype, d = tp.size, cfg.hidden_size, torch_dtype(cfg.dtype), cfg.head_dim
+        cp, fused = cp or CPContext(), cfg.attention == "sdpa"
+
+        def core(groups: int, g: int):  # under cp the ring (seqpar.model.context_attention)
+            if cp.size > 1:
+                return RingCoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, cp.group)
+            return CoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused)
+
         a, kv = cfg.num_heads, cfg.num_kv_heads
         g = a // kv
         qkv_rows = kv * (g + 2) * d
@@ -183,10 +203,10 @@ class SelfAttention(nn.Module):
         if layout is not None:
             for p in self.qkv.parameters():
                 relayout(p, grouped=layout)
-            self.core = CoreAttention(1, a // t, d, cfg.attn_dropout, tp.tracker, cfg.attention == "sdpa")
+            self.core = core(1, a // t)
         else:
-            self.core = CoreAttention(kv // t, g, d, cfg.attn_dropout, tp.tracker, cfg.attention == "sdpa")
-        self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling_params) if cfg.position == "rope" else None
+            self.core = core(kv // t, g)
+        self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling_params, cp) if cfg.position == "rope" else None
         self.out_proj = RowParallelLinear(h, h, tp, bias=cfg.bias, init_std=output_std,
                                           dtype=dtype, device=device)
         self.run_core = plan.checkpointed("core_attention", self.core)  # selective: keeps only its input

@@ -9,6 +9,7 @@ from torch import nn
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel import comm
+from seqpar.parallel.context import CPContext
 from seqpar.parallel.layers import VocabParallelEmbedding, mark
 from seqpar.parallel.rng import Dropout
 from seqpar.parallel.tp_context import TPContext
@@ -19,11 +20,14 @@ class Embedding(nn.Module):
 
     The word embedding's partial sums are all-reduced (f̄) or, under SP, reduce-scattered (ḡ)
     straight into the sequence shard; then this rank's slice of the position table is added.
+    Under context parallelism (``cp``) the rank embeds only its two chunks of the sequence
+    (``[s/cp(/t), b, h]``), with the position rows of their global positions.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, device=None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, device=None, cp: CPContext | None = None):
         super().__init__()
         self.group, self.sp, self.t = tp.group, tp.sequence_parallel, tp.size
+        self.cp = cp or CPContext()
         dtype = torch_dtype(cfg.dtype)
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.init_std, dtype, device)
         self.position = None  # rotary embeddings act inside attention instead
@@ -34,9 +38,11 @@ class Embedding(nn.Module):
         self.dropout = Dropout(cfg.embd_dropout, tp.tracker, tp.stream)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        full = tokens.shape[1]
+        if full > self.max_len:
+            raise ValueError(f"sequence {full} is longer than the model's sequence length {self.max_len}")
+        tokens = self.cp.split(tokens, 1)  # [b, s/cp]: this cp rank's chunks (s below)
         s = tokens.shape[1]
-        if s > self.max_len:
-            raise ValueError(f"sequence {s} is longer than the model's sequence length {self.max_len}")
         x = self.word(tokens.t())  # [s, b, h], a partial sum under TP
         start, stop = 0, s
         if self.sp:
@@ -46,5 +52,6 @@ class Embedding(nn.Module):
         else:
             x = comm.f_bar(x, self.group)  # [s, b, h]
         if self.position is not None:
-            x = x + self.position[start:stop].unsqueeze(1)  # [s(/t), 1, h] broadcast over b
+            rows = self.cp.split(self.position[:full], 0)  # [s, h]: this cp rank's positions (slices, cat)
+            x = x + rows[start:stop].unsqueeze(1)  # [s(/t), 1, h] broadcast over b
         return self.dropout(x)  # [s(/t), b, h]

@@ -18,6 +18,7 @@ from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.model.norm import make_norm
 from seqpar.parallel import comm
+from seqpar.parallel.context import CPContext
 from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
@@ -37,16 +38,18 @@ class GPTStage(nn.Module):
     checkpointed as one (each keeps only its input)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, layer_ids: list[int], first: bool, last: bool,
-                 device=None, tied: TiedEmbedding | None = None, recompute: RecomputePlan | None = None):
+                 device=None, tied: TiedEmbedding | None = None, recompute: RecomputePlan | None = None,
+                 cp: CPContext | None = None):
         super().__init__()
+        self.cp = cp or CPContext()  # context parallelism: this rank's chunks of the sequence
         self.recompute = recompute or RecomputePlan(tracker=tp.tracker)  # what backward keeps
         self.cfg, self.tp = cfg, tp
         self.group, self.sp, self.tracker = tp.group, tp.sequence_parallel, tp.tracker
         self.tied = tied or TiedEmbedding()  # the shared word-embedding weight's copies (seqpar/parallel/tied.py)
         self.first, self.last = first, last
         self.layer_ids = list(layer_ids)
-        self.embedding = Embedding(cfg, tp, device) if first else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, self.recompute, device)
+        self.embedding = Embedding(cfg, tp, device, self.cp) if first else None
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, self.recompute, device, self.cp)
                                      for i in self.layer_ids})
         self.blocks = self.recompute.layer_blocks(list(self.layers.values()))  # layers or full-recompute groups
         self.final_ln = make_norm(cfg, self.sp, device) if last else None
@@ -91,6 +94,11 @@ class GPTStage(nn.Module):
 
         Last stage with ``labels``: returns the mean loss over non-ignored tokens; without labels
         the logits. Other stages: the hidden state to send on.
+
+        Under context parallelism tokens and labels are the whole ``[b, s]``; the rank keeps its chunks.
+        The sums of the losses and the counts are added over the cp ranks, so every cp rank returns the
+        whole sequence's mean loss, and its gradients are cp times its own tokens' share
+        (``CPContext.sum``); averaged over dp × cp they are the single-process gradients.
         """
         if self.first:
             x = self.embedding(x)
@@ -100,7 +108,8 @@ class GPTStage(nn.Module):
         logits = self.logits(x)
         if labels is None:
             return logits
-        total, count = self.loss(logits, labels)
+        total, count = self.loss(logits, self.cp.split(labels, 1))  # labels [b, s/cp]
+        total, count = self.cp.sum(total), self.cp.sum(count)
         return total / count.clamp(min=1)
 
 
@@ -120,9 +129,9 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     """
     cfg.validate()
     dims = dims or ParallelDims.single()
-    tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank if stage is None else stage)
+    tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank if stage is None else stage, dims.cp_rank)
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
     model = GPTStage(cfg, TPContext(dims.tp_group, sequence_parallel, tracker), ids, first, last, device, tied,
-                     RecomputePlan(recompute, tracker))
+                     RecomputePlan(recompute, tracker), CPContext(dims.cp_group))
     init_parameters(model, seed, dims.tp_rank, dims.tp)
     return model

@@ -11,6 +11,7 @@ from seqpar.config import ModelConfig
 from seqpar.model.attention import SelfAttention
 from seqpar.model.mlp import MLP
 from seqpar.model.norm import make_norm
+from seqpar.parallel.context import CPContext
 from seqpar.parallel.rng import Dropout
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan
@@ -28,12 +29,13 @@ class TransformerLayer(nn.Module):
     whole MLP from its input ("mlp"). Full recomputation wraps whole layers (``GPTStage``).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan | None = None, device=None):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan | None = None, device=None,
+                 cp: CPContext | None = None):
         super().__init__()
         plan = plan or RecomputePlan(tracker=tp.tracker)
         output_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)  # scaled init of the output projections
         self.ln1 = make_norm(cfg, tp.sequence_parallel, device)
-        self.attention = SelfAttention(cfg, tp, plan, output_std, device)
+        self.attention = SelfAttention(cfg, tp, plan, output_std, device, cp)  # cp: ring attention
         self.attn_dropout = Dropout(cfg.hidden_dropout, tp.tracker, tp.stream)
         self.ln2 = make_norm(cfg, tp.sequence_parallel, device)
         self.mlp = MLP(cfg, tp, plan, output_std, device)

@@ -1,6 +1,6 @@
 """50 steps (fp32, dropout 0) give the same loss curve, within 1e-4 per step,
 under (tp, pp, dp, SP, recompute) = (1,1,1,off,none) (2,1,1,on,selective) (1,2,1,off,full)
-(2,2,1,on,selective) (1,1,2,off,none)."""
+(2,2,1,on,selective) (1,1,2,off,none), and context parallelism cp = 2 (selective)."""
 
 import math
 
@@ -21,6 +21,7 @@ LAYOUTS = {
     "pp2-full": ({"pp": 2}, {"granularity": "full", "num_layers": 1}),
     "tp2-pp2-sp-selective": ({"tp": 2, "pp": 2, "sp": True}, {"granularity": "selective"}),
     "dp2": ({"dp": 2}, {"granularity": "none"}),
+    "cp2-selective": ({"cp": 2}, {"granularity": "selective"}),
 }
 
 
@@ -35,7 +36,7 @@ def reference(tmp_path_factory):
 
 
 def _world(parallel):
-    return parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
+    return parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from seqpar.train.start import start
 # flag dest -> (section, key)
 FLAG_KEYS = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
-    "interleave": ("parallel", "interleave"),
+    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"),
     "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
     "recompute_layers": ("recompute", "num_layers"),
     "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"), "heads": ("model", "num_heads"),
@@ -76,7 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, help=f"tensor-parallel size t {d('tp')}")
     g.add_argument("--pp", type=int, help=f"pipeline-parallel size p {d('pp')}")
-    g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp))")
+    g.add_argument("--cp", type=int, help="context-parallel size: the sequence split over cp ranks in every region, "
+                   f"ring attention between them (docs/context_parallel.md) {d('cp')}")
+    g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp × cp))")
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help=f"sequence parallelism over the tp ranks {d('sp')}")
     g.add_argument("--interleave", type=int, help=f"virtual pipeline chunks per rank m {d('interleave')}")
@@ -164,7 +166,7 @@ def model_overrides(args) -> dict:
 
 def job_from_args(args, world_size: int) -> JobConfig:
     """The validated job: TOML (or a resumed checkpoint's config), then --set, then flags;
-    dp defaults to world / (tp × pp)."""
+    dp defaults to world / (tp × pp × cp)."""
     sections = merge(base_sections(args), {"model": model_overrides(args)})
     overrides: dict[str, dict] = {}
     for text in args.set:
@@ -179,9 +181,9 @@ def job_from_args(args, world_size: int) -> JobConfig:
     sections = merge(sections, overrides)
     par = sections.setdefault("parallel", {})
     if "dp" not in par:
-        tp, pp = par.get("tp", 1), par.get("pp", 1)
-        if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0 and world_size % (tp * pp) == 0:
-            par["dp"] = world_size // (tp * pp)
+        tp, pp, cp = par.get("tp", 1), par.get("pp", 1), par.get("cp", 1)
+        if all(isinstance(n, int) and n > 0 for n in (tp, pp, cp)) and world_size % (tp * pp * cp) == 0:
+            par["dp"] = world_size // (tp * pp * cp)
     return build_job(sections).validate(world_size)
 
 

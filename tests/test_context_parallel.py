@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from seqpar.analysis.memory import layer_activation_terms
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.measure.table2 import measure_rows, plan_rows
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.testing import parity_step, relative_error
@@ -88,3 +90,28 @@ def test_cp_parity_with_single_process_model(cp, tp):
         for key, (loss_err, (grad_err, where)) in errors.items():
             assert loss_err < 1e-5 and grad_err < 1e-5, (cp, tp, rank, key, loss_err, grad_err, where)
         assert all(identical.values()), (cp, tp, rank, identical)
+
+
+# ---------------------------------------------------------------- memory: measured == exact under cp
+def test_ring_memory_terms():
+    """Under cp every term holds s/cp tokens; the ring keeps no s² tensor, one fp32 log-sum-exp per row."""
+    s, b, h, a, t = 64, 2, 32, 4, 2
+    ring = layer_activation_terms(s, b, h, a, t, sp=True, cp=2, ln_stats_bytes=2)
+    local = layer_activation_terms(s // 2, b, h, a, t, sp=True, fused_attention=True, ln_stats_bytes=2)
+    assert ring["softmax_lse"] == 4 * a * (s // 2) * b / t
+    assert "softmax_output" not in ring and "attention_output" not in ring  # the output is out-proj's input
+    assert ring == {k: v for k, v in local.items() if k != "attention_output"}
+    with pytest.raises(ConfigError, match="cp 3"):
+        layer_activation_terms(64, b, h, a, t, cp=3)
+
+
+@pytest.mark.parametrize("cfg, tp, all_rows", [
+    (ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=1, seq_len=32, dtype="bf16"), 2, True),
+    (replace(LLAMA, num_layers=1, seq_len=32, dtype="bf16", attention="sdpa"), 1, False),
+])
+def test_measured_equals_exact_under_cp(cfg, tp, all_rows):
+    rows = plan_rows(cfg, 2, tp, tp > 1, "selective", all_rows, cp=2)
+    rows += [] if all_rows else plan_rows(cfg, 2, tp, tp > 1, "none", False, cp=2)
+    for row in measure_rows(cfg, 2, rows):
+        assert row.cp == 2 and row.measured_bytes == row.exact_bytes, (row.row, row.as_json())
+        assert "softmax_lse" in row.added or row.recompute != "none", row.as_json()

@@ -11,6 +11,11 @@ Which regions are split over the t ranks:
 - LN inputs, the QKV / fc1 inputs and the two post-block dropout masks only under sequence
   parallelism (Sec. 4.2.2, with the stored-input trick for the QKV / fc1 inputs); without it they
   are replicated: the "10" of ``sbh(10 + 24/t + 5as/(ht))``.
+
+Context parallelism (cp > 1, docs/context_parallel.md) splits the sequence of every region over cp
+ranks: every term above holds s/cp tokens, and the attention core is ring attention, which keeps no
+s^2 tensor (with either core, dropout or not) but one fp32 log-sum-exp per (head, query); its output
+is the out-proj input itself (one storage).
 """
 
 from __future__ import annotations
@@ -52,10 +57,15 @@ def kv_heads_per_rank(a: int, t: int, kv_heads: int | None) -> float:
     return kv / t if kv_heads is None or kv >= t else 1
 
 
-def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused_attention) -> dict[str, float]:
+def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused_attention,
+                         cp=1) -> dict[str, float]:
     """Sec. 4.1, the attention core: softmax output 2as^2b, its dropout mask as^2b and output 2as^2b (the
     5as^2b of Eq. 1), split over t. Without dropout attention*V reads the softmax output itself (2as^2b).
-    Fused (not in the paper): the kernel's output 2sbh/t and an fp32 log-sum-exp per (head, query), 4asb/t."""
+    Fused (not in the paper): the kernel's output 2sbh/t and an fp32 log-sum-exp per (head, query), 4asb/t.
+    Ring attention (cp > 1, ``s`` the rank's s/cp tokens): the log-sum-exp only, 4asb/t; the output it keeps
+    is the out-proj input's storage, counted there."""
+    if cp > 1:
+        return {"softmax_lse": 4 * a * s * b / t}
     if fused_attention:
         return {"softmax_lse": 4 * a * s * b / t, "attention_output": act_bytes * s * b * h / t}
     terms = {"softmax_output": act_bytes * a * s * s * b / t}
@@ -66,7 +76,7 @@ def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused
 
 
 def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused_attention,
-                    kv_heads) -> dict[str, float]:
+                    kv_heads, cp=1) -> dict[str, float]:
     """Sec. 4.1, the attention block (11sbh + 5as^2b with LN1's input): LN1 input 2sbh, QKV input 2sbh (both
     sequence-sharded only under SP, the stored-input trick), Q and K 4sbh, the core, V 2sbh, out-proj input
     2sbh and the dropout mask sbh. GQA: K and V of the kv heads one rank holds."""
@@ -74,7 +84,7 @@ def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused
     terms = {"ln1_input": act_bytes * sbh / rep, "qkv_input": act_bytes * sbh / rep,
              "qk": act_bytes * s * b * d * (a / t + kv_local)}
     terms |= attention_core_terms(s, b, h, a, t, act_bytes=act_bytes, mask_bytes=mask_bytes, dropout=dropout,
-                                  fused_attention=fused_attention)
+                                  fused_attention=fused_attention, cp=cp)
     terms["v"] = act_bytes * s * b * d * kv_local
     terms["out_proj_input"] = act_bytes * sbh / t
     if dropout:
@@ -101,7 +111,7 @@ def mlp_terms(s, b, h, f, t, rep, *, act_bytes, mask_bytes, dropout, activation)
 def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
                            mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False,
                            kv_heads=None, norm="layernorm", activation="gelu",
-                           modules=None) -> dict[str, float]:
+                           modules=None, cp=1) -> dict[str, float]:
     """Bytes one layer keeps for backward on one tp rank, one entry per stored tensor (Sec. 4.1).
 
     ``recompute``: "none"; "selective" drops what its ``modules`` rebuild in backward (``REBUILT``; default
@@ -109,15 +119,20 @@ def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=N
     last row: 2sbh, or 2sbh/t when sequence-sharded). ``ffn`` is the FFN width f (4h when None).
     ``dropout=False``: no masks. ``ln_stats_bytes`` > 0 adds the norm statistics the paper ignores.
     ``fused_attention``, ``kv_heads`` and ``activation="swiglu"``: see ``attention_core_terms``,
-    ``attention_terms`` and ``mlp_terms``.
+    ``attention_terms`` and ``mlp_terms``. ``cp``: context parallelism, ``s`` stays the whole sequence and
+    every term holds this rank's s/cp tokens (ring attention's core, ``attention_core_terms``).
     """
     _check(s, b, h, a, t, recompute)
+    if not isinstance(cp, int) or cp < 1 or (cp > 1 and s % (2 * cp)):
+        raise AnalysisError(f"cp {cp!r}: needs a positive integer with s {s} divisible by 2 × cp")
+    s = s // cp if cp > 1 else s  # the rank's tokens
     rep = t if sp else 1  # divisor of the regions sequence parallelism shards (else replicated)
     if recompute == "full":
         return {"layer_input": act_bytes * s * b * h / rep}
     f = 4 * h if ffn is None else ffn
     width = {"act_bytes": act_bytes, "mask_bytes": mask_bytes, "dropout": dropout}
-    terms = attention_terms(s, b, h, a, t, rep, fused_attention=fused_attention, kv_heads=kv_heads, **width)
+    terms = attention_terms(s, b, h, a, t, rep, fused_attention=fused_attention, kv_heads=kv_heads, cp=cp,
+                            **width)
     terms |= mlp_terms(s, b, h, f, t, rep, activation=activation, **width)
     if ln_stats_bytes > 0:
         terms["ln_stats"] = 2 * s * b / rep * norm_stat_bytes(norm, ln_stats_bytes)  # 2 norms per layer

@@ -59,8 +59,6 @@ def validate_layout(model: ModelConfig, par: ParallelConfig) -> int:
                             f"{model.norm!r} with activation {model.activation!r}")
     if par.layer_split:
         raise AnalysisError(f"the analytic model splits layers evenly, not as {list(par.layer_split)}")
-    if par.cp != 1:
-        raise AnalysisError(f"the analytic model has no context parallelism, got cp {par.cp}")
     par.validate(replace(model, num_layers=max(1, par.pp * par.interleave)))  # every rule but the layer count
     return layers_per_chunk(model, par)
 

@@ -51,7 +51,7 @@ def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Activatio
                                   recompute=rc.granularity, modules=rc.selective_modules or None, ffn=shape.ffn,
                                   act_bytes=opts.act_bytes, mask_bytes=opts.mask_bytes, dropout=opts.dropout,
                                   ln_stats_bytes=opts.ln_stats_bytes, fused_attention=opts.fused_attention,
-                                  kv_heads=shape.kv_heads, norm=shape.norm, activation=shape.activation)
+                                  kv_heads=shape.kv_heads, norm=shape.norm, activation=shape.activation, cp=par.cp)
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
@@ -89,8 +89,9 @@ def sec43_extra_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Act
     """Sec. 4.3: activations outside the layers. Rank 0: embedding-dropout mask for the microbatches
     in flight in its first chunk (p; 2p when interleaved). Last rank (one microbatch in flight at the
     head): final-LN input, output-layer input (sequence-sharded under SP) and the fp32 logits
-    (vocabulary-parallel: ceil(v/t) columns per rank, the vocabulary padded to a multiple of t)."""
-    s, h, t, p = shape.seq_len, shape.hidden_size, par.tp, par.pp
+    (vocabulary-parallel: ceil(v/t) columns per rank, the vocabulary padded to a multiple of t). Under
+    context parallelism each holds the rank's s/cp tokens."""
+    s, h, t, p = shape.seq_len // par.cp, shape.hidden_size, par.tp, par.pp
     rep = t if par.sp else 1
     terms: dict[str, float] = {}
     if rank == 0 and opts.dropout:
@@ -121,7 +122,7 @@ def pipeline_output_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts:
         sent = max(0, in_flight - 1)  # every chunk but the model's last one sends its output
     else:
         sent = 0
-    return opts.act_bytes * shape.seq_len * b * shape.hidden_size / (par.tp if par.sp else 1) * sent
+    return opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size / (par.tp if par.sp else 1) * sent
 
 
 def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int | None = None,

@@ -66,6 +66,8 @@ def model_from_args(args) -> ModelConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="run the layer on --tp local gloo ranks and measure")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none",
                    help="activation recomputation (default %(default)s)")
@@ -110,7 +112,7 @@ def run(args) -> int:
     from seqpar.config import ConfigError
     from seqpar.measure.table2 import measure_rows, plan_rows
 
-    for flag in ("pp", "interleave", "microbatches", "tp", "micro_batch"):
+    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "micro_batch"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
@@ -122,7 +124,7 @@ def run(args) -> int:
         args.layers = 1
     cfg = model_from_args(args)
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
-    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules)
+    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp)
     if args.measure:
         measure_rows(cfg, args.micro_batch, rows)
     if args.json:
@@ -130,8 +132,9 @@ def run(args) -> int:
         return 0
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     arch = f"{args.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {cfg.attention}"
+    cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, ring attention" if args.cp > 1 else ""
     print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {cfg.hidden_dropout} "
-          f"({arch})")
+          f"({arch}){cp}")
     head = f"{'row':<16}{'t':>3} {'sp':<4}{'recompute':<10}{'measured':>14}{'exact':>14}{'formula':>14}"
     print(head + f"{'meas-exact':>12}{'meas/form':>10}")
     for r in rows:
@@ -165,6 +168,9 @@ def run_schedule(args) -> int:
     from seqpar.config import ConfigError, ParallelConfig, RecomputeConfig
     from seqpar.measure.stages import formula_stage_bytes, implementation_terms, measure_schedules
 
+    if args.cp > 1:
+        raise ConfigError(f"--cp {args.cp}: the schedule mode (--pp/--microbatches) measures cp = 1 only; "
+                          "drop --pp/--microbatches to measure one layer under cp")
     if args.layers is None:
         args.layers = 2 * args.pp * args.interleave
     if args.microbatches is None:

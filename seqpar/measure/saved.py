@@ -17,6 +17,7 @@ from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
+from seqpar.parallel.context import CPContext
 from seqpar.parallel.dims import group_rank
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
@@ -104,20 +105,22 @@ def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
 def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
                   recompute: str | RecomputeConfig = "none",
                   micro_batch: int = 1, device: str | torch.device = "cpu", seed: int = 0,
-                  backward: bool = True) -> SavedTensorMeter:
+                  backward: bool = True, cp_group=None) -> SavedTensorMeter:
     """Run one layer forward (and backward) on this rank and return what its forward kept.
 
-    The layer input ``[s(/t), b, h]`` requires grad, as the output of a previous layer would.
-    ``group``: the tensor-parallel group (None: no TP); collective over it.
+    The layer input ``[s/cp(/t), b, h]`` requires grad, as the output of a previous layer would.
+    ``group``: the tensor-parallel group (None: no TP); ``cp_group``: the context-parallel group (None:
+    cp = 1, else the layer holds this rank's s/cp tokens, docs/context_parallel.md); collective over both.
     """
     device = torch.device(device)
-    tp = TPContext(group, sequence_parallel, RNGTracker(seed, group_rank(group)))
+    cp = CPContext(cp_group)
+    tp = TPContext(group, sequence_parallel, RNGTracker(seed, group_rank(group), 0, cp.rank))
     t, sp, tracker = tp.size, tp.sequence_parallel, tp.tracker
     rc = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(recompute)
-    layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device)
+    layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device, cp=cp)
     init_parameters(layer, seed, group_rank(group), t)
     recompute = rc.granularity
-    s = cfg.seq_len // t if sp else cfg.seq_len
+    s = cfg.seq_len // cp.size // (t if sp else 1)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(s, micro_batch, cfg.hidden_size, generator=gen, device=device)
     x = x.to(torch_dtype(cfg.dtype)).requires_grad_(True)  # [s(/t), b, h]

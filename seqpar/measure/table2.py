@@ -30,13 +30,14 @@ class Row:
     vanished: list[str] = field(default_factory=list)  # paper terms this architecture does not keep
     added: list[str] = field(default_factory=list)  # terms it keeps that the paper's GPT does not
     tensors: list[dict] = field(default_factory=list)
+    cp: int = 1  # context parallelism: the layer holds s/cp tokens (docs/context_parallel.md)
 
     @property
     def recompute_config(self) -> RecomputeConfig:
         return RecomputeConfig(self.recompute, modules=self.modules)
 
     def as_json(self) -> dict:
-        out = {"row": self.row, "tp": self.tp, "sp": self.sp, "recompute": self.recompute,
+        out = {"row": self.row, "tp": self.tp, "cp": self.cp, "sp": self.sp, "recompute": self.recompute,
                "measured_bytes": self.measured_bytes, "exact_bytes": self.exact_bytes,
                "formula_bytes": self.formula_bytes}
         if self.modules:
@@ -60,11 +61,12 @@ def is_paper_gpt(cfg: ModelConfig) -> bool:
 
 
 def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str, all_rows: bool,
-              device: str = "cpu", modules: tuple[str, ...] = ()) -> list[Row]:
+              device: str = "cpu", modules: tuple[str, ...] = (), cp: int = 1) -> list[Row]:
     """The rows to report, with their exact and formula bytes; validated before any rank starts.
 
     ``formula_bytes`` is Table 2's closed form for the paper's GPT, and the per-tensor derivation
-    without the small terms the paper drops for other architectures.
+    without the small terms the paper drops for other architectures or under context parallelism
+    (``cp`` > 1: every row holds s/cp tokens, the attention core is ring attention; Table 2 has no cp).
     """
     cfg.validate()
     RecomputeConfig(recompute, modules=modules).validate()
@@ -83,14 +85,14 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     paper = is_paper_gpt(cfg)
     rows = []
     for name, t, row_sp, rc, mods in configs:
-        par = ParallelConfig(tp=t, sp=row_sp and t > 1).validate(replace(cfg, num_layers=1))
+        par = ParallelConfig(tp=t, cp=cp, sp=row_sp and t > 1).validate(replace(cfg, num_layers=1))
         recompute = RecomputeConfig(rc, modules=mods)
         exact = sum(layer_terms(cfg, par, b, exact_opts, recompute).values())
         mine = layer_terms(cfg, par, b, opts, recompute)
-        paper_row = paper and name != "custom"
+        paper_row = paper and name != "custom" and cp == 1
         formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
         reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
-        rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods,
+        rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp,
                         vanished=sorted(reference.keys() - mine.keys()), added=sorted(mine.keys() - reference.keys())))
     return rows
 
@@ -98,23 +100,24 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
 def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, rows: list[Row]):
     from seqpar.parallel.dims import ParallelDims
 
-    group = ParallelDims.build(ParallelConfig(tp=world)).tp_group
+    cp = rows[0].cp
+    dims = ParallelDims.build(ParallelConfig(tp=world // cp, cp=cp))
     results = []
     for row in rows:
-        if row.tp == 1 and rank != 0:
+        if row.tp == 1 and dims.tp_rank != 0:
             results.append(None)
             continue
-        meter = measure_layer(cfg, group if row.tp > 1 else None, row.sp, row.recompute_config, micro_batch,
-                              backward=False)
+        meter = measure_layer(cfg, dims.tp_group if row.tp > 1 else None, row.sp, row.recompute_config, micro_batch,
+                              backward=False, cp_group=dims.cp_group)
         results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors]))
     return results
 
 
 def measure_rows(cfg: ModelConfig, micro_batch: int, rows: list[Row]) -> list[Row]:
-    """Fill ``measured_bytes`` (rank 0's) by running the rows on ``max(tp)`` local gloo ranks."""
+    """Fill ``measured_bytes`` (rank 0's) by running the rows on ``cp × max(tp)`` local gloo ranks."""
     from seqpar.parallel.launch import run_ranks
 
-    world = max(row.tp for row in rows)
+    world = rows[0].cp * max(row.tp for row in rows)
     measured = run_ranks(_measure_worker, world, cfg, micro_batch, rows)[0]
     for row, (total, tensors) in zip(rows, measured, strict=True):
         row.measured_bytes, row.tensors = total, tensors

@@ -9,6 +9,7 @@ import torch
 
 from seqpar.config import ConfigError
 from seqpar.dtypes import torch_dtype
+from seqpar.parallel.dims import ParallelDims
 
 
 def _toml_value(value) -> str:
@@ -53,7 +54,7 @@ def predicted_memory(job, device: torch.device | None = None) -> list:
 
 def describe(job, world: int) -> str:
     m, p, t = job.model, job.parallel, job.train
-    lines = [f"# seqpar train --dry-run: {world} rank{'s' if world != 1 else ''} = dp {p.dp} × pp {p.pp} × tp {p.tp}; "
+    lines = [f"# seqpar train --dry-run: {world} rank{'s' if world != 1 else ''} = {p.describe_world()}; "
              f"{t.microbatches(p.dp)} microbatch(es) of {t.micro_batch} per step; nothing was started",
              config_toml(job.to_dict()), ""]
     try:
@@ -64,7 +65,8 @@ def describe(job, world: int) -> str:
     lines.append("predicted memory per rank (seqpar.analysis: states = weights + gradients + optimizer, "
                  "activations at the pipeline peak):")
     for st in stages:
-        ranks = [d * p.pp * p.tp + st.rank * p.tp + k for d in range(p.dp) for k in range(p.tp)]
+        layout = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+        ranks = [layout.rank_of(d, st.rank, c, k) for d in range(p.dp) for c in range(p.cp) for k in range(p.tp)]
         shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
         terms = ", ".join(f"{k} {_gib(v)}" for k, v in st.terms.items() if v)
         lines.append(f"  pipeline rank {st.rank} (ranks {shown}): states {_gib(st.states)} + activations "

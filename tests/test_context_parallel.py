@@ -10,7 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from seqpar.analysis.costmodel import Hardware, layer_gemms, ring_exposed_s
 from seqpar.analysis.memory import layer_activation_terms
+from seqpar.analysis.plan_report import context_parallel_line
+from seqpar.analysis.planner import Request, check_plan, parse_plan, search
+from seqpar.analysis.presets import preset_shape
+from seqpar.analysis.shapes import ActivationOptions, model_config
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.table2 import measure_rows, plan_rows
 from seqpar.parallel.dims import ParallelDims
@@ -115,3 +120,36 @@ def test_measured_equals_exact_under_cp(cfg, tp, all_rows):
     for row in measure_rows(cfg, 2, rows):
         assert row.cp == 2 and row.measured_bytes == row.exact_bytes, (row.row, row.as_json())
         assert "softmax_lse" in row.added or row.recompute != "none", row.as_json()
+
+
+# ---------------------------------------------------------------- cost model and planner
+def test_cost_model_splits_the_sequence_and_charges_the_ring():
+    shape = model_config(layers=4, hidden=64, heads=8, seq=1024, vocab=512, kv_heads=2, arch="llama")
+    opts = ActivationOptions(fused_attention=True, dropout=False)
+    one, two = layer_gemms(shape, 2, 1, opts), layer_gemms(shape, 2, 1, opts, cp=2)
+    for name in one:  # every GEMM of the rank: half the tokens (attention: its queries against all keys)
+        assert two[name][0] == one[name][0] / 2, name
+    instant = Hardware(peak_flops=1e30, memory_bw=1e30, comm_latency=0.0, layer_overhead=0.0)
+    fwd, bwd = ring_exposed_s(shape, ParallelConfig(tp=2, cp=4), 1, instant, opts, core_s=0.0)
+    block = 1024 // 4 * 1 * 1 * 8  # s/cp · b · kv heads per rank (2 / tp 2) · head dim
+    bw = instant.intra_node_bw  # tp 2 × cp 4 fits a node of 8
+    assert fwd == pytest.approx(3 * 2 * 2 * block / bw)  # cp − 1 hops of K and V (2 bytes)
+    assert bwd == pytest.approx(3 * (2 * 2 + 2 * 4) * block / bw + 2 * 4 * block / bw)  # + fp32 dK, dV; last hop
+    across = ring_exposed_s(shape, ParallelConfig(tp=4, cp=4), 1, instant, opts, core_s=0.0)[0]
+    assert across > fwd  # tp 4 × cp 4 > 8 GPUs per node: the ring crosses nodes
+
+
+def test_planner_chooses_cp_for_long_sequences_and_says_why():
+    req = Request(shape=replace(preset_shape("llama3-8b"), seq_len=131072), gpus=64, global_batch=64,
+                  hw=Hardware(gpus_per_node=8, memory_bytes=80e9), opts=ActivationOptions(fused_attention=True,
+                                                                                          dropout=False))
+    ranked = search(req)
+    best = ranked[0]
+    assert best.plan.par.cp > 1 and best.fits
+    no_cp = [ev for ev in ranked if ev.plan.par.cp == 1]
+    assert no_cp and no_cp[0].time.total > best.time.total  # without cp only slower plans fit
+    line = context_parallel_line(ranked)
+    assert line.startswith(f"context parallelism: cp {best.plan.par.cp} is chosen; the best plan without it")
+    assert f"cp={best.plan.par.cp}," in best.plan.label and best.to_json()["cp"] == best.plan.par.cp
+    with pytest.raises(ConfigError, match="dp 1 x pp 1 x cp 2 x tp 8 = 16 != gpus 64"):
+        check_plan(req, parse_plan("tp=8,cp=2,dp=1", 64))

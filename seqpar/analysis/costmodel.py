@@ -26,9 +26,17 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 App. C kept chunk-microbatches are not recomputed
     pp_p2p      per chunk one activation forward and one gradient backward, e sbh/t bytes each
                 (scatter-gather over the tp ranks) + comm_latency, inter-node unless the job is one node
+    cp_comm     context parallelism (docs/context_parallel.md): every term above holds the rank's s/cp tokens
+                (attention: s/cp queries against all s keys); the ring sends the K/V block of the rank's kv
+                heads cp - 1 times forward, and backward K/V again plus the fp32 dK/dV cp times, each step
+                overlapping one block's compute (1/cp of the attention core; backward 2x that plus the
+                recomputed scores); only the excess is exposed, and the last dK/dV hop entirely. In a node
+                when tp x cp fits in it, else across nodes
+    Fused attention and ring attention backward (flash style) also recompute QK^T from the saved
+    log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the dp
-gradient all-reduce (not overlapped) + the optimizer step (memory-bound: bytes of the mixed-precision
+gradient all-reduce over dp x cp (not overlapped) + the optimizer step (memory-bound: bytes of the mixed-precision
 Adam update / memory_bw) + ``step_overhead``.
 """
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.analysis.flops import model_flops_from_gemms
+from seqpar.analysis.memory import kv_heads_per_rank
 from seqpar.analysis.schedule import in_flight_chunks
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, layers_per_chunk
 from seqpar.analysis.states import stage_parameters
@@ -108,39 +117,45 @@ def gemm_s(flops: float, nbytes: float, hw: Hardware) -> float:
     return flops / (hw.peak_flops * hw.gemm_efficiency) + nbytes / (hw.gemm_operand_bw or hw.memory_bw)
 
 
-def layer_gemms(shape: ModelConfig, t: int, b: int, opts: ActivationOptions) -> dict[str, tuple[float, float]]:
+def layer_gemms(shape: ModelConfig, t: int, b: int, opts: ActivationOptions,
+                cp: int = 1) -> dict[str, tuple[float, float]]:
     """Forward GEMMs of one layer on one of t ranks: name -> (FLOPs, bytes read + written).
 
     FLOPs are App. A's /t (``flops.layer_forward_flops``); attention runs b a/t heads of [s, d] x [d, s]
-    and [s, s] x [s, d], whose s x s scores stay on chip with fused attention."""
-    s, h, e = shape.seq_len, shape.hidden_size, opts.act_bytes
+    and [s, s] x [s, d], whose s x s scores stay on chip with fused attention. Under context parallelism
+    the rank's s/cp tokens: its queries against all s keys."""
+    keys, h, e = shape.seq_len, shape.hidden_size, opts.act_bytes
+    s = keys // cp
     m, d, heads = s * b, h // shape.num_heads, b * shape.num_heads / t
 
     def mm(rows: float, inner: float, cols: float, batch: float = 1.0) -> tuple[float, float]:
         return 2 * batch * rows * inner * cols, e * batch * (rows * inner + inner * cols + rows * cols)
 
     width = shape.ffn * (2 if shape.arch == "llama" else 1)  # SwiGLU: fc1 is gate and up, 2f wide
-    out = {"qkv": mm(m, h, (1 + 2 * shape.kv_ratio) * h / t), "qk": mm(s, d, s, heads),
-           "attention_v": mm(s, s, d, heads), "out_proj": mm(m, h / t, h), "fc1": mm(m, h, width / t),
+    out = {"qkv": mm(m, h, (1 + 2 * shape.kv_ratio) * h / t), "qk": mm(s, d, keys, heads),
+           "attention_v": mm(s, keys, d, heads), "out_proj": mm(m, h / t, h), "fc1": mm(m, h, width / t),
            "fc2": mm(m, shape.ffn / t, h)}
     if opts.fused_attention:  # the scores never reach memory: only Q, K, V and the output move
-        out["qk"] = (out["qk"][0], e * heads * 2 * s * d)
-        out["attention_v"] = (out["attention_v"][0], e * heads * 2 * s * d)
+        out["qk"] = (out["qk"][0], e * heads * (s + keys) * d)
+        out["attention_v"] = (out["attention_v"][0], e * heads * (keys + s) * d)
     return out
 
 
-def layer_elementwise_bytes(shape: ModelConfig, t: int, sp: bool, b: int, opts: ActivationOptions) -> dict[str, float]:
+def layer_elementwise_bytes(shape: ModelConfig, t: int, sp: bool, b: int, opts: ActivationOptions,
+                            cp: int = 1) -> dict[str, float]:
     """Forward bytes read + written by one layer's element-wise ops on one of t ranks.
 
     LN (or RMSNorm) x 2: read + write e sbh; dropout + residual x 2: read two, write one, a mask
     (split over t under SP); GeLU read + write e sbf/t (SwiGLU reads 2, writes 1; rotary rewrites Q
-    and K); scale + mask + softmax and its dropout over the b a/t s^2 scores (none when fused)."""
-    s, h, e = shape.seq_len, shape.hidden_size, opts.act_bytes
+    and K); scale + mask + softmax and its dropout over the b a/t s^2 scores (none when fused). Under
+    context parallelism s/cp tokens, whose scores span all s keys."""
+    keys, h, e = shape.seq_len, shape.hidden_size, opts.act_bytes
+    s = keys // cp
     mask = opts.mask_bytes if opts.dropout else 0
     region = s * b * h / (t if sp else 1)
     act = (3 if shape.arch == "llama" else 2) * e * s * b * shape.ffn / t
     rope = 2 * e * s * b * h * (1 + shape.kv_ratio) / t if shape.arch == "llama" else 0.0
-    scores = 0.0 if opts.fused_attention else b * shape.num_heads / t * s * s
+    scores = 0.0 if opts.fused_attention else b * shape.num_heads / t * s * keys
     return {"norm_residual": region * (2 * 2 * e + 2 * (3 * e + mask)), "activation": act + rope,
             "attention_core": scores * (2 * e + (2 * e + mask if opts.dropout else 0))}
 
@@ -150,10 +165,10 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
     """Seconds of one layer's forward, backward and attention-core forward (what selective recompute
     runs again) on one tp rank, each per term (compute, elementwise, tp_comm, overhead)."""
     t = par.tp
-    g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts).items()}
-    el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts).items()}
+    g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts, par.cp).items()}
+    el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
     bw = hw.intra_node_bw if t <= hw.gpus_per_node else hw.inter_node_bw
-    msg = opts.act_bytes * shape.seq_len * b * shape.hidden_size
+    msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size
     latency = hw.comm_latency if t > 1 else 0.0
     allreduce, gather = latency + ring_allreduce_s(msg, t, bw), latency + ring_gather_s(msg, t, bw)
     if par.sp:  # g-bar backward all-gathers exposed; g's reduce-scatter || wgrad, re-gather || dgrad
@@ -166,7 +181,27 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
            "overhead": hw.layer_overhead}
     core = {"compute": g["qk"] + g["attention_v"], "elementwise": el["attention_core"], "tp_comm": 0.0,
             "overhead": 0.0}
+    if opts.fused_attention or par.cp > 1:
+        bwd["compute"] += g["qk"]  # flash-style backward (fused kernel, ring) rebuilds the scores from the lse
+    if par.cp > 1:
+        fwd["cp_comm"], bwd["cp_comm"] = ring_exposed_s(shape, par, b, hw, opts, g["qk"] + g["attention_v"])
+        core["cp_comm"] = fwd["cp_comm"]  # selective recompute runs the ring forward again
     return {"forward": fwd, "backward": bwd, "attention_core": core}
+
+
+def ring_exposed_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, opts: ActivationOptions,
+                   core_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of ring attention's p2p not hidden behind its blocks' compute (module
+    doc, cp_comm). ``core_s``: the forward attention GEMMs of the rank's s/cp queries, cp blocks of it."""
+    cp, d = par.cp, shape.hidden_size // shape.num_heads
+    kv_local = kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads)
+    block = shape.seq_len // cp * b * kv_local * d  # elements of one K (or V) block
+    bw = hw.intra_node_bw if par.tp * cp <= hw.gpus_per_node else hw.inter_node_bw
+    kv, dkv = 2 * opts.act_bytes * block / bw, 2 * 4 * block / bw  # K and V; fp32 dK and dV
+    step = core_s / cp
+    fwd = (cp - 1) * max(0.0, hw.comm_latency + kv - step)
+    bwd = (cp - 1) * max(0.0, 2 * hw.comm_latency + kv + dkv - 2.5 * step) + hw.comm_latency + dkv
+    return fwd, bwd
 
 
 def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
@@ -189,9 +224,11 @@ def recomputed_fraction(rc: RecomputeConfig, in_flight: int) -> float:
     return 1 - min(rc.keep_microbatches, in_flight) / in_flight
 
 
-def head_s(shape: ModelConfig, t: int, b: int, hw: Hardware, opts: ActivationOptions) -> dict[str, float]:
-    """The last stage's logits GEMM (forward + 2x backward) and cross entropy over fp32 logits."""
-    s, h, v = shape.seq_len, shape.hidden_size, shape.vocab_per_rank(t)
+def head_s(shape: ModelConfig, t: int, b: int, hw: Hardware, opts: ActivationOptions,
+           cp: int = 1) -> dict[str, float]:
+    """The last stage's logits GEMM (forward + 2x backward) and cross entropy over fp32 logits (of the
+    rank's s/cp tokens under context parallelism)."""
+    s, h, v = shape.seq_len // cp, shape.hidden_size, shape.vocab_per_rank(t)
     flops = 2 * s * b * h * v
     nbytes = opts.act_bytes * (s * b * h + h * v + s * b * v)
     ce = s * b * v * (opts.act_bytes + 3 * opts.logits_bytes)  # cast, softmax read + write
@@ -203,9 +240,9 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     """Seconds one microbatch costs pipeline rank ``rank``, per term."""
     layers = shape.num_layers // par.pp
     p = layer_pass_s(shape, par, b, hw, opts)
-    terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in PASS_TERMS}
+    terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}  # PASS_TERMS (+ cp_comm)
     if rank == par.pp - 1:
-        for k, v in head_s(shape, par.tp, b, hw, opts).items():
+        for k, v in head_s(shape, par.tp, b, hw, opts, par.cp).items():
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
     if rc.granularity == "selective":
@@ -217,20 +254,22 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
         redo = 0.0
     terms["recompute"] = frac * redo
     p2p_bw = hw.intra_node_bw if par.world_size <= hw.gpus_per_node else hw.inter_node_bw
-    msg = opts.act_bytes * shape.seq_len * b * shape.hidden_size / par.tp
+    msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size / par.tp
     terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.comm_latency + msg / p2p_bw)
     return terms
 
 
 def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    """Gradient synchronisation over dp once per iteration (the largest stage's parameters)."""
-    if par.dp == 1:
+    """Gradient synchronisation over dp (x cp: context-parallel ranks hold the same parameters) once per
+    iteration (the largest stage's parameters)."""
+    ranks = par.dp * par.cp
+    if ranks == 1:
         return 0.0
     params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
-    bw = hw.intra_node_bw if par.tp * par.dp <= hw.gpus_per_node else hw.inter_node_bw
+    bw = hw.intra_node_bw if par.tp * ranks <= hw.gpus_per_node else hw.inter_node_bw
     if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
-        return 2 * hw.comm_latency + (par.dp - 1) / par.dp * params * (opt.grad_bytes + opt.param_bytes) / bw
-    return hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, par.dp, bw)
+        return 2 * hw.comm_latency + (ranks - 1) / ranks * params * (opt.grad_bytes + opt.param_bytes) / bw
+    return hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, ranks, bw)
 
 
 def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:

@@ -92,7 +92,25 @@ def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -
                  f"{best.plan.micro_batch}, predicted {best.time.total:.2f} s/iteration, MFU "
                  f"{100 * best.mfu:.1f}%\n" + memory_terms(best.peak) + "\n\n" + time_terms(best))
     parts.append(why_not(req, best))
+    parts.append(context_parallel_line(ranked))
     return "\n\n".join(parts)
+
+
+def context_parallel_line(ranked: list[Evaluation]) -> str:
+    """Why the best plan uses context parallelism or not: the best fitting plan on the other side."""
+    best = ranked[0]
+    with_cp = best.plan.par.cp > 1
+    other = next((ev for ev in ranked if (ev.plan.par.cp > 1) != with_cp), None)
+    if with_cp:
+        if other is None:
+            return f"context parallelism: cp {best.plan.par.cp} is needed: no plan without it fits"
+        return (f"context parallelism: cp {best.plan.par.cp} is chosen; the best plan without it, {other.plan.label}, "
+                f"needs {gb(other.memory_bytes)} GB and is {100 * (other.time.total / best.time.total - 1):+.1f}% "
+                "iteration time")
+    if other is None:
+        return "context parallelism: no plan with cp > 1 fits (cp needs pp = 1 and 2 cp dividing s)"
+    return (f"context parallelism: not chosen; the best plan with it, {other.plan.label}, is "
+            f"{100 * (other.time.total / best.time.total - 1):+.1f}% iteration time")
 
 
 def _stage_rows(stages: list[StageMemory], usable: float) -> list[list]:

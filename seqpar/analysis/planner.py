@@ -1,6 +1,7 @@
 """`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
 
-Dimensions: tp (<= GPUs per node, dividing heads and FFN width), pp (dividing L), dp (the rest,
+Dimensions: tp (<= GPUs per node, dividing heads and FFN width), cp (context parallelism, ring attention
+over the sequence: 2 cp dividing s, with pp = 1, up to ``Request.max_cp``), pp (dividing L), dp (the rest,
 dividing the global batch), interleave m (m > 1 needs pp > 1, L divisible by pp m and the
 microbatch count by pp, as Megatron requires), SP on/off (tp > 1), microbatch, recompute:
 none, selective, full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or
@@ -35,7 +36,8 @@ class Plan:
     @property
     def label(self) -> str:
         p = self.par
-        text = (f"tp={p.tp},pp={p.pp},dp={p.dp},m={p.interleave},sp={'on' if p.sp else 'off'},"
+        cp = f"cp={p.cp}," if p.cp > 1 else ""
+        text = (f"tp={p.tp},{cp}pp={p.pp},dp={p.dp},m={p.interleave},sp={'on' if p.sp else 'off'},"
                 f"recompute={self.rc.label},mb={self.micro_batch}")
         return text + (",distopt=on" if self.distributed_optimizer else "")
 
@@ -53,6 +55,7 @@ class Request:
     try_distributed_optimizer: bool = False
     max_micro_batch: int = 16
     max_interleave: int = 8
+    max_cp: int = 16
     precision: str = "bf16"  # what ``opt`` and ``opts.act_bytes`` stand for (reported, not re-derived)
     dropout: float = 0.1  # the probability behind ``opts.dropout`` (reported)
     name: str = "custom"  # the model preset's name, as the reports print it
@@ -87,7 +90,7 @@ class Evaluation:
 
     def to_json(self) -> dict:
         p = self.plan.par
-        out = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "interleave": p.interleave, "sp": p.sp,
+        out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
                "distributed_optimizer": self.plan.distributed_optimizer,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
@@ -122,7 +125,7 @@ def check_plan(req: Request, plan: Plan) -> None:
         raise AnalysisError(f"micro batch must be a positive integer, got {plan.micro_batch!r}")
     plan.rc.validate(validate_layout(req.shape, p))
     if p.world_size != req.gpus:
-        raise AnalysisError(f"dp {p.dp} x pp {p.pp} x tp {p.tp} = {p.world_size} != gpus {req.gpus}")
+        raise AnalysisError(f"{p.describe_world()} = {p.world_size} != gpus {req.gpus}".replace("×", "x"))
     if p.tp > req.hw.gpus_per_node:
         raise AnalysisError(f"tp {p.tp} exceeds the {req.hw.gpus_per_node} GPUs of a node")
     if req.global_batch % (p.dp * plan.micro_batch):
@@ -198,16 +201,14 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
 
 
 def layouts(req: Request) -> Iterator[Plan]:
-    """Every (tp, pp, dp, m, sp, microbatch) the rules allow, with recompute none (filled in later)."""
+    """Every (tp, cp, pp, dp, m, sp, microbatch) the rules allow, with recompute none (filled in later)."""
     shape = req.shape
     for tp in _divisors(min(req.hw.gpus_per_node, req.gpus)):
         kv = shape.num_kv_heads
         if shape.num_heads % tp or shape.ffn % tp or req.gpus % tp or (kv % tp and tp % kv):
             continue  # the rules of ParallelConfig.validate: heads, FFN width and kv heads split over tp
-        for pp in _divisors(req.gpus // tp):
-            if shape.num_layers % pp:
-                continue
-            dp = req.gpus // (tp * pp)
+        for cp, pp in _context_and_pipeline(req, tp):
+            dp = req.gpus // (tp * cp * pp)
             if req.global_batch % dp:
                 continue
             for mb in _divisors(req.global_batch // dp):
@@ -217,10 +218,22 @@ def layouts(req: Request) -> Iterator[Plan]:
                 for m in _divisors(shape.num_layers // pp):
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
-                    for sp in ((False, True) if tp > 1 and shape.seq_len % tp == 0 else (False,)):
+                    for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
                         for dist in ((False, True) if req.try_distributed_optimizer and dp > 1 else (False,)):
-                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, interleave=m)
+                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
                             yield Plan(par, RecomputeConfig(), mb, dist)
+
+
+def _context_and_pipeline(req: Request, tp: int) -> Iterator[tuple[int, int]]:
+    """(cp, pp) pairs for ``tp``: pp dividing L with cp = 1, or cp > 1 (2 cp dividing s, at most ``max_cp``)
+    with pp = 1 (the runtime does not combine them yet, ``ParallelConfig.validate``)."""
+    rest = req.gpus // tp
+    for pp in _divisors(rest):
+        if req.shape.num_layers % pp == 0:
+            yield 1, pp
+    for cp in _divisors(rest)[1:]:
+        if cp <= req.max_cp and req.shape.seq_len % (2 * cp) == 0:
+            yield cp, 1
 
 
 def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
@@ -281,10 +294,18 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
         if sp and plan.par.tp == 1:
             continue
         out[name] = evaluate(req, replace(plan, par=replace(plan.par, sp=sp), rc=rc))
+    p = plan.par
+    if p.cp > 1:  # the same GPUs without context parallelism: cp folded into dp
+        flat = replace(p, cp=1, dp=p.dp * p.cp)
+        for rc in (plan.rc, RecomputeConfig("full")):
+            out[f"no cp (dp {flat.dp}), {rc.label}"] = evaluate(req, replace(plan, par=flat, rc=rc))
+    elif p.pp == 1 and p.dp % 2 == 0 and req.shape.seq_len % 4 == 0:  # why not context parallelism
+        deeper = replace(p, cp=2, dp=p.dp // 2)
+        out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
     return out
 
 
-_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "m": "interleave", "interleave": "interleave", "sp": "sp",
+_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "m": "interleave", "interleave": "interleave", "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
          "distopt": "distopt", "distributed_optimizer": "distopt"}
 
@@ -330,7 +351,7 @@ def _count(values: dict[str, tuple[str, str]], key: str, default: int, least: in
 
 
 def parse_plan(text: str, gpus: int) -> Plan:
-    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan; dp defaults to gpus / (tp pp).
+    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan; dp defaults to gpus / (tp pp cp).
 
     Every count must be a positive integer (keep >= 0): the error names the key and the value."""
     values: dict[str, tuple[str, str]] = {}  # canonical key -> (the key as written, value)
@@ -340,9 +361,9 @@ def parse_plan(text: str, gpus: int) -> Plan:
             raise AnalysisError(f"plan item {item!r}: expected KEY=VALUE with KEY in {sorted(_KEYS)}")
         values[_KEYS[key.strip()]] = (key.strip(), value.strip())
     try:
-        tp, pp = _count(values, "tp", 1), _count(values, "pp", 1)
-        dp = _count(values, "dp", max(1, gpus // (tp * pp)))
-        par = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=_flag(values.get("sp", ("", "off"))[1]),
+        tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
+        dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
+        par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
                              interleave=_count(values, "interleave", 1))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))

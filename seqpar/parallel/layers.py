@@ -33,6 +33,13 @@ def _param(shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
 
 
+def _per_rank(features: int, t: int, which: str) -> int:
+    """``features / t``, refused in one line when the TP group does not divide it."""
+    if features % t:
+        raise ValueError(f"{which} features {features} are not divisible by tp {t}")
+    return features // t
+
+
 class LinearWithGatheredInput(torch.autograd.Function):
     """``Y = g(X_i^s) W^T + b`` that keeps only the shard ``X_i^s`` (the stored-input trick).
 
@@ -74,13 +81,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = True,
                  init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
-        t = tp.size
-        if out_features % t:
-            raise ValueError(f"output features {out_features} are not divisible by tp {t}")
         self.group, self.sequence_parallel = tp.group, tp.sequence_parallel
-        self.weight = mark(_param((out_features // t, in_features), dtype, device), split_dim=0,
-                           init_std=init_std)
-        self.bias = mark(_param((out_features // t,), dtype, device), split_dim=0, init="zeros") if bias else None
+        out = _per_rank(out_features, tp.size, "output")
+        self.weight = mark(_param((out, in_features), dtype, device), split_dim=0, init_std=init_std)
+        self.bias = mark(_param((out,), dtype, device), split_dim=0, init="zeros") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -96,12 +100,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = True,
                  init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
-        t = tp.size
-        if in_features % t:
-            raise ValueError(f"input features {in_features} are not divisible by tp {t}")
         self.group, self.sequence_parallel = tp.group, tp.sequence_parallel
-        self.weight = mark(_param((out_features, in_features // t), dtype, device), split_dim=1,
-                           init_std=init_std)
+        self.weight = mark(_param((out_features, _per_rank(in_features, tp.size, "input")), dtype, device),
+                           split_dim=1, init_std=init_std)
         self.bias = (mark(_param((out_features,), dtype, device), sequence_parallel=self.sequence_parallel,
                           init="zeros") if bias else None)
 

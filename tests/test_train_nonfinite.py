@@ -27,10 +27,10 @@ def _trainer(tmp_path, poison_step, where, policy):
         loss = fb(chunks, mbs, dims, parallel, **kwargs)
         return float("nan") if where == "loss" and trainer.state.step == poison_step else loss
 
-    def finalize(chunks, dims):
+    def finalize(chunks, dims, *buffers):
         step = trainer.state.step
         snapshots[step] = [p.detach().clone() for p in chunks[0].parameters()]
-        fin(chunks, dims)
+        fin(chunks, dims, *buffers)
         if where == "grad" and step == poison_step:
             next(chunks[0].parameters()).grad[0, 0] = float("inf")
 

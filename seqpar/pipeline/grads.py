@@ -8,6 +8,11 @@ the fp32 ``main_grad`` of a bf16/fp16 parameter (so every reduction runs in fp32
     the last pipeline rank, each hold part of the gradient: ``seqpar.parallel.tied`` sums them;
   * data (and context) parallelism: average over the dp × cp group (``seqpar.parallel.data_parallel``;
     a cp rank holds cp times its own tokens' share of the gradient, see ``GPTStage.forward``).
+
+With flat gradient buckets (``seqpar.parallel.grad_buffer``: overlapped reduction, the distributed
+optimizer) the dp × cp reduction comes first -- it may have started during the backward -- and the
+other two then act on its result (after a reduce-scatter, only this rank's shard is read later;
+the buckets are laid out alike on the ranks the other two sums span).
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads
 
 
-def finalize_grads(chunks, dims: ParallelDims) -> None:
-    """SP partial sums over tp, tied weights over {first, last}, average over dp × cp."""
+def finalize_grads(chunks, dims: ParallelDims, buffers=None) -> None:
+    """SP partial sums over tp, tied weights over {first, last}, average over dp × cp (first, by
+    ``buffers.finish()``, when the gradients live in ``buffers``)."""
+    if buffers is not None:
+        buffers.finish()
     for chunk in chunks:
         allreduce_sequence_parallel_grads(chunk, dims.tp_group)
     for chunk in chunks:
         chunk.tied.sum_grads([chunk])
-    average_gradients([p for chunk in chunks for p in chunk.parameters()], dims.grad_group)
+    if buffers is None:
+        average_gradients([p for chunk in chunks for p in chunk.parameters()], dims.grad_group)

@@ -35,6 +35,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
+    distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over dp (seqpar/train/dist_optim.py)
+    overlap_grad_reduce: bool = False  # reduce gradient buckets during the backward (seqpar/parallel/grad_buffer.py)
+    grad_bucket_mb: float = 25.0  # MiB of fp32 gradients per bucket (those two options)
     micro_batch: int = 8  # sequences per microbatch per data-parallel rank
     global_batch: int = 16  # sequences per optimizer step over all data-parallel ranks
     eval_every: int = 100  # 0: only at the end
@@ -73,6 +76,8 @@ class TrainConfig:
         if not 1.0 <= self.loss_scale_init < float("inf") or self.loss_scale_window < 1:
             raise ConfigError(f"train.loss_scale_init {self.loss_scale_init} must be a finite number >= 1 and "
                               f"train.loss_scale_window {self.loss_scale_window} a positive integer")
+        if not 0 < self.grad_bucket_mb < float("inf"):
+            raise ConfigError(f"train.grad_bucket_mb must be a positive number, got {self.grad_bucket_mb}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
             if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
@@ -160,6 +165,9 @@ def inert_settings(job: JobConfig) -> list[str]:
     if t.tokenizer and t.data.endswith(".bin"):
         notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
                      "recorded for sample and export-hf only")
+    if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
+        notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
+                     "(they shard over, and overlap the reduction across, the data-parallel ranks)")
     if t.schedule != "wsd" and t.decay_fraction != TrainConfig.decay_fraction:
         notes.append(f"decay_fraction {t.decay_fraction} applies to the wsd schedule only, not {t.schedule}")
     return notes

@@ -29,8 +29,9 @@ from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
-from seqpar.train.optim import MasterOptimizer
+from seqpar.train.optim import build_optimizer
 from seqpar.train.perf import Throughput
+from seqpar.train.states import state_record
 
 
 class NonFiniteError(RuntimeError):
@@ -81,7 +82,7 @@ class Trainer:
         self.quiet = quiet or not self.rank0
         self._forward_backward, self._finalize = forward_backward, finalize_grads  # tests wrap them
         self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
-        self.opt = MasterOptimizer(self.chunks, t, self.dims)
+        self.opt = build_optimizer(self.chunks, t, self.dims)
         self.state = TrainState()
         if self.resume_path is not None:
             self.load(self.resume_path)
@@ -127,6 +128,13 @@ class Trainer:
                  f"  data {self.data.source}: {len(self.data.train):,} train / {len(self.data.val):,} validation "
                  "tokens",
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
+        if "optimizer_bytes" in info:
+            opt = ("distributed optimizer" if t.distributed_optimizer else "optimizer") + \
+                (", gradients reduced during the backward" if t.overlap_grad_reduce else "")
+            lines.append(f"  model states on rank 0 ({opt}): parameters {info['params_bytes']:,} B, gradients "
+                         f"{info['grads_bytes']:,} B, optimizer {info['optimizer_bytes']:,} B"
+                         + (f" (formula {info['optimizer_bytes_predicted']:,.0f} B)"
+                            if "optimizer_bytes_predicted" in info else ""))
         if "act_bytes_measured" in info:
             lines.append(f"  activations kept by the layers for one microbatch on this rank: measured "
                          f"{info['act_bytes_measured']:,} B, formula {info['act_bytes_predicted']:,.0f} B")
@@ -143,9 +151,9 @@ class Trainer:
         t, dims, opt = self.job.train, self.dims, self.opt
         reseed_dropout(self.chunks, t.seed, step)
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
-        opt.zero_grad()
+        opt.zero_grad(len(mbs))
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale)
-        self._finalize(self.chunks, dims)  # fp32 reductions of the (scaled) gradients
+        self._finalize(self.chunks, dims, opt.buffers)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike
@@ -236,7 +244,7 @@ class Trainer:
         end = t.stop_at or t.steps
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
         if self.rank0:
-            info = self.throughput.describe()
+            info = {**self.throughput.describe(), **state_record(self.job, self.opt, self.dims.pp_rank)}
             metrics.log({"event": "start", **info, "data": self.data.source, "config": self.job.to_dict()})
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)

@@ -7,6 +7,11 @@ the global norm and the update then all work on fp32 sums, and the model states 
 2 (weight) + 4 (main_grad) + 4 (master) + 8 (Adam) = 18 bytes per parameter. In fp32 the master
 *is* the model parameter and ``.grad`` the gradient (16 bytes per parameter).
 fp16 adds dynamic loss scaling (``seqpar.train.loss_scale``).
+
+``overlap_grad_reduce``: every ``main_grad`` (fp32 parameters' too) is a view of a flat bucket of
+``seqpar.parallel.grad_buffer``, whose dp reduction starts during the last backward.
+``distributed_optimizer``: ``seqpar.train.dist_optim.DistributedOptimizer`` shards the masters and
+Adam's moments over dp (``build_optimizer`` chooses).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.grad_buffer import GradBuffers
 from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
 from seqpar.parallel.tied import canonical_name
@@ -42,20 +48,37 @@ class MasterOptimizer:
         self.named = named_parameters(chunks)
         self.tied_copies = {id(p) for chunk in chunks for n, p in chunk.named_parameters()
                             if chunk.tied.is_copy(chunk, n)}  # counted with their first-stage twin
+        self.buffers = self._grad_buffers(chunks)
+        decay, no_decay = self._build_masters()
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        init_adam_state(self.opt)
+        fp16 = any(p.dtype == torch.float16 for _, p in self.named)
+        self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
+
+    def _grad_buffers(self, chunks: list[nn.Module], shard: bool = False) -> GradBuffers | None:
+        """Flat fp32 gradient buckets (``seqpar.parallel.grad_buffer``) when the reduction overlaps the
+        backward or is a reduce-scatter; None: per-parameter gradients, reduced after the backward."""
+        if not (self.cfg.overlap_grad_reduce or shard):
+            return None
+        tied = [w for chunk in chunks if (w := chunk.tied.weight(chunk)) is not None]
+        return GradBuffers([p for _, p in self.named], self.dims.grad_group, overlap=self.cfg.overlap_grad_reduce,
+                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied))
+
+    def _build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """One fp32 master per parameter (the parameter itself in fp32); (decayed, not decayed)."""
         self.masters: list[nn.Parameter] = []
         for _, p in self.named:
             self.masters.append(p if p.dtype == torch.float32 else nn.Parameter(p.detach().float()))
         decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() >= 2]
         no_decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() < 2]
-        for (_, p), m in zip(self.named, self.masters, strict=True):
-            if m is not p:
-                p.main_grad = torch.zeros_like(m)  # fp32
-                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
-        fp16 = any(p.dtype == torch.float16 for _, p in self.named)
-        self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
+        if self.buffers is None:
+            for (_, p), m in zip(self.named, self.masters, strict=True):
+                if m is not p:
+                    p.main_grad = torch.zeros_like(m)  # fp32
+                    p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+        return decay, no_decay
 
     @property
     def mixed(self) -> bool:
@@ -70,12 +93,38 @@ class MasterOptimizer:
         """Parameters this rank holds, a tied copy counted once (with its first-stage twin)."""
         return sum(p.numel() for _, p in self.named if id(p) not in self.tied_copies)
 
-    def zero_grad(self) -> None:
-        for (_, p), m in zip(self.named, self.masters, strict=True):
+    def zero_grad(self, microbatches: int = 0) -> None:
+        """Clear the gradients; ``microbatches``: the coming backward passes run that many (the
+        overlapped reduction starts a bucket once each of its gradients has arrived that often)."""
+        for _, p in self.named:
             p.grad = None
+        for m in self.masters:
             m.grad = None
-            if m is not p:
-                p.main_grad.zero_()
+        if self.buffers is not None:
+            self.buffers.zero()
+            self.buffers.expect(microbatches)
+        else:
+            for _, p in self.named:
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: the model's parameters, their gradients (the fp32 buffers, or the
+        ``.grad`` of each fp32 parameter, which its first backward allocates), the optimizer state
+        (fp32 masters that are not the parameters themselves, Adam's two moments)."""
+        params = {p.data_ptr(): p.numel() * p.element_size() for _, p in self.named}
+        if self.buffers is not None:
+            grads = self.buffers.nbytes()
+        else:
+            grads = sum(p.numel() * (p.main_grad if hasattr(p, "main_grad") else p).element_size()
+                        for _, p in self.named)
+        storages = {p.untyped_storage().data_ptr() for _, p in self.named}
+        masters = {m.data_ptr(): m.numel() * m.element_size() for m in self.masters
+                   if m.untyped_storage().data_ptr() not in storages}  # not a parameter (or a view of one)
+        moments = sum(t.numel() * t.element_size() for state in self.opt.state.values()
+                      for k, t in state.items() if k != "step")
+        return {"params_bytes": sum(params.values()), "grads_bytes": grads,
+                "optimizer_bytes": sum(masters.values()) + moments}
 
     def unscale(self) -> None:
         """Divide the (reduced) fp32 gradients by the loss scale (fp16 only)."""
@@ -164,6 +213,26 @@ class MasterOptimizer:
                 state["step"] = torch.tensor(float(opt_step))
             else:
                 state.clear()
+
+
+def init_adam_state(opt: torch.optim.AdamW) -> None:
+    """Create Adam's state now, as AdamW's first step would (step 0, zero moments), so that the
+    optimizer's bytes are allocated, and measurable, before training starts."""
+    for group in opt.param_groups:
+        for m in group["params"]:
+            opt.state[m] = {"step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
+                            "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                            "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
+
+
+def build_optimizer(chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims) -> MasterOptimizer:
+    """The distributed optimizer (``seqpar.train.dist_optim``) when ``cfg.distributed_optimizer``, else
+    the replicated one."""
+    if cfg.distributed_optimizer:
+        from seqpar.train.dist_optim import DistributedOptimizer
+
+        return DistributedOptimizer(chunks, cfg, dims)
+    return MasterOptimizer(chunks, cfg, dims)
 
 
 def _accumulate_into_main_grad(param: nn.Parameter) -> None:

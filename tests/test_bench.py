@@ -104,3 +104,12 @@ def test_seqpar_bench_verb_is_registered():
 
     args = build_parser().parse_args(["bench", "single", "--quick"])
     assert args.name == "single" and args.quick
+
+
+def test_bench_dp_reports_both_modes(capsys):
+    """bench dp at tiny sizes: both modes timed, several buckets, the hidden time their difference."""
+    r = _run(capsys, "dp")
+    assert r["buckets"] > 1
+    for mode in ("after_backward", "overlapped"):
+        assert r[mode]["step_s"] > 0 and r[mode]["finalize_s"] >= 0
+    assert r["reduction_hidden_s"] == r["after_backward"]["finalize_s"] - r["overlapped"]["finalize_s"]

@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "mfu": ("seqpar.bench.mfu", "measured GEMM peak and the model FLOP/s of a t=1 training step: MFU on CPU"),
     "scale": ("seqpar.bench.scale", "Llama-3-8B layer shapes at tp=2 + SP: state bytes vs prediction, "
               "init/save/load peak memory, reload at tp=1"),
+    "dp": ("seqpar.bench.dp", "dp=2 step time with the gradient reduction after vs overlapped with the backward, "
+           "and the reduction time hidden"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
 }

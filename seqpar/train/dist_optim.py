@@ -15,7 +15,7 @@ fragments it owns (the same counting rules as ``MasterOptimizer.grad_norm``: a t
 a replicated parameter on tp rank 0, grouped k/v rows once) and the sum is reduced over the grad
 group as well as tp and pp. Checkpoints stay layout-free: ``local_state`` all-gathers the shards
 back into each parameter's whole (tp-local) master and moments, the layout ``MasterOptimizer``
-gives, and ``load_local_state`` cuts this rank's fragments from them.
+gives, and ``loaded`` cuts this rank's fragments from them after a load.
 
 Why not ``torch.distributed.optim.ZeroRedundancyOptimizer``: it assigns whole parameters to ranks
 (a large word embedding alone sets a rank's share, so the state is not halved at N = 2 on the
@@ -37,7 +37,7 @@ from torch import nn
 
 from seqpar.parallel.grad_buffer import Bucket
 from seqpar.parallel.layout import layout_of
-from seqpar.train.optim import MasterOptimizer, lr_at
+from seqpar.train.optim import MasterOptimizer, _set_step, lr_at
 
 
 @dataclass
@@ -158,8 +158,10 @@ class DistributedOptimizer(MasterOptimizer):
 
     # ---------------------------------------------------------------- state for checkpoints
     def local_state(self) -> list[tuple[str, nn.Parameter, dict[str, torch.Tensor]]]:
-        """As ``MasterOptimizer.local_state``: each parameter's whole fp32 master and moments
-        (gathered from the shards; collective over the grad group)."""
+        """As ``MasterOptimizer.local_state``: each parameter's whole (tp-local) fp32 master and moments,
+        all-gathered from the shards (collective over the grad group). A save writes them; a load
+        reads into them and ``loaded`` then takes this rank's fragments. They are temporaries: the
+        rank holds the replicated optimizer's bytes while a checkpoint is written or read."""
         out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for _, p in self.named}
         for kind in ("weight", "exp_avg", "exp_avg_sq"):
             def piece(f, kind=kind):
@@ -172,16 +174,15 @@ class DistributedOptimizer(MasterOptimizer):
         return [(name, p, out[id(p)]) for name, p in self.named]
 
     @torch.no_grad()
-    def load_local_state(self, shards: dict[str, dict[str, torch.Tensor]], opt_step: int) -> None:
-        """Install each parameter's whole weight and this rank's fragments of master and moments."""
-        names = [name for name, _ in self.named]
-        for name, p in self.named:
-            p.copy_(shards[name]["weight"])
+    def loaded(self, opt_step: int, states=None) -> None:
+        """After a checkpoint was read into ``states`` (a ``local_state()``): each parameter's whole
+        weight into the model, this rank's fragments into its masters and moments, the step count."""
+        states = {id(p): tensors for _, p, tensors in states}
+        for _, p in self.named:
+            p.copy_(states[id(p)]["weight"])
         for f in self.fragments:
-            s = shards[names[f.index]]
+            s, state = states[id(f.param)], self.opt.state[f.master]
             f.master.copy_(s["weight"].reshape(-1)[f.start:f.end])
-            if opt_step > 0:
-                self.opt.state[f.master] = {
-                    "step": torch.tensor(float(opt_step)),
-                    "exp_avg": s["exp_avg"].reshape(-1)[f.start:f.end].to(f.master).clone(),
-                    "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[f.start:f.end].to(f.master).clone()}
+            for kind in ("exp_avg", "exp_avg_sq"):
+                state[kind].copy_(s[kind].reshape(-1)[f.start:f.end])
+            _set_step(state, opt_step)

@@ -92,9 +92,10 @@ class Trainer:
     def load(self, path) -> None:
         meta = ckpt.read_meta(path)
         has_opt = bool(meta.get("has_optimizer", True))
-        ckpt.load_shards(path, self.opt.local_state(), self.dims, has_opt)
+        states = self.opt.local_state()
+        ckpt.load_shards(path, states, self.dims, has_opt)
         step = int(meta.get("step", 0))
-        self.opt.loaded(step if has_opt else 0)
+        self.opt.loaded(step if has_opt else 0, states)
         self.state.step = step if has_opt else 0
         self.state.skipped = int(meta.get("skipped", 0))
         if self.opt.scaler is not None and has_opt and "loss_scaler" in meta:

@@ -202,17 +202,22 @@ class MasterOptimizer:
         return out
 
     @torch.no_grad()
-    def loaded(self, opt_step: int) -> None:
-        """After a checkpoint was read into ``local_state()``: copy the masters into the model and set the
-        step count (0: the checkpoint held no optimizer state, Adam starts afresh)."""
+    def loaded(self, opt_step: int, states=None) -> None:
+        """After a checkpoint was read into ``states`` (a ``local_state()``, this optimizer's own tensors):
+        copy the masters into the model and set the step count (0: the checkpoint held no optimizer
+        state, Adam starts afresh)."""
         for m_p, m in zip(self.named, self.masters, strict=True):
             if m is not m_p[1]:
                 m_p[1].copy_(m)
-            state = self.opt.state[m]
-            if opt_step > 0:
-                state["step"] = torch.tensor(float(opt_step))
-            else:
-                state.clear()
+            _set_step(self.opt.state[m], opt_step)
+
+
+def _set_step(state: dict, opt_step: int) -> None:
+    """Adam's step count after a load; 0 (no optimizer state in the checkpoint): fresh zero moments."""
+    state["step"] = torch.tensor(float(opt_step))
+    if opt_step == 0:
+        state["exp_avg"].zero_()
+        state["exp_avg_sq"].zero_()
 
 
 def init_adam_state(opt: torch.optim.AdamW) -> None:

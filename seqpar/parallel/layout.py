@@ -18,6 +18,7 @@ the last two cut them at a grid of blocks along the split dimension that depends
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -166,10 +167,7 @@ BLOCK_ELEMENTS = 1 << 22  # the unit of initialisation and of checkpoint chunks 
 
 def block_length(full_shape: tuple[int, ...], dim: int) -> int:
     """Entries of dimension ``dim`` per block: about ``BLOCK_ELEMENTS`` elements, at least one slice."""
-    numel = 1
-    for n in full_shape:
-        numel *= n
-    per_slice = numel // full_shape[dim] if full_shape[dim] else 1
+    per_slice = math.prod(full_shape[:dim] + full_shape[dim + 1:])  # elements of one entry of ``dim``
     return max(1, BLOCK_ELEMENTS // max(per_slice, 1))
 
 

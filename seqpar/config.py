@@ -239,9 +239,6 @@ class ParallelConfig:
         _positive(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, interleave=self.interleave)
         if world_size is not None and self.world_size != world_size:
             raise ConfigError(f"{self.describe_world()} = {self.world_size} != world size {world_size}")
-        if self.cp > 1 and self.pp > 1:
-            raise ConfigError(f"cp {self.cp} with pp {self.pp}: context parallelism does not run with "
-                              "pipeline parallelism yet")
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
         if model is not None:

@@ -126,12 +126,10 @@ def test_invalid_layouts_name_the_numbers():
 
 
 def test_layouts_the_analytic_model_has_no_formula_for_are_refused():
-    """An uneven layer split, context parallelism with pipeline parallelism (which the runtime refuses) and
-    a layer family outside gpt/llama: a clear refusal, never the numbers of an even split or of another model."""
+    """An uneven layer split and a layer family outside gpt/llama: a clear refusal, never the numbers of an
+    even split or of another model."""
     with pytest.raises(AnalysisError, match=r"splits layers evenly, not as \[1, 3\]"):
         stage_memory(TINY, ParallelConfig(pp=2, layer_split=(1, 3)), RecomputeConfig(), 1)
-    with pytest.raises(AnalysisError, match="cp 2 with pp 2"):
-        stage_memory(TINY, ParallelConfig(cp=2, pp=2), RecomputeConfig(), 1)
     # cp alone has a formula: every layer term at s/cp tokens (tests/test_context_parallel.py)
     cp2 = stage_memory(TINY, ParallelConfig(cp=2), RecomputeConfig(), 1)
     assert cp2.terms["layer_activations"] == 4 * layer_activation_bytes(4, 1, 8, 2, 1, cp=2)  # 4 layers

@@ -108,7 +108,7 @@ def context_parallel_line(ranked: list[Evaluation]) -> str:
                 f"needs {gb(other.memory_bytes)} GB and is {100 * (other.time.total / best.time.total - 1):+.1f}% "
                 "iteration time")
     if other is None:
-        return "context parallelism: no plan with cp > 1 fits (cp needs pp = 1 and 2 cp dividing s)"
+        return "context parallelism: no plan with cp > 1 fits (searched with pp = 1 and 2 cp dividing s)"
     return (f"context parallelism: not chosen; the best plan with it, {other.plan.label}, is "
             f"{100 * (other.time.total / best.time.total - 1):+.1f}% iteration time")
 

@@ -1,7 +1,7 @@
 """`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
 
 Dimensions: tp (<= GPUs per node, dividing heads and FFN width), cp (context parallelism, ring attention
-over the sequence: 2 cp dividing s, with pp = 1, up to ``Request.max_cp``), pp (dividing L), dp (the rest,
+over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (dividing L), dp (the rest,
 dividing the global batch), interleave m (m > 1 needs pp > 1, L divisible by pp m and the
 microbatch count by pp, as Megatron requires), SP on/off (tp > 1), microbatch, recompute:
 none, selective, full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or
@@ -226,7 +226,7 @@ def layouts(req: Request) -> Iterator[Plan]:
 
 def _context_and_pipeline(req: Request, tp: int) -> Iterator[tuple[int, int]]:
     """(cp, pp) pairs for ``tp``: pp dividing L with cp = 1, or cp > 1 (2 cp dividing s, at most ``max_cp``)
-    with pp = 1 (the runtime does not combine them yet, ``ParallelConfig.validate``)."""
+    with pp = 1 (keeps the search small; ``--explain`` evaluates cp with pp)."""
     rest = req.gpus // tp
     for pp in _divisors(rest):
         if req.shape.num_layers % pp == 0:

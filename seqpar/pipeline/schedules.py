@@ -25,10 +25,11 @@ from seqpar.pipeline.step import StepRunner
 
 
 def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
-    """Shape of the activation crossing a stage boundary: ``[s/t, b, h]`` under SP, else ``[s, b, h]``."""
+    """Shape of the activation crossing a stage boundary: ``[s/t, b, h]`` under SP, else ``[s, b, h]``;
+    under context parallelism the rank's s/cp tokens (``[s/(cp·t), b, h]`` with SP)."""
     b, s = tokens.shape
     t = dist.get_world_size(chunk.group) if chunk.sp else 1
-    return (s // t, b, chunk.cfg.hidden_size)
+    return (s // chunk.cp.size // t, b, chunk.cfg.hidden_size)
 
 
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,

@@ -27,7 +27,8 @@ def broadcast_from_last_stage(value: float | None, dims: ParallelDims, device) -
 
 def hidden_shape(chunk, micro_batch: int) -> tuple[int, int, int]:
     cfg = chunk.cfg
-    s = cfg.seq_len // dims_tp(chunk) if chunk.sp else cfg.seq_len
+    s = cfg.seq_len // chunk.cp.size  # the rank's tokens under context parallelism
+    s = s // dims_tp(chunk) if chunk.sp else s
     return (s, micro_batch, cfg.hidden_size)
 
 

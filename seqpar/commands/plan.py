@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=8, help="plans listed (default %(default)s)")
     g.add_argument("--json", action="store_true", help='print {"best": PLAN, "plans": [PLAN, ...]}')
+    g.add_argument("--emit-config", type=Path, metavar="FILE",
+                   help="write the best plan (or --explain's) as a TOML file `seqpar train --config FILE` runs "
+                        "(default: none)")
     g.add_argument("--plot", type=Path, metavar="DIR",
                    help="write plan_memory.png (the best plans' memory) into DIR, or with --explain "
                         "plan_stages.png (every pipeline rank of that plan); as paper --plot (default: none)")
@@ -128,6 +131,18 @@ def request_from_args(args):
                    name=model_name)
 
 
+def _emit(args, req, plan) -> None:
+    """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
+    if args.emit_config is None:
+        return
+    from seqpar.analysis.emit import train_sections
+    from seqpar.train.dry_run import config_toml
+
+    args.emit_config.write_text(f"# seqpar plan: {plan.label}\n" + config_toml(train_sections(req, plan)) + "\n")
+    print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
+          f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
+
+
 def run(args) -> int:
     from seqpar.analysis import plan_report, planner
     from seqpar.analysis.shapes import AnalysisError
@@ -144,6 +159,7 @@ def run(args) -> int:
         ranked = planner.search(req, stats)
         if explain is not None:
             ev = planner.evaluate(req, explain, every_rank=True)
+            _emit(args, req, ev.plan)
             if args.json:
                 print(json.dumps({"plan": ev.to_json(), "rank": planner.rank_of(ev, ranked),
                                   "settings": planner.settings(req),
@@ -160,6 +176,8 @@ def run(args) -> int:
                                      f"{req.name}: {ev.plan.label}")
                 print(f"wrote {path}", file=sys.stderr)
             return 0
+        if ranked:
+            _emit(args, req, ranked[0].plan)
         if args.json:
             from seqpar.analysis.costmodel import ties_with_best
             from seqpar.analysis.hardware import profile_to_json

@@ -46,9 +46,8 @@ def predicted_memory(job, device: torch.device | None = None) -> list:
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     device = device or torch.device("cpu")
     opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)))
-    # the trainer's states: fp32 -- weight 4 + grad 4 + Adam 8; 16-bit -- weight 2 + fp32 grad 4 + master 4 + Adam 8
-    opt = (OptimizerOptions(param_bytes=4, grad_bytes=4, master_bytes=0, adam_bytes=8) if m.dtype_bytes == 4
-           else OptimizerOptions())
+    # the trainer's states: fp32 -- weight 4 + grad 4 + Adam 8; 16-bit -- weight 2 + fp32 grad 4 + master 4 + Adam 8;
+    opt = OptimizerOptions.for_precision(m.dtype, distributed=t.distributed_optimizer)  # masters + Adam / dp
     return all_stages(m, p, r, t.micro_batch, t.microbatches(p.dp), opts, opt)
 
 

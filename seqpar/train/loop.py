@@ -153,7 +153,8 @@ class Trainer:
         reseed_dropout(self.chunks, t.seed, step)
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad(len(mbs))
-        loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale)
+        loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
+                                      keep_microbatches=self.job.recompute.keep_microbatches)  # App. C
         self._finalize(self.chunks, dims, opt.buffers)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
         opt.unscale()

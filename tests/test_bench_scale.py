@@ -1,21 +1,17 @@
-"""bench scale at tiny sizes: it runs, the bytes each rank holds are the analysis package's prediction,
-the checkpoint read at tp=1 in a fresh process holds exactly the weights the tp=2 ranks saved, and the
-save wrote one file per rank."""
+"""`seqpar bench scale` at tiny sizes: it runs through the CLI verb, the bytes each rank holds are the
+analysis package's prediction, the checkpoint read at tp=1 in a fresh process holds exactly the weights
+the tp=2 ranks saved, and the save wrote one file per rank."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from seqpar.bench import add_arguments
-from seqpar.bench import run as run_benchmark
+from seqpar.cli import main
 
 
 def test_bench_scale_quick(capsys):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    result = run_benchmark(p.parse_args(["scale", "--quick", "--json"]))
-    assert json.loads(capsys.readouterr().out)["ranks"] == result["ranks"]
+    assert main(["bench", "scale", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
     for r in result["ranks"]:
         assert r["state_bytes"] == r["predicted_state_bytes"] > 0

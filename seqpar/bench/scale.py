@@ -182,6 +182,8 @@ def _reload_main(argv: list[str]) -> None:
 def run(args) -> dict:
     from seqpar.parallel.launch import run_ranks
 
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                 if isinstance(v, int | float | str | bool | None)})  # picklable for the ranks
     root = Path(args.dir or tempfile.mkdtemp(prefix="seqpar-bench-scale-"))
     out, ref = root / "run", root / "ref"
     ref.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """50 steps (fp32, dropout 0) give the same loss curve, within 1e-4 per step,
 under (tp, pp, dp, SP, recompute) = (1,1,1,off,none) (2,1,1,on,selective) (1,2,1,off,full)
-(2,2,1,on,selective) (1,1,2,off,none), and context parallelism cp = 2 (selective; and with pp 2, full)."""
+(2,2,1,on,selective) (1,1,2,off,none), and context parallelism cp = 2 (selective; with pp 2, full; with dp 2)."""
 
 import math
 
@@ -23,6 +23,7 @@ LAYOUTS = {
     "dp2": ({"dp": 2}, {"granularity": "none"}),
     "cp2-selective": ({"cp": 2}, {"granularity": "selective"}),
     "cp2-pp2-full": ({"cp": 2, "pp": 2}, {"granularity": "full", "num_layers": 1}),
+    "cp2-dp2": ({"cp": 2, "dp": 2}, {"granularity": "none"}),
 }
 
 

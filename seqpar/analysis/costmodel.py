@@ -282,7 +282,7 @@ def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
 
 def optimizer_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
     params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
-    return params * optimizer_bytes_per_parameter(opt, par.dp) / hw.memory_bw
+    return params * optimizer_bytes_per_parameter(opt, par.dp * par.cp) / hw.memory_bw  # sharded over dp × cp
 
 
 def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, global_batch: int,

@@ -219,7 +219,7 @@ def layouts(req: Request) -> Iterator[Plan]:
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
                     for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
-                        for dist in ((False, True) if req.try_distributed_optimizer and dp > 1 else (False,)):
+                        for dist in ((False, True) if req.try_distributed_optimizer and dp * cp > 1 else (False,)):
                             par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
                             yield Plan(par, RecomputeConfig(), mb, dist)
 

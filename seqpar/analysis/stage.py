@@ -136,7 +136,7 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
     r = in_flight_chunks(rank, par.pp, par.interleave, n)
     kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
-    terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp)
+    terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp * par.cp)  # distributed: over dp × cp
     terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts)
     if kept:
         terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts)

@@ -111,3 +111,24 @@ def test_optimizer_bytes_halved(runs):
         assert record["optimizer_bytes"] == pytest.approx(record["optimizer_bytes_predicted"], rel=1e-3)
         # the buckets are padded to a multiple of dp: at most dp - 1 elements each
         assert 0 <= record["grads_bytes"] - record["grads_bytes_predicted"] < 4 * 2 * 64
+
+
+def test_mixed_precision_matches_the_replicated_optimizer(tmp_path):
+    """bf16 and fp16 (loss scaling: the shards are unscaled) with the distributed optimizer and overlap
+    follow the replicated optimizer at dp = 2: same sums in fp32, same elementwise update; the bf16
+    casts of nearly equal masters may differ in the last bit, hence 1e-3."""
+    data = tmp_path / "tokens.bin"
+    torch.randint(0, 64, (20_000,), generator=torch.Generator().manual_seed(64)).to(torch.uint16).numpy().tofile(data)
+    jobs = []
+    for dtype in ("bf16", "fp16"):
+        for kw in ({}, VARIANTS["dist+overlap"]):
+            sections = job(tmp_path / f"{dtype}{len(kw)}", data, {"dp": 2}, **kw)
+            jobs.append({**sections, "model": {**MODEL, "dtype": dtype}})
+    runs = train_local_many(jobs, 2)
+    for plain, dist in (runs[:2], runs[2:]):
+        assert len(plain["losses"]) == len(dist["losses"]) == STEPS
+        worst = max(rel(a, b) for a, b in zip(dist["losses"], plain["losses"], strict=True))
+        w, ref = load_model_state(dist["checkpoint"])[0], load_model_state(plain["checkpoint"])[0]
+        weights = max(((w[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref)
+        print(f"\nmixed precision, dist+overlap vs replicated: losses within {worst:.1e}, weights {weights:.1e}")
+        assert worst <= 1e-3 and weights <= 1e-3

@@ -9,8 +9,9 @@ The space (``draw``): architecture -- norm, activation, position, attention core
 untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a tp rank holding only
 padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
 last stage, interleaved), dp ∈ {1, 2} -- × recompute (none, selective, full uniform/block, the
-finer modules). Layouts and recompute modes are enumerated (``combinations``); each combination gets
-an architecture drawn from a generator seeded by its index.
+finer modules) × the gradient path (distributed optimizer on/off, overlapped dp reduction on/off,
+which do something at dp 2). Layouts and recompute modes are enumerated (``combinations``); each
+combination gets an architecture and a gradient path drawn from generators seeded by its index.
 
 CI runs a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4);
 ``SEQPAR_EQUIV_FULL=1`` runs every combination (world sizes ≤ 8).
@@ -79,18 +80,21 @@ def draw(index: int, combo: tuple) -> dict:
         "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": "fp32",
     }
     parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "interleave": interleave, "layer_split": list(split)}
-    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[rc])}
+    grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
+    reduction = {"distributed_optimizer": grads.choice((True, False)),
+                 "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
+    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[rc]), "train": reduction}
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
     train = {"steps": STEPS, "lr": 1e-2, "min_lr": 1e-3, "warmup": 0, "eps": 1e-4, "grad_clip": CLIP,
              "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
              "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
-    return {**sections, "train": train}
+    return {**sections, "train": {**train, **sections.get("train", {})}}
 
 
 def reference_of(sections: dict) -> dict:
-    return {"model": sections["model"], "parallel": {}, "recompute": {}}
+    return {"model": sections["model"], "parallel": {}, "recompute": {}}  # the replicated optimizer, no overlap
 
 
 def records(out: str) -> list[dict]:
@@ -172,7 +176,9 @@ def test_draw_matches_single_process(index, combo, results):
     errors = compare(results[index])
     for key, value in errors.items():
         WORST[key] = max(WORST.get(key, 0.0), value)
-    print(f"\n{index} {combo} {draw(index, combo)['model']}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    drawn = draw(index, combo)
+    print(f"\n{index} {combo} {drawn['model']} {drawn['train']}: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert all(math.isfinite(v) and v <= 1e-5 for v in errors.values()), errors
 
 

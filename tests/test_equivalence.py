@@ -8,10 +8,11 @@ must match the same model trained in one process: every step's loss and global g
 The space (``draw``): architecture -- norm, activation, position, attention core, biases, tied or
 untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a tp rank holding only
 padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
-last stage, interleaved), dp ∈ {1, 2} -- × recompute (none, selective, full uniform/block, the
-finer modules) × the gradient path (distributed optimizer on/off, overlapped dp reduction on/off,
-which do something at dp 2). Layouts and recompute modes are enumerated (``combinations``); each
-combination gets an architecture and a gradient path drawn from generators seeded by its index.
+last stage, interleaved), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2} (ring attention) -- × recompute
+(none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
+on/off, overlapped dp reduction on/off, which do something when dp × cp > 1). Layouts and recompute
+modes are enumerated (``combinations``); each combination gets an architecture and a gradient path
+drawn from generators seeded by its index.
 
 CI runs a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4);
 ``SEQPAR_EQUIV_FULL=1`` runs every combination (world sizes ≤ 8).
@@ -52,19 +53,19 @@ PIPELINES = {  # name: (pp, interleave, layers, split)
 
 
 def combinations(max_world: int) -> list[tuple]:
-    """Every (tp, sp, pipeline, dp, recompute) whose world size fits ``max_world``."""
+    """Every (tp, sp, pipeline, dp, recompute, cp) whose world size fits ``max_world``."""
     out = []
-    for tp, sp, pipe, dp, rc in itertools.product((1, 2, 4), (False, True), PIPELINES, (1, 2), RECOMPUTE):
+    for tp, sp, pipe, dp, rc, cp in itertools.product((1, 2, 4), (False, True), PIPELINES, (1, 2), RECOMPUTE, (1, 2)):
         if sp and tp == 1:
             continue
-        if tp * PIPELINES[pipe][0] * dp <= max_world:
-            out.append((tp, sp, pipe, dp, rc))
+        if tp * PIPELINES[pipe][0] * dp * cp <= max_world:
+            out.append((tp, sp, pipe, dp, rc, cp))
     return out
 
 
 def draw(index: int, combo: tuple) -> dict:
     """The job sections of one combination, with an architecture drawn from ``Random(index)``."""
-    tp, sp, pipe, dp, rc = combo
+    tp, sp, pipe, dp, rc, cp = combo
     rng = random.Random(index)
     pp, interleave, layers, split = PIPELINES[pipe]
     model = {
@@ -79,7 +80,8 @@ def draw(index: int, combo: tuple) -> dict:
         "tie_embeddings": rng.choice((True, False)),
         "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": "fp32",
     }
-    parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "interleave": interleave, "layer_split": list(split)}
+    parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "cp": cp, "interleave": interleave,
+                "layer_split": list(split)}
     grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
@@ -142,7 +144,7 @@ def results(tmp_path_factory):
                 torch.uint16).numpy().tofile(data)
         jobs[index] = (job(sections, root / f"d{index}", data), job(reference_of(sections), root / f"r{index}", data))
         p = sections["parallel"]
-        by_world.setdefault(p["tp"] * p["pp"] * p["dp"], []).append(index)
+        by_world.setdefault(p["tp"] * p["pp"] * p["dp"] * p["cp"], []).append(index)
     for world, indices in sorted(by_world.items()):
         runs = train_local_many([jobs[i][0] for i in indices], world) if world > 1 else [
             train_local(jobs[i][0]) for i in indices]
@@ -170,8 +172,11 @@ def compare(result: dict) -> dict[str, float]:
 WORST: dict[str, float] = {}
 
 
-@pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[f"{i}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-{c[4]}"
-                                                         for i, c in DRAWS])
+def _draw_id(index: int, c: tuple) -> str:
+    return f"{index}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-cp{c[5]}-{c[4]}"
+
+
+@pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])
 def test_draw_matches_single_process(index, combo, results):
     errors = compare(results[index])
     for key, value in errors.items():

@@ -1,5 +1,7 @@
 """The trainer's activation check: the bytes one microbatch's forward keeps in the transformer layers,
-measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm statistics)."""
+measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm statistics);
+with pp > 1, each pipeline stage's activation peak over one step of its schedule, measured with
+``ScheduleMeter`` as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import layer_bytes
 from seqpar.config import ConfigError
 from seqpar.dtypes import torch_dtype
+from seqpar.measure.meter import ScheduleMeter
 from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes
 
 
@@ -30,10 +33,46 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
     layers = sum(len(c.layers) for c in chunks)
     out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
     if dims.pp != 1 or len(chunks) != 1:
-        return out
+        return out | stage_peaks(job, chunks, data, dims, device)
     chunk = chunks[0]
     tokens, labels = data.val_batches(1, job.train.micro_batch, 0, 1)[0]
     with SavedTensorMeter(chunk) as meter:
         chunk(tokens.to(device), labels.to(device))
     out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
     return out
+
+
+def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
+    """Every pipeline stage's activation peak over one step of validation microbatches (collective over
+    the pipeline; gradients are left in place for the next ``zero_grad``): ``stage_act_peak_measured``
+    per pp rank (this rank's tp and dp coordinates), ``stage_act_peak_formula`` and ``_exact``
+    (``seqpar.measure.stages``; None where the formula refuses the layout)."""
+    import torch.distributed as dist
+
+    from seqpar.measure.stages import formula_stage_bytes, implementation_terms
+    from seqpar.pipeline import forward_backward
+    from seqpar.pipeline.keep import keep_for_rank
+
+    m, p, r, t = job.model, job.parallel, job.recompute, job.train
+    n = t.microbatches(p.dp)
+    batches = data.val_batches(n, t.micro_batch, 0, 1)
+    meter = ScheduleMeter(chunks)
+    meter.exclude([x for batch in batches for x in batch])  # the data, not activations
+    forward_backward(chunks, batches, dims, p, keep_microbatches=r.keep_microbatches, meter=meter)
+    peaks = torch.tensor([0] * p.pp, dtype=torch.int64, device=device)
+    peaks[dims.pp_rank] = meter.peak_bytes
+    if dims.pp_group is not None:
+        dist.all_reduce(peaks, group=dims.pp_group)
+    formula, exact = [], []
+    for rank in range(p.pp):
+        try:
+            f, _ = formula_stage_bytes(m, p, r, t.micro_batch, n, rank, keep=keep_for_rank(r.keep_microbatches,
+                                                                                          rank, p.pp),
+                                       device=device.type)
+            formula.append(f)
+            exact.append(f + sum(implementation_terms(m, p, t.micro_batch, n, rank, device=device.type).values()))
+        except ConfigError:
+            formula.append(None)
+            exact.append(None)
+    return {"stage_act_peak_measured": peaks.tolist(), "stage_act_peak_formula": formula,
+            "stage_act_peak_exact": exact}

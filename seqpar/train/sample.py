@@ -1,6 +1,7 @@
 """Text generation from a single-process model: temperature, top-k; temperature 0 is greedy.
 
-The checkpoint is loaded at tp = pp = 1 whatever layout wrote it (checkpoints hold full tensors).
+The checkpoint is loaded at tp = pp = 1 whatever layout wrote it (a checkpoint describes every tensor
+at its full, single-process shape, stored in chunks; a reader takes the chunks it needs).
 Byte-level models decode bytes (invalid UTF-8 shown as replacement characters).
 
 An empty prompt is conditioned on ``START_TEXT``, a newline -- the separator seqpar's text data puts

@@ -68,6 +68,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threa
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Every rank is done before any closes its connections: a gloo peer that closes while another
+        # still completes the last collective can abort that rank ("terminate called ...", SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -7,6 +7,7 @@ import json
 
 import torch
 import torch.distributed.checkpoint as dcp
+from _helpers import LargestAllocation
 
 from seqpar.parallel.launch import run_ranks
 from seqpar.train import checkpoint as ckpt
@@ -25,23 +26,10 @@ def sections(out, tp=1, **train):
             "train": {**TRAIN, "out_dir": str(out), **train}}
 
 
-class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
-    """The most elements of any floating-point tensor an op makes (views and in-place results excluded;
-    the byte tensors of DCP's pickled plans and the meta-device model a load checks shapes on do not count)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        returns = func._schema.returns
-        if not (func.is_view or (returns and returns[0].alias_info is not None)):
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta"
-                        and t.numel() > self.largest):
-                    self.largest, self.op = t.numel(), f"{func} {tuple(t.shape)}"
-        return out
+def _largest_floating() -> LargestAllocation:
+    """The largest floating-point tensor an op makes (the byte tensors of DCP's pickled plans and the
+    meta-device model a load checks shapes on do not count)."""
+    return LargestAllocation(lambda t: t.is_floating_point() and t.device.type != "meta")
 
 
 def _train_save_load(rank, world, out, tp, resume):
@@ -57,19 +45,19 @@ def _train_save_load(rank, world, out, tp, resume):
             trainer.state.step = step
             trainer.train_step(step)
     states = trainer.opt.local_state()
-    with _Largest() as saving:
+    with _largest_floating() as saving:
         path = trainer.save()
     local = {name: {k: v.clone() for k, v in t.items()} for name, _, t in states}
     for _, _, tensors in states:
         for value in tensors.values():
             value.zero_()
-    with _Largest() as loading:
+    with _largest_floating() as loading:
         ckpt.load_shards(ckpt.resolve(path), states, trainer.dims, True)
     reloaded = all(torch.equal(local[name][k], v) for name, _, t in states for k, v in t.items())
     split = [torch.Size(full_shape(p, tp)).numel() for _, p, _ in states if layout_of(p).split_dim is not None]
     return {"path": path, "local": local, "reloaded": reloaded, "save_largest": saving.largest,
             "load_largest": loading.largest,
-            "ops": (getattr(saving, "op", ""), getattr(loading, "op", "")), "largest_full_split": max(split),
+            "ops": (saving.op, loading.op), "largest_full_split": max(split),
             "largest_local": max(p.numel() for _, p, _ in states),
             "params": {name: (p.numel(), layout_of(p).split_dim is not None) for name, p, _ in states}}
 

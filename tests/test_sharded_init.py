@@ -4,10 +4,10 @@ grouped QKV with fewer kv heads than ranks), and nothing it allocates is larger 
 
 import pytest
 import torch
+from _helpers import LargestAllocation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqpar.parallel.layout as layout_module
 from seqpar.config import ModelConfig
@@ -83,24 +83,6 @@ def test_grouped_qkv_shards_hold_the_single_process_rows(kv, per_group, d, block
         layout_module.BLOCK_ELEMENTS = saved
 
 
-class _LargestAllocation(TorchDispatchMode):
-    """The most elements any tensor made while active holds."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        returns = func._schema.returns
-        if func.is_view or (returns and returns[0].alias_info is not None):  # a view, or an in-place op
-            return out
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_initialisation_allocates_at_most_one_block(monkeypatch):
     """A model of ~12k parameters, blocks of 64: init never makes a tensor above one block (a row of
     32 for a [256, 32] embedding is one slice, 2 rows a block)."""
@@ -108,7 +90,7 @@ def test_initialisation_allocates_at_most_one_block(monkeypatch):
     cfg = ModelConfig(vocab_size=256, hidden_size=32, num_heads=4, num_layers=1, seq_len=16)
     model = build_model(cfg, seed=5)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    with _LargestAllocation() as mode:
+    with LargestAllocation() as mode:
         init_parameters(model, 5)
     assert mode.largest <= 64 < max(p.numel() for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.named_parameters())

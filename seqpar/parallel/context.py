@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.config import ConfigError
-from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.dims import GroupContext
 
 
 def check_divisible(seq_len: int, cp: int) -> None:
@@ -67,18 +67,8 @@ def gather_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class CPContext:
+class CPContext(GroupContext):
     """The context-parallel group a model is built with (``None``: cp = 1, every call an identity)."""
-
-    group: object = None
-
-    @property
-    def size(self) -> int:
-        return group_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return group_rank(self.group)
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor (tokens, labels ``[b, s]`` → ``[b, s/cp]``)."""

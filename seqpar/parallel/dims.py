@@ -27,6 +27,22 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+@dataclass(frozen=True, eq=False)
+class GroupContext:
+    """One process group a module is built with (``None``: one rank), its size and this rank in it;
+    the base of ``TPContext`` and ``CPContext``."""
+
+    group: object = None
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self.group)
+
+
 @dataclass
 class ParallelDims:
     """Coordinates of this rank and its groups. Groups of size 1 are ``None``."""

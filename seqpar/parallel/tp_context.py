@@ -9,26 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.dims import GroupContext
 from seqpar.parallel.rng import RNGTracker
 
 
 @dataclass(frozen=True, eq=False)
-class TPContext:
-    group: object = None  # the tensor-parallel process group; None: one rank
+class TPContext(GroupContext):  # group: the tensor-parallel process group; None: one rank
     sequence_parallel: bool = False
     tracker: RNGTracker = field(default_factory=RNGTracker)
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)
-
-    @property
-    def size(self) -> int:
-        return group_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return group_rank(self.group)
 
     @property
     def stream(self) -> str:

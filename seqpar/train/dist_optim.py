@@ -37,7 +37,7 @@ from torch import nn
 
 from seqpar.parallel.grad_buffer import Bucket
 from seqpar.parallel.layout import layout_of
-from seqpar.train.optim import MasterOptimizer, _set_step, lr_at
+from seqpar.train.optim import MasterOptimizer, _set_step, set_lr_and_clip_scale
 
 
 @dataclass
@@ -117,12 +117,7 @@ class DistributedOptimizer(MasterOptimizer):
         return total.sqrt()
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
-        lr = lr_at(step, self.cfg)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        scale = 1.0
-        if self.cfg.grad_clip > 0 and grad_norm is not None:
-            scale = min(1.0, self.cfg.grad_clip / (float(grad_norm) + 1e-6))
+        lr, scale = set_lr_and_clip_scale(self.opt, step, self.cfg, grad_norm)
         for f in self.fragments:
             grad = f.grad()
             if scale != 1.0:

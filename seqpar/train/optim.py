@@ -35,6 +35,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return learning_rate(step, cfg)
 
 
+def set_lr_and_clip_scale(opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
+                          grad_norm: torch.Tensor | None) -> tuple[float, float]:
+    """Set every param group of ``opt`` to the scheduled lr of ``step``; (that lr, the factor that
+    clips the gradients to ``grad_clip`` given the global ``grad_norm``, 1 when it does not bind)."""
+    lr = lr_at(step, cfg)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    scale = 1.0
+    if cfg.grad_clip > 0 and grad_norm is not None:
+        scale = min(1.0, cfg.grad_clip / (float(grad_norm) + 1e-6))
+    return lr, scale
+
+
 def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """(canonical name, parameter) of every chunk this rank holds, in a fixed order."""
     return [(canonical_name(chunk, n), p) for chunk in chunks for n, p in chunk.named_parameters()]
@@ -164,12 +177,7 @@ class MasterOptimizer:
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
         """Clip to ``grad_clip`` using ``grad_norm``, set the scheduled lr, update; returns the lr."""
-        lr = lr_at(step, self.cfg)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        scale = 1.0
-        if self.cfg.grad_clip > 0 and grad_norm is not None:
-            scale = min(1.0, self.cfg.grad_clip / (float(grad_norm) + 1e-6))
+        lr, scale = set_lr_and_clip_scale(self.opt, step, self.cfg, grad_norm)
         for (_, p), m in zip(self.named, self.masters, strict=True):
             grad = grad_of(p)
             if grad is None:

@@ -1,6 +1,6 @@
 """The one launcher: start ranks on this machine, and supervise them.
 
-* ``run_ranks(fn, N, *args)``: ``fn(rank, N, *args)`` on N spawned local ranks, their return values
+* ``run_ranks(fn, N, *args)``: ``fn(rank, N, *args)`` on N local ranks, their return values
   back as a list (tests, ``seqpar memory --measure``, ``seqpar selftest``, benchmarks, and
   ``seqpar.train.loop.train_local``). The backend follows the device type: gloo for ``cpu`` (the
   default), the accelerator's own (NCCL for ``cuda``) otherwise, with rank ``r`` on local device
@@ -57,7 +57,17 @@ def backend_for(device_type: str) -> str:
     return dist.get_default_backend_for_device(torch.device(device_type))
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threads: int, device_type: str):
+# Ranks are forked from a server process that imported torch and seqpar once (``forkserver``, where
+# the platform has it): a rank then starts in milliseconds instead of re-importing torch for seconds
+# (``spawn``). The server never touches a device, so the ranks may use CUDA as spawned ones do.
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+PRELOAD = ["torch", "torch._dynamo", "seqpar.train.loop"]  # the first optimizer a rank builds imports torch._dynamo
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threads: int, device_type: str,
+            environ: dict[str, str]):
+    os.environ.clear()  # the caller's environment now, as a spawned rank has it (not the server's, from its start)
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
@@ -77,14 +87,17 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threa
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 900.0, threads: int = 1,
               device_type: str = "cpu") -> list:
-    """Spawn ``world_size`` ranks running ``fn`` (gloo on ``cpu``; on an accelerator one rank per
+    """Start ``world_size`` ranks running ``fn`` (gloo on ``cpu``; on an accelerator one rank per
     local device, its default backend); return the list of their results."""
     if world_size < 1:
         raise ValueError(f"world size must be positive, got {world_size}")
     backend_for(device_type)  # an unknown device type fails here, before any process starts
+    if START_METHOD == "forkserver":
+        mp.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call), then ignored
     with tempfile.TemporaryDirectory(prefix="seqpar-ranks-") as out_dir:
-        ctx = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, device_type),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, device_type,
+                                                dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

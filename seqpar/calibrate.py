@@ -10,9 +10,12 @@ which parameter it gives:
                                     formula (FLOPs / (peak x eff) + operand bytes / operand bandwidth)
     element-wise ops (fwd + bwd)    memory_bw = the bytes the cost model counts for LayerNorm, GeLU,
                                     the attention core's softmax + dropout, dropout + residual / time
-    all-reduce, all-gather,         intra_node_bw and comm_latency fitted to every size with the cost
-    reduce-scatter, p2p send/recv   model's latency + ring volume / bus bandwidth (the local ranks are one
-    ping-pong                       node; inter_node_bw is set to the same: not measured)
+    all-reduce, all-gather,         each right after a GEMM on every rank, as training calls them (minus
+    reduce-scatter, p2p send/recv   the GEMM alone): intra_node_bw and comm_latency fitted to every size
+    ping-pong                       with the cost model's latency + ring volume / bus bandwidth (the local
+                                    ranks are one node; inter_node_bw is set to the same: not measured)
+    each collective launched async  comm_overlap: the share of the collective the GEMM hid (``overlap``);
+    beside the same GEMM            with one rank nothing is measured: 0 on a CPU, 1 on an accelerator
     seqpar's own training step      layer_overhead, step_overhead: a tiny model (dp over the ranks) at 1
                                     and 3 layers; the time the fitted terms do not explain, per layer
                                     pass and per step
@@ -40,11 +43,12 @@ from seqpar.parallel.launch import default_device, run_ranks
 
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
     "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
-              "collective_bytes": [1 << 14, 1 << 16], "repeats": 3, "framework_repeats": 3,
-              "block": 0.0},
+              "collective_bytes": [1 << 14, 1 << 16], "beside_gemm": (64, 64, 64), "repeats": 3,
+              "framework_repeats": 3, "block": 0.0},
     "full": {"gemm": [(m, k, n) for m in (256, 1024) for k in (256, 1024) for n in (256, 768, 1024)]
              + [(512, 512, 512)],
-             "elementwise": (128, 4, 256, 4), "collective_bytes": [1 << 16, 1 << 19, 1 << 22], "repeats": 5,
+             "elementwise": (128, 4, 256, 4), "collective_bytes": [1 << 12, 1 << 16, 1 << 19, 1 << 22],
+             "beside_gemm": (512, 512, 512), "repeats": 5,
              "framework_repeats": 5, "block": 0.25},
 }
 CLOSED_LOOP_BAND = 0.20  # the goal for predicted vs measured step time on the calibrated machine (seqpar bench planner)
@@ -126,36 +130,80 @@ def elementwise(sizes, dtype, device, repeats: int, block: float = 0.0, dropout:
             for name, (fn, nbytes) in ops.items()]
 
 
-def collectives(sizes: list[int], dtype, device, repeats: int, block: float = 0.0) -> list[dict]:
-    """Bus bandwidth of all-reduce (2(n-1)/n x bytes / time), all-gather and reduce-scatter ((n-1)/n)."""
+def _beside(gemm_shape, dtype, device):
+    """The GEMM every collective is timed after or beside: training never calls one on idle ranks."""
+    gen = torch.Generator().manual_seed(2)
+    m, k, n = gemm_shape
+    a = torch.randn(m, k, generator=gen).to(device, dtype)
+    b = torch.randn(k, n, generator=gen).to(device, dtype)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def collectives(sizes: list[int], dtype, device, repeats: int, block: float = 0.0,
+                gemm_shape=(512, 512, 512)) -> list[dict]:
+    """All-reduce, all-gather and reduce-scatter as training meets them, after a GEMM on every rank.
+
+    ``seconds``: time(GEMM; collective) - time(GEMM), what the collective adds in a step (it includes the
+    wait for a rank that comes late and for threads to wake: on a shared CPU several times a lone call
+    in a tight loop, ``alone_s``). ``beside_s``: time(collective started async; GEMM; wait) - time(GEMM),
+    what it adds when launched beside the GEMM (the overlap ``fit_profile`` derives). ``bus_bw``: 2(n-1)/n
+    (all-reduce) or (n-1)/n x bytes / ``seconds``."""
     n = dist.get_world_size() if dist.is_initialized() else 1
     if n == 1:
         return []
     e = torch.empty((), dtype=dtype).element_size()
+    gemm = _beside(gemm_shape, dtype, device)
+    gemm_alone = timed(gemm, repeats, device, block)
     rows = []
     for nbytes in sizes:
         numel = max(n, nbytes // e // n * n)
         full = torch.ones(numel, dtype=dtype, device=device)
         shard = torch.ones(numel // n, dtype=dtype, device=device)
-        ops = {"all_reduce": (lambda full=full: dist.all_reduce(full), 2),
-               "all_gather": (lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard), 1),
-               "reduce_scatter": (lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full), 1)}
+        ops = {"all_reduce": (lambda full=full, **k: dist.all_reduce(full, **k), 2),
+               "all_gather": (lambda full=full, shard=shard, **k: dist.all_gather_into_tensor(full, shard, **k), 1),
+               "reduce_scatter": (lambda full=full, shard=shard, **k: dist.reduce_scatter_tensor(shard, full, **k), 1)}
         for name, (fn, factor) in ops.items():
-            seconds = timed(fn, repeats, device, block)
-            rows.append({"op": name, "bytes": numel * e, "seconds": seconds,
+            def after(fn=fn):
+                gemm()
+                fn()
+
+            def beside(fn=fn):
+                work = fn(async_op=True)
+                gemm()
+                work.wait()
+
+            alone = timed(fn, repeats, device, block)
+            seconds = max(1e-7, timed(after, repeats, device, block) - gemm_alone)
+            rows.append({"op": name, "bytes": numel * e, "seconds": seconds, "alone_s": alone,
+                         "beside_s": timed(beside, repeats, device, block) - gemm_alone, "gemm_s": gemm_alone,
                          "bus_bw": factor * (n - 1) / n * numel * e / seconds})
     return rows
 
 
-def p2p(sizes: list[int], device, repeats: int, block: float = 0.0) -> list[dict]:
-    """One-way seconds of a rank 0 <-> rank 1 ping-pong (half the round trip)."""
+def overlap(rows: list[dict]) -> float:
+    """The share of a collective a GEMM beside it hides, as the cost model uses it (an overlapped
+    collective costs comm - overlap x min(comm, GEMM)): per measured collective (after - beside) /
+    min(after, GEMM), clipped to [0, 1] (below 0: running both together is slower than in turn); the
+    median over all of them (one noisy size does not decide it)."""
+    shares = [min(1.0, max(0.0, (r["seconds"] - r["beside_s"]) / min(r["seconds"], r["gemm_s"])))
+              for r in rows if min(r["seconds"], r["gemm_s"]) > 0]
+    return statistics.median(shares) if shares else 0.0
+
+
+def p2p(sizes: list[int], dtype, device, repeats: int, block: float = 0.0, gemm_shape=(512, 512, 512)) -> list[dict]:
+    """One-way seconds of a rank 0 <-> rank 1 ping-pong after a GEMM on each: (time(GEMM; send and
+    receive) - time(GEMM)) / 2, the other ranks idle."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return []
     rank, rows = dist.get_rank(), []
+    gemm = _beside(gemm_shape, dtype, device)
+    gemm_alone = timed(gemm, repeats, device, block)
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=device)
 
         def pingpong(buf=buf):
+            gemm()
             if rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
@@ -163,7 +211,8 @@ def p2p(sizes: list[int], device, repeats: int, block: float = 0.0) -> list[dict
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        rows.append({"bytes": buf.numel(), "seconds": timed(pingpong, repeats, device, block) / 2})
+        seconds = max(1e-7, (timed(pingpong, repeats, device, block) - gemm_alone) / 2)
+        rows.append({"bytes": buf.numel(), "seconds": seconds, "gemm_s": gemm_alone})
     return rows
 
 
@@ -202,8 +251,8 @@ def _measure(rank: int, world: int, dtype: str, size: str) -> dict:
     block, reps = sz["block"], sz["repeats"]
     return {"gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
             "elementwise": elementwise(sz["elementwise"], tdt, device, reps, block),
-            "collectives": collectives(sz["collective_bytes"], tdt, device, reps, block),
-            "p2p": p2p([8, sz["collective_bytes"][-1]], device, reps, block),
+            "collectives": collectives(sz["collective_bytes"], tdt, device, reps, block, sz["beside_gemm"]),
+            "p2p": p2p([8, sz["collective_bytes"][-1]], tdt, device, reps, block, sz["beside_gemm"]),
             "framework": framework(dtype, device, sz["framework_repeats"], block)}
 
 
@@ -234,7 +283,8 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
     memory_bw = sum(r["bytes"] for r in meas["elementwise"]) / sum(r["seconds"] for r in meas["elementwise"])
     hw = Hardware(gpus_per_node=max(1, nproc), peak_flops=peak, memory_bw=memory_bw, intra_node_bw=memory_bw,
                   inter_node_bw=memory_bw, comm_latency=1e-5, layer_overhead=0.0, step_overhead=0.0,
-                  gemm_efficiency=0.9, name=name, memory_bytes=_memory_bytes(), reserve_fraction=0.10)
+                  gemm_efficiency=0.9, name=name, memory_bytes=_memory_bytes(), reserve_fraction=0.10,
+                  comm_overlap=0.0 if default_device().type == "cpu" else 1.0)  # not measured on one rank
     if meas["collectives"]:  # bus bandwidth and latency as the cost model uses them: latency + volume / bw
         factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
         points = [DataPoint("collective", "", f"{r['op']} {r['bytes']} B", r["seconds"],
@@ -243,7 +293,7 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
         points += [DataPoint("p2p", "", f"send {r['bytes']} B", r["seconds"],
                              lambda h, r=r: h.comm_latency + r["bytes"] / h.intra_node_bw) for r in meas["p2p"]]
         hw = fit(points, hw, names=("intra_node_bw", "comm_latency"), prior_weight=1e-3)
-        hw = replace(hw, inter_node_bw=hw.intra_node_bw)  # one machine: nothing crosses nodes
+        hw = replace(hw, inter_node_bw=hw.intra_node_bw, comm_overlap=overlap(meas["collectives"]))  # one machine
     points = [DataPoint("gemm", "", f"{r['m']}x{r['k']}x{r['n']}", r["seconds"],
                         lambda h, r=r: gemm_s(r["flops"], r["bytes"], h)) for r in meas["gemm"]]
     hw = fit(points, replace(hw, gemm_operand_bw=memory_bw), names=("gemm_efficiency", "gemm_operand_bw"),

@@ -109,7 +109,8 @@ def test_terms_for_tp_pp_selective():
     it = iteration_time(SHAPE, par, RecomputeConfig("selective"), 1, 4, hw)
     n, gemm = 4, 1e6 * 0.5
     assert it.terms["recompute"] == pytest.approx(n * 2 * (4 * 16 * 8) / 2 / gemm)  # 2 layers, 4bs^2h / t
-    assert it.terms["pp_p2p"] == pytest.approx(n * 2 * 2 * (1e-3 + (2 * 4 * 8) / 2 / 1e3))  # 4 GPUs in one node
+    # 4 GPUs in one node; once per step the gradient norm over pp and the loss from the last stage
+    assert it.terms["pp_p2p"] == pytest.approx(n * 2 * 2 * (1e-3 + (2 * 4 * 8) / 2 / 1e3) + 2 * 1e-3)
     assert it.terms["bubble"] == pytest.approx((2 - 1) / 2 * it.microbatch_s)
     assert it.terms["dp_allreduce"] == 0 and it.slowest_rank == 1  # the last rank computes the logits
 
@@ -124,3 +125,44 @@ def test_full_recompute_block_and_app_c():
     every = iteration_time(SHAPE, pp, RecomputeConfig("full"), 1, 4, HW)
     kept = iteration_time(SHAPE, pp, RecomputeConfig("full", keep_microbatches=1), 1, 4, HW)
     assert kept.terms["recompute"] == pytest.approx(every.terms["recompute"] / 2)  # rank 0: 2 in flight, 1 kept
+
+
+def _latency_only(overlap: float) -> Hardware:
+    """Every collective costs one comm_latency (1 s), nothing else costs anything."""
+    return replace(HW, peak_flops=1e30, intra_node_bw=1e30, comm_latency=1.0, comm_overlap=overlap)
+
+
+@pytest.mark.parametrize("sp, fwd_calls, bwd_calls", [(False, 2, 2), (True, 4, 6)])
+def test_every_collective_call_pays_the_latency(sp, fwd_calls, bwd_calls):
+    """TP: f-bar's 2 all-reduces forward, f's 2 backward; SP: g's 2 all-gathers + g-bar's 2 reduce-scatters
+    forward, g-bar's 2 all-gathers + the 2 re-gathers + g's 2 reduce-scatters backward."""
+    par = ParallelConfig(tp=2, sp=sp)
+    p = layer_pass_s(SHAPE, par, 1, _latency_only(0.0), OPTS)
+    assert (p["forward"]["tp_comm"], p["backward"]["tp_comm"]) == (fwd_calls, bwd_calls)
+    # the whole step: 4 layers, the embedding (TP 1 call, SP 2), the output layer (TP 1, SP 3), the cross
+    # entropy's 3, and once per step the gradient norm (+ SP's replicated gradients); full recompute
+    # runs every layer's forward collectives again
+    per_mb = 4 * (fwd_calls + bwd_calls) + (2 + 3 if sp else 1 + 1) + 3
+    for rc, again in (("none", 0), ("selective", 0), ("full", 4 * fwd_calls)):
+        it = iteration_time(SHAPE, par, RecomputeConfig(rc), 1, 2, _latency_only(0.0))
+        assert it.terms["tp_comm"] == pytest.approx(2 * per_mb + 1 + sp)  # 2 microbatches
+        assert it.terms["recompute"] == pytest.approx(2 * again, abs=1e-9)
+
+
+def test_overlap_field_hides_backward_collectives_behind_their_gemms():
+    """comm_overlap 1 (GPUs) hides what a GEMM covers; 0 (one CPU doing both) hides nothing: a tp = 2
+    layout gets slower as overlap falls, a tp = 1 layout does not move."""
+    hw = replace(HW, comm_latency=1e-3, memory_bw=1e4)
+    times = {}
+    for sp in (False, True):
+        par = ParallelConfig(tp=2, sp=sp)
+        times[sp] = [iteration_time(SHAPE, par, RecomputeConfig(), 1, 2, replace(hw, comm_overlap=o)).total
+                     for o in (1.0, 0.5, 0.0)]
+        assert times[sp][0] < times[sp][1] < times[sp][2]
+        p0 = layer_pass_s(SHAPE, par, 1, replace(hw, comm_overlap=0.0), OPTS)
+        p1 = layer_pass_s(SHAPE, par, 1, replace(hw, comm_overlap=1.0), OPTS)
+        assert p0["forward"] == p1["forward"]  # forward collectives are never overlapped
+        assert p0["backward"]["tp_comm"] > p1["backward"]["tp_comm"]
+    single = [iteration_time(SHAPE, ParallelConfig(), RecomputeConfig(), 1, 2, replace(hw, comm_overlap=o)).total
+              for o in (1.0, 0.0)]
+    assert single[0] == single[1]

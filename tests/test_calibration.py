@@ -91,11 +91,17 @@ def test_profile_json_round_trip_and_validation(tmp_path):
     for change, message in (({"memory_bw": -1}, "memory_bw must be positive"),
                             ({"gemm_efficiency": 1.5}, r"gemm_efficiency must be in \(0, 1\]"),
                             ({"gpus_per_node": 0}, "gpus_per_node must be a positive integer"),
-                            ({"typo_bw": 1}, "unknown field"), ({"reserve_fraction": 1.0}, "out of range")):
+                            ({"typo_bw": 1}, "unknown field"), ({"reserve_fraction": 1.0}, "out of range"),
+                            ({"comm_overlap": 1.2}, r"comm_overlap must be in \[0, 1\]"),
+                            ({"comm_overlap": "yes"}, "comm_overlap must be a number")):
         with pytest.raises(AnalysisError, match=message):
             profile_from_json(good | change)
     with pytest.raises(AnalysisError, match="missing field"):
         profile_from_json({"name": "x"})
+    no_overlap = {k: v for k, v in good.items() if k != "comm_overlap"}
+    with pytest.raises(AnalysisError, match="missing field.s. comm_overlap .*seqpar calibrate measures it"):
+        profile_from_json(no_overlap)
+    assert builtin_profile("a100-80gb").comm_overlap == 1.0  # GPUs overlap, as the paper's fit assumes
     path.write_text("{not json")
     with pytest.raises(AnalysisError, match="not readable JSON"):
         load_profile(str(path))
@@ -133,6 +139,7 @@ def test_calibrated_profile_changes_the_plan(capsys, tmp_path):
     assert printed["machine"]["device"] in ("cpu", "cuda") and printed["measurements"]["gemm"]
     hw = load_profile(str(path))
     assert hw.peak_flops == max(r["flops"] / r["seconds"] for r in printed["measurements"]["gemm"])
+    assert 0 <= hw.comm_overlap <= 1 and printed["comm_overlap"] == hw.comm_overlap
     assert "seqpar calibrate" in hw.source
     assert main(PLAN) == 0
     default = json.loads(capsys.readouterr().out)
@@ -160,3 +167,15 @@ def test_bench_planner_predicts_each_layout_and_judges_the_ranking():
             {"layout": "c", "measured_s": 1.02, "noise": 0.05, "predicted_s": 5.0}]
     rank = planner.ranking(rows)
     assert rank["distinguishable_pairs"] == 2 and rank["agreeing"] == 1  # a-c within noise; c-b misordered
+
+
+def test_overlap_is_what_the_gemm_hid_of_each_collective():
+    from seqpar.calibrate import overlap
+
+    # after: the collective right after the GEMM; beside: launched async, then the GEMM, then waited on
+    rows = [{"seconds": 1.0, "beside_s": 1.0, "gemm_s": 3.0},  # nothing hidden
+            {"seconds": 1.0, "beside_s": 0.5, "gemm_s": 3.0},  # half
+            {"seconds": 4.0, "beside_s": 1.0, "gemm_s": 3.0}]  # all the GEMM could cover
+    assert overlap(rows) == 0.5
+    assert overlap([{"seconds": 1.0, "beside_s": 2.0, "gemm_s": 3.0}]) == 0.0  # together slower: clipped
+    assert overlap(rows[2:]) == 1.0 and overlap([]) == 0.0

@@ -1,6 +1,7 @@
 """A transparent iteration-time model for ranking plans (not a simulator), with few physical parameters.
 
-The machine (``Hardware``) is seven numbers a calibration fits (``calibration.py``, ``seqpar calibrate``):
+The machine (``Hardware``) is seven numbers a calibration fits (``calibration.py``, ``seqpar calibrate``),
+and one it measures (``comm_overlap``, below):
 ``gemm_efficiency`` (fraction of peak a large GEMM reaches), ``memory_bw`` (bytes/s element-wise ops and
 GEMM operands move), ``intra_node_bw`` / ``inter_node_bw`` (achieved bus bandwidth of a collective in a
 node / per GPU across nodes), ``comm_latency`` (seconds per message: each collective call and each
@@ -16,11 +17,20 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 GeLU, softmax + dropout of the s^2 scores (none with fused attention), / memory_bw;
                 backward moves twice the forward's bytes
     tp_comm     forward: 2 all-reduces of the [s, b, h] activation (f-bar after out-proj and fc2), or
-                all-gather + reduce-scatter of the same volume under SP (g, g-bar). Backward, as Megatron
-                runs it: TP's 2 all-reduces (f) overlap the weight-gradient GEMM of QKV / fc1; under SP the
-                2 all-gathers of g-bar are exposed, the reduce-scatters of g overlap the weight-gradient
-                GEMM and the re-gather of the stored input shard (Sec. 4.2.2) the input-gradient GEMM.
-                An overlapped collective costs only what exceeds its GEMM.
+                under SP 2 all-gathers (g before QKV and fc1) + 2 reduce-scatters (g-bar after out-proj
+                and fc2) of the same volume: 4 calls. Backward: TP's 2 all-reduces (f) run beside the
+                weight-gradient GEMM of QKV / fc1 (as Megatron runs them); under SP the 2 all-gathers of
+                g-bar are exposed, and per column-parallel GEMM the re-gather of the stored input shard
+                (Sec. 4.2.2) runs beside the input-gradient GEMM and g's reduce-scatter beside the
+                weight-gradient GEMM. A collective run beside a GEMM costs
+                comm - comm_overlap x min(comm, GEMM): comm_overlap 1 (GPUs: a copy engine and a stream
+                of its own) hides all of it the GEMM covers, 0 (a CPU: the same cores do both) nothing.
+                Every call costs comm_latency. The first rank adds the embedding's reduction (TP: 1
+                all-reduce; SP: a reduce-scatter forward, an all-gather backward), the last the output
+                layer's (TP: f's all-reduce beside the logits' weight-gradient GEMM; SP: as a column-
+                parallel GEMM above) and the vocab-parallel cross entropy's 3 all-reduces of s b fp32
+                values; once per step the gradient norm's all-reduce over tp (and over pp), and under
+                SP the all-reduce of the replicated parameters' partial gradients
     recompute   selective: the attention core's forward again (QK^T, softmax, dropout, attention*V);
                 full: each recomputed layer's whole forward (GEMMs, element-wise, collectives, overhead);
                 App. C kept chunk-microbatches are not recomputed
@@ -75,6 +85,7 @@ class Hardware:
     inter_node_bw: float = 20e9  # one 200 Gb/s adapter per GPU
     comm_latency: float = 20e-6  # per collective call or pipeline message
     layer_overhead: float = 50e-6
+    comm_overlap: float = 1.0  # share of a collective a GEMM run beside it hides (1: GPUs, NCCL on its own stream)
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
     reserve_fraction: float = 0.10  # kept free for allocator fragmentation, workspaces, NCCL buffers
@@ -108,6 +119,22 @@ def ring_allreduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
 def ring_gather_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     """Ring all-gather or reduce-scatter of a ``nbytes`` full tensor: (n-1)/n x bytes / bus bandwidth."""
     return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def beside_gemm_s(comm: float, gemm: float, hw: Hardware) -> float:
+    """A collective launched beside a GEMM: what ``comm_overlap`` of the GEMM's time does not hide."""
+    return comm - hw.comm_overlap * min(comm, gemm)
+
+
+def tp_collectives_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
+                     opts: ActivationOptions) -> tuple[float, float]:
+    """(all-reduce, all-gather or reduce-scatter) seconds of the e [s/cp, b, h] activation over the tp group,
+    each one call (``comm_latency``) + its ring volume; (0, 0) without tensor parallelism."""
+    if par.tp == 1:
+        return 0.0, 0.0
+    bw = hw.intra_node_bw if par.tp <= hw.gpus_per_node else hw.inter_node_bw
+    msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size
+    return hw.comm_latency + ring_allreduce_s(msg, par.tp, bw), hw.comm_latency + ring_gather_s(msg, par.tp, bw)
 
 
 def gemm_s(flops: float, nbytes: float, hw: Hardware) -> float:
@@ -167,15 +194,15 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
     t = par.tp
     g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts, par.cp).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
-    bw = hw.intra_node_bw if t <= hw.gpus_per_node else hw.inter_node_bw
-    msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size
-    latency = hw.comm_latency if t > 1 else 0.0
-    allreduce, gather = latency + ring_allreduce_s(msg, t, bw), latency + ring_gather_s(msg, t, bw)
-    if par.sp:  # g-bar backward all-gathers exposed; g's reduce-scatter || wgrad, re-gather || dgrad
-        bwd_comm = 2 * gather + sum(2 * max(0.0, gather - g[k]) for k in ("qkv", "fc1"))
-    else:  # f's all-reduce || the weight-gradient GEMM of QKV and fc1
-        bwd_comm = sum(max(0.0, allreduce - g[k]) for k in ("qkv", "fc1"))
-    fwd = {"compute": sum(g.values()), "elementwise": sum(el.values()), "tp_comm": 2 * allreduce,
+    allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
+    if par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
+        # and per column-parallel GEMM the re-gather beside dgrad, the reduce-scatter beside wgrad
+        fwd_comm = 4 * gather
+        bwd_comm = 2 * gather + sum(2 * beside_gemm_s(gather, g[k], hw) for k in ("qkv", "fc1"))
+    else:  # f-bar's 2 all-reduces; backward f's all-reduce beside the weight-gradient GEMM of QKV and fc1
+        fwd_comm = 2 * allreduce
+        bwd_comm = sum(beside_gemm_s(allreduce, g[k], hw) for k in ("qkv", "fc1"))
+    fwd = {"compute": sum(g.values()), "elementwise": sum(el.values()), "tp_comm": fwd_comm,
            "overhead": hw.layer_overhead}
     bwd = {"compute": 2 * fwd["compute"], "elementwise": 2 * fwd["elementwise"], "tp_comm": bwd_comm,
            "overhead": hw.layer_overhead}
@@ -199,8 +226,8 @@ def ring_exposed_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
     bw = hw.intra_node_bw if par.tp * cp <= hw.gpus_per_node else hw.inter_node_bw
     kv, dkv = 2 * opts.act_bytes * block / bw, 2 * 4 * block / bw  # K and V; fp32 dK and dV
     step = core_s / cp
-    fwd = (cp - 1) * max(0.0, hw.comm_latency + kv - step)
-    bwd = (cp - 1) * max(0.0, 2 * hw.comm_latency + kv + dkv - 2.5 * step) + hw.comm_latency + dkv
+    fwd = (cp - 1) * beside_gemm_s(hw.comm_latency + kv, step, hw)
+    bwd = (cp - 1) * beside_gemm_s(2 * hw.comm_latency + kv + dkv, 2.5 * step, hw) + hw.comm_latency + dkv
     return fwd, bwd
 
 
@@ -224,15 +251,40 @@ def recomputed_fraction(rc: RecomputeConfig, in_flight: int) -> float:
     return 1 - min(rc.keep_microbatches, in_flight) / in_flight
 
 
-def head_s(shape: ModelConfig, t: int, b: int, hw: Hardware, opts: ActivationOptions,
-           cp: int = 1) -> dict[str, float]:
-    """The last stage's logits GEMM (forward + 2x backward) and cross entropy over fp32 logits (of the
-    rank's s/cp tokens under context parallelism)."""
+def head_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, opts: ActivationOptions) -> dict[str, float]:
+    """The last stage's logits GEMM (forward + 2x backward), cross entropy over fp32 logits (of the
+    rank's s/cp tokens under context parallelism) and, under tensor parallelism, their collectives:
+    the output layer's input (TP: f's backward all-reduce beside the logits' weight-gradient GEMM; SP: an
+    all-gather forward, the re-gather and reduce-scatter beside the input- and weight-gradient GEMMs)
+    and the cross entropy's 3 all-reduces of s b fp32 values (max, sum of exponentials, target logit)."""
+    t, cp = par.tp, par.cp
     s, h, v = shape.seq_len // cp, shape.hidden_size, shape.vocab_per_rank(t)
     flops = 2 * s * b * h * v
     nbytes = opts.act_bytes * (s * b * h + h * v + s * b * v)
     ce = s * b * v * (opts.act_bytes + 3 * opts.logits_bytes)  # cast, softmax read + write
-    return {"compute": 3 * gemm_s(flops, nbytes, hw), "elementwise": 2 * ce / hw.memory_bw}
+    logits = gemm_s(flops, nbytes, hw)
+    out = {"compute": 3 * logits, "elementwise": 2 * ce / hw.memory_bw}
+    if t > 1:
+        allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
+        bw = hw.intra_node_bw if t <= hw.gpus_per_node else hw.inter_node_bw
+        scalars = 3 * (hw.comm_latency + ring_allreduce_s(4 * s * b, t, bw))
+        layer = gather + 2 * beside_gemm_s(gather, logits, hw) if par.sp else beside_gemm_s(allreduce, logits, hw)
+        out["tp_comm"] = layer + scalars
+    return out
+
+
+def embedding_comm_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, opts: ActivationOptions) -> float:
+    """The first stage's reduction of the vocab-parallel embedding: f-bar's all-reduce forward (TP), or
+    g-bar's reduce-scatter forward and all-gather backward (SP)."""
+    allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
+    return 2 * gather if par.sp else allreduce
+
+
+def step_collectives_s(par: ParallelConfig, hw: Hardware) -> dict[str, float]:
+    """Once per step, latency-bound: the gradient norm's all-reduce over tp and over pp, the all-reduce of
+    the replicated parameters' partial gradients under SP, and the loss sent from the last stage."""
+    return {"tp_comm": (1 + par.sp) * hw.comm_latency if par.tp > 1 else 0.0,
+            "pp_p2p": 2 * hw.comm_latency if par.pp > 1 else 0.0}
 
 
 def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
@@ -241,8 +293,10 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     layers = shape.num_layers // par.pp
     p = layer_pass_s(shape, par, b, hw, opts)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}  # PASS_TERMS (+ cp_comm)
+    if rank == 0:
+        terms["tp_comm"] += embedding_comm_s(shape, par, b, hw, opts)
     if rank == par.pp - 1:
-        for k, v in head_s(shape, par.tp, b, hw, opts, par.cp).items():
+        for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
     if rc.granularity == "selective":
@@ -299,6 +353,8 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     t_mb = sum(mb.values())
     terms = {k: n * v for k, v in mb.items()}
     terms["bubble"] = (par.pp - 1) / par.interleave * t_mb
+    for k, v in step_collectives_s(par, hw).items():
+        terms[k] += v
     terms["dp_allreduce"] = dp_allreduce_s(shape, par, hw, opt)
     terms["optimizer"] = optimizer_s(shape, par, hw, opt)
     terms["step_overhead"] = hw.step_overhead

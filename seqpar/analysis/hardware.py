@@ -7,7 +7,9 @@ high; those are not used (paper.md). SXM/OAM parts unless the name says otherwis
 A profile is the cost model's machine as JSON (``PROFILE_FIELDS``), with the source of its numbers:
 ``seqpar calibrate --out profile.json`` writes one from micro-benchmarks; built in are
 ``a100-80gb`` (fitted to the paper's measured times, ``calibration.py``), ``h100-80gb`` and
-``h200-141gb`` (the A100 fit's achieved fractions of its data sheet, applied to theirs).
+``h200-141gb`` (the A100 fit's achieved fractions of its data sheet, applied to theirs). Built-in
+profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs); a profile file
+must say it (``REQUIRED_FIELDS``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ DATASHEET: dict[str, tuple[float, float, float, float]] = {
 BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
                   "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
-                  "step_overhead", "gemm_operand_bw", "reserve_fraction", "error_band")
+                  "step_overhead", "comm_overlap", "gemm_operand_bw", "reserve_fraction", "error_band")
+REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
 
 
 def _known(gpu: str) -> str:
@@ -152,13 +155,19 @@ def profile_from_json(data: dict, where: str = "profile"):
             if f.name in ("reserve_fraction", "step_overhead", "comm_latency", "layer_overhead"):
                 if v < 0 or (f.name == "reserve_fraction" and v >= 1):
                     raise AnalysisError(f"{where}: {f.name} {v} is out of range")
+            elif f.name == "comm_overlap":
+                if not 0 <= v <= 1:
+                    raise AnalysisError(f"{where}: comm_overlap must be in [0, 1] (the share of a collective a GEMM "
+                                        f"beside it hides), got {v}")
             elif v <= 0 or (f.name == "gemm_efficiency" and v > 1):
                 rule = "in (0, 1]" if f.name == "gemm_efficiency" else "positive"
                 raise AnalysisError(f"{where}: {f.name} must be {rule}, got {v}")
         values[f.name] = v
-    missing = [n for n in ("peak_flops", "memory_bytes") if n not in values]
+    missing = [n for n in REQUIRED_FIELDS if n not in values]
     if missing:
-        raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}")
+        hint = (" (comm_overlap: the share of a collective a GEMM beside it hides, 1 on GPUs, about 0 on a CPU; "
+                "seqpar calibrate measures it)" if "comm_overlap" in missing else "")
+        raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}{hint}")
     return Hardware(**values)
 
 

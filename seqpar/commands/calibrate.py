@@ -36,6 +36,7 @@ def render(profile: dict) -> str:
             ["element-wise bytes/s (memory_bw)", f"{profile['memory_bw'] / 1e9:.4g} GB/s"],
             ["collective bus bandwidth", f"{profile['intra_node_bw'] / 1e9:.4g} GB/s"],
             ["latency per message", f"{1e6 * profile['comm_latency']:.1f} us"],
+            ["collective hidden beside a GEMM (comm_overlap)", f"{100 * profile['comm_overlap']:.0f}%"],
             ["overhead per layer per pass", f"{1e3 * profile['layer_overhead']:.3f} ms"],
             ["overhead per step", f"{1e3 * profile['step_overhead']:.3f} ms"],
             ["memory", f"{profile['memory_bytes'] / 1e9:.1f} GB"]]

@@ -1,6 +1,18 @@
 """seqpar plan --emit-config: the chosen plan is a TOML ``seqpar train --config`` runs, with every knob
 the planner chose (tp, pp, dp, interleave, SP, recompute, App. C keep count, micro batch, distributed
-optimizer); trained for 3 steps on 4 CPU ranks, rank 0's model-state bytes are the plan's prediction."""
+optimizer); trained for 3 steps on 4 CPU ranks under a budget that rules plans out, every rank's
+measured model-state and activation bytes are the plan's per-rank prediction, up to named differences.
+
+States: parameters exactly; gradients and the distributed optimizer's shards exactly but for the fp32
+buckets' padding to a multiple of dp (< dp elements a bucket: 4 B each, 12/dp B of optimizer state).
+Activations: the plan's terms (``seqpar.analysis.stage``, the paper's model) differ from the exact
+per-tensor derivation by three things, each computed here and none fitted: the LayerNorm mean/rstd
+the paper drops (the same analysis formula with ``ln_stats_bytes`` set), the small tensors of
+``seqpar.measure.stages.implementation_terms`` (an output in transit, loss indices, final-norm
+statistics), and the plan's ``recompute_working`` (transient, rebuilt inside a backward; the meter
+reports what the schedule holds between passes). With those the measured peak equals the plan's
+terms to the byte, as it equals the trainer's exact value.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +20,44 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
+from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
+from seqpar.analysis.stage import STATE_TERMS, stage_memory
 from seqpar.cli import main
+from seqpar.dtypes import torch_dtype
+from seqpar.measure.saved import layernorm_stat_bytes
+from seqpar.measure.stages import implementation_terms
 from seqpar.train.config import build_job, load_toml
 from seqpar.train.loop import train_local
 
 PLAN = ["plan", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--gpus", "4",
         "--global-batch", "8", "--distributed-optimizer", "--gpu-memory", "0.003", "--reserve", "0", "--no-dropout"]
+TRANSIENT = "recompute_working"
 
 
-def test_emitted_plan_trains_with_the_predicted_states(tmp_path, capsys):
+def _plan_stages(job, settings: dict, ln_stats_bytes: int = 0) -> list[dict]:
+    """The plan's per-pipeline-rank terms from the analysis API (optionally with the LayerNorm statistics)."""
+    m, p, r, t = job.model, job.parallel, job.recompute, job.train
+    opts = ActivationOptions(act_bytes=settings["activation_bytes"], dropout=settings["dropout"] > 0,
+                             fused_attention=settings["fused_attention"], ln_stats_bytes=ln_stats_bytes)
+    opt = OptimizerOptions.for_precision(m.dtype, distributed=t.distributed_optimizer)
+    return [stage_memory(m, p, r, t.micro_batch, t.microbatches(p.dp), opts, opt, rank).terms for rank in range(p.pp)]
+
+
+def _activations(terms: dict) -> float:
+    return sum(v for k, v in terms.items() if k not in STATE_TERMS and k != TRANSIENT)
+
+
+def test_emitted_plan_trains_with_the_predicted_bytes_on_every_rank(tmp_path, capsys):
     path = tmp_path / "plan.toml"
     assert main([*PLAN, "--json", "--emit-config", str(path)]) == 0
     planned = json.loads(capsys.readouterr().out)
     best = planned["best"]
     assert main([*PLAN[:-5], "--no-dropout", "--json"]) == 0  # an 80 GB GPU instead of 3 MB
     roomy = json.loads(capsys.readouterr().out)
-    assert best["fits"] and len(planned["plans"]) < len(roomy["plans"]), "the budget must rule plans out"
+    assert best["fits"] and best["memory_bytes"] <= best["usable_bytes"]
+    assert len(planned["plans"]) < len(roomy["plans"]), "the budget must rule plans out"
     sections = load_toml(path)
     job = build_job(sections).validate(4)
     p, r, t = job.parallel, job.recompute, job.train
@@ -31,19 +65,59 @@ def test_emitted_plan_trains_with_the_predicted_states(tmp_path, capsys):
                                                       best["sp"] == "on" if isinstance(best["sp"], str) else best["sp"])
     assert r.label == best["recompute"] and t.micro_batch == best["micro_batch"]
     assert t.distributed_optimizer == best["distributed_optimizer"]
+
+    # the plan's per-rank numbers: its JSON's stages, the most loaded of them its peak, and the analysis API agrees
+    stages = {s["rank"]: s["terms"] for s in best["stages"]}
+    assert sorted(stages) == list(range(p.pp))
+    assert stages[best["most_loaded_rank"]] == best["memory_terms"]
+    assert max(sum(s.values()) for s in stages.values()) == best["memory_bytes"]
+    assert _plan_stages(job, planned["settings"]) == [stages[i] for i in range(p.pp)]
+    stats = layernorm_stat_bytes(torch.device("cpu"), torch_dtype(job.model.dtype))
+    with_stats = _plan_stages(job, planned["settings"], stats)
+
     sections["train"] |= {"steps": 3, "warmup": 0, "eval_every": 0, "eval_batches": 1, "log_every": 1,
                           "peak_tflops": 1.0, "progress": False, "plot": False, "out_dir": str(tmp_path / "run")}
     summary = train_local(sections, world=4)
     assert len(summary["losses"]) == 3 and all(math.isfinite(x) for x in summary["losses"])
     start = next(r for r in map(json.loads, Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
                  if r.get("event") == "start")
-    terms = best["memory_terms"]
+    ranks = start["ranks"]
+    assert [x["rank"] for x in ranks] == list(range(4))
+    assert {(x["tp_rank"], x["cp_rank"], x["pp_rank"], x["dp_rank"]) for x in ranks} == {
+        (a, c, s, d) for a in range(p.tp) for c in range(p.cp) for s in range(p.pp) for d in range(p.dp)}
+    assert {k: ranks[0][k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")} == \
+        {k: start[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}  # rank 0's keys stay
+
+    shards = p.dp * p.cp if t.distributed_optimizer else 1
     chosen = {k: best[k] for k in ("tp", "pp", "dp", "interleave", "sp", "recompute", "micro_batch",
                                    "distributed_optimizer")}
-    print(f"\nplan {chosen}: rank 0 measured params {start['params_bytes']:,} "
-          f"grads {start['grads_bytes']:,} optimizer {start['optimizer_bytes']:,} B; predicted "
-          f"{start['params_bytes_predicted']:,.0f} / {start['grads_bytes_predicted']:,.0f} / "
-          f"{start['optimizer_bytes_predicted']:,.0f} B; the plan's most loaded rank {terms['parameters']:,.0f} / "
-          f"{terms['gradients']:,.0f} / {terms['optimizer_states']:,.0f} B")
-    assert start["params_bytes"] == start["params_bytes_predicted"]
-    assert abs(start["optimizer_bytes"] - start["optimizer_bytes_predicted"]) <= 1e-3 * start["optimizer_bytes"]
+    lines = [f"\nplan {chosen}: budget {best['usable_bytes']:,.0f} B, plan peak {best['memory_bytes']:,.0f} B "
+             f"on pp rank {best['most_loaded_rank']}",
+             "rank (tp,cp,pp,dp) | params meas/plan | grads meas/plan (+pad) | optimizer meas/plan | "
+             "activations measured / exact / plan (ln stats, impl. terms, -transient) | total meas / plan"]
+    totals = {}
+    for x in ranks:
+        plan = stages[x["pp_rank"]]
+        pad = x["grad_padding"]
+        assert pad < p.dp * max(x["grad_buckets"], 1)  # padding to a multiple of dp: < dp per bucket
+        assert x["params_bytes"] == plan["parameters"]
+        assert x["grads_bytes"] == plan["gradients"] + 4 * pad
+        assert x["optimizer_bytes"] == plan["optimizer_states"] + 12 * pad / shards
+        assert x["act_peak_measured"] == x["act_peak_exact"]  # the meter equals the exact derivation to the byte
+        stats_bytes = _activations(with_stats[x["pp_rank"]]) - _activations(plan)
+        impl = sum(implementation_terms(job.model, p, t.micro_batch, t.microbatches(p.dp), x["pp_rank"]).values())
+        assert x["act_peak_measured"] == _activations(plan) + stats_bytes + impl
+        states = x["params_bytes"] + x["grads_bytes"] + x["optimizer_bytes"]
+        totals[x["rank"]] = (states + x["act_peak_measured"], x["pp_rank"])
+        lines.append(f"{x['rank']} ({x['tp_rank']},{x['cp_rank']},{x['pp_rank']},{x['dp_rank']}) | "
+                     f"{x['params_bytes']:,}/{plan['parameters']:,.0f} | {x['grads_bytes']:,}/{plan['gradients']:,.0f}"
+                     f" (+{pad}) | {x['optimizer_bytes']:,}/{plan['optimizer_states']:,.0f} | "
+                     f"{x['act_peak_measured']:,} / {x['act_peak_exact']:,.0f} / "
+                     f"{_activations(plan) + plan.get(TRANSIENT, 0):,.0f} (+{stats_bytes:,.0f}, +{impl:,.0f}, "
+                     f"-{plan.get(TRANSIENT, 0):,.0f}; measured/plan "
+                     f"{x['act_peak_measured'] / (_activations(plan) + plan.get(TRANSIENT, 0)):.3f}) | "
+                     f"{states + x['act_peak_measured']:,} / {sum(plan.values()):,.0f}")
+    print("\n".join(lines))
+    peak, peak_stage = max(totals.values())
+    assert peak_stage == best["most_loaded_rank"]  # the measured most loaded rank is the plan's
+    assert peak + stages[peak_stage].get(TRANSIENT, 0) <= best["usable_bytes"]  # and it fits, transient included

@@ -21,3 +21,22 @@ def test_start_record_holds_every_stage_peak(tmp_path):
           f"formula {start['stage_act_peak_formula']}")
     assert len(start["stage_act_peak_measured"]) == 2 and min(start["stage_act_peak_measured"]) > 0
     assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"]
+
+
+def test_start_record_holds_each_ranks_peak_with_one_stage_under_cp(tmp_path):
+    """pp 1 gets the schedule peak too, and each rank's own peak is in ``ranks``; under context parallelism
+    the exact value counts the rank's s/cp tokens (and the token copy the cp split makes)."""
+    sections = {"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
+                          "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
+                "parallel": {"cp": 2}, "recompute": {"granularity": "selective"},
+                "train": {"steps": 1, "micro_batch": 2, "global_batch": 8, "eval_every": 0, "eval_batches": 1,
+                          "peak_tflops": 1.0, "progress": False, "plot": False, "out_dir": str(tmp_path)}}
+    train_local(sections, world=2)
+    start = json.loads(Path(tmp_path, "metrics.jsonl").read_text().splitlines()[0])
+    ranks = start["ranks"]
+    print(f"\ncp 2: stage peak measured {start['stage_act_peak_measured']}, exact {start['stage_act_peak_exact']}; "
+          f"ranks {[(x['cp_rank'], x['act_peak_measured'], x['act_peak_exact']) for x in ranks]}")
+    assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"] and start["act_bytes_measured"] > 0
+    assert [x["cp_rank"] for x in ranks] == [0, 1]
+    assert all(x["act_peak_measured"] == x["act_peak_exact"] > 0 for x in ranks)
+    assert all(x["params_bytes"] == x["params_bytes_predicted"] for x in ranks)

@@ -106,6 +106,11 @@ class Evaluation:
         return out
 
 
+def stages_json(stages: list[StageMemory]) -> list[dict]:
+    """Each examined pipeline rank's bytes (one tp rank of it; every dp rank alike), term by term."""
+    return [{"rank": s.rank, "in_flight": s.in_flight, "terms": dict(s.terms), "total": s.total} for s in stages]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -163,8 +163,7 @@ def run(args) -> int:
             if args.json:
                 print(json.dumps({"plan": ev.to_json(), "rank": planner.rank_of(ev, ranked),
                                   "settings": planner.settings(req),
-                                  "stages": [{"rank": s.rank, "in_flight": s.in_flight, "terms": s.terms,
-                                              "total": s.total} for s in ev.stages]}))
+                                  "stages": planner.stages_json(ev.stages)}))
             else:
                 print(plan_report.render_explain(req, ev, ranked))
             if args.plot and ev.stages:
@@ -184,6 +183,8 @@ def run(args) -> int:
 
             ties = ties_with_best([ev.time.total for ev in ranked], req.hw.error_band)
             plans = [ev.to_json() | {"tie_with_best": tie} for ev, tie in zip(ranked, ties, strict=True)]
+            if plans:  # the chosen plan's every pipeline rank, as --explain gives them
+                plans[0]["stages"] = planner.stages_json(planner.evaluate(req, ranked[0].plan, every_rank=True).stages)
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
                               "settings": planner.settings(req), "hardware": profile_to_json(req.hw)}))
         else:

@@ -1,7 +1,7 @@
 """The trainer's activation check: the bytes one microbatch's forward keeps in the transformer layers,
 measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm statistics);
-with pp > 1, each pipeline stage's activation peak over one step of its schedule, measured with
-``ScheduleMeter`` as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
+and each pipeline stage's activation peak over one step of its schedule (pp = 1 included), measured
+with ``ScheduleMeter`` as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
 
 from __future__ import annotations
 
@@ -29,24 +29,24 @@ def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
 
 def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
     """``act_bytes_predicted`` for the model's layers and, with one pipeline stage, ``act_bytes_measured``:
-    what one validation microbatch's forward keeps in the layers."""
+    what one validation microbatch's forward keeps in the layers; then ``stage_peaks`` (collective)."""
     layers = sum(len(c.layers) for c in chunks)
     out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
-    if dims.pp != 1 or len(chunks) != 1:
-        return out | stage_peaks(job, chunks, data, dims, device)
-    chunk = chunks[0]
-    tokens, labels = data.val_batches(1, job.train.micro_batch, 0, 1)[0]
-    with SavedTensorMeter(chunk) as meter:
-        chunk(tokens.to(device), labels.to(device))
-    out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
-    return out
+    if dims.pp == 1 and len(chunks) == 1:
+        chunk = chunks[0]
+        tokens, labels = data.val_batches(1, job.train.micro_batch, 0, 1)[0]
+        with SavedTensorMeter(chunk) as meter:
+            chunk(tokens.to(device), labels.to(device))
+        out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
+    return out | stage_peaks(job, chunks, data, dims, device)
 
 
 def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     """Every pipeline stage's activation peak over one step of validation microbatches (collective over
     the pipeline; gradients are left in place for the next ``zero_grad``): ``stage_act_peak_measured``
     per pp rank (this rank's tp and dp coordinates), ``stage_act_peak_formula`` and ``_exact``
-    (``seqpar.measure.stages``; None where the formula refuses the layout)."""
+    (``seqpar.measure.stages``; None where the formula refuses the layout); under ``"rank"`` this
+    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list)."""
     import torch.distributed as dist
 
     from seqpar.measure.stages import formula_stage_bytes, implementation_terms
@@ -75,4 +75,6 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
             formula.append(None)
             exact.append(None)
     return {"stage_act_peak_measured": peaks.tolist(), "stage_act_peak_formula": formula,
-            "stage_act_peak_exact": exact}
+            "stage_act_peak_exact": exact,
+            "rank": {"act_peak_measured": meter.peak_bytes, "act_peak_formula": formula[dims.pp_rank],
+                     "act_peak_exact": exact[dims.pp_rank]}}

@@ -74,12 +74,15 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
     * ``output_in_transit``: with App. B on, a non-last rank's peak comes right after a forward,
       while that output is alive until it has been sent (one [s(/t), b, h] tensor);
     * ``embedding_indices``: under TP the vocab-parallel embedding keeps its local indices (int64)
-      and out-of-range mask (bool), [s, b] each, for each microbatch in the first chunk;
+      and out-of-range mask (bool), [s, b] each, for each microbatch in the first chunk; without TP
+      under context parallelism it keeps its input, the token ids cp split into a new tensor (int64);
     * ``final_ln_stats``: the final norm's statistics (LayerNorm mean and rstd, RMSNorm one fp32 rstd);
     * ``loss_indices``: the vocab-parallel cross entropy's target index (int64), two [s, b] bool
       masks, the padded-vocabulary mask and the token count.
+
+    Under context parallelism each holds the rank's s/cp tokens.
     """
-    s, b, h, t, p = cfg.seq_len, micro_batch, cfg.hidden_size, parallel.tp, parallel.pp
+    s, b, h, t, p = cfg.seq_len // parallel.cp, micro_batch, cfg.hidden_size, parallel.tp, parallel.pp  # s/cp tokens
     rep = t if parallel.sp and t > 1 else 1
     act = cfg.dtype_bytes
     terms: dict[str, float] = {}
@@ -88,6 +91,8 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
     if rank == 0 and t > 1:
         in_flight = first_chunk_in_flight(p, microbatches, parallel.interleave)
         terms["embedding_indices"] = (8 + 1) * s * b * in_flight
+    elif rank == 0 and parallel.cp > 1:  # the embedding keeps its input: the cp split's copy of the tokens
+        terms["embedding_indices"] = 8 * s * b * first_chunk_in_flight(p, microbatches, parallel.interleave)
     if rank == p - 1:
         stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
         terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)

@@ -31,6 +31,7 @@ from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
 from seqpar.train.optim import build_optimizer
 from seqpar.train.perf import Throughput
+from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
 
 
@@ -245,9 +246,11 @@ class Trainer:
         metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
         end = t.stop_at or t.steps
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
+        ranks = gather_ranks(rank_entry(self.job, self.opt, self.dims, self.throughput.rank_activations))
         if self.rank0:
             info = {**self.throughput.describe(), **state_record(self.job, self.opt, self.dims.pp_rank)}
-            metrics.log({"event": "start", **info, "data": self.data.source, "config": self.job.to_dict()})
+            metrics.log({"event": "start", **info, "ranks": ranks, "data": self.data.source,
+                         "config": self.job.to_dict()})
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last = {}

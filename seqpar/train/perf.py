@@ -126,6 +126,7 @@ class Throughput:
         self.model_flops, self.hardware_flops = step_flops(job)
         self.device = device
         self.activations: dict = {}
+        self.rank_activations: dict = {}  # this rank's own activation peak (the start record's ``ranks``)
 
     def describe(self) -> dict:
         return {"peak_tflops_per_rank": self.peak / 1e12, "peak_source": self.peak_source,
@@ -139,5 +140,7 @@ class Throughput:
                 "hfu": self.hardware_flops / (step_seconds * world * self.peak)}
 
     def measure_activations(self, chunks, data, dims) -> None:
-        """Bytes one microbatch's forward keeps in the transformer layers (pp = 1 only), vs formula."""
+        """Bytes one microbatch's forward keeps in the transformer layers (pp = 1 only) and each stage's
+        peak over one step, vs formula (collective over the pipeline)."""
         self.activations = measure_activations(self.job, chunks, data, dims, self.device)
+        self.rank_activations = self.activations.pop("rank", {})

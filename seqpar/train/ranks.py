@@ -1,0 +1,39 @@
+"""The ``ranks`` list of the ``start`` record: every rank's coordinates, its model-state bytes and its
+activation peak over one step, measured next to the trainer's prediction, gathered once over the world.
+
+Model states: ``seqpar.train.states`` (measured from the tensors; predicted by ``seqpar.analysis.states``).
+``grad_padding`` is the fp32 gradient buckets' padding to a multiple of the dp ranks, in elements
+(``seqpar.parallel.grad_buffer``): the measured gradients hold 4 bytes more per padded element than the
+formula, the distributed optimizer's shards 12/dp. Activations: the peak ``ScheduleMeter`` saw on this
+rank (``seqpar.measure.activations.stage_peaks``) next to its stage's formula and exact value.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from seqpar.train.states import state_record
+
+
+def grad_padding(opt) -> dict[str, int]:
+    """The gradient buckets (none without fp32 buffers) and their padding elements, summed."""
+    buffers = opt.buffers
+    if buffers is None:
+        return {"grad_buckets": 0, "grad_padding": 0}
+    return {"grad_buckets": len(buffers.buckets),
+            "grad_padding": sum(b.buffer.numel() - b.numel for b in buffers.buckets)}
+
+
+def rank_entry(job, opt, dims, activations: dict) -> dict:
+    """This rank's figures: rank and tp/cp/pp/dp coordinates, model states, activation peak."""
+    return {"rank": dims.rank, "tp_rank": dims.tp_rank, "cp_rank": dims.cp_rank, "pp_rank": dims.pp_rank,
+            "dp_rank": dims.dp_rank, **state_record(job, opt, dims.pp_rank), **grad_padding(opt), **activations}
+
+
+def gather_ranks(entry: dict) -> list[dict]:
+    """Every rank's ``entry``, by rank (collective over the world; one object each, once per run)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [entry]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, entry)
+    return out

@@ -2,8 +2,9 @@
 
 The attention core -- QK^T, scale + causal mask + softmax, softmax dropout, attention·V -- is the
 part selective recomputation checkpoints (Sec. 5). Q, K and V stay views of the fused QKV output
-(one storage); scale and causal mask are folded into one autograd function that keeps only the
-softmax output.
+(one storage). The materialized core is one autograd function (``seqpar.model.materialized``) that
+keeps exactly the softmax output, the dropout mask and the dropout output besides them, and makes
+as few passes over the s² elements as the operators allow.
 
 QKV rows are ordered (kv group, [q_0 … q_{g-1}, k, v], head_dim) with g = heads / kv heads (g = 1:
 the paper's multi-head attention, rows (head, {q, k, v}, head_dim)). A contiguous split then gives
@@ -23,31 +24,13 @@ from torch import nn
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.context_attention import RingCoreAttention
+from seqpar.model.materialized import MaterializedAttention
 from seqpar.parallel.context import CPContext
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.parallel.layout import GroupedQKVLayout, relayout
 from seqpar.parallel.rng import Dropout, RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan
-
-
-class CausalSoftmax(torch.autograd.Function):
-    """``softmax(scale · scores + causal mask)``, keeping only its output (2as²b/t bytes)."""
-
-    @staticmethod
-    def forward(ctx, scores, scale: float):  # scores [..., s, s]
-        s = scores.shape[-1]
-        future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)  # [s, s]
-        probs = torch.softmax((scores * scale).masked_fill_(future, float("-inf")), dim=-1)  # [..., s, s]
-        ctx.scale = scale
-        ctx.save_for_backward(probs)
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad):
-        (probs,) = ctx.saved_tensors
-        # softmax's own backward kernel, y · (dy − Σ dy·y), times the folded scale; masked entries: y = 0
-        return torch._softmax_backward_data(grad, probs, -1, probs.dtype).mul_(ctx.scale), None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +126,9 @@ class Rotary(nn.Module):
 class CoreAttention(nn.Module):
     """Attention of this rank's heads: ``[s, b, groups·(g+2)·d]`` → ``[s, b, groups·g·d]``.
 
-    ``materialized``: the paper's QK^T → softmax → dropout → ·V, keeping the s² tensors;
+    ``materialized``: the paper's QK^T → softmax → dropout → ·V, keeping the s² tensors
+    (``seqpar.model.materialized.MaterializedAttention``: scale and causal mask inside the first GEMM,
+    softmax and dropout in place, the dropout scale inside the second);
     ``sdpa``: ``scaled_dot_product_attention`` (fused: keeps Q, K, V, its output and one fp32
     log-sum-exp per row instead).
     """
@@ -160,23 +145,14 @@ class CoreAttention(nn.Module):
         s, b, _ = qkv.shape
         n, g, d = self.groups, self.g, self.d
         qkv = qkv.view(s, b, n, g + 2, d)  # [s, b, groups, g + 2, d]
-        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # each [s, b, groups, d], views
-        queries = [qkv[:, :, :, j] for j in range(g)]  # query head j of every group, views
-        if self.fused:
-            kb, vb = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d] (views)
-            contexts = [F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), kb, vb, is_causal=True)
-                        for q in queries]  # each [b, groups, s, d]
-            contexts = [c.permute(2, 0, 1, 3) for c in contexts]  # each [s, b, groups, d]
-        else:
-            kt = k.permute(1, 2, 3, 0).reshape(b * n, d, s)  # [b·groups, d, s] (view)
-            vb = v.permute(1, 2, 0, 3).reshape(b * n, s, d)  # [b·groups, s, d] (view)
-            qs = [q.permute(1, 2, 0, 3).reshape(b * n, s, d) for q in queries]  # [b·groups, s, d] (views)
-            scores = (torch.stack([torch.bmm(q, kt) for q in qs], dim=1) if g > 1
-                      else torch.bmm(qs[0], kt).unsqueeze(1))  # [b·groups, g, s, s]
-            probs = self.dropout(CausalSoftmax.apply(scores, self.scale))  # [b·groups, g, s, s]
-            contexts = [torch.bmm(probs[:, j], vb).view(b, n, s, d).permute(2, 0, 1, 3)
-                        for j in range(g)]  # each [s, b, groups, d]
-        return torch.stack(contexts, dim=3).view(s, b, n * g * d)  # [s, b, h/t]
+        if not self.fused:  # seqpar.model.materialized: one autograd function keeping the paper's tensors
+            generator = self.dropout.draw(qkv.device)
+            p = 0.0 if generator is None else self.dropout.p
+            return MaterializedAttention.apply(qkv, self.scale, p, generator)  # [s, b, h/t]
+        kb, vb = qkv[:, :, :, g].permute(1, 2, 0, 3), qkv[:, :, :, g + 1].permute(1, 2, 0, 3)  # [b, groups, s, d]
+        contexts = [F.scaled_dot_product_attention(qkv[:, :, :, j].permute(1, 2, 0, 3), kb, vb, is_causal=True)
+                    for j in range(g)]  # query head j of every group: each [b, groups, s, d]
+        return torch.stack([c.permute(2, 0, 1, 3) for c in contexts], dim=3).view(s, b, n * g * d)  # [s, b, h/t]
 
 
 class SelfAttention(nn.Module):

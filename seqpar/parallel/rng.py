@@ -86,32 +86,46 @@ class RNGTracker:
         self.offsets = dict(offsets)
 
 
-def keep_mask(shape: torch.Size, p: float, generator: torch.Generator) -> torch.Tensor:
+def keep_mask(shape: torch.Size, p: float, generator: torch.Generator,
+              scratch: torch.Tensor | None = None) -> torch.Tensor:
     """A bool mask, True with probability 1 − p (p rounded to a multiple of 2⁻¹⁶), from ``generator``.
 
     Drawn as random 64-bit words read as four 16-bit integers each, compared with a threshold:
     several times faster on CPU than ``bernoulli_`` element by element, and as reproducible.
+    ``scratch``: an optional contiguous tensor the caller overwrites afterwards (e.g. the dropout
+    output, 2 or 4 bytes per element): the words are drawn into its storage instead of a fresh
+    buffer, when it holds them. The mask is the same either way.
     """
     n = shape.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=generator.device)
-    words.random_(-(2 ** 63), None, generator=generator)
-    return (words.view(torch.int16)[:n] >= -32768 + round(p * 65536)).view(shape)
+    words = (n + 3) // 4
+    nbytes = 0 if scratch is None else scratch.numel() * scratch.element_size()
+    if scratch is not None and scratch.is_contiguous() and nbytes % 8 == 0 and nbytes >= 8 * words:
+        drawn = scratch.view(-1).view(torch.int64)[:words]  # [n/4] over the scratch storage
+    else:
+        drawn = torch.empty(words, dtype=torch.int64, device=generator.device)
+    drawn.random_(-(2 ** 63), None, generator=generator)
+    return (drawn.view(torch.int16)[:n] >= -32768 + round(p * 65536)).view(shape)
 
 
 class _Dropout(torch.autograd.Function):
-    """Inverted dropout that keeps only a 1-byte bool mask for backward."""
+    """Inverted dropout that keeps only a 1-byte bool mask for backward.
+
+    Forward draws the mask into the output's storage, then writes ``where(keep, x, 0) · 1/(1 − p)``
+    over it (one fresh buffer and the mask); backward is the same two passes over the gradient.
+    """
 
     @staticmethod
     def forward(ctx, x, p: float, generator: torch.Generator):
-        keep = keep_mask(x.shape, p, generator)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        keep = keep_mask(x.shape, p, generator, scratch=out)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
-        return x * keep * ctx.scale
+        return torch.where(keep, x, x.new_zeros(()), out=out).mul_(ctx.scale)
 
     @staticmethod
     def backward(ctx, grad):
         (keep,) = ctx.saved_tensors
-        return grad * keep * ctx.scale, None, None
+        return torch.where(keep, grad, grad.new_zeros(())).mul_(ctx.scale), None, None
 
 
 class Dropout(nn.Module):
@@ -124,10 +138,16 @@ class Dropout(nn.Module):
         self.p, self.stream = p, stream
         self.tracker = tracker
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def draw(self, device) -> torch.Generator | None:
+        """The generator of this dropout's next mask (advances the stream), or None when it drops
+        nothing (eval, p = 0). For callers that apply the mask themselves (the attention core)."""
         if not self.training or self.p == 0.0:
-            return x
-        return _Dropout.apply(x, self.p, self.tracker.generator(self.stream, x.device))
+            return None
+        return self.tracker.generator(self.stream, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        generator = self.draw(x.device)
+        return x if generator is None else _Dropout.apply(x, self.p, generator)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, stream={self.stream}"

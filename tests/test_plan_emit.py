@@ -2,6 +2,7 @@
 the planner chose (tp, pp, dp, interleave, SP, recompute, App. C keep count, micro batch, distributed
 optimizer); trained for 3 steps on 4 CPU ranks under a budget that rules plans out, every rank's
 measured model-state and activation bytes are the plan's per-rank prediction, up to named differences.
+Two plans: the best, and one ``--explain`` emits with tp 2 × pp 2 + SP (stages and tp ranks differ).
 
 States: parameters exactly; gradients and the distributed optimizer's shards exactly but for the fp32
 buckets' padding to a multiple of dp (< dp elements a bucket: 4 B each, 12/dp B of optimizer state).
@@ -20,6 +21,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
@@ -49,15 +51,18 @@ def _activations(terms: dict) -> float:
     return sum(v for k, v in terms.items() if k not in STATE_TERMS and k != TRANSIENT)
 
 
-def test_emitted_plan_trains_with_the_predicted_bytes_on_every_rank(tmp_path, capsys):
+@pytest.mark.parametrize("explain", [None, "tp=2,pp=2,sp=on,recompute=selective,mb=2"], ids=["best", "tp2-pp2-sp"])
+def test_emitted_plan_trains_with_the_predicted_bytes_on_every_rank(tmp_path, capsys, explain):
+    """The best plan, and (whatever the cost model ranks first) a fitting one whose stages and tp ranks differ."""
     path = tmp_path / "plan.toml"
-    assert main([*PLAN, "--json", "--emit-config", str(path)]) == 0
+    assert main([*PLAN, "--json", "--emit-config", str(path), *(["--explain", explain] if explain else [])]) == 0
     planned = json.loads(capsys.readouterr().out)
-    best = planned["best"]
-    assert main([*PLAN[:-5], "--no-dropout", "--json"]) == 0  # an 80 GB GPU instead of 3 MB
-    roomy = json.loads(capsys.readouterr().out)
+    best = planned["plan"] | {"stages": planned["stages"]} if explain else planned["best"]
+    if explain is None:
+        assert main([*PLAN[:-5], "--no-dropout", "--json"]) == 0  # an 80 GB GPU instead of 3 MB
+        roomy = json.loads(capsys.readouterr().out)
+        assert len(planned["plans"]) < len(roomy["plans"]), "the budget must rule plans out"
     assert best["fits"] and best["memory_bytes"] <= best["usable_bytes"]
-    assert len(planned["plans"]) < len(roomy["plans"]), "the budget must rule plans out"
     sections = load_toml(path)
     job = build_job(sections).validate(4)
     p, r, t = job.parallel, job.recompute, job.train

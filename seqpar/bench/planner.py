@@ -7,8 +7,10 @@ profiles, which bracket the runs (on a shared machine the load moves between the
 The measured step time of a layout is the median of its log windows after the first (the first holds
 the warm-up); its noise is the spread of those windows. Goal: every layout within 20%, and the
 predicted order of any two layouts matching the measured one where they differ by more than their
-noise. On a machine other people are using, timings move with their load: the report gives the CPU
-and the load before and after.
+noise. On a machine other people are using, timings move with their load: the report gives the CPU,
+the load before and after, and per phase (calibration before, the runs, calibration after) the share of
+the CPUs that processes outside this benchmark used (``CpuShare``: the machine's busy time from
+/proc/stat minus this process tree's CPU time).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from seqpar.bench import common
@@ -47,6 +50,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="FILE", help="use this profile instead of calibrating now")
     p.add_argument("--layouts", nargs="+", default=LAYOUTS, metavar="PLAN",
                    help="layouts in seqpar plan --explain syntax (default: %(default)s)")
+
+
+class CpuShare:
+    """Share of all CPUs that processes outside this one's tree used since the mark (Linux /proc; None
+    elsewhere): busy jiffies of /proc/stat minus this process, its reaped children and its live
+    descendants (the rank forkserver and what it reaped)."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as fh:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fh.readline().split()[1:9])
+        except (OSError, ValueError):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system + _descendants_cpu_s(tick)
+        return time.monotonic(), (user + nice + system + irq + softirq + steal) / tick, own
+
+    def foreign(self) -> float | None:
+        now = self._sample()
+        if now is None or self.start is None:
+            return None
+        wall, busy, own = (a - b for a, b in zip(now, self.start, strict=True))
+        return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1)))
+
+
+def _descendants_cpu_s(tick: int) -> float:
+    """CPU seconds (with their reaped children) of this process's live descendants."""
+    parent, cpu = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(pid)] = int(fields[1])
+        cpu[int(pid)] = sum(map(int, fields[11:15])) / tick  # utime, stime, cutime, cstime
+    me, total = os.getpid(), 0.0
+    for pid in cpu:
+        p = parent.get(pid)
+        while p not in (None, 0, 1) and p != me:
+            p = parent.get(p)
+        total += cpu[pid] if p == me and pid != me else 0.0
+    return total
 
 
 def _shape(args):
@@ -113,21 +164,25 @@ def run(args) -> dict:
     from seqpar.analysis.hardware import load_profile, profile_from_json
 
     before = common.machine()
+    share, foreign = CpuShare(), {}
     if args.profile:
         profile = json.loads(Path(args.profile).read_text())
         hws = [load_profile(args.profile)]
     else:  # calibrate before and after the runs: the load other processes put on the cores moves
         profile = _calibrate(args)
         hws = [profile_from_json(profile)]
+        foreign["calibration_before"], share = share.foreign(), CpuShare()
     rows, runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, label in enumerate(args.layouts):
             plan = predict(args, hws[0], label)["plan"]
             runs.append((label, measure(args, plan, os.path.join(tmp, str(i)))))
+    foreign["runs"], share = share.foreign(), CpuShare()
     after = None
     if not args.profile:
         after = _calibrate(args)
         hws.append(profile_from_json(after))
+        foreign["calibration_after"] = share.foreign()
     for label, got in runs:
         preds = [predict(args, hw, label) for hw in hws]
         mean = statistics.mean(p["predicted_s"] for p in preds)
@@ -143,7 +198,8 @@ def run(args) -> dict:
                        "seq": args.seq, "vocab": 256, "micro_batch": args.micro_batch,
                        "global_batch": args.global_batch, "dtype": args.dtype, "steps": args.steps,
                        "log_every": args.log_every},
-            "machine": {**before, "load_avg_1min_after": common.machine()["load_avg_1min"]}}
+            "machine": {**before, "load_avg_1min_after": common.machine()["load_avg_1min"],
+                        "foreign_cpu_share": foreign}}
 
 
 def render(r: dict) -> str:
@@ -156,6 +212,9 @@ def render(r: dict) -> str:
         f"planner: {c['nproc']} ranks, {c['layers']} layers, h={c['hidden']} a={c['heads']} s={c['seq']} v=256, "
         f"micro batch {c['micro_batch']}, global batch {c['global_batch']}, {c['dtype']}; CPU {m['cpu']} "
         f"({m['nproc']} cores), 1-min load {m['load_avg_1min']:.2f} before, {m['load_avg_1min_after']:.2f} after",
+        "CPU used by other processes: " + ", ".join(
+            f"{k.replace('_', ' ')} {'?' if v is None else f'{100 * v:.0f}%'}"
+            for k, v in m.get("foreign_cpu_share", {}).items()),
         f"profile: {p['source']}" + (f"\nprofile after the runs: {r['profile_after']['source']}"
                                      if r.get("profile_after") else ""),
         common.table(["layout", "predicted ms (before / after)", "predicted ms", "measured ms", "error", "noise"],

@@ -32,6 +32,27 @@ def add_timing_arguments(p, repeats: int, warmup: int) -> None:
     p.add_argument("--warmup", type=int, default=warmup)
 
 
+def add_compile_argument(p) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="also time the models with torch.compile'd attention cores and MLPs (seqpar.model.compile); "
+                        "compile time is reported once, apart from the step times")
+
+
+def compile_regions(model: torch.nn.Module) -> None:
+    """Compile a model's attention cores and MLPs: ``seqpar.model.compile`` for seqpar's, the same two
+    regions (modules named ``*.core`` and ``*.mlp``) for the plain and PyTorch-native GPTs: like with like."""
+    from seqpar.model.compile import compile_model
+    from seqpar.model.gpt import GPTStage
+    from seqpar.model.layer import TransformerLayer
+
+    if isinstance(model, GPTStage | TransformerLayer):
+        compile_model(model)
+        return
+    for name, m in list(model.named_modules()):
+        if name.endswith((".core", ".mlp")) or name in ("core", "mlp"):
+            m.compile()
+
+
 def model_config(args, dtype: str | None = None, vocab: int | None = None, layers: int | None = None) -> ModelConfig:
     """The benchmark's model from its flags (``dropout`` at all three sites), validated."""
     return ModelConfig(vocab_size=vocab or args.vocab, hidden_size=args.hidden, num_heads=args.heads,

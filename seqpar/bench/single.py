@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--dropout", type=float, default=0.1)
     common.add_timing_arguments(p, repeats=7, warmup=2)
+    common.add_compile_argument(p)
 
 
 def build_pair(cfg: ModelConfig):
@@ -51,17 +52,40 @@ def step(model, tokens, labels):
 def run(args) -> dict:
     cfg = common.model_config(args)
     ours, plain = build_pair(cfg)
+    models = {"seqpar": ours, "plain": plain}
+    compiled = getattr(args, "compile", False)
+    if compiled:  # the same weights, cores and MLPs compiled (seqpar.model.compile; plain: the same regions)
+        models["seqpar_compiled"], models["plain_compiled"] = build_pair(cfg)
+        common.compile_regions(models["seqpar_compiled"])
+        common.compile_regions(models["plain_compiled"])
+    warmup = max(args.warmup, 1) if compiled else args.warmup  # compile before timing
     tokens, labels = batch(cfg, args.micro_batch)
-    times = {"seqpar": [], "plain": []}
-    cpu = {"seqpar": [], "plain": []}
-    for i in range(args.warmup + args.repeats):
-        for name, model in (("seqpar", ours), ("plain", plain)):
+    times = {name: [] for name in models}
+    cpu = {name: [] for name in models}
+    first = {}
+    for i in range(warmup + args.repeats):
+        for name, model in models.items():
             seconds, cpu_seconds = common.timed_cpu(step(model, tokens, labels))
-            if i >= args.warmup:
+            first.setdefault(name, seconds)
+            if i >= warmup:
                 times[name].append(seconds)
                 cpu[name].append(cpu_seconds)
     seqpar_ms, plain_ms = 1e3 * common.median(times["seqpar"]), 1e3 * common.median(times["plain"])
-    return {"seqpar_ms": seqpar_ms, "plain_ms": plain_ms, "ratio": seqpar_ms / plain_ms,
+    out = {}
+    if compiled:
+        ms = {name: 1e3 * common.median(times[name]) for name in models}
+        out = {"compiled": {"seqpar_ms": ms["seqpar_compiled"], "plain_ms": ms["plain_compiled"],
+                            "seqpar_min_ms": 1e3 * min(times["seqpar_compiled"]),
+                            "plain_min_ms": 1e3 * min(times["plain_compiled"]),
+                            "seqpar_cpu_ms": 1e3 * common.median(cpu["seqpar_compiled"]),
+                            "plain_cpu_ms": 1e3 * common.median(cpu["plain_compiled"]),
+                            "compiled_over_eager": ms["seqpar_compiled"] / seqpar_ms,
+                            "compiled_over_eager_cpu":
+                                common.median(cpu["seqpar_compiled"]) / common.median(cpu["seqpar"]),
+                            "plain_compiled_over_eager": ms["plain_compiled"] / plain_ms,
+                            "target_met": ms["seqpar_compiled"] / seqpar_ms <= 0.85,
+                            "compile_s": {"seqpar": first["seqpar_compiled"], "plain": first["plain_compiled"]}}}
+    return out | {"seqpar_ms": seqpar_ms, "plain_ms": plain_ms, "ratio": seqpar_ms / plain_ms,
             "seqpar_min_ms": 1e3 * min(times["seqpar"]), "plain_min_ms": 1e3 * min(times["plain"]),
             "ratio_min": min(times["seqpar"]) / min(times["plain"]),
             "seqpar_cpu_ms": 1e3 * common.median(cpu["seqpar"]), "plain_cpu_ms": 1e3 * common.median(cpu["plain"]),
@@ -69,7 +93,7 @@ def run(args) -> dict:
             "target_met": seqpar_ms / plain_ms <= 1.05,
             "config": {"s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size, "a": cfg.num_heads,
                        "layers": cfg.num_layers, "v": cfg.vocab_size, "dtype": cfg.dtype, "dropout": args.dropout,
-                       "repeats": args.repeats},
+                       "repeats": args.repeats, "compile": compiled},
             "machine": common.machine()}
 
 
@@ -82,4 +106,18 @@ def render(r: dict) -> str:
                      [["seqpar", f"{r['seqpar_ms']:.1f}", f"{r['seqpar_min_ms']:.1f}", f"{r['seqpar_cpu_ms']:.1f}"],
                       ["plain GPT", f"{r['plain_ms']:.1f}", f"{r['plain_min_ms']:.1f}", f"{r['plain_cpu_ms']:.1f}"]]),
         f"ratio seqpar/plain = {r['ratio']:.3f} (target ≤ 1.05: {'met' if r['target_met'] else 'NOT met'}); "
-        f"of the best steps {r['ratio_min']:.3f}; of CPU times {r['ratio_cpu']:.3f}"])
+        f"of the best steps {r['ratio_min']:.3f}; of CPU times {r['ratio_cpu']:.3f}", *_render_compiled(r)])
+
+
+def _render_compiled(r: dict) -> list[str]:
+    c = r.get("compiled")
+    if not c:
+        return []
+    return [common.table(["compiled", "step ms (median)", "best ms", "CPU ms (median)", "compile s"],
+                         [["seqpar", f"{c['seqpar_ms']:.1f}", f"{c['seqpar_min_ms']:.1f}", f"{c['seqpar_cpu_ms']:.1f}",
+                           f"{c['compile_s']['seqpar']:.1f}"],
+                          ["plain GPT", f"{c['plain_ms']:.1f}", f"{c['plain_min_ms']:.1f}", f"{c['plain_cpu_ms']:.1f}",
+                           f"{c['compile_s']['plain']:.1f}"]]),
+            f"seqpar compiled/eager = {c['compiled_over_eager']:.3f} (target ≤ 0.85: "
+            f"{'met' if c['target_met'] else 'NOT met'}); of CPU times {c['compiled_over_eager_cpu']:.3f}; "
+            f"plain GPT compiled/eager {c['plain_compiled_over_eager']:.3f}; compile s = the first (untimed) step"]

@@ -42,26 +42,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     common.add_timing_arguments(p, repeats=5, warmup=1)
     p.add_argument("--profile", action="store_true", help="print rank 0's per-op profile of each row")
+    common.add_compile_argument(p)
 
 
-def _layer(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: str):
+def _layer(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: str, compiled: bool = False):
     tracker = RNGTracker(0, dims.tp_rank)
     plan = RecomputePlan(RecomputeConfig(recompute) if recompute == "selective" else None, tracker)
     layer = TransformerLayer(cfg, TPContext(dims.tp_group, sp, tracker), plan).train()
     init_parameters(layer, 0, dims.tp_rank, dims.tp)
+    if compiled:
+        common.compile_regions(layer)  # the core and the MLP; compiled at the first (warm-up) call
     if recompute == "full":
         return layer, lambda x: checkpoint(layer, x, tracker=tracker)
     return layer, layer
 
 
 def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmup: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, compiled: bool = False) -> dict:
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
     s, h = cfg.seq_len, cfg.hidden_size
     gen = torch.Generator().manual_seed(rank)
     runs = {}
     for name, sp, recompute in ROWS:
-        layer, fn = _layer(cfg, dims, sp, recompute)
+        layer, fn = _layer(cfg, dims, sp, recompute, compiled)
         rows = s // world if sp else s
         x = torch.randn(rows, b, h, generator=gen).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]
         dy = torch.randn(rows, b, h, generator=gen).to(torch_dtype(cfg.dtype))
@@ -69,6 +72,7 @@ def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmu
     fwd = {name: [] for name in runs}
     bwd = {name: [] for name in runs}
     cpu = {name: [] for name in runs}
+    first = {name: 0.0 for name in runs}  # the first fwd+bwd: compile time (+ one step) when compiled
     for i in range(warmup + repeats):
         for name, (layer, fn, x, dy) in runs.items():
             x = x.detach().requires_grad_(True)
@@ -76,11 +80,13 @@ def _worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmu
             f, fc = common.timed_cpu(lambda fn=fn, x=x, out=out: out.append(fn(x)))
             bt, bc = common.timed_cpu(lambda out=out, dy=dy: out[0].backward(dy))
             layer.zero_grad(set_to_none=True)
+            if i == 0:
+                first[name] = f + bt
             if i >= warmup:
                 fwd[name].append(f)
                 bwd[name].append(bt)
                 cpu[name].append(fc + bc)
-    result = {"profiles": {}}
+    result = {"profiles": {}, "first_s": common.max_over_ranks([first[n] for n in runs])}
     if profile:
         for name, (layer, fn, x, dy) in runs.items():
             def once(fn=fn, x=x, dy=dy, layer=layer):
@@ -105,9 +111,12 @@ def row_flops(cfg: ModelConfig, b: int, recompute: str) -> float:
 def run(args) -> dict:
     cfg = common.model_config(args, vocab=128, layers=1)
     ParallelConfig(tp=args.tp, sp=True).validate(cfg)
-    times = run_ranks(_worker, args.tp, cfg, args.micro_batch, args.repeats, args.warmup,
-                      getattr(args, "profile", False))[0]
+    compiled = getattr(args, "compile", False)
+    warmup = max(args.warmup, 1) if compiled else args.warmup  # compile before timing
+    times = run_ranks(_worker, args.tp, cfg, args.micro_batch, args.repeats, warmup,
+                      getattr(args, "profile", False), compiled)[0]
     profiles = times.pop("profiles")
+    first_s = times.pop("first_s")
     base, base_min = times["baseline"]["combined_ms"], times["baseline"]["combined_min_ms"]
     base_cpu = times["baseline"]["cpu_combined_ms"]
     rows = []
@@ -127,14 +136,17 @@ def run(args) -> dict:
     target["share_of_full_cpu"] = by["selective_sp"]["cpu_overhead_pct"] / full_cpu if full_cpu else None
     target["met_cpu"] = target["share_of_full_cpu"] is not None and target["share_of_full_cpu"] <= 0.25
     return {"config": {"t": args.tp, "s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size,
-                       "a": cfg.num_heads, "dtype": cfg.dtype, "dropout": args.dropout, "repeats": args.repeats},
-            "machine": common.machine(), "rows": rows, "target": target, "profiles": profiles}
+                       "a": cfg.num_heads, "dtype": cfg.dtype, "dropout": args.dropout, "repeats": args.repeats,
+                       "compile": compiled},
+            "machine": common.machine(), "rows": rows, "target": target, "profiles": profiles,
+            "compile_s": dict(zip([r[0] for r in ROWS], first_s, strict=True)) if compiled else None}
 
 
 def render(result: dict) -> str:
     c, tg = result["config"], result["target"]
     out = [f"table4: one layer, t={c['t']} (gloo), s={c['s']} b={c['b']} h={c['h']} a={c['a']} {c['dtype']}, "
-           f"dropout {c['dropout']}; median of {c['repeats']}, max over ranks"]
+           f"dropout {c['dropout']}; median of {c['repeats']}, max over ranks"
+           + ("; compiled cores and MLPs" if c.get("compile") else "")]
     rows = [[r["name"], f"{r['forward_ms']:.1f}", f"{r['backward_ms']:.1f}", f"{r['combined_ms']:.1f}",
              f"{r['overhead_pct']:+.1f}%", f"{r['cpu_combined_ms']:.1f}", f"{r['cpu_overhead_pct']:+.1f}%",
              f"{r['flops'] / 1e9:.2f}"] for r in result["rows"]]
@@ -146,6 +158,9 @@ def render(result: dict) -> str:
                + (" (met)" if tg["met"] else " (NOT met)")
                + ("" if tg["share_of_full_cpu"] is None else f"; on CPU time {100 * tg['share_of_full_cpu']:.0f}%"
                   + (" (met)" if tg["met_cpu"] else " (NOT met)")))
+    if result.get("compile_s"):
+        out.append("compile: first fwd+bwd per row (not timed): " + ", ".join(
+            f"{name} {sec:.1f} s" for name, sec in result["compile_s"].items()))
     for name, text in result.get("profiles", {}).items():
         out += [f"-- profile of one fwd+bwd, rank 0: {name}", text]
     return "\n".join(out)

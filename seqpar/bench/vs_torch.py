@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--dropout", type=float, default=0.0, help="0 by default (see the module docstring)")
     common.add_timing_arguments(p, repeats=7, warmup=2)
+    common.add_compile_argument(p)
 
 
 def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
@@ -64,10 +65,15 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute: str, repeats: int,
-            warmup: int) -> dict:
+            warmup: int, compiled: bool = False) -> dict:
+    import time
+
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
     group = dims.tp_group
     ours, theirs = build_pair(cfg, recompute, dims)
+    if compiled:  # like with like: both models' attention cores and MLPs compiled
+        common.compile_regions(ours)
+        common.compile_regions(theirs)
     x_local = _input(cfg, micro_batch, group)
 
     def step(model, sync_sp_grads: bool):
@@ -84,7 +90,11 @@ def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute
         return run
 
     # the two models compute the same loss (dropout 0) -- checked on every run, before timing
-    losses = torch.stack([step(ours, True)(), step(theirs, False)()])
+    start = time.perf_counter()
+    loss_ours = step(ours, True)()  # compiles seqpar's regions when compiled
+    mid = time.perf_counter()
+    losses = torch.stack([loss_ours, step(theirs, False)()])
+    first_s = common.max_over_ranks([mid - start, time.perf_counter() - mid], group)
     dist.all_reduce(losses, group=group)
 
     per_layer = {}
@@ -111,7 +121,8 @@ def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute
             "seqpar_min_ms": 1e3 * min(times["seqpar"]), "torch_min_ms": 1e3 * min(times["torch"]),
             "seqpar_cpu_ms": 1e3 * common.median(cpu["seqpar"]), "torch_cpu_ms": 1e3 * common.median(cpu["torch"]),
             "seqpar_bytes": per_layer["seqpar"], "torch_bytes": per_layer["torch"],
-            "seqpar_loss": losses[0].item(), "torch_loss": losses[1].item()}
+            "seqpar_loss": losses[0].item(), "torch_loss": losses[1].item(),
+            "seqpar_first_s": first_s[0], "torch_first_s": first_s[1]}
 
 
 def formula_bytes(cfg: ModelConfig, b: int, t: int, recompute: str) -> dict:
@@ -135,7 +146,8 @@ def run(args) -> dict:
     rows = []
     for t in args.tp:
         for recompute in ("none", "selective"):
-            r = run_ranks(_worker, t, cfg, args.micro_batch, recompute, args.repeats, args.warmup)[0]
+            r = run_ranks(_worker, t, cfg, args.micro_batch, recompute, args.repeats, args.warmup,
+                          getattr(args, "compile", False))[0]
             f = formula_bytes(cfg, args.micro_batch, t, recompute)
             rows.append({"tp": t, "recompute": recompute, **r, "exact_bytes": f["exact"],
                          "torch_expected_bytes": f["torch_expected"],
@@ -144,14 +156,16 @@ def run(args) -> dict:
                          "time_ratio_min": r["seqpar_min_ms"] / r["torch_min_ms"],
                          "cpu_ratio": r["seqpar_cpu_ms"] / r["torch_cpu_ms"]})
     return {"config": {"s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size, "a": cfg.num_heads,
-                       "layers": cfg.num_layers, "dtype": cfg.dtype, "dropout": args.dropout},
+                       "layers": cfg.num_layers, "dtype": cfg.dtype, "dropout": args.dropout,
+                       "compile": getattr(args, "compile", False)},
             "machine": common.machine(), "rows": rows}
 
 
 def render(result: dict) -> str:
     c = result["config"]
     out = [f"vs-torch: seqpar vs PyTorch-native DTensor TP+SP, {c['layers']} layers, s={c['s']} b={c['b']} "
-           f"h={c['h']} a={c['a']} {c['dtype']}, dropout {c['dropout']}; step = fwd+bwd, median, max over ranks"]
+           f"h={c['h']} a={c['a']} {c['dtype']}, dropout {c['dropout']}; step = fwd+bwd, median, max over ranks"
+           + ("; both compiled (attention cores and MLPs)" if c.get("compile") else "")]
     rows = []
     for r in result["rows"]:
         rows.append([r["tp"], r["recompute"], f"{r['seqpar_ms']:.1f}", f"{r['torch_ms']:.1f}", f"{r['time_ratio']:.3f}",
@@ -167,4 +181,8 @@ def render(result: dict) -> str:
     out.append("time ×: seqpar/torch of the median steps; best ×: of the fastest; CPU ×: of the median CPU "
                "times. "
                "bytes: per layer per rank; exact = Table 2 at this dropout + LayerNorm mean/rstd (4sb/t elements).")
+    if c.get("compile"):
+        out.append("compile (first step, untimed) s: " + ", ".join(
+            f"t={r['tp']} {r['recompute']}: seqpar {r['seqpar_first_s']:.1f} / torch {r['torch_first_s']:.1f}"
+            for r in result["rows"]))
     return "\n".join(out)

@@ -20,7 +20,7 @@ FLAG_KEYS = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
     "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"),
     "distributed_optimizer": ("train", "distributed_optimizer"),
-    "overlap_grad_reduce": ("train", "overlap_grad_reduce"),
+    "overlap_grad_reduce": ("train", "overlap_grad_reduce"), "compile": ("train", "compile"),
     "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
     "recompute_layers": ("recompute", "num_layers"),
     "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"), "heads": ("model", "num_heads"),
@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"shard the fp32 master weights and Adam moments over dp {d('distributed_optimizer')}")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reduce gradient buckets during the backward {d('overlap_grad_reduce')}")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each layer's attention core and MLP; dropout masks stay eager, compile time "
+                        f"is reported once, before the timed steps {d('compile')}")
     g.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, help=f"activation recomputation {d('recompute')}")
     g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help=f"for full recompute {d('recompute_method')}")
     g.add_argument("--recompute-layers", type=int, help=f"layers per full-recompute group {d('recompute_layers')}")

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import default_device, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
@@ -83,6 +84,9 @@ class Trainer:
         self.quiet = quiet or not self.rank0
         self._forward_backward, self._finalize = forward_backward, finalize_grads  # tests wrap them
         self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
+        if t.compile:
+            for chunk in self.chunks:
+                compile_model(chunk)  # seqpar/model/compile.py: cores and MLPs compiled, dropout eager
         self.opt = build_optimizer(self.chunks, t, self.dims)
         self.state = TrainState()
         if self.resume_path is not None:
@@ -137,6 +141,9 @@ class Trainer:
                          f"{info['grads_bytes']:,} B, optimizer {info['optimizer_bytes']:,} B"
                          + (f" (formula {info['optimizer_bytes_predicted']:,.0f} B)"
                             if "optimizer_bytes_predicted" in info else ""))
+        if "compile_s" in info:
+            lines.append(f"  compiled attention cores and MLPs: first forward + backward {info['compile_s']:.1f} s "
+                         "(compile time, not counted in step times)")
         if "act_bytes_measured" in info:
             lines.append(f"  activations kept by the layers for one microbatch on this rank: measured "
                          f"{info['act_bytes_measured']:,} B, formula {info['act_bytes_predicted']:,.0f} B")
@@ -172,6 +179,18 @@ class Trainer:
         self.state.skipped += 1
         self.state.skipped_in_row += 1
         return loss, norm, "nonfinite"
+
+    def _warm_up(self) -> float:
+        """Compile before anything is timed: one forward and backward of validation microbatches (train
+        mode, this run's schedule), gradients then cleared; returns its seconds (compile time + one step).
+        Evaluation (dropout off) compiles its own graphs at the first validation."""
+        t, p = self.job.train, self.job.parallel
+        batches = self.data.val_batches(t.microbatches(p.dp), t.micro_batch, 0, 1)
+        start = time.perf_counter()
+        self._forward_backward(self.chunks, batches, self.dims, p,
+                               keep_microbatches=self.job.recompute.keep_microbatches)
+        self.opt.zero_grad()
+        return time.perf_counter() - start
 
     def validate_loss(self) -> float:
         t = self.job.train
@@ -245,10 +264,13 @@ class Trainer:
         t = self.job.train
         metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
         end = t.stop_at or t.steps
+        compile_s = self._warm_up() if t.compile else None
         self.throughput.measure_activations(self.chunks, self.data, self.dims)
         ranks = gather_ranks(rank_entry(self.job, self.opt, self.dims, self.throughput.rank_activations))
         if self.rank0:
             info = {**self.throughput.describe(), **state_record(self.job, self.opt, self.dims.pp_rank)}
+            if compile_s is not None:
+                info["compile_s"] = compile_s
             metrics.log({"event": "start", **info, "ranks": ranks, "data": self.data.source,
                          "config": self.job.to_dict()})
             self.log(self.banner(info))

@@ -1,0 +1,60 @@
+"""``torch.compile`` plan: which regions of a built model stage run compiled (``train.compile``).
+
+Applied after the model and its recompute plan are built (as torchtitan's ``apply_compile``), it
+leaves the modules' code untouched:
+
+* compiled, each as its own module: every layer's attention core (``CoreAttention``: QKᵀ, the
+  folded scale + causal mask + softmax, attention·V) and MLP (fc1, GeLU/SwiGLU, fc2). Inductor fuses
+  their element-wise work (the softmax chain and its backward, the activation and its backward);
+  the GEMMs stay the same library calls.
+* eager: every ``Dropout``. Its mask comes from a generator reseeded per draw
+  (``seqpar.parallel.rng``); dynamo cannot trace ``torch.Generator`` and would recompile for every
+  seed (it guards on the tracker's Python integers), so each dropout is excluded
+  (``torch.compiler.disable``): masks are drawn exactly as without compile, and a checkpoint's
+  recomputation, which restores the tracker, redraws the same ones. Inside the attention core this
+  is a graph break: the core runs as [QKᵀ, softmax] → dropout (eager) → [·V].
+* eager: the checkpoints of ``seqpar.recompute`` (they call the compiled core or layers inside:
+  under ``no_grad`` in the forward and ``enable_grad`` in the recomputation, one graph each), the
+  norms, residual adds, embedding, loss head, and ring attention cores (cp > 1: p2p inside).
+* collectives inside a compiled MLP (``f``, ``f̄``, ``ḡ``, ``LinearWithGatheredInput``) are the
+  conjugate autograd Functions of ``seqpar.parallel``; dynamo runs them as they are, between graphs.
+
+Whole-layer compilation was measured too (``benchmarks/RESULTS.md``, "compile"): it pays no more
+here and, with recompute, traces into the checkpoint and recompiles for every dropout key.
+Compilation happens at the first call of each region (``warm_up`` in the trainer and benchmarks
+does it before anything is timed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from seqpar.model.attention import CoreAttention
+from seqpar.model.mlp import MLP
+from seqpar.parallel.rng import Dropout
+
+REGIONS = ("core_attention", "mlp")
+
+
+def compiled_regions(model: nn.Module, regions: tuple[str, ...] = REGIONS) -> list[str]:
+    """Names of the submodules ``compile_model`` compiles."""
+    kinds = {"core_attention": CoreAttention, "mlp": MLP}
+    types = tuple(kinds[r] for r in regions)
+    return [name for name, m in model.named_modules() if type(m) in types]
+
+
+def compile_model(model: nn.Module, regions: tuple[str, ...] = REGIONS, **options) -> list[str]:
+    """Compile ``model``'s regions in place (``nn.Module.compile``) and keep its dropouts eager;
+    returns the compiled submodules' names. ``options`` go to ``torch.compile``."""
+    unknown = set(regions) - set(REGIONS)
+    if unknown:
+        raise ValueError(f"compile regions {sorted(unknown)} are not among {list(REGIONS)}")
+    for m in model.modules():
+        if isinstance(m, Dropout):
+            m.forward = torch.compiler.disable(m.forward, recursive=True)
+    names = compiled_regions(model, regions)
+    modules = dict(model.named_modules())
+    for name in names:
+        modules[name].compile(**options)
+    return names

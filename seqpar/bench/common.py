@@ -48,8 +48,17 @@ def compile_regions(model: torch.nn.Module) -> None:
     if isinstance(model, GPTStage | TransformerLayer):
         compile_model(model)
         return
-    for name, m in list(model.named_modules()):
-        if name.endswith((".core", ".mlp")) or name in ("core", "mlp"):
+    modules = dict(model.named_modules())
+    checkpointed = set()
+    for name, m in modules.items():
+        if getattr(m, "checkpoint", None) is not None:  # PyTorch-native selective recompute of the core
+            # torch.utils.checkpoint's selective policy refuses a compiled core called inside it
+            # ("Tensor cached during selective activation checkpoint has been mutated"); compiled
+            # around the checkpoint instead (dynamo traces the policy into the graph).
+            m.checkpoint = torch.compile(m.checkpoint)
+            checkpointed.add(f"{name}.core")
+    for name, m in modules.items():
+        if name.rsplit(".", 1)[-1] in ("core", "mlp") and name not in checkpointed:
             m.compile()
 
 

@@ -122,7 +122,7 @@ def gemm_peaks(device: torch.device, n: int, seconds: float) -> tuple[float, flo
 
 
 def _trainer(ctx, model: dict, parallel: dict, recompute: dict, micro_batch: int, steps: int,
-             peak_flops: float, lr: float = 3e-3):
+             peak_flops: float, lr: float = 3e-3, compile: bool = False):
     from seqpar.train.config import build_job
     from seqpar.train.loop import Trainer
 
@@ -131,7 +131,7 @@ def _trainer(ctx, model: dict, parallel: dict, recompute: dict, micro_batch: int
                 "train": {"steps": steps, "lr": lr, "min_lr": lr / 10, "warmup": 2, "micro_batch": micro_batch,
                           "global_batch": micro_batch * dp, "eval_every": 0, "eval_batches": 1, "log_every": steps,
                           "peak_tflops": peak_flops / 1e12, "progress": False, "plot": False,
-                          "out_dir": ctx.out_dir}}
+                          "out_dir": ctx.out_dir, "compile": compile}}
     return Trainer(build_job(sections), device=ctx.device, quiet=True)
 
 
@@ -152,16 +152,24 @@ def mfu(ctx) -> tuple[bool, dict, str]:
     device, z = ctx.device, ctx.sizes
     measured, sheet, key = gemm_peaks(device, z.gemm_n, z.gemm_seconds)
     model = {**z.mfu, "embd_dropout": 0.1, "attn_dropout": 0.1, "hidden_dropout": 0.1}
-    trainer = _trainer(ctx, model, {"dp": ctx.world}, {"granularity": "selective"}, z.mfu_micro_batch, z.mfu_steps,
-                       measured)
-    losses, seconds = _steps(trainer, z.mfu_steps, device)
-    step_s = statistics.median(slowest(seconds[1:] or seconds, device))  # the first step warms up
-    rates = trainer.throughput.rates(step_s)
-    eager = {"step_ms": 1e3 * step_s, "tokens_per_s": rates["tokens_per_s"],
-             "mfu_vs_measured": rates["mfu"], "hfu_vs_measured": rates["hfu"],
-             "mfu_vs_sheet": rates["mfu"] * measured / sheet if sheet else None,
-             "hfu_vs_sheet": rates["hfu"] * measured / sheet if sheet else None}
-    del trainer
+
+    def run(compile: bool):
+        trainer = _trainer(ctx, model, {"dp": ctx.world}, {"granularity": "selective"}, z.mfu_micro_batch,
+                           z.mfu_steps, measured, compile=compile)
+        losses, seconds = _steps(trainer, z.mfu_steps, device)
+        step_s = statistics.median(slowest(seconds[1:] or seconds, device))  # the first step warms up (compiles)
+        rates = trainer.throughput.rates(step_s)
+        return losses, {"step_ms": 1e3 * step_s, "tokens_per_s": rates["tokens_per_s"],
+                        "mfu_vs_measured": rates["mfu"], "hfu_vs_measured": rates["hfu"],
+                        "mfu_vs_sheet": rates["mfu"] * measured / sheet if sheet else None,
+                        "hfu_vs_sheet": rates["hfu"] * measured / sheet if sheet else None,
+                        "first_step_s": seconds[0]}
+
+    losses, eager = run(False)
+    rates = {"mfu": eager["mfu_vs_measured"], "hfu": eager["hfu_vs_measured"]}
+    # compiled attention cores and MLPs (train.compile); on CPU the compile time outweighs a selftest's
+    # few steps, so it runs on accelerators only (CPU: benchmarks/RESULTS.md, "compile")
+    compiled = run(True)[1] if device.type != "cpu" else None
     finite = all(math.isfinite(x) for x in losses) and all(
         v is None or (math.isfinite(v) and v > 0) for v in eager.values())
     # a measured peak above the data sheet's means the probe or the table is wrong
@@ -172,7 +180,9 @@ def mfu(ctx) -> tuple[bool, dict, str]:
                "model": {**{k: z.mfu[k] for k in ("hidden_size", "num_heads", "num_layers", "seq_len", "vocab_size")},
                          "micro_batch": z.mfu_micro_batch, "tp": 1, "dp": ctx.world, "recompute": "selective"},
                "steps": z.mfu_steps, "eager": eager,
-               "compiled": None, "compiled_note": "seqpar has no torch.compile path yet"}
+               "compiled": compiled,
+               "compiled_note": "train.compile: attention cores and MLPs compiled; first_step_s includes compiling"
+               if compiled else "not run on CPU (compile time exceeds the selftest's steps; see benchmarks/RESULTS.md)"}
     sheet_text = f", data sheet {sheet / 1e12:.0f} ({key}): MFU {100 * eager['mfu_vs_sheet']:.1f}%" if sheet else \
         ", no data-sheet entry"
     return ok, figures, (f"bf16 GEMM {measured / 1e12:.3g} TFLOP/s: MFU {100 * rates['mfu']:.1f}% "

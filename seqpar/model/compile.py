@@ -51,8 +51,10 @@ def compile_model(model: nn.Module, regions: tuple[str, ...] = REGIONS, **option
     if unknown:
         raise ValueError(f"compile regions {sorted(unknown)} are not among {list(REGIONS)}")
     for m in model.modules():
-        if isinstance(m, Dropout):
+        if isinstance(m, Dropout):  # its forward and the draw a fused core asks it for (seqpar.model.attention)
             m.forward = torch.compiler.disable(m.forward, recursive=True)
+            if hasattr(m, "draw"):
+                m.draw = torch.compiler.disable(m.draw, recursive=True)
     names = compiled_regions(model, regions)
     modules = dict(model.named_modules())
     for name in names:

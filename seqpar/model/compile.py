@@ -3,16 +3,17 @@
 Applied after the model and its recompute plan are built (as torchtitan's ``apply_compile``), it
 leaves the modules' code untouched:
 
-* compiled, each as its own module: every layer's attention core (``CoreAttention``: QKᵀ, the
-  folded scale + causal mask + softmax, attention·V) and MLP (fc1, GeLU/SwiGLU, fc2). Inductor fuses
-  their element-wise work (the softmax chain and its backward, the activation and its backward);
-  the GEMMs stay the same library calls.
-* eager: every ``Dropout``. Its mask comes from a generator reseeded per draw
-  (``seqpar.parallel.rng``); dynamo cannot trace ``torch.Generator`` and would recompile for every
-  seed (it guards on the tracker's Python integers), so each dropout is excluded
-  (``torch.compiler.disable``): masks are drawn exactly as without compile, and a checkpoint's
-  recomputation, which restores the tracker, redraws the same ones. Inside the attention core this
-  is a graph break: the core runs as [QKᵀ, softmax] → dropout (eager) → [·V].
+* compiled, each as its own module: every layer's attention core (``CoreAttention``) and MLP (fc1,
+  GeLU/SwiGLU, fc2). Inductor fuses the MLP's element-wise work (the activation and its backward);
+  the GEMMs stay the same library calls. The materialized attention core is one autograd Function
+  (``seqpar.model.materialized``) that takes its dropout generator from ``Dropout.draw``: dynamo
+  cannot trace ``torch.Generator``, so with dropout that Function runs eagerly inside the compiled core (a graph
+  break) -- its passes are already the fewest eager allows (see that module).
+* eager: every ``Dropout``, its forward and its ``draw``. Its mask comes from a generator reseeded
+  per draw (``seqpar.parallel.rng``); traced, dynamo would recompile for every seed (it guards on
+  the tracker's Python integers), so both are excluded (``torch.compiler.disable``): masks are drawn
+  exactly as without compile, and a checkpoint's recomputation, which restores the tracker, redraws
+  the same ones.
 * eager: the checkpoints of ``seqpar.recompute`` (they call the compiled core or layers inside:
   under ``no_grad`` in the forward and ``enable_grad`` in the recomputation, one graph each), the
   norms, residual adds, embedding, loss head, and ring attention cores (cp > 1: p2p inside).

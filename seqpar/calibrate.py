@@ -3,7 +3,10 @@
 
 Every local rank runs each benchmark at the same time (on a CPU each rank gets cores / ranks threads,
 as ``seqpar train --nproc`` gives them); a benchmark's time is the median over repeats on the slowest
-rank, each repeat a block of calls lasting ``block`` seconds (a sustained rate). What is measured, and
+rank, each repeat a block of calls lasting ``block`` seconds (a sustained rate). What is compared is
+timed interleaved (``interleaved``: one block of each per round, the order rotating): the GEMM shapes
+with each other, and each collective with the GEMM alone it is measured against, what it adds being
+the median over rounds of the two blocks' difference (``paired_difference``). What is measured, and
 which parameter it gives:
     GEMM sweep (training dtype)     peak_flops = the best FLOP/s seen; gemm_efficiency and
                                     gemm_operand_bw fitted to every shape with the cost model's GEMM
@@ -44,11 +47,11 @@ from seqpar.parallel.launch import default_device, run_ranks
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
     "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
               "collective_bytes": [1 << 14, 1 << 16], "beside_gemm": (64, 64, 64), "repeats": 3,
-              "framework_repeats": 3, "block": 0.0},
+              "comm_repeats": 3, "comm_block": 0.0, "framework_repeats": 3, "block": 0.0},
     "full": {"gemm": [(m, k, n) for m in (256, 1024) for k in (256, 1024) for n in (256, 768, 1024)]
              + [(512, 512, 512)],
              "elementwise": (128, 4, 256, 4), "collective_bytes": [1 << 12, 1 << 16, 1 << 19, 1 << 22],
-             "beside_gemm": (512, 512, 512), "repeats": 5,
+             "beside_gemm": (512, 512, 512), "repeats": 5, "comm_repeats": 9, "comm_block": 0.15,
              "framework_repeats": 5, "block": 0.25},
 }
 CLOSED_LOOP_BAND = 0.20  # the goal for predicted vs measured step time on the calibrated machine (seqpar bench planner)
@@ -93,17 +96,59 @@ def timed(fn, repeats: int, device: torch.device, min_block: float = 0.0) -> flo
     return _slowest(statistics.median(times))
 
 
+def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float = 0.0) -> dict[str, list[float]]:
+    """Seconds per call of each of ``fns`` in ``repeats`` rounds, the slowest rank's time of each block
+    (as ``timed``); in each round every function runs one block, the order rotating from round to round,
+    so that a slow spell of the machine lands on neighbouring blocks of different functions and cancels
+    in their difference (``paired_difference``) instead of on all blocks of one of them."""
+    names = list(fns)
+    calls = {}
+    for name in names:  # one warm-up call each: the calls per block
+        start = time.perf_counter()
+        fns[name]()
+        _sync(device)
+        calls[name] = max(1, int(min_block / max(time.perf_counter() - start, 1e-9)))
+    if dist.is_initialized():
+        n = torch.tensor([calls[k] for k in names], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        calls = dict(zip(names, (int(c) for c in n.tolist()), strict=True))
+    times = {k: [0.0] * max(1, repeats) for k in names}
+    for r in range(max(1, repeats)):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                fns[name]()
+            _sync(device)
+            times[name][r] = (time.perf_counter() - start) / calls[name]
+    if dist.is_initialized():
+        t = torch.tensor([times[k] for k in names], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = {k: row for k, row in zip(names, t.tolist(), strict=True)}
+    return times
+
+
+def paired_difference(with_s: list[float], base_s: list[float]) -> float:
+    """The median over rounds of (block with the call - block without it, same round): what the call
+    adds, one slow or fast round (or a drift of the base over the run) not deciding it."""
+    return statistics.median(w - b for w, b in zip(with_s, base_s, strict=True))
+
+
 def gemm_sweep(shapes, dtype, device, repeats: int, block: float = 0.0) -> list[dict]:
+    """Each shape's median over ``repeats`` blocks, the shapes interleaved (one block of each per round):
+    a fast or slow spell of the machine touches one block of many shapes, not all blocks of one."""
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    fns, rows = {}, []
     for m, k, n in shapes:
         a = torch.randn(m, k, generator=gen).to(device, dtype)
         b = torch.randn(k, n, generator=gen).to(device, dtype)
         out = torch.empty(m, n, dtype=dtype, device=device)
-        seconds = timed(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), repeats, device, block)
+        fns[(m, k, n)] = lambda a=a, b=b, out=out: torch.mm(a, b, out=out)
         rows.append({"m": m, "k": k, "n": n, "flops": 2 * m * k * n,
-                     "bytes": a.element_size() * (m * k + k * n + m * n), "seconds": seconds})
-    return rows
+                     "bytes": a.element_size() * (m * k + k * n + m * n)})
+    times = interleaved(fns, repeats, device, block)
+    return [{**r, "seconds": statistics.median(times[(r["m"], r["k"], r["n"])])} for r in rows]
 
 
 def elementwise(sizes, dtype, device, repeats: int, block: float = 0.0, dropout: float = 0.1) -> list[dict]:
@@ -154,7 +199,6 @@ def collectives(sizes: list[int], dtype, device, repeats: int, block: float = 0.
         return []
     e = torch.empty((), dtype=dtype).element_size()
     gemm = _beside(gemm_shape, dtype, device)
-    gemm_alone = timed(gemm, repeats, device, block)
     rows = []
     for nbytes in sizes:
         numel = max(n, nbytes // e // n * n)
@@ -173,10 +217,12 @@ def collectives(sizes: list[int], dtype, device, repeats: int, block: float = 0.
                 gemm()
                 work.wait()
 
-            alone = timed(fn, repeats, device, block)
-            seconds = max(1e-7, timed(after, repeats, device, block) - gemm_alone)
+            alone = timed(fn, 3, device, block)  # for comparison only: nothing is fitted to it
+            t = interleaved({"gemm": gemm, "after": after, "beside": beside}, repeats, device, block)
+            seconds = max(1e-7, paired_difference(t["after"], t["gemm"]))
             rows.append({"op": name, "bytes": numel * e, "seconds": seconds, "alone_s": alone,
-                         "beside_s": timed(beside, repeats, device, block) - gemm_alone, "gemm_s": gemm_alone,
+                         "beside_s": paired_difference(t["beside"], t["gemm"]),
+                         "gemm_s": statistics.median(t["gemm"]),
                          "bus_bw": factor * (n - 1) / n * numel * e / seconds})
     return rows
 
@@ -198,7 +244,6 @@ def p2p(sizes: list[int], dtype, device, repeats: int, block: float = 0.0, gemm_
         return []
     rank, rows = dist.get_rank(), []
     gemm = _beside(gemm_shape, dtype, device)
-    gemm_alone = timed(gemm, repeats, device, block)
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes), dtype=torch.uint8, device=device)
 
@@ -211,8 +256,9 @@ def p2p(sizes: list[int], dtype, device, repeats: int, block: float = 0.0, gemm_
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        seconds = max(1e-7, (timed(pingpong, repeats, device, block) - gemm_alone) / 2)
-        rows.append({"bytes": buf.numel(), "seconds": seconds, "gemm_s": gemm_alone})
+        t = interleaved({"gemm": gemm, "pingpong": pingpong}, repeats, device, block)
+        seconds = max(1e-7, paired_difference(t["pingpong"], t["gemm"]) / 2)
+        rows.append({"bytes": buf.numel(), "seconds": seconds, "gemm_s": statistics.median(t["gemm"])})
     return rows
 
 
@@ -251,8 +297,10 @@ def _measure(rank: int, world: int, dtype: str, size: str) -> dict:
     block, reps = sz["block"], sz["repeats"]
     return {"gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
             "elementwise": elementwise(sz["elementwise"], tdt, device, reps, block),
-            "collectives": collectives(sz["collective_bytes"], tdt, device, reps, block, sz["beside_gemm"]),
-            "p2p": p2p([8, sz["collective_bytes"][-1]], tdt, device, reps, block, sz["beside_gemm"]),
+            "collectives": collectives(sz["collective_bytes"], tdt, device, sz["comm_repeats"], sz["comm_block"],
+                                       sz["beside_gemm"]),
+            "p2p": p2p([8, sz["collective_bytes"][-1]], tdt, device, sz["comm_repeats"], sz["comm_block"],
+                       sz["beside_gemm"]),
             "framework": framework(dtype, device, sz["framework_repeats"], block)}
 
 

@@ -179,3 +179,18 @@ def test_overlap_is_what_the_gemm_hid_of_each_collective():
     assert overlap(rows) == 0.5
     assert overlap([{"seconds": 1.0, "beside_s": 2.0, "gemm_s": 3.0}]) == 0.0  # together slower: clipped
     assert overlap(rows[2:]) == 1.0 and overlap([]) == 0.0
+
+
+def test_interleaved_rotates_the_order_and_the_paired_difference_ignores_one_round():
+    import torch
+
+    from seqpar.calibrate import interleaved, paired_difference
+
+    order = []
+    fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
+    times = interleaved(fns, 3, torch.device("cpu"), 0.0)  # no block length: one warm-up + one call a round
+    assert order == list("abc") + list("abc") + list("bca") + list("cab")
+    assert set(times) == set("abc") and all(len(v) == 3 and min(v) >= 0 for v in times.values())
+    base = [1.0, 1.0, 1.0, 5.0, 1.0]  # one round slow for the base alone
+    with_call = [3.0, 3.0, 9.0, 7.0, 3.0]  # the call adds 2; one other round slow for it alone
+    assert paired_difference(with_call, base) == 2.0

@@ -3,6 +3,7 @@ forked from a server started earlier, so these must be handed over), results com
 order, and a failing rank's exception is raised in the caller."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ def _report(rank, world):
 
 
 def _fail_on_one(rank, world):
-    if rank == 1:
+    if rank == 1:  # late, so rank 0 is already in run_ranks' closing barrier and fails there too
+        time.sleep(0.5)
         raise RuntimeError("rank 1 failed on purpose")
     return rank
 

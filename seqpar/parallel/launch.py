@@ -23,8 +23,10 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,7 +78,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threa
     dist.init_process_group(backend_for(device_type), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=300))
     try:
-        result = fn(rank, world_size, *args)
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException:  # the cause: run_ranks reports it before a peer's consequential failure
+            with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         # Every rank is done before any closes its connections: a gloo peer that closes while another
         # still completes the last collective can abort that rank ("terminate called ...", SIGABRT).
@@ -99,12 +106,25 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 900.0, threads: int =
                                                 dict(os.environ)),
                                  nprocs=world_size, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise TimeoutError(f"{world_size} ranks did not finish within {timeout:.0f} s")
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:
+                        proc.kill()
+                    raise TimeoutError(f"{world_size} ranks did not finish within {timeout:.0f} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            _raise_first_failure(out_dir, exc)
+            raise
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _raise_first_failure(out_dir: str, exc: Exception) -> None:
+    """Raise the error of the rank whose ``fn`` failed first, if one did: join reports whichever rank
+    it sees first, which may be a peer that only lost its connection to the failed rank."""
+    failed = sorted(Path(out_dir).glob("rank*.err"), key=lambda f: f.stat().st_mtime)
+    if failed:
+        rank = failed[0].stem.removeprefix("rank")
+        raise RuntimeError(f"rank {rank} failed:\n{failed[0].read_text()}") from exc
 
 
 # ---------------------------------------------------------------------- a command on N torchrun ranks

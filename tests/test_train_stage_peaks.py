@@ -9,14 +9,19 @@ from pathlib import Path
 from seqpar.train.loop import train_local
 
 
-def test_start_record_holds_every_stage_peak(tmp_path):
-    sections = {"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 4, "seq_len": 16,
+def _start_record(tmp_path, layers: int, parallel: dict) -> dict:
+    """One selective-recompute step of a tiny model on 2 ranks; its ``start`` record."""
+    sections = {"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": layers, "seq_len": 16,
                           "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
-                "parallel": {"pp": 2}, "recompute": {"granularity": "selective"},
+                "parallel": parallel, "recompute": {"granularity": "selective"},
                 "train": {"steps": 1, "micro_batch": 2, "global_batch": 8, "eval_every": 0, "eval_batches": 1,
                           "peak_tflops": 1.0, "progress": False, "plot": False, "out_dir": str(tmp_path)}}
     train_local(sections, world=2)
-    start = json.loads(Path(tmp_path, "metrics.jsonl").read_text().splitlines()[0])
+    return json.loads(Path(tmp_path, "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_start_record_holds_every_stage_peak(tmp_path):
+    start = _start_record(tmp_path, layers=4, parallel={"pp": 2})
     print(f"\nstage peaks measured {start['stage_act_peak_measured']}, exact {start['stage_act_peak_exact']}, "
           f"formula {start['stage_act_peak_formula']}")
     assert len(start["stage_act_peak_measured"]) == 2 and min(start["stage_act_peak_measured"]) > 0
@@ -26,13 +31,7 @@ def test_start_record_holds_every_stage_peak(tmp_path):
 def test_start_record_holds_each_ranks_peak_with_one_stage_under_cp(tmp_path):
     """pp 1 gets the schedule peak too, and each rank's own peak is in ``ranks``; under context parallelism
     the exact value counts the rank's s/cp tokens (and the token copy the cp split makes)."""
-    sections = {"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
-                          "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
-                "parallel": {"cp": 2}, "recompute": {"granularity": "selective"},
-                "train": {"steps": 1, "micro_batch": 2, "global_batch": 8, "eval_every": 0, "eval_batches": 1,
-                          "peak_tflops": 1.0, "progress": False, "plot": False, "out_dir": str(tmp_path)}}
-    train_local(sections, world=2)
-    start = json.loads(Path(tmp_path, "metrics.jsonl").read_text().splitlines()[0])
+    start = _start_record(tmp_path, layers=2, parallel={"cp": 2})
     ranks = start["ranks"]
     print(f"\ncp 2: stage peak measured {start['stage_act_peak_measured']}, exact {start['stage_act_peak_exact']}; "
           f"ranks {[(x['cp_rank'], x['act_peak_measured'], x['act_peak_exact']) for x in ranks]}")

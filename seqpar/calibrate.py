@@ -75,25 +75,7 @@ def timed(fn, repeats: int, device: torch.device, min_block: float = 0.0) -> flo
     together, of the slowest rank. A block runs ``fn`` enough times to last ``min_block`` seconds (the
     same count on every rank): a sustained rate, which is what a training run gets on a machine whose
     cores other processes share (a lone millisecond call often runs before the scheduler interrupts it)."""
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    first = time.perf_counter() - start
-    calls = max(1, int(min_block / max(first, 1e-9)))
-    if dist.is_initialized():  # collectives inside fn need every rank to make the same number of calls
-        n = torch.tensor([calls], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        calls = int(n.item())
-    times = []
-    for _ in range(max(1, repeats)):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) / calls)
-    return _slowest(statistics.median(times))
+    return _slowest(statistics.median(_blocks({"fn": fn}, repeats, device, min_block)["fn"]))
 
 
 def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float = 0.0) -> dict[str, list[float]]:
@@ -101,9 +83,22 @@ def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float 
     (as ``timed``); in each round every function runs one block, the order rotating from round to round,
     so that a slow spell of the machine lands on neighbouring blocks of different functions and cancels
     in their difference (``paired_difference``) instead of on all blocks of one of them."""
+    times = _blocks(fns, repeats, device, min_block)
+    if dist.is_initialized():
+        names = list(times)
+        t = torch.tensor([times[k] for k in names], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = {k: row for k, row in zip(names, t.tolist(), strict=True)}
+    return times
+
+
+def _blocks(fns: dict, repeats: int, device: torch.device, min_block: float) -> dict[str, list[float]]:
+    """This rank's seconds per call of each of ``fns`` in ``repeats`` rounds of one block each (the order
+    rotating); one warm-up call each sets its calls per block, the same on every rank (collectives
+    inside a function need every rank to make the same number of calls)."""
     names = list(fns)
     calls = {}
-    for name in names:  # one warm-up call each: the calls per block
+    for name in names:
         start = time.perf_counter()
         fns[name]()
         _sync(device)
@@ -122,10 +117,6 @@ def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float 
                 fns[name]()
             _sync(device)
             times[name][r] = (time.perf_counter() - start) / calls[name]
-    if dist.is_initialized():
-        t = torch.tensor([times[k] for k in names], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times = {k: row for k, row in zip(names, t.tolist(), strict=True)}
     return times
 
 

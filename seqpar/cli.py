@@ -35,6 +35,15 @@ def version_line() -> str:
     return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
 
 
+class _Version(argparse.Action):
+    """``--version``, whose line is made only when asked for: it imports torch (seconds), which a verb such
+    as ``plan`` or ``paper`` never needs."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def show_defaults(parser: argparse.ArgumentParser) -> None:
     """Every option's help says its default: ``(default: X)`` is added where the text does not already
     (any verb's, nested ones included), so no flag's default is left for the user to guess."""
@@ -53,17 +62,20 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{action.help} (default: {value})"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every verb's parser, or with ``only`` just that verb's arguments (the others are listed, not built):
+    building a verb imports its module, and some import torch, which ``plan`` or ``paper`` never need."""
     parser = argparse.ArgumentParser(
         prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
         "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
         epilog="`seqpar VERB --help` describes each verb.")
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the seqpar, torch and python versions")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module, help_text) in VERBS.items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
+        if only in (None, verb):
+            importlib.import_module(module).add_arguments(p)
         p.set_defaults(_module=module, _parser=p)
     show_defaults(parser)
     return parser
@@ -73,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     from seqpar.analysis.shapes import AnalysisError
     from seqpar.config import ConfigError
 
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv and argv[0] in VERBS else None)
+    args = parser.parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ConfigError, AnalysisError) as err:  # bad input: a usage error naming the rule, no traceback

@@ -52,7 +52,7 @@ def _train_save_load(rank, world, out, tp, resume):
         for value in tensors.values():
             value.zero_()
     with _largest_floating() as loading:
-        ckpt.load_shards(ckpt.resolve(path), states, trainer.dims, True)
+        ckpt.load_shards(ckpt.resolve(path), trainer.opt.checkpoint_views(saving=False))
     reloaded = all(torch.equal(local[name][k], v) for name, _, t in states for k, v in t.items())
     split = [torch.Size(full_shape(p, tp)).numel() for _, p, _ in states if layout_of(p).split_dim is not None]
     return {"path": path, "local": local, "reloaded": reloaded, "save_largest": saving.largest,

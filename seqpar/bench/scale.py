@@ -130,8 +130,7 @@ def _train_and_save(rank: int, world: int, args, out: str, ref: str) -> dict:
     states = opt.local_state()
     held = state_bytes(chunks, opt)
     meta = {"step": 1, "skipped": 0, "has_optimizer": True, "config": job.to_dict()}
-    path, save_extra = rss.extra(lambda: ckpt.save(Path(out) / "checkpoints", 1, ckpt.sharded_state(states, dims),
-                                                   meta))
+    path, save_extra = rss.extra(lambda: ckpt.save(Path(out) / "checkpoints", 1, opt.checkpoint_views(), meta))
     torch.save({name: (s["weight"], layout_of(p)) for name, p, s in states}, Path(ref) / f"rank{rank}.pt")
     return {"rank": rank, "state_bytes": sum(held.values()), "state": held,
             "predicted_state_bytes": predicted_state_bytes(m, par, 0), "loss": float(loss),
@@ -150,9 +149,9 @@ def _load(rank: int, world: int, args, out: str) -> int:
     dims = ParallelDims.build(job.parallel)
     chunks = build_stages(job.model, job.parallel, job.recompute, dims, job.train.seed, device=torch.device("cpu"))
     opt = MasterOptimizer(chunks, job.train, dims)
-    states = opt.local_state()
+    views = opt.checkpoint_views(saving=False)
     rss = ResidentPeak()
-    _, extra = rss.extra(lambda: ckpt.load_shards(ckpt.resolve(Path(out) / "checkpoints"), states, dims, True))
+    _, extra = rss.extra(lambda: ckpt.load_shards(ckpt.resolve(Path(out) / "checkpoints"), views))
     return extra
 
 

@@ -44,8 +44,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from seqpar.config import ConfigError, ModelConfig
-from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.layout import layout_of
 from seqpar.train.sharded import LoadPlanner, SavePlanner, ShardedView
 
 META = "meta.json"
@@ -74,18 +72,6 @@ def _write_atomic(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-
-
-def sharded_state(states, dims: ParallelDims, with_optimizer: bool = True) -> dict[str, ShardedView]:
-    """``states``: [(name, param, {"weight", "exp_avg", "exp_avg_sq"})] (fp32, local shapes) → this rank's
-    shards by DCP key, placed in the full tensors by each parameter's layout. No communication."""
-    kinds = ("weight", "exp_avg", "exp_avg_sq") if with_optimizer else ("weight",)
-    out = {}
-    for name, param, tensors in states:
-        for kind in kinds:
-            key = f"model.{name}" if kind == "weight" else f"optim.{name}.{kind}"
-            out[key] = ShardedView(tensors[kind], layout_of(param), dims.tp_rank, dims.tp)
-    return out
 
 
 def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedView], meta: dict, keep: int = 2,
@@ -396,11 +382,10 @@ def load_full(path: Path, wanted: dict[str, tuple[int, ...]], local: bool = Fals
     return out
 
 
-def load_shards(path: Path, states, dims: ParallelDims, with_optimizer: bool) -> None:
-    """Read this rank's shards of every parameter in ``states`` (same structure as ``sharded_state``)
-    into those tensors, in place, after ``check_before_load`` (every rank calls this)."""
+def load_shards(path: Path, views: dict[str, ShardedView]) -> None:
+    """Read this rank's shards ``views`` (an optimizer's ``checkpoint_views``, or ``sharded_state``) into
+    their tensors, in place, after ``check_before_load`` (every rank calls this)."""
     check_before_load(path, read_meta(path), collective=True)
-    views = sharded_state(states, dims, with_optimizer)
     stored = stored_keys(path)
     for key, view in views.items():
         if key not in stored:

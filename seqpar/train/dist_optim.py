@@ -13,9 +13,9 @@ every rank's parameters. Per parameter and rank: 2 + 4 + 12/N bytes in bf16 (4 +
 Clipping and the non-finite skip stay global and exact: each rank adds the squares of the
 fragments it owns (the same counting rules as ``MasterOptimizer.grad_norm``: a tied copy never,
 a replicated parameter on tp rank 0, grouped k/v rows once) and the sum is reduced over the grad
-group as well as tp and pp. Checkpoints stay layout-free: ``local_state`` all-gathers the shards
-back into each parameter's whole (tp-local) master and moments, the layout ``MasterOptimizer``
-gives, and ``loaded`` cuts this rank's fragments from them after a load.
+group as well as tp and pp. Checkpoints stay layout-free and are written without gathering: each
+fragment is stored where it lies in the full tensor (``seqpar.train.sharded.FragmentView``), and a
+load at any layout reads the stored pieces that overlap its own.
 
 Why not ``torch.distributed.optim.ZeroRedundancyOptimizer``: it assigns whole parameters to ranks
 (a large word embedding alone sets a rank's share, so the state is not halved at N = 2 on the
@@ -38,6 +38,7 @@ from torch import nn
 from seqpar.parallel.grad_buffer import Bucket
 from seqpar.parallel.layout import layout_of
 from seqpar.train.optim import MasterOptimizer, _set_step, set_lr_and_clip_scale
+from seqpar.train.sharded import KINDS, FragmentView, state_key
 
 
 @dataclass
@@ -152,32 +153,28 @@ class DistributedOptimizer(MasterOptimizer):
                 put(p, flat[offset:offset + p.numel()].view_as(p))  # [p.shape]
 
     # ---------------------------------------------------------------- state for checkpoints
-    def local_state(self) -> list[tuple[str, nn.Parameter, dict[str, torch.Tensor]]]:
-        """As ``MasterOptimizer.local_state``: each parameter's whole (tp-local) fp32 master and moments,
-        all-gathered from the shards (collective over the grad group). A save writes them; a load
-        reads into them and ``loaded`` then takes this rank's fragments. They are temporaries: the
-        rank holds the replicated optimizer's bytes while a checkpoint is written or read."""
-        out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for _, p in self.named}
-        for kind in ("weight", "exp_avg", "exp_avg_sq"):
-            def piece(f, kind=kind):
-                return f.master.detach() if kind == "weight" else self.opt.state[f.master][kind]
-
-            def put(p, full, kind=kind):
-                out[id(p)][kind] = full.clone()
-
-            self._all_gather(piece, put, dtype_of=lambda b: torch.float32)
-        return [(name, p, out[id(p)]) for name, p in self.named]
+    def checkpoint_views(self, with_optimizer: bool = True, saving: bool = True) -> dict[str, FragmentView]:
+        """This rank's fragments of every checkpoint tensor, by DCP key, where they lie in the full
+        tensors: no gathering, so a save or load adds no optimizer-sized temporaries. A save writes each
+        element once, from the rank whose norm counts it (``Fragment.counted``: a replicated
+        parameter from tp rank 0, shared k/v rows from the first rank of their group, a tied copy
+        never); a load reads every element of this rank's fragments."""
+        kinds = KINDS if with_optimizer else KINDS[:1]
+        out = {}
+        for f in self.fragments:
+            name, stop = self.named[f.index][0], min(f.end, f.counted) if saving else f.end
+            for kind in kinds:
+                flat = f.master.detach() if kind == "weight" else self.opt.state[f.master][kind]
+                view = FragmentView(flat, tuple(f.param.shape), f.start, stop, layout_of(f.param),
+                                    self.dims.tp_rank, self.dims.tp)
+                if not view.empty:
+                    out[state_key(name, kind)] = view
+        return out
 
     @torch.no_grad()
-    def loaded(self, opt_step: int, states=None) -> None:
-        """After a checkpoint was read into ``states`` (a ``local_state()``): each parameter's whole
-        weight into the model, this rank's fragments into its masters and moments, the step count."""
-        states = {id(p): tensors for _, p, tensors in states}
-        for _, p in self.named:
-            p.copy_(states[id(p)]["weight"])
+    def loaded(self, opt_step: int) -> None:
+        """After a checkpoint was read into ``checkpoint_views(saving=False)``, i.e. into this rank's
+        masters and moments: the step count, and every rank's masters all-gathered into the model."""
         for f in self.fragments:
-            s, state = states[id(f.param)], self.opt.state[f.master]
-            f.master.copy_(s["weight"].reshape(-1)[f.start:f.end])
-            for kind in ("exp_avg", "exp_avg_sq"):
-                state[kind].copy_(s[kind].reshape(-1)[f.start:f.end])
-            _set_step(state, opt_step)
+            _set_step(self.opt.state[f.master], opt_step)
+        self._gather_params()

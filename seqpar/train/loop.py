@@ -97,10 +97,9 @@ class Trainer:
     def load(self, path) -> None:
         meta = ckpt.read_meta(path)
         has_opt = bool(meta.get("has_optimizer", True))
-        states = self.opt.local_state()
-        ckpt.load_shards(path, states, self.dims, has_opt)
+        ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False))
         step = int(meta.get("step", 0))
-        self.opt.loaded(step if has_opt else 0, states)
+        self.opt.loaded(step if has_opt else 0)
         self.state.step = step if has_opt else 0
         self.state.skipped = int(meta.get("skipped", 0))
         if self.opt.scaler is not None and has_opt and "loss_scaler" in meta:
@@ -110,7 +109,7 @@ class Trainer:
                  f" dp {meta['config']['parallel']['dp']})")
 
     def save(self) -> str:
-        tensors = ckpt.sharded_state(self.opt.local_state(), self.dims)
+        tensors = self.opt.checkpoint_views()
         meta = {"step": self.state.step, "skipped": self.state.skipped, "has_optimizer": True,
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,

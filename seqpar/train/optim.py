@@ -28,6 +28,7 @@ from seqpar.parallel.tied import canonical_name
 from seqpar.train.config import TrainConfig
 from seqpar.train.loss_scale import DynamicLossScaler
 from seqpar.train.schedule import learning_rate
+from seqpar.train.sharded import sharded_state
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -209,11 +210,16 @@ class MasterOptimizer:
                                   "exp_avg_sq": state["exp_avg_sq"]}))
         return out
 
+    def checkpoint_views(self, with_optimizer: bool = True, saving: bool = True) -> dict:
+        """This rank's part of every checkpoint tensor, by DCP key: views of ``local_state()``, which a
+        save writes from and a load reads into in place (the same views for both)."""
+        return sharded_state(self.local_state(), self.dims, with_optimizer)
+
     @torch.no_grad()
-    def loaded(self, opt_step: int, states=None) -> None:
-        """After a checkpoint was read into ``states`` (a ``local_state()``, this optimizer's own tensors):
-        copy the masters into the model and set the step count (0: the checkpoint held no optimizer
-        state, Adam starts afresh)."""
+    def loaded(self, opt_step: int) -> None:
+        """After a checkpoint was read into ``checkpoint_views(saving=False)``, this optimizer's own
+        tensors: copy the masters into the model and set the step count (0: the checkpoint held no
+        optimizer state, Adam starts afresh)."""
         for m_p, m in zip(self.named, self.masters, strict=True):
             if m is not m_p[1]:
                 m_p[1].copy_(m)

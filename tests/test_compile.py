@@ -5,6 +5,7 @@ per code object and shape): compiled vs eager loss and gradients within 1e-5 at 
 recompute mode (tp 1 here, tp 2 + SP on gloo ranks); with dropout, selective and full recompute
 under compile give bit-identical loss and gradients to no recompute under compile (the masks are
 drawn eagerly and redrawn from the restored RNG state); bytes kept for backward equal eager's;
+the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
 ``seqpar train --compile`` trains.
 """
 
@@ -51,10 +52,11 @@ def eager_and_compiled():
     return runs, dropout
 
 
-def test_compiled_regions_are_the_cores_and_mlps(eager_and_compiled):
+def test_compiled_regions_are_the_cores_mlps_and_loss_head(eager_and_compiled):
     runs, _ = eager_and_compiled
     names = runs["none"][1][2]
-    assert names == ["layers.0.attention.core", "layers.0.mlp", "layers.1.attention.core", "layers.1.mlp"]
+    assert names == ["layers.0.attention.core", "layers.0.mlp", "layers.1.attention.core", "layers.1.mlp",
+                     "loss_head"]
 
 
 @pytest.mark.parametrize("granularity", [rc.granularity for rc in RECOMPUTES])
@@ -93,6 +95,47 @@ def test_compiled_keeps_the_bytes_eager_keeps():
         assert kept[0] == kept[1] > 0, (rc.granularity, kept)
 
 
+def _loss_head_cases(dims: ParallelDims) -> list:
+    """Eager and compiled loss head (vocabulary 3 split as 4 + 4 columns at tp 2: rank 0 holds a padded
+    column, rank 1 only padding; label smoothing 0.1; ignored tokens), ordinary and large logits
+    (|x| ~ 1e4, where an unshifted exp overflows), next to torch's unsplit cross entropy. The second
+    batch must not recompile: nothing rank- or value-dependent is a Python value in the graphs."""
+    import torch._dynamo
+    import torch.nn.functional as F
+
+    from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
+
+    vocab, per_rank, eps = LOSS_HEAD
+    eager = VocabParallelCrossEntropy(dims.tp_group, vocab, eps)
+    compiled = VocabParallelCrossEntropy(dims.tp_group, vocab, eps)
+    compiled.compile()
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for scale in (3.0, 1e4):
+        full = torch.randn(8, 2, per_rank * dims.tp, generator=gen) * scale  # [s, b, v_pad]
+        target = torch.randint(0, vocab, (8, 2), generator=gen)
+        target[0, 0] = target[5, 1] = -100
+        weights = torch.rand(8, 2, generator=gen)
+        local = full[..., dims.tp_rank * per_rank:(dims.tp_rank + 1) * per_rank]
+        results = []
+        for head in (eager, compiled):
+            x = local.clone().requires_grad_(True)
+            loss = head(x, target)
+            (loss * weights).sum().backward()
+            results.append((loss.detach(), x.grad))
+        ref_logits = full[..., :vocab].clone().requires_grad_(True)
+        ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
+                              label_smoothing=eps).view(8, 2)
+        (ref * weights).sum().backward()
+        cases.append((results, ref.detach(), ref_logits.grad))
+        torch._dynamo.config.error_on_recompile = True  # the second batch reuses the graphs
+    torch._dynamo.config.error_on_recompile = False
+    return cases
+
+
+LOSS_HEAD = (3, 4, 0.1)  # vocabulary, columns per rank, label smoothing
+
+
 def _tp2_worker(rank, world):
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
     out = {}
@@ -100,13 +143,33 @@ def _tp2_worker(rank, world):
         eager_loss, eager_grads, _ = _step(CFG, rc, False, dims, sp=True)
         loss, grads, _ = _step(CFG, rc, True, dims, sp=True)
         out[rc.granularity] = (abs(loss.item() - eager_loss.item()), _max_diff(grads, eager_grads))
-    return out
+    return out, _loss_head_cases(dims)  # in the same ranks: one process start-up and inductor import
 
 
-def test_compiled_equals_eager_at_tp2_with_sp():
-    for rank, errors in enumerate(run_ranks(_tp2_worker, 2)):
+@pytest.fixture(scope="module")
+def tp2():
+    return run_ranks(_tp2_worker, 2)
+
+
+def test_compiled_equals_eager_at_tp2_with_sp(tp2):
+    for rank, (errors, _) in enumerate(tp2):
         for key, (loss_err, grad_err) in errors.items():
             assert loss_err <= 1e-5 and grad_err <= 1e-5, (rank, key, loss_err, grad_err)
+
+
+def test_compiled_loss_head_equals_eager_at_tp2(tp2):
+    vocab = LOSS_HEAD[0]
+    for _, cases in tp2:
+        for (eager, compiled), ref, _ in cases:
+            assert torch.isfinite(compiled[0]).all() and torch.isfinite(compiled[1]).all()
+            assert compiled[0][0, 0] == 0.0 and compiled[0][5, 1] == 0.0  # ignored tokens
+            torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled[0], ref, rtol=1e-5, atol=1e-5)
+    for case in range(2):  # the gradient over both ranks is torch's, and 0 on padded columns
+        grad = torch.cat([tp2[rank][1][case][0][1][1] for rank in range(2)], dim=-1)  # [s, b, 8]
+        torch.testing.assert_close(grad[..., :vocab], tp2[0][1][case][2], rtol=1e-5, atol=1e-5)
+        assert not grad[..., vocab:].any()
 
 
 def test_seqpar_train_compile_runs_and_reports_compile_time(tmp_path):

@@ -9,6 +9,9 @@ leaves the modules' code untouched:
   (``seqpar.model.materialized``) that takes its dropout generator from ``Dropout.draw``: dynamo
   cannot trace ``torch.Generator``, so with dropout that Function runs eagerly inside the compiled core (a graph
   break) -- its passes are already the fewest eager allows (see that module).
+* compiled, its passes only: the loss head (``VocabParallelCrossEntropy.compile``): the element-wise
+  work between its collectives as four graphs (max; partial sums; loss and fp32 softmax, its one
+  write of the logits' size; backward), the all-reduces eager between them (``seqpar.parallel.cross_entropy``).
 * eager: every ``Dropout``, its forward and its ``draw``. Its mask comes from a generator reseeded
   per draw (``seqpar.parallel.rng``); traced, dynamo would recompile for every seed (it guards on
   the tracker's Python integers), so both are excluded (``torch.compiler.disable``): masks are drawn
@@ -16,7 +19,7 @@ leaves the modules' code untouched:
   the same ones.
 * eager: the checkpoints of ``seqpar.recompute`` (they call the compiled core or layers inside:
   under ``no_grad`` in the forward and ``enable_grad`` in the recomputation, one graph each), the
-  norms, residual adds, embedding, loss head, and ring attention cores (cp > 1: p2p inside).
+  norms, residual adds, embedding, and ring attention cores (cp > 1: p2p inside).
 * collectives inside a compiled MLP (``f``, ``f̄``, ``ḡ``, ``LinearWithGatheredInput``) are the
   conjugate autograd Functions of ``seqpar.parallel``; dynamo runs them as they are, between graphs.
 
@@ -33,14 +36,15 @@ from torch import nn
 
 from seqpar.model.attention import CoreAttention
 from seqpar.model.mlp import MLP
+from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
 from seqpar.parallel.rng import Dropout
 
-REGIONS = ("core_attention", "mlp")
+REGIONS = ("core_attention", "mlp", "loss_head")
 
 
 def compiled_regions(model: nn.Module, regions: tuple[str, ...] = REGIONS) -> list[str]:
     """Names of the submodules ``compile_model`` compiles."""
-    kinds = {"core_attention": CoreAttention, "mlp": MLP}
+    kinds = {"core_attention": CoreAttention, "mlp": MLP, "loss_head": VocabParallelCrossEntropy}
     types = tuple(kinds[r] for r in regions)
     return [name for name, m in model.named_modules() if type(m) in types]
 

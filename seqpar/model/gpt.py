@@ -19,7 +19,7 @@ from seqpar.model.layer import TransformerLayer
 from seqpar.model.norm import make_norm
 from seqpar.parallel import comm
 from seqpar.parallel.context import CPContext
-from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
+from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
 from seqpar.parallel.layout import relayout
@@ -53,6 +53,8 @@ class GPTStage(nn.Module):
                                      for i in self.layer_ids})
         self.blocks = self.recompute.layer_blocks(list(self.layers.values()))  # layers or full-recompute groups
         self.final_ln = make_norm(cfg, self.sp, device) if last else None
+        self.loss_head = (VocabParallelCrossEntropy(self.group, cfg.vocab_size, cfg.label_smoothing, IGNORE_INDEX)
+                          if last else None)
         self.output_weight = None
         if last and (not first or not cfg.tie_embeddings):
             # Untied: the output layer's own weight. Tied across stages: the last stage's copy of the
@@ -84,8 +86,7 @@ class GPTStage(nn.Module):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of per-token losses and the number of counted tokens; labels ``[b, s]``."""
         target = labels.t()  # [s, b]
-        per_token = vocab_parallel_cross_entropy(logits, target, self.group, self.cfg.vocab_size,
-                                                 self.cfg.label_smoothing, IGNORE_INDEX)  # [s, b]
+        per_token = self.loss_head(logits, target)  # [s, b]
         return per_token.sum(), (target != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------ forward

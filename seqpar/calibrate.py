@@ -19,9 +19,13 @@ which parameter it gives:
                                     ranks are one node; inter_node_bw is set to the same: not measured)
     each collective launched async  comm_overlap: the share of the collective the GEMM hid (``overlap``);
     beside the same GEMM            with one rank nothing is measured: 0 on a CPU, 1 on an accelerator
-    seqpar's own training step      layer_overhead, step_overhead: a tiny model (dp over the ranks) at 1
-                                    and 3 layers; the time the fitted terms do not explain, per layer
-                                    pass and per step
+    seqpar's own training step      layer_overhead, step_overhead: a tiny model (TINY_SHAPE) at 1 and 3
+                                    layers, the time the fitted terms leave, per layer pass and per step;
+                                    then gemm_efficiency, memory_bw and (with a tp = 2 step)
+                                    comm_latency refitted to steps at ``step_shape`` (``step_configs``),
+                                    each pulled weakly to its micro-benchmark value: in a step GEMM
+                                    operands are out of cache, outputs fresh, ranks uneven at every
+                                    collective, which no micro-benchmark here reproduces
 """
 
 from __future__ import annotations
@@ -47,13 +51,18 @@ from seqpar.parallel.launch import default_device, run_ranks
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
     "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
               "collective_bytes": [1 << 14, 1 << 16], "beside_gemm": (64, 64, 64), "repeats": 3,
-              "comm_repeats": 3, "comm_block": 0.0, "framework_repeats": 3, "block": 0.0},
+              "comm_repeats": 3, "comm_block": 0.0, "framework_repeats": 3, "framework_block": 0.0, "block": 0.0,
+              "step_shape": {"hidden": 32, "heads": 2, "seq": 16, "micro_batch": 2, "vocab": 256}},
     "full": {"gemm": [(m, k, n) for m in (256, 1024) for k in (256, 1024) for n in (256, 768, 1024)]
              + [(512, 512, 512)],
              "elementwise": (128, 4, 256, 4), "collective_bytes": [1 << 12, 1 << 16, 1 << 19, 1 << 22],
              "beside_gemm": (512, 512, 512), "repeats": 5, "comm_repeats": 9, "comm_block": 0.15,
-             "framework_repeats": 5, "block": 0.25},
+             "framework_repeats": 5, "framework_block": 0.5, "block": 0.25,
+             "step_shape": {"hidden": 256, "heads": 4, "seq": 128, "micro_batch": 4, "vocab": 256}},
 }
+TINY_SHAPE = {"hidden": 32, "heads": 2, "seq": 16, "micro_batch": 1, "vocab": 256}  # framework overhead alone
+STEP_FIT = ("gemm_efficiency", "memory_bw")  # + comm_latency with a tp step: the rates a real step runs at
+STEP_PRIOR_WEIGHT = 0.02  # residual per e-fold away from the micro-benchmarks' value: they stay where steps are silent
 CLOSED_LOOP_BAND = 0.20  # the goal for predicted vs measured step time on the calibrated machine (seqpar bench planner)
 
 
@@ -134,8 +143,7 @@ def gemm_sweep(shapes, dtype, device, repeats: int, block: float = 0.0) -> list[
     for m, k, n in shapes:
         a = torch.randn(m, k, generator=gen).to(device, dtype)
         b = torch.randn(k, n, generator=gen).to(device, dtype)
-        out = torch.empty(m, n, dtype=dtype, device=device)
-        fns[(m, k, n)] = lambda a=a, b=b, out=out: torch.mm(a, b, out=out)
+        fns[(m, k, n)] = lambda a=a, b=b: torch.mm(a, b)  # a fresh output, as F.linear gives one
         rows.append({"m": m, "k": k, "n": n, "flops": 2 * m * k * n,
                      "bytes": a.element_size() * (m * k + k * n + m * n)})
     times = interleaved(fns, repeats, device, block)
@@ -253,55 +261,79 @@ def p2p(sizes: list[int], dtype, device, repeats: int, block: float = 0.0, gemm_
     return rows
 
 
-def _tiny_job(layers: int, dtype: str, world: int, out_dir: str):
+def step_configs(world: int, shape: dict) -> list[dict]:
+    """seqpar's own training steps ``framework`` times. ``overhead``: a tiny model (``TINY_SHAPE``, tp = 1,
+    dp over the ranks) at 1 and 3 layers, whose GEMMs and bytes are negligible: the fixed seconds per
+    layer pass and per step. ``rate``: the profile's model ``shape`` (``step_shape``) at tp = 1 at 1 and
+    2 layers and at 1 layer with half the micro batch, and, with an even number of ranks, one layer at
+    tp = 2 with sequence parallelism: the rates GEMMs, element-wise ops and collectives reach in a step."""
+    b = shape["micro_batch"]
+    rows = [{**TINY_SHAPE, "role": "overhead", "layers": n, "tp": 1, "sp": False} for n in (1, 3)]
+    rows += [{**shape, "role": "rate", "layers": n, "tp": 1, "sp": False, "micro_batch": mb}
+             for n, mb in ((1, b), (2, b), (1, max(1, b // 2)))]
+    if world % 2 == 0:
+        rows.append({**shape, "role": "rate", "layers": 1, "tp": 2, "sp": True})
+    return [{**r, "dp": world // r["tp"], "global_batch": r["micro_batch"] * (world // r["tp"])} for r in rows]
+
+
+def _step_job(cfg: dict, dtype: str, out_dir: str):
     from seqpar.train.config import build_job
 
-    return build_job({"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 2, "num_layers": layers,
-                                "seq_len": 16, "dtype": dtype},
-                      "parallel": {"tp": 1, "pp": 1, "dp": world},
-                      "train": {"steps": 100000, "micro_batch": 1, "global_batch": world, "out_dir": out_dir,
-                                "progress": False, "eval_every": 0}})
+    return build_job({"model": {"vocab_size": cfg["vocab"], "hidden_size": cfg["hidden"],
+                                "num_heads": cfg["heads"], "num_layers": cfg["layers"], "seq_len": cfg["seq"],
+                                "dtype": dtype},
+                      "parallel": {"tp": cfg["tp"], "pp": 1, "dp": cfg["dp"], "sp": cfg["sp"]},
+                      "train": {"steps": 100000, "micro_batch": cfg["micro_batch"],
+                                "global_batch": cfg["global_batch"], "out_dir": out_dir, "progress": False,
+                                "eval_every": 0}})
 
 
-def framework(dtype: str, device, repeats: int, block: float = 0.0) -> list[dict]:
-    """Median seconds of seqpar's own training step (forward, backward, dp all-reduce, optimizer) on a
-    tiny model at 1 and 3 layers: what no GEMM or byte explains is per-layer and per-step overhead."""
+def framework(dtype: str, device, repeats: int, block: float, shape: dict) -> list[dict]:
+    """Median seconds of seqpar's own training step (forward, backward, reductions, optimizer) for each
+    of ``step_configs``: what the micro-benchmarks miss of a real step (operands out of cache, fresh
+    allocations, per-layer and per-step framework work, collectives between uneven ranks) is fitted to
+    these (``fit_profile``)."""
     from seqpar.train.loop import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for layers in (1, 3):
-            trainer = Trainer(_tiny_job(layers, dtype, world, out), device=device, quiet=True)
+        for cfg in step_configs(world, shape):
+            trainer = Trainer(_step_job(cfg, dtype, out), device=device, quiet=True)
             step = iter(range(10**6))
+            for _ in range(2):  # the first steps allocate the optimizer state and warm the allocator
+                trainer.train_step(next(step))
             seconds = timed(lambda trainer=trainer, step=step: trainer.train_step(next(step)), repeats, device, block)
-            rows.append({"layers": layers, "seconds": seconds})
+            rows.append({**cfg, "seconds": seconds})
+            del trainer
     return rows
 
 
-def _measure(rank: int, world: int, dtype: str, size: str) -> dict:
+def _measure(rank: int, world: int, dtype: str, size: str, shape: dict) -> dict:
     """This rank's micro-benchmarks (every rank joins the collectives)."""
     if world > 1:
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames the tensor collectives
     device = default_device()
     sz, tdt = SIZES[size], torch_dtype(dtype)
     block, reps = sz["block"], sz["repeats"]
-    return {"gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
+    return {"step_shape": shape, "gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
             "elementwise": elementwise(sz["elementwise"], tdt, device, reps, block),
             "collectives": collectives(sz["collective_bytes"], tdt, device, sz["comm_repeats"], sz["comm_block"],
                                        sz["beside_gemm"]),
             "p2p": p2p([8, sz["collective_bytes"][-1]], tdt, device, sz["comm_repeats"], sz["comm_block"],
                        sz["beside_gemm"]),
-            "framework": framework(dtype, device, sz["framework_repeats"], block)}
+            "framework": framework(dtype, device, sz["framework_repeats"], sz["framework_block"], shape)}
 
 
-def measure(nproc: int, dtype: str = "fp32", size: str = "full") -> dict:
-    """Run the micro-benchmarks on ``nproc`` local ranks (one: in this process); rank 0's measurements."""
+def measure(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
+    """Run the micro-benchmarks on ``nproc`` local ranks (one: in this process); rank 0's measurements.
+    ``shape``: the model of the training steps timed (default: the size's ``step_shape``)."""
+    shape = {**SIZES[size]["step_shape"], **(shape or {})}
     if nproc == 1:
-        return _measure(0, 1, dtype, size)
+        return _measure(0, 1, dtype, size, shape)
     device_type = default_device().type
     threads = max(1, (os.cpu_count() or 1) // nproc) if device_type == "cpu" else torch.get_num_threads()
-    return run_ranks(_measure, nproc, dtype, size, threads=threads, device_type=device_type, timeout=3600.0)[0]
+    return run_ranks(_measure, nproc, dtype, size, shape, threads=threads, device_type=device_type, timeout=3600.0)[0]
 
 
 def act_options(dtype: str) -> ActivationOptions:
@@ -337,17 +369,35 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
                         lambda h, r=r: gemm_s(r["flops"], r["bytes"], h)) for r in meas["gemm"]]
     hw = fit(points, replace(hw, gemm_operand_bw=memory_bw), names=("gemm_efficiency", "gemm_operand_bw"),
              prior_weight=1e-3)
-    # per-layer and per-step overhead: what the fitted terms leave of the tiny training steps
-    opts, opt = act_options(dtype), optimizer_options(dtype)
-    residual = {}
+    # seqpar's own steps: the fixed overhead per layer pass and per step what the fitted terms leave of the
+    # tiny model's steps at 1 and 3 layers; then the rates refitted to the steps at the profile's shape
+    points = step_points(meas, dtype)
+    tiny = [p for p, r in zip(points, meas["framework"], strict=True) if r["role"] == "overhead"]
+    zero = replace(hw, layer_overhead=0.0, step_overhead=0.0)
+    one, three = (p.measured_s - p.predict(zero) for p in tiny)
+    per_layer = max(0.0, (three - one) / (2 * 2))  # forward + backward pass of 2 more layers
+    hw = replace(hw, layer_overhead=per_layer, step_overhead=max(0.0, one - 2 * per_layer))
+    rate = [(p, r) for p, r in zip(points, meas["framework"], strict=True) if r["role"] == "rate"]
+    names = STEP_FIT + (("comm_latency",) if any(r["tp"] > 1 for _, r in rate) else ())
+    return fit([p for p, _ in rate], hw, names=names, prior_weight=STEP_PRIOR_WEIGHT) if rate else hw
+
+
+def step_points(meas: dict, dtype: str = "fp32") -> list[DataPoint]:
+    """The timed training steps (``framework``) as data points the cost model predicts."""
+    from seqpar.analysis.shapes import model_config
+
+    opt, opts = optimizer_options(dtype), act_options(dtype)
+    points = []
     for r in meas["framework"]:
-        job = _tiny_job(r["layers"], dtype, nproc, "-")
-        m = job.model
-        modelled = iteration_time(m, ParallelConfig(dp=nproc), RecomputeConfig(), 1, nproc, hw, opt, opts).total
-        residual[r["layers"]] = r["seconds"] - modelled
-    per_layer = max(0.0, (residual[3] - residual[1]) / (2 * 2))  # forward + backward pass of 2 more layers
-    per_step = max(0.0, residual[1] - 2 * per_layer)
-    return replace(hw, layer_overhead=per_layer, step_overhead=per_step)
+        m = model_config(layers=r["layers"], hidden=r["hidden"], heads=r["heads"], seq=r["seq"],
+                         vocab=r["vocab"]).validate()
+        par = ParallelConfig(tp=r["tp"], dp=r["dp"], sp=r["sp"])
+        label = (f"{r['role']}: h={r['hidden']}, {r['layers']} layer(s), tp={r['tp']}{',sp' if r['sp'] else ''}, "
+                 f"dp={r['dp']}, b={r['micro_batch']}")
+        points.append(DataPoint("step", "", label, r["seconds"],
+                                lambda h, m=m, par=par, r=r: iteration_time(m, par, RecomputeConfig(), r["micro_batch"],
+                                                                            r["global_batch"], h, opt, opts).total))
+    return points
 
 
 def _memory_bytes() -> float:
@@ -376,16 +426,26 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def calibrate(nproc: int, dtype: str = "fp32", size: str = "full") -> dict:
-    """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine)."""
+def calibrate(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
+    """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine).
+    ``shape``: the model whose training steps are timed (``step_shape``; seqpar bench planner passes its own)."""
     from seqpar.analysis.hardware import profile_to_json
 
     info = machine()
-    meas = measure(nproc, dtype, size)
+    meas = measure(nproc, dtype, size, shape)
     label = f"{info['device_name']} x{nproc}"
     hw = fit_profile(meas, nproc, dtype, name=f"local {info['device']}")
     source = (f"seqpar calibrate on {label} ({dtype}, {size} sizes, {info['date']}, 1-min load "
               f"{info['load_avg_1min']:.2f}); cross-node bandwidth not measured (set to the local one); error band "
               f"{100 * CLOSED_LOOP_BAND:.0f}% is the closed-loop goal of seqpar bench planner, not a measured error")
     hw = replace(hw, source=source, error_band=CLOSED_LOOP_BAND)
-    return {**profile_to_json(hw), "dtype": dtype, "machine": info, "measurements": meas}
+    steps = [{"config": p.config, "measured_s": p.measured_s, "predicted_s": p.predict(hw)}
+             for p in step_points(meas, dtype)]
+    return {**profile_to_json(hw), "dtype": dtype, "machine": info, "gemm_rate": gemm_rate(meas["gemm"]),
+            "steps": steps, "measurements": meas}
+
+
+def gemm_rate(rows: list[dict]) -> float:
+    """FLOP/s of the GEMM sweep: the median over its shapes (each shape's rate a median already), the
+    number compared between two calibrations to tell how much the machine's speed moved."""
+    return statistics.median(r["flops"] / r["seconds"] for r in rows)

@@ -194,3 +194,44 @@ def test_interleaved_rotates_the_order_and_the_paired_difference_ignores_one_rou
     base = [1.0, 1.0, 1.0, 5.0, 1.0]  # one round slow for the base alone
     with_call = [3.0, 3.0, 9.0, 7.0, 3.0]  # the call adds 2; one other round slow for it alone
     assert paired_difference(with_call, base) == 2.0
+
+
+def _measurements_of(truth: Hardware, step_seconds=None) -> dict:
+    """What `seqpar calibrate` would measure on 2 ranks of a machine that runs exactly as ``truth``
+    (the micro-benchmarks' GEMMs faster than the steps' ones, as on a CPU)."""
+    from seqpar.analysis.costmodel import gemm_s
+    from seqpar.calibrate import SIZES, step_configs, step_points
+
+    shape = SIZES["full"]["step_shape"]
+    micro = replace(truth, gemm_efficiency=0.9)
+    gemm = [{"m": m, "k": k, "n": n, "flops": 2 * m * k * n, "bytes": 4 * (m * k + k * n + m * n)}
+            for m, k, n in [(256, 256, 256), (512, 512, 512), (1024, 256, 768)]]
+    gemm = [{**r, "seconds": gemm_s(r["flops"], r["bytes"], micro)} for r in gemm]
+    colls = [{"op": "all_reduce", "bytes": b, "seconds": truth.comm_latency + b / truth.intra_node_bw,
+              "beside_s": truth.comm_latency + b / truth.intra_node_bw, "gemm_s": 1e-3} for b in (1 << 12, 1 << 20)]
+    meas = {"step_shape": shape, "gemm": gemm, "collectives": colls, "p2p": [],
+            "elementwise": [{"op": "gelu", "bytes": 1e7, "seconds": 1e7 / truth.memory_bw}],
+            "framework": [{**c, "seconds": 1.0} for c in step_configs(2, shape)]}
+    for row, p in zip(meas["framework"], step_points(meas), strict=True):
+        row["seconds"] = p.predict(truth) if step_seconds is None else step_seconds(row, p.predict(truth))
+    return meas
+
+
+def test_local_profile_is_fitted_to_seqpars_own_steps():
+    from seqpar.calibrate import fit_profile, step_points
+
+    truth = Hardware(gpus_per_node=2, peak_flops=80e9, gemm_efficiency=0.7, memory_bw=5e9, intra_node_bw=2e9,
+                     inter_node_bw=2e9, comm_latency=2e-3, layer_overhead=1e-3, step_overhead=5e-3, comm_overlap=0.0,
+                     gemm_operand_bw=1e13)
+    meas = _measurements_of(truth)
+    hw = fit_profile(meas, 2)
+    assert hw.peak_flops == max(r["flops"] / r["seconds"] for r in meas["gemm"])  # the micro-benchmarks' best
+    assert hw.layer_overhead == pytest.approx(truth.layer_overhead, rel=0.05)  # from the tiny model's steps
+    assert hw.step_overhead == pytest.approx(truth.step_overhead, rel=0.05)
+    for p, row in zip(step_points(meas), meas["framework"], strict=True):  # the micro-benchmarks alone: 20-30% fast
+        assert p.predict(hw) == pytest.approx(p.measured_s, rel=0.04 if row["role"] == "rate" else 0.05), p.config
+    slower = _measurements_of(truth, lambda row, s: 1.3 * s if row["tp"] == 2 else s)  # only the tp = 2 step
+    moved = fit_profile(slower, 2)
+    assert moved.comm_latency > 1.2 * hw.comm_latency  # what tp = 2 adds is its collectives
+    tp2 = step_points(slower)[-1]
+    assert tp2.predict(moved) == pytest.approx(tp2.measured_s, rel=0.03)

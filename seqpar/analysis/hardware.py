@@ -133,7 +133,7 @@ def profile_from_json(data: dict, where: str = "profile"):
     if not isinstance(data, dict):
         raise AnalysisError(f"{where}: expected a JSON object, got {type(data).__name__}")
     names = {f.name for f in fields(Hardware)}
-    unknown = sorted(set(data) - names - {"measurements", "machine", "dtype", "version"})
+    unknown = sorted(set(data) - names - {"measurements", "machine", "dtype", "version", "gemm_rate", "steps"})
     if unknown:
         raise AnalysisError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(PROFILE_FIELDS)}")
     values = {}

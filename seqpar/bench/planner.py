@@ -157,7 +157,21 @@ def ranking(rows: list[dict]) -> dict:
 def _calibrate(args) -> dict:
     from seqpar.calibrate import calibrate
 
-    return calibrate(args.nproc, args.dtype, args.size)
+    shape = {"hidden": args.hidden, "heads": args.heads, "seq": args.seq, "micro_batch": args.micro_batch,
+             "vocab": 256}  # the steps the calibration times are this benchmark's model, at 1 and 2 layers
+    return calibrate(args.nproc, args.dtype, args.size, shape)
+
+
+def drift(before: dict, after: dict | None) -> dict | None:
+    """How much the machine's speed moved between the two calibrations: the GEMM sweep's median rate
+    (``calibrate.gemm_rate``) and the rate the fitted steps give a GEMM (peak x gemm_efficiency)."""
+    if after is None or "gemm_rate" not in before or "gemm_rate" not in after:
+        return None
+    fitted = [p["peak_flops"] * p["gemm_efficiency"] for p in (before, after)]
+    return {"gemm_rate_before": before["gemm_rate"], "gemm_rate_after": after["gemm_rate"],
+            "gemm_rate_change": after["gemm_rate"] / before["gemm_rate"] - 1,
+            "step_gemm_rate_before": fitted[0], "step_gemm_rate_after": fitted[1],
+            "step_gemm_rate_change": fitted[1] / fitted[0] - 1}
 
 
 def run(args) -> dict:
@@ -194,6 +208,7 @@ def run(args) -> dict:
             "ranking_matches": rank["agreeing"] == rank["distinguishable_pairs"],
             "profile": {k: v for k, v in profile.items() if k != "measurements"},
             "profile_after": {k: v for k, v in after.items() if k != "measurements"} if after else None,
+            "drift": drift(profile, after),
             "config": {"nproc": args.nproc, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                        "seq": args.seq, "vocab": 256, "micro_batch": args.micro_batch,
                        "global_batch": args.global_batch, "dtype": args.dtype, "steps": args.steps,
@@ -217,6 +232,10 @@ def render(r: dict) -> str:
             for k, v in m.get("foreign_cpu_share", {}).items()),
         f"profile: {p['source']}" + (f"\nprofile after the runs: {r['profile_after']['source']}"
                                      if r.get("profile_after") else ""),
+        *([] if not r.get("drift") else [
+            "GEMM rate before / after the runs: sweep median {:.1f} / {:.1f} GFLOP/s ({:+.1f}%), in the fitted steps "
+            "{:.1f} / {:.1f} GFLOP/s ({:+.1f}%)".format(
+                *(v / 1e9 if "change" not in k else 100 * v for k, v in r["drift"].items()))]),
         common.table(["layout", "predicted ms (before / after)", "predicted ms", "measured ms", "error", "noise"],
                      rows),
         f"every layout within {100 * r['target']:.0f}%: {'yes' if r['within_target'] else 'NO'}; ranking: "

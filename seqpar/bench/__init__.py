@@ -15,7 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vs-torch": ("seqpar.bench.vs_torch", "seqpar vs PyTorch-native DTensor TP+SP: step time and bytes per layer"),
     "single": ("seqpar.bench.single", "seqpar at t=1 vs a plain single-file GPT of the same math: step time"),
     "mfu": ("seqpar.bench.mfu", "measured GEMM peak and the model FLOP/s of a t=1 training step: MFU on CPU"),
-    "scale": ("seqpar.bench.scale", "Llama-3-8B layer shapes at tp=2 + SP: state bytes vs prediction, "
+    "scale": ("seqpar.bench.scale", "Llama-3-8B layer shapes at tp=2 + SP (× --dp): state bytes vs prediction, "
               "init/save/load peak memory, reload at tp=1"),
     "dp": ("seqpar.bench.dp", "dp=2 step time with the gradient reduction after vs overlapped with the backward, "
            "and the reduction time hidden"),

@@ -113,3 +113,21 @@ def test_bench_dp_reports_both_modes(capsys):
     for mode in ("after_backward", "overlapped"):
         assert r[mode]["step_s"] > 0 and r[mode]["finalize_s"] >= 0
     assert r["reduction_hidden_s"] == r["after_backward"]["finalize_s"] - r["overlapped"]["finalize_s"]
+
+
+
+def test_bf16_benchmark_refused_on_a_cpu_without_native_bf16(monkeypatch, capsys):
+    """A bf16 benchmark where bf16 GEMMs are emulated (AVX2-only CPUs: ~1 GFLOP/s against ~100 in fp32)
+    is refused in one line before any model is built; native bf16 passes; --quick and fp32 never ask."""
+    from seqpar.bench import common
+    from seqpar.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"bf16 GEMMs run at 0\.9 GFLOP/s .* run it with --dtype fp32"):
+        common.require_fast_bf16((0.9, 166.0))
+    common.require_fast_bf16((400.0, 166.0))  # AVX-512 bf16 / AMX: faster than fp32
+    common.require_fast_bf16((50.0, 166.0))  # slower, but not an emulation
+    monkeypatch.setattr(common, "gemm_gflops", lambda dtype: 0.9 if dtype == torch.bfloat16 else 166.0)
+    with pytest.raises(ConfigError, match="no native bf16"):
+        run_benchmark(_args("single"))  # bf16 by default: refused before anything is built
+    _run(capsys, "single")  # --quick: tiny sizes, not a result, never refused
+    _run(capsys, "single", "--dtype", "fp32")

@@ -41,6 +41,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.quick:
         for key, value in module.QUICK.items():
             setattr(args, key, value)
+    dtypes = getattr(args, "dtype", None) or []
+    if "bf16" in ([dtypes] if isinstance(dtypes, str) else dtypes) and not args.quick:
+        from seqpar.bench import common
+
+        common.require_fast_bf16()  # a CPU without native bf16: refused in one line, not hours of emulation
     result = module.run(args)
     print(json.dumps(result) if args.json else module.render(result))
     if getattr(args, "out", None):
@@ -52,5 +57,10 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seqpar.bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    run(parser.parse_args(argv))
+    from seqpar.config import ConfigError
+
+    try:
+        run(parser.parse_args(argv))
+    except ConfigError as err:  # bad input or an unfit machine: one line, exit 2
+        parser.error(str(err))
     return 0

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from seqpar.config import ModelConfig
+from seqpar.config import ConfigError, ModelConfig
 
 
 def add_shape_arguments(p, hidden: int, heads: int, seq: int, micro_batch: int, layers: int | None = None,
@@ -80,6 +80,29 @@ def machine() -> dict:
     return {"cpu": cpu, "nproc": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def gemm_gflops(dtype: torch.dtype, n: int = 256, repeats: int = 3) -> float:
+    """GFLOP/s of an n³ GEMM on the CPU in ``dtype``, the best of ``repeats`` after one warm-up."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = min(timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+SLOW_BF16 = 4  # bf16 GEMMs this many times slower than fp32 ones: no native bf16 on this CPU
+
+
+def require_fast_bf16(rates: tuple[float, float] | None = None) -> None:
+    """Refuse, in one line, a bf16 benchmark on a CPU without native bf16 matrix instructions (e.g. AVX2
+    only: torch falls back to a scalar reference GEMM, ~1 GFLOP/s on 2 cores, and a benchmark would take
+    hours measuring that fallback). ``rates``: (bf16, fp32) GFLOP/s, measured when not given."""
+    bf16, fp32 = rates or (gemm_gflops(torch.bfloat16), gemm_gflops(torch.float32))
+    if bf16 * SLOW_BF16 < fp32:
+        capability = torch.backends.cpu.get_cpu_capability()
+        raise ConfigError(f"bf16 GEMMs run at {bf16:.1f} GFLOP/s on this CPU against {fp32:.1f} in fp32 "
+                          f"({machine()['cpu']}, torch's CPU capability {capability}: no native bf16), so a bf16 "
+                          f"benchmark would measure an emulation for hours; run it with --dtype fp32")
 
 
 def median(xs: list[float]) -> float:

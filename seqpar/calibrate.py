@@ -288,17 +288,24 @@ def _step_job(cfg: dict, dtype: str, out_dir: str):
                                 "eval_every": 0}})
 
 
-def framework(dtype: str, device, repeats: int, block: float, shape: dict) -> list[dict]:
+def reference_config(world: int, shape: dict) -> dict:
+    """The step of ``step_configs`` that ``reference_step`` times again: the profile's model at tp = 1
+    (dp over the ranks), 2 layers, its micro batch."""
+    return next(r for r in step_configs(world, shape) if r["role"] == "rate" and r["layers"] == 2)
+
+
+def framework(dtype: str, device, repeats: int, block: float, shape: dict,
+              configs: list[dict] | None = None) -> list[dict]:
     """Median seconds of seqpar's own training step (forward, backward, reductions, optimizer) for each
-    of ``step_configs``: what the micro-benchmarks miss of a real step (operands out of cache, fresh
-    allocations, per-layer and per-step framework work, collectives between uneven ranks) is fitted to
-    these (``fit_profile``)."""
+    of ``configs`` (default ``step_configs``): what the micro-benchmarks miss of a real step (operands out
+    of cache, fresh allocations, per-layer and per-step framework work, collectives between uneven ranks)
+    is fitted to these (``fit_profile``)."""
     from seqpar.train.loop import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        for cfg in step_configs(world, shape):
+        for cfg in configs or step_configs(world, shape):
             trainer = Trainer(_step_job(cfg, dtype, out), device=device, quiet=True)
             step = iter(range(10**6))
             for _ in range(2):  # the first steps allocate the optimizer state and warm the allocator
@@ -325,15 +332,35 @@ def _measure(rank: int, world: int, dtype: str, size: str, shape: dict) -> dict:
             "framework": framework(dtype, device, sz["framework_repeats"], sz["framework_block"], shape)}
 
 
+def _reference(rank: int, world: int, dtype: str, size: str, shape: dict) -> float:
+    sz = SIZES[size]
+    return framework(dtype, default_device(), sz["framework_repeats"], sz["framework_block"], shape,
+                     [reference_config(world, shape)])[0]["seconds"]
+
+
+def _ranks(nproc: int) -> dict:
+    """``run_ranks`` options for ``nproc`` local ranks: on a CPU each gets cores / ranks threads."""
+    device_type = default_device().type
+    threads = max(1, (os.cpu_count() or 1) // nproc) if device_type == "cpu" else torch.get_num_threads()
+    return {"threads": threads, "device_type": device_type, "timeout": 3600.0}
+
+
+def reference_step(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> float:
+    """Seconds of the ``reference_config`` step now, timed as ``measure`` times it: the machine's speed at
+    this moment, against the same step in a calibration (seqpar bench planner's drift control)."""
+    shape = {**SIZES[size]["step_shape"], **(shape or {})}
+    if nproc == 1:
+        return _reference(0, 1, dtype, size, shape)
+    return run_ranks(_reference, nproc, dtype, size, shape, **_ranks(nproc))[0]
+
+
 def measure(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
     """Run the micro-benchmarks on ``nproc`` local ranks (one: in this process); rank 0's measurements.
     ``shape``: the model of the training steps timed (default: the size's ``step_shape``)."""
     shape = {**SIZES[size]["step_shape"], **(shape or {})}
     if nproc == 1:
         return _measure(0, 1, dtype, size, shape)
-    device_type = default_device().type
-    threads = max(1, (os.cpu_count() or 1) // nproc) if device_type == "cpu" else torch.get_num_threads()
-    return run_ranks(_measure, nproc, dtype, size, shape, threads=threads, device_type=device_type, timeout=3600.0)[0]
+    return run_ranks(_measure, nproc, dtype, size, shape, **_ranks(nproc))[0]
 
 
 def act_options(dtype: str) -> ActivationOptions:

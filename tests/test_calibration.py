@@ -169,6 +169,28 @@ def test_bench_planner_predicts_each_layout_and_judges_the_ranking():
     assert rank["distinguishable_pairs"] == 2 and rank["agreeing"] == 1  # a-c within noise; c-b misordered
 
 
+def test_bench_planner_scales_predictions_by_the_reference_step():
+    """The drift control: each profile's prediction times (reference now / that calibration's reference),
+    averaged; the calibration's reference is the 2-layer tp=1 step it timed, found in its measurements."""
+    import argparse
+
+    from seqpar.bench import planner
+    from seqpar.calibrate import reference_config
+
+    assert planner.normalized([1.0, 2.0], [0.5, 1.0], 0.75) == pytest.approx((1.5 + 1.5) / 2)
+    assert planner.normalized([1.0], [0.5], 0.5) == 1.0  # the machine as fast as in the calibration
+    assert planner.normalized([1.0], [None], 0.5) is None and planner.normalized([1.0], [0.5], None) is None
+    p = argparse.ArgumentParser()
+    planner.add_arguments(p)
+    args = p.parse_args([])
+    ref = reference_config(args.nproc, planner._step_shape(args))
+    assert (ref["role"], ref["layers"], ref["tp"], ref["dp"], ref["hidden"]) == ("rate", 2, 1, 2, args.hidden)
+    other = {**ref, "layers": 1, "seconds": 0.1}
+    profile = {"measurements": {"framework": [other, {**ref, "seconds": 0.25}]}}
+    assert planner.calibration_reference(args, profile) == 0.25
+    assert planner.calibration_reference(args, {"name": "a profile file"}) is None
+
+
 def test_overlap_is_what_the_gemm_hid_of_each_collective():
     from seqpar.calibrate import overlap
 

@@ -7,10 +7,14 @@ profiles, which bracket the runs (on a shared machine the load moves between the
 The measured step time of a layout is the median of its log windows after the first (the first holds
 the warm-up); its noise is the spread of those windows. Goal: every layout within 20%, and the
 predicted order of any two layouts matching the measured one where they differ by more than their
-noise. On a machine other people are using, timings move with their load: the report gives the CPU,
-the load before and after, and per phase (calibration before, the runs, calibration after) the share of
-the CPUs that processes outside this benchmark used (``CpuShare``: the machine's busy time from
-/proc/stat minus this process tree's CPU time).
+noise. The machine's own speed also moves, by up to a quarter within minutes on this project's VMs
+(the calibrations' step at the benchmark's model took 131-190 ms within 40 minutes): so before each
+layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is timed again, and the
+predictions are also given scaled by its time now over its time in each calibration (the error "at the
+reference's speed"), next to the unscaled ones. On a machine other people are using, timings move with
+their load: the report gives the CPU, the load before and after, and per phase (calibration before, the
+runs, calibration after) the share of the CPUs that processes outside this benchmark used (``CpuShare``:
+the machine's busy time from /proc/stat minus this process tree's CPU time).
 """
 
 from __future__ import annotations
@@ -154,12 +158,35 @@ def ranking(rows: list[dict]) -> dict:
     return {"distinguishable_pairs": len(pairs), "agreeing": agree, "pairs": pairs}
 
 
+def _step_shape(args) -> dict:  # the steps the calibration times are this benchmark's model, at 1 and 2 layers
+    return {"hidden": args.hidden, "heads": args.heads, "seq": args.seq, "micro_batch": args.micro_batch,
+            "vocab": 256}
+
+
 def _calibrate(args) -> dict:
     from seqpar.calibrate import calibrate
 
-    shape = {"hidden": args.hidden, "heads": args.heads, "seq": args.seq, "micro_batch": args.micro_batch,
-             "vocab": 256}  # the steps the calibration times are this benchmark's model, at 1 and 2 layers
-    return calibrate(args.nproc, args.dtype, args.size, shape)
+    return calibrate(args.nproc, args.dtype, args.size, _step_shape(args))
+
+
+def calibration_reference(args, profile: dict) -> float | None:
+    """The calibration's own time of the reference step (``calibrate.reference_config``), or None when
+    the profile does not hold its measurements (a profile file)."""
+    from seqpar.calibrate import SIZES, reference_config
+
+    ref = reference_config(args.nproc, {**SIZES[args.size]["step_shape"], **_step_shape(args)})
+    keys = ("role", "layers", "tp", "sp", "micro_batch", "hidden")
+    rows = profile.get("measurements", {}).get("framework", [])
+    return next((r["seconds"] for r in rows if all(r.get(k) == ref[k] for k in keys)), None)
+
+
+def normalized(preds: list[float], refs: list[float | None], now: float | None) -> float | None:
+    """The predictions rescaled by how much faster or slower the machine runs the reference step now than
+    during each calibration (prediction × now / calibration's), averaged: what the cost model predicts at
+    the machine's present speed. None without a reference."""
+    if now is None or not refs or any(r is None for r in refs):
+        return None
+    return statistics.mean(p * now / r for p, r in zip(preds, refs, strict=True))
 
 
 def drift(before: dict, after: dict | None) -> dict | None:
@@ -186,25 +213,37 @@ def run(args) -> dict:
         profile = _calibrate(args)
         hws = [profile_from_json(profile)]
         foreign["calibration_before"], share = share.foreign(), CpuShare()
+    from seqpar.calibrate import reference_step
+
+    refs = [calibration_reference(args, profile)]
     rows, runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, label in enumerate(args.layouts):
             plan = predict(args, hws[0], label)["plan"]
-            runs.append((label, measure(args, plan, os.path.join(tmp, str(i)))))
+            now = None if refs[0] is None else reference_step(args.nproc, args.dtype, args.size, _step_shape(args))
+            runs.append((label, {**measure(args, plan, os.path.join(tmp, str(i))), "reference_s": now}))
     foreign["runs"], share = share.foreign(), CpuShare()
     after = None
     if not args.profile:
         after = _calibrate(args)
         hws.append(profile_from_json(after))
+        refs.append(calibration_reference(args, after))
         foreign["calibration_after"] = share.foreign()
     for label, got in runs:
         preds = [predict(args, hw, label) for hw in hws]
-        mean = statistics.mean(p["predicted_s"] for p in preds)
-        rows.append({"layout": label, "predicted_s": mean, "predicted_each_s": [p["predicted_s"] for p in preds],
-                     **got, "error": mean / got["measured_s"] - 1, "terms": preds[0]["terms"]})
+        each = [p["predicted_s"] for p in preds]
+        mean = statistics.mean(each)
+        norm = normalized(each, refs, got["reference_s"])
+        rows.append({"layout": label, "predicted_s": mean, "predicted_each_s": each, **got,
+                     "error": mean / got["measured_s"] - 1, "predicted_normalized_s": norm,
+                     "error_normalized": None if norm is None else norm / got["measured_s"] - 1,
+                     "terms": preds[0]["terms"]})
     rank = ranking(rows)
     within = all(abs(r["error"]) <= TARGET for r in rows)
+    within_norm = None if any(r["error_normalized"] is None for r in rows) else \
+        all(abs(r["error_normalized"]) <= TARGET for r in rows)
     return {"rows": rows, "ranking": rank, "target": TARGET, "within_target": within,
+            "within_target_normalized": within_norm, "reference_calibration_s": refs,
             "ranking_matches": rank["agreeing"] == rank["distinguishable_pairs"],
             "profile": {k: v for k, v in profile.items() if k != "measurements"},
             "profile_after": {k: v for k, v in after.items() if k != "measurements"} if after else None,
@@ -219,9 +258,17 @@ def run(args) -> dict:
 
 def render(r: dict) -> str:
     c, m, p = r["config"], r["machine"], r["profile"]
-    rows = [[x["layout"], " / ".join(f"{1e3 * v:.1f}" for v in x["predicted_each_s"]), f"{1e3 * x['predicted_s']:.1f}",
-             f"{1e3 * x['measured_s']:.1f}", f"{100 * x['error']:+.1f}%", f"{100 * x['noise']:.0f}%"]
-            for x in r["rows"]]
+    def pct(v):
+        return "-" if v is None else f"{100 * v:+.1f}%"
+
+    def ms(v):
+        return "-" if v is None else f"{1e3 * v:.1f}"
+
+    rows = [[x["layout"], " / ".join(f"{1e3 * v:.1f}" for v in x["predicted_each_s"]), ms(x["predicted_s"]),
+             ms(x["measured_s"]), pct(x["error"]), f"{100 * x['noise']:.0f}%", ms(x.get("reference_s")),
+             ms(x.get("predicted_normalized_s")), pct(x.get("error_normalized"))] for x in r["rows"]]
+    refs = r.get("reference_calibration_s") or []
+    norm = r.get("within_target_normalized")
     rk = r["ranking"]
     return "\n".join([
         f"planner: {c['nproc']} ranks, {c['layers']} layers, h={c['hidden']} a={c['heads']} s={c['seq']} v=256, "
@@ -236,8 +283,12 @@ def render(r: dict) -> str:
             "GEMM rate before / after the runs: sweep median {:.1f} / {:.1f} GFLOP/s ({:+.1f}%), in the fitted steps "
             "{:.1f} / {:.1f} GFLOP/s ({:+.1f}%)".format(
                 *(v / 1e9 if "change" not in k else 100 * v for k, v in r["drift"].items()))]),
-        common.table(["layout", "predicted ms (before / after)", "predicted ms", "measured ms", "error", "noise"],
-                     rows),
-        f"every layout within {100 * r['target']:.0f}%: {'yes' if r['within_target'] else 'NO'}; ranking: "
+        common.table(["layout", "predicted ms (before / after)", "predicted ms", "measured ms", "error", "noise",
+                      "reference ms", "at its speed ms", "error"], rows),
+        "reference: the calibrations' 2-layer tp=1 step, timed again before each layout (calibrations: "
+        + " / ".join(ms(v) for v in refs) + " ms); 'at its speed': the predictions scaled by reference now / "
+        "calibration's",
+        f"every layout within {100 * r['target']:.0f}%: {'yes' if r['within_target'] else 'NO'}"
+        + ("" if norm is None else f"; at the reference's speed: {'yes' if norm else 'NO'}") + "; ranking: "
         f"{rk['agreeing']} of {rk['distinguishable_pairs']} pairs that differ by more than their noise ordered as "
         "measured"])

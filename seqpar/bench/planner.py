@@ -8,9 +8,9 @@ The measured step time of a layout is the median of its log windows after the fi
 the warm-up); its noise is the spread of those windows. Goal: every layout within 20%, and the
 predicted order of any two layouts matching the measured one where they differ by more than their
 noise. The machine's own speed also moves, by up to a quarter within minutes on this project's VMs
-(the calibrations' step at the benchmark's model took 131-190 ms within 40 minutes): so before each
-layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is timed again, and the
-predictions are also given scaled by its time now over its time in each calibration (the error "at the
+(the calibrations' step at the benchmark's model took 131-190 ms within 40 minutes): so before and
+after each layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is timed again,
+and the predictions are also given scaled by its mean time then over its time in each calibration (the error "at the
 reference's speed"), next to the unscaled ones. On a machine other people are using, timings move with
 their load: the report gives the CPU, the load before and after, and per phase (calibration before, the
 runs, calibration after) the share of the CPUs that processes outside this benchmark used (``CpuShare``:
@@ -220,8 +220,14 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for i, label in enumerate(args.layouts):
             plan = predict(args, hws[0], label)["plan"]
-            now = None if refs[0] is None else reference_step(args.nproc, args.dtype, args.size, _step_shape(args))
-            runs.append((label, {**measure(args, plan, os.path.join(tmp, str(i))), "reference_s": now}))
+            def reference():
+                return None if refs[0] is None else reference_step(args.nproc, args.dtype, args.size, _step_shape(args))
+
+            first = reference()
+            got = measure(args, plan, os.path.join(tmp, str(i)))
+            both = [first, reference()]  # bracketing the run: the speed moves within tens of seconds
+            runs.append((label, {**got, "reference_each_s": both,
+                                 "reference_s": None if first is None else statistics.mean(both)}))
     foreign["runs"], share = share.foreign(), CpuShare()
     after = None
     if not args.profile:
@@ -285,7 +291,8 @@ def render(r: dict) -> str:
                 *(v / 1e9 if "change" not in k else 100 * v for k, v in r["drift"].items()))]),
         common.table(["layout", "predicted ms (before / after)", "predicted ms", "measured ms", "error", "noise",
                       "reference ms", "at its speed ms", "error"], rows),
-        "reference: the calibrations' 2-layer tp=1 step, timed again before each layout (calibrations: "
+        "reference: the calibrations' 2-layer tp=1 step, timed again before and after each layout, the mean "
+        "(calibrations: "
         + " / ".join(ms(v) for v in refs) + " ms); 'at its speed': the predictions scaled by reference now / "
         "calibration's",
         f"every layout within {100 * r['target']:.0f}%: {'yes' if r['within_target'] else 'NO'}"

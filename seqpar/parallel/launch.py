@@ -61,7 +61,8 @@ def backend_for(device_type: str) -> str:
 
 # Ranks are forked from a server process that imported torch and seqpar once (``forkserver``, where
 # the platform has it): a rank then starts in milliseconds instead of re-importing torch for seconds
-# (``spawn``). The server never touches a device, so the ranks may use CUDA as spawned ones do.
+# (``spawn``). The server never touches a device, so the ranks may use CUDA as spawned ones do (checked on
+# an H200: an NCCL rank, and gloo ranks computing on the GPU; docs/gpu.md).
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 PRELOAD = ["torch", "torch._dynamo", "seqpar.train.loop"]  # the first optimizer a rank builds imports torch._dynamo
 

@@ -115,7 +115,6 @@ def test_bench_dp_reports_both_modes(capsys):
     assert r["reduction_hidden_s"] == r["after_backward"]["finalize_s"] - r["overlapped"]["finalize_s"]
 
 
-
 def test_bf16_benchmark_refused_on_a_cpu_without_native_bf16(monkeypatch, capsys):
     """A bf16 benchmark where bf16 GEMMs are emulated (AVX2-only CPUs: ~1 GFLOP/s against ~100 in fp32)
     is refused in one line before any model is built; native bf16 passes; --quick and fp32 never ask."""

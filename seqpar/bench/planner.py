@@ -8,10 +8,10 @@ The measured step time of a layout is the median of its log windows after the fi
 the warm-up); its noise is the spread of those windows. Goal: every layout within 20%, and the
 predicted order of any two layouts matching the measured one where they differ by more than their
 noise. The machine's own speed also moves, by up to a quarter within minutes on this project's VMs
-(the calibrations' step at the benchmark's model took 131-190 ms within 40 minutes): so before and
-after each layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is timed again,
-and the predictions are also given scaled by its mean time then over its time in each calibration (the error "at the
-reference's speed"), next to the unscaled ones. On a machine other people are using, timings move with
+(the calibrations' step at the benchmark's model took 112-190 ms within an hour): so before and after
+each layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is timed again, and
+the predictions are also given scaled by its mean time then over its time in each calibration (the
+error "at the reference's speed"), next to the unscaled ones. On a machine other people are using, timings move with
 their load: the report gives the CPU, the load before and after, and per phase (calibration before, the
 runs, calibration after) the share of the CPUs that processes outside this benchmark used (``CpuShare``:
 the machine's busy time from /proc/stat minus this process tree's CPU time).
@@ -216,13 +216,14 @@ def run(args) -> dict:
     from seqpar.calibrate import reference_step
 
     refs = [calibration_reference(args, profile)]
+
+    def reference():  # the reference step now (None when there is no calibration's to compare it with)
+        return None if refs[0] is None else reference_step(args.nproc, args.dtype, args.size, _step_shape(args))
+
     rows, runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, label in enumerate(args.layouts):
             plan = predict(args, hws[0], label)["plan"]
-            def reference():
-                return None if refs[0] is None else reference_step(args.nproc, args.dtype, args.size, _step_shape(args))
-
             first = reference()
             got = measure(args, plan, os.path.join(tmp, str(i)))
             both = [first, reference()]  # bracketing the run: the speed moves within tens of seconds

@@ -125,7 +125,7 @@ def test_bf16_benchmark_refused_on_a_cpu_without_native_bf16(monkeypatch, capsys
         common.require_fast_bf16((0.9, 166.0))
     common.require_fast_bf16((400.0, 166.0))  # AVX-512 bf16 / AMX: faster than fp32
     common.require_fast_bf16((50.0, 166.0))  # slower, but not an emulation
-    monkeypatch.setattr(common, "gemm_gflops", lambda dtype: 0.9 if dtype == torch.bfloat16 else 166.0)
+    monkeypatch.setattr(common, "gemm_peak", lambda n, dtype, repeats: 0.9e9 if dtype == torch.bfloat16 else 166e9)
     with pytest.raises(ConfigError, match="no native bf16"):
         run_benchmark(_args("single"))  # bf16 by default: refused before anything is built
     _run(capsys, "single")  # --quick: tiny sizes, not a result, never refused

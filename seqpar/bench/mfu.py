@@ -10,9 +10,6 @@ peak of the step's dtype (Sec. 6.3 with the measured, not the spec-sheet, peak).
 from __future__ import annotations
 
 import argparse
-import time
-
-import torch
 
 from seqpar.analysis.flops import model_flops
 from seqpar.bench import common
@@ -36,21 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_compile_argument(p)
 
 
-def gemm_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
-    """Best FLOP/s of ``a @ b`` over ``repeats`` (after one warm-up)."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(dtype)
-    b = torch.randn(n, n, generator=gen).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    torch.mm(a, b, out=out)
-    best = float("inf")
-    for _ in range(max(repeats, 1)):
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
 def step_mfu(args, dtype: str) -> dict:
     cfg = common.model_config(args, dtype=dtype)
     model = build_model(cfg).train()
@@ -70,7 +52,7 @@ def step_mfu(args, dtype: str) -> dict:
 def run(args) -> dict:
     dtypes = list(dict.fromkeys(args.dtype))
     def peaks_now():
-        return {d: gemm_peak(args.gemm, torch_dtype(d), args.gemm_repeats) for d in ("bf16", "fp32")}
+        return {d: common.gemm_peak(args.gemm, torch_dtype(d), args.gemm_repeats) for d in ("bf16", "fp32")}
 
     before = peaks_now()
     steps = [step_mfu(args, d) for d in dtypes]

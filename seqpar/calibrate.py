@@ -345,10 +345,15 @@ def _ranks(nproc: int) -> dict:
     return {"threads": threads, "device_type": device_type, "timeout": 3600.0}
 
 
+def step_shape(size: str, shape: dict | None = None) -> dict:
+    """The model of the training steps a calibration times: the size's ``step_shape``, updated by ``shape``."""
+    return {**SIZES[size]["step_shape"], **(shape or {})}
+
+
 def reference_step(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> float:
     """Seconds of the ``reference_config`` step now, timed as ``measure`` times it: the machine's speed at
     this moment, against the same step in a calibration (seqpar bench planner's drift control)."""
-    shape = {**SIZES[size]["step_shape"], **(shape or {})}
+    shape = step_shape(size, shape)
     if nproc == 1:
         return _reference(0, 1, dtype, size, shape)
     return run_ranks(_reference, nproc, dtype, size, shape, **_ranks(nproc))[0]
@@ -357,7 +362,7 @@ def reference_step(nproc: int, dtype: str = "fp32", size: str = "full", shape: d
 def measure(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
     """Run the micro-benchmarks on ``nproc`` local ranks (one: in this process); rank 0's measurements.
     ``shape``: the model of the training steps timed (default: the size's ``step_shape``)."""
-    shape = {**SIZES[size]["step_shape"], **(shape or {})}
+    shape = step_shape(size, shape)
     if nproc == 1:
         return _measure(0, 1, dtype, size, shape)
     return run_ranks(_measure, nproc, dtype, size, shape, **_ranks(nproc))[0]

@@ -172,9 +172,9 @@ def _calibrate(args) -> dict:
 def calibration_reference(args, profile: dict) -> float | None:
     """The calibration's own time of the reference step (``calibrate.reference_config``), or None when
     the profile does not hold its measurements (a profile file)."""
-    from seqpar.calibrate import SIZES, reference_config
+    from seqpar.calibrate import reference_config, step_shape
 
-    ref = reference_config(args.nproc, {**SIZES[args.size]["step_shape"], **_step_shape(args)})
+    ref = reference_config(args.nproc, step_shape(args.size, _step_shape(args)))
     keys = ("role", "layers", "tp", "sp", "micro_batch", "hidden")
     rows = profile.get("measurements", {}).get("framework", [])
     return next((r["seconds"] for r in rows if all(r.get(k) == ref[k] for k in keys)), None)

@@ -4,6 +4,7 @@ and the planner's ties. The fit is computed from the data points: change one and
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -189,6 +190,37 @@ def test_bench_planner_scales_predictions_by_the_reference_step():
     profile = {"measurements": {"framework": [other, {**ref, "seconds": 0.25}]}}
     assert planner.calibration_reference(args, profile) == 0.25
     assert planner.calibration_reference(args, {"name": "a profile file"}) is None
+
+
+def test_bench_planner_takes_medians_over_rounds_and_calibrations():
+    """Several rounds between calibrations: the measured time is the median over the rounds and the
+    prediction the median over the calibrations, so one slow round or one slow calibration does not
+    decide the error; each round's own error pairs it with the two calibrations around it."""
+    import argparse
+
+    from seqpar.bench import planner
+
+    assert planner.rotated(list("abc"), 0) == list("abc") and planner.rotated(list("abc"), 4) == list("bca")
+
+    def got(measured, ref=None):
+        return {"measured_s": measured, "windows_s": [9.0, measured, measured], "noise": 0.0,
+                "reference_each_s": [ref, ref], "reference_s": ref}
+
+    each = [1.0, 5.0, 1.2, 1.1]  # calibration 1 slow (its predictions high)
+    row = planner.summarize("x", [got(1.0), got(3.0), got(1.1)], each, [None] * 4)  # round 1 slow
+    assert row["predicted_s"] == pytest.approx(1.15) and row["measured_s"] == 1.1
+    assert row["error"] == pytest.approx(1.15 / 1.1 - 1)
+    assert row["errors_by_round"] == pytest.approx([3.0 / 1.0 - 1, 3.1 / 3.0 - 1, 1.15 / 1.1 - 1])
+    assert row["noise"] == pytest.approx((3.0 - 1.0) / 1.1)  # steady windows of every round (warm-up dropped)
+    assert row["windows_s"].count(9.0) == 3 and row["error_normalized"] is None
+    one = planner.summarize("x", [got(1.0, 0.5), got(2.0, 1.0)], [2.0], [0.5])  # a profile file: one prediction
+    assert one["errors_by_round"] == pytest.approx([1.0, 0.0]) and one["predicted_s"] == 2.0
+    assert one["error_normalized"] == pytest.approx(statistics.median([2.0 / 1.0 - 1, 4.0 / 2.0 - 1]))
+    p = argparse.ArgumentParser()
+    planner.add_arguments(p)
+    assert p.parse_args([]).rounds == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--rounds", "0"])
 
 
 def test_overlap_is_what_the_gemm_hid_of_each_collective():

@@ -1,20 +1,24 @@
 """``planner``: the cost model's closed loop on this machine (docs/analysis.md, its calibration; docs/benchmarks.md).
 
-Calibrate the local devices (``seqpar calibrate``: micro-benchmarks on ``--nproc`` ranks), train each of
-several small layouts for a few steps with ``seqpar train --nproc``, calibrate again, and compare each
-layout's measured step time with the planner's cost model: the mean of its predictions from the two
-profiles, which bracket the runs (on a shared machine the load moves between them; both are reported).
-The measured step time of a layout is the median of its log windows after the first (the first holds
-the warm-up); its noise is the spread of those windows. Goal: every layout within 20%, and the
-predicted order of any two layouts matching the measured one where they differ by more than their
-noise. The machine's own speed also moves, by up to a quarter within minutes on this project's VMs
-(the calibrations' step at the benchmark's model took 112-190 ms within an hour): so before and after
-each layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is timed again, and
-the predictions are also given scaled by its mean time then over its time in each calibration (the
-error "at the reference's speed"), next to the unscaled ones. On a machine other people are using, timings move with
-their load: the report gives the CPU, the load before and after, and per phase (calibration before, the
-runs, calibration after) the share of the CPUs that processes outside this benchmark used (``CpuShare``:
-the machine's busy time from /proc/stat minus this process tree's CPU time).
+Calibrate the local devices (``seqpar calibrate``: micro-benchmarks on ``--nproc`` ranks), then, in each
+of ``--rounds`` rounds, train each of several small layouts for a few steps with ``seqpar train --nproc``
+(the order rotating from round to round) and calibrate again: ``rounds + 1`` calibrations, each round
+between two. A layout's measured step time in one round is the median of its log windows after the
+first (the first holds the warm-up); its measured time is the median over the rounds, and its predicted
+time the median of the cost model's predictions from every calibration. So one slow calibration or one
+slow round does not decide the result: on this project's VMs the machine's own speed moves by up to a
+third within minutes (the calibrations' step at the benchmark's model took 112-190 ms within an hour),
+and two runs of one calibration and one round each were within 20% in only half of the sessions that
+tried. Each round's own error (the mean prediction of its two calibrations over its measurement) is
+reported next to it. Goal: every layout within 20%, and the predicted order of any two layouts matching
+the measured one where they differ by more than their noise (the spread of their windows over all rounds).
+
+Before and after each layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is
+timed again, and each round's predictions are also given scaled by its mean time then over its time in
+the two calibrations (the error "at the reference's speed"), next to the unscaled ones. On a machine
+other people are using, timings move with their load: the report gives the CPU, the load before and
+after, and per phase (each calibration, each round) the share of the CPUs that processes outside this
+benchmark used (``CpuShare``: the machine's busy time from /proc/stat minus this process tree's CPU time).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from seqpar.bench import common
 LAYOUTS = ["tp=2,sp=off,recompute=none", "tp=2,sp=on,recompute=selective", "tp=2,sp=on,recompute=full",
            "tp=1,dp=2,recompute=none", "tp=1,pp=2,recompute=full"]
 QUICK = {"layers": 2, "hidden": 32, "heads": 2, "seq": 16, "micro_batch": 1, "global_batch": 2, "steps": 4,
-         "log_every": 2, "size": "quick", "layouts": LAYOUTS[:1] + LAYOUTS[3:4]}
+         "log_every": 2, "size": "quick", "layouts": LAYOUTS[:1] + LAYOUTS[3:4], "rounds": 1}
 TARGET = 0.20
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,10 +54,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--steps", type=int, default=12, help="training steps per layout (default %(default)s)")
     p.add_argument("--log-every", type=int, default=3, help="steps per timing window (default %(default)s)")
+    p.add_argument("--rounds", type=_positive, default=3,
+                   help="rounds of the layouts, a calibration before the first and after each (default %(default)s)")
     p.add_argument("--size", choices=["quick", "full"], default="full", help="calibration sizes")
     p.add_argument("--profile", metavar="FILE", help="use this profile instead of calibrating now")
     p.add_argument("--layouts", nargs="+", default=LAYOUTS, metavar="PLAN",
                    help="layouts in seqpar plan --explain syntax (default: %(default)s)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 class CpuShare:
@@ -201,64 +214,99 @@ def drift(before: dict, after: dict | None) -> dict | None:
             "step_gemm_rate_change": fitted[1] / fitted[0] - 1}
 
 
+def rotated(items: list, r: int) -> list:
+    """Round ``r``'s order: ``items`` rotated left by ``r`` (a slow spell lands on different layouts)."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def summarize(label: str, rounds: list[dict], each: list[float], refs: list[float | None]) -> dict:
+    """One layout's row from its ``rounds`` (``measure``'s result with the round's reference times) and the
+    cost model's prediction from each calibration (``each``; round r lies between calibrations r and r + 1;
+    one prediction, from a profile file, serves every round). Measured: the median over the rounds;
+    predicted: the median over the calibrations; noise: the spread of every round's steady windows."""
+    per_round = []
+    for r, got in enumerate(rounds):
+        pair = slice(r, r + 2) if len(each) > 1 else slice(0, 1)
+        pred = statistics.mean(each[pair])
+        norm = normalized(each[pair], refs[pair], got["reference_s"])
+        per_round.append({**got, "predicted_s": pred, "error": pred / got["measured_s"] - 1,
+                          "predicted_normalized_s": norm,
+                          "error_normalized": None if norm is None else norm / got["measured_s"] - 1})
+    measured = statistics.median(x["measured_s"] for x in per_round)
+    steady = [w for x in per_round for w in (x["windows_s"][1:] or x["windows_s"])]
+    predicted = statistics.median(each)
+    norms = [x["error_normalized"] for x in per_round]
+    known = None not in norms
+    return {"layout": label, "predicted_s": predicted, "predicted_each_s": each, "measured_s": measured,
+            "error": predicted / measured - 1, "noise": (max(steady) - min(steady)) / measured,
+            "windows_s": [w for x in per_round for w in x["windows_s"]],
+            "reference_each_s": [t for x in per_round for t in x["reference_each_s"]],
+            "reference_s": statistics.median(x["reference_s"] for x in per_round) if known else None,
+            "predicted_normalized_s": statistics.median(x["predicted_normalized_s"] for x in per_round)
+            if known else None,
+            "error_normalized": statistics.median(norms) if known else None,
+            "errors_by_round": [x["error"] for x in per_round], "rounds": per_round}
+
+
 def run(args) -> dict:
     from seqpar.analysis.hardware import load_profile, profile_from_json
+    from seqpar.calibrate import reference_step
 
     before = common.machine()
     share, foreign = CpuShare(), {}
-    if args.profile:
-        profile = json.loads(Path(args.profile).read_text())
-        hws = [load_profile(args.profile)]
-    else:  # calibrate before and after the runs: the load other processes put on the cores moves
-        profile = _calibrate(args)
-        hws = [profile_from_json(profile)]
-        foreign["calibration_before"], share = share.foreign(), CpuShare()
-    from seqpar.calibrate import reference_step
+    profiles, hws, refs = [], [], []
 
-    refs = [calibration_reference(args, profile)]
+    def calibrate_now(phase: str) -> None:  # one more calibration, its CPU share of other processes
+        nonlocal share
+        profiles.append(_calibrate(args))
+        hws.append(profile_from_json(profiles[-1]))
+        refs.append(calibration_reference(args, profiles[-1]))
+        foreign[phase], share = share.foreign(), CpuShare()
+
+    if args.profile:
+        profiles.append(json.loads(Path(args.profile).read_text()))
+        hws.append(load_profile(args.profile))
+        refs.append(calibration_reference(args, profiles[0]))
+    else:
+        calibrate_now("calibration_0")
 
     def reference():  # the reference step now (None when there is no calibration's to compare it with)
         return None if refs[0] is None else reference_step(args.nproc, args.dtype, args.size, _step_shape(args))
 
-    rows, runs = [], []
+    plans = {label: predict(args, hws[0], label)["plan"] for label in args.layouts}
+    rounds = {label: [] for label in args.layouts}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, label in enumerate(args.layouts):
-            plan = predict(args, hws[0], label)["plan"]
-            first = reference()
-            got = measure(args, plan, os.path.join(tmp, str(i)))
-            both = [first, reference()]  # bracketing the run: the speed moves within tens of seconds
-            runs.append((label, {**got, "reference_each_s": both,
-                                 "reference_s": None if first is None else statistics.mean(both)}))
-    foreign["runs"], share = share.foreign(), CpuShare()
-    after = None
-    if not args.profile:
-        after = _calibrate(args)
-        hws.append(profile_from_json(after))
-        refs.append(calibration_reference(args, after))
-        foreign["calibration_after"] = share.foreign()
-    for label, got in runs:
+        for r in range(args.rounds):
+            for label in rotated(args.layouts, r):
+                first = reference()
+                got = measure(args, plans[label], os.path.join(tmp, f"{r}-{args.layouts.index(label)}"))
+                both = [first, reference()]  # bracketing the run: the speed moves within tens of seconds
+                rounds[label].append({**got, "reference_each_s": both,
+                                      "reference_s": None if first is None else statistics.mean(both)})
+            foreign[f"round_{r}"], share = share.foreign(), CpuShare()
+            if not args.profile:
+                calibrate_now(f"calibration_{r + 1}")
+    rows = []
+    for label in args.layouts:
         preds = [predict(args, hw, label) for hw in hws]
-        each = [p["predicted_s"] for p in preds]
-        mean = statistics.mean(each)
-        norm = normalized(each, refs, got["reference_s"])
-        rows.append({"layout": label, "predicted_s": mean, "predicted_each_s": each, **got,
-                     "error": mean / got["measured_s"] - 1, "predicted_normalized_s": norm,
-                     "error_normalized": None if norm is None else norm / got["measured_s"] - 1,
+        rows.append({**summarize(label, rounds[label], [x["predicted_s"] for x in preds], refs),
                      "terms": preds[0]["terms"]})
     rank = ranking(rows)
     within = all(abs(r["error"]) <= TARGET for r in rows)
     within_norm = None if any(r["error_normalized"] is None for r in rows) else \
         all(abs(r["error_normalized"]) <= TARGET for r in rows)
+    brief = [{k: v for k, v in p.items() if k != "measurements"} for p in profiles]
     return {"rows": rows, "ranking": rank, "target": TARGET, "within_target": within,
             "within_target_normalized": within_norm, "reference_calibration_s": refs,
             "ranking_matches": rank["agreeing"] == rank["distinguishable_pairs"],
-            "profile": {k: v for k, v in profile.items() if k != "measurements"},
-            "profile_after": {k: v for k, v in after.items() if k != "measurements"} if after else None,
-            "drift": drift(profile, after),
+            "profile": brief[0], "profile_after": brief[-1] if len(brief) > 1 else None, "profiles": brief,
+            "calibration_measurements": [p.get("measurements") for p in profiles],  # to refit them offline
+            "drift": drift(profiles[0], profiles[-1] if len(profiles) > 1 else None),
             "config": {"nproc": args.nproc, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                        "seq": args.seq, "vocab": 256, "micro_batch": args.micro_batch,
                        "global_batch": args.global_batch, "dtype": args.dtype, "steps": args.steps,
-                       "log_every": args.log_every},
+                       "log_every": args.log_every, "rounds": args.rounds},
             "machine": {**before, "load_avg_1min_after": common.machine()["load_avg_1min"],
                         "foreign_cpu_share": foreign}}
 
@@ -272,8 +320,10 @@ def render(r: dict) -> str:
         return "-" if v is None else f"{1e3 * v:.1f}"
 
     rows = [[x["layout"], " / ".join(f"{1e3 * v:.1f}" for v in x["predicted_each_s"]), ms(x["predicted_s"]),
-             ms(x["measured_s"]), pct(x["error"]), f"{100 * x['noise']:.0f}%", ms(x.get("reference_s")),
-             ms(x.get("predicted_normalized_s")), pct(x.get("error_normalized"))] for x in r["rows"]]
+             " / ".join(f"{1e3 * y['measured_s']:.1f}" for y in x.get("rounds", [])), ms(x["measured_s"]),
+             pct(x["error"]), " / ".join(f"{100 * e:+.0f}%" for e in x.get("errors_by_round", [])),
+             f"{100 * x['noise']:.0f}%", ms(x.get("reference_s")), ms(x.get("predicted_normalized_s")),
+             pct(x.get("error_normalized"))] for x in r["rows"]]
     refs = r.get("reference_calibration_s") or []
     norm = r.get("within_target_normalized")
     rk = r["ranking"]
@@ -284,18 +334,19 @@ def render(r: dict) -> str:
         "CPU used by other processes: " + ", ".join(
             f"{k.replace('_', ' ')} {'?' if v is None else f'{100 * v:.0f}%'}"
             for k, v in m.get("foreign_cpu_share", {}).items()),
-        f"profile: {p['source']}" + (f"\nprofile after the runs: {r['profile_after']['source']}"
-                                     if r.get("profile_after") else ""),
+        f"profile: {p['source']}" + (f"\nprofile after the last round: {r['profile_after']['source']}"
+                                     f" ({len(r.get('profiles', []))} calibrations)" if r.get("profile_after") else ""),
         *([] if not r.get("drift") else [
             "GEMM rate before / after the runs: sweep median {:.1f} / {:.1f} GFLOP/s ({:+.1f}%), in the fitted steps "
             "{:.1f} / {:.1f} GFLOP/s ({:+.1f}%)".format(
                 *(v / 1e9 if "change" not in k else 100 * v for k, v in r["drift"].items()))]),
-        common.table(["layout", "predicted ms (before / after)", "predicted ms", "measured ms", "error", "noise",
-                      "reference ms", "at its speed ms", "error"], rows),
-        "reference: the calibrations' 2-layer tp=1 step, timed again before and after each layout, the mean "
-        "(calibrations: "
-        + " / ".join(ms(v) for v in refs) + " ms); 'at its speed': the predictions scaled by reference now / "
-        "calibration's",
+        common.table(["layout", "predicted ms (each calibration)", "median", "measured ms (each round)", "median",
+                      "error", "by round", "noise", "reference ms", "at its speed ms", "error"], rows),
+        f"{c.get('rounds', 1)} rounds, the layouts' order rotating; error: the median prediction over the median "
+        "measurement; by round: the mean prediction of the round's two calibrations over its measurement",
+        "reference: the calibrations' 2-layer tp=1 step, timed again before and after each layout "
+        "(calibrations: " + " / ".join(ms(v) for v in refs) + " ms); 'at its speed': each round's predictions "
+        "scaled by reference then / calibration's, the median over the rounds",
         f"every layout within {100 * r['target']:.0f}%: {'yes' if r['within_target'] else 'NO'}"
         + ("" if norm is None else f"; at the reference's speed: {'yes' if norm else 'NO'}") + "; ranking: "
         f"{rk['agreeing']} of {rk['distinguishable_pairs']} pairs that differ by more than their noise ordered as "

@@ -203,7 +203,7 @@ def test_bench_planner_takes_medians_over_rounds_and_calibrations():
     assert planner.rotated(list("abc"), 0) == list("abc") and planner.rotated(list("abc"), 4) == list("bca")
 
     def got(measured, ref=None):
-        return {"measured_s": measured, "windows_s": [9.0, measured, measured], "noise": 0.0,
+        return {"measured_s": measured, "windows_s": [9.0, measured, measured], "noise": measured / 10,
                 "reference_each_s": [ref, ref], "reference_s": ref}
 
     each = [1.0, 5.0, 1.2, 1.1]  # calibration 1 slow (its predictions high)
@@ -211,7 +211,8 @@ def test_bench_planner_takes_medians_over_rounds_and_calibrations():
     assert row["predicted_s"] == pytest.approx(1.15) and row["measured_s"] == 1.1
     assert row["error"] == pytest.approx(1.15 / 1.1 - 1)
     assert row["errors_by_round"] == pytest.approx([3.0 / 1.0 - 1, 3.1 / 3.0 - 1, 1.15 / 1.1 - 1])
-    assert row["noise"] == pytest.approx((3.0 - 1.0) / 1.1)  # steady windows of every round (warm-up dropped)
+    assert row["noise"] == pytest.approx(0.11)  # the typical round's, not the slow one's
+    assert row["spread"] == pytest.approx((3.0 - 1.0) / 1.1)  # the rounds' medians apart
     assert row["windows_s"].count(9.0) == 3 and row["error_normalized"] is None
     one = planner.summarize("x", [got(1.0, 0.5), got(2.0, 1.0)], [2.0], [0.5])  # a profile file: one prediction
     assert one["errors_by_round"] == pytest.approx([1.0, 0.0]) and one["predicted_s"] == 2.0

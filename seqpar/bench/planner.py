@@ -11,7 +11,8 @@ third within minutes (the calibrations' step at the benchmark's model took 112-1
 and two runs of one calibration and one round each were within 20% in only half of the sessions that
 tried. Each round's own error (the mean prediction of its two calibrations over its measurement) is
 reported next to it. Goal: every layout within 20%, and the predicted order of any two layouts matching
-the measured one where they differ by more than their noise (the spread of their windows over all rounds).
+the measured one where they differ by more than their noise (the median over the rounds of the spread of
+a run's windows; how far the rounds lie apart is reported as ``spread``).
 
 Before and after each layout the calibrations' 2-layer tp = 1 step (``calibrate.reference_step``) is
 timed again, and each round's predictions are also given scaled by its mean time then over its time in
@@ -224,7 +225,9 @@ def summarize(label: str, rounds: list[dict], each: list[float], refs: list[floa
     """One layout's row from its ``rounds`` (``measure``'s result with the round's reference times) and the
     cost model's prediction from each calibration (``each``; round r lies between calibrations r and r + 1;
     one prediction, from a profile file, serves every round). Measured: the median over the rounds;
-    predicted: the median over the calibrations; noise: the spread of every round's steady windows."""
+    predicted: the median over the calibrations; noise: the median of the rounds' own noise (the spread of
+    a run's steady windows), the typical one, which one slow round does not inflate; ``spread``: how far
+    the rounds' medians lie apart."""
     per_round = []
     for r, got in enumerate(rounds):
         pair = slice(r, r + 2) if len(each) > 1 else slice(0, 1)
@@ -234,12 +237,13 @@ def summarize(label: str, rounds: list[dict], each: list[float], refs: list[floa
                           "predicted_normalized_s": norm,
                           "error_normalized": None if norm is None else norm / got["measured_s"] - 1})
     measured = statistics.median(x["measured_s"] for x in per_round)
-    steady = [w for x in per_round for w in (x["windows_s"][1:] or x["windows_s"])]
+    medians = [x["measured_s"] for x in per_round]
     predicted = statistics.median(each)
     norms = [x["error_normalized"] for x in per_round]
     known = None not in norms
     return {"layout": label, "predicted_s": predicted, "predicted_each_s": each, "measured_s": measured,
-            "error": predicted / measured - 1, "noise": (max(steady) - min(steady)) / measured,
+            "error": predicted / measured - 1, "noise": statistics.median(x["noise"] for x in per_round),
+            "spread": (max(medians) - min(medians)) / measured,
             "windows_s": [w for x in per_round for w in x["windows_s"]],
             "reference_each_s": [t for x in per_round for t in x["reference_each_s"]],
             "reference_s": statistics.median(x["reference_s"] for x in per_round) if known else None,
@@ -322,8 +326,8 @@ def render(r: dict) -> str:
     rows = [[x["layout"], " / ".join(f"{1e3 * v:.1f}" for v in x["predicted_each_s"]), ms(x["predicted_s"]),
              " / ".join(f"{1e3 * y['measured_s']:.1f}" for y in x.get("rounds", [])), ms(x["measured_s"]),
              pct(x["error"]), " / ".join(f"{100 * e:+.0f}%" for e in x.get("errors_by_round", [])),
-             f"{100 * x['noise']:.0f}%", ms(x.get("reference_s")), ms(x.get("predicted_normalized_s")),
-             pct(x.get("error_normalized"))] for x in r["rows"]]
+             f"{100 * x['noise']:.0f}%", f"{100 * x.get('spread', 0):.0f}%", ms(x.get("reference_s")),
+             ms(x.get("predicted_normalized_s")), pct(x.get("error_normalized"))] for x in r["rows"]]
     refs = r.get("reference_calibration_s") or []
     norm = r.get("within_target_normalized")
     rk = r["ranking"]
@@ -341,9 +345,10 @@ def render(r: dict) -> str:
             "{:.1f} / {:.1f} GFLOP/s ({:+.1f}%)".format(
                 *(v / 1e9 if "change" not in k else 100 * v for k, v in r["drift"].items()))]),
         common.table(["layout", "predicted ms (each calibration)", "median", "measured ms (each round)", "median",
-                      "error", "by round", "noise", "reference ms", "at its speed ms", "error"], rows),
+                      "error", "by round", "noise", "spread", "reference ms", "at its speed ms", "error"], rows),
         f"{c.get('rounds', 1)} rounds, the layouts' order rotating; error: the median prediction over the median "
-        "measurement; by round: the mean prediction of the round's two calibrations over its measurement",
+        "measurement; by round: the mean prediction of the round's two calibrations over its measurement; noise: "
+        "the median of the rounds' window spreads; spread: of the rounds' medians",
         "reference: the calibrations' 2-layer tp=1 step, timed again before and after each layout "
         "(calibrations: " + " / ".join(ms(v) for v in refs) + " ms); 'at its speed': each round's predictions "
         "scaled by reference then / calibration's, the median over the rounds",

@@ -8,9 +8,9 @@ first (the first holds the warm-up); its measured time is the median over the ro
 time the median of the cost model's predictions from every calibration. So one slow calibration or one
 slow round does not decide the result: on this project's VMs the machine's own speed moves by up to a
 third within minutes (the calibrations' step at the benchmark's model took 112-190 ms within an hour),
-and two runs of one calibration and one round each were within 20% in only half of the sessions that
-tried. Each round's own error (the mean prediction of its two calibrations over its measurement) is
-reported next to it. Goal: every layout within 20%, and the predicted order of any two layouts matching
+and runs of one round between two calibrations met the 20% goal in 3 of 6 tries (benchmarks/RESULTS.md).
+Each round's own error (the mean prediction of its two calibrations over its measurement) is reported
+next to it. Goal: every layout within 20%, and the predicted order of any two layouts matching
 the measured one where they differ by more than their noise (the median over the rounds of the spread of
 a run's windows; how far the rounds lie apart is reported as ``spread``).
 
@@ -346,7 +346,7 @@ def render(r: dict) -> str:
                 *(v / 1e9 if "change" not in k else 100 * v for k, v in r["drift"].items()))]),
         common.table(["layout", "predicted ms (each calibration)", "median", "measured ms (each round)", "median",
                       "error", "by round", "noise", "spread", "reference ms", "at its speed ms", "error"], rows),
-        f"{c.get('rounds', 1)} rounds, the layouts' order rotating; error: the median prediction over the median "
+        f"{c.get('rounds', 1)} round(s), the layouts' order rotating; error: the median prediction over the median "
         "measurement; by round: the mean prediction of the round's two calibrations over its measurement; noise: "
         "the median of the rounds' window spreads; spread: of the rounds' medians",
         "reference: the calibrations' 2-layer tp=1 step, timed again before and after each layout "

@@ -236,8 +236,8 @@ def summarize(label: str, rounds: list[dict], each: list[float], refs: list[floa
         per_round.append({**got, "predicted_s": pred, "error": pred / got["measured_s"] - 1,
                           "predicted_normalized_s": norm,
                           "error_normalized": None if norm is None else norm / got["measured_s"] - 1})
-    measured = statistics.median(x["measured_s"] for x in per_round)
     medians = [x["measured_s"] for x in per_round]
+    measured = statistics.median(medians)
     predicted = statistics.median(each)
     norms = [x["error_normalized"] for x in per_round]
     known = None not in norms

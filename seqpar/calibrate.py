@@ -462,7 +462,7 @@ def machine() -> dict:
 def calibrate(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
     """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine).
     ``shape``: the model whose training steps are timed (``step_shape``; seqpar bench planner passes its own)."""
-    from seqpar.analysis.hardware import profile_to_json
+    from seqpar.analysis.profiles import profile_to_json
 
     info = machine()
     meas = measure(nproc, dtype, size, shape)

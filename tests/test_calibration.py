@@ -11,15 +11,15 @@ import pytest
 
 from seqpar.analysis.calibration import DataPoint, calibrate, fit, paper_calibration, paper_points
 from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, ties_with_best
-from seqpar.analysis.hardware import (
+from seqpar.analysis.hardware import datasheet_hardware
+from seqpar.analysis.presets import TABLE5_ITERATION_S
+from seqpar.analysis.profiles import (
     builtin_profile,
-    datasheet_hardware,
     hardware_for,
     load_profile,
     profile_from_json,
     profile_to_json,
 )
-from seqpar.analysis.presets import TABLE5_ITERATION_S
 from seqpar.analysis.shapes import AnalysisError
 from seqpar.cli import main
 

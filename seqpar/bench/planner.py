@@ -254,7 +254,7 @@ def summarize(label: str, rounds: list[dict], each: list[float], refs: list[floa
 
 
 def run(args) -> dict:
-    from seqpar.analysis.hardware import load_profile, profile_from_json
+    from seqpar.analysis.profiles import load_profile, profile_from_json
     from seqpar.calibrate import reference_step
 
     before = common.machine()

@@ -93,9 +93,9 @@ def _shape(args):
 
 
 def request_from_args(args):
-    from seqpar.analysis.hardware import hardware_for
     from seqpar.analysis.planner import Request
     from seqpar.analysis.presets import preset_setup
+    from seqpar.analysis.profiles import hardware_for
     from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
 
     shape, model_name = _shape(args)
@@ -179,7 +179,7 @@ def run(args) -> int:
             _emit(args, req, ranked[0].plan)
         if args.json:
             from seqpar.analysis.costmodel import ties_with_best
-            from seqpar.analysis.hardware import profile_to_json
+            from seqpar.analysis.profiles import profile_to_json
 
             ties = ties_with_best([ev.time.total for ev in ranked], req.hw.error_band)
             plans = [ev.to_json() | {"tie_with_best": tie} for ev, tie in zip(ranked, ties, strict=True)]

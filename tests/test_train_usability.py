@@ -326,7 +326,7 @@ schedules = st.sampled_from(["constant", "linear", "cosine", "wsd"])
 @given(schedule=schedules, steps=st.integers(1, 400), warmup=st.integers(0, 60),
        lr=st.floats(1e-5, 1.0), ratio=st.floats(0.0, 1.0), fraction=st.floats(0.01, 1.0))
 def test_lr_schedules_warm_up_then_fall_from_lr_to_min_lr(schedule, steps, warmup, lr, ratio, fraction):
-    from seqpar.train.optim import lr_at
+    from seqpar.train.adam import lr_at
 
     cfg = TrainConfig(steps=steps, warmup=warmup, lr=lr, min_lr=lr * ratio, schedule=schedule,
                       decay_fraction=fraction).validate()

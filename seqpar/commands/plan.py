@@ -135,10 +135,9 @@ def _emit(args, req, plan) -> None:
     """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import train_sections
-    from seqpar.train.dry_run import config_toml
+    from seqpar.analysis.emit import plan_toml
 
-    args.emit_config.write_text(f"# seqpar plan: {plan.label}\n" + config_toml(train_sections(req, plan)) + "\n")
+    args.emit_config.write_text(plan_toml(req, plan))
     print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
           f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
 

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from seqpar.analysis.in_flight import first_chunk_in_flight
 from seqpar.analysis.memory import norm_stat_bytes
-from seqpar.analysis.schedule import first_chunk_in_flight
 from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import stage_memory
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig

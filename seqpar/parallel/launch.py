@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from seqpar.parallel.comm import barrier
+
 PROG = "seqpar train"  # the command relaunch() re-runs, and the prefix of the launcher's lines
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's status for a Ctrl-C'd command
 REPEAT_S = 1.0  # a second signal sooner than this after the first is the same interruption
@@ -88,7 +90,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threa
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         # Every rank is done before any closes its connections: a gloo peer that closes while another
         # still completes the last collective can abort that rank ("terminate called ...", SIGABRT).
-        dist.barrier()
+        barrier()
     finally:
         dist.destroy_process_group()
 

@@ -30,7 +30,7 @@ from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
-from seqpar.train.optim import build_optimizer
+from seqpar.train.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.config import ConfigError, ParallelConfig
+from seqpar.config import ConfigError, ParallelConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import broadcast
 from seqpar.parallel.dims import ParallelDims
@@ -21,7 +21,6 @@ from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
 from seqpar.pipeline.p2p import PipeComm
 from seqpar.pipeline.schedule_1f1b import run_1f1b, run_no_pipelining
 from seqpar.pipeline.schedule_interleaved import run_interleaved
-from seqpar.pipeline.split import validate_microbatches
 from seqpar.pipeline.step import StepRunner
 
 

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig, validate_microbatches
 from seqpar.train.lr_schedule import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -128,8 +128,6 @@ class JobConfig:
         return self.run.recompute
 
     def validate(self, world_size: int | None = None) -> JobConfig:
-        from seqpar.pipeline.split import validate_microbatches
-
         self.run.validate(world_size)
         n = self.recompute.num_layers  # checked for every granularity: a flag given is a flag checked
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from seqpar.parallel.comm import MAX, all_reduce
-from seqpar.parallel.launch import EXIT_INTERRUPTED, REPEAT_S
+from seqpar.train.supervise import EXIT_INTERRUPTED, REPEAT_S
 
-__all__ = ["EXIT_INTERRUPTED", "REPEAT_S", "StopFlag", "abort_line", "resume_hint"]
+__all__ = ["StopFlag", "abort_line", "resume_hint"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

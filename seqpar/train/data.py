@@ -27,13 +27,11 @@ from pathlib import Path
 
 import torch
 
-from seqpar.config import ConfigError
+from seqpar.data.errors import DataError
+
+__all__ = ["BYTE_VOCAB", "DataError", "TokenData", "load_tokens", "stdlib_files"]
 
 BYTE_VOCAB = 256
-
-
-class DataError(ConfigError):
-    """The data cannot be used: the message names the path and the problem."""
 
 
 def stdlib_files() -> list[Path]:
@@ -132,11 +130,9 @@ def _text_files(path: Path) -> tuple[list[Path], list[str]]:
 
 
 def _encode(texts: list[tuple[Path, bytes]], tokenizer_path: str) -> torch.Tensor:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise DataError("--tokenizer needs the `tokenizers` package (pip install tokenizers)") from None
-    tok = Tokenizer.from_file(tokenizer_path)
+    from seqpar.data.tokenizer import load
+
+    tok = load(tokenizer_path)
     ids: list[int] = []
     for path, raw in texts:
         try:
@@ -257,10 +253,12 @@ class TokenData:
         return cls(train, val, seq_len, source)
 
     @classmethod
-    def for_job(cls, job) -> TokenData:
-        """The data of a ``JobConfig``: its model's sequence length and vocabulary, its [train] source."""
+    def for_job(cls, job, tokenizer: str | None = None) -> TokenData:
+        """The data of a ``JobConfig``: its model's sequence length and vocabulary, its [train] source;
+        ``tokenizer``: the file to read text with (default ``train.tokenizer``; the run's resolved one)."""
         m, t = job.model, job.train
-        return cls.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
+        tokenizer = t.tokenizer if tokenizer is None else tokenizer
+        return cls.build(m.seq_len, m.vocab_size, t.data, tokenizer, t.token_dtype, t.val_fraction)
 
     def _windows(self, stream: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.seq_len

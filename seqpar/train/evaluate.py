@@ -84,12 +84,12 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
 
     from seqpar.parallel.launch import default_device
     from seqpar.train.data import TokenData
-    from seqpar.train.sample import load_model
+    from seqpar.train.sample import load_model, model_tokenizer
 
     model, meta = load_model(path, device=default_device())
     cfg, train = model.cfg, meta["config"]["train"]
     data = data if data is not None else train.get("data", "")
-    tokenizer = tokenizer if tokenizer is not None else train.get("tokenizer", "")
+    tokenizer = model_tokenizer(path, meta, tokenizer)
     if tokenizer and data.endswith(".bin"):
         tokenizer = ""  # token ids already
     tokens = TokenData.build(cfg.seq_len, cfg.vocab_size, data, tokenizer, train.get("token_dtype", "uint16"),

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from seqpar.data import tokenizer as tokfile
 from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
@@ -26,6 +27,7 @@ from seqpar.parallel.launch import default_device, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
+from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
@@ -75,9 +77,11 @@ class Trainer:
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
-        self.data = TokenData.for_job(job)
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
+        self.tokenizer = run_tokenizer.resolve(t, self.resume_path)  # '' for bytes; the checkpoint's copy on resume
+        self.data = TokenData.for_job(job, tokenizer=self.tokenizer)
+        self.tokenizer_record = self._keep_tokenizer() if self.tokenizer else None
         self.device = device or default_device()
         self.owns_group = init_distributed(world, self.device)
         self.dims = ParallelDims.build(job.parallel)
@@ -95,6 +99,13 @@ class Trainer:
         self.throughput = Throughput(job, self.device)
 
     # ------------------------------------------------------------------ checkpoints
+    def _keep_tokenizer(self) -> dict:
+        """The run's own copy of its tokenizer (``OUT/tokenizer.json``, rank 0 writes it) and its record."""
+        record = tokfile.record(self.tokenizer)
+        if int(os.environ.get("RANK", "0")) == 0:
+            tokfile.copy_into(self.tokenizer, self.job.train.out_dir)
+        return record
+
     def load(self, path) -> None:
         meta = ckpt.read_meta(path)
         has_opt = bool(meta.get("has_optimizer", True))
@@ -115,12 +126,16 @@ class Trainer:
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
+        files = None
+        if self.tokenizer_record is not None:  # the checkpoint carries the tokenizer its model reads
+            meta["tokenizer"] = self.tokenizer_record
+            files = {tokfile.FILE: Path(self.job.train.out_dir) / tokfile.FILE}
         if self.opt.scaler is not None:
             meta["loss_scaler"] = self.opt.scaler.state_dict()
         rank, step = self.dims.rank, self.state.step
         written = (lambda: [hook.checkpoint_written(rank, step) for hook in self.hooks]) if self.hooks else None
         return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
-                             self.job.train.keep_checkpoints, written=written))
+                             self.job.train.keep_checkpoints, written=written, files=files))
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train

@@ -104,6 +104,30 @@ def same_file(a: str | Path, b: str | Path) -> bool:
     return sha256(a) == sha256(b)
 
 
+def folder_tokenizer(folder: str | Path, scratch: Path) -> str:
+    """A Hugging Face folder's tokenizer as one tokenizers JSON file: its ``tokenizer.json``, else the
+    fast tokenizer ``transformers`` builds from its other files (vocab.json + merges.txt, ...), written
+    to ``scratch``; '' when it has none."""
+    folder = Path(folder)
+    if (folder / FILE).is_file():
+        return str(folder / FILE)
+    names = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "tokenizer_config.json")
+    if not any((folder / n).is_file() for n in names):
+        return ""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as err:  # transformers raises many types for folders it cannot read
+        raise DataError(f"the tokenizer files of {folder} cannot be read by transformers: "
+                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    if not getattr(tok, "is_fast", False):
+        raise DataError(f"the tokenizer of {folder} has no fast (tokenizers) form; seqpar needs a tokenizer.json")
+    scratch.mkdir(parents=True, exist_ok=True)
+    tok.backend_tokenizer.save(str(scratch / FILE))
+    return str(scratch / FILE)
+
+
 def byte_level_json() -> str:
     """A ``tokenizers`` JSON whose ids are byte values (0-255), as seqpar's byte-level models read
     text: a byte-level pre-tokenizer without the regex split and a BPE over the 256 byte symbols with

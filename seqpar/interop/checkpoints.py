@@ -27,30 +27,6 @@ def save_model(out: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]
     return ckpt.save(out, 0, {f"model.{k}": v.float() for k, v in state.items()}, meta, keep=1, files=files)
 
 
-def folder_tokenizer(folder: str | Path, scratch: Path) -> str:
-    """A Hugging Face folder's tokenizer as one tokenizers JSON file: its ``tokenizer.json``, else the
-    fast tokenizer ``transformers`` builds from its other files (vocab.json + merges.txt, ...), written
-    to ``scratch``; '' when it has none."""
-    folder = Path(folder)
-    if (folder / tokfile.FILE).is_file():
-        return str(folder / tokfile.FILE)
-    names = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "tokenizer_config.json")
-    if not any((folder / n).is_file() for n in names):
-        return ""
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as err:  # transformers raises many types for folders it cannot read
-        raise ConfigError(f"the tokenizer files of {folder} cannot be read by transformers: "
-                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-    if not getattr(tok, "is_fast", False):
-        raise ConfigError(f"the tokenizer of {folder} has no fast (tokenizers) form; seqpar needs a tokenizer.json")
-    scratch.mkdir(parents=True, exist_ok=True)
-    tok.backend_tokenizer.save(str(scratch / tokfile.FILE))
-    return str(scratch / tokfile.FILE)
-
-
 def import_hf(folder: str | Path, out: str | Path) -> Path:
     """Write a step-0 seqpar checkpoint (no optimizer state) at ``out`` from a GPT-2, Llama, StableLM or
     GPT-NeoX folder, carrying the folder's tokenizer (its meta.json ``tokenizer`` record) when it has one."""
@@ -58,7 +34,7 @@ def import_hf(folder: str | Path, out: str | Path) -> Path:
 
     cfg, state = read_hf_folder(folder)
     with tempfile.TemporaryDirectory() as scratch:
-        tokenizer = folder_tokenizer(folder, Path(scratch))
+        tokenizer = tokfile.folder_tokenizer(folder, Path(scratch))
         if tokenizer:
             size = tokfile.record(tokenizer)["vocab_size"]
             if size > cfg.vocab_size:

@@ -35,7 +35,7 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
     out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
-        tokens, labels = data.val_batches(1, job.train.micro_batch, 0, 1)[0]
+        tokens, labels = data.validation_batches(job.train.micro_batch, job.train.micro_batch)[0]
         with SavedTensorMeter(chunk) as meter:
             chunk(tokens.to(device), labels.to(device))
         out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
@@ -55,7 +55,7 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
 
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     n = t.microbatches(p.dp)
-    batches = data.val_batches(n, t.micro_batch, 0, 1)
+    batches = data.validation_batches(n * t.micro_batch, t.micro_batch)
     meter = ScheduleMeter(chunks)
     meter.exclude([x for batch in batches for x in batch])  # the data, not activations
     forward_backward(chunks, batches, dims, p, keep_microbatches=r.keep_microbatches, meter=meter)

@@ -30,7 +30,7 @@ from seqpar.train import checkpoint as ckpt
 from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
-from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
+from seqpar.train.evaluate import broadcast_from_last_stage, evaluate, validation_windows
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
 from seqpar.train.optimizers import build_optimizer
@@ -146,7 +146,7 @@ class Trainer:
                  f"  tp {p.tp} × pp {p.pp} × dp {p.dp} (interleave {p.interleave}), sequence parallel "
                  f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
                  f"{t.micro_batch} per step",
-                 f"  data {self.data.source}: {len(self.data.train):,} train / {len(self.data.val):,} validation "
+                 f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "
                  "tokens",
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
         if "optimizer_bytes" in info:
@@ -200,7 +200,7 @@ class Trainer:
         mode, this run's schedule), gradients then cleared; returns its seconds (compile time + one step).
         Evaluation (dropout off) compiles its own graphs at the first validation."""
         t, p = self.job.train, self.job.parallel
-        batches = self.data.val_batches(t.microbatches(p.dp), t.micro_batch, 0, 1)
+        batches = self.data.validation_batches(t.microbatches(p.dp) * t.micro_batch, t.micro_batch)
         start = time.perf_counter()
         self._forward_backward(self.chunks, batches, self.dims, p,
                                keep_microbatches=self.job.recompute.keep_microbatches)
@@ -208,9 +208,11 @@ class Trainer:
         return time.perf_counter() - start
 
     def validation_loss(self) -> float:
-        """The loss on the validation split (``eval_batches`` microbatches per dp rank)."""
+        """The loss on the validation split: a fixed set of ``eval_batches × micro_batch`` windows,
+        shared out over the dp ranks, the same at any tp/pp/dp/cp."""
         t = self.job.train
-        batches = self.data.val_batches(t.eval_batches, t.micro_batch, self.dims.dp_rank, self.dims.dp)
+        batches = self.data.validation_batches(validation_windows(t), t.micro_batch, self.dims.dp_rank,
+                                               self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
 
     def _abort_message(self) -> str | None:

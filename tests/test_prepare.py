@@ -77,6 +77,20 @@ def test_folder_and_jsonl_give_the_same_documents_and_a_checked_manifest(corpus,
         assert ids[-1] == 0 and t.decode(ids[:-1]) == docs[i]
 
 
+def test_parquet_gives_the_documents_jsonl_gives(corpus, tmp_path):
+    import datasets
+
+    _, _, jsonl, docs, tok = corpus
+    datasets.Dataset.from_list([{"body": d, "n": i} for i, d in enumerate(docs)]).to_parquet(tmp_path / "d.parquet")
+    a = prep.prepare([str(tmp_path / "d.parquet")], tmp_path / "a", str(tok), field="body", unit_mb=0.001,
+                     progress=False)
+    b = prep.prepare([str(jsonl)], tmp_path / "b", str(tok), progress=False)
+    assert len(a["shards"]) > 1 and a["documents"] == len(docs)
+    assert torch.equal(Prepared(tmp_path / "a").read(0, a["tokens"]), Prepared(tmp_path / "b").read(0, b["tokens"]))
+    with pytest.raises(DataError, match="no column 'text'"):
+        prep.prepare([str(tmp_path / "d.parquet")], tmp_path / "c", str(tok), progress=False)
+
+
 def test_bytes_prepare_ends_documents_with_nul(corpus, tmp_path):
     _, folder, _, docs, _ = corpus
     m = prep.prepare([str(folder)], tmp_path / "p", progress=False)

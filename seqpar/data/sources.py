@@ -58,6 +58,9 @@ def parquet_rows(path: Path) -> int:
 
 
 def _parquet(path: Path):
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a network call
     try:
         import datasets
     except ImportError:

@@ -35,9 +35,9 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
     out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
-        tokens, labels = data.validation_batches(job.train.micro_batch, job.train.micro_batch)[0]
+        tokens, labels, *docs = data.validation_batches(job.train.micro_batch, job.train.micro_batch)[0]
         with SavedTensorMeter(chunk) as meter:
-            chunk(tokens.to(device), labels.to(device))
+            chunk(tokens.to(device), labels.to(device), docs=docs[0] if docs else None)
         out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
     return out | stage_peaks(job, chunks, data, dims, device)
 

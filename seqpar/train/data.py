@@ -33,6 +33,7 @@ from seqpar.data.errors import DataError
 from seqpar.data.files import check_file, names, not_text, text_files
 from seqpar.data.prepared import Prepared, is_prepared
 from seqpar.data.windows import Spans, held_out, split_for_rank, train_offsets, validation_offsets
+from seqpar.documents import Documents, label_mask
 
 __all__ = ["BYTE_VOCAB", "DataError", "DocumentData", "TokenData", "Windows", "load_tokens", "stdlib_files"]
 
@@ -186,6 +187,7 @@ class Windows:
 
     seq_len: int
     source: str
+    document_eos: int | None = None  # packed documents (data.document_mask): their end-of-document id
 
     def train_spans(self) -> Spans:
         raise NotImplementedError
@@ -205,10 +207,16 @@ class Windows:
     def val_tokens(self) -> int:
         return self.val_spans().tokens
 
-    def _windows(self, split: str, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, split: str, offsets: torch.Tensor) -> tuple:
+        """(tokens [b, s], labels [b, s]), and with packed documents their ``Documents`` (the labels of
+        end-of-document tokens ignored: the next document is not predicted from this one)."""
         s = self.seq_len
         rows = torch.stack([self.read(split, o, s + 1) for o in offsets.tolist()])  # [b, s + 1]
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # tokens [b, s], labels [b, s]
+        tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # [b, s] each
+        if self.document_eos is None:
+            return tokens, labels
+        eos = self.document_eos
+        return tokens, label_mask(tokens, labels, eos), Documents.from_tokens(tokens, eos)
 
     def train_offsets(self, seed: int, step: int, global_batch: int) -> torch.Tensor:
         return train_offsets(self.train_spans(), seed, step, global_batch)  # [B]
@@ -249,10 +257,14 @@ class TokenData(Windows):
 
     @classmethod
     def build(cls, seq_len: int, vocab_size: int, data: str = "", tokenizer: str = "", token_dtype: str = "uint16",
-              val_fraction: float = 0.05) -> Windows:
-        """The data at ``data``: a prepared folder (``DocumentData``), else a stream read whole."""
+              val_fraction: float = 0.05, document_mask: bool = False) -> Windows:
+        """The data at ``data``: a prepared folder (``DocumentData``), else a stream read whole;
+        ``document_mask``: packed documents (a prepared folder's)."""
         if data and is_prepared(data):
-            return DocumentData.open(data, seq_len, vocab_size, val_fraction)
+            return DocumentData.open(data, seq_len, vocab_size, val_fraction, document_mask)
+        if document_mask:
+            raise DataError(f"data.document_mask needs a prepared folder (seqpar prepare), whose end-of-document "
+                            f"token marks the documents; {data or 'the default data'} is a plain stream")
         tokens, source = load_tokens(data, tokenizer, token_dtype)
         # int64 holds every uint32 id (``.int()`` would wrap ids >= 2^31 to negative numbers)
         top = max(int(part.to(torch.int64).max()) for part in tokens.split(1 << 24))
@@ -272,7 +284,8 @@ class TokenData(Windows):
         ``tokenizer``: the file to read text with (default ``train.tokenizer``; the run's resolved one)."""
         m, t = job.model, job.train
         tokenizer = t.tokenizer if tokenizer is None else tokenizer
-        return cls.build(m.seq_len, m.vocab_size, t.data, tokenizer, t.token_dtype, t.val_fraction)
+        return cls.build(m.seq_len, m.vocab_size, t.data, tokenizer, t.token_dtype, t.val_fraction,
+                         job.data.document_mask)
 
 
 class DocumentData(Windows):
@@ -293,12 +306,15 @@ class DocumentData(Windows):
                                 f"of seq_len {seq_len} + 1 tokens (more data, or a smaller seq_len)")
 
     @classmethod
-    def open(cls, path: str, seq_len: int, vocab_size: int, val_fraction: float) -> DocumentData:
+    def open(cls, path: str, seq_len: int, vocab_size: int, val_fraction: float,
+             document_mask: bool = False) -> DocumentData:
         prepared = Prepared(path)
         if prepared.vocab_size > vocab_size:
             raise DataError(f"{path} was prepared with a vocabulary of {prepared.vocab_size}, more than the model's "
                             f"vocab_size {vocab_size}")
-        return cls(prepared, seq_len, val_fraction)
+        data = cls(prepared, seq_len, val_fraction)
+        data.document_eos = prepared.eos_id if document_mask else None
+        return data
 
     def train_spans(self) -> Spans:
         return self._train

@@ -66,7 +66,8 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
     total, count, last = torch.zeros((), dtype=torch.float64, device=device), 0, False
     try:
         virtual = len(chunks) * dims.pp
-        for tokens, labels in batches:
+        for tokens, labels, *docs in batches:  # docs: packed documents, if any
+            docs = docs[0] if docs else None
             x = None
             for v in range(virtual):
                 owner, chunk_id = v % dims.pp, v // dims.pp
@@ -78,10 +79,10 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
                         dist.recv(x, src=dims.pp_ranks[(v - 1) % dims.pp], group=dims.pp_group)
                     inp = tokens.to(device) if chunk.first else x
                     if chunk.last:
-                        total += chunk(inp, labels.to(device)).double() * tokens.shape[0]  # mean over the batch
+                        total += chunk(inp, labels.to(device), docs=docs).double() * tokens.shape[0]  # batch mean
                         count += tokens.shape[0]
                     else:
-                        x = chunk(inp)
+                        x = chunk(inp, docs=docs)
                         nxt = (v + 1) % dims.pp
                         if nxt != owner:
                             dist.send(x.contiguous(), dst=dims.pp_ranks[nxt], group=dims.pp_group)
@@ -117,7 +118,8 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     if tokenizer and data.endswith(".bin"):
         tokenizer = ""  # token ids already
     tokens = TokenData.build(cfg.seq_len, cfg.vocab_size, data, tokenizer, train.get("token_dtype", "uint16"),
-                             train.get("val_fraction", 0.05))
+                             train.get("val_fraction", 0.05),
+                             document_mask=meta["config"].get("data", {}).get("document_mask", False))
     if split == "all":
         tokens = _whole(tokens)
     spans = tokens.val_spans()
@@ -131,10 +133,11 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     device = next(model.parameters()).device
     total, count = 0.0, 0
     meter = _Meter(windows, cfg.seq_len, progress)
-    for x, y in tokens.validation_batches(windows, micro_batch):
-        loss = model(x.to(device), y.to(device)).float()  # mean over the batch's tokens
-        total += float(loss) * y.numel()
-        count += y.numel()
+    for x, y, *docs in tokens.validation_batches(windows, micro_batch):
+        loss = model(x.to(device), y.to(device), docs=docs[0] if docs else None).float()  # mean, counted tokens
+        counted = int((y != -100).sum())
+        total += float(loss) * counted
+        count += counted
         meter.add(x.shape[0])
     meter.close()
     loss = total / count

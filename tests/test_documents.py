@@ -1,6 +1,6 @@
 """Packed documents (issue 36, ``[data] document_mask``): a packed row where each document attends only
 to itself and positions restart per document gives the loss and gradients of its documents run one by
-one -- materialized and sdpa cores, RoPE and learned positions, single process and tp 2 + SP -- and the
+one -- materialized and sdpa cores, RoPE and learned positions, single process, tp 2 + SP and cp 2 -- and the
 data path marks the documents from the end-of-document token."""
 
 from dataclasses import replace
@@ -11,6 +11,7 @@ import torch
 from seqpar.config import ModelConfig, ParallelConfig
 from seqpar.documents import Documents, label_mask
 from seqpar.model import build_model
+from seqpar.parallel.data_parallel import average_gradients
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
@@ -62,6 +63,7 @@ def packed(cfg: ModelConfig, dims: ParallelDims, sp: bool, docs: bool = True) ->
     loss = model(tokens, labels, docs=Documents.from_tokens(tokens, EOS) if docs else None)
     loss.backward()
     allreduce_sequence_parallel_grads(model, dims.tp_group)
+    average_gradients(list(model.parameters()), dims.grad_group)  # cp: each rank holds cp × its share
     return loss.detach(), full_state_dict(model, dims.tp_group, grads=True)
 
 
@@ -85,15 +87,25 @@ def test_a_packed_batch_equals_its_documents_one_by_one(attention, position):
     assert worst > 1e-2  # the mask (and the restarting positions) is what makes them equal
 
 
-def _tp2_sp(rank: int, world: int) -> list:
-    dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
-    return [packed(replace(BASE, attention=a, position=p), dims, sp=True) for a, p in CASES]
+def _layouts(rank: int, world: int) -> list:
+    """tp 2 + SP, then cp 2 (ring attention: chunks holding several documents, or part of one)."""
+    out = []
+    for par, sp in ((ParallelConfig(tp=world, sp=True), True), (ParallelConfig(cp=world), False)):
+        dims = ParallelDims.build(par)
+        out += [packed(replace(BASE, attention=a, position=p), dims, sp=sp) for a, p in CASES]
+    return out
 
 
-def test_a_packed_batch_equals_its_documents_one_by_one_at_tp2_with_sp():
-    results = run_ranks(_tp2_sp, 2)[0]
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_ranks(_layouts, 2)[0]
+
+
+@pytest.mark.parametrize("layout", ["tp 2 + SP", "cp 2"])
+def test_a_packed_batch_equals_its_documents_one_by_one_at_tp2_sp_and_cp2(layout, two_rank_results):
+    results = two_rank_results[:len(CASES)] if layout == "tp 2 + SP" else two_rank_results[len(CASES):]
     for (attention, position), (loss, grads) in zip(CASES, results, strict=True):
         want_loss, want = one_by_one(replace(BASE, attention=attention, position=position))
         assert loss == pytest.approx(float(want_loss), rel=1e-5), (attention, position)
         for k, g in grads.items():
-            torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-6, msg=f"{attention} {position} {k}")
+            torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-6, msg=f"{layout} {attention} {position} {k}")

@@ -109,6 +109,7 @@ class Rotary(nn.Module):
         """Angles of this rank's ``s`` positions ``[s, 1, 1, 1, d]``; with packed documents' ``positions``
         ``[b, s]`` (each token's place in its document) ``[s, b, 1, 1, d]``."""
         if positions is not None:
+            positions = self.cp.split(positions, 1)  # [b, s]: this cp rank's tokens
             cos, sin = self.table(int(positions.max()) + 1, device)  # [n, 1, 1, 1, d]
             index = positions.t().to(device)  # [s, b]
             return cos[:, 0][index], sin[:, 0][index]  # [s, b, 1, 1, d]

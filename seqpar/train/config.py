@@ -116,11 +116,8 @@ class DataConfig:
     # needs a prepared folder (its end-of-document token marks the boundaries)
     document_mask: bool = False
 
-    def validate(self, train: TrainConfig, parallel: ParallelConfig) -> DataConfig:
+    def validate(self) -> DataConfig:
         _check_types(self)
-        if self.document_mask and parallel.cp > 1:
-            raise ConfigError(f"data.document_mask is not supported with context parallelism yet (cp {parallel.cp}); "
-                              "use cp 1")
         return self
 
 
@@ -150,7 +147,7 @@ class JobConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"recompute num_layers must be a positive integer, got {n!r}")
         self.train.validate(self.parallel.dp)
-        self.data.validate(self.train, self.parallel)
+        self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self
 

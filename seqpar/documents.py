@@ -25,6 +25,7 @@ class Documents:
         self.positions = positions  # [b, s]
         self.doc = torch.cumsum(positions == 0, dim=1)  # [b, s]: the document each token belongs to
         self._mask = None
+        self._additive: dict = {}
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eos_id: int) -> Documents:
@@ -48,6 +49,22 @@ class Documents:
             causal = torch.ones(s, s, dtype=torch.bool, device=self.doc.device).tril_()  # [s, s]
             self._mask = (same & causal).unsqueeze(1)  # [b, 1, s, s]
         return self._mask
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[b, 1, s, s]`` of ``dtype``: 0 where allowed, -inf elsewhere -- the fused core's mask, built
+        once per microbatch (sdpa would convert a boolean one, and keep the copy, in every layer)."""
+        mask = self._additive.get(dtype)
+        if mask is None:
+            allowed = self.allowed()
+            mask = self._additive[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return mask
+
+    def tensors(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Every tensor this microbatch's documents hold (with ``dtype``, its fused-core mask built): data,
+        like the tokens -- the activation meters leave them out (autograd keeps the one mask the layers
+        share)."""
+        return [self.positions, self.doc, self.allowed(), *([self.additive(dtype)] if dtype else [])]
 
     def bias(self, like: torch.Tensor, groups: int) -> torch.Tensor:
         """The additive mask of the materialized core: 0 where allowed, -inf elsewhere, ``[b·groups, s, s]``."""

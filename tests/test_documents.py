@@ -109,3 +109,30 @@ def test_a_packed_batch_equals_its_documents_one_by_one_at_tp2_sp_and_cp2(layout
         assert loss == pytest.approx(float(want_loss), rel=1e-5), (attention, position)
         for k, g in grads.items():
             torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-6, msg=f"{layout} {attention} {position} {k}")
+
+
+def test_training_with_document_mask_reads_a_prepared_folder_and_keeps_the_formulas_bytes(tmp_path, capsys):
+    from pathlib import Path
+
+    from seqpar.cli import main
+    from seqpar.data.prepare import prepare
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(30):
+        (texts / f"{i:02d}.txt").write_text(f"document {i} " + "abc " * (3 + i % 11))
+    prepare([str(texts)], tmp_path / "p", progress=False)  # bytes: documents end with NUL
+    tiny = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+    capsys.readouterr()
+    code = main(["train", "--config", str(tiny), "--data", str(tmp_path / "p"), "--document-mask", "--attention",
+                 "sdpa", "--steps", "2", "--out", str(tmp_path / "run"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if "activations kept by the layers" in x)
+    measured, formula = (int(part.split()[-2].replace(",", "")) for part in line.split(": ")[1].split(", formula"))
+    assert measured == formula  # the shared mask is data, not a layer's activation
+    try:
+        main(["train", "--config", str(tiny), "--document-mask", "--steps", "1", "--out", str(tmp_path / "r2")])
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "document_mask needs a prepared folder" in capsys.readouterr().err

@@ -160,7 +160,7 @@ class CoreAttention(nn.Module):
             bias = None if docs is None else docs.bias(qkv, n)  # [b·groups, s, s]
             return MaterializedAttention.apply(qkv, self.scale, p, generator, bias)  # [s, b, h/t]
         kb, vb = qkv[:, :, :, g].permute(1, 2, 0, 3), qkv[:, :, :, g + 1].permute(1, 2, 0, 3)  # [b, groups, s, d]
-        mask = None if docs is None else docs.allowed()  # [b, 1, s, s]
+        mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
         contexts = [F.scaled_dot_product_attention(qkv[:, :, :, j].permute(1, 2, 0, 3), kb, vb,
                                                    attn_mask=mask, is_causal=mask is None)
                     for j in range(g)]  # query head j of every group: each [b, groups, s, d]

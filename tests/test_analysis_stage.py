@@ -139,15 +139,16 @@ def test_an_uneven_split_is_modelled_as_given():
 
 
 def test_layouts_the_analytic_model_has_no_formula_for_are_refused():
-    """An uneven interleaved split and a layer family outside gpt/llama: a clear refusal, never the numbers
-    of an even split or of another model."""
+    """An uneven interleaved split: a clear refusal, never the numbers of an even split."""
     with pytest.raises(AnalysisError, match=r"splits interleaved chunks evenly, not as \[0, 2, 1, 1\]"):
         stage_memory(TINY, ParallelConfig(pp=2, interleave=2, layer_split=(0, 2, 1, 1)), RecomputeConfig(), 1)
     # cp alone has a formula: every layer term at s/cp tokens (tests/test_context_parallel.py)
     cp2 = stage_memory(TINY, ParallelConfig(cp=2), RecomputeConfig(), 1)
     assert cp2.terms["layer_activations"] == 4 * layer_activation_bytes(4, 1, 8, 2, 1, cp=2)  # 4 layers
-    with pytest.raises(AnalysisError, match="not norm 'layernorm' with activation 'swiglu'"):
-        stage_memory(replace(TINY, activation="swiglu"), ParallelConfig(), RecomputeConfig(), 1)
+    # any norm with any activation: each term as the model keeps it (tests/test_states_closed_loop.py measures them)
+    swiglu = stage_memory(replace(TINY, activation="swiglu"), ParallelConfig(), RecomputeConfig(), 1)
+    assert swiglu.terms["layer_activations"] > stage_memory(TINY, ParallelConfig(), RecomputeConfig(), 1).terms[
+        "layer_activations"]
 
 
 def test_the_stage_formula_honours_the_recompute_modules():

@@ -55,9 +55,6 @@ def validate_layout(model: ModelConfig, par: ParallelConfig) -> int:
     split), then the analytic model's even split; returns the layers per chunk, L/(pm). An uneven
     ``layer_split`` (one chunk per rank) is modelled as given; then the fewest layers of a non-empty stage."""
     model.validate()
-    if model.arch == "custom":
-        raise AnalysisError(f"the stage formula models the paper's GPT or a Llama-style layer, not norm "
-                            f"{model.norm!r} with activation {model.activation!r}")
     if par.layer_split:
         par.validate(model)  # the split's own rules too
         counts = par.layer_counts(model.num_layers)

@@ -45,10 +45,11 @@ def sections(draw) -> dict:
              "kv_heads": draw(st.sampled_from([None, 1, 2])), "bias": draw(st.booleans()),
              "tie_embeddings": draw(st.booleans()), "attention": attention,
              "dtype": draw(st.sampled_from(["fp32", "bf16", "fp16"])),
-             "embd_dropout": dropout, "hidden_dropout": dropout, "attn_dropout": 0.0 if attention == "sdpa" else dropout}
+             "embd_dropout": dropout, "hidden_dropout": dropout,
+             "attn_dropout": 0.0 if attention == "sdpa" else dropout}
     tp, pp, cp, dp = draw(st.sampled_from(LAYOUTS))
     parallel = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "sp": tp > 1 and draw(st.booleans())}
-    if pp > 1 and layers >= pp and draw(st.booleans()):  # an uneven split: the first or the last stage lighter (maybe empty)
+    if pp > 1 and layers >= pp and draw(st.booleans()):  # uneven: the first or the last stage lighter, maybe empty
         cut = draw(st.integers(0 if pp == 2 else 1, layers - (pp - 1)))
         parallel["layer_split"] = [cut] + [1] * (pp - 2) + [layers - cut - (pp - 2)]
     granularity = draw(st.sampled_from(["none", "selective", "full"]))

@@ -43,7 +43,8 @@ def layouts(cfg: ModelConfig, n: int) -> list[ParallelConfig]:
     out = [ParallelConfig(tp=4), ParallelConfig(tp=2, pp=2, layer_split=(1, cfg.num_layers - 1))]
     L = cfg.num_layers
     if L >= 4:  # interleaved, uneven: an empty first virtual stage, or a heavy last one
-        out.append(ParallelConfig(pp=2, dp=2, interleave=2, layer_split=(0, 1, L - 2, 1) if n % 2 else (1, 1, 1, L - 3)))
+        split = (0, 1, L - 2, 1) if n % 2 else (1, 1, 1, L - 3)
+        out.append(ParallelConfig(pp=2, dp=2, interleave=2, layer_split=split))
     else:
         out.append(ParallelConfig(pp=2, dp=2, layer_split=(L - 1, 1)))
     return [p.validate(cfg) for p in out]

@@ -123,9 +123,17 @@ def _last_good(root: Path) -> str:
     return "no earlier checkpoint exists"
 
 
+def step_of(folder: Path) -> int | None:
+    """The step a ``step_N`` folder holds (N has at least 6 digits, more past step 999,999); None otherwise."""
+    digits = folder.name[len("step_"):]
+    return int(digits) if folder.name.startswith("step_") and digits.isdigit() else None
+
+
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep]:
+    """Remove all but the ``keep`` newest complete checkpoints, newest by step number (not by name:
+    ``step_1000000`` is newer than ``step_999999``)."""
+    done = sorted((step, p) for p in root.glob("step_*") if p.is_dir() and (step := step_of(p)) is not None)
+    for _, old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

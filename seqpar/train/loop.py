@@ -78,6 +78,8 @@ class Trainer:
         self.data = TokenData.for_job(job)
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
+        if self.resume_path is not None:  # and one with no steps left: refused, nothing rewritten
+            ckpt.check_progress(self.resume_path, t.stop_at or t.steps)
         self.device = device or default_device()
         self.owns_group = init_distributed(world, self.device)
         self.dims = ParallelDims.build(job.parallel)
@@ -100,9 +102,12 @@ class Trainer:
         has_opt = bool(meta.get("has_optimizer", True))
         ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False))
         step = int(meta.get("step", 0))
-        self.opt.loaded(step if has_opt else 0)
+        # the optimizer's own step count: skipped steps never ran it (written before seqpar saved it: the step)
+        updates = int(meta.get("optimizer_steps", step))
+        self.opt.loaded(updates if has_opt else 0)
         self.state.step = step if has_opt else 0
         self.state.skipped = int(meta.get("skipped", 0))
+        self.state.skipped_in_row = int(meta.get("skipped_in_row", 0)) if has_opt else 0
         if self.opt.scaler is not None and has_opt and "loss_scaler" in meta:
             self.opt.scaler.load_state_dict(meta["loss_scaler"])
         self.log(f"resumed from {path} at step {self.state.step}"
@@ -111,7 +116,8 @@ class Trainer:
 
     def save(self) -> str:
         tensors = self.opt.checkpoint_views()
-        meta = {"step": self.state.step, "skipped": self.state.skipped, "has_optimizer": True,
+        meta = {"step": self.state.step, "optimizer_steps": self.opt.updates, "skipped": self.state.skipped,
+                "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True,
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
@@ -293,9 +299,8 @@ class Trainer:
                 window_steps += 1
                 done = self.state.step
                 progress.tick(done)
-                if outcome != "applied":
+                if outcome != "applied":  # logged; then the step's periodic record, validation and save as any
                     self._skipped_update(outcome, loss, norm, metrics)
-                    continue
                 if done % t.log_every == 0 or done == end:
                     last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
                                                validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))

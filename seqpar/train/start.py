@@ -94,11 +94,12 @@ def check_tokenizer(job: JobConfig) -> None:
 
 
 def check_resume(job: JobConfig, resume: str) -> None:
-    """A checkpoint of this run's model, checked before anything starts."""
+    """A checkpoint of this run's model with steps left to train, checked before anything starts."""
     from seqpar.train import checkpoint as ckpt
 
     if resume:
-        ckpt.check_resume(resume_path(resume, job), job.model)
+        path = ckpt.check_resume(resume_path(resume, job), job.model)
+        ckpt.check_progress(path, job.train.stop_at or job.train.steps)
 
 
 def warn_inert(job: JobConfig) -> None:

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.launch import default_device, init_distributed, run_ranks
+from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
@@ -330,11 +329,14 @@ def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = Fa
     """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own)."""
     job = build_job(job) if isinstance(job, dict) else job
     trainer = Trainer(job, resume, device, quiet, hooks)
+    completed = False
     try:
-        return trainer.run()
+        summary = trainer.run()
+        completed = True
+        return summary
     finally:
-        if trainer.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if trainer.owns_group:
+            end_distributed(completed)  # a barrier, then destroy: no rank closes while a peer still works
 
 
 # ---------------------------------------------------------------------- from Python, on N local ranks

@@ -54,7 +54,7 @@ def weights(t: Trainer) -> list[torch.Tensor]:
     return [p.detach().clone() for chunk in t.chunks for p in chunk.parameters()]
 
 
-# (dtype, distributed optimizer, how a step is skipped): fp16 overflows (a loss scale far too high), the others
+# (dtype, distributed optimizer, how a step is skipped): fp16 overflows (at 2^20 steps 1 and 2 overflow), the others
 # skip a NaN loss under nonfinite = "skip"
 CASES = [("fp16", False, "overflow"), ("fp16", True, "overflow"), ("fp32", True, "nonfinite"),
          ("bf16", False, "nonfinite")]
@@ -62,7 +62,7 @@ CASES = [("fp16", False, "overflow"), ("fp16", True, "overflow"), ("fp32", True,
 
 @pytest.mark.parametrize("dtype,distributed,how", CASES)
 def test_a_resume_after_a_skipped_step_is_bit_identical(tmp_path, dtype, distributed, how):
-    kw = {"loss_scale_init": float(2 ** 24)} if how == "overflow" else {}
+    kw = {"loss_scale_init": float(2 ** 20)} if how == "overflow" else {}
     poison = 2 if how == "nonfinite" else None
     whole = trainer(tmp_path / "whole", dtype, distributed, poison, **kw)
     straight = whole.run()
@@ -74,13 +74,13 @@ def test_a_resume_after_a_skipped_step_is_bit_identical(tmp_path, dtype, distrib
     assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=0, abs=0, nan_ok=True)
     assert all(torch.equal(a, b) for a, b in zip(weights(whole), weights(resumed), strict=True))
     meta = read_meta(resolve(first["checkpoint"]))
-    assert meta["step"] == STOP and meta["optimizer_steps"] < STOP, "no step was skipped before the checkpoint"
+    assert meta["step"] == STOP and 0 < meta["optimizer_steps"] < STOP, "a step skipped, one applied, before it"
 
 
 def test_a_skipped_step_keeps_its_checkpoint_log_record_and_validation(tmp_path):
     """fp16, the loss scale overflowing at step 1, save/log/eval every step: step 1 is logged (loss, validation)
     and checkpointed with the halved scale, like every other step."""
-    t = trainer(tmp_path, "fp16", False, loss_scale_init=float(2 ** 24), steps=3, save_every=1, eval_every=1,
+    t = trainer(tmp_path, "fp16", False, loss_scale_init=float(2 ** 20), steps=3, save_every=1, eval_every=1,
                 keep_checkpoints=5)
     t.run()
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -91,4 +91,4 @@ def test_a_skipped_step_keeps_its_checkpoint_log_record_and_validation(tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
         "step_000001", "step_000002", "step_000003"]
     meta = read_meta(tmp_path / "checkpoints" / "step_000001")
-    assert meta["loss_scaler"]["scale"] == 2.0 ** 23 and meta["optimizer_steps"] == 0
+    assert meta["loss_scaler"]["scale"] == 2.0 ** 19 and meta["optimizer_steps"] == 0

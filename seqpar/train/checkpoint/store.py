@@ -14,6 +14,7 @@ Every load checks the checkpoint first (``integrity.check_before_load``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -101,13 +102,37 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             os.rename(tmp, final)
             _write_atomic(root / LATEST, final.name + "\n")
             _prune(root, keep)
-    except (OSError, CheckpointException) as err:  # DCP gathers every rank's write error into one
+    except (OSError, RuntimeError, CheckpointException) as err:  # DCP gathers every rank's write error into one
+        if isinstance(err, RuntimeError) and not _disk_full(err):
+            raise  # a lost peer, a bug: not a write failure
         if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):
+            raise CheckpointError(f"could not write checkpoint {final}: no space left on device in {root}; "
+                                  f"{_last_good(root)}") from None
         raise CheckpointError(f"could not write checkpoint {final} ({_write_failure(err)}); "
                               f"{_last_good(root)}") from None
     _barrier()
     return final
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    """The errors behind ``err``: every rank's (DCP gathers them into one CheckpointException), or itself."""
+    if isinstance(err, CheckpointException):
+        return [exc for _, (exc, _) in sorted(err.failures.items())]
+    return [err]
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC, or its symptom in torch's zip writer, which notices
+    a short write only as ``unexpected pos N vs M`` (inline_container.cc)."""
+    for exc in _failures(err):
+        while exc is not None:
+            if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc) \
+                    or "unexpected pos" in str(exc):
+                return True
+            exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _write_failure(err: BaseException) -> str:

@@ -69,11 +69,12 @@ class Trainer:
     """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
 
     def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False,
-                 hooks: Sequence[StepHook] = ()):
+                 hooks: Sequence[StepHook] = (), verified: bool = False):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
+        self.verified = verified  # the launcher checked the checkpoint to resume (checksums, tensors) already
         self.data = TokenData.for_job(job)
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
@@ -99,7 +100,7 @@ class Trainer:
     def load(self, path) -> None:
         meta = ckpt.read_meta(path)
         has_opt = bool(meta.get("has_optimizer", True))
-        ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False))
+        ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False), self.verified)
         step = int(meta.get("step", 0))
         # the optimizer's own step count: skipped steps never ran it (written before seqpar saved it: the step)
         updates = int(meta.get("optimizer_steps", step))
@@ -325,10 +326,11 @@ class Trainer:
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,
-          hooks: Sequence[StepHook] = ()) -> dict:
-    """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own)."""
+          hooks: Sequence[StepHook] = (), verified: bool = False) -> dict:
+    """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own). ``verified``:
+    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``)."""
     job = build_job(job) if isinstance(job, dict) else job
-    trainer = Trainer(job, resume, device, quiet, hooks)
+    trainer = Trainer(job, resume, device, quiet, hooks, verified)
     completed = False
     try:
         summary = trainer.run()

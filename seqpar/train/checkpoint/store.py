@@ -162,10 +162,12 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_shards(path: Path, views: dict[str, ShardedView]) -> None:
+def load_shards(path: Path, views: dict[str, ShardedView], verified: bool = False) -> None:
     """Read this rank's shards ``views`` (an optimizer's ``checkpoint_views``, or ``sharded_state``) into
-    their tensors, in place, after ``check_before_load`` (every rank calls this)."""
-    check_before_load(path, read_meta(path), collective=True)
+    their tensors, in place, after ``check_before_load`` (every rank calls this; ``verified``: the launcher
+    already checked the checkpoint, once, before it started the ranks)."""
+    if not verified:
+        check_before_load(path, read_meta(path), collective=True)
     stored = stored_keys(path)
     for key, view in views.items():
         check_shape(path, key, stored, tuple(view.size()))

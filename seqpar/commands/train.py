@@ -151,6 +151,7 @@ def base_sections(args) -> dict[str, dict]:
     path = args.resume if args.resume != "auto" else (args.out or TrainConfig().out_dir)
     sections = ckpt.read_meta(ckpt.resolve(path))["config"]
     sections.get("parallel", {}).pop("dp", None)  # re-derived from this run's world size
+    sections.get("train", {}).pop("stop_at", None)  # a stop point belongs to the invocation that gave it
     return sections
 
 

@@ -34,6 +34,14 @@ class ConfigError(ValueError):
     """A configuration breaks a rule; the message names the rule and the numbers."""
 
 
+def did_you_mean(word: str, known) -> str:
+    """``" (did you mean 'x'?)"`` for the known name closest to a misspelled ``word`` (difflib), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

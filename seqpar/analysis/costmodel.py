@@ -362,12 +362,12 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
 
 
 def ties_with_best(times: list[float], band: float) -> list[bool]:
-    """Which predicted times cannot be told from the fastest within a relative error ``band``: their
-    ranges t(1 +- band) overlap the fastest one's."""
+    """Which predicted times are within ``band`` (relative) of the fastest: t <= best x (1 + band), as the
+    report words it ("plans closer than ±band are ties"; an overlap of both ranges would reach twice that)."""
     if not times:
         return []
     best = min(times)
-    return [t * (1 - band) <= best * (1 + band) for t in times]
+    return [t <= best * (1 + band) for t in times]
 
 
 def predicted_mfu(shape: ModelConfig, par: ParallelConfig, global_batch: int, seconds: float,

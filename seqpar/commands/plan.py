@@ -105,20 +105,14 @@ def request_from_args(args):
         if setup is None:
             raise AnalysisError("give --global-batch (only the Table 3 presets have a default)")
         batch = setup.global_batch
-    for name, value in (("gpus", args.gpus), ("gpus-per-node", args.gpus_per_node), ("global-batch", batch),
-                        ("gpu-memory", args.gpu_memory), ("intra-node-gbps", args.intra_node_gbps),
-                        ("inter-node-gbps", args.inter_node_gbps), ("top", args.top),
-                        ("max-micro-batch", args.max_micro_batch), ("peak-tflops", args.peak_tflops)):
-        if value is not None and (value < 1 if isinstance(value, int) else value <= 0):
+    for name, value in (("gpus", args.gpus), ("global-batch", batch), ("top", args.top),
+                        ("max-micro-batch", args.max_micro_batch)):
+        if value < 1:
             raise AnalysisError(f"--{name} must be positive, got {value}")
-    if args.reserve is not None and not 0 <= args.reserve < 1:
-        raise AnalysisError(f"--reserve {args.reserve} must be in [0, 1)")
-    if args.gemm_efficiency is not None and not 0 < args.gemm_efficiency <= 1:
-        raise AnalysisError(f"--gemm-efficiency {args.gemm_efficiency} must be in (0, 1]")
     hw = hardware_for(args.hardware, args.gpu, gpus_per_node=args.gpus_per_node, memory_gb=args.gpu_memory,
                       peak_tflops=args.peak_tflops, gemm_efficiency=args.gemm_efficiency,
                       intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                      reserve=args.reserve)
+                      reserve=args.reserve)  # checks the machine flags too: finite, in range
     dropout = 0.0 if args.no_dropout else args.dropout if args.dropout is not None else default_dropout(shape.arch)
     if not 0 <= dropout < 1:
         raise AnalysisError(f"--dropout must be in [0, 1), got {dropout}")

@@ -18,7 +18,8 @@ from seqpar.cli import main
 def test_a_tie_is_a_time_within_the_band_of_the_best(times, band):
     best = min(times)
     assert ties_with_best(times, band) == [t <= best * (1 + band) for t in times]
-    assert all(t / best - 1 <= band * (1 + 1e-12) for t, tie in zip(times, ties_with_best(times, band)) if tie)
+    assert all(t / best - 1 <= band * (1 + 1e-12) for t, tie in zip(times, ties_with_best(times, band), strict=True)
+               if tie)
 
 
 def test_the_22b_report_marks_no_plan_beyond_its_stated_band(capsys):

@@ -183,7 +183,10 @@ def _largest_fitting(lo: int, hi: int, ok) -> int | None:
 def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     """none, selective, full-uniform-1, the cheapest fitting full-block-N and App. C variants."""
     chunk = layers_per_chunk(req.shape, base.par)
-    options = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full")]
+    # with fused attention the attention core keeps no s² tensors: selective recompute saves nothing
+    # (``train`` warns it does nothing), so it is not a choice
+    granularities = ("full",) if req.opts.fused_attention else ("selective", "full")
+    options = [RecomputeConfig("none")] + [RecomputeConfig(g) for g in granularities]
 
     def fits_with(rc: RecomputeConfig) -> bool:
         return fits(req, replace(base, rc=rc))
@@ -195,7 +198,7 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     n = num_microbatches(req, base)
     in_flight = stage_memory(req.shape, base.par, RecomputeConfig(), base.micro_batch, n, req.opts,
                              _opt(req, base)).in_flight
-    for granularity in ("selective", "full"):
+    for granularity in granularities:
         if fits_with(RecomputeConfig(granularity, keep_microbatches=in_flight)):
             continue  # keeping everything fits: plain "none" covers it
         k = _largest_fitting(1, in_flight - 1,

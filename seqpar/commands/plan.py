@@ -129,11 +129,23 @@ def _emit(args, req, plan) -> None:
     """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import plan_toml
+    from seqpar.analysis.emit import SCHEDULE_KEYS, plan_toml
+    from seqpar.train.config import TrainConfig
 
-    args.emit_config.write_text(plan_toml(req, plan))
+    defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
+    args.emit_config.write_text(plan_toml(req, plan, defaults))
     print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
           f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
+
+
+def _check_outputs(args) -> None:
+    """--emit-config and --plot: where the results go, checked before the search."""
+    from seqpar.commands.out_path import check_out_file, check_out_folder
+
+    if args.emit_config is not None:
+        check_out_file(args.emit_config, "--emit-config")
+    if args.plot is not None:
+        check_out_folder(args.plot, "--plot")
 
 
 def run(args) -> int:
@@ -141,6 +153,7 @@ def run(args) -> int:
     from seqpar.analysis.shapes import AnalysisError
 
     try:
+        _check_outputs(args)
         req = request_from_args(args)
         explain = planner.parse_plan(args.explain, args.gpus) if args.explain is not None else None
         if explain is not None:  # a layout that cannot run this model is bad input: one line, exit 2

@@ -167,7 +167,7 @@ def model_overrides(args) -> dict:
             raise ConfigError(str(err)) from None
         out = {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
                "seq_len": shape.seq_len, "vocab_size": shape.vocab_size, "ffn_hidden_size": shape.ffn_hidden_size,
-               "kv_heads": shape.kv_heads} | ARCH_FIELDS[shape.arch]
+               "kv_heads": shape.kv_heads, "rope_theta": shape.rope_theta} | ARCH_FIELDS[shape.arch]
     if getattr(args, "arch", None):
         out |= ARCH_FIELDS[args.arch]
     return out

@@ -124,7 +124,7 @@ class ModelConfig:
     @property
     def arch(self) -> str:
         """The analytic model's layer family: "llama" (RMSNorm + SwiGLU), "gpt" (LayerNorm + GeLU), else
-        "custom" (the per-layer formula still applies, the stage and parameter formulas refuse)."""
+        "custom" (another pairing: every formula takes the norm and the activation as they are)."""
         if (self.norm, self.activation) == ("rmsnorm", "swiglu"):
             return "llama"
         return "gpt" if self.norm == "layernorm" and self.activation in ("gelu", "gelu_tanh") else "custom"

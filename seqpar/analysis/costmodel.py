@@ -61,7 +61,8 @@ from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import kv_heads_per_rank
 from seqpar.analysis.placement import grad_group_spans_nodes, spans_nodes
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, layers_per_chunk
+from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
+from seqpar.analysis.stage import examined_ranks, rank_layers
 from seqpar.analysis.states import stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
@@ -299,7 +300,7 @@ def step_collectives_s(par: ParallelConfig, hw: Hardware) -> dict[str, float]:
 def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
                       rank: int, n: int, opts: ActivationOptions) -> dict[str, float]:
     """Seconds one microbatch costs pipeline rank ``rank``, per term."""
-    layers = shape.num_layers // par.pp
+    layers = rank_layers(shape, par, rank) * par.interleave  # L/p, or this rank's share of an uneven split
     p = layer_pass_s(shape, par, b, hw, opts)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}  # PASS_TERMS (+ cp_comm)
     if rank == 0:
@@ -311,7 +312,7 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     if rc.granularity == "selective":
         redo = layers * sum(p["attention_core"].values())
     elif rc.granularity == "full":
-        share = 1.0 if rc.method == "uniform" else rc.num_layers / layers_per_chunk(shape, par)
+        share = 1.0 if rc.method == "uniform" else min(1.0, rc.num_layers / max(1, rank_layers(shape, par, rank)))
         redo = layers * share * sum(p["forward"].values())
     else:
         redo = 0.0
@@ -322,13 +323,18 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     return terms
 
 
+def largest_stage_parameters(shape: ModelConfig, par: ParallelConfig) -> float:
+    """Parameters of the pipeline rank that holds the most (its gradient reduction and update take longest)."""
+    return max(stage_parameters(shape, par, r) for r in examined_ranks(shape, par))
+
+
 def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
     """Gradient synchronisation over dp (x cp: context-parallel ranks hold the same parameters) once per
     iteration (the largest stage's parameters)."""
     ranks = par.dp * par.cp
     if ranks == 1:
         return 0.0
-    params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
+    params = largest_stage_parameters(shape, par)
     bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
     if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
         return 2 * hw.comm_latency + (ranks - 1) / ranks * params * (opt.grad_bytes + opt.param_bytes) / bw
@@ -344,7 +350,7 @@ def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
 
 
 def optimizer_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
+    params = largest_stage_parameters(shape, par)
     return params * optimizer_bytes_per_parameter(opt, par.dp * par.cp) / hw.memory_bw  # sharded over dp × cp
 
 
@@ -355,7 +361,7 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     opt = opt or OptimizerOptions()
     opts = opts or ActivationOptions()
     n = global_batch // (par.dp * b)
-    ranks = sorted({0, par.pp - 1})
+    ranks = examined_ranks(shape, par)
     per_rank = {r: rank_microbatch_s(shape, par, rc, b, hw, r, n, opts) for r in ranks}
     slowest = max(ranks, key=lambda r: sum(per_rank[r].values()))
     mb = per_rank[slowest]

@@ -85,7 +85,8 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """Every verb's parser, or with ``only`` just that verb's arguments (the others are listed, not built):
+    """Every verb's parser, or with ``only`` just that verb's arguments (the others are listed, not built;
+    ``only=""`` builds none):
     building a verb imports its module, and some import torch, which ``plan`` or ``paper`` never need."""
     parser = Parser(
         prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from seqpar.config import ConfigError
 
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv[0] if argv and argv[0] in VERBS else None)
+    # only the verb named is built (its module imported); `seqpar --help` lists the verbs and builds none
+    parser = build_parser(argv[0] if argv and argv[0] in VERBS else "")
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the verb's parser, whose flags a "did you mean" is drawn from
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")

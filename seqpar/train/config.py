@@ -68,7 +68,7 @@ class TrainConfig:
     loss_scale_init: float = 65536.0  # the first scale
     loss_scale_window: int = 2000  # good steps in a row before the scale doubles
     sample_tokens: int = 0  # print a sample of this many tokens at the end (0: none)
-    sample_prompt: str = "def "
+    sample_prompt: str = ""  # empty: start as after a newline (the separator between texts), any corpus
     progress: bool = True
     plot: bool = True  # loss-curve PNG at the end (needs matplotlib)
 

@@ -59,6 +59,9 @@ def test_no_plan_fits_names_each_rule_and_what_it_ruled_out():
     assert "pp values above the 126 layers" in lines
     assert "model states alone (weights, gradients, optimizer) exceed 7.2 GB usable" in lines
     assert "dp does not divide the global batch 2048" in lines
+    code, out, _ = _cli([*LLAMA405, "--gpu-memory", "8", "--json"])
+    ruled_out = json.loads(out)["ruled_out"]
+    assert code == 1 and any("model states alone" in line for line in ruled_out) and ruled_out[0][0].isdigit()
 
 
 @st.composite

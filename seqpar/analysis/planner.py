@@ -1,13 +1,15 @@
 """`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
 
 Dimensions: tp (<= GPUs per node, dividing heads and FFN width), cp (context parallelism, ring attention
-over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (dividing L), dp (the rest,
-dividing the global batch), interleave m (m > 1 needs pp > 1, L divisible by pp m and the
-microbatch count by pp, as Megatron requires), SP on/off (tp > 1), microbatch, recompute:
-none, selective, full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or
-full with the most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on rank 0 and
-the last rank (the in-flight count falls with the rank, so they bound the rest). Time:
-``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve).
+over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (up to L: even when
+it divides L, and with the lighter-ends split of ``uneven.py``), dp (the rest, dividing the global batch),
+interleave m (m > 1 needs pp > 1, L divisible by pp m and the microbatch count by pp, as Megatron requires;
+an uneven split has m = 1), SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused
+attention), full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or full with the
+most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on ``stage.examined_ranks`` (rank 0,
+the last, the first of each layer count: the in-flight count falls with the rank, so they bound the rest).
+Time: ``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve). The search counts what each
+rule ruled out and drops plans dominated at their layout (``undominated``).
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
 
 def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
     """Every (tp, cp, pp with its layer split, dp, m, sp, microbatch) the rules allow, with recompute none
-    (filled in later); ``rejected`` counts the layouts each rule ruled out (``REJECTED`` names the rules)."""
+    (filled in later); ``rejected`` counts the layouts each rule ruled out (``rejection_lines`` words them)."""
     shape, rejected = req.shape, Counter() if rejected is None else rejected
     for tp in _divisors(min(req.hw.gpus_per_node, req.gpus)):
         kv = shape.num_kv_heads
@@ -265,8 +267,8 @@ def rejection_lines(req: Request, stats: dict) -> list[str]:
     """What each rule ruled out, one line each (the rules that ruled out nothing are left out)."""
     sh, usable = req.shape, req.hw.usable_bytes / 1e9
     words = {
-        "tp_split": f"tp values that do not split heads {sh.num_heads}, kv heads {sh.num_kv_heads} and FFN "
-                    f"width {sh.ffn} (or exceed a node of {req.hw.gpus_per_node})",
+        "tp_split": f"tp values (up to a node's {req.hw.gpus_per_node} GPUs) that do not split heads "
+                    f"{sh.num_heads}, kv heads {sh.num_kv_heads}, FFN width {sh.ffn} or the {req.gpus} GPUs",
         "pp_layers": f"pp values above the {sh.num_layers} layers",
         "cp_seq": f"cp values with 2 cp not dividing the sequence {sh.seq_len}",
         "batch_dp": f"layouts whose dp does not divide the global batch {req.global_batch}",

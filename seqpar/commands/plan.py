@@ -192,7 +192,8 @@ def run(args) -> int:
             if plans:  # the chosen plan's every pipeline rank, as --explain gives them
                 plans[0]["stages"] = planner.stages_json(planner.evaluate(req, ranked[0].plan, every_rank=True).stages)
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
-                              "settings": planner.settings(req), "hardware": profile_to_json(req.hw)}))
+                              "settings": planner.settings(req), "hardware": profile_to_json(req.hw),
+                              "ruled_out": planner.rejection_lines(req, stats)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
         if args.plot and ranked:

@@ -68,6 +68,17 @@ def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
     return layers_per_chunk(shape, par)
 
 
+def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
+    """The pipeline ranks that bound the others' memory and time: rank 0 (the most in flight, the embedding),
+    the last (the output layer) and, under an uneven split, the first rank of each layer count (the in-flight
+    count and the recomputed share fall with the rank, so later ranks of a count hold and run less)."""
+    ranks = {0, par.pp - 1}
+    if par.layer_split:
+        counts = par.layer_counts(shape.num_layers)
+        ranks |= {counts.index(n) for n in set(counts)}
+    return sorted(ranks)
+
+
 def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                 opts: ActivationOptions, rank: int = 0) -> float:
     """Bytes one chunk-microbatch of pipeline rank ``rank`` (L/(pm) layers, or its uneven share) keeps

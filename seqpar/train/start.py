@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from seqpar.config import ConfigError
+from seqpar.config import ConfigError, WorldSizeError
 from seqpar.parallel.launch import under_torchrun
 from seqpar.train import supervise
 from seqpar.train.config import JobConfig, inert_settings
@@ -117,7 +117,7 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
         return _as_rank(make_job, resume, overwrite, dry_run)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
-    job = make_job(nproc or int(os.environ.get("WORLD_SIZE", "1")))  # every rule, before any process starts
+    job = _job(make_job, nproc)  # every rule, before any process starts
     check_tokenizer(job)
     if dry_run:
         return _dry_run(job, resume)
@@ -135,6 +135,19 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
         out = job.train.out_dir
         return supervise.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out))
     return train_and_report(job, resume, verified=True)  # check_resume above checked the checkpoint
+
+
+def _job(make_job: Callable[[int], JobConfig], nproc: int | None) -> JobConfig:
+    """The job for ``nproc`` local ranks (one process without it); a layout of more ranks than were asked
+    for says how to start them."""
+    try:
+        return make_job(nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    except WorldSizeError as err:
+        if nproc is not None:
+            raise
+        n = err.layout
+        raise WorldSizeError(f"{err}: this is one process; start {n} ranks with --nproc {n}, or under torchrun "
+                             f"(torchrun --nproc-per-node {n} -m seqpar train ...)", n, err.world) from None
 
 
 def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool) -> int:

@@ -1,4 +1,17 @@
-"""Mixture of experts in the analytic model: forward GEMM FLOPs of an MoE layer (torch-free).
+"""Mixture of experts in the analytic model (torch-free): what an MoE layer keeps for backward, its
+parameters per rank, its forward GEMM FLOPs.
+
+Activations of one MoE layer on one rank (``moe_terms``), as functions of the routing: T tokens the rank
+routes (s·b/cp, /t under SP), N assignments it keeps (T·K dropless), R rows its experts receive (N
+without expert parallelism; under balanced routing R = N at any ep), E experts, K, the expert width f_e,
+a = activation bytes: the router's fp32 probabilities 4TE, its top-k indices 8TK (and, renormalised, the
+top-k values 4TK and their sums 4T), the load-balancing loss's f 4E, the assignments' token and order
+indices 8N each, the experts' input aR·h, fc1 output aR·2f_e (SwiGLU; aR·f_e GeLU), fc2 input aR·f_e
+(rebuilt under the "activation" module), under ep > 1 the dispatch and combine gathers' indices 8R each,
+the combined expert outputs aN·h and their router weights aN. The router's input is the MLP's fc1 input
+(the norm output, kept either way). A shared expert keeps its MLP's terms and, gated, the gate aT and the
+shared output aT·h. The dropless case depends on the routing: ``Routing`` carries N and R, measured or
+balanced (``balanced_routing``).
 
 Per MoE layer and B samples of s tokens (balanced, dropless routing: every token through K experts):
 router 2BshE, routed experts K · (6 or 4) · Bsh f_e (SwiGLU or GeLU experts of width f_e), shared expert
@@ -7,7 +20,66 @@ router 2BshE, routed experts K · (6 or 4) · Bsh f_e (SwiGLU or GeLU experts of
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from seqpar.config import ModelConfig, RecomputeConfig
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The rows one rank handles in one MoE layer."""
+
+    tokens: int  # T: tokens it routes
+    assignments: int  # N: its kept (token, expert) pairs
+    received: int  # R: rows its experts run on (from every ep rank)
+
+
+def capacity(model: ModelConfig, tokens: int) -> int | None:
+    """Rows each expert takes from a rank's ``tokens`` (None: dropless)."""
+    if not model.moe_capacity:
+        return None
+    return math.ceil(model.moe_capacity * tokens * model.top_k / model.experts)
+
+
+def balanced_routing(model: ModelConfig, tokens: int) -> Routing:
+    """Every expert chosen by T·K/E of a rank's assignments (capped by the capacity)."""
+    n = tokens * model.top_k
+    cap = capacity(model, tokens)
+    if cap is not None:
+        n = min(n, model.experts * cap)
+    return Routing(tokens, n, n)
+
+
+def moe_terms(model: ModelConfig, routing: Routing, *, ep: int = 1, tp: int = 1, sp: bool = False,
+              act_bytes: int = 2, modules: tuple[str, ...] = ()) -> dict[str, float]:
+    """Bytes one MoE layer keeps beyond the norm output (module docstring), per stored tensor; the shared
+    expert's MLP is split over tp as the dense MLP (its fc2 input rebuilt under "activation")."""
+    if "moe" in modules:  # the block keeps only its input, the norm output
+        return {}
+    T, N, R = routing.tokens, routing.assignments, routing.received
+    E, K, f, a, h = model.experts, model.top_k, model.moe_ffn, act_bytes, model.hidden_size
+    swiglu = model.activation == "swiglu"
+    terms = {"router_probs": 4 * T * E, "topk_indices": 8 * T * K}
+    if model.moe_norm_topk:
+        terms |= {"topk_values": 4 * T * K, "topk_sums": 4 * T}
+    if model.moe_aux_coef > 0:
+        terms["aux_f"] = 4 * E
+    terms |= {"assignment_tokens": 8 * N, "assignment_order": 8 * N, "expert_input": a * R * h,
+              "expert_fc1_output": a * R * (2 * f if swiglu else f), "expert_fc2_input": a * R * f}
+    if "activation" in modules:
+        terms.pop("expert_fc2_input")
+    if ep > 1:
+        terms |= {"dispatch_order": 8 * R, "combine_order": 8 * R}
+    terms |= {"expert_output": a * N * h, "combine_weights": a * N}
+    if model.shared_expert_ffn:
+        fs, rows = model.shared_expert_ffn, T * (tp if sp else 1)  # the shared MLP sees all tokens under SP
+        terms["shared_fc1_output"] = a * rows * (2 * fs if swiglu else fs) / tp
+        if "activation" not in modules:
+            terms["shared_fc2_input"] = a * rows * fs / tp
+        if model.shared_expert_gate:
+            terms |= {"shared_gate": a * T, "shared_output": a * T * h}
+    return terms
 
 
 def moe_forward_flops(B: float, model: ModelConfig) -> dict[str, float]:

@@ -135,9 +135,6 @@ def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: 
     """The formula inputs of a runtime configuration, the one adapter from a ModelConfig to them: the
     activation width of its dtype, 1-byte dropout masks (``uses_dropout``), fp32 logits, fused attention
     for sdpa, and the norm statistics' bytes per element the caller measured (``ln_stats_bytes``)."""
-    if cfg.experts:
-        raise AnalysisError(f"the activation formula has no MoE layers yet (experts {cfg.experts}): "
-                            "seqpar memory --measure reports the measured bytes only")
     return ActivationOptions(act_bytes=cfg.dtype_bytes, mask_bytes=1, logits_bytes=4, ln_stats_bytes=ln_stats_bytes,
                              dropout=uses_dropout(cfg, embedding), fused_attention=cfg.attention == "sdpa",
                              free_pipeline_outputs=free_pipeline_outputs)

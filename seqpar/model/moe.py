@@ -103,6 +103,22 @@ class GroupedLinear(torch.autograd.Function):
         return xr.grad, grad_w, None, None
 
 
+class _WeightedScatter(torch.autograd.Function):
+    """``out[token[i]] += w[i] · y[i]`` into ``[T, h]`` zeros, keeping ``y``, ``w`` and ``token`` (``index_add``
+    of ``w · y`` would keep the product as well)."""
+
+    @staticmethod
+    def forward(ctx, y, w, token, tokens: int):  # y [N, h], w [N, 1], token [N]
+        ctx.save_for_backward(y, w, token)
+        return y.new_zeros((tokens, y.shape[-1])).index_add_(0, token, y * w)  # [T, h]
+
+    @staticmethod
+    def backward(ctx, grad):  # [T, h]
+        y, w, token = ctx.saved_tensors
+        g = grad.index_select(0, token)  # [N, h]
+        return g * w, (g * y).sum(-1, keepdim=True).to(w.dtype), None, None
+
+
 # ---------------------------------------------------------------------------------- the auxiliary loss
 class _AuxGrad(torch.autograd.Function):
     """Forward: ``x``. Backward: ``x``'s gradient, and ``weight`` as the gradient of ``aux``."""
@@ -249,7 +265,9 @@ class MoE(nn.Module):
         order, counts = self.assignments(chosen)  # [N], [E]
         token = order // self.cfg.top_k  # [N]: the token of each assignment
         plan = DispatchPlan.build(counts, self.ep)
+        # what this rank handled (seqpar memory's exact bytes are a function of it): T, N, R, rows per expert
+        self.routing = (tokens.shape[0], order.numel(), sum(plan.expert_counts), plan.expert_counts)
         x = plan.dispatch(tokens.index_select(0, token))  # [received, h], expert-major
         y = plan.combine(self.experts(x, plan.expert_counts))  # [N, h]
-        y = y * weights.reshape(-1)[order].to(y.dtype).unsqueeze(-1)  # [N, h]
-        return tokens.new_zeros(tokens.shape).index_add(0, token, y)  # [T, h]
+        w = weights.reshape(-1)[order].to(y.dtype).unsqueeze(-1)  # [N, 1]
+        return _WeightedScatter.apply(y, w, token, tokens.shape[0])  # [T, h]

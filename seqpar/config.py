@@ -70,6 +70,7 @@ class ModelConfig:
     position: str = "learned"  # rope: rotary embeddings on Q and K, no position table
     kv_heads: int | None = None  # grouped-query attention; None: = num_heads
     bias: bool = True
+    qkv_bias: bool = False  # biases on Q, K and V even when ``bias`` is off (Qwen2 / Qwen2-MoE)
     tie_embeddings: bool = True
     attention: str = "materialized"  # the paper's s^2 scores, or fused scaled_dot_product_attention
     rope_theta: float = 10000.0

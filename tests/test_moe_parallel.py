@@ -4,7 +4,9 @@ ep 2 and 4 composed with tp + SP, pp (1F1B), cp, dp, the distributed optimizer a
 
 The ep = 4 layouts need 8 ranks; CI runs the 2- and 4-rank ones, ``SEQPAR_MOE_FULL=1`` all of them."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +78,11 @@ def test_expert_parallel_equals_single_process(name, reference, runs):
           f"max |Δweight| {weight_err:.1e}")
     assert loss_err < 1e-5 and norm_err < 1e-5 and weight_err < 1e-5, (loss_err, norm_err, weight_err)
     assert moved > 1e-3  # the experts were trained: the comparison is not between initial values
+    # model states per rank (routed experts E/ep per rank, their optimizer state sharded over dp·cp/ep): exact
+    start = json.loads(Path(run["checkpoint"]).parents[1].joinpath("metrics.jsonl").read_text().splitlines()[0])
+    for rank in start["ranks"]:
+        for k in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert rank[k] == rank[f"{k}_predicted"], (name, k, rank)
 
 
 _INITIAL = {}

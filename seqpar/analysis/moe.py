@@ -20,10 +20,11 @@ router 2BshE, routed experts K · (6 or 4) · Bsh f_e (SwiGLU or GeLU experts of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 
 @dataclass(frozen=True)
@@ -115,3 +116,52 @@ def moe_training_flops(B: float, model: ModelConfig, rc: RecomputeConfig, recomp
     elif rc.granularity == "full":
         extra = recomputed_fraction * n * delta
     return 3 * n * delta, extra
+
+
+# ---------------------------------------------------------------------------------- parameters per rank
+def dense_mlp_parameters_per_rank(model: ModelConfig, t: int) -> float:
+    """The MLP an MoE layer replaces, on one tp rank (``states.layer_parameters_per_rank``'s share):
+    SwiGLU 3hf/t; GeLU 2hf/t + its biases f/t + h."""
+    h, f = model.hidden_size, model.ffn
+    if model.activation == "swiglu":
+        return 3 * h * f / t + (2 * f / t + h if model.bias else 0)
+    return 2 * h * f / t + (f / t + h if model.bias else 0)
+
+
+def routed_expert_parameters_per_rank(model: ModelConfig, ep: int) -> float:
+    """One MoE layer's routed experts on one rank (replicated over tp): E/ep · (2 or 3) · h·f_e, no biases."""
+    parts = 3 if model.activation == "swiglu" else 2
+    return model.experts // ep * parts * model.hidden_size * model.moe_ffn
+
+
+def moe_dense_parameters_per_rank(model: ModelConfig, t: int) -> float:
+    """One MoE layer's other parameters on one tp rank: the router E·h, the shared expert's MLP split over
+    tp (with biases when the model has them), its gate h."""
+    h, fs = model.hidden_size, model.shared_expert_ffn
+    n = model.experts * h
+    if fs:
+        shared = dataclasses.replace(model, ffn_hidden_size=fs)
+        n += dense_mlp_parameters_per_rank(shared, t) + (h if model.shared_expert_gate else 0)
+    return n
+
+
+def stage_moe_layers(model: ModelConfig, par: ParallelConfig, rank: int) -> int:
+    """MoE layers on pipeline rank ``rank`` (its chunks rank + c·p of the configured layer split)."""
+    if not model.experts:
+        return 0
+    counts = par.layer_counts(model.num_layers)
+    starts = [sum(counts[:v]) for v in range(len(counts))]
+    return sum(model.is_moe(i) for v in range(rank, len(counts), par.pp)
+               for i in range(starts[v], starts[v] + counts[v]))
+
+
+def stage_parameter_split(model: ModelConfig, par: ParallelConfig, rank: int, dense_stage: float
+                          ) -> tuple[float, float]:
+    """(parameters whose optimizer state is sharded over dp × cp, routed expert parameters -- sharded over
+    dp·cp/ep) on one tp rank of pipeline rank ``rank``, from the dense model's count ``dense_stage``."""
+    n = stage_moe_layers(model, par, rank)
+    if not n:
+        return dense_stage, 0.0
+    dense = dense_stage + n * (moe_dense_parameters_per_rank(model, par.tp)
+                               - dense_mlp_parameters_per_rank(model, par.tp))
+    return dense, n * routed_expert_parameters_per_rank(model, par.ep)

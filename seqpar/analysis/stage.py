@@ -16,7 +16,7 @@ from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
 from seqpar.analysis.memory import layer_activation_terms
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
-from seqpar.analysis.states import stage_parameters, state_bytes
+from seqpar.analysis.states import stage_state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -152,7 +152,7 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
     r = in_flight_chunks(rank, par.pp, par.interleave, n)
     kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
-    terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp * par.cp)  # distributed: over dp × cp
+    terms = stage_state_bytes(shape, par, rank, opt)  # distributed: over dp × cp (routed experts: / ep)
     terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts)
     if kept:
         terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts)

@@ -11,6 +11,7 @@ A vocabulary that t does not divide is padded to a multiple of t: each rank hold
 
 from __future__ import annotations
 
+from seqpar.analysis.moe import stage_parameter_split
 from seqpar.analysis.shapes import OptimizerOptions
 from seqpar.config import ModelConfig, ParallelConfig
 
@@ -86,3 +87,14 @@ def state_bytes(n_params: float, opt: OptimizerOptions, dp: int = 1) -> dict[str
         "gradients": n_params * opt.grad_bytes,
         "optimizer_states": optimizer / dp if opt.distributed else optimizer,
     }
+
+
+def stage_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, opt: OptimizerOptions) -> dict[str, float]:
+    """``state_bytes`` of one tp rank of pipeline rank ``rank``: the distributed optimizer shards over dp × cp,
+    an MoE model's routed experts over the dp·cp/ep ranks holding the same experts (``seqpar.analysis.moe``)."""
+    dense, experts = stage_parameter_split(shape, par, rank, stage_parameters(shape, par, rank))
+    out = state_bytes(dense, opt, par.dp * par.cp)
+    if experts:
+        for k, v in state_bytes(experts, opt, par.dp * par.cp // par.ep).items():
+            out[k] += v
+    return out

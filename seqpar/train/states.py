@@ -11,7 +11,7 @@ not cover (``ModelConfig.arch`` "custom") get no prediction.
 from __future__ import annotations
 
 from seqpar.analysis.shapes import AnalysisError, OptimizerOptions
-from seqpar.analysis.states import stage_parameters, state_bytes
+from seqpar.analysis.states import stage_state_bytes
 
 
 def predicted_state_bytes(job, pp_rank: int = 0) -> dict[str, float]:
@@ -21,10 +21,9 @@ def predicted_state_bytes(job, pp_rank: int = 0) -> dict[str, float]:
         return {}
     try:
         opt = OptimizerOptions.for_precision(m.dtype, distributed=t.distributed_optimizer)
-        n = stage_parameters(m, p, pp_rank)
+        states = stage_state_bytes(m, p, pp_rank, opt)  # MoE: routed experts sharded over dp·cp/ep
     except AnalysisError:
         return {}
-    states = state_bytes(n, opt, dp=p.dp * p.cp)
     return {"params_bytes_predicted": states["parameters"], "grads_bytes_predicted": states["gradients"],
             "optimizer_bytes_predicted": states["optimizer_states"]}
 

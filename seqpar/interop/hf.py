@@ -1,7 +1,7 @@
 """Local Hugging Face folders (``config.json`` + safetensors) ⇄ seqpar full state dicts, for the
 model families in ``FAMILIES`` (GPT-2, Llama, StableLM, GPT-NeoX, Mixtral, Qwen2-MoE), chosen by
-``model_type`` on import
-and, on export, by the one architecture that represents the model exactly (else refused by name)."""
+``model_type`` on import and, on export, by the one architecture that represents the model exactly (else
+refused by name)."""
 
 from __future__ import annotations
 

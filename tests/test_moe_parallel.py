@@ -1,6 +1,6 @@
 """Expert parallelism equals the single process (fp32, dropless): the loss with the load-balancing loss,
 the grad norm and the final weights (read back from each run's layout-free checkpoint) within 1e-5, with
-ep 2 and 4 composed with tp + SP, pp (1F1B), cp, dp, the distributed optimizer and recompute modes.
+ep 2 and 4 composed with tp + SP, pp (1F1B and interleaved), cp, dp, the distributed optimizer and recompute modes.
 
 The ep = 4 layouts need 8 ranks; CI runs the 2- and 4-rank ones, ``SEQPAR_MOE_FULL=1`` all of them."""
 
@@ -26,6 +26,7 @@ LAYOUTS = {  # name: (parallel, recompute, train overrides)
     "ep2-cp2-moe": ({"cp": 2, "ep": 2}, {"granularity": "selective", "modules": ["moe"]}, {}),
     "ep2-tp2-sp": ({"tp": 2, "sp": True, "dp": 2, "ep": 2}, {"granularity": "selective"}, {}),
     "ep2-pp2-full": ({"pp": 2, "dp": 2, "ep": 2}, {"granularity": "full"}, {}),
+    "ep2-pp2-interleaved": ({"pp": 2, "interleave": 2, "dp": 2, "ep": 2}, {"granularity": "selective"}, {}),
     "ep4-distopt": ({"dp": 4, "ep": 4}, {"granularity": "selective", "modules": ["activation"]},
                     {"distributed_optimizer": True}),
     "ep2-dp4-overlap": ({"dp": 4, "ep": 2}, {}, {"overlap_grad_reduce": True}),

@@ -165,3 +165,33 @@ def stage_parameter_split(model: ModelConfig, par: ParallelConfig, rank: int, de
     dense = dense_stage + n * (moe_dense_parameters_per_rank(model, par.tp)
                                - dense_mlp_parameters_per_rank(model, par.tp))
     return dense, n * routed_expert_parameters_per_rank(model, par.ep)
+
+
+# ---------------------------------------------------------------------------------- time (the cost model's inputs)
+def moe_gemms(model: ModelConfig, par: ParallelConfig, b: int, act_bytes: int) -> dict[str, tuple[float, float]]:
+    """Forward GEMMs of one MoE layer on one rank, balanced routing: name -> (FLOPs, bytes read + written).
+    The routed experts run on the rank's T·K rows (T = s/cp · b, /t under SP; without SP every tp rank runs
+    all of them, replicated), reading its E/ep experts' weights; the shared expert is split over tp."""
+    h, f, e, parts = model.hidden_size, model.moe_ffn, act_bytes, (2 if model.activation == "swiglu" else 1)
+    tokens = model.seq_len // par.cp * b
+    routed = tokens // (par.tp if par.sp else 1)
+    rows, local = routed * model.top_k, model.experts // par.ep
+
+    def mm(m: float, k: float, n: float, weights: float = 1.0) -> tuple[float, float]:
+        return 2 * m * k * n, e * (m * k + weights * k * n + m * n)
+
+    out = {"router": mm(routed, h, model.experts), "experts_fc1": mm(rows, h, parts * f, local),
+           "experts_fc2": mm(rows, f, h, local)}
+    if model.shared_expert_ffn:
+        fs = model.shared_expert_ffn
+        out |= {"shared_fc1": mm(tokens, h, parts * fs / par.tp), "shared_fc2": mm(tokens, fs / par.tp, h)}
+    return out
+
+
+def all_to_all_s(model: ModelConfig, par: ParallelConfig, b: int, act_bytes: int, bandwidth: float,
+                 latency: float) -> float:
+    """One dispatch (or combine) all-to-all over ep ranks: each sends (ep-1)/ep of its T·K rows of h."""
+    if par.ep == 1:
+        return 0.0
+    rows = model.seq_len // par.cp * b // (par.tp if par.sp else 1) * model.top_k
+    return latency + act_bytes * rows * model.hidden_size * (par.ep - 1) / par.ep / bandwidth

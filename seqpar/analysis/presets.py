@@ -7,6 +7,7 @@ printed, used only as the reference the recomputed values are shown and tested a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from seqpar.analysis.shapes import AnalysisError, model_config
@@ -78,6 +79,9 @@ EXTRA_SHAPES: dict[str, ModelConfig] = {
                               kv_heads=8, arch="llama"),
     "llama3-70b": model_config(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn=28672,
                               kv_heads=8, arch="llama"),
+    # Mixture of experts (Mixtral-8x7B's model card): 8 experts of width 14336, top-2, every layer.
+    "mixtral-8x7b": dataclasses.replace(model_config(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000,
+                                                     ffn=14336, kv_heads=8, arch="llama"), experts=8, top_k=2),
 }
 
 

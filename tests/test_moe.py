@@ -112,6 +112,7 @@ def test_recompute_modes_equal_plain_run():
     base_loss, base, base_aux = _step(cfg, RecomputeConfig())
     assert base_aux > 0 and cfg.moe_layers == 2
     for rc in (RecomputeConfig("selective", modules=("activation",)), RecomputeConfig("selective", modules=("moe",)),
+               RecomputeConfig("selective", modules=("norm", "activation")),
                RecomputeConfig("selective", modules=("norm", "moe", "core_attention")), RecomputeConfig("full")):
         loss, grads, aux = _step(cfg, rc)
         assert torch.equal(loss, base_loss) and aux == base_aux, rc.label  # values recorded once per forward

@@ -20,7 +20,6 @@ router 2BshE, routed experts K · (6 or 4) · Bsh f_e (SwiGLU or GeLU experts of
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -119,52 +118,32 @@ def moe_training_flops(B: float, model: ModelConfig, rc: RecomputeConfig, recomp
 
 
 # ---------------------------------------------------------------------------------- parameters per rank
-def dense_mlp_parameters_per_rank(model: ModelConfig, t: int) -> float:
-    """The MLP an MoE layer replaces, on one tp rank (``states.layer_parameters_per_rank``'s share):
-    SwiGLU 3hf/t; GeLU 2hf/t + its biases f/t + h."""
-    h, f = model.hidden_size, model.ffn
-    if model.activation == "swiglu":
-        return 3 * h * f / t + (2 * f / t + h if model.bias else 0)
-    return 2 * h * f / t + (f / t + h if model.bias else 0)
+EXPERT_WEIGHTS = ("mlp.experts.fc1", "mlp.experts.fc2")
 
 
-def routed_expert_parameters_per_rank(model: ModelConfig, ep: int) -> float:
-    """One MoE layer's routed experts on one rank (replicated over tp): E/ep · (2 or 3) · h·f_e, no biases."""
-    parts = 3 if model.activation == "swiglu" else 2
-    return model.experts // ep * parts * model.hidden_size * model.moe_ffn
+def is_routed_expert(name: str) -> bool:
+    """A routed expert stack's parameter name (its gradient is reduced over the ranks holding the same experts)."""
+    return name.endswith(EXPERT_WEIGHTS)
 
 
-def moe_dense_parameters_per_rank(model: ModelConfig, t: int) -> float:
-    """One MoE layer's other parameters on one tp rank: the router E·h, the shared expert's MLP split over
-    tp (with biases when the model has them), its gate h."""
-    h, fs = model.hidden_size, model.shared_expert_ffn
-    n = model.experts * h
-    if fs:
-        shared = dataclasses.replace(model, ffn_hidden_size=fs)
-        n += dense_mlp_parameters_per_rank(shared, t) + (h if model.shared_expert_gate else 0)
-    return n
-
-
-def stage_moe_layers(model: ModelConfig, par: ParallelConfig, rank: int) -> int:
-    """MoE layers on pipeline rank ``rank`` (its chunks rank + c·p of the configured layer split)."""
-    if not model.experts:
-        return 0
-    counts = par.layer_counts(model.num_layers)
-    starts = [sum(counts[:v]) for v in range(len(counts))]
-    return sum(model.is_moe(i) for v in range(rank, len(counts), par.pp)
-               for i in range(starts[v], starts[v] + counts[v]))
-
-
-def stage_parameter_split(model: ModelConfig, par: ParallelConfig, rank: int, dense_stage: float
-                          ) -> tuple[float, float]:
-    """(parameters whose optimizer state is sharded over dp × cp, routed expert parameters -- sharded over
-    dp·cp/ep) on one tp rank of pipeline rank ``rank``, from the dense model's count ``dense_stage``."""
-    n = stage_moe_layers(model, par, rank)
-    if not n:
-        return dense_stage, 0.0
-    dense = dense_stage + n * (moe_dense_parameters_per_rank(model, par.tp)
-                               - dense_mlp_parameters_per_rank(model, par.tp))
-    return dense, n * routed_expert_parameters_per_rank(model, par.ep)
+def moe_parameter_sizes(model: ModelConfig, t: int, ep: int, prefix: str = "") -> list[tuple[str, int]]:
+    """(name, elements) of an MoE block's parameters on one rank, in the model's order: the router E·h, the
+    E/ep routed experts' fc1 [E/ep, 2f_e or f_e, h] and fc2 [E/ep, h, f_e] (no biases, replicated over tp),
+    the shared expert's MLP split over tp (biases when the model has them), its gate h."""
+    h, f = model.hidden_size, model.moe_ffn
+    parts = 2 if model.activation == "swiglu" else 1
+    local = model.experts // ep
+    out = [(f"{prefix}mlp.router.weight", model.experts * h), (f"{prefix}mlp.experts.fc1", local * parts * f * h),
+           (f"{prefix}mlp.experts.fc2", local * h * f)]
+    if model.shared_expert_ffn:
+        fc1 = parts * model.shared_expert_ffn // t
+        out += [(f"{prefix}mlp.shared.fc1.weight", fc1 * h)] + ([(f"{prefix}mlp.shared.fc1.bias", fc1)]
+                                                                 if model.bias else [])
+        out += [(f"{prefix}mlp.shared.fc2.weight", h * model.shared_expert_ffn // t)] + (
+            [(f"{prefix}mlp.shared.fc2.bias", h)] if model.bias else [])
+    if model.shared_expert_gate:
+        out.append((f"{prefix}mlp.shared_gate", h))
+    return out
 
 
 # ---------------------------------------------------------------------------------- time (the cost model's inputs)

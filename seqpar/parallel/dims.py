@@ -89,9 +89,14 @@ class ParallelDims:
         return self.rank // (self.tp * self.cp * self.pp)
 
     @property
+    def grad_rank(self) -> int:
+        """This rank's place in its grad group (dp × cp, cp running fastest), as the group numbers it."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
     def ep_rank(self) -> int:
-        """Position in the ep group: the dp × cp index ``dp_rank · cp + cp_rank`` modulo ep."""
-        return (self.dp_rank * self.cp + self.cp_rank) % self.ep
+        """Position in the ep group: the grad-group index ``grad_rank`` modulo ep."""
+        return self.grad_rank % self.ep
 
     def rank_of(self, dp: int, pp: int, cp: int, tp: int) -> int:
         """The global rank at coordinates (dp, pp, cp, tp)."""

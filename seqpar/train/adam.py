@@ -66,6 +66,9 @@ class AdamOnMasters:
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
         init_adam_state(self.opt)
+        # AdamW's own step count (its bias correction's t): the updates applied, which a skipped step (fp16
+        # overflow, non-finite values) does not add to; saved in the checkpoint, restored by ``loaded``
+        self.updates = 0
         fp16 = any(p.dtype == torch.float16 for _, p in self.named)
         self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
 
@@ -78,7 +81,8 @@ class AdamOnMasters:
         word embedding alone in its own; ``shard``: reduce-scattered (each rank gets its shard's sum)."""
         tied = [w for chunk in chunks if (w := chunk.tied.weight(chunk)) is not None]
         return GradBuffers([p for _, p in self.named], self.dims.grad_group, overlap=self.cfg.overlap_grad_reduce,
-                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied))
+                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied),
+                           expert_group=self.dims.expert_grad_group)
 
     def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """Fill ``self.masters`` (the fp32 tensors AdamW updates); return them split (decayed, not decayed)."""
@@ -148,7 +152,8 @@ class AdamOnMasters:
         raise NotImplementedError
 
     def loaded(self, opt_step: int) -> None:
-        """After a checkpoint was read into ``checkpoint_views(saving=False)``: the model and step count."""
+        """After a checkpoint was read into ``checkpoint_views(saving=False)``: the model, and the step count
+        ``opt_step`` (the updates applied before the checkpoint, ``updates``)."""
         raise NotImplementedError
 
 

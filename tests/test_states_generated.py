@@ -119,5 +119,7 @@ def test_the_issues_examples_by_hand():
     for label, (kw, nbytes) in measured.items():
         assert 4 * model_parameters(ModelConfig(**base, **kw).validate()) == nbytes, label
     assert 4 * stage_parameters(ModelConfig(**base, kv_heads=2).validate(), ParallelConfig(tp=2), 0) == 115_456
+    uneven = ParallelConfig(pp=2, layer_split=(1, 3))  # item 2: the ranks hold 87,680 and 185,472 B
+    assert [4 * stage_parameters(gpt, uneven, r) for r in (0, 1)] == [87_680, 185_472]
     h, f = 32, 128
     assert layer_parameters(gpt) == 12 * h * h + 13 * h == 4 * h * h + 2 * h * f + 9 * h + f

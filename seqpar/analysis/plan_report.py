@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from seqpar.analysis.costmodel import ties_with_best
-from seqpar.analysis.planner import Evaluation, Request, alternatives, num_microbatches, rank_of, settings
+from seqpar.analysis.planner import (
+    Evaluation,
+    Request,
+    alternatives,
+    num_microbatches,
+    rank_of,
+    rejection_lines,
+    settings,
+)
 from seqpar.analysis.stage import STATE_TERMS, StageMemory
 from seqpar.analysis.text import gb, pct_change, table
 
@@ -77,14 +85,13 @@ def why_not(req: Request, best: Evaluation) -> str:
 
 def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -> str:
     parts = [header(req), cost_model_line(req)]
+    rejected = "".join(f"\n  {line}" for line in rejection_lines(req, stats))
     if not ranked:
-        parts.append(f"no plan fits: {stats.get('examined', 0)} examined, {stats.get('states_too_big', 0)} "
-                     "layouts rejected because parameters + optimizer alone exceed the usable memory")
+        parts.append(f"no plan fits: {stats.get('examined', 0)} plans examined; ruled out:{rejected or ' nothing'}")
         return "\n\n".join(parts)
     best = ranked[0]
-    parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined; "
-                 f"{stats.get('states_too_big', 0)} layouts dropped because the model states alone exceed "
-                 "the usable memory). Fastest first (times within 1% ordered by memory); '≈ best': a tie with the "
+    parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined); ruled out:{rejected or ' nothing'}"
+                 "\nFastest first (times within 1% ordered by memory); '≈ best': a tie with the "
                  f"best, within the cost model's ±{100 * req.hw.error_band:.0f}% error band "
                  f"({sum(ties_with_best([e.time.total for e in ranked], req.hw.error_band))} plans):\n"
                  + plans_table(ranked, top, req.hw.error_band))

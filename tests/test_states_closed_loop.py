@@ -116,7 +116,7 @@ def test_every_rank_measures_its_prediction(tmp_path):
     jobs = [issue_case(), *drawn()]
     for i, job in enumerate(jobs):
         job["train"] |= {"data": str(data), "out_dir": str(tmp_path / f"run{i}")}
-    train_local_many(jobs, WORLD)
+    train_local_many(jobs, WORLD, timeout=300.0 + 30.0 * len(jobs))  # SEQPAR_LOOP_DRAWS=N: N one-step runs
     failures = {i: bad for i, job in enumerate(jobs) if (bad := mismatches(job, start_record(tmp_path / f"run{i}")))}
     print(f"closed loop: {len(jobs)} configurations trained one step on {WORLD} ranks, {len(failures)} mismatched")
     assert not failures, {i: (jobs[i], bad) for i, bad in failures.items()}

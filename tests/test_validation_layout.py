@@ -9,7 +9,8 @@ import pytest
 
 from seqpar.cli import main
 from seqpar.parallel.launch import run_ranks
-from seqpar.train.loop import _rank_trains, train_local
+from seqpar.train.config import build_job
+from seqpar.train.loop import Trainer, train_local
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 32,
@@ -19,14 +20,33 @@ TRAIN = {"steps": 2, "warmup": 0, "micro_batch": 1, "global_batch": 4, "eval_eve
          "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False}
 
 
+def _validation_losses(rank: int, world: int, jobs: list[dict], resume: str) -> list[float]:
+    """Each job's validation loss of the checkpoint ``resume`` (loaded, not trained further)."""
+    import torch.distributed as dist
+
+    out = []
+    for sections in jobs:
+        trainer = Trainer(build_job(sections), resume=resume, quiet=True)
+        validate = getattr(trainer, "validation_loss", None) or trainer.validate_loss  # named so before 080d296
+        out.append(validate())
+        if trainer.owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return out
+
+
 def test_the_validation_loss_of_one_checkpoint_is_the_same_at_every_layout(tmp_path):
     first = train_local({"model": MODEL, "train": TRAIN | {"out_dir": str(tmp_path / "one")}})
+    more = TRAIN | {"steps": 3}  # a run that could go on (the checkpoint is at step 2); none is trained
+    reference = _validation_losses(0, 1, [{"model": MODEL, "train": more | {"out_dir": str(tmp_path / "ref")}}],
+                                   first["checkpoint"])[0]
+    assert reference == pytest.approx(first["val_loss"], rel=1e-6)
     layouts = {"dp 2": {"dp": 2}, "pp 2": {"pp": 2}, "tp 2 + sp": {"tp": 2, "sp": True}, "cp 2": {"cp": 2}}
-    jobs = [{"model": MODEL, "parallel": par, "train": TRAIN | {"out_dir": str(tmp_path / name.replace(" ", ""))}}
+    jobs = [{"model": MODEL, "parallel": par, "train": more | {"out_dir": str(tmp_path / name.replace(" ", ""))}}
             for name, par in layouts.items()]
-    resumed = run_ranks(_rank_trains, 2, jobs, first["checkpoint"], timeout=600)[0]  # no steps left: validates
-    for name, summary in zip(layouts, resumed, strict=True):
-        assert summary["val_loss"] == pytest.approx(first["val_loss"], rel=1e-5, abs=1e-6), name
+    losses = run_ranks(_validation_losses, 2, jobs, first["checkpoint"], timeout=600)[0]
+    for name, loss in zip(layouts, losses, strict=True):
+        assert loss == pytest.approx(reference, rel=1e-5, abs=1e-6), name
 
 
 def test_eval_scores_the_trainers_windows_by_default_with_progress(tmp_path, capsys):

@@ -17,7 +17,8 @@ from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_as
 # flag dest -> (section, key)
 FLAG_KEYS = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
-    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"),
+    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
+    "experts": ("model", "experts"), "top_k": ("model", "top_k"), "moe_every": ("model", "moe_every"),
     "distributed_optimizer": ("train", "distributed_optimizer"),
     "overlap_grad_reduce": ("train", "overlap_grad_reduce"), "compile": ("train", "compile"),
     "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
@@ -80,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp", type=int, help="context-parallel size: the sequence split over cp ranks in every region, "
                    f"ring attention between them (docs/context_parallel.md) {d('cp')}")
     g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp × cp))")
+    g.add_argument("--ep", type=int, help="expert-parallel size: the routed experts split over ep of the dp × cp "
+                   f"ranks, tokens exchanged by all-to-all {d('ep')}")
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help=f"sequence parallelism over the tp ranks {d('sp')}")
     g.add_argument("--interleave", type=int, help=f"virtual pipeline chunks per rank m {d('interleave')}")
@@ -105,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int, help=f"a {d('heads')}")
     g.add_argument("--kv-heads", type=int, help="grouped-query attention (default: = heads)")
     g.add_argument("--ffn", type=int, help="FFN width (default 4h)")
+    g.add_argument("--experts", type=int, help=f"routed experts E in place of the MLP, 0: dense {d('experts')}")
+    g.add_argument("--top-k", type=int, help=f"experts per token {d('top_k')}")
+    g.add_argument("--moe-every", type=int, help=f"every k-th layer is MoE {d('moe_every')}")
     g.add_argument("--vocab", type=int, help=f"v {d('vocab')}")
     g.add_argument("--seq", type=int, help=f"s {d('seq')}")
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help=f"compute dtype {d('dtype')}")

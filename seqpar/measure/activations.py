@@ -24,9 +24,9 @@ def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
         opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False)
-    except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
+        return layer_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute) * layers
+    except ConfigError:  # e.g. attention dropout on, hidden dropout off, MoE every k > 1 layers: no closed form
         return float("nan")
-    return layer_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute) * layers
 
 
 def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:

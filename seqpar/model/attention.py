@@ -186,7 +186,7 @@ class SelfAttention(nn.Module):
         qkv_rows = kv * (g + 2) * d
         layout = GroupedQKVLayout(a, kv, d, t) if kv < t else None
         rows = (a // t + 2) * d * t if layout else qkv_rows  # over all ranks (k, v repeated with a layout)
-        self.qkv = ColumnParallelLinear(h, rows, tp, bias=cfg.bias,
+        self.qkv = ColumnParallelLinear(h, rows, tp, bias=cfg.bias or cfg.qkv_bias,
                                         init_std=cfg.init_std, dtype=dtype, device=device)
         if layout is not None:
             for p in self.qkv.parameters():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from seqpar.config import ConfigError, ParallelConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
-from seqpar.parallel.comm import broadcast
+from seqpar.parallel.comm import all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
 from seqpar.pipeline.p2p import PipeComm
@@ -58,6 +58,9 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
                         loss_scale=loss_scale)
     device = next(chunks[0].parameters()).device
+    for chunk in chunks:
+        if chunk.aux is not None:
+            chunk.aux.take()  # forget values of forwards outside this step (evaluation)
     if dims.pp == 1:
         run_no_pipelining(runner)
     else:
@@ -67,7 +70,19 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
             run_1f1b(runner, comm)
         else:
             run_interleaved(runner, comm, m)
-    return broadcast_loss(runner.mean_loss(), dims, device)
+    return broadcast_loss(runner.mean_loss(), dims, device) + aux_loss(chunks, len(microbatches), dims, device)
+
+
+def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> float:
+    """The MoE layers' load-balancing losses of this step, mean over microbatches, summed over the
+    layers of every pipeline stage (0 without MoE); each value is already whole over tp, cp and ep."""
+    if not chunks[0].cfg.experts:
+        return 0.0
+    value = torch.tensor([sum(c.aux.take() for c in chunks if c.aux is not None) / microbatches],
+                         dtype=torch.float64, device=device)
+    if dims.pp > 1:
+        all_reduce(value, group=dims.pp_group)
+    return float(value.item())
 
 
 def broadcast_loss(loss: float | None, dims: ParallelDims, device) -> float:

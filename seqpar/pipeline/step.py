@@ -45,6 +45,8 @@ class StepRunner:
         x = tokens.to(self._device(chunk)) if chunk.first else input_tensor
         keep = self.keep.start(chunk_id, mb) if self.keep is not None else contextlib.nullcontext()
         record = self.meter.forward() if self.meter is not None else contextlib.nullcontext()
+        if getattr(chunk, "aux", None) is not None:  # MoE load-balancing losses weigh as the microbatch loss
+            chunk.aux.weight = self.loss_scale / self.num_microbatches
         with keep, record:
             if chunk.last:
                 loss = chunk(x, labels.to(self._device(chunk)), docs=docs)

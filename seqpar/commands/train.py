@@ -33,7 +33,7 @@ FLAG_KEYS = {
     "out": ("train", "out_dir"), "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
     "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
     "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
-    "sample_prompt": ("train", "sample_prompt"),
+    "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
@@ -128,7 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help=f"sequences per step over all dp ranks {d('global_batch')}")
     g.add_argument("--seed", type=int, help=f"seeds the weights, the batch order and dropout {d('seed')}")
     g.add_argument("--data", help="text file or folder, or a pre-tokenized .bin (default: the stdlib sources)")
-    g.add_argument("--tokenizer", help="a tokenizers JSON file for text data (default: none, bytes)")
+    g.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="packed documents of a prepared folder attend only to themselves, positions restarting in "
+                        f"each {d('document_mask')}")
+    g.add_argument("--tokenizer", help="a tokenizers JSON file for text data; sets --vocab unless given (default: "
+                   "a prepared folder's, else none: bytes)")
     g.add_argument("--out", help=f"output folder: metrics, checkpoints, plots {d('out')}")
     g.add_argument("--eval-every", type=int, help=f"validation every N steps, 0: only at the end {d('eval_every')}")
     g.add_argument("--log-every", type=int, help=f"a metrics record and progress line every N steps {d('log_every')}")
@@ -195,6 +199,13 @@ def job_from_args(args, world_size: int) -> JobConfig:
     if args.no_progress:
         overrides.setdefault("train", {})["progress"] = False
     sections = merge(sections, overrides)
+    model = sections.setdefault("model", {})
+    if "vocab_size" not in model and isinstance(sections.get("train"), dict):  # --vocab from the data unless given
+        from seqpar.train.run_tokenizer import vocab_of
+
+        vocab = vocab_of(sections["train"])
+        if vocab is not None:
+            model["vocab_size"] = vocab
     par = sections.setdefault("parallel", {})
     if "dp" not in par:
         tp, pp, cp = par.get("tp", 1), par.get("pp", 1), par.get("cp", 1)

@@ -53,6 +53,10 @@ class SavedTensorMeter:
                 self._handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
                 self._handles.append(sub.register_forward_hook(self._pop))
 
+    def exclude(self, tensors) -> None:
+        """Never count these tensors' storages (data, not activations: packed documents' masks)."""
+        self._exclude.update(t.untyped_storage()._cdata for t in tensors)
+
     def _push(self, name):
         def hook(module, args):
             self._stack.append(name)

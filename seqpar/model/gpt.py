@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar import documents
 from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
 from seqpar.model.embedding import Embedding
 from seqpar.model.init import init_parameters
@@ -95,7 +97,15 @@ class GPTStage(nn.Module):
         return per_token.sum(), (target != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, docs: Documents | None = None):
+        """``docs``: the microbatch's packed documents (``seqpar.documents``): each attends only to itself,
+        positions restart in each; held as the ambient documents while this stage runs."""
+        if docs is None:
+            return self._forward(x, labels)
+        with documents.using(docs.to(x.device)):
+            return self._forward(x, labels)
+
+    def _forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
         """First stage: ``x`` = tokens ``[b, s]``; later stages: hidden ``[s(/t), b, h]``.
 
         Last stage with ``labels``: returns the mean loss over non-ignored tokens; without labels

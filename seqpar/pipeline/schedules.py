@@ -38,7 +38,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     """Forward and backward of every microbatch; returns the mean loss over them (every pp rank).
 
     ``microbatches``: [(tokens [b, s], labels [b, s])], the same list on every pp/tp rank of a
-    pipeline (only the first stage reads tokens, only the last labels).
+    pipeline (only the first stage reads tokens, only the last labels); with packed documents a third
+    item, their ``seqpar.documents.Documents``, which every stage reads.
     ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
     chunk-microbatches that store every activation instead of recomputing.
     ``meter``: an optional ``seqpar.measure.meter.ScheduleMeter`` recording the activation peak.
@@ -48,7 +49,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     if len(chunks) != m:
         raise ConfigError(f"{len(chunks)} model chunks on this rank, interleave {m} needs {m}")
     validate_microbatches(len(microbatches), parallel.pp, m)
-    shapes = {(tuple(tokens.shape), tuple(labels.shape)) for tokens, labels in microbatches}
+    shapes = {(tuple(mb[0].shape), tuple(mb[1].shape)) for mb in microbatches}  # (tokens, labels[, documents])
     if len(shapes) != 1:
         raise ConfigError(f"every microbatch must have one shape (the stage-boundary buffers are sized by it), "
                           f"got tokens/labels shapes {sorted(shapes)}")

@@ -54,6 +54,8 @@ class AdamOnMasters:
     """torch.optim.AdamW on fp32 masters of ``chunks``' parameters (decay on matrices only); a subclass
     decides what the masters and the gradient buffers are (module docstring)."""
 
+    dp_reduced = False  # the gradients arrive averaged over dp × cp already (FSDP's reduce-scatter)
+
     def __init__(self, chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims
         self.named = named_parameters(chunks)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
@@ -88,7 +89,9 @@ class Trainer:
         if t.compile:
             for chunk in self.chunks:
                 compile_model(chunk)  # seqpar/model/compile.py: cores and MLPs compiled, dropout eager
-        self.opt = build_optimizer(self.chunks, t, self.dims)
+        # FSDP2 last (torchtitan's order: tp at construction, recompute, compile, then FSDP)
+        mesh = apply_fsdp(self.chunks, self.dims, job.parallel) if job.parallel.fsdp else None
+        self.opt = build_optimizer(self.chunks, t, self.dims, mesh)
         self.state = TrainState()
         if self.resume_path is not None:
             self.load(self.resume_path)
@@ -163,7 +166,7 @@ class Trainer:
         opt.zero_grad(len(mbs))
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
                                       keep_microbatches=self.job.recompute.keep_microbatches)  # App. C
-        self._finalize(self.chunks, dims, opt.buffers)  # fp32 reductions of the (scaled) gradients
+        self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike

@@ -142,7 +142,7 @@ def apply_fsdp(chunks: list[nn.Module], dims: ParallelDims, parallel: ParallelCo
             shape = tuple(p.shape)
             row0, rows = chunk_rows(shape[0], shards, shard_rank)
             if p.to_local().shape[0] != rows:
-                raise RuntimeError(f"{name}: FSDP holds {p.to_local().shape[0]} rows here, torch.chunk would give {rows}")
+                raise RuntimeError(f"{name}: FSDP holds {p.to_local().shape[0]} rows here, torch.chunk gives {rows}")
             p.fsdp_shard = FSDPShard(shape, row0, rows)
     return mesh
 

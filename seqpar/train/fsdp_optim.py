@@ -97,7 +97,7 @@ class FSDPOptimizer(AdamOnMasters):
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
         lr, scale = set_lr_and_clip_scale(self.opt, step, self.cfg, grad_norm)
-        for (_, p, grad), m in zip(self._grads(), self.masters, strict=True):
+        for (_, _, grad), m in zip(self._grads(), self.masters, strict=True):
             if grad is None:
                 continue
             if scale != 1.0:

@@ -1,0 +1,164 @@
+"""FSDP2 (``parallel.fsdp``) against the single process: dp 2 and 4, alone and with tp 2 + SP, pp 2
+(1F1B and interleaved), cp 2 and HSDP; every recompute mode, tied and untied embeddings, grouped kv.
+
+Each case trains 5 fp32 steps with clipping binding at every step (the equivalence suite's job,
+``tests/test_equivalence.py``) and must match the single process within 1e-5 relative in every step's
+loss and grad norm and every final weight. The cases of one world size share one launch of ranks.
+Checkpoints are layout-free: a run saved with fsdp at dp 4 resumes without it at dp 1 and the reverse,
+and fsdp dp 2 resumes at fsdp dp 4, on the uninterrupted trajectory.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from seqpar.train.checkpoint import load_model_state
+from seqpar.train.loop import train_local, train_local_many
+from tests.test_equivalence import CLIP, STEPS, job, records, rel
+
+VOCAB = 37
+MODEL = {"vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16, "kv_heads": 4,
+         "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": "fp32"}
+LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False}
+FULL = {"granularity": "full", "method": "uniform", "num_layers": 1}
+# name: (parallel, recompute, model changes)
+CASES = {
+    "dp2": ({"dp": 2}, {}, {}),
+    "dp2-zero2-full": ({"dp": 2, "reshard_after_forward": False}, FULL, {}),
+    "dp4": ({"dp": 4}, {"granularity": "selective"}, {}),
+    "dp4-hsdp2": ({"dp": 4, "fsdp_shard_size": 2}, {"granularity": "selective", "modules": ["norm", "activation"]},
+                  LLAMA),
+    "dp2-tp2-sp": ({"dp": 2, "tp": 2, "sp": True}, {"granularity": "selective", "modules": ["norm", "mlp"]},
+                   {**LLAMA, "kv_heads": 1}),
+    "dp2-pp2": ({"dp": 2, "pp": 2}, {"granularity": "full", "method": "block", "num_layers": 1}, {}),
+    "dp2-pp2-interleave": ({"dp": 2, "pp": 2, "interleave": 2}, {}, {"num_layers": 4}),
+    "dp2-cp2": ({"dp": 2, "cp": 2}, FULL, {"attention": "sdpa", "position": "rope"}),
+}
+
+
+def sections(name: str) -> dict:
+    parallel, recompute, model = CASES[name]
+    return {"model": {**MODEL, **model}, "parallel": {**parallel, "fsdp": True}, "recompute": dict(recompute)}
+
+
+def world(name: str) -> int:
+    p = CASES[name][0]
+    return p["dp"] * p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fsdp_data") / "tokens.bin"
+    torch.randint(0, VOCAB, (20_000,), generator=torch.Generator().manual_seed(VOCAB)).to(torch.uint16).numpy() \
+        .tofile(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, data) -> dict:
+    """Every case (one launch per world size) and its single-process reference."""
+    root = tmp_path_factory.mktemp("fsdp")
+    jobs = {name: job(sections(name), root / name, data) for name in CASES}
+    refs: dict[str, tuple[dict, Path]] = {}  # one single-process run per model
+    out = {}
+    for size in sorted({world(n) for n in CASES}):
+        names = [n for n in CASES if world(n) == size]
+        for name, summary in zip(names, train_local_many([jobs[n] for n in names], size), strict=True):
+            key = repr(sorted(jobs[name]["model"].items()))
+            if key not in refs:
+                ref_dir = root / f"ref{len(refs)}"
+                refs[key] = (train_local(job({"model": jobs[name]["model"], "parallel": {}, "recompute": {}},
+                                             ref_dir, data)), ref_dir)
+            out[name] = (summary, refs[key][0], root / name, refs[key][1])
+    return out
+
+
+def errors(run: dict, ref: dict, run_dir: Path, ref_dir: Path) -> dict[str, float]:
+    got, want = records(str(run_dir)), records(str(ref_dir))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
+    weights, ref_weights = load_model_state(run["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
+    assert weights.keys() == ref_weights.keys()
+    return {"loss": max(rel(a["loss"], b["loss"]) for a, b in zip(got, want, strict=True)),
+            "grad_norm": max(rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(got, want, strict=True)),
+            "weights": max(((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm().clamp(min=1e-30)).item()
+                           for k in ref_weights)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp_matches_single_process(name, results):
+    errs = errors(*results[name])
+    print(f"\nfsdp {name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    assert all(math.isfinite(v) and v <= 1e-5 for v in errs.values()), errs
+
+
+# ---------------------------------------------------------------------- layout-free checkpoints
+STOP = 3
+
+
+def _train_jobs(rank: int, size: int, runs: list[tuple[dict, str]]) -> list[dict]:
+    from seqpar.train.config import build_job
+    from seqpar.train.loop import train
+    return [train(build_job(s), resume=resume, quiet=True) for s, resume in runs]
+
+
+def _many(runs: list[tuple[dict, str]], size: int) -> list[dict]:
+    from seqpar.parallel.launch import run_ranks
+    return run_ranks(_train_jobs, size, runs, timeout=900)[0]
+
+
+RESUMES = {  # name: (first part's parallel, second part's parallel)
+    "fsdp-dp4->dp1": ({"dp": 4, "fsdp": True}, {}),
+    "dp1->fsdp-dp4": ({}, {"dp": 4, "fsdp": True}),
+    "fsdp-dp2->fsdp-dp4": ({"dp": 2, "fsdp": True}, {"dp": 4, "fsdp": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, data) -> dict:
+    """Each case stopped after step 3 at one layout and resumed to step 5 at the other; and the
+    uninterrupted single process."""
+    root = tmp_path_factory.mktemp("fsdp_resume")
+
+    def part(name: str, half: int) -> dict:
+        parallel = RESUMES[name][half]
+        s = job({"model": MODEL, "parallel": parallel, "recompute": {}}, root / f"{name}-{half}", data)
+        if half == 0:
+            s["train"]["stop_at"] = STOP
+        return s
+
+    def size(parallel: dict) -> int:
+        return parallel.get("dp", 1)
+
+    def run(jobs: list[tuple[str, int]]) -> None:
+        by_size: dict[int, list] = {}
+        for name, half in jobs:
+            resume = str(root / f"{name}-0") if half else ""
+            by_size.setdefault(size(RESUMES[name][half]), []).append((name, half, (part(name, half), resume)))
+        for n, items in sorted(by_size.items()):
+            outs = [train_local(r[2][0], resume=r[2][1]) for r in items] if n == 1 else _many([r[2] for r in items], n)
+            for (name, half, _), summary in zip(items, outs, strict=True):
+                results[(name, half)] = summary
+
+    results: dict = {}
+    run([(name, 0) for name in RESUMES])
+    run([(name, 1) for name in RESUMES])
+    ref = train_local(job({"model": MODEL, "parallel": {}, "recompute": {}}, root / "ref", data))
+    return {"ref": ref, **results}
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_checkpoint_resumes_across_fsdp(name, resumed):
+    ref, first, second = resumed["ref"], resumed[(name, 0)], resumed[(name, 1)]
+    assert first["checkpoint"].endswith(f"step_{STOP:06d}")
+    losses = first["losses"] + second["losses"]
+    assert len(losses) == STEPS
+    loss_err = max(rel(a, b) for a, b in zip(losses, ref["losses"], strict=True))
+    weights, ref_weights = load_model_state(second["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
+    weight_err = max(((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm()).item() for k in ref_weights)
+    print(f"\nresume {name} at step {STOP}: loss {loss_err:.1e}, final weights {weight_err:.1e}")
+    assert loss_err <= 1e-5 and weight_err <= 1e-5

@@ -162,3 +162,46 @@ def test_checkpoint_resumes_across_fsdp(name, resumed):
     weight_err = max(((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm()).item() for k in ref_weights)
     print(f"\nresume {name} at step {STOP}: loss {loss_err:.1e}, final weights {weight_err:.1e}")
     assert loss_err <= 1e-5 and weight_err <= 1e-5
+
+
+# ---------------------------------------------------------------------- model states per rank
+def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
+    """Each job's start-record figures on this rank, and after one step the gradient storages FSDP holds."""
+    from seqpar.train.config import build_job
+    from seqpar.train.loop import Trainer
+    from seqpar.train.states import fsdp_shard_index, state_record
+    out = []
+    for sections in runs:
+        trainer = Trainer(build_job(sections), quiet=True)
+        record = state_record(trainer.job, trainer.opt, trainer.dims.pp_rank,
+                              fsdp_shard_index(trainer.job, trainer.dims))
+        trainer.train_step(0)
+        grads = trainer.opt.grad_storage_bytes() if trainer.job.parallel.fsdp else record["grads_bytes"]
+        out.append({**record, "grads_after_step": grads})
+    return out
+
+
+def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
+    """dp 4, bf16, a vocabulary and widths that leave uneven shards: every rank's fp32 shards, gradients
+    (FSDP's reduce-scatter outputs after a step) and Adam moments equal the formula, and the states are
+    at most 0.30 of plain data parallelism's (16 / 4 of 18 bytes per parameter, plus padding)."""
+    from seqpar.parallel.launch import run_ranks
+    model = {**MODEL, "dtype": "bf16", "hidden_size": 40, "num_heads": 4, "ffn_hidden_size": 52}
+    train = {"steps": 1, "micro_batch": 1, "global_batch": 4, "eval_every": 0, "progress": False, "plot": False,
+             "data": str(data), "peak_tflops": 1.0}
+    jobs = [{"model": model, "parallel": {"dp": 4, **extra}, "recompute": {},
+             "train": {**train, "out_dir": str(tmp_path / k)}}
+            for k, extra in (("dp", {}), ("fsdp", {"fsdp": True}), ("hsdp", {"fsdp": True, "fsdp_shard_size": 2}))]
+    ranks = run_ranks(_states, 4, jobs, timeout=600)
+    keys = ("params_bytes", "grads_bytes", "optimizer_bytes")
+    for j, name in enumerate(("dp", "fsdp", "hsdp")):
+        for rank, got in enumerate(ranks):
+            r = got[j]
+            assert [r[k] for k in keys] == [r[f"{k}_predicted"] for k in keys], (name, rank, r)
+            assert r["grads_after_step"] == r["grads_bytes"], (name, rank, r)
+    plain = sum(ranks[0][0][k] for k in keys)
+    for rank, got in enumerate(ranks):
+        sharded = sum(got[1][k] for k in keys)
+        print(f"\nrank {rank}: plain dp {plain:,} B, fsdp {sharded:,} B = {sharded / plain:.3f}x, "
+              f"hsdp 2 {sum(got[2][k] for k in keys):,} B")
+        assert sharded <= 0.30 * plain

@@ -39,7 +39,7 @@ class Plan:
         cp = f"cp={p.cp}," if p.cp > 1 else ""
         text = (f"tp={p.tp},{cp}pp={p.pp},dp={p.dp},m={p.interleave},sp={'on' if p.sp else 'off'},"
                 f"recompute={self.rc.label},mb={self.micro_batch}")
-        return text + (",distopt=on" if self.distributed_optimizer else "")
+        return text + (",distopt=on" if self.distributed_optimizer else "") + (",fsdp=on" if p.fsdp else "")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Request:
     opts: ActivationOptions = field(default_factory=ActivationOptions)
     opt: OptimizerOptions = field(default_factory=OptimizerOptions)
     try_distributed_optimizer: bool = False
+    try_fsdp: bool = False  # also plans with FSDP over dp × cp (parameters, gradients, optimizer sharded)
     max_micro_batch: int = 16
     max_interleave: int = 8
     max_cp: int = 16
@@ -92,7 +93,7 @@ class Evaluation:
         p = self.plan.par
         out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
-               "distributed_optimizer": self.plan.distributed_optimizer,
+               "distributed_optimizer": self.plan.distributed_optimizer, "fsdp": p.fsdp,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
                "predicted_iteration_s": self.time.total if self.time else None,
                "predicted_mfu": self.mfu if self.time else None}
@@ -224,9 +225,11 @@ def layouts(req: Request) -> Iterator[Plan]:
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
                     for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
+                        par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
                         for dist in ((False, True) if req.try_distributed_optimizer and dp * cp > 1 else (False,)):
-                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
                             yield Plan(par, RecomputeConfig(), mb, dist)
+                        if req.try_fsdp and dp * cp > 1:
+                            yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
 
 
 def _context_and_pipeline(req: Request, tp: int) -> Iterator[tuple[int, int]]:
@@ -312,7 +315,7 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
 
 _KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "m": "interleave", "interleave": "interleave", "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
-         "distopt": "distopt", "distributed_optimizer": "distopt"}
+         "distopt": "distopt", "distributed_optimizer": "distopt", "fsdp": "fsdp"}
 
 
 def _flag(text: str) -> bool:
@@ -369,7 +372,7 @@ def parse_plan(text: str, gpus: int) -> Plan:
         tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
-                             interleave=_count(values, "interleave", 1))
+                             interleave=_count(values, "interleave", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one

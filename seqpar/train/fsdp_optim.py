@@ -112,7 +112,8 @@ class FSDPOptimizer(AdamOnMasters):
         """Bytes this rank holds: the fp32 parameter shards (FSDP's padded shard storage), their gradients
         (the same padded size: FSDP's reduce-scatter output), Adam's two moments (the masters are the
         parameters themselves)."""
-        params = {m.untyped_storage().data_ptr(): m.untyped_storage().nbytes() for m in self.masters}
+        shards = [p.to_local() for _, p in self.named]  # the live shards (FSDP re-pads an empty one at its first use)
+        params = {x.untyped_storage()._cdata: x.untyped_storage().nbytes() for x in shards}
         moments = sum(t.numel() * t.element_size() for state in self.opt.state.values()
                       for k, t in state.items() if k != "step")
         return {"params_bytes": sum(params.values()), "grads_bytes": sum(params.values()),

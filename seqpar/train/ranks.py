@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from seqpar.parallel.comm import all_gather_object
-from seqpar.train.states import state_record
+from seqpar.train.states import fsdp_shard_index, state_record
 
 
 def grad_padding(opt) -> dict[str, int]:
@@ -28,7 +28,9 @@ def grad_padding(opt) -> dict[str, int]:
 def rank_entry(job, opt, dims, activations: dict) -> dict:
     """This rank's figures: rank and tp/cp/pp/dp coordinates, model states, activation peak."""
     return {"rank": dims.rank, "tp_rank": dims.tp_rank, "cp_rank": dims.cp_rank, "pp_rank": dims.pp_rank,
-            "dp_rank": dims.dp_rank, **state_record(job, opt, dims.pp_rank), **grad_padding(opt), **activations}
+            "dp_rank": dims.dp_rank, **state_record(job, opt, dims.pp_rank, fsdp_shard_index(job, dims)),
+            **grad_padding(opt),
+            **activations}
 
 
 def gather_ranks(entry: dict) -> list[dict]:

@@ -1,0 +1,89 @@
+"""Model states per rank under FSDP (``parallel.fsdp``): every tensor sharded again over N ranks.
+
+FSDP2 shards each tp-local tensor along dim 0 as ``torch.chunk`` does: ceil(rows / N) rows per rank,
+the last ranks short (or empty), and every rank's storage padded to ceil(rows / N) rows. Per rank, with
+fp32 shards as the masters (``seqpar.train.fsdp_optim``):
+
+* parameters: 4 B × Σ ceil(rows / N) · row (the padded fp32 shards);
+* gradients: 4 B × the same (FSDP's reduce-scatter output, fp32, padded alike);
+* optimizer: 8 B × Σ rows_r · row (Adam's two moments of this rank's own rows, unpadded);
+
+about 16 / N bytes per parameter, against 18 for plain data parallelism in bf16 (16 in fp32) and
+6 + 12 / N with the distributed optimizer. In flight during a step (not states): the gathered
+(unsharded) weights of the unit computing and of the one prefetched, in the compute dtype, and the
+unit's fp32 reduce-scatter input (``in_flight_bytes``).
+
+N is dp × cp, or ``fsdp_shard_size`` under HSDP (the shards then repeat over dp × cp / N replicas).
+The tensors are those of the model seqpar builds (``stage_tensors``: the tp-local shapes of one
+pipeline rank's layers, embeddings and final norm), so their element count is ``stage_parameters``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from seqpar.config import ModelConfig, ParallelConfig
+
+# (rows, elements per row) of one tp-local tensor: dim 0 and the product of the others
+Tensor = tuple[int, int]
+
+
+def layer_tensors(shape: ModelConfig, t: int) -> list[Tensor]:
+    """One transformer layer's tensors on one of t tp ranks (fused QKV with this rank's heads and its
+    kv heads -- one whole kv head's K and V when fewer kv heads than ranks --, out-proj and fc2 split on
+    their input dim, fc1 split on its output (gate and up for SwiGLU), norms and row-parallel biases
+    replicated)."""
+    h, d, heads, kv = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads
+    qkv = heads // t * d + 2 * max(kv // t, 1) * d
+    fc1 = (2 if shape.activation == "swiglu" else 1) * shape.ffn // t
+    norm = [(h, 1), (h, 1)] if shape.norm == "layernorm" else [(h, 1)]
+    out = [*norm, (qkv, h), (h, h // t), *norm, (fc1, h), (h, shape.ffn // t)]
+    if shape.bias:
+        out += [(qkv, 1), (h, 1), (fc1, 1), (h, 1)]
+    return out
+
+
+def stage_tensors(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[Tensor]:
+    """Every tensor one tp rank of pipeline rank ``rank`` holds (all its interleaved chunks)."""
+    h, t, p = shape.hidden_size, par.tp, par.pp
+    out = [x for _ in range(shape.num_layers // p) for x in layer_tensors(shape, t)]
+    vocab = (shape.vocab_per_rank(t), h)  # vocab-parallel rows, padded to a multiple of t
+    if rank == 0:
+        out.append(vocab)
+        if shape.position == "learned":
+            out.append((shape.seq_len, h))
+    if rank == p - 1:
+        out += [(h, 1), (h, 1)] if shape.norm == "layernorm" else [(h, 1)]
+        if p > 1 or not shape.tie_embeddings:
+            out.append(vocab)  # the output layer: the tied embedding's copy, or untied
+    return out
+
+
+def shard_rows(rows: int, n: int, index: int) -> int:
+    """Rows of shard ``index`` of ``n`` (``torch.chunk``: ceil(rows / n) each, the last ones short)."""
+    size = math.ceil(rows / n)
+    return max(0, min(size, rows - index * size))
+
+
+def fsdp_state_bytes(tensors: list[Tensor], n: int, index: int = 0) -> dict[str, int]:
+    """Bytes shard ``index`` of ``n`` holds of ``tensors``: fp32 parameter and gradient shards (padded),
+    Adam's moments of its own rows."""
+    padded = sum(math.ceil(rows / n) * row for rows, row in tensors)
+    own = sum(shard_rows(rows, n, index) * row for rows, row in tensors)
+    return {"parameters": 4 * padded, "gradients": 4 * padded, "optimizer_states": 8 * own}
+
+
+def stage_fsdp_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, index: int = 0) -> dict[str, int]:
+    """``fsdp_state_bytes`` of pipeline rank ``rank``'s tensors, shard ``index`` of ``par.fsdp_shards``."""
+    return fsdp_state_bytes(stage_tensors(shape, par, rank), par.fsdp_shards, index)
+
+
+def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int, prefetch: int = 1) -> int:
+    """Transient bytes of one step beyond the states: the gathered weights of the layer computing and of
+    ``prefetch`` layers gathered ahead (compute dtype, unpadded), and one layer's fp32 reduce-scatter
+    input (N padded shards)."""
+    layer = layer_tensors(shape, par.tp)
+    n = par.fsdp_shards
+    gathered = sum(rows * row for rows, row in layer) * compute_bytes
+    reduce_input = 4 * n * sum(math.ceil(rows / n) * row for rows, row in layer)
+    return (1 + prefetch) * gathered + reduce_input

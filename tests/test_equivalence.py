@@ -10,9 +10,9 @@ untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a t
 padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
 last stage, interleaved), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2} (ring attention) -- × recompute
 (none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
-on/off, overlapped dp reduction on/off, which do something when dp × cp > 1). Layouts and recompute
-modes are enumerated (``combinations``); each combination gets an architecture and a gradient path
-drawn from generators seeded by its index.
+on/off, overlapped dp reduction on/off, or FSDP2 (``parallel.fsdp``), which do something when
+dp × cp > 1). Layouts and recompute modes are enumerated (``combinations``); each combination gets an
+architecture and a gradient path drawn from generators seeded by its index.
 
 CI runs a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4);
 ``SEQPAR_EQUIV_FULL=1`` runs every combination (world sizes ≤ 8).
@@ -85,6 +85,9 @@ def draw(index: int, combo: tuple) -> dict:
     grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
+    if dp * cp > 1 and random.Random(f"fsdp {index}").random() < 0.5:  # FSDP2 over dp × cp instead
+        parallel["fsdp"] = True
+        reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
     return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[rc]), "train": reduction}
 
 
@@ -173,7 +176,8 @@ WORST: dict[str, float] = {}
 
 
 def _draw_id(index: int, c: tuple) -> str:
-    return f"{index}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-cp{c[5]}-{c[4]}"
+    fsdp = "-fsdp" if draw(index, c)["parallel"].get("fsdp") else ""
+    return f"{index}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-cp{c[5]}{fsdp}-{c[4]}"
 
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])

@@ -10,8 +10,8 @@ fp32 shards as the masters (``seqpar.train.fsdp_optim``):
 
 about 16 / N bytes per parameter, against 18 for plain data parallelism in bf16 (16 in fp32) and
 6 + 12 / N with the distributed optimizer. In flight during a step (not states): the gathered
-(unsharded) weights of the unit computing and of the one prefetched, in the compute dtype, and the
-unit's fp32 reduce-scatter input (``in_flight_bytes``).
+(unsharded) weights of the root unit, of the layer computing and of the one prefetched, in the compute
+dtype, and the largest unit's fp32 reduce-scatter input (``in_flight_bytes``, an estimate: not measured).
 
 N is dp × cp, or ``fsdp_shard_size`` under HSDP (the shards then repeat over dp × cp / N replicas).
 The tensors are those of the model seqpar builds (``stage_tensors``: the tp-local shapes of one
@@ -78,12 +78,22 @@ def stage_fsdp_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, i
     return fsdp_state_bytes(stage_tensors(shape, par, rank), par.fsdp_shards, index)
 
 
-def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int, prefetch: int = 1) -> int:
-    """Transient bytes of one step beyond the states: the gathered weights of the layer computing and of
-    ``prefetch`` layers gathered ahead (compute dtype, unpadded), and one layer's fp32 reduce-scatter
-    input (N padded shards)."""
-    layer = layer_tensors(shape, par.tp)
+def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int, prefetch: int = 1,
+                    rank: int = 0) -> int:
+    """Transient bytes of one step on pipeline rank ``rank`` beyond the states, in the model's compute
+    dtype unless said: the root unit gathered for the whole step (embedding, final norm, output layer:
+    not resharded after the forward), the layer computing and ``prefetch`` layers gathered ahead, and
+    the largest unit's fp32 reduce-scatter input (N padded shards)."""
     n = par.fsdp_shards
-    gathered = sum(rows * row for rows, row in layer) * compute_bytes
-    reduce_input = 4 * n * sum(math.ceil(rows / n) * row for rows, row in layer)
-    return (1 + prefetch) * gathered + reduce_input
+    layer = layer_tensors(shape, par.tp)
+    layers = shape.num_layers // par.pp
+    root = stage_tensors(shape, par, rank)[layers * len(layer):]  # what follows the layers' tensors
+
+    def gathered(tensors: list[Tensor]) -> int:
+        return sum(rows * row for rows, row in tensors)
+
+    def reduce_input(tensors: list[Tensor]) -> int:
+        return 4 * n * sum(math.ceil(rows / n) * row for rows, row in tensors)
+
+    return (compute_bytes * (gathered(root) + min(1 + prefetch, layers) * gathered(layer))
+            + max(reduce_input(layer) if layers else 0, reduce_input(root)))

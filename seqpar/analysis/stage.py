@@ -139,7 +139,7 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
     if par.fsdp:  # sharded parameters, gradients and optimizer state, plus the gathered layers in flight
         terms = {k: float(v) for k, v in stage_fsdp_state_bytes(shape, par, rank).items()}
-        terms["fsdp_in_flight"] = float(in_flight_bytes(shape, par, opt.param_bytes))
+        terms["fsdp_in_flight"] = float(in_flight_bytes(shape, par, opt.param_bytes, rank=rank))
     else:
         terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp * par.cp)  # distributed: over dp × cp
     terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts)

@@ -140,10 +140,14 @@ class Trainer:
         if "optimizer_bytes" in info:
             opt = ("distributed optimizer" if t.distributed_optimizer else "optimizer") + \
                 (", gradients reduced during the backward" if t.overlap_grad_reduce else "")
+            if p.fsdp:
+                opt = (f"FSDP2 over {p.fsdp_shards} ranks" + (" (HSDP)" if p.fsdp_shards < p.dp * p.cp else "")
+                       + (", ZeRO-3" if p.reshard_after_forward else ", ZeRO-2") + ": fp32 shards")
+            keys = ("params_bytes", "grads_bytes", "optimizer_bytes") if p.fsdp else ("optimizer_bytes",)
+            formula = " / ".join(f"{info[f'{k}_predicted']:,.0f}" for k in keys if f"{k}_predicted" in info)
             lines.append(f"  model states on rank 0 ({opt}): parameters {info['params_bytes']:,} B, gradients "
                          f"{info['grads_bytes']:,} B, optimizer {info['optimizer_bytes']:,} B"
-                         + (f" (formula {info['optimizer_bytes_predicted']:,.0f} B)"
-                            if "optimizer_bytes_predicted" in info else ""))
+                         + (f" (formula {formula} B)" if formula else ""))
         if "compile_s" in info:
             lines.append(f"  compiled attention cores and MLPs: first forward + backward {info['compile_s']:.1f} s "
                          "(compile time, not counted in step times)")

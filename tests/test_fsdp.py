@@ -10,6 +10,7 @@ and fsdp dp 2 resumes at fsdp dp 4, on the uninterrupted trajectory.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -205,3 +206,55 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
         print(f"\nrank {rank}: plain dp {plain:,} B, fsdp {sharded:,} B = {sharded / plain:.3f}x, "
               f"hsdp 2 {sum(got[2][k] for k in keys):,} B")
         assert sharded <= 0.30 * plain
+
+
+# ---------------------------------------------------------------------- analysis, memory, planner
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize(("tp", "pp", "kv"), [(1, 1, 4), (2, 1, 1), (4, 2, 2), (2, 2, 4), (1, 1, 2)])
+def test_stage_tensors_are_the_model_tensors(arch, tp, pp, kv):
+    """The tensors the fsdp formula shards: at tp 1 exactly the built model's (rows, row) shapes; at any
+    layout as many elements as the state formula counts (where it models kv heads: llama, or kv = heads)."""
+    from seqpar.analysis.fsdp_states import stage_tensors
+    from seqpar.analysis.states import stage_parameters
+    from seqpar.config import ARCH_FIELDS, ModelConfig, ParallelConfig
+    from seqpar.model.gpt import build_model
+    fields = {k: v for k, v in ARCH_FIELDS[arch].items() if not k.endswith("dropout")}
+    shape = ModelConfig(vocab_size=37, hidden_size=32, num_heads=4, kv_heads=kv, num_layers=4, seq_len=16, **fields)
+    par = ParallelConfig(tp=tp, pp=pp)
+    if tp == 1 and pp == 1:
+        model = build_model(shape)
+        built = sorted((p.shape[0], p[0].numel() if p.dim() > 1 else 1) for p in model.parameters())
+        assert sorted(stage_tensors(shape, par, 0)) == built
+    if arch == "llama" or kv == 4:
+        for rank in range(pp):
+            assert sum(r * n for r, n in stage_tensors(shape, par, rank)) == stage_parameters(shape, par, rank)
+
+
+PLAN = ["plan", "--layers", "5", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--gpus", "4",
+        "--gpus-per-node", "1", "--gpu-memory", "0.0025", "--global-batch", "8", "--distributed-optimizer"]
+
+
+def test_a_plan_fits_only_with_fsdp_and_is_emitted_with_it(tmp_path, capsys):
+    """5 layers (pp cannot split them over 4 GPUs), 1 GPU per node (no tp), 2.5 MB per GPU: plain DP and
+    the distributed optimizer do not fit, FSDP does; the emitted job trains with fsdp on."""
+    from seqpar.cli import main
+    from seqpar.train.config import load_toml
+    main([*PLAN, "--json"])
+    assert json.loads(capsys.readouterr().out)["best"] is None
+    out = tmp_path / "plan.toml"
+    main([*PLAN, "--fsdp", "--json", "--emit-config", str(out)])
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["fsdp"] and best["fits"] and best["memory_terms"]["fsdp_in_flight"] > 0
+    assert load_toml(out)["parallel"]["fsdp"] is True
+
+
+def test_memory_states_compares_dp_zero1_and_fsdp(capsys):
+    from seqpar.cli import main
+    main(["memory", "--states", "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "99", "--dp", "4",
+          "--tp", "2", "--pp", "2", "--json"])
+    rows = json.loads(capsys.readouterr().out)["states"]
+    assert {r["mode"] for r in rows} == {"dp", "distributed optimizer", "fsdp"}
+    for rank in (0, 1):
+        total = {r["mode"]: r["total"] for r in rows if r["rank"] == rank}
+        assert total["fsdp"] < total["distributed optimizer"] < total["dp"]
+        assert total["fsdp"] <= 0.30 * total["dp"]

@@ -97,3 +97,31 @@ def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int,
 
     return (compute_bytes * (gathered(root) + min(1 + prefetch, layers) * gathered(layer))
             + max(reduce_input(layer) if layers else 0, reduce_input(root)))
+
+
+def compare_states(shape: ModelConfig, par: ParallelConfig) -> list[dict]:
+    """Per pipeline rank, the most loaded rank's model states under plain data parallelism, the
+    distributed optimizer and FSDP (``par.fsdp_shard_size`` for HSDP) over ``par``'s dp × cp ranks, in
+    the precision of ``shape.dtype``: [{"rank", "mode", "parameters", "gradients", "optimizer_states",
+    "total", "in_flight"}] (``seqpar memory --states``)."""
+    from dataclasses import replace
+
+    from seqpar.analysis.shapes import OptimizerOptions
+    from seqpar.analysis.states import stage_parameters, state_bytes
+
+    dp = par.dp * par.cp
+    out = []
+    for rank in range(par.pp):
+        n = stage_parameters(shape, par, rank)
+        rows = {"dp": state_bytes(n, OptimizerOptions.for_precision(shape.dtype)),
+                "distributed optimizer": state_bytes(n, OptimizerOptions.for_precision(shape.dtype, True), dp)}
+        fsdp = replace(par, fsdp=True)
+        if dp > 1:
+            compute = OptimizerOptions.for_precision(shape.dtype).param_bytes
+            name = f"hsdp {fsdp.fsdp_shards}" if fsdp.fsdp_shards < dp else "fsdp"
+            rows[name] = {**stage_fsdp_state_bytes(shape, fsdp, rank),
+                          "in_flight": in_flight_bytes(shape, fsdp, compute, rank=rank)}
+        for mode, terms in rows.items():
+            total = terms["parameters"] + terms["gradients"] + terms["optimizer_states"]
+            out.append({"rank": rank, "mode": mode, **terms, "total": total, "in_flight": terms.get("in_flight", 0)})
+    return out

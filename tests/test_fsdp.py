@@ -258,3 +258,31 @@ def test_memory_states_compares_dp_zero1_and_fsdp(capsys):
         total = {r["mode"]: r["total"] for r in rows if r["rank"] == rank}
         assert total["fsdp"] < total["distributed optimizer"] < total["dp"]
         assert total["fsdp"] <= 0.30 * total["dp"]
+
+
+# ---------------------------------------------------------------------- mixed precision
+def test_bf16_and_fp16_loss_scaling_track_plain_data_parallelism(tmp_path, data):
+    """bf16 / fp16 compute, fp32 shards and fp32 reduce-scatter: the losses follow plain DP's (fp32 masters,
+    fp32 main_grad) to rounding; fp16 starting at a scale of 2^40 overflows, skips and halves the scale at
+    the same steps as plain DP (the non-finite check reads the global norm of the sharded gradients)."""
+    base = {"steps": 6, "warmup": 0, "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1,
+            "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data)}
+    jobs, names = [], []
+    for dtype in ("bf16", "fp16"):
+        for fsdp in (False, True):
+            names.append(f"{dtype}-{'fsdp' if fsdp else 'dp'}")
+            jobs.append({"model": {**MODEL, "dtype": dtype}, "parallel": {"dp": 2, "fsdp": fsdp}, "recompute": {},
+                         "train": {**base, "out_dir": str(tmp_path / names[-1]),
+                                   **({"loss_scale_init": 2.0 ** 40} if dtype == "fp16" else {})}})
+    runs = dict(zip(names, train_local_many(jobs, 2), strict=True))
+
+    def overflows(name: str) -> list[int]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r["step"] for r in map(json.loads, lines) if r.get("event") == "overflow"]
+
+    for dtype in ("bf16", "fp16"):
+        a, b = runs[f"{dtype}-fsdp"]["losses"], runs[f"{dtype}-dp"]["losses"]
+        worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}")
+        assert worst < 2e-3, (a, b)
+    assert overflows("fp16-fsdp") == overflows("fp16-dp") and overflows("fp16-dp"), overflows("fp16-dp")

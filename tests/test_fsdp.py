@@ -97,6 +97,20 @@ def test_fsdp_matches_single_process(name, results):
     assert all(math.isfinite(v) and v <= 1e-5 for v in errs.values()), errs
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_start_record_states_and_activations_per_rank(name, results):
+    """Every rank of every case: the model states it holds equal the fsdp formula (padded shards, own
+    rows), and its activation peak the stage's exact value (FSDP's gathered weights are not activations)."""
+    lines = (results[name][2] / "metrics.jsonl").read_text().splitlines()
+    start = next(r for r in map(json.loads, lines) if r.get("event") == "start")
+    assert len(start["ranks"]) == world(name)
+    for r in start["ranks"]:
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert r[key] == r[f"{key}_predicted"], (name, r["rank"], key, r)
+        if r["act_peak_exact"] is not None:
+            assert r["act_peak_measured"] == r["act_peak_exact"], (name, r["rank"], r)
+
+
 # ---------------------------------------------------------------------- layout-free checkpoints
 STOP = 3
 

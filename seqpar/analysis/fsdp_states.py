@@ -83,7 +83,8 @@ def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int,
     """Transient bytes of one step on pipeline rank ``rank`` beyond the states, in the model's compute
     dtype unless said: the root unit gathered for the whole step (embedding, final norm, output layer:
     not resharded after the forward), the layer computing and ``prefetch`` layers gathered ahead, and
-    the largest unit's fp32 reduce-scatter input (N padded shards)."""
+    the largest unit's fp32 reduce-scatter input (N padded shards). Without ``reshard_after_forward``
+    (ZeRO-2) every layer stays gathered from its forward to its backward."""
     n = par.fsdp_shards
     layer = layer_tensors(shape, par.tp)
     layers = shape.num_layers // par.pp
@@ -95,7 +96,8 @@ def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int,
     def reduce_input(tensors: list[Tensor]) -> int:
         return 4 * n * sum(math.ceil(rows / n) * row for rows, row in tensors)
 
-    return (compute_bytes * (gathered(root) + min(1 + prefetch, layers) * gathered(layer))
+    held = min(1 + prefetch, layers) if par.reshard_after_forward else layers
+    return (compute_bytes * (gathered(root) + held * gathered(layer))
             + max(reduce_input(layer) if layers else 0, reduce_input(root)))
 
 

@@ -300,3 +300,34 @@ def test_bf16_and_fp16_loss_scaling_track_plain_data_parallelism(tmp_path, data)
         print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}")
         assert worst < 2e-3, (a, b)
     assert overflows("fp16-fsdp") == overflows("fp16-dp") and overflows("fp16-dp"), overflows("fp16-dp")
+
+
+def test_grouped_kv_sum_on_row_windows_equals_the_whole(monkeypatch):
+    """The k/v rows shared by tp ranks are summed the same when each rank holds only a window of its rows
+    (FSDP's shard, a boundary inside the k/v rows included) as when it holds them all."""
+    from seqpar.parallel import layout as layout_module
+    from seqpar.parallel.layout import GroupedQKVLayout
+
+    grouped = GroupedQKVLayout(heads=4, kv=2, d=2, tp=4)  # each rank: 2 query rows, then its group's 4 k/v rows
+    grads = [torch.randn(6, 3, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+
+    def run(row0: int, rows: int) -> list[torch.Tensor]:
+        """Every rank's rows [row0, row0 + rows) after the sum (the all-reduce played over the 4 ranks)."""
+        seen: list[torch.Tensor] = []
+        monkeypatch.setattr(layout_module, "all_reduce", lambda buffer, group=None: seen.append(buffer.clone()))
+        for r in range(4):
+            grouped.reduce_partial_grad(grads[r][row0:row0 + rows].clone(), r, None, row0)
+        total = sum(seen)
+        monkeypatch.setattr(layout_module, "all_reduce", lambda buffer, group=None: buffer.copy_(total))
+        out = []
+        for r in range(4):
+            window = grads[r][row0:row0 + rows].clone()
+            grouped.reduce_partial_grad(window, r, None, row0)
+            out.append(window)
+        return out
+
+    whole = run(0, 6)
+    for cut in (1, 3, 4):
+        parts = [torch.cat([a, b]) for a, b in zip(run(0, cut), run(cut, 6 - cut), strict=True)]
+        assert all(torch.equal(a, b) for a, b in zip(parts, whole, strict=True)), cut
+    assert not torch.equal(whole[0][2:], grads[0][2:])  # the k/v rows were summed

@@ -310,6 +310,11 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     elif p.pp == 1 and p.dp % 2 == 0 and req.shape.seq_len % 4 == 0:  # why not context parallelism
         deeper = replace(p, cp=2, dp=p.dp // 2)
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
+    if p.fsdp:  # why shard everything: the same plan with the states replicated, or only the optimizer's sharded
+        plain = replace(p, fsdp=False, fsdp_shard_size=0)
+        out[f"no fsdp, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain))
+        out[f"distributed optimizer, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain,
+                                                                               distributed_optimizer=True))
     return out
 
 

@@ -19,7 +19,26 @@ import torch
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local, train_local_many
-from tests.test_equivalence import CLIP, STEPS, job, records, rel
+
+STEPS, CLIP = 5, 0.01  # as the equivalence suite (tests/test_equivalence.py): clipping binds at every step
+
+
+def job(sections: dict, out: Path, data: Path) -> dict:
+    """5 fp32 steps, Adam's eps large enough that the clip factor moves the update, logged every step."""
+    train = {"steps": STEPS, "lr": 1e-2, "min_lr": 1e-3, "warmup": 0, "eps": 1e-4, "grad_clip": CLIP,
+             "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
+             "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
+    return {**sections, "train": {**train, **sections.get("train", {})}}
+
+
+def records(out: str) -> list[dict]:
+    lines = Path(out, "metrics.jsonl").read_text().splitlines()
+    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
 
 VOCAB = 37
 MODEL = {"vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16, "kv_heads": 4,

@@ -119,10 +119,12 @@ def run(args) -> int:
     from seqpar.config import ConfigError
     from seqpar.measure.table2 import measure_rows, plan_rows
 
-    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "micro_batch"):
+    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "micro_batch", "dp"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "fsdp_shard_size", 0) < 0:
+        raise ConfigError(f"--fsdp-shard-size must be >= 0 (0: all dp × cp ranks), got {args.fsdp_shard_size}")
     if getattr(args, "keep_microbatches", 0) < 0:
         raise ConfigError(f"--keep-microbatches must be >= 0, got {args.keep_microbatches}")
     if getattr(args, "states", False):

@@ -203,12 +203,11 @@ def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
     """Each job's start-record figures on this rank, and after one step the gradient storages FSDP holds."""
     from seqpar.train.config import build_job
     from seqpar.train.loop import Trainer
-    from seqpar.train.states import fsdp_shard_index, state_record
+    from seqpar.train.states import state_record
     out = []
     for sections in runs:
         trainer = Trainer(build_job(sections), quiet=True)
-        record = state_record(trainer.job, trainer.opt, trainer.dims.pp_rank,
-                              fsdp_shard_index(trainer.job, trainer.dims))
+        record = state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank)
         trainer.train_step(0)
         grads = trainer.opt.grad_storage_bytes() if trainer.job.parallel.fsdp else record["grads_bytes"]
         out.append({**record, "grads_after_step": grads})
@@ -263,13 +262,13 @@ def test_stage_tensors_are_the_model_tensors(arch, tp, pp, kv):
             assert sum(r * n for r, n in stage_tensors(shape, par, rank)) == stage_parameters(shape, par, rank)
 
 
-PLAN = ["plan", "--layers", "5", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--gpus", "4",
-        "--gpus-per-node", "1", "--gpu-memory", "0.0025", "--global-batch", "8", "--distributed-optimizer"]
+PLAN = ["plan", "--model", "llama3-8b", "--gpus", "4", "--gpus-per-node", "1", "--gpu-memory", "48",
+        "--global-batch", "16", "--distributed-optimizer"]
 
 
 def test_a_plan_fits_only_with_fsdp_and_is_emitted_with_it(tmp_path, capsys):
-    """5 layers (pp cannot split them over 4 GPUs), 1 GPU per node (no tp), 2.5 MB per GPU: plain DP and
-    the distributed optimizer do not fit, FSDP does; the emitted job trains with fsdp on."""
+    """Llama-3-8B on 4 GPUs of 48 GB, one per node (no tp): no split with the distributed optimizer fits,
+    FSDP does; the report's alternatives show the same plan without it not fitting; the emitted job has it."""
     from seqpar.cli import main
     from seqpar.train.config import load_toml
     main([*PLAN, "--json"])
@@ -279,6 +278,9 @@ def test_a_plan_fits_only_with_fsdp_and_is_emitted_with_it(tmp_path, capsys):
     best = json.loads(capsys.readouterr().out)["best"]
     assert best["fsdp"] and best["fits"] and best["memory_terms"]["fsdp_in_flight"] > 0
     assert load_toml(out)["parallel"]["fsdp"] is True
+    main([*PLAN, "--fsdp"])
+    report = capsys.readouterr().out
+    assert "no fsdp" in report and "does not fit" in report.split("no fsdp")[1].splitlines()[0]
 
 
 def test_memory_states_compares_dp_zero1_and_fsdp(capsys):

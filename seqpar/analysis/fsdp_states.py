@@ -22,41 +22,40 @@ from __future__ import annotations
 
 import math
 
+from seqpar.analysis.states import layer_parameter_sizes, stage_parameter_sizes
 from seqpar.config import ModelConfig, ParallelConfig
 
 # (rows, elements per row) of one tp-local tensor: dim 0 and the product of the others
 Tensor = tuple[int, int]
 
 
+def as_tensor(shape: ModelConfig, name: str, numel: int) -> Tensor:
+    """(rows, elements per row) of the tp-local parameter ``name`` of ``numel`` elements: norms and biases
+    are one column, the out-projection and fc2 (split on their input) have h rows, every other matrix
+    (QKV, fc1, embeddings, output layer) rows of h."""
+    h = shape.hidden_size
+    module = name.split(".")[-2] if "." in name else ""
+    if name.endswith(".bias") or module.startswith("ln") or module == "final_ln":
+        return numel, 1
+    if name.endswith(("out_proj.weight", "fc2.weight")):
+        return h, numel // h
+    return numel // h, h
+
+
 def layer_tensors(shape: ModelConfig, t: int) -> list[Tensor]:
-    """One transformer layer's tensors on one of t tp ranks (fused QKV with this rank's heads and its
-    kv heads -- one whole kv head's K and V when fewer kv heads than ranks --, out-proj and fc2 split on
-    their input dim, fc1 split on its output (gate and up for SwiGLU), norms and row-parallel biases
-    replicated)."""
-    h, d, heads, kv = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_kv_heads
-    qkv = heads // t * d + 2 * max(kv // t, 1) * d
-    fc1 = (2 if shape.activation == "swiglu" else 1) * shape.ffn // t
-    norm = [(h, 1), (h, 1)] if shape.norm == "layernorm" else [(h, 1)]
-    out = [*norm, (qkv, h), (h, h // t), *norm, (fc1, h), (h, shape.ffn // t)]
-    if shape.bias:
-        out += [(qkv, 1), (h, 1), (fc1, 1), (h, 1)]
-    return out
+    """One transformer layer's tensors on one of t tp ranks (``states.layer_parameter_sizes``)."""
+    return [as_tensor(shape, name, n) for name, n in layer_parameter_sizes(shape, t)]
 
 
 def stage_tensors(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[Tensor]:
-    """Every tensor one tp rank of pipeline rank ``rank`` holds (all its interleaved chunks)."""
-    h, t, p = shape.hidden_size, par.tp, par.pp
-    out = [x for _ in range(shape.num_layers // p) for x in layer_tensors(shape, t)]
-    vocab = (shape.vocab_per_rank(t), h)  # vocab-parallel rows, padded to a multiple of t
-    if rank == 0:
-        out.append(vocab)
-        if shape.position == "learned":
-            out.append((shape.seq_len, h))
-    if rank == p - 1:
-        out += [(h, 1), (h, 1)] if shape.norm == "layernorm" else [(h, 1)]
-        if p > 1 or not shape.tie_embeddings:
-            out.append(vocab)  # the output layer: the tied embedding's copy, or untied
-    return out
+    """Every tensor one tp rank of pipeline rank ``rank`` holds (all its chunks, the layer split of
+    ``par``), as ``states.stage_parameter_sizes`` lists them."""
+    return [as_tensor(shape, name, n) for name, n in stage_parameter_sizes(shape, par, rank)]
+
+
+def stage_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
+    """Transformer layers pipeline rank ``rank`` holds."""
+    return sum(1 for name, _ in stage_parameter_sizes(shape, par, rank) if name.endswith("attention.qkv.weight"))
 
 
 def shard_rows(rows: int, n: int, index: int) -> int:
@@ -87,8 +86,9 @@ def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int,
     (ZeRO-2) every layer stays gathered from its forward to its backward."""
     n = par.fsdp_shards
     layer = layer_tensors(shape, par.tp)
-    layers = shape.num_layers // par.pp
-    root = stage_tensors(shape, par, rank)[layers * len(layer):]  # what follows the layers' tensors
+    layers = stage_layers(shape, par, rank)
+    names = [name for name, _ in stage_parameter_sizes(shape, par, rank)]
+    root = [x for name, x in zip(names, stage_tensors(shape, par, rank), strict=True) if not name.startswith("layers.")]
 
     def gathered(tensors: list[Tensor]) -> int:
         return sum(rows * row for rows, row in tensors)

@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, args) -> dict:
     from seqpar.parallel.fsdp import apply_fsdp
     from seqpar.pipeline import build_stages, finalize_grads, forward_backward
     from seqpar.train.optimizers import build_optimizer
-    from seqpar.train.states import fsdp_shard_index, state_record
+    from seqpar.train.states import state_record
 
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen)
@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, args) -> dict:
         mesh = apply_fsdp(chunks, dims, job.parallel) if job.parallel.fsdp else None
         opt = build_optimizer(chunks, job.train, dims, mesh)
         setups[mode] = (job, dims, chunks, opt)
-        states[mode] = state_record(job, opt, 0, fsdp_shard_index(job, dims))
+        states[mode] = state_record(job, opt, 0, dims.grad_rank)
 
     def step(mode: str) -> float:
         job, dims, chunks, opt = setups[mode]

@@ -1,5 +1,5 @@
 """FSDP2 (``parallel.fsdp``) against the single process: dp 2 and 4, alone and with tp 2 + SP, pp 2
-(1F1B and interleaved), cp 2 and HSDP; every recompute mode, tied and untied embeddings, grouped kv.
+(1F1B on an uneven split, and interleaved), cp 2 and HSDP; every recompute mode, tied and untied embeddings, grouped kv.
 
 Each case trains 5 fp32 steps with clipping binding at every step (the equivalence suite's job,
 ``tests/test_equivalence.py``) and must match the single process within 1e-5 relative in every step's
@@ -54,7 +54,8 @@ CASES = {
                   LLAMA),
     "dp2-tp2-sp": ({"dp": 2, "tp": 2, "sp": True}, {"granularity": "selective", "modules": ["norm", "mlp"]},
                    {**LLAMA, "kv_heads": 1}),
-    "dp2-pp2": ({"dp": 2, "pp": 2}, {"granularity": "full", "method": "block", "num_layers": 1}, {}),
+    "dp2-pp2-uneven": ({"dp": 2, "pp": 2, "layer_split": [1, 2]}, {"granularity": "full", "method": "block",
+                                                                    "num_layers": 1}, {"num_layers": 3}),
     "dp2-pp2-interleave": ({"dp": 2, "pp": 2, "interleave": 2}, {}, {"num_layers": 4}),
     "dp2-cp2": ({"dp": 2, "cp": 2}, FULL, {"attention": "sdpa", "position": "rope"}),
 }

@@ -52,7 +52,7 @@ CASES = {
     "dp4": ({"dp": 4}, {"granularity": "selective"}, {}),
     "dp4-hsdp2": ({"dp": 4, "fsdp_shard_size": 2}, {"granularity": "selective", "modules": ["norm", "activation"]},
                   LLAMA),
-    "dp2-tp2-sp": ({"dp": 2, "tp": 2, "sp": True}, {"granularity": "selective", "modules": ["norm", "mlp"]},
+    "dp2-tp2-sp": ({"dp": 2, "tp": 2, "sp": True}, {"granularity": "selective", "modules": ["core_attention", "mlp"]},
                    {**LLAMA, "kv_heads": 1}),
     "dp2-pp2-uneven": ({"dp": 2, "pp": 2, "layer_split": [1, 2]}, {"granularity": "full", "method": "block",
                                                                     "num_layers": 1}, {"num_layers": 3}),

@@ -104,6 +104,7 @@ class FSDPOptimizer(AdamOnMasters):
                 grad.mul_(scale)
             m.grad = grad
         self.opt.step()
+        self.updates += 1
         for m in self.masters:
             m.grad = None
         return lr
@@ -147,3 +148,4 @@ class FSDPOptimizer(AdamOnMasters):
         """After a checkpoint was read into the shards in place: the step count."""
         for m in self.masters:
             set_adam_step(self.opt.state[m], opt_step)
+        self.updates = opt_step

@@ -15,7 +15,8 @@ asks it once, in its constructor, how to run the piece it owns (``checkpointed``
 under ``none``.
 
 Checkpointing saves the dropout RNG tracker's state with the inputs and restores it for the
-recomputation, so recomputed masks equal the original ones bit for bit.
+recomputation, so recomputed masks equal the original ones bit for bit; it does the same with the
+microbatch's packed documents (``seqpar.documents``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 
 import torch
 
+from seqpar import documents
 from seqpar.config import RecomputeConfig
 from seqpar.parallel.rng import RNGTracker
 
@@ -34,6 +36,7 @@ class _Checkpoint(torch.autograd.Function):
     def forward(ctx, run, tracker: RNGTracker, *inputs):
         ctx.run, ctx.tracker = run, tracker
         ctx.rng_state = tracker.get_state()  # Python ints (seed key, draw counters): no tensor to keep
+        ctx.documents = documents.current()  # packed documents: the microbatch's own, for the recomputation
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run(*inputs)
@@ -44,7 +47,7 @@ class _Checkpoint(torch.autograd.Function):
         after_forward = ctx.tracker.get_state()
         ctx.tracker.set_state(ctx.rng_state)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), documents.using(ctx.documents):
                 outputs = ctx.run(*inputs)
         finally:
             ctx.tracker.set_state(after_forward)

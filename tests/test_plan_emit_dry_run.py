@@ -96,6 +96,8 @@ def test_fused_gpt_plan_of_the_issue_runs_and_says_what_it_did_not_choose(tmp_pa
     assert "--nproc 16" in text
     code, out, err = _cli(["train", "--config", path, "--nproc", 16, "--dry-run"])
     assert code == 0 and "predicted memory per rank" in out, err
+    code, out, err = _cli(["train", "--config", path, "--dry-run"])  # as the README once said: no --nproc
+    assert code == 2 and "!= world size 1: this is one process; start 16 ranks with --nproc 16" in err
 
 
 def test_a_large_vocabulary_on_bytes_is_said_in_the_file_and_warned_at_train_time(tmp_path):

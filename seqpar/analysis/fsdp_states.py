@@ -109,16 +109,16 @@ def compare_states(shape: ModelConfig, par: ParallelConfig) -> list[dict]:
     from dataclasses import replace
 
     from seqpar.analysis.shapes import OptimizerOptions
-    from seqpar.analysis.states import stage_parameters, state_bytes
+    from seqpar.analysis.states import stage_state_bytes
 
     dp = par.dp * par.cp
     out = []
     for rank in range(par.pp):
-        n = stage_parameters(shape, par, rank)
-        rows = {"dp": state_bytes(n, OptimizerOptions.for_precision(shape.dtype)),
-                "distributed optimizer": state_bytes(n, OptimizerOptions.for_precision(shape.dtype, True), dp)}
+        rows = {"dp": stage_state_bytes(shape, par, rank, OptimizerOptions.for_precision(shape.dtype)),
+                "distributed optimizer": stage_state_bytes(shape, par, rank,
+                                                           OptimizerOptions.for_precision(shape.dtype, True))}
         fsdp = replace(par, fsdp=True)
-        if dp > 1:
+        if dp > 1 and not shape.experts:  # fsdp trains dense models only
             compute = OptimizerOptions.for_precision(shape.dtype).param_bytes
             name = f"hsdp {fsdp.fsdp_shards}" if fsdp.fsdp_shards < dp else "fsdp"
             rows[name] = {**stage_fsdp_state_bytes(shape, fsdp, rank),

@@ -283,10 +283,24 @@ class ParallelConfig:
     # Layers per virtual stage in model order (pp × interleave entries) for an uneven split; empty:
     # num_layers / (pp × interleave) each. Only the first and the last virtual stage may be empty.
     layer_split: tuple[int, ...] = ()
+    # FSDP2 (``torch.distributed.fsdp.fully_shard``) over the dp × cp ranks: parameters, gradients and
+    # optimizer state sharded (seqpar/parallel/fsdp.py). ``reshard_after_forward``: free each layer's
+    # gathered weights after its forward (ZeRO-3) or keep them to the backward (ZeRO-2). ``fsdp_shard_size``:
+    # HSDP, shard inside groups of that many dp × cp ranks and replicate across the groups (0: all of them).
+    fsdp: bool = False
+    reshard_after_forward: bool = True
+    fsdp_shard_size: int = 0
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks each parameter is sharded over under fsdp (1 without): dp × cp, or ``fsdp_shard_size``."""
+        if not self.fsdp:
+            return 1
+        return self.fsdp_shard_size or self.dp * self.cp
 
     def describe_world(self) -> str:
         """``dp 2 × pp 1 × cp 2 × tp 4`` (cp named only when used)."""
@@ -307,6 +321,7 @@ class ParallelConfig:
                                  self.world_size, world_size)
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
+        self._validate_fsdp()
         if model is not None:
             if model.num_heads % self.tp:
                 raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")
@@ -327,6 +342,20 @@ class ParallelConfig:
                 raise ConfigError(f"ep {self.ep} needs a number of experts divisible by it, got {model.experts}")
             self.layer_counts(model.num_layers)
         return self
+
+    def _validate_fsdp(self) -> None:
+        group = self.dp * self.cp
+        if self.fsdp_shard_size < 0:
+            raise ConfigError(f"fsdp_shard_size {self.fsdp_shard_size} must be 0 (all dp × cp ranks) or positive")
+        if not self.fsdp:
+            if self.fsdp_shard_size:
+                raise ConfigError(f"fsdp_shard_size {self.fsdp_shard_size} needs fsdp = true")
+            return
+        if group == 1:
+            raise ConfigError("fsdp shards over the dp × cp ranks: dp 1 × cp 1 has nothing to shard over")
+        if self.fsdp_shard_size and (group % self.fsdp_shard_size or self.fsdp_shard_size == 1):
+            raise ConfigError(f"fsdp_shard_size {self.fsdp_shard_size} must divide dp {self.dp} × cp {self.cp} = "
+                              f"{group} and be at least 2 (HSDP: shard inside groups of that many ranks)")
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a t
 padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
 last stage, interleaved), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2} (ring attention) -- × recompute
 (none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
-on/off, overlapped dp reduction on/off, which do something when dp × cp > 1). Layouts and recompute
-modes are enumerated (``combinations``); each combination gets an architecture and a gradient path
-drawn from generators seeded by its index.
+on/off, overlapped dp reduction on/off, or FSDP2 (``parallel.fsdp``), which do something when
+dp × cp > 1). Layouts and recompute modes are enumerated (``combinations``); each combination gets an
+architecture and a gradient path drawn from generators seeded by its index.
 
 The axes and their values are listed once (``AXES``); a new axis is one more entry there and its
 use in ``draw``.
@@ -124,6 +124,9 @@ def draw(index: int, c: Combo) -> dict:
     grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
+    if c.dp * c.cp > 1 and random.Random(f"fsdp {index}").random() < 0.5:  # FSDP2 over dp × cp instead
+        parallel["fsdp"] = True
+        reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
     return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[c.recompute]), "train": reduction}
 
 
@@ -238,7 +241,8 @@ def _draw_id(index: int, c: Combo) -> str:
     def label(axis, value):
         return (axis if value else "") if isinstance(value, bool) else value if isinstance(value, str) \
             else f"{axis}{value}"
-    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))])
+    fsdp = ["fsdp"] if draw(index, c)["parallel"].get("fsdp") else []
+    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))] + fsdp)
 
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])

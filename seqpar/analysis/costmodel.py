@@ -342,11 +342,26 @@ def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: O
     ranks = par.dp * par.cp
     if ranks == 1:
         return 0.0
+    if par.fsdp:  # per microbatch (fsdp_collectives_s): nothing left at the end of the step
+        return 0.0
     params = largest_stage_parameters(shape, par)
     bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
     if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
         return 2 * hw.comm_latency + (ranks - 1) / ranks * params * (opt.grad_bytes + opt.param_bytes) / bw
     return hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, ranks, bw)
+
+
+def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
+    """FSDP per microbatch and stage: the weights all-gathered in the compute dtype for the forward and
+    again for the backward (once under ZeRO-2), the fp32 gradients reduce-scattered; one collective
+    per layer each, prefetched beside the layers' compute (counted whole: the model does not overlap it)."""
+    ranks = par.fsdp_shards
+    params = largest_stage_parameters(shape, par)
+    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))  # HSDP's shard groups: at most as wide
+    gathers = 2 if par.reshard_after_forward else 1
+    layers = shape.num_layers // par.pp + 1
+    return (gathers + 1) * layers * hw.comm_latency + ring_gather_s(
+        params * (gathers * opt.param_bytes + 4), ranks, bw)
 
 
 def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
@@ -359,6 +374,8 @@ def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
 
 def optimizer_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
     params = largest_stage_parameters(shape, par)
+    if par.fsdp:  # fp32 shards: gradient read 3 times, weight and both moments read and written
+        return params / par.fsdp_shards * (3 * 4 + 2 * 4 + 2 * 8) / hw.memory_bw
     return params * optimizer_bytes_per_parameter(opt, par.dp * par.cp) / hw.memory_bw  # sharded over dp × cp
 
 
@@ -379,6 +396,8 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
     terms["dp_allreduce"] = dp_allreduce_s(shape, par, hw, opt)
+    if par.fsdp:  # every microbatch gathers and reduces the stage's weights
+        terms["dp_allreduce"] = n * fsdp_collectives_s(shape, par, hw, opt)
     terms["optimizer"] = optimizer_s(shape, par, hw, opt)
     terms["step_overhead"] = hw.step_overhead
     return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest)

@@ -46,7 +46,7 @@ class Plan:
         ep = f"ep={p.ep}," if p.ep > 1 else ""
         text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
                 f"recompute={self.rc.label},mb={self.micro_batch}")
-        return text + (",distopt=on" if self.distributed_optimizer else "")
+        return text + (",distopt=on" if self.distributed_optimizer else "") + (",fsdp=on" if p.fsdp else "")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class Request:
     opts: ActivationOptions = field(default_factory=ActivationOptions)
     opt: OptimizerOptions = field(default_factory=OptimizerOptions)
     try_distributed_optimizer: bool = False
+    try_fsdp: bool = False  # also plans with FSDP over dp × cp (parameters, gradients, optimizer sharded)
     max_micro_batch: int = 16
     max_interleave: int = 8
     max_cp: int = 16
@@ -99,7 +100,7 @@ class Evaluation:
         p = self.plan.par
         out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
-               "distributed_optimizer": self.plan.distributed_optimizer,
+               "distributed_optimizer": self.plan.distributed_optimizer, "fsdp": p.fsdp,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
                "predicted_iteration_s": self.time.total if self.time else None,
                "predicted_mfu": self.mfu if self.time else None}
@@ -237,11 +238,15 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
                     for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
+                        par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
                         for dist in ((False, True) if req.try_distributed_optimizer and dp * cp > 1 else (False,)):
                             for ep in _expert_parallel(shape, dp * cp):
                                 par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m,
                                                      layer_split=split, ep=ep)
                                 yield Plan(par, RecomputeConfig(), mb, dist)
+                        if req.try_fsdp and dp * cp > 1 and not shape.experts:  # fsdp: dense models only
+                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m, layer_split=split)
+                            yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
 
 
 def _expert_parallel(shape: ModelConfig, ranks: int) -> list[int]:
@@ -378,13 +383,19 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     elif p.pp == 1 and p.dp % 2 == 0 and req.shape.seq_len % 4 == 0:  # why not context parallelism
         deeper = replace(p, cp=2, dp=p.dp // 2)
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
+    if p.fsdp:  # why shard everything: the same plan with the states replicated, or only the optimizer's sharded
+        plain = replace(p, fsdp=False, fsdp_shard_size=0)
+        out[f"no fsdp, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain))
+        out[f"distributed optimizer, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain,
+                                                                               distributed_optimizer=True))
     return out
 
 
 _KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "interleave", "interleave": "interleave",
          "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
-         "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split"}
+         "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
+         "fsdp": "fsdp"}
 
 
 def _flag(text: str) -> bool:
@@ -471,7 +482,7 @@ def parse_plan(text: str, gpus: int) -> Plan:
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
                              interleave=_count(values, "interleave", 1), layer_split=_split(values),
-                             ep=_count(values, "ep", 1))
+                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one

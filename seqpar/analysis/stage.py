@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
 from seqpar.analysis.memory import layer_activation_terms
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
@@ -176,7 +177,11 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
     r = in_flight_chunks(rank, par.pp, par.interleave, n)
     kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
-    terms = stage_state_bytes(shape, par, rank, opt)  # distributed: over dp × cp (routed experts: dp·cp/ep)
+    if par.fsdp:  # sharded parameters, gradients and optimizer state, plus the gathered layers in flight
+        terms = {k: float(v) for k, v in stage_fsdp_state_bytes(shape, par, rank).items()}
+        terms["fsdp_in_flight"] = float(in_flight_bytes(shape, par, opt.param_bytes, rank=rank))
+    else:
+        terms = stage_state_bytes(shape, par, rank, opt)  # distributed: over dp × cp (routed experts: dp·cp/ep)
     terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
     if kept:
         terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts, rank)

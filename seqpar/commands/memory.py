@@ -1,5 +1,6 @@
 """`seqpar memory`: activation bytes of one transformer layer on one rank -- the paper's Table 2
-formula, the exact per-tensor derivation, and (``--measure``) what autograd really keeps."""
+formula, the exact per-tensor derivation, and (``--measure``) what autograd really keeps; with
+``--states``, the model states per rank under plain DP, the distributed optimizer and FSDP / HSDP."""
 
 from __future__ import annotations
 
@@ -105,6 +106,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="the six Table 2 rows for this t")
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    g = p.add_argument_group("model states (--states: weights, gradients, optimizer per rank, formula)")
+    g.add_argument("--states", action="store_true",
+                   help="model states of each pipeline rank under plain DP, the distributed optimizer and FSDP")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default %(default)s)")
+    g.add_argument("--fsdp-shard-size", type=int, default=0,
+                   help="HSDP: shard inside groups of this many dp × cp ranks (default 0: all of them)")
     add_model_arguments(p)
     add_schedule_arguments(p)
 
@@ -140,12 +147,16 @@ def run(args) -> int:
     from seqpar.config import ConfigError
     from seqpar.measure.table2 import measure_rows, plan_rows
 
-    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "ep", "micro_batch"):
+    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "ep", "micro_batch", "dp"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "fsdp_shard_size", 0) < 0:
+        raise ConfigError(f"--fsdp-shard-size must be >= 0 (0: all dp × cp ranks), got {args.fsdp_shard_size}")
     if getattr(args, "keep_microbatches", 0) < 0:
         raise ConfigError(f"--keep-microbatches must be >= 0, got {args.keep_microbatches}")
+    if getattr(args, "states", False):
+        return run_states(args)
     if getattr(args, "pp", 1) > 1 or getattr(args, "microbatches", None) is not None:
         return run_schedule(args)
     if args.layers is None:
@@ -250,4 +261,34 @@ def run_schedule(args) -> int:
           "of the padded vocabulary shard ⌈v/t⌉) + norm statistics (LayerNorm mean/rstd, RMSNorm fp32 rstd); exact "
           "adds the final norm's statistics, the output being sent (App. B) and index/int64 bookkeeping.")
     print("The recompute working set rebuilt during a backward is transient and left out of both.")
+    return 0
+
+
+def run_states(args) -> int:
+    """``--states``: each pipeline rank's model states (most loaded dp rank) under plain DP, the
+    distributed optimizer and FSDP or HSDP over dp × cp (``seqpar.analysis.fsdp_states.compare_states``)."""
+    from seqpar.analysis.fsdp_states import compare_states
+    from seqpar.config import ParallelConfig
+
+    if args.layers is None:
+        args.layers = args.pp * args.interleave
+    cfg = model_from_args(args)
+    par = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, interleave=args.interleave,
+                         fsdp=args.dp * args.cp > 1, fsdp_shard_size=args.fsdp_shard_size).validate(cfg)
+    rows = compare_states(cfg, par)
+    if args.json:
+        print(json.dumps({"states": rows}))
+        return 0
+    print(f"model states per rank ({cfg.dtype}): L={cfg.num_layers} h={cfg.hidden_size} v={cfg.vocab_size}, "
+          f"{par.describe_world()}; most loaded dp rank of each pipeline rank")
+    print(f"{'pp rank':>7}  {'mode':<22}{'parameters':>14}{'gradients':>14}{'optimizer':>14}{'total':>14}"
+          f"{'vs dp':>7}{'in flight':>14}")
+    for r in rows:
+        base = next(x for x in rows if x["rank"] == r["rank"] and x["mode"] == "dp")["total"]
+        print(f"{r['rank']:>7}  {r['mode']:<22}{_human(r['parameters']):>14}{_human(r['gradients']):>14}"
+              f"{_human(r['optimizer_states']):>14}{_human(r['total']):>14}{r['total'] / base:>7.3f}"
+              f"{_human(r['in_flight']) if r['in_flight'] else '-':>14}")
+    print("fsdp: fp32 shards (the masters) and fp32 gradient shards, padded to ceil(rows / N) rows, and Adam's "
+          "moments of the rank's own rows; in flight (an estimate): the root unit and two layers gathered, one "
+          "unit's fp32 reduce-scatter input.")
     return 0

@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
     g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    g.add_argument("--fsdp", action="store_true",
+                   help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="training precision: bf16/fp16 mixed precision (18 B/param model states, default) or "
                         "fp32 throughout (16 B/param, 4-byte activations)")
@@ -139,8 +141,8 @@ def request_from_args(args):
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,
-                   try_distributed_optimizer=args.distributed_optimizer, max_micro_batch=args.max_micro_batch,
-                   name=model_name)
+                   try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
+                   max_micro_batch=args.max_micro_batch, name=model_name)
 
 
 def _emit(args, req, plan) -> None:

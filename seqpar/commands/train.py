@@ -19,6 +19,8 @@ FLAG_KEYS = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
     "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
     "experts": ("model", "experts"), "top_k": ("model", "top_k"), "moe_every": ("model", "moe_every"),
+    "fsdp": ("parallel", "fsdp"), "reshard_after_forward": ("parallel", "reshard_after_forward"),
+    "fsdp_shard_size": ("parallel", "fsdp_shard_size"),
     "distributed_optimizer": ("train", "distributed_optimizer"),
     "overlap_grad_reduce": ("train", "overlap_grad_reduce"), "compile": ("train", "compile"),
     "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
@@ -88,6 +90,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--interleave", type=int, help=f"virtual pipeline chunks per rank m {d('interleave')}")
     g.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help=f"shard the fp32 master weights and Adam moments over dp {d('distributed_optimizer')}")
+    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="FSDP2 over the dp × cp ranks: parameters, gradients and optimizer state sharded, each layer "
+                        f"gathered for its forward and backward (docs/fsdp.md) {d('fsdp')}")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="fsdp: free each layer's gathered weights after its forward (ZeRO-3; off: keep them to the "
+                        f"backward, ZeRO-2) {d('reshard_after_forward')}")
+    g.add_argument("--fsdp-shard-size", type=int,
+                   help="HSDP: shard inside groups of this many dp × cp ranks, replicate across them (default 0: "
+                        "shard over all)")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reduce gradient buckets during the backward {d('overlap_grad_reduce')}")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

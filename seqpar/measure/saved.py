@@ -20,6 +20,7 @@ from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.context import CPContext
 from seqpar.parallel.dims import group_rank
 from seqpar.parallel.expert import EPContext
+from seqpar.parallel.fsdp import parameter_storages
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan, checkpoint
@@ -47,8 +48,7 @@ class SavedTensorMeter:
         self._stack: list[str] = []
         self._handles = []
         if module is not None:
-            for t in [*module.parameters(), *module.buffers()]:
-                self._exclude.add(t.untyped_storage()._cdata)
+            self._exclude |= parameter_storages([module])  # FSDP's gathered parameters too
             for name, sub in module.named_modules():
                 self._handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
                 self._handles.append(sub.register_forward_hook(self._pop))

@@ -77,14 +77,19 @@ class GroupedQKVLayout:
         rows (equal on the ranks sharing them once reduced) only on the first rank of its group."""
         return grad if rank % self.ranks_per_group == 0 else grad[: self.n * self.d]
 
-    def reduce_partial_grad(self, grad: torch.Tensor, rank: int, group) -> None:
-        """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the group)."""
-        rows = 2 * self.d
+    def reduce_partial_grad(self, grad: torch.Tensor, rank: int, group, row0: int = 0) -> None:
+        """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the group).
+        ``grad`` holds the rows from ``row0`` on of this rank's gradient (FSDP's shard of them; the
+        ranks of ``group`` hold the same rows)."""
+        rows, q = 2 * self.d, self.n * self.d
+        lo, hi = max(row0, q), min(row0 + grad.shape[0], q + rows)  # this shard's k, v rows
         buffer = grad.new_zeros((self.kv * rows, *grad.shape[1:]))
-        mine = slice((rank // self.ranks_per_group) * rows, (rank // self.ranks_per_group + 1) * rows)
-        buffer[mine] = grad[self.n * self.d:]
+        at = (rank // self.ranks_per_group) * rows - q  # buffer row of this rank's row r: at + r
+        if lo < hi:
+            buffer[at + lo:at + hi] = grad[lo - row0:hi - row0]
         all_reduce(buffer, group=group)
-        grad[self.n * self.d:] = buffer[mine]
+        if lo < hi:
+            grad[lo - row0:hi - row0] = buffer[at + lo:at + hi]
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """What both optimizers share: AdamW on fp32 masters, the lr schedule, clipping, the loss scaler.
 
-``AdamOnMasters`` is the base of the two optimizers a job can get (``optimizers.build_optimizer``):
+``AdamOnMasters`` is the base of the three optimizers a job can get (``optimizers.build_optimizer``):
 
 * ``optim.MasterOptimizer`` -- replicated: every dp rank holds a whole fp32 master per parameter (the
   parameter itself when it is fp32) and Adam's moments for all of them;
 * ``dist_optim.DistributedOptimizer`` -- ZeRO-1: each dp rank holds masters and moments of its shard
-  of the flat gradient buckets only (*fragments*: 1-D pieces of parameters).
+  of the flat gradient buckets only (*fragments*: 1-D pieces of parameters);
+* ``fsdp_optim.FSDPOptimizer`` -- under ``parallel.fsdp``: the masters are FSDP2's fp32 parameter shards
+  themselves, the gradients arrive reduce-scattered by FSDP (``dp_reduced``).
 
 A subclass says, in the methods the base marks abstract, where the gradients live
 (``build_grad_buffers``), what its masters are (``build_masters``: whole tensors or fragments), whether
@@ -53,6 +55,8 @@ def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
 class AdamOnMasters:
     """torch.optim.AdamW on fp32 masters of ``chunks``' parameters (decay on matrices only); a subclass
     decides what the masters and the gradient buffers are (module docstring)."""
+
+    dp_reduced = False  # the gradients arrive averaged over dp × cp already (FSDP's reduce-scatter)
 
     def __init__(self, chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims

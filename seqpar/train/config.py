@@ -156,6 +156,13 @@ class JobConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"recompute num_layers must be a positive integer, got {n!r}")
         self.train.validate(self.parallel.dp)
+        if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
+            raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
+                              "itself: turn off distributed_optimizer and overlap_grad_reduce")
+        if self.parallel.fsdp and self.model.experts:
+            raise ConfigError(f"fsdp with a mixture of experts ({self.model.experts} experts) is not supported: "
+                              "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
+                              "places experts on subsets of them; train MoE models without fsdp")
         self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self

@@ -22,6 +22,7 @@ from seqpar.data import tokenizer as tokfile
 from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
@@ -94,7 +95,9 @@ class Trainer:
         if t.compile:
             for chunk in self.chunks:
                 compile_model(chunk)  # seqpar/model/compile.py: cores and MLPs compiled, dropout eager
-        self.opt = build_optimizer(self.chunks, t, self.dims)
+        # FSDP2 last (torchtitan's order: tp at construction, recompute, compile, then FSDP)
+        mesh = apply_fsdp(self.chunks, self.dims, job.parallel) if job.parallel.fsdp else None
+        self.opt = build_optimizer(self.chunks, t, self.dims, mesh)
         self.state = TrainState()
         if self.resume_path is not None:
             self.load(self.resume_path)
@@ -158,10 +161,14 @@ class Trainer:
         if "optimizer_bytes" in info:
             opt = ("distributed optimizer" if t.distributed_optimizer else "optimizer") + \
                 (", gradients reduced during the backward" if t.overlap_grad_reduce else "")
+            if p.fsdp:
+                opt = (f"FSDP2 over {p.fsdp_shards} ranks" + (" (HSDP)" if p.fsdp_shards < p.dp * p.cp else "")
+                       + (", ZeRO-3" if p.reshard_after_forward else ", ZeRO-2") + ": fp32 shards")
+            keys = ("params_bytes", "grads_bytes", "optimizer_bytes") if p.fsdp else ("optimizer_bytes",)
+            formula = " / ".join(f"{info[f'{k}_predicted']:,.0f}" for k in keys if f"{k}_predicted" in info)
             lines.append(f"  model states on rank 0 ({opt}): parameters {info['params_bytes']:,} B, gradients "
                          f"{info['grads_bytes']:,} B, optimizer {info['optimizer_bytes']:,} B"
-                         + (f" (formula {info['optimizer_bytes_predicted']:,.0f} B)"
-                            if "optimizer_bytes_predicted" in info else ""))
+                         + (f" (formula {formula} B)" if formula else ""))
         if "compile_s" in info:
             lines.append(f"  compiled attention cores and MLPs: first forward + backward {info['compile_s']:.1f} s "
                          "(compile time, not counted in step times)")
@@ -184,7 +191,7 @@ class Trainer:
         opt.zero_grad(len(mbs))
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
                                       keep_microbatches=self.job.recompute.keep_microbatches)  # App. C
-        self._finalize(self.chunks, dims, opt.buffers)  # fp32 reductions of the (scaled) gradients
+        self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike

@@ -79,14 +79,23 @@ def checkpoint_without_output(run, x: torch.Tensor, consumer, *, tracker: RNGTra
     # Same storage, shape and strides as the tensor the consumer saved; ``.data`` has its own version
     # counter, so refilling it does not look like an in-place change of a saved tensor.
     held = y.data
+    # the hooks live as long as the graph's nodes, which the schedule may keep past this backward (a loss
+    # tensor held for the step): hold x only until the rebuild, and the rebuilt output only until y's
+    # gradient is complete, or both would stay alive into the next microbatch's forward
+    inputs = [x]
 
     def restore(grad_outputs):
-        if storage.nbytes() == 0:
+        if storage.nbytes() == 0 and inputs:
             storage.resize_(nbytes)
             with torch.no_grad():
-                held.copy_(run(x))
+                held.copy_(run(inputs.pop()))
+
+    def release(grad_outputs):  # every node that saved y has run its backward
+        inputs.clear()
+        storage.resize_(0)
 
     out.grad_fn.register_prehook(restore)
+    y.grad_fn.register_prehook(release)
     return out
 
 

@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpar.train import checkpoint as ckpt
-from seqpar.train.supervise import clip
 
 TENSORS = {"model.w": torch.arange(4.0)}
 SYMPTOMS = {"enospc": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
@@ -51,6 +50,8 @@ def test_another_runtime_error_is_not_called_a_full_disk(tmp_path, monkeypatch):
 @settings(max_examples=50, derandomize=True)
 @given(st.lists(st.text("abcdefgh.:[]0123456789", min_size=1, max_size=30), min_size=1, max_size=40))
 def test_a_relayed_message_is_cut_between_words(words):
+    from seqpar.train.supervise import clip
+
     line = " ".join(words)
     cut = clip(line, 80)
     assert len(cut) <= 80

@@ -81,11 +81,12 @@ def test_import_logits_and_export_round_trip(name, folders, tmp_path):
     folder, hf_logits = folders[name]
     single = _logits(0, 1, folder)
     worst = (single - hf_logits).abs().max().item()
-    worst_parallel = 0.0
-    if name == "qwen2_moe":  # (one 4-rank launch: dense and MoE layers, shared expert, qkv biases)
+    print(f"\n{name}: max |Δlogits| seqpar vs transformers {worst:.2e} (tp 1)")
+    assert worst < 1e-4
+    if name == "qwen2_moe":  # one 4-rank launch: dense and MoE layers, shared expert, qkv biases
         worst_parallel = (run_ranks(_logits, 4, folder)[0] - hf_logits).abs().max().item()
-    print(f"\n{name}: max |Δlogits| seqpar vs transformers {worst:.2e} (tp 1), {worst_parallel:.2e} (tp 2 + SP, ep 2)")
-    assert worst < 1e-4 and worst_parallel < 1e-4
+        print(f"{name}: max |Δlogits| seqpar at tp 2 + SP, ep 2 vs transformers {worst_parallel:.2e}")
+        assert worst_parallel < 1e-4
     cfg, state = read_hf_folder(folder)
     out = write_hf_folder(tmp_path / "export", cfg, state)
     back = getattr(transformers, f"{'Mixtral' if name == 'mixtral' else 'Qwen2Moe'}ForCausalLM").from_pretrained(out)

@@ -145,6 +145,11 @@ def test_training_reads_a_prepared_folder_with_its_tokenizer_and_vocab(corpus, t
     assert meta["tokenizer"]["sha256"] == Prepared(tmp_path / "p").manifest["tokenizer"]["sha256"]
     code, text, err = seqpar(capsys, "sample", tmp_path / "run", "--prompt", "doc 1:", "--tokens", 4)
     assert code == 0 and text.startswith("doc 1:"), err
+    code, _, err = seqpar(capsys, "eval", tmp_path / "run", "--data", tmp_path / "p", "--batches", 1)
+    assert code == 0 and "eval: 8/8 windows" in err, err  # 1 forward of --micro-batch 8
+    prep.prepare([str(folder)], tmp_path / "bytes", progress=False)  # other ids: refused, one line
+    code, _, err = seqpar(capsys, "eval", tmp_path / "run", "--data", tmp_path / "bytes")
+    assert code == 2 and "was prepared with bytes, the model reads tokenizer sha256" in err, err
 
 
 def test_document_windows_stay_in_their_split_and_follow_seed_and_step(corpus, tmp_path):

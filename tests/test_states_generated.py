@@ -1,15 +1,17 @@
 """Item 1 of issue 32: the parameter formula (``seqpar.analysis.states``) against the model itself.
 
-Generated draws (hypothesis, derandomized) over every architecture option that changes a parameter --
+Generated draws over every architecture option that changes a parameter --
 norm, activation, position, kv heads, bias, tied embeddings, FFN width, vocabulary -- built at tp 1, 2
 and 4 (with an uneven pipeline split and interleaving beside): every rank's parameters, name by name and
 element by element, equal ``stage_parameter_sizes`` of its stage, so ``stage_parameters`` (the start
 record, ``--dry-run`` and the planner) is the count the ranks hold. One spawn of 4 gloo ranks builds every
-draw; SEQPAR_DRAWS=N draws N (CI: 6)."""
+draw; SEQPAR_DRAWS=N draws N (CI: 6 models on the spawned ranks, seeded; 25 hypothesis examples in one
+process, derandomized)."""
 
 import os
+import random
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from seqpar.analysis.states import layer_parameters, model_parameters, stage_parameter_sizes, stage_parameters
@@ -50,18 +52,20 @@ def layouts(cfg: ModelConfig, n: int) -> list[ParallelConfig]:
     return [p.validate(cfg) for p in out]
 
 
-def drawn(n: int = DRAWS) -> list[ModelConfig]:
-    """``n`` models from ``models()``, the same ones every run (derandomized)."""
-    out: list[ModelConfig] = []
-
-    @settings(max_examples=n, derandomize=True, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), deadline=None)
-    @given(models())
-    def grab(cfg):
-        out.append(cfg)
-
-    grab()
-    return out[:n]
+def drawn(n: int = DRAWS, seed: int = 32) -> list[ModelConfig]:
+    """``n`` models for the spawned ranks, seeded (the same every run), each option drawn uniformly."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        heads = rng.choice([4, 8])
+        out.append(ModelConfig(vocab_size=rng.randint(33, 160), hidden_size=rng.choice([32, 64]), num_heads=heads,
+                               num_layers=rng.randint(2, 5), seq_len=8, ffn_hidden_size=rng.choice([None, 24, 40]),
+                               norm=rng.choice(["layernorm", "rmsnorm"]),
+                               activation=rng.choice(["gelu", "gelu_tanh", "swiglu"]),
+                               position=rng.choice(["learned", "rope"]),
+                               kv_heads=rng.choice([None, 1, 2, heads // 2]), bias=rng.random() < 0.5,
+                               tie_embeddings=rng.random() < 0.5).validate())
+    return out
 
 
 def _worker(rank, world, cfgs):
@@ -74,11 +78,21 @@ def _worker(rank, world, cfgs):
     return out
 
 
-def test_single_process_model_equals_the_formula():
-    for cfg in drawn():
-        held = [(name, p.numel()) for name, p in named_parameters([build_model(cfg)])]
-        assert held == stage_parameter_sizes(cfg, ParallelConfig(), 0), cfg
-        assert sum(n for _, n in held) == model_parameters(cfg)
+@settings(max_examples=int(os.environ.get("SEQPAR_DRAWS", "25")), derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(models())
+def test_single_process_model_equals_the_formula(cfg):
+    held = [(name, p.numel()) for name, p in named_parameters([build_model(cfg)])]
+    assert held == stage_parameter_sizes(cfg, ParallelConfig(), 0), cfg
+    assert sum(n for _, n in held) == model_parameters(cfg)
+
+
+def test_the_ci_sample_covers_every_option():
+    cfgs = drawn()
+    for option in ("norm", "position", "bias", "tie_embeddings"):
+        assert len({getattr(c, option) for c in cfgs}) > 1, option
+    assert {c.activation for c in cfgs} == {"gelu", "gelu_tanh", "swiglu"}
+    assert any(c.num_kv_heads < c.num_heads for c in cfgs) and any(c.num_kv_heads == c.num_heads for c in cfgs)
 
 
 def test_every_rank_at_tp_1_2_4_holds_the_formula():
@@ -105,5 +119,7 @@ def test_the_issues_examples_by_hand():
     for label, (kw, nbytes) in measured.items():
         assert 4 * model_parameters(ModelConfig(**base, **kw).validate()) == nbytes, label
     assert 4 * stage_parameters(ModelConfig(**base, kv_heads=2).validate(), ParallelConfig(tp=2), 0) == 115_456
+    uneven = ParallelConfig(pp=2, layer_split=(1, 3))  # item 2: the ranks hold 87,680 and 185,472 B
+    assert [4 * stage_parameters(gpt, uneven, r) for r in (0, 1)] == [87_680, 185_472]
     h, f = 32, 128
     assert layer_parameters(gpt) == 12 * h * h + 13 * h == 4 * h * h + 2 * h * f + 9 * h + f

@@ -324,3 +324,11 @@ class DocumentData(Windows):
 
     def read(self, split: str, start: int, count: int) -> torch.Tensor:
         return self.prepared.read(start, count)
+
+    def with_validation(self, spans: Spans) -> DocumentData:
+        """A copy validating on ``spans`` (``seqpar eval --split all``: every token)."""
+        import copy
+
+        other = copy.copy(self)
+        other._val = spans
+        return other

@@ -137,6 +137,7 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     tokens = TokenData.build(cfg.seq_len, cfg.vocab_size, data, tokenizer, train.get("token_dtype", "uint16"),
                              train.get("val_fraction", 0.05),
                              document_mask=meta["config"].get("data", {}).get("document_mask", False))
+    _same_tokenizer(tokens, tokenizer)
     if split == "all":
         tokens = _whole(tokens)
     spans = tokens.val_spans()
@@ -166,6 +167,21 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     return result
 
 
+def _same_tokenizer(data, tokenizer: str) -> None:
+    """A prepared folder's ids were made by the model's tokenizer (or both are bytes), or one line."""
+    from seqpar.data import tokenizer as tokfile
+    from seqpar.data.errors import DataError
+
+    prepared = getattr(data, "prepared", None)
+    if prepared is None:
+        return
+    record = prepared.manifest["tokenizer"]
+    theirs, mine = (record["sha256"] if record else None), (tokfile.sha256(tokenizer) if tokenizer else None)
+    if theirs != mine:
+        what = lambda digest: f"tokenizer sha256 {digest[:12]}..." if digest else "bytes"  # noqa: E731
+        raise DataError(f"{prepared.path} was prepared with {what(theirs)}, the model reads {what(mine)}")
+
+
 def _whole(data):
     """``data`` with every token as its validation split (``--split all``)."""
     from seqpar.data.windows import Spans
@@ -173,9 +189,7 @@ def _whole(data):
 
     if isinstance(data, TokenData):
         return TokenData(data.train, torch.cat([data.train, data.val]), data.seq_len, data.source)
-    whole = Spans([(0, len(data.prepared))], data.seq_len)
-    data.val_spans = lambda: whole
-    return data
+    return data.with_validation(Spans([(0, len(data.prepared))], data.seq_len))
 
 
 class _Meter:

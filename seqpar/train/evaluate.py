@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from seqpar.dtypes import torch_dtype
-from seqpar.parallel.comm import all_reduce, broadcast
+from seqpar.parallel.comm import MAX, all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.fsdp import shard_of
 
 
 def broadcast_from_last_stage(value: float | None, dims: ParallelDims, device) -> float:
@@ -55,6 +56,18 @@ def mean_over_windows(total: torch.Tensor | None, count: int, dims: ParallelDims
     return float(t[0] / t[1])
 
 
+def fsdp_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Under FSDP every forward gathers each unit's weights over the dp × cp ranks, so every dp rank runs
+    as many forwards as the one with the most batches: the extra ones, on a dummy window, not counted
+    (nothing without FSDP; a collective over dp with it)."""
+    if dims.dp_group is None or not any(shard_of(p) is not None for c in chunks for p in c.parameters()):
+        return []
+    most = torch.tensor([n], dtype=torch.int64, device=device)
+    all_reduce(most, group=dims.dp_group, op=MAX)
+    window = torch.zeros((1, chunks[0].cfg.seq_len), dtype=torch.long)  # [b, s]
+    return [(window, window)] * (int(most) - n)
+
+
 @torch.no_grad()
 def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims) -> float:
     """Mean loss per window over every dp rank's ``batches`` (each its share of one window set; shares
@@ -64,9 +77,11 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
     for c in chunks:
         c.eval()
     total, count, last = torch.zeros((), dtype=torch.float64, device=device), 0, False
+    counted = len(batches)
+    batches = list(batches) + fsdp_padding(chunks, len(batches), dims, device)
     try:
         virtual = len(chunks) * dims.pp
-        for tokens, labels, *docs in batches:  # docs: packed documents, if any
+        for i, (tokens, labels, *docs) in enumerate(batches):  # docs: packed documents, if any
             docs = docs[0] if docs else None
             x = None
             for v in range(virtual):
@@ -79,8 +94,10 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
                         dist.recv(x, src=dims.pp_ranks[(v - 1) % dims.pp], group=dims.pp_group)
                     inp = tokens.to(device) if chunk.first else x
                     if chunk.last:
-                        total += chunk(inp, labels.to(device), docs=docs).double() * tokens.shape[0]  # batch mean
-                        count += tokens.shape[0]
+                        loss = chunk(inp, labels.to(device), docs=docs).double()
+                        if i < counted:  # not an FSDP padding forward
+                            total += loss * tokens.shape[0]  # batch mean
+                            count += tokens.shape[0]
                     else:
                         x = chunk(inp, docs=docs)
                         nxt = (v + 1) % dims.pp

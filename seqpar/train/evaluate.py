@@ -56,11 +56,13 @@ def mean_over_windows(total: torch.Tensor | None, count: int, dims: ParallelDims
     return float(t[0] / t[1])
 
 
-def fsdp_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Under FSDP every forward gathers each unit's weights over the dp × cp ranks, so every dp rank runs
-    as many forwards as the one with the most batches: the extra ones, on a dummy window, not counted
-    (nothing without FSDP; a collective over dp with it)."""
-    if dims.dp_group is None or not any(shard_of(p) is not None for c in chunks for p in c.parameters()):
+def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Under FSDP every forward gathers each unit's weights over the dp × cp ranks, and under expert
+    parallelism every MoE forward exchanges tokens over the ep ranks (inside dp × cp): so every dp rank
+    runs as many forwards as the one with the most batches: the extra ones, on a dummy window, not counted
+    (nothing without either; a collective over dp with them)."""
+    fsdp = any(shard_of(p) is not None for c in chunks for p in c.parameters())
+    if dims.dp_group is None or not (fsdp or dims.ep > 1):
         return []
     most = torch.tensor([n], dtype=torch.int64, device=device)
     all_reduce(most, group=dims.dp_group, op=MAX)
@@ -78,7 +80,7 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
         c.eval()
     total, count, last = torch.zeros((), dtype=torch.float64, device=device), 0, False
     counted = len(batches)
-    batches = list(batches) + fsdp_padding(chunks, len(batches), dims, device)
+    batches = list(batches) + lockstep_padding(chunks, len(batches), dims, device)
     try:
         virtual = len(chunks) * dims.pp
         for i, (tokens, labels, *docs) in enumerate(batches):  # docs: packed documents, if any
@@ -95,7 +97,7 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
                     inp = tokens.to(device) if chunk.first else x
                     if chunk.last:
                         loss = chunk(inp, labels.to(device), docs=docs).double()
-                        if i < counted:  # not an FSDP padding forward
+                        if i < counted:  # not a lockstep padding forward
                             total += loss * tokens.shape[0]  # batch mean
                             count += tokens.shape[0]
                     else:

@@ -69,7 +69,7 @@ def _alternatives(cfg: ModelConfig, name: str):
         return [x for x in (value * 2, value + 1.0, value / 2, 0.1) if x != value]
     if isinstance(value, int) or value is None:
         base = getattr(cfg, {"kv_heads": "num_kv_heads", "ffn_hidden_size": "ffn"}.get(name, name))
-        return [base * 2, base // 2, base + 1] if base is not None else [8, 64, 1024]
+        return [x for x in ((base * 2, base // 2, base + 1) if base is not None else (8, 64, 1024)) if x != value]
     options = [t for t in vars(config_module).values() if isinstance(t, tuple | dict) and value in t]
     return [o for t in options for o in t if o != value]
 

@@ -39,7 +39,8 @@ def _train_save_load(rank, world, out, tp, resume):
     from seqpar.parallel.sharding import full_shape
     from seqpar.train.loop import Trainer
 
-    trainer = Trainer(build_job(sections(out, tp)), resume=resume, quiet=True)
+    more = {"steps": TRAIN["steps"] + 1} if resume else {}  # a resume with no steps left is refused
+    trainer = Trainer(build_job(sections(out, tp, **more)), resume=resume, quiet=True)
     if not resume:
         for step in (1, 2):
             trainer.state.step = step

@@ -155,8 +155,7 @@ class ModelConfig:
         return sum(self.is_moe(i) for i in range(self.num_layers))
 
     def _validate_moe(self) -> None:
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1:
-            raise ConfigError(f"top_k must be a positive integer, got {self.top_k!r}")  # also without experts
+        _positive(top_k=self.top_k, moe_every=self.moe_every)  # a flag given is a flag checked, experts or not
         if self.experts == 0:
             if self.shared_expert_ffn or self.moe_capacity:
                 raise ConfigError("shared_expert_ffn and moe_capacity need experts > 0")

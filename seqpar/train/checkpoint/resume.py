@@ -48,21 +48,6 @@ def _not_a_checkpoint(path: Path) -> str:
             "--out folder or its checkpoints/ folder")
 
 
-def _not_a_checkpoint(path: Path) -> str:
-    """Why a folder without meta.json is not a checkpoint: a Hugging Face folder, an interrupted save,
-    a run without a complete checkpoint, or something else."""
-    weights = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
-    if (path / "config.json").is_file() and any(next(path.glob(w), None) for w in weights):
-        return (f"{path} is a Hugging Face model folder, not a seqpar checkpoint; convert it with "
-                f"`seqpar import-hf {path} --out CKPT` and use CKPT")
-    if path.name.endswith(".tmp") or (path / ".metadata").is_file() or next(path.glob("*.distcp"), None):
-        return f"checkpoint {path} is incomplete: {META} is missing (an interrupted save?)"
-    if next(path.glob("step_*"), None) or (path / "checkpoints").is_dir():
-        return f"{path} holds no complete checkpoint (no `{LATEST}` file names one)"
-    return (f"{path} is not a seqpar checkpoint (no {META}, no `{LATEST}`): give a step_N folder, a run's "
-            "--out folder or its checkpoints/ folder")
-
-
 # the model fields a resumed run may change: the rest define the function the weights compute
 # (seq_len is free for rotary positions; a learned position table fixes it through its shape)
 RESUME_MAY_CHANGE = ("seq_len", "dtype", "attention", "embd_dropout", "attn_dropout", "hidden_dropout",

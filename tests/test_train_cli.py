@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory):
 
 def test_train_nproc_2(run_dir):
     out, stdout = run_dir
-    assert "layout tp 2 × pp 1 × dp 1, sequence parallel on, recompute selective" in stdout
+    assert "layout dp 1 × pp 1 × tp 2, sequence parallel on, recompute selective" in stdout
     assert "validation loss" in stdout and "MFU" in stdout and "--- sample" in stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     start = records[0]
@@ -73,4 +73,4 @@ def test_resume_without_config_uses_the_checkpoints(run_dir, tmp_path, capsys):
     text = seqpar_here(capsys, "train", "--resume", str(out), "--tp", "1", "--steps", "6", "--out", str(tmp_path),
                        "--no-progress", "--sample-tokens", "0")
     assert "resumed from" in text and "written with tp 2" in text
-    assert "layout tp 1 × pp 1 × dp 1" in text and "steps 6" in text
+    assert "layout dp 1 × pp 1 × tp 1" in text and "steps 6" in text

@@ -3,6 +3,8 @@ and spawned ranks inherit it)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 from collections.abc import Callable, Hashable
@@ -83,3 +85,16 @@ class Launches:
         if world == 1:  # in this process
             return [train_local(s) for s in sections]
         return train_local_many(sections, world, timeout=self.timeout(len(keys), world))
+
+
+def run_cli(argv) -> tuple[int, str, str]:
+    """``seqpar ARGV`` in this process: (exit code, stdout, stderr)."""
+    from seqpar.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    return code, out.getvalue(), err.getvalue()

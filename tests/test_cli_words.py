@@ -7,33 +7,22 @@ checked before the work (`calibrate --out`, `plan --emit-config`)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import stat
 import subprocess
 import sys
 
 import pytest
+from _helpers import run_cli
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from seqpar.cli import VERBS, build_parser, main
+from seqpar.cli import VERBS, build_parser
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.train.config import build_job
 
 PROBE = ("import sys; from seqpar.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
          "print('torch imported' if 'torch' in sys.modules else 'no torch')")
-
-
-def _cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
@@ -57,7 +46,7 @@ def test_a_misspelled_flag_is_one_line_with_a_did_you_mean(verb, data):
     i = data.draw(st.integers(3, len(flag) - 1))
     typo = flag[:i] + flag[i + 1:] if data.draw(st.booleans()) else flag[:i] + "q" + flag[i:]  # drop or add a letter
     assume(not any(f.startswith(typo) for f in _flags(verb)))  # argparse takes a flag's prefix as the flag
-    code, out, err = _cli([verb, *(["--gpus", "8"] if verb == "plan" else []), typo, "1"])
+    code, out, err = run_cli([verb, *(["--gpus", "8"] if verb == "plan" else []), typo, "1"])
     lines = err.strip().splitlines()
     assert code == 2 and "usage:" not in err and len(lines) == 2, err
     assert lines[0].startswith(f"seqpar {verb}: error: unrecognized arguments: {typo}") and "did you mean" in lines[0]
@@ -65,11 +54,11 @@ def test_a_misspelled_flag_is_one_line_with_a_did_you_mean(verb, data):
 
 
 def test_a_validation_error_is_one_line_and_a_misspelled_choice_or_verb_is_named():
-    code, _, err = _cli(["plan", "--model", "22b", "--gpus", "0"])
+    code, _, err = run_cli(["plan", "--model", "22b", "--gpus", "0"])
     assert code == 2 and err.splitlines() == ["seqpar plan: error: --gpus must be positive, got 0",
                                               "(`seqpar plan --help` lists the options)"]
-    assert "did you mean 'llama'" in _cli(["train", "--arch", "lama"])[2]
-    assert "did you mean 'train'" in _cli(["tarin"])[2]
+    assert "did you mean 'llama'" in run_cli(["train", "--arch", "lama"])[2]
+    assert "did you mean 'train'" in run_cli(["tarin"])[2]
     assert set(VERBS) >= {"train", "plan"}
 
 
@@ -82,9 +71,9 @@ def test_an_unknown_toml_key_gets_a_did_you_mean(sections, hint):
 
 
 def test_memory_takes_a_preset_and_llama3_rotates_with_theta_500000():
-    code, out, err = _cli(["memory", "--model", "llama3-8b", "--tp", "8", "--sp", "--micro-batch", "1"])
+    code, out, err = run_cli(["memory", "--model", "llama3-8b", "--tp", "8", "--sp", "--micro-batch", "1"])
     assert code == 0 and "s=8192 b=1 h=4096 a=32 f=14336" in out and "kv heads 8" in out, err
-    code, out, _ = _cli(["memory", "--model", "llama3-8b", "--hidden", "1024", "--heads", "8"])
+    code, out, _ = run_cli(["memory", "--model", "llama3-8b", "--hidden", "1024", "--heads", "8"])
     assert code == 0 and "h=1024 a=8 f=14336" in out  # flags override the preset
     from seqpar.analysis.presets import preset_shape
     from seqpar.commands import train as train_cmd
@@ -124,6 +113,6 @@ def test_exported_weights_have_the_umask_permissions(tmp_path):
                                   ["plan", "--model", "22b", "--gpus", "64", "--emit-config", "/nonexistent/x.toml"],
                                   ["plan", "--model", "22b", "--gpus", "64", "--emit-config", "{tmp}"]])
 def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_path, argv):
-    code, out, err = _cli([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    code, out, err = run_cli([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert code == 2 and out == "" and "Traceback" not in err, err
     assert ("does not exist" in err or "is a folder" in err) and len(err.strip().splitlines()) == 2

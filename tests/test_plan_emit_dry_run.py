@@ -8,28 +8,16 @@ warns when a large vocabulary would be trained on bytes."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 
 import pytest
+from _helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqpar.cli import main
 from seqpar.train.config import build_job, inert_settings, load_toml
 
 DRAWS = 150 if os.environ.get("SEQPAR_FULL_SWEEP") else 20
-
-
-def _cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, out.getvalue(), err.getvalue()
 
 
 @st.composite
@@ -62,14 +50,14 @@ def test_every_emitted_config_passes_train_dry_run(tmp_path, case):
     argv, gpus, explain = case
     path = tmp_path / "plan.toml"
     path.unlink(missing_ok=True)
-    code, out, err = _cli([*argv, "--emit-config", path, *(["--explain", explain] if explain else [])])
+    code, out, err = run_cli([*argv, "--emit-config", path, *(["--explain", explain] if explain else [])])
     if code != 0:  # no plan fits, or the --explain layout cannot run this model: nothing is written
         assert code in (1, 2) and not path.exists() and "Traceback" not in err, err
         return
     job = build_job(load_toml(path)).validate(gpus)
     planned = [n for n in inert_settings(job) if "bytes" not in n and "microbatch" not in n]
     assert planned == [], planned  # nothing the planner chose is inert
-    code, out, err = _cli(["train", "--config", path, "--nproc", gpus, "--dry-run"])
+    code, out, err = run_cli(["train", "--config", path, "--nproc", gpus, "--dry-run"])
     assert code == 0 and "predicted memory per rank" in out and "not available" not in out, (argv, out, err)
     EMITTED.append(explain)
 
@@ -86,7 +74,7 @@ def test_the_sweep_emitted_configs():
 
 def test_fused_gpt_plan_of_the_issue_runs_and_says_what_it_did_not_choose(tmp_path):
     path = tmp_path / "plan.toml"
-    code, _, err = _cli(["plan", "--model", "gpt3-6.7b", "--gpus", 16, "--global-batch", 32, "--fused-attention",
+    code, _, err = run_cli(["plan", "--model", "gpt3-6.7b", "--gpus", 16, "--global-batch", 32, "--fused-attention",
                          "--emit-config", path])
     assert code == 0, err
     text = path.read_text()
@@ -94,15 +82,15 @@ def test_fused_gpt_plan_of_the_issue_runs_and_says_what_it_did_not_choose(tmp_pa
     assert sections["model"]["attention"] == "sdpa" and sections["model"]["attn_dropout"] == 0.0
     assert {"steps", "lr", "warmup"} <= set(sections["train"]) and "# data unset" in text
     assert "--nproc 16" in text
-    code, out, err = _cli(["train", "--config", path, "--nproc", 16, "--dry-run"])
+    code, out, err = run_cli(["train", "--config", path, "--nproc", 16, "--dry-run"])
     assert code == 0 and "predicted memory per rank" in out, err
-    code, out, err = _cli(["train", "--config", path, "--dry-run"])  # as the README once said: no --nproc
+    code, out, err = run_cli(["train", "--config", path, "--dry-run"])  # as the README once said: no --nproc
     assert code == 2 and "!= world size 1: this is one process; start 16 ranks with --nproc 16" in err
 
 
 def test_a_large_vocabulary_on_bytes_is_said_in_the_file_and_warned_at_train_time(tmp_path):
     path = tmp_path / "plan.toml"
-    code, _, err = _cli(["plan", "--model", "llama3-8b", "--gpus", 64, "--global-batch", 64, "--emit-config", path])
+    code, _, err = run_cli(["plan", "--model", "llama3-8b", "--gpus", 64, "--global-batch", 64, "--emit-config", path])
     assert code == 0, err
     assert "128,256 vocabulary rows" in path.read_text() or "128,000 of this model's 128,256" in path.read_text()
     job = build_job(load_toml(path)).validate(64)
@@ -112,7 +100,7 @@ def test_a_large_vocabulary_on_bytes_is_said_in_the_file_and_warned_at_train_tim
 
 @pytest.mark.parametrize("argv", [["--tp", "2"], ["--tp", "2", "--pp", "2", "--dry-run"]])
 def test_a_layout_of_more_ranks_than_started_says_how_to_start_them(argv):
-    code, out, err = _cli(["train", "--layers", "4", "--steps", "1", *argv])
+    code, out, err = run_cli(["train", "--layers", "4", "--steps", "1", *argv])
     n = 2 if "--pp" not in argv else 4
     assert code == 2 and out == ""
     assert f"!= world size 1: this is one process; start {n} ranks with --nproc {n}" in err and "torchrun" in err

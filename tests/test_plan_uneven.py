@@ -6,36 +6,24 @@ same layout (more memory and more time)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 import json
 
+from _helpers import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpar.analysis.planner import Request, parse_plan, search
 from seqpar.analysis.shapes import model_config
-from seqpar.cli import main
 from seqpar.config import ParallelConfig
 
 LLAMA405 = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--global-batch", "2048", "--fused-attention",
             "--gpu", "h100"]
 
 
-def _cli(argv):
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_llama3_405b_on_16384_gpus_has_plans_with_lighter_end_stages(tmp_path):
     path = tmp_path / "405b.toml"
-    code, out, err = _cli([*LLAMA405, "--json", "--emit-config", path])
+    code, out, err = run_cli([*LLAMA405, "--json", "--emit-config", path])
     assert code == 0, err
     plans = json.loads(out)["plans"]
     assert plans and all(p["fits"] for p in plans)
@@ -53,13 +41,13 @@ def test_llama3_405b_on_16384_gpus_has_plans_with_lighter_end_stages(tmp_path):
 
 
 def test_no_plan_fits_names_each_rule_and_what_it_ruled_out():
-    code, out, _ = _cli([*LLAMA405, "--gpu-memory", "8"])
+    code, out, _ = run_cli([*LLAMA405, "--gpu-memory", "8"])
     assert code == 1 and "no plan fits" in out
     lines = out.split("no plan fits", 1)[1]
     assert "pp values above the 126 layers" in lines
     assert "model states alone (weights, gradients, optimizer) exceed 7.2 GB usable" in lines
     assert "dp does not divide the global batch 2048" in lines
-    code, out, _ = _cli([*LLAMA405, "--gpu-memory", "8", "--json"])
+    code, out, _ = run_cli([*LLAMA405, "--gpu-memory", "8", "--json"])
     ruled_out = json.loads(out)["ruled_out"]
     assert code == 1 and any("model states alone" in line for line in ruled_out) and ruled_out[0][0].isdigit()
 

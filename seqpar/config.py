@@ -15,7 +15,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # Finer selective recompute (beyond the paper): what a layer may checkpoint.
-RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp")
+RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp", "dropout_mask")
 # The two layer families the analytic model knows, as ModelConfig fields: the paper's GPT (Fig. 2) and a
 # Llama-style layer (RMSNorm, SwiGLU, rotary positions, no biases, untied output layer, no dropout).
 ARCH_FIELDS = {
@@ -274,7 +274,9 @@ class RecomputeConfig:
     method: str = "uniform"
     num_layers: int = 1
     # For ``selective``: which parts of each layer to checkpoint. Empty means the paper's choice,
-    # ("core_attention",). "norm": both norms; "activation": GeLU / SwiGLU; "mlp": the whole MLP.
+    # ("core_attention",). "norm": both norms; "activation": GeLU / SwiGLU; "mlp": the whole MLP;
+    # "dropout_mask" (beyond the paper): the materialized core computes its attention dropout mask again
+    # in backward from its position key instead of keeping it (the as²b/t byte term goes, no GEMM).
     modules: tuple[str, ...] = ()
     # App. C: on each pipeline rank up to this many in-flight chunk-microbatches keep all their
     # activations and are not recomputed; the others follow ``granularity``.

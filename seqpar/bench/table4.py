@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _layer(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: str, compiled: bool = False):
-    tracker = RNGTracker(0, dims.tp_rank)
+    tracker = RNGTracker(0)
     plan = RecomputePlan(RecomputeConfig(recompute) if recompute == "selective" else None, tracker)
     layer = TransformerLayer(cfg, TPContext(dims.tp_group, sp, tracker), plan).train()
     init_parameters(layer, 0, dims.tp_rank, dims.tp)

@@ -42,6 +42,7 @@ class StepRunner:
         chunk = self.chunks[chunk_id]
         tokens, labels = self.microbatches[mb]
         x = tokens.to(self._device(chunk)) if chunk.first else input_tensor
+        chunk.tracker.microbatch(mb, tokens.shape[0])  # dropout: the global samples of this microbatch
         keep = self.keep.start(chunk_id, mb) if self.keep is not None else contextlib.nullcontext()
         record = self.meter.forward() if self.meter is not None else contextlib.nullcontext()
         with keep, record:

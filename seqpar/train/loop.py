@@ -22,7 +22,6 @@ import torch.distributed as dist
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import default_device, init_distributed, run_ranks
-from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
 from seqpar.train.config import JobConfig, build_job
@@ -59,10 +58,11 @@ class TrainState:
     val_loss: float = float("nan")
 
 
-def reseed_dropout(chunks: list, seed: int, step: int) -> None:
-    """Dropout masks as a pure function of (the tracker's seeds, chunk, step): exact resumes."""
-    for i, chunk in enumerate(chunks):
-        chunk.tracker.reseed(step_key(seed, step, i))
+def reseed_dropout(chunks: list, step: int, first_sample: int) -> None:
+    """Dropout masks as a pure function of (seed, step, layer, global sample, position): exact resumes
+    under any layout. ``first_sample``: the global index of this dp rank's first sample of the step."""
+    for chunk in chunks:
+        chunk.tracker.start_step(step, first_sample)
 
 
 class Trainer:
@@ -157,7 +157,7 @@ class Trainer:
         """One optimizer step; returns (loss, grad norm, outcome): ``applied``, ``overflow`` (fp16: the
         scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``."""
         t, dims, opt = self.job.train, self.dims, self.opt
-        reseed_dropout(self.chunks, t.seed, step)
+        reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad(len(mbs))
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,

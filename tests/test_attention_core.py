@@ -47,9 +47,14 @@ def _keep(mask, b, n, g, s):
     return None if mask is None else mask.keep(((0, s),), ((0, s),), "cpu").view(b * n, g, s, s)
 
 
-@pytest.mark.parametrize("fuse,regenerate", [(False, False), (False, True), (True, False), (True, True)])
-@pytest.mark.parametrize("s,b,n,g,d,p", [(16, 2, 3, 1, 8, 0.0), (12, 2, 2, 3, 4, 0.0), (16, 2, 3, 1, 8, 0.3),
-                                         (10, 1, 2, 2, 4, 0.25)])
+SHAPES = [(16, 2, 3, 1, 8, 0.0), (12, 2, 2, 3, 4, 0.0), (16, 2, 3, 1, 8, 0.3), (10, 1, 2, 2, 4, 0.25)]
+MODES = [(False, False), (False, True), (True, False), (True, True)]  # (fuse, regenerate)
+# eager: every shape and mode; compiled (each shape a compile): one shape without dropout, one with
+CASES = [(*shape, *mode) for shape in SHAPES for mode in MODES
+         if (not mode[0] or shape in (SHAPES[1], SHAPES[2])) and (shape[-1] or not mode[1])]
+
+
+@pytest.mark.parametrize("s,b,n,g,d,p,fuse,regenerate", CASES)
 def test_core_matches_plain_attention(s, b, n, g, d, p, fuse, regenerate):
     qkv = _qkv(s, b, n, g, d).requires_grad_(True)
     mask = _mask(b, n, g, p)

@@ -33,7 +33,7 @@ M32 = 0xFFFFFFFF
 _MASK64 = 2**64 - 1
 SITES = ("embedding", "attention", "attention_output", "mlp_output")  # one id per dropout site
 Ranges = tuple[tuple[int, int], ...]  # an axis's global coordinates: concatenated [start, stop) ranges
-COMPILE_FROM = 1 << 16  # masks with at least this many elements are computed by the compiled function
+COMPILE_FROM = 1 << 20  # masks with at least this many elements are computed by the compiled function
 
 
 def mix(*values: int) -> int:
@@ -81,7 +81,7 @@ _compiled = None
 def _compiled_keep_bits():
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(keep_bits)
+        _compiled = torch.compile(keep_bits, dynamic=True)  # one graph per number of axes
     return _compiled
 
 

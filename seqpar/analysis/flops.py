@@ -12,7 +12,8 @@ from seqpar.config import RECOMPUTE_GRANULARITIES, ModelConfig, ParallelConfig, 
 
 # The GEMMs (keys of ``layer_forward_flops``) each selective-recompute module (config.RECOMPUTE_MODULES, the
 # same keys) runs again in backward: the norms and the activation are elementwise and add none.
-RECOMPUTED_GEMMS = {"core_attention": ("qk", "attention_v"), "norm": (), "activation": (), "mlp": ("mlp",)}
+RECOMPUTED_GEMMS = {"core_attention": ("qk", "attention_v"), "norm": (), "activation": (), "mlp": ("mlp",),
+                    "dropout_mask": ()}  # the mask is hashed again: element-wise work, no GEMM
 
 
 def layer_forward_flops(B: float, s: int, h: int, f: int | None = None, *, kv_ratio: float = 1.0,

@@ -181,9 +181,12 @@ def _largest_fitting(lo: int, hi: int, ok) -> int | None:
 
 
 def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
-    """none, selective, full-uniform-1, the cheapest fitting full-block-N and App. C variants."""
+    """none, selective(dropout_mask) (with dropout, materialized core), selective, full-uniform-1, the
+    cheapest fitting full-block-N and App. C variants."""
     chunk = layers_per_chunk(req.shape, base.par)
     options = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full")]
+    if req.opts.dropout and not req.opts.fused_attention:  # beyond the paper: the mask regenerated, not kept
+        options.insert(1, RecomputeConfig("selective", modules=("dropout_mask",)))
 
     def fits_with(rc: RecomputeConfig) -> bool:
         return fits(req, replace(base, rc=rc))

@@ -337,3 +337,12 @@ class RunConfig:
         # every stage with layers must hold a full-recompute group (an empty stage checkpoints nothing)
         self.recompute.validate(min(n for n in self.parallel.layer_counts(self.model.num_layers) if n) or None)
         return self
+
+
+def validate_microbatches(n: int, pp: int, interleave: int = 1) -> None:
+    """The interleaved schedule runs microbatches in groups of p (Megatron's rule): n % p == 0."""
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"microbatch count must be a positive integer, got {n!r}")
+    if interleave > 1 and n % pp:
+        raise ConfigError(f"the interleaved schedule needs the microbatch count {n} to be a multiple of "
+                          f"pp {pp}")

@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 
 from seqpar.analysis.costmodel import Hardware, iteration_time
 from seqpar.analysis.flops import hardware_flops, model_flops
+from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_bytes, table2_bytes, table2_config
-from seqpar.analysis.schedule import in_flight_chunks
 from seqpar.analysis.shapes import model_config
 from seqpar.analysis.stage import stage_memory
 from seqpar.config import ParallelConfig, RecomputeConfig

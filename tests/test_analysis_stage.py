@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
+from seqpar.analysis.in_flight import in_flight_chunks, interleaving_factor, outstanding_backwards
 from seqpar.analysis.memory import layer_activation_bytes
 from seqpar.analysis.presets import TABLE3
-from seqpar.analysis.schedule import in_flight_chunks, interleaving_factor, outstanding_backwards
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, model_config
 from seqpar.analysis.stage import all_stages, sec43_extra_bytes_paper, stage_memory
 from seqpar.analysis.states import (

@@ -11,15 +11,15 @@ import pytest
 
 from seqpar.analysis.calibration import DataPoint, calibrate, fit, paper_calibration, paper_points
 from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, ties_with_best
-from seqpar.analysis.hardware import (
+from seqpar.analysis.hardware import datasheet_hardware
+from seqpar.analysis.presets import TABLE5_ITERATION_S
+from seqpar.analysis.profiles import (
     builtin_profile,
-    datasheet_hardware,
     hardware_for,
     load_profile,
     profile_from_json,
     profile_to_json,
 )
-from seqpar.analysis.presets import TABLE5_ITERATION_S
 from seqpar.analysis.shapes import AnalysisError
 from seqpar.cli import main
 
@@ -176,7 +176,7 @@ def test_bench_planner_scales_predictions_by_the_reference_step():
     import argparse
 
     from seqpar.bench import planner
-    from seqpar.calibrate import reference_config
+    from seqpar.bench.calibrate import reference_config
 
     assert planner.normalized([1.0, 2.0], [0.5, 1.0], 0.75) == pytest.approx((1.5 + 1.5) / 2)
     assert planner.normalized([1.0], [0.5], 0.5) == 1.0  # the machine as fast as in the calibration
@@ -225,7 +225,7 @@ def test_bench_planner_takes_medians_over_rounds_and_calibrations():
 
 
 def test_overlap_is_what_the_gemm_hid_of_each_collective():
-    from seqpar.calibrate import overlap
+    from seqpar.bench.calibrate import overlap
 
     # after: the collective right after the GEMM; beside: launched async, then the GEMM, then waited on
     rows = [{"seconds": 1.0, "beside_s": 1.0, "gemm_s": 3.0},  # nothing hidden
@@ -239,7 +239,7 @@ def test_overlap_is_what_the_gemm_hid_of_each_collective():
 def test_interleaved_rotates_the_order_and_the_paired_difference_ignores_one_round():
     import torch
 
-    from seqpar.calibrate import interleaved, paired_difference
+    from seqpar.bench.calibrate import interleaved, paired_difference
 
     order = []
     fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
@@ -255,7 +255,7 @@ def _measurements_of(truth: Hardware, step_seconds=None) -> dict:
     """What `seqpar calibrate` would measure on 2 ranks of a machine that runs exactly as ``truth``
     (the micro-benchmarks' GEMMs faster than the steps' ones, as on a CPU)."""
     from seqpar.analysis.costmodel import gemm_s
-    from seqpar.calibrate import SIZES, step_configs, step_points
+    from seqpar.bench.calibrate import SIZES, step_configs, step_points
 
     shape = SIZES["full"]["step_shape"]
     micro = replace(truth, gemm_efficiency=0.9)
@@ -273,7 +273,7 @@ def _measurements_of(truth: Hardware, step_seconds=None) -> dict:
 
 
 def test_local_profile_is_fitted_to_seqpars_own_steps():
-    from seqpar.calibrate import fit_profile, step_points
+    from seqpar.bench.calibrate import fit_profile, step_points
 
     truth = Hardware(gpus_per_node=2, peak_flops=80e9, gemm_efficiency=0.7, memory_bw=5e9, intra_node_bw=2e9,
                      inter_node_bw=2e9, comm_latency=2e-3, layer_overhead=1e-3, step_overhead=5e-3, comm_overlap=0.0,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 from seqpar.measure.meter import ScheduleMeter
 from seqpar.model import build_model
 from seqpar.parallel.data_parallel import buckets
@@ -11,7 +11,7 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.sharding import full_state_dict
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.pipeline.keep import keep_for_rank
-from seqpar.pipeline.split import layer_counts, stage_layers, validate_microbatches
+from seqpar.pipeline.split import layer_counts, stage_layers
 
 CFG = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_layers=4, seq_len=8,
                   embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)

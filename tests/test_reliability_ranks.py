@@ -19,8 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from seqpar.config import ConfigError
-from seqpar.parallel import launch
-from seqpar.train import fault
+from seqpar.train import fault, supervise
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
 TAG = "SEQPAR_TEST_JOB"
@@ -197,6 +196,6 @@ def test_the_report_names_the_cause_not_the_peer_that_saw_it_vanish():
         ({0: _failure(-15), 1: _failure(1, peer_lost)}, 0),  # only consequences: earliest, then rank order
     ]
     for failures, expected in cases:
-        assert launch._first_failure(failures)[0] == expected, failures
-    assert launch._cause(_failure(1, "RuntimeError: injected\nmore")) == ": RuntimeError: injected"
-    assert launch._cause(_failure(-9)) == ""
+        assert supervise._first_failure(failures)[0] == expected, failures
+    assert supervise._cause(_failure(1, "RuntimeError: injected\nmore")) == ": RuntimeError: injected"
+    assert supervise._cause(_failure(-9)) == ""

@@ -109,7 +109,7 @@ def test_rank_flag_first_signal_sets_it_second_exits_130_with_one_line():
 
 NO_RANKS_YET = """
 import os, signal
-from seqpar.parallel.launch import LauncherSignals
+from seqpar.train.supervise import LauncherSignals
 LauncherSignals("unused").install()
 os.kill(os.getpid(), signal.SIGINT)
 print("not reached")

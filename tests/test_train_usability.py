@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from seqpar.cli import build_parser, main
 from seqpar.commands import train as train_cmd
 from seqpar.config import ConfigError
-from seqpar.parallel import launch
+from seqpar.train import supervise
 from seqpar.train.config import TrainConfig, build_job, inert_settings, load_toml
 from seqpar.train.metrics import MetricsLog, format_record, read_records
 
@@ -82,7 +82,7 @@ def test_a_rank_that_finds_bad_input_says_it_once_and_exits_2(tmp_path, capsys, 
     """Under torchrun (not `--nproc`), rank 0 prints the one line and every rank exits 2."""
     for key, value in {"WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "RANK": str(rank)}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.delenv(launch.LAUNCHER_ENV, raising=False)
+    monkeypatch.delenv(supervise.LAUNCHER_ENV, raising=False)
     missing = tmp_path / "missing"
     code, stdout, stderr = seqpar(capsys, "train", "--config", TINY, "--tp", 2, "--data", missing,
                                   "--out", tmp_path / "o")
@@ -98,13 +98,13 @@ def _failure(code, message="", t=0.0):
 
 def test_the_launcher_reports_the_ranks_end_in_one_line(capsys):
     # every rank stopped on a Ctrl-C: rank 0 has said so already
-    assert launch._report({0: _failure(130), 1: _failure(-15)}, interrupted=True) == 130
+    assert supervise._report({0: _failure(130), 1: _failure(-15)}, interrupted=True) == 130
     assert capsys.readouterr().err == ""
     # a bad input a rank found after launch: its message once, exit 2
     failures = {0: _failure(-15, t=2.0), 1: _failure(2, "CheckpointError: cannot resume from x: shapes differ", 1.0)}
-    assert launch._report(failures, interrupted=False) == 2
+    assert supervise._report(failures, interrupted=False) == 2
     assert capsys.readouterr().err == "seqpar train: error: cannot resume from x: shapes differ\n"
-    assert launch._report({0: _failure(1, "RuntimeError: boom")}, interrupted=False) == 1
+    assert supervise._report({0: _failure(1, "RuntimeError: boom")}, interrupted=False) == 1
     assert capsys.readouterr().err == "seqpar train: rank 0 failed first (exit code 1: RuntimeError: boom)\n"
 
 
@@ -326,7 +326,7 @@ schedules = st.sampled_from(["constant", "linear", "cosine", "wsd"])
 @given(schedule=schedules, steps=st.integers(1, 400), warmup=st.integers(0, 60),
        lr=st.floats(1e-5, 1.0), ratio=st.floats(0.0, 1.0), fraction=st.floats(0.01, 1.0))
 def test_lr_schedules_warm_up_then_fall_from_lr_to_min_lr(schedule, steps, warmup, lr, ratio, fraction):
-    from seqpar.train.optim import lr_at
+    from seqpar.train.adam import lr_at
 
     cfg = TrainConfig(steps=steps, warmup=warmup, lr=lr, min_lr=lr * ratio, schedule=schedule,
                       decay_fraction=fraction).validate()

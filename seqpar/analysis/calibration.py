@@ -18,8 +18,15 @@ from functools import lru_cache
 
 from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, iteration_time, layer_time_s
 from seqpar.analysis.fit import least_squares
-from seqpar.analysis.paper import DP8_GPUS, DP8_ITERATION_S
-from seqpar.analysis.presets import TABLE3, TABLE4_22B_LAYER_MS, TABLE5_ITERATION_S, PaperSetup
+from seqpar.analysis.hardware import datasheet_hardware
+from seqpar.analysis.presets import (
+    DP8_GPUS,
+    DP8_ITERATION_S,
+    TABLE3,
+    TABLE4_22B_LAYER_MS,
+    TABLE5_ITERATION_S,
+    PaperSetup,
+)
 from seqpar.analysis.shapes import AnalysisError
 from seqpar.config import ParallelConfig, RecomputeConfig
 
@@ -119,8 +126,6 @@ def fit(points: list[DataPoint], prior: Hardware, names: tuple[str, ...] = FIT_P
 
 def a100_prior() -> Hardware:
     """The A100-80GB of the paper's Selene from data sheets (the fit's starting point and pull)."""
-    from seqpar.analysis.hardware import datasheet_hardware
-
     return datasheet_hardware("a100")
 
 

@@ -55,8 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from seqpar.analysis.flops import model_flops_from_gemms
+from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import kv_heads_per_rank
-from seqpar.analysis.schedule import in_flight_chunks
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, layers_per_chunk
 from seqpar.analysis.states import stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig

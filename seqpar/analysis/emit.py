@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from seqpar.analysis.planner import Plan, Request
+from seqpar.config_toml import config_toml
 
 
 def train_sections(req: Request, plan: Plan) -> dict[str, dict]:
@@ -22,3 +23,8 @@ def train_sections(req: Request, plan: Plan) -> dict[str, dict]:
     return {"model": model, "parallel": dataclasses.asdict(plan.par), "recompute": dataclasses.asdict(plan.rc),
             "train": {"micro_batch": plan.micro_batch, "global_batch": req.global_batch,
                       "distributed_optimizer": plan.distributed_optimizer}}
+
+
+def plan_toml(req: Request, plan: Plan) -> str:
+    """The TOML file ``seqpar plan --emit-config`` writes: the job that trains ``plan``."""
+    return f"# seqpar plan: {plan.label}\n" + config_toml(train_sections(req, plan)) + "\n"

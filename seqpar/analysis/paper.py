@@ -7,10 +7,20 @@ computed by ``memory``, ``stage`` and ``flops``.
 
 from __future__ import annotations
 
+from seqpar.analysis.calibration import paper_calibration
 from seqpar.analysis.flops import hardware_flops, mfu, model_flops
 from seqpar.analysis.hardware import peak_flops
 from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_bytes, table2_config, table2_row_bytes
-from seqpar.analysis.presets import GPT3, MT_NLG, TABLE3, TABLE4_22B_LAYER_MS, TABLE5_ITERATION_S, PaperSetup
+from seqpar.analysis.presets import (
+    DP8_GPUS,
+    DP8_ITERATION_S,
+    GPT3,
+    MT_NLG,
+    TABLE3,
+    TABLE4_22B_LAYER_MS,
+    TABLE5_ITERATION_S,
+    PaperSetup,
+)
 from seqpar.analysis.stage import StageMemory, stage_memory
 from seqpar.config import ParallelConfig, RecomputeConfig
 
@@ -18,7 +28,6 @@ FIGURE7_ROWS = ("tp_sp", "tp_selective", "tp_sp_selective", "full")
 FIGURE1_TECHNIQUES = ("tp", "tp_sp", "tp_selective", "tp_sp_selective", "full")
 GPU_MEMORY = 80e9  # A100 80 GB (Figure 1's line)
 PAPER_GPU = "a100"
-DP8_GPUS, DP8_ITERATION_S = 2240, 39.15  # Sec. 6.3: 530B with 8-way data parallelism
 
 
 def _layer(setup: PaperSetup, row: str) -> float:
@@ -169,8 +178,6 @@ def cost_model() -> dict:
     """The cost model fitted to every measured time of Tables 4, 5 and Sec. 6.3 (``calibration``):
     ``rows`` {source, model, config, measured_s, predicted_s, heldout_predicted_s} (held out: fitted
     without that model's points), the fitted parameters and the largest relative errors."""
-    from seqpar.analysis.calibration import paper_calibration
-
     return paper_calibration().to_json()
 
 

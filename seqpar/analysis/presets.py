@@ -110,6 +110,8 @@ def preset_setup(name: str) -> PaperSetup | None:
     return None
 
 # Table 4: one 22B layer, measured (forward ms, backward ms).
+DP8_GPUS, DP8_ITERATION_S = 2240, 39.15  # Sec. 6.3: 530B with 8-way data parallelism
+
 TABLE4_22B_LAYER_MS: dict[str, tuple[float, float]] = {
     "baseline": (7.7, 11.9), "sp": (7.2, 11.8), "full": (7.7, 19.5), "selective": (7.7, 13.2),
     "selective_sp": (7.2, 13.1),

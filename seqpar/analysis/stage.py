@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
 from seqpar.analysis.memory import layer_activation_terms
-from seqpar.analysis.schedule import first_chunk_in_flight, in_flight_chunks
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
 from seqpar.analysis.states import stage_parameters, state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from seqpar.config import ConfigError, ModelConfig
+from seqpar.parallel import comm
+from seqpar.parallel.comm import MAX, all_reduce
 
 
 def add_shape_arguments(p, hidden: int, heads: int, seq: int, micro_batch: int, layers: int | None = None,
@@ -117,8 +119,9 @@ def median(xs: list[float]) -> float:
 
 
 def barrier(group=None) -> None:
+    """A barrier when ranks run (a benchmark may also run alone, with no process group)."""
     if dist.is_initialized():
-        dist.barrier(group=group)
+        comm.barrier(group)
 
 
 def max_over_ranks(values: list[float], group=None) -> list[float]:
@@ -126,7 +129,7 @@ def max_over_ranks(values: list[float], group=None) -> list[float]:
     if not dist.is_initialized():
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    all_reduce(t, op=MAX, group=group)
     return t.tolist()
 
 

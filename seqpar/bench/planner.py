@@ -128,7 +128,7 @@ def predict(args, hw, label: str) -> dict:
     """The cost model's step time of ``label`` for the benchmark's model on ``hw``."""
     from seqpar.analysis.costmodel import iteration_time
     from seqpar.analysis.planner import parse_plan
-    from seqpar.calibrate import act_options, optimizer_options
+    from seqpar.bench.calibrate import act_options, optimizer_options
 
     plan = parse_plan(f"{label},mb={args.micro_batch}", args.nproc)
     it = iteration_time(_shape(args), plan.par, plan.rc, plan.micro_batch, args.global_batch, hw,
@@ -178,7 +178,7 @@ def _step_shape(args) -> dict:  # the steps the calibration times are this bench
 
 
 def _calibrate(args) -> dict:
-    from seqpar.calibrate import calibrate
+    from seqpar.bench.calibrate import calibrate
 
     return calibrate(args.nproc, args.dtype, args.size, _step_shape(args))
 
@@ -186,7 +186,7 @@ def _calibrate(args) -> dict:
 def calibration_reference(args, profile: dict) -> float | None:
     """The calibration's own time of the reference step (``calibrate.reference_config``), or None when
     the profile does not hold its measurements (a profile file)."""
-    from seqpar.calibrate import reference_config, step_shape
+    from seqpar.bench.calibrate import reference_config, step_shape
 
     ref = reference_config(args.nproc, step_shape(args.size, _step_shape(args)))
     keys = ("role", "layers", "tp", "sp", "micro_batch", "hidden")
@@ -254,8 +254,8 @@ def summarize(label: str, rounds: list[dict], each: list[float], refs: list[floa
 
 
 def run(args) -> dict:
-    from seqpar.analysis.hardware import load_profile, profile_from_json
-    from seqpar.calibrate import reference_step
+    from seqpar.analysis.profiles import load_profile, profile_from_json
+    from seqpar.bench.calibrate import reference_step
 
     before = common.machine()
     share, foreign = CpuShare(), {}

@@ -112,7 +112,7 @@ def _build(job):
     """Process groups, model chunks and the optimizer ``build_optimizer`` chooses, on the CPU."""
     from seqpar.parallel.dims import ParallelDims
     from seqpar.pipeline import build_stages
-    from seqpar.train.optim import build_optimizer
+    from seqpar.train.optimizers import build_optimizer
 
     dims = ParallelDims.build(job.parallel)
     chunks = build_stages(job.model, job.parallel, job.recompute, dims, job.train.seed, device=torch.device("cpu"))

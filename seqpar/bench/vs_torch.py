@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from seqpar.bench import common
 from seqpar.bench.torch_native import reduce_partial_grads
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
-from seqpar.parallel.comm import split_seq
+from seqpar.parallel.comm import all_reduce, split_seq
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
@@ -95,7 +94,7 @@ def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute
     mid = time.perf_counter()
     losses = torch.stack([loss_ours, step(theirs, False)()])
     first_s = common.max_over_ranks([mid - start, time.perf_counter() - mid], group)
-    dist.all_reduce(losses, group=group)
+    all_reduce(losses, group=group)
 
     per_layer = {}
     for name, model in (("seqpar", ours), ("torch", theirs)):

@@ -1,5 +1,5 @@
 """`seqpar calibrate`: micro-benchmarks on this machine's devices -> a hardware profile for
-``seqpar plan --hardware FILE`` (see ``seqpar.calibrate``)."""
+``seqpar plan --hardware FILE`` (see ``seqpar.bench.calibrate``)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def render(profile: dict) -> str:
 
 
 def run(args) -> int:
-    from seqpar.calibrate import calibrate
+    from seqpar.bench.calibrate import calibrate
     from seqpar.config import ConfigError
 
     nproc = args.nproc if args.nproc is not None else _default_nproc()

@@ -185,7 +185,8 @@ def run_schedule(args) -> int:
     if args.measure:
         stages = measure_schedules(cfg, parallel, [run])[0]
     else:
-        from seqpar.measure.stages import StagePeak, validate_microbatches
+        from seqpar.config import validate_microbatches
+        from seqpar.measure.stages import StagePeak
 
         validate_microbatches(args.microbatches, args.pp, args.interleave)
         stages = []

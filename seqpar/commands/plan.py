@@ -93,9 +93,9 @@ def _shape(args):
 
 
 def request_from_args(args):
-    from seqpar.analysis.hardware import hardware_for
     from seqpar.analysis.planner import Request
     from seqpar.analysis.presets import preset_setup
+    from seqpar.analysis.profiles import hardware_for
     from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
 
     shape, model_name = _shape(args)
@@ -135,10 +135,9 @@ def _emit(args, req, plan) -> None:
     """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import train_sections
-    from seqpar.train.dry_run import config_toml
+    from seqpar.analysis.emit import plan_toml
 
-    args.emit_config.write_text(f"# seqpar plan: {plan.label}\n" + config_toml(train_sections(req, plan)) + "\n")
+    args.emit_config.write_text(plan_toml(req, plan))
     print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
           f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
 
@@ -179,7 +178,7 @@ def run(args) -> int:
             _emit(args, req, ranked[0].plan)
         if args.json:
             from seqpar.analysis.costmodel import ties_with_best
-            from seqpar.analysis.hardware import profile_to_json
+            from seqpar.analysis.profiles import profile_to_json
 
             ties = ties_with_best([ev.time.total for ev in ranked], req.hw.error_band)
             plans = [ev.to_json() | {"tie_with_best": tie} for ev, tie in zip(ranked, ties, strict=True)]

@@ -55,7 +55,7 @@ def _default(section: str, key: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from seqpar.config import ATTENTIONS
-    from seqpar.train.schedule import SCHEDULES
+    from seqpar.train.lr_schedule import SCHEDULES
 
     def d(dest: str) -> str:
         return f"(default {_default(*FLAG_KEYS[dest])})"

@@ -15,6 +15,7 @@ from seqpar.config import ConfigError
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import ScheduleMeter
 from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes
+from seqpar.parallel.comm import all_reduce
 
 
 def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
@@ -47,7 +48,6 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     per pp rank (this rank's tp and dp coordinates), ``stage_act_peak_formula`` and ``_exact``
     (``seqpar.measure.stages``; None where the formula refuses the layout); under ``"rank"`` this
     rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list)."""
-    import torch.distributed as dist
 
     from seqpar.measure.stages import formula_stage_bytes, implementation_terms
     from seqpar.pipeline import forward_backward
@@ -62,7 +62,7 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     peaks = torch.tensor([0] * p.pp, dtype=torch.int64, device=device)
     peaks[dims.pp_rank] = meter.peak_bytes
     if dims.pp_group is not None:
-        dist.all_reduce(peaks, group=dims.pp_group)
+        all_reduce(peaks, group=dims.pp_group)
     formula, exact = [], []
     for rank in range(p.pp):
         try:

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from seqpar.analysis.in_flight import first_chunk_in_flight
 from seqpar.analysis.memory import norm_stat_bytes
-from seqpar.analysis.schedule import first_chunk_in_flight
 from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import stage_memory
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import ScheduleMeter
 from seqpar.measure.saved import layernorm_stat_bytes
@@ -29,7 +29,6 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline.build import build_stages
 from seqpar.pipeline.keep import keep_for_rank
 from seqpar.pipeline.schedules import forward_backward
-from seqpar.pipeline.split import validate_microbatches
 
 
 @dataclass

@@ -20,21 +20,52 @@ import torch.distributed as dist
 from seqpar.parallel.dims import group_size
 
 # ---------------------------------------------------------------- raw collectives (device from tensor)
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Every collective seqpar runs goes through this section (point-to-point transfers, which are not
+# collectives, stay with their schedules: pipeline/p2p.py, parallel/ring_attention.py). torch >= 2.13
+# names the single-tensor collectives all_gather_single / reduce_scatter_single (pyproject's range).
+SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
-def all_reduce(x: torch.Tensor, group, async_op: bool = False):
-    """Sum ``x`` in place over ``group``; returns the work handle when ``async_op``."""
-    return dist.all_reduce(x, group=group, async_op=async_op)
+def all_reduce(x: torch.Tensor, group=None, async_op: bool = False, op=SUM):
+    """Reduce ``x`` in place over ``group`` (None: every rank) with ``op``; the work handle when ``async_op``."""
+    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """``out`` (N times ``x``'s size) = every rank's ``x`` concatenated along dim 0, in rank order."""
+    return dist.all_gather_single(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """``out`` (1/N of ``x``) = the sum over ranks of this rank's slice of ``x`` along dim 0."""
+    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+
+
+def all_gather_list(shards: list[torch.Tensor], x: torch.Tensor, group=None) -> None:
+    """``shards[r]`` = rank r's ``x`` (shapes may differ between calls, not between ranks)."""
+    dist.all_gather(shards, x, group=group)
+
+
+def all_gather_object(out: list, obj, group=None) -> None:
+    """``out[r]`` = rank r's picklable ``obj``."""
+    dist.all_gather_object(out, obj, group=group)
+
+
+def broadcast(x: torch.Tensor, src: int, group=None) -> None:
+    """``x`` on every rank of ``group`` = ``x`` of global rank ``src``."""
+    dist.broadcast(x, src=src, group=group)
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank of ``group`` (None: every rank) has arrived."""
+    dist.barrier(group=group)
 
 
 def all_gather_seq(x: torch.Tensor, group, async_op: bool = False):
     """``[s/t, ...]`` -> ``[s, ...]``: concatenate the shards of all ranks along dim 0."""
     t = group_size(group)
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _all_gather_single(out, x.contiguous(), group=group, async_op=async_op)
+    work = all_gather_into(out, x.contiguous(), group, async_op)
     return (out, work) if async_op else out
 
 
@@ -44,7 +75,7 @@ def reduce_scatter_seq(x: torch.Tensor, group, async_op: bool = False):
     if x.shape[0] % t:
         raise ValueError(f"sequence {x.shape[0]} is not divisible by tp {t}")
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = _reduce_scatter_single(out, x.contiguous(), group=group, async_op=async_op)
+    work = reduce_scatter_into(out, x.contiguous(), group, async_op)
     return (out, work) if async_op else out
 
 

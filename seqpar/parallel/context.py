@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from seqpar.config import ConfigError
+from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.dims import GroupContext
 
 
@@ -92,11 +92,11 @@ class _SumOverRanks(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.clone()
-        dist.all_reduce(out, group=group)
+        all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
+        all_reduce(grad, group=ctx.group)
         return grad, None

@@ -25,15 +25,15 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from seqpar.parallel.comm import MAX, SUM, all_reduce
 from seqpar.parallel.dims import group_rank, group_size
 
 
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, op=SUM) -> torch.Tensor:
     if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        all_reduce(x, op=op, group=group)
     return x
 
 
@@ -58,7 +58,7 @@ class _Eager:
     def forward(self, logits, index, on_rank, valid, padded, has_padding, group, vocab_size, eps):
         if has_padding:
             logits = logits.masked_fill(padded, float("-inf"))  # [s, b, v/t], input dtype: a copy
-        logits_max = _all_reduce(logits.amax(dim=-1).float(), group, dist.ReduceOp.MAX)  # [s, b]; exact
+        logits_max = _all_reduce(logits.amax(dim=-1).float(), group, MAX)  # [s, b]; exact
         shifted = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [s, b, v/t]
         torch.sub(logits, logits_max.unsqueeze(-1), out=shifted)  # computed in fp32: = logits.float() - max
         parts = [_target_logit(shifted, index, on_rank)]
@@ -120,7 +120,7 @@ class _Compiled:
             torch.compile(fn, **options) for fn in (_local_max, _partial_sums, _loss_and_softmax, _grad))
 
     def forward(self, logits, index, on_rank, valid, padded, has_padding, group, vocab_size, eps):
-        logits_max = _all_reduce(self.local_max(logits, padded), group, dist.ReduceOp.MAX)  # [s, b]
+        logits_max = _all_reduce(self.local_max(logits, padded), group, MAX)  # [s, b]
         sums = _all_reduce(self.partial_sums(logits, logits_max, index, on_rank, padded, eps > 0), group)
         return self.loss_and_softmax(logits, logits_max, sums, padded, valid, eps, vocab_size)
 

@@ -10,8 +10,8 @@ messages instead of many small ones), and copied back.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.main_grad import grad_or_zeros
 
@@ -41,7 +41,7 @@ def all_reduce_mean(tensors: list[torch.Tensor], group, bucket_bytes: int = BUCK
         return
     for bucket in buckets(tensors, bucket_bytes):
         flat = torch._utils._flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
+        all_reduce(flat, group=group)
         flat.div_(world)
         for t, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(synced)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seqpar.parallel.comm import all_reduce, reduce_scatter_into
 from seqpar.parallel.dims import group_size
 
 BUCKET_BYTES = 25 * 2**20
@@ -130,10 +131,10 @@ class GradBuffers:
     def _start(self, bucket: Bucket) -> None:
         if self.shard:
             lo, hi = bucket.shard_range(self.rank, self.world)
-            bucket.work = dist.reduce_scatter_single(bucket.buffer[lo:hi], bucket.buffer, group=self.group,
+            bucket.work = reduce_scatter_into(bucket.buffer[lo:hi], bucket.buffer, group=self.group,
                                                      async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)
         self.next_start += 1
 
     @torch.no_grad()

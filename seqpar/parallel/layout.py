@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from seqpar.parallel.comm import all_reduce
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class GroupedQKVLayout:
         buffer = grad.new_zeros((self.kv * rows, *grad.shape[1:]))
         mine = slice((rank // self.ranks_per_group) * rows, (rank // self.ranks_per_group + 1) * rows)
         buffer[mine] = grad[self.n * self.d:]
-        dist.all_reduce(buffer, group=group)
+        all_reduce(buffer, group=group)
         grad[self.n * self.d:] = buffer[mine]
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seqpar.parallel.comm import all_gather_list, all_reduce
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layout import GroupedQKVLayout, ParamLayout, layout_of
 from seqpar.parallel.main_grad import grad_of
@@ -35,7 +36,7 @@ def gather_tensor(local: torch.Tensor, param: torch.Tensor, group) -> torch.Tens
     shards = [local]
     if t > 1:
         shards = [torch.empty_like(local) for _ in range(t)]
-        dist.all_gather(shards, local.contiguous(), group=group)
+        all_gather_list(shards, local.contiguous(), group=group)
     return layout.gather(shards)
 
 
@@ -79,6 +80,6 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group) -> None:
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
+    all_reduce(flat, group=group)
     for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(synced)

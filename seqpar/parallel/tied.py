@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.main_grad import grad_or_zeros
 
 NAME = "embedding.word.weight"  # the weight's name in the single-process model
@@ -74,7 +75,7 @@ class TiedEmbedding:
         for chunk in chunks:
             weight = self.weight(chunk)
             if weight is not None:
-                dist.all_reduce(grad_or_zeros(weight), group=self.group)
+                all_reduce(grad_or_zeros(weight), group=self.group)
 
 
 def canonical_name(chunk, name: str) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.dims import ParallelDims
 
 ACTIVATION, GRADIENT = 0, 1
@@ -47,7 +48,7 @@ class PipeComm:
         pipeline's first exchange involves two ranks only; a one-element all-reduce over the whole
         pipeline group first creates the communicator everywhere. Nothing to do on gloo."""
         if self.dims.pp > 1 and dist.get_backend(self.dims.pp_group) == "nccl":
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.dims.pp_group)
+            all_reduce(torch.zeros(1, device=self.device), group=self.dims.pp_group)
 
     def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
                  recv_prev: bool = False, recv_next: bool = False

@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from seqpar.config import ConfigError, ParallelConfig
+from seqpar.config import ConfigError, ParallelConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
+from seqpar.parallel.comm import broadcast
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
 from seqpar.pipeline.p2p import PipeComm
 from seqpar.pipeline.schedule_1f1b import run_1f1b, run_no_pipelining
 from seqpar.pipeline.schedule_interleaved import run_interleaved
-from seqpar.pipeline.split import validate_microbatches
 from seqpar.pipeline.step import StepRunner
 
 
@@ -73,5 +73,5 @@ def broadcast_loss(loss: float | None, dims: ParallelDims, device) -> float:
     """The last pipeline rank's loss, on every rank of the pipeline."""
     value = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64, device=device)
     if dims.pp > 1:
-        dist.broadcast(value, src=dims.pp_ranks[-1], group=dims.pp_group)
+        broadcast(value, src=dims.pp_ranks[-1], group=dims.pp_group)
     return float(value.item())

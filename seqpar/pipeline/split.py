@@ -8,9 +8,9 @@ The embedding lives in virtual stage 0, the final LN, output layer and loss in v
 
 from __future__ import annotations
 
-from seqpar.config import ConfigError, layer_counts
+from seqpar.config import layer_counts
 
-__all__ = ["layer_counts", "stage_layers", "validate_microbatches", "virtual_stage"]
+__all__ = ["layer_counts", "stage_layers", "virtual_stage"]
 
 
 def virtual_stage(rank: int, chunk: int, pp: int) -> int:
@@ -25,12 +25,3 @@ def stage_layers(num_layers: int, pp: int, interleave: int = 1, counts: list[int
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [[list(range(starts[virtual_stage(r, c, pp)], starts[virtual_stage(r, c, pp)]
                         + sizes[virtual_stage(r, c, pp)])) for c in range(interleave)] for r in range(pp)]
-
-
-def validate_microbatches(n: int, pp: int, interleave: int = 1) -> None:
-    """The interleaved schedule runs microbatches in groups of p (Megatron's rule): n % p == 0."""
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"microbatch count must be a positive integer, got {n!r}")
-    if interleave > 1 and n % pp:
-        raise ConfigError(f"the interleaved schedule needs the microbatch count {n} to be a multiple of "
-                          f"pp {pp}")

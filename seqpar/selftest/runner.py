@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.config import ConfigError, ParallelConfig
+from seqpar.parallel.comm import MIN, all_reduce
 from seqpar.parallel.dims import ParallelDims
 from seqpar.selftest import correctness, speed
 from seqpar.selftest.sizes import Sizes, resolve_device, resolve_nproc, sizes_for, under_torchrun
@@ -54,7 +55,7 @@ def _agree(ok: bool, device: torch.device) -> bool:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return ok
     flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    all_reduce(flag, op=MIN)
     return bool(flag.item())
 
 

@@ -20,6 +20,7 @@ from seqpar.config import RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
+from seqpar.parallel.comm import MAX, all_reduce
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan, checkpoint
@@ -34,7 +35,7 @@ TABLE4_ROWS = (("baseline", False, "none"), ("sp", True, "none"), ("full", False
 def barrier(device: torch.device) -> None:
     """All ranks here (an all-reduce on the device: the same call on gloo and NCCL)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(torch.zeros(1, device=device))
+        all_reduce(torch.zeros(1, device=device))
 
 
 def slowest(values: list[float], device: torch.device) -> list[float]:
@@ -42,7 +43,7 @@ def slowest(values: list[float], device: torch.device) -> list[float]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return values
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    all_reduce(t, op=MAX)
     return t.tolist()
 
 

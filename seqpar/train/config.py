@@ -13,8 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
-from seqpar.train.schedule import SCHEDULES
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig, validate_microbatches
+from seqpar.train.lr_schedule import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -27,7 +27,7 @@ class TrainConfig:
     stop_at: int = 0  # stop (checkpoint and exit) after this step, keeping the schedule of ``steps``; 0: off
     lr: float = 3e-3  # peak learning rate, reached after ``warmup`` steps
     min_lr: float = 3e-4  # where the linear, cosine and WSD schedules end
-    schedule: str = "cosine"  # after warmup: constant | linear | cosine | wsd (seqpar/train/schedule.py)
+    schedule: str = "cosine"  # after warmup: constant | linear | cosine | wsd (seqpar/train/lr_schedule.py)
     decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays to min_lr
     warmup: int = 20
     weight_decay: float = 0.1  # on matrices only (not biases, LayerNorm)
@@ -128,8 +128,6 @@ class JobConfig:
         return self.run.recompute
 
     def validate(self, world_size: int | None = None) -> JobConfig:
-        from seqpar.pipeline.split import validate_microbatches
-
         self.run.validate(world_size)
         n = self.recompute.num_layers  # checked for every granularity: a flag given is a flag checked
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -32,12 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from seqpar.parallel.grad_buffer import Bucket
+from seqpar.parallel.comm import all_gather_into, all_reduce
+from seqpar.parallel.grad_buffer import Bucket, GradBuffers
 from seqpar.parallel.layout import layout_of
-from seqpar.train.optim import MasterOptimizer, _set_step, set_lr_and_clip_scale
+from seqpar.train.adam import AdamOnMasters, set_adam_step, set_lr_and_clip_scale
 from seqpar.train.sharded import KINDS, FragmentView, state_key
 
 
@@ -59,13 +59,14 @@ class Fragment:
         return self.bucket.buffer[self.offset + self.start:self.offset + self.end]
 
 
-class DistributedOptimizer(MasterOptimizer):
-    """AdamW on this rank's shard of the fp32 masters; the same interface as ``MasterOptimizer``."""
+class DistributedOptimizer(AdamOnMasters):
+    """AdamW on this rank's shard of the fp32 masters (fragments); the same interface as ``MasterOptimizer``."""
 
-    def _grad_buffers(self, chunks, shard: bool = True):
-        return super()._grad_buffers(chunks, shard=True)
+    def build_grad_buffers(self, chunks: list[nn.Module]) -> GradBuffers:
+        """Always flat buckets: the reduction is a reduce-scatter to each shard's owner."""
+        return self.flat_buckets(chunks, shard=True)
 
-    def _build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         buffers, index = self.buffers, {id(p): i for i, (_, p) in enumerate(self.named)}
         tp_rank = self.dims.tp_rank
         self.fragments: list[Fragment] = []
@@ -79,7 +80,7 @@ class DistributedOptimizer(MasterOptimizer):
                 master = nn.Parameter(flat if p.dtype == torch.float32 else flat.float())
                 self.fragments.append(Fragment(index[id(p)], p, bucket, offset, start, end,
                                                self._counted(p, tp_rank), master))
-        self.masters = [f.master for f in self.fragments]
+        self.masters.extend(f.master for f in self.fragments)
         decay = [f.master for f in self.fragments if f.param.dim() >= 2]
         no_decay = [f.master for f in self.fragments if f.param.dim() < 2]
         return decay, no_decay
@@ -114,7 +115,7 @@ class DistributedOptimizer(MasterOptimizer):
                 total += f.grad()[:end - f.start].double().pow(2).sum()
         for group in (self.dims.grad_group, self.dims.tp_group, self.dims.pp_group):
             if group is not None:
-                dist.all_reduce(total, group=group)
+                all_reduce(total, group)
         return total.sqrt()
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
@@ -148,7 +149,7 @@ class DistributedOptimizer(MasterOptimizer):
             for f in by_bucket.get(id(bucket), []):
                 flat[f.offset + f.start:f.offset + f.end].copy_(piece(f))
             if buffers.world > 1:
-                dist.all_gather_single(flat, flat[lo:hi].clone(), group=buffers.group)
+                all_gather_into(flat, flat[lo:hi].clone(), buffers.group)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 put(p, flat[offset:offset + p.numel()].view_as(p))  # [p.shape]
 
@@ -176,5 +177,5 @@ class DistributedOptimizer(MasterOptimizer):
         """After a checkpoint was read into ``checkpoint_views(saving=False)``, i.e. into this rank's
         masters and moments: the step count, and every rank's masters all-gathered into the model."""
         for f in self.fragments:
-            _set_step(self.opt.state[f.master], opt_step)
+            set_adam_step(self.opt.state[f.master], opt_step)
         self._gather_params()

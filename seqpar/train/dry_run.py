@@ -3,34 +3,12 @@ need (the analysis package's model-state and activation terms), without starting
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from seqpar.config import ConfigError
+from seqpar.config_toml import config_toml
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import ParallelDims
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return repr(value)
-
-
-def config_toml(sections: dict[str, dict]) -> str:
-    """The configuration as a TOML file ``--config`` reads back (unset optional values as comments)."""
-    lines = []
-    for name, values in sections.items():
-        lines.append(f"[{name}]")
-        for key, value in values.items():
-            lines.append(f"# {key} unset" if value is None else f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines).rstrip()
 
 
 def _gib(n: float) -> str:

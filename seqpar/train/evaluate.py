@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.dtypes import torch_dtype
+from seqpar.parallel.comm import all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
 
 
@@ -18,9 +19,9 @@ def broadcast_from_last_stage(value: float | None, dims: ParallelDims, device) -
     """The last pipeline stage's ``value`` on every rank of the pipeline, averaged over dp."""
     t = torch.tensor([float("nan") if value is None else float(value)], dtype=torch.float64, device=device)
     if dims.pp_group is not None:
-        dist.broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
+        broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
     if dims.dp_group is not None:
-        dist.all_reduce(t, group=dims.dp_group)
+        all_reduce(t, group=dims.dp_group)
         t /= dims.dp
     return float(t)
 

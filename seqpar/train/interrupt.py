@@ -20,9 +20,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from seqpar.parallel.launch import EXIT_INTERRUPTED, REPEAT_S
+from seqpar.parallel.comm import MAX, all_reduce
+from seqpar.train.supervise import EXIT_INTERRUPTED, REPEAT_S
 
-__all__ = ["EXIT_INTERRUPTED", "REPEAT_S", "StopFlag", "abort_line", "resume_hint"]
+__all__ = ["StopFlag", "abort_line", "resume_hint"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -69,7 +70,7 @@ class StopFlag:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.local
         flag = torch.tensor([1.0 if self.local else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce(flag, op=MAX)
         return bool(flag.item())
 
 

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import default_device, init_distributed, run_ranks
@@ -29,7 +30,7 @@ from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
-from seqpar.train.optim import build_optimizer
+from seqpar.train.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
@@ -191,7 +192,8 @@ class Trainer:
         self.opt.zero_grad()
         return time.perf_counter() - start
 
-    def validate_loss(self) -> float:
+    def validation_loss(self) -> float:
+        """The loss on the validation split (``eval_batches`` microbatches per dp rank)."""
         t = self.job.train
         batches = self.data.val_batches(t.eval_batches, t.micro_batch, self.dims.dp_rank, self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
@@ -248,7 +250,7 @@ class Trainer:
                 "lr": self.opt.opt.param_groups[0]["lr"],
                 "grad_norm": norm, **self.throughput.rates(step_time)}
         if validate:
-            self.state.val_loss = last["val_loss"] = self.validate_loss()
+            self.state.val_loss = last["val_loss"] = self.validation_loss()
         return last
 
     def run(self) -> dict:
@@ -264,10 +266,12 @@ class Trainer:
         metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
         end = t.stop_at or t.steps
         compile_s = self._warm_up() if t.compile else None
-        self.throughput.measure_activations(self.chunks, self.data, self.dims)
-        ranks = gather_ranks(rank_entry(self.job, self.opt, self.dims, self.throughput.rank_activations))
+        activations = measure_activations(self.job, self.chunks, self.data, self.dims, self.device)
+        rank_activations = activations.pop("rank", {})  # this rank's own peak (the start record's ``ranks``)
+        ranks = gather_ranks(rank_entry(self.job, self.opt, self.dims, rank_activations))
         if self.rank0:
-            info = {**self.throughput.describe(), **state_record(self.job, self.opt, self.dims.pp_rank)}
+            info = {**self.throughput.describe(), **activations,
+                    **state_record(self.job, self.opt, self.dims.pp_rank)}
             if compile_s is not None:
                 info["compile_s"] = compile_s
             metrics.log({"event": "start", **info, "ranks": ranks, "data": self.data.source,
@@ -307,7 +311,7 @@ class Trainer:
         finally:
             progress.close()
         if "val_loss" not in last:
-            self.state.val_loss = last["val_loss"] = self.validate_loss()
+            self.state.val_loss = last["val_loss"] = self.validation_loss()
         path = self.save()
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})

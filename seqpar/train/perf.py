@@ -19,7 +19,6 @@ import torch
 
 from seqpar.analysis.flops import training_flops
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.activations import measure_activations
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3) -> float:
@@ -118,29 +117,21 @@ def step_flops(job) -> tuple[float, float]:
 
 
 class Throughput:
+    """A step's tokens and FLOPs against the peak: tokens/s, MFU and HFU of a measured step time."""
+
     def __init__(self, job, device: torch.device):
         self.job = job
         self.peak, self.peak_source = peak_flops(job.train.peak_tflops, device, torch_dtype(job.model.dtype))
         m, t = job.model, job.train
         self.tokens = t.global_batch * m.seq_len
         self.model_flops, self.hardware_flops = step_flops(job)
-        self.device = device
-        self.activations: dict = {}
-        self.rank_activations: dict = {}  # this rank's own activation peak (the start record's ``ranks``)
 
     def describe(self) -> dict:
         return {"peak_tflops_per_rank": self.peak / 1e12, "peak_source": self.peak_source,
-                "model_flops_per_step": self.model_flops, "world": self.job.parallel.world_size,
-                **self.activations}
+                "model_flops_per_step": self.model_flops, "world": self.job.parallel.world_size}
 
     def rates(self, step_seconds: float) -> dict:
         world = self.job.parallel.world_size
         return {"step_time": step_seconds, "tokens_per_s": self.tokens / step_seconds,
                 "mfu": self.model_flops / (step_seconds * world * self.peak),
                 "hfu": self.hardware_flops / (step_seconds * world * self.peak)}
-
-    def measure_activations(self, chunks, data, dims) -> None:
-        """Bytes one microbatch's forward keeps in the transformer layers (pp = 1 only) and each stage's
-        peak over one step, vs formula (collective over the pipeline)."""
-        self.activations = measure_activations(self.job, chunks, data, dims, self.device)
-        self.rank_activations = self.activations.pop("rank", {})

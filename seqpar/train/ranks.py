@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from seqpar.parallel.comm import all_gather_object
 from seqpar.train.states import state_record
 
 
@@ -35,5 +36,5 @@ def gather_ranks(entry: dict) -> list[dict]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [entry]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, entry)
+    all_gather_object(out, entry)
     return out

@@ -1,5 +1,5 @@
 """Start a ``seqpar train`` run: check everything, claim the output folder, then train here, on
-``--nproc`` local ranks (``seqpar.parallel.launch.relaunch``), or as one rank of torchrun's.
+``--nproc`` local ranks (``seqpar.train.supervise.relaunch``), or as one rank of torchrun's.
 
 What the ranks would find only after launch is found once before it: the configuration (every
 rule), the tokenizer, the data (with ``--nproc``) and the checkpoint to resume. A bad input is one
@@ -18,9 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from seqpar.config import ConfigError
-from seqpar.parallel import launch
+from seqpar.parallel.launch import under_torchrun
+from seqpar.train import supervise
 from seqpar.train.config import JobConfig, inert_settings
-from seqpar.train.interrupt import EXIT_INTERRUPTED, abort_line
+from seqpar.train.interrupt import abort_line
+from seqpar.train.supervise import EXIT_INTERRUPTED
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard")
 
@@ -108,7 +110,7 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
           dry_run: bool = False, argv: list[str] | None = None) -> int:
     """The exit status of one ``seqpar train``. ``make_job(world size)``: the validated job;
     ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks."""
-    if launch.under_torchrun():
+    if under_torchrun():
         return _as_rank(make_job, resume, overwrite, dry_run)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
@@ -128,7 +130,7 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
     warn_inert(job)
     if nproc:
         out = job.train.out_dir
-        return launch.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out))
+        return supervise.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out))
     return train_and_report(job, resume)
 
 
@@ -136,7 +138,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
     """One torchrun rank. Started by ``--nproc``, whose launcher checked, warned and reports; under
     plain torchrun rank 0 checks the folder (and clears it with ``overwrite``) and warns."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    ours = launch.started_by_relaunch()
+    ours = supervise.started_by_relaunch()
 
     def main() -> int:
         job = make_job(int(os.environ["WORLD_SIZE"]))
@@ -151,7 +153,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         return train_and_report(job, resume)
 
     try:
-        return launch.as_rank(main)
+        return supervise.as_rank(main)
     except ConfigError as err:  # a bad input: one line, once (the --nproc launcher prints it), exit 2
         if rank0 and not ours:
             print(f"seqpar train: error: {err}", file=sys.stderr)

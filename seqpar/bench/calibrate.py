@@ -46,6 +46,7 @@ from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.config import DTYPE_BYTES, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
+from seqpar.parallel.comm import MAX, all_gather_into, all_reduce, barrier, reduce_scatter_into
 from seqpar.parallel.launch import default_device, run_ranks
 
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
@@ -76,7 +77,7 @@ def _slowest(seconds: float) -> float:
     if not dist.is_initialized():
         return seconds
     t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # gloo and nccl both take a CPU double via the default group
+    all_reduce(t, op=MAX)  # gloo and nccl both take a CPU double via the default group
     return float(t.item())
 
 
@@ -97,7 +98,7 @@ def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float 
     if dist.is_initialized():
         names = list(times)
         t = torch.tensor([times[k] for k in names], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        all_reduce(t, op=MAX)
         times = {k: row for k, row in zip(names, t.tolist(), strict=True)}
     return times
 
@@ -115,13 +116,13 @@ def _blocks(fns: dict, repeats: int, device: torch.device, min_block: float) -> 
         calls[name] = max(1, int(min_block / max(time.perf_counter() - start, 1e-9)))
     if dist.is_initialized():
         n = torch.tensor([calls[k] for k in names], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        all_reduce(n, op=MAX)
         calls = dict(zip(names, (int(c) for c in n.tolist()), strict=True))
     times = {k: [0.0] * max(1, repeats) for k in names}
     for r in range(max(1, repeats)):
         for name in names[r % len(names):] + names[:r % len(names)]:
             if dist.is_initialized():
-                dist.barrier()
+                barrier()
             start = time.perf_counter()
             for _ in range(calls[name]):
                 fns[name]()
@@ -204,9 +205,9 @@ def collectives(sizes: list[int], dtype, device, repeats: int, block: float = 0.
         numel = max(n, nbytes // e // n * n)
         full = torch.ones(numel, dtype=dtype, device=device)
         shard = torch.ones(numel // n, dtype=dtype, device=device)
-        ops = {"all_reduce": (lambda full=full, **k: dist.all_reduce(full, **k), 2),
-               "all_gather": (lambda full=full, shard=shard, **k: dist.all_gather_into_tensor(full, shard, **k), 1),
-               "reduce_scatter": (lambda full=full, shard=shard, **k: dist.reduce_scatter_tensor(shard, full, **k), 1)}
+        ops = {"all_reduce": (lambda full=full, **k: all_reduce(full, **k), 2),
+               "all_gather": (lambda full=full, shard=shard, **k: all_gather_into(full, shard, **k), 1),
+               "reduce_scatter": (lambda full=full, shard=shard, **k: reduce_scatter_into(shard, full, **k), 1)}
         for name, (fn, factor) in ops.items():
             def after(fn=fn):
                 gemm()
@@ -462,7 +463,7 @@ def machine() -> dict:
 def calibrate(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
     """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine).
     ``shape``: the model whose training steps are timed (``step_shape``; seqpar bench planner passes its own)."""
-    from seqpar.analysis.hardware import profile_to_json
+    from seqpar.analysis.profiles import profile_to_json
 
     info = machine()
     meas = measure(nproc, dtype, size, shape)

@@ -1,0 +1,177 @@
+"""What both optimizers share: AdamW on fp32 masters, the lr schedule, clipping, the loss scaler.
+
+``AdamOnMasters`` is the base of the two optimizers a job can get (``optimizers.build_optimizer``):
+
+* ``optim.MasterOptimizer`` -- replicated: every dp rank holds a whole fp32 master per parameter (the
+  parameter itself when it is fp32) and Adam's moments for all of them;
+* ``dist_optim.DistributedOptimizer`` -- ZeRO-1: each dp rank holds masters and moments of its shard
+  of the flat gradient buckets only (*fragments*: 1-D pieces of parameters).
+
+A subclass says, in the methods the base marks abstract, where the gradients live
+(``build_grad_buffers``), what its masters are (``build_masters``: whole tensors or fragments), whether
+the model computes in low precision (``mixed``), and how it unscales, norms, steps and checkpoints. The
+base ``__init__`` calls ``build_grad_buffers`` and then ``build_masters`` (which sets ``self.masters``)
+before it creates AdamW over the masters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.grad_buffer import GradBuffers
+from seqpar.parallel.tied import canonical_name
+from seqpar.train.config import TrainConfig
+from seqpar.train.loss_scale import DynamicLossScaler
+from seqpar.train.lr_schedule import learning_rate
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr``, then ``cfg.schedule`` (constant, linear, cosine, WSD; see lr_schedule.py)."""
+    return learning_rate(step, cfg)
+
+
+def set_lr_and_clip_scale(opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
+                          grad_norm: torch.Tensor | None) -> tuple[float, float]:
+    """Set every param group of ``opt`` to the scheduled lr of ``step``; (that lr, the factor that
+    clips the gradients to ``grad_clip`` given the global ``grad_norm``, 1 when it does not bind)."""
+    lr = lr_at(step, cfg)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    scale = 1.0
+    if cfg.grad_clip > 0 and grad_norm is not None:
+        scale = min(1.0, cfg.grad_clip / (float(grad_norm) + 1e-6))
+    return lr, scale
+
+
+def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(canonical name, parameter) of every chunk this rank holds, in a fixed order."""
+    return [(canonical_name(chunk, n), p) for chunk in chunks for n, p in chunk.named_parameters()]
+
+
+class AdamOnMasters:
+    """torch.optim.AdamW on fp32 masters of ``chunks``' parameters (decay on matrices only); a subclass
+    decides what the masters and the gradient buffers are (module docstring)."""
+
+    def __init__(self, chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims):
+        self.cfg, self.dims = cfg, dims
+        self.named = named_parameters(chunks)
+        self.tied_copies = {id(p) for chunk in chunks for n, p in chunk.named_parameters()
+                            if chunk.tied.is_copy(chunk, n)}  # counted with their first-stage twin
+        self.buffers = self.build_grad_buffers(chunks)
+        self.masters: list[nn.Parameter] = []
+        decay, no_decay = self.build_masters()
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        init_adam_state(self.opt)
+        fp16 = any(p.dtype == torch.float16 for _, p in self.named)
+        self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
+
+    def build_grad_buffers(self, chunks: list[nn.Module]) -> GradBuffers | None:
+        """The flat fp32 gradient buckets the reduction uses, or None (per-parameter gradients)."""
+        raise NotImplementedError
+
+    def flat_buckets(self, chunks: list[nn.Module], shard: bool) -> GradBuffers:
+        """Flat fp32 gradient buckets (``seqpar.parallel.grad_buffer``) over this rank's parameters, the tied
+        word embedding alone in its own; ``shard``: reduce-scattered (each rank gets its shard's sum)."""
+        tied = [w for chunk in chunks if (w := chunk.tied.weight(chunk)) is not None]
+        return GradBuffers([p for _, p in self.named], self.dims.grad_group, overlap=self.cfg.overlap_grad_reduce,
+                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied))
+
+    def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """Fill ``self.masters`` (the fp32 tensors AdamW updates); return them split (decayed, not decayed)."""
+        raise NotImplementedError
+
+    @property
+    def mixed(self) -> bool:
+        """The model computes in low precision, so its parameters are copied from the masters after a step."""
+        raise NotImplementedError
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def num_parameters(self) -> int:
+        """Parameters this rank holds, a tied copy counted once (with its first-stage twin)."""
+        return sum(p.numel() for _, p in self.named if id(p) not in self.tied_copies)
+
+    def zero_grad(self, microbatches: int = 0) -> None:
+        """Clear the gradients; ``microbatches``: the coming backward passes run that many (the
+        overlapped reduction starts a bucket once each of its gradients has arrived that often)."""
+        for _, p in self.named:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+        if self.buffers is not None:
+            self.buffers.zero()
+            self.buffers.expect(microbatches)
+        else:
+            for _, p in self.named:
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds: the model's parameters, their gradients (the fp32 buffers, or the
+        ``.grad`` of each fp32 parameter, which its first backward allocates), the optimizer state
+        (fp32 masters that are not the parameters themselves, Adam's two moments)."""
+        params = {p.data_ptr(): p.numel() * p.element_size() for _, p in self.named}
+        if self.buffers is not None:
+            grads = self.buffers.nbytes()
+        else:
+            grads = sum(p.numel() * (p.main_grad if hasattr(p, "main_grad") else p).element_size()
+                        for _, p in self.named)
+        storages = {p.untyped_storage().data_ptr() for _, p in self.named}
+        masters = {m.data_ptr(): m.numel() * m.element_size() for m in self.masters
+                   if m.untyped_storage().data_ptr() not in storages}  # not a parameter (or a view of one)
+        moments = sum(t.numel() * t.element_size() for state in self.opt.state.values()
+                      for k, t in state.items() if k != "step")
+        return {"params_bytes": sum(params.values()), "grads_bytes": grads,
+                "optimizer_bytes": sum(masters.values()) + moments}
+
+    def unscale(self) -> None:
+        """Divide the (reduced) fp32 gradients by the loss scale (fp16 only)."""
+        raise NotImplementedError
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients, every unique element counted once over all ranks."""
+        raise NotImplementedError
+
+    def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
+        """Clip to ``grad_clip`` using ``grad_norm``, set the scheduled lr, update; returns the lr."""
+        raise NotImplementedError
+
+    def checkpoint_views(self, with_optimizer: bool = True, saving: bool = True) -> dict:
+        """This rank's part of every checkpoint tensor, by DCP key (written from and read into in place)."""
+        raise NotImplementedError
+
+    def loaded(self, opt_step: int) -> None:
+        """After a checkpoint was read into ``checkpoint_views(saving=False)``: the model and step count."""
+        raise NotImplementedError
+
+
+def set_adam_step(state: dict, opt_step: int) -> None:
+    """Adam's step count after a load; 0 (no optimizer state in the checkpoint): fresh zero moments."""
+    state["step"] = torch.tensor(float(opt_step))
+    if opt_step == 0:
+        state["exp_avg"].zero_()
+        state["exp_avg_sq"].zero_()
+
+
+
+def init_adam_state(opt: torch.optim.AdamW) -> None:
+    """Create Adam's state now, as AdamW's first step would (step 0, zero moments), so that the
+    optimizer's bytes are allocated, and measurable, before training starts."""
+    for group in opt.param_groups:
+        for m in group["params"]:
+            opt.state[m] = {"step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
+                            "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                            "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
+
+
+def accumulate_into_main_grad(param: nn.Parameter) -> None:
+    """Post-accumulate-grad hook: fp32 ``main_grad`` += this microbatch's low-precision gradient."""
+    param.main_grad.add_(param.grad)
+    param.grad = None

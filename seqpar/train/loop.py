@@ -1,6 +1,6 @@
 """The training loop: config → validate → data → process groups → model → recompute → schedule.
 
-One step: reseed dropout from (seed, step) → this dp rank's microbatches → the pipeline's
+One step: dropout keyed by (seed, step, dp rank's first sample) → this dp rank's microbatches → the pipeline's
 ``forward_backward`` → ``finalize_grads`` (SP, tied-embedding and dp reductions) → global grad norm
 → non-finite policy → clipped AdamW on fp32 masters. Rank 0 logs, every rank saves its part of the
 checkpoint.
@@ -34,6 +34,8 @@ from seqpar.train.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
+
+DROPOUT_MASKS = "position-keyed-1"  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
 
 
 class NonFiniteError(RuntimeError):
@@ -108,10 +110,15 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.state.step}"
                  f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
                  f" dp {meta['config']['parallel']['dp']})")
+        m = self.job.model
+        if meta.get("dropout_masks") != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
+            self.log("note: the checkpoint predates position-keyed dropout (seqpar/parallel/rng.py): it loads, but "
+                     "the steps after it drop other elements than the run that wrote it would have")
 
     def save(self) -> str:
         tensors = self.opt.checkpoint_views()
         meta = {"step": self.state.step, "skipped": self.state.skipped, "has_optimizer": True,
+                "dropout_masks": DROPOUT_MASKS,
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}

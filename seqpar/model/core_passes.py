@@ -1,7 +1,7 @@
 """The materialized attention core's element-wise passes, written once for eager and for Inductor.
 
 Between its GEMMs the core does element-wise work over the s² scores: softmax, the dropout mask
-(``seqpar.parallel.rng.keep_bits`` of the elements' global coordinates), ``where``; in backward the
+(``seqpar.parallel.rng.last_keep`` of the elements' global coordinates), ``where``; in backward the
 mask again and the softmax backward. ``fused(name)`` returns the function compiled by
 ``torch.compile`` (Inductor: C++ on CPU, Triton on CUDA; one kernel per pass: the forward's three
 outputs come from one read of the scores, the backward's from one read of dD and P), or, when
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.parallel.rng import keep_bits
+from seqpar.parallel.rng import last_keep
 
 
-def softmax_dropout(scores, key, limit, n, heads, rows, cols):
-    """``scores [b·groups, g, s, s]`` → softmax P, keep, ``where(keep, P, 0)`` (the 1/(1 − p) is in the next GEMM)."""
+def softmax_dropout(scores, prefix, cols, limit):
+    """``scores [b·groups, g, s, s]`` → softmax P, keep, ``where(keep, P, 0)`` (the 1/(1 − p) is in the next GEMM).
+    ``prefix [b, heads, s, 1]``, ``cols [1, 1, 1, s]``, ``limit``: ``AttentionMask.parts``."""
     probs = torch.softmax(scores, dim=-1)
-    keep = keep_bits(key, limit, n, heads, rows, cols).view(probs.shape)  # [b, heads, s, s] → like P
+    keep = last_keep(prefix, cols, limit).view(probs.shape)  # [b, heads, s, s] → like P
     return probs, keep, torch.where(keep, probs, 0.0)
 
 
@@ -35,9 +36,9 @@ def dropout_softmax_backward(dd, probs, keep):
     return torch.ops.aten._softmax_backward_data(dp, probs, -1, probs.dtype)
 
 
-def regenerated_backward(dd, probs, key, limit, n, heads, rows, cols):
+def regenerated_backward(dd, probs, prefix, cols, limit):
     """``dropout_softmax_backward`` with the mask computed again from its coordinates instead of kept."""
-    keep = keep_bits(key, limit, n, heads, rows, cols).view(probs.shape)
+    keep = last_keep(prefix, cols, limit).view(probs.shape)
     return dropout_softmax_backward(dd, probs, keep)
 
 

@@ -75,8 +75,7 @@ class MaterializedAttention(torch.autograd.Function):
             probs = fused("softmax_only")(probs) if fuse else torch.ops.aten._softmax.out(probs, -1, False, out=probs)
             dropped = probs
         elif fuse:
-            probs, keep, dropped = fused("softmax_dropout")(probs, *mask.scalars(qkv.device),
-                                                             *mask.coords(((0, s),), ((0, s),), qkv.device))
+            probs, keep, dropped = fused("softmax_dropout")(probs, *mask.parts(((0, s),), ((0, s),), qkv.device))
         else:
             torch.ops.aten._softmax.out(probs, -1, False, out=probs)  # in place
             keep = mask.keep(((0, s),), ((0, s),), qkv.device).view(probs.shape)  # [b, heads, s, s] → like P
@@ -125,8 +124,7 @@ def _scores_grad(ctx, dprobs, probs, keep, s: int):
         if mask is None:
             return fused("softmax_backward")(dprobs, probs)
         if keep is None:
-            return fused("regenerated_backward")(dprobs, probs, *mask.scalars(device),
-                                                 *mask.coords(((0, s),), ((0, s),), device))
+            return fused("regenerated_backward")(dprobs, probs, *mask.parts(((0, s),), ((0, s),), device))
         return fused("dropout_softmax_backward")(dprobs, probs, keep)
     if mask is not None:
         if keep is None:

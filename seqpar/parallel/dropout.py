@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from seqpar.parallel.dims import GroupContext
-from seqpar.parallel.rng import Ranges, RNGTracker, axis, keep_mask, slice_ranges, threshold
+from seqpar.parallel.rng import Ranges, RNGTracker, coordinates, keep_mask, prefix_bits, slice_ranges, threshold
 
 
 def sequence_ranges(local_len: int, cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1,
@@ -79,7 +79,7 @@ class Dropout(nn.Module):
         s, b, h = x.shape
         axes = [self.tracker.samples(b), self.placement.positions(s), ((0, h),)]  # hashed in this order
         key = self.tracker.key(self.layer, self.site)
-        return keep_mask(key, self.p, axes, x.device).permute(1, 0, 2)  # [b, s, h] → [s, b, h] (view)
+        return keep_mask(key, self.p, axes, x.device, dims=[1, 0, 2])  # [s, b, h], contiguous
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -100,15 +100,13 @@ class AttentionMask:
     samples: Ranges
     heads: Ranges
 
-    def coords(self, rows: Ranges, cols: Ranges, device) -> list[torch.Tensor]:
-        """The four coordinate tensors, shaped to broadcast to ``[b, heads, sq, sk]`` (int64)."""
-        axes = (self.samples, self.heads, rows, cols)
-        return [axis(r, device).view([-1 if i == j else 1 for j in range(4)]) for i, r in enumerate(axes)]
-
-    def scalars(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and the keep threshold as 0-dim int64 tensors (a compiled pass does not recompile per step)."""
-        return (torch.tensor(self.key, dtype=torch.int64, device=device),
-                torch.tensor(threshold(self.p), dtype=torch.int64, device=device))
+    def parts(self, rows: Ranges, cols: Ranges, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a fused pass needs to compute the mask ``[b, heads, sq, sk]``: the prefix hash of (sample, head,
+        query) ``[b, heads, sq, 1]`` (small, eager), the key positions ``[1, 1, 1, sk]`` and the threshold
+        (0-dim): ``seqpar.parallel.rng.last_keep`` of the three (tensors only: no recompile per step)."""
+        coords = coordinates([self.samples, self.heads, rows, cols], device)
+        limit = torch.tensor(threshold(self.p), dtype=torch.int64, device=device)
+        return prefix_bits(self.key, *coords[:-1]), coords[-1], limit
 
     def keep(self, rows: Ranges, cols: Ranges, device) -> torch.Tensor:
         """``[b, heads, sq, sk]`` bool."""

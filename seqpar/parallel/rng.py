@@ -14,8 +14,10 @@ microbatch in flight -- and gets exactly that slice of the single process's mask
 
 The hash is a multiply-xorshift finaliser on 32-bit values held in int64 (``mix32``): every
 product is below 2³¹ · 2³² < 2⁶³, so no operation overflows, and CPU eager, Inductor C++ and
-Triton produce the same bits. Large masks are computed by a compiled function (cached by
-Inductor across processes); small ones eagerly -- the same bits either way.
+Triton produce the same bits. Every coordinate but the last is hashed eagerly into a small prefix
+tensor (``prefix_bits``); the one full-size step (``last_keep``: one ``mix32`` and a compare per
+element) is compiled for large masks (cached by Inductor across processes), eager for small ones --
+the same bits either way.
 
 ``RNGTracker`` holds what the bits need besides the coordinates a module knows itself: the seed,
 the step, and the global index of the first sample of the microbatch in flight. A checkpoint keeps
@@ -25,6 +27,7 @@ microbatch's (step, first sample), two Python integers.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -66,22 +69,28 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def keep_bits(key: torch.Tensor, limit: torch.Tensor, *coords: torch.Tensor) -> torch.Tensor:
-    """``mix32(… mix32(mix32(key ^ c₀) ^ c₁) … ^ cₙ) ≥ limit``: coordinates broadcast against each other
-    (int64, each in [0, 2³²)); ``key`` and ``limit`` are 0-dim int64 tensors (no recompile per step)."""
-    h = key
+def prefix_bits(key: int, *coords: torch.Tensor) -> torch.Tensor:
+    """``mix32(… mix32(mix32(key ^ c₀) ^ c₁) … ^ cₙ₋₁)`` over broadcasting coordinates (int64, each in
+    [0, 2³²)): the hash of every coordinate but the last, a small tensor computed eagerly."""
+    h = torch.tensor(key, dtype=torch.int64, device=coords[0].device if coords else None)
     for c in coords:
         h = mix32(h ^ c)
-    return h >= limit
+    return h
+
+
+def last_keep(prefix: torch.Tensor, last: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``mix32(prefix ^ last) ≥ limit``: the one full-size step (``limit`` a 0-dim int64 tensor: no recompile
+    per p). One pass when compiled; the prefix is read, not recomputed, per element."""
+    return mix32(prefix ^ last) >= limit
 
 
 _compiled = None
 
 
-def _compiled_keep_bits():
+def _compiled_last_keep():
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(keep_bits, dynamic=True)  # one graph per number of axes
+        _compiled = torch.compile(last_keep, dynamic=True)
     return _compiled
 
 
@@ -112,18 +121,24 @@ def slice_ranges(ranges: Ranges, start: int, stop: int) -> Ranges:
     return tuple(out)
 
 
-def keep_mask(key: int, p: float, axes: list[Ranges], device, compiled: bool | None = None) -> torch.Tensor:
-    """The bool keep mask ``[len(axis₀), len(axis₁), …]`` of the elements at ``axes``'s global coordinates.
+def coordinates(axes: list[Ranges], device, dims: list[int] | None = None) -> list[torch.Tensor]:
+    """One int64 tensor per axis, shaped to broadcast: axis i along output dim ``dims[i]`` (default i)."""
+    dims = list(range(len(axes))) if dims is None else dims
+    return [axis(r, device).view([-1 if d == dims[i] else 1 for d in range(len(axes))]) for i, r in enumerate(axes)]
 
-    ``compiled`` None: the compiled function from ``COMPILE_FROM`` elements on (when allowed)."""
-    shape = [size(r) for r in axes]
-    coords = [axis(r, device).view([-1 if i == j else 1 for j in range(len(axes))]) for i, r in enumerate(axes)]
-    key_t = torch.tensor(key, dtype=torch.int64, device=device)
+
+def keep_mask(key: int, p: float, axes: list[Ranges], device, compiled: bool | None = None,
+              dims: list[int] | None = None) -> torch.Tensor:
+    """The bool keep mask of the elements at ``axes``'s global coordinates, hashed in the order of ``axes``;
+    axis i lies along output dim ``dims[i]`` (default i: ``[len(axis₀), len(axis₁), …]``), contiguous.
+
+    ``compiled`` None: the last step compiled from ``COMPILE_FROM`` elements on (when allowed)."""
+    coords = coordinates(axes, device, dims)
     limit = torch.tensor(threshold(p), dtype=torch.int64, device=device)
     if compiled is None:
-        compiled = compile_masks() and torch.Size(shape).numel() >= COMPILE_FROM
-    fn = _compiled_keep_bits() if compiled and not torch.compiler.is_compiling() else keep_bits
-    return fn(key_t, limit, *coords).expand(shape)
+        compiled = compile_masks() and math.prod(size(r) for r in axes) >= COMPILE_FROM
+    fn = _compiled_last_keep() if compiled and not torch.compiler.is_compiling() else last_keep
+    return fn(prefix_bits(key, *coords[:-1]), coords[-1], limit)
 
 
 class RNGTracker:

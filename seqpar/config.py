@@ -27,11 +27,28 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu_tanh: GPT-2's "gelu_new"
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("materialized", "sdpa")
+BYTE_VOCAB = 256  # text read without a tokenizer (the default data among it) is bytes: 256 symbols
 ROPE_SCALINGS = ("none", "linear", "llama3")  # how rotary frequencies are stretched (Llama 3.x: llama3)
 
 
 class ConfigError(ValueError):
     """A configuration breaks a rule; the message names the rule and the numbers."""
+
+
+class WorldSizeError(ConfigError):
+    """The layout's ranks (``layout``) are not the processes started (``world``)."""
+
+    def __init__(self, message: str, layout: int, world: int):
+        super().__init__(message)
+        self.layout, self.world = layout, world
+
+
+def did_you_mean(word: str, known) -> str:
+    """``" (did you mean 'x'?)"`` for the known name closest to a misspelled ``word`` (difflib), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _positive(**values: int) -> None:
@@ -107,7 +124,7 @@ class ModelConfig:
     @property
     def arch(self) -> str:
         """The analytic model's layer family: "llama" (RMSNorm + SwiGLU), "gpt" (LayerNorm + GeLU), else
-        "custom" (the per-layer formula still applies, the stage and parameter formulas refuse)."""
+        "custom" (another pairing: every formula takes the norm and the activation as they are)."""
         if (self.norm, self.activation) == ("rmsnorm", "swiglu"):
             return "llama"
         return "gpt" if self.norm == "layernorm" and self.activation in ("gelu", "gelu_tanh") else "custom"
@@ -238,7 +255,8 @@ class ParallelConfig:
     def validate(self, model: ModelConfig | None = None, world_size: int | None = None) -> ParallelConfig:
         _positive(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, interleave=self.interleave)
         if world_size is not None and self.world_size != world_size:
-            raise ConfigError(f"{self.describe_world()} = {self.world_size} != world size {world_size}")
+            raise WorldSizeError(f"{self.describe_world()} = {self.world_size} != world size {world_size}",
+                                 self.world_size, world_size)
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
         if model is not None:

@@ -60,10 +60,32 @@ def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: Activatio
     return sum(layer_terms(shape, par, b, opts, rc).values())
 
 
+def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
+    """Layers in each chunk of pipeline rank ``rank``: L/(pm), or its entry of an uneven ``layer_split``
+    (one chunk per rank; ``validate_layout`` refuses an uneven interleaved split)."""
+    if par.layer_split:
+        return par.layer_counts(shape.num_layers)[rank]
+    return layers_per_chunk(shape, par)
+
+
+def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
+    """The pipeline ranks that bound the others' memory and time: rank 0 (the most in flight, the embedding),
+    the last (the output layer) and, under an uneven split, the first rank of each layer count (the in-flight
+    count and the recomputed share fall with the rank, so later ranks of a count hold and run less)."""
+    ranks = {0, par.pp - 1}
+    if par.layer_split:
+        counts = par.layer_counts(shape.num_layers)
+        ranks |= {counts.index(n) for n in set(counts)}
+    return sorted(ranks)
+
+
 def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                opts: ActivationOptions) -> float:
-    """Bytes one chunk-microbatch (L/(pm) layers) keeps under ``rc``'s granularity (Sec. 5)."""
-    n_layers = layers_per_chunk(shape, par)
+                opts: ActivationOptions, rank: int = 0) -> float:
+    """Bytes one chunk-microbatch of pipeline rank ``rank`` (L/(pm) layers, or its uneven share) keeps
+    under ``rc``'s granularity (Sec. 5)."""
+    n_layers = rank_layers(shape, par, rank)
+    if n_layers == 0:
+        return 0.0
     if rc.granularity in ("none", "selective"):
         return n_layers * layer_bytes(shape, par, b, opts, rc)
     checkpoint = layer_bytes(shape, par, b, opts, FULL)  # one layer input
@@ -74,8 +96,10 @@ def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
 
 
 def recompute_working_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                            opts: ActivationOptions) -> float:
+                            opts: ActivationOptions, rank: int = 0) -> float:
     """Transient bytes recomputation rebuilds in backward for one chunk-microbatch at a time."""
+    if rank_layers(shape, par, rank) == 0:
+        return 0.0
     full_layer = layer_bytes(shape, par, b, opts, NONE)
     if rc.granularity == "selective":
         return full_layer - layer_bytes(shape, par, b, opts, rc)
@@ -137,14 +161,14 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     r = in_flight_chunks(rank, par.pp, par.interleave, n)
     kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
     terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp * par.cp)  # distributed: over dp × cp
-    terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts)
+    terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
     if kept:
-        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts)
+        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts, rank)
     terms.update(sec43_extra_terms(shape, par, b, opts, rank, n))
     if not opts.free_pipeline_outputs and par.pp > 1:
         terms["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, r)
     if r > kept and rc.granularity != "none":
-        terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts)
+        terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
     return StageMemory(rank=rank, in_flight=r, terms=terms)
 
 

@@ -17,26 +17,30 @@ from seqpar.config import (
     ModelConfig,
 )
 
+# the model without --model (a preset's shape replaces these, and any flag given overrides either)
+SHAPE_DEFAULTS = {"hidden": 512, "heads": 8, "seq": 256, "vocab": 512, "ffn": None, "kv_heads": None, "arch": "gpt"}
+
 
 def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
-    d = {"layers": 1, "hidden": 512, "heads": 8, "seq": 256, "micro_batch": 2, "vocab": 512, "ffn": None,
-         "dtype": "bf16"} | defaults
+    d = {"layers": 1, "micro_batch": 2, "dtype": "bf16"} | defaults
     g = p.add_argument_group("model (paper notation)")
+    g.add_argument("--model", metavar="PRESET", help="a `seqpar plan` preset's shape (22b, gpt3-6.7b, llama3-8b, ...); "
+                   "the flags below override it (default: none, the defaults below)")
     g.add_argument("--layers", type=int, default=d["layers"], help="L (default %(default)s)")
-    g.add_argument("--hidden", type=int, default=d["hidden"], help="h (default %(default)s)")
-    g.add_argument("--heads", type=int, default=d["heads"], help="a (default %(default)s)")
-    g.add_argument("--seq", type=int, default=d["seq"], help="s (default %(default)s)")
+    for flag, name in (("hidden", "h"), ("heads", "a"), ("seq", "s"), ("vocab", "v")):
+        g.add_argument(f"--{flag}", type=int, help=f"{name} (default: the preset's, else {SHAPE_DEFAULTS[flag]})")
     g.add_argument("--micro-batch", type=int, default=d["micro_batch"], help="b (default %(default)s)")
-    g.add_argument("--vocab", type=int, default=d["vocab"], help="v (default %(default)s)")
-    g.add_argument("--ffn", type=int, default=d["ffn"], help="FFN width f (default 4h)")
+    g.add_argument("--ffn", type=int, help="FFN width f (default: the preset's, else 4h)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
     g.add_argument("--dropout", type=float, default=None,
                    help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
                         "as in `seqpar plan` and `seqpar paper`)")
     a = p.add_argument_group("architecture (default: the paper's GPT)")
-    a.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
-                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default %(default)s)")
-    a.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: = heads)")
+    a.add_argument("--arch", choices=["gpt", "llama"],
+                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: the "
+                        "preset's, else gpt)")
+    a.add_argument("--kv-heads", type=int, default=None,
+                   help="grouped-query attention (default: the preset's, else = heads)")
     a.add_argument("--attention", choices=ATTENTIONS, default="materialized",
                    help="materialized s² scores (the paper) or fused scaled_dot_product_attention "
                         "(default %(default)s)")
@@ -51,16 +55,30 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
 LLAMA = {k: v for k, v in ARCH_FIELDS["llama"].items() if not k.endswith("dropout")}
 
 
+def shape_from_args(args) -> dict:
+    """hidden, heads, seq, vocab, ffn, kv_heads, arch: each flag given, else ``--model``'s, else ``SHAPE_DEFAULTS``."""
+    base = dict(SHAPE_DEFAULTS)
+    if getattr(args, "model", None):
+        from seqpar.analysis.presets import preset_shape
+
+        m = preset_shape(args.model)
+        base = {"hidden": m.hidden_size, "heads": m.num_heads, "seq": m.seq_len, "vocab": m.vocab_size,
+                "ffn": m.ffn_hidden_size, "kv_heads": m.kv_heads, "arch": m.arch}
+    return {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in base.items()}
+
+
 def model_from_args(args) -> ModelConfig:
-    arch = LLAMA if args.arch == "llama" else {}
     from seqpar.analysis.shapes import default_dropout
 
-    dropout = args.dropout if args.dropout is not None else default_dropout(args.arch)
+    shape = shape_from_args(args)
+    arch = LLAMA if shape["arch"] == "llama" else {}
+    dropout = args.dropout if args.dropout is not None else default_dropout(shape["arch"])
     chosen = {k: getattr(args, k) for k in ("norm", "activation", "position") if getattr(args, k) is not None}
-    return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                       seq_len=args.seq, ffn_hidden_size=args.ffn, dtype=args.dtype, embd_dropout=dropout,
-                       attn_dropout=0.0 if args.attention == "sdpa" else dropout, hidden_dropout=dropout,
-                       kv_heads=args.kv_heads, attention=args.attention, **(arch | chosen)).validate()
+    return ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_heads=shape["heads"],
+                       num_layers=args.layers, seq_len=shape["seq"], ffn_hidden_size=shape["ffn"], dtype=args.dtype,
+                       embd_dropout=dropout, attn_dropout=0.0 if args.attention == "sdpa" else dropout,
+                       hidden_dropout=dropout, kv_heads=shape["kv_heads"], attention=args.attention,
+                       **(arch | chosen)).validate()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,7 +151,7 @@ def run(args) -> int:
         print(json.dumps({"rows": [r.as_json() for r in rows]}))
         return 0
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
-    arch = f"{args.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {cfg.attention}"
+    arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {cfg.attention}"
     cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, ring attention" if args.cp > 1 else ""
     print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {cfg.hidden_dropout} "
           f"({arch}){cp}")

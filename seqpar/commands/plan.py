@@ -105,20 +105,14 @@ def request_from_args(args):
         if setup is None:
             raise AnalysisError("give --global-batch (only the Table 3 presets have a default)")
         batch = setup.global_batch
-    for name, value in (("gpus", args.gpus), ("gpus-per-node", args.gpus_per_node), ("global-batch", batch),
-                        ("gpu-memory", args.gpu_memory), ("intra-node-gbps", args.intra_node_gbps),
-                        ("inter-node-gbps", args.inter_node_gbps), ("top", args.top),
-                        ("max-micro-batch", args.max_micro_batch), ("peak-tflops", args.peak_tflops)):
-        if value is not None and (value < 1 if isinstance(value, int) else value <= 0):
+    for name, value in (("gpus", args.gpus), ("global-batch", batch), ("top", args.top),
+                        ("max-micro-batch", args.max_micro_batch)):
+        if value < 1:
             raise AnalysisError(f"--{name} must be positive, got {value}")
-    if args.reserve is not None and not 0 <= args.reserve < 1:
-        raise AnalysisError(f"--reserve {args.reserve} must be in [0, 1)")
-    if args.gemm_efficiency is not None and not 0 < args.gemm_efficiency <= 1:
-        raise AnalysisError(f"--gemm-efficiency {args.gemm_efficiency} must be in (0, 1]")
     hw = hardware_for(args.hardware, args.gpu, gpus_per_node=args.gpus_per_node, memory_gb=args.gpu_memory,
                       peak_tflops=args.peak_tflops, gemm_efficiency=args.gemm_efficiency,
                       intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                      reserve=args.reserve)
+                      reserve=args.reserve)  # checks the machine flags too: finite, in range
     dropout = 0.0 if args.no_dropout else args.dropout if args.dropout is not None else default_dropout(shape.arch)
     if not 0 <= dropout < 1:
         raise AnalysisError(f"--dropout must be in [0, 1), got {dropout}")
@@ -135,11 +129,23 @@ def _emit(args, req, plan) -> None:
     """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import plan_toml
+    from seqpar.analysis.emit import SCHEDULE_KEYS, plan_toml
+    from seqpar.train.config import TrainConfig
 
-    args.emit_config.write_text(plan_toml(req, plan))
+    defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
+    args.emit_config.write_text(plan_toml(req, plan, defaults))
     print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
           f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
+
+
+def _check_outputs(args) -> None:
+    """--emit-config and --plot: where the results go, checked before the search."""
+    from seqpar.commands.out_path import check_out_file, check_out_folder
+
+    if args.emit_config is not None:
+        check_out_file(args.emit_config, "--emit-config")
+    if args.plot is not None:
+        check_out_folder(args.plot, "--plot")
 
 
 def run(args) -> int:
@@ -147,6 +153,7 @@ def run(args) -> int:
     from seqpar.analysis.shapes import AnalysisError
 
     try:
+        _check_outputs(args)
         req = request_from_args(args)
         explain = planner.parse_plan(args.explain, args.gpus) if args.explain is not None else None
         if explain is not None:  # a layout that cannot run this model is bad input: one line, exit 2
@@ -185,7 +192,8 @@ def run(args) -> int:
             if plans:  # the chosen plan's every pipeline rank, as --explain gives them
                 plans[0]["stages"] = planner.stages_json(planner.evaluate(req, ranked[0].plan, every_rank=True).stages)
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
-                              "settings": planner.settings(req), "hardware": profile_to_json(req.hw)}))
+                              "settings": planner.settings(req), "hardware": profile_to_json(req.hw),
+                              "ruled_out": planner.rejection_lines(req, stats)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
         if args.plot and ranked:

@@ -13,7 +13,6 @@ import sys
 
 from seqpar.config import ARCH_FIELDS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
 from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
-from seqpar.train.start import start
 
 # flag dest -> (section, key)
 FLAG_KEYS = {
@@ -133,7 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nonfinite", choices=["skip", "stop"], help=f"on a non-finite loss or gradient {d('nonfinite')}")
     g.add_argument("--sample-tokens", type=int,
                    help=f"print a sample of this many tokens at the end {d('sample_tokens')}")
-    g.add_argument("--sample-prompt", help=f"the sample's prompt (default {_default('train', 'sample_prompt')!r})")
+    g.add_argument("--sample-prompt", help="the sample's prompt (default: empty, start as after a newline, the "
+                   "separator between texts: neutral to the corpus)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
 
@@ -151,6 +151,7 @@ def base_sections(args) -> dict[str, dict]:
     path = args.resume if args.resume != "auto" else (args.out or TrainConfig().out_dir)
     sections = ckpt.read_meta(ckpt.resolve(path))["config"]
     sections.get("parallel", {}).pop("dp", None)  # re-derived from this run's world size
+    sections.get("train", {}).pop("stop_at", None)  # a stop point belongs to the invocation that gave it
     return sections
 
 
@@ -167,7 +168,7 @@ def model_overrides(args) -> dict:
             raise ConfigError(str(err)) from None
         out = {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
                "seq_len": shape.seq_len, "vocab_size": shape.vocab_size, "ffn_hidden_size": shape.ffn_hidden_size,
-               "kv_heads": shape.kv_heads} | ARCH_FIELDS[shape.arch]
+               "kv_heads": shape.kv_heads, "rope_theta": shape.rope_theta} | ARCH_FIELDS[shape.arch]
     if getattr(args, "arch", None):
         out |= ARCH_FIELDS[args.arch]
     return out
@@ -197,6 +198,8 @@ def job_from_args(args, world_size: int) -> JobConfig:
 
 
 def run(args) -> int:
+    from seqpar.train.start import start  # torch: imported to run, not to parse (`seqpar train --help` stays fast)
+
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []  # what --nproc re-runs
     return start(lambda world: job_from_args(args, world), nproc=args.nproc, resume=args.resume,
                  overwrite=args.overwrite, dry_run=args.dry_run, argv=argv)

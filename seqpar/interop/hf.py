@@ -5,6 +5,8 @@ and, on export, by the one architecture that represents the model exactly (else 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -68,6 +70,8 @@ def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch
     save_file = _safetensors()[1]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(family.state_to_hf(state, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    weights, config = folder / "model.safetensors", folder / "config.json"
+    save_file(family.state_to_hf(state, cfg), str(weights), metadata={"format": "pt"})
+    config.write_text(json.dumps(hf_config, indent=2))
+    os.chmod(weights, stat.S_IMODE(config.stat().st_mode))  # safetensors writes 0600; a file made here has the umask's
     return folder

@@ -82,6 +82,11 @@ class ParallelDims:
     def dp_rank(self) -> int:
         return self.rank // (self.tp * self.cp * self.pp)
 
+    @property
+    def grad_rank(self) -> int:
+        """This rank's place in its grad group (dp × cp, cp running fastest), as the group numbers it."""
+        return self.dp_rank * self.cp + self.cp_rank
+
     def rank_of(self, dp: int, pp: int, cp: int, tp: int) -> int:
         """The global rank at coordinates (dp, pp, cp, tp)."""
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp

@@ -66,6 +66,9 @@ class AdamOnMasters:
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
         init_adam_state(self.opt)
+        # AdamW's own step count (its bias correction's t): the updates applied, which a skipped step (fp16
+        # overflow, non-finite values) does not add to; saved in the checkpoint, restored by ``loaded``
+        self.updates = 0
         fp16 = any(p.dtype == torch.float16 for _, p in self.named)
         self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
 
@@ -148,7 +151,8 @@ class AdamOnMasters:
         raise NotImplementedError
 
     def loaded(self, opt_step: int) -> None:
-        """After a checkpoint was read into ``checkpoint_views(saving=False)``: the model and step count."""
+        """After a checkpoint was read into ``checkpoint_views(saving=False)``: the model, and the step count
+        ``opt_step`` (the updates applied before the checkpoint, ``updates``)."""
         raise NotImplementedError
 
 

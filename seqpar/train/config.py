@@ -13,7 +13,16 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig, validate_microbatches
+from seqpar.config import (
+    BYTE_VOCAB,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RecomputeConfig,
+    RunConfig,
+    did_you_mean,
+    validate_microbatches,
+)
 from seqpar.train.lr_schedule import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -59,7 +68,7 @@ class TrainConfig:
     loss_scale_init: float = 65536.0  # the first scale
     loss_scale_window: int = 2000  # good steps in a row before the scale doubles
     sample_tokens: int = 0  # print a sample of this many tokens at the end (0: none)
-    sample_prompt: str = "def "
+    sample_prompt: str = ""  # empty: start as after a newline (the separator between texts), any corpus
     progress: bool = True
     plot: bool = True  # loss-curve PNG at the end (needs matplotlib)
 
@@ -164,6 +173,11 @@ def inert_settings(job: JobConfig) -> list[str]:
     if t.tokenizer and t.data.endswith(".bin"):
         notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
                      "recorded for sample and export-hf only")
+    if not t.tokenizer and not t.data.endswith(".bin") and m.vocab_size > BYTE_VOCAB:
+        source = f"{t.data} is read" if t.data else "the default data (the standard library's sources) is read"
+        notes.append(f"{source} as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: "
+                     f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained; give "
+                     "--tokenizer for text, or --data a pre-tokenized .bin, or --vocab 256")
     if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
         notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
                      "(they shard over, and overlap the reduction across, the data-parallel ranks)")
@@ -223,7 +237,8 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
     built = {}
     for name, values in sections.items():
         if name not in SECTIONS:
-            raise ConfigError(f"unknown config section [{name}]; known: {sorted(SECTIONS)}")
+            raise ConfigError(f"unknown config section [{name}]{did_you_mean(name, SECTIONS)}; known: "
+                              f"{sorted(SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table, got {values!r}")
     for name, cls in SECTIONS.items():
@@ -232,7 +247,7 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key not in known:
-                raise ConfigError(f"unknown key {name}.{key}; known: {sorted(known)}")
+                raise ConfigError(f"unknown key {name}.{key}{did_you_mean(key, known)}; known: {sorted(known)}")
         obj = cls(**{k: _coerce(v, hints[k]) for k, v in values.items()})
         _check_types(obj)
         built[name] = obj

@@ -126,6 +126,7 @@ class DistributedOptimizer(AdamOnMasters):
                 grad.mul_(scale)
             f.master.grad = grad
         self.opt.step()
+        self.updates += 1
         for f in self.fragments:
             f.master.grad = None
         self._gather_params()
@@ -178,4 +179,5 @@ class DistributedOptimizer(AdamOnMasters):
         masters and moments: the step count, and every rank's masters all-gathered into the model."""
         for f in self.fragments:
             set_adam_step(self.opt.state[f.master], opt_step)
+        self.updates = opt_step
         self._gather_params()

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.launch import default_device, init_distributed, run_ranks
+from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
 from seqpar.train.config import JobConfig, build_job
@@ -72,14 +71,17 @@ class Trainer:
     """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
 
     def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False,
-                 hooks: Sequence[StepHook] = ()):
+                 hooks: Sequence[StepHook] = (), verified: bool = False):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
+        self.verified = verified  # the launcher checked the checkpoint to resume (checksums, tensors) already
         self.data = TokenData.for_job(job)
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
+        if self.resume_path is not None:  # and one with no steps left: refused, nothing rewritten
+            ckpt.check_progress(self.resume_path, t.stop_at or t.steps)
         self.device = device or default_device()
         self.owns_group = init_distributed(world, self.device)
         self.dims = ParallelDims.build(job.parallel)
@@ -100,11 +102,14 @@ class Trainer:
     def load(self, path) -> None:
         meta = ckpt.read_meta(path)
         has_opt = bool(meta.get("has_optimizer", True))
-        ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False))
+        ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False), self.verified)
         step = int(meta.get("step", 0))
-        self.opt.loaded(step if has_opt else 0)
+        # the optimizer's own step count: skipped steps never ran it (written before seqpar saved it: the step)
+        updates = int(meta.get("optimizer_steps", step))
+        self.opt.loaded(updates if has_opt else 0)
         self.state.step = step if has_opt else 0
         self.state.skipped = int(meta.get("skipped", 0))
+        self.state.skipped_in_row = int(meta.get("skipped_in_row", 0)) if has_opt else 0
         if self.opt.scaler is not None and has_opt and "loss_scaler" in meta:
             self.opt.scaler.load_state_dict(meta["loss_scaler"])
         self.log(f"resumed from {path} at step {self.state.step}"
@@ -117,8 +122,8 @@ class Trainer:
 
     def save(self) -> str:
         tensors = self.opt.checkpoint_views()
-        meta = {"step": self.state.step, "skipped": self.state.skipped, "has_optimizer": True,
-                "dropout_masks": DROPOUT_MASKS,
+        meta = {"step": self.state.step, "optimizer_steps": self.opt.updates, "skipped": self.state.skipped,
+                "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True, "dropout_masks": DROPOUT_MASKS,
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
@@ -300,9 +305,8 @@ class Trainer:
                 window_steps += 1
                 done = self.state.step
                 progress.tick(done)
-                if outcome != "applied":
+                if outcome != "applied":  # logged; then the step's periodic record, validation and save as any
                     self._skipped_update(outcome, loss, norm, metrics)
-                    continue
                 if done % t.log_every == 0 or done == end:
                     last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
                                                validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
@@ -328,15 +332,19 @@ class Trainer:
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,
-          hooks: Sequence[StepHook] = ()) -> dict:
-    """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own)."""
+          hooks: Sequence[StepHook] = (), verified: bool = False) -> dict:
+    """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own). ``verified``:
+    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``)."""
     job = build_job(job) if isinstance(job, dict) else job
-    trainer = Trainer(job, resume, device, quiet, hooks)
+    trainer = Trainer(job, resume, device, quiet, hooks, verified)
+    completed = False
     try:
-        return trainer.run()
+        summary = trainer.run()
+        completed = True
+        return summary
     finally:
-        if trainer.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if trainer.owns_group:
+            end_distributed(completed)  # a barrier, then destroy: no rank closes while a peer still works
 
 
 # ---------------------------------------------------------------------- from Python, on N local ranks

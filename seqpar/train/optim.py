@@ -100,6 +100,7 @@ class MasterOptimizer(AdamOnMasters):
                 grad.mul_(scale)
             m.grad = grad  # fp32: the main_grad buffer itself, or the fp32 parameter's own .grad
         self.opt.step()
+        self.updates += 1
         for m in self.masters:
             m.grad = None
         if self.mixed:
@@ -137,3 +138,4 @@ class MasterOptimizer(AdamOnMasters):
             if m is not m_p[1]:
                 m_p[1].copy_(m)
             set_adam_step(self.opt.state[m], opt_step)
+        self.updates = opt_step

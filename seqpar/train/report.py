@@ -47,15 +47,15 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
 
 
 def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:
-    """A sample from the saved checkpoint (temperature 0.8, top-k 20): bytes, or the run's tokenizer."""
+    """A sample from the saved checkpoint (temperature 0.8, top-k ``TOP_K``): bytes, or the run's tokenizer."""
     from seqpar.config import ConfigError
-    from seqpar.train.sample import sample_text
+    from seqpar.train.sample import TOP_K, sample_text
 
     try:
-        text = sample_text(checkpoint, prompt, tokens, temperature=0.8, top_k=20, seed=seed, tokenizer=tokenizer)
+        text = sample_text(checkpoint, prompt, tokens, temperature=0.8, top_k=TOP_K, seed=seed, tokenizer=tokenizer)
     except ConfigError as err:
         print(f"  (no sample: {err})")
         return
-    print(f"--- sample (temperature 0.8, top-k 20, prompt {prompt!r}) ---")
+    print(f"--- sample (temperature 0.8, top-k {TOP_K}, prompt {prompt!r}) ---")
     print(text)
     print("---")

@@ -82,7 +82,10 @@ def codec(vocab_size: int, tokenizer: str = ""):
     return None
 
 
-def sample_text(checkpoint: str, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = 0,
+TOP_K = 20  # the default of `seqpar sample` and of the sample at the end of training (0: every token)
+
+
+def sample_text(checkpoint: str, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = TOP_K,
                 seed: int = 0, tokenizer: str = "") -> str:
     """``tokens`` tokens generated from ``checkpoint`` after ``prompt``, decoded with ``tokenizer``
     (default: the run's own) or as bytes; a ConfigError when the model can be neither encoded nor

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from seqpar.config import ConfigError
+from seqpar.config import ConfigError, WorldSizeError
 from seqpar.parallel.launch import under_torchrun
 from seqpar.train import supervise
 from seqpar.train.config import JobConfig, inert_settings
@@ -94,11 +94,14 @@ def check_tokenizer(job: JobConfig) -> None:
 
 
 def check_resume(job: JobConfig, resume: str) -> None:
-    """A checkpoint of this run's model, checked before anything starts."""
+    """A checkpoint of this run's model with steps left to train, its files matching their checksums and its
+    tensors the model: checked once, before anything starts (the ranks then read it without checking again)."""
     from seqpar.train import checkpoint as ckpt
 
     if resume:
-        ckpt.check_resume(resume_path(resume, job), job.model)
+        path = ckpt.check_resume(resume_path(resume, job), job.model)
+        ckpt.check_progress(path, job.train.stop_at or job.train.steps)
+        ckpt.check_before_load(path, ckpt.read_meta(path))  # checksums and tensors, once, before any rank starts
 
 
 def warn_inert(job: JobConfig) -> None:
@@ -114,7 +117,7 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
         return _as_rank(make_job, resume, overwrite, dry_run)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
-    job = make_job(nproc or int(os.environ.get("WORLD_SIZE", "1")))  # every rule, before any process starts
+    job = _job(make_job, nproc)  # every rule, before any process starts
     check_tokenizer(job)
     if dry_run:
         return _dry_run(job, resume)
@@ -131,7 +134,20 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
     if nproc:
         out = job.train.out_dir
         return supervise.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out))
-    return train_and_report(job, resume)
+    return train_and_report(job, resume, verified=True)  # check_resume above checked the checkpoint
+
+
+def _job(make_job: Callable[[int], JobConfig], nproc: int | None) -> JobConfig:
+    """The job for ``nproc`` local ranks (one process without it); a layout of more ranks than were asked
+    for says how to start them."""
+    try:
+        return make_job(nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    except WorldSizeError as err:
+        if nproc is not None:
+            raise
+        n = err.layout
+        raise WorldSizeError(f"{err}: this is one process; start {n} ranks with --nproc {n}, or under torchrun "
+                             f"(torchrun --nproc-per-node {n} -m seqpar train ...)", n, err.world) from None
 
 
 def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool) -> int:
@@ -150,7 +166,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
                 claim_out(job.train.out_dir, resume, overwrite)
             if rank0:
                 warn_inert(job)
-        return train_and_report(job, resume)
+        return train_and_report(job, resume, verified=ours)  # relaunch's launcher checked the checkpoint
 
     try:
         return supervise.as_rank(main)
@@ -172,7 +188,7 @@ def _one_line(err: Exception) -> int:
     return 2
 
 
-def train_and_report(job: JobConfig, resume: str) -> int:
+def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int:
     """Train (this rank of) ``job``; rank 0 prints the summary. A signal before the first step exits
     130 at once (nothing to save yet); after it the trainer's own handlers take over."""
     from seqpar.train import fault
@@ -191,7 +207,7 @@ def train_and_report(job: JobConfig, resume: str) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, before_training) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        summary = train(job, resume=resume_path(resume, job), hooks=fault.hooks_from_env())
+        summary = train(job, resume=resume_path(resume, job), hooks=fault.hooks_from_env(), verified=verified)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -17,7 +17,8 @@ under ``none``.
 Dropout masks are position-keyed (``seqpar.parallel.dropout``): no generator state to save. A
 checkpoint keeps which microbatch it ran -- the tracker's (step, first sample), two Python integers --
 and restores it for the recomputation (under a pipeline schedule other microbatches run in between),
-so recomputed masks equal the original ones bit for bit.
+so recomputed masks equal the original ones bit for bit; it does the same with the microbatch's packed
+documents (``seqpar.documents``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import functools
 
 import torch
 
+from seqpar import documents
 from seqpar.config import RecomputeConfig
 from seqpar.parallel.rng import RNGTracker
 
@@ -36,6 +38,7 @@ class _Checkpoint(torch.autograd.Function):
     def forward(ctx, run, tracker: RNGTracker, *inputs):
         ctx.run, ctx.tracker = run, tracker
         ctx.rng_state = tracker.get_state()  # Python ints (step, first sample): no tensor to keep
+        ctx.documents = documents.current()  # packed documents: the microbatch's own, for the recomputation
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run(*inputs)
@@ -46,7 +49,7 @@ class _Checkpoint(torch.autograd.Function):
         after_forward = ctx.tracker.get_state()
         ctx.tracker.set_state(ctx.rng_state)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), documents.using(ctx.documents):
                 outputs = ctx.run(*inputs)
         finally:
             ctx.tracker.set_state(after_forward)

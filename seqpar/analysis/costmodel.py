@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import kv_heads_per_rank
+from seqpar.analysis.moe import all_to_all_s, moe_gemms, moe_training_flops
 from seqpar.analysis.placement import grad_group_spans_nodes, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.analysis.stage import examined_ranks, rank_layers
@@ -212,6 +213,10 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
     runs again) on one tp rank, each per term (compute, elementwise, tp_comm, overhead)."""
     t = par.tp
     g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts, par.cp).items()}
+    moe = shape.moe_layers / shape.num_layers  # MoE layers' share: their GEMMs replace fc1 and fc2
+    if moe:
+        g = {k: v * (1 - moe) if k in ("fc1", "fc2") else v for k, v in g.items()}
+        g |= {k: moe * gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shape, par, b, opts.act_bytes).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
     if par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
@@ -225,6 +230,9 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
            "overhead": hw.layer_overhead}
     bwd = {"compute": 2 * fwd["compute"], "elementwise": 2 * fwd["elementwise"], "tp_comm": bwd_comm,
            "overhead": hw.layer_overhead}
+    if moe and par.ep > 1:  # dispatch + combine, forward and backward (inter-node when tp · ep exceeds a node)
+        bw = hw.intra_node_bw if par.tp * par.cp * par.ep <= hw.gpus_per_node else hw.inter_node_bw
+        fwd["ep_comm"] = bwd["ep_comm"] = 2 * moe * all_to_all_s(shape, par, b, opts.act_bytes, bw, hw.comm_latency)
     core = {"compute": g["qk"] + g["attention_v"], "elementwise": el["attention_core"], "tp_comm": 0.0,
             "overhead": 0.0}
     if opts.fused_attention or par.cp > 1:
@@ -408,7 +416,9 @@ def ties_with_best(times: list[float], band: float) -> list[bool]:
 
 def predicted_mfu(shape: ModelConfig, par: ParallelConfig, global_batch: int, seconds: float,
                   hw: Hardware) -> float:
-    """Eq. 7 model FLOPs of the iteration over (seconds x GPUs x peak)."""
+    """Eq. 7 model FLOPs of the iteration over (seconds x GPUs x peak); an MoE model's layers with their
+    router, K experts per token and shared expert (``analysis.moe``)."""
     flops = model_flops_from_gemms(global_batch, shape.num_layers, shape.seq_len, shape.hidden_size,
                                    shape.vocab_size, shape.ffn, kv_ratio=shape.kv_ratio, gated=shape.arch == "llama")
+    flops += moe_training_flops(global_batch, shape, RecomputeConfig())[0]
     return flops / (seconds * par.world_size * hw.peak_flops)

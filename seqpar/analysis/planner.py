@@ -1,6 +1,7 @@
 """`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
 
-Dimensions: tp (<= GPUs per node, dividing heads and FFN width), cp (context parallelism, ring attention
+Dimensions: tp (<= GPUs per node, dividing heads and FFN width), ep (an MoE model's experts split over ep
+of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism, ring attention
 over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (up to L: even when
 it divides L, and with the lighter-ends split of ``uneven.py``), dp (the rest, dividing the global batch),
 interleave m (m > 1 needs pp > 1, L divisible by pp m and the microbatch count by pp, as Megatron requires;
@@ -42,7 +43,8 @@ class Plan:
         p = self.par
         cp = f"cp={p.cp}," if p.cp > 1 else ""
         split = f"split={split_text(p.layer_split)}," if p.layer_split else ""
-        text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},m={p.interleave},sp={'on' if p.sp else 'off'},"
+        ep = f"ep={p.ep}," if p.ep > 1 else ""
+        text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
                 f"recompute={self.rc.label},mb={self.micro_batch}")
         return text + (",distopt=on" if self.distributed_optimizer else "")
 
@@ -95,7 +97,7 @@ class Evaluation:
 
     def to_json(self) -> dict:
         p = self.plan.par
-        out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "interleave": p.interleave, "sp": p.sp,
+        out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
                "distributed_optimizer": self.plan.distributed_optimizer,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
@@ -239,8 +241,15 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
                         continue
                     for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
                         for dist in ((False, True) if req.try_distributed_optimizer and dp * cp > 1 else (False,)):
-                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m, layer_split=split)
-                            yield Plan(par, RecomputeConfig(), mb, dist)
+                            for ep in _expert_parallel(shape, dp * cp):
+                                par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m,
+                                                     layer_split=split, ep=ep)
+                                yield Plan(par, RecomputeConfig(), mb, dist)
+
+
+def _expert_parallel(shape: ModelConfig, ranks: int) -> list[int]:
+    """ep sizes for an MoE model: divisors of the dp × cp ranks that divide the experts (1 without MoE)."""
+    return [ep for ep in _divisors(ranks) if shape.experts % ep == 0] if shape.experts else [1]
 
 
 def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[tuple[int, int, tuple[int, ...]]]:
@@ -375,7 +384,8 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     return out
 
 
-_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "m": "interleave", "interleave": "interleave", "sp": "sp",
+_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "interleave", "interleave": "interleave",
+         "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
          "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split"}
 
@@ -463,7 +473,8 @@ def parse_plan(text: str, gpus: int) -> Plan:
         tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
-                             interleave=_count(values, "interleave", 1), layer_split=_split(values))
+                             interleave=_count(values, "interleave", 1), layer_split=_split(values),
+                             ep=_count(values, "ep", 1))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one

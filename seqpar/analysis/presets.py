@@ -82,6 +82,9 @@ EXTRA_SHAPES: dict[str, ModelConfig] = {
     # 126 layers: no pp > 2 splits them evenly; Meta trained it at tp 8 x pp 16 with lighter end stages
     "llama3-405b": replace(model_config(layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn=53248,
                                         kv_heads=8, arch="llama"), rope_theta=500000.0),
+    # Mixture of experts (Mixtral-8x7B's model card): 8 experts of width 14336, top-2, every layer, theta 1e6
+    "mixtral-8x7b": replace(model_config(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=14336,
+                                         kv_heads=8, arch="llama"), rope_theta=1e6, experts=8, top_k=2),
 }
 
 

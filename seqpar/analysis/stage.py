@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
 from seqpar.analysis.memory import layer_activation_terms
+from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
-from seqpar.analysis.states import stage_parameters, state_bytes
+from seqpar.analysis.states import stage_state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -44,9 +45,24 @@ class StageMemory:
 
 
 def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
-                rc: RecomputeConfig) -> dict[str, float]:
+                rc: RecomputeConfig, routing: Routing | None = None) -> dict[str, float]:
     """Table 2 bytes of one layer of this model on one tp rank under ``rc`` (its finer modules included),
-    per stored tensor (``memory.layer_activation_terms``)."""
+    per stored tensor (``memory.layer_activation_terms``); an MoE model's layer (``moe_every`` 1) keeps the
+    MoE terms instead of the MLP's (``seqpar.analysis.moe``), for ``routing`` (default: balanced)."""
+    terms = _dense_layer_terms(shape, par, b, opts, rc)
+    if not shape.experts or rc.granularity == "full":
+        return terms
+    if shape.moe_every != 1:
+        raise AnalysisError(f"the per-layer formula takes every layer MoE or none (moe_every {shape.moe_every})")
+    for name in ("swiglu_input", "gelu_input", "fc2_input"):  # the dense MLP's, replaced by the experts
+        terms.pop(name, None)
+    tokens = shape.seq_len // par.cp * b // (par.tp if par.sp else 1)
+    return terms | moe_terms(shape, routing or balanced_routing(shape, tokens), ep=par.ep, tp=par.tp, sp=par.sp,
+                             act_bytes=opts.act_bytes, modules=rc.selective_modules)
+
+
+def _dense_layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
+                       rc: RecomputeConfig) -> dict[str, float]:
     return layer_activation_terms(shape.seq_len, b, shape.hidden_size, shape.num_heads, par.tp, sp=par.sp,
                                   recompute=rc.granularity, modules=rc.selective_modules or None, ffn=shape.ffn,
                                   act_bytes=opts.act_bytes, mask_bytes=opts.mask_bytes, dropout=opts.dropout,
@@ -55,9 +71,9 @@ def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Activatio
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
-                rc: RecomputeConfig) -> float:
+                rc: RecomputeConfig, routing: Routing | None = None) -> float:
     """Sum of ``layer_terms``."""
-    return sum(layer_terms(shape, par, b, opts, rc).values())
+    return sum(layer_terms(shape, par, b, opts, rc, routing).values())
 
 
 def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
@@ -160,7 +176,7 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
     r = in_flight_chunks(rank, par.pp, par.interleave, n)
     kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
-    terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp * par.cp)  # distributed: over dp × cp
+    terms = stage_state_bytes(shape, par, rank, opt)  # distributed: over dp × cp (routed experts: dp·cp/ep)
     terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
     if kept:
         terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts, rank)

@@ -27,6 +27,7 @@ real elements of a rank's shard of each bucket, so the rank whose shard holds th
 
 from __future__ import annotations
 
+from seqpar.analysis.moe import is_routed_expert, moe_parameter_sizes
 from seqpar.analysis.shapes import OptimizerOptions
 from seqpar.config import ModelConfig, ParallelConfig
 
@@ -54,17 +55,22 @@ def qkv_rows(shape: ModelConfig, t: int) -> int:
     return (a + 2 * kv) * d // t
 
 
-def layer_parameter_sizes(shape: ModelConfig, t: int = 1, prefix: str = "") -> list[tuple[str, int]]:
-    """(name, elements) of every parameter of one layer on one of t tp ranks, in the model's order."""
+def layer_parameter_sizes(shape: ModelConfig, t: int = 1, prefix: str = "", *, layer: int | None = None,
+                          ep: int = 1) -> list[tuple[str, int]]:
+    """(name, elements) of every parameter of one layer on one of t tp ranks, in the model's order; layer
+    ``layer`` of an MoE model (``shape.is_moe``) holds the MoE block of ``seqpar.analysis.moe`` (E/ep routed
+    experts) instead of the MLP."""
     h, f = shape.hidden_size, shape.ffn
     fc1 = (2 if shape.activation == "swiglu" else 1) * f // t
     rows = qkv_rows(shape, t)
     bias = shape.bias
-    return (_norm(shape, f"{prefix}ln1")
-            + _linear(f"{prefix}attention.qkv", rows, h, rows if bias else None)
-            + _linear(f"{prefix}attention.out_proj", h, h // t, h if bias else None)
-            + _norm(shape, f"{prefix}ln2")
-            + _linear(f"{prefix}mlp.fc1", fc1, h, fc1 if bias else None)
+    attention = (_norm(shape, f"{prefix}ln1")
+                 + _linear(f"{prefix}attention.qkv", rows, h, rows if bias or shape.qkv_bias else None)
+                 + _linear(f"{prefix}attention.out_proj", h, h // t, h if bias else None)
+                 + _norm(shape, f"{prefix}ln2"))
+    if layer is not None and shape.is_moe(layer):
+        return attention + moe_parameter_sizes(shape, t, ep, prefix)
+    return (attention + _linear(f"{prefix}mlp.fc1", fc1, h, fc1 if bias else None)
             + _linear(f"{prefix}mlp.fc2", h, f // t, h if bias else None))
 
 
@@ -74,7 +80,7 @@ def layer_parameters(shape: ModelConfig, t: int = 1) -> int:
 
 
 def chunk_parameter_sizes(shape: ModelConfig, t: int, layer_ids: list[int], first: bool, last: bool,
-                          one_stage: bool) -> list[tuple[str, int]]:
+                          one_stage: bool, ep: int = 1) -> list[tuple[str, int]]:
     """One model chunk's parameters on one tp rank, in ``GPTStage``'s order: the output layer's own weight
     (the module's own parameter comes first), the embedding (position table, then the word shard), the
     layers, the final norm. ``one_stage``: the model is this one chunk (a tied output layer is the word
@@ -88,7 +94,7 @@ def chunk_parameter_sizes(shape: ModelConfig, t: int, layer_ids: list[int], firs
             out.append(("embedding.position", shape.seq_len * h))
         out.append((TIED, rows * h))
     for i in layer_ids:
-        out += layer_parameter_sizes(shape, t, f"layers.{i}.")
+        out += layer_parameter_sizes(shape, t, f"layers.{i}.", layer=i, ep=ep)
     if last:
         out += _norm(shape, "final_ln")
     return out
@@ -104,7 +110,8 @@ def stage_parameter_sizes(shape: ModelConfig, par: ParallelConfig, rank: int) ->
     for c in range(m):
         v = c * p + rank  # the virtual stage (seqpar.pipeline.split.virtual_stage)
         ids = list(range(starts[v], starts[v] + counts[v]))
-        out += chunk_parameter_sizes(shape, par.tp, ids, first=v == 0, last=v == p * m - 1, one_stage=p * m == 1)
+        out += chunk_parameter_sizes(shape, par.tp, ids, first=v == 0, last=v == p * m - 1, one_stage=p * m == 1,
+                                     ep=par.ep)
     return out
 
 
@@ -136,22 +143,41 @@ def state_bytes(n_params: float, opt: OptimizerOptions, dp: int = 1) -> dict[str
     }
 
 
+def stage_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, opt: OptimizerOptions) -> dict[str, float]:
+    """``state_bytes`` of one tp rank of pipeline rank ``rank``: the distributed optimizer shards over dp × cp,
+    an MoE model's routed experts over the dp·cp/ep ranks holding the same experts (``seqpar.analysis.moe``)."""
+    sizes = stage_parameter_sizes(shape, par, rank)
+    experts = sum(n for name, n in sizes if is_routed_expert(name))
+    out = state_bytes(sum(n for _, n in sizes) - experts, opt, par.dp * par.cp)
+    if experts:
+        for k, v in state_bytes(experts, opt, par.dp * par.cp // par.ep).items():
+            out[k] += v
+    return out
+
+
+def bucket_layout(sizes: list[tuple[str, int]], bucket_bytes: int = BUCKET_BYTES,
+                  alone: tuple[str, ...] = ()) -> list[tuple[int, bool]]:
+    """(elements, routed experts?) of each flat fp32 gradient bucket (``seqpar.parallel.grad_buffer.GradBuffers``):
+    the parameters taken in reverse order, a bucket closed when the next would pass ``bucket_bytes`` or is of
+    the other kind (routed experts are reduced over their own group); a parameter named in ``alone`` (the tied
+    embedding's copies) gets a bucket of its own."""
+    buckets: list[list] = []
+    size, last_alone, last_expert = 0, False, None
+    for name, n in reversed(sizes):
+        nbytes, expert = 4 * n, is_routed_expert(name)
+        if not buckets or last_alone or name in alone or expert != last_expert or size + nbytes > bucket_bytes:
+            buckets.append([0, expert])
+            size = 0
+        buckets[-1][0] += n
+        size += nbytes
+        last_alone, last_expert = name in alone, expert
+    return [(n, expert) for n, expert in buckets]
+
+
 def bucket_numels(sizes: list[tuple[str, int]], bucket_bytes: int = BUCKET_BYTES,
                   alone: tuple[str, ...] = ()) -> list[int]:
-    """Elements of each flat fp32 gradient bucket (``seqpar.parallel.grad_buffer.GradBuffers``): the
-    parameters taken in reverse order, a bucket closed when the next would pass ``bucket_bytes``; a
-    parameter named in ``alone`` (the tied embedding's copies) gets a bucket of its own."""
-    buckets: list[int] = []
-    size, last_alone = 0, False
-    for name, n in reversed(sizes):
-        nbytes = 4 * n
-        if not buckets or last_alone or name in alone or size + nbytes > bucket_bytes:
-            buckets.append(0)
-            size = 0
-        buckets[-1] += n
-        size += nbytes
-        last_alone = name in alone
-    return buckets
+    """Elements of each flat fp32 gradient bucket (``bucket_layout``)."""
+    return [n for n, _ in bucket_layout(sizes, bucket_bytes, alone)]
 
 
 def shard_elements(numel: int, world: int, rank: int) -> int:
@@ -164,13 +190,16 @@ def rank_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, opt: Op
                      grad_rank: int = 0, buckets: bool = False, bucket_bytes: int = BUCKET_BYTES) -> dict[str, int]:
     """Exact bytes one rank holds: pipeline rank ``rank``, rank ``grad_rank`` of its grad group (dp × cp).
     ``buckets``: the gradients live in flat buckets (the distributed optimizer always, the replicated one
-    with ``overlap_grad_reduce``), padded to a multiple of dp × cp."""
+    with ``overlap_grad_reduce``), padded to a multiple of dp × cp; an MoE model's routed experts' buckets
+    to a multiple of their own group, the dp·cp/ep ranks holding the same experts (this rank is
+    ``grad_rank // ep`` there)."""
     sizes = stage_parameter_sizes(shape, par, rank)
     n = sum(k for _, k in sizes)
-    world = par.dp * par.cp
+    dense, experts = par.dp * par.cp, par.dp * par.cp // par.ep
     tied = shape.tie_embeddings and par.pp > 1
-    per_bucket = bucket_numels(sizes, bucket_bytes, (TIED,) if tied else ()) if buckets or opt.distributed else []
-    grads = sum(-(-k // world) * world for k in per_bucket) if per_bucket else n
-    held = sum(shard_elements(k, world, grad_rank) for k in per_bucket) if opt.distributed else n
+    per_bucket = bucket_layout(sizes, bucket_bytes, (TIED,) if tied else ()) if buckets or opt.distributed else []
+    world = {False: (dense, grad_rank), True: (experts, grad_rank // par.ep)}
+    grads = sum(-(-k // world[e][0]) * world[e][0] for k, e in per_bucket) if per_bucket else n
+    held = sum(shard_elements(k, *world[e]) for k, e in per_bucket) if opt.distributed else n
     return {"params_bytes": n * opt.param_bytes, "grads_bytes": grads * opt.grad_bytes,
             "optimizer_bytes": held * (opt.master_bytes + opt.adam_bytes)}

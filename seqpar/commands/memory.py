@@ -49,6 +49,12 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
                    help="override the --arch's MLP activation (default: the arch's)")
     a.add_argument("--position", choices=POSITIONS, default=None,
                    help="override the --arch's positions (default: the arch's)")
+    m = p.add_argument_group("mixture of experts (default: a dense MLP)")
+    m.add_argument("--experts", type=int, default=0, help="routed experts E in place of the MLP (default %(default)s)")
+    m.add_argument("--top-k", type=int, default=2, help="experts per token K (default %(default)s)")
+    m.add_argument("--moe-ffn", type=int, default=None, help="each expert's width (default: --ffn)")
+    m.add_argument("--capacity", type=float, default=0.0,
+                   help="capacity factor c: each expert takes ceil(c·T·K/E) of a rank's T tokens (default 0: dropless)")
 
 
 # the Llama-style layer's fields but its dropout, which --dropout sets
@@ -78,6 +84,8 @@ def model_from_args(args) -> ModelConfig:
                        num_layers=args.layers, seq_len=shape["seq"], ffn_hidden_size=shape["ffn"], dtype=args.dtype,
                        embd_dropout=dropout, attn_dropout=0.0 if args.attention == "sdpa" else dropout,
                        hidden_dropout=dropout, kv_heads=shape["kv_heads"], attention=args.attention,
+                       experts=getattr(args, "experts", 0), top_k=getattr(args, "top_k", 2),
+                       moe_ffn_hidden_size=getattr(args, "moe_ffn", None), moe_capacity=getattr(args, "capacity", 0.0),
                        **(arch | chosen)).validate()
 
 
@@ -87,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
     p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none",
                    help="activation recomputation (default %(default)s)")
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
@@ -132,7 +142,7 @@ def run(args) -> int:
     from seqpar.config import ConfigError
     from seqpar.measure.table2 import measure_rows, plan_rows
 
-    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "micro_batch"):
+    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "ep", "micro_batch"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
@@ -144,7 +154,8 @@ def run(args) -> int:
         args.layers = 1
     cfg = model_from_args(args)
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
-    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp)
+    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
+                     ep=args.ep)
     if args.measure:
         measure_rows(cfg, args.micro_batch, rows)
     if args.json:
@@ -166,6 +177,13 @@ def run(args) -> int:
             for t in r.tensors:
                 print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
     print("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
+    if cfg.experts:
+        print(f"MoE (E={cfg.experts}, K={cfg.top_k}, ep={args.ep}): formula = balanced routing; exact = the routing "
+              "rank 0 saw (T tokens routed, N assignments kept, R rows its experts ran):")
+        for r in rows:
+            seen = r.routing.get("measured")
+            print(f"  {r.row}: balanced T, N, R = {r.routing['balanced']}"
+                  + (f"; measured {seen}, rows per local expert {r.routing['per_expert']}" if seen else ""))
     if rows[0].vanished or rows[0].added:
         print("formula = the per-tensor derivation for this architecture (Table 2 assumes the paper's GPT).")
     for r in rows:

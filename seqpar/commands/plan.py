@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=int, help="v (default: the preset's)")
     g.add_argument("--ffn", type=int, help="FFN width f (default 4h)")
     g.add_argument("--kv-heads", type=int, help="grouped-query attention: kv heads (default = heads)")
+    g.add_argument("--experts", type=int, help="routed experts in place of every MLP (mixture of experts; the "
+                   "planner then searches ep); default: the preset's, else 0")
+    g.add_argument("--top-k", type=int, help="experts per token (default: the preset's, else 2)")
+    g.add_argument("--moe-ffn", type=int, help="each expert's width (default: --ffn)")
     g.add_argument("--arch", choices=["gpt", "llama"],
                    help="gpt (the paper's, default) or llama: RMSNorm, SwiGLU, RoPE, no biases, untied output")
     g = p.add_argument_group("machine")
@@ -83,13 +88,26 @@ def _shape(args):
         fields = {"layers": base.num_layers, "hidden": base.hidden_size, "heads": base.num_heads,
                   "seq": base.seq_len, "vocab": base.vocab_size, "ffn": base.ffn_hidden_size,
                   "kv_heads": base.kv_heads, "arch": base.arch} | given
-        return model_config(**fields).validate(), preset_name(args.model) + ("*" if given else "")
+        moe = {k: getattr(base, k) for k in MOE_FIELDS} | _moe_flags(args)
+        name = preset_name(args.model) + ("*" if given or _moe_flags(args) else "")
+        return dataclasses.replace(model_config(**fields), **moe).validate(), name
     dims["arch"] = dims["arch"] or "gpt"
     missing = [k for k in ("layers", "hidden", "heads", "seq", "vocab") if dims[k] is None]
     if missing:
         raise AnalysisError(f"give --model or all of --layers --hidden --heads --seq --vocab (missing: "
                             f"{', '.join('--' + m for m in missing)})")
-    return model_config(**dims).validate(), "custom"
+    return dataclasses.replace(model_config(**dims), **_moe_flags(args)).validate(), "custom"
+
+
+MOE_FIELDS = ("experts", "top_k", "moe_every", "moe_ffn_hidden_size", "moe_norm_topk", "shared_expert_ffn",
+              "shared_expert_gate")
+
+
+def _moe_flags(args) -> dict:
+    """The mixture-of-experts fields the flags give (``--experts``, ``--top-k``, ``--moe-ffn``)."""
+    given = {"experts": getattr(args, "experts", None), "top_k": getattr(args, "top_k", None),
+             "moe_ffn_hidden_size": getattr(args, "moe_ffn", None)}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def request_from_args(args):

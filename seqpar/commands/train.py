@@ -17,7 +17,8 @@ from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_as
 # flag dest -> (section, key)
 FLAG_KEYS = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
-    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"),
+    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
+    "experts": ("model", "experts"), "top_k": ("model", "top_k"), "moe_every": ("model", "moe_every"),
     "distributed_optimizer": ("train", "distributed_optimizer"),
     "overlap_grad_reduce": ("train", "overlap_grad_reduce"), "compile": ("train", "compile"),
     "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
@@ -32,7 +33,7 @@ FLAG_KEYS = {
     "out": ("train", "out_dir"), "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
     "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
     "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
-    "sample_prompt": ("train", "sample_prompt"),
+    "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
@@ -80,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp", type=int, help="context-parallel size: the sequence split over cp ranks in every region, "
                    f"ring attention between them (docs/context_parallel.md) {d('cp')}")
     g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp × cp))")
+    g.add_argument("--ep", type=int, help="expert-parallel size: the routed experts split over ep of the dp × cp "
+                   f"ranks, tokens exchanged by all-to-all {d('ep')}")
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help=f"sequence parallelism over the tp ranks {d('sp')}")
     g.add_argument("--interleave", type=int, help=f"virtual pipeline chunks per rank m {d('interleave')}")
@@ -105,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int, help=f"a {d('heads')}")
     g.add_argument("--kv-heads", type=int, help="grouped-query attention (default: = heads)")
     g.add_argument("--ffn", type=int, help="FFN width (default 4h)")
+    g.add_argument("--experts", type=int, help=f"routed experts E in place of the MLP, 0: dense {d('experts')}")
+    g.add_argument("--top-k", type=int, help=f"experts per token {d('top_k')}")
+    g.add_argument("--moe-every", type=int, help=f"every k-th layer is MoE {d('moe_every')}")
     g.add_argument("--vocab", type=int, help=f"v {d('vocab')}")
     g.add_argument("--seq", type=int, help=f"s {d('seq')}")
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help=f"compute dtype {d('dtype')}")
@@ -122,7 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help=f"sequences per step over all dp ranks {d('global_batch')}")
     g.add_argument("--seed", type=int, help=f"seeds the weights, the batch order and dropout {d('seed')}")
     g.add_argument("--data", help="text file or folder, or a pre-tokenized .bin (default: the stdlib sources)")
-    g.add_argument("--tokenizer", help="a tokenizers JSON file for text data (default: none, bytes)")
+    g.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="packed documents of a prepared folder attend only to themselves, positions restarting in "
+                        f"each {d('document_mask')}")
+    g.add_argument("--tokenizer", help="a tokenizers JSON file for text data; sets --vocab unless given (default: "
+                   "a prepared folder's, else none: bytes)")
     g.add_argument("--out", help=f"output folder: metrics, checkpoints, plots {d('out')}")
     g.add_argument("--eval-every", type=int, help=f"validation every N steps, 0: only at the end {d('eval_every')}")
     g.add_argument("--log-every", type=int, help=f"a metrics record and progress line every N steps {d('log_every')}")
@@ -189,6 +199,13 @@ def job_from_args(args, world_size: int) -> JobConfig:
     if args.no_progress:
         overrides.setdefault("train", {})["progress"] = False
     sections = merge(sections, overrides)
+    model = sections.setdefault("model", {})
+    if "vocab_size" not in model and isinstance(sections.get("train"), dict):  # --vocab from the data unless given
+        from seqpar.train.run_tokenizer import vocab_of
+
+        vocab = vocab_of(sections["train"])
+        if vocab is not None:
+            model["vocab_size"] = vocab
     par = sections.setdefault("parallel", {})
     if "dp" not in par:
         tp, pp, cp = par.get("tp", 1), par.get("pp", 1), par.get("cp", 1)

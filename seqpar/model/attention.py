@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar import documents
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.context_attention import RingCoreAttention
@@ -48,9 +49,9 @@ class RotaryQKV(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qkv, rotary):
-        cos, sin = rotary.angles(qkv.shape[0], qkv.device)  # [s, 1, 1, 1, d]
-        ctx.rotary = rotary
+    def forward(ctx, qkv, rotary, positions=None):
+        cos, sin = rotary.angles(qkv.shape[0], qkv.device, positions)  # [s, 1 or b, 1, 1, d]
+        ctx.rotary, ctx.positions = rotary, positions
         out = qkv.clone()
         qk = qkv[..., :-1, :].float()  # [s, b, groups, g + 1, d]
         out[..., :-1, :] = (qk * cos + _rotate_half(qk) * sin).to(qkv.dtype)
@@ -58,11 +59,11 @@ class RotaryQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin = ctx.rotary.angles(grad.shape[0], grad.device)  # [s, 1, 1, 1, d]
+        cos, sin = ctx.rotary.angles(grad.shape[0], grad.device, ctx.positions)  # [s, 1 or b, 1, 1, d]
         grad_in = grad.clone()
         gqk = grad[..., :-1, :].float()
         grad_in[..., :-1, :] = (gqk * cos - _rotate_half(gqk * sin)).to(grad.dtype)
-        return grad_in, None
+        return grad_in, None, None
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: tuple = ("none",), device=None) -> torch.Tensor:
@@ -105,7 +106,14 @@ class Rotary(nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, tuple(scaling)
         self.cp = cp or CPContext()
 
-    def angles(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def angles(self, s: int, device, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Angles of this rank's ``s`` positions ``[s, 1, 1, 1, d]``; with packed documents' ``positions``
+        ``[b, s]`` (each token's place in its document) ``[s, b, 1, 1, d]``."""
+        if positions is not None:
+            positions = self.cp.split(positions, 1)  # [b, s]: this cp rank's tokens
+            cos, sin = self.table(int(positions.max()) + 1, device)  # [n, 1, 1, 1, d]
+            index = positions.t().to(device)  # [s, b]
+            return cos[:, 0][index], sin[:, 0][index]  # [s, b, 1, 1, d]
         if self.cp.size > 1:
             cos, sin = self.table(s * self.cp.size, device)  # [s·cp, 1, 1, 1, d] each
             return self.cp.split(cos, 0), self.cp.split(sin, 0)  # [s, 1, 1, 1, d] each, this rank's positions
@@ -159,11 +167,15 @@ class CoreAttention(nn.Module):
         s, b, _ = qkv.shape
         n, g, d = self.groups, self.g, self.d
         qkv = qkv.view(s, b, n, g + 2, d)  # [s, b, groups, g + 2, d]
+        docs = documents.current()  # packed documents: each attends to itself only
         if not self.fused:  # seqpar.model.materialized: one autograd function keeping the paper's tensors
+            bias = None if docs is None else docs.bias(qkv, n)  # [b·groups, s, s]
             return MaterializedAttention.apply(qkv, self.scale, self.mask(b), self.regenerate(),
-                                               self.fuse_passes)  # [s, b, h/t]
+                                               self.fuse_passes, bias)  # [s, b, h/t]
         kb, vb = qkv[:, :, :, g].permute(1, 2, 0, 3), qkv[:, :, :, g + 1].permute(1, 2, 0, 3)  # [b, groups, s, d]
-        contexts = [F.scaled_dot_product_attention(qkv[:, :, :, j].permute(1, 2, 0, 3), kb, vb, is_causal=True)
+        mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
+        contexts = [F.scaled_dot_product_attention(qkv[:, :, :, j].permute(1, 2, 0, 3), kb, vb,
+                                                   attn_mask=mask, is_causal=mask is None)
                     for j in range(g)]  # query head j of every group: each [b, groups, s, d]
         return torch.stack([c.permute(2, 0, 1, 3) for c in contexts], dim=3).view(s, b, n * g * d)  # [s, b, h/t]
 
@@ -197,7 +209,7 @@ class SelfAttention(nn.Module):
         qkv_rows = kv * (g + 2) * d
         layout = GroupedQKVLayout(a, kv, d, t) if kv < t else None
         rows = (a // t + 2) * d * t if layout else qkv_rows  # over all ranks (k, v repeated with a layout)
-        self.qkv = ColumnParallelLinear(h, rows, tp, bias=cfg.bias,
+        self.qkv = ColumnParallelLinear(h, rows, tp, bias=cfg.bias or cfg.qkv_bias,
                                         init_std=cfg.init_std, dtype=dtype, device=device)
         if layout is not None:
             for p in self.qkv.parameters():
@@ -215,6 +227,8 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             s, b, _ = qkv.shape
             shape = (s, b, self.core.groups, self.core.g + 2, self.core.d)
-            qkv = RotaryQKV.apply(qkv.view(shape), self.rotary).view(s, b, -1)  # [s, b, groups·(g+2)·d]
+            docs = documents.current()
+            positions = None if docs is None else docs.positions  # [b, s]: restarting in every document
+            qkv = RotaryQKV.apply(qkv.view(shape), self.rotary, positions).view(s, b, -1)  # [s, b, groups·(g+2)·d]
         context = self.run_core(qkv)  # [s, b, h/t]
         return self.out_proj(context)  # [s(/t), b, h]

@@ -59,15 +59,17 @@ def _heads_out(x: torch.Tensor, b: int, n: int) -> torch.Tensor:
 
 
 class MaterializedAttention(torch.autograd.Function):
-    """``qkv [s, b, groups, g + 2, d]`` → ``[s, b, groups·g·d]``; ``mask`` None: no dropout."""
+    """``qkv [s, b, groups, g + 2, d]`` → ``[s, b, groups·g·d]``; ``mask`` None: no dropout;
+    ``bias``: an additive mask ``[b·groups, s, s]`` instead of the causal one (packed documents)."""
 
     @staticmethod
-    def forward(ctx, qkv, scale: float, mask: AttentionMask | None, regenerate: bool = False, fuse: bool = False):
+    def forward(ctx, qkv, scale: float, mask: AttentionMask | None, regenerate: bool = False, fuse: bool = False,
+                bias=None):
         s, b, n, g2, d = qkv.shape
         g = g2 - 2
         queries, kt, v = _operands(qkv)
         probs = qkv.new_empty(b * n, g, s, s)  # [b·groups, g, s, s]
-        bias = causal_bias(s, qkv)  # [s, s]
+        bias = causal_bias(s, qkv) if bias is None else bias  # [s, s], or packed documents' [b·groups, s, s]
         for j, q in enumerate(queries):
             torch.baddbmm(bias, q, kt, alpha=scale, out=probs[:, j])  # scale · QKᵀ + mask
         drop_scale, keep = 1.0 if mask is None else 1.0 / (1.0 - mask.p), None
@@ -114,7 +116,7 @@ class MaterializedAttention(torch.autograd.Function):
             dqkv[:, :, :, j] = _heads_out(_gemm(dprobs[:, j], k, ctx.scale), b, n)
         dqkv[:, :, :, g] = _heads_out(dk, b, n)
         dqkv[:, :, :, g + 1] = _heads_out(dv, b, n)
-        return dqkv, None, None, None, None
+        return dqkv, None, None, None, None, None
 
 
 def _scores_grad(ctx, dprobs, probs, keep, s: int):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from seqpar.parallel.data_parallel import average_gradients
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.expert import average_expert_gradients, is_expert
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads
 
 
@@ -32,4 +33,6 @@ def finalize_grads(chunks, dims: ParallelDims, buffers=None) -> None:
     for chunk in chunks:
         chunk.tied.sum_grads([chunk])
     if buffers is None:
-        average_gradients([p for chunk in chunks for p in chunk.parameters()], dims.grad_group)
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        average_gradients([p for p in params if not is_expert(p)], dims.grad_group)
+        average_expert_gradients([p for p in params if is_expert(p)], dims)  # over the ranks holding them

@@ -81,7 +81,8 @@ class AdamOnMasters:
         word embedding alone in its own; ``shard``: reduce-scattered (each rank gets its shard's sum)."""
         tied = [w for chunk in chunks if (w := chunk.tied.weight(chunk)) is not None]
         return GradBuffers([p for _, p in self.named], self.dims.grad_group, overlap=self.cfg.overlap_grad_reduce,
-                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied))
+                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied),
+                           expert_group=self.dims.expert_grad_group)
 
     def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """Fill ``self.masters`` (the fp32 tensors AdamW updates); return them split (decayed, not decayed)."""

@@ -1,4 +1,4 @@
-"""TrainConfig and the job's TOML file: ``[model]``, ``[parallel]``, ``[recompute]``, ``[train]``.
+"""TrainConfig and the job's TOML file: ``[model]``, ``[parallel]``, ``[recompute]``, ``[train]``, ``[data]``.
 
 Every value is type-checked and validated here, before any process group starts; errors name the
 key, the rule and the numbers (``global_batch 10 is not divisible by micro_batch 4 × dp 2 = 8``).
@@ -118,11 +118,25 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """How training reads its data (where from: ``[train] data``)."""
+
+    # packed documents attend only to themselves, positions restarting in each (seqpar/documents.py);
+    # needs a prepared folder (its end-of-document token marks the boundaries)
+    document_mask: bool = False
+
+    def validate(self) -> DataConfig:
+        _check_types(self)
+        return self
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """Everything one ``seqpar train`` run needs."""
 
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     @property
     def model(self) -> ModelConfig:
@@ -142,12 +156,14 @@ class JobConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"recompute num_layers must be a positive integer, got {n!r}")
         self.train.validate(self.parallel.dp)
+        self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self
 
     def to_dict(self) -> dict:
         return {"model": dataclasses.asdict(self.model), "parallel": dataclasses.asdict(self.parallel),
-                "recompute": dataclasses.asdict(self.recompute), "train": dataclasses.asdict(self.train)}
+                "recompute": dataclasses.asdict(self.recompute), "train": dataclasses.asdict(self.train),
+                "data": dataclasses.asdict(self.data)}
 
 
 def inert_settings(job: JobConfig) -> list[str]:
@@ -186,7 +202,8 @@ def inert_settings(job: JobConfig) -> list[str]:
     return notes
 
 
-SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig}
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig,
+            "data": DataConfig}
 
 
 def _check_types(obj) -> None:
@@ -252,7 +269,7 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
         _check_types(obj)
         built[name] = obj
     run = RunConfig(built["model"], built["parallel"], built["recompute"])
-    return JobConfig(run, built["train"])
+    return JobConfig(run, built["train"], built["data"])
 
 
 def load_toml(path: str | Path) -> dict[str, dict]:

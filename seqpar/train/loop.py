@@ -18,15 +18,17 @@ from typing import Protocol
 
 import torch
 
+from seqpar.data import tokenizer as tokfile
 from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
+from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
-from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
+from seqpar.train.evaluate import broadcast_from_last_stage, evaluate, validation_windows
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
 from seqpar.train.optimizers import build_optimizer
@@ -77,11 +79,13 @@ class Trainer:
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
         self.verified = verified  # the launcher checked the checkpoint to resume (checksums, tensors) already
-        self.data = TokenData.for_job(job)
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
         if self.resume_path is not None:  # and one with no steps left: refused, nothing rewritten
             ckpt.check_progress(self.resume_path, t.stop_at or t.steps)
+        self.tokenizer = run_tokenizer.resolve(t, self.resume_path)  # '' for bytes; the checkpoint's copy on resume
+        self.data = TokenData.for_job(job, tokenizer=self.tokenizer)
+        self.tokenizer_record = self._keep_tokenizer() if self.tokenizer else None
         self.device = device or default_device()
         self.owns_group = init_distributed(world, self.device)
         self.dims = ParallelDims.build(job.parallel)
@@ -99,6 +103,13 @@ class Trainer:
         self.throughput = Throughput(job, self.device)
 
     # ------------------------------------------------------------------ checkpoints
+    def _keep_tokenizer(self) -> dict:
+        """The run's own copy of its tokenizer (``OUT/tokenizer.json``, rank 0 writes it) and its record."""
+        record = tokfile.record(self.tokenizer)
+        if int(os.environ.get("RANK", "0")) == 0:
+            tokfile.copy_into(self.tokenizer, self.job.train.out_dir)
+        return record
+
     def load(self, path) -> None:
         meta = ckpt.read_meta(path)
         has_opt = bool(meta.get("has_optimizer", True))
@@ -127,12 +138,16 @@ class Trainer:
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
+        files = None
+        if self.tokenizer_record is not None:  # the checkpoint carries the tokenizer its model reads
+            meta["tokenizer"] = self.tokenizer_record
+            files = {tokfile.FILE: Path(self.job.train.out_dir) / tokfile.FILE}
         if self.opt.scaler is not None:
             meta["loss_scaler"] = self.opt.scaler.state_dict()
         rank, step = self.dims.rank, self.state.step
         written = (lambda: [hook.checkpoint_written(rank, step) for hook in self.hooks]) if self.hooks else None
         return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
-                             self.job.train.keep_checkpoints, written=written))
+                             self.job.train.keep_checkpoints, written=written, files=files))
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
@@ -143,7 +158,7 @@ class Trainer:
                  f"  tp {p.tp} × pp {p.pp} × dp {p.dp} (interleave {p.interleave}), sequence parallel "
                  f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
                  f"{t.micro_batch} per step",
-                 f"  data {self.data.source}: {len(self.data.train):,} train / {len(self.data.val):,} validation "
+                 f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "
                  "tokens",
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
         if "optimizer_bytes" in info:
@@ -197,7 +212,7 @@ class Trainer:
         mode, this run's schedule), gradients then cleared; returns its seconds (compile time + one step).
         Evaluation (dropout off) compiles its own graphs at the first validation."""
         t, p = self.job.train, self.job.parallel
-        batches = self.data.val_batches(t.microbatches(p.dp), t.micro_batch, 0, 1)
+        batches = self.data.validation_batches(t.microbatches(p.dp) * t.micro_batch, t.micro_batch)
         start = time.perf_counter()
         self._forward_backward(self.chunks, batches, self.dims, p,
                                keep_microbatches=self.job.recompute.keep_microbatches)
@@ -205,9 +220,11 @@ class Trainer:
         return time.perf_counter() - start
 
     def validation_loss(self) -> float:
-        """The loss on the validation split (``eval_batches`` microbatches per dp rank)."""
+        """The loss on the validation split: a fixed set of ``eval_batches × micro_batch`` windows,
+        shared out over the dp ranks, the same at any tp/pp/dp/cp."""
         t = self.job.train
-        batches = self.data.val_batches(t.eval_batches, t.micro_batch, self.dims.dp_rank, self.dims.dp)
+        batches = self.data.validation_batches(validation_windows(t), t.micro_batch, self.dims.dp_rank,
+                                               self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
 
     def _abort_message(self) -> str | None:

@@ -24,7 +24,7 @@ from seqpar.train.config import JobConfig, inert_settings
 from seqpar.train.interrupt import abort_line
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json")
 
 
 class RunFolderError(ConfigError):
@@ -72,22 +72,16 @@ def resume_path(resume: str, job: JobConfig) -> str:
     return job.train.out_dir if resume == "auto" else resume
 
 
-def check_tokenizer(job: JobConfig) -> None:
-    """``--tokenizer``: an existing tokenizers JSON file whose vocabulary fits the model, checked before launch."""
-    path = job.train.tokenizer
+def check_tokenizer(job: JobConfig, resume: str = "") -> None:
+    """The run's tokenizer (``--tokenizer``, a prepared folder's, or a resumed checkpoint's copy): it
+    exists, parses, and its vocabulary fits the model, checked before launch."""
+    from seqpar.data import tokenizer as tokfile
+    from seqpar.train import run_tokenizer
+
+    path = run_tokenizer.resolve(job.train, resume_path(resume, job) or None)
     if not path:
         return
-    if not os.path.isfile(path):
-        what = "does not exist" if not os.path.exists(path) else "is not a file"
-        raise ConfigError(f"tokenizer file {path} {what}")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ConfigError(f"--tokenizer {path} needs the tokenizers package (pip install tokenizers)") from None
-    try:
-        size = Tokenizer.from_file(path).get_vocab_size()
-    except Exception as err:  # tokenizers raises plain Exception for unreadable or invalid JSON
-        raise ConfigError(f"tokenizer file {path} is not a tokenizers JSON file: {str(err).splitlines()[0]}") from None
+    size = tokfile.record(path)["vocab_size"]
     if size > job.model.vocab_size:
         raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {job.model.vocab_size} "
                           f"(--vocab {size} or more)")
@@ -118,15 +112,17 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     job = _job(make_job, nproc)  # every rule, before any process starts
-    check_tokenizer(job)
     if dry_run:
+        check_tokenizer(job, resume)
         return _dry_run(job, resume)
     try:
+        check_tokenizer(job, resume)
         claim_out(job.train.out_dir, resume, overwrite)
         if nproc:  # the ranks would each find bad data only after launch
+            from seqpar.train import run_tokenizer
             from seqpar.train.data import TokenData
 
-            TokenData.for_job(job)
+            TokenData.for_job(job, tokenizer=run_tokenizer.resolve(job.train, resume_path(resume, job) or None))
         check_resume(job, resume)
     except ConfigError as err:  # RunFolderError, DataError, CheckpointError
         return _one_line(err)
@@ -158,7 +154,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
 
     def main() -> int:
         job = make_job(int(os.environ["WORLD_SIZE"]))
-        check_tokenizer(job)
+        check_tokenizer(job, resume)
         if dry_run:
             return _dry_run(job, resume) if rank0 else 0
         if not ours:

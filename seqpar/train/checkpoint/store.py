@@ -65,13 +65,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedView], meta: dict, keep: int = 2,
-         written=None) -> Path:
+         written=None, files: dict[str, Path] | None = None) -> Path:
     """Write ``tensors`` (this rank's shards, or full tensors) at ``root/step_N`` atomically; every rank
     calls this.
 
     A failed write (disk full, ...) removes the temporary folder and raises CheckpointError; the
     previous checkpoint and ``latest`` are untouched. ``written()`` (a test hook) runs on every rank
-    once its part of the temporary folder is on disk, before the commit."""
+    once its part of the temporary folder is on disk, before the commit. ``files`` (name -> path):
+    copied in by rank 0 and checksummed with the rest (the run's tokenizer)."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -85,6 +86,9 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             warnings.simplefilter("ignore", UserWarning)
             views = {k: v if isinstance(v, ShardedView) else ShardedView(v.float()) for k, v in tensors.items()}
             dcp.save(views, checkpoint_id=str(tmp), planner=SavePlanner(), no_dist=not dist.is_initialized())
+        if is_rank0():
+            for name, source in (files or {}).items():
+                shutil.copyfile(source, tmp / name)
         if written is not None:
             written()
         _barrier()

@@ -15,7 +15,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # Finer selective recompute (beyond the paper): what a layer may checkpoint.
-RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp", "moe")
+RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp", "moe", "dropout_mask")
 # The two layer families the analytic model knows, as ModelConfig fields: the paper's GPT (Fig. 2) and a
 # Llama-style layer (RMSNorm, SwiGLU, rotary positions, no biases, untied output layer, no dropout).
 ARCH_FIELDS = {
@@ -374,6 +374,8 @@ class RecomputeConfig:
     # For ``selective``: which parts of each layer to checkpoint. Empty means the paper's choice,
     # ("core_attention",). "norm": both norms; "activation": GeLU / SwiGLU (the experts' too); "mlp": the
     # whole MLP; "moe": the whole MoE block (router, dispatch, experts, combine: keeps only its input).
+    # "dropout_mask" (beyond the paper): the materialized core computes its attention dropout mask again
+    # in backward from its position key instead of keeping it (the as²b/t byte term goes, no GEMM).
     modules: tuple[str, ...] = ()
     # App. C: on each pipeline rank up to this many in-flight chunk-microbatches keep all their
     # activations and are not recomputed; the others follow ``granularity``.

@@ -14,9 +14,11 @@ asks it once, in its constructor, how to run the piece it owns (``checkpointed``
 ``keep_everything()`` (App. C: a microbatch that stores all its activations) every piece runs as
 under ``none``.
 
-Checkpointing saves the dropout RNG tracker's state with the inputs and restores it for the
-recomputation, so recomputed masks equal the original ones bit for bit; it does the same with the
-microbatch's packed documents (``seqpar.documents``).
+Dropout masks are position-keyed (``seqpar.parallel.dropout``): no generator state to save. A
+checkpoint keeps which microbatch it ran -- the tracker's (step, first sample), two Python integers --
+and restores it for the recomputation (under a pipeline schedule other microbatches run in between),
+so recomputed masks equal the original ones bit for bit; it does the same with the microbatch's packed
+documents (``seqpar.documents``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, tracker: RNGTracker, *inputs):
         ctx.run, ctx.tracker = run, tracker
-        ctx.rng_state = tracker.get_state()  # Python ints (seed key, draw counters): no tensor to keep
+        ctx.rng_state = tracker.get_state()  # Python ints (step, first sample): no tensor to keep
         ctx.documents = documents.current()  # packed documents: the microbatch's own, for the recomputation
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
@@ -112,7 +114,7 @@ def full_recompute_groups(num_layers: int, cfg: RecomputeConfig) -> list[tuple[i
 class RecomputePlan:
     """What one model stage keeps for backward: ``cfg`` resolved for the modules that ask.
 
-    ``tracker``: the stage's dropout RNG tracker, whose state every checkpoint saves and restores.
+    ``tracker``: the stage's dropout tracker, whose (step, sample) every checkpoint saves and restores.
     """
 
     def __init__(self, cfg: RecomputeConfig | None = None, tracker: RNGTracker | None = None):

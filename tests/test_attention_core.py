@@ -1,10 +1,11 @@
 """The materialized attention core (``seqpar.model.materialized``) against plain autograd math.
 
 Output and the gradient of the fused QKV input match ``softmax(QKᵀ/√d + causal mask) · V`` in float64
-(multi-head and grouped-query layouts, b > 1); with dropout, the reference applies the mask
-``keep_mask`` draws from the same seed and the scale 1/(1 − p): the core keeps that mask, its
-fraction of kept elements is 1 − p, and the core keeps exactly the softmax output, the mask and the
-dropout output besides its input.
+(multi-head and grouped-query layouts, b > 1); with dropout, the reference applies the position-keyed
+mask of the same ``AttentionMask`` and the scale 1/(1 − p): the core keeps that mask, its fraction of
+kept elements is 1 − p, and the core keeps exactly the softmax output, the mask and the dropout output
+besides its input. Each case runs eagerly and with the element-wise passes compiled (``fuse``), keeping
+the mask or regenerating it in backward: the same masks, outputs and gradients.
 """
 
 import math
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from seqpar.model.materialized import MaterializedAttention
-from seqpar.parallel.rng import keep_mask
+from seqpar.parallel.dropout import AttentionMask
 
 
 def _qkv(s, b, n, g, d, dtype=torch.float32):
@@ -38,13 +39,27 @@ def _reference(qkv, keep, p):
     return out.detach(), x.grad, w
 
 
-@pytest.mark.parametrize("s,b,n,g,d,p", [(16, 2, 3, 1, 8, 0.0), (12, 2, 2, 3, 4, 0.0), (16, 2, 3, 1, 8, 0.3),
-                                         (10, 1, 2, 2, 4, 0.25)])
-def test_core_matches_plain_attention(s, b, n, g, d, p):
+def _mask(b, n, g, p, key=7):
+    return AttentionMask(key, p, ((0, b),), ((0, n * g),)) if p else None
+
+
+def _keep(mask, b, n, g, s):
+    return None if mask is None else mask.keep(((0, s),), ((0, s),), "cpu").view(b * n, g, s, s)
+
+
+SHAPES = [(16, 2, 3, 1, 8, 0.0), (12, 2, 2, 3, 4, 0.0), (16, 2, 3, 1, 8, 0.3), (10, 1, 2, 2, 4, 0.25)]
+MODES = [(False, False), (False, True), (True, False), (True, True)]  # (fuse, regenerate)
+# eager: every shape and mode; compiled (each shape a compile): one shape without dropout, one with
+CASES = [(*shape, *mode) for shape in SHAPES for mode in MODES
+         if (not mode[0] or shape in (SHAPES[1], SHAPES[2])) and (shape[-1] or not mode[1])]
+
+
+@pytest.mark.parametrize("s,b,n,g,d,p,fuse,regenerate", CASES)
+def test_core_matches_plain_attention(s, b, n, g, d, p, fuse, regenerate):
     qkv = _qkv(s, b, n, g, d).requires_grad_(True)
-    gen = torch.Generator().manual_seed(7) if p else None
-    keep = keep_mask(torch.Size((b * n, g, s, s)), p, torch.Generator().manual_seed(7)) if p else None
-    out = MaterializedAttention.apply(qkv, 1 / math.sqrt(d), p, gen)
+    mask = _mask(b, n, g, p)
+    keep = _keep(mask, b, n, g, s)
+    out = MaterializedAttention.apply(qkv, 1 / math.sqrt(d), mask, regenerate, fuse)
     ref, dref, w = _reference(qkv.detach(), keep, p)
     (out * w.float()).sum().backward()
     assert out.shape == (s, b, n * g * d)
@@ -52,18 +67,20 @@ def test_core_matches_plain_attention(s, b, n, g, d, p):
     assert torch.allclose(qkv.grad.double(), dref, rtol=1e-5, atol=1e-5)
 
 
-def test_dropout_keeps_mask_rate_and_the_papers_tensors():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_dropout_keeps_mask_rate_and_the_papers_tensors(fuse):
     s, b, n, g, d, p = 256, 1, 4, 2, 8, 0.1
     qkv = _qkv(s, b, n, g, d, torch.bfloat16).requires_grad_(True)
     saved = []
+    mask = _mask(b, n, g, p, key=3)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = MaterializedAttention.apply(qkv, 1 / math.sqrt(d), p, torch.Generator().manual_seed(3))
-    kept_qkv, probs, keep, dropped = saved
+        out = MaterializedAttention.apply(qkv, 1 / math.sqrt(d), mask, False, fuse)
+    kept_qkv, probs, dropped, keep = saved
     assert kept_qkv.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
     elements = b * n * g * s * s
     assert (probs.dtype, keep.dtype, dropped.dtype) == (torch.bfloat16, torch.bool, torch.bfloat16)
     assert [t.untyped_storage().nbytes() for t in (probs, keep, dropped)] == [2 * elements, elements, 2 * elements]
-    assert torch.equal(keep, keep_mask(keep.shape, p, torch.Generator().manual_seed(3)))
+    assert torch.equal(keep, _keep(mask, b, n, g, s))
     assert torch.equal(dropped, torch.where(keep, probs, 0))
     rate = keep.float().mean().item()  # 1 − p within 5 standard deviations
     assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / elements)
@@ -72,3 +89,14 @@ def test_dropout_keeps_mask_rate_and_the_papers_tensors():
     assert not probs.triu(1).any()
     out.float().sum().backward()
     assert torch.isfinite(qkv.grad.float()).all()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_regenerated_mask_is_not_kept(fuse):
+    """Recompute module ``dropout_mask``: the softmax output and the dropout output only (4 of 5 bytes)."""
+    s, b, n, g, d, p = 32, 2, 2, 1, 8, 0.1
+    qkv = _qkv(s, b, n, g, d, torch.bfloat16).requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        MaterializedAttention.apply(qkv, 1 / math.sqrt(d), _mask(b, n, g, p), True, fuse)
+    assert [t.dtype for t in saved[1:]] == [torch.bfloat16, torch.bfloat16]

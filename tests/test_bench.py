@@ -14,7 +14,7 @@ from seqpar.bench import add_arguments
 from seqpar.bench import run as run_benchmark
 from seqpar.bench.single import batch, build_pair
 from seqpar.bench.vs_torch import formula_bytes
-from seqpar.config import ModelConfig
+from seqpar.config import ConfigError, ModelConfig
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -83,11 +83,18 @@ def test_formula_bytes_excess_is_the_gathered_inputs():
 def test_table4_rows(capsys):
     result = _run(capsys, "table4")
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == ["baseline", "sp", "full", "selective", "selective_sp"]
+    assert list(rows) == ["baseline", "sp", "full", "selective", "selective_sp", "regenerate_mask", "sdpa"]
     assert rows["baseline"]["overhead_pct"] == 0.0
     assert rows["full"]["flops"] > rows["selective"]["flops"] > rows["baseline"]["flops"] == rows["sp"]["flops"]
+    assert rows["regenerate_mask"]["flops"] == rows["sdpa"]["flops"] == rows["baseline"]["flops"]  # no GEMM again
     for r in rows.values():
         assert r["combined_ms"] > 0 and r["forward_ms"] > 0 and r["backward_ms"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_table4_on_a_missing_device_refuses_in_one_line():
+    with pytest.raises(ConfigError, match="--device cuda: no cuda device here"):
+        run_benchmark(_args("table4", "--device", "cuda", "--json"))
 
 
 def test_single_and_mfu(capsys):

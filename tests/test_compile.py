@@ -4,8 +4,8 @@ One tiny fp32 shape for every test, so each region compiles once per process (dy
 per code object and shape): compiled vs eager loss and gradients within 1e-5 at dropout 0 for every
 recompute mode (tp 1 here, tp 2 + SP on gloo ranks); with dropout, selective and full recompute
 under compile give bit-identical loss and gradients to no recompute under compile (the masks are
-drawn eagerly and redrawn from the restored RNG state); bytes kept for backward equal eager's;
-the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
+position-keyed: recomputation computes them again from the restored step and sample); bytes kept for
+backward equal eager's; the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
 ``seqpar train --compile`` trains.
 """
 
@@ -31,7 +31,7 @@ def _step(cfg, recompute, compiled, dims=None, sp=False):
     dims = dims or ParallelDims.single()
     model = build_model(cfg, dims, sequence_parallel=sp, seed=3, recompute=recompute).train()
     names = compile_model(model) if compiled else []
-    model.tracker.reseed(11)
+    model.tracker.start_step(11)
     tokens, labels = parity_batch(cfg)
     loss = model(tokens, labels)
     loss.backward()

@@ -1,7 +1,8 @@
 """Generated equivalence: architecture × layout × recompute, each trained against the single process.
 
-Every draw trains 5 steps (fp32, dropout 0, ``grad_clip`` small enough that clipping binds every step,
-Adam's eps large enough that the clip factor moves the update) with ``seqpar``'s own trainer, and
+Every draw trains 5 steps (fp32, every dropout 0.1 -- attention dropout 0 with the sdpa core --,
+``grad_clip`` small enough that clipping binds every step, Adam's eps large enough that the clip factor
+moves the update) with ``seqpar``'s own trainer, and
 must match the same model trained in one process: every step's loss and global grad norm within
 1e-5 relative, every final weight within 1e-5 relative (‖a − b‖ / ‖b‖ per tensor).
 
@@ -66,7 +67,7 @@ from _helpers import Launches
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local
 
-STEPS, SEQ, HEADS, CLIP = 5, 16, 4, 0.01
+STEPS, SEQ, HEADS, CLIP, DROPOUT = 5, 16, 4, 0.01, 0.1
 RECOMPUTE = {
     "none": {"granularity": "none"},
     "selective": {"granularity": "selective"},
@@ -120,8 +121,11 @@ def draw(index: int, c: Combo) -> dict:
         "attention": rng.choice(("materialized", "sdpa")),
         "bias": rng.choice((True, False)),
         "tie_embeddings": rng.choice((True, False)),
-        "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": "fp32",
+        "dtype": "fp32",
     }
+    # every dropout on: position-keyed masks are the same under every layout (sdpa takes no attention dropout)
+    model |= {"embd_dropout": DROPOUT, "hidden_dropout": DROPOUT,
+              "attn_dropout": DROPOUT if model["attention"] == "materialized" else 0.0}
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
     grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were

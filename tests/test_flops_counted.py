@@ -27,7 +27,7 @@ def _count(fn) -> int:
 
 
 def _layer_step(group, sp, recompute, t):
-    tracker = RNGTracker(0, 0)
+    tracker = RNGTracker(0)
     plan = RecomputePlan(RecomputeConfig(recompute) if recompute == "selective" else None, tracker)
     layer = TransformerLayer(CFG, TPContext(group, sp, tracker), plan)
     init_parameters(layer, 0, 0, t)

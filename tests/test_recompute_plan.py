@@ -17,7 +17,7 @@ def _step(model, keep_everything: bool):
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=gen)
     model.zero_grad(set_to_none=True)
-    model.tracker.reseed(5)
+    model.tracker.start_step(5)
     meter = SavedTensorMeter(model)
     with meter:
         if keep_everything:

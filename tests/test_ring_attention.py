@@ -1,6 +1,6 @@
 """Ring attention (seqpar.parallel.ring_attention) against single-process causal attention on gloo:
-output and dQ, dK, dV within 1e-5 relative in fp32, for both cores, GQA, dropout (with the ring's own
-per-block masks placed into one full mask), and the order of exchanges and compute (overlap)."""
+output and dQ, dK, dV within 1e-5 relative in fp32, for both cores, GQA, dropout (each block's mask is its
+slice of the single process's position-keyed mask), and the order of exchanges and compute (overlap)."""
 
 import functools
 
@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from seqpar.config import ConfigError
 from seqpar.parallel import ring_attention as ring
 from seqpar.parallel.context import chunk_positions, gather_sequence, split_sequence
+from seqpar.parallel.dropout import AttentionMask
 from seqpar.parallel.launch import run_ranks
-from seqpar.parallel.rng import keep_mask
 from seqpar.testing import relative_error
 
 B, D, P = 2, 8, 0.25
@@ -21,23 +21,17 @@ CASES = [("materialized", 4, 4, 0.0), ("materialized", 4, 2, 0.0), ("sdpa", 4, 4
          ("materialized", 4, 2, P)]  # (core, heads, kv heads, dropout)
 
 
-def _seed(rank: int, n: int) -> int:
-    return 1000 * (rank + 1) + n
+MASK_KEY = 987654321
 
 
-def _full_keep(cp: int, s: int, heads: int, kv: int) -> torch.Tensor:
-    """The dropout keep-mask ``[b, kv, g, s, s]`` the ring draws, block by block, on every rank."""
-    g, c2 = heads // kv, s // cp
-    keep = torch.zeros(B, kv, g, s, s, dtype=torch.bool)
-    for rank in range(cp):
-        mine = chunk_positions(s, cp, rank)
-        for step in range(cp):
-            rows, cols, _ = ring.block(step, rank, cp, c2)
-            r, c = mine[rows], chunk_positions(s, cp, (rank - step) % cp)[cols]
-            gen = torch.Generator().manual_seed(_seed(rank, step))
-            block = keep_mask(torch.Size((B, kv, g, len(r), len(c))), P, gen)
-            keep[:, :, :, r.unsqueeze(-1), c] = block
-    return keep
+def _mask(heads: int) -> AttentionMask:
+    """The position-keyed attention mask over all heads and samples: the ring slices it block by block."""
+    return AttentionMask(MASK_KEY, P, ((0, B),), ((0, heads),))
+
+
+def _full_keep(s: int, heads: int, kv: int) -> torch.Tensor:
+    """The single process's keep mask ``[b, kv, g, s, s]``: every cp layout must drop exactly these."""
+    return _mask(heads).keep(((0, s),), ((0, s),), "cpu").view(B, kv, heads // kv, s, s)
 
 
 def _reference(q, k, v, dout, keep):
@@ -98,14 +92,9 @@ def _ranks(rank, cp, s):
         q = torch.randn(B, kv, heads // kv, s, D, generator=gen)  # [b, kv, g, s, d]
         k, v = (torch.randn(B, kv, s, D, generator=gen) for _ in range(2))  # [b, kv, s, d]
         dout = torch.randn(q.shape, generator=gen)
-        ref = _reference(q, k, v, dout, _full_keep(cp, s, heads, kv) if p else None)
-        draws = iter(range(cp))
-
-        def draw(device, draws=draws):
-            return torch.Generator(device=device).manual_seed(_seed(rank, next(draws)))
-
+        ref = _reference(q, k, v, dout, _full_keep(s, heads, kv) if p else None)
         local = [split_sequence(t, 2 if t.dim() == 4 else 3, cp, rank).requires_grad_(True) for t in (q, k, v)]
-        out = ring.ring_attention_grouped(*local, group, core=core, dropout_p=p, draw=draw)
+        out = ring.ring_attention_grouped(*local, group, core=core, dropout=_mask(heads) if p else None)
         out.backward(split_sequence(dout, 3, cp, rank))
         got = [out.detach()] + [t.grad for t in local]
         want = [split_sequence(t, 2 if t.dim() == 4 else 3, cp, rank) for t in ref]

@@ -1,53 +1,38 @@
-"""Dropout RNG regions, process-group layout, and configuration errors."""
+"""The dropout module and its tracker, process-group layout, and configuration errors."""
 
 import pytest
 import torch
 
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.dropout import Dropout
 from seqpar.parallel.launch import run_ranks
-from seqpar.parallel.rng import Dropout, RNGTracker
-
-
-def _masks(rank, world):
-    dims = ParallelDims.build(ParallelConfig(tp=world))
-    tracker = RNGTracker(5, dims.tp_rank)
-    x = torch.ones(64, 4)
-    out = {stream: Dropout(0.5, tracker, stream)(x) != 0 for stream in ("replicated", "sharded")}
-    gathered = {}
-    for stream, mask in out.items():
-        parts = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(world)]
-        torch.distributed.all_gather(parts, mask.to(torch.uint8), group=dims.tp_group)
-        gathered[stream] = parts
-    return {s: [torch.equal(p, parts[0]) for p in parts] for s, parts in gathered.items()}
-
-
-def test_replicated_masks_agree_and_sharded_masks_differ_across_tp_ranks():
-    result = run_ranks(_masks, 2)[0]
-    assert result["replicated"] == [True, True]
-    assert result["sharded"] == [True, False]
+from seqpar.parallel.rng import RNGTracker
 
 
 def test_dropout_keeps_a_one_byte_mask_and_scales():
     tracker = RNGTracker(0)
-    x = torch.ones(1000, requires_grad=True)
+    x = torch.ones(10, 10, 10, requires_grad=True)  # [s, b, h]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = Dropout(0.25, tracker, "sharded")(x)
+        y = Dropout(0.25, tracker, 0, "mlp_output")(x)
     assert [t.dtype for t in saved] == [torch.bool]
     assert torch.allclose(y[y != 0], torch.tensor(1 / 0.75)) and 150 < int((y == 0).sum()) < 350
     y.sum().backward()
     assert torch.equal(x.grad, y.detach())
-    assert Dropout(0.25, tracker, "sharded").eval()(x) is x
+    assert Dropout(0.25, tracker, 0, "mlp_output").eval()(x) is x
 
 
 def test_tracker_state_restores_the_same_masks():
     tracker = RNGTracker(3)
-    drop = Dropout(0.5, tracker, "replicated")
-    x = torch.ones(256)
-    drop(x)  # create the generator
+    drop = Dropout(0.5, tracker, 2, "attention_output")
+    x = torch.ones(8, 2, 16)
+    tracker.start_step(4, first_sample=6)
+    tracker.microbatch(1, 2)
     state = tracker.get_state()
     first = drop(x)
+    assert torch.equal(first, drop(x))  # no draw counter: the same microbatch, the same mask
+    tracker.microbatch(0, 2)
     assert not torch.equal(first, drop(x))
     tracker.set_state(state)
     assert torch.equal(first, drop(x))

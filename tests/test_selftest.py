@@ -59,11 +59,14 @@ def _selftest_in_process(capsys, *args):
     return code, json.loads(capsys.readouterr().out)
 
 
-def test_parity_fails_when_recompute_does_not_restore_the_dropout_stream(monkeypatch, capsys):
-    """The check is not vacuous: recompute drawing fresh masks is caught, and the exit status is 1."""
+def test_parity_fails_when_recompute_restores_another_microbatch(monkeypatch, capsys):
+    """The check is not vacuous: a recompute computing another sample's masks is caught (exit status 1)."""
     from seqpar.parallel.rng import RNGTracker
 
-    monkeypatch.setattr(RNGTracker, "set_state", lambda self, state: None)
+    def wrong(self, state):
+        self.step, self.sample = state[0], state[1] + 1
+
+    monkeypatch.setattr(RNGTracker, "set_state", wrong)
     code, report = _selftest_in_process(capsys, "--only", "parity")
     assert code == 1 and [c["ok"] for c in report["checks"]] == [False]
     layout = report["checks"][0]["figures"]["layouts"]["t1"]

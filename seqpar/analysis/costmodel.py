@@ -198,6 +198,15 @@ def layer_elementwise_bytes(shape: ModelConfig, t: int, sp: bool, b: int, opts: 
             "attention_core": scores * (2 * e + (2 * e + mask if opts.dropout else 0))}
 
 
+def dropout_mask_bytes(shape: ModelConfig, t: int, b: int, opts: ActivationOptions, cp: int = 1) -> float:
+    """Bytes of the attention dropout mask of one rank (materialized core, dropout on; else 0): what the
+    ``dropout_mask`` module's regeneration in backward is charged, one write of the mask's size (the
+    hash runs inside the backward's pass over dD and P; charging it as a mask pass is the upper bound)."""
+    if opts.fused_attention or not opts.dropout:
+        return 0.0
+    return b * shape.num_heads / t * (shape.seq_len // cp) * shape.seq_len * opts.mask_bytes
+
+
 def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
                  opts: ActivationOptions) -> dict[str, dict[str, float]]:
     """Seconds of one layer's forward, backward and attention-core forward (what selective recompute
@@ -231,7 +240,8 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
     if par.cp > 1:
         fwd["cp_comm"], bwd["cp_comm"] = ring_exposed_s(shape, par, b, hw, opts, g["qk"] + g["attention_v"])
         core["cp_comm"] = fwd["cp_comm"]  # selective recompute runs the ring forward again
-    return {"forward": fwd, "backward": bwd, "attention_core": core}
+    regen = {"elementwise": dropout_mask_bytes(shape, t, b, opts, par.cp) / hw.memory_bw}
+    return {"forward": fwd, "backward": bwd, "attention_core": core, "dropout_mask": regen}
 
 
 def ring_exposed_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, opts: ActivationOptions,
@@ -255,11 +265,20 @@ def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     includes what the recompute runs again."""
     p = layer_pass_s(shape, par, b, hw, opts or ActivationOptions())
     fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
-    if rc.granularity == "selective":
+    if reruns_core(rc):
         bwd += sum(p["attention_core"].values())
+    elif "dropout_mask" in rc.selective_modules:
+        bwd += sum(p["dropout_mask"].values())
     elif rc.granularity == "full":
         bwd += fwd
     return fwd, bwd
+
+
+def reruns_core(rc: RecomputeConfig) -> bool:
+    """Whether ``rc`` runs the attention core's forward again in backward. Selective with only the
+    ``dropout_mask`` module does not: it hashes the mask again inside the backward's element-wise pass
+    that reads dD and P anyway (no GEMM; charged one mask-sized pass, ``dropout_mask_bytes``)."""
+    return rc.granularity == "selective" and set(rc.selective_modules) != {"dropout_mask"}
 
 
 def recomputed_fraction(rc: RecomputeConfig, in_flight: int) -> float:
@@ -317,8 +336,10 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
-    if rc.granularity == "selective":
+    if reruns_core(rc):
         redo = layers * sum(p["attention_core"].values())
+    elif "dropout_mask" in rc.selective_modules:
+        redo = layers * sum(p["dropout_mask"].values())
     elif rc.granularity == "full":
         share = 1.0 if rc.method == "uniform" else min(1.0, rc.num_layers / max(1, rank_layers(shape, par, rank)))
         redo = layers * share * sum(p["forward"].values())

@@ -15,7 +15,7 @@ from seqpar.config import RECOMPUTE_GRANULARITIES, ModelConfig, ParallelConfig, 
 # same keys) runs again in backward: the norms and the activation are elementwise and add none.
 # "moe" (an MoE layer's GEMMs) is counted by ``seqpar.analysis.moe``; "mlp" applies to the dense layers.
 RECOMPUTED_GEMMS = {"core_attention": ("qk", "attention_v"), "norm": (), "activation": (), "mlp": ("mlp",),
-                    "moe": ()}
+                    "moe": (), "dropout_mask": ()}  # dropout_mask: the mask is hashed again, element-wise, no GEMM
 
 
 def layer_forward_flops(B: float, s: int, h: int, f: int | None = None, *, kv_ratio: float = 1.0,

@@ -35,6 +35,7 @@ REBUILT = {
     "activation": ("fc2_input",),
     "mlp": ("gelu_input", "swiglu_input", "fc2_input"),
     "moe": (),  # an MoE layer's block: seqpar.analysis.moe.moe_terms
+    "dropout_mask": ("softmax_dropout_mask",),  # position-keyed: regenerated in backward (beyond the paper)
 }
 
 

@@ -189,12 +189,15 @@ def _largest_fitting(lo: int, hi: int, ok) -> int | None:
 
 
 def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
-    """none, selective, full-uniform-1, the cheapest fitting full-block-N and App. C variants."""
+    """none, selective(dropout_mask) (with dropout, materialized core), selective, full-uniform-1, the
+    cheapest fitting full-block-N and App. C variants."""
     chunk = validate_layout(req.shape, base.par)  # layers of a chunk (of the lightest non-empty stage if uneven)
     # with fused attention the attention core keeps no s² tensors: selective recompute saves nothing
     # (``train`` warns it does nothing), so it is not a choice
     granularities = ("full",) if req.opts.fused_attention else ("selective", "full")
     options = [RecomputeConfig("none")] + [RecomputeConfig(g) for g in granularities]
+    if req.opts.dropout and not req.opts.fused_attention:  # beyond the paper: the mask regenerated, not kept
+        options.insert(1, RecomputeConfig("selective", modules=("dropout_mask",)))
 
     def fits_with(rc: RecomputeConfig) -> bool:
         return fits(req, replace(base, rc=rc))

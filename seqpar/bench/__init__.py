@@ -11,7 +11,8 @@ import importlib
 import json
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "table4": ("seqpar.bench.table4", "the paper's Table 4: one layer's fwd/bwd time per recompute/SP mode, t=2"),
+    "table4": ("seqpar.bench.table4", "the paper's Table 4: one layer's fwd/bwd time per recompute/SP mode, t=2 "
+               "(--device cuda: the 22B layer, t=1)"),
     "vs-torch": ("seqpar.bench.vs_torch", "seqpar vs PyTorch-native DTensor TP+SP: step time and bytes per layer"),
     "single": ("seqpar.bench.single", "seqpar at t=1 vs a plain single-file GPT of the same math: step time"),
     "mfu": ("seqpar.bench.mfu", "measured GEMM peak and the model FLOP/s of a t=1 training step: MFU on CPU"),

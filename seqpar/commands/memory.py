@@ -103,7 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
                    help=f"with --recompute selective: any of {','.join(RECOMPUTE_MODULES)} "
                         "(default core_attention, the paper's)")
-    p.add_argument("--all", action="store_true", help="the six Table 2 rows for this t")
+    p.add_argument("--all", action="store_true",
+                   help="the six Table 2 rows for this t (with --recompute selective --recompute-modules "
+                        "dropout_mask: each row regenerating its attention dropout mask instead)")
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     g = p.add_argument_group("model states (--states: weights, gradients, optimizer per rank, formula)")

@@ -122,7 +122,7 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
     """
     device = torch.device(device)
     cp = CPContext(cp_group)
-    tp = TPContext(group, sequence_parallel, RNGTracker(seed, group_rank(group), 0, cp.rank))
+    tp = TPContext(group, sequence_parallel, RNGTracker(seed))
     t, sp, tracker = tp.size, tp.sequence_parallel, tp.tracker
     rc = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(recompute)
     layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device, cp=cp, ep=EPContext(ep_group))

@@ -81,7 +81,7 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     if all_rows:
         for name in TABLE2_ROWS:
             row_t, row_sp, row_rc = table2_config(name)
-            configs.append((name, tp if row_t is None else row_t, row_sp, row_rc, ()))
+            configs.append(_with_modules(name, tp if row_t is None else row_t, row_sp, row_rc, modules))
     else:
         name = row_name(tp, sp, recompute) if not modules else "custom"
         configs.append((name, tp, sp, recompute, tuple(modules)))
@@ -96,7 +96,7 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         recompute = RecomputeConfig(rc, modules=mods)
         exact = sum(layer_terms(cfg, par, b, exact_opts, recompute).values())
         mine = layer_terms(cfg, par, b, opts, recompute)
-        paper_row = paper and name != "custom" and cp == 1 and not cfg.experts
+        paper_row = paper and name in TABLE2_ROWS and cp == 1 and not cfg.experts
         formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
         reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
         rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep,
@@ -105,6 +105,15 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
             tokens = s // cp * b // (t if par.sp else 1)
             rows[-1].routing = {"balanced": list(astuple(balanced_routing(cfg, tokens)))}
     return rows
+
+
+def _with_modules(name: str, t: int, sp: bool, recompute: str, modules: tuple[str, ...]) -> tuple:
+    """A Table 2 row; with the ``dropout_mask`` module (``--all --recompute-modules dropout_mask``) the row
+    regenerates its attention dropout mask instead of keeping it (``name+dropout_mask``; full keeps no mask)."""
+    if "dropout_mask" not in modules or recompute == "full":
+        return name, t, sp, recompute, ()
+    mods = ("dropout_mask",) if recompute == "none" else ("core_attention", "dropout_mask")
+    return f"{name}+dropout_mask", t, sp, "selective", mods
 
 
 def exact_for_routing(cfg: ModelConfig, micro_batch: int, row: Row, routing: Routing) -> float:

@@ -27,9 +27,10 @@ from seqpar.dtypes import torch_dtype
 from seqpar.model.context_attention import RingCoreAttention
 from seqpar.model.materialized import MaterializedAttention
 from seqpar.parallel.context import CPContext
+from seqpar.parallel.dropout import AttentionMask, attention_mask
 from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.parallel.layout import GroupedQKVLayout, relayout
-from seqpar.parallel.rng import Dropout, RNGTracker
+from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan
 
@@ -136,18 +137,31 @@ class CoreAttention(nn.Module):
 
     ``materialized``: the paper's QK^T → softmax → dropout → ·V, keeping the s² tensors
     (``seqpar.model.materialized.MaterializedAttention``: scale and causal mask inside the first GEMM,
-    softmax and dropout in place, the dropout scale inside the second);
+    softmax and dropout in place, the dropout scale inside the second); its element-wise passes run
+    compiled when ``fuse_passes`` is set (``seqpar.model.compile``), and its dropout mask is computed
+    again in backward instead of kept when ``regenerate()`` (recompute module ``dropout_mask``).
     ``sdpa``: ``scaled_dot_product_attention`` (fused: keeps Q, K, V, its output and one fp32
     log-sum-exp per row instead).
+
+    The dropout mask is position-keyed (``seqpar.parallel.dropout``): global ``layer``, this rank's
+    query heads from ``first_head`` on, the tracker's samples -- the single process's mask, sliced.
     """
 
     def __init__(self, groups: int, g: int, head_dim: int, attn_dropout: float, tracker: RNGTracker,
-                 fused: bool = False):
+                 fused: bool = False, layer: int = 0, first_head: int = 0, regenerate=lambda: False):
         super().__init__()
         self.groups, self.g, self.d = groups, g, head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
-        self.fused = fused
-        self.dropout = Dropout(attn_dropout, tracker, "sharded")  # heads are split over TP ranks
+        self.fused, self.fuse_passes = fused, False
+        self.p, self.tracker, self.layer, self.first_head = attn_dropout, tracker, layer, first_head
+        self.regenerate = regenerate
+
+    def mask(self, b: int) -> AttentionMask | None:
+        """The dropout mask of the microbatch in flight (Python integers), None without dropout."""
+        if not self.training or self.p == 0.0:
+            return None
+        return attention_mask(self.tracker, self.p, self.layer, b, ((self.first_head,
+                                                                      self.first_head + self.groups * self.g),))
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         s, b, _ = qkv.shape
@@ -155,10 +169,9 @@ class CoreAttention(nn.Module):
         qkv = qkv.view(s, b, n, g + 2, d)  # [s, b, groups, g + 2, d]
         docs = documents.current()  # packed documents: each attends to itself only
         if not self.fused:  # seqpar.model.materialized: one autograd function keeping the paper's tensors
-            generator = self.dropout.draw(qkv.device)
-            p = 0.0 if generator is None else self.dropout.p
             bias = None if docs is None else docs.bias(qkv, n)  # [b·groups, s, s]
-            return MaterializedAttention.apply(qkv, self.scale, p, generator, bias)  # [s, b, h/t]
+            return MaterializedAttention.apply(qkv, self.scale, self.mask(b), self.regenerate(),
+                                               self.fuse_passes, bias)  # [s, b, h/t]
         kb, vb = qkv[:, :, :, g].permute(1, 2, 0, 3), qkv[:, :, :, g + 1].permute(1, 2, 0, 3)  # [b, groups, s, d]
         mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
         contexts = [F.scaled_dot_product_attention(qkv[:, :, :, j].permute(1, 2, 0, 3), kb, vb,
@@ -167,19 +180,29 @@ class CoreAttention(nn.Module):
         return torch.stack([c.permute(2, 0, 1, 3) for c in contexts], dim=3).view(s, b, n * g * d)  # [s, b, h/t]
 
 
+def _false() -> bool:
+    return False
+
+
+def _true() -> bool:
+    return True
+
+
 class SelfAttention(nn.Module):
     """``[s(/t), b, h]`` → ``[s(/t), b, h]``; the output is reduced (f̄, or ḡ under SP), bias added."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan, output_std: float, device=None,
-                 cp: CPContext | None = None):
+                 cp: CPContext | None = None, layer: int = 0):
         super().__init__()
         t, h, dtype, d = tp.size, cfg.hidden_size, torch_dtype(cfg.dtype), cfg.head_dim
         cp, fused = cp or CPContext(), cfg.attention == "sdpa"
+        first_head = tp.rank * (cfg.num_heads // t)  # query heads are split contiguously over tp ranks
 
         def core(groups: int, g: int):  # under cp the ring (seqpar.model.context_attention)
             if cp.size > 1:
-                return RingCoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, cp.group)
-            return CoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused)
+                return RingCoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, cp, layer, first_head)
+            return CoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, layer, first_head,
+                                 plan.choose("dropout_mask", _false, _true))
 
         a, kv = cfg.num_heads, cfg.num_kv_heads
         g = a // kv

@@ -3,20 +3,19 @@
 Applied after the model and its recompute plan are built (as torchtitan's ``apply_compile``), it
 leaves the modules' code untouched:
 
-* compiled, each as its own module: every layer's attention core (``CoreAttention``) and MLP (fc1,
-  GeLU/SwiGLU, fc2). Inductor fuses the MLP's element-wise work (the activation and its backward);
-  the GEMMs stay the same library calls. The materialized attention core is one autograd Function
-  (``seqpar.model.materialized``) that takes its dropout generator from ``Dropout.draw``: dynamo
-  cannot trace ``torch.Generator``, so with dropout that Function runs eagerly inside the compiled core (a graph
-  break) -- its passes are already the fewest eager allows (see that module).
+* compiled, each as its own module: every layer's MLP (fc1, GeLU/SwiGLU, fc2) and the sdpa attention
+  core. Inductor fuses the MLP's element-wise work (the activation and its backward); the GEMMs stay
+  the same library calls.
+* compiled, its element-wise passes only: the materialized attention core (``fuse_passes``,
+  ``seqpar.model.core_passes``): softmax + position-keyed dropout mask + ``where`` one kernel, mask +
+  softmax backward one kernel; its GEMMs and the autograd Function around them stay eager, so the
+  dropout's key (Python integers of the tracker) never reaches dynamo: no recompile per step.
 * compiled, its passes only: the loss head (``VocabParallelCrossEntropy.compile``): the element-wise
   work between its collectives as four graphs (max; partial sums; loss and fp32 softmax, its one
   write of the logits' size; backward), the all-reduces eager between them (``seqpar.parallel.cross_entropy``).
-* eager: every ``Dropout``, its forward and its ``draw``. Its mask comes from a generator reseeded
-  per draw (``seqpar.parallel.rng``); traced, dynamo would recompile for every seed (it guards on
-  the tracker's Python integers), so both are excluded (``torch.compiler.disable``): masks are drawn
-  exactly as without compile, and a checkpoint's recomputation, which restores the tracker, redraws
-  the same ones.
+* eager: every ``Dropout``'s forward (``torch.compiler.disable``): its mask's key is the tracker's
+  step and sample (Python integers), which dynamo would guard on and recompile for; the mask itself is
+  computed by a compiled function when large (``seqpar.parallel.rng.keep_mask``), eager or not.
 * eager: the checkpoints of ``seqpar.recompute`` (they call the compiled core or layers inside:
   under ``no_grad`` in the forward and ``enable_grad`` in the recomputation, one graph each), the
   norms, residual adds, embedding, and ring attention cores (cp > 1: p2p inside).
@@ -24,7 +23,7 @@ leaves the modules' code untouched:
   conjugate autograd Functions of ``seqpar.parallel``; dynamo runs them as they are, between graphs.
 
 Whole-layer compilation was measured too (``benchmarks/RESULTS.md``, "compile"): it pays no more
-here and, with recompute, traces into the checkpoint and recompiles for every dropout key.
+here and, with recompute, traces into the checkpoint and would guard on every dropout key.
 Compilation happens at the first call of each region (``warm_up`` in the trainer and benchmarks
 does it before anything is timed).
 """
@@ -37,7 +36,7 @@ from torch import nn
 from seqpar.model.attention import CoreAttention
 from seqpar.model.mlp import MLP
 from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
-from seqpar.parallel.rng import Dropout
+from seqpar.parallel.dropout import Dropout
 
 REGIONS = ("core_attention", "mlp", "loss_head")
 
@@ -50,18 +49,21 @@ def compiled_regions(model: nn.Module, regions: tuple[str, ...] = REGIONS) -> li
 
 
 def compile_model(model: nn.Module, regions: tuple[str, ...] = REGIONS, **options) -> list[str]:
-    """Compile ``model``'s regions in place (``nn.Module.compile``) and keep its dropouts eager;
-    returns the compiled submodules' names. ``options`` go to ``torch.compile``."""
+    """Compile ``model``'s regions in place (``nn.Module.compile``; a materialized core's element-wise
+    passes) and keep its dropouts eager; returns the compiled submodules' names. ``options`` go to
+    ``torch.compile`` (not to the core's passes, compiled with the defaults)."""
     unknown = set(regions) - set(REGIONS)
     if unknown:
         raise ValueError(f"compile regions {sorted(unknown)} are not among {list(REGIONS)}")
     for m in model.modules():
-        if isinstance(m, Dropout):  # its forward and the draw a fused core asks it for (seqpar.model.attention)
+        if isinstance(m, Dropout):
             m.forward = torch.compiler.disable(m.forward, recursive=True)
-            if hasattr(m, "draw"):
-                m.draw = torch.compiler.disable(m.draw, recursive=True)
     names = compiled_regions(model, regions)
     modules = dict(model.named_modules())
     for name in names:
-        modules[name].compile(**options)
+        module = modules[name]
+        if isinstance(module, CoreAttention) and not module.fused:
+            module.fuse_passes = True  # seqpar.model.core_passes
+        else:
+            module.compile(**options)
     return names

@@ -11,8 +11,8 @@ from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel import comm
 from seqpar.parallel.context import CPContext
+from seqpar.parallel.dropout import Dropout, Placement
 from seqpar.parallel.layers import VocabParallelEmbedding, mark
-from seqpar.parallel.rng import Dropout
 from seqpar.parallel.tp_context import TPContext
 
 
@@ -36,7 +36,7 @@ class Embedding(nn.Module):
             self.position = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, dtype=dtype, device=device))
             mark(self.position, sequence_parallel=self.sp, init_std=cfg.init_std)
         self.max_len = cfg.seq_len
-        self.dropout = Dropout(cfg.embd_dropout, tp.tracker, tp.stream)
+        self.dropout = Dropout(cfg.embd_dropout, tp.tracker, -1, "embedding", Placement.of(self.cp, tp, self.sp))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         full = tokens.shape[1]

@@ -131,12 +131,11 @@ class GPTStage(nn.Module):
 
 def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_parallel: bool = False,
                 seed: int = 1234, layer_ids: list[int] | None = None, first: bool = True, last: bool = True,
-                device=None, stage: int | None = None, tied: TiedEmbedding | None = None,
+                device=None, tied: TiedEmbedding | None = None,
                 recompute: RecomputeConfig | None = None) -> GPTStage:
     """Build (one stage of) the GPT for this rank, keeping for backward what ``recompute`` says
     (default: everything), and initialise it from ``seed``.
 
-    ``stage``: the virtual pipeline stage, for the dropout seeds (default: this pipeline rank);
     ``tied``: the tied word embedding's group when its copies live on two stages.
 
     The initialisation is independent of the parallel layout: every parameter is drawn whole from a
@@ -145,7 +144,7 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     """
     cfg.validate()
     dims = dims or ParallelDims.single()
-    tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank if stage is None else stage, dims.cp_rank)
+    tracker = RNGTracker(seed)  # masks keyed by global layer and position: the same under every layout
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
     model = GPTStage(cfg, TPContext(dims.tp_group, sequence_parallel, tracker), ids, first, last, device, tied,
                      RecomputePlan(recompute, tracker), CPContext(dims.cp_group), EPContext(dims.ep_group))

@@ -13,8 +13,8 @@ from seqpar.model.mlp import MLP
 from seqpar.model.moe import AuxLosses, MoE
 from seqpar.model.norm import make_norm
 from seqpar.parallel.context import CPContext
+from seqpar.parallel.dropout import Dropout, Placement
 from seqpar.parallel.expert import EPContext
-from seqpar.parallel.rng import Dropout
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan
 
@@ -22,8 +22,9 @@ from seqpar.recompute import RecomputePlan
 class TransformerLayer(nn.Module):
     """x → norm → attention → dropout → +x → norm → MLP → dropout → +.
 
-    Under SP the LN, dropout and residual regions see ``[s/t, b, h]`` and draw sharded masks;
-    under TP alone they see ``[s, b, h]``, replicated on every TP rank, with replicated masks.
+    Under SP the LN, dropout and residual regions see ``[s/t, b, h]`` and compute their slice of the
+    masks; under TP alone they see ``[s, b, h]``, replicated on every TP rank, with the same masks
+    (position-keyed by global ``layer``, ``seqpar.parallel.dropout``).
 
     What backward keeps is the ``plan``'s (``seqpar.recompute``), resolved here: selective
     recomputation checkpoints the attention core (inside ``SelfAttention``); the finer modules
@@ -39,13 +40,14 @@ class TransformerLayer(nn.Module):
         plan = plan or RecomputePlan(tracker=tp.tracker)
         output_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)  # scaled init of the output projections
         self.ln1 = make_norm(cfg, tp.sequence_parallel, device)
-        self.attention = SelfAttention(cfg, tp, plan, output_std, device, cp)  # cp: ring attention
-        self.attn_dropout = Dropout(cfg.hidden_dropout, tp.tracker, tp.stream)
+        self.attention = SelfAttention(cfg, tp, plan, output_std, device, cp, layer)  # cp: ring attention
+        placement = Placement.of(cp, tp, tp.sequence_parallel)
+        self.attn_dropout = Dropout(cfg.hidden_dropout, tp.tracker, layer, "attention_output", placement)
         self.ln2 = make_norm(cfg, tp.sequence_parallel, device)
         moe = cfg.is_moe(layer)  # experts in place of the MLP (seqpar/model/moe.py)
         self.mlp = MoE(cfg, tp, plan, output_std, device, cp, ep, aux) if moe else \
             MLP(cfg, tp, plan, output_std, device)
-        self.mlp_dropout = Dropout(cfg.hidden_dropout, tp.tracker, tp.stream)
+        self.mlp_dropout = Dropout(cfg.hidden_dropout, tp.tracker, layer, "mlp_output", placement)
         self.attention_block = plan.norm_then(self.ln1, self.attention)  # x -> attention(ln1(x))
         mlp = plan.checkpointed("moe" if moe else "mlp", self.mlp)
         self.mlp_block = plan.norm_then(self.ln2, mlp)  # x -> mlp(ln2(x))

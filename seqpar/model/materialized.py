@@ -11,23 +11,27 @@ a pass over it: its pages are faulted in on first touch):
 
   forward   P = baddbmm(causal bias, Q, Kᵀ, α = scale)     GEMM; scale and mask folded into it
             P = softmax(P)                                  in place
-            D ← random words; keep = words ≥ threshold      the words are drawn into D's storage
-            D = where(keep, P, 0)                           over the words
+            keep = hash(key, sample, head, i, j) ≥ threshold  1 byte per element
+            D = where(keep, P, 0)
             out = D · V / (1 − p)                           the dropout scale on the s·d output
   backward  dD = dout · Vᵀ / (1 − p)                        GEMM (the one fresh s² buffer)
             dD = where(keep, dD, 0); dS = softmax'(dD, P)   in place
             dQ = dS · K · scale, dK = dSᵀ · Q · scale, dV = Dᵀ · dout / (1 − p)
 
-The mask is ``seqpar.parallel.rng.keep_mask`` from the generator the caller passes, so a recomputed
-forward (selective recompute restores the tracker) draws the same mask bit for bit. No Python branch
-depends on tensor values: only on shapes and on whether there is dropout.
+The mask is the position-keyed one of ``seqpar.parallel.dropout.AttentionMask`` (Python integers: the
+key and the global samples and heads), so a recomputed forward computes the same mask bit for bit,
+and ``regenerate`` computes it again in backward instead of keeping it (the as²b/t byte term goes:
+recompute module ``dropout_mask``). ``fuse``: the element-wise passes between the GEMMs run compiled
+(``seqpar.model.core_passes``: softmax + mask + ``where`` one kernel; mask + softmax backward one
+kernel); else eagerly in place as drawn above. No Python branch depends on tensor values.
 """
 
 from __future__ import annotations
 
 import torch
 
-from seqpar.parallel.rng import keep_mask
+from seqpar.model.core_passes import fused
+from seqpar.parallel.dropout import AttentionMask
 
 
 def causal_bias(s: int, like: torch.Tensor) -> torch.Tensor:
@@ -55,11 +59,12 @@ def _heads_out(x: torch.Tensor, b: int, n: int) -> torch.Tensor:
 
 
 class MaterializedAttention(torch.autograd.Function):
-    """``qkv [s, b, groups, g + 2, d]`` → ``[s, b, groups·g·d]``; ``generator`` None: no dropout;
+    """``qkv [s, b, groups, g + 2, d]`` → ``[s, b, groups·g·d]``; ``mask`` None: no dropout;
     ``bias``: an additive mask ``[b·groups, s, s]`` instead of the causal one (packed documents)."""
 
     @staticmethod
-    def forward(ctx, qkv, scale: float, p: float, generator, bias=None):
+    def forward(ctx, qkv, scale: float, mask: AttentionMask | None, regenerate: bool = False, fuse: bool = False,
+                bias=None):
         s, b, n, g2, d = qkv.shape
         g = g2 - 2
         queries, kt, v = _operands(qkv)
@@ -67,16 +72,19 @@ class MaterializedAttention(torch.autograd.Function):
         bias = causal_bias(s, qkv) if bias is None else bias  # [s, s], or packed documents' [b·groups, s, s]
         for j, q in enumerate(queries):
             torch.baddbmm(bias, q, kt, alpha=scale, out=probs[:, j])  # scale · QKᵀ + mask
-        torch.ops.aten._softmax.out(probs, -1, False, out=probs)  # in place
-        if generator is None:
-            dropped, drop_scale = probs, 1.0
-            ctx.save_for_backward(qkv, probs)
+        drop_scale, keep = 1.0 if mask is None else 1.0 / (1.0 - mask.p), None
+        if mask is None:
+            probs = fused("softmax_only")(probs) if fuse else torch.ops.aten._softmax.out(probs, -1, False, out=probs)
+            dropped = probs
+        elif fuse:
+            probs, keep, dropped = fused("softmax_dropout")(probs, *mask.parts(((0, s),), ((0, s),), qkv.device))
         else:
-            dropped, drop_scale = torch.empty_like(probs), 1.0 / (1.0 - p)  # [b·groups, g, s, s]
-            keep = keep_mask(probs.shape, p, generator, scratch=dropped)  # words drawn into `dropped`
-            torch.where(keep, probs, probs.new_zeros(()), out=dropped)
-            ctx.save_for_backward(qkv, probs, keep, dropped)
-        ctx.scale, ctx.drop_scale = scale, drop_scale
+            torch.ops.aten._softmax.out(probs, -1, False, out=probs)  # in place
+            keep = mask.keep(((0, s),), ((0, s),), qkv.device).view(probs.shape)  # [b, heads, s, s] → like P
+            dropped = torch.where(keep, probs, probs.new_zeros(()))  # [b·groups, g, s, s]
+        kept = (qkv, probs) if mask is None else (qkv, probs, dropped) if regenerate else (qkv, probs, dropped, keep)
+        ctx.save_for_backward(*kept)
+        ctx.scale, ctx.drop_scale, ctx.mask, ctx.fuse = scale, drop_scale, mask, fuse
         out = qkv.new_empty(s, b, n, g, d)  # [s, b, groups, g, d]
         for j in range(g):
             out[:, :, :, j] = _heads_out(_gemm(dropped[:, j], v, drop_scale), b, n)
@@ -84,8 +92,8 @@ class MaterializedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # grad [s, b, groups·g·d]
-        qkv, probs, *mask = ctx.saved_tensors
-        keep, dropped = mask if mask else (None, probs)
+        qkv, probs, *rest = ctx.saved_tensors
+        dropped, keep = (rest + [None, None])[:2] if rest else (probs, None)
         s, b, n, g2, d = qkv.shape
         g = g2 - 2
         queries, kt, v = _operands(qkv)
@@ -98,9 +106,7 @@ class MaterializedAttention(torch.autograd.Function):
                 dv.baddbmm_(dropped[:, j].transpose(1, 2), douts[j], alpha=ctx.drop_scale)
             torch.baddbmm(dprobs.new_empty(()), douts[j], v.transpose(1, 2), beta=0, alpha=ctx.drop_scale,
                           out=dprobs[:, j])
-        if keep is not None:
-            torch.where(keep, dprobs, dprobs.new_zeros(()), out=dprobs)  # in place
-        torch.ops.aten._softmax_backward_data.out(dprobs, probs, -1, probs.dtype, grad_input=dprobs)  # in place
+        dprobs = _scores_grad(ctx, dprobs, probs, keep, s)  # [b·groups, g, s, s]
         dqkv = torch.empty_like(qkv)  # [s, b, groups, g + 2, d]
         k = kt.transpose(1, 2)  # [b·groups, s, d] (view)
         dk = _gemm(dprobs[:, 0].transpose(1, 2), queries[0], ctx.scale)  # [b·groups, s, d]
@@ -110,4 +116,20 @@ class MaterializedAttention(torch.autograd.Function):
             dqkv[:, :, :, j] = _heads_out(_gemm(dprobs[:, j], k, ctx.scale), b, n)
         dqkv[:, :, :, g] = _heads_out(dk, b, n)
         dqkv[:, :, :, g + 1] = _heads_out(dv, b, n)
-        return dqkv, None, None, None, None
+        return dqkv, None, None, None, None, None
+
+
+def _scores_grad(ctx, dprobs, probs, keep, s: int):
+    """dS from dD: the dropout mask (kept, or computed again), then the softmax backward."""
+    mask, device = ctx.mask, probs.device
+    if ctx.fuse:
+        if mask is None:
+            return fused("softmax_backward")(dprobs, probs)
+        if keep is None:
+            return fused("regenerated_backward")(dprobs, probs, *mask.parts(((0, s),), ((0, s),), device))
+        return fused("dropout_softmax_backward")(dprobs, probs, keep)
+    if mask is not None:
+        if keep is None:
+            keep = mask.keep(((0, s),), ((0, s),), device).view(probs.shape)  # regenerated
+        torch.where(keep, dprobs, dprobs.new_zeros(()), out=dprobs)  # in place
+    return torch.ops.aten._softmax_backward_data.out(dprobs, probs, -1, probs.dtype, grad_input=dprobs)  # in place

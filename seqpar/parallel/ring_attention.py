@@ -19,8 +19,9 @@ block's dK/dV along with it, so they reach their owner after cp hops (each hop o
 
 Cores (``CORES``):
   ``materialized``: a block is QK^T → masked softmax → dropout → ·V as explicit GEMMs (any device and
-      dtype). Dropout masks are drawn per block from a generator the caller supplies and drawn again
-      in backward from its seed, so no mask is kept.
+      dtype). A block's dropout mask is its slice of the position-keyed mask the caller describes
+      (``seqpar.parallel.dropout.AttentionMask``: global samples, heads, query and key positions), computed
+      again in backward, so no mask is kept and every cp layout drops what the single process drops.
   ``sdpa``: a block is PyTorch's fused attention kernel with its log-sum-exp (flash attention for CPU;
       memory-efficient attention on CUDA), and its backward kernel given the merged output and
       log-sum-exp. No dropout, as the fused single-process core.
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 
 from seqpar.parallel.context import chunk_positions
 from seqpar.parallel.dims import group_rank, group_size
-from seqpar.parallel.rng import keep_mask
+from seqpar.parallel.dropout import AttentionMask, sequence_ranges
+from seqpar.parallel.rng import slice_ranges
 
 CORES = ("materialized", "sdpa")
 KV_TAG, DKV_TAG = 71, 72  # gloo matches messages by tag; NCCL keeps the order of posting
@@ -97,9 +99,13 @@ def _scores(q, k, scale: float, causal: bool, allowed=None) -> torch.Tensor:
     return scores
 
 
-def _keep(shape, dropout) -> torch.Tensor | None:
-    p, gen = dropout
-    return None if gen is None else keep_mask(shape, p, gen).to(torch.float32).mul_(1.0 / (1.0 - p))
+def _keep(shape, dropout, device) -> torch.Tensor | None:
+    """The block's keep mask × 1/(1 − p) ``[b, kv, g, sq, sk]`` (fp32), None without dropout."""
+    if dropout is None:
+        return None
+    mask, rows, cols = dropout  # the AttentionMask, the block's global query and key positions
+    keep = mask.keep(rows, cols, device).view(shape)  # [b, heads, sq, sk] → [b, kv, g, sq, sk]
+    return keep.to(torch.float32).mul_(1.0 / (1.0 - mask.p))
 
 
 def _materialized_forward(q, k, v, scale, causal, dropout, allowed=None):
@@ -107,7 +113,7 @@ def _materialized_forward(q, k, v, scale, causal, dropout, allowed=None):
     lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, sq]; -inf where a row sees no key of this block
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(scores - finite.unsqueeze(-1))  # [b, kv, g, sq, sk]; rows that see nothing: 0
-    keep = _keep(probs.shape, dropout)
+    keep = _keep(probs.shape, dropout, probs.device)
     if keep is not None:
         probs = probs * keep
     b, n, g, sq, sk = probs.shape
@@ -120,7 +126,7 @@ def _materialized_backward(dout, q, k, v, out, lse, delta, scale, causal, dropou
     probs = torch.exp(_scores(q, k, scale, causal, allowed) - lse.unsqueeze(-1))  # [b, kv, g, sq, sk]
     b, n, g, sq, sk = probs.shape
     d = q.shape[-1]
-    keep = _keep(probs.shape, dropout)
+    keep = _keep(probs.shape, dropout, probs.device)
     do = dout.to(acc).reshape(b, n, g * sq, d)  # [b, kv, g·sq, d]
     dropped = probs if keep is None else probs * keep
     dv = torch.matmul(dropped.view(b, n, g * sq, sk).transpose(-1, -2), do)  # [b, kv, sk, d]
@@ -180,29 +186,28 @@ class RingAttention(torch.autograd.Function):
     """Causal attention over the cp ring: ``q [b, kv, g, s/cp, d]``, ``k, v [b, kv, s/cp, d]`` → like q.
 
     Keeps q, k, v (the inputs, no copy), the output and the log-sum-exp ``[b, kv, g, s/cp]``
-    (fp32, or the input dtype when wider) for backward; dropout seeds are Python integers. The
+    (fp32, or the input dtype when wider) for backward; the dropout mask is Python integers. The
     output's storage is sequence-first ``[s/cp, b, kv, g, d]``: a caller's ``[s/cp, b, heads·d]``
     view of it (the next linear layer's saved input) is the same storage as the kept output."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, core: str, dropout_p: float, draw, masks=None):
+    def forward(ctx, q, k, v, group, scale: float, core: str, dropout: AttentionMask | None, masks=None):
         cp, rank, s = group_size(group), group_rank(group), q.shape[3]
         b, n, g, _, d = q.shape
         out = torch.empty((s, b, n, g, d), dtype=_acc(q.dtype), device=q.device)  # sequence-first storage
         out = out.permute(1, 2, 3, 0, 4)  # [b, kv, g, s/cp, d] (view)
         lse = torch.empty(q.shape[:-1], dtype=_acc(q.dtype), device=q.device)  # [b, kv, g, s/cp]
-        seeds, kv = [], [k, v]
+        kv = [k, v]
         for step in range(cp):
             pending = exchange(kv, group, KV_TAG) if step + 1 < cp else None
             rows, cols, causal = block(step, rank, cp, s)
-            gen = draw(q.device) if dropout_p > 0 else None
-            seeds.append(None if gen is None else gen.initial_seed())
+            block_mask = _block_mask(dropout, step, rank, cp, s, rows, cols)
             if masks is None:
                 o, m = _FORWARD[core](q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal,
-                                      (dropout_p, gen))
+                                      block_mask)
             else:  # packed documents: explicit GEMMs for both cores (the fused CPU kernel takes no mask)
                 o, m = _materialized_forward(q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal,
-                                             (dropout_p, gen), masks(step, rows, cols))
+                                             block_mask, masks(step, rows, cols))
             if step == 0:
                 out.copy_(o)
                 lse.copy_(m)
@@ -212,7 +217,7 @@ class RingAttention(torch.autograd.Function):
                 kv = pending.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.core, ctx.dropout_p, ctx.seeds = group, scale, core, dropout_p, seeds
+        ctx.group, ctx.scale, ctx.core, ctx.dropout = group, scale, core, dropout
         ctx.masks = masks
         return out
 
@@ -227,10 +232,9 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp):
             pending = exchange(kv, group, KV_TAG) if step + 1 < cp else None
             rows, cols, causal = block(step, rank, cp, s)
-            seed = ctx.seeds[step]
-            gen = None if seed is None else torch.Generator(device=q.device).manual_seed(seed)
             args = (dout[:, :, :, rows], q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, :, rows],
-                    lse[:, :, :, rows], delta[:, :, :, rows], ctx.scale, causal, (ctx.dropout_p, gen))
+                    lse[:, :, :, rows], delta[:, :, :, rows], ctx.scale, causal,
+                    _block_mask(ctx.dropout, step, rank, cp, s, rows, cols))
             if ctx.masks is None:
                 dq_b, dk_b, dv_b = _BACKWARD[core](*args)
             else:
@@ -246,7 +250,16 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending.wait()
         dk, dv = travelling.wait() if cp > 1 else dkv  # my block, home after cp hops
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _block_mask(mask: AttentionMask | None, step: int, rank: int, cp: int, s: int, rows: slice, cols: slice):
+    """(mask, global query positions, global key positions) of one ring step's block, or None."""
+    if mask is None:
+        return None
+    source = (rank - step) % cp  # the rank whose K/V block this step holds
+    mine, theirs = sequence_ranges(s, cp, rank), sequence_ranges(s, cp, source)
+    return (mask, slice_ranges(mine, *rows.indices(s)[:2]), slice_ranges(theirs, *cols.indices(s)[:2]))
 
 
 def _merge(out, lse, o, m) -> None:
@@ -273,29 +286,27 @@ class DocumentBlocks:
 
 
 def ring_attention_grouped(q, k, v, group, *, scale: float | None = None, core: str = "materialized",
-                           dropout_p: float = 0.0, draw=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                           dropout: AttentionMask | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Ring attention of grouped queries ``[b, kv, g, s/cp, d]`` with ``k, v [b, kv, s/cp, d]``.
 
-    ``group`` is the cp group (``None``: cp = 1, plain causal attention); ``draw(device)`` returns a
-    freshly seeded ``torch.Generator`` for each block's dropout mask (needed when ``dropout_p`` > 0);
+    ``group`` is the cp group (``None``: cp = 1, plain causal attention); ``dropout``: the attention
+    probabilities' mask over this rank's heads (``seqpar.parallel.dropout.attention_mask``), None: none;
     ``documents`` ``[b, s]`` (packed documents: each token's document over the whole sequence): a
     query sees only its own document's keys (``DocumentBlocks``), a block row that sees none adds nothing."""
     if core not in CORES:
         raise ValueError(f"ring attention core {core!r} is not one of {CORES}")
-    if core == "sdpa" and dropout_p > 0:
-        raise ValueError(f"the fused (sdpa) ring core takes attention dropout 0, got {dropout_p}")
+    if core == "sdpa" and dropout is not None:
+        raise ValueError(f"the fused (sdpa) ring core takes attention dropout 0, got {dropout.p}")
     if core == "sdpa" and q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"the fused (sdpa) ring core runs on cpu and cuda, not {q.device.type}; "
                          f"use the materialized core")
-    if dropout_p > 0 and draw is None:
-        raise ValueError("ring attention with dropout needs draw(device) -> torch.Generator")
     if group_size(group) > 1 and q.shape[3] % 2:
         raise ValueError(f"local sequence {q.shape[3]} is not two equal chunks")
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[2:] != q.shape[3:]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit grouped q {tuple(q.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     masks = None if documents is None else DocumentBlocks(documents, group)
-    return RingAttention.apply(q, k, v, group, scale, core, dropout_p, draw, masks)
+    return RingAttention.apply(q, k, v, group, scale, core, dropout, masks)
 
 
 def ring_attention(q, k, v, group, **kwargs) -> torch.Tensor:

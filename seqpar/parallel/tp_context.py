@@ -1,8 +1,9 @@
 """The tensor-parallel context every parallel module is built with (Sec. 4.2).
 
-One small frozen value: the TP group, whether sequence parallelism is on, and the dropout RNG
-tracker. It is normalised once, here: sequence parallelism over a group of one rank is plain
-tensor parallelism (there is no sequence to split), so modules read ``sequence_parallel`` as is.
+One small frozen value: the TP group, whether sequence parallelism is on, and the dropout
+tracker (seed, step, microbatch in flight: ``seqpar.parallel.rng``). It is normalised once, here:
+sequence parallelism over a group of one rank is plain tensor parallelism (there is no sequence to
+split), so modules read ``sequence_parallel`` as is.
 """
 
 from __future__ import annotations
@@ -21,7 +22,3 @@ class TPContext(GroupContext):  # group: the tensor-parallel process group; None
     def __post_init__(self):
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)
 
-    @property
-    def stream(self) -> str:
-        """The dropout stream of the residual regions: sharded under SP, else replicated on every rank."""
-        return "sharded" if self.sequence_parallel else "replicated"

@@ -37,8 +37,8 @@ def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
     for c, ids in enumerate(layers):
         first = dims.pp_rank == 0 and c == 0
         last = dims.pp_rank == p - 1 and c == m - 1
-        # every virtual stage (pp rank + c·p) has its own dropout streams, or two chunks would draw alike
+        # dropout masks are keyed by global layer ids (seqpar.parallel.dropout): no per-stage seeds
         chunks.append(build_model(cfg, dims, sequence_parallel=parallel.sp, seed=seed, layer_ids=ids, first=first,
-                                  last=last, device=device, stage=dims.pp_rank + c * p, tied=tied,
+                                  last=last, device=device, tied=tied,
                                   recompute=recompute))
     return chunks

@@ -43,6 +43,7 @@ class StepRunner:
         tokens, labels, *docs = self.microbatches[mb]  # docs: packed documents (seqpar.documents), if any
         docs = docs[0] if docs else None
         x = tokens.to(self._device(chunk)) if chunk.first else input_tensor
+        chunk.tracker.microbatch(mb, tokens.shape[0])  # dropout: the global samples of this microbatch
         keep = self.keep.start(chunk_id, mb) if self.keep is not None else contextlib.nullcontext()
         record = self.meter.forward() if self.meter is not None else contextlib.nullcontext()
         if getattr(chunk, "aux", None) is not None:  # MoE load-balancing losses weigh as the microbatch loss

@@ -179,7 +179,7 @@ def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, 
     allocator -- ``memory_allocated`` around the forward, ``max_memory_allocated`` over forward and
     backward -- as ``seqpar.measure.saved.measure_layer`` builds it (collective over ``group``)."""
     t = group_size(group)
-    tp = TPContext(group, sp, RNGTracker(seed, group_rank(group)))
+    tp = TPContext(group, sp, RNGTracker(seed))
     sp, tracker = tp.sequence_parallel, tp.tracker
     layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device)
     init_parameters(layer, seed, group_rank(group), t)

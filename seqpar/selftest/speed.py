@@ -66,7 +66,7 @@ def table4(ctx) -> tuple[bool, dict, str]:
     gen = torch.Generator(device=device).manual_seed(ctx.dims.tp_rank)
     runs = {}
     for name, sp, rc in rows:
-        tp = TPContext(group, sp, RNGTracker(0, ctx.dims.tp_rank))
+        tp = TPContext(group, sp, RNGTracker(0))
         tracker = tp.tracker
         layer = TransformerLayer(cfg, tp, RecomputePlan(RecomputeConfig(rc), tracker), device=device).train()
         init_parameters(layer, 0, ctx.dims.tp_rank, t)

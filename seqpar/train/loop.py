@@ -1,6 +1,6 @@
 """The training loop: config → validate → data → process groups → model → recompute → schedule.
 
-One step: reseed dropout from (seed, step) → this dp rank's microbatches → the pipeline's
+One step: dropout keyed by (seed, step, dp rank's first sample) → this dp rank's microbatches → the pipeline's
 ``forward_backward`` → ``finalize_grads`` (SP, tied-embedding and dp reductions) → global grad norm
 → non-finite policy → clipped AdamW on fp32 masters. Rank 0 logs, every rank saves its part of the
 checkpoint.
@@ -24,7 +24,6 @@ from seqpar.model.compile import compile_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
-from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import run_tokenizer
@@ -37,6 +36,8 @@ from seqpar.train.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
+
+DROPOUT_MASKS = "position-keyed-1"  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
 
 
 class NonFiniteError(RuntimeError):
@@ -62,10 +63,11 @@ class TrainState:
     val_loss: float = float("nan")
 
 
-def reseed_dropout(chunks: list, seed: int, step: int) -> None:
-    """Dropout masks as a pure function of (the tracker's seeds, chunk, step): exact resumes."""
-    for i, chunk in enumerate(chunks):
-        chunk.tracker.reseed(step_key(seed, step, i))
+def reseed_dropout(chunks: list, step: int, first_sample: int) -> None:
+    """Dropout masks as a pure function of (seed, step, layer, global sample, position): exact resumes
+    under any layout. ``first_sample``: the global index of this dp rank's first sample of the step."""
+    for chunk in chunks:
+        chunk.tracker.start_step(step, first_sample)
 
 
 class Trainer:
@@ -127,11 +129,15 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.state.step}"
                  f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
                  f" dp {meta['config']['parallel']['dp']})")
+        m = self.job.model
+        if meta.get("dropout_masks") != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
+            self.log("note: the checkpoint predates position-keyed dropout (seqpar/parallel/rng.py): it loads, but "
+                     "the steps after it drop other elements than the run that wrote it would have")
 
     def save(self) -> str:
         tensors = self.opt.checkpoint_views()
         meta = {"step": self.state.step, "optimizer_steps": self.opt.updates, "skipped": self.state.skipped,
-                "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True,
+                "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True, "dropout_masks": DROPOUT_MASKS,
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
@@ -186,7 +192,7 @@ class Trainer:
         """One optimizer step; returns (loss, grad norm, outcome): ``applied``, ``overflow`` (fp16: the
         scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``."""
         t, dims, opt = self.job.train, self.dims, self.opt
-        reseed_dropout(self.chunks, t.seed, step)
+        reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad(len(mbs))
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,

@@ -43,7 +43,7 @@ def test_llama_flops_and_finer_modules():
 
 def test_predicted_bytes_follow_the_architecture():
     cpu = torch.device("cpu")
-    gpt = predicted_activation_bytes(_job(), 1, cpu)
+    gpt = predicted_activation_bytes(_job(), [0], cpu)
     fused = predicted_activation_bytes(_job(replace(GPT, attention="sdpa", attn_dropout=0.0, hidden_dropout=0.0,
-                                                    embd_dropout=0.0)), 1, cpu)
+                                                    embd_dropout=0.0)), [0], cpu)
     assert fused < gpt  # no s² terms, no masks

@@ -46,15 +46,20 @@ class StageMemory:
 
 
 def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
-                rc: RecomputeConfig, routing: Routing | None = None) -> dict[str, float]:
+                rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None) -> dict[str, float]:
     """Table 2 bytes of one layer of this model on one tp rank under ``rc`` (its finer modules included),
-    per stored tensor (``memory.layer_activation_terms``); an MoE model's layer (``moe_every`` 1) keeps the
-    MoE terms instead of the MLP's (``seqpar.analysis.moe``), for ``routing`` (default: balanced)."""
+    per stored tensor (``memory.layer_activation_terms``); an MoE layer keeps the MoE terms instead of the
+    MLP's (``seqpar.analysis.moe``), for ``routing`` (default: balanced). ``moe``: whether the layer is an
+    MoE layer; None: the model's only kind of layer (a model with MoE every k > 1 layers has two kinds,
+    so it must be named)."""
     terms = _dense_layer_terms(shape, par, b, opts, rc)
-    if not shape.experts or rc.granularity == "full":
+    if moe is None:
+        if shape.experts and shape.moe_every != 1:
+            raise AnalysisError(f"the model has dense and MoE layers (moe_every {shape.moe_every}): "
+                                "say which kind of layer")
+        moe = shape.experts > 0
+    if not moe or rc.granularity == "full":
         return terms
-    if shape.moe_every != 1:
-        raise AnalysisError(f"the per-layer formula takes every layer MoE or none (moe_every {shape.moe_every})")
     for name in ("swiglu_input", "gelu_input", "fc2_input"):  # the dense MLP's, replaced by the experts
         terms.pop(name, None)
     tokens = shape.seq_len // par.cp * b // (par.tp if par.sp else 1)
@@ -72,9 +77,34 @@ def _dense_layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Ac
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
-                rc: RecomputeConfig, routing: Routing | None = None) -> float:
+                rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None) -> float:
     """Sum of ``layer_terms``."""
-    return sum(layer_terms(shape, par, b, opts, rc, routing).values())
+    return sum(layer_terms(shape, par, b, opts, rc, routing, moe).values())
+
+
+def mixed_layers(shape: ModelConfig) -> bool:
+    """Whether the model has two kinds of layer (MoE every k > 1 layers, dense MLPs between)."""
+    return shape.experts > 0 and shape.moe_every != 1
+
+
+def layers_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions, rc: RecomputeConfig,
+                 layers: list[int]) -> float:
+    """``layer_bytes`` summed over the global ``layers`` (each MoE or dense as the model makes it)."""
+    if not mixed_layers(shape):
+        return len(layers) * layer_bytes(shape, par, b, opts, rc) if layers else 0.0
+    moe = sum(shape.is_moe(i) for i in layers)
+    dense = len(layers) - moe
+    return ((moe * layer_bytes(shape, par, b, opts, rc, moe=True) if moe else 0.0)
+            + (dense * layer_bytes(shape, par, b, opts, rc, moe=False) if dense else 0.0))
+
+
+def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[list[int]]:
+    """The global layers of each chunk of pipeline rank ``rank``, in order (``seqpar.pipeline.split``'s rule:
+    virtual stage c·p + r is chunk c of rank r)."""
+    sizes = par.layer_counts(shape.num_layers)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    stages = [c * par.pp + rank for c in range(par.interleave)]
+    return [list(range(starts[v], starts[v] + sizes[v])) for v in stages]
 
 
 def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
@@ -99,30 +129,56 @@ def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
 def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                 opts: ActivationOptions, rank: int = 0) -> float:
     """Bytes one chunk-microbatch of pipeline rank ``rank`` (L/(pm) layers, or its uneven share) keeps
-    under ``rc``'s granularity (Sec. 5)."""
+    under ``rc``'s granularity (Sec. 5). A model with MoE every k > 1 layers: counted over each chunk's own
+    layers; refused where the rank's chunks would keep different bytes (the peak would depend on which
+    chunks are in flight)."""
     n_layers = rank_layers(shape, par, rank)
     if n_layers == 0:
         return 0.0
+    if mixed_layers(shape):
+        per_chunk = {_chunk_bytes(shape, par, rc, b, opts, ids) for ids in chunk_layer_ids(shape, par, rank)}
+        if len(per_chunk) > 1:
+            raise AnalysisError(f"pipeline rank {rank}'s {par.interleave} chunks hold different numbers of MoE "
+                                f"layers (one every {shape.moe_every}), so they keep different bytes: the stage "
+                                "formula takes chunks alike (choose layers, interleave or moe_every so each "
+                                "chunk holds as many MoE layers)")
+        return per_chunk.pop()
+    return _chunk_bytes(shape, par, rc, b, opts, list(range(n_layers)))
+
+
+def _chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                 opts: ActivationOptions, layers: list[int]) -> float:
     if rc.granularity in ("none", "selective"):
-        return n_layers * layer_bytes(shape, par, b, opts, rc)
-    checkpoint = layer_bytes(shape, par, b, opts, FULL)  # one layer input
+        return layers_bytes(shape, par, b, opts, rc, layers)
+    checkpoint = layer_bytes(shape, par, b, opts, FULL, moe=False)  # one layer input (either kind)
     if rc.method == "uniform":  # each group of N layers keeps its input
-        return math.ceil(n_layers / rc.num_layers) * checkpoint
-    kept = n_layers - rc.num_layers  # block: the first N layers checkpointed, the rest keep all
-    return rc.num_layers * checkpoint + kept * layer_bytes(shape, par, b, opts, NONE)
+        return math.ceil(len(layers) / rc.num_layers) * checkpoint
+    # block: the first N layers checkpointed, the rest keep all
+    return rc.num_layers * checkpoint + layers_bytes(shape, par, b, opts, NONE, layers[rc.num_layers:])
 
 
 def recompute_working_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                             opts: ActivationOptions, rank: int = 0) -> float:
-    """Transient bytes recomputation rebuilds in backward for one chunk-microbatch at a time."""
-    if rank_layers(shape, par, rank) == 0:
+    """Transient bytes recomputation rebuilds in backward for one chunk-microbatch at a time: the largest
+    of what one recomputed layer (selective), group of N layers (full uniform) or layer of the first N
+    (full block) rebuilds."""
+    n_layers = rank_layers(shape, par, rank)
+    if n_layers == 0 or rc.granularity == "none":
         return 0.0
-    full_layer = layer_bytes(shape, par, b, opts, NONE)
-    if rc.granularity == "selective":
-        return full_layer - layer_bytes(shape, par, b, opts, rc)
-    if rc.granularity == "full":
+    if not mixed_layers(shape):  # one kind of layer: every layer and group alike
+        full_layer = layer_bytes(shape, par, b, opts, NONE)
+        if rc.granularity == "selective":
+            return full_layer - layer_bytes(shape, par, b, opts, rc)
         return (rc.num_layers if rc.method == "uniform" else 1) * full_layer
-    return 0.0
+    chunks = chunk_layer_ids(shape, par, rank)
+    if rc.granularity == "selective":
+        return max(layers_bytes(shape, par, b, opts, NONE, [i]) - layers_bytes(shape, par, b, opts, rc, [i])
+                   for ids in chunks for i in ids)
+    n = rc.num_layers
+    if rc.method == "uniform":  # seqpar.recompute's groups: N layers from each chunk's start, rebuilt at once
+        return max(layers_bytes(shape, par, b, opts, NONE, ids[k:k + n]) for ids in chunks
+                   for k in range(0, len(ids), n))
+    return max(layers_bytes(shape, par, b, opts, NONE, [i]) for ids in chunks for i in ids[:n])
 
 
 def sec43_extra_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,

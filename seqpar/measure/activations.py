@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from seqpar.analysis.shapes import activation_options
-from seqpar.analysis.stage import layer_bytes
+from seqpar.analysis.stage import layers_bytes
 from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
@@ -19,20 +19,22 @@ from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes
 from seqpar.parallel.comm import all_reduce
 
 
-def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
-    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for ``layers`` layers of one microbatch."""
+def predicted_activation_bytes(job, layers: list[int], device: torch.device) -> float | None:
+    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for the global ``layers`` of one
+    microbatch (each MoE or dense as the model makes it); None where the formula has no closed form."""
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
         opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False)
-        return layer_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute) * layers
-    except ConfigError:  # e.g. attention dropout on, hidden dropout off, MoE every k > 1 layers: no closed form
-        return float("nan")
+        return layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute,
+                            list(layers))
+    except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
+        return None
 
 
 def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
     """``act_bytes_predicted`` for the model's layers and, with one pipeline stage, ``act_bytes_measured``:
     what one validation microbatch's forward keeps in the layers; then ``stage_peaks`` (collective)."""
-    layers = sum(len(c.layers) for c in chunks)
+    layers = [i for c in chunks for i in c.layer_ids]
     out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]

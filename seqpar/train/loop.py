@@ -179,8 +179,10 @@ class Trainer:
             lines.append(f"  compiled attention cores and MLPs: first forward + backward {info['compile_s']:.1f} s "
                          "(compile time, not counted in step times)")
         if "act_bytes_measured" in info:
+            predicted = info["act_bytes_predicted"]
+            formula = "none for this model" if predicted is None else f"{predicted:,.0f} B"
             lines.append(f"  activations kept by the layers for one microbatch on this rank: measured "
-                         f"{info['act_bytes_measured']:,} B, formula {info['act_bytes_predicted']:,.0f} B")
+                         f"{info['act_bytes_measured']:,} B, formula {formula}")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ steps

@@ -167,10 +167,10 @@ def evaluate(req: Request, plan: Plan, every_rank: bool = False) -> Evaluation:
     ev = Evaluation(plan=plan, usable_bytes=req.hw.usable_bytes)
     try:
         check_plan(req, plan)
+        ev.stages = stages_of(req, plan, every_rank)  # refuses chunks that differ in MoE layers
     except AnalysisError as err:
         ev.error = str(err)
         return ev
-    ev.stages = stages_of(req, plan, every_rank)
     ev.fits = ev.memory_bytes <= req.hw.usable_bytes
     ev.time = iteration_time(req.shape, plan.par, plan.rc, plan.micro_batch, req.global_batch, req.hw,
                              _opt(req, plan), req.opts)

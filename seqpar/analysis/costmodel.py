@@ -237,7 +237,7 @@ def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     includes what the recompute runs again."""
     p = layer_pass_s(shape, par, b, hw, opts or ActivationOptions())
     fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
-    if rc.granularity == "selective":
+    if rc.granularity == "selective" and not (opts and opts.fused_attention):  # a fused core: never checkpointed
         bwd += sum(p["attention_core"].values())
     elif rc.granularity == "full":
         bwd += fwd
@@ -299,8 +299,8 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
-    if rc.granularity == "selective":
-        redo = layers * sum(p["attention_core"].values())
+    if rc.granularity == "selective":  # a fused core is never checkpointed (memory.rebuilt)
+        redo = 0.0 if opts.fused_attention else layers * sum(p["attention_core"].values())
     elif rc.granularity == "full":
         share = 1.0 if rc.method == "uniform" else rc.num_layers / layers_per_chunk(shape, par)
         redo = layers * share * sum(p["forward"].values())

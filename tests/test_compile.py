@@ -1,8 +1,11 @@
-"""``train.compile``: the compiled regions (``seqpar.model.compile``) compute what eager does.
+"""``train.compile``: the compiled regions (``seqpar.model.compile``, by default each layer one fused region)
+compute what eager does.
 
 One tiny fp32 shape for every test, so each region compiles once per process (dynamo's cache is
 per code object and shape): compiled vs eager loss and gradients within 1e-5 at dropout 0 for every
-recompute mode (tp 1 here, tp 2 + SP on gloo ranks); with dropout, selective and full recompute
+recompute mode (tp 1 here, tp 2 + SP on gloo ranks) on a Llama-style layer (RMSNorm, rotary, SwiGLU,
+grouped-query fused attention, with biases to fuse too); with dropout (the paper's GPT: LayerNorm, GeLU,
+the materialized core), selective and full recompute
 under compile give bit-identical loss and gradients to no recompute under compile (the masks are
 drawn eagerly and redrawn from the restored RNG state); bytes kept for backward equal eager's;
 the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
@@ -21,8 +24,9 @@ from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_sta
 from seqpar.testing import parity_batch
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, embd_dropout=0.0,
-                  attn_dropout=0.0, hidden_dropout=0.0, dtype="fp32")
-DROPOUT = ModelConfig(**{**CFG.__dict__, "embd_dropout": 0.1, "attn_dropout": 0.1, "hidden_dropout": 0.1})
+                  attn_dropout=0.0, hidden_dropout=0.0, dtype="fp32", norm="rmsnorm", activation="swiglu",
+                  position="rope", kv_heads=2)  # attention "auto": the fused core
+DROPOUT = ModelConfig(vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, dtype="fp32")
 RECOMPUTES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 2)]
 
 
@@ -52,11 +56,14 @@ def eager_and_compiled():
     return runs, dropout
 
 
-def test_compiled_regions_are_the_cores_mlps_and_loss_head(eager_and_compiled):
+def test_compiled_regions_are_the_layers_and_loss_head(eager_and_compiled):
     runs, _ = eager_and_compiled
-    names = runs["none"][1][2]
-    assert names == ["layers.0.attention.core", "layers.0.mlp", "layers.1.attention.core", "layers.1.mlp",
-                     "loss_head"]
+    assert runs["none"][1][2] == ["layers.0", "layers.1", "loss_head"]  # the fused layer: nothing inside twice
+    from seqpar.model.compile import PER_MODULE, compiled_regions
+
+    model = build_model(CFG)
+    assert compiled_regions(model, PER_MODULE) == ["layers.0.attention.core", "layers.0.mlp",
+                                                   "layers.1.attention.core", "layers.1.mlp", "loss_head"]
 
 
 @pytest.mark.parametrize("granularity", [rc.granularity for rc in RECOMPUTES])
@@ -173,8 +180,8 @@ def test_compiled_loss_head_equals_eager_at_tp2(tp2):
 
 
 def test_seqpar_train_compile_runs_and_reports_compile_time(tmp_path):
-    """``seqpar train --compile``: the flag reaches ``train.compile``; 3 steps train as eager's do (same
-    masks), and the start record says the compile time once."""
+    """``seqpar train --compile`` / ``--no-compile``: the flag reaches ``train.compile`` (unset: CUDA only); 3 steps
+    train as eager's do (same masks), and the start record says the compile time once."""
     import argparse
     import json
 
@@ -191,7 +198,7 @@ def test_seqpar_train_compile_runs_and_reports_compile_time(tmp_path):
     losses = {}
     for compiled in (False, True):
         out = tmp_path / str(compiled)
-        args = p.parse_args([*flags, "--out", str(out), *(["--compile"] if compiled else [])])
+        args = p.parse_args([*flags, "--out", str(out), "--compile" if compiled else "--no-compile"])
         job = job_from_args(args, 1)
         assert job.train.compile is compiled
         losses[compiled] = train(job, quiet=True)["losses"]

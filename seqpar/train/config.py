@@ -38,7 +38,8 @@ class TrainConfig:
     distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over dp (seqpar/train/dist_optim.py)
     overlap_grad_reduce: bool = False  # reduce gradient buckets during the backward (seqpar/parallel/grad_buffer.py)
     grad_bucket_mb: float = 25.0  # MiB of fp32 gradients per bucket (those two options)
-    compile: bool = False  # torch.compile the attention cores and MLPs (seqpar/model/compile.py; docs/training.md)
+    # torch.compile each layer as one fused region (seqpar/model/compile.py; docs/training.md); None: CUDA only
+    compile: bool | None = None
     micro_batch: int = 8  # sequences per microbatch per data-parallel rank
     global_batch: int = 16  # sequences per optimizer step over all data-parallel ranks
     eval_every: int = 100  # 0: only at the end

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.measure.activations import measure_activations
-from seqpar.model.compile import compile_model
+from seqpar.model.compile import compile_model, default_compile
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import default_device, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
@@ -85,9 +85,10 @@ class Trainer:
         self.quiet = quiet or not self.rank0
         self._forward_backward, self._finalize = forward_backward, finalize_grads  # tests wrap them
         self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
-        if t.compile:
+        self.compiled = default_compile(self.device) if t.compile is None else t.compile
+        if self.compiled:
             for chunk in self.chunks:
-                compile_model(chunk)  # seqpar/model/compile.py: cores and MLPs compiled, dropout eager
+                compile_model(chunk)  # seqpar/model/compile.py: each layer one fused region, drawing dropouts eager
         self.opt = build_optimizer(self.chunks, t, self.dims)
         self.state = TrainState()
         if self.resume_path is not None:
@@ -142,7 +143,7 @@ class Trainer:
                          + (f" (formula {info['optimizer_bytes_predicted']:,.0f} B)"
                             if "optimizer_bytes_predicted" in info else ""))
         if "compile_s" in info:
-            lines.append(f"  compiled attention cores and MLPs: first forward + backward {info['compile_s']:.1f} s "
+            lines.append(f"  compiled layers (fused) and loss head: first forward + backward {info['compile_s']:.1f} s "
                          "(compile time, not counted in step times)")
         if "act_bytes_measured" in info:
             lines.append(f"  activations kept by the layers for one microbatch on this rank: measured "
@@ -265,7 +266,7 @@ class Trainer:
         t = self.job.train
         metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
         end = t.stop_at or t.steps
-        compile_s = self._warm_up() if t.compile else None
+        compile_s = self._warm_up() if self.compiled else None
         activations = measure_activations(self.job, self.chunks, self.data, self.dims, self.device)
         rank_activations = activations.pop("rank", {})  # this rank's own peak (the start record's ``ranks``)
         ranks = gather_ranks(rank_entry(self.job, self.opt, self.dims, rank_activations))

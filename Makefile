@@ -4,7 +4,7 @@
 # Both install the extras the tests and the demo use (plots, progress bar, Hugging Face interop):
 # every test runs, none is skipped for a missing package. The demo adds TensorBoard.
 # TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine use e.g.
-#   make test TORCH_SPEC='torch>=2.4'
+#   make test TORCH_SPEC='torch>=2.13,<2.15'
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0

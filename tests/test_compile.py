@@ -5,9 +5,9 @@ One tiny fp32 shape for every test, so each region compiles once per process (dy
 per code object and shape): compiled vs eager loss and gradients within 1e-5 at dropout 0 for every
 recompute mode (tp 1 here, tp 2 + SP on gloo ranks) on a Llama-style layer (RMSNorm, rotary, SwiGLU,
 grouped-query fused attention, with biases to fuse too); with dropout (the paper's GPT: LayerNorm, GeLU,
-the materialized core), selective and full recompute
-under compile give bit-identical loss and gradients to no recompute under compile (the masks are
-drawn eagerly and redrawn from the restored RNG state); bytes kept for backward equal eager's;
+the materialized core), selective and full recompute under compile give the bit-identical loss of no
+recompute under compile, and its gradients within fp32 rounding (the masks are drawn eagerly and redrawn
+from the restored RNG state; a checkpoint splits the fused layer's graph differently); bytes kept for backward equal eager's;
 the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
 ``seqpar train --compile`` trains.
 """
@@ -74,12 +74,14 @@ def test_compiled_equals_eager_at_dropout_0(eager_and_compiled, granularity):
 
 
 @pytest.mark.parametrize("granularity", ["selective", "full"])
-def test_recompute_under_compile_is_bit_identical_with_dropout(eager_and_compiled, granularity):
+def test_recompute_under_compile_redraws_the_masks(eager_and_compiled, granularity):
     dropout = eager_and_compiled[1]
     base_loss, base_grads, _ = dropout["none"]
     loss, grads, _ = dropout[granularity]
-    assert torch.equal(loss, base_loss)
-    assert all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
+    assert torch.equal(loss, base_loss)  # the same masks, redrawn from the restored RNG state
+    # the fused layer's graphs differ where a checkpoint breaks them (other fusions, other rounding): gradients
+    # within fp32 rounding (a redrawn mask that differed would move them by ~1e-2)
+    assert _max_diff(grads, base_grads) <= 1e-6
     # the masks act: dropout changes the loss
     assert not torch.equal(base_loss, eager_and_compiled[0]["none"][1][0])
 

@@ -7,8 +7,8 @@ recompute mode (tp 1 here, tp 2 + SP on gloo ranks) on a Llama-style layer (RMSN
 grouped-query fused attention, with biases to fuse too); with dropout (the paper's GPT: LayerNorm, GeLU,
 the materialized core), selective and full recompute under compile give the bit-identical loss of no
 recompute under compile, and its gradients within fp32 rounding (the masks are drawn eagerly and redrawn
-from the restored RNG state; a checkpoint splits the fused layer's graph differently); bytes kept for backward equal eager's;
-the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
+from the restored RNG state; a checkpoint splits the fused layer's graph differently); bytes kept for
+backward equal eager's; the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
 ``seqpar train --compile`` trains.
 """
 

@@ -54,3 +54,18 @@ def test_kept_is_exact_and_transient_is_one_chunk(dtype):
     assert m.transient_measured < m.unbounded_copy / 8
     whole = measure_loss_head(128, 2, 1000, vocab=997, dtype=dtype, chunk_bytes=2**30)  # one chunk: all rows
     assert whole.chunk_bytes == whole.unbounded_copy <= whole.transient_measured <= whole.working_term
+
+
+def test_seqpar_memory_measures_the_loss_head(capsys):
+    """``seqpar memory --measure``: the cross entropy's kept bytes equal its term; its transient is within its
+    term and (chunk 16 KiB) below the fp32 copy of the logits."""
+    import json
+
+    from seqpar.cli import main
+
+    assert main(["memory", "--measure", "--arch", "llama", "--hidden", "64", "--heads", "4", "--seq", "64",
+                 "--vocab", "512", "--loss-chunk-kib", "16", "--json"]) == 0
+    head = json.loads(capsys.readouterr().out)["loss_head"]
+    assert head["kept_measured"] == head["kept_term"]
+    assert head["chunk_bytes"] == 16 * 1024 <= head["transient_measured"] <= head["working_term"]
+    assert head["transient_measured"] < head["unbounded_copy"]

@@ -42,7 +42,8 @@ TRANSIENT = "recompute_working"
 def _plan_stages(job, settings: dict, ln_stats_bytes: int = 0) -> list[dict]:
     """The plan's per-pipeline-rank terms from the analysis API (optionally with the LayerNorm statistics)."""
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
-    opts = ActivationOptions(act_bytes=settings["activation_bytes"], dropout=settings["dropout"] > 0,
+    opts = ActivationOptions(act_bytes=settings["activation_bytes"], logits_bytes=settings["activation_bytes"],
+                             bounded_loss=True, dropout=settings["dropout"] > 0,
                              fused_attention=settings["fused_attention"], ln_stats_bytes=ln_stats_bytes)
     opt = OptimizerOptions.for_precision(m.dtype, distributed=t.distributed_optimizer)
     return [stage_memory(m, p, r, t.micro_batch, t.microbatches(p.dp), opts, opt, rank).terms for rank in range(p.pp)]

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="the six Table 2 rows for this t")
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--loss-chunk-kib", type=int, default=None,
+                   help="with --measure: the cross entropy's chunk in KiB of fp32 rows (default: the runtime's, "
+                        "32768)")
     add_model_arguments(p)
     add_schedule_arguments(p)
 
@@ -125,16 +128,21 @@ def run(args) -> int:
     cfg = model_from_args(args)
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp)
-    head = None
+    loss = None
     if args.measure:
         from seqpar.dtypes import torch_dtype
         from seqpar.measure.loss_head import measure_loss_head
 
         measure_rows(cfg, args.micro_batch, rows)
-        head = measure_loss_head(cfg.seq_len // args.cp, args.micro_batch, cfg.vocab_per_rank(args.tp),
-                                 dtype=torch_dtype(cfg.dtype))
+        from seqpar.parallel.cross_entropy import CHUNK_BYTES
+
+        chunk = CHUNK_BYTES if args.loss_chunk_kib is None else 1024 * args.loss_chunk_kib
+        if chunk < 1:
+            raise ConfigError(f"--loss-chunk-kib must be a positive integer, got {args.loss_chunk_kib}")
+        loss = measure_loss_head(cfg.seq_len // args.cp, args.micro_batch, cfg.vocab_per_rank(args.tp),
+                                 dtype=torch_dtype(cfg.dtype), chunk_bytes=chunk)
     if args.json:
-        print(json.dumps({"rows": [r.as_json() for r in rows]} | ({"loss_head": head.as_json()} if head else {})))
+        print(json.dumps({"rows": [r.as_json() for r in rows]} | ({"loss_head": loss.as_json()} if loss else {})))
         return 0
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     core = cfg.attention_core + (" (auto)" if cfg.attention == "auto" else "")
@@ -164,13 +172,13 @@ def run(args) -> int:
                                        ", and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t)."))
     if cfg.fused_attention:
         print(fused_core_note(args.micro_batch))
-    if head is not None:
-        print(f"cross entropy (bounded, one rank's [{head.tokens}, {head.columns}] logits): kept "
-              f"{_human(head.kept_measured)}"
-              f" measured, {_human(head.kept_term)} exact; transient beyond the logits and their gradient "
-              f"{_human(head.transient_measured)} measured, at most {_human(head.working_term)} by its term (one "
-              f"fp32 chunk {_human(head.chunk_bytes)} + per-token vectors); an fp32 copy of the logits would be "
-              f"{_human(head.unbounded_copy)}.")
+    if loss is not None:
+        print(f"cross entropy (bounded, one rank's [{loss.tokens}, {loss.columns}] logits): kept "
+              f"{_human(loss.kept_measured)}"
+              f" measured, {_human(loss.kept_term)} exact; transient beyond the logits and their gradient "
+              f"{_human(loss.transient_measured)} measured, at most {_human(loss.working_term)} by its term (one "
+              f"fp32 chunk {_human(loss.chunk_bytes)} + per-token vectors); an fp32 copy of the logits would be "
+              f"{_human(loss.unbounded_copy)}.")
     return 0
 
 

@@ -130,7 +130,9 @@ def request_from_args(args):
     if attention == "sdpa" and dropout > 0:
         raise AnalysisError(f"--attention sdpa (fused) takes dropout 0, got {dropout}")
     fused = attention == "sdpa" or (attention == "auto" and dropout == 0)
-    opts = ActivationOptions(act_bytes=act_bytes, dropout=dropout > 0, fused_attention=fused,
+    # seqpar's bounded cross entropy keeps the logits in their dtype and an fp32 lse (docs/analysis.md)
+    opts = ActivationOptions(act_bytes=act_bytes, logits_bytes=act_bytes, bounded_loss=True, dropout=dropout > 0,
+                             fused_attention=fused,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,

@@ -82,9 +82,10 @@ class _Eager:
     def local_max(self, x, padded, has_padding, buf):  # [N] fp32
         out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         for c in _chunks(x.shape[0], buf.shape[0]):
-            chunk = self._shift(buf, x[c], out.new_zeros(()).expand(c.stop - c.start), padded, has_padding) \
-                if has_padding else x[c]
-            out[c] = chunk.amax(dim=-1)  # exact on the input dtype
+            chunk = x[c]  # [rows, v/t]
+            if has_padding:  # padded columns to -inf in the fp32 buffer (the input is never modified)
+                chunk = buf[:chunk.shape[0]].copy_(chunk).masked_fill_(padded, float("-inf"))
+            out[c] = chunk.amax(dim=-1)  # exact (on the input dtype, or its fp32 copy)
         return out
 
     def partial_sums(self, x, logits_max, index, on_rank, padded, has_padding, eps, buf):  # [2 or 3, N]

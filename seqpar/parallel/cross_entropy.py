@@ -159,8 +159,10 @@ class _Compiled:
                           for c in _chunks(x.shape[0], buf)], dim=1)
 
     def grad(self, x, lse, index, on_rank, scale, padded, has_padding, eps, vocab_size, buf):
-        return torch.cat([self.c_grad(x[c], lse[c], index[c], on_rank[c], scale[c], padded, eps, vocab_size)
-                          for c in _chunks(x.shape[0], buf)])
+        out = torch.empty_like(x)  # [N, v/t]; each chunk's graph output copied in (one chunk transient, no cat)
+        for c in _chunks(x.shape[0], buf):
+            out[c] = self.c_grad(x[c], lse[c], index[c], on_rank[c], scale[c], padded, eps, vocab_size)
+        return out
 
     def buffer(self, x):  # no buffer: the chunk's rows
         return min(x.shape[0], chunk_rows(x.shape[1], self.chunk_bytes))

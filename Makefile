@@ -1,14 +1,15 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   -- create .venv, install seqpar, run the main job on its embedded default
 #   make test   -- create .venv, install seqpar with dev tools, lint and run the test suite
-# Both install the extras the tests and the demo use (plots, progress bar, Hugging Face interop):
+# Both install the extras the tests and the demo use (plots, progress bar, Hugging Face interop, data:
+# tokenizers and datasets for seqpar prepare):
 # every test runs, none is skipped for a missing package. The demo adds TensorBoard.
 # TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine use e.g.
 #   make test TORCH_SPEC='torch>=2.13,<2.15'
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,interop,plots,progress
+EXTRAS ?= dev,interop,plots,progress,data
 PY := $(VENV)/bin/python
 
 .PHONY: demo test lint clean

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
+
+from seqpar.config import did_you_mean
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -13,6 +17,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("seqpar.commands.plan", "which parallel layout, recompute and microbatch fits and runs fastest"),
     "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
     "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
+    "prepare": ("seqpar.commands.prepare", "text, JSON Lines or Parquet -> sharded token files + document index"),
+    "tokenizer": ("seqpar.commands.tokenizer", "train a BPE tokenizer on a corpus (tokenizer train)"),
     "eval": ("seqpar.commands.eval", "the loss of a checkpoint on given data (its own validation split by default)"),
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
     "import-hf": ("seqpar.commands.import_hf", "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX folder -> a checkpoint"),
@@ -44,6 +50,24 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is the one line that names it, a "did you mean" for a misspelled flag, and
+    where to read more, not the whole usage block (``seqpar VERB --help`` prints that)."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            words = message.split(": ", 1)[1].split()
+            close = {w: difflib.get_close_matches(w.split("=", 1)[0], flags, n=1, cutoff=0.6) for w in words
+                     if w.startswith("--")}
+            close = [f"{match[0]} for {w}" for w, match in close.items() if match]
+            message += f" (did you mean {', '.join(close)}?)" if close else ""
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            message += did_you_mean(choice[1], re.findall(r"'([^']*)'", choice[2]))
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
 def show_defaults(parser: argparse.ArgumentParser) -> None:
     """Every option's help says its default: ``(default: X)`` is added where the text does not already
     (any verb's, nested ones included), so no flag's default is left for the user to guess."""
@@ -63,9 +87,10 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """Every verb's parser, or with ``only`` just that verb's arguments (the others are listed, not built):
+    """Every verb's parser, or with ``only`` just that verb's arguments (the others are listed, not built;
+    ``only=""`` builds none):
     building a verb imports its module, and some import torch, which ``plan`` or ``paper`` never need."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
         "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
         epilog="`seqpar VERB --help` describes each verb.")
@@ -86,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     from seqpar.config import ConfigError
 
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv[0] if argv and argv[0] in VERBS else None)
-    args = parser.parse_args(argv)
+    # only the verb named is built (its module imported); `seqpar --help` lists the verbs and builds none
+    parser = build_parser(argv[0] if argv and argv[0] in VERBS else "")
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the verb's parser, whose flags a "did you mean" is drawn from
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ConfigError, AnalysisError) as err:  # bad input: a usage error naming the rule, no traceback
-        args._parser.error(str(err))  # prints the verb's usage line, exits 2
+        args._parser.error(str(err))  # one line naming the rule, exits 2

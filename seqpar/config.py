@@ -15,7 +15,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # Finer selective recompute (beyond the paper): what a layer may checkpoint.
-RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp")
+RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp", "moe")
 # The two layer families the analytic model knows, as ModelConfig fields: the paper's GPT (Fig. 2) and a
 # Llama-style layer (RMSNorm, SwiGLU, rotary positions, no biases, untied output layer, no dropout).
 ARCH_FIELDS = {
@@ -28,11 +28,28 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu_tanh: GPT-2's "gelu_new"
 POSITIONS = ("learned", "rope")
 # auto: sdpa where attention dropout is 0 (a fused kernel keeps no s² tensor), the paper's core otherwise.
 ATTENTIONS = ("auto", "materialized", "sdpa")
+BYTE_VOCAB = 256  # text read without a tokenizer (the default data among it) is bytes: 256 symbols
 ROPE_SCALINGS = ("none", "linear", "llama3")  # how rotary frequencies are stretched (Llama 3.x: llama3)
 
 
 class ConfigError(ValueError):
     """A configuration breaks a rule; the message names the rule and the numbers."""
+
+
+class WorldSizeError(ConfigError):
+    """The layout's ranks (``layout``) are not the processes started (``world``)."""
+
+    def __init__(self, message: str, layout: int, world: int):
+        super().__init__(message)
+        self.layout, self.world = layout, world
+
+
+def did_you_mean(word: str, known) -> str:
+    """``" (did you mean 'x'?)"`` for the known name closest to a misspelled ``word`` (difflib), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _positive(**values: int) -> None:
@@ -71,6 +88,7 @@ class ModelConfig:
     position: str = "learned"  # rope: rotary embeddings on Q and K, no position table
     kv_heads: int | None = None  # grouped-query attention; None: = num_heads
     bias: bool = True
+    qkv_bias: bool = False  # biases on Q, K and V even when ``bias`` is off (Qwen2 / Qwen2-MoE)
     tie_embeddings: bool = True
     attention: str = "auto"  # the paper's s^2 scores, fused scaled_dot_product_attention, or auto (see core)
     rope_theta: float = 10000.0
@@ -82,6 +100,17 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_len: int | None = None  # llama3 only: the pre-training context; None = seq_len
+    # Mixture of experts (seqpar/model/moe.py) in place of the MLP: 0 experts = a dense MLP everywhere.
+    # Layer i is MoE when (i + 1) % moe_every == 0 (Qwen-MoE's decoder_sparse_step; 1: every layer).
+    experts: int = 0  # E routed experts
+    top_k: int = 2  # K experts per token (softmax router, top-k)
+    moe_every: int = 1
+    moe_ffn_hidden_size: int | None = None  # each routed expert's width; None: ffn
+    moe_norm_topk: bool = True  # renormalise the k chosen probabilities to sum 1 (Mixtral; Qwen1.5-MoE: False)
+    moe_aux_coef: float = 0.01  # load-balancing loss: coef · E · Σ_e f_e · P_e per MoE layer (Switch)
+    moe_capacity: float = 0.0  # 0: dropless; c > 0: each expert takes ceil(c · T · K / E) of a rank's T tokens
+    shared_expert_ffn: int = 0  # width of an always-on shared expert (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x · w_g)
 
     @property
     def ffn(self) -> int:
@@ -108,10 +137,37 @@ class ModelConfig:
     @property
     def arch(self) -> str:
         """The analytic model's layer family: "llama" (RMSNorm + SwiGLU), "gpt" (LayerNorm + GeLU), else
-        "custom" (the per-layer formula still applies, the stage and parameter formulas refuse)."""
+        "custom" (another pairing: every formula takes the norm and the activation as they are)."""
         if (self.norm, self.activation) == ("rmsnorm", "swiglu"):
             return "llama"
         return "gpt" if self.norm == "layernorm" and self.activation in ("gelu", "gelu_tanh") else "custom"
+
+    @property
+    def moe_ffn(self) -> int:
+        """One routed expert's hidden width."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based, global) holds experts instead of the MLP."""
+        return self.experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.num_layers))
+
+    def _validate_moe(self) -> None:
+        if self.experts == 0:
+            if self.shared_expert_ffn or self.moe_capacity:
+                raise ConfigError("shared_expert_ffn and moe_capacity need experts > 0")
+            return
+        _positive(experts=self.experts, top_k=self.top_k, moe_every=self.moe_every, moe_ffn=self.moe_ffn)
+        if self.top_k > self.experts:
+            raise ConfigError(f"top_k {self.top_k} exceeds experts {self.experts}")
+        if self.moe_aux_coef < 0 or self.moe_capacity < 0:
+            raise ConfigError(f"moe_aux_coef {self.moe_aux_coef} and moe_capacity {self.moe_capacity} "
+                              "must be >= 0")
+        if self.shared_expert_ffn < 0 or (self.shared_expert_gate and not self.shared_expert_ffn):
+            raise ConfigError("shared_expert_gate needs a shared expert (shared_expert_ffn > 0)")
 
     def vocab_per_rank(self, t: int) -> int:
         """Vocabulary rows (and logit columns) one of t ranks holds: the vocabulary is padded to a
@@ -185,6 +241,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"heads {self.num_heads} is not divisible by kv heads {self.num_kv_heads}")
         self._validate_rope()
+        if not isinstance(self.experts, int) or self.experts < 0:
+            raise ConfigError(f"experts must be an integer >= 0, got {self.experts!r}")
+        self._validate_moe()
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary embeddings need an even head dimension, got {self.head_dim}")
         if self.attention == "sdpa" and self.attn_dropout > 0:
@@ -231,14 +290,31 @@ class ParallelConfig:
     dp: int = 1
     cp: int = 1
     sp: bool = False  # sequence parallelism over the tp group (Sec. 4.2.2)
+    # expert parallelism: the routed experts split over ep ranks taken inside the dp × cp ranks (same
+    # tp and pp coordinates); tokens reach their experts by all-to-all (seqpar/parallel/expert.py)
+    ep: int = 1
     interleave: int = 1  # m: virtual pipeline chunks per pipeline rank
     # Layers per virtual stage in model order (pp × interleave entries) for an uneven split; empty:
     # num_layers / (pp × interleave) each. Only the first and the last virtual stage may be empty.
     layer_split: tuple[int, ...] = ()
+    # FSDP2 (``torch.distributed.fsdp.fully_shard``) over the dp × cp ranks: parameters, gradients and
+    # optimizer state sharded (seqpar/parallel/fsdp.py). ``reshard_after_forward``: free each layer's
+    # gathered weights after its forward (ZeRO-3) or keep them to the backward (ZeRO-2). ``fsdp_shard_size``:
+    # HSDP, shard inside groups of that many dp × cp ranks and replicate across the groups (0: all of them).
+    fsdp: bool = False
+    reshard_after_forward: bool = True
+    fsdp_shard_size: int = 0
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks each parameter is sharded over under fsdp (1 without): dp × cp, or ``fsdp_shard_size``."""
+        if not self.fsdp:
+            return 1
+        return self.fsdp_shard_size or self.dp * self.cp
 
     def describe_world(self) -> str:
         """``dp 2 × pp 1 × cp 2 × tp 4`` (cp named only when used)."""
@@ -250,11 +326,16 @@ class ParallelConfig:
         return layer_counts(num_layers, self.pp, self.interleave, list(self.layer_split) or None)
 
     def validate(self, model: ModelConfig | None = None, world_size: int | None = None) -> ParallelConfig:
-        _positive(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, interleave=self.interleave)
+        _positive(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, interleave=self.interleave, ep=self.ep)
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError(f"ep {self.ep} does not divide dp {self.dp} × cp {self.cp} = {self.dp * self.cp} "
+                              "(expert-parallel ranks are taken inside the dp × cp ranks)")
         if world_size is not None and self.world_size != world_size:
-            raise ConfigError(f"{self.describe_world()} = {self.world_size} != world size {world_size}")
+            raise WorldSizeError(f"{self.describe_world()} = {self.world_size} != world size {world_size}",
+                                 self.world_size, world_size)
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
+        self._validate_fsdp()
         if model is not None:
             if model.num_heads % self.tp:
                 raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")
@@ -271,8 +352,24 @@ class ParallelConfig:
                 split = f"sequence {model.seq_len} / cp {self.cp} = {model.seq_len // self.cp}" if self.cp > 1 \
                     else f"sequence {model.seq_len}"
                 raise ConfigError(f"{split} is not divisible by tp {self.tp} (sequence parallelism splits it)")
+            if self.ep > 1 and (model.experts == 0 or model.experts % self.ep):
+                raise ConfigError(f"ep {self.ep} needs a number of experts divisible by it, got {model.experts}")
             self.layer_counts(model.num_layers)
         return self
+
+    def _validate_fsdp(self) -> None:
+        group = self.dp * self.cp
+        if self.fsdp_shard_size < 0:
+            raise ConfigError(f"fsdp_shard_size {self.fsdp_shard_size} must be 0 (all dp × cp ranks) or positive")
+        if not self.fsdp:
+            if self.fsdp_shard_size:
+                raise ConfigError(f"fsdp_shard_size {self.fsdp_shard_size} needs fsdp = true")
+            return
+        if group == 1:
+            raise ConfigError("fsdp shards over the dp × cp ranks: dp 1 × cp 1 has nothing to shard over")
+        if self.fsdp_shard_size and (group % self.fsdp_shard_size or self.fsdp_shard_size == 1):
+            raise ConfigError(f"fsdp_shard_size {self.fsdp_shard_size} must divide dp {self.dp} × cp {self.cp} = "
+                              f"{group} and be at least 2 (HSDP: shard inside groups of that many ranks)")
 
 
 @dataclass(frozen=True)
@@ -288,7 +385,8 @@ class RecomputeConfig:
     method: str = "uniform"
     num_layers: int = 1
     # For ``selective``: which parts of each layer to checkpoint. Empty means the paper's choice,
-    # ("core_attention",). "norm": both norms; "activation": GeLU / SwiGLU; "mlp": the whole MLP.
+    # ("core_attention",). "norm": both norms; "activation": GeLU / SwiGLU (the experts' too); "mlp": the
+    # whole MLP; "moe": the whole MoE block (router, dispatch, experts, combine: keeps only its input).
     modules: tuple[str, ...] = ()
     # App. C: on each pipeline rank up to this many in-flight chunk-microbatches keep all their
     # activations and are not recomputed; the others follow ``granularity``.

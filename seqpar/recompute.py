@@ -15,7 +15,8 @@ asks it once, in its constructor, how to run the piece it owns (``checkpointed``
 under ``none``.
 
 Checkpointing saves the dropout RNG tracker's state with the inputs and restores it for the
-recomputation, so recomputed masks equal the original ones bit for bit.
+recomputation, so recomputed masks equal the original ones bit for bit; it does the same with the
+microbatch's packed documents (``seqpar.documents``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 
 import torch
 
+from seqpar import documents
 from seqpar.config import RecomputeConfig
 from seqpar.parallel.rng import RNGTracker
 
@@ -34,6 +36,7 @@ class _Checkpoint(torch.autograd.Function):
     def forward(ctx, run, tracker: RNGTracker, *inputs):
         ctx.run, ctx.tracker = run, tracker
         ctx.rng_state = tracker.get_state()  # Python ints (seed key, draw counters): no tensor to keep
+        ctx.documents = documents.current()  # packed documents: the microbatch's own, for the recomputation
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run(*inputs)
@@ -44,7 +47,7 @@ class _Checkpoint(torch.autograd.Function):
         after_forward = ctx.tracker.get_state()
         ctx.tracker.set_state(ctx.rng_state)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), documents.using(ctx.documents):
                 outputs = ctx.run(*inputs)
         finally:
             ctx.tracker.set_state(after_forward)
@@ -80,14 +83,23 @@ def checkpoint_without_output(run, x: torch.Tensor, consumer, *, tracker: RNGTra
     # Same storage, shape and strides as the tensor the consumer saved; ``.data`` has its own version
     # counter, so refilling it does not look like an in-place change of a saved tensor.
     held = y.data
+    # the hooks live as long as the graph's nodes, which the schedule may keep past this backward (a loss
+    # tensor held for the step): hold x only until the rebuild, and the rebuilt output only until y's
+    # gradient is complete, or both would stay alive into the next microbatch's forward
+    inputs = [x]
 
     def restore(grad_outputs):
-        if storage.nbytes() == 0:
+        if storage.nbytes() == 0 and inputs:
             storage.resize_(nbytes)
             with torch.no_grad():
-                held.copy_(run(x))
+                held.copy_(run(inputs.pop()))
+
+    def release(grad_outputs):  # every node that saved y has run its backward
+        inputs.clear()
+        storage.resize_(0)
 
     out.grad_fn.register_prehook(restore)
+    y.grad_fn.register_prehook(release)
     return out
 
 

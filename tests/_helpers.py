@@ -3,7 +3,9 @@ and spawned ranks inherit it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import os
+from collections.abc import Callable, Hashable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,3 +28,58 @@ class LargestAllocation(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and self.counts(t) and t.numel() > self.largest:
                 self.largest, self.op = t.numel(), f"{func} {tuple(t.shape)}"
         return out
+
+
+class Launches:
+    """Training jobs on local ranks, ``size`` jobs of one world size per launch, each launch run the
+    first time one of its jobs is asked for (``result``).
+
+    A launch may take ``START_S + job_s × jobs × ⌈world / cores⌉`` seconds (ranks beyond the cores
+    share them). A launch that fails -- an error, or that timeout -- is run again one job at a time,
+    so each job reports its own outcome: a job that fails alone raises its own error; if every job
+    of the launch passes alone, each raises the launch's error (they fail only together)."""
+
+    START_S = 120.0  # process start, group set-up and the first step's warm-up, per launch
+
+    def __init__(self, jobs: dict[Hashable, tuple[dict, int]], size: int, job_s: float):
+        self.jobs, self.job_s = jobs, job_s  # key: (job sections, world size)
+        by_world: dict[int, list[Hashable]] = {}
+        for key, (_, world) in jobs.items():
+            by_world.setdefault(world, []).append(key)
+        self.launch_of = {key: keys[i:i + size] for keys in by_world.values()
+                          for i in range(0, len(keys), size) for key in keys[i:i + size]}
+        self.outcome: dict[Hashable, dict | BaseException] = {}
+
+    def result(self, key: Hashable) -> dict:
+        """Rank 0's summary of job ``key``, or the error that belongs to it."""
+        if key not in self.outcome:
+            self._run(self.launch_of[key])
+        outcome = self.outcome[key]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def timeout(self, jobs: int, world: int) -> float:
+        return self.START_S + self.job_s * jobs * math.ceil(world / (os.cpu_count() or 1))
+
+    def _run(self, keys: list[Hashable]) -> None:
+        try:
+            self.outcome.update(zip(keys, self._launch(keys), strict=True))
+        except Exception as exc:
+            if len(keys) == 1:
+                self.outcome[keys[0]] = exc
+                return
+            for key in keys:  # which of them fails: each alone
+                self._run([key])
+            if not any(isinstance(self.outcome[key], BaseException) for key in keys):
+                together = RuntimeError(f"jobs {keys} fail in one launch and pass one at a time: {exc!r}")
+                self.outcome.update((key, together) for key in keys)
+
+    def _launch(self, keys: list[Hashable]) -> list[dict]:
+        from seqpar.train.loop import train_local, train_local_many
+
+        world = self.jobs[keys[0]][1]
+        sections = [self.jobs[key][0] for key in keys]
+        if world == 1:  # in this process
+            return [train_local(s) for s in sections]
+        return train_local_many(sections, world, timeout=self.timeout(len(keys), world))

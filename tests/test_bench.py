@@ -113,6 +113,11 @@ def test_bench_dp_reports_both_modes(capsys):
     for mode in ("after_backward", "overlapped"):
         assert r[mode]["step_s"] > 0 and r[mode]["finalize_s"] >= 0
     assert r["reduction_hidden_s"] == r["after_backward"]["finalize_s"] - r["overlapped"]["finalize_s"]
+    for dp, modes in r["sharding"].items():  # plain DP, ZeRO-1, FSDP2 at dp 2 and 4: states per rank
+        assert set(modes) == {"dp", "distributed_optimizer", "fsdp"}, dp
+        assert all(m["measured_equals_predicted"] and m["step_s"] > 0 for m in modes.values()), modes
+        assert modes["fsdp"]["state_bytes"] < modes["distributed_optimizer"]["state_bytes"] < modes["dp"]["state_bytes"]
+    assert r["sharding"]["4"]["fsdp"]["vs_dp"] <= 0.30
 
 
 def test_bf16_benchmark_refused_on_a_cpu_without_native_bf16(monkeypatch, capsys):

@@ -33,8 +33,9 @@ def test_dp_ranks_split_the_same_global_batch(data):
     whole = torch.cat([t for t, _ in data.train_batch(3, 5, 8, 2, 0, 1)])
     parts = [torch.cat([t for t, _ in data.train_batch(3, 5, 8, 2, r, 2)]) for r in range(2)]
     assert torch.equal(whole, torch.cat(parts))
-    v0, v1 = (torch.cat([t for t, _ in data.val_batches(2, 2, r, 2)]) for r in range(2))
+    v0, v1 = (torch.cat([t for t, _ in data.validation_batches(8, 2, r, 2)]) for r in range(2))
     assert not torch.equal(v0, v1)
+    assert torch.equal(torch.cat([v0, v1]), torch.cat([t for t, _ in data.validation_batches(8, 2)]))
 
 
 def test_user_text_file_and_folder(tmp_path):

@@ -10,16 +10,42 @@ untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a t
 padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
 last stage, interleaved), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2} (ring attention) -- × recompute
 (none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
-on/off, overlapped dp reduction on/off, which do something when dp × cp > 1). Layouts and recompute
-modes are enumerated (``combinations``); each combination gets an architecture and a gradient path
-drawn from generators seeded by its index.
+on/off, overlapped dp reduction on/off, or FSDP2 (``parallel.fsdp``), which do something when
+dp × cp > 1). Layouts and recompute modes are enumerated (``combinations``); each combination gets an
+architecture and a gradient path drawn from generators seeded by its index.
 
-CI runs a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4);
-``SEQPAR_EQUIV_FULL=1`` runs every combination (world sizes ≤ 8).
+The axes and their values are listed once (``AXES``); a new axis is one more entry there and its
+use in ``draw``.
+
+Which draws run (environment):
+
+* default (CI): a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4)
+  that takes every axis value at least once;
+* ``SEQPAR_EQUIV_FULL=1``: every combination (468, world sizes ≤ 8);
+* ``SEQPAR_EQUIV_WORLD=8`` (or a list, ``1,2,4``): every combination of those world sizes (246 at 8,
+  222 at ≤ 4);
+* ``SEQPAR_EQUIV_SHARD=k/n`` (1 ≤ k ≤ n), with any of the above: every n-th of those draws from the
+  k-th, so n runs one after another (or on n machines) cover the selection, each with its share of
+  every world size.
+
+Draws of one world size share launches of ranks, ``LAUNCH_DRAWS`` (8) per launch, each launched when
+its first test runs, under a timeout that grows with its work (``_helpers.Launches``: 120 s +
+``DRAW_S`` (60) s per draw per rank sharing a core, e.g. 2,040 s for 8 world-8 draws on 2 cores). A
+launch that fails is rerun one draw at a time, so a failure or a timeout is reported against its own
+draw, and the launch's other draws still pass or fail on their own results.
+
+Last sweep (issue 38, 2026-12-05, 2 cores shared with other sessions' work, load average 2.5 at the
+start, 18-29 from the third shard on; logs in the session's notes, ``h38-sweep/``): world 8, the 246
+combinations no run had reached before, in 6 shards one after another (``SEQPAR_EQUIV_WORLD=8
+SEQPAR_EQUIV_SHARD=k/6``): 246 passed in 4,527 s of wall time in all (226, 289, 879, 1,138, 1,082,
+913 s; shards 1-3 on the branch before issue 31's moves were merged, 4-6 after); worst relative
+error loss 2.1e-7, grad_norm 3.3e-7, weights 1.1e-6. World ≤ 4: 222 passed on main 683e973 (quiet
+machine, 4 min 49 s; loss 2.3e-7, grad_norm 2.5e-7, weights 8.2e-7, as issue 38 reports).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -29,9 +55,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import Launches
 
 from seqpar.train.checkpoint import load_model_state
-from seqpar.train.loop import train_local, train_local_many
+from seqpar.train.loop import train_local
 
 STEPS, SEQ, HEADS, CLIP = 5, 16, 4, 0.01
 RECOMPUTE = {
@@ -52,22 +79,31 @@ PIPELINES = {  # name: (pp, interleave, layers, split)
 }
 
 
-def combinations(max_world: int) -> list[tuple]:
-    """Every (tp, sp, pipeline, dp, recompute, cp) whose world size fits ``max_world``."""
-    out = []
-    for tp, sp, pipe, dp, rc, cp in itertools.product((1, 2, 4), (False, True), PIPELINES, (1, 2), RECOMPUTE, (1, 2)):
-        if sp and tp == 1:
-            continue
-        if tp * PIPELINES[pipe][0] * dp * cp <= max_world:
-            out.append((tp, sp, pipe, dp, rc, cp))
-    return out
+AXES = {  # the one list of a combination's axes, in the order that numbers the combinations
+    "tp": (1, 2, 4),
+    "sp": (False, True),
+    "pipeline": tuple(PIPELINES),
+    "dp": (1, 2),
+    "recompute": tuple(RECOMPUTE),
+    "cp": (1, 2),
+}
+Combo = collections.namedtuple("Combo", AXES)
 
 
-def draw(index: int, combo: tuple) -> dict:
+def world_of(c: Combo) -> int:
+    return c.tp * PIPELINES[c.pipeline][0] * c.dp * c.cp
+
+
+def combinations(max_world: int) -> list[Combo]:
+    """Every combination of the axes' values whose world size fits ``max_world``."""
+    everything = (Combo(*values) for values in itertools.product(*AXES.values()))
+    return [c for c in everything if not (c.sp and c.tp == 1) and world_of(c) <= max_world]
+
+
+def draw(index: int, c: Combo) -> dict:
     """The job sections of one combination, with an architecture drawn from ``Random(index)``."""
-    tp, sp, pipe, dp, rc, cp = combo
     rng = random.Random(index)
-    pp, interleave, layers, split = PIPELINES[pipe]
+    pp, interleave, layers, split = PIPELINES[c.pipeline]
     model = {
         "vocab_size": rng.choice((5, 9, 37, 64)),  # 5 and 9 at tp=4: the last rank holds only padding
         "hidden_size": 32, "num_heads": HEADS, "num_layers": layers, "seq_len": SEQ,
@@ -80,12 +116,15 @@ def draw(index: int, combo: tuple) -> dict:
         "tie_embeddings": rng.choice((True, False)),
         "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": "fp32",
     }
-    parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "cp": cp, "interleave": interleave,
+    parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
     grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
-    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[rc]), "train": reduction}
+    if c.dp * c.cp > 1 and random.Random(f"fsdp {index}").random() < 0.5:  # FSDP2 over dp × cp instead
+        parallel["fsdp"] = True
+        reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
+    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[c.recompute]), "train": reduction}
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
@@ -109,32 +148,54 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def selected() -> list[tuple[int, tuple]]:
-    if os.environ.get("SEQPAR_EQUIV_FULL") == "1":
-        return list(enumerate(combinations(8)))
+def sample(n: int) -> list[tuple[int, Combo]]:
+    """CI's ``n`` combinations of world size ≤ 4: first every axis value at least once, then the next
+    ones in a seeded shuffle."""
     every = list(enumerate(combinations(4)))
-    n = int(os.environ.get("SEQPAR_EQUIV_DRAWS", "10"))
     random.Random(2205_05198).shuffle(every)
     chosen, seen = [], set()
-    for item in every:  # first every axis value at least once, then the next draws in the shuffled order
+    for item in every:
         values = set(enumerate(item[1]))
         if not values <= seen:
             chosen.append(item)
             seen |= values
     chosen += [item for item in every if item not in chosen]
-    return sorted(chosen[:max(n, 1)])
+    return chosen[:max(n, 1)]
+
+
+def shard(items: list, spec: str) -> list:
+    """Shard ``k/n`` (1 ≤ k ≤ n) of ``items``: every n-th one from the k-th, so each shard gets its
+    share of every world size."""
+    k, sep, n = spec.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"SEQPAR_EQUIV_SHARD={spec!r}: expected k/n with 1 ≤ k ≤ n, e.g. 2/4")
+    return items[int(k) - 1::int(n)]
+
+
+def selected(env=os.environ) -> list[tuple[int, Combo]]:
+    """The draws this run checks, in launch order (world size, then index)."""
+    worlds = env.get("SEQPAR_EQUIV_WORLD", "")
+    if env.get("SEQPAR_EQUIV_FULL") == "1" or worlds:
+        every = list(enumerate(combinations(8)))
+        if worlds:
+            wanted = {int(w) for w in worlds.split(",")}
+            every = [(i, c) for i, c in every if world_of(c) in wanted]
+    else:
+        every = sample(int(env.get("SEQPAR_EQUIV_DRAWS", "10")))
+    every.sort(key=lambda item: (world_of(item[1]), item[0]))
+    return shard(every, env["SEQPAR_EQUIV_SHARD"]) if env.get("SEQPAR_EQUIV_SHARD") else every
 
 
 DRAWS = selected()
+LAUNCH_DRAWS, DRAW_S = 8, 60.0  # draws per launch; seconds a draw may take per rank sharing a core
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Run every selected draw (one launch per world size) and its single-process reference."""
+    """The selected draws' runs (launched when a test first asks for one of their launch) and the
+    runs' directories with their single-process references'."""
     root = tmp_path_factory.mktemp("equivalence")
-    out: dict[int, dict] = {}
-    by_world: dict[int, list[int]] = {}
-    jobs = {}
+    jobs, dirs = {}, {}
     for index, combo in DRAWS:
         sections = draw(index, combo)
         vocab = sections["model"]["vocab_size"]
@@ -142,16 +203,16 @@ def results(tmp_path_factory):
         if not data.exists():  # random ids in [0, vocab): the byte-level default data needs vocab ≥ 256
             torch.randint(0, vocab, (20_000,), generator=torch.Generator().manual_seed(vocab)).to(
                 torch.uint16).numpy().tofile(data)
-        jobs[index] = (job(sections, root / f"d{index}", data), job(reference_of(sections), root / f"r{index}", data))
-        p = sections["parallel"]
-        by_world.setdefault(p["tp"] * p["pp"] * p["dp"] * p["cp"], []).append(index)
-    for world, indices in sorted(by_world.items()):
-        runs = train_local_many([jobs[i][0] for i in indices], world) if world > 1 else [
-            train_local(jobs[i][0]) for i in indices]
-        for i, summary in zip(indices, runs, strict=True):
-            out[i] = {"run": summary, "ref": train_local(jobs[i][1]),
-                      "dirs": (jobs[i][0]["train"]["out_dir"], jobs[i][1]["train"]["out_dir"])}
-    return out
+        jobs[index] = (job(sections, root / f"d{index}", data), world_of(combo))
+        dirs[index] = (root / f"d{index}", job(reference_of(sections), root / f"r{index}", data))
+    return Launches(jobs, LAUNCH_DRAWS, DRAW_S), dirs
+
+
+def result_of(results, index: int) -> dict:
+    launches, dirs = results
+    run = launches.result(index)
+    ref = train_local(dirs[index][1])
+    return {"run": run, "ref": ref, "dirs": (str(dirs[index][0]), dirs[index][1]["train"]["out_dir"])}
 
 
 def compare(result: dict) -> dict[str, float]:
@@ -170,25 +231,74 @@ def compare(result: dict) -> dict[str, float]:
 
 
 WORST: dict[str, float] = {}
+CHECKED: list[int] = []
 
 
-def _draw_id(index: int, c: tuple) -> str:
-    return f"{index}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-cp{c[5]}-{c[4]}"
+def _draw_id(index: int, c: Combo) -> str:
+    def label(axis, value):
+        return (axis if value else "") if isinstance(value, bool) else value if isinstance(value, str) \
+            else f"{axis}{value}"
+    fsdp = ["fsdp"] if draw(index, c)["parallel"].get("fsdp") else []
+    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))] + fsdp)
 
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])
 def test_draw_matches_single_process(index, combo, results):
-    errors = compare(results[index])
+    errors = compare(result_of(results, index))
     for key, value in errors.items():
         WORST[key] = max(WORST.get(key, 0.0), value)
+    CHECKED.append(index)
     drawn = draw(index, combo)
-    print(f"\n{index} {combo} {drawn['model']} {drawn['train']}: "
+    print(f"\n{index} {tuple(combo)} {drawn['model']} {drawn['train']}: "
           + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert all(math.isfinite(v) and v <= 1e-5 for v in errors.values()), errors
 
 
-def test_summary(results):
-    """The suite's summary line (draws run, worst relative error per quantity); runs after the draws."""
-    assert len(results) == len(DRAWS) > 0
-    print(f"\nequivalence: {len(DRAWS)} draws of {len(combinations(8))} combinations; worst relative error: "
-          + ", ".join(f"{k} {v:.2e}" for k, v in sorted(WORST.items())))
+def test_summary():
+    """The suite's summary line (draws compared, worst relative error per quantity); runs after the draws."""
+    print(f"\nequivalence: {len(CHECKED)} of {len(DRAWS)} draws compared ({len(combinations(8))} combinations); "
+          "worst relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(WORST.items())))
+    assert CHECKED
+
+
+def test_selection_slices():
+    """World and shard slices: shards are disjoint and cover their selection; bad specs are refused."""
+    eight = selected({"SEQPAR_EQUIV_WORLD": "8"})
+    assert len(eight) == 246 and {world_of(c) for _, c in eight} == {8}
+    small = selected({"SEQPAR_EQUIV_WORLD": "1,2,4"})
+    assert len(small) == len(combinations(4)) == 222
+    assert sorted(selected({"SEQPAR_EQUIV_FULL": "1"})) == sorted(small + eight) == list(enumerate(combinations(8)))
+    parts = [selected({"SEQPAR_EQUIV_WORLD": "8", "SEQPAR_EQUIV_SHARD": f"{k}/5"}) for k in range(1, 6)]
+    assert sorted(sum(parts, [])) == sorted(eight) and {len(p) for p in parts} == {49, 50}
+    for spec in ("0/3", "4/3", "3", "a/b"):
+        with pytest.raises(ValueError, match="SEQPAR_EQUIV_SHARD"):
+            shard(eight, spec)
+
+
+def test_launch_failure_is_its_own_draws():
+    """A launch that fails is rerun one draw at a time: the failing draw gets its own error, its
+    launch-mates their results, other launches are untouched; draws that fail only together all fail."""
+    calls = []
+
+    class Fake(Launches):
+        def _launch(self, keys):
+            calls.append(list(keys))
+            if "bad" in keys or (together and len(keys) > 1):
+                raise TimeoutError(f"launch {keys}")
+            return [{"job": key} for key in keys]
+
+    together = False
+    fake = Fake({key: ({}, 8) for key in ("a", "bad", "c", "d")} | {"e": ({}, 2)}, size=3, job_s=60.0)
+    assert fake.result("a") == {"job": "a"} and calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
+    with pytest.raises(TimeoutError, match=r"launch \['bad'\]"):
+        fake.result("bad")
+    assert fake.result("c") == {"job": "c"} and fake.result("d") == {"job": "d"} and fake.result("e") == {"job": "e"}
+    assert calls[4:] == [["d"], ["e"]]
+    cores = os.cpu_count() or 1
+    assert fake.timeout(3, 8) == Launches.START_S + 3 * 60.0 * math.ceil(8 / cores)
+
+    together, calls[:] = True, []
+    fake = Fake({key: ({}, 4) for key in ("a", "b")}, size=2, job_s=60.0)
+    with pytest.raises(RuntimeError, match="fail in one launch and pass one at a time"):
+        fake.result("b")
+    assert calls == [["a", "b"], ["a"], ["b"]]

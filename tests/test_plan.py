@@ -108,7 +108,7 @@ def _exit_code(argv):
 def test_cli_errors(capsys):
     assert _exit_code(["plan", "--model", "3b", "--gpus", "8"]) == 2
     err = capsys.readouterr().err
-    assert "known: 22b, 175b, 530b, 1t" in err and "usage:" in err
+    assert "known: 22b, 175b, 530b, 1t" in err and "usage:" not in err and "--help` lists the options" in err
     assert _exit_code(["plan", "--layers", "4", "--gpus", "8"]) == 2
     assert "missing: --hidden" in capsys.readouterr().err
     assert _exit_code(["plan", "--model", "gpt2-xl", "--gpus", "8"]) == 2

@@ -89,7 +89,7 @@ def test_bad_data_stops_seqpar_train_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--data", str(pipe), "--out", str(tmp_path / "out"), "--steps", "1", "--no-progress"])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "usage: seqpar train" in err and "Traceback" not in err
+    assert exit_info.value.code == 2 and "seqpar train: error:" in err and "Traceback" not in err
     assert "is not a regular file or folder" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # nothing started
 

@@ -124,7 +124,7 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
         main(["selftest", *args])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert message in err[-1] and "Traceback" not in "\n".join(err)
+    assert message in err[-2] and err[-1].endswith("--help` lists the options)") and "Traceback" not in "\n".join(err)
 
 
 def test_out_must_be_a_folder(tmp_path, capsys):

@@ -35,19 +35,22 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 full: each recomputed layer's whole forward (GEMMs, element-wise, collectives, overhead);
                 App. C kept chunk-microbatches are not recomputed
     pp_p2p      per chunk one activation forward and one gradient backward, e sbh/t bytes each
-                (scatter-gather over the tp ranks) + comm_latency, inter-node unless the job is one node
+                (scatter-gather over the tp ranks) + comm_latency, inter-node when a pipeline's ranks
+                span nodes
     cp_comm     context parallelism (docs/context_parallel.md): every term above holds the rank's s/cp tokens
                 (attention: s/cp queries against all s keys); the ring sends the K/V block of the rank's kv
                 heads cp - 1 times forward, and backward K/V again plus the fp32 dK/dV cp times, each step
                 overlapping one block's compute (1/cp of the attention core; backward 2x that plus the
-                recomputed scores); only the excess is exposed, and the last dK/dV hop entirely. In a node
-                when tp x cp fits in it, else across nodes
+                recomputed scores); only the excess is exposed, and the last dK/dV hop entirely
     Fused attention and ring attention backward (flash style) also recompute QK^T from the saved
     log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the dp
 gradient all-reduce over dp x cp (not overlapped) + the optimizer step (memory-bound: bytes of the mixed-precision
 Adam update / memory_bw) + ``step_overhead``.
+Every collective and p2p is priced at ``intra_node_bw`` when its group stays in a node and at
+``inter_node_bw`` when it spans nodes, with the ranks placed as ``ParallelDims`` places them (tp
+innermost, then cp, pp, dp outermost: ``placement.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +60,10 @@ from dataclasses import dataclass
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import kv_heads_per_rank
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, layers_per_chunk
+from seqpar.analysis.moe import all_to_all_s, moe_gemms, moe_training_flops
+from seqpar.analysis.placement import grad_group_spans_nodes, spans_nodes
+from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
+from seqpar.analysis.stage import examined_ranks, rank_layers
 from seqpar.analysis.states import stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
@@ -111,6 +117,11 @@ class IterationTime:
         return sum(self.terms.values())
 
 
+def link_bw(hw: Hardware, across_nodes: bool) -> float:
+    """The bus bandwidth of a collective whose group stays in a node, or spans nodes (``placement.py``)."""
+    return hw.inter_node_bw if across_nodes else hw.intra_node_bw
+
+
 def ring_allreduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     """Ring all-reduce: 2(n-1)/n x bytes over the bus bandwidth (= reduce-scatter + all-gather)."""
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bandwidth
@@ -132,7 +143,7 @@ def tp_collectives_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardwa
     each one call (``comm_latency``) + its ring volume; (0, 0) without tensor parallelism."""
     if par.tp == 1:
         return 0.0, 0.0
-    bw = hw.intra_node_bw if par.tp <= hw.gpus_per_node else hw.inter_node_bw
+    bw = link_bw(hw, spans_nodes(par, "tp", hw.gpus_per_node))
     msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size
     return hw.comm_latency + ring_allreduce_s(msg, par.tp, bw), hw.comm_latency + ring_gather_s(msg, par.tp, bw)
 
@@ -193,6 +204,10 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
     runs again) on one tp rank, each per term (compute, elementwise, tp_comm, overhead)."""
     t = par.tp
     g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts, par.cp).items()}
+    moe = shape.moe_layers / shape.num_layers  # MoE layers' share: their GEMMs replace fc1 and fc2
+    if moe:
+        g = {k: v * (1 - moe) if k in ("fc1", "fc2") else v for k, v in g.items()}
+        g |= {k: moe * gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shape, par, b, opts.act_bytes).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
     if par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
@@ -206,6 +221,9 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
            "overhead": hw.layer_overhead}
     bwd = {"compute": 2 * fwd["compute"], "elementwise": 2 * fwd["elementwise"], "tp_comm": bwd_comm,
            "overhead": hw.layer_overhead}
+    if moe and par.ep > 1:  # dispatch + combine, forward and backward (inter-node when tp · ep exceeds a node)
+        bw = hw.intra_node_bw if par.tp * par.cp * par.ep <= hw.gpus_per_node else hw.inter_node_bw
+        fwd["ep_comm"] = bwd["ep_comm"] = 2 * moe * all_to_all_s(shape, par, b, opts.act_bytes, bw, hw.comm_latency)
     core = {"compute": g["qk"] + g["attention_v"], "elementwise": el["attention_core"], "tp_comm": 0.0,
             "overhead": 0.0}
     if opts.fused_attention or par.cp > 1:
@@ -223,7 +241,7 @@ def ring_exposed_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
     cp, d = par.cp, shape.hidden_size // shape.num_heads
     kv_local = kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads)
     block = shape.seq_len // cp * b * kv_local * d  # elements of one K (or V) block
-    bw = hw.intra_node_bw if par.tp * cp <= hw.gpus_per_node else hw.inter_node_bw
+    bw = link_bw(hw, spans_nodes(par, "cp", hw.gpus_per_node))
     kv, dkv = 2 * opts.act_bytes * block / bw, 2 * 4 * block / bw  # K and V; fp32 dK and dV
     step = core_s / cp
     fwd = (cp - 1) * beside_gemm_s(hw.comm_latency + kv, step, hw)
@@ -266,7 +284,7 @@ def head_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, opts: 
     out = {"compute": 3 * logits, "elementwise": 2 * ce / hw.memory_bw}
     if t > 1:
         allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
-        bw = hw.intra_node_bw if t <= hw.gpus_per_node else hw.inter_node_bw
+        bw = link_bw(hw, spans_nodes(par, "tp", hw.gpus_per_node))
         scalars = 3 * (hw.comm_latency + ring_allreduce_s(4 * s * b, t, bw))
         layer = gather + 2 * beside_gemm_s(gather, logits, hw) if par.sp else beside_gemm_s(allreduce, logits, hw)
         out["tp_comm"] = layer + scalars
@@ -290,7 +308,7 @@ def step_collectives_s(par: ParallelConfig, hw: Hardware) -> dict[str, float]:
 def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
                       rank: int, n: int, opts: ActivationOptions) -> dict[str, float]:
     """Seconds one microbatch costs pipeline rank ``rank``, per term."""
-    layers = shape.num_layers // par.pp
+    layers = rank_layers(shape, par, rank) * par.interleave  # L/p, or this rank's share of an uneven split
     p = layer_pass_s(shape, par, b, hw, opts)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}  # PASS_TERMS (+ cp_comm)
     if rank == 0:
@@ -302,15 +320,20 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     if rc.granularity == "selective":  # a fused core is never checkpointed (memory.rebuilt)
         redo = 0.0 if opts.fused_attention else layers * sum(p["attention_core"].values())
     elif rc.granularity == "full":
-        share = 1.0 if rc.method == "uniform" else rc.num_layers / layers_per_chunk(shape, par)
+        share = 1.0 if rc.method == "uniform" else min(1.0, rc.num_layers / max(1, rank_layers(shape, par, rank)))
         redo = layers * share * sum(p["forward"].values())
     else:
         redo = 0.0
     terms["recompute"] = frac * redo
-    p2p_bw = hw.intra_node_bw if par.world_size <= hw.gpus_per_node else hw.inter_node_bw
+    p2p_bw = link_bw(hw, spans_nodes(par, "pp", hw.gpus_per_node))
     msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size / par.tp
     terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.comm_latency + msg / p2p_bw)
     return terms
+
+
+def largest_stage_parameters(shape: ModelConfig, par: ParallelConfig) -> float:
+    """Parameters of the pipeline rank that holds the most (its gradient reduction and update take longest)."""
+    return max(stage_parameters(shape, par, r) for r in examined_ranks(shape, par))
 
 
 def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
@@ -319,11 +342,26 @@ def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: O
     ranks = par.dp * par.cp
     if ranks == 1:
         return 0.0
-    params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
-    bw = hw.intra_node_bw if par.tp * ranks <= hw.gpus_per_node else hw.inter_node_bw
+    if par.fsdp:  # per microbatch (fsdp_collectives_s): nothing left at the end of the step
+        return 0.0
+    params = largest_stage_parameters(shape, par)
+    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
     if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
         return 2 * hw.comm_latency + (ranks - 1) / ranks * params * (opt.grad_bytes + opt.param_bytes) / bw
     return hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, ranks, bw)
+
+
+def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
+    """FSDP per microbatch and stage: the weights all-gathered in the compute dtype for the forward and
+    again for the backward (once under ZeRO-2), the fp32 gradients reduce-scattered; one collective
+    per layer each, prefetched beside the layers' compute (counted whole: the model does not overlap it)."""
+    ranks = par.fsdp_shards
+    params = largest_stage_parameters(shape, par)
+    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))  # HSDP's shard groups: at most as wide
+    gathers = 2 if par.reshard_after_forward else 1
+    layers = shape.num_layers // par.pp + 1
+    return (gathers + 1) * layers * hw.comm_latency + ring_gather_s(
+        params * (gathers * opt.param_bytes + 4), ranks, bw)
 
 
 def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
@@ -335,7 +373,9 @@ def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
 
 
 def optimizer_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    params = max(stage_parameters(shape, par, 0), stage_parameters(shape, par, par.pp - 1))
+    params = largest_stage_parameters(shape, par)
+    if par.fsdp:  # fp32 shards: gradient read 3 times, weight and both moments read and written
+        return params / par.fsdp_shards * (3 * 4 + 2 * 4 + 2 * 8) / hw.memory_bw
     return params * optimizer_bytes_per_parameter(opt, par.dp * par.cp) / hw.memory_bw  # sharded over dp × cp
 
 
@@ -346,7 +386,7 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     opt = opt or OptimizerOptions()
     opts = opts or ActivationOptions()
     n = global_batch // (par.dp * b)
-    ranks = sorted({0, par.pp - 1})
+    ranks = examined_ranks(shape, par)
     per_rank = {r: rank_microbatch_s(shape, par, rc, b, hw, r, n, opts) for r in ranks}
     slowest = max(ranks, key=lambda r: sum(per_rank[r].values()))
     mb = per_rank[slowest]
@@ -356,23 +396,27 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
     terms["dp_allreduce"] = dp_allreduce_s(shape, par, hw, opt)
+    if par.fsdp:  # every microbatch gathers and reduces the stage's weights
+        terms["dp_allreduce"] = n * fsdp_collectives_s(shape, par, hw, opt)
     terms["optimizer"] = optimizer_s(shape, par, hw, opt)
     terms["step_overhead"] = hw.step_overhead
     return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest)
 
 
 def ties_with_best(times: list[float], band: float) -> list[bool]:
-    """Which predicted times cannot be told from the fastest within a relative error ``band``: their
-    ranges t(1 +- band) overlap the fastest one's."""
+    """Which predicted times are within ``band`` (relative) of the fastest: t <= best x (1 + band), as the
+    report words it ("plans closer than ±band are ties"; an overlap of both ranges would reach twice that)."""
     if not times:
         return []
     best = min(times)
-    return [t * (1 - band) <= best * (1 + band) for t in times]
+    return [t <= best * (1 + band) for t in times]
 
 
 def predicted_mfu(shape: ModelConfig, par: ParallelConfig, global_batch: int, seconds: float,
                   hw: Hardware) -> float:
-    """Eq. 7 model FLOPs of the iteration over (seconds x GPUs x peak)."""
+    """Eq. 7 model FLOPs of the iteration over (seconds x GPUs x peak); an MoE model's layers with their
+    router, K experts per token and shared expert (``analysis.moe``)."""
     flops = model_flops_from_gemms(global_batch, shape.num_layers, shape.seq_len, shape.hidden_size,
                                    shape.vocab_size, shape.ffn, kv_ratio=shape.kv_ratio, gated=shape.arch == "llama")
+    flops += moe_training_flops(global_batch, shape, RecomputeConfig())[0]
     return flops / (seconds * par.world_size * hw.peak_flops)

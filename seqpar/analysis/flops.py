@@ -7,12 +7,15 @@ B is the number of samples the FLOPs are counted for (an iteration's global batc
 
 from __future__ import annotations
 
+from seqpar.analysis.moe import moe_training_flops
 from seqpar.analysis.shapes import AnalysisError
 from seqpar.config import RECOMPUTE_GRANULARITIES, ModelConfig, ParallelConfig, RecomputeConfig
 
 # The GEMMs (keys of ``layer_forward_flops``) each selective-recompute module (config.RECOMPUTE_MODULES, the
 # same keys) runs again in backward: the norms and the activation are elementwise and add none.
-RECOMPUTED_GEMMS = {"core_attention": ("qk", "attention_v"), "norm": (), "activation": (), "mlp": ("mlp",)}
+# "moe" (an MoE layer's GEMMs) is counted by ``seqpar.analysis.moe``; "mlp" applies to the dense layers.
+RECOMPUTED_GEMMS = {"core_attention": ("qk", "attention_v"), "norm": (), "activation": (), "mlp": ("mlp",),
+                    "moe": ()}
 
 
 def layer_forward_flops(B: float, s: int, h: int, f: int | None = None, *, kv_ratio: float = 1.0,
@@ -105,7 +108,8 @@ def training_flops(model: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
         layers = L * (min(rc.num_layers, chunk) / chunk)
     extra = recompute_extra_flops(B, L, s, h, rc.granularity, model.ffn, layers, modules=rc.selective_modules,
                                   fused_attention=model.fused_attention, **arch)
-    return flops, flops + extra
+    moe, moe_extra = moe_training_flops(B, model, rc, 1.0 if layers is None else layers / L)  # MoE layers
+    return flops + moe, flops + moe + extra + moe_extra
 
 
 def flops_utilization(flops: float, seconds: float, gpus: int, peak_flops_per_gpu: float) -> float:

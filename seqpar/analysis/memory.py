@@ -34,6 +34,7 @@ REBUILT = {
     "norm": ("ln_stats", "qkv_input", "fc1_input"),
     "activation": ("fc2_input",),
     "mlp": ("gelu_input", "swiglu_input", "fc2_input"),
+    "moe": (),  # an MoE layer's block: seqpar.analysis.moe.moe_terms
 }
 
 

@@ -6,7 +6,7 @@ from seqpar.analysis import paper
 from seqpar.analysis.memory import TABLE2_ROWS
 from seqpar.analysis.presets import TABLE3, TABLE5_ITERATION_S, TABLE5_PAPER_PERCENT
 from seqpar.analysis.shapes import default_dropout
-from seqpar.analysis.text import gb, table
+from seqpar.analysis.text import gb, pct_change, table
 
 ROW_NAMES = {"none": "no parallelism", "tp": "TP", "tp_sp": "TP + SP", "tp_selective": "TP + selective",
              "tp_sp_selective": "TP + SP + selective", "full": "full recompute"}
@@ -109,7 +109,7 @@ COST_MODEL_TARGETS = (0.05, 0.10)  # in-sample and leave-one-model-out relative 
 def _cost_model(data: dict) -> str:
     """Every measured time, the calibrated cost model's prediction and the held-out one."""
     def pct(pred: float, meas: float) -> str:
-        return f"{100 * (pred / meas - 1):+.1f}%"
+        return pct_change(pred / meas)
 
     def sec(v: float) -> str:
         return f"{v:.4f}" if v < 1 else f"{v:.2f}"

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from seqpar.analysis.costmodel import ties_with_best
-from seqpar.analysis.planner import Evaluation, Request, alternatives, num_microbatches, rank_of, settings
+from seqpar.analysis.planner import (
+    Evaluation,
+    Request,
+    alternatives,
+    num_microbatches,
+    rank_of,
+    rejection_lines,
+    settings,
+)
 from seqpar.analysis.stage import STATE_TERMS, StageMemory
-from seqpar.analysis.text import gb, table
+from seqpar.analysis.text import gb, pct_change, table
 
 
 def header(req: Request) -> str:
@@ -62,8 +70,8 @@ def _verdict(ev: Evaluation, best: Evaluation | None) -> str:
         return (f"does not fit: rank {peak.rank} needs {gb(peak.total)} GB > {gb(ev.usable_bytes)} GB usable "
                 f"(states {gb(peak.states)} + activations {gb(peak.activations)})")
     if best is not None and ev.plan != best.plan:
-        slower = 100 * (ev.time.total / best.time.total - 1)
-        return f"fits ({gb(peak.total)} GB) but {slower:+.1f}% iteration time vs the best"
+        return (f"fits ({gb(peak.total)} GB) but {pct_change(ev.time.total / best.time.total)} iteration time vs "
+                "the best")
     return f"fits ({gb(peak.total)} GB): this is the best plan"
 
 
@@ -78,14 +86,13 @@ def why_not(req: Request, best: Evaluation) -> str:
 
 def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -> str:
     parts = [header(req), cost_model_line(req)]
+    rejected = "".join(f"\n  {line}" for line in rejection_lines(req, stats))
     if not ranked:
-        parts.append(f"no plan fits: {stats.get('examined', 0)} examined, {stats.get('states_too_big', 0)} "
-                     "layouts rejected because parameters + optimizer alone exceed the usable memory")
+        parts.append(f"no plan fits: {stats.get('examined', 0)} plans examined; ruled out:{rejected or ' nothing'}")
         return "\n\n".join(parts)
     best = ranked[0]
-    parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined; "
-                 f"{stats.get('states_too_big', 0)} layouts dropped because the model states alone exceed "
-                 "the usable memory). Fastest first (times within 1% ordered by memory); '≈ best': a tie with the "
+    parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined); ruled out:{rejected or ' nothing'}"
+                 "\nFastest first (times within 1% ordered by memory); '≈ best': a tie with the "
                  f"best, within the cost model's ±{100 * req.hw.error_band:.0f}% error band "
                  f"({sum(ties_with_best([e.time.total for e in ranked], req.hw.error_band))} plans):\n"
                  + plans_table(ranked, top, req.hw.error_band))
@@ -106,12 +113,12 @@ def context_parallel_line(ranked: list[Evaluation]) -> str:
         if other is None:
             return f"context parallelism: cp {best.plan.par.cp} is needed: no plan without it fits"
         return (f"context parallelism: cp {best.plan.par.cp} is chosen; the best plan without it, {other.plan.label}, "
-                f"needs {gb(other.memory_bytes)} GB and is {100 * (other.time.total / best.time.total - 1):+.1f}% "
+                f"needs {gb(other.memory_bytes)} GB and is {pct_change(other.time.total / best.time.total)} "
                 "iteration time")
     if other is None:
         return "context parallelism: no plan with cp > 1 fits (searched with pp = 1 and 2 cp dividing s)"
     return (f"context parallelism: not chosen; the best plan with it, {other.plan.label}, is "
-            f"{100 * (other.time.total / best.time.total - 1):+.1f}% iteration time")
+            f"{pct_change(other.time.total / best.time.total)} iteration time")
 
 
 def _stage_rows(stages: list[StageMemory], usable: float) -> list[list]:

@@ -1,24 +1,29 @@
 """`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
 
-Dimensions: tp (<= GPUs per node, dividing heads and FFN width), cp (context parallelism, ring attention
-over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (dividing L), dp (the rest,
-dividing the global batch), interleave m (m > 1 needs pp > 1, L divisible by pp m and the
-microbatch count by pp, as Megatron requires), SP on/off (tp > 1), microbatch, recompute:
-none, selective, full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or
-full with the most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on rank 0 and
-the last rank (the in-flight count falls with the rank, so they bound the rest). Time:
-``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve).
+Dimensions: tp (<= GPUs per node, dividing heads and FFN width), ep (an MoE model's experts split over ep
+of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism, ring attention
+over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (up to L: even when
+it divides L, and with the lighter-ends split of ``uneven.py``), dp (the rest, dividing the global batch),
+interleave m (m > 1 needs pp > 1, L divisible by pp m and the microbatch count by pp, as Megatron requires;
+an uneven split has m = 1), SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused
+attention), full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or full with the
+most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on ``stage.examined_ranks`` (rank 0,
+the last, the first of each layer count: the in-flight count falls with the rank, so they bound the rest).
+Time: ``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve). The search counts what each
+rule ruled out and drops plans dominated at their layout (``undominated``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, predicted_mfu
-from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
-from seqpar.analysis.stage import StageMemory, all_stages, most_loaded, stage_memory
+from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, validate_layout
+from seqpar.analysis.stage import StageMemory, all_stages, examined_ranks, most_loaded, stage_memory
 from seqpar.analysis.states import bytes_per_parameter
+from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
@@ -37,9 +42,11 @@ class Plan:
     def label(self) -> str:
         p = self.par
         cp = f"cp={p.cp}," if p.cp > 1 else ""
-        text = (f"tp={p.tp},{cp}pp={p.pp},dp={p.dp},m={p.interleave},sp={'on' if p.sp else 'off'},"
+        split = f"split={split_text(p.layer_split)}," if p.layer_split else ""
+        ep = f"ep={p.ep}," if p.ep > 1 else ""
+        text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
                 f"recompute={self.rc.label},mb={self.micro_batch}")
-        return text + (",distopt=on" if self.distributed_optimizer else "")
+        return text + (",distopt=on" if self.distributed_optimizer else "") + (",fsdp=on" if p.fsdp else "")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Request:
     opts: ActivationOptions = field(default_factory=ActivationOptions)
     opt: OptimizerOptions = field(default_factory=OptimizerOptions)
     try_distributed_optimizer: bool = False
+    try_fsdp: bool = False  # also plans with FSDP over dp × cp (parameters, gradients, optimizer sharded)
     max_micro_batch: int = 16
     max_interleave: int = 8
     max_cp: int = 16
@@ -90,9 +98,9 @@ class Evaluation:
 
     def to_json(self) -> dict:
         p = self.plan.par
-        out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "interleave": p.interleave, "sp": p.sp,
+        out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
-               "distributed_optimizer": self.plan.distributed_optimizer,
+               "distributed_optimizer": self.plan.distributed_optimizer, "fsdp": p.fsdp,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
                "predicted_iteration_s": self.time.total if self.time else None,
                "predicted_mfu": self.mfu if self.time else None}
@@ -147,7 +155,7 @@ def stages_of(req: Request, plan: Plan, every_rank: bool = False) -> list[StageM
     args = (req.shape, plan.par, plan.rc, plan.micro_batch, n, req.opts, _opt(req, plan))
     if every_rank:
         return all_stages(*args)
-    return [stage_memory(*args, rank=r) for r in sorted({0, plan.par.pp - 1})]
+    return [stage_memory(*args, rank=r) for r in examined_ranks(req.shape, plan.par)]
 
 
 def fits(req: Request, plan: Plan) -> bool:
@@ -182,8 +190,11 @@ def _largest_fitting(lo: int, hi: int, ok) -> int | None:
 
 def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     """none, selective, full-uniform-1, the cheapest fitting full-block-N and App. C variants."""
-    chunk = layers_per_chunk(req.shape, base.par)
-    options = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full")]
+    chunk = validate_layout(req.shape, base.par)  # layers of a chunk (of the lightest non-empty stage if uneven)
+    # with fused attention the attention core keeps no s² tensors: selective recompute saves nothing
+    # (``train`` warns it does nothing), so it is not a choice
+    granularities = ("full",) if req.opts.fused_attention else ("selective", "full")
+    options = [RecomputeConfig("none")] + [RecomputeConfig(g) for g in granularities]
 
     def fits_with(rc: RecomputeConfig) -> bool:
         return fits(req, replace(base, rc=rc))
@@ -195,7 +206,7 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     n = num_microbatches(req, base)
     in_flight = stage_memory(req.shape, base.par, RecomputeConfig(), base.micro_batch, n, req.opts,
                              _opt(req, base)).in_flight
-    for granularity in ("selective", "full"):
+    for granularity in granularities:
         if fits_with(RecomputeConfig(granularity, keep_microbatches=in_flight)):
             continue  # keeping everything fits: plain "none" covers it
         k = _largest_fitting(1, in_flight - 1,
@@ -205,40 +216,98 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     return options
 
 
-def layouts(req: Request) -> Iterator[Plan]:
-    """Every (tp, cp, pp, dp, m, sp, microbatch) the rules allow, with recompute none (filled in later)."""
-    shape = req.shape
+def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
+    """Every (tp, cp, pp with its layer split, dp, m, sp, microbatch) the rules allow, with recompute none
+    (filled in later); ``rejected`` counts the layouts each rule ruled out (``rejection_lines`` words them)."""
+    shape, rejected = req.shape, Counter() if rejected is None else rejected
     for tp in _divisors(min(req.hw.gpus_per_node, req.gpus)):
         kv = shape.num_kv_heads
         if shape.num_heads % tp or shape.ffn % tp or req.gpus % tp or (kv % tp and tp % kv):
-            continue  # the rules of ParallelConfig.validate: heads, FFN width and kv heads split over tp
-        for cp, pp in _context_and_pipeline(req, tp):
+            rejected["tp_split"] += 1  # the rules of ParallelConfig.validate: heads, FFN width, kv heads over tp
+            continue
+        for cp, pp, split in _context_and_pipeline(req, tp, rejected):
             dp = req.gpus // (tp * cp * pp)
             if req.global_batch % dp:
+                rejected["batch_dp"] += 1
                 continue
             for mb in _divisors(req.global_batch // dp):
                 if mb > req.max_micro_batch:
                     break
                 n = req.global_batch // (dp * mb)
-                for m in _divisors(shape.num_layers // pp):
+                for m in _divisors(shape.num_layers // pp) if not split else [1]:  # uneven: one chunk per rank
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
                     for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
+                        par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
                         for dist in ((False, True) if req.try_distributed_optimizer and dp * cp > 1 else (False,)):
-                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
-                            yield Plan(par, RecomputeConfig(), mb, dist)
+                            for ep in _expert_parallel(shape, dp * cp):
+                                par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m,
+                                                     layer_split=split, ep=ep)
+                                yield Plan(par, RecomputeConfig(), mb, dist)
+                        if req.try_fsdp and dp * cp > 1 and not shape.experts:  # fsdp: dense models only
+                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m, layer_split=split)
+                            yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
 
 
-def _context_and_pipeline(req: Request, tp: int) -> Iterator[tuple[int, int]]:
-    """(cp, pp) pairs for ``tp``: pp dividing L with cp = 1, or cp > 1 (2 cp dividing s, at most ``max_cp``)
-    with pp = 1 (keeps the search small; ``--explain`` evaluates cp with pp)."""
-    rest = req.gpus // tp
+def _expert_parallel(shape: ModelConfig, ranks: int) -> list[int]:
+    """ep sizes for an MoE model: divisors of the dp × cp ranks that divide the experts (1 without MoE)."""
+    return [ep for ep in _divisors(ranks) if shape.experts % ep == 0] if shape.experts else [1]
+
+
+def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[tuple[int, int, tuple[int, ...]]]:
+    """(cp, pp, layer split) for ``tp``: cp = 1 with each pp up to L, split evenly when pp divides L and with
+    the ends lighter (``uneven.lighter_ends_split``) when that differs; or cp > 1 (2 cp dividing s, at most
+    ``max_cp``) with pp = 1 (keeps the search small; ``--explain`` evaluates cp with pp)."""
+    rest, n_layers = req.gpus // tp, req.shape.num_layers
     for pp in _divisors(rest):
-        if req.shape.num_layers % pp == 0:
-            yield 1, pp
+        if pp > n_layers:
+            rejected["pp_layers"] += 1
+            continue
+        if n_layers % pp == 0:
+            yield 1, pp, ()
+        split = lighter_ends_split(req.shape, pp, tp)
+        if split is not None and len(set(split)) > 1:
+            yield 1, pp, split
     for cp in _divisors(rest)[1:]:
-        if cp <= req.max_cp and req.shape.seq_len % (2 * cp) == 0:
-            yield cp, 1
+        if cp > req.max_cp:
+            continue
+        if req.shape.seq_len % (2 * cp):
+            rejected["cp_seq"] += 1
+            continue
+        yield cp, 1, ()
+
+
+def rejection_lines(req: Request, stats: dict) -> list[str]:
+    """What each rule ruled out, one line each (the rules that ruled out nothing are left out)."""
+    sh, usable = req.shape, req.hw.usable_bytes / 1e9
+    words = {
+        "tp_split": f"tp values (up to a node's {req.hw.gpus_per_node} GPUs) that do not split heads "
+                    f"{sh.num_heads}, kv heads {sh.num_kv_heads}, FFN width {sh.ffn} or the {req.gpus} GPUs",
+        "pp_layers": f"pp values above the {sh.num_layers} layers",
+        "cp_seq": f"cp values with 2 cp not dividing the sequence {sh.seq_len}",
+        "batch_dp": f"layouts whose dp does not divide the global batch {req.global_batch}",
+        "states_too_big": f"layouts whose model states alone (weights, gradients, optimizer) exceed {usable:.1f} GB "
+                          "usable",
+        "activations": f"layouts that exceed {usable:.1f} GB usable with every recompute option tried",
+        "dominated": "plans dropped as dominated: another at the same layout needs less memory and less time",
+    }
+    counts = stats.get("rejected", {}) | {k: stats.get(k, 0) for k in ("states_too_big", "activations", "dominated")}
+    return [f"{counts[k]} {text}" for k, text in words.items() if counts.get(k)]
+
+
+def undominated(found: list[Evaluation]) -> list[Evaluation]:
+    """``found`` without the plans another plan of the same layout beats on memory and on time (no worse on
+    both, better on one)."""
+    by_layout: dict[ParallelConfig, list[Evaluation]] = {}
+    for ev in found:
+        by_layout.setdefault(ev.plan.par, []).append(ev)
+
+    def beaten(ev: Evaluation) -> bool:
+        return any(o.memory_bytes <= ev.memory_bytes and o.time.total <= ev.time.total
+                   and (o.memory_bytes < ev.memory_bytes or o.time.total < ev.time.total)
+                   for o in by_layout[ev.plan.par])
+
+    return [ev for ev in found if not beaten(ev)]
 
 
 def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
@@ -258,20 +327,27 @@ def search(req: Request, stats: dict | None = None) -> list[Evaluation]:
     """All fitting plans, fastest first (``rank_plans``); ``stats`` gets the counts examined."""
     req.shape.validate()
     stats = {} if stats is None else stats
-    stats.update(examined=0, states_too_big=0)
+    rejected: Counter = Counter()
+    stats.update(examined=0, states_too_big=0, activations=0, rejected=rejected)
     found: list[Evaluation] = []
-    for base in layouts(req):
-        states = stage_memory(req.shape, base.par, RecomputeConfig("full"), base.micro_batch,
-                              num_microbatches(req, base), req.opts, _opt(req, base)).states
+    for base in layouts(req, rejected):
+        states = max(stage_memory(req.shape, base.par, RecomputeConfig("full"), base.micro_batch,
+                                  num_microbatches(req, base), req.opts, _opt(req, base), rank).states
+                     for rank in examined_ranks(req.shape, base.par))
         if states > req.hw.usable_bytes:
             stats["states_too_big"] += 1  # parameters + optimizer alone do not fit
             continue
+        fitting = 0
         for rc in recompute_options(req, base):
             stats["examined"] += 1
             ev = evaluate(req, replace(base, rc=rc))
             if ev.fits:
                 found.append(ev)
-    return rank_plans(found)
+                fitting += 1
+        stats["activations"] += not fitting
+    kept = undominated(found)
+    stats["dominated"] = len(found) - len(kept)
+    return rank_plans(kept)
 
 
 def rank_of(ev: Evaluation, ranked: list[Evaluation]) -> int | None:
@@ -307,12 +383,19 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     elif p.pp == 1 and p.dp % 2 == 0 and req.shape.seq_len % 4 == 0:  # why not context parallelism
         deeper = replace(p, cp=2, dp=p.dp // 2)
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
+    if p.fsdp:  # why shard everything: the same plan with the states replicated, or only the optimizer's sharded
+        plain = replace(p, fsdp=False, fsdp_shard_size=0)
+        out[f"no fsdp, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain))
+        out[f"distributed optimizer, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain,
+                                                                               distributed_optimizer=True))
     return out
 
 
-_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "m": "interleave", "interleave": "interleave", "sp": "sp",
+_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "interleave", "interleave": "interleave",
+         "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
-         "distopt": "distopt", "distributed_optimizer": "distopt"}
+         "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
+         "fsdp": "fsdp"}
 
 
 def _flag(text: str) -> bool:
@@ -355,8 +438,37 @@ def _count(values: dict[str, tuple[str, str]], key: str, default: int, least: in
     return number
 
 
+def split_text(counts: tuple[int, ...]) -> str:
+    """Layers per stage joined by '/', a run of three or more as COUNTxRUN: (7, 8, 8, 8, 7) -> '7/8x3/7'."""
+    parts: list[list[int]] = []
+    for c in counts:
+        if parts and parts[-1][0] == c:
+            parts[-1][1] += 1
+        else:
+            parts.append([c, 1])
+    return "/".join(f"{c}x{k}" if k > 2 else "/".join([str(c)] * k) for c, k in parts)
+
+
+def _split(values: dict[str, tuple[str, str]]) -> tuple[int, ...]:
+    """``split=7/8x14/7`` (``split_text``): layers per pipeline stage (``ParallelConfig.layer_split``);
+    () when absent."""
+    if "split" not in values:
+        return ()
+    name, text = values["split"]
+    counts: list[int] = []
+    for part in text.split("/"):
+        count, times, run = part.strip().partition("x")
+        run = run if times else "1"
+        if not count.isdigit() or not run.isdigit() or int(run) < 1:
+            raise AnalysisError(f"{name} must be layer counts joined by '/' (a run as COUNTxRUN), e.g. 7/8x14/7, "
+                                f"got {text!r}")
+        counts += [int(count)] * int(run)
+    return tuple(counts)
+
+
 def parse_plan(text: str, gpus: int) -> Plan:
-    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan; dp defaults to gpus / (tp pp cp).
+    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan (``split=7/8/8/7``: an uneven layer split);
+    dp defaults to gpus / (tp pp cp).
 
     Every count must be a positive integer (keep >= 0): the error names the key and the value."""
     values: dict[str, tuple[str, str]] = {}  # canonical key -> (the key as written, value)
@@ -369,7 +481,8 @@ def parse_plan(text: str, gpus: int) -> Plan:
         tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
-                             interleave=_count(values, "interleave", 1))
+                             interleave=_count(values, "interleave", 1), layer_split=_split(values),
+                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one

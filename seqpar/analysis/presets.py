@@ -7,7 +7,7 @@ printed, used only as the reference the recomputed values are shown and tested a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from seqpar.analysis.shapes import AnalysisError, model_config
 from seqpar.config import ModelConfig, ParallelConfig
@@ -74,10 +74,17 @@ EXTRA_SHAPES: dict[str, ModelConfig] = {
     "llama2-13b": model_config(layers=40, hidden=5120, heads=40, seq=4096, vocab=32000, ffn=13824, arch="llama"),
     "llama2-70b": model_config(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, ffn=28672,
                               kv_heads=8, arch="llama"),
-    "llama3-8b": model_config(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336,
-                              kv_heads=8, arch="llama"),
-    "llama3-70b": model_config(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn=28672,
-                              kv_heads=8, arch="llama"),
+    # Llama 3 rotates with theta 500000 (its model card's rope_theta), Llama 2 with 10000
+    "llama3-8b": replace(model_config(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336,
+                                      kv_heads=8, arch="llama"), rope_theta=500000.0),
+    "llama3-70b": replace(model_config(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn=28672,
+                                       kv_heads=8, arch="llama"), rope_theta=500000.0),
+    # 126 layers: no pp > 2 splits them evenly; Meta trained it at tp 8 x pp 16 with lighter end stages
+    "llama3-405b": replace(model_config(layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn=53248,
+                                        kv_heads=8, arch="llama"), rope_theta=500000.0),
+    # Mixture of experts (Mixtral-8x7B's model card): 8 experts of width 14336, top-2, every layer, theta 1e6
+    "mixtral-8x7b": replace(model_config(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=14336,
+                                         kv_heads=8, arch="llama"), rope_theta=1e6, experts=8, top_k=2),
 }
 
 

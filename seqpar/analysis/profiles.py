@@ -18,6 +18,7 @@ from seqpar.analysis.calibration import paper_calibration
 from seqpar.analysis.costmodel import Hardware
 from seqpar.analysis.hardware import TFLOPS, datasheet_hardware, known_gpu
 from seqpar.analysis.shapes import AnalysisError
+from seqpar.config import did_you_mean
 
 BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
@@ -60,46 +61,71 @@ def profile_to_json(hw) -> dict:
     return {n: getattr(hw, n) for n in PROFILE_FIELDS}
 
 
-def profile_from_json(data: dict, where: str = "profile"):
-    """A ``Hardware`` from a profile object; every error names the field and the value."""
+# field -> (rule as words, test); every value of a profile, from a file or a flag, is finite and in range
+_FRACTION_OPEN = ("in [0, 1)", lambda v: 0 <= v < 1)
+_POSITIVE = ("positive (finite)", lambda v: 0 < v < math.inf)
+_NON_NEGATIVE = (">= 0 (finite)", lambda v: 0 <= v < math.inf)
+FIELD_RULES = {
+    "memory_bytes": _POSITIVE, "peak_flops": _POSITIVE, "memory_bw": _POSITIVE, "intra_node_bw": _POSITIVE,
+    "inter_node_bw": _POSITIVE, "gemm_operand_bw": _POSITIVE,
+    "gemm_efficiency": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "comm_overlap": ("in [0, 1] (the share of a collective a GEMM beside it hides)", lambda v: 0 <= v <= 1),
+    "comm_latency": _NON_NEGATIVE, "layer_overhead": _NON_NEGATIVE, "step_overhead": _NON_NEGATIVE,
+    "reserve_fraction": _FRACTION_OPEN,
+    "error_band": ("in [0, 1) (a relative error: 0.1 is ±10%)", _FRACTION_OPEN[1]),
+}
+
+
+def check_field(name: str, value, where: str = "profile") -> None:
+    """Raise an AnalysisError naming ``name``, its rule and ``value`` unless the value is allowed."""
+    if name in ("name", "source"):
+        if not isinstance(value, str):
+            raise AnalysisError(f"{where}: {name} must be a string, got {value!r}")
+        return
+    if name == "gpus_per_node":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise AnalysisError(f"{where}: gpus_per_node must be a positive integer, got {value!r}")
+        return
+    if name == "gemm_operand_bw" and value is None:
+        return
+    rule, ok = FIELD_RULES[name]
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise AnalysisError(f"{where}: {name} must be a number ({rule}), got {value!r}")
+    if not ok(value):
+        raise AnalysisError(f"{where}: {name} must be {rule}, got {value!r}")
+
+
+def check_hardware(hw: Hardware, where: str = "profile") -> Hardware:
+    """``hw`` when every field passes ``check_field``."""
+    for f in fields(Hardware):
+        check_field(f.name, getattr(hw, f.name), where)
+    return hw
+
+
+def profile_from_json(data: dict, where: str = "profile", name: str = "custom profile"):
+    """A ``Hardware`` from a profile object; every error names the field and the value. Fields the object
+    does not give take the A100 data sheet's values (``costmodel.Hardware``'s defaults): the source says which,
+    and the profile is called by its own ``name`` (else ``name``), never by the A100's."""
     if not isinstance(data, dict):
         raise AnalysisError(f"{where}: expected a JSON object, got {type(data).__name__}")
     names = {f.name for f in fields(Hardware)}
     unknown = sorted(set(data) - names - {"measurements", "machine", "dtype", "version", "gemm_rate", "steps"})
     if unknown:
-        raise AnalysisError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(PROFILE_FIELDS)}")
-    values = {}
-    for f in fields(Hardware):
-        if f.name not in data:
-            continue
-        v = data[f.name]
-        if f.name == "gemm_operand_bw" and v is None:
-            pass
-        elif f.name in ("name", "source"):
-            if not isinstance(v, str):
-                raise AnalysisError(f"{where}: {f.name} must be a string, got {v!r}")
-        elif f.name == "gpus_per_node":
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise AnalysisError(f"{where}: gpus_per_node must be a positive integer, got {v!r}")
-        else:
-            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-                raise AnalysisError(f"{where}: {f.name} must be a number, got {v!r}")
-            if f.name in ("reserve_fraction", "step_overhead", "comm_latency", "layer_overhead"):
-                if v < 0 or (f.name == "reserve_fraction" and v >= 1):
-                    raise AnalysisError(f"{where}: {f.name} {v} is out of range")
-            elif f.name == "comm_overlap":
-                if not 0 <= v <= 1:
-                    raise AnalysisError(f"{where}: comm_overlap must be in [0, 1] (the share of a collective a GEMM "
-                                        f"beside it hides), got {v}")
-            elif v <= 0 or (f.name == "gemm_efficiency" and v > 1):
-                rule = "in (0, 1]" if f.name == "gemm_efficiency" else "positive"
-                raise AnalysisError(f"{where}: {f.name} must be {rule}, got {v}")
-        values[f.name] = v
+        raise AnalysisError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(PROFILE_FIELDS)}"
+                            + did_you_mean(unknown[0], PROFILE_FIELDS))
+    values = {k: data[k] for k in names & set(data)}
+    for key, value in values.items():
+        check_field(key, value, where)
     missing = [n for n in REQUIRED_FIELDS if n not in values]
     if missing:
         hint = (" (comm_overlap: the share of a collective a GEMM beside it hides, 1 on GPUs, about 0 on a CPU; "
                 "seqpar calibrate measures it)" if "comm_overlap" in missing else "")
         raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}{hint}")
+    defaulted = [n for n in PROFILE_FIELDS if n not in values and n not in ("name", "source")]
+    values.setdefault("name", name)
+    values.setdefault("source", where)
+    if defaulted:
+        values["source"] += f"; the A100 data sheet's defaults for {', '.join(defaulted)}"
     return Hardware(**values)
 
 
@@ -115,7 +141,7 @@ def load_profile(text: str):
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise AnalysisError(f"hardware profile {text}: not readable JSON ({err})") from err
-    return profile_from_json(data, where=f"hardware profile {text}")
+    return profile_from_json(data, where=f"hardware profile {text}", name=path.stem)
 
 
 def hardware_for(profile: str | None, gpu: str = "a100", *, gpus_per_node: int | None = None,
@@ -124,14 +150,25 @@ def hardware_for(profile: str | None, gpu: str = "a100", *, gpus_per_node: int |
                  inter_node_gbps: float | None = None, reserve: float | None = None):
     """The cost model's machine for `seqpar plan`: ``profile`` (built-in name or file), else ``gpu``'s data
     sheet x the A100 fit's achieved fractions; then each value given overrides the profile's (and the
-    source says so)."""
+    source says so). Every value given is checked as a profile's is (finite, in range)."""
     hw = load_profile(profile) if profile else scaled_from_a100(known_gpu(gpu))
-    given = {"gpus_per_node": gpus_per_node, "memory_bytes": memory_gb and memory_gb * 1e9,
-             "peak_flops": peak_tflops and peak_tflops * TFLOPS, "gemm_efficiency": gemm_efficiency,
-             "intra_node_bw": intra_node_gbps and intra_node_gbps * 1e9,
-             "inter_node_bw": inter_node_gbps and inter_node_gbps * 1e9, "reserve_fraction": reserve}
-    given = {k: v for k, v in given.items() if v is not None}
+    flags = {"gpus_per_node": ("--gpus-per-node", gpus_per_node, 1), "memory_bytes": ("--gpu-memory", memory_gb, 1e9),
+             "peak_flops": ("--peak-tflops", peak_tflops, TFLOPS),
+             "gemm_efficiency": ("--gemm-efficiency", gemm_efficiency, 1),
+             "intra_node_bw": ("--intra-node-gbps", intra_node_gbps, 1e9),
+             "inter_node_bw": ("--inter-node-gbps", inter_node_gbps, 1e9),
+             "reserve_fraction": ("--reserve", reserve, 1)}
+    given = {}
+    for key, (flag, value, unit) in flags.items():
+        if value is None:
+            continue
+        given[key] = value if key == "gpus_per_node" else value * unit
+        try:
+            check_field(key, given[key])
+        except AnalysisError:
+            rule = "a positive integer" if key == "gpus_per_node" else FIELD_RULES[key][0]
+            raise AnalysisError(f"{flag} must be {rule}, got {value!r}") from None
     timing = sorted(set(given) & {"peak_flops", "gemm_efficiency", "intra_node_bw", "inter_node_bw"})
     if timing:
         hw = replace(hw, source=hw.source + f"; overridden by hand: {', '.join(timing)}")
-    return replace(hw, **given)
+    return check_hardware(replace(hw, **given))

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
 from seqpar.analysis.memory import layer_activation_terms
+from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
-from seqpar.analysis.states import stage_parameters, state_bytes
+from seqpar.analysis.states import stage_state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -44,9 +46,24 @@ class StageMemory:
 
 
 def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
-                rc: RecomputeConfig) -> dict[str, float]:
+                rc: RecomputeConfig, routing: Routing | None = None) -> dict[str, float]:
     """Table 2 bytes of one layer of this model on one tp rank under ``rc`` (its finer modules included),
-    per stored tensor (``memory.layer_activation_terms``)."""
+    per stored tensor (``memory.layer_activation_terms``); an MoE model's layer (``moe_every`` 1) keeps the
+    MoE terms instead of the MLP's (``seqpar.analysis.moe``), for ``routing`` (default: balanced)."""
+    terms = _dense_layer_terms(shape, par, b, opts, rc)
+    if not shape.experts or rc.granularity == "full":
+        return terms
+    if shape.moe_every != 1:
+        raise AnalysisError(f"the per-layer formula takes every layer MoE or none (moe_every {shape.moe_every})")
+    for name in ("swiglu_input", "gelu_input", "fc2_input"):  # the dense MLP's, replaced by the experts
+        terms.pop(name, None)
+    tokens = shape.seq_len // par.cp * b // (par.tp if par.sp else 1)
+    return terms | moe_terms(shape, routing or balanced_routing(shape, tokens), ep=par.ep, tp=par.tp, sp=par.sp,
+                             act_bytes=opts.act_bytes, modules=rc.selective_modules)
+
+
+def _dense_layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
+                       rc: RecomputeConfig) -> dict[str, float]:
     return layer_activation_terms(shape.seq_len, b, shape.hidden_size, shape.num_heads, par.tp, sp=par.sp,
                                   recompute=rc.granularity, modules=rc.selective_modules or None, ffn=shape.ffn,
                                   act_bytes=opts.act_bytes, mask_bytes=opts.mask_bytes, dropout=opts.dropout,
@@ -56,15 +73,37 @@ def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Activatio
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
-                rc: RecomputeConfig) -> float:
+                rc: RecomputeConfig, routing: Routing | None = None) -> float:
     """Sum of ``layer_terms``."""
-    return sum(layer_terms(shape, par, b, opts, rc).values())
+    return sum(layer_terms(shape, par, b, opts, rc, routing).values())
+
+
+def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
+    """Layers in each chunk of pipeline rank ``rank``: L/(pm), or its entry of an uneven ``layer_split``
+    (one chunk per rank; ``validate_layout`` refuses an uneven interleaved split)."""
+    if par.layer_split:
+        return par.layer_counts(shape.num_layers)[rank]
+    return layers_per_chunk(shape, par)
+
+
+def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
+    """The pipeline ranks that bound the others' memory and time: rank 0 (the most in flight, the embedding),
+    the last (the output layer) and, under an uneven split, the first rank of each layer count (the in-flight
+    count and the recomputed share fall with the rank, so later ranks of a count hold and run less)."""
+    ranks = {0, par.pp - 1}
+    if par.layer_split:
+        counts = par.layer_counts(shape.num_layers)
+        ranks |= {counts.index(n) for n in set(counts)}
+    return sorted(ranks)
 
 
 def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                opts: ActivationOptions) -> float:
-    """Bytes one chunk-microbatch (L/(pm) layers) keeps under ``rc``'s granularity (Sec. 5)."""
-    n_layers = layers_per_chunk(shape, par)
+                opts: ActivationOptions, rank: int = 0) -> float:
+    """Bytes one chunk-microbatch of pipeline rank ``rank`` (L/(pm) layers, or its uneven share) keeps
+    under ``rc``'s granularity (Sec. 5)."""
+    n_layers = rank_layers(shape, par, rank)
+    if n_layers == 0:
+        return 0.0
     if rc.granularity in ("none", "selective"):
         return n_layers * layer_bytes(shape, par, b, opts, rc)
     checkpoint = layer_bytes(shape, par, b, opts, FULL)  # one layer input
@@ -75,8 +114,10 @@ def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
 
 
 def recompute_working_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                            opts: ActivationOptions) -> float:
+                            opts: ActivationOptions, rank: int = 0) -> float:
     """Transient bytes recomputation rebuilds in backward for one chunk-microbatch at a time."""
+    if rank_layers(shape, par, rank) == 0:
+        return 0.0
     full_layer = layer_bytes(shape, par, b, opts, NONE)
     if rc.granularity == "selective":
         return full_layer - layer_bytes(shape, par, b, opts, rc)
@@ -160,15 +201,19 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
     r = in_flight_chunks(rank, par.pp, par.interleave, n)
     kept = min(rc.keep_microbatches, r) if rc.granularity != "none" else 0
-    terms = state_bytes(stage_parameters(shape, par, rank), opt, par.dp * par.cp)  # distributed: over dp × cp
-    terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts)
+    if par.fsdp:  # sharded parameters, gradients and optimizer state, plus the gathered layers in flight
+        terms = {k: float(v) for k, v in stage_fsdp_state_bytes(shape, par, rank).items()}
+        terms["fsdp_in_flight"] = float(in_flight_bytes(shape, par, opt.param_bytes, rank=rank))
+    else:
+        terms = stage_state_bytes(shape, par, rank, opt)  # distributed: over dp × cp (routed experts: dp·cp/ep)
+    terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
     if kept:
-        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts)
+        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts, rank)
     terms.update(sec43_extra_terms(shape, par, b, opts, rank, n))
     if not opts.free_pipeline_outputs and par.pp > 1:
         terms["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, r)
     if r > kept and rc.granularity != "none":
-        terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts)
+        terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
     return StageMemory(rank=rank, in_flight=r, terms=terms)
 
 

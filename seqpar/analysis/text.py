@@ -9,6 +9,13 @@ def gb(nbytes: float, digits: int = 1) -> str:
     return f"{nbytes / GB:.{digits}f}"
 
 
+def pct_change(ratio: float, digits: int = 1) -> str:
+    """``ratio`` - 1 as a signed percentage (``+3.2%``, ``-1.5%``); ``±0.0%`` when it rounds to zero, never
+    ``-0.0%``."""
+    value = round(100 * (ratio - 1), digits)
+    return f"±{0:.{digits}f}%" if value == 0 else f"{value:+.{digits}f}%"
+
+
 def table(headers: list[str], rows: list[list], left: tuple[int, ...] = (0,)) -> str:
     """Columns padded to their widest cell; columns in ``left`` left-aligned, the rest right-aligned."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]

@@ -8,6 +8,9 @@ reduction without overlap, the part not hidden behind the backward with it. ``re
 is the difference of the two finalize times, ``step_saved_s`` that of the step times (smaller when
 the collectives' own CPU work slows the backward, as gloo's does on a CPU that the backward keeps
 busy). ``--distributed-optimizer`` runs both modes with it (reduce-scatter instead of all-reduce).
+
+Then (``sharding``, ``seqpar.bench.sharding``): plain data parallelism, the distributed optimizer and FSDP2
+at dp 2 and 4 (``--sharding-dps``): step time and model-state bytes per rank, measured and predicted.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 import torch
 
 from seqpar.bench.common import add_shape_arguments, add_timing_arguments, machine, max_over_ranks, median
+from seqpar.bench.sharding import render_sharding, run_sharding
 
 QUICK = {"hidden": 32, "heads": 4, "seq": 16, "micro_batch": 1, "layers": 2, "vocab": 64, "repeats": 1,
          "warmup": 1, "bucket_mb": 0.01}
@@ -32,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--sharding-dps", default="2,4",
+                   help="dp sizes of the plain DP / distributed optimizer / FSDP comparison ('' skips it)")
 
 
 def _rank(rank: int, world: int, args) -> dict:
@@ -96,6 +102,9 @@ def run(args) -> dict:
                         "finalize_s": median(out["times"][mode]["finalize"])}
     result["reduction_hidden_s"] = result["after_backward"]["finalize_s"] - result["overlapped"]["finalize_s"]
     result["step_saved_s"] = result["after_backward"]["step_s"] - result["overlapped"]["step_s"]
+    dps = tuple(int(x) for x in str(args.sharding_dps).split(",") if x.strip())
+    if dps:
+        result["sharding"] = run_sharding(plain, dps)
     return result
 
 
@@ -110,4 +119,8 @@ def render(r: dict) -> str:
     lines.append(f"  reduction time hidden behind the backward: {r['reduction_hidden_s']:.4f} s; "
                  f"step time saved: {r['step_saved_s']:.4f} s")
     lines.append(f"  (median of {c['repeats']} repeats, slowest rank; load {r['machine']['load_avg_1min']})")
+    if "sharding" in r:
+        lines.append("model states sharded over dp: plain DP, distributed optimizer (ZeRO-1), FSDP2 (most loaded rank,"
+                     " measured; the formula beside it)")
+        lines += render_sharding(r["sharding"])
     return "\n".join(lines)

@@ -135,7 +135,7 @@ def _train_and_save(rank: int, world: int, args, out: str, ref: str) -> dict:
     loss = forward_backward(chunks, [(tokens[:, :-1], tokens[:, 1:])], dims, par)
     finalize_grads(chunks, dims)
     opt.step(1, opt.grad_norm())
-    record = state_record(job, opt)
+    record = state_record(job, opt, dims.pp_rank, dims.grad_rank)
     held = {k: record[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")}
     meta = {"step": 1, "skipped": 0, "has_optimizer": True, "config": job.to_dict()}
     path, save_extra = rss.extra(lambda: ckpt.save(Path(out) / "checkpoints", 1, opt.checkpoint_views(), meta))

@@ -50,6 +50,10 @@ def run(args) -> int:
     nproc = args.nproc if args.nproc is not None else _default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
+    if args.out:
+        from seqpar.commands.out_path import check_out_file
+
+        check_out_file(args.out, "--out")  # before minutes of benchmarks, not after
     profile = calibrate(nproc, args.dtype, "quick" if args.quick else "full")
     if args.out:
         args.out.write_text(json.dumps(profile, indent=1))

@@ -1,9 +1,10 @@
 """`seqpar eval CHECKPOINT [--data PATH]`: the loss of a checkpoint on given data (one process).
 
-By default the held-out split training validated on (the last ``val_fraction`` of the data the run
-used); ``--data`` names other data (read with the run's tokenizer unless ``--tokenizer``), and
-``--split all`` scores the whole of it. The windows are ``seq_len`` tokens each, evenly spaced over
-the split and covering it once (``--batches`` caps them); the loss is the mean over every token.
+By default the held-out split training validated on, and the trainer's own fixed validation windows
+(``eval_batches × micro_batch`` of the run: the validation loss it logged, in seconds); ``--batches``
+scores that many forwards of ``--micro-batch`` windows, ``--full`` windows covering the split once.
+``--data`` names other data (read with the run's tokenizer unless ``--tokenizer``), ``--split all``
+every token of it. A progress line (windows, tokens/s, ETA) goes to stderr.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="val: the held-out tail training validated on; all: every token (default %(default)s)")
     p.add_argument("--micro-batch", type=int, default=8, help="windows per forward (default %(default)s)")
     p.add_argument("--batches", type=int, default=0,
-                   help="at most this many forwards; 0 = cover the split once (default %(default)s)")
+                   help="this many forwards of --micro-batch windows; 0: the trainer's validation windows "
+                        "(default %(default)s)")
+    p.add_argument("--full", action="store_true", help="windows covering the whole split once (slow on big data)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -33,7 +37,10 @@ def run(args) -> int:
     path = checkpoint_of(args)
     if args.micro_batch < 1 or args.batches < 0:
         raise ConfigError(f"--micro-batch {args.micro_batch} must be >= 1 and --batches {args.batches} >= 0")
-    result = evaluate_checkpoint(path, args.data, args.tokenizer, args.split, args.micro_batch, args.batches)
+    if args.full and args.batches:
+        raise ConfigError("--full and --batches both choose the windows: give one")
+    result = evaluate_checkpoint(path, args.data, args.tokenizer, args.split, args.micro_batch, args.batches,
+                                 full=args.full, progress=not args.no_progress and not args.json)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -16,12 +16,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from seqpar.data.tokenizer import of_checkpoint
     from seqpar.interop.checkpoints import export_hf, write_tokenizer
+    from seqpar.train import checkpoint as ckpt
 
     args.checkpoint = checkpoint_of(args)
+    folder = ckpt.resolve(args.checkpoint)
+    of_checkpoint(folder, ckpt.read_meta(folder))  # a tokenizer gone or changed: refused before writing
     path = export_hf(args.checkpoint, args.out)
     print(f"exported {args.checkpoint} -> {path}")
     tokenizer = write_tokenizer(args.checkpoint, path)
-    if tokenizer:
-        print(f"  with the run's tokenizer: {tokenizer}")
+    print(f"  with {tokenizer}" if tokenizer else "  without a tokenizer: the run recorded none and its vocabulary "
+          "is not byte-level")
     return 0

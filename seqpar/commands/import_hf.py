@@ -17,7 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from seqpar.interop.checkpoints import import_hf
+    from seqpar.train import checkpoint as ckpt
 
     path = import_hf(args.folder, args.out)
-    print(f"imported {args.folder} -> {path}")
+    record = ckpt.read_meta(path).get("tokenizer")
+    print(f"imported {args.folder} -> {path}" + (f" with its tokenizer ({record['vocab_size']} tokens)" if record
+                                                 else " (the folder has no tokenizer)"))
     return 0

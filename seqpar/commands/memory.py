@@ -1,5 +1,6 @@
 """`seqpar memory`: activation bytes of one transformer layer on one rank -- the paper's Table 2
-formula, the exact per-tensor derivation, and (``--measure``) what autograd really keeps."""
+formula, the exact per-tensor derivation, and (``--measure``) what autograd really keeps; with
+``--states``, the model states per rank under plain DP, the distributed optimizer and FSDP / HSDP."""
 
 from __future__ import annotations
 
@@ -17,26 +18,30 @@ from seqpar.config import (
     ModelConfig,
 )
 
+# the model without --model (a preset's shape replaces these, and any flag given overrides either)
+SHAPE_DEFAULTS = {"hidden": 512, "heads": 8, "seq": 256, "vocab": 512, "ffn": None, "kv_heads": None, "arch": "gpt"}
+
 
 def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
-    d = {"layers": 1, "hidden": 512, "heads": 8, "seq": 256, "micro_batch": 2, "vocab": 512, "ffn": None,
-         "dtype": "bf16"} | defaults
+    d = {"layers": 1, "micro_batch": 2, "dtype": "bf16"} | defaults
     g = p.add_argument_group("model (paper notation)")
+    g.add_argument("--model", metavar="PRESET", help="a `seqpar plan` preset's shape (22b, gpt3-6.7b, llama3-8b, ...); "
+                   "the flags below override it (default: none, the defaults below)")
     g.add_argument("--layers", type=int, default=d["layers"], help="L (default %(default)s)")
-    g.add_argument("--hidden", type=int, default=d["hidden"], help="h (default %(default)s)")
-    g.add_argument("--heads", type=int, default=d["heads"], help="a (default %(default)s)")
-    g.add_argument("--seq", type=int, default=d["seq"], help="s (default %(default)s)")
+    for flag, name in (("hidden", "h"), ("heads", "a"), ("seq", "s"), ("vocab", "v")):
+        g.add_argument(f"--{flag}", type=int, help=f"{name} (default: the preset's, else {SHAPE_DEFAULTS[flag]})")
     g.add_argument("--micro-batch", type=int, default=d["micro_batch"], help="b (default %(default)s)")
-    g.add_argument("--vocab", type=int, default=d["vocab"], help="v (default %(default)s)")
-    g.add_argument("--ffn", type=int, default=d["ffn"], help="FFN width f (default 4h)")
+    g.add_argument("--ffn", type=int, help="FFN width f (default: the preset's, else 4h)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
     g.add_argument("--dropout", type=float, default=None,
                    help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
                         "as in `seqpar plan` and `seqpar paper`)")
     a = p.add_argument_group("architecture (default: the paper's GPT)")
-    a.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
-                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default %(default)s)")
-    a.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention (default: = heads)")
+    a.add_argument("--arch", choices=["gpt", "llama"],
+                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: the "
+                        "preset's, else gpt)")
+    a.add_argument("--kv-heads", type=int, default=None,
+                   help="grouped-query attention (default: the preset's, else = heads)")
     a.add_argument("--attention", choices=ATTENTIONS, default="auto",
                    help="materialized s² scores (the paper), fused scaled_dot_product_attention, or auto: sdpa "
                         "where the dropout is 0, else materialized (default %(default)s)")
@@ -45,22 +50,44 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
                    help="override the --arch's MLP activation (default: the arch's)")
     a.add_argument("--position", choices=POSITIONS, default=None,
                    help="override the --arch's positions (default: the arch's)")
+    m = p.add_argument_group("mixture of experts (default: a dense MLP)")
+    m.add_argument("--experts", type=int, default=0, help="routed experts E in place of the MLP (default %(default)s)")
+    m.add_argument("--top-k", type=int, default=2, help="experts per token K (default %(default)s)")
+    m.add_argument("--moe-ffn", type=int, default=None, help="each expert's width (default: --ffn)")
+    m.add_argument("--capacity", type=float, default=0.0,
+                   help="capacity factor c: each expert takes ceil(c·T·K/E) of a rank's T tokens (default 0: dropless)")
 
 
 # the Llama-style layer's fields but its dropout, which --dropout sets
 LLAMA = {k: v for k, v in ARCH_FIELDS["llama"].items() if not k.endswith("dropout")}
 
 
+def shape_from_args(args) -> dict:
+    """hidden, heads, seq, vocab, ffn, kv_heads, arch: each flag given, else ``--model``'s, else ``SHAPE_DEFAULTS``."""
+    base = dict(SHAPE_DEFAULTS)
+    if getattr(args, "model", None):
+        from seqpar.analysis.presets import preset_shape
+
+        m = preset_shape(args.model)
+        base = {"hidden": m.hidden_size, "heads": m.num_heads, "seq": m.seq_len, "vocab": m.vocab_size,
+                "ffn": m.ffn_hidden_size, "kv_heads": m.kv_heads, "arch": m.arch}
+    return {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in base.items()}
+
+
 def model_from_args(args) -> ModelConfig:
-    arch = LLAMA if args.arch == "llama" else {}
     from seqpar.analysis.shapes import default_dropout
 
-    dropout = args.dropout if args.dropout is not None else default_dropout(args.arch)
+    shape = shape_from_args(args)
+    arch = LLAMA if shape["arch"] == "llama" else {}
+    dropout = args.dropout if args.dropout is not None else default_dropout(shape["arch"])
     chosen = {k: getattr(args, k) for k in ("norm", "activation", "position") if getattr(args, k) is not None}
-    return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                       seq_len=args.seq, ffn_hidden_size=args.ffn, dtype=args.dtype, embd_dropout=dropout,
-                       attn_dropout=0.0 if args.attention == "sdpa" else dropout, hidden_dropout=dropout,
-                       kv_heads=args.kv_heads, attention=args.attention, **(arch | chosen)).validate()
+    return ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_heads=shape["heads"],
+                       num_layers=args.layers, seq_len=shape["seq"], ffn_hidden_size=shape["ffn"], dtype=args.dtype,
+                       embd_dropout=dropout, attn_dropout=0.0 if args.attention == "sdpa" else dropout,
+                       hidden_dropout=dropout, kv_heads=shape["kv_heads"], attention=args.attention,
+                       experts=getattr(args, "experts", 0), top_k=getattr(args, "top_k", 2),
+                       moe_ffn_hidden_size=getattr(args, "moe_ffn", None), moe_capacity=getattr(args, "capacity", 0.0),
+                       **(arch | chosen)).validate()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
     p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none",
                    help="activation recomputation (default %(default)s)")
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
@@ -80,6 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-chunk-kib", type=int, default=None,
                    help="with --measure: the cross entropy's chunk in KiB of fp32 rows (default: the runtime's, "
                         "32768)")
+    g = p.add_argument_group("model states (--states: weights, gradients, optimizer per rank, formula)")
+    g.add_argument("--states", action="store_true",
+                   help="model states of each pipeline rank under plain DP, the distributed optimizer and FSDP")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default %(default)s)")
+    g.add_argument("--fsdp-shard-size", type=int, default=0,
+                   help="HSDP: shard inside groups of this many dp × cp ranks (default 0: all of them)")
     add_model_arguments(p)
     add_schedule_arguments(p)
 
@@ -115,19 +150,24 @@ def run(args) -> int:
     from seqpar.config import ConfigError
     from seqpar.measure.table2 import measure_rows, plan_rows
 
-    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "micro_batch"):
+    for flag in ("pp", "interleave", "microbatches", "tp", "cp", "ep", "micro_batch", "dp"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "fsdp_shard_size", 0) < 0:
+        raise ConfigError(f"--fsdp-shard-size must be >= 0 (0: all dp × cp ranks), got {args.fsdp_shard_size}")
     if getattr(args, "keep_microbatches", 0) < 0:
         raise ConfigError(f"--keep-microbatches must be >= 0, got {args.keep_microbatches}")
+    if getattr(args, "states", False):
+        return run_states(args)
     if getattr(args, "pp", 1) > 1 or getattr(args, "microbatches", None) is not None:
         return run_schedule(args)
     if args.layers is None:
         args.layers = 1
     cfg = model_from_args(args)
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
-    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp)
+    rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
+                     ep=args.ep)
     loss = None
     if args.measure:
         from seqpar.dtypes import torch_dtype
@@ -146,7 +186,7 @@ def run(args) -> int:
         return 0
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     core = cfg.attention_core + (" (auto)" if cfg.attention == "auto" else "")
-    arch = f"{args.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {core}"
+    arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {core}"
     cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, ring attention" if args.cp > 1 else ""
     print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {cfg.hidden_dropout} "
           f"({arch}){cp}")
@@ -161,6 +201,13 @@ def run(args) -> int:
             for t in r.tensors:
                 print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
     print("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
+    if cfg.experts:
+        print(f"MoE (E={cfg.experts}, K={cfg.top_k}, ep={args.ep}): formula = balanced routing; exact = the routing "
+              "rank 0 saw (T tokens routed, N assignments kept, R rows its experts ran):")
+        for r in rows:
+            seen = r.routing.get("measured")
+            print(f"  {r.row}: balanced T, N, R = {r.routing['balanced']}"
+                  + (f"; measured {seen}, rows per local expert {r.routing['per_expert']}" if seen else ""))
     if rows[0].vanished or rows[0].added:
         print("formula = the per-tensor derivation for this architecture (Table 2 assumes the paper's GPT).")
     for r in rows:
@@ -246,4 +293,34 @@ def run_schedule(args) -> int:
           "of the padded vocabulary shard ⌈v/t⌉) + norm statistics (LayerNorm mean/rstd, RMSNorm fp32 rstd); exact "
           "adds the final norm's statistics, the output being sent (App. B) and index/int64 bookkeeping.")
     print("The recompute working set rebuilt during a backward is transient and left out of both.")
+    return 0
+
+
+def run_states(args) -> int:
+    """``--states``: each pipeline rank's model states (most loaded dp rank) under plain DP, the
+    distributed optimizer and FSDP or HSDP over dp × cp (``seqpar.analysis.fsdp_states.compare_states``)."""
+    from seqpar.analysis.fsdp_states import compare_states
+    from seqpar.config import ParallelConfig
+
+    if args.layers is None:
+        args.layers = args.pp * args.interleave
+    cfg = model_from_args(args)
+    par = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, interleave=args.interleave,
+                         fsdp=args.dp * args.cp > 1, fsdp_shard_size=args.fsdp_shard_size).validate(cfg)
+    rows = compare_states(cfg, par)
+    if args.json:
+        print(json.dumps({"states": rows}))
+        return 0
+    print(f"model states per rank ({cfg.dtype}): L={cfg.num_layers} h={cfg.hidden_size} v={cfg.vocab_size}, "
+          f"{par.describe_world()}; most loaded dp rank of each pipeline rank")
+    print(f"{'pp rank':>7}  {'mode':<22}{'parameters':>14}{'gradients':>14}{'optimizer':>14}{'total':>14}"
+          f"{'vs dp':>7}{'in flight':>14}")
+    for r in rows:
+        base = next(x for x in rows if x["rank"] == r["rank"] and x["mode"] == "dp")["total"]
+        print(f"{r['rank']:>7}  {r['mode']:<22}{_human(r['parameters']):>14}{_human(r['gradients']):>14}"
+              f"{_human(r['optimizer_states']):>14}{_human(r['total']):>14}{r['total'] / base:>7.3f}"
+              f"{_human(r['in_flight']) if r['in_flight'] else '-':>14}")
+    print("fsdp: fp32 shards (the masters) and fp32 gradient shards, padded to ceil(rows / N) rows, and Adam's "
+          "moments of the rank's own rows; in flight (an estimate): the root unit and two layers gathered, one "
+          "unit's fp32 reduce-scatter input.")
     return 0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=int, help="v (default: the preset's)")
     g.add_argument("--ffn", type=int, help="FFN width f (default 4h)")
     g.add_argument("--kv-heads", type=int, help="grouped-query attention: kv heads (default = heads)")
+    g.add_argument("--experts", type=int, help="routed experts in place of every MLP (mixture of experts; the "
+                   "planner then searches ep); default: the preset's, else 0")
+    g.add_argument("--top-k", type=int, help="experts per token (default: the preset's, else 2)")
+    g.add_argument("--moe-ffn", type=int, help="each expert's width (default: --ffn)")
     g.add_argument("--arch", choices=["gpt", "llama"],
                    help="gpt (the paper's, default) or llama: RMSNorm, SwiGLU, RoPE, no biases, untied output")
     g = p.add_argument_group("machine")
@@ -45,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
     g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    g.add_argument("--fsdp", action="store_true",
+                   help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="training precision: bf16/fp16 mixed precision (18 B/param model states, default) or "
                         "fp32 throughout (16 B/param, 4-byte activations)")
@@ -86,13 +93,26 @@ def _shape(args):
         fields = {"layers": base.num_layers, "hidden": base.hidden_size, "heads": base.num_heads,
                   "seq": base.seq_len, "vocab": base.vocab_size, "ffn": base.ffn_hidden_size,
                   "kv_heads": base.kv_heads, "arch": base.arch} | given
-        return model_config(**fields).validate(), preset_name(args.model) + ("*" if given else "")
+        moe = {k: getattr(base, k) for k in MOE_FIELDS} | _moe_flags(args)
+        name = preset_name(args.model) + ("*" if given or _moe_flags(args) else "")
+        return dataclasses.replace(model_config(**fields), **moe).validate(), name
     dims["arch"] = dims["arch"] or "gpt"
     missing = [k for k in ("layers", "hidden", "heads", "seq", "vocab") if dims[k] is None]
     if missing:
         raise AnalysisError(f"give --model or all of --layers --hidden --heads --seq --vocab (missing: "
                             f"{', '.join('--' + m for m in missing)})")
-    return model_config(**dims).validate(), "custom"
+    return dataclasses.replace(model_config(**dims), **_moe_flags(args)).validate(), "custom"
+
+
+MOE_FIELDS = ("experts", "top_k", "moe_every", "moe_ffn_hidden_size", "moe_norm_topk", "shared_expert_ffn",
+              "shared_expert_gate")
+
+
+def _moe_flags(args) -> dict:
+    """The mixture-of-experts fields the flags give (``--experts``, ``--top-k``, ``--moe-ffn``)."""
+    given = {"experts": getattr(args, "experts", None), "top_k": getattr(args, "top_k", None),
+             "moe_ffn_hidden_size": getattr(args, "moe_ffn", None)}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def request_from_args(args):
@@ -108,20 +128,14 @@ def request_from_args(args):
         if setup is None:
             raise AnalysisError("give --global-batch (only the Table 3 presets have a default)")
         batch = setup.global_batch
-    for name, value in (("gpus", args.gpus), ("gpus-per-node", args.gpus_per_node), ("global-batch", batch),
-                        ("gpu-memory", args.gpu_memory), ("intra-node-gbps", args.intra_node_gbps),
-                        ("inter-node-gbps", args.inter_node_gbps), ("top", args.top),
-                        ("max-micro-batch", args.max_micro_batch), ("peak-tflops", args.peak_tflops)):
-        if value is not None and (value < 1 if isinstance(value, int) else value <= 0):
+    for name, value in (("gpus", args.gpus), ("global-batch", batch), ("top", args.top),
+                        ("max-micro-batch", args.max_micro_batch)):
+        if value < 1:
             raise AnalysisError(f"--{name} must be positive, got {value}")
-    if args.reserve is not None and not 0 <= args.reserve < 1:
-        raise AnalysisError(f"--reserve {args.reserve} must be in [0, 1)")
-    if args.gemm_efficiency is not None and not 0 < args.gemm_efficiency <= 1:
-        raise AnalysisError(f"--gemm-efficiency {args.gemm_efficiency} must be in (0, 1]")
     hw = hardware_for(args.hardware, args.gpu, gpus_per_node=args.gpus_per_node, memory_gb=args.gpu_memory,
                       peak_tflops=args.peak_tflops, gemm_efficiency=args.gemm_efficiency,
                       intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                      reserve=args.reserve)
+                      reserve=args.reserve)  # checks the machine flags too: finite, in range
     dropout = 0.0 if args.no_dropout else args.dropout if args.dropout is not None else default_dropout(shape.arch)
     if not 0 <= dropout < 1:
         raise AnalysisError(f"--dropout must be in [0, 1), got {dropout}")
@@ -136,19 +150,31 @@ def request_from_args(args):
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,
-                   try_distributed_optimizer=args.distributed_optimizer, max_micro_batch=args.max_micro_batch,
-                   name=model_name)
+                   try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
+                   max_micro_batch=args.max_micro_batch, name=model_name)
 
 
 def _emit(args, req, plan) -> None:
     """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import plan_toml
+    from seqpar.analysis.emit import SCHEDULE_KEYS, plan_toml
+    from seqpar.train.config import TrainConfig
 
-    args.emit_config.write_text(plan_toml(req, plan))
+    defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
+    args.emit_config.write_text(plan_toml(req, plan, defaults))
     print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
           f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
+
+
+def _check_outputs(args) -> None:
+    """--emit-config and --plot: where the results go, checked before the search."""
+    from seqpar.commands.out_path import check_out_file, check_out_folder
+
+    if args.emit_config is not None:
+        check_out_file(args.emit_config, "--emit-config")
+    if args.plot is not None:
+        check_out_folder(args.plot, "--plot")
 
 
 def run(args) -> int:
@@ -156,6 +182,7 @@ def run(args) -> int:
     from seqpar.analysis.shapes import AnalysisError
 
     try:
+        _check_outputs(args)
         req = request_from_args(args)
         explain = planner.parse_plan(args.explain, args.gpus) if args.explain is not None else None
         if explain is not None:  # a layout that cannot run this model is bad input: one line, exit 2
@@ -194,7 +221,8 @@ def run(args) -> int:
             if plans:  # the chosen plan's every pipeline rank, as --explain gives them
                 plans[0]["stages"] = planner.stages_json(planner.evaluate(req, ranked[0].plan, every_rank=True).stages)
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
-                              "settings": planner.settings(req), "hardware": profile_to_json(req.hw)}))
+                              "settings": planner.settings(req), "hardware": profile_to_json(req.hw),
+                              "ruled_out": planner.rejection_lines(req, stats)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
         if args.plot and ranked:

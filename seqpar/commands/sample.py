@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "which is not printed)")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=20, help="keep the k most likely tokens; 0 = all (default %(default)s, "
+                   "as the sample at the end of training)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--tokenizer", help="tokenizers JSON file (default: the one training used; else bytes)")
 

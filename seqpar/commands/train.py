@@ -13,12 +13,14 @@ import sys
 
 from seqpar.config import ARCH_FIELDS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
 from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
-from seqpar.train.start import start
 
 # flag dest -> (section, key)
 FLAG_KEYS = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
-    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"),
+    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
+    "experts": ("model", "experts"), "top_k": ("model", "top_k"), "moe_every": ("model", "moe_every"),
+    "fsdp": ("parallel", "fsdp"), "reshard_after_forward": ("parallel", "reshard_after_forward"),
+    "fsdp_shard_size": ("parallel", "fsdp_shard_size"),
     "distributed_optimizer": ("train", "distributed_optimizer"),
     "overlap_grad_reduce": ("train", "overlap_grad_reduce"), "compile": ("train", "compile"),
     "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
@@ -33,7 +35,7 @@ FLAG_KEYS = {
     "out": ("train", "out_dir"), "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
     "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
     "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
-    "sample_prompt": ("train", "sample_prompt"),
+    "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
@@ -81,11 +83,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp", type=int, help="context-parallel size: the sequence split over cp ranks in every region, "
                    f"ring attention between them (docs/context_parallel.md) {d('cp')}")
     g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp × cp))")
+    g.add_argument("--ep", type=int, help="expert-parallel size: the routed experts split over ep of the dp × cp "
+                   f"ranks, tokens exchanged by all-to-all {d('ep')}")
     g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help=f"sequence parallelism over the tp ranks {d('sp')}")
     g.add_argument("--interleave", type=int, help=f"virtual pipeline chunks per rank m {d('interleave')}")
     g.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help=f"shard the fp32 master weights and Adam moments over dp {d('distributed_optimizer')}")
+    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="FSDP2 over the dp × cp ranks: parameters, gradients and optimizer state sharded, each layer "
+                        f"gathered for its forward and backward (docs/fsdp.md) {d('fsdp')}")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="fsdp: free each layer's gathered weights after its forward (ZeRO-3; off: keep them to the "
+                        f"backward, ZeRO-2) {d('reshard_after_forward')}")
+    g.add_argument("--fsdp-shard-size", type=int,
+                   help="HSDP: shard inside groups of this many dp × cp ranks, replicate across them (default 0: "
+                        "shard over all)")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reduce gradient buckets during the backward {d('overlap_grad_reduce')}")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -107,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int, help=f"a {d('heads')}")
     g.add_argument("--kv-heads", type=int, help="grouped-query attention (default: = heads)")
     g.add_argument("--ffn", type=int, help="FFN width (default 4h)")
+    g.add_argument("--experts", type=int, help=f"routed experts E in place of the MLP, 0: dense {d('experts')}")
+    g.add_argument("--top-k", type=int, help=f"experts per token {d('top_k')}")
+    g.add_argument("--moe-every", type=int, help=f"every k-th layer is MoE {d('moe_every')}")
     g.add_argument("--vocab", type=int, help=f"v {d('vocab')}")
     g.add_argument("--seq", type=int, help=f"s {d('seq')}")
     g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help=f"compute dtype {d('dtype')}")
@@ -124,7 +140,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help=f"sequences per step over all dp ranks {d('global_batch')}")
     g.add_argument("--seed", type=int, help=f"seeds the weights, the batch order and dropout {d('seed')}")
     g.add_argument("--data", help="text file or folder, or a pre-tokenized .bin (default: the stdlib sources)")
-    g.add_argument("--tokenizer", help="a tokenizers JSON file for text data (default: none, bytes)")
+    g.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="packed documents of a prepared folder attend only to themselves, positions restarting in "
+                        f"each {d('document_mask')}")
+    g.add_argument("--tokenizer", help="a tokenizers JSON file for text data; sets --vocab unless given (default: "
+                   "a prepared folder's, else none: bytes)")
     g.add_argument("--out", help=f"output folder: metrics, checkpoints, plots {d('out')}")
     g.add_argument("--eval-every", type=int, help=f"validation every N steps, 0: only at the end {d('eval_every')}")
     g.add_argument("--log-every", type=int, help=f"a metrics record and progress line every N steps {d('log_every')}")
@@ -134,7 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nonfinite", choices=["skip", "stop"], help=f"on a non-finite loss or gradient {d('nonfinite')}")
     g.add_argument("--sample-tokens", type=int,
                    help=f"print a sample of this many tokens at the end {d('sample_tokens')}")
-    g.add_argument("--sample-prompt", help=f"the sample's prompt (default {_default('train', 'sample_prompt')!r})")
+    g.add_argument("--sample-prompt", help="the sample's prompt (default: empty, start as after a newline, the "
+                   "separator between texts: neutral to the corpus)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
 
@@ -152,6 +173,7 @@ def base_sections(args) -> dict[str, dict]:
     path = args.resume if args.resume != "auto" else (args.out or TrainConfig().out_dir)
     sections = ckpt.read_meta(ckpt.resolve(path))["config"]
     sections.get("parallel", {}).pop("dp", None)  # re-derived from this run's world size
+    sections.get("train", {}).pop("stop_at", None)  # a stop point belongs to the invocation that gave it
     return sections
 
 
@@ -168,7 +190,7 @@ def model_overrides(args) -> dict:
             raise ConfigError(str(err)) from None
         out = {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
                "seq_len": shape.seq_len, "vocab_size": shape.vocab_size, "ffn_hidden_size": shape.ffn_hidden_size,
-               "kv_heads": shape.kv_heads} | ARCH_FIELDS[shape.arch]
+               "kv_heads": shape.kv_heads, "rope_theta": shape.rope_theta} | ARCH_FIELDS[shape.arch]
     if getattr(args, "arch", None):
         out |= ARCH_FIELDS[args.arch]
     return out
@@ -189,6 +211,13 @@ def job_from_args(args, world_size: int) -> JobConfig:
     if args.no_progress:
         overrides.setdefault("train", {})["progress"] = False
     sections = merge(sections, overrides)
+    model = sections.setdefault("model", {})
+    if "vocab_size" not in model and isinstance(sections.get("train"), dict):  # --vocab from the data unless given
+        from seqpar.train.run_tokenizer import vocab_of
+
+        vocab = vocab_of(sections["train"])
+        if vocab is not None:
+            model["vocab_size"] = vocab
     par = sections.setdefault("parallel", {})
     if "dp" not in par:
         tp, pp, cp = par.get("tp", 1), par.get("pp", 1), par.get("cp", 1)
@@ -198,6 +227,8 @@ def job_from_args(args, world_size: int) -> JobConfig:
 
 
 def run(args) -> int:
+    from seqpar.train.start import start  # torch: imported to run, not to parse (`seqpar train --help` stays fast)
+
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []  # what --nproc re-runs
     return start(lambda world: job_from_args(args, world), nproc=args.nproc, resume=args.resume,
                  overwrite=args.overwrite, dry_run=args.dry_run, argv=argv)

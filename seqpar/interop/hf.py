@@ -1,29 +1,32 @@
 """Local Hugging Face folders (``config.json`` + safetensors) ⇄ seqpar full state dicts, for the
-model families in ``FAMILIES`` (GPT-2, Llama, StableLM, GPT-NeoX), chosen by ``model_type`` on import
-and, on export, by the one architecture that represents the model exactly (else refused by name)."""
+model families in ``FAMILIES`` (GPT-2, Llama, StableLM, GPT-NeoX, Mixtral, Qwen2-MoE), chosen by
+``model_type`` on import and, on export, by the one architecture that represents the model exactly (else
+refused by name)."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
 
 from seqpar.config import ConfigError, ModelConfig
-from seqpar.interop import gpt2, llama, neox
+from seqpar.interop import gpt2, llama, moe, neox
 
-FAMILIES = {"gpt2": gpt2, "llama": llama, "stablelm": llama, "gpt_neox": neox}
+FAMILIES = {"gpt2": gpt2, "llama": llama, "stablelm": llama, "gpt_neox": neox, "mixtral": moe, "qwen2_moe": moe}
 
 
 def family_of(cfg: ModelConfig):
     """The interop module whose architecture represents ``cfg`` exactly; a one-line ConfigError naming
     the model's architecture fields and what each exportable architecture needs when none does."""
-    for family in (gpt2, llama, neox):
+    for family in (moe,) if cfg.experts else (gpt2, llama, neox):  # a mixture of experts: Mixtral, Qwen2-MoE
         if family.architecture(cfg) is not None:
             return family
     fields = (f"norm={cfg.norm}, activation={cfg.activation}, position={cfg.position}, "
               f"bias={str(cfg.bias).lower()}, kv_heads={cfg.num_kv_heads} of heads={cfg.num_heads}")
-    needs = "; ".join([gpt2.EXPORTS, *llama.EXPORTS.values(), neox.EXPORTS])
+    needs = "; ".join([gpt2.EXPORTS, *llama.EXPORTS.values(), neox.EXPORTS, moe.EXPORTS])
     raise ConfigError(f"no Hugging Face architecture represents this model exactly ({fields}); "
                       f"exportable: {needs}")
 
@@ -68,6 +71,8 @@ def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch
     save_file = _safetensors()[1]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(family.state_to_hf(state, cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    weights, config = folder / "model.safetensors", folder / "config.json"
+    save_file(family.state_to_hf(state, cfg), str(weights), metadata={"format": "pt"})
+    config.write_text(json.dumps(hf_config, indent=2))
+    os.chmod(weights, stat.S_IMODE(config.stat().st_mode))  # safetensors writes 0600; a file made here has the umask's
     return folder

@@ -12,6 +12,7 @@ import torch
 from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import layer_bytes
 from seqpar.config import ConfigError
+from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import ScheduleMeter
 from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for
@@ -24,9 +25,9 @@ def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
     try:  # one layer's region: its attention and hidden dropouts
         opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
                                   sdpa_kernel=sdpa_kernel_for(device))
-    except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
+        return layer_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute) * layers
+    except ConfigError:  # e.g. attention dropout on, hidden dropout off, MoE every k > 1 layers: no closed form
         return float("nan")
-    return layer_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute) * layers
 
 
 def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
@@ -36,9 +37,12 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
     out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
-        tokens, labels = data.val_batches(1, job.train.micro_batch, 0, 1)[0]
+        tokens, labels, *docs = data.validation_batches(job.train.micro_batch, job.train.micro_batch)[0]
+        docs = docs[0].to(device) if docs else None
         with SavedTensorMeter(chunk) as meter:
-            chunk(tokens.to(device), labels.to(device))
+            if docs is not None:
+                meter.exclude(docs.tensors(torch_dtype(job.model.dtype)))  # data, like the tokens
+            chunk(tokens.to(device), labels.to(device), docs=docs)
         out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
     return out | stage_peaks(job, chunks, data, dims, device)
 
@@ -56,9 +60,11 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
 
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     n = t.microbatches(p.dp)
-    batches = data.val_batches(n, t.micro_batch, 0, 1)
+    batches = [(x, y, *(d.to(device) for d in docs)) for x, y, *docs in
+               data.validation_batches(n * t.micro_batch, t.micro_batch)]
     meter = ScheduleMeter(chunks)
-    meter.exclude([x for batch in batches for x in batch])  # the data, not activations
+    meter.exclude([x for batch in batches for item in batch  # the data (tokens, labels, documents)
+                   for x in (item.tensors(torch_dtype(m.dtype)) if isinstance(item, Documents) else [item])])
     forward_backward(chunks, batches, dims, p, keep_microbatches=r.keep_microbatches, meter=meter)
     peaks = torch.tensor([0] * p.pp, dtype=torch.int64, device=device)
     peaks[dims.pp_rank] = meter.peak_bytes

@@ -20,6 +20,8 @@ import contextlib
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from seqpar.parallel.fsdp import parameter_storages
+
 
 class ScheduleMeter:
     """Live saved-activation bytes of this rank, and their peak."""
@@ -27,8 +29,8 @@ class ScheduleMeter:
     def __init__(self, modules, detail: bool = False):
         self.detail = detail  # keep (shape, dtype, bytes) of what is live at the peak
         self.peak_tensors: list[tuple[tuple[int, ...], str, int]] = []
-        self._exclude = {t.untyped_storage().data_ptr() for mod in modules
-                         for t in [*mod.parameters(), *mod.buffers()]}
+        self._exclude: set[int] = set()  # storage addresses
+        self._exclude_storages = parameter_storages(modules)  # storage identities (FSDP's gathers move)
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._what: dict[int, tuple[tuple[int, ...], str, int]] = {}
         self._pending: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str]] = {}
@@ -51,7 +53,8 @@ class ScheduleMeter:
         # which an address key would take for the released one and skip. Holding the storage in _pending
         # keeps the identity unique until the forward ends; _prune drops dead ones before reuse.
         key = storage._cdata
-        if storage.data_ptr() not in self._exclude and storage.nbytes() > 0 and key not in self._pending:
+        if (storage.data_ptr() not in self._exclude and key not in self._exclude_storages and storage.nbytes() > 0
+                and key not in self._pending):
             self._pending[key] = (storage, tuple(t.shape), str(t.dtype).removeprefix("torch."))
         return t
 

@@ -19,6 +19,8 @@ from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.context import CPContext
 from seqpar.parallel.dims import group_rank
+from seqpar.parallel.expert import EPContext
+from seqpar.parallel.fsdp import parameter_storages
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan, checkpoint
@@ -46,11 +48,14 @@ class SavedTensorMeter:
         self._stack: list[str] = []
         self._handles = []
         if module is not None:
-            for t in [*module.parameters(), *module.buffers()]:
-                self._exclude.add(t.untyped_storage()._cdata)
+            self._exclude |= parameter_storages([module])  # FSDP's gathered parameters too
             for name, sub in module.named_modules():
                 self._handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
                 self._handles.append(sub.register_forward_hook(self._pop))
+
+    def exclude(self, tensors) -> None:
+        """Never count these tensors' storages (data, not activations: packed documents' masks)."""
+        self._exclude.update(t.untyped_storage()._cdata for t in tensors)
 
     def _push(self, name):
         def hook(module, args):
@@ -111,26 +116,30 @@ def sdpa_kernel_for(device: torch.device) -> str:
 def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
                   recompute: str | RecomputeConfig = "none",
                   micro_batch: int = 1, device: str | torch.device = "cpu", seed: int = 0,
-                  backward: bool = True, cp_group=None) -> SavedTensorMeter:
+                  backward: bool = True, cp_group=None, ep_group=None, input_seed: int | None = None
+                  ) -> SavedTensorMeter:
     """Run one layer forward (and backward) on this rank and return what its forward kept.
 
     The layer input ``[s/cp(/t), b, h]`` requires grad, as the output of a previous layer would.
     ``group``: the tensor-parallel group (None: no TP); ``cp_group``: the context-parallel group (None:
-    cp = 1, else the layer holds this rank's s/cp tokens, docs/context_parallel.md); collective over both.
+    cp = 1, else the layer holds this rank's s/cp tokens, docs/context_parallel.md); ``ep_group``: the
+    expert-parallel group of an MoE layer; collective over all three. ``input_seed``: the layer input's
+    seed (default ``seed``; ep ranks route different tokens with different ones).
     """
     device = torch.device(device)
     cp = CPContext(cp_group)
     tp = TPContext(group, sequence_parallel, RNGTracker(seed, group_rank(group), 0, cp.rank))
     t, sp, tracker = tp.size, tp.sequence_parallel, tp.tracker
     rc = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(recompute)
-    layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device, cp=cp)
+    layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device, cp=cp, ep=EPContext(ep_group))
     init_parameters(layer, seed, group_rank(group), t)
     recompute = rc.granularity
     s = cfg.seq_len // cp.size // (t if sp else 1)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed if input_seed is None else input_seed)
     x = torch.randn(s, micro_batch, cfg.hidden_size, generator=gen, device=device)
     x = x.to(torch_dtype(cfg.dtype)).requires_grad_(True)  # [s(/t), b, h]
     meter = SavedTensorMeter(layer)
+    meter.layer = layer  # the caller may read what the layer recorded (an MoE layer's routing)
     with meter:
         y = checkpoint(layer, x, tracker=tracker) if recompute == "full" else layer(x)
     if backward:

@@ -59,7 +59,8 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
     """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
     opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
                               free_pipeline_outputs=free_outputs, sdpa_kernel=sdpa_kernel_for(torch.device(device)))
-    memory = stage_memory(cfg, replace(parallel, dp=1), replace(recompute, keep_microbatches=keep), micro_batch,
+    activations_only = replace(parallel, dp=1, fsdp=False, fsdp_shard_size=0)  # the states do not matter here
+    memory = stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
                           microbatches, opts, rank=rank)
     terms = {k: v for k, v in memory.terms.items() if k not in ("parameters", "gradients", "optimizer_states",
                                                                  "recompute_working")}

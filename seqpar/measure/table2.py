@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 
 import torch
 
 from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_terms, table2_bytes, table2_config
+from seqpar.analysis.moe import Routing, balanced_routing
 from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import layer_terms
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
@@ -31,6 +32,8 @@ class Row:
     added: list[str] = field(default_factory=list)  # terms it keeps that the paper's GPT does not
     tensors: list[dict] = field(default_factory=list)
     cp: int = 1  # context parallelism: the layer holds s/cp tokens (docs/context_parallel.md)
+    ep: int = 1  # expert parallelism of an MoE layer (its ranks taken as dp ranks)
+    routing: dict | None = None  # MoE: {"balanced": (T, N, R), "measured": (T, N, R), "per_expert": [...]}
 
     @property
     def recompute_config(self) -> RecomputeConfig:
@@ -44,6 +47,8 @@ class Row:
             out["modules"] = list(self.modules)
         if self.vanished or self.added:
             out["vanished_terms"], out["added_terms"] = self.vanished, self.added
+        if self.routing is not None:
+            out["ep"], out["routing"] = self.ep, self.routing
         return out
 
 
@@ -61,12 +66,14 @@ def is_paper_gpt(cfg: ModelConfig) -> bool:
 
 
 def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str, all_rows: bool,
-              device: str = "cpu", modules: tuple[str, ...] = (), cp: int = 1) -> list[Row]:
+              device: str = "cpu", modules: tuple[str, ...] = (), cp: int = 1, ep: int = 1) -> list[Row]:
     """The rows to report, with their exact and formula bytes; validated before any rank starts.
 
     ``formula_bytes`` is Table 2's closed form for the paper's GPT, and the per-tensor derivation
     without the small terms the paper drops for other architectures or under context parallelism
     (``cp`` > 1: every row holds s/cp tokens, the attention core is ring attention; Table 2 has no cp).
+    An MoE layer's rows (``cfg.experts``, ``ep`` ranks) are computed for balanced routing here; a
+    measurement replaces the exact bytes by those of the routing it saw (``measure_rows``).
     """
     cfg.validate()
     RecomputeConfig(recompute, modules=modules).validate()
@@ -86,31 +93,42 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     paper = is_paper_gpt(cfg)
     rows = []
     for name, t, row_sp, rc, mods in configs:
-        par = ParallelConfig(tp=t, cp=cp, sp=row_sp and t > 1).validate(replace(cfg, num_layers=1))
+        par = ParallelConfig(tp=t, cp=cp, sp=row_sp and t > 1, dp=ep, ep=ep).validate(replace(cfg, num_layers=1))
         recompute = RecomputeConfig(rc, modules=mods)
         exact = sum(layer_terms(cfg, par, b, exact_opts, recompute).values())
         mine = layer_terms(cfg, par, b, opts, recompute)
-        paper_row = paper and name != "custom" and cp == 1
+        paper_row = paper and name != "custom" and cp == 1 and not cfg.experts
         formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
         reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
-        rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp,
+        rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep,
                         vanished=sorted(reference.keys() - mine.keys()), added=sorted(mine.keys() - reference.keys())))
+        if cfg.experts:
+            tokens = s // cp * b // (t if par.sp else 1)
+            rows[-1].routing = {"balanced": list(astuple(balanced_routing(cfg, tokens)))}
     return rows
+
+
+def exact_for_routing(cfg: ModelConfig, micro_batch: int, row: Row, routing: Routing) -> float:
+    """A row's exact bytes for the routing a rank saw (MoE layers)."""
+    opts = activation_options(cfg, layernorm_stat_bytes(torch.device("cpu"), torch_dtype(cfg.dtype)), embedding=False)
+    par = ParallelConfig(tp=row.tp, cp=row.cp, sp=row.sp and row.tp > 1, dp=row.ep, ep=row.ep)
+    return sum(layer_terms(cfg, par, micro_batch, opts, row.recompute_config, routing).values())
 
 
 def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, rows: list[Row]):
     from seqpar.parallel.dims import ParallelDims
 
-    cp = rows[0].cp
-    dims = ParallelDims.build(ParallelConfig(tp=world // cp, cp=cp))
+    cp, ep = rows[0].cp, rows[0].ep
+    dims = ParallelDims.build(ParallelConfig(tp=world // cp // ep, cp=cp, dp=ep, ep=ep))
     results = []
     for row in rows:
         if row.tp == 1 and dims.tp_rank != 0:
             results.append(None)
             continue
         meter = measure_layer(cfg, dims.tp_group if row.tp > 1 else None, row.sp, row.recompute_config, micro_batch,
-                              backward=False, cp_group=dims.cp_group)
-        results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors]))
+                              backward=False, cp_group=dims.cp_group, ep_group=dims.ep_group, input_seed=dims.ep_rank)
+        routing = getattr(meter.layer.mlp, "routing", None)
+        results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors], routing))
     return results
 
 
@@ -118,8 +136,11 @@ def measure_rows(cfg: ModelConfig, micro_batch: int, rows: list[Row]) -> list[Ro
     """Fill ``measured_bytes`` (rank 0's) by running the rows on ``cp × max(tp)`` local gloo ranks."""
     from seqpar.parallel.launch import run_ranks
 
-    world = rows[0].cp * max(row.tp for row in rows)
+    world = rows[0].cp * rows[0].ep * max(row.tp for row in rows)
     measured = run_ranks(_measure_worker, world, cfg, micro_batch, rows)[0]
-    for row, (total, tensors) in zip(rows, measured, strict=True):
+    for row, (total, tensors, routing) in zip(rows, measured, strict=True):
         row.measured_bytes, row.tensors = total, tensors
+        if routing is not None and row.routing is not None:  # MoE: the exact bytes of the routing rank 0 saw
+            row.routing |= {"measured": list(routing[:3]), "per_expert": list(routing[3])}
+            row.exact_bytes = exact_for_routing(cfg, micro_batch, row, Routing(*routing[:3]))
     return rows

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar import documents
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.context_attention import RingCoreAttention
@@ -70,28 +71,28 @@ class RotaryQKV(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qkv, rotary, packed: bool = False):
+    def forward(ctx, qkv, rotary, positions=None, packed: bool = False):
         s, b, n, g2, d = qkv.shape
-        cos, sin = rotary.angles(s, qkv.device)  # [s, 1, 1, 1, d]
-        ctx.rotary, ctx.packed, ctx.rotary_shape = rotary, packed, (n, g2, d)
+        cos, sin = rotary.angles(s, qkv.device, positions)  # [s, 1 or b, 1, 1, d]
+        ctx.rotary, ctx.positions, ctx.packed, ctx.rotary_shape = rotary, positions, packed, (n, g2, d)
         out = qkv.new_empty((s, b, n * g2, d) if packed else qkv.shape)
         (q, k, v), (oq, ok, ov) = qkv_views(qkv, n, g2 - 2, False), qkv_views(out, n, g2 - 2, packed)
         oq.copy_(_rotated(q, cos, sin))
-        ok.copy_(_rotated(k, cos[..., 0, :], sin[..., 0, :]))  # angles [s, 1, 1, d]
+        ok.copy_(_rotated(k, cos[..., 0, :], sin[..., 0, :]))  # angles [s, 1 or b, 1, d]
         ov.copy_(v)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         s, b = grad.shape[:2]
-        cos, sin = ctx.rotary.angles(s, grad.device)  # [s, 1, 1, 1, d]
+        cos, sin = ctx.rotary.angles(s, grad.device, ctx.positions)  # [s, 1 or b, 1, 1, d]
         n, g2, d = ctx.rotary_shape
         grad_in = grad.new_empty(s, b, n, g2, d)
         (q, k, v), (iq, ik, iv) = qkv_views(grad, n, g2 - 2, ctx.packed), qkv_views(grad_in, n, g2 - 2, False)
         iq.copy_(_rotated(q, cos, sin, inverse=True))
         ik.copy_(_rotated(k, cos[..., 0, :], sin[..., 0, :], inverse=True))
         iv.copy_(v)
-        return grad_in, None, None
+        return grad_in, None, None, None
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: tuple = ("none",), device=None) -> torch.Tensor:
@@ -134,7 +135,14 @@ class Rotary(nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, tuple(scaling)
         self.cp = cp or CPContext()
 
-    def angles(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def angles(self, s: int, device, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Angles of this rank's ``s`` positions ``[s, 1, 1, 1, d]``; with packed documents' ``positions``
+        ``[b, s]`` (each token's place in its document) ``[s, b, 1, 1, d]``."""
+        if positions is not None:
+            positions = self.cp.split(positions, 1)  # [b, s]: this cp rank's tokens
+            cos, sin = self.table(int(positions.max()) + 1, device)  # [n, 1, 1, 1, d]
+            index = positions.t().to(device)  # [s, b]
+            return cos[:, 0][index], sin[:, 0][index]  # [s, b, 1, 1, d]
         if self.cp.size > 1:
             cos, sin = self.table(s * self.cp.size, device)  # [s·cp, 1, 1, 1, d] each
             return self.cp.split(cos, 0), self.cp.split(sin, 0)  # [s, 1, 1, 1, d] each, this rank's positions
@@ -177,15 +185,20 @@ class CoreAttention(nn.Module):
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         s, b, _ = qkv.shape
         n, g, d = self.groups, self.g, self.d
+        docs = documents.current()  # packed documents: each attends to itself only
         if not self.fused:  # seqpar.model.materialized: one autograd function keeping the paper's tensors
+            qkv = qkv.view(s, b, n, g + 2, d)  # [s, b, groups, g + 2, d]
             generator = self.dropout.draw(qkv.device)
             p = 0.0 if generator is None else self.dropout.p
-            return MaterializedAttention.apply(qkv.view(s, b, n, g + 2, d), self.scale, p, generator)  # [s, b, h/t]
+            bias = None if docs is None else docs.bias(qkv, n)  # [b·groups, s, s]
+            return MaterializedAttention.apply(qkv, self.scale, p, generator, bias)  # [s, b, h/t]
         shape = (s, b, n * (g + 2), d) if self.packed else (s, b, n, g + 2, d)
         q, k, v = qkv_views(qkv.view(shape), n, g, self.packed)  # [s, b, groups, g, d], [s, b, groups, d] ×2
         q = q.reshape(s, b, n * g, d).permute(1, 2, 0, 3)  # [b, heads, s, d] (view)
         k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d] (views)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=g > 1)
+        mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                             enable_gqa=g > 1)  # [b, heads, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, n * g * d)  # [s, b, h/t]: a view where the kernel allows
 
     def pack(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -217,7 +230,7 @@ class SelfAttention(nn.Module):
         qkv_rows = kv * (g + 2) * d
         layout = GroupedQKVLayout(a, kv, d, t) if kv < t else None
         rows = (a // t + 2) * d * t if layout else qkv_rows  # over all ranks (k, v repeated with a layout)
-        self.qkv = ColumnParallelLinear(h, rows, tp, bias=cfg.bias,
+        self.qkv = ColumnParallelLinear(h, rows, tp, bias=cfg.bias or cfg.qkv_bias,
                                         init_std=cfg.init_std, dtype=dtype, device=device)
         if layout is not None:
             for p in self.qkv.parameters():
@@ -238,7 +251,9 @@ class SelfAttention(nn.Module):
         if self.rotary is not None:
             s, b, _ = qkv.shape
             shape = (s, b, self.core.groups, self.core.g + 2, self.core.d)
-            qkv = RotaryQKV.apply(qkv.view(shape), self.rotary, packed).view(s, b, -1)  # [s, b, groups·(g+2)·d]
+            docs = documents.current()
+            positions = None if docs is None else docs.positions  # [b, s]: restarting in every document
+            qkv = RotaryQKV.apply(qkv.view(shape), self.rotary, positions, packed).view(s, b, -1)  # [s, b, ·]
         elif packed:
             qkv = self.core.pack(qkv)  # [s, b, groups·(g+2)·d], the fused core's layout
         context = self.run_core(qkv)  # [s, b, h/t]

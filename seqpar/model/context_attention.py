@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from seqpar import documents
 from seqpar.parallel.ring_attention import ring_attention_grouped
 from seqpar.parallel.rng import RNGTracker
 
@@ -41,6 +42,8 @@ class RingCoreAttention(nn.Module):
         k = qkv[:, :, :, g].permute(1, 2, 0, 3)  # [b, groups, s/cp, d] (view)
         v = qkv[:, :, :, g + 1].permute(1, 2, 0, 3)  # [b, groups, s/cp, d] (view)
         p = self.p if self.training else 0.0
+        docs = documents.current()  # packed documents: each attends to itself only
         out = ring_attention_grouped(q, k, v, self.cp_group, scale=self.scale, core=self.kind, dropout_p=p,
-                                     draw=self.draw)  # [b, groups, g, s/cp, d], storage [s/cp, b, groups, g, d]
+                                     draw=self.draw, documents=None if docs is None else docs.doc)
+        # out [b, groups, g, s/cp, d], storage [s/cp, b, groups, g, d]
         return out.permute(3, 0, 1, 2, 4).view(s, b, n * g * d)  # [s/cp, b, h/t] (view)

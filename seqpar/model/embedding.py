@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seqpar import documents
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel import comm
@@ -51,7 +52,11 @@ class Embedding(nn.Module):
             start, stop = dist.get_rank(self.group) * chunk, (dist.get_rank(self.group) + 1) * chunk
         else:
             x = comm.f_bar(x, self.group)  # [s, b, h]
-        if self.position is not None:
+        docs = documents.current()
+        if self.position is not None and docs is not None:  # packed documents: positions restart in each
+            rows = self.position[self.cp.split(docs.positions, 1).t()]  # [s, b, h]
+            x = x + rows[start:stop]  # [s(/t), b, h]
+        elif self.position is not None:
             rows = self.cp.split(self.position[:full], 0)  # [s, h]: this cp rank's positions (slices, cat)
             x = x + rows[start:stop].unsqueeze(1)  # [s(/t), 1, h] broadcast over b
         return self.dropout(x)  # [s(/t), b, h]

@@ -11,16 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar import documents
 from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
 from seqpar.model.embedding import Embedding
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
+from seqpar.model.moe import AuxLosses
 from seqpar.model.norm import make_norm
 from seqpar.parallel import comm
 from seqpar.parallel.context import CPContext
 from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.expert import EPContext
 from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
 from seqpar.parallel.layout import relayout
 from seqpar.parallel.rng import RNGTracker
@@ -39,9 +43,12 @@ class GPTStage(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, layer_ids: list[int], first: bool, last: bool,
                  device=None, tied: TiedEmbedding | None = None, recompute: RecomputePlan | None = None,
-                 cp: CPContext | None = None):
+                 cp: CPContext | None = None, ep: EPContext | None = None):
         super().__init__()
         self.cp = cp or CPContext()  # context parallelism: this rank's chunks of the sequence
+        self.ep = ep or EPContext()  # expert parallelism (MoE layers)
+        # the MoE layers' load-balancing losses (their gradient weight, their values); None: no MoE layer
+        self.aux = AuxLosses(self.cp.size) if any(cfg.is_moe(i) for i in layer_ids) else None
         self.recompute = recompute or RecomputePlan(tracker=tp.tracker)  # what backward keeps
         self.cfg, self.tp = cfg, tp
         self.group, self.sp, self.tracker = tp.group, tp.sequence_parallel, tp.tracker
@@ -49,8 +56,8 @@ class GPTStage(nn.Module):
         self.first, self.last = first, last
         self.layer_ids = list(layer_ids)
         self.embedding = Embedding(cfg, tp, device, self.cp) if first else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, self.recompute, device, self.cp)
-                                     for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, self.recompute, device, self.cp, i, self.ep,
+                                                              self.aux) for i in self.layer_ids})
         self.blocks = self.recompute.layer_blocks(list(self.layers.values()))  # layers or full-recompute groups
         self.final_ln = make_norm(cfg, self.sp, device) if last else None
         self.loss_head = (VocabParallelCrossEntropy(self.group, cfg.vocab_size, cfg.label_smoothing, IGNORE_INDEX)
@@ -90,7 +97,15 @@ class GPTStage(nn.Module):
         return per_token.sum(), (target != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, docs: Documents | None = None):
+        """``docs``: the microbatch's packed documents (``seqpar.documents``): each attends only to itself,
+        positions restart in each; held as the ambient documents while this stage runs."""
+        if docs is None:
+            return self._forward(x, labels)
+        with documents.using(docs.to(x.device)):
+            return self._forward(x, labels)
+
+    def _forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
         """First stage: ``x`` = tokens ``[b, s]``; later stages: hidden ``[s(/t), b, h]``.
 
         Last stage with ``labels``: returns the mean loss over non-ignored tokens; without labels
@@ -133,6 +148,6 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     tracker = RNGTracker(seed, dims.tp_rank, dims.pp_rank if stage is None else stage, dims.cp_rank)
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
     model = GPTStage(cfg, TPContext(dims.tp_group, sequence_parallel, tracker), ids, first, last, device, tied,
-                     RecomputePlan(recompute, tracker), CPContext(dims.cp_group))
+                     RecomputePlan(recompute, tracker), CPContext(dims.cp_group), EPContext(dims.ep_group))
     init_parameters(model, seed, dims.tp_rank, dims.tp)
     return model

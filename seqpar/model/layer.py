@@ -10,8 +10,10 @@ from torch import nn
 from seqpar.config import ModelConfig
 from seqpar.model.attention import SelfAttention
 from seqpar.model.mlp import MLP
+from seqpar.model.moe import AuxLosses, MoE
 from seqpar.model.norm import make_norm
 from seqpar.parallel.context import CPContext
+from seqpar.parallel.expert import EPContext
 from seqpar.parallel.rng import Dropout
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan
@@ -26,11 +28,13 @@ class TransformerLayer(nn.Module):
     What backward keeps is the ``plan``'s (``seqpar.recompute``), resolved here: selective
     recomputation checkpoints the attention core (inside ``SelfAttention``); the finer modules
     rebuild each norm's output ("norm"), the MLP activation ("activation", inside ``MLP``) or the
-    whole MLP from its input ("mlp"). Full recomputation wraps whole layers (``GPTStage``).
+    whole MLP from its input ("mlp"; "moe" for an MoE layer). Full recomputation wraps whole layers (``GPTStage``).
+    Layer ``layer`` (global index) holds a mixture of experts instead of the MLP when ``cfg.is_moe(layer)``.
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan | None = None, device=None,
-                 cp: CPContext | None = None):
+                 cp: CPContext | None = None, layer: int = 0, ep: EPContext | None = None,
+                 aux: AuxLosses | None = None):
         super().__init__()
         plan = plan or RecomputePlan(tracker=tp.tracker)
         output_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)  # scaled init of the output projections
@@ -38,10 +42,13 @@ class TransformerLayer(nn.Module):
         self.attention = SelfAttention(cfg, tp, plan, output_std, device, cp)  # cp: ring attention
         self.attn_dropout = Dropout(cfg.hidden_dropout, tp.tracker, tp.stream)
         self.ln2 = make_norm(cfg, tp.sequence_parallel, device)
-        self.mlp = MLP(cfg, tp, plan, output_std, device)
+        moe = cfg.is_moe(layer)  # experts in place of the MLP (seqpar/model/moe.py)
+        self.mlp = MoE(cfg, tp, plan, output_std, device, cp, ep, aux) if moe else \
+            MLP(cfg, tp, plan, output_std, device)
         self.mlp_dropout = Dropout(cfg.hidden_dropout, tp.tracker, tp.stream)
         self.attention_block = plan.norm_then(self.ln1, self.attention)  # x -> attention(ln1(x))
-        self.mlp_block = plan.norm_then(self.ln2, plan.checkpointed("mlp", self.mlp))  # x -> mlp(ln2(x))
+        mlp = plan.checkpointed("moe" if moe else "mlp", self.mlp)
+        self.mlp_block = plan.norm_then(self.ln2, mlp)  # x -> mlp(ln2(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [s(/t), b, h]
         x = x + self.attn_dropout(self.attention_block(x))  # [s(/t), b, h]

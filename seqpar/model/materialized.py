@@ -55,15 +55,16 @@ def _heads_out(x: torch.Tensor, b: int, n: int) -> torch.Tensor:
 
 
 class MaterializedAttention(torch.autograd.Function):
-    """``qkv [s, b, groups, g + 2, d]`` → ``[s, b, groups·g·d]``; ``generator`` None: no dropout."""
+    """``qkv [s, b, groups, g + 2, d]`` → ``[s, b, groups·g·d]``; ``generator`` None: no dropout;
+    ``bias``: an additive mask ``[b·groups, s, s]`` instead of the causal one (packed documents)."""
 
     @staticmethod
-    def forward(ctx, qkv, scale: float, p: float, generator):
+    def forward(ctx, qkv, scale: float, p: float, generator, bias=None):
         s, b, n, g2, d = qkv.shape
         g = g2 - 2
         queries, kt, v = _operands(qkv)
         probs = qkv.new_empty(b * n, g, s, s)  # [b·groups, g, s, s]
-        bias = causal_bias(s, qkv)  # [s, s]
+        bias = causal_bias(s, qkv) if bias is None else bias  # [s, s], or packed documents' [b·groups, s, s]
         for j, q in enumerate(queries):
             torch.baddbmm(bias, q, kt, alpha=scale, out=probs[:, j])  # scale · QKᵀ + mask
         torch.ops.aten._softmax.out(probs, -1, False, out=probs)  # in place
@@ -109,4 +110,4 @@ class MaterializedAttention(torch.autograd.Function):
             dqkv[:, :, :, j] = _heads_out(_gemm(dprobs[:, j], k, ctx.scale), b, n)
         dqkv[:, :, :, g] = _heads_out(dk, b, n)
         dqkv[:, :, :, g + 1] = _heads_out(dv, b, n)
-        return dqkv, None, None, None
+        return dqkv, None, None, None, None

@@ -41,6 +41,14 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op
     return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
 
 
+def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None, group=None) -> None:
+    """Rank r's ``out`` = the dim-0 slices every rank's ``x`` addressed to r, in rank order: ``x`` is cut
+    into ``in_splits`` rows (one slice per rank), ``out`` receives ``out_splits`` rows from each rank
+    (None: equal slices). Expert parallelism's dispatch and combine (``seqpar.parallel.expert``)."""
+    dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+
+
 def all_gather_list(shards: list[torch.Tensor], x: torch.Tensor, group=None) -> None:
     """``shards[r]`` = rank r's ``x`` (shapes may differ between calls, not between ranks)."""
     dist.all_gather(shards, x, group=group)

@@ -59,6 +59,12 @@ class ParallelDims:
     # dp × cp: the ranks holding the same parameters (same pp and tp coordinates); gradients are
     # averaged over it (each cp rank's gradient is the whole sequence's, see GPTStage.forward)
     grad_group: object = field(default=None, repr=False)
+    # expert parallelism (ep consecutive ranks of the dp × cp index, same pp and tp coordinates): the
+    # ep group exchanges tokens by all-to-all; the expert grad group holds the same experts (dp·cp/ep
+    # ranks) and averages their gradients (divided by dp·cp: each ep rank's experts saw all ep ranks' tokens)
+    ep: int = 1
+    ep_group: object = field(default=None, repr=False)
+    expert_grad_group: object = field(default=None, repr=False)
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
     tp_ranks: list[int] = field(default_factory=lambda: [0])
 
@@ -81,6 +87,16 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.rank // (self.tp * self.cp * self.pp)
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's place in its grad group (dp × cp, cp running fastest), as the group numbers it."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        """Position in the ep group: the grad-group index ``grad_rank`` modulo ep."""
+        return self.grad_rank % self.ep
 
     def rank_of(self, dp: int, pp: int, cp: int, tp: int) -> int:
         """The global rank at coordinates (dp, pp, cp, tp)."""
@@ -122,7 +138,24 @@ class ParallelDims:
         dims.cp_group, _ = _my_group(groups("c"), dims.rank)
         dims.grad_group = dims.dp_group if cp == 1 else dims.cp_group if dp == 1 else \
             _my_group(groups("dc"), dims.rank)[0]
+        dims.ep = parallel.ep
+        dims.ep_group, dims.expert_grad_group = _expert_groups(dims, coords)
         return dims
+
+
+def _expert_groups(dims: ParallelDims, coords: list[tuple]) -> tuple[object, object]:
+    """(ep group, expert grad group) of this rank: by the dp × cp index q = dp·cp + c, the ep group
+    holds one block of ep consecutive q, the expert grad group every q with the same q mod ep."""
+    if dims.ep == 1:
+        return None, dims.grad_group
+    ep_lists: dict[tuple, list[int]] = {}
+    grad_lists: dict[tuple, list[int]] = {}
+    for d, p, c, t in coords:
+        q = d * dims.cp + c
+        ep_lists.setdefault((p, t, q // dims.ep), []).append(dims.rank_of(d, p, c, t))
+        grad_lists.setdefault((p, t, q % dims.ep), []).append(dims.rank_of(d, p, c, t))
+    ep_group = _my_group(list(ep_lists.values()), dims.rank)[0]
+    return ep_group, _my_group(list(grad_lists.values()), dims.rank)[0]
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> tuple[object, list[int]]:

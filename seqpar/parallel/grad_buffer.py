@@ -17,6 +17,10 @@ The reduction sums in fp32 and divides by the group size, as ``data_parallel.ave
 does. ``shard``: a reduce-scatter instead of an all-reduce -- each rank receives the sum of its
 1/N of every bucket only (the buffer is padded to a multiple of N), which is all the distributed
 optimizer (``seqpar.train.dist_optim``) reads; the rest of the buffer keeps this rank's partial sums.
+
+Routed experts (``seqpar.parallel.expert``) get buckets of their own, reduced over ``expert_group`` (the
+ranks holding the same experts) and divided by the dense group's size (dp × cp): each bucket carries its
+group, this rank's place in it and its divisor.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 
 from seqpar.parallel.comm import all_reduce, reduce_scatter_into
 from seqpar.parallel.dims import group_size
+from seqpar.parallel.expert import is_expert
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -43,6 +48,10 @@ class Bucket:
     numel: int  # without the padding
     pending: set[int] = field(default_factory=set)  # ids of the parameters not final yet (overlap)
     work: object = None  # the async collective in flight
+    group: object = None  # the ranks it is reduced over
+    rank: int = 0  # this rank in ``group``
+    world: int = 1  # the size of ``group``
+    divisor: int = 1  # the sum over ``group`` is divided by it (its size; dp × cp for routed experts)
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
         """The slice of ``buffer`` rank ``rank`` of the group owns after a reduce-scatter."""
@@ -54,10 +63,11 @@ class GradBuffers:
     """The flat fp32 gradient buckets of ``params`` and their reduction over ``group``."""
 
     def __init__(self, params: list[nn.Parameter], group, *, overlap: bool = False, shard: bool = False,
-                 bucket_bytes: int = BUCKET_BYTES, alone: tuple = ()):
+                 bucket_bytes: int = BUCKET_BYTES, alone: tuple = (), expert_group=None):
         self.group, self.overlap, self.shard = group, overlap, shard
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
+        self.expert_group = expert_group
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}
         self.counts: dict[int, int] = {}
@@ -69,7 +79,8 @@ class GradBuffers:
         size = 0
         for p in reversed([p for p in params if p.requires_grad]):
             nbytes = p.numel() * 4
-            same = groups and groups[-1][0].dtype == p.dtype and id(groups[-1][0]) not in alone_ids
+            same = groups and groups[-1][0].dtype == p.dtype and id(groups[-1][0]) not in alone_ids \
+                and is_expert(groups[-1][0]) == is_expert(p)
             if not same or id(p) in alone_ids or size + nbytes > bucket_bytes:
                 groups.append([])
                 size = 0
@@ -86,9 +97,12 @@ class GradBuffers:
         for p in members:
             offsets.append(n)
             n += p.numel()
-        padded = -(-n // self.world) * self.world
+        group = self.expert_group if is_expert(members[0]) else self.group
+        world = group_size(group)
+        padded = -(-n // world) * world
         buffer = torch.zeros(padded, dtype=torch.float32, device=members[0].device)
-        bucket = Bucket(members, offsets, buffer, n)
+        bucket = Bucket(members, offsets, buffer, n, group=group, world=world,
+                        rank=dist.get_rank(group) if world > 1 else 0, divisor=self.world)
         for p, o in zip(members, offsets, strict=True):
             p.main_grad = buffer[o:o + p.numel()].view_as(p)  # fp32, shares the bucket's storage
             self.bucket_of[id(p)] = bucket
@@ -129,12 +143,14 @@ class GradBuffers:
                     self.started_during_backward += 1
 
     def _start(self, bucket: Bucket) -> None:
-        if self.shard:
-            lo, hi = bucket.shard_range(self.rank, self.world)
-            bucket.work = reduce_scatter_into(bucket.buffer[lo:hi], bucket.buffer, group=self.group,
-                                                     async_op=True)
+        if bucket.world == 1:  # nothing to exchange (routed experts held by no other rank)
+            bucket.work = None
+        elif self.shard:
+            lo, hi = bucket.shard_range(bucket.rank, bucket.world)
+            bucket.work = reduce_scatter_into(bucket.buffer[lo:hi], bucket.buffer, group=bucket.group,
+                                              async_op=True)
         else:
-            bucket.work = all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.work = all_reduce(bucket.buffer, group=bucket.group, async_op=True)
         self.next_start += 1
 
     @torch.no_grad()
@@ -149,10 +165,11 @@ class GradBuffers:
         while self.next_start < len(self.buckets):
             self._start(self.buckets[self.next_start])
         for bucket in self.buckets:
-            bucket.work.wait()
+            if bucket.work is not None:
+                bucket.work.wait()
             bucket.work = None
-            lo, hi = bucket.shard_range(self.rank, self.world) if self.shard else (0, bucket.buffer.numel())
-            bucket.buffer[lo:hi].div_(self.world)
+            lo, hi = bucket.shard_range(bucket.rank, bucket.world) if self.shard else (0, bucket.buffer.numel())
+            bucket.buffer[lo:hi].div_(bucket.divisor)
         self.microbatches = 0
 
     def nbytes(self) -> int:

@@ -5,7 +5,8 @@
   ``seqpar.train.loop.train_local``). The backend follows the device type: gloo for ``cpu`` (the
   default), the accelerator's own (NCCL for ``cuda``) otherwise, with rank ``r`` on local device
   ``r``. If one rank fails, the others are terminated and the failing rank's traceback is raised.
-* ``init_distributed``: the default process group of a rank torchrun started.
+* ``init_distributed``: the default process group of a rank torchrun started; ``end_distributed``: the
+  one way every entry point ends it (a barrier, then destroy).
 
 ``seqpar train --nproc N`` re-runs the command through torchrun's own runner; that supervisor (signals,
 exit statuses, which rank failed first) is the train command's policy: ``seqpar.train.supervise``.
@@ -69,6 +70,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threa
         torch.accelerator.set_device_index(rank)  # before the group: NCCL binds to the current device
     dist.init_process_group(backend_for(device_type), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=300))
+    done = False
     try:
         try:
             result = fn(rank, world_size, *args)
@@ -77,11 +79,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threa
                 f.write(traceback.format_exc())
             raise
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        # Every rank is done before any closes its connections: a gloo peer that closes while another
-        # still completes the last collective can abort that rank ("terminate called ...", SIGABRT).
-        barrier()
+        done = True
     finally:
-        dist.destroy_process_group()
+        end_distributed(done)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 900.0, threads: int = 1,
@@ -130,6 +130,21 @@ def init_distributed(world_size: int, device: torch.device) -> bool:
                                 timeout=timedelta(seconds=int(os.environ.get("SEQPAR_TIMEOUT", "300"))))
         return True
     return False
+
+
+def end_distributed(completed: bool = True) -> None:
+    """End this rank's default process group, the one way every entry point does (trainer, self-test,
+    ``run_ranks``, a library script). ``completed``: the rank finished its work, so it first waits at a
+    barrier until every rank has: a gloo peer that closes while another still completes the last collective
+    can abort that rank ("terminate called without an active exception", SIGABRT), and torchrun then reports
+    a successful run as failed. After a failure there is no barrier (the peers may never reach it)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if completed:
+            barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def under_torchrun() -> bool:

@@ -77,14 +77,28 @@ class GroupedQKVLayout:
         rows (equal on the ranks sharing them once reduced) only on the first rank of its group."""
         return grad if rank % self.ranks_per_group == 0 else grad[: self.n * self.d]
 
-    def reduce_partial_grad(self, grad: torch.Tensor, rank: int, group) -> None:
-        """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the group)."""
-        rows = 2 * self.d
+    def reduce_partial_grad(self, grad: torch.Tensor, rank: int, group, row0: int = 0) -> None:
+        """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the group).
+        ``grad`` holds the rows from ``row0`` on of this rank's gradient (FSDP's shard of them; the
+        ranks of ``group`` hold the same rows)."""
+        rows, q = 2 * self.d, self.n * self.d
+        lo, hi = max(row0, q), min(row0 + grad.shape[0], q + rows)  # this shard's k, v rows
         buffer = grad.new_zeros((self.kv * rows, *grad.shape[1:]))
-        mine = slice((rank // self.ranks_per_group) * rows, (rank // self.ranks_per_group + 1) * rows)
-        buffer[mine] = grad[self.n * self.d:]
+        at = (rank // self.ranks_per_group) * rows - q  # buffer row of this rank's row r: at + r
+        if lo < hi:
+            buffer[at + lo:at + hi] = grad[lo - row0:hi - row0]
         all_reduce(buffer, group=group)
-        grad[self.n * self.d:] = buffer[mine]
+        if lo < hi:
+            grad[lo - row0:hi - row0] = buffer[at + lo:at + hi]
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Routed experts stacked along dim 0 and split over the ep group (replicated over tp): ep rank
+    ``rank`` of ``size`` holds experts [rank·n, (rank + 1)·n) of the full stack, n its local count."""
+
+    rank: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,7 @@ class ParamLayout:
     full_size: int | None = None  # the unpadded size of the split dimension (vocabulary padding)
     parts: int = 1  # equal parts of the split dimension, each split on its own ([gate; up])
     grouped: GroupedQKVLayout | None = None  # fused QKV with fewer kv heads than ranks
+    expert: ExpertSplit | None = None  # routed experts: dim 0 split over ep (split_dim None: replicated over tp)
     sequence_parallel: bool = False  # replicated, gradient a partial sum over the tp group
     init: str = "normal"  # normal | zeros | ones
     init_std: float = 0.02
@@ -107,7 +122,9 @@ class ParamLayout:
 
     def full_shape(self, local_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
         shape = list(local_shape)
-        if self.grouped is not None:
+        if self.expert is not None:
+            shape[0] *= self.expert.size
+        elif self.grouped is not None:
             shape[self.dim] = self.grouped.full_rows()
         elif self.split_dim is not None:
             shape[self.dim] = self.full_size or shape[self.dim] * tp
@@ -119,6 +136,8 @@ class ParamLayout:
         local = local_shape[self.dim]
         if self.grouped is not None:
             return self.grouped.pieces(tp_rank)
+        if self.expert is not None:
+            return [Piece(0, self.expert.rank * local, local)]
         if self.split_dim is None:
             return [Piece(0, 0, local)]
         if self.parts > 1:
@@ -144,7 +163,7 @@ class ParamLayout:
 
     def shard(self, full: torch.Tensor, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> torch.Tensor:
         """This rank's shard of ``full`` (padding rows zero)."""
-        if self.split_dim is None:
+        if self.split_dim is None and self.expert is None:
             return full
         local = full.new_zeros(local_shape)
         for p in self.pieces(local_shape, tp_rank, tp):

@@ -9,11 +9,15 @@ norm and the update all read fp32 sums. Any other parameter uses its ``.grad``.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient to reduce and apply: ``main_grad`` when the parameter has one, else ``.grad``."""
-    return param.main_grad if hasattr(param, "main_grad") else param.grad
+    if hasattr(param, "main_grad"):
+        return param.main_grad
+    grad = param.grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def grad_or_zeros(param: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from seqpar.parallel.context import chunk_positions
 from seqpar.parallel.dims import group_rank, group_size
 from seqpar.parallel.rng import keep_mask
 
@@ -83,13 +84,16 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------- materialized core
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q, k, scale: float, causal: bool, allowed=None) -> torch.Tensor:
+    """``allowed`` (packed documents): ``[b, 1, 1, sq, sk]`` bool, the keys each query may see."""
     b, n, g, sq, d = q.shape
     sk = k.shape[2]
     scores = torch.matmul(q.reshape(b, n, g * sq, d), k.transpose(-1, -2))  # [b, kv, g·sq, sk]
     scores = scores.view(b, n, g, sq, sk).to(_acc(q.dtype)).mul_(scale)  # [b, kv, g, sq, sk]
     if causal:
         scores.masked_fill_(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
     return scores
 
 
@@ -98,10 +102,11 @@ def _keep(shape, dropout) -> torch.Tensor | None:
     return None if gen is None else keep_mask(shape, p, gen).to(torch.float32).mul_(1.0 / (1.0 - p))
 
 
-def _materialized_forward(q, k, v, scale, causal, dropout):
-    scores = _scores(q, k, scale, causal)  # [b, kv, g, sq, sk]
-    lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, sq]
-    probs = torch.exp(scores - lse.unsqueeze(-1))  # [b, kv, g, sq, sk]
+def _materialized_forward(q, k, v, scale, causal, dropout, allowed=None):
+    scores = _scores(q, k, scale, causal, allowed)  # [b, kv, g, sq, sk]
+    lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, sq]; -inf where a row sees no key of this block
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - finite.unsqueeze(-1))  # [b, kv, g, sq, sk]; rows that see nothing: 0
     keep = _keep(probs.shape, dropout)
     if keep is not None:
         probs = probs * keep
@@ -110,9 +115,9 @@ def _materialized_forward(q, k, v, scale, causal, dropout):
     return out.view(b, n, g, sq, -1), lse  # [b, kv, g, sq, d], [b, kv, g, sq]
 
 
-def _materialized_backward(dout, q, k, v, out, lse, delta, scale, causal, dropout):
+def _materialized_backward(dout, q, k, v, out, lse, delta, scale, causal, dropout, allowed=None):
     acc = _acc(q.dtype)
-    probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))  # [b, kv, g, sq, sk]
+    probs = torch.exp(_scores(q, k, scale, causal, allowed) - lse.unsqueeze(-1))  # [b, kv, g, sq, sk]
     b, n, g, sq, sk = probs.shape
     d = q.shape[-1]
     keep = _keep(probs.shape, dropout)
@@ -180,7 +185,7 @@ class RingAttention(torch.autograd.Function):
     view of it (the next linear layer's saved input) is the same storage as the kept output."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, core: str, dropout_p: float, draw):
+    def forward(ctx, q, k, v, group, scale: float, core: str, dropout_p: float, draw, masks=None):
         cp, rank, s = group_size(group), group_rank(group), q.shape[3]
         b, n, g, _, d = q.shape
         out = torch.empty((s, b, n, g, d), dtype=_acc(q.dtype), device=q.device)  # sequence-first storage
@@ -192,8 +197,12 @@ class RingAttention(torch.autograd.Function):
             rows, cols, causal = block(step, rank, cp, s)
             gen = draw(q.device) if dropout_p > 0 else None
             seeds.append(None if gen is None else gen.initial_seed())
-            o, m = _FORWARD[core](q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal,
-                                  (dropout_p, gen))
+            if masks is None:
+                o, m = _FORWARD[core](q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal,
+                                      (dropout_p, gen))
+            else:  # packed documents: explicit GEMMs for both cores (the fused CPU kernel takes no mask)
+                o, m = _materialized_forward(q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal,
+                                             (dropout_p, gen), masks(step, rows, cols))
             if step == 0:
                 out.copy_(o)
                 lse.copy_(m)
@@ -204,6 +213,7 @@ class RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.core, ctx.dropout_p, ctx.seeds = group, scale, core, dropout_p, seeds
+        ctx.masks = masks
         return out
 
     @staticmethod
@@ -219,9 +229,12 @@ class RingAttention(torch.autograd.Function):
             rows, cols, causal = block(step, rank, cp, s)
             seed = ctx.seeds[step]
             gen = None if seed is None else torch.Generator(device=q.device).manual_seed(seed)
-            dq_b, dk_b, dv_b = _BACKWARD[core](dout[:, :, :, rows], q[:, :, :, rows], kv[0][:, :, cols],
-                                               kv[1][:, :, cols], out[:, :, :, rows], lse[:, :, :, rows],
-                                               delta[:, :, :, rows], ctx.scale, causal, (ctx.dropout_p, gen))
+            args = (dout[:, :, :, rows], q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, :, rows],
+                    lse[:, :, :, rows], delta[:, :, :, rows], ctx.scale, causal, (ctx.dropout_p, gen))
+            if ctx.masks is None:
+                dq_b, dk_b, dv_b = _BACKWARD[core](*args)
+            else:
+                dq_b, dk_b, dv_b = _materialized_backward(*args, ctx.masks(step, rows, cols))
             dq[:, :, :, rows] += dq_b
             if travelling is None:  # step 0: this block is my own, all columns
                 dkv = [dk_b.to(acc), dv_b.to(acc)]
@@ -233,7 +246,7 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending.wait()
         dk, dv = travelling.wait() if cp > 1 else dkv  # my block, home after cp hops
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _merge(out, lse, o, m) -> None:
@@ -243,12 +256,30 @@ def _merge(out, lse, o, m) -> None:
     lse.copy_(new)
 
 
+class DocumentBlocks:
+    """Packed documents under the ring: the keys each query of a block may see (same document; the
+    blocks' causality is ``block``'s). ``doc [b, s]``: each token's document over the whole sequence."""
+
+    def __init__(self, doc: torch.Tensor, group):
+        self.doc, self.cp, self.rank = doc, group_size(group), group_rank(group)
+        s = doc.shape[1]
+        self.positions = [chunk_positions(s, self.cp, r, doc.device) for r in range(self.cp)]  # [s/cp] each
+
+    def __call__(self, step: int, rows: slice, cols: slice) -> torch.Tensor:
+        """``[b, 1, 1, sq, sk]`` bool of step ``step``'s block (keys of rank ``rank - step``)."""
+        q = self.doc[:, self.positions[self.rank][rows]]  # [b, sq]
+        k = self.doc[:, self.positions[(self.rank - step) % self.cp][cols]]  # [b, sk]
+        return (q.unsqueeze(2) == k.unsqueeze(1))[:, None, None]  # [b, 1, 1, sq, sk]
+
+
 def ring_attention_grouped(q, k, v, group, *, scale: float | None = None, core: str = "materialized",
-                           dropout_p: float = 0.0, draw=None) -> torch.Tensor:
+                           dropout_p: float = 0.0, draw=None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Ring attention of grouped queries ``[b, kv, g, s/cp, d]`` with ``k, v [b, kv, s/cp, d]``.
 
     ``group`` is the cp group (``None``: cp = 1, plain causal attention); ``draw(device)`` returns a
-    freshly seeded ``torch.Generator`` for each block's dropout mask (needed when ``dropout_p`` > 0)."""
+    freshly seeded ``torch.Generator`` for each block's dropout mask (needed when ``dropout_p`` > 0);
+    ``documents`` ``[b, s]`` (packed documents: each token's document over the whole sequence): a
+    query sees only its own document's keys (``DocumentBlocks``), a block row that sees none adds nothing."""
     if core not in CORES:
         raise ValueError(f"ring attention core {core!r} is not one of {CORES}")
     if core == "sdpa" and dropout_p > 0:
@@ -263,7 +294,8 @@ def ring_attention_grouped(q, k, v, group, *, scale: float | None = None, core: 
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[2:] != q.shape[3:]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit grouped q {tuple(q.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, group, scale, core, dropout_p, draw)
+    masks = None if documents is None else DocumentBlocks(documents, group)
+    return RingAttention.apply(q, k, v, group, scale, core, dropout_p, draw, masks)
 
 
 def ring_attention(q, k, v, group, **kwargs) -> torch.Tensor:

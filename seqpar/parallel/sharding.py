@@ -12,6 +12,7 @@ from torch import nn
 
 from seqpar.parallel.comm import all_gather_list, all_reduce
 from seqpar.parallel.dims import group_size
+from seqpar.parallel.fsdp import shard_of
 from seqpar.parallel.layout import GroupedQKVLayout, ParamLayout, layout_of
 from seqpar.parallel.main_grad import grad_of
 
@@ -74,7 +75,8 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group) -> None:
     for param in module.parameters():
         grouped = layout_of(param).grouped
         if grouped is not None and grad_of(param) is not None:
-            grouped.reduce_partial_grad(grad_of(param), dist.get_rank(group), group)
+            shard = shard_of(param)  # FSDP: this rank holds rows from row0 on
+            grouped.reduce_partial_grad(grad_of(param), dist.get_rank(group), group, 0 if shard is None else shard.row0)
     grads = [grad_of(p) for p in module.parameters()
              if layout_of(p).sequence_parallel and grad_of(p) is not None]
     if not grads:

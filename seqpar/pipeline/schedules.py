@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from seqpar.config import ConfigError, ParallelConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
-from seqpar.parallel.comm import broadcast
+from seqpar.parallel.comm import all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
 from seqpar.pipeline.p2p import PipeComm
@@ -38,7 +38,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     """Forward and backward of every microbatch; returns the mean loss over them (every pp rank).
 
     ``microbatches``: [(tokens [b, s], labels [b, s])], the same list on every pp/tp rank of a
-    pipeline (only the first stage reads tokens, only the last labels).
+    pipeline (only the first stage reads tokens, only the last labels); with packed documents a third
+    item, their ``seqpar.documents.Documents``, which every stage reads.
     ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
     chunk-microbatches that store every activation instead of recomputing.
     ``meter``: an optional ``seqpar.measure.meter.ScheduleMeter`` recording the activation peak.
@@ -48,7 +49,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     if len(chunks) != m:
         raise ConfigError(f"{len(chunks)} model chunks on this rank, interleave {m} needs {m}")
     validate_microbatches(len(microbatches), parallel.pp, m)
-    shapes = {(tuple(tokens.shape), tuple(labels.shape)) for tokens, labels in microbatches}
+    shapes = {(tuple(mb[0].shape), tuple(mb[1].shape)) for mb in microbatches}  # (tokens, labels[, documents])
     if len(shapes) != 1:
         raise ConfigError(f"every microbatch must have one shape (the stage-boundary buffers are sized by it), "
                           f"got tokens/labels shapes {sorted(shapes)}")
@@ -57,6 +58,9 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
                         loss_scale=loss_scale)
     device = next(chunks[0].parameters()).device
+    for chunk in chunks:
+        if chunk.aux is not None:
+            chunk.aux.take()  # forget values of forwards outside this step (evaluation)
     if dims.pp == 1:
         run_no_pipelining(runner)
     else:
@@ -66,7 +70,19 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
             run_1f1b(runner, comm)
         else:
             run_interleaved(runner, comm, m)
-    return broadcast_loss(runner.mean_loss(), dims, device)
+    return broadcast_loss(runner.mean_loss(), dims, device) + aux_loss(chunks, len(microbatches), dims, device)
+
+
+def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> float:
+    """The MoE layers' load-balancing losses of this step, mean over microbatches, summed over the
+    layers of every pipeline stage (0 without MoE); each value is already whole over tp, cp and ep."""
+    if not chunks[0].cfg.experts:
+        return 0.0
+    value = torch.tensor([sum(c.aux.take() for c in chunks if c.aux is not None) / microbatches],
+                         dtype=torch.float64, device=device)
+    if dims.pp > 1:
+        all_reduce(value, group=dims.pp_group)
+    return float(value.item())
 
 
 def broadcast_loss(loss: float | None, dims: ParallelDims, device) -> float:

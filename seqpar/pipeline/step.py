@@ -26,7 +26,7 @@ from seqpar.pipeline.keep import KeepPolicy
 @dataclass
 class StepRunner:
     chunks: list  # this rank's GPTStage chunks, in chunk order
-    microbatches: list  # [(tokens [b, s], labels [b, s])]
+    microbatches: list  # [(tokens [b, s], labels [b, s][, Documents])]
     free_outputs: bool = True  # App. B
     keep: KeepPolicy | None = None  # App. C
     meter: object = None  # seqpar.measure.meter.ScheduleMeter or None
@@ -40,16 +40,19 @@ class StepRunner:
     def forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
         """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state or the scaled loss."""
         chunk = self.chunks[chunk_id]
-        tokens, labels = self.microbatches[mb]
+        tokens, labels, *docs = self.microbatches[mb]  # docs: packed documents (seqpar.documents), if any
+        docs = docs[0] if docs else None
         x = tokens.to(self._device(chunk)) if chunk.first else input_tensor
         keep = self.keep.start(chunk_id, mb) if self.keep is not None else contextlib.nullcontext()
         record = self.meter.forward() if self.meter is not None else contextlib.nullcontext()
+        if getattr(chunk, "aux", None) is not None:  # MoE load-balancing losses weigh as the microbatch loss
+            chunk.aux.weight = self.loss_scale / self.num_microbatches
         with keep, record:
             if chunk.last:
-                loss = chunk(x, labels.to(self._device(chunk)))
+                loss = chunk(x, labels.to(self._device(chunk)), docs=docs)
                 self.losses.append(loss.detach())
                 return loss * (self.loss_scale / self.num_microbatches)
-            out = chunk(x)  # [s(/t), b, h]
+            out = chunk(x, docs=docs)  # [s(/t), b, h]
         if self.meter is not None:
             self.meter.hold(out)  # the schedule keeps it until its backward
         return out

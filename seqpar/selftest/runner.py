@@ -128,7 +128,7 @@ def run_selftest(device: str = "auto", nproc: int | None = None, quick: bool = F
 
 
 def _under_torchrun(dev: torch.device, nproc: int | None, opts: dict) -> tuple[dict, bool, str]:
-    from seqpar.parallel.launch import init_distributed
+    from seqpar.parallel.launch import end_distributed, init_distributed
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if nproc is not None and nproc != world:
@@ -138,11 +138,14 @@ def _under_torchrun(dev: torch.device, nproc: int | None, opts: dict) -> tuple[d
         raise ConfigError(f"--device {dev} names one device; under torchrun each rank takes device LOCAL_RANK "
                           f"(--device {dev.type})")
     owns = init_distributed(world, rank_device(dev.type, dev.index, rank))
+    completed = False
     try:
-        return rank_main(rank, world, opts), rank == 0, "torchrun"
+        result = rank_main(rank, world, opts)
+        completed = True
+        return result, rank == 0, "torchrun"
     finally:
-        if owns and dist.is_initialized():
-            dist.destroy_process_group()
+        if owns:
+            end_distributed(completed)  # a barrier, then destroy (seqpar.parallel.launch)
 
 
 def render(report: dict) -> str:

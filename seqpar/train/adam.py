@@ -1,11 +1,13 @@
 """What both optimizers share: AdamW on fp32 masters, the lr schedule, clipping, the loss scaler.
 
-``AdamOnMasters`` is the base of the two optimizers a job can get (``optimizers.build_optimizer``):
+``AdamOnMasters`` is the base of the three optimizers a job can get (``optimizers.build_optimizer``):
 
 * ``optim.MasterOptimizer`` -- replicated: every dp rank holds a whole fp32 master per parameter (the
   parameter itself when it is fp32) and Adam's moments for all of them;
 * ``dist_optim.DistributedOptimizer`` -- ZeRO-1: each dp rank holds masters and moments of its shard
-  of the flat gradient buckets only (*fragments*: 1-D pieces of parameters).
+  of the flat gradient buckets only (*fragments*: 1-D pieces of parameters);
+* ``fsdp_optim.FSDPOptimizer`` -- under ``parallel.fsdp``: the masters are FSDP2's fp32 parameter shards
+  themselves, the gradients arrive reduce-scattered by FSDP (``dp_reduced``).
 
 A subclass says, in the methods the base marks abstract, where the gradients live
 (``build_grad_buffers``), what its masters are (``build_masters``: whole tensors or fragments), whether
@@ -54,6 +56,8 @@ class AdamOnMasters:
     """torch.optim.AdamW on fp32 masters of ``chunks``' parameters (decay on matrices only); a subclass
     decides what the masters and the gradient buffers are (module docstring)."""
 
+    dp_reduced = False  # the gradients arrive averaged over dp × cp already (FSDP's reduce-scatter)
+
     def __init__(self, chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims
         self.named = named_parameters(chunks)
@@ -66,6 +70,9 @@ class AdamOnMasters:
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
         init_adam_state(self.opt)
+        # AdamW's own step count (its bias correction's t): the updates applied, which a skipped step (fp16
+        # overflow, non-finite values) does not add to; saved in the checkpoint, restored by ``loaded``
+        self.updates = 0
         fp16 = any(p.dtype == torch.float16 for _, p in self.named)
         self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
 
@@ -78,7 +85,8 @@ class AdamOnMasters:
         word embedding alone in its own; ``shard``: reduce-scattered (each rank gets its shard's sum)."""
         tied = [w for chunk in chunks if (w := chunk.tied.weight(chunk)) is not None]
         return GradBuffers([p for _, p in self.named], self.dims.grad_group, overlap=self.cfg.overlap_grad_reduce,
-                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied))
+                           shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied),
+                           expert_group=self.dims.expert_grad_group)
 
     def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """Fill ``self.masters`` (the fp32 tensors AdamW updates); return them split (decayed, not decayed)."""
@@ -148,7 +156,8 @@ class AdamOnMasters:
         raise NotImplementedError
 
     def loaded(self, opt_step: int) -> None:
-        """After a checkpoint was read into ``checkpoint_views(saving=False)``: the model and step count."""
+        """After a checkpoint was read into ``checkpoint_views(saving=False)``: the model, and the step count
+        ``opt_step`` (the updates applied before the checkpoint, ``updates``)."""
         raise NotImplementedError
 
 

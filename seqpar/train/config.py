@@ -1,4 +1,4 @@
-"""TrainConfig and the job's TOML file: ``[model]``, ``[parallel]``, ``[recompute]``, ``[train]``.
+"""TrainConfig and the job's TOML file: ``[model]``, ``[parallel]``, ``[recompute]``, ``[train]``, ``[data]``.
 
 Every value is type-checked and validated here, before any process group starts; errors name the
 key, the rule and the numbers (``global_batch 10 is not divisible by micro_batch 4 × dp 2 = 8``).
@@ -13,7 +13,16 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, RunConfig, validate_microbatches
+from seqpar.config import (
+    BYTE_VOCAB,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RecomputeConfig,
+    RunConfig,
+    did_you_mean,
+    validate_microbatches,
+)
 from seqpar.train.lr_schedule import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -60,7 +69,7 @@ class TrainConfig:
     loss_scale_init: float = 65536.0  # the first scale
     loss_scale_window: int = 2000  # good steps in a row before the scale doubles
     sample_tokens: int = 0  # print a sample of this many tokens at the end (0: none)
-    sample_prompt: str = "def "
+    sample_prompt: str = ""  # empty: start as after a newline (the separator between texts), any corpus
     progress: bool = True
     plot: bool = True  # loss-curve PNG at the end (needs matplotlib)
 
@@ -110,11 +119,25 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """How training reads its data (where from: ``[train] data``)."""
+
+    # packed documents attend only to themselves, positions restarting in each (seqpar/documents.py);
+    # needs a prepared folder (its end-of-document token marks the boundaries)
+    document_mask: bool = False
+
+    def validate(self) -> DataConfig:
+        _check_types(self)
+        return self
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """Everything one ``seqpar train`` run needs."""
 
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     @property
     def model(self) -> ModelConfig:
@@ -134,12 +157,21 @@ class JobConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"recompute num_layers must be a positive integer, got {n!r}")
         self.train.validate(self.parallel.dp)
+        if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
+            raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
+                              "itself: turn off distributed_optimizer and overlap_grad_reduce")
+        if self.parallel.fsdp and self.model.experts:
+            raise ConfigError(f"fsdp with a mixture of experts ({self.model.experts} experts) is not supported: "
+                              "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
+                              "places experts on subsets of them; train MoE models without fsdp")
+        self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self
 
     def to_dict(self) -> dict:
         return {"model": dataclasses.asdict(self.model), "parallel": dataclasses.asdict(self.parallel),
-                "recompute": dataclasses.asdict(self.recompute), "train": dataclasses.asdict(self.train)}
+                "recompute": dataclasses.asdict(self.recompute), "train": dataclasses.asdict(self.train),
+                "data": dataclasses.asdict(self.data)}
 
 
 def inert_settings(job: JobConfig) -> list[str]:
@@ -168,6 +200,11 @@ def inert_settings(job: JobConfig) -> list[str]:
     if t.tokenizer and t.data.endswith(".bin"):
         notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
                      "recorded for sample and export-hf only")
+    if not t.tokenizer and not t.data.endswith(".bin") and m.vocab_size > BYTE_VOCAB:
+        source = f"{t.data} is read" if t.data else "the default data (the standard library's sources) is read"
+        notes.append(f"{source} as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: "
+                     f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained; give "
+                     "--tokenizer for text, or --data a pre-tokenized .bin, or --vocab 256")
     if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
         notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
                      "(they shard over, and overlap the reduction across, the data-parallel ranks)")
@@ -176,7 +213,8 @@ def inert_settings(job: JobConfig) -> list[str]:
     return notes
 
 
-SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig}
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig,
+            "data": DataConfig}
 
 
 def _check_types(obj) -> None:
@@ -227,7 +265,8 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
     built = {}
     for name, values in sections.items():
         if name not in SECTIONS:
-            raise ConfigError(f"unknown config section [{name}]; known: {sorted(SECTIONS)}")
+            raise ConfigError(f"unknown config section [{name}]{did_you_mean(name, SECTIONS)}; known: "
+                              f"{sorted(SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table, got {values!r}")
     for name, cls in SECTIONS.items():
@@ -236,12 +275,12 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key not in known:
-                raise ConfigError(f"unknown key {name}.{key}; known: {sorted(known)}")
+                raise ConfigError(f"unknown key {name}.{key}{did_you_mean(key, known)}; known: {sorted(known)}")
         obj = cls(**{k: _coerce(v, hints[k]) for k, v in values.items()})
         _check_types(obj)
         built[name] = obj
     run = RunConfig(built["model"], built["parallel"], built["recompute"])
-    return JobConfig(run, built["train"])
+    return JobConfig(run, built["train"], built["data"])
 
 
 def load_toml(path: str | Path) -> dict[str, dict]:

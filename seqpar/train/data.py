@@ -9,17 +9,19 @@ Sources (``load_tokens``):
   * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped: raw little-endian ids, or an
     llm.c file (a 1024-byte header: magic, version, token count). A NumPy ``.npy``, a compressed file,
     text, a size that is not whole ids and uint32 ids read as uint16 are refused, naming the file;
-  * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package.
+  * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package;
+  * a prepared folder (``seqpar prepare``): sharded ids memory-mapped, whole documents held out for
+    validation (``DocumentData``; it starts in seconds whatever the corpus size).
 
-The split is fixed: the first ``1 - val_fraction`` of the stream trains, the rest validates.
+A stream's split is fixed: the first ``1 - val_fraction`` trains, the rest validates.
 Batches are a pure function of (seed, step): the step's ``global_batch`` window offsets are drawn
 from a generator seeded by both, and data-parallel rank ``r`` takes its own contiguous slice, so
-the global batch does not depend on dp and resuming at step ``k`` needs only ``k``.
+the global batch does not depend on dp and resuming at step ``k`` needs only ``k``. Validation is a
+fixed set of windows whatever the layout (``seqpar.data.windows``).
 """
 
 from __future__ import annotations
 
-import os
 import struct
 import sysconfig
 from dataclasses import dataclass
@@ -27,13 +29,15 @@ from pathlib import Path
 
 import torch
 
-from seqpar.config import ConfigError
+from seqpar.data.errors import DataError
+from seqpar.data.files import check_file, names, not_text, text_files
+from seqpar.data.prepared import Prepared, is_prepared
+from seqpar.data.windows import Spans, held_out, split_for_rank, train_offsets, validation_offsets
+from seqpar.documents import Documents, label_mask
+
+__all__ = ["BYTE_VOCAB", "DataError", "DocumentData", "TokenData", "Windows", "load_tokens", "stdlib_files"]
 
 BYTE_VOCAB = 256
-
-
-class DataError(ConfigError):
-    """The data cannot be used: the message names the path and the problem."""
 
 
 def stdlib_files() -> list[Path]:
@@ -45,21 +49,6 @@ def stdlib_files() -> list[Path]:
 
 
 TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
-
-
-COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"PK\x03\x04", "zip"), (b"PK\x05\x06", "zip"),
-              (b"(\xb5/\xfd", "zstd"))
-
-
-def not_text(raw: bytes) -> str:
-    """Why ``raw`` is not text -- a compressed format's magic number or a NUL byte -- or '' (it may be)."""
-    for magic, name in COMPRESSED:
-        if raw.startswith(magic):
-            return f"{name}-compressed"
-    if raw.startswith(b"BZh") and raw[3:4].isdigit() and raw[4:10] == b"1AY&SY":
-        return "bzip2-compressed"
-    nul = raw.find(b"\0")
-    return f"binary (a NUL byte at offset {nul})" if nul >= 0 else ""
 
 
 def _read(path: Path) -> bytes:
@@ -84,12 +73,8 @@ def _read_texts(paths: list[Path], root: Path) -> tuple[list[tuple[Path, bytes]]
             skipped.append(f"{path.relative_to(root)}: {reason}")
     if not texts:
         raise DataError(f"data folder {root} holds no text files ({len(skipped)} skipped as not text: "
-                        f"{_names(skipped)})")
+                        f"{names(skipped)})")
     return texts, skipped
-
-
-def _names(items: list[str], shown: int = 3) -> str:
-    return ", ".join(items[:shown]) + (f", ... ({len(items) - shown} more)" if len(items) > shown else "")
 
 
 def _as_tokens(chunks: list[bytes]) -> torch.Tensor:
@@ -97,46 +82,10 @@ def _as_tokens(chunks: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
 
 
-def _check_file(path: Path, folder: bool = False) -> None:
-    """A clear DataError unless ``path`` is an existing regular file (or, with ``folder``, a folder)."""
-    if not path.exists():
-        if path.is_symlink():
-            raise DataError(f"data path {path} is a broken symbolic link (to {os.readlink(path)})")
-        raise DataError(f"data path {path} does not exist")
-    if not (path.is_file() or folder and path.is_dir()):
-        kind = "a regular file or folder" if folder else "a regular file"
-        raise DataError(f"data path {path} is not {kind} (a FIFO, socket, device or folder cannot be read as data)")
-
-
-def _text_files(path: Path) -> tuple[list[Path], list[str]]:
-    """The files to read (sorted) and the hidden entries skipped (``.git/``, ``.env``): hidden files
-    and hidden folders are skipped alike (a folder's contents are not listed)."""
-    _check_file(path, folder=True)
-    if path.is_file():
-        return [path], []
-    files, hidden = [], []
-    for folder, dirs, names in os.walk(path):  # symbolic links to folders are not followed (nor read)
-        here = Path(folder)
-        hidden += [f"{(here / d).relative_to(path)}/" for d in sorted(dirs) if d.startswith(".")]
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in names:
-            (hidden.append(str((here / name).relative_to(path))) if name.startswith(".")
-             else files.append(here / name))
-    files.sort()
-    for file in files:  # a FIFO would block reading and a broken link would vanish silently
-        _check_file(file)
-    if not files:
-        raise DataError(f"data folder {path} holds no files"
-                        + (f" (skipped {len(hidden)} hidden: {_names(sorted(hidden))})" if hidden else ""))
-    return files, sorted(hidden)
-
-
 def _encode(texts: list[tuple[Path, bytes]], tokenizer_path: str) -> torch.Tensor:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise DataError("--tokenizer needs the `tokenizers` package (pip install tokenizers)") from None
-    tok = Tokenizer.from_file(tokenizer_path)
+    from seqpar.data.tokenizer import load
+
+    tok = load(tokenizer_path)
     ids: list[int] = []
     for path, raw in texts:
         try:
@@ -167,7 +116,7 @@ def _looks_like_text(head: bytes) -> bool:
 
 def _load_bin(path: Path, token_dtype: str) -> tuple[torch.Tensor, str]:
     """Token ids from a ``.bin`` file, after checking that it is one (see the module docstring)."""
-    _check_file(path)
+    check_file(path)
     nbytes = path.stat().st_size
     try:
         with path.open("rb") as fh:  # readable? (torch.from_file would fail with its own message)
@@ -219,11 +168,11 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
         if path.suffix == ".bin":
             tokens, source = _load_bin(path, token_dtype)
         else:
-            files, hidden = _text_files(path)
+            files, hidden = text_files(path)
             texts, binary = _read_texts(files, path)
             tokens = _encode(texts, tokenizer) if tokenizer else _as_tokens([raw for _, raw in texts])
-            skipped = ([f"{len(hidden)} hidden ({_names(hidden)})"] if hidden else []) + \
-                ([f"{len(binary)} not text ({_names(binary)})"] if binary else [])
+            skipped = ([f"{len(hidden)} hidden ({names(hidden)})"] if hidden else []) + \
+                ([f"{len(binary)} not text ({names(binary)})"] if binary else [])
             source = (f"{path} ({len(texts)} file{'s' if len(texts) != 1 else ''}"
                       + (f"; skipped {' and '.join(skipped)})" if skipped else ")"))
     if len(tokens) == 0:
@@ -231,18 +180,91 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
     return tokens, source
 
 
+class Windows:
+    """The batch rule over any token source (``seqpar.data.windows``): a subclass gives its train and
+    validation spans and reads ids; training windows follow (seed, step), validation is a fixed set of
+    windows, both independent of the layout."""
+
+    seq_len: int
+    source: str
+    document_eos: int | None = None  # packed documents (data.document_mask): their end-of-document id
+
+    def train_spans(self) -> Spans:
+        raise NotImplementedError
+
+    def val_spans(self) -> Spans:
+        raise NotImplementedError
+
+    def read(self, split: str, start: int, count: int) -> torch.Tensor:
+        """Ids ``[start, start + count)`` of ``split``'s stream as int64."""
+        raise NotImplementedError
+
+    @property
+    def train_tokens(self) -> int:
+        return self.train_spans().tokens
+
+    @property
+    def val_tokens(self) -> int:
+        return self.val_spans().tokens
+
+    def _windows(self, split: str, offsets: torch.Tensor) -> tuple:
+        """(tokens [b, s], labels [b, s]), and with packed documents their ``Documents`` (the labels of
+        end-of-document tokens ignored: the next document is not predicted from this one)."""
+        s = self.seq_len
+        rows = torch.stack([self.read(split, o, s + 1) for o in offsets.tolist()])  # [b, s + 1]
+        tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # [b, s] each
+        if self.document_eos is None:
+            return tokens, labels
+        eos = self.document_eos
+        return tokens, label_mask(tokens, labels, eos), Documents.from_tokens(tokens, eos)
+
+    def train_offsets(self, seed: int, step: int, global_batch: int) -> torch.Tensor:
+        return train_offsets(self.train_spans(), seed, step, global_batch)  # [B]
+
+    def train_batch(self, seed: int, step: int, global_batch: int, micro_batch: int, dp_rank: int,
+                    dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This dp rank's microbatches of ``step``: a list of (tokens, labels), each ``[b, s]``."""
+        offsets = self.train_offsets(seed, step, global_batch)
+        per_rank = global_batch // dp
+        mine = offsets[dp_rank * per_rank:(dp_rank + 1) * per_rank]  # [B/dp]
+        return [self._windows("train", mine[i:i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+
+    def validation_batches(self, windows: int, micro_batch: int, dp_rank: int = 0,
+                           dp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """dp rank ``dp_rank``'s share of the fixed set of ``windows`` validation windows (evenly spaced
+        over the split, the same set at every layout), in microbatches of at most ``micro_batch``."""
+        mine = split_for_rank(validation_offsets(self.val_spans(), windows), dp_rank, dp)  # [~W/dp]
+        return [self._windows("val", mine[i:i + micro_batch]) for i in range(0, len(mine), micro_batch)]
+
+
 @dataclass
-class TokenData:
-    """Train and validation streams with the batch rule described in the module docstring."""
+class TokenData(Windows):
+    """Train and validation streams: the first ``1 - val_fraction`` of the tokens and the rest."""
 
     train: torch.Tensor
     val: torch.Tensor
     seq_len: int
     source: str = ""
 
+    def train_spans(self) -> Spans:
+        return Spans([(0, len(self.train))], self.seq_len)
+
+    def val_spans(self) -> Spans:
+        return Spans([(0, len(self.val))], self.seq_len)
+
+    def read(self, split: str, start: int, count: int) -> torch.Tensor:
+        return (self.train if split == "train" else self.val)[start:start + count].to(torch.int64)
+
     @classmethod
     def build(cls, seq_len: int, vocab_size: int, data: str = "", tokenizer: str = "", token_dtype: str = "uint16",
-              val_fraction: float = 0.05) -> TokenData:
+              val_fraction: float = 0.05, document_mask: bool = False) -> Windows:
+        """The data at ``data``: a prepared folder (``DocumentData``), else a stream read whole;
+        ``document_mask``: packed documents (a prepared folder's)."""
+        if data and is_prepared(data):
+            return DocumentData.open(data, seq_len, vocab_size, val_fraction, document_mask)
+        if document_mask:
+            raise DataError(f"data.document_mask needs a prepared folder (seqpar prepare), whose end-of-document "
+                            f"token marks the documents; {data or 'the default data'} is a plain stream")
         tokens, source = load_tokens(data, tokenizer, token_dtype)
         # int64 holds every uint32 id (``.int()`` would wrap ids >= 2^31 to negative numbers)
         top = max(int(part.to(torch.int64).max()) for part in tokens.split(1 << 24))
@@ -257,32 +279,56 @@ class TokenData:
         return cls(train, val, seq_len, source)
 
     @classmethod
-    def for_job(cls, job) -> TokenData:
-        """The data of a ``JobConfig``: its model's sequence length and vocabulary, its [train] source."""
+    def for_job(cls, job, tokenizer: str | None = None) -> Windows:
+        """The data of a ``JobConfig``: its model's sequence length and vocabulary, its [train] source;
+        ``tokenizer``: the file to read text with (default ``train.tokenizer``; the run's resolved one)."""
         m, t = job.model, job.train
-        return cls.build(m.seq_len, m.vocab_size, t.data, t.tokenizer, t.token_dtype, t.val_fraction)
+        tokenizer = t.tokenizer if tokenizer is None else tokenizer
+        return cls.build(m.seq_len, m.vocab_size, t.data, tokenizer, t.token_dtype, t.val_fraction,
+                         job.data.document_mask)
 
-    def _windows(self, stream: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.seq_len
-        rows = torch.stack([stream[o:o + s + 1].to(torch.int64) for o in offsets.tolist()])  # [b, s + 1]
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # tokens [b, s], labels [b, s]
 
-    def train_offsets(self, seed: int, step: int, global_batch: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        return torch.randint(0, len(self.train) - self.seq_len, (global_batch,), generator=gen)  # [B]
+class DocumentData(Windows):
+    """A prepared folder (``seqpar prepare``), memory-mapped: whole documents held out for validation
+    (``held_out``), windows read across shard boundaries."""
 
-    def train_batch(self, seed: int, step: int, global_batch: int, micro_batch: int, dp_rank: int,
-                    dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This dp rank's microbatches of ``step``: a list of (tokens, labels), each ``[b, s]``."""
-        offsets = self.train_offsets(seed, step, global_batch)
-        per_rank = global_batch // dp
-        mine = offsets[dp_rank * per_rank:(dp_rank + 1) * per_rank]  # [B/dp]
-        return [self._windows(self.train, mine[i:i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+    def __init__(self, prepared: Prepared, seq_len: int, val_fraction: float):
+        self.prepared, self.seq_len = prepared, seq_len
+        train, val = held_out(prepared.doc_ends, val_fraction)
+        self._train, self._val = Spans(train, seq_len), Spans(val, seq_len)
+        m = prepared.manifest
+        tok = m["tokenizer"]
+        self.source = (f"{prepared.path} (prepared: {m['documents']:,} documents, "
+                       + (f"tokenizer sha256 {tok['sha256'][:12]}...)" if tok else "bytes)"))
+        for name, spans in (("train", self._train), ("validation", self._val)):
+            if spans.total < 1:
+                raise DataError(f"the {name} documents of {prepared.path} ({spans.tokens} tokens) hold no window "
+                                f"of seq_len {seq_len} + 1 tokens (more data, or a smaller seq_len)")
 
-    def val_batches(self, n_batches: int, micro_batch: int, dp_rank: int, dp: int):
-        """Fixed validation windows, evenly spaced over the split; dp ranks take disjoint ones."""
-        total = n_batches * micro_batch * dp
-        offsets = torch.linspace(0, len(self.val) - self.seq_len - 1, total).long()  # [n·b·dp]
-        per_rank = n_batches * micro_batch
-        mine = offsets[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return [self._windows(self.val, mine[i:i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+    @classmethod
+    def open(cls, path: str, seq_len: int, vocab_size: int, val_fraction: float,
+             document_mask: bool = False) -> DocumentData:
+        prepared = Prepared(path)
+        if prepared.vocab_size > vocab_size:
+            raise DataError(f"{path} was prepared with a vocabulary of {prepared.vocab_size}, more than the model's "
+                            f"vocab_size {vocab_size}")
+        data = cls(prepared, seq_len, val_fraction)
+        data.document_eos = prepared.eos_id if document_mask else None
+        return data
+
+    def train_spans(self) -> Spans:
+        return self._train
+
+    def val_spans(self) -> Spans:
+        return self._val
+
+    def read(self, split: str, start: int, count: int) -> torch.Tensor:
+        return self.prepared.read(start, count)
+
+    def with_validation(self, spans: Spans) -> DocumentData:
+        """A copy validating on ``spans`` (``seqpar eval --split all``: every token)."""
+        import copy
+
+        other = copy.copy(self)
+        other._val = spans
+        return other

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from seqpar.parallel.comm import all_gather_into, all_reduce
+from seqpar.parallel.expert import is_expert
 from seqpar.parallel.grad_buffer import Bucket, GradBuffers
 from seqpar.parallel.layout import layout_of
 from seqpar.train.adam import AdamOnMasters, set_adam_step, set_lr_and_clip_scale
@@ -71,7 +72,7 @@ class DistributedOptimizer(AdamOnMasters):
         tp_rank = self.dims.tp_rank
         self.fragments: list[Fragment] = []
         for bucket in buffers.buckets:
-            lo, hi = bucket.shard_range(buffers.rank, buffers.world)
+            lo, hi = bucket.shard_range(bucket.rank, bucket.world)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 start, end = max(lo, offset) - offset, min(hi, offset + p.numel()) - offset
                 if start >= end:
@@ -106,14 +107,21 @@ class DistributedOptimizer(AdamOnMasters):
             f.grad().mul_(inv)
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm: this rank's fragments, then summed over the grad group, tp and pp."""
+        """Global L2 norm: this rank's fragments, then summed over the grad group, tp and pp (routed
+        experts' fragments over the ranks holding the same experts, then over ep)."""
         device = self.named[0][1].device
         total = torch.zeros((), dtype=torch.float64, device=device)
+        experts = torch.zeros((), dtype=torch.float64, device=device)
         for f in self.fragments:
             end = min(f.end, f.counted)
             if end > f.start:
-                total += f.grad()[:end - f.start].double().pow(2).sum()
-        for group in (self.dims.grad_group, self.dims.tp_group, self.dims.pp_group):
+                (experts if is_expert(f.param) else total).add_(f.grad()[:end - f.start].double().pow(2).sum())
+        for group, value in ((self.dims.grad_group, total), (self.dims.expert_grad_group, experts),
+                             (self.dims.ep_group, experts)):
+            if group is not None:
+                all_reduce(value, group)
+        total += experts
+        for group in (self.dims.tp_group, self.dims.pp_group):
             if group is not None:
                 all_reduce(total, group)
         return total.sqrt()
@@ -126,6 +134,7 @@ class DistributedOptimizer(AdamOnMasters):
                 grad.mul_(scale)
             f.master.grad = grad
         self.opt.step()
+        self.updates += 1
         for f in self.fragments:
             f.master.grad = None
         self._gather_params()
@@ -144,12 +153,12 @@ class DistributedOptimizer(AdamOnMasters):
         for f in self.fragments:
             by_bucket.setdefault(id(f.bucket), []).append(f)
         for bucket in buffers.buckets:
-            lo, hi = bucket.shard_range(buffers.rank, buffers.world)
+            lo, hi = bucket.shard_range(bucket.rank, bucket.world)
             flat = torch.zeros(bucket.buffer.numel(), dtype=dtype_of(bucket), device=bucket.buffer.device)
             for f in by_bucket.get(id(bucket), []):
                 flat[f.offset + f.start:f.offset + f.end].copy_(piece(f))
-            if buffers.world > 1:
-                all_gather_into(flat, flat[lo:hi].clone(), buffers.group)
+            if bucket.world > 1:
+                all_gather_into(flat, flat[lo:hi].clone(), bucket.group)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 put(p, flat[offset:offset + p.numel()].view_as(p))  # [p.shape]
 
@@ -178,4 +187,5 @@ class DistributedOptimizer(AdamOnMasters):
         masters and moments: the step count, and every rank's masters all-gathered into the model."""
         for f in self.fragments:
             set_adam_step(self.opt.state[f.master], opt_step)
+        self.updates = opt_step
         self._gather_params()

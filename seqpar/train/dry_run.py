@@ -63,7 +63,7 @@ def print_dry_run(job, existing: str = "") -> None:
 
     data = TokenData.for_job(job)
     print(describe(job, job.parallel.world_size))
-    print(f"data {data.source}: {len(data.train):,} train / {len(data.val):,} validation tokens")
+    print(f"data {data.source}: {data.train_tokens:,} train / {data.val_tokens:,} validation tokens")
     if existing:
         print(f"note: {job.train.out_dir} already holds a run ({existing}): a real run needs --resume or --overwrite")
     for note in inert_settings(job):

@@ -37,17 +37,37 @@ def dims_tp(chunk) -> int:
     return 1 if chunk.group is None else dist.get_world_size(chunk.group)
 
 
+def validation_windows(train) -> int:
+    """The trainer's validation set: ``eval_batches × micro_batch`` windows, whatever the layout."""
+    return train.eval_batches * train.micro_batch
+
+
+def mean_over_windows(total: torch.Tensor | None, count: int, dims: ParallelDims, device) -> float:
+    """The last pipeline stage's loss ``total`` over its ``count`` windows, summed over the dp ranks and
+    divided by every window there: the mean of one fixed window set, however it was shared out."""
+    t = torch.tensor([float("nan"), float("nan")], dtype=torch.float64, device=device)
+    if total is not None:
+        t[0], t[1] = total.to(torch.float64), count
+    if dims.pp_group is not None:
+        broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
+    if dims.dp_group is not None:
+        all_reduce(t, group=dims.dp_group)
+    return float(t[0] / t[1])
+
+
 @torch.no_grad()
 def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims) -> float:
-    """Mean loss over ``batches`` (this dp rank's), averaged over dp; the same value on every rank."""
+    """Mean loss per window over every dp rank's ``batches`` (each its share of one window set; shares
+    may differ by a window, or be empty); the same value on every rank."""
     device = next(chunks[0].parameters()).device
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
-    losses = []
+    total, count, last = torch.zeros((), dtype=torch.float64, device=device), 0, False
     try:
         virtual = len(chunks) * dims.pp
-        for tokens, labels in batches:
+        for tokens, labels, *docs in batches:  # docs: packed documents, if any
+            docs = docs[0] if docs else None
             x = None
             for v in range(virtual):
                 owner, chunk_id = v % dims.pp, v // dims.pp
@@ -59,57 +79,135 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
                         dist.recv(x, src=dims.pp_ranks[(v - 1) % dims.pp], group=dims.pp_group)
                     inp = tokens.to(device) if chunk.first else x
                     if chunk.last:
-                        losses.append(chunk(inp, labels.to(device)).float())
+                        total += chunk(inp, labels.to(device), docs=docs).double() * tokens.shape[0]  # batch mean
+                        count += tokens.shape[0]
                     else:
-                        x = chunk(inp)
+                        x = chunk(inp, docs=docs)
                         nxt = (v + 1) % dims.pp
                         if nxt != owner:
                             dist.send(x.contiguous(), dst=dims.pp_ranks[nxt], group=dims.pp_group)
+        last = any(c.last for c in chunks)
     finally:
         for c, mode in zip(chunks, modes, strict=True):
             c.train(mode)
-    mean = float(torch.stack(losses).mean()) if losses else None
-    return broadcast_from_last_stage(mean, dims, device)
+    return mean_over_windows(total if last else None, count, dims, device)
 
 
 @torch.no_grad()
 def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = None, split: str = "val",
-                        micro_batch: int = 8, batches: int = 0) -> dict:
+                        micro_batch: int = 8, batches: int = 0, full: bool = False,
+                        progress: bool = False) -> dict:
     """``seqpar eval``: a checkpoint's mean loss per token, in one process on this rank's device.
 
-    ``data``/``tokenizer`` default to the run's own; ``split`` ``val`` is the held-out tail training
-    validated on, ``all`` every token. Windows of ``seq_len`` tokens, evenly spaced over the split
-    and covering it once (``batches`` > 0 caps the forwards)."""
+    ``data``/``tokenizer`` default to the run's own (its tokenizer copy); ``split`` ``val`` is the
+    held-out data training validated on, ``all`` every token. By default the trainer's own fixed
+    validation windows (``eval_batches × micro_batch`` of the run: its logged validation loss);
+    ``batches`` > 0: that many forwards of ``micro_batch`` windows; ``full``: windows of ``seq_len``
+    covering the split once. ``progress``: a line on stderr (windows, tokens/s, ETA)."""
     import math
 
     from seqpar.parallel.launch import default_device
+    from seqpar.train.config import build_job
     from seqpar.train.data import TokenData
-    from seqpar.train.sample import load_model
+    from seqpar.train.sample import load_model, model_tokenizer
 
     model, meta = load_model(path, device=default_device())
     cfg, train = model.cfg, meta["config"]["train"]
     data = data if data is not None else train.get("data", "")
-    tokenizer = tokenizer if tokenizer is not None else train.get("tokenizer", "")
+    tokenizer = model_tokenizer(path, meta, tokenizer)
     if tokenizer and data.endswith(".bin"):
         tokenizer = ""  # token ids already
     tokens = TokenData.build(cfg.seq_len, cfg.vocab_size, data, tokenizer, train.get("token_dtype", "uint16"),
-                             train.get("val_fraction", 0.05))
-    stream = tokens.val if split == "val" else torch.cat([tokens.train, tokens.val])
-    tokens.val = stream
-    windows = max((len(stream) - 1) // cfg.seq_len, 1)
-    n = math.ceil(windows / micro_batch)
-    if batches:
-        n = min(n, batches)
+                             train.get("val_fraction", 0.05),
+                             document_mask=meta["config"].get("data", {}).get("document_mask", False))
+    _same_tokenizer(tokens, tokenizer)
+    if split == "all":
+        tokens = _whole(tokens)
+    spans = tokens.val_spans()
+    if full:
+        windows = max(spans.tokens // cfg.seq_len, 1)
+    elif batches:
+        windows = batches * micro_batch
+    else:
+        windows = validation_windows(build_job(meta["config"]).train)
+    windows = min(windows, spans.total)
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for x, y in tokens.val_batches(n, micro_batch, 0, 1):
-        loss = model(x.to(device), y.to(device)).float()  # mean over the batch's tokens
-        total += float(loss) * y.numel()
-        count += y.numel()
+    meter = _Meter(windows, cfg.seq_len, progress)
+    for x, y, *docs in tokens.validation_batches(windows, micro_batch):
+        loss = model(x.to(device), y.to(device), docs=docs[0] if docs else None).float()  # mean, counted tokens
+        counted = int((y != -100).sum())
+        total += float(loss) * counted
+        count += counted
+        meter.add(x.shape[0])
+    meter.close()
     loss = total / count
     result = {"checkpoint": str(path), "step": meta.get("step", 0), "data": tokens.source, "split": split,
-              "tokens": count, "windows": n * micro_batch, "seq_len": cfg.seq_len, "loss": loss,
+              "tokens": count, "windows": windows, "seq_len": cfg.seq_len, "loss": loss,
               "perplexity": math.exp(min(loss, 700.0))}
     if cfg.vocab_size == 256 and not tokenizer:
         result["bits_per_byte"] = loss / math.log(2)
     return result
+
+
+def _same_tokenizer(data, tokenizer: str) -> None:
+    """A prepared folder's ids were made by the model's tokenizer (or both are bytes), or one line."""
+    from seqpar.data import tokenizer as tokfile
+    from seqpar.data.errors import DataError
+
+    prepared = getattr(data, "prepared", None)
+    if prepared is None:
+        return
+    record = prepared.manifest["tokenizer"]
+    theirs, mine = (record["sha256"] if record else None), (tokfile.sha256(tokenizer) if tokenizer else None)
+    if theirs != mine:
+        what = lambda digest: f"tokenizer sha256 {digest[:12]}..." if digest else "bytes"  # noqa: E731
+        raise DataError(f"{prepared.path} was prepared with {what(theirs)}, the model reads {what(mine)}")
+
+
+def _whole(data):
+    """``data`` with every token as its validation split (``--split all``)."""
+    from seqpar.data.windows import Spans
+    from seqpar.train.data import TokenData
+
+    if isinstance(data, TokenData):
+        return TokenData(data.train, torch.cat([data.train, data.val]), data.seq_len, data.source)
+    return data.with_validation(Spans([(0, len(data.prepared))], data.seq_len))
+
+
+class _Meter:
+    """``seqpar eval``'s progress on stderr: in place on a terminal, else a line every 5 seconds."""
+
+    def __init__(self, windows: int, seq_len: int, enabled: bool):
+        import sys
+        import time
+
+        self.windows, self.seq_len, self.done = windows, seq_len, 0
+        self.enabled, self.tty = enabled, enabled and sys.stderr.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def line(self) -> str:
+        import time
+
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        rate = self.done / dt
+        eta = (self.windows - self.done) / rate if rate else float("inf")
+        return (f"eval: {self.done:,}/{self.windows:,} windows, {rate * self.seq_len:,.0f} tokens/s, "
+                f"ETA {eta:.0f} s")
+
+    def add(self, n: int) -> None:
+        import sys
+        import time
+
+        self.done += n
+        if self.tty:
+            print("\r" + self.line(), end="", file=sys.stderr, flush=True)
+        elif self.enabled and time.perf_counter() - self.last >= 5:
+            self.last = time.perf_counter()
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        import sys
+
+        if self.enabled:  # the last state, whole (on a terminal: over the running line)
+            print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)

@@ -84,7 +84,8 @@ def abort_line(out_dir: str) -> str:
     from pathlib import Path
 
     root = Path(out_dir) / "checkpoints"
-    pending = sorted(p.name[: -len(".tmp")] for p in root.glob("step_*.tmp")) if root.is_dir() else []
+    pending = sorted((p.name[: -len(".tmp")] for p in root.glob("step_*.tmp")), key=lambda n: (len(n), n)) \
+        if root.is_dir() else []  # by step: step_1000000 after step_999999
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else ""
     text = "interrupted again: stopped at once"
     if pending:

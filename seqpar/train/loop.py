@@ -17,18 +17,20 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
+from seqpar.data import tokenizer as tokfile
 from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model, default_compile
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.launch import default_device, init_distributed, run_ranks
+from seqpar.parallel.fsdp import apply_fsdp
+from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.parallel.rng import step_key
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.train import checkpoint as ckpt
+from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
-from seqpar.train.evaluate import broadcast_from_last_stage, evaluate
+from seqpar.train.evaluate import broadcast_from_last_stage, evaluate, validation_windows
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
 from seqpar.train.optimizers import build_optimizer
@@ -70,14 +72,19 @@ class Trainer:
     """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
 
     def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False,
-                 hooks: Sequence[StepHook] = ()):
+                 hooks: Sequence[StepHook] = (), verified: bool = False):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
-        self.data = TokenData.for_job(job)
+        self.verified = verified  # the launcher checked the checkpoint to resume (checksums, tensors) already
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
+        if self.resume_path is not None:  # and one with no steps left: refused, nothing rewritten
+            ckpt.check_progress(self.resume_path, t.stop_at or t.steps)
+        self.tokenizer = run_tokenizer.resolve(t, self.resume_path)  # '' for bytes; the checkpoint's copy on resume
+        self.data = TokenData.for_job(job, tokenizer=self.tokenizer)
+        self.tokenizer_record = self._keep_tokenizer() if self.tokenizer else None
         self.device = device or default_device()
         self.owns_group = init_distributed(world, self.device)
         self.dims = ParallelDims.build(job.parallel)
@@ -89,21 +96,33 @@ class Trainer:
         if self.compiled:
             for chunk in self.chunks:
                 compile_model(chunk)  # seqpar/model/compile.py: each layer one fused region, drawing dropouts eager
-        self.opt = build_optimizer(self.chunks, t, self.dims)
+        # FSDP2 last (torchtitan's order: tp at construction, recompute, compile, then FSDP)
+        mesh = apply_fsdp(self.chunks, self.dims, job.parallel) if job.parallel.fsdp else None
+        self.opt = build_optimizer(self.chunks, t, self.dims, mesh)
         self.state = TrainState()
         if self.resume_path is not None:
             self.load(self.resume_path)
         self.throughput = Throughput(job, self.device)
 
     # ------------------------------------------------------------------ checkpoints
+    def _keep_tokenizer(self) -> dict:
+        """The run's own copy of its tokenizer (``OUT/tokenizer.json``, rank 0 writes it) and its record."""
+        record = tokfile.record(self.tokenizer)
+        if int(os.environ.get("RANK", "0")) == 0:
+            tokfile.copy_into(self.tokenizer, self.job.train.out_dir)
+        return record
+
     def load(self, path) -> None:
         meta = ckpt.read_meta(path)
         has_opt = bool(meta.get("has_optimizer", True))
-        ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False))
+        ckpt.load_shards(path, self.opt.checkpoint_views(with_optimizer=has_opt, saving=False), self.verified)
         step = int(meta.get("step", 0))
-        self.opt.loaded(step if has_opt else 0)
+        # the optimizer's own step count: skipped steps never ran it (written before seqpar saved it: the step)
+        updates = int(meta.get("optimizer_steps", step))
+        self.opt.loaded(updates if has_opt else 0)
         self.state.step = step if has_opt else 0
         self.state.skipped = int(meta.get("skipped", 0))
+        self.state.skipped_in_row = int(meta.get("skipped_in_row", 0)) if has_opt else 0
         if self.opt.scaler is not None and has_opt and "loss_scaler" in meta:
             self.opt.scaler.load_state_dict(meta["loss_scaler"])
         self.log(f"resumed from {path} at step {self.state.step}"
@@ -112,16 +131,21 @@ class Trainer:
 
     def save(self) -> str:
         tensors = self.opt.checkpoint_views()
-        meta = {"step": self.state.step, "skipped": self.state.skipped, "has_optimizer": True,
+        meta = {"step": self.state.step, "optimizer_steps": self.opt.updates, "skipped": self.state.skipped,
+                "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True,
                 "config": self.job.to_dict(), "val_loss": self.state.val_loss,
                 "tokens": self.state.step * self.job.train.global_batch * self.job.model.seq_len,
                 "data": self.data.source}
+        files = None
+        if self.tokenizer_record is not None:  # the checkpoint carries the tokenizer its model reads
+            meta["tokenizer"] = self.tokenizer_record
+            files = {tokfile.FILE: Path(self.job.train.out_dir) / tokfile.FILE}
         if self.opt.scaler is not None:
             meta["loss_scaler"] = self.opt.scaler.state_dict()
         rank, step = self.dims.rank, self.state.step
         written = (lambda: [hook.checkpoint_written(rank, step) for hook in self.hooks]) if self.hooks else None
         return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
-                             self.job.train.keep_checkpoints, written=written))
+                             self.job.train.keep_checkpoints, written=written, files=files))
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
@@ -132,16 +156,20 @@ class Trainer:
                  f"  tp {p.tp} × pp {p.pp} × dp {p.dp} (interleave {p.interleave}), sequence parallel "
                  f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
                  f"{t.micro_batch} per step",
-                 f"  data {self.data.source}: {len(self.data.train):,} train / {len(self.data.val):,} validation "
+                 f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "
                  "tokens",
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
         if "optimizer_bytes" in info:
             opt = ("distributed optimizer" if t.distributed_optimizer else "optimizer") + \
                 (", gradients reduced during the backward" if t.overlap_grad_reduce else "")
+            if p.fsdp:
+                opt = (f"FSDP2 over {p.fsdp_shards} ranks" + (" (HSDP)" if p.fsdp_shards < p.dp * p.cp else "")
+                       + (", ZeRO-3" if p.reshard_after_forward else ", ZeRO-2") + ": fp32 shards")
+            keys = ("params_bytes", "grads_bytes", "optimizer_bytes") if p.fsdp else ("optimizer_bytes",)
+            formula = " / ".join(f"{info[f'{k}_predicted']:,.0f}" for k in keys if f"{k}_predicted" in info)
             lines.append(f"  model states on rank 0 ({opt}): parameters {info['params_bytes']:,} B, gradients "
                          f"{info['grads_bytes']:,} B, optimizer {info['optimizer_bytes']:,} B"
-                         + (f" (formula {info['optimizer_bytes_predicted']:,.0f} B)"
-                            if "optimizer_bytes_predicted" in info else ""))
+                         + (f" (formula {formula} B)" if formula else ""))
         if "compile_s" in info:
             lines.append(f"  compiled layers (fused) and loss head: first forward + backward {info['compile_s']:.1f} s "
                          "(compile time, not counted in step times)")
@@ -164,7 +192,7 @@ class Trainer:
         opt.zero_grad(len(mbs))
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
                                       keep_microbatches=self.job.recompute.keep_microbatches)  # App. C
-        self._finalize(self.chunks, dims, opt.buffers)  # fp32 reductions of the (scaled) gradients
+        self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike
@@ -186,7 +214,7 @@ class Trainer:
         mode, this run's schedule), gradients then cleared; returns its seconds (compile time + one step).
         Evaluation (dropout off) compiles its own graphs at the first validation."""
         t, p = self.job.train, self.job.parallel
-        batches = self.data.val_batches(t.microbatches(p.dp), t.micro_batch, 0, 1)
+        batches = self.data.validation_batches(t.microbatches(p.dp) * t.micro_batch, t.micro_batch)
         start = time.perf_counter()
         self._forward_backward(self.chunks, batches, self.dims, p,
                                keep_microbatches=self.job.recompute.keep_microbatches)
@@ -194,9 +222,11 @@ class Trainer:
         return time.perf_counter() - start
 
     def validation_loss(self) -> float:
-        """The loss on the validation split (``eval_batches`` microbatches per dp rank)."""
+        """The loss on the validation split: a fixed set of ``eval_batches × micro_batch`` windows,
+        shared out over the dp ranks, the same at any tp/pp/dp/cp."""
         t = self.job.train
-        batches = self.data.val_batches(t.eval_batches, t.micro_batch, self.dims.dp_rank, self.dims.dp)
+        batches = self.data.validation_batches(validation_windows(t), t.micro_batch, self.dims.dp_rank,
+                                               self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
 
     def _abort_message(self) -> str | None:
@@ -294,9 +324,8 @@ class Trainer:
                 window_steps += 1
                 done = self.state.step
                 progress.tick(done)
-                if outcome != "applied":
+                if outcome != "applied":  # logged; then the step's periodic record, validation and save as any
                     self._skipped_update(outcome, loss, norm, metrics)
-                    continue
                 if done % t.log_every == 0 or done == end:
                     last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
                                                validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
@@ -322,15 +351,19 @@ class Trainer:
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,
-          hooks: Sequence[StepHook] = ()) -> dict:
-    """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own)."""
+          hooks: Sequence[StepHook] = (), verified: bool = False) -> dict:
+    """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own). ``verified``:
+    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``)."""
     job = build_job(job) if isinstance(job, dict) else job
-    trainer = Trainer(job, resume, device, quiet, hooks)
+    trainer = Trainer(job, resume, device, quiet, hooks, verified)
+    completed = False
     try:
-        return trainer.run()
+        summary = trainer.run()
+        completed = True
+        return summary
     finally:
-        if trainer.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if trainer.owns_group:
+            end_distributed(completed)  # a barrier, then destroy: no rank closes while a peer still works
 
 
 # ---------------------------------------------------------------------- from Python, on N local ranks

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from seqpar.parallel.comm import all_reduce
+from seqpar.parallel.expert import is_expert
 from seqpar.parallel.grad_buffer import GradBuffers
 from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
@@ -69,10 +70,12 @@ class MasterOptimizer(AdamOnMasters):
         Gradients are already reduced (identical over dp, and over tp for replicated parameters), so
         this rank adds its split parameters, the k/v rows it is first to hold (grouped-query layout),
         replicated parameters on tp rank 0 only, and never a tied copy; the sum of squares is then
-        reduced over the tensor- and pipeline-parallel groups.
+        reduced over the tensor- and pipeline-parallel groups. Routed experts differ over the ep group
+        (identical over the ranks holding the same ones): their squares are summed over ep first.
         """
         device = self.masters[0].device
         total = torch.zeros((), dtype=torch.float64, device=device)
+        experts = torch.zeros((), dtype=torch.float64, device=device)
         tp_rank = self.dims.tp_rank
         for _, p in self.named:
             grad = grad_of(p)
@@ -83,7 +86,10 @@ class MasterOptimizer(AdamOnMasters):
                 grad = layout.grouped.counted_rows(grad, tp_rank)
             elif layout.split_dim is None and tp_rank != 0:
                 continue
-            total += grad.detach().double().pow(2).sum()
+            (experts if is_expert(p) else total).add_(grad.detach().double().pow(2).sum())
+        if self.dims.ep_group is not None:
+            all_reduce(experts, self.dims.ep_group)
+        total += experts
         for group in (self.dims.tp_group, self.dims.pp_group):
             if group is not None:
                 all_reduce(total, group)
@@ -100,6 +106,7 @@ class MasterOptimizer(AdamOnMasters):
                 grad.mul_(scale)
             m.grad = grad  # fp32: the main_grad buffer itself, or the fp32 parameter's own .grad
         self.opt.step()
+        self.updates += 1
         for m in self.masters:
             m.grad = None
         if self.mixed:
@@ -137,3 +144,4 @@ class MasterOptimizer(AdamOnMasters):
             if m is not m_p[1]:
                 m_p[1].copy_(m)
             set_adam_step(self.opt.state[m], opt_step)
+        self.updates = opt_step

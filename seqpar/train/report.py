@@ -19,9 +19,11 @@ def _human_bytes(n: float) -> str:
 def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     print("=" * 72)
+    moe = f", {m.experts} experts top-{m.top_k} in {m.moe_layers} layers" if m.experts else ""
     print(f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
-          f"vocab {m.vocab_size}, {m.dtype}")
-    print(f"  layout tp {p.tp} × pp {p.pp} × dp {p.dp}, sequence parallel {'on' if p.sp else 'off'}, "
+          f"vocab {m.vocab_size}, {m.dtype}{moe}")
+    ep = f" (ep {p.ep} inside dp × cp)" if p.ep > 1 else ""
+    print(f"  layout {p.describe_world()}{ep}, sequence parallel {'on' if p.sp else 'off'}, "
           f"recompute {r.granularity}")
     print(f"  steps {summary.get('step', t.steps)}, global batch {t.global_batch} × {m.seq_len} tokens")
     loss, val = summary.get("loss", math.nan), summary.get("val_loss", math.nan)
@@ -47,15 +49,15 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
 
 
 def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:
-    """A sample from the saved checkpoint (temperature 0.8, top-k 20): bytes, or the run's tokenizer."""
+    """A sample from the saved checkpoint (temperature 0.8, top-k ``TOP_K``): bytes, or the run's tokenizer."""
     from seqpar.config import ConfigError
-    from seqpar.train.sample import sample_text
+    from seqpar.train.sample import TOP_K, sample_text
 
     try:
-        text = sample_text(checkpoint, prompt, tokens, temperature=0.8, top_k=20, seed=seed, tokenizer=tokenizer)
+        text = sample_text(checkpoint, prompt, tokens, temperature=0.8, top_k=TOP_K, seed=seed, tokenizer=tokenizer)
     except ConfigError as err:
         print(f"  (no sample: {err})")
         return
-    print(f"--- sample (temperature 0.8, top-k 20, prompt {prompt!r}) ---")
+    print(f"--- sample (temperature 0.8, top-k {TOP_K}, prompt {prompt!r}) ---")
     print(text)
     print("---")

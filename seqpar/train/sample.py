@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from seqpar.config import ConfigError, ModelConfig
+from seqpar.data import tokenizer as tokfile
 from seqpar.model.gpt import GPTStage, build_model
 from seqpar.parallel.sharding import load_full_state_dict
 from seqpar.train import checkpoint as ckpt
@@ -29,6 +30,15 @@ def load_model(path: str, device=None) -> tuple[GPTStage, dict]:
     model = build_model(cfg, device=device)
     load_full_state_dict(model, state, 0, 1)
     return model.eval(), meta
+
+
+def model_tokenizer(path: str, meta: dict, given: str | None = None) -> str:
+    """The tokenizer file to read a checkpoint's text with: ``given``, else the copy the checkpoint
+    holds (hash checked; a DataError line when gone or changed), else '' (bytes)."""
+    if given:
+        tokfile.load(given)  # exists and parses, or one line
+        return given
+    return tokfile.of_checkpoint(ckpt.resolve(path), meta)
 
 
 @torch.no_grad()
@@ -73,22 +83,23 @@ def codec(vocab_size: int, tokenizer: str = ""):
     """(encode, decode) for a model: the tokenizers.json it was trained with, or bytes when its
     vocabulary is byte-level (256); None when neither applies."""
     if tokenizer:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(tokenizer)
+        tok = tokfile.load(tokenizer)
         return (lambda text: tok.encode(text).ids), tok.decode
     if vocab_size == 256:
         return encode_bytes, decode_bytes
     return None
 
 
-def sample_text(checkpoint: str, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = 0,
+TOP_K = 20  # the default of `seqpar sample` and of the sample at the end of training (0: every token)
+
+
+def sample_text(checkpoint: str, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = TOP_K,
                 seed: int = 0, tokenizer: str = "") -> str:
     """``tokens`` tokens generated from ``checkpoint`` after ``prompt``, decoded with ``tokenizer``
-    (default: the run's own) or as bytes; a ConfigError when the model can be neither encoded nor
+    (default: the checkpoint's own copy) or as bytes; a ConfigError when the model can be neither encoded nor
     decoded, or when the prompt and ``START_TEXT`` both encode to nothing."""
     model, meta = load_model(checkpoint)
-    tokenizer = tokenizer or meta["config"]["train"].get("tokenizer", "")
+    tokenizer = model_tokenizer(checkpoint, meta, tokenizer)
     pair = codec(model.cfg.vocab_size, tokenizer)
     if pair is None:
         raise ConfigError(f"vocab {model.cfg.vocab_size} is not byte-level and the checkpoint names no tokenizer")

@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from seqpar.config import ConfigError
+from seqpar.config import ConfigError, WorldSizeError
 from seqpar.parallel.launch import under_torchrun
 from seqpar.train import supervise
 from seqpar.train.config import JobConfig, inert_settings
 from seqpar.train.interrupt import abort_line
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json")
 
 
 class RunFolderError(ConfigError):
@@ -72,33 +72,30 @@ def resume_path(resume: str, job: JobConfig) -> str:
     return job.train.out_dir if resume == "auto" else resume
 
 
-def check_tokenizer(job: JobConfig) -> None:
-    """``--tokenizer``: an existing tokenizers JSON file whose vocabulary fits the model, checked before launch."""
-    path = job.train.tokenizer
+def check_tokenizer(job: JobConfig, resume: str = "") -> None:
+    """The run's tokenizer (``--tokenizer``, a prepared folder's, or a resumed checkpoint's copy): it
+    exists, parses, and its vocabulary fits the model, checked before launch."""
+    from seqpar.data import tokenizer as tokfile
+    from seqpar.train import run_tokenizer
+
+    path = run_tokenizer.resolve(job.train, resume_path(resume, job) or None)
     if not path:
         return
-    if not os.path.isfile(path):
-        what = "does not exist" if not os.path.exists(path) else "is not a file"
-        raise ConfigError(f"tokenizer file {path} {what}")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ConfigError(f"--tokenizer {path} needs the tokenizers package (pip install tokenizers)") from None
-    try:
-        size = Tokenizer.from_file(path).get_vocab_size()
-    except Exception as err:  # tokenizers raises plain Exception for unreadable or invalid JSON
-        raise ConfigError(f"tokenizer file {path} is not a tokenizers JSON file: {str(err).splitlines()[0]}") from None
+    size = tokfile.record(path)["vocab_size"]
     if size > job.model.vocab_size:
         raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {job.model.vocab_size} "
                           f"(--vocab {size} or more)")
 
 
 def check_resume(job: JobConfig, resume: str) -> None:
-    """A checkpoint of this run's model, checked before anything starts."""
+    """A checkpoint of this run's model with steps left to train, its files matching their checksums and its
+    tensors the model: checked once, before anything starts (the ranks then read it without checking again)."""
     from seqpar.train import checkpoint as ckpt
 
     if resume:
-        ckpt.check_resume(resume_path(resume, job), job.model)
+        path = ckpt.check_resume(resume_path(resume, job), job.model)
+        ckpt.check_progress(path, job.train.stop_at or job.train.steps)
+        ckpt.check_before_load(path, ckpt.read_meta(path))  # checksums and tensors, once, before any rank starts
 
 
 def warn_inert(job: JobConfig) -> None:
@@ -114,16 +111,18 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
         return _as_rank(make_job, resume, overwrite, dry_run)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
-    job = make_job(nproc or int(os.environ.get("WORLD_SIZE", "1")))  # every rule, before any process starts
-    check_tokenizer(job)
+    job = _job(make_job, nproc)  # every rule, before any process starts
     if dry_run:
+        check_tokenizer(job, resume)
         return _dry_run(job, resume)
     try:
+        check_tokenizer(job, resume)
         claim_out(job.train.out_dir, resume, overwrite)
         if nproc:  # the ranks would each find bad data only after launch
+            from seqpar.train import run_tokenizer
             from seqpar.train.data import TokenData
 
-            TokenData.for_job(job)
+            TokenData.for_job(job, tokenizer=run_tokenizer.resolve(job.train, resume_path(resume, job) or None))
         check_resume(job, resume)
     except ConfigError as err:  # RunFolderError, DataError, CheckpointError
         return _one_line(err)
@@ -131,7 +130,20 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
     if nproc:
         out = job.train.out_dir
         return supervise.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out))
-    return train_and_report(job, resume)
+    return train_and_report(job, resume, verified=True)  # check_resume above checked the checkpoint
+
+
+def _job(make_job: Callable[[int], JobConfig], nproc: int | None) -> JobConfig:
+    """The job for ``nproc`` local ranks (one process without it); a layout of more ranks than were asked
+    for says how to start them."""
+    try:
+        return make_job(nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    except WorldSizeError as err:
+        if nproc is not None:
+            raise
+        n = err.layout
+        raise WorldSizeError(f"{err}: this is one process; start {n} ranks with --nproc {n}, or under torchrun "
+                             f"(torchrun --nproc-per-node {n} -m seqpar train ...)", n, err.world) from None
 
 
 def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool) -> int:
@@ -142,7 +154,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
 
     def main() -> int:
         job = make_job(int(os.environ["WORLD_SIZE"]))
-        check_tokenizer(job)
+        check_tokenizer(job, resume)
         if dry_run:
             return _dry_run(job, resume) if rank0 else 0
         if not ours:
@@ -150,7 +162,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
                 claim_out(job.train.out_dir, resume, overwrite)
             if rank0:
                 warn_inert(job)
-        return train_and_report(job, resume)
+        return train_and_report(job, resume, verified=ours)  # relaunch's launcher checked the checkpoint
 
     try:
         return supervise.as_rank(main)
@@ -172,7 +184,7 @@ def _one_line(err: Exception) -> int:
     return 2
 
 
-def train_and_report(job: JobConfig, resume: str) -> int:
+def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int:
     """Train (this rank of) ``job``; rank 0 prints the summary. A signal before the first step exits
     130 at once (nothing to save yet); after it the trainer's own handlers take over."""
     from seqpar.train import fault
@@ -191,7 +203,7 @@ def train_and_report(job: JobConfig, resume: str) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, before_training) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        summary = train(job, resume=resume_path(resume, job), hooks=fault.hooks_from_env())
+        summary = train(job, resume=resume_path(resume, job), hooks=fault.hooks_from_env(), verified=verified)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

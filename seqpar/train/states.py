@@ -1,34 +1,36 @@
-"""The model states rank 0 holds -- parameters, gradients, optimizer state -- measured next to the
+"""The model states a rank holds -- parameters, gradients, optimizer state -- measured next to the
 formula (``seqpar.analysis.states``), for the ``start`` record of metrics.jsonl.
 
-Measured: the bytes of the tensors themselves (``MasterOptimizer.state_bytes``; the fp32 gradient
-buckets include their padding to a multiple of the dp ranks). Predicted: this pipeline stage's
-parameter count (``stage_parameters``) times the bytes per parameter of the precision, the optimizer
-state divided over the dp × cp ranks with the distributed optimizer. Layer families the formula does
-not cover (``ModelConfig.arch`` "custom") get no prediction.
+Measured: the bytes of the tensors themselves (``AdamOnMasters.state_bytes``; the fp32 gradient buckets
+include their padding to a multiple of dp × cp). Predicted: ``rank_state_bytes``, this rank's exact count
+from the configuration -- its pipeline stage's parameters (the layer split, uneven or not), the buckets
+and their padding, and with the distributed optimizer this rank's shard of each bucket. Under fsdp:
+the padded fp32 shards of every tensor and Adam's moments of this rank's rows (``seqpar.analysis.fsdp_states``;
+the rank's shard is its place in the grad group modulo the FSDP shard group's size).
 """
 
 from __future__ import annotations
 
-from seqpar.analysis.shapes import AnalysisError, OptimizerOptions
-from seqpar.analysis.states import stage_parameters, state_bytes
+from seqpar.analysis.fsdp_states import stage_fsdp_state_bytes
+from seqpar.analysis.shapes import OptimizerOptions
+from seqpar.analysis.states import rank_state_bytes
 
 
-def predicted_state_bytes(job, pp_rank: int = 0) -> dict[str, float]:
-    """``params_bytes`` / ``grads_bytes`` / ``optimizer_bytes`` predicted for one rank of stage ``pp_rank``."""
+def predicted_state_bytes(job, pp_rank: int = 0, grad_rank: int = 0) -> dict[str, float]:
+    """``params_bytes`` / ``grads_bytes`` / ``optimizer_bytes`` predicted for rank ``grad_rank`` of the grad
+    group (dp × cp) of pipeline stage ``pp_rank``."""
     m, p, t = job.model, job.parallel, job.train
-    if m.arch == "custom":
-        return {}
-    try:
-        opt = OptimizerOptions.for_precision(m.dtype, distributed=t.distributed_optimizer)
-        n = stage_parameters(m, p, pp_rank)
-    except AnalysisError:
-        return {}
-    states = state_bytes(n, opt, dp=p.dp * p.cp)
-    return {"params_bytes_predicted": states["parameters"], "grads_bytes_predicted": states["gradients"],
-            "optimizer_bytes_predicted": states["optimizer_states"]}
+    if p.fsdp:  # this rank's shard of every tensor: its place in its FSDP shard group
+        fsdp = stage_fsdp_state_bytes(m, p, pp_rank, grad_rank % p.fsdp_shards)
+        return {"params_bytes_predicted": fsdp["parameters"], "grads_bytes_predicted": fsdp["gradients"],
+                "optimizer_bytes_predicted": fsdp["optimizer_states"]}
+    opt = OptimizerOptions.for_precision(m.dtype, distributed=t.distributed_optimizer)
+    exact = rank_state_bytes(m, p, pp_rank, opt, grad_rank=grad_rank,
+                             buckets=t.distributed_optimizer or t.overlap_grad_reduce,
+                             bucket_bytes=int(t.grad_bucket_mb * 2**20))
+    return {f"{k}_predicted": v for k, v in exact.items()}
 
 
-def state_record(job, opt, pp_rank: int = 0) -> dict:
+def state_record(job, opt, pp_rank: int = 0, grad_rank: int = 0) -> dict:
     """Measured and predicted model-state bytes of this rank."""
-    return {**opt.state_bytes(), **predicted_state_bytes(job, pp_rank)}
+    return {**opt.state_bytes(), **predicted_state_bytes(job, pp_rank, grad_rank)}

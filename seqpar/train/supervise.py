@@ -181,7 +181,15 @@ def _cause(failure) -> str:
     """The exception a rank recorded (``as_rank``), e.g. ``: RuntimeError: ...``; else ''."""
     message = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
     text = message.get("message", "") if isinstance(message, dict) else ""
-    return f": {text.splitlines()[0][:300]}" if text else ""
+    return f": {clip(text.splitlines()[0])}" if text else ""
+
+
+def clip(line: str, limit: int = 300) -> str:
+    """``line`` cut to at most ``limit`` characters at a word boundary, marked with "…" when cut."""
+    if len(line) <= limit:
+        return line
+    head = line[:limit - 1]
+    return (head.rsplit(" ", 1)[0] if " " in head else head) + "…"
 
 
 def _message(failure) -> str:

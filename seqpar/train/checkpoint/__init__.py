@@ -8,9 +8,9 @@ below are the package's interface (``from seqpar.train import checkpoint as ckpt
 
 from seqpar.train.checkpoint.format import LATEST, META, CheckpointError, load_full, read_meta, stored_keys
 from seqpar.train.checkpoint.integrity import check_before_load, file_problems, verify
-from seqpar.train.checkpoint.resume import RESUME_MAY_CHANGE, check_resume, resolve
+from seqpar.train.checkpoint.resume import RESUME_MAY_CHANGE, check_progress, check_resume, resolve
 from seqpar.train.checkpoint.store import load_model_state, load_shards, save
 
-__all__ = ["LATEST", "META", "RESUME_MAY_CHANGE", "CheckpointError", "check_before_load", "check_resume",
-           "file_problems", "load_full", "load_model_state", "load_shards", "read_meta", "resolve", "save",
-           "stored_keys", "verify"]
+__all__ = ["LATEST", "META", "RESUME_MAY_CHANGE", "CheckpointError", "check_before_load", "check_progress",
+           "check_resume", "file_problems", "load_full", "load_model_state", "load_shards", "read_meta", "resolve",
+           "save", "stored_keys", "verify"]

@@ -88,3 +88,14 @@ def check_resume(path: str | Path, model: ModelConfig) -> Path:
                               "run keeps the checkpoint's model (the layout, recompute, dtype, dropout and "
                               "training settings may change)")
     return path
+
+
+def check_progress(path: Path, end: int) -> None:
+    """A resumed run must have steps left: a CheckpointError when checkpoint ``path`` (resolved) is already at
+    step ``end`` (``train.steps``, or this invocation's ``stop_at``) or beyond, before anything is rewritten."""
+    meta = read_meta(path)
+    step = int(meta.get("step", 0)) if meta.get("has_optimizer", True) else 0
+    if step >= end:
+        raise CheckpointError(f"checkpoint {path} is at step {step}, and this run ends at step {end}: nothing to "
+                              f"train (raise --steps, or --stop-at, above {step} to continue it)")
+

@@ -14,6 +14,7 @@ Every load checks the checkpoint first (``integrity.check_before_load``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -64,13 +65,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedView], meta: dict, keep: int = 2,
-         written=None) -> Path:
+         written=None, files: dict[str, Path] | None = None) -> Path:
     """Write ``tensors`` (this rank's shards, or full tensors) at ``root/step_N`` atomically; every rank
     calls this.
 
     A failed write (disk full, ...) removes the temporary folder and raises CheckpointError; the
     previous checkpoint and ``latest`` are untouched. ``written()`` (a test hook) runs on every rank
-    once its part of the temporary folder is on disk, before the commit."""
+    once its part of the temporary folder is on disk, before the commit. ``files`` (name -> path):
+    copied in by rank 0 and checksummed with the rest (the run's tokenizer)."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -84,6 +86,9 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             warnings.simplefilter("ignore", UserWarning)
             views = {k: v if isinstance(v, ShardedView) else ShardedView(v.float()) for k, v in tensors.items()}
             dcp.save(views, checkpoint_id=str(tmp), planner=SavePlanner(), no_dist=not dist.is_initialized())
+        if is_rank0():
+            for name, source in (files or {}).items():
+                shutil.copyfile(source, tmp / name)
         if written is not None:
             written()
         _barrier()
@@ -101,13 +106,37 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             os.rename(tmp, final)
             _write_atomic(root / LATEST, final.name + "\n")
             _prune(root, keep)
-    except (OSError, CheckpointException) as err:  # DCP gathers every rank's write error into one
+    except (OSError, RuntimeError, CheckpointException) as err:  # DCP gathers every rank's write error into one
+        if isinstance(err, RuntimeError) and not _disk_full(err):
+            raise  # a lost peer, a bug: not a write failure
         if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):
+            raise CheckpointError(f"could not write checkpoint {final}: no space left on device in {root}; "
+                                  f"{_last_good(root)}") from None
         raise CheckpointError(f"could not write checkpoint {final} ({_write_failure(err)}); "
                               f"{_last_good(root)}") from None
     _barrier()
     return final
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    """The errors behind ``err``: every rank's (DCP gathers them into one CheckpointException), or itself."""
+    if isinstance(err, CheckpointException):
+        return [exc for _, (exc, _) in sorted(err.failures.items())]
+    return [err]
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC, or its symptom in torch's zip writer, which notices
+    a short write only as ``unexpected pos N vs M`` (inline_container.cc)."""
+    for exc in _failures(err):
+        while exc is not None:
+            if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc) \
+                    or "unexpected pos" in str(exc):
+                return True
+            exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _write_failure(err: BaseException) -> str:
@@ -123,16 +152,26 @@ def _last_good(root: Path) -> str:
     return "no earlier checkpoint exists"
 
 
+def step_of(folder: Path) -> int | None:
+    """The step a ``step_N`` folder holds (N has at least 6 digits, more past step 999,999); None otherwise."""
+    digits = folder.name[len("step_"):]
+    return int(digits) if folder.name.startswith("step_") and digits.isdigit() else None
+
+
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep]:
+    """Remove all but the ``keep`` newest complete checkpoints, newest by step number (not by name:
+    ``step_1000000`` is newer than ``step_999999``)."""
+    done = sorted((step, p) for p in root.glob("step_*") if p.is_dir() and (step := step_of(p)) is not None)
+    for _, old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_shards(path: Path, views: dict[str, ShardedView]) -> None:
+def load_shards(path: Path, views: dict[str, ShardedView], verified: bool = False) -> None:
     """Read this rank's shards ``views`` (an optimizer's ``checkpoint_views``, or ``sharded_state``) into
-    their tensors, in place, after ``check_before_load`` (every rank calls this)."""
-    check_before_load(path, read_meta(path), collective=True)
+    their tensors, in place, after ``check_before_load`` (every rank calls this; ``verified``: the launcher
+    already checked the checkpoint, once, before it started the ranks)."""
+    if not verified:
+        check_before_load(path, read_meta(path), collective=True)
     stored = stored_keys(path)
     for key, view in views.items():
         check_shape(path, key, stored, tuple(view.size()))

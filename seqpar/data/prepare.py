@@ -1,0 +1,268 @@
+"""``seqpar prepare``: inputs -> a prepared folder (layout in ``seqpar.data.prepared``).
+
+1. Plan: list the inputs, cut them into units (``seqpar.data.sources``), copy the tokenizer in, and
+   write ``plan.json`` (inputs with sizes and modification times, options, units). A folder holding
+   the same plan resumes; another plan is refused unless ``overwrite``.
+2. Tokenize the units not yet done, in ``workers`` processes (each single-threaded; one worker uses
+   the tokenizer's own threads): unit ``k`` becomes ``shard_k.tokens`` (ids, each document followed by
+   the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written to ``.tmp``
+   names and renamed, then ``shard_k.json`` (counts, SHA-256 per file) last: the shard's completion
+   mark. A unit is a pure function of its inputs, so an interrupted prepare finishes with the same bytes.
+3. ``manifest.json`` gathers the shards; its presence marks the folder complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from array import array
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from multiprocessing import get_context
+from pathlib import Path
+
+from seqpar.data import tokenizer as tokfile
+from seqpar.data.errors import DataError
+from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest
+from seqpar.data.sources import documents, input_files, plan_units
+
+PLAN = "plan.json"
+ARRAY_CODES = {"uint16": "H", "uint32": "I"}
+ENCODE_BATCH = 256  # documents per encode_batch call
+
+
+def shard_name(k: int, ext: str) -> str:
+    return f"shard_{k:05d}.{ext}"
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class Encoder:
+    """Documents -> ids: a tokenizers JSON file (no special tokens added), or bytes (NUL bytes dropped:
+    NUL is the byte-level end-of-document)."""
+
+    def __init__(self, tokenizer_file: str, threads: bool):
+        self.tok = None
+        if tokenizer_file:
+            if not threads:
+                os.environ["RAYON_NUM_THREADS"] = "1"  # one core per worker process
+            self.tok = tokfile.load(tokenizer_file)
+
+    def encode(self, docs: list) -> list:
+        if self.tok is None:
+            return [(d if isinstance(d, bytes) else d.encode("utf-8")).replace(b"\0", b"") for d in docs]
+        texts = []
+        for d in docs:
+            texts.append(d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d)
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str, eos: int, dtype: str,
+                  threads: bool = False) -> dict:
+    """Write shard ``k`` of ``unit`` (see the module docstring); returns its record."""
+    out_dir = Path(out)
+    enc = Encoder(tokenizer_file, threads)
+    ids, ends, skipped = array(ARRAY_CODES[dtype]), array("q"), []
+    batch: list = []
+
+    def flush():
+        for doc in enc.encode(batch):
+            ids.extend(doc)  # bytes iterate as their values
+            ids.append(eos)
+            ends.append(len(ids))
+        batch.clear()
+
+    for doc in documents(unit, field, skipped):
+        batch.append(doc)
+        if len(batch) >= ENCODE_BATCH:
+            flush()
+    flush()
+    if sys.byteorder != "little":
+        ids.byteswap()
+        ends.byteswap()
+    files = {}
+    for ext, arr in (("tokens", ids), ("docs", ends)):
+        final = out_dir / shard_name(k, ext)
+        tmp = final.with_name(final.name + ".tmp")
+        with tmp.open("wb") as fh:
+            arr.tofile(fh)
+        os.replace(tmp, final)
+        files[final.name] = {"bytes": final.stat().st_size, "sha256": _sha256(final)}
+    record = {"shard": k, "documents": len(ends), "tokens": len(ids), "input_bytes": unit["bytes"],
+              "files": files, "skipped": skipped}
+    _write_json(out_dir / shard_name(k, "json"), record)
+    return record
+
+
+def _shard_done(out: Path, k: int) -> dict | None:
+    path = out / shard_name(k, "json")
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    for name, rec in record["files"].items():
+        if not (out / name).is_file() or (out / name).stat().st_size != rec["bytes"]:
+            return None
+    return record
+
+
+class Progress:
+    """One line of tokens/s and ETA (by input bytes): rewritten in place on a terminal, else every
+    ``every`` seconds."""
+
+    def __init__(self, total_bytes: int, done_bytes: int, enabled: bool, every: float = 5.0):
+        self.total, self.done, self.tokens = total_bytes, done_bytes, 0
+        self.start_bytes = done_bytes
+        self.t0 = self.last = time.perf_counter()
+        self.enabled, self.every = enabled, every
+        self.tty = enabled and sys.stderr.isatty()
+
+    def line(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        rate_b = (self.done - self.start_bytes) / dt
+        eta = (self.total - self.done) / rate_b if rate_b > 0 else float("inf")
+        pct = 100.0 * self.done / max(self.total, 1)
+        eta_text = f"{eta:.0f} s" if eta != float("inf") else "?"
+        return (f"prepare: {pct:5.1f}% of {self.total / 1e6:,.1f} MB, {self.tokens:,} tokens, "
+                f"{self.tokens / dt:,.0f} tokens/s, {rate_b / 1e6:.1f} MB/s, ETA {eta_text}")
+
+    def add(self, record: dict) -> None:
+        self.done += record["input_bytes"]
+        self.tokens += record["tokens"]
+        now = time.perf_counter()
+        if self.tty:
+            print("\r" + self.line(), end="", file=sys.stderr, flush=True)
+        elif self.enabled and now - self.last >= self.every:
+            print(self.line(), file=sys.stderr, flush=True)
+            self.last = now
+
+    def close(self) -> None:
+        if self.enabled:
+            print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
+
+
+def _tokenizer_setup(tokenizer: str, out: Path, eos_token: str) -> tuple[dict | None, int, int]:
+    """(the tokenizer record or None for bytes, eos id, vocabulary); copies the tokenizer into ``out``."""
+    if not tokenizer or tokenizer == "bytes":
+        if eos_token:
+            raise DataError("--eos names a token of a tokenizer; byte data ends each document with a NUL byte")
+        return None, tokfile.BYTE_EOS, 256
+    source = Path(tokenizer)
+    scratch = out / ".tokenizer"
+    path = tokfile.folder_tokenizer(source, scratch) if source.is_dir() else str(source)
+    if not path:
+        raise DataError(f"{source} holds no tokenizer (tokenizer.json, or files transformers reads)")
+    tok = tokfile.load(path)
+    if eos_token:
+        eos = tok.token_to_id(eos_token)
+        if eos is None:
+            raise DataError(f"--eos {eos_token!r} is not a token of {tokenizer}")
+    else:
+        eos = tokfile.eos_id(tok)
+        if eos is None:
+            raise DataError(f"tokenizer {tokenizer} has no end-of-document token (one of "
+                            f"{', '.join(tokfile.EOS_NAMES)}); name one with --eos TOKEN")
+    tokfile.copy_into(path, out)
+    shutil.rmtree(scratch, ignore_errors=True)
+    record = tokfile.record(out / tokfile.FILE)
+    record["source"] = str(source)
+    record["eos_id"] = int(eos)
+    return record, int(eos), record["vocab_size"]
+
+
+def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
+    """True when ``out`` holds this very plan (resume); clears it with ``overwrite``; refuses another."""
+    if (out / PLAN).is_file():
+        old = json.loads((out / PLAN).read_text())
+        if old == plan:
+            return True
+        if not overwrite:
+            what = [k for k in plan if old.get(k) != plan[k]]
+            raise DataError(f"{out} holds a prepare of other inputs or options ({', '.join(what)} differ); "
+                            "give another --out, or --overwrite")
+    elif out.exists() and any(out.iterdir()) and not overwrite:
+        raise DataError(f"{out} is not empty and holds no prepare; give an empty or new folder, or --overwrite")
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    return False
+
+
+def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str = "text", workers: int = 0,
+            unit_mb: float = 16.0, overwrite: bool = False, progress: bool = True, eos_token: str = "") -> dict:
+    """Prepare ``inputs`` into ``out`` (see the module docstring); returns the manifest."""
+    out = Path(out)
+    if unit_mb <= 0 or workers < 0:
+        raise DataError(f"--shard-mb {unit_mb} must be positive and --workers {workers} >= 0")
+    files = input_files(inputs)
+    units = plan_units(files, int(unit_mb * (1 << 20)))
+    staged = Path(tempfile.mkdtemp(prefix="seqpar-prepare-"))  # the tokenizer, before the folder is claimed
+    try:
+        tok_record, eos, vocab = _tokenizer_setup(tokenizer, staged, eos_token)
+        tok_file = staged / tokfile.FILE
+        plan = {"format": FORMAT, "inputs": [[kind, str(p), p.stat().st_size, p.stat().st_mtime_ns]
+                                             for kind, p in files],
+                "tokenizer_sha256": tok_record["sha256"] if tok_record else None, "field": field,
+                "unit_mb": unit_mb, "eos_id": eos, "units": units}
+        staged_bytes = tok_file.read_bytes() if tok_record else None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    resume = _claim(out, plan, overwrite)
+    if resume and (out / MANIFEST).is_file():
+        return read_manifest(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if tok_record:
+        (out / tokfile.FILE).write_bytes(staged_bytes)
+    _write_json(out / PLAN, plan)
+    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    records: dict[int, dict] = {}
+    for k in range(len(units)):
+        done = _shard_done(out, k) if resume else None
+        if done is not None:
+            records[k] = done
+    pending = [k for k in range(len(units)) if k not in records]
+    total = sum(u["bytes"] for u in units)
+    bar = Progress(total, sum(units[k]["bytes"] for k in records), progress)
+    tok_path = str(out / tokfile.FILE) if tok_record else ""
+    workers = workers or min(len(pending), os.cpu_count() or 1) or 1
+    args = (str(out),)
+    try:
+        if workers == 1 or len(pending) <= 1:
+            for k in pending:
+                records[k] = tokenize_unit(*args, k, units[k], field, tok_path, eos, dtype, threads=True)
+                bar.add(records[k])
+        else:
+            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+                running = set()
+                queue = list(pending)
+                while queue or running:
+                    while queue and len(running) < 2 * workers:
+                        k = queue.pop(0)
+                        running.add(pool.submit(tokenize_unit, *args, k, units[k], field, tok_path, eos, dtype))
+                    finished, running = wait(running, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        record = fut.result()
+                        records[record["shard"]] = record
+                        bar.add(record)
+    finally:
+        bar.close()
+    shards = [records[k] for k in range(len(units))]
+    manifest = {"format": FORMAT, "tokenizer": tok_record, "eos_id": eos, "vocab_size": vocab, "dtype": dtype,
+                "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+                "input_bytes": total, "field": field,
+                "inputs": [str(i) for i in inputs],
+                "skipped": [name for s in shards for name in s["skipped"]],
+                "shards": [{k: s[k] for k in ("documents", "tokens", "files")} for s in shards]}
+    _write_json(out / MANIFEST, manifest)
+    return manifest

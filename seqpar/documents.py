@@ -1,0 +1,93 @@
+"""Packed documents (``[data] document_mask``): each token's position inside its document, restarting
+at 0 at every document start (and at the window's first token). From it the attention mask -- a query
+sees the keys of its own document at or before it -- and the position ids of RoPE angles and learned
+position rows.
+
+``Documents`` is built once per microbatch from the whole sequence ``[b, s]`` (every cp rank holds it;
+it is ids, not activations). The stage being run holds it as the ambient ``current()`` for the length
+of its forward (``using``); a checkpoint captures it with the dropout RNG state and restores it for
+the recomputation (``seqpar.recompute``), so under pipelining each microbatch recomputes with its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_current: list = [None]
+
+
+class Documents:
+    """``positions [b, s]`` (int64): each token's position inside its document (0 = a document start)."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions  # [b, s]
+        self.doc = torch.cumsum(positions == 0, dim=1)  # [b, s]: the document each token belongs to
+        self._mask = None
+        self._additive: dict = {}
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, eos_id: int) -> Documents:
+        """Documents that end with ``eos_id``: a new one starts after each (``tokens [b, s]``)."""
+        start = torch.zeros_like(tokens, dtype=torch.bool)  # [b, s]
+        start[:, 0] = True
+        start[:, 1:] = tokens[:, :-1] == eos_id
+        index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # [b, s]
+        last_start = torch.cummax(torch.where(start, index, torch.zeros_like(index)), dim=1).values  # [b, s]
+        return cls(index - last_start)
+
+    def to(self, device) -> Documents:
+        return self if self.positions.device == torch.device(device) else Documents(self.positions.to(device))
+
+    def allowed(self) -> torch.Tensor:
+        """``[b, 1, s, s]`` bool: query ``i`` may see key ``j`` (``j <= i``, the same document); built once
+        per microbatch, so every layer shares (and autograd keeps) one tensor."""
+        if self._mask is None:
+            s = self.doc.shape[1]
+            same = self.doc.unsqueeze(2) == self.doc.unsqueeze(1)  # [b, s, s]
+            causal = torch.ones(s, s, dtype=torch.bool, device=self.doc.device).tril_()  # [s, s]
+            self._mask = (same & causal).unsqueeze(1)  # [b, 1, s, s]
+        return self._mask
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[b, 1, s, s]`` of ``dtype``: 0 where allowed, -inf elsewhere -- the fused core's mask, built
+        once per microbatch (sdpa would convert a boolean one, and keep the copy, in every layer)."""
+        mask = self._additive.get(dtype)
+        if mask is None:
+            allowed = self.allowed()
+            mask = self._additive[dtype] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return mask
+
+    def tensors(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Every tensor this microbatch's documents hold (with ``dtype``, its fused-core mask built): data,
+        like the tokens -- the activation meters leave them out (autograd keeps the one mask the layers
+        share)."""
+        return [self.positions, self.doc, self.allowed(), *([self.additive(dtype)] if dtype else [])]
+
+    def bias(self, like: torch.Tensor, groups: int) -> torch.Tensor:
+        """The additive mask of the materialized core: 0 where allowed, -inf elsewhere, ``[b·groups, s, s]``."""
+        mask = self.allowed()[:, 0]  # [b, s, s]
+        zero = torch.zeros((), dtype=like.dtype, device=like.device)
+        bias = torch.where(mask, zero, torch.full((), float("-inf"), dtype=like.dtype, device=like.device))
+        return bias.repeat_interleave(groups, dim=0)  # [b·groups, s, s], b-major as the core's batches
+
+
+def current() -> Documents | None:
+    return _current[0]
+
+
+@contextlib.contextmanager
+def using(docs: Documents | None):
+    before, _current[0] = _current[0], docs
+    try:
+        yield
+    finally:
+        _current[0] = before
+
+
+def label_mask(tokens: torch.Tensor, labels: torch.Tensor, eos_id: int, ignore: int = -100) -> torch.Tensor:
+    """``labels`` with the label of every end-of-document token ignored: the next document's first
+    token is not predicted from the one before (``tokens``, ``labels`` ``[b, s]``)."""
+    return labels.masked_fill(tokens == eos_id, ignore)

@@ -1,0 +1,123 @@
+"""Generated equivalence for mixtures of experts: MoE architecture × layout (ep ∈ {1, 2, 4}) × recompute, each
+trained 5 steps against the single process with ``tests/test_equivalence.py``'s rules (fp32, dropout 0,
+clipping binding every step; loss and grad norm per step and every final weight within 1e-5 relative).
+
+The space: experts E ∈ {ep, 2·ep, 8} (≤ 8, divisible by ep), top-k ∈ {1, 2}, every layer or every second MoE,
+a shared expert (gated or not), renormalised top-k or not, aux coefficient 0 or 0.1, SwiGLU or GeLU, the
+capacity factor where it cannot depend on the layout (tp without SP, cp 1) -- × tp ∈ {1, 2} (SP on/off), pp ∈
+{1, 2, 2 interleaved}, dp ∈ {1, 2, 4}, cp ∈ {1, 2}, ep dividing dp × cp -- × recompute (none, selective, full,
+the experts' activation, the whole MoE block) × the gradient path (distributed optimizer, overlap).
+
+CI runs ``SEQPAR_EQUIV_MOE_DRAWS`` combinations (default 3: ep 1, 2 and 4, world sizes ≤ 4);
+``SEQPAR_EQUIV_MOE_FULL=1`` every combination up to 8 ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+
+import pytest
+import torch
+from test_equivalence import compare, job, reference_of
+
+from seqpar.train.loop import train_local, train_local_many
+
+RECOMPUTE = {
+    "none": {"granularity": "none"},
+    "selective": {"granularity": "selective"},
+    "full": {"granularity": "full", "method": "uniform", "num_layers": 1},
+    "activation": {"granularity": "selective", "modules": ["activation"]},
+    "moe-block": {"granularity": "selective", "modules": ["moe", "core_attention"]},
+}
+PIPELINES = {"pp1": (1, 1, 2), "pp2": (2, 1, 2), "pp2-interleave": (2, 2, 4)}  # (pp, interleave, layers)
+
+
+def combinations(max_world: int) -> list[tuple]:
+    """Every (tp, sp, pipeline, dp, cp, ep, recompute) whose world fits ``max_world``."""
+    out = []
+    for tp, sp, pipe, dp, cp, ep, rc in itertools.product((1, 2), (False, True), PIPELINES, (1, 2, 4), (1, 2),
+                                                          (1, 2, 4), RECOMPUTE):
+        if (sp and tp == 1) or (dp * cp) % ep or tp * PIPELINES[pipe][0] * dp * cp > max_world:
+            continue
+        out.append((tp, sp, pipe, dp, cp, ep, rc))
+    return out
+
+
+def draw(index: int, combo: tuple) -> dict:
+    tp, sp, pipe, dp, cp, ep, rc = combo
+    rng = random.Random(f"moe {index}")
+    pp, interleave, layers = PIPELINES[pipe]
+    experts = rng.choice([e for e in (ep, 2 * ep, 8) if e <= 8 and e % ep == 0])
+    shared = rng.choice((0, 16))
+    model = {
+        "vocab_size": rng.choice((37, 64)), "hidden_size": 32, "num_heads": 4, "num_layers": layers, "seq_len": 16,
+        "norm": rng.choice(("layernorm", "rmsnorm")), "activation": rng.choice(("gelu", "swiglu")),
+        "position": "rope", "bias": False, "tie_embeddings": rng.choice((True, False)), "dtype": "fp32",
+        "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0,
+        "experts": experts, "top_k": rng.choice([k for k in (1, 2) if k <= experts]),
+        "moe_every": rng.choice((1, 2)), "moe_ffn_hidden_size": 24, "moe_norm_topk": rng.choice((True, False)),
+        "moe_aux_coef": rng.choice((0.0, 0.1)), "shared_expert_ffn": shared,
+        "shared_expert_gate": bool(shared) and rng.choice((True, False)),
+        "moe_capacity": rng.choice((0.0, 1.0)) if not sp and cp == 1 else 0.0,
+    }
+    parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "interleave": interleave}
+    grads = random.Random(f"moe grads {index}")
+    reduction = {"distributed_optimizer": grads.choice((True, False)),
+                 "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}
+    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[rc]), "train": reduction}
+
+
+def selected() -> list[tuple[int, tuple]]:
+    if os.environ.get("SEQPAR_EQUIV_MOE_FULL") == "1":
+        return list(enumerate(combinations(8)))
+    every = list(enumerate(combinations(4)))
+    random.Random(37).shuffle(every)
+    n = int(os.environ.get("SEQPAR_EQUIV_MOE_DRAWS", "3"))
+    chosen = []
+    for ep in (1, 2, 4):  # each ep first, then the shuffled order
+        chosen += [next(item for item in every if item[1][5] == ep)]
+    chosen += [item for item in every if item not in chosen]
+    return sorted(chosen[:max(n, 1)])
+
+
+DRAWS = selected()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("equivalence_moe")
+    jobs, by_world = {}, {}
+    for index, combo in DRAWS:
+        sections = draw(index, combo)
+        vocab = sections["model"]["vocab_size"]
+        data = root / f"tokens{vocab}.bin"
+        if not data.exists():
+            torch.randint(0, vocab, (20_000,), generator=torch.Generator().manual_seed(vocab)).to(
+                torch.uint16).numpy().tofile(data)
+        jobs[index] = (job(sections, root / f"d{index}", data), job(reference_of(sections), root / f"r{index}", data))
+        p = sections["parallel"]
+        by_world.setdefault(p["tp"] * p["pp"] * p["dp"] * p["cp"], []).append(index)
+    out = {}
+    for world, indices in sorted(by_world.items()):
+        runs = train_local_many([jobs[i][0] for i in indices], world) if world > 1 else [
+            train_local(jobs[i][0]) for i in indices]
+        for i, summary in zip(indices, runs, strict=True):
+            out[i] = {"run": summary, "ref": train_local(jobs[i][1]),
+                      "dirs": (jobs[i][0]["train"]["out_dir"], jobs[i][1]["train"]["out_dir"])}
+    return out
+
+
+def _draw_id(index: int, c: tuple) -> str:
+    return f"{index}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-cp{c[4]}-ep{c[5]}-{c[6]}"
+
+
+@pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])
+def test_moe_draw_matches_single_process(index, combo, results):
+    errors = compare(results[index])
+    drawn = draw(index, combo)
+    shown = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+    print(f"\n{index} {combo} {drawn['model']} {drawn['train']}: {shown}")
+    assert all(math.isfinite(v) and v <= 1e-5 for v in errors.values()), errors

@@ -1,0 +1,94 @@
+"""Skipped steps (fp16 overflow, ``nonfinite = "skip"``) and what a run keeps of them (issue 32, items 3, 4).
+
+Item 3: a resume after a skipped step continues bit for bit. Adam's bias correction counts the updates it
+applied, which a skipped step does not add to; the checkpoint records that count (``optimizer_steps``) and
+the loss scaler's state, and a resume restores them, for the replicated and the distributed optimizer, in
+every dtype. Item 4: a skipped step still gets its periodic checkpoint, log record and validation."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from seqpar.train.checkpoint import read_meta, resolve
+from seqpar.train.config import build_job
+from seqpar.train.loop import Trainer
+
+STEPS, STOP = 6, 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokens(tmp_path_factory):
+    """A small token file (the default data, the standard library's sources, takes seconds to read)."""
+    global DATA
+    DATA = tmp_path_factory.mktemp("data") / "tokens.bin"
+    torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint16).numpy().tofile(DATA)
+
+
+DATA = None
+
+
+def sections(out, dtype, distributed, **train) -> dict:
+    return {"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
+                      "dtype": dtype, "embd_dropout": 0.1, "attn_dropout": 0.1, "hidden_dropout": 0.1},
+            "train": {"steps": STEPS, "warmup": 0, "lr": 1e-2, "micro_batch": 2, "global_batch": 4, "eval_every": 0,
+                      "eval_batches": 1, "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False,
+                      "distributed_optimizer": distributed, "out_dir": str(out), "data": str(DATA), **train}}
+
+
+def trainer(out, dtype, distributed, poison: int | None = None, resume: str = "", **train) -> Trainer:
+    """A Trainer whose loss is NaN at step ``poison`` (1-based; None: never)."""
+    t = Trainer(build_job(sections(out, dtype, distributed, **train)), resume=resume, quiet=True)
+    forward_backward = t._forward_backward
+
+    def poisoned(*args, **kwargs):
+        loss = forward_backward(*args, **kwargs)
+        return float("nan") if poison is not None and t.state.step + 1 == poison else loss
+
+    t._forward_backward = poisoned
+    return t
+
+
+def weights(t: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in t.chunks for p in chunk.parameters()]
+
+
+# (dtype, distributed optimizer, how a step is skipped): fp16 overflows (at 2^20 steps 1 and 2 overflow), the others
+# skip a NaN loss under nonfinite = "skip"
+CASES = [("fp16", False, "overflow"), ("fp16", True, "overflow"), ("fp32", True, "nonfinite"),
+         ("bf16", False, "nonfinite")]
+
+
+@pytest.mark.parametrize("dtype,distributed,how", CASES)
+def test_a_resume_after_a_skipped_step_is_bit_identical(tmp_path, dtype, distributed, how):
+    kw = {"loss_scale_init": float(2 ** 20)} if how == "overflow" else {}
+    poison = 2 if how == "nonfinite" else None
+    whole = trainer(tmp_path / "whole", dtype, distributed, poison, **kw)
+    straight = whole.run()
+    cut = trainer(tmp_path / "cut", dtype, distributed, poison, stop_at=STOP, **kw)
+    first = cut.run()
+    assert any(not math.isfinite(x) for x in first["losses"]) or how == "overflow"
+    resumed = trainer(tmp_path / "cut", dtype, distributed, resume=str(tmp_path / "cut"), **kw)
+    second = resumed.run()
+    assert first["losses"] + second["losses"] == pytest.approx(straight["losses"], rel=0, abs=0, nan_ok=True)
+    assert all(torch.equal(a, b) for a, b in zip(weights(whole), weights(resumed), strict=True))
+    meta = read_meta(resolve(first["checkpoint"]))
+    assert meta["step"] == STOP and 0 < meta["optimizer_steps"] < STOP, "a step skipped, one applied, before it"
+
+
+def test_a_skipped_step_keeps_its_checkpoint_log_record_and_validation(tmp_path):
+    """fp16, the loss scale overflowing at step 1, save/log/eval every step: step 1 is logged (loss, validation)
+    and checkpointed with the halved scale, like every other step."""
+    t = trainer(tmp_path, "fp16", False, loss_scale_init=float(2 ** 20), steps=3, save_every=1, eval_every=1,
+                keep_checkpoints=5)
+    t.run()
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    overflowed = [e["step"] for e in events if e.get("event") == "overflow"]
+    assert 1 in overflowed
+    records = {e["step"]: e for e in events if "event" not in e}
+    assert sorted(records) == [1, 2, 3] and all(math.isfinite(records[s]["val_loss"]) for s in records)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
+        "step_000001", "step_000002", "step_000003"]
+    meta = read_meta(tmp_path / "checkpoints" / "step_000001")
+    assert meta["loss_scaler"]["scale"] == 2.0 ** 19 and meta["optimizer_steps"] == 0

@@ -15,7 +15,7 @@ from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import ScheduleMeter
-from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes
+from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.comm import all_reduce
 
 
@@ -23,7 +23,8 @@ def predicted_activation_bytes(job, layers: int, device: torch.device) -> float:
     """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for ``layers`` layers of one microbatch."""
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
-        opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False)
+        opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
+                                  sdpa_kernel=sdpa_kernel_for(device))
         return layer_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute) * layers
     except ConfigError:  # e.g. attention dropout on, hidden dropout off, MoE every k > 1 layers: no closed form
         return float("nan")

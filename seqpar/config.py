@@ -26,7 +26,8 @@ ARCH_FIELDS = {
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu_tanh: GPT-2's "gelu_new"
 POSITIONS = ("learned", "rope")
-ATTENTIONS = ("materialized", "sdpa")
+# auto: sdpa where attention dropout is 0 (a fused kernel keeps no s² tensor), the paper's core otherwise.
+ATTENTIONS = ("auto", "materialized", "sdpa")
 BYTE_VOCAB = 256  # text read without a tokenizer (the default data among it) is bytes: 256 symbols
 ROPE_SCALINGS = ("none", "linear", "llama3")  # how rotary frequencies are stretched (Llama 3.x: llama3)
 
@@ -89,7 +90,7 @@ class ModelConfig:
     bias: bool = True
     qkv_bias: bool = False  # biases on Q, K and V even when ``bias`` is off (Qwen2 / Qwen2-MoE)
     tie_embeddings: bool = True
-    attention: str = "materialized"  # the paper's s^2 scores, or fused scaled_dot_product_attention
+    attention: str = "auto"  # the paper's s^2 scores, fused scaled_dot_product_attention, or auto (see core)
     rope_theta: float = 10000.0
     # RoPE frequency scaling (position="rope" only). linear: every inverse frequency / rope_factor;
     # llama3 (Llama 3.1+): wavelengths above rope_original_max_len / rope_low_freq_factor are divided by
@@ -173,6 +174,19 @@ class ModelConfig:
         """Vocabulary rows (and logit columns) one of t ranks holds: the vocabulary is padded to a
         multiple of t so the shards are equal, ceil(v/t) each (v/t when t divides v)."""
         return -(-self.vocab_size // t)
+
+    @property
+    def attention_core(self) -> str:
+        """The core a layer runs: ``attention`` as given, or for "auto" sdpa when attention dropout is 0 (a
+        fused kernel, no s² tensor kept) and the paper's materialized core otherwise."""
+        if self.attention != "auto":
+            return self.attention
+        return "sdpa" if self.attn_dropout == 0 else "materialized"
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether the attention core is a fused kernel (``attention_core`` "sdpa")."""
+        return self.attention_core == "sdpa"
 
     @property
     def rope_scaling_params(self) -> tuple:

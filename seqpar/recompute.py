@@ -59,11 +59,15 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None, *[x.grad if x.requires_grad else None for x in inputs])
 
 
+@torch.compiler.disable(recursive=False)
 def checkpoint(run, *inputs: torch.Tensor, tracker: RNGTracker):
-    """``run(*inputs)`` keeping only ``inputs`` for backward; recomputed in backward."""
+    """``run(*inputs)`` keeping only ``inputs`` for backward; recomputed in backward. A graph boundary under
+    ``torch.compile`` (the tracker's state is Python ints: traced, every step's key would recompile); ``run``
+    itself may be compiled."""
     return _Checkpoint.apply(run, tracker, *inputs)
 
 
+@torch.compiler.disable(recursive=False)
 def checkpoint_without_output(run, x: torch.Tensor, consumer, *, tracker: RNGTracker):
     """``consumer(run(x))`` keeping ``x`` but not ``run(x)``, although the consumer saves it.
 

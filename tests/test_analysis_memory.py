@@ -4,6 +4,7 @@ import pytest
 
 from seqpar.analysis.memory import (
     TABLE2_ROWS,
+    attention_core_terms,
     layer_activation_bytes,
     layer_activation_terms,
     table2_bytes,
@@ -94,12 +95,25 @@ def test_layernorm_statistics():
 
 
 def test_fused_attention_has_no_s_squared_terms():
-    terms = layer_activation_terms(S, B, H, A, T, fused_attention=True)
+    terms = layer_activation_terms(S, B, H, A, T, fused_attention=True)  # the GPU default: the flash kernel
     assert "softmax_output" not in terms and terms["softmax_lse"] == 4 * A * S * B / T
-    assert terms["attention_output"] == 2 * S * B * H / T  # the fused kernel keeps its output
+    assert terms["attention_output"] == 2 * S * B * H / T  # b > 1: [b, s, heads, d] is not the out-proj input
+    assert terms["sdpa_rng_state"] == 16  # seed and offset, uint64 [2]
     sel = layer_activation_terms(S, B, H, A, T, fused_attention=True, recompute="selective")
-    # no s^2 terms left: checkpointing the fused core only drops its output and log-sum-exp
-    assert terms.keys() - sel.keys() == {"softmax_lse", "attention_output"}
+    assert sel == terms  # selective checkpoints nothing in a fused core
+
+
+@pytest.mark.parametrize("kernel, rows, rng, output", [("cpu", 100, 0, False), ("flash", 100, 16, True),
+                                                       ("efficient", 128, 16, True), ("cudnn", 100, 16, True)])
+def test_fused_core_per_kernel(kernel, rows, rng, output):
+    """Each kernel's log-sum-exp rows (padded to 32 on the memory-efficient one), RNG state and output."""
+    terms = attention_core_terms(100, 2, 64, 4, 2, act_bytes=2, mask_bytes=1, dropout=False, fused_attention=True,
+                                 sdpa_kernel=kernel)
+    assert terms["softmax_lse"] == 4 * 2 * 2 * rows and terms.get("sdpa_rng_state", 0) == rng
+    assert ("attention_output" in terms) == output
+    one = attention_core_terms(100, 1, 64, 4, 2, act_bytes=2, mask_bytes=1, dropout=False, fused_attention=True,
+                               sdpa_kernel=kernel)
+    assert "attention_output" not in one  # b = 1: [1, s, heads, d] is the [s, 1, h/t] out-proj input
 
 
 def test_bad_input_names_the_numbers():

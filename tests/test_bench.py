@@ -142,3 +142,16 @@ def test_bf16_benchmark_refused_on_a_cpu_without_native_bf16(monkeypatch, capsys
         run_benchmark(_args("single"))  # bf16 by default: refused before anything is built
     _run(capsys, "single")  # --quick: tiny sizes, not a result, never refused
     _run(capsys, "single", "--dtype", "fp32")
+
+
+def test_gpu_bench_runs_small_on_a_cpu(capsys):
+    """``seqpar bench gpu`` on a CPU: the small shapes, fp32, eager; seqpar's layer and trainer next to the plain
+    PyTorch layer and model, the planner's peak beside (no allocator on a CPU), no target judged."""
+    r = _run(capsys, "gpu")
+    assert r["small"] and r["dtype"] == "fp32" and not r["compiled"] and r["targets_met"] is None
+    for part in ("layer", "model"):
+        assert r[part]["seqpar"]["ms"] > 0 and r[part]["plain_eager"]["ms"] > 0 and r[part]["plain_compiled"] is None
+    s = r["model"]["seqpar"]
+    assert len(s["losses"]) == 3 and all(x == x for x in s["losses"])
+    assert s["planned_peak_bytes"] > 0 and s["allocator_peak_bytes"] is None
+    assert r["ratios"]["against"] == "plain_eager" and r["model_shape"]["kv_heads"] == 2

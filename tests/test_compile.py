@@ -1,10 +1,14 @@
-"""``train.compile``: the compiled regions (``seqpar.model.compile``) compute what eager does.
+"""``train.compile``: the compiled regions (``seqpar.model.compile``, by default each layer one fused region)
+compute what eager does.
 
 One tiny fp32 shape for every test, so each region compiles once per process (dynamo's cache is
 per code object and shape): compiled vs eager loss and gradients within 1e-5 at dropout 0 for every
-recompute mode (tp 1 here, tp 2 + SP on gloo ranks); with dropout, selective and full recompute
-under compile give bit-identical loss and gradients to no recompute under compile (the masks are
-position-keyed: recomputation computes them again from the restored step and sample); bytes kept for
+recompute mode (tp 1 here, tp 2 + SP on gloo ranks) on a Llama-style layer (RMSNorm, rotary, SwiGLU,
+grouped-query fused attention, with biases to fuse too); with dropout (the paper's GPT: LayerNorm, GeLU,
+the materialized core), selective and full recompute under compile give the bit-identical loss of no
+recompute under compile, and its gradients within fp32 rounding (the masks are position-keyed:
+recomputation computes them again from the restored step and sample; a checkpoint splits the fused
+layer's graph differently); bytes kept for
 backward equal eager's; the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
 ``seqpar train --compile`` trains.
 """
@@ -21,8 +25,9 @@ from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_sta
 from seqpar.testing import parity_batch
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, embd_dropout=0.0,
-                  attn_dropout=0.0, hidden_dropout=0.0, dtype="fp32")
-DROPOUT = ModelConfig(**{**CFG.__dict__, "embd_dropout": 0.1, "attn_dropout": 0.1, "hidden_dropout": 0.1})
+                  attn_dropout=0.0, hidden_dropout=0.0, dtype="fp32", norm="rmsnorm", activation="swiglu",
+                  position="rope", kv_heads=2)  # attention "auto": the fused core
+DROPOUT = ModelConfig(vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, dtype="fp32")
 RECOMPUTES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 2)]
 
 
@@ -52,11 +57,14 @@ def eager_and_compiled():
     return runs, dropout
 
 
-def test_compiled_regions_are_the_cores_mlps_and_loss_head(eager_and_compiled):
+def test_compiled_regions_are_the_layers_and_loss_head(eager_and_compiled):
     runs, _ = eager_and_compiled
-    names = runs["none"][1][2]
-    assert names == ["layers.0.attention.core", "layers.0.mlp", "layers.1.attention.core", "layers.1.mlp",
-                     "loss_head"]
+    assert runs["none"][1][2] == ["layers.0", "layers.1", "loss_head"]  # the fused layer: nothing inside twice
+    from seqpar.model.compile import PER_MODULE, compiled_regions
+
+    model = build_model(CFG)
+    assert compiled_regions(model, PER_MODULE) == ["layers.0.attention.core", "layers.0.mlp",
+                                                   "layers.1.attention.core", "layers.1.mlp", "loss_head"]
 
 
 @pytest.mark.parametrize("granularity", [rc.granularity for rc in RECOMPUTES])
@@ -67,12 +75,14 @@ def test_compiled_equals_eager_at_dropout_0(eager_and_compiled, granularity):
 
 
 @pytest.mark.parametrize("granularity", ["selective", "full"])
-def test_recompute_under_compile_is_bit_identical_with_dropout(eager_and_compiled, granularity):
+def test_recompute_under_compile_redraws_the_masks(eager_and_compiled, granularity):
     dropout = eager_and_compiled[1]
     base_loss, base_grads, _ = dropout["none"]
     loss, grads, _ = dropout[granularity]
-    assert torch.equal(loss, base_loss)
-    assert all(torch.equal(grads[k], base_grads[k]) for k in base_grads)
+    assert torch.equal(loss, base_loss)  # the same masks, redrawn from the restored RNG state
+    # the fused layer's graphs differ where a checkpoint breaks them (other fusions, other rounding): gradients
+    # within fp32 rounding (a redrawn mask that differed would move them by ~1e-2)
+    assert _max_diff(grads, base_grads) <= 1e-6
     # the masks act: dropout changes the loss
     assert not torch.equal(base_loss, eager_and_compiled[0]["none"][1][0])
 
@@ -173,8 +183,8 @@ def test_compiled_loss_head_equals_eager_at_tp2(tp2):
 
 
 def test_seqpar_train_compile_runs_and_reports_compile_time(tmp_path):
-    """``seqpar train --compile``: the flag reaches ``train.compile``; 3 steps train as eager's do (same
-    masks), and the start record says the compile time once."""
+    """``seqpar train --compile`` / ``--no-compile``: the flag reaches ``train.compile`` (unset: CUDA only); 3 steps
+    train as eager's do (same masks), and the start record says the compile time once."""
     import argparse
     import json
 
@@ -191,7 +201,7 @@ def test_seqpar_train_compile_runs_and_reports_compile_time(tmp_path):
     losses = {}
     for compiled in (False, True):
         out = tmp_path / str(compiled)
-        args = p.parse_args([*flags, "--out", str(out), *(["--compile"] if compiled else [])])
+        args = p.parse_args([*flags, "--out", str(out), "--compile" if compiled else "--no-compile"])
         job = job_from_args(args, 1)
         assert job.train.compile is compiled
         losses[compiled] = train(job, quiet=True)["losses"]

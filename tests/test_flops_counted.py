@@ -71,7 +71,7 @@ def _modules_worker(rank, world):
     out = {}
     for activation in ("gelu", "swiglu"):
         cfg = replace(CFG, activation=activation, ffn_hidden_size=96, embd_dropout=0.0, attn_dropout=0.0,
-                      hidden_dropout=0.0)
+                      hidden_dropout=0.0, attention="materialized")
         for modules in ((), ("norm",), ("activation",), ("mlp",)):
             rc = RecomputeConfig("selective", modules=modules) if modules else RecomputeConfig("none")
             stage = build_model(cfg, dims, sequence_parallel=world > 1, recompute=rc)

@@ -58,9 +58,9 @@ ARCHS = [  # (name, config changes): each measured under every Table 2 row and t
                             attention="sdpa", tie_embeddings=False, embd_dropout=0.0, attn_dropout=0.0,
                             hidden_dropout=0.0, ffn_hidden_size=176)),
     ("llama kv2 materialized", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=2,
-                                    embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
+                                    attention="materialized", embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
     ("llama kv1 materialized", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=1,
-                                    embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
+                                    attention="materialized", embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
     ("gpt gqa dropout", dict(kv_heads=2)),
     ("gpt-2 tanh gelu", dict(activation="gelu_tanh")),
 ]

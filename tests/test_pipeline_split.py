@@ -14,7 +14,8 @@ from seqpar.pipeline.keep import keep_for_rank
 from seqpar.pipeline.split import layer_counts, stage_layers
 
 CFG = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_layers=4, seq_len=8,
-                  embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
+                  embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0,
+                  attention="materialized")  # the paper's core: selective recompute checkpoints it
 
 
 def test_interleaved_split_is_megatron_layout():

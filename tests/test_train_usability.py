@@ -198,7 +198,9 @@ def test_inert_settings_are_named_once_each():
     assert "pp 2 with 1 microbatch per step" in notes(parallel={"pp": 2}, train={"global_batch": 2})[0]
     assert "warmup 60 is not shorter than the run's 50 steps" in notes(train={"warmup": 60})[0]
     text = notes(recompute={"granularity": "selective"}, model={"attention": "sdpa", "attn_dropout": 0.0})[0]
-    assert "selective recompute of the attention core does nothing with fused attention" in text
+    assert "selective recompute checkpoints nothing in a fused attention core" in text
+    text = notes(recompute={"granularity": "selective"}, model={"attn_dropout": 0.0})[0]  # auto: sdpa
+    assert "chosen by attention 'auto'" in text
     assert "does not read x.bin" in notes(train={"data": "x.bin", "tokenizer": "t.json"})[0]
     assert "tokenizer t.json is not used: the default data" in notes(train={"tokenizer": "t.json"})[0]
 

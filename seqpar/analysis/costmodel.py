@@ -265,9 +265,10 @@ def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     includes what the recompute runs again."""
     p = layer_pass_s(shape, par, b, hw, opts or ActivationOptions())
     fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
-    if reruns_core(rc):
+    fused = bool(opts and opts.fused_attention)  # a fused core: never checkpointed, no mask to regenerate
+    if reruns_core(rc) and not fused:
         bwd += sum(p["attention_core"].values())
-    elif "dropout_mask" in rc.selective_modules:
+    elif "dropout_mask" in rc.selective_modules and not fused:
         bwd += sum(p["dropout_mask"].values())
     elif rc.granularity == "full":
         bwd += fwd
@@ -336,9 +337,10 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
-    if reruns_core(rc):
+    fused = opts.fused_attention  # a fused core is never checkpointed (memory.rebuilt) and keeps no mask
+    if reruns_core(rc) and not fused:
         redo = layers * sum(p["attention_core"].values())
-    elif "dropout_mask" in rc.selective_modules:
+    elif "dropout_mask" in rc.selective_modules and not fused:
         redo = layers * sum(p["dropout_mask"].values())
     elif rc.granularity == "full":
         share = 1.0 if rc.method == "uniform" else min(1.0, rc.num_layers / max(1, rank_layers(shape, par, rank)))

@@ -78,15 +78,18 @@ def model_flops_from_gemms(B: float, L: int, s: int, h: int, v: int, f: int | No
 
 def recompute_extra_flops(B: float, L: int, s: int, h: int, recompute: str,
                           f: int | None = None, recomputed_layers: float | None = None, *,
-                          kv_ratio: float = 1.0, gated: bool = False, modules: tuple[str, ...] | None = None) -> float:
+                          kv_ratio: float = 1.0, gated: bool = False, modules: tuple[str, ...] | None = None,
+                          fused_attention: bool = False) -> float:
     """FLOPs recompute adds: selective, the GEMMs each of its ``modules`` runs again per layer
-    (``RECOMPUTED_GEMMS``; the paper's ("core_attention",) by default: 4Bs^2h, Sec. 5); full, one forward
+    (``RECOMPUTED_GEMMS``; the paper's ("core_attention",) by default: 4Bs^2h, Sec. 5; nothing for a fused
+    core, which is never checkpointed: ``memory.rebuilt``); full, one forward
     of each recomputed layer (all L unless ``recomputed_layers``, e.g. the N block layers per chunk x chunks)."""
     if recompute == "none":
         return 0.0
     fwd = layer_forward_flops(B, s, h, f, kv_ratio=kv_ratio, gated=gated)
     if recompute == "selective":
-        return L * sum(fwd[gemm] for module in modules or ("core_attention",) for gemm in RECOMPUTED_GEMMS[module])
+        modules = [m for m in modules or ("core_attention",) if not (m == "core_attention" and fused_attention)]
+        return L * sum(fwd[gemm] for module in modules for gemm in RECOMPUTED_GEMMS[module])
     if recompute == "full":
         layers = L if recomputed_layers is None else recomputed_layers
         return layers * sum(fwd.values())
@@ -104,7 +107,7 @@ def training_flops(model: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
         chunk = L // (par.pp * par.interleave)  # (the runtime may split unevenly: its mean chunk)
         layers = L * (min(rc.num_layers, chunk) / chunk)
     extra = recompute_extra_flops(B, L, s, h, rc.granularity, model.ffn, layers, modules=rc.selective_modules,
-                                  **arch)
+                                  fused_attention=model.fused_attention, **arch)
     moe, moe_extra = moe_training_flops(B, model, rc, 1.0 if layers is None else layers / L)  # MoE layers
     return flops + moe, flops + moe + extra + moe_extra
 

@@ -39,6 +39,13 @@ REBUILT = {
 }
 
 
+def rebuilt(module: str, fused_attention: bool) -> tuple[str, ...]:
+    """``REBUILT[module]``, but nothing for the core when it is fused: a flash-class kernel recomputes its
+    tiles in its own backward, so checkpointing it would free only the log-sum-exp (and its output) for a
+    second forward (Megatron-LM #464, #1886): ``selective`` leaves a fused core alone."""
+    return () if module == "core_attention" and fused_attention else REBUILT[module]
+
+
 def _check(s, b, h, a, t, recompute):
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         if value <= 0:
@@ -59,17 +66,48 @@ def kv_heads_per_rank(a: int, t: int, kv_heads: int | None) -> float:
     return kv / t if kv_heads is None or kv >= t else 1
 
 
+# What each fused kernel behind scaled_dot_product_attention keeps besides Q, K and V (torch 2.13,
+# torch/_meta_registrations.py and the CPU kernel): the rows of its fp32 log-sum-exp per (b, head) for s
+# queries, the bytes of its RNG state (seed and offset; none on CPU), and whether its output can be the
+# out-proj input's storage: the CPU kernel writes it in the query's memory order ([s, b, heads, d] here), so
+# its [s, b, h/t] view is that input; the CUDA kernels write [b, s, heads, d], which is that view only for b = 1.
+SDPA_KERNELS = {
+    "cpu": (lambda s: s, 0, "query"),  # _scaled_dot_product_flash_attention_for_cpu: lse [b, heads, s]
+    "flash": (lambda s: s, 16, "bshd"),  # lse [b, heads, s]; rng_state uint64 [2] (+ an empty placeholder)
+    "efficient": (lambda s: -(-s // 32) * 32, 16, "bshd"),  # lse [b, heads, ⌈s/32⌉·32]; int64 seed, offset
+    "cudnn": (lambda s: s, 16, "bshd"),  # stats [b, heads, s, 1]; seed and offset
+}
+
+
+def sdpa_output_is_out_proj_input(b: int, kernel: str) -> bool:
+    """Whether the ``kernel``'s output and the out-proj's saved input are one storage (see ``SDPA_KERNELS``)."""
+    return SDPA_KERNELS[kernel][2] == "query" or b == 1
+
+
+def sdpa_lse_rows(s: int, kernel: str) -> int:
+    """Rows of the fp32 log-sum-exp the ``kernel`` keeps per (batch, head) for s queries."""
+    if kernel not in SDPA_KERNELS:
+        raise AnalysisError(f"sdpa kernel {kernel!r} is not one of {list(SDPA_KERNELS)}")
+    return SDPA_KERNELS[kernel][0](s)
+
+
 def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused_attention,
-                         cp=1) -> dict[str, float]:
+                         cp=1, sdpa_kernel="flash") -> dict[str, float]:
     """Sec. 4.1, the attention core: softmax output 2as^2b, its dropout mask as^2b and output 2as^2b (the
     5as^2b of Eq. 1), split over t. Without dropout attention*V reads the softmax output itself (2as^2b).
-    Fused (not in the paper): the kernel's output 2sbh/t and an fp32 log-sum-exp per (head, query), 4asb/t.
+    Fused (not in the paper; ``sdpa_kernel`` one of ``SDPA_KERNELS``): its fp32 log-sum-exp 4·(a/t)·b·rows(s)
+    (rows = s, padded to 32 on the memory-efficient kernel), its RNG state, and its output 2sbh/t where that is
+    not the out-proj input's storage (``sdpa_output_is_out_proj_input``).
     Ring attention (cp > 1, ``s`` the rank's s/cp tokens): the log-sum-exp only, 4asb/t; the output it keeps
     is the out-proj input's storage, counted there."""
     if cp > 1:
         return {"softmax_lse": 4 * a * s * b / t}
     if fused_attention:
-        return {"softmax_lse": 4 * a * s * b / t, "attention_output": act_bytes * s * b * h / t}
+        terms = {"softmax_lse": 4 * a / t * b * sdpa_lse_rows(s, sdpa_kernel)}
+        if not sdpa_output_is_out_proj_input(b, sdpa_kernel):
+            terms["attention_output"] = act_bytes * s * b * h / t
+        rng = SDPA_KERNELS[sdpa_kernel][1]
+        return terms | ({"sdpa_rng_state": rng} if rng else {})
     terms = {"softmax_output": act_bytes * a * s * s * b / t}
     if dropout:
         terms["softmax_dropout_mask"] = mask_bytes * a * s * s * b / t
@@ -78,7 +116,7 @@ def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused
 
 
 def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused_attention,
-                    kv_heads, cp=1) -> dict[str, float]:
+                    kv_heads, cp=1, sdpa_kernel="flash") -> dict[str, float]:
     """Sec. 4.1, the attention block (11sbh + 5as^2b with LN1's input): LN1 input 2sbh, QKV input 2sbh (both
     sequence-sharded only under SP, the stored-input trick), Q and K 4sbh, the core, V 2sbh, out-proj input
     2sbh and the dropout mask sbh. GQA: K and V of the kv heads one rank holds."""
@@ -86,7 +124,7 @@ def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused
     terms = {"ln1_input": act_bytes * sbh / rep, "qkv_input": act_bytes * sbh / rep,
              "qk": act_bytes * s * b * d * (a / t + kv_local)}
     terms |= attention_core_terms(s, b, h, a, t, act_bytes=act_bytes, mask_bytes=mask_bytes, dropout=dropout,
-                                  fused_attention=fused_attention, cp=cp)
+                                  fused_attention=fused_attention, cp=cp, sdpa_kernel=sdpa_kernel)
     terms["v"] = act_bytes * s * b * d * kv_local
     terms["out_proj_input"] = act_bytes * sbh / t
     if dropout:
@@ -113,15 +151,17 @@ def mlp_terms(s, b, h, f, t, rep, *, act_bytes, mask_bytes, dropout, activation)
 def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
                            mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False,
                            kv_heads=None, norm="layernorm", activation="gelu",
-                           modules=None, cp=1) -> dict[str, float]:
+                           modules=None, cp=1, sdpa_kernel="flash") -> dict[str, float]:
     """Bytes one layer keeps for backward on one tp rank, one entry per stored tensor (Sec. 4.1).
 
     ``recompute``: "none"; "selective" drops what its ``modules`` rebuild in backward (``REBUILT``; default
     the paper's ("core_attention",): the 5as^2b/t terms, Sec. 5); "full" keeps only the layer input (Table 2
     last row: 2sbh, or 2sbh/t when sequence-sharded). ``ffn`` is the FFN width f (4h when None).
     ``dropout=False``: no masks. ``ln_stats_bytes`` > 0 adds the norm statistics the paper ignores.
-    ``fused_attention``, ``kv_heads`` and ``activation="swiglu"``: see ``attention_core_terms``,
-    ``attention_terms`` and ``mlp_terms``. ``cp``: context parallelism, ``s`` stays the whole sequence and
+    ``fused_attention``, ``sdpa_kernel``, ``kv_heads`` and ``activation="swiglu"``: see
+    ``attention_core_terms``, ``attention_terms`` and ``mlp_terms``. A fused core is never checkpointed:
+    selective recompute rebuilds nothing in it (``rebuilt``). ``cp``: context parallelism, ``s`` stays the whole
+    sequence and
     every term holds this rank's s/cp tokens (ring attention's core, ``attention_core_terms``).
     """
     _check(s, b, h, a, t, recompute)
@@ -134,12 +174,12 @@ def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=N
     f = 4 * h if ffn is None else ffn
     width = {"act_bytes": act_bytes, "mask_bytes": mask_bytes, "dropout": dropout}
     terms = attention_terms(s, b, h, a, t, rep, fused_attention=fused_attention, kv_heads=kv_heads, cp=cp,
-                            **width)
+                            sdpa_kernel=sdpa_kernel, **width)
     terms |= mlp_terms(s, b, h, f, t, rep, activation=activation, **width)
     if ln_stats_bytes > 0:
         terms["ln_stats"] = 2 * s * b / rep * norm_stat_bytes(norm, ln_stats_bytes)  # 2 norms per layer
     for module in (modules or ("core_attention",)) if recompute == "selective" else ():
-        for name in REBUILT[module]:
+        for name in rebuilt(module, fused_attention):
             terms.pop(name, None)
     return terms
 

@@ -97,8 +97,9 @@ def _beyond() -> str:
     head = ["model, attention", "TP+SP", "+selective", "+norm+act. instead", "full", "selective FLOPs"]
     return (f"Beyond the paper: Llama-style presets, t = 8, b = 1, dropout {default_dropout('llama'):g} (the Llama "
             "default of seqpar plan and seqpar memory too); activation bytes per layer as % of "
-            "TP alone. With fused attention (sdpa) there are no s² terms: selective recompute saves little and "
-            "re-runs the attention GEMMs, while norm + activation recompute saves more for no GEMM FLOPs.\n"
+            "TP alone. With fused attention (sdpa) there are no s² terms and selective recompute checkpoints nothing "
+            "in the core (its kernel recomputes its tiles in its own backward), while norm + activation recompute "
+            "saves more for no GEMM FLOPs.\n"
             + table(head, rows))
 
 

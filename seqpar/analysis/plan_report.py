@@ -33,7 +33,8 @@ def assumptions(req: Request) -> str:
     unless given), attention kernel."""
     st = settings(req)
     dropout = f"dropout {st['dropout']:g}" + ("" if req.opts.dropout else " (no masks)")
-    kernel = "fused attention (no s² tensors)" if st["fused_attention"] else "materialized attention"
+    kernel = ("fused attention (sdpa: no s² tensors; selective recompute checkpoints nothing in the core)"
+              if st["fused_attention"] else "materialized attention")
     precision = "fp32 throughout" if st["precision"] == "fp32" else f"{st['precision']} mixed precision"
     return (f"{precision}: {st['bytes_per_parameter']:g} B/param model states, "
             f"{st['activation_bytes']}-byte activations; {dropout}; {kernel}")

@@ -81,6 +81,10 @@ class ActivationOptions:
     ln_stats_bytes: int = 0
     dropout: bool = True
     fused_attention: bool = False
+    sdpa_kernel: str = "flash"  # which fused kernel (memory.SDPA_KERNELS): what it keeps besides its output
+    # the bounded (chunked) cross entropy of seqpar.parallel.cross_entropy: it keeps the logits in their own
+    # dtype (logits_bytes) and an fp32 log-sum-exp per token instead of an fp32 softmax (the paper's Sec. 4.3)
+    bounded_loss: bool = False
     free_pipeline_outputs: bool = True
 
 
@@ -120,7 +124,7 @@ def uses_dropout(cfg: ModelConfig, embedding: bool = True) -> bool:
     the embedding's. Fused attention (sdpa) runs with attention dropout 0 and keeps no s² tensor either way,
     so there its attention dropout does not count."""
     on = {"hidden": cfg.hidden_dropout > 0}
-    if cfg.attention != "sdpa":
+    if not cfg.fused_attention:
         on = {"attention": cfg.attn_dropout > 0} | on
     if embedding:
         on = {"embedding": cfg.embd_dropout > 0} | on
@@ -133,10 +137,13 @@ def uses_dropout(cfg: ModelConfig, embedding: bool = True) -> bool:
 
 
 def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: bool = True,
-                       free_pipeline_outputs: bool = True) -> ActivationOptions:
+                       free_pipeline_outputs: bool = True, sdpa_kernel: str = "flash") -> ActivationOptions:
     """The formula inputs of a runtime configuration, the one adapter from a ModelConfig to them: the
-    activation width of its dtype, 1-byte dropout masks (``uses_dropout``), fp32 logits, fused attention
-    for sdpa, and the norm statistics' bytes per element the caller measured (``ln_stats_bytes``)."""
-    return ActivationOptions(act_bytes=cfg.dtype_bytes, mask_bytes=1, logits_bytes=4, ln_stats_bytes=ln_stats_bytes,
-                             dropout=uses_dropout(cfg, embedding), fused_attention=cfg.attention == "sdpa",
-                             free_pipeline_outputs=free_pipeline_outputs)
+    activation width of its dtype, 1-byte dropout masks (``uses_dropout``), the bounded cross entropy (logits
+    kept in their dtype, an fp32 log-sum-exp per token), fused attention
+    for sdpa (``cfg.fused_attention``: "auto" with attention dropout 0 too) run by ``sdpa_kernel``, and the norm
+    statistics' bytes per element the caller measured (``ln_stats_bytes``)."""
+    return ActivationOptions(act_bytes=cfg.dtype_bytes, mask_bytes=1, logits_bytes=cfg.dtype_bytes, bounded_loss=True,
+                             ln_stats_bytes=ln_stats_bytes,
+                             dropout=uses_dropout(cfg, embedding), fused_attention=cfg.fused_attention,
+                             sdpa_kernel=sdpa_kernel, free_pipeline_outputs=free_pipeline_outputs)

@@ -73,7 +73,8 @@ def _dense_layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Ac
                                   recompute=rc.granularity, modules=rc.selective_modules or None, ffn=shape.ffn,
                                   act_bytes=opts.act_bytes, mask_bytes=opts.mask_bytes, dropout=opts.dropout,
                                   ln_stats_bytes=opts.ln_stats_bytes, fused_attention=opts.fused_attention,
-                                  kv_heads=shape.kv_heads, norm=shape.norm, activation=shape.activation, cp=par.cp)
+                                  sdpa_kernel=opts.sdpa_kernel, kv_heads=shape.kv_heads, norm=shape.norm,
+                                  activation=shape.activation, cp=par.cp)
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
@@ -197,8 +198,31 @@ def sec43_extra_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Act
     if rank == p - 1:
         terms["final_ln_input"] = opts.act_bytes * s * b * h / rep
         terms["output_layer_input"] = opts.act_bytes * s * b * h / rep
-        terms["logits"] = opts.logits_bytes * s * b * shape.vocab_per_rank(t)  # padded vocabulary shard
+        terms |= loss_head_terms(s, b, shape.vocab_per_rank(t), opts)
     return terms
+
+
+def loss_head_terms(s: int, b: int, v_per_rank: int, opts: ActivationOptions) -> dict[str, float]:
+    """What the vocab-parallel cross entropy keeps for backward: the paper's fp32 logits 4sbv/t (Sec. 4.3,
+    Megatron keeps the fp32 softmax), or with ``opts.bounded_loss`` the logits in their own dtype and one fp32
+    log-sum-exp per token (the backward rebuilds the softmax chunk by chunk)."""
+    terms = {"logits": opts.logits_bytes * s * b * v_per_rank}  # padded vocabulary shard
+    if opts.bounded_loss:
+        terms["loss_lse"] = 4 * s * b
+    return terms
+
+
+LOSS_TOKEN_BYTES = 40  # the passes' per-token vectors: max/lse, sums (2-3), loss, scale (fp32), index temporaries
+
+
+def loss_working_bytes(s: int, b: int, v_per_rank: int, chunk_bytes: int) -> float:
+    """The bounded cross entropy's transient working set beyond what it keeps and the logits' gradient: one
+    fp32 chunk of logits rows (``seqpar.parallel.cross_entropy.chunk_rows``: as many rows as fit
+    ``chunk_bytes``, at most s·b) and at most ``LOSS_TOKEN_BYTES`` per token of per-token vectors. The
+    gradient of the logits (their dtype, [s·b, v/t]) is the output layer's input gradient, as in any cross
+    entropy."""
+    rows = min(s * b, max(1, chunk_bytes // (4 * v_per_rank)))
+    return 4 * rows * v_per_rank + LOSS_TOKEN_BYTES * s * b
 
 
 def sec43_extra_bytes_paper(shape: ModelConfig, t: int, p: int, b: int) -> float:

@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "init/save/load peak memory, reload at tp=1"),
     "dp": ("seqpar.bench.dp", "dp=2 step time with the gradient reduction after vs overlapped with the backward, "
            "and the reduction time hidden"),
+    "gpu": ("seqpar.bench.gpu", "Llama-class speed on one device: a Llama-3-8B layer and a Llama-3.2-1B-shaped "
+            "model through the trainer, against the same math in plain PyTorch (eager, compiled)"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
 }

@@ -43,12 +43,12 @@ def add_compile_argument(p) -> None:
 def compile_regions(model: torch.nn.Module) -> None:
     """Compile a model's attention cores and MLPs: ``seqpar.model.compile`` for seqpar's, the same two
     regions (modules named ``*.core`` and ``*.mlp``) for the plain and PyTorch-native GPTs: like with like."""
-    from seqpar.model.compile import compile_model
+    from seqpar.model.compile import PER_MODULE, compile_model
     from seqpar.model.gpt import GPTStage
     from seqpar.model.layer import TransformerLayer
 
     if isinstance(model, GPTStage | TransformerLayer):
-        compile_model(model)
+        compile_model(model, PER_MODULE)  # the same regions as the plain models' (not the fused layer)
         return
     modules = dict(model.named_modules())
     checkpointed = set()

@@ -42,9 +42,9 @@ def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
                         "preset's, else gpt)")
     a.add_argument("--kv-heads", type=int, default=None,
                    help="grouped-query attention (default: the preset's, else = heads)")
-    a.add_argument("--attention", choices=ATTENTIONS, default="materialized",
-                   help="materialized s² scores (the paper) or fused scaled_dot_product_attention "
-                        "(default %(default)s)")
+    a.add_argument("--attention", choices=ATTENTIONS, default="auto",
+                   help="materialized s² scores (the paper), fused scaled_dot_product_attention, or auto: sdpa "
+                        "where the dropout is 0, else materialized (default %(default)s)")
     a.add_argument("--norm", choices=NORMS, default=None, help="override the --arch's norm (default: the arch's)")
     a.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="override the --arch's MLP activation (default: the arch's)")
@@ -108,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dropout_mask: each row regenerating its attention dropout mask instead)")
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--loss-chunk-kib", type=int, default=None,
+                   help="with --measure: the cross entropy's chunk in KiB of fp32 rows (default: the runtime's, "
+                        "32768)")
     g = p.add_argument_group("model states (--states: weights, gradients, optimizer per rank, formula)")
     g.add_argument("--states", action="store_true",
                    help="model states of each pipeline rank under plain DP, the distributed optimizer and FSDP")
@@ -167,13 +170,25 @@ def run(args) -> int:
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
                      ep=args.ep)
+    loss = None
     if args.measure:
+        from seqpar.dtypes import torch_dtype
+        from seqpar.measure.loss_head import measure_loss_head
+
         measure_rows(cfg, args.micro_batch, rows)
+        from seqpar.parallel.cross_entropy import CHUNK_BYTES
+
+        chunk = CHUNK_BYTES if args.loss_chunk_kib is None else 1024 * args.loss_chunk_kib
+        if chunk < 1:
+            raise ConfigError(f"--loss-chunk-kib must be a positive integer, got {args.loss_chunk_kib}")
+        loss = measure_loss_head(cfg.seq_len // args.cp, args.micro_batch, cfg.vocab_per_rank(args.tp),
+                                 dtype=torch_dtype(cfg.dtype), chunk_bytes=chunk)
     if args.json:
-        print(json.dumps({"rows": [r.as_json() for r in rows]}))
+        print(json.dumps({"rows": [r.as_json() for r in rows]} | ({"loss_head": loss.as_json()} if loss else {})))
         return 0
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
-    arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {cfg.attention}"
+    core = cfg.attention_core + (" (auto)" if cfg.attention == "auto" else "")
+    arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {core}"
     cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, ring attention" if args.cp > 1 else ""
     print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {cfg.hidden_dropout} "
           f"({arch}){cp}")
@@ -202,12 +217,29 @@ def run(args) -> int:
             print(f"{r.row}: vanished vs the paper's GPT: {', '.join(r.vanished) or '-'}; "
                   f"added: {', '.join(r.added) or '-'}")
     if cfg.hidden_dropout == 0:
-        print("dropout 0: no masks" + ("." if cfg.attention == "sdpa" else
+        print("dropout 0: no masks" + ("." if cfg.fused_attention else
                                        ", and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t)."))
-    if cfg.attention == "sdpa":
-        print("fused attention: no s² terms; selective recompute only drops the kernel's output and "
-              "log-sum-exp, and re-runs the whole attention forward to do it.")
+    if cfg.fused_attention:
+        print(fused_core_note(args.micro_batch))
+    if loss is not None:
+        print(f"cross entropy (bounded, one rank's [{loss.tokens}, {loss.columns}] logits): kept "
+              f"{_human(loss.kept_measured)}"
+              f" measured, {_human(loss.kept_term)} exact; transient beyond the logits and their gradient "
+              f"{_human(loss.transient_measured)} measured, at most {_human(loss.working_term)} by its term (one "
+              f"fp32 chunk {_human(loss.chunk_bytes)} + per-token vectors); an fp32 copy of the logits would be "
+              f"{_human(loss.unbounded_copy)}.")
     return 0
+
+
+def fused_core_note(micro_batch: int, device: str = "cpu") -> str:
+    """What a fused core keeps, and that selective recompute leaves it alone (``analysis.memory.rebuilt``)."""
+    from seqpar.analysis.memory import sdpa_output_is_out_proj_input
+
+    shared = sdpa_output_is_out_proj_input(micro_batch, "cpu" if device == "cpu" else "flash")
+    out = "its output is the out-proj input's storage" if shared else "its output (2sbh/t)"
+    return (f"fused attention (sdpa): no s² terms; it keeps Q, K, V, an fp32 log-sum-exp per row and head, {out}"
+            " (and 16 B of RNG state on CUDA). selective recompute checkpoints nothing in a fused core: its kernel "
+            "recomputes its tiles in its own backward, so a checkpoint would free only the log-sum-exp.")
 
 
 def run_schedule(args) -> int:

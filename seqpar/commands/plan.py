@@ -61,7 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dropout probability; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
                         "as in `seqpar memory` and `seqpar paper`)")
     g.add_argument("--no-dropout", action="store_true", help="same as --dropout 0")
-    g.add_argument("--fused-attention", action="store_true", help="flash-style attention: no s^2 tensors kept")
+    g.add_argument("--attention", choices=("auto", "materialized", "sdpa"), default="auto",
+                   help="attention core: auto = fused (sdpa: no s² tensors kept, never checkpointed) where the "
+                        "dropout is 0, else the paper's materialized core (default %(default)s)")
+    g.add_argument("--fused-attention", action="store_true", help="same as --attention sdpa")
     g.add_argument("--keep-pipeline-outputs", action="store_true",
                    help="do not free sent stage outputs (App. B off)")
     g = p.add_argument_group("output")
@@ -137,7 +140,13 @@ def request_from_args(args):
     if not 0 <= dropout < 1:
         raise AnalysisError(f"--dropout must be in [0, 1), got {dropout}")
     act_bytes = args.activation_bytes or (4 if args.dtype == "fp32" else 2)
-    opts = ActivationOptions(act_bytes=act_bytes, dropout=dropout > 0, fused_attention=args.fused_attention,
+    attention = "sdpa" if args.fused_attention else args.attention
+    if attention == "sdpa" and dropout > 0:
+        raise AnalysisError(f"--attention sdpa (fused) takes dropout 0, got {dropout}")
+    fused = attention == "sdpa" or (attention == "auto" and dropout == 0)
+    # seqpar's bounded cross entropy keeps the logits in their dtype and an fp32 lse (docs/analysis.md)
+    opts = ActivationOptions(act_bytes=act_bytes, logits_bytes=act_bytes, bounded_loss=True, dropout=dropout > 0,
+                             fused_attention=fused,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,

@@ -102,8 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reduce gradient buckets during the backward {d('overlap_grad_reduce')}")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile each layer's attention core and MLP; dropout masks stay eager, compile time "
-                        f"is reported once, before the timed steps {d('compile')}")
+                   help="torch.compile each layer as one fused region (norms, rotary, activation, residual adds "
+                        "between the GEMMs); drawing dropouts stay eager, compile time is reported once, before the "
+                        "timed steps (default: on for CUDA, off on CPU)")
     g.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, help=f"activation recomputation {d('recompute')}")
     g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help=f"for full recompute {d('recompute_method')}")
     g.add_argument("--recompute-layers", type=int, help=f"layers per full-recompute group {d('recompute_layers')}")

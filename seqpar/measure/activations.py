@@ -15,7 +15,7 @@ from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import ScheduleMeter
-from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes
+from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.comm import all_reduce
 
 
@@ -24,7 +24,8 @@ def predicted_activation_bytes(job, layers: list[int], device: torch.device) -> 
     microbatch (each MoE or dense as the model makes it); None where the formula has no closed form."""
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
-        opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False)
+        opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
+                                  sdpa_kernel=sdpa_kernel_for(device))
         return layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute,
                             list(layers))
     except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form

@@ -107,6 +107,12 @@ def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() if device.type == "cpu" else 4
 
 
+def sdpa_kernel_for(device: torch.device) -> str:
+    """The fused attention kernel (``seqpar.analysis.memory.SDPA_KERNELS``) ``scaled_dot_product_attention``
+    runs on ``device``: the CPU kernel, else flash (bf16/fp16 on CUDA; the formula's GPU default)."""
+    return "cpu" if device.type == "cpu" else "flash"
+
+
 def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
                   recompute: str | RecomputeConfig = "none",
                   micro_batch: int = 1, device: str | torch.device = "cpu", seed: int = 0,

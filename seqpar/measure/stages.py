@@ -23,7 +23,7 @@ from seqpar.analysis.stage import stage_memory
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import ScheduleMeter
-from seqpar.measure.saved import layernorm_stat_bytes
+from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline.build import build_stages
@@ -58,7 +58,7 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
                         keep: int = 0, device: str = "cpu") -> tuple[float, dict]:
     """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
     opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
-                              free_pipeline_outputs=free_outputs)
+                              free_pipeline_outputs=free_outputs, sdpa_kernel=sdpa_kernel_for(torch.device(device)))
     activations_only = replace(parallel, dp=1, fsdp=False, fsdp_shard_size=0)  # the states do not matter here
     memory = stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
                           microbatches, opts, rank=rank)

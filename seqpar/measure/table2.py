@@ -12,10 +12,10 @@ from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import layer_terms
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.saved import layernorm_stat_bytes, measure_layer
+from seqpar.measure.saved import layernorm_stat_bytes, measure_layer, sdpa_kernel_for
 
 PAPER_GPT = ModelConfig()  # the architecture options Table 2 assumes (the defaults)
-PAPER_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention")
+PAPER_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention_core")
 
 
 @dataclass
@@ -87,7 +87,8 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         configs.append((name, tp, sp, recompute, tuple(modules)))
     s, b, h, a = cfg.seq_len, micro_batch, cfg.hidden_size, cfg.num_heads
     exact_opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
-                                    embedding=False)  # one layer: no embedding dropout
+                                    embedding=False,  # one layer: no embedding dropout
+                                    sdpa_kernel=sdpa_kernel_for(torch.device(device)))
     opts = replace(exact_opts, ln_stats_bytes=0)
     paper = is_paper_gpt(cfg)
     rows = []

@@ -10,7 +10,9 @@ QKV rows are ordered (kv group, [q_0 … q_{g-1}, k, v], head_dim) with g = head
 the paper's multi-head attention, rows (head, {q, k, v}, head_dim)). A contiguous split then gives
 each rank whole groups; with fewer kv heads than ranks each rank holds heads/t query heads of one
 group and that group's k, v (``GroupedQKVLayout``). Query head j of every group is one strided view,
-so attention runs as g batched GEMMs over (b, local groups) without copying Q, K or V.
+so the materialized core runs g batched GEMMs over (b, local groups) without copying Q, K or V; the fused
+core reads a packed layout (every query head, then k, then v: ``qkv_views``) that the rotary embedding
+writes at no extra pass, and makes one grouped-query kernel call.
 """
 
 from __future__ import annotations
@@ -40,30 +42,58 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def qkv_views(qkv: torch.Tensor, groups: int, g: int, packed: bool):
+    """Views (q ``[s, b, groups, g, d]``, k, v ``[s, b, groups, d]``) of a QKV tensor in either layout.
+
+    Unpacked ``[s, b, groups, g + 2, d]``: the column-parallel output's rows (kv group, [q…, k, v], d).
+    Packed ``[s, b, groups·(g + 2), d]``: every query head first (group-major), then the k heads, then the v
+    heads, so Q is one ``[b, heads, s, d]`` view with a single head stride (what one GQA kernel call needs)."""
+    s, b = qkv.shape[:2]
+    n = groups
+    if not packed:
+        return qkv[:, :, :, :g], qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    return qkv[:, :, :n * g].view(s, b, n, g, -1), qkv[:, :, n * g:n * (g + 1)], qkv[:, :, n * (g + 1):]
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The rotation of ``x`` (fp32 math, ``x``'s dtype out); ``inverse``: its transpose (the backward)."""
+    xf = x.float()
+    y = xf * cos - _rotate_half(xf * sin) if inverse else xf * cos + _rotate_half(xf) * sin
+    return y.to(x.dtype)
+
+
 class RotaryQKV(torch.autograd.Function):
     """Rotary position embedding of the q and k rows of a QKV output ``[s, b, groups, g + 2, d]``.
 
-    Returns a new QKV tensor (v copied) so Q, K, V stay views of one storage; keeps nothing for
-    backward: the inverse rotation looks the angles up again in the ``Rotary`` table shared by
-    every layer (model state, like a weight -- the autograd graph holds no reference to it).
+    Returns a new QKV tensor (v copied) so Q, K, V stay views of one storage, ``packed`` (see ``qkv_views``)
+    for a fused core, else in the input's layout; keeps nothing for backward: the inverse rotation looks the
+    angles up again in the ``Rotary`` table shared by every layer (model state, like a weight -- the autograd
+    graph holds no reference to it).
     """
 
     @staticmethod
-    def forward(ctx, qkv, rotary, positions=None):
-        cos, sin = rotary.angles(qkv.shape[0], qkv.device, positions)  # [s, 1 or b, 1, 1, d]
-        ctx.rotary, ctx.positions = rotary, positions
-        out = qkv.clone()
-        qk = qkv[..., :-1, :].float()  # [s, b, groups, g + 1, d]
-        out[..., :-1, :] = (qk * cos + _rotate_half(qk) * sin).to(qkv.dtype)
+    def forward(ctx, qkv, rotary, positions=None, packed: bool = False):
+        s, b, n, g2, d = qkv.shape
+        cos, sin = rotary.angles(s, qkv.device, positions)  # [s, 1 or b, 1, 1, d]
+        ctx.rotary, ctx.positions, ctx.packed, ctx.rotary_shape = rotary, positions, packed, (n, g2, d)
+        out = qkv.new_empty((s, b, n * g2, d) if packed else qkv.shape)
+        (q, k, v), (oq, ok, ov) = qkv_views(qkv, n, g2 - 2, False), qkv_views(out, n, g2 - 2, packed)
+        oq.copy_(_rotated(q, cos, sin))
+        ok.copy_(_rotated(k, cos[..., 0, :], sin[..., 0, :]))  # angles [s, 1 or b, 1, d]
+        ov.copy_(v)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin = ctx.rotary.angles(grad.shape[0], grad.device, ctx.positions)  # [s, 1 or b, 1, 1, d]
-        grad_in = grad.clone()
-        gqk = grad[..., :-1, :].float()
-        grad_in[..., :-1, :] = (gqk * cos - _rotate_half(gqk * sin)).to(grad.dtype)
-        return grad_in, None, None
+        s, b = grad.shape[:2]
+        cos, sin = ctx.rotary.angles(s, grad.device, ctx.positions)  # [s, 1 or b, 1, 1, d]
+        n, g2, d = ctx.rotary_shape
+        grad_in = grad.new_empty(s, b, n, g2, d)
+        (q, k, v), (iq, ik, iv) = qkv_views(grad, n, g2 - 2, ctx.packed), qkv_views(grad_in, n, g2 - 2, False)
+        iq.copy_(_rotated(q, cos, sin, inverse=True))
+        ik.copy_(_rotated(k, cos[..., 0, :], sin[..., 0, :], inverse=True))
+        iv.copy_(v)
+        return grad_in, None, None, None
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: tuple = ("none",), device=None) -> torch.Tensor:
@@ -140,8 +170,10 @@ class CoreAttention(nn.Module):
     softmax and dropout in place, the dropout scale inside the second); its element-wise passes run
     compiled when ``fuse_passes`` is set (``seqpar.model.compile``), and its dropout mask is computed
     again in backward instead of kept when ``regenerate()`` (recompute module ``dropout_mask``).
-    ``sdpa``: ``scaled_dot_product_attention`` (fused: keeps Q, K, V, its output and one fp32
-    log-sum-exp per row instead).
+    ``sdpa`` (``fused``): one ``scaled_dot_product_attention`` call over every query head, grouped-query
+    attention inside the kernel (``enable_gqa``); it keeps Q, K, V, its output and one fp32 log-sum-exp per
+    row (``seqpar.analysis.memory.SDPA_KERNELS``). With g > 1 it reads the packed QKV layout (``packed``,
+    ``qkv_views``), which the rotary embedding writes directly (or ``pack`` copies into, without rope).
 
     The dropout mask is position-keyed (``seqpar.parallel.dropout``): global ``layer``, this rank's
     query heads from ``first_head`` on, the tracker's samples -- the single process's mask, sliced.
@@ -153,6 +185,7 @@ class CoreAttention(nn.Module):
         self.groups, self.g, self.d = groups, g, head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
         self.fused, self.fuse_passes = fused, False
+        self.packed = fused and g > 1  # MHA's query heads already have one stride
         self.p, self.tracker, self.layer, self.first_head = attn_dropout, tracker, layer, first_head
         self.regenerate = regenerate
 
@@ -166,18 +199,29 @@ class CoreAttention(nn.Module):
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         s, b, _ = qkv.shape
         n, g, d = self.groups, self.g, self.d
-        qkv = qkv.view(s, b, n, g + 2, d)  # [s, b, groups, g + 2, d]
         docs = documents.current()  # packed documents: each attends to itself only
         if not self.fused:  # seqpar.model.materialized: one autograd function keeping the paper's tensors
+            qkv = qkv.view(s, b, n, g + 2, d)  # [s, b, groups, g + 2, d]
             bias = None if docs is None else docs.bias(qkv, n)  # [b·groups, s, s]
             return MaterializedAttention.apply(qkv, self.scale, self.mask(b), self.regenerate(),
                                                self.fuse_passes, bias)  # [s, b, h/t]
-        kb, vb = qkv[:, :, :, g].permute(1, 2, 0, 3), qkv[:, :, :, g + 1].permute(1, 2, 0, 3)  # [b, groups, s, d]
+        shape = (s, b, n * (g + 2), d) if self.packed else (s, b, n, g + 2, d)
+        q, k, v = qkv_views(qkv.view(shape), n, g, self.packed)  # [s, b, groups, g, d], [s, b, groups, d] ×2
+        q = q.reshape(s, b, n * g, d).permute(1, 2, 0, 3)  # [b, heads, s, d] (view)
+        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d] (views)
         mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
-        contexts = [F.scaled_dot_product_attention(qkv[:, :, :, j].permute(1, 2, 0, 3), kb, vb,
-                                                   attn_mask=mask, is_causal=mask is None)
-                    for j in range(g)]  # query head j of every group: each [b, groups, s, d]
-        return torch.stack([c.permute(2, 0, 1, 3) for c in contexts], dim=3).view(s, b, n * g * d)  # [s, b, h/t]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                             enable_gqa=g > 1)  # [b, heads, s, d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * g * d)  # [s, b, h/t]: a view where the kernel allows
+
+    def pack(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``[s, b, groups·(g+2)·d]`` in the column-parallel layout → the layout this core reads (a copy when
+        ``packed``)."""
+        if not self.packed:
+            return qkv
+        s, b, _ = qkv.shape
+        q, k, v = qkv_views(qkv.view(s, b, self.groups, self.g + 2, self.d), self.groups, self.g, False)
+        return torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=2)  # [s, b, groups·(g+2)·d]
 
 
 def _false() -> bool:
@@ -195,7 +239,7 @@ class SelfAttention(nn.Module):
                  cp: CPContext | None = None, layer: int = 0):
         super().__init__()
         t, h, dtype, d = tp.size, cfg.hidden_size, torch_dtype(cfg.dtype), cfg.head_dim
-        cp, fused = cp or CPContext(), cfg.attention == "sdpa"
+        cp, fused = cp or CPContext(), cfg.fused_attention
         first_head = tp.rank * (cfg.num_heads // t)  # query heads are split contiguously over tp ranks
 
         def core(groups: int, g: int):  # under cp the ring (seqpar.model.context_attention)
@@ -220,15 +264,20 @@ class SelfAttention(nn.Module):
         self.rotary = Rotary(d, cfg.rope_theta, cfg.rope_scaling_params, cp) if cfg.position == "rope" else None
         self.out_proj = RowParallelLinear(h, h, tp, bias=cfg.bias, init_std=output_std,
                                           dtype=dtype, device=device)
-        self.run_core = plan.checkpointed("core_attention", self.core)  # selective: keeps only its input
+        # selective: keeps only its input; a fused core is never checkpointed (its kernel recomputes its tiles in
+        # its own backward: a checkpoint would free only the log-sum-exp for a second forward)
+        self.run_core = self.core if fused else plan.checkpointed("core_attention", self.core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups·(g+2)·d]
+        packed = getattr(self.core, "packed", False)
         if self.rotary is not None:
             s, b, _ = qkv.shape
             shape = (s, b, self.core.groups, self.core.g + 2, self.core.d)
             docs = documents.current()
             positions = None if docs is None else docs.positions  # [b, s]: restarting in every document
-            qkv = RotaryQKV.apply(qkv.view(shape), self.rotary, positions).view(s, b, -1)  # [s, b, groups·(g+2)·d]
+            qkv = RotaryQKV.apply(qkv.view(shape), self.rotary, positions, packed).view(s, b, -1)  # [s, b, ·]
+        elif packed:
+            qkv = self.core.pack(qkv)  # [s, b, groups·(g+2)·d], the fused core's layout
         context = self.run_core(qkv)  # [s, b, h/t]
         return self.out_proj(context)  # [s(/t), b, h]

@@ -1,31 +1,37 @@
 """``torch.compile`` plan: which regions of a built model stage run compiled (``train.compile``).
 
 Applied after the model and its recompute plan are built (as torchtitan's ``apply_compile``), it
-leaves the modules' code untouched:
+leaves the modules' code untouched. Two plans:
 
-* compiled, each as its own module: every layer's MLP (fc1, GeLU/SwiGLU, fc2) and the sdpa attention
-  core. Inductor fuses the MLP's element-wise work (the activation and its backward); the GEMMs stay
-  the same library calls.
-* compiled, its element-wise passes only: the materialized attention core (``fuse_passes``,
-  ``seqpar.model.core_passes``): softmax + position-keyed dropout mask + ``where`` one kernel, mask +
-  softmax backward one kernel; its GEMMs and the autograd Function around them stay eager, so the
-  dropout's key (Python integers of the tracker) never reaches dynamo: no recompile per step.
-* compiled, its passes only: the loss head (``VocabParallelCrossEntropy.compile``): the element-wise
-  work between its collectives as four graphs (max; partial sums; loss and fp32 softmax, its one
-  write of the logits' size; backward), the all-reduces eager between them (``seqpar.parallel.cross_entropy``).
-* eager: every ``Dropout``'s forward (``torch.compiler.disable``): its mask's key is the tracker's
-  step and sample (Python integers), which dynamo would guard on and recompile for; the mask itself is
-  computed by a compiled function when large (``seqpar.parallel.rng.keep_mask``), eager or not.
-* eager: the checkpoints of ``seqpar.recompute`` (they call the compiled core or layers inside:
-  under ``no_grad`` in the forward and ``enable_grad`` in the recomputation, one graph each), the
-  norms, residual adds, embedding, and ring attention cores (cp > 1: p2p inside).
-* collectives inside a compiled MLP (``f``, ``f̄``, ``ḡ``, ``LinearWithGatheredInput``) are the
-  conjugate autograd Functions of ``seqpar.parallel``; dynamo runs them as they are, between graphs.
+* the fused layer (``FUSED_LAYER``, the default): every ``TransformerLayer`` compiled as one region, so
+  Inductor fuses its element-wise work -- the norms, the rotary embedding, the activation (GeLU or
+  SwiGLU) and its backward, the biases, and each residual add (with the dropout before it where that
+  dropout is off: p = 0, or eval) -- between the GEMMs, which stay library calls, and the fused attention
+  kernel. The layers share one code object and one shape, so one graph serves them all (compiled once
+  per layer shape). Graph boundaries, where dynamo runs eager code between graphs: the conjugate
+  collectives (``f``, ``f̄``, ``g``, ``ḡ``, ``LinearWithGatheredInput``: autograd Functions of
+  ``seqpar.parallel`` calling ``parallel/comm.py``), every dropout with p > 0, the materialized and the
+  ring attention cores (below), and the checkpoints of ``seqpar.recompute`` (``torch.compiler.disable``:
+  their state is Python ints, and a traced checkpoint would recompile for every dropout key; what they
+  run inside may be compiled);
+* the older regions (``REGIONS`` minus "layer"): each layer's attention core (``CoreAttention``) and MLP.
 
-Whole-layer compilation was measured too (``benchmarks/RESULTS.md``, "compile"): it pays no more
-here and, with recompute, traces into the checkpoint and would guard on every dropout key.
-Compilation happens at the first call of each region (``warm_up`` in the trainer and benchmarks
-does it before anything is timed).
+In both, the loss head (``VocabParallelCrossEntropy.compile``) compiles its chunk passes, the all-reduces
+eager between them (``seqpar.parallel.cross_entropy``).
+
+Dropout is position-keyed (``seqpar.parallel.dropout``): a mask is a hash of the step's key and the
+elements' global coordinates. The key is the tracker's Python integers, which dynamo would guard on and
+recompile for at every step, so every ``Dropout`` with p > 0 runs its forward eagerly
+(``torch.compiler.disable``); the mask itself is computed by a compiled function when large
+(``seqpar.parallel.rng.keep_mask``). The materialized attention core (the paper's, with its dropout) runs
+eagerly too, its element-wise passes compiled on their own (``fuse_passes``, ``seqpar.model.core_passes``):
+softmax + position-keyed dropout mask + ``where`` one kernel, mask + softmax backward one kernel, the key
+passed as tensors (no recompile per step). A checkpoint's recomputation, which restores the tracker,
+computes the same masks. Ring attention cores (cp > 1: p2p inside) run eagerly.
+
+Compilation happens at the first call of each region (``warm_up`` in the trainer and benchmarks does it
+before anything is timed). ``default_compile(device)``: the fused layer is on by default on CUDA, off on
+CPU, where it was measured no faster (docs/benchmarks.md, "fused layer").
 """
 
 from __future__ import annotations
@@ -34,36 +40,63 @@ import torch
 from torch import nn
 
 from seqpar.model.attention import CoreAttention
+from seqpar.model.context_attention import RingCoreAttention
+from seqpar.model.layer import TransformerLayer
 from seqpar.model.mlp import MLP
 from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
 from seqpar.parallel.dropout import Dropout
 
-REGIONS = ("core_attention", "mlp", "loss_head")
+REGIONS = ("layer", "core_attention", "mlp", "loss_head")
+FUSED_LAYER = ("layer", "loss_head")  # the default plan
+PER_MODULE = ("core_attention", "mlp", "loss_head")  # the plan before the fused layer
 
 
-def compiled_regions(model: nn.Module, regions: tuple[str, ...] = REGIONS) -> list[str]:
-    """Names of the submodules ``compile_model`` compiles."""
-    kinds = {"core_attention": CoreAttention, "mlp": MLP, "loss_head": VocabParallelCrossEntropy}
+def default_compile(device) -> bool:
+    """Whether ``train.compile`` unset (None) compiles: on CUDA yes, on CPU no (measured slower there)."""
+    return torch.device(device).type == "cuda"
+
+
+def compiled_regions(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER) -> list[str]:
+    """Names of the submodules ``compile_model`` compiles (none inside a compiled layer)."""
+    kinds = {"layer": TransformerLayer, "core_attention": CoreAttention, "mlp": MLP,
+             "loss_head": VocabParallelCrossEntropy}
     types = tuple(kinds[r] for r in regions)
-    return [name for name, m in model.named_modules() if type(m) in types]
+    names = [name for name, m in model.named_modules() if type(m) in types]
+    layers = [n for n in names if isinstance(model.get_submodule(n), TransformerLayer)]
+    return [n for n in names if not any(n.startswith(f"{layer}.") for layer in layers)]
 
 
-def compile_model(model: nn.Module, regions: tuple[str, ...] = REGIONS, **options) -> list[str]:
+def _eager(m: nn.Module) -> bool:
+    """Whether a module runs eagerly inside a compiled region: a dropout with p > 0 (its key is Python
+    integers), the materialized core (the same key; its passes compiled on their own) and the ring core."""
+    if isinstance(m, Dropout):
+        return m.p > 0
+    return isinstance(m, RingCoreAttention) or (isinstance(m, CoreAttention) and not m.fused)
+
+
+def compile_model(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER, **options) -> list[str]:
     """Compile ``model``'s regions in place (``nn.Module.compile``; a materialized core's element-wise
-    passes) and keep its dropouts eager; returns the compiled submodules' names. ``options`` go to
-    ``torch.compile`` (not to the core's passes, compiled with the defaults)."""
+    passes) and keep its dropouts and the cores that compute masks eager; returns the compiled submodules'
+    names. ``options`` go to ``torch.compile`` (not to the core's passes, compiled with the defaults)."""
     unknown = set(regions) - set(REGIONS)
     if unknown:
         raise ValueError(f"compile regions {sorted(unknown)} are not among {list(REGIONS)}")
     for m in model.modules():
-        if isinstance(m, Dropout):
+        if _eager(m):
             m.forward = torch.compiler.disable(m.forward, recursive=True)
+        if isinstance(m, CoreAttention) and not m.fused and _compiles(model, m, regions):
+            m.fuse_passes = True  # seqpar.model.core_passes
     names = compiled_regions(model, regions)
     modules = dict(model.named_modules())
     for name in names:
-        module = modules[name]
-        if isinstance(module, CoreAttention) and not module.fused:
-            module.fuse_passes = True  # seqpar.model.core_passes
-        else:
-            module.compile(**options)
+        if not (isinstance(modules[name], CoreAttention) and not modules[name].fused):  # its passes, above
+            modules[name].compile(**options)
     return names
+
+
+def _compiles(model: nn.Module, core: nn.Module, regions: tuple[str, ...]) -> bool:
+    """Whether ``regions`` cover ``core``: it is a region itself, or inside a compiled layer."""
+    if "core_attention" in regions:
+        return True
+    return "layer" in regions and any(core is c for m in model.modules() if isinstance(m, TransformerLayer)
+                                      for c in m.modules())

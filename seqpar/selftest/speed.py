@@ -168,7 +168,7 @@ def mfu(ctx) -> tuple[bool, dict, str]:
 
     losses, eager = run(False)
     rates = {"mfu": eager["mfu_vs_measured"], "hfu": eager["hfu_vs_measured"]}
-    # compiled attention cores and MLPs (train.compile); on CPU the compile time outweighs a selftest's
+    # compiled, each layer one fused region (train.compile); on CPU the compile time outweighs a selftest's
     # few steps, so it runs on accelerators only (CPU: benchmarks/RESULTS.md, "compile")
     compiled = run(True)[1] if device.type != "cpu" else None
     finite = all(math.isfinite(x) for x in losses) and all(
@@ -182,7 +182,7 @@ def mfu(ctx) -> tuple[bool, dict, str]:
                          "micro_batch": z.mfu_micro_batch, "tp": 1, "dp": ctx.world, "recompute": "selective"},
                "steps": z.mfu_steps, "eager": eager,
                "compiled": compiled,
-               "compiled_note": "train.compile: attention cores and MLPs compiled; first_step_s includes compiling"
+               "compiled_note": "train.compile: each layer one fused region; first_step_s includes compiling"
                if compiled else "not run on CPU (compile time exceeds the selftest's steps; see benchmarks/RESULTS.md)"}
     sheet_text = f", data sheet {sheet / 1e12:.0f} ({key}): MFU {100 * eager['mfu_vs_sheet']:.1f}%" if sheet else \
         ", no data-sheet entry"

@@ -47,7 +47,8 @@ class TrainConfig:
     distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over dp (seqpar/train/dist_optim.py)
     overlap_grad_reduce: bool = False  # reduce gradient buckets during the backward (seqpar/parallel/grad_buffer.py)
     grad_bucket_mb: float = 25.0  # MiB of fp32 gradients per bucket (those two options)
-    compile: bool = False  # torch.compile the attention cores and MLPs (seqpar/model/compile.py; docs/training.md)
+    # torch.compile each layer as one fused region (seqpar/model/compile.py; docs/training.md); None: CUDA only
+    compile: bool | None = None
     micro_batch: int = 8  # sequences per microbatch per data-parallel rank
     global_batch: int = 16  # sequences per optimizer step over all data-parallel ranks
     eval_every: int = 100  # 0: only at the end
@@ -187,9 +188,12 @@ def inert_settings(job: JobConfig) -> list[str]:
         notes.append(f"warmup {t.warmup} is not shorter than the run's {t.steps} steps: the learning rate never "
                      f"reaches lr {t.lr:g}" + (f" and the {t.schedule} decay never starts" if t.schedule != "constant"
                                                else ""))
-    if "core_attention" in r.selective_modules and m.attention == "sdpa":
-        notes.append("selective recompute of the attention core does nothing with fused attention (sdpa keeps no "
-                     "s² tensors); use --recompute none, or attention 'materialized'")
+    if r.granularity == "selective" and "core_attention" in r.selective_modules and m.fused_attention:
+        notes.append("selective recompute checkpoints nothing in a fused attention core (sdpa"
+                     + (", chosen by attention 'auto' for attention dropout 0" if m.attention == "auto" else "")
+                     + ": it keeps no s² tensors and recomputes its tiles in its own backward)"
+                     + ("" if set(r.selective_modules) - {"core_attention"} else
+                        "; selective then keeps what none keeps"))
     if t.tokenizer and not t.data:
         notes.append(f"tokenizer {t.tokenizer} is not used: the default data (the standard library's sources) is "
                      "read as bytes; give --data to tokenize text")

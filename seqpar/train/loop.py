@@ -20,7 +20,7 @@ import torch
 
 from seqpar.data import tokenizer as tokfile
 from seqpar.measure.activations import measure_activations
-from seqpar.model.compile import compile_model
+from seqpar.model.compile import compile_model, default_compile
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
@@ -94,9 +94,10 @@ class Trainer:
         self.quiet = quiet or not self.rank0
         self._forward_backward, self._finalize = forward_backward, finalize_grads  # tests wrap them
         self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
-        if t.compile:
+        self.compiled = default_compile(self.device) if t.compile is None else t.compile
+        if self.compiled:
             for chunk in self.chunks:
-                compile_model(chunk)  # seqpar/model/compile.py: cores and MLPs compiled, dropout eager
+                compile_model(chunk)  # seqpar/model/compile.py: each layer one fused region, drawing dropouts eager
         # FSDP2 last (torchtitan's order: tp at construction, recompute, compile, then FSDP)
         mesh = apply_fsdp(self.chunks, self.dims, job.parallel) if job.parallel.fsdp else None
         self.opt = build_optimizer(self.chunks, t, self.dims, mesh)
@@ -176,7 +177,7 @@ class Trainer:
                          f"{info['grads_bytes']:,} B, optimizer {info['optimizer_bytes']:,} B"
                          + (f" (formula {formula} B)" if formula else ""))
         if "compile_s" in info:
-            lines.append(f"  compiled attention cores and MLPs: first forward + backward {info['compile_s']:.1f} s "
+            lines.append(f"  compiled layers (fused) and loss head: first forward + backward {info['compile_s']:.1f} s "
                          "(compile time, not counted in step times)")
         if "act_bytes_measured" in info:
             predicted = info["act_bytes_predicted"]
@@ -303,7 +304,7 @@ class Trainer:
         t = self.job.train
         metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
         end = t.stop_at or t.steps
-        compile_s = self._warm_up() if t.compile else None
+        compile_s = self._warm_up() if self.compiled else None
         activations = measure_activations(self.job, self.chunks, self.data, self.dims, self.device)
         rank_activations = activations.pop("rank", {})  # this rank's own peak (the start record's ``ranks``)
         ranks = gather_ranks(rank_entry(self.job, self.opt, self.dims, rank_activations))

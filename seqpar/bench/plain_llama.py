@@ -1,0 +1,80 @@
+"""A Llama-style model written plainly in PyTorch, the reference ``seqpar bench gpu`` times seqpar against.
+
+What a user would write from the papers with nothing but ``torch``: ``nn.Linear`` without biases, PyTorch's
+``F.rms_norm``, rotary embeddings (rotate-half), one ``scaled_dot_product_attention`` call with grouped-query
+attention in the kernel, SwiGLU, an untied output layer and ``F.cross_entropy`` on fp32 logits. No
+parallelism, no recompute. Eager, or ``torch.compile``d one block at a time (as torchtitan does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rope_angles(s: int, d: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=device).float() / d)  # [d/2]
+    freqs = torch.outer(torch.arange(s, device=device).float(), inv)  # [s, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [s, d]
+    return emb.cos(), emb.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [b, heads, s, d]
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], dim=-1).float() * sin).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, heads: int, kv_heads: int, ffn: int, eps: float, dtype, device):
+        super().__init__()
+        self.heads, self.kv, self.d, self.eps = heads, kv_heads, h // heads, eps
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.norm1 = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        self.norm2 = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        self.wqkv = nn.Linear(h, (heads + 2 * kv_heads) * self.d, **kw)
+        self.wo = nn.Linear(h, h, **kw)
+        self.w13 = nn.Linear(h, 2 * ffn, **kw)
+        self.w2 = nn.Linear(ffn, h, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [b, s, h]
+        b, s, _ = x.shape
+        q, k, v = self.wqkv(F.rms_norm(x, x.shape[-1:], self.norm1, self.eps)).split(
+            [self.heads * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
+        q = rotate(q.view(b, s, self.heads, self.d).transpose(1, 2), cos, sin)  # [b, heads, s, d]
+        k = rotate(k.view(b, s, self.kv, self.d).transpose(1, 2), cos, sin)  # [b, kv, s, d]
+        v = v.view(b, s, self.kv, self.d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv < self.heads)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))  # [b, s, h]
+        gate, up = self.w13(F.rms_norm(x, x.shape[-1:], self.norm2, self.eps)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class PlainLlama(nn.Module):
+    """``layers`` blocks, embedding and untied head; ``forward(tokens, labels)`` is the mean loss."""
+
+    def __init__(self, vocab: int, h: int, heads: int, kv_heads: int, ffn: int, layers: int, seq: int,
+                 dtype=torch.bfloat16, device=None, theta: float = 500000.0, eps: float = 1e-5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, h, dtype=dtype, device=device)
+        self.blocks = nn.ModuleList(Block(h, heads, kv_heads, ffn, eps, dtype, device) for _ in range(layers))
+        self.norm = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        self.head = nn.Linear(h, vocab, bias=False, dtype=dtype, device=device)
+        self.eps = eps
+        cos, sin = rope_angles(seq, h // heads, theta, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def compile_blocks(self) -> None:
+        for block in self.blocks:
+            block.compile()
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # [b, s] each
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        logits = self.head(F.rms_norm(x, x.shape[-1:], self.norm, self.eps))  # [b, s, v]
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())

@@ -36,6 +36,7 @@ FLAG_KEYS = {
     "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
     "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
     "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
+    "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
@@ -156,6 +157,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"print a sample of this many tokens at the end {d('sample_tokens')}")
     g.add_argument("--sample-prompt", help="the sample's prompt (default: empty, start as after a newline, the "
                    "separator between texts: neutral to the corpus)")
+    g.add_argument("--wandb", choices=["off", "online", "offline"],
+                   help=f"Weights & Biases logging beside TensorBoard; offline needs no network {d('wandb')}")
+    g.add_argument("--wandb-project", help=f"the W&B project {d('wandb_project')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
 

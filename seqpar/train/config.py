@@ -24,6 +24,7 @@ from seqpar.config import (
     validate_microbatches,
 )
 from seqpar.train.lr_schedule import SCHEDULES
+from seqpar.train.wandb_sink import require_wandb
 
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -72,6 +73,8 @@ class TrainConfig:
     sample_prompt: str = ""  # empty: start as after a newline (the separator between texts), any corpus
     progress: bool = True
     plot: bool = True  # loss-curve PNG at the end (needs matplotlib)
+    wandb: str = "off"  # Weights & Biases logging: off | online | offline (needs wandb; seqpar/train/wandb_sink.py)
+    wandb_project: str = "seqpar"
 
     def microbatches(self, dp: int) -> int:
         return self.global_batch // (self.micro_batch * dp)
@@ -115,6 +118,9 @@ class TrainConfig:
             raise ConfigError(f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.token_dtype not in ("uint16", "uint32"):
             raise ConfigError(f"train.token_dtype {self.token_dtype!r} is not one of ['uint16', 'uint32']")
+        require_wandb(self.wandb)
+        if not self.wandb_project:
+            raise ConfigError("train.wandb_project must not be empty")
         return self
 
 

@@ -36,6 +36,7 @@ from seqpar.train.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
+from seqpar.train.wandb_sink import WandbSink
 
 DROPOUT_MASKS = "position-keyed-1"  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
 
@@ -302,7 +303,10 @@ class Trainer:
 
     def _run(self, stop: StopFlag) -> dict:
         t = self.job.train
-        metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step)  # resumed: no repeats
+        sink = None
+        if self.rank0 and t.wandb != "off":
+            sink = WandbSink(t.out_dir, t.wandb, t.wandb_project, self.job.to_dict(), self.state.step)
+        metrics = MetricsLog(t.out_dir, enabled=self.rank0, start_step=self.state.step, sink=sink)  # resumed: appends
         end = t.stop_at or t.steps
         compile_s = self._warm_up() if self.compiled else None
         activations = measure_activations(self.job, self.chunks, self.data, self.dims, self.device)

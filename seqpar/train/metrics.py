@@ -1,8 +1,8 @@
-"""Rank 0's metrics: a JSONL file, a progress bar with ETA, TensorBoard and a loss-curve PNG.
+"""Rank 0's metrics: a JSONL file, a progress bar with ETA, TensorBoard, Weights & Biases and a loss-curve PNG.
 
 The progress bar uses ``rich`` when installed, else ``tqdm``, else a plain line per log step.
 TensorBoard logs are written when the ``tensorboard`` package is installed, the PNG when
-``matplotlib`` is. None of them is required.
+``matplotlib`` is; W&B when asked for (``train.wandb``, ``seqpar.train.wandb_sink``). None of them is required.
 """
 
 from __future__ import annotations
@@ -80,11 +80,12 @@ class Progress:
 class MetricsLog:
     """Appends one JSON object per record to ``out_dir/metrics.jsonl`` (and TensorBoard)."""
 
-    def __init__(self, out_dir: str | Path, enabled: bool = True, start_step: int = 0):
+    def __init__(self, out_dir: str | Path, enabled: bool = True, start_step: int = 0, sink=None):
         """A run starting at step 0 replaces an old metrics file. A run resumed at ``start_step`` keeps
         the history up to that step (``records`` holds it, so the loss curve shows the whole run) and
-        drops what an earlier run logged after it (steps it repeats now), then appends."""
-        self.enabled = enabled
+        drops what an earlier run logged after it (steps it repeats now), then appends. ``sink``: one more
+        receiver of every record (``log``, ``close``), e.g. ``WandbSink``."""
+        self.enabled, self.sink = enabled, sink
         self.path = Path(out_dir) / "metrics.jsonl"
         self.records: list[dict] = []
         self._tb = None
@@ -114,10 +115,14 @@ class MetricsLog:
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, record["step"])
+        if self.sink is not None:
+            self.sink.log(record)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self.sink is not None:
+            self.sink.close()
 
 
 def read_records(path: str | Path) -> list[dict]:

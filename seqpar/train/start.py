@@ -24,7 +24,7 @@ from seqpar.train.config import JobConfig, inert_settings
 from seqpar.train.interrupt import abort_line
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id")
 
 
 class RunFolderError(ConfigError):

@@ -263,13 +263,16 @@ def test_stage_tensors_are_the_model_tensors(arch, tp, pp, kv):
             assert sum(r * n for r, n in stage_tensors(shape, par, rank)) == stage_parameters(shape, par, rank)
 
 
-PLAN = ["plan", "--model", "llama3-8b", "--gpus", "4", "--gpus-per-node", "1", "--gpu-memory", "48",
-        "--global-batch", "16", "--distributed-optimizer"]
+# 64 layers of 4096 with a small vocabulary and short sequences: model states dominate. Without FSDP the
+# least is pp 4's 18 B/param on a quarter of the layers (about 59 GB); FSDP over dp holds 16 B/param on a
+# quarter plus the gathered layers in flight (about 55 GB); 63 GB leaves 56.7 GB usable.
+PLAN = ["plan", "--layers", "64", "--hidden", "4096", "--heads", "32", "--seq", "512", "--vocab", "1000",
+        "--gpus", "4", "--gpus-per-node", "1", "--gpu-memory", "63", "--global-batch", "16", "--distributed-optimizer"]
 
 
 def test_a_plan_fits_only_with_fsdp_and_is_emitted_with_it(tmp_path, capsys):
-    """Llama-3-8B on 4 GPUs of 48 GB, one per node (no tp): no split with the distributed optimizer fits,
-    FSDP does; the report's alternatives show the same plan without it not fitting; the emitted job has it."""
+    """A 13B-parameter model on 4 GPUs of 63 GB, one per node (no tp): no split with the distributed optimizer
+    fits, FSDP does; the report's alternatives show the same plan without it not fitting; the emitted job has it."""
     from seqpar.cli import main
     from seqpar.train.config import load_toml
     main([*PLAN, "--json"])

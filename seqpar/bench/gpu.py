@@ -82,7 +82,7 @@ def _seqpar_layer(cfg: ModelConfig, device, compiled: bool):
     from seqpar.parallel.tp_context import TPContext
     from seqpar.recompute import RecomputePlan
 
-    tracker = RNGTracker(0, 0)
+    tracker = RNGTracker(0)
     layer = TransformerLayer(cfg, TPContext(None, False, tracker), RecomputePlan(None, tracker), device).train()
     init_parameters(layer, 0)
     if compiled:

@@ -167,6 +167,8 @@ def run(args) -> int:
     if args.layers is None:
         args.layers = 1
     cfg = model_from_args(args)
+    if args.loss_chunk_kib is not None and args.loss_chunk_kib < 1:  # checked with or without --measure
+        raise ConfigError(f"--loss-chunk-kib must be a positive integer, got {args.loss_chunk_kib}")
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
                      ep=args.ep)
@@ -179,8 +181,6 @@ def run(args) -> int:
         from seqpar.parallel.cross_entropy import CHUNK_BYTES
 
         chunk = CHUNK_BYTES if args.loss_chunk_kib is None else 1024 * args.loss_chunk_kib
-        if chunk < 1:
-            raise ConfigError(f"--loss-chunk-kib must be a positive integer, got {args.loss_chunk_kib}")
         loss = measure_loss_head(cfg.seq_len // args.cp, args.micro_batch, cfg.vocab_per_rank(args.tp),
                                  dtype=torch_dtype(cfg.dtype), chunk_bytes=chunk)
     if args.json:

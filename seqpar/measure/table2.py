@@ -119,7 +119,9 @@ def _with_modules(name: str, t: int, sp: bool, recompute: str, modules: tuple[st
 
 def exact_for_routing(cfg: ModelConfig, micro_batch: int, row: Row, routing: Routing) -> float:
     """A row's exact bytes for the routing a rank saw (MoE layers)."""
-    opts = activation_options(cfg, layernorm_stat_bytes(torch.device("cpu"), torch_dtype(cfg.dtype)), embedding=False)
+    cpu = torch.device("cpu")
+    opts = activation_options(cfg, layernorm_stat_bytes(cpu, torch_dtype(cfg.dtype)), embedding=False,
+                              sdpa_kernel=sdpa_kernel_for(cpu))
     par = ParallelConfig(tp=row.tp, cp=row.cp, sp=row.sp and row.tp > 1, dp=row.ep, ep=row.ep)
     return sum(layer_terms(cfg, par, micro_batch, opts, row.recompute_config, routing).values())
 

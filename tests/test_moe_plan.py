@@ -38,3 +38,32 @@ def test_cost_model_has_the_moe_terms():
     four = layer_pass_s(shape, ParallelConfig(tp=2, sp=True, dp=4, ep=4), 1, hw, ActivationOptions())
     assert "ep_comm" not in one["forward"] and four["forward"]["ep_comm"] > 0
     assert four["forward"]["compute"] < one["forward"]["compute"]  # each rank reads a quarter of the experts
+
+
+def test_dp_reduction_counts_the_experts_over_their_own_ranks():
+    """The routed experts' gradients are reduced over the dp·cp/ep ranks holding the same experts, the rest over
+    dp × cp: at ep = dp the experts need no reduction at all, and the time is the dense part's alone."""
+    from seqpar.analysis.costmodel import dp_allreduce_s, grad_groups, optimizer_s
+    from seqpar.analysis.shapes import OptimizerOptions
+    from seqpar.analysis.states import stage_parameters
+
+    shape = preset_shape("mixtral-8x7b")
+    hw = hardware_for("a100-80gb")
+    opt = OptimizerOptions(distributed=True)
+    par = ParallelConfig(tp=2, sp=True, pp=4, dp=8, ep=8)
+    (dense, n_dense), (experts, n_experts) = grad_groups(shape, par)
+    assert (n_dense, n_experts) == (8, 1) and dense + experts == max(stage_parameters(shape, par, r) for r in (0, 3))
+    assert experts > 5 * dense  # Mixtral: even one expert of 8 per rank outweighs the rest
+    dense_only = dp_allreduce_s(shape, par, hw, opt)
+    assert dense_only == 2 * hw.comm_latency + 7 / 8 * dense * (opt.grad_bytes + opt.param_bytes) / \
+        dense_only_bandwidth(hw, par)
+    half = ParallelConfig(tp=2, sp=True, pp=4, dp=8, ep=4)  # experts now reduced over 2 ranks
+    assert dp_allreduce_s(shape, half, hw, opt) > dense_only
+    from seqpar.analysis.costmodel import optimizer_bytes_per_parameter
+    assert optimizer_s(shape, par, hw, opt) == (dense * optimizer_bytes_per_parameter(opt, 8)  # experts unsharded
+                                                + experts * optimizer_bytes_per_parameter(opt, 1)) / hw.memory_bw
+
+
+def dense_only_bandwidth(hw, par):
+    from seqpar.analysis.costmodel import grad_group_spans_nodes, link_bw
+    return link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))

@@ -64,7 +64,7 @@ from seqpar.analysis.moe import all_to_all_s, moe_gemms, moe_training_flops
 from seqpar.analysis.placement import grad_group_spans_nodes, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.analysis.stage import examined_ranks, rank_layers
-from seqpar.analysis.states import stage_parameters
+from seqpar.analysis.states import stage_parameter_sizes, stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 PASS_TERMS = ("compute", "elementwise", "tp_comm", "overhead")
@@ -359,19 +359,35 @@ def largest_stage_parameters(shape: ModelConfig, par: ParallelConfig) -> float:
     return max(stage_parameters(shape, par, r) for r in examined_ranks(shape, par))
 
 
+def grad_groups(shape: ModelConfig, par: ParallelConfig) -> list[tuple[float, int]]:
+    """(parameters, ranks reducing them) of the pipeline rank that holds the most: the dense parameters over
+    dp × cp, the routed experts over the dp·cp/ep ranks holding the same experts (``seqpar.parallel.expert``)."""
+    rank = max(examined_ranks(shape, par), key=lambda r: stage_parameters(shape, par, r))
+    sizes = stage_parameter_sizes(shape, par, rank)
+    experts = sum(n for name, n in sizes if ".mlp.experts." in f".{name}")
+    dense = sum(n for _, n in sizes) - experts
+    ranks = par.dp * par.cp
+    return [(dense, ranks)] + ([(experts, ranks // par.ep)] if experts else [])
+
+
 def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
     """Gradient synchronisation over dp (x cp: context-parallel ranks hold the same parameters) once per
-    iteration (the largest stage's parameters)."""
+    iteration (the largest stage's parameters; an MoE model's routed experts over dp·cp/ep ranks)."""
     ranks = par.dp * par.cp
     if ranks == 1:
         return 0.0
     if par.fsdp:  # per microbatch (fsdp_collectives_s): nothing left at the end of the step
         return 0.0
-    params = largest_stage_parameters(shape, par)
-    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
-    if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
-        return 2 * hw.comm_latency + (ranks - 1) / ranks * params * (opt.grad_bytes + opt.param_bytes) / bw
-    return hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, ranks, bw)
+    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))  # an expert group is at most as wide
+    total = 0.0
+    for params, n in grad_groups(shape, par):  # one after the other: dense, then the experts'
+        if n == 1 or params == 0:
+            continue
+        if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
+            total += 2 * hw.comm_latency + (n - 1) / n * params * (opt.grad_bytes + opt.param_bytes) / bw
+        else:
+            total += hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, n, bw)
+    return total
 
 
 def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
@@ -399,7 +415,8 @@ def optimizer_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: Opti
     params = largest_stage_parameters(shape, par)
     if par.fsdp:  # fp32 shards: gradient read 3 times, weight and both moments read and written
         return params / par.fsdp_shards * (3 * 4 + 2 * 4 + 2 * 8) / hw.memory_bw
-    return params * optimizer_bytes_per_parameter(opt, par.dp * par.cp) / hw.memory_bw  # sharded over dp × cp
+    # sharded over dp × cp (the routed experts over dp·cp/ep)
+    return sum(p * optimizer_bytes_per_parameter(opt, n) for p, n in grad_groups(shape, par)) / hw.memory_bw
 
 
 def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, global_batch: int,

@@ -51,6 +51,9 @@ def _binomial_ok(keep: torch.Tensor, dims: tuple[int, ...]) -> tuple[float, floa
 def _assert_binomial(keep: torch.Tensor, dims: tuple[int, ...]) -> None:
     worst, dispersion = _binomial_ok(keep, dims)
     groups = keep.numel() // math.prod(keep.shape[d] for d in dims)
+    print(f"keep rate of {groups} groups of {keep.numel() // groups} (shape {tuple(keep.shape)}, summed over "
+          f"{dims}): worst |z| {worst:.2f} (bound 5.5), chi2/groups {dispersion:.3f} (bound 1 ± "
+          f"{5 * math.sqrt(2 / groups):.3f})")
     assert worst <= 5.5, (dims, worst)
     assert abs(dispersion - 1) <= 5 * math.sqrt(2 / groups) or groups < 8, (dims, dispersion)
 
@@ -63,6 +66,7 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _assert_uncorrelated(a: torch.Tensor, b: torch.Tensor) -> None:
     rho = _corr(a, b)
+    print(f"correlation of {a.numel()} pairs {tuple(a.shape)}: {rho:+.5f} (bound ±{5 / math.sqrt(a.numel()):.5f})")
     assert abs(rho) <= 5 / math.sqrt(a.numel()), (rho, a.shape)
 
 

@@ -9,7 +9,10 @@ capacity factor where it cannot depend on the layout (tp without SP, cp 1) -- ×
 the experts' activation, the whole MoE block) × the gradient path (distributed optimizer, overlap).
 
 CI runs ``SEQPAR_EQUIV_MOE_DRAWS`` combinations (default 3: ep 1, 2 and 4, world sizes ≤ 4);
-``SEQPAR_EQUIV_MOE_FULL=1`` every combination up to 8 ranks.
+``SEQPAR_EQUIV_MOE_FULL=1`` every combination up to 8 ranks. Draws of one world size share launches
+(``tests/_helpers.py`` ``Launches``, as ``tests/test_equivalence.py``): a failing launch is rerun draw by draw,
+so each draw reports its own outcome. An interleaved pipeline's global batch is doubled until its microbatch
+count is a multiple of pp (the schedule's rule), for the draw and its reference alike.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import random
 
 import pytest
 import torch
-from test_equivalence import compare, job, reference_of
+from _helpers import Launches
+from test_equivalence import DRAW_S, LAUNCH_DRAWS, compare, job, reference_of
 
-from seqpar.train.loop import train_local, train_local_many
+from seqpar.train.loop import train_local
 
 RECOMPUTE = {
     "none": {"granularity": "none"},
@@ -67,7 +71,18 @@ def draw(index: int, combo: tuple) -> dict:
     grads = random.Random(f"moe grads {index}")
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}
+    global_batch = 4  # micro batch 1 (test_equivalence.job)
+    while interleave > 1 and (global_batch // dp) % pp:  # the interleaved schedule: microbatches in groups of pp
+        global_batch *= 2
+    if global_batch != 4:
+        reduction["global_batch"] = global_batch
     return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[rc]), "train": reduction}
+
+
+def reference(sections: dict) -> dict:
+    """The single process's job: ``reference_of``, with the draw's global batch."""
+    batch = {k: v for k, v in sections["train"].items() if k == "global_batch"}
+    return {**reference_of(sections), "train": batch}
 
 
 def selected() -> list[tuple[int, tuple]]:
@@ -88,8 +103,10 @@ DRAWS = selected()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """The selected draws' runs (launched when a test first asks for one of their launch) and their
+    single-process references' jobs."""
     root = tmp_path_factory.mktemp("equivalence_moe")
-    jobs, by_world = {}, {}
+    jobs, refs = {}, {}
     for index, combo in DRAWS:
         sections = draw(index, combo)
         vocab = sections["model"]["vocab_size"]
@@ -97,17 +114,10 @@ def results(tmp_path_factory):
         if not data.exists():
             torch.randint(0, vocab, (20_000,), generator=torch.Generator().manual_seed(vocab)).to(
                 torch.uint16).numpy().tofile(data)
-        jobs[index] = (job(sections, root / f"d{index}", data), job(reference_of(sections), root / f"r{index}", data))
         p = sections["parallel"]
-        by_world.setdefault(p["tp"] * p["pp"] * p["dp"] * p["cp"], []).append(index)
-    out = {}
-    for world, indices in sorted(by_world.items()):
-        runs = train_local_many([jobs[i][0] for i in indices], world) if world > 1 else [
-            train_local(jobs[i][0]) for i in indices]
-        for i, summary in zip(indices, runs, strict=True):
-            out[i] = {"run": summary, "ref": train_local(jobs[i][1]),
-                      "dirs": (jobs[i][0]["train"]["out_dir"], jobs[i][1]["train"]["out_dir"])}
-    return out
+        jobs[index] = (job(sections, root / f"d{index}", data), p["tp"] * p["pp"] * p["dp"] * p["cp"])
+        refs[index] = job(reference(sections), root / f"r{index}", data)
+    return Launches(jobs, LAUNCH_DRAWS, DRAW_S), refs
 
 
 def _draw_id(index: int, c: tuple) -> str:
@@ -116,8 +126,29 @@ def _draw_id(index: int, c: tuple) -> str:
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])
 def test_moe_draw_matches_single_process(index, combo, results):
-    errors = compare(results[index])
+    launches, refs = results
+    run = launches.result(index)
+    errors = compare({"run": run, "ref": train_local(refs[index]),
+                      "dirs": (jobs_dir(launches, index), refs[index]["train"]["out_dir"])})
     drawn = draw(index, combo)
     shown = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
     print(f"\n{index} {combo} {drawn['model']} {drawn['train']}: {shown}")
     assert all(math.isfinite(v) and v <= 1e-5 for v in errors.values()), errors
+
+
+def jobs_dir(launches: Launches, index: int) -> str:
+    return launches.jobs[index][0]["train"]["out_dir"]
+
+
+def test_interleaved_draws_have_a_valid_microbatch_count():
+    """Every interleaved combination's global batch gives a microbatch count that is a multiple of pp, and the
+    reference trains the same batch (the full sweep once refused every draw in its setup over this)."""
+    from seqpar.train.config import build_job
+
+    for index, combo in enumerate(combinations(8)):
+        sections = draw(index, combo)
+        if sections["parallel"]["interleave"] > 1:
+            world = math.prod(sections["parallel"][k] for k in ("tp", "pp", "dp", "cp"))
+            build_job(job(sections, "unused", "unused")).validate(world)
+            assert job(reference(sections), "u", "u")["train"]["global_batch"] == \
+                job(sections, "u", "u")["train"]["global_batch"]

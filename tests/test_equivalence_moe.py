@@ -13,6 +13,11 @@ CI runs ``SEQPAR_EQUIV_MOE_DRAWS`` combinations (default 3: ep 1, 2 and 4, world
 (``tests/_helpers.py`` ``Launches``, as ``tests/test_equivalence.py``): a failing launch is rerun draw by draw,
 so each draw reports its own outcome. An interleaved pipeline's global batch is doubled until its microbatch
 count is a multiple of pp (the schedule's rule), for the draw and its reference alike.
+
+Last full sweep (2026-12-05, commit 910ae9f, on a clean clone; AMD EPYC,
+2 cores): ``SEQPAR_EQUIV_MOE_FULL=1 SEQPAR_MOE_FULL=1 pytest tests/test_equivalence_moe.py
+tests/test_moe_parallel.py``: 390 of 390 draws passed (402 tests with test_moe_parallel's 8-rank layouts) in
+9 min 33 s; worst relative error loss 2.3e-07, grad_norm 9.8e-08, weights 6.4e-07.
 """
 
 from __future__ import annotations

@@ -70,13 +70,15 @@ def _moe_every_run(tmp_path, name, *args):
 
 def test_moe_every_2_layers_measured_equal_the_formula(tmp_path):
     """Dense and MoE layers mixed: the trainer's per-layer prediction and every pipeline stage's peak are the
-    formula counted over each rank's own layers, equal to what was measured (no NaN, no refusal)."""
+    formula counted over each rank's own layers, equal to what was measured (no NaN, no refusal), at pp 2 with
+    expert parallelism too."""
     start, stdout = _moe_every_run(tmp_path, "pp1")
     assert start["act_bytes_measured"] == start["act_bytes_predicted"], start
     assert f"measured {start['act_bytes_measured']:,} B, formula {start['act_bytes_measured']:,} B" in stdout
     assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"]
-    start, _ = _moe_every_run(tmp_path, "pp2", "--nproc", "2", "--pp", "2", "--recompute", "selective")
-    assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"], start
+    start, _ = _moe_every_run(tmp_path, "pp2", "--nproc", "4", "--pp", "2", "--dp", "2", "--ep", "2",
+                              "--recompute", "selective")
+    assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"], start  # ep 2: was None
 
 
 def test_chunks_with_different_moe_counts_are_refused():

@@ -158,9 +158,11 @@ class Trainer:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
         n = t.microbatches(p.dp)
         params = self.opt.num_parameters()
+        named = [f"interleave {p.interleave}"] * (p.interleave > 1) + [f"ep {p.ep}"] * (p.ep > 1)
+        extras = f" ({', '.join(named)})" if named else ""  # the order the summary's layout line uses
         lines = [f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
                  f"vocab {m.vocab_size}, {m.dtype}; {params:,} parameters on rank 0",
-                 f"  tp {p.tp} × pp {p.pp} × dp {p.dp} (interleave {p.interleave}), sequence parallel "
+                 f"  layout {p.describe_world()}{extras}, sequence parallel "
                  f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
                  f"{t.micro_batch} per step",
                  f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "

@@ -39,7 +39,7 @@ from seqpar.parallel.expert import is_expert
 from seqpar.parallel.grad_buffer import Bucket, GradBuffers
 from seqpar.parallel.layout import layout_of
 from seqpar.train.adam import AdamOnMasters, set_adam_step, set_lr_and_clip_scale
-from seqpar.train.sharded import KINDS, FragmentView, state_key
+from seqpar.train.sharded import KINDS, FragmentView, master_views
 
 
 @dataclass
@@ -173,12 +173,8 @@ class DistributedOptimizer(AdamOnMasters):
         out = {}
         for f in self.fragments:
             name, stop = self.named[f.index][0], min(f.end, f.counted) if saving else f.end
-            for kind in kinds:
-                flat = f.master.detach() if kind == "weight" else self.opt.state[f.master][kind]
-                view = FragmentView(flat, tuple(f.param.shape), f.start, stop, layout_of(f.param),
-                                    self.dims.tp_rank, self.dims.tp)
-                if not view.empty:
-                    out[state_key(name, kind)] = view
+            out |= master_views(name, f.master, self.opt.state, f.param, tuple(f.param.shape), f.start, stop,
+                                self.dims, kinds)
         return out
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
 from seqpar.train.adam import AdamOnMasters, set_adam_step, set_lr_and_clip_scale
 from seqpar.train.loss_scale import DynamicLossScaler
-from seqpar.train.sharded import KINDS, FragmentView, state_key
+from seqpar.train.sharded import KINDS, FragmentView, master_views
 
 
 def counted_elements(p: torch.Tensor, tp_rank: int, tied_copy: bool) -> int:
@@ -135,12 +135,7 @@ class FSDPOptimizer(AdamOnMasters):
         for i, ((name, p), m) in enumerate(zip(self.named, self.masters, strict=True)):
             shard = shard_of(p)
             stop = min(shard.stop, max(self.counted[i], shard.start)) if saving else shard.stop
-            for kind in kinds:
-                flat = m.detach() if kind == "weight" else self.opt.state[m][kind]
-                view = FragmentView(flat.reshape(-1), shard.shape, shard.start, stop, layout_of(p),
-                                    self.dims.tp_rank, self.dims.tp)
-                if not view.empty:
-                    out[state_key(name, kind)] = view
+            out |= master_views(name, m, self.opt.state, p, shard.shape, shard.start, stop, self.dims, kinds)
         return out
 
     @torch.no_grad()

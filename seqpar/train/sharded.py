@@ -151,6 +151,20 @@ class FragmentView(ShardedView):
                 for c in self.__create_chunk_list__()]
 
 
+
+def master_views(name: str, master: torch.Tensor, opt_state, param: torch.Tensor, local_shape: tuple[int, ...],
+                 start: int, stop: int, dims: ParallelDims, kinds: tuple[str, ...] = KINDS) -> dict[str, FragmentView]:
+    """The checkpoint views of one flat fp32 master (elements [start, stop) of ``param``'s tp-local shard of
+    shape ``local_shape``) and of its Adam moments in ``opt_state`` (read for the moment kinds only), by DCP
+    key; empty views left out. The distributed and FSDP optimizers' fragments both come through here."""
+    out = {}
+    for kind in kinds:
+        flat = master.detach() if kind == "weight" else opt_state[master][kind]
+        view = FragmentView(flat.reshape(-1), local_shape, start, stop, layout_of(param), dims.tp_rank, dims.tp)
+        if not view.empty:
+            out[state_key(name, kind)] = view
+    return out
+
 class SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from seqpar.config import ConfigError, ModelConfig
+from seqpar.interop.weights import weight_reader
 
 GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # GPT-2 name -> seqpar
 EXPORTS = "GPT-2: layernorm, gelu or gelu_tanh, learned positions, bias=true, kv_heads = heads"
@@ -93,11 +94,7 @@ def _strip(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def state_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """GPT-2 weights (with or without the ``transformer.`` prefix) → seqpar's full state dict."""
     sd = _strip(sd)
-
-    def get(key):
-        if key not in sd:
-            raise ConfigError(f"GPT-2 weights have no {key}")
-        return sd[key].float()
+    get = weight_reader(sd, "GPT-2 weights")
 
     out = {"embedding.word.weight": get("wte.weight"), "embedding.position": get("wpe.weight"),
            "final_ln.weight": get("ln_f.weight"), "final_ln.bias": get("ln_f.bias")}

@@ -17,6 +17,7 @@ import torch
 
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.interop.rope import rope_from_hf, rope_to_hf
+from seqpar.interop.weights import weight_reader
 
 NAMES = {"llama": ("Llama", "LlamaForCausalLM"), "stablelm": ("StableLM", "StableLmForCausalLM")}
 EXPORTS = {"llama": "Llama: rmsnorm, swiglu, rope", "stablelm": "StableLM: layernorm, swiglu, rope, bias=false"}
@@ -122,11 +123,7 @@ def _params(cfg: ModelConfig) -> tuple[str, ...]:
 
 def state_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Llama / StableLM weights (``model.…`` and ``lm_head.weight``) → seqpar's full state dict."""
-
-    def get(key):
-        if key not in sd:
-            raise ConfigError(f"the weights have no {key}")
-        return sd[key].float()
+    get = weight_reader(sd)
 
     out = {"embedding.word.weight": get("model.embed_tokens.weight"), "final_ln.weight": get("model.norm.weight")}
     if cfg.norm == "layernorm":

@@ -20,6 +20,7 @@ import torch
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.interop.llama import qkv_from_hf, qkv_to_hf
 from seqpar.interop.rope import rope_from_hf, rope_to_hf
+from seqpar.interop.weights import weight_reader
 
 NAMES = {"mixtral": ("Mixtral", "MixtralForCausalLM"), "qwen2_moe": ("Qwen2-MoE", "Qwen2MoeForCausalLM")}
 EXPORTS = ("Mixtral: rmsnorm, swiglu, rope, experts, no shared expert, renormalised top-k, every layer MoE; "
@@ -104,11 +105,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
 def state_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Mixtral / Qwen2-MoE weights (``model.…`` and ``lm_head.weight``) → seqpar's full state dict."""
     kind = architecture(cfg)
-
-    def get(key):
-        if key not in sd:
-            raise ConfigError(f"the weights have no {key}")
-        return sd[key].float()
+    get = weight_reader(sd)
 
     out = {"embedding.word.weight": get("model.embed_tokens.weight"), "final_ln.weight": get("model.norm.weight")}
     if not cfg.tie_embeddings:

@@ -12,6 +12,7 @@ import torch
 
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.interop.rope import rope_from_hf, rope_to_hf
+from seqpar.interop.weights import weight_reader
 
 GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # Hugging Face -> seqpar
 EXPORTS = "GPT-NeoX: layernorm, gelu or gelu_tanh, rope, bias=true, kv_heads = heads"
@@ -64,11 +65,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
 
 def state_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """GPT-NeoX weights (``gpt_neox.…`` and ``embed_out.weight`` / ``lm_head.weight``) → seqpar's state."""
-
-    def get(key):
-        if key not in sd:
-            raise ConfigError(f"GPT-NeoX weights have no {key}")
-        return sd[key].float()
+    get = weight_reader(sd, "GPT-NeoX weights")
 
     out = {"embedding.word.weight": get("gpt_neox.embed_in.weight"),
            "final_ln.weight": get("gpt_neox.final_layer_norm.weight"),

@@ -98,3 +98,17 @@ def run_cli(argv) -> tuple[int, str, str]:
     except SystemExit as exc:
         code = exc.code
     return code, out.getvalue(), err.getvalue()
+
+
+def seqpar(capsys, *args) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a verb run in this process, read through pytest's ``capsys`` (what
+    was printed before is dropped first)."""
+    from seqpar.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

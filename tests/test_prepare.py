@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import seqpar
 
 from seqpar.cli import main
 from seqpar.data import prepare as prep
@@ -15,16 +16,6 @@ from seqpar.data.errors import DataError
 from seqpar.data.prepared import Prepared, verify_hashes
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def seqpar(capsys, *args):
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def make_corpus(root: Path, n: int = 60) -> tuple[Path, Path, list[str]]:

@@ -5,22 +5,12 @@ starts, leaving the checkpoint as it was -- never an exit 0 that trained nothing
 from pathlib import Path
 
 import torch
+from _helpers import seqpar
 
-from seqpar.cli import main
 from seqpar.train.checkpoint import read_meta, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")
-
-
-def seqpar(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_stop_at_is_not_inherited_and_a_finished_run_is_refused(tmp_path, capsys):

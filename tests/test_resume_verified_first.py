@@ -7,23 +7,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from _helpers import seqpar
 
-from seqpar.cli import main
 from seqpar.train import supervise
 from seqpar.train.checkpoint import integrity, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")
-
-
-def seqpar(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_damage_is_refused_before_the_ranks_start_and_files_are_hashed_once(tmp_path, capsys, monkeypatch):

@@ -8,22 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from _helpers import seqpar
 
 from seqpar.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "def function_1"
-
-
-def seqpar(capsys, *args):
-    """(exit status, stdout, stderr) of a verb run in this process."""
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def tiny_config(tmp: Path) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _helpers import seqpar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,17 +25,6 @@ from seqpar.train.metrics import MetricsLog, format_record, read_records
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")
 DEFAULT = str(ROOT / "configs" / "default.toml")
-
-
-def seqpar(capsys, *args):
-    """(exit status, stdout, stderr) of a verb run in this process."""
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def tiny_run(capsys, out, *extra):

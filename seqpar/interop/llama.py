@@ -69,16 +69,22 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        init_std=hf.get("initializer_range", 0.02), **rope_from_hf(hf, name)).validate()
 
 
+def decoder_fields(cfg: ModelConfig, model_type: str, architecture_name: str) -> dict:
+    """The ``config.json`` fields every exported rotary, SiLU-gated decoder shares (Llama, StableLM, Mixtral,
+    Qwen2-MoE): its names, sizes, heads, length, tying, attention dropout, init range, dtype, no token ids."""
+    return {"architectures": [architecture_name], "model_type": model_type, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "max_position_embeddings": cfg.seq_len,
+            "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_dropout": cfg.attn_dropout,
+            "initializer_range": cfg.init_std, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None,
+            "pad_token_id": None}
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     kind = architecture(cfg)
     if kind is None:
         raise ConfigError(f"this model is neither {EXPORTS['llama']} nor {EXPORTS['stablelm']}")
-    out = {"architectures": [NAMES[kind][1]], "model_type": kind, "vocab_size": cfg.vocab_size,
-           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.num_layers,
-           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-           "max_position_embeddings": cfg.seq_len, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-           "attention_dropout": cfg.attn_dropout, "initializer_range": cfg.init_std,
-           "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    out = decoder_fields(cfg, kind, NAMES[kind][1]) | {"intermediate_size": cfg.ffn}
     if kind == "llama":
         out |= {"rms_norm_eps": cfg.layernorm_eps, "head_dim": cfg.head_dim,
                 "attention_bias": cfg.bias, "mlp_bias": cfg.bias}

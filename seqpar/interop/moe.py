@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from seqpar.config import ConfigError, ModelConfig
-from seqpar.interop.llama import qkv_from_hf, qkv_to_hf
+from seqpar.interop.llama import decoder_fields, qkv_from_hf, qkv_to_hf
 from seqpar.interop.rope import rope_from_hf, rope_to_hf
 from seqpar.interop.weights import weight_reader
 
@@ -85,13 +85,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     kind = architecture(cfg)
     if kind is None:
         raise ConfigError(f"this model is neither of {EXPORTS}")
-    out = {"architectures": [NAMES[kind][1]], "model_type": kind, "vocab_size": cfg.vocab_size,
-           "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-           "num_key_value_heads": cfg.num_kv_heads, "max_position_embeddings": cfg.seq_len,
-           "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_dropout": cfg.attn_dropout,
-           "initializer_range": cfg.init_std, "rms_norm_eps": cfg.layernorm_eps, "num_experts_per_tok": cfg.top_k,
-           "router_aux_loss_coef": cfg.moe_aux_coef, "router_jitter_noise": 0.0, "torch_dtype": "float32",
-           "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    out = decoder_fields(cfg, kind, NAMES[kind][1]) | {
+        "rms_norm_eps": cfg.layernorm_eps, "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": cfg.moe_aux_coef,
+        "router_jitter_noise": 0.0}
     if kind == "mixtral":
         out |= {"intermediate_size": cfg.moe_ffn, "num_local_experts": cfg.experts, "sliding_window": None}
     else:

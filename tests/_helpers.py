@@ -112,3 +112,10 @@ def seqpar(capsys, *args) -> tuple[int, str, str]:
         code = exc.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def random_tokens(path, vocab: int, n: int = 20_000, seed: int = 0):
+    """``path`` filled with ``n`` uniform token ids in [0, vocab) as uint16 (a small data file: the default
+    data, the standard library's sources, takes seconds to read); returns ``path``."""
+    torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(torch.uint16).numpy().tofile(path)
+    return path

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from _helpers import random_tokens
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local, train_local_many
@@ -68,7 +68,7 @@ def errors(run_out, ref_out, run_ckpt, ref_ckpt) -> dict[str, float]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist_optim")
     data = root / "tokens.bin"
-    torch.randint(0, 64, (20_000,), generator=torch.Generator().manual_seed(64)).to(torch.uint16).numpy().tofile(data)
+    random_tokens(data, 64, seed=64)
     jobs = {name: job(root / name, data, {"dp": 2}, **kw) for name, kw in VARIANTS.items()}
     jobs["save-dp2-dist"] = job(root / "save-dp2-dist", data, {"dp": 2}, stop_at=2, distributed_optimizer=True)
     summaries = dict(zip(jobs, train_local_many(list(jobs.values()), 2), strict=True))
@@ -118,7 +118,7 @@ def test_mixed_precision_matches_the_replicated_optimizer(tmp_path):
     follow the replicated optimizer at dp = 2: same sums in fp32, same elementwise update; the bf16
     casts of nearly equal masters may differ in the last bit, hence 1e-3."""
     data = tmp_path / "tokens.bin"
-    torch.randint(0, 64, (20_000,), generator=torch.Generator().manual_seed(64)).to(torch.uint16).numpy().tofile(data)
+    random_tokens(data, 64, seed=64)
     jobs = []
     for dtype in ("bf16", "fp16"):
         for kw in ({}, VARIANTS["dist+overlap"]):
@@ -141,7 +141,7 @@ def test_grouped_tp2_checkpoint_of_fragments_resumes_exactly_at_any_layout(tmp_p
     resumed from it, at the same layout or at tp = 1 without the distributed optimizer, follows the run
     that was not interrupted."""
     data = tmp_path / "tokens.bin"
-    torch.randint(0, 64, (20_000,), generator=torch.Generator().manual_seed(64)).to(torch.uint16).numpy().tofile(data)
+    random_tokens(data, 64, seed=64)
     llama = {**MODEL, "norm": "rmsnorm", "activation": "swiglu", "position": "rope", "kv_heads": 1, "bias": False,
              "tie_embeddings": False}
     wide = {"dp": 2, "tp": 2, "sp": True}
@@ -174,7 +174,7 @@ def test_checkpoint_views_are_the_fragments_own_tensors(tmp_path):
     from seqpar.train.loop import Trainer
 
     data = tmp_path / "tokens.bin"
-    torch.randint(0, 64, (4_000,), generator=torch.Generator().manual_seed(1)).to(torch.uint16).numpy().tofile(data)
+    random_tokens(data, 64, n=4_000, seed=1)
     trainer = Trainer(build_job(job(tmp_path / "run", data, distributed_optimizer=True)), quiet=True)
     opt = trainer.opt
     own = {t.untyped_storage().data_ptr() for f in opt.fragments

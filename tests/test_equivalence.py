@@ -55,8 +55,7 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from _helpers import Launches
+from _helpers import Launches, random_tokens
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local
@@ -205,8 +204,7 @@ def results(tmp_path_factory):
         vocab = sections["model"]["vocab_size"]
         data = root / f"tokens{vocab}.bin"
         if not data.exists():  # random ids in [0, vocab): the byte-level default data needs vocab ≥ 256
-            torch.randint(0, vocab, (20_000,), generator=torch.Generator().manual_seed(vocab)).to(
-                torch.uint16).numpy().tofile(data)
+            random_tokens(data, vocab, seed=vocab)
         jobs[index] = (job(sections, root / f"d{index}", data), world_of(combo))
         dirs[index] = (root / f"d{index}", job(reference_of(sections), root / f"r{index}", data))
     return Launches(jobs, LAUNCH_DRAWS, DRAW_S), dirs

@@ -28,8 +28,7 @@ import os
 import random
 
 import pytest
-import torch
-from _helpers import Launches
+from _helpers import Launches, random_tokens
 from test_equivalence import DRAW_S, LAUNCH_DRAWS, compare, job, reference_of
 
 from seqpar.train.loop import train_local
@@ -117,8 +116,7 @@ def results(tmp_path_factory):
         vocab = sections["model"]["vocab_size"]
         data = root / f"tokens{vocab}.bin"
         if not data.exists():
-            torch.randint(0, vocab, (20_000,), generator=torch.Generator().manual_seed(vocab)).to(
-                torch.uint16).numpy().tofile(data)
+            random_tokens(data, vocab, seed=vocab)
         p = sections["parallel"]
         jobs[index] = (job(sections, root / f"d{index}", data), p["tp"] * p["pp"] * p["dp"] * p["cp"])
         refs[index] = job(reference(sections), root / f"r{index}", data)

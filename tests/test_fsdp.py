@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import random_tokens
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local, train_local_many
@@ -73,10 +74,7 @@ def world(name: str) -> int:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fsdp_data") / "tokens.bin"
-    torch.randint(0, VOCAB, (20_000,), generator=torch.Generator().manual_seed(VOCAB)).to(torch.uint16).numpy() \
-        .tofile(path)
-    return path
+    return random_tokens(tmp_path_factory.mktemp("fsdp_data") / "tokens.bin", VOCAB, seed=VOCAB)
 
 
 @pytest.fixture(scope="module")

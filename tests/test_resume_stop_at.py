@@ -4,8 +4,7 @@ starts, leaving the checkpoint as it was -- never an exit 0 that trained nothing
 
 from pathlib import Path
 
-import torch
-from _helpers import seqpar
+from _helpers import random_tokens, seqpar
 
 from seqpar.train.checkpoint import read_meta, resolve
 
@@ -15,7 +14,7 @@ TINY = str(ROOT / "configs" / "tiny.toml")
 
 def test_stop_at_is_not_inherited_and_a_finished_run_is_refused(tmp_path, capsys):
     data = tmp_path / "tokens.bin"
-    torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint16).numpy().tofile(data)
+    random_tokens(data, 256)
     out = tmp_path / "run"
     common = ("--no-progress", "--set", f"train.data={str(data)!r}")
     code, stdout, stderr = seqpar(capsys, "train", "--config", TINY, "--out", out, "--steps", 4, "--stop-at", 2,

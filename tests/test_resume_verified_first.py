@@ -6,8 +6,7 @@ hashing again, and a single-process resume hashes each file once."""
 from collections import Counter
 from pathlib import Path
 
-import torch
-from _helpers import seqpar
+from _helpers import random_tokens, seqpar
 
 from seqpar.train import supervise
 from seqpar.train.checkpoint import integrity, resolve
@@ -18,7 +17,7 @@ TINY = str(ROOT / "configs" / "tiny.toml")
 
 def test_damage_is_refused_before_the_ranks_start_and_files_are_hashed_once(tmp_path, capsys, monkeypatch):
     data = tmp_path / "tokens.bin"
-    torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint16).numpy().tofile(data)
+    random_tokens(data, 256)
     out = tmp_path / "run"
     common = ("--no-progress", "--set", f"train.data={str(data)!r}", "--layers", 2)
     assert seqpar(capsys, "train", "--config", TINY, "--out", out, "--steps", 2, *common)[0] == 0

@@ -14,7 +14,7 @@ import os
 import random
 from pathlib import Path
 
-import torch
+from _helpers import random_tokens
 
 from seqpar.config import ConfigError
 from seqpar.train.config import build_job
@@ -112,7 +112,7 @@ def mismatches(job: dict, record: dict) -> list[str]:
 
 def test_every_rank_measures_its_prediction(tmp_path):
     data = tmp_path / "tokens.bin"
-    torch.randint(0, VOCAB, (20_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint16).numpy().tofile(data)
+    random_tokens(data, VOCAB)
     jobs = [issue_case(), *drawn()]
     for i, job in enumerate(jobs):
         job["train"] |= {"data": str(data), "out_dir": str(tmp_path / f"run{i}")}

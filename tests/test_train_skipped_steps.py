@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from _helpers import random_tokens
 
 from seqpar.train.checkpoint import read_meta, resolve
 from seqpar.train.config import build_job
@@ -23,7 +24,7 @@ def tokens(tmp_path_factory):
     """A small token file (the default data, the standard library's sources, takes seconds to read)."""
     global DATA
     DATA = tmp_path_factory.mktemp("data") / "tokens.bin"
-    torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0)).to(torch.uint16).numpy().tofile(DATA)
+    random_tokens(DATA, 256)
 
 
 DATA = None

@@ -362,8 +362,8 @@ def largest_stage_parameters(shape: ModelConfig, par: ParallelConfig) -> float:
 def grad_groups(shape: ModelConfig, par: ParallelConfig) -> list[tuple[float, int]]:
     """(parameters, ranks reducing them) of the pipeline rank that holds the most: the dense parameters over
     dp × cp, the routed experts over the dp·cp/ep ranks holding the same experts (``seqpar.parallel.expert``)."""
-    rank = max(examined_ranks(shape, par), key=lambda r: stage_parameters(shape, par, r))
-    sizes = stage_parameter_sizes(shape, par, rank)
+    sizes = max((stage_parameter_sizes(shape, par, r) for r in examined_ranks(shape, par)),
+                key=lambda named: sum(n for _, n in named))
     experts = sum(n for name, n in sizes if ".mlp.experts." in f".{name}")
     dense = sum(n for _, n in sizes) - experts
     ranks = par.dp * par.cp
@@ -412,9 +412,8 @@ def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
 
 
 def optimizer_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    params = largest_stage_parameters(shape, par)
     if par.fsdp:  # fp32 shards: gradient read 3 times, weight and both moments read and written
-        return params / par.fsdp_shards * (3 * 4 + 2 * 4 + 2 * 8) / hw.memory_bw
+        return largest_stage_parameters(shape, par) / par.fsdp_shards * (3 * 4 + 2 * 4 + 2 * 8) / hw.memory_bw
     # sharded over dp × cp (the routed experts over dp·cp/ep)
     return sum(p * optimizer_bytes_per_parameter(opt, n) for p, n in grad_groups(shape, par)) / hw.memory_bw
 

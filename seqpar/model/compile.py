@@ -81,22 +81,15 @@ def compile_model(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER, **op
     unknown = set(regions) - set(REGIONS)
     if unknown:
         raise ValueError(f"compile regions {sorted(unknown)} are not among {list(REGIONS)}")
+    names = compiled_regions(model, regions)
+    modules = dict(model.named_modules())
+    covered = {id(m) for name in names for m in modules[name].modules()}  # inside a compiled region
     for m in model.modules():
         if _eager(m):
             m.forward = torch.compiler.disable(m.forward, recursive=True)
-        if isinstance(m, CoreAttention) and not m.fused and _compiles(model, m, regions):
+        if isinstance(m, CoreAttention) and not m.fused and id(m) in covered:
             m.fuse_passes = True  # seqpar.model.core_passes
-    names = compiled_regions(model, regions)
-    modules = dict(model.named_modules())
     for name in names:
         if not (isinstance(modules[name], CoreAttention) and not modules[name].fused):  # its passes, above
             modules[name].compile(**options)
     return names
-
-
-def _compiles(model: nn.Module, core: nn.Module, regions: tuple[str, ...]) -> bool:
-    """Whether ``regions`` cover ``core``: it is a region itself, or inside a compiled layer."""
-    if "core_attention" in regions:
-        return True
-    return "layer" in regions and any(core is c for m in model.modules() if isinstance(m, TransformerLayer)
-                                      for c in m.modules())

@@ -59,8 +59,8 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
     """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
     opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
                               free_pipeline_outputs=free_outputs, sdpa_kernel=sdpa_kernel_for(torch.device(device)))
-    # the states do not matter here (dp kept under expert parallelism: ep ranks are taken inside dp × cp)
-    activations_only = replace(parallel, dp=1 if parallel.ep == 1 else parallel.dp, fsdp=False, fsdp_shard_size=0)
+    # the states do not matter here (no activation term depends on dp; ep's ranks are taken inside dp × cp)
+    activations_only = replace(parallel, fsdp=False, fsdp_shard_size=0)
     memory = stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
                           microbatches, opts, rank=rank)
     terms = {k: v for k, v in memory.terms.items() if k not in ("parameters", "gradients", "optimizer_states",

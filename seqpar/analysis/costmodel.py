@@ -265,14 +265,22 @@ def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     includes what the recompute runs again."""
     p = layer_pass_s(shape, par, b, hw, opts or ActivationOptions())
     fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
-    fused = bool(opts and opts.fused_attention)  # a fused core: never checkpointed, no mask to regenerate
-    if reruns_core(rc) and not fused:
-        bwd += sum(p["attention_core"].values())
-    elif "dropout_mask" in rc.selective_modules and not fused:
-        bwd += sum(p["dropout_mask"].values())
-    elif rc.granularity == "full":
+    if rc.granularity == "full":
         bwd += fwd
+    else:
+        bwd += selective_rerun_s(p, rc, bool(opts and opts.fused_attention))
     return fwd, bwd
+
+
+def selective_rerun_s(p: dict, rc: RecomputeConfig, fused: bool) -> float:
+    """Seconds selective recompute runs again in one layer's backward (``p``: ``layer_pass_s``): the attention
+    core's forward, or with the ``dropout_mask`` module alone one mask-sized pass; nothing for a fused core
+    (never checkpointed, no mask) or without selective recompute."""
+    if rc.granularity != "selective" or fused:
+        return 0.0
+    if reruns_core(rc):
+        return sum(p["attention_core"].values())
+    return sum(p["dropout_mask"].values()) if "dropout_mask" in rc.selective_modules else 0.0
 
 
 def reruns_core(rc: RecomputeConfig) -> bool:
@@ -337,16 +345,11 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
-    fused = opts.fused_attention  # a fused core is never checkpointed (memory.rebuilt) and keeps no mask
-    if reruns_core(rc) and not fused:
-        redo = layers * sum(p["attention_core"].values())
-    elif "dropout_mask" in rc.selective_modules and not fused:
-        redo = layers * sum(p["dropout_mask"].values())
-    elif rc.granularity == "full":
+    if rc.granularity == "full":
         share = 1.0 if rc.method == "uniform" else min(1.0, rc.num_layers / max(1, rank_layers(shape, par, rank)))
         redo = layers * share * sum(p["forward"].values())
     else:
-        redo = 0.0
+        redo = layers * selective_rerun_s(p, rc, opts.fused_attention)
     terms["recompute"] = frac * redo
     p2p_bw = link_bw(hw, spans_nodes(par, "pp", hw.gpus_per_node))
     msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size / par.tp

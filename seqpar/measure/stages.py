@@ -79,7 +79,8 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
       under context parallelism it keeps its input, the token ids cp split into a new tensor (int64);
     * ``final_ln_stats``: the final norm's statistics (LayerNorm mean and rstd, RMSNorm one fp32 rstd);
     * ``loss_indices``: the vocab-parallel cross entropy's target index (int64), two [s, b] bool
-      masks, the padded-vocabulary mask and the token count.
+      masks and the padded-vocabulary mask (the step's loss is a sum scaled by a Python float,
+      ``pipeline.objective``: no token count is kept).
 
     Under context parallelism each holds the rank's s/cp tokens.
     """
@@ -98,7 +99,7 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
         stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
         terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
         v_pad = -(-cfg.vocab_size // t) * t
-        terms["loss_indices"] = (8 + 1 + 1) * s * b + v_pad // t + 8
+        terms["loss_indices"] = (8 + 1 + 1) * s * b + v_pad // t
     return terms
 
 

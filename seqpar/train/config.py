@@ -53,7 +53,7 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per microbatch per data-parallel rank
     global_batch: int = 16  # sequences per optimizer step over all data-parallel ranks
     eval_every: int = 100  # 0: only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # validation: eval_batches × global_batch windows (as Megatron's eval_iters)
     log_every: int = 10
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2

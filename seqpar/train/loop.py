@@ -233,8 +233,9 @@ class Trainer:
         return time.perf_counter() - start
 
     def validation_loss(self) -> float:
-        """The loss on the validation split: a fixed set of ``eval_batches × micro_batch`` windows,
-        shared out over the dp ranks, the same at any tp/pp/dp/cp."""
+        """The loss on the validation split: the mean per counted token over a fixed set of
+        ``eval_batches × global_batch`` windows, shared out over the dp ranks, the same at any
+        tp/pp/dp/cp and micro-batch size (``pipeline.objective``)."""
         t = self.job.train
         batches = self.data.validation_batches(validation_windows(t), t.micro_batch, self.dims.dp_rank,
                                                self.dims.dp)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,60 +25,36 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from seqpar.data import tokenizer as tokfile
+from seqpar.data.encode import Encoder
 from seqpar.data.errors import DataError
-from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest
+from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
+from seqpar.fileio import sha256_file, write_atomic
 
 PLAN = "plan.json"
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 ENCODE_BATCH = 256  # documents per encode_batch call
 
 
-def shard_name(k: int, ext: str) -> str:
-    return f"shard_{k:05d}.{ext}"
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-class Encoder:
-    """Documents -> ids: a tokenizers JSON file (no special tokens added), or bytes (NUL bytes dropped:
-    NUL is the byte-level end-of-document)."""
-
-    def __init__(self, tokenizer_file: str, threads: bool):
-        self.tok = None
-        if tokenizer_file:
-            if not threads:
-                os.environ["RAYON_NUM_THREADS"] = "1"  # one core per worker process
-            self.tok = tokfile.load(tokenizer_file)
-
-    def encode(self, docs: list) -> list:
-        if self.tok is None:
-            return [(d if isinstance(d, bytes) else d.encode("utf-8")).replace(b"\0", b"") for d in docs]
-        texts = []
-        for d in docs:
-            texts.append(d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d)
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str, eos: int, dtype: str,
                   threads: bool = False) -> dict:
-    """Write shard ``k`` of ``unit`` (see the module docstring); returns its record."""
+    """Write shard ``k`` of ``unit`` (see the module docstring); returns its record. Refuses (before
+    writing) a unit whose documents hold the end-of-document id themselves: it would split them."""
     out_dir = Path(out)
     enc = Encoder(tokenizer_file, threads)
     ids, ends, skipped = array(ARRAY_CODES[dtype]), array("q"), []
+    inside = [0, ""]  # occurrences of eos inside documents, and where the first is
     batch: list = []
 
     def flush():
-        for doc in enc.encode(batch):
+        for doc in enc.documents(batch):
+            if enc.tok is not None and eos in doc:
+                inside[0] += doc.count(eos)
+                inside[1] = inside[1] or f"document {len(ends)}, token {doc.index(eos)}"
             ids.extend(doc)  # bytes iterate as their values
             ids.append(eos)
             ends.append(len(ids))
@@ -90,21 +65,29 @@ def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str,
         if len(batch) >= ENCODE_BATCH:
             flush()
     flush()
+    if inside[0]:
+        raise DataError(f"the end-of-document id {eos} ({enc.token(eos)!r}) occurs {inside[0]} times inside the "
+                        f"documents of {_unit_name(unit)} (first: its {inside[1]}), where it would split them; "
+                        "name a token the text never yields with --eos")
     if sys.byteorder != "little":
         ids.byteswap()
         ends.byteswap()
     files = {}
     for ext, arr in (("tokens", ids), ("docs", ends)):
         final = out_dir / shard_name(k, ext)
-        tmp = final.with_name(final.name + ".tmp")
-        with tmp.open("wb") as fh:
-            arr.tofile(fh)
-        os.replace(tmp, final)
-        files[final.name] = {"bytes": final.stat().st_size, "sha256": _sha256(final)}
+        write_atomic(final, arr.tobytes())
+        files[final.name] = {"bytes": final.stat().st_size, "sha256": sha256_file(final)}
     record = {"shard": k, "documents": len(ends), "tokens": len(ids), "input_bytes": unit["bytes"],
               "files": files, "skipped": skipped}
     _write_json(out_dir / shard_name(k, "json"), record)
     return record
+
+
+def _unit_name(unit: dict) -> str:
+    if unit["kind"] == "text":
+        more = len(unit["files"]) - 1
+        return unit["files"][0] + (f" (and {more} more file{'s' if more > 1 else ''})" if more else "")
+    return f"{unit['path']} ({'bytes' if unit['kind'] == 'jsonl' else 'rows'} {unit['start']}-{unit['end']})"
 
 
 def _shard_done(out: Path, k: int) -> dict | None:
@@ -223,7 +206,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
         return read_manifest(out)
     out.mkdir(parents=True, exist_ok=True)
     if tok_record:
-        (out / tokfile.FILE).write_bytes(staged_bytes)
+        write_atomic(out / tokfile.FILE, staged_bytes)
     _write_json(out / PLAN, plan)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     records: dict[int, dict] = {}

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from seqpar.fileio import write_atomic
+
 
 def _fmt(value) -> str:
     if isinstance(value, float):
@@ -96,9 +98,7 @@ class MetricsLog:
             self.path.unlink()
         elif self.path.exists():
             self.records = [r for r in read_records(self.path) if r.get("step", 0) <= start_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-            tmp.replace(self.path)
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         try:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))

@@ -30,6 +30,7 @@ from seqpar.data.errors import DataError
 from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
 from seqpar.fileio import sha256_file, write_atomic
+from seqpar.train.metrics import Progress
 
 PLAN = "plan.json"
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}
@@ -54,7 +55,7 @@ def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str,
         for doc in enc.documents(batch):
             if enc.tok is not None and eos in doc:
                 inside[0] += doc.count(eos)
-                inside[1] = inside[1] or f"document {len(ends)}, token {doc.index(eos)}"
+                inside[1] = inside[1] or f"document {len(ends)} at token {doc.index(eos)}"
             ids.extend(doc)  # bytes iterate as their values
             ids.append(eos)
             ends.append(len(ids))
@@ -67,7 +68,7 @@ def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str,
     flush()
     if inside[0]:
         raise DataError(f"the end-of-document id {eos} ({enc.token(eos)!r}) occurs {inside[0]} times inside the "
-                        f"documents of {_unit_name(unit)} (first: its {inside[1]}), where it would split them; "
+                        f"documents of {_unit_name(unit)}, first in its {inside[1]}: it would split them there; "
                         "name a token the text never yields with --eos")
     if sys.byteorder != "little":
         ids.byteswap()
@@ -101,39 +102,32 @@ def _shard_done(out: Path, k: int) -> dict | None:
     return record
 
 
-class Progress:
-    """One line of tokens/s and ETA (by input bytes): rewritten in place on a terminal, else every
-    ``every`` seconds."""
+class _Rate:
+    """What the progress display says of a prepare: tokens, tokens/s and MB/s of input since it started,
+    a line at most every ``every`` seconds (each finished shard advances the bar)."""
 
-    def __init__(self, total_bytes: int, done_bytes: int, enabled: bool, every: float = 5.0):
-        self.total, self.done, self.tokens = total_bytes, done_bytes, 0
-        self.start_bytes = done_bytes
+    def __init__(self, bar, done: int, every: float = 5.0):
+        self.bar, self.done, self.every = bar, done, every
+        self.tokens = self.bytes = 0
         self.t0 = self.last = time.perf_counter()
-        self.enabled, self.every = enabled, every
-        self.tty = enabled and sys.stderr.isatty()
 
-    def line(self) -> str:
+    def text(self) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        rate_b = (self.done - self.start_bytes) / dt
-        eta = (self.total - self.done) / rate_b if rate_b > 0 else float("inf")
-        pct = 100.0 * self.done / max(self.total, 1)
-        eta_text = f"{eta:.0f} s" if eta != float("inf") else "?"
-        return (f"prepare: {pct:5.1f}% of {self.total / 1e6:,.1f} MB, {self.tokens:,} tokens, "
-                f"{self.tokens / dt:,.0f} tokens/s, {rate_b / 1e6:.1f} MB/s, ETA {eta_text}")
+        return f"{self.tokens:,} tokens, {self.tokens / dt:,.0f} tokens/s, {self.bytes / dt / 1e6:.1f} MB/s"
 
     def add(self, record: dict) -> None:
-        self.done += record["input_bytes"]
+        self.done += 1
         self.tokens += record["tokens"]
-        now = time.perf_counter()
-        if self.tty:
-            print("\r" + self.line(), end="", file=sys.stderr, flush=True)
-        elif self.enabled and now - self.last >= self.every:
-            print(self.line(), file=sys.stderr, flush=True)
-            self.last = now
+        self.bytes += record["input_bytes"]
+        if time.perf_counter() - self.last >= self.every:
+            self.bar.update(self.done, self.text())
+            self.last = time.perf_counter()
+        else:
+            self.bar.tick(self.done)
 
     def close(self) -> None:
-        if self.enabled:
-            print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
+        self.bar.update(self.done, self.text())
+        self.bar.close()
 
 
 def _tokenizer_setup(tokenizer: str, out: Path, eos_token: str) -> tuple[dict | None, int, int]:
@@ -216,7 +210,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
             records[k] = done
     pending = [k for k in range(len(units)) if k not in records]
     total = sum(u["bytes"] for u in units)
-    bar = Progress(total, sum(units[k]["bytes"] for k in records), progress)
+    bar = _Rate(Progress(len(units), len(records), progress, unit="shard"), len(records))
     tok_path = str(out / tokfile.FILE) if tok_record else ""
     workers = workers or min(len(pending), os.cpu_count() or 1) or 1
     args = (str(out),)

@@ -23,17 +23,17 @@ def _fmt(value) -> str:
 
 
 class Progress:
-    """A bar over ``total`` steps; ``update(step, text)``."""
+    """A bar over ``total`` steps (or other ``unit``s: ``seqpar prepare``'s shards); ``update(step, text)``."""
 
-    def __init__(self, total: int, start: int = 0, enabled: bool = True):
-        self.total, self.start, self.t0 = total, start, time.perf_counter()
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, unit: str = "step"):
+        self.total, self.start, self.t0, self.unit = total, start, time.perf_counter(), unit
         self.kind, self._bar = ("plain" if enabled else "off"), None
         if not enabled or not sys.stderr.isatty():
             return
         try:
             from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
-            self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+            self._bar = RichProgress(TextColumn(unit + " {task.completed}/{task.total}"), BarColumn(),
                                      TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
             self._task = self._bar.add_task("", total=total, completed=start)
             self._bar.start()
@@ -43,7 +43,7 @@ class Progress:
             pass
         try:
             from tqdm import tqdm
-            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=start, unit=unit, dynamic_ncols=True)
             self.kind = "tqdm"
         except ImportError:
             pass
@@ -55,7 +55,7 @@ class Progress:
     def update(self, step: int, text: str) -> None:
         """Advance the bar and print ``text`` as a line that stays above it."""
         eta = self.eta(step)
-        line = f"step {step}/{self.total} {text}" + (f" eta {eta:.0f}s" if math.isfinite(eta) else "")
+        line = f"{self.unit} {step}/{self.total} {text}" + (f" eta {eta:.0f}s" if math.isfinite(eta) else "")
         if self.kind == "rich":
             self._bar.update(self._task, completed=step)
             self._bar.console.print(line, highlight=False)

@@ -20,6 +20,9 @@ import torch
 
 from seqpar.data import tokenizer as tokfile
 
+# the encoding rule's name, in prepare's plan: a prepare begun under another rule is not resumed with this one
+ENCODING = "special-text-is-text-1"
+
 
 class Encoder:
     """Documents -> ids (see the module docstring); ``tokenizer_file`` '' for bytes. ``threads``: the

@@ -5,9 +5,11 @@
    the same plan resumes; another plan is refused unless ``overwrite``.
 2. Tokenize the units not yet done, in ``workers`` processes (each single-threaded; one worker uses
    the tokenizer's own threads): unit ``k`` becomes ``shard_k.tokens`` (ids, each document followed by
-   the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written to ``.tmp``
-   names and renamed, then ``shard_k.json`` (counts, SHA-256 per file) last: the shard's completion
-   mark. A unit is a pure function of its inputs, so an interrupted prepare finishes with the same bytes.
+   the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written atomically
+   (``seqpar.fileio``), then ``shard_k.json`` (counts, SHA-256 per file) last: the shard's completion
+   mark. Text is encoded by ``seqpar.data.encode`` (a special token's text is text); a unit whose
+   documents themselves yield the end-of-document id is refused, with how many times. A unit is a
+   pure function of its inputs, so an interrupted prepare finishes with the same bytes.
 3. ``manifest.json`` gathers the shards; its presence marks the folder complete.
 """
 
@@ -25,7 +27,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from seqpar.data import tokenizer as tokfile
-from seqpar.data.encode import Encoder
+from seqpar.data.encode import ENCODING, Encoder
 from seqpar.data.errors import DataError
 from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
@@ -190,7 +192,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
         tok_file = staged / tokfile.FILE
         plan = {"format": FORMAT, "inputs": [[kind, str(p), p.stat().st_size, p.stat().st_mtime_ns]
                                              for kind, p in files],
-                "tokenizer_sha256": tok_record["sha256"] if tok_record else None, "field": field,
+                "tokenizer_sha256": tok_record["sha256"] if tok_record else None, "encoding": ENCODING, "field": field,
                 "unit_mb": unit_mb, "eos_id": eos, "units": units}
         staged_bytes = tok_file.read_bytes() if tok_record else None
     finally:

@@ -9,6 +9,10 @@ Layout of ``DIR``::
     shard_00000.docs       int64 end offsets of the documents inside the shard (one per document)
 
 ``read_manifest`` refuses a folder whose prepare has not finished (no manifest) or another format.
+The document index (``.docs``) is where documents start and end: ``Prepared.starts`` reads packed
+documents' boundaries from it, never from end-of-document ids in a window. Opening checks what is
+cheap (sizes, the index, ids below the vocabulary: one vectorised pass); ``verify`` (``seqpar verify
+DIR``) and ``Prepared(..., hashes=True)`` (``seqpar train --verify-data``) check the SHA-256s too.
 """
 
 from __future__ import annotations

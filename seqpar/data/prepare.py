@@ -32,7 +32,7 @@ from seqpar.data.errors import DataError
 from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
 from seqpar.fileio import sha256_file, write_atomic
-from seqpar.train.metrics import Progress
+from seqpar.progress import Progress
 
 PLAN = "plan.json"
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}

@@ -240,9 +240,7 @@ class DocumentData(Windows):
         if prepared.vocab_size > vocab_size:
             raise DataError(f"{path} was prepared with a vocabulary of {prepared.vocab_size}, more than the model's "
                             f"vocab_size {vocab_size}")
-        data = cls(prepared, seq_len, val_fraction)
-        data.document_mask = document_mask
-        return data
+        return cls(prepared, seq_len, val_fraction, document_mask)
 
     def train_spans(self) -> Spans:
         return self._train

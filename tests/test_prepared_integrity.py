@@ -153,3 +153,20 @@ def test_an_out_of_range_id_is_refused_at_train_and_eval_start(bytes_folder, tmp
     assert code == 2 and err.splitlines()[0] == f"seqpar eval: error: {line}", err  # and the --help hint
     code, _, err = seqpar(capsys, "verify", folder)
     assert code == 2 and name in err and len(err.splitlines()) == 1, err
+
+
+def test_one_encoder_gives_prepare_and_the_plain_stream_the_same_ids(corpus, tmp_path):
+    """A folder read as a plain stream is prepare's documents without their end-of-document ids (tokenized:
+    back to back; bytes: joined by a newline, as the demo's data has always been read)."""
+    from seqpar.train.data import load_tokens
+
+    folder, docs, tok = corpus
+    m = prep.prepare([str(folder)], tmp_path / "p", str(tok), progress=False)
+    p = Prepared(tmp_path / "p")
+    ids = p.read(0, len(p))
+    kept = torch.ones(len(ids), dtype=torch.bool)
+    kept[p.doc_ends - 1] = False  # [n]: every id but the end-of-document ones
+    stream, _ = load_tokens(str(folder), str(tok))
+    assert m["eos_id"] not in stream.tolist() and torch.equal(stream, ids[kept])
+    stream, _ = load_tokens(str(folder))
+    assert bytes(stream.tolist()) == "\n".join(docs).encode()

@@ -25,7 +25,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu, planner"),
     "calibrate": ("seqpar.commands.calibrate", "micro-benchmarks of this machine -> a hardware profile for plan"),
-    "verify": ("seqpar.commands.verify", "check a checkpoint: file checksums, config vs tensors, every tensor read"),
+    "verify": ("seqpar.commands.verify", "check a checkpoint (file checksums, config vs tensors, every tensor read) "
+               "or a prepared folder (checksums, index, ids)"),
     "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
 }
 

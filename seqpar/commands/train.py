@@ -36,6 +36,7 @@ FLAG_KEYS = {
     "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
     "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
     "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
+    "verify_data": ("data", "verify"),
     "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
 }
 
@@ -144,6 +145,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
                    help="packed documents of a prepared folder attend only to themselves, positions restarting in "
                         f"each {d('document_mask')}")
+    g.add_argument("--verify-data", action=argparse.BooleanOptionalAction, default=None,
+                   help="check a prepared folder's shard files against its manifest's SHA-256s before training "
+                        f"(sizes, index and id range are checked always) {d('verify_data')}")
     g.add_argument("--tokenizer", help="a tokenizers JSON file for text data; sets --vocab unless given (default: "
                    "a prepared folder's, else none: bytes)")
     g.add_argument("--out", help=f"output folder: metrics, checkpoints, plots {d('out')}")

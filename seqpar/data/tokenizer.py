@@ -12,22 +12,16 @@ equivalent ``tokenizers`` JSON for ``export-hf``, so ``transformers`` loads a to
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
 from seqpar.data.errors import DataError
+from seqpar.fileio import sha256_file, write_atomic
 
 FILE = "tokenizer.json"
 # the names an end-of-document token goes by, most specific first
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
 BYTE_EOS = 0  # byte-level data: documents end with a NUL byte, which text never holds (NUL files are skipped)
-
-
-def sha256(path: str | Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def load(path: str | Path):
@@ -58,7 +52,7 @@ def eos_id(tok, path: str | Path = "") -> int | None:
 def record(path: str | Path) -> dict:
     """What a run or a prepared folder records of its tokenizer (``FILE`` is the copy's name)."""
     tok = load(path)
-    return {"file": FILE, "sha256": sha256(path), "vocab_size": int(tok.get_vocab_size(with_added_tokens=True)),
+    return {"file": FILE, "sha256": sha256_file(path), "vocab_size": int(tok.get_vocab_size(with_added_tokens=True)),
             "eos_id": eos_id(tok), "source": str(path)}
 
 
@@ -69,9 +63,7 @@ def copy_into(path: str | Path, folder: str | Path) -> Path:
     dest = folder / FILE
     if dest.exists() and Path(path).resolve() == dest.resolve():
         return dest
-    tmp = folder / (FILE + ".tmp")
-    shutil.copyfile(path, tmp)
-    tmp.replace(dest)
+    write_atomic(dest, Path(path).read_bytes())
     return dest
 
 
@@ -80,7 +72,7 @@ def checked_copy(folder: str | Path, rec: dict, what: str) -> str:
     path = Path(folder) / rec.get("file", FILE)
     if not path.is_file():
         raise DataError(f"{what} {folder} records a tokenizer but its copy {path} is missing")
-    digest = sha256(path)
+    digest = sha256_file(path)
     if digest != rec["sha256"]:
         raise DataError(f"{what} {folder}: tokenizer {path} has SHA-256 {digest[:12]}..., not the "
                         f"{rec['sha256'][:12]}... recorded (changed after it was written)")
@@ -101,7 +93,7 @@ def of_checkpoint(folder: str | Path, meta: dict) -> str:
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:
-    return sha256(a) == sha256(b)
+    return sha256_file(a) == sha256_file(b)
 
 
 def folder_tokenizer(folder: str | Path, scratch: Path) -> str:

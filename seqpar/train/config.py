@@ -129,8 +129,11 @@ class DataConfig:
     """How training reads its data (where from: ``[train] data``)."""
 
     # packed documents attend only to themselves, positions restarting in each (seqpar/documents.py);
-    # needs a prepared folder (its end-of-document token marks the boundaries)
+    # needs a prepared folder (its document index marks the boundaries)
     document_mask: bool = False
+    # a prepared folder's shard files checked against the SHA-256s of its manifest before training (one read of
+    # every file; sizes, the index and ids in range are checked at every start)
+    verify: bool = False
 
     def validate(self) -> DataConfig:
         _check_types(self)

@@ -172,14 +172,14 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
 
 def _same_tokenizer(data, tokenizer: str) -> None:
     """A prepared folder's ids were made by the model's tokenizer (or both are bytes), or one line."""
-    from seqpar.data import tokenizer as tokfile
     from seqpar.data.errors import DataError
+    from seqpar.fileio import sha256_file
 
     prepared = getattr(data, "prepared", None)
     if prepared is None:
         return
     record = prepared.manifest["tokenizer"]
-    theirs, mine = (record["sha256"] if record else None), (tokfile.sha256(tokenizer) if tokenizer else None)
+    theirs, mine = (record["sha256"] if record else None), (sha256_file(tokenizer) if tokenizer else None)
     if theirs != mine:
         what = lambda digest: f"tokenizer sha256 {digest[:12]}..." if digest else "bytes"  # noqa: E731
         raise DataError(f"{prepared.path} was prepared with {what(theirs)}, the model reads {what(mine)}")

@@ -25,13 +25,14 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate, validation_windows
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
-from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
+from seqpar.train.metrics import MetricsLog, format_record, plot_losses
 from seqpar.train.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry

@@ -20,12 +20,23 @@ def header(req: Request) -> str:
     sh, hw = req.shape, req.hw
     arch = f" kv={sh.num_kv_heads} ({sh.arch})" if sh.arch == "llama" or sh.num_kv_heads != sh.num_heads else ""
     return (f"model {req.name}: L={sh.num_layers} h={sh.hidden_size} a={sh.num_heads}{arch} s={sh.seq_len} "
-            f"v={sh.vocab_size} f={sh.ffn}; "
+            f"v={sh.vocab_size} f={sh.ffn}{moe_fields(sh)}; "
             f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {gb(hw.memory_bytes)} GB, usable "
             f"{gb(hw.usable_bytes)} GB ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
             f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.3g} "
             f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.3g} / "
             f"{hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req))
+
+
+def moe_fields(sh) -> str:
+    """`` E=8 K=2`` (routed experts, experts per token), the MoE layers' period and the shared expert where
+    there are; empty for a dense model."""
+    if not sh.experts:
+        return ""
+    every = f" (MoE every {sh.moe_every} layers)" if sh.moe_every > 1 else ""
+    shared = (f" shared={sh.shared_expert_ffn}" + (" (gated)" if sh.shared_expert_gate else "")
+              if sh.shared_expert_ffn else "")
+    return f" E={sh.experts} K={sh.top_k}{every}{shared}"
 
 
 def assumptions(req: Request) -> str:

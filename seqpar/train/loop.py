@@ -360,8 +360,9 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
+        kept = {k: v for k, v in activations.items() if k.startswith("act_bytes_")}  # the summary's comparison
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses}
+                "losses": self.state.losses, "activations": kept}
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,

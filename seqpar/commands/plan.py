@@ -84,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--emit-config", type=Path, metavar="FILE",
                    help="write the best plan (or --explain's) as a TOML file `seqpar train --config FILE` runs "
                         "(default: none)")
+    g.add_argument("--emit-slurm", type=Path, metavar="FILE",
+                   help="with --emit-config: write a Slurm batch script that trains it on the plan's nodes (srun "
+                        "torchrun, one task per node, rendezvous at the first node, runs/<config name> as the "
+                        "output folder, --resume from it when requeued) (default: none)")
     g.add_argument("--plot", type=Path, metavar="DIR",
                    help="write plan_memory.png (the best plans' memory) into DIR, or with --explain "
                         "plan_stages.png (every pipeline rank of that plan); as paper --plot (default: none)")
@@ -172,24 +176,37 @@ def request_from_args(args):
 
 
 def _emit(args, req, plan) -> None:
-    """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
+    """``--emit-config``: ``plan`` as the train job's TOML, ``--emit-slurm`` the batch script that runs it
+    (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import SCHEDULE_KEYS, plan_toml
+    from seqpar.analysis.emit import SCHEDULE_KEYS, launch_command, nodes_of, plan_toml, slurm_script
     from seqpar.train.config import TrainConfig
 
     defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
+    script = None if args.emit_slurm is None else \
+        slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}")
     args.emit_config.write_text(plan_toml(req, plan, defaults))
-    print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
-          f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
+    where = "" if nodes_of(req.gpus, req.hw.gpus_per_node) == 1 else \
+        " on every node (HOST: the first node's address)"
+    command = launch_command(req.gpus, req.hw.gpus_per_node, str(args.emit_config))
+    print(f"wrote {args.emit_config} ({plan.label}); run it with `{command}`{where}", file=sys.stderr)
+    if script is not None:
+        args.emit_slurm.write_text(script)
+        print(f"wrote {args.emit_slurm}; submit it with `sbatch {args.emit_slurm}` (arguments after it reach "
+              "seqpar train)", file=sys.stderr)
 
 
 def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
+    from seqpar.analysis.shapes import AnalysisError
     from seqpar.commands.out_path import check_out_file, check_out_folder
 
-    if args.emit_config is not None:
-        check_out_file(args.emit_config, "--emit-config")
+    if args.emit_slurm is not None and args.emit_config is None:
+        raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
+    for path, flag in ((args.emit_config, "--emit-config"), (args.emit_slurm, "--emit-slurm")):
+        if path is not None:
+            check_out_file(path, flag)
     if args.plot is not None:
         check_out_folder(args.plot, "--plot")
 

@@ -323,11 +323,15 @@ class Trainer:
                          "config": self.job.to_dict()})
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
-        last = {}
+        last, norm = {}, math.nan  # norm: the last step's gradient norm, for its window's record
         window_t, window_steps = time.perf_counter(), 0
         try:
             while self.state.step < end:
                 if stop.requested(self.device):  # every rank agrees on the step to stop after
+                    if window_steps:  # the steps since the last log line get their record before the save
+                        last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps,
+                                                   window_steps, validate=False)
+                        metrics.log(last)
                     return self._interrupted(stop, metrics, last)
                 step = self.state.step
                 for hook in self.hooks:

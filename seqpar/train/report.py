@@ -25,7 +25,9 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     ep = f" (ep {p.ep} inside dp × cp)" if p.ep > 1 else ""
     print(f"  layout {p.describe_world()}{ep}, sequence parallel {'on' if p.sp else 'off'}, "
           f"recompute {r.granularity}")
-    print(f"  steps {summary.get('step', t.steps)}, global batch {t.global_batch} × {m.seq_len} tokens")
+    done = summary.get("step", t.steps)
+    of = f" of {t.steps} (stopped at --stop-at {done}; resume continues the schedule)" if done < t.steps else ""
+    print(f"  steps {done}{of}, global batch {t.global_batch} × {m.seq_len} tokens")
     loss, val = summary.get("loss", math.nan), summary.get("val_loss", math.nan)
     n = summary.get("loss_steps", t.log_every)
     print(f"  final train loss {loss:.4f} (mean of the last {n} step{'s' if n != 1 else ''})  "

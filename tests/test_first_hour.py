@@ -146,3 +146,49 @@ def test_plan_lists_every_preset_and_plans_shared_expert_moe(capsys):
                             "--gpus", 4, "--global-batch", 8, "--top", 1)
     assert code == 0, err
     assert "E=8 K=2 (MoE every 2 layers) shared=512" in out.splitlines()[0]
+
+
+def test_an_emitted_config_carries_the_published_lr_or_says_to_set_it(tmp_path, capsys):
+    from seqpar.analysis.presets import published_lr
+
+    code, _, err = seqpar(capsys, "plan", "--model", "llama2-7b", "--gpus", 8, "--global-batch", 8,
+                          "--emit-config", tmp_path / "l2.toml", "--top", 1)
+    assert code == 0, err
+    train = tomllib.loads((tmp_path / "l2.toml").read_text())["train"]
+    assert train["lr"] == published_lr("llama2-7b") and train["min_lr"] < train["lr"]
+    code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 8, "--global-batch", 8,
+                          "--emit-config", tmp_path / "l3.toml", "--top", 1)
+    assert code == 0, err
+    assert "# set lr: no published learning rate for llama3-8b" in (tmp_path / "l3.toml").read_text()
+    code, out, err = seqpar(capsys, "train", "--config", tmp_path / "l3.toml", "--dry-run", "--nproc", 8)
+    assert code == 0, err
+    assert "warning: lr 0.003 is the trainer's default" in out and "8.0B parameters: set lr" in out
+    code, out, err = seqpar(capsys, "train", "--config", tmp_path / "l2.toml", "--dry-run", "--nproc", 8)
+    assert code == 0 and "set lr" not in out, err
+
+
+def test_import_hf_help_names_every_family_it_reads(capsys):
+    from seqpar.interop.moe import NAMES
+
+    code, text, _ = seqpar(capsys, "import-hf", "--help")
+    assert code == 0 and all(name in text for name, _ in NAMES.values())
+
+
+# ---------------------------------------------------------------- 3. Megatron's flag names
+def test_megatron_flag_names_are_aliases_listed_once_and_offered_for_typos(capsys):
+    from seqpar.commands.train import MEGATRON_ALIASES
+
+    code, out, err = seqpar(capsys, "train", "--config", ROOT / "configs" / "tiny.toml",
+                            "--tensor-model-parallel-size", 2, "--sequence-parallel", "--num-layers", 2,
+                            "--micro-batch-size", 1, "--global-batch-size", 4, "--recompute-granularity", "selective",
+                            "--nproc", 2, "--dry-run")
+    assert code == 0, err
+    config = tomllib.loads(out.split("\npredicted memory")[0])
+    assert config["parallel"]["tp"] == 2 and config["parallel"]["sp"] is True
+    assert config["model"]["num_layers"] == 2 and config["recompute"]["granularity"] == "selective"
+    assert (config["train"]["micro_batch"], config["train"]["global_batch"]) == (1, 4)
+    code, text, _ = seqpar(capsys, "train", "--help")
+    flat = " ".join(text.split())
+    assert all(flat.count(alias) == 1 for alias in MEGATRON_ALIASES if alias != "--save")
+    code, _, err = seqpar(capsys, "train", "--tensor-parallel-size", 2)
+    assert code == 2 and "did you mean --tensor-model-parallel-size" in err

@@ -98,12 +98,21 @@ srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" --rdzv-
 """
 
 
-def plan_toml(req: Request, plan: Plan, schedule: dict | None = None) -> str:
+def plan_toml(req: Request, plan: Plan, schedule: dict | None = None, lr: float | None = None) -> str:
     """The TOML file ``seqpar plan --emit-config`` writes: the job that trains ``plan``, with comments on
-    what the planner did not choose."""
+    what the planner did not choose; ``lr``: the preset's published peak learning rate (min_lr a tenth
+    of it), else the trainer's default and a "set lr" line (``train`` warns of it for a large model)."""
     notes = [f"# seqpar plan: {plan.label}",
-             f"# run: {launch_command(req.gpus, req.hw.gpus_per_node)}",
-             "# [train] steps, lr, min_lr, schedule, warmup: the trainer's defaults, not chosen by the planner"]
+             f"# run: {launch_command(req.gpus, req.hw.gpus_per_node)}"]
+    if lr is not None:
+        schedule = (schedule or {}) | {"lr": lr, "min_lr": float(f"{lr / 10:.3g}")}
+        notes.append(f"# [train] lr {lr:g}: {req.name.rstrip('*')}'s published peak learning rate (min_lr a tenth "
+                     "of it); steps, schedule, warmup: the trainer's defaults, not chosen by the planner")
+    else:
+        notes.append("# [train] steps, lr, min_lr, schedule, warmup: the trainer's defaults, not chosen by the planner")
+        notes.append(f"# set lr: no published learning rate for {req.name.rstrip('*')} here; the trainer's "
+                     f"default{' ' + format((schedule or {}).get('lr'), 'g') if schedule else ''} is for the "
+                     "small models of configs/ (train --dry-run warns of it)")
     vocab = req.shape.vocab_size
     if vocab > BYTE_VOCAB:
         notes.append(f"# data: unset, train reads the Python standard library's sources as bytes ({BYTE_VOCAB} "

@@ -186,7 +186,9 @@ def _emit(args, req, plan) -> None:
     defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
     script = None if args.emit_slurm is None else \
         slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}")
-    args.emit_config.write_text(plan_toml(req, plan, defaults))
+    from seqpar.analysis.presets import published_lr
+
+    args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None))
     where = "" if nodes_of(req.gpus, req.hw.gpus_per_node) == 1 else \
         " on every node (HOST: the first node's address)"
     command = launch_command(req.gpus, req.hw.gpus_per_node, str(args.emit_config))

@@ -192,3 +192,14 @@ def test_megatron_flag_names_are_aliases_listed_once_and_offered_for_typos(capsy
     assert all(flat.count(alias) == 1 for alias in MEGATRON_ALIASES if alias != "--save")
     code, _, err = seqpar(capsys, "train", "--tensor-parallel-size", 2)
     assert code == 2 and "did you mean --tensor-model-parallel-size" in err
+
+
+# ---------------------------------------------------------------- 6. where the best FSDP plan stands
+def test_plan_with_fsdp_says_where_the_best_fsdp_plan_stands(capsys):
+    code, out, err = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--fsdp",
+                            "--gpu-memory", 24, "--top", 1)
+    assert code == 0, err
+    line = out.splitlines()[-1]
+    assert line.startswith("fsdp: not chosen; the best plan with it, ") and ",fsdp=on (#" in line, line
+    code, out, _ = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--top", 1)
+    assert "fsdp:" not in out

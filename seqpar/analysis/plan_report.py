@@ -112,7 +112,26 @@ def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -
                  f"{100 * best.mfu:.1f}%\n" + memory_terms(best.peak) + "\n\n" + time_terms(best))
     parts.append(why_not(req, best))
     parts.append(context_parallel_line(ranked))
+    if req.try_fsdp:
+        parts.append(fsdp_line(ranked))
     return "\n\n".join(parts)
+
+
+def fsdp_line(ranked: list[Evaluation]) -> str:
+    """With ``--fsdp``: where the best FSDP plan stands against the best plan (or the best without FSDP)."""
+    best = ranked[0]
+    if best.plan.par.fsdp:
+        other = next((ev for ev in ranked if not ev.plan.par.fsdp), None)
+        if other is None:
+            return "fsdp: chosen; no plan without it fits"
+        return (f"fsdp: chosen; the best plan without it, {other.plan.label}, needs {gb(other.memory_bytes)} GB and "
+                f"is {pct_change(other.time.total / best.time.total)} iteration time")
+    rank, other = next(((i + 1, ev) for i, ev in enumerate(ranked) if ev.plan.par.fsdp), (None, None))
+    if other is None:
+        return ("fsdp: no FSDP plan is listed: none fits, or each is dominated by the same layout without it "
+                "(less memory and less time)")
+    return (f"fsdp: not chosen; the best plan with it, {other.plan.label} (#{rank} of {len(ranked)}), needs "
+            f"{gb(other.memory_bytes)} GB and is {pct_change(other.time.total / best.time.total)} iteration time")
 
 
 def context_parallel_line(ranked: list[Evaluation]) -> str:

@@ -32,11 +32,31 @@ def predicted_activation_bytes(job, layers: list[int], device: torch.device) -> 
         return None
 
 
+def without_paper_bytes(job, layers: list[int], device: torch.device) -> dict:
+    """What the same layers would keep per microbatch without what the paper adds (the exact per-tensor
+    formula that ``act_bytes_predicted`` checks against the measurement): ``act_bytes_without_sp`` (tp
+    alone), ``act_bytes_without_recompute`` (nothing recomputed), ``act_bytes_without_both``; only the
+    ones that differ from this run's (a run with neither has none)."""
+    p, r = job.parallel, job.recompute
+    none = replace(r, granularity="none", modules=())
+    variants = {"without_sp": (replace(p, sp=False), r), "without_recompute": (p, none),
+                "without_both": (replace(p, sp=False), none)}
+    out, seen = {}, {(p.sp and p.tp > 1, r.granularity)}
+    for name, (par, rc) in variants.items():
+        if (par.sp and par.tp > 1, rc.granularity) not in seen:
+            seen.add((par.sp and par.tp > 1, rc.granularity))
+            variant = replace(job, run=replace(job.run, parallel=par, recompute=rc))
+            out[f"act_bytes_{name}"] = predicted_activation_bytes(variant, layers, device)
+    return out
+
+
 def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
-    """``act_bytes_predicted`` for the model's layers and, with one pipeline stage, ``act_bytes_measured``:
-    what one validation microbatch's forward keeps in the layers; then ``stage_peaks`` (collective)."""
+    """``act_bytes_predicted`` for the model's layers (and ``without_paper_bytes``) and, with one pipeline
+    stage, ``act_bytes_measured``: what one validation microbatch's forward keeps in the layers; then
+    ``stage_peaks`` (collective)."""
     layers = [i for c in chunks for i in c.layer_ids]
-    out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
+    out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)} | \
+        without_paper_bytes(job, layers, device)
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
         tokens, labels, *docs = data.validation_batches(job.train.micro_batch, job.train.micro_batch)[0]

@@ -217,9 +217,25 @@ def inert_settings(job: JobConfig) -> list[str]:
     if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
         notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
                      "(they shard over, and overlap the reduction across, the data-parallel ranks)")
+    params = default_lr_on_large_model(job)
+    if params:
+        notes.append(f"lr {t.lr:g} is the trainer's default, set for the small models of configs/; this model has "
+                     f"{params / 1e9:.1f}B parameters: set lr (its paper's, or `seqpar plan --model PRESET "
+                     "--emit-config` where one was published)")
     if t.schedule != "wsd" and t.decay_fraction != TrainConfig.decay_fraction:
         notes.append(f"decay_fraction {t.decay_fraction} applies to the wsd schedule only, not {t.schedule}")
     return notes
+
+
+def default_lr_on_large_model(job: JobConfig) -> int:
+    """The model's parameter count when it has at least a billion and trains at the trainer's default lr
+    (which suits the small models of configs/), else 0."""
+    if job.train.lr != TrainConfig.lr:
+        return 0
+    from seqpar.analysis.states import stage_parameters
+
+    params = stage_parameters(job.model, ParallelConfig(), 0)  # the whole model: one rank, one stage
+    return params if params >= 1e9 else 0
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig,

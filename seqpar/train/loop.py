@@ -325,11 +325,15 @@ class Trainer:
                          "config": self.job.to_dict()})
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
-        last = {}
+        last, norm = {}, math.nan  # norm: the last step's gradient norm, for its window's record
         window_t, window_steps = time.perf_counter(), 0
         try:
             while self.state.step < end:
                 if stop.requested(self.device):  # every rank agrees on the step to stop after
+                    if window_steps:  # the steps since the last log line get their record before the save
+                        last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps,
+                                                   window_steps, validate=False)
+                        metrics.log(last)
                     return self._interrupted(stop, metrics, last)
                 step = self.state.step
                 for hook in self.hooks:
@@ -362,8 +366,9 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
+        kept = {k: v for k, v in activations.items() if k.startswith("act_bytes_")}  # the summary's comparison
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses}
+                "losses": self.state.losses, "activations": kept}
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,

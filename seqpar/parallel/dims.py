@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from seqpar.analysis.placement import expert_groups
 from seqpar.config import ConfigError, ParallelConfig
 
 
@@ -139,23 +140,16 @@ class ParallelDims:
         dims.grad_group = dims.dp_group if cp == 1 else dims.cp_group if dp == 1 else \
             _my_group(groups("dc"), dims.rank)[0]
         dims.ep = parallel.ep
-        dims.ep_group, dims.expert_grad_group = _expert_groups(dims, coords)
+        dims.ep_group, dims.expert_grad_group = _expert_groups(dims, parallel)
         return dims
 
 
-def _expert_groups(dims: ParallelDims, coords: list[tuple]) -> tuple[object, object]:
-    """(ep group, expert grad group) of this rank: by the dp × cp index q = dp·cp + c, the ep group
-    holds one block of ep consecutive q, the expert grad group every q with the same q mod ep."""
+def _expert_groups(dims: ParallelDims, parallel: ParallelConfig) -> tuple[object, object]:
+    """(ep group, expert grad group) of this rank, of the rank lists ``placement.expert_groups`` owns."""
     if dims.ep == 1:
         return None, dims.grad_group
-    ep_lists: dict[tuple, list[int]] = {}
-    grad_lists: dict[tuple, list[int]] = {}
-    for d, p, c, t in coords:
-        q = d * dims.cp + c
-        ep_lists.setdefault((p, t, q // dims.ep), []).append(dims.rank_of(d, p, c, t))
-        grad_lists.setdefault((p, t, q % dims.ep), []).append(dims.rank_of(d, p, c, t))
-    ep_group = _my_group(list(ep_lists.values()), dims.rank)[0]
-    return ep_group, _my_group(list(grad_lists.values()), dims.rank)[0]
+    ep_lists, grad_lists = expert_groups(parallel)
+    return _my_group(ep_lists, dims.rank)[0], _my_group(grad_lists, dims.rank)[0]
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> tuple[object, list[int]]:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from seqpar.config import ConfigError, ModelConfig
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.parallel import comm
 from seqpar.parallel.comm import MAX, all_reduce
 
@@ -153,47 +156,20 @@ def timed_cpu(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-class Meter:
-    """What autograd keeps for backward while active, in bytes: every distinct storage saved (views
-    and 2-D reshapes of one storage count once), parameters and buffers excluded -- the accounting of
-    ``seqpar.measure.saved.SavedTensorMeter``, extended to DTensors (counted by their local
-    tensor's storage) and to the inputs a non-reentrant ``torch.utils.checkpoint`` keeps alive outside
-    autograd's saved tensors (reported through ``seqpar.bench.torch_native.KeptInputs``)."""
+@contextlib.contextmanager
+def metered(model: torch.nn.Module) -> Iterator[SavedTensorMeter]:
+    """The saved-activation meter (``seqpar.measure.meter``) over ``model``'s forward, also counting the inputs
+    a non-reentrant ``torch.utils.checkpoint`` keeps alive outside autograd's saved tensors (reported through
+    ``seqpar.bench.torch_native.KeptInputs``)."""
+    from seqpar.bench.torch_native import KeptInputs
 
-    def __init__(self, module: torch.nn.Module):
-        from torch.distributed.tensor import DTensor
-
-        self._dtensor = DTensor
-        self._exclude = {self._local(t).untyped_storage().data_ptr() for t in [*module.parameters(),
-                                                                                 *module.buffers()]}
-        self._kept: dict[int, object] = {}  # data_ptr -> storage, held until exit so no address is reused
-        self.total_bytes = 0
-
-    def _local(self, t):
-        return t._local_tensor if isinstance(t, self._dtensor) else t
-
-    def _pack(self, t):
-        storage = self._local(t).untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._exclude and key not in self._kept and storage.nbytes() > 0:
-            self._kept[key] = storage
-        return t
-
-    def __enter__(self):
-        from seqpar.bench.torch_native import KeptInputs
-
-        KeptInputs.sink = self._pack
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        from seqpar.bench.torch_native import KeptInputs
-
+    meter = SavedTensorMeter(model, names=False)
+    KeptInputs.sink = meter.keep
+    try:
+        with meter:
+            yield meter
+    finally:
         KeptInputs.sink = None
-        self._hooks.__exit__(*exc)
-        self.total_bytes = sum(storage.nbytes() for storage in self._kept.values())
-        self._kept.clear()
 
 
 def fmt_bytes(n: float) -> str:

@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from seqpar.config import ParallelConfig
 from seqpar.dtypes import torch_dtype
@@ -145,21 +144,3 @@ def apply_fsdp(chunks: list[nn.Module], dims: ParallelDims, parallel: ParallelCo
                 raise RuntimeError(f"{name}: FSDP holds {p.to_local().shape[0]} rows here, torch.chunk gives {rows}")
             p.fsdp_shard = FSDPShard(shape, row0, rows)
     return mesh
-
-
-def parameter_storages(modules) -> set[int]:
-    """The storages (``_cdata``) of ``modules``' parameters and buffers, FSDP's gathered parameters
-    included (each unit gathered once to find them; FSDP reuses their storages for every gather), so
-    that an activation meter leaves them out."""
-    keys: set[int] = set()
-    for module in modules:
-        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for unit in units:
-            unit.unshard()
-        for t in [*module.parameters(), *module.buffers()]:
-            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
-        for unit in units:
-            unit.reshard()
-        for t in module.parameters():
-            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
-    return keys

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from seqpar.analysis.states import layer_parameter_sizes, stage_parameter_sizes
-from seqpar.config import ModelConfig, ParallelConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 
 # (rows, elements per row) of one tp-local tensor: dim 0 and the product of the others
 Tensor = tuple[int, int]
@@ -118,7 +118,7 @@ def compare_states(shape: ModelConfig, par: ParallelConfig) -> list[dict]:
                 "distributed optimizer": stage_state_bytes(shape, par, rank,
                                                            OptimizerOptions.for_precision(shape.dtype, True))}
         fsdp = replace(par, fsdp=True)
-        if dp > 1 and not shape.experts:  # fsdp trains dense models only
+        if _allowed(fsdp, shape):  # the config's rules: something to shard over, a dense model
             compute = OptimizerOptions.for_precision(shape.dtype).param_bytes
             name = f"hsdp {fsdp.fsdp_shards}" if fsdp.fsdp_shards < dp else "fsdp"
             rows[name] = {**stage_fsdp_state_bytes(shape, fsdp, rank),
@@ -127,3 +127,12 @@ def compare_states(shape: ModelConfig, par: ParallelConfig) -> list[dict]:
             total = terms["parameters"] + terms["gradients"] + terms["optimizer_states"]
             out.append({"rank": rank, "mode": mode, **terms, "total": total, "in_flight": terms.get("in_flight", 0)})
     return out
+
+
+def _allowed(par: ParallelConfig, shape: ModelConfig) -> bool:
+    """Whether ``ParallelConfig.validate`` accepts ``par`` for ``shape``."""
+    try:
+        par.validate(shape)
+    except ConfigError:
+        return False
+    return True

@@ -66,6 +66,12 @@ class ParallelDims:
     ep: int = 1
     ep_group: object = field(default=None, repr=False)
     expert_grad_group: object = field(default=None, repr=False)
+    # FSDP (``parallel.fsdp``) shards over the grad group; HSDP (``fsdp_shard_size`` < dp·cp) over shard
+    # groups of that many of its ranks (consecutive in grad-group order), replicated across them
+    fsdp: bool = False
+    fsdp_shard_size: int = 0  # HSDP's shard group size (0: FSDP over the whole grad group, or no FSDP)
+    hsdp_replicate_group: object = field(default=None, repr=False)
+    hsdp_shard_group: object = field(default=None, repr=False)
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
     tp_ranks: list[int] = field(default_factory=lambda: [0])
 
@@ -141,7 +147,19 @@ class ParallelDims:
             _my_group(groups("dc"), dims.rank)[0]
         dims.ep = parallel.ep
         dims.ep_group, dims.expert_grad_group = _expert_groups(dims, parallel)
+        dims.fsdp = parallel.fsdp
+        if parallel.fsdp and parallel.fsdp_shard_size not in (0, dp * cp):
+            dims.fsdp_shard_size = parallel.fsdp_shard_size
+            grad_lists = groups("dc")  # each in dp-then-cp order
+            size = dims.fsdp_shard_size
+            dims.hsdp_shard_group = _my_group([g[i:i + size] for g in grad_lists for i in range(0, len(g), size)],
+                                              dims.rank)[0]
+            dims.hsdp_replicate_group = _my_group([g[j::size] for g in grad_lists for j in range(size)], dims.rank)[0]
         return dims
+
+    def grad_ranks(self) -> list[int]:
+        """The global ranks of this rank's grad group (dp × cp, cp running fastest)."""
+        return [self.rank_of(d, self.pp_rank, c, self.tp_rank) for d in range(self.dp) for c in range(self.cp)]
 
 
 def _expert_groups(dims: ParallelDims, parallel: ParallelConfig) -> tuple[object, object]:

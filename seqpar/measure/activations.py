@@ -1,7 +1,7 @@
 """The trainer's activation check: the bytes one microbatch's forward keeps in the transformer layers,
 measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm statistics);
 and each pipeline stage's activation peak over one step of its schedule (pp = 1 included), measured
-with ``ScheduleMeter`` as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
+with the same meter over the schedule as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from seqpar.analysis.stage import layers_bytes
 from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.meter import ScheduleMeter
-from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for
+from seqpar.measure.meter import SavedTensorMeter
+from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.comm import all_reduce
 
 
@@ -84,7 +84,7 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     n = t.microbatches(p.dp)
     batches = [(x, y, *(d.to(device) for d in docs)) for x, y, *docs in
                data.validation_batches(n * t.micro_batch, t.micro_batch)]
-    meter = ScheduleMeter(chunks)
+    meter = SavedTensorMeter(*chunks, names=False)
     meter.exclude([x for batch in batches for item in batch  # the data (tokens, labels, documents)
                    for x in (item.tensors(torch_dtype(m.dtype)) if isinstance(item, Documents) else [item])])
     forward_backward(chunks, batches, dims, p, keep_microbatches=r.keep_microbatches, meter=meter)

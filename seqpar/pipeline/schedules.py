@@ -44,7 +44,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     item, their ``seqpar.documents.Documents``, which every stage reads.
     ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
     chunk-microbatches that store every activation instead of recomputing.
-    ``meter``: an optional ``seqpar.measure.meter.ScheduleMeter`` recording the activation peak.
+    ``meter``: an optional ``seqpar.measure.meter.SavedTensorMeter`` recording the activation peak.
     ``loss_scale``: backward starts from loss · loss_scale (fp16); the returned loss is unscaled.
     """
     m = parallel.interleave

@@ -169,10 +169,6 @@ class JobConfig:
         if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
             raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
                               "itself: turn off distributed_optimizer and overlap_grad_reduce")
-        if self.parallel.fsdp and self.model.experts:
-            raise ConfigError(f"fsdp with a mixture of experts ({self.model.experts} experts) is not supported: "
-                              "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
-                              "places experts on subsets of them; train MoE models without fsdp")
         self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import MAX, all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.fsdp import shard_of
 from seqpar.pipeline.objective import counted as counted_tokens
 
 
@@ -64,8 +63,7 @@ def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[t
     parallelism every MoE forward exchanges tokens over the ep ranks (inside dp × cp): so every dp rank
     runs as many forwards as the one with the most batches: the extra ones, on a dummy window, not counted
     (nothing without either; a collective over dp with them)."""
-    fsdp = any(shard_of(p) is not None for c in chunks for p in c.parameters())
-    if dims.dp_group is None or not (fsdp or dims.ep > 1):
+    if dims.dp_group is None or not (dims.fsdp or dims.ep > 1):
         return []
     most = torch.tensor([n], dtype=torch.int64, device=device)
     all_reduce(most, group=dims.dp_group, op=MAX)

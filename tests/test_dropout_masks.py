@@ -15,6 +15,9 @@ microbatch compute exactly the matching slice of the single process's mask.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +199,20 @@ def test_the_tensor_hash_is_unsigned_64_bit_arithmetic():
         for (start, _), i in zip((r[0] for r in axes), point, strict=True):
             h = _splitmix_finaliser(h ^ _splitmix_finaliser((start + int(i) + 0x9E3779B97F4A7C15) % 2**64))
         assert bool(got[point]) == ((h >> 32) >= threshold(P)), point
+
+
+def test_without_a_cpp_compiler_large_masks_are_hashed_eagerly_with_one_warning():
+    """``CXX=false`` (no C++ compiler for Inductor): a mask large enough to be compiled is hashed eagerly instead,
+    the same bits, and one line says so however many masks follow (issue 42.6)."""
+    script = ("import torch; from seqpar.parallel.rng import keep_mask\n"
+              "axes = [((0, 1024),), ((0, 1024),)]\n"
+              "masks = [keep_mask(5, 0.1, axes, 'cpu') for _ in range(3)]\n"
+              "eager = keep_mask(5, 0.1, axes, 'cpu', compiled=False)\n"
+              "print(*[int(m.sum()) for m in masks], torch.equal(masks[0], eager))")
+    env = {**os.environ, "CXX": "false", "SEQPAR_COMPILE_MASKS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    eager = int(keep_mask(5, 0.1, [((0, 1024),), ((0, 1024),)], "cpu", compiled=False).sum())
+    assert run.stdout.split() == [str(eager)] * 3 + ["True"]
+    assert run.stderr.splitlines() == ["seqpar: warning: no C++ compiler for torch.compile (InvalidCxxCompiler): "
+                                       "dropout masks are hashed eagerly (the same bits, slower)"]

@@ -6,10 +6,10 @@ row length are one mask permuted (``row2[j] == row1[j ^ d]``), and 32-bit site k
 Independent Bernoulli bits do neither. Checked here, on the bits themselves:
 
 * **Row copies** (CI size: an attention mask ``[b 2, heads 8, s 1024, 1024]``, 16,384 rows; the old hash
-  gave 38 copies): a row's Walsh–Hadamard magnitudes ``|W(u)|`` do not change when its positions are
+  gave 33 copies): a row's Walsh–Hadamard magnitudes ``|W(u)|`` do not change when its positions are
   XOR-permuted (``W`` only changes sign), so equal magnitude fingerprints find every candidate pair;
   each is confirmed by searching the ``d`` with ``row2[j] == row1[j ^ d]``. None is allowed.
-* **Site keys** (CI size: 2¹⁸ keys of steps × layers × sites; the old 32-bit keys had 7 duplicates):
+* **Site keys** (CI size: 2¹⁸ keys of steps × layers × sites; the old 32-bit keys had 9 duplicates):
   all distinct.
 
 ``SEQPAR_MASK_STATS_FULL=1``: the production-size statistics (global batch 1024, sequence 4096, hidden

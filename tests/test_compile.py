@@ -105,6 +105,29 @@ def test_compiled_keeps_the_bytes_eager_keeps():
         assert kept[0] == kept[1] > 0, (rc.granularity, kept)
 
 
+def test_new_steps_and_microbatches_do_not_recompile():
+    """With dropout and selective recompute under compile, the graphs of the first step serve the next steps and
+    microbatches: the checkpoint's state (the tracker's step and sample, Python ints) stays outside them."""
+    import torch._dynamo
+
+    model = build_model(DROPOUT, seed=3, recompute=RecomputeConfig("selective")).train()
+    compile_model(model)
+    tokens, labels = parity_batch(DROPOUT)
+
+    def step(number: int, microbatch: int) -> None:
+        model.tracker.start_step(number)
+        model.tracker.microbatch(microbatch, tokens.shape[0])
+        model(tokens, labels).backward()
+
+    step(11, 0)  # compiles (grad and no-grad forwards, the recomputation)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for number, microbatch in ((12, 0), (12, 1), (13, 1)):
+            step(number, microbatch)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
 def _loss_head_cases(dims: ParallelDims) -> list:
     """Eager and compiled loss head (vocabulary 3 split as 4 + 4 columns at tp 2: rank 0 holds a padded
     column, rank 1 only padding; label smoothing 0.1; ignored tokens), ordinary and large logits

@@ -24,6 +24,7 @@ from seqpar.model.compile import compile_model, default_compile
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
+from seqpar.parallel.rng import SCHEME
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
@@ -39,7 +40,7 @@ from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
 from seqpar.train.wandb_sink import WandbSink
 
-DROPOUT_MASKS = "position-keyed-1"  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
+DROPOUT_MASKS = SCHEME  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
 
 
 class NonFiniteError(RuntimeError):
@@ -133,9 +134,11 @@ class Trainer:
                  f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
                  f" dp {meta['config']['parallel']['dp']})")
         m = self.job.model
-        if meta.get("dropout_masks") != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
-            self.log("note: the checkpoint predates position-keyed dropout (seqpar/parallel/rng.py): it loads, but "
-                     "the steps after it drop other elements than the run that wrote it would have")
+        written = meta.get("dropout_masks", "a scheme before position-keyed dropout")
+        if written != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
+            self.log(f"note: the checkpoint's dropout masks are {written}, this run's {DROPOUT_MASKS} "
+                     f"(seqpar/parallel/rng.py): it loads, and from step {step + 1} on other elements are dropped "
+                     "than the run that wrote it would have dropped")
 
     def save(self) -> str:
         tensors = self.opt.checkpoint_views()

@@ -69,7 +69,8 @@ def _verdict(ev: Evaluation, best: Evaluation | None) -> str:
         return f"invalid: {ev.error}"
     peak = ev.peak
     if not ev.fits:
-        return (f"does not fit: rank {peak.rank} needs {human_bytes(peak.total)} > {human_bytes(ev.usable_bytes)} usable "
+        return (f"does not fit: rank {peak.rank} needs {human_bytes(peak.total)} > {human_bytes(ev.usable_bytes)} "
+                "usable "
                 f"(states {human_bytes(peak.states)} + activations {human_bytes(peak.activations)})")
     if best is not None and ev.plan != best.plan:
         return (f"fits ({human_bytes(peak.total)}) but {pct_change(ev.time.total / best.time.total)} iteration time vs "

@@ -23,8 +23,8 @@ from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, p
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, validate_layout
 from seqpar.analysis.stage import StageMemory, all_stages, examined_ranks, most_loaded, stage_memory
 from seqpar.analysis.states import bytes_per_parameter
-from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.analysis.text import human_bytes
+from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins

@@ -139,13 +139,9 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _human(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)
+    from seqpar.analysis.text import human_bytes
+
+    return "-" if n is None else human_bytes(n)
 
 
 def run(args) -> int:

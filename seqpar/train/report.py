@@ -8,14 +8,6 @@ from pathlib import Path
 from seqpar.train.config import JobConfig
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
-
-
 def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     print("=" * 72)

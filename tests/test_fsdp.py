@@ -320,8 +320,15 @@ def test_bf16_and_fp16_loss_scaling_track_plain_data_parallelism(tmp_path, data)
     for dtype in ("bf16", "fp16"):
         a, b = runs[f"{dtype}-fsdp"]["losses"], runs[f"{dtype}-dp"]["losses"]
         worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
-        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}")
-        assert worst < 2e-3, (a, b)
+        fsdp, dp = ({r["step"]: r["grad_norm"] for r in records(str(tmp_path / f"{dtype}-{mode}"))
+                     if math.isfinite(r["grad_norm"])} for mode in ("fsdp", "dp"))
+        # the steps whose gradients were finite (fp16 from a scale of 2^40 overflows at all 6)
+        assert fsdp.keys() == dp.keys() and (fsdp or dtype == "fp16")
+        norms = max((rel(fsdp[k], dp[k]) for k in dp), default=0.0)
+        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}; grad norms {norms:.1e} relative")
+        # the same bf16 weights and gradients, reduced in fp32 by both: equal to fp32 rounding (a bf16
+        # reduce-scatter moved the bf16 losses by 2.4e-4 and the grad norms by 8.6e-4)
+        assert worst < 1e-5 and norms < 1e-6, (a, b, fsdp, dp)
     assert overflows("fp16-fsdp") == overflows("fp16-dp") and overflows("fp16-dp"), overflows("fp16-dp")
 
 

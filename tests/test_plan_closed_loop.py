@@ -28,7 +28,7 @@ from seqpar.train.config import build_job, load_toml
 from seqpar.train.dry_run import predicted_memory
 from seqpar.train.loop import train_local_many
 
-FULL_DRAWS = 40
+FULL_DRAWS = 150
 DRAWS = FULL_DRAWS if os.environ.get("SEQPAR_PLAN_LOOP_FULL") == "1" else int(os.environ.get("SEQPAR_PLAN_LOOP_DRAWS",
                                                                                                "4"))
 VOCAB = 64

@@ -148,3 +148,12 @@ def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[st
         bad += [f"pp {pp} tp {tp} optimizer: measured {got:,} != planned {want:,.0f}"
                 for got, want in pairs if abs(got - want) > 1e-3]
     return bad
+
+
+def step_records(out) -> list[dict]:
+    """The per-step records of a run's ``metrics.jsonl`` in ``out`` (no events), by step."""
+    import json
+    from pathlib import Path
+
+    lines = Path(out, "metrics.jsonl").read_text().splitlines()
+    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])

@@ -13,14 +13,13 @@ layout of each kind: tp 2 + SP, pp 2, dp 2, cp 2, FSDP over dp 2 and an interlea
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _helpers import Launches, random_tokens
+from _helpers import Launches, random_tokens, step_records
 
 from seqpar.bench.plain_gpt import GPT
 from seqpar.bench.plain_llama import PlainLlama
@@ -116,11 +115,6 @@ def seqpar_weights(job, checkpoint: str) -> dict[str, torch.Tensor]:
     return state_to_hf(state, job.model) if job.model.arch == "llama" else state
 
 
-def records(out: str) -> list[dict]:
-    lines = Path(out, "metrics.jsonl").read_text().splitlines()
-    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])
-
-
 def rel(a, b) -> float:
     return float((torch.as_tensor(a) - torch.as_tensor(b)).norm() / torch.as_tensor(b).norm().clamp(min=1e-30))
 
@@ -147,7 +141,7 @@ def test_seqpar_trains_the_plain_pytorch_trajectory(runs, model, layout):
     sections_, world = jobs[(model, layout)]
     job = build_job(sections_).validate(world)
     want_steps, want_weights = plain[model]
-    got_steps = records(sections_["train"]["out_dir"])
+    got_steps = step_records(sections_["train"]["out_dir"])
     assert [r["step"] for r in got_steps] == list(range(1, STEPS + 1))
     assert all(r["grad_norm"] > TRAIN["grad_clip"] for r in want_steps), "clipping must bind at every step"
     got_weights = seqpar_weights(job, summary["checkpoint"])

@@ -156,7 +156,9 @@ class ModelConfig:
         return sum(self.is_moe(i) for i in range(self.num_layers))
 
     def _validate_moe(self) -> None:
-        _positive(top_k=self.top_k, moe_every=self.moe_every)  # a flag given is a flag checked, experts or not
+        # a flag given is a flag checked, experts or not
+        given = {} if self.moe_ffn_hidden_size is None else {"moe_ffn_hidden_size": self.moe_ffn_hidden_size}
+        _positive(top_k=self.top_k, moe_every=self.moe_every, **given)
         if self.experts == 0:
             if self.shared_expert_ffn or self.moe_capacity:
                 raise ConfigError("shared_expert_ffn and moe_capacity need experts > 0")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import random_tokens
+from _helpers import random_tokens, step_records
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local, train_local_many
@@ -30,11 +30,6 @@ def job(sections: dict, out: Path, data: Path) -> dict:
              "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
              "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
     return {**sections, "train": {**train, **sections.get("train", {})}}
-
-
-def records(out: str) -> list[dict]:
-    lines = Path(out, "metrics.jsonl").read_text().splitlines()
-    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])
 
 
 def rel(a: float, b: float) -> float:
@@ -97,7 +92,7 @@ def results(tmp_path_factory, data) -> dict:
 
 
 def errors(run: dict, ref: dict, run_dir: Path, ref_dir: Path) -> dict[str, float]:
-    got, want = records(str(run_dir)), records(str(ref_dir))
+    got, want = step_records(str(run_dir)), step_records(str(ref_dir))
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
     weights, ref_weights = load_model_state(run["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
@@ -320,8 +315,15 @@ def test_bf16_and_fp16_loss_scaling_track_plain_data_parallelism(tmp_path, data)
     for dtype in ("bf16", "fp16"):
         a, b = runs[f"{dtype}-fsdp"]["losses"], runs[f"{dtype}-dp"]["losses"]
         worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
-        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}")
-        assert worst < 2e-3, (a, b)
+        fsdp, dp = ({r["step"]: r["grad_norm"] for r in step_records(str(tmp_path / f"{dtype}-{mode}"))
+                     if math.isfinite(r["grad_norm"])} for mode in ("fsdp", "dp"))
+        # the steps whose gradients were finite (fp16 from a scale of 2^40 overflows at all 6)
+        assert fsdp.keys() == dp.keys() and (fsdp or dtype == "fp16")
+        norms = max((rel(fsdp[k], dp[k]) for k in dp), default=0.0)
+        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}; grad norms {norms:.1e} relative")
+        # the same bf16 weights and gradients, reduced in fp32 by both: equal to fp32 rounding (a bf16
+        # reduce-scatter moved the bf16 losses by 2.4e-4 and the grad norms by 8.6e-4)
+        assert worst < 1e-5 and norms < 1e-6, (a, b, fsdp, dp)
     assert overflows("fp16-fsdp") == overflows("fp16-dp") and overflows("fp16-dp"), overflows("fp16-dp")
 
 

@@ -25,6 +25,7 @@ from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, p
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, validate_layout
 from seqpar.analysis.stage import StageMemory, all_stages, examined_ranks, most_loaded, stage_memory
 from seqpar.analysis.states import bytes_per_parameter
+from seqpar.analysis.text import human_bytes
 from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 
@@ -175,7 +176,7 @@ def settings(req: Request) -> dict:
     """The assumptions every plan of ``req`` shares, as the reports print them."""
     return {"precision": req.precision, "bytes_per_parameter": bytes_per_parameter(req.opt),
             "activation_bytes": req.opts.act_bytes, "dropout": req.dropout,
-            "fused_attention": req.opts.fused_attention}
+            "fused_attention": req.opts.fused_attention, "sdpa_kernel": req.opts.sdpa_kernel}
 
 
 @dataclass
@@ -399,16 +400,16 @@ def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[
 
 def rejection_lines(req: Request, stats: dict) -> list[str]:
     """What each rule ruled out, one line each (the rules that ruled out nothing are left out)."""
-    sh, usable = req.shape, req.hw.usable_bytes / 1e9
+    sh, usable = req.shape, human_bytes(req.hw.usable_bytes)
     words = {
         "tp_split": f"tp values (up to a node's {req.hw.gpus_per_node} GPUs) that do not split heads "
                     f"{sh.num_heads}, kv heads {sh.num_kv_heads}, FFN width {sh.ffn} or the {req.gpus} GPUs",
         "pp_layers": f"pp values above the {sh.num_layers} layers",
         "cp_seq": f"cp values with 2 cp not dividing the sequence {sh.seq_len}",
         "batch_dp": f"layouts whose dp does not divide the global batch {req.global_batch}",
-        "states_too_big": f"layouts whose model states alone (weights, gradients, optimizer) exceed {usable:.1f} GB "
+        "states_too_big": f"layouts whose model states alone (weights, gradients, optimizer) exceed {usable} "
                           "usable",
-        "activations": f"layouts that exceed {usable:.1f} GB usable with every recompute option tried",
+        "activations": f"layouts that exceed {usable} usable with every recompute option tried",
         "dominated": "plans dropped as dominated: another at the same layout needs less memory and less time",
     }
     counts = stats.get("rejected", {}) | {k: stats.get(k, 0) for k in ("states_too_big", "activations", "dominated")}

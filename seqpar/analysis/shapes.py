@@ -136,6 +136,20 @@ def uses_dropout(cfg: ModelConfig, embedding: bool = True) -> bool:
     return on["hidden"]
 
 
+DEVICES = ("cuda", "cpu")  # the device kinds a prediction is for (what a launch on such a host runs)
+
+
+def device_kernels(device: str, act_bytes: int) -> tuple[str, int]:
+    """What the run's device changes in the activation formula, the one owner of that rule (the planner, the
+    dry run and the measurement ask it): the fused kernel ``scaled_dot_product_attention`` runs
+    (``memory.SDPA_KERNELS``: the CPU kernel writes its output in the query's memory order, flash on CUDA a
+    ``[b, s, heads, d]`` one, a second storage at b > 1) and the bytes of one norm-statistic element (the
+    activation width ``act_bytes`` on CPU, fp32 on accelerators)."""
+    if device not in DEVICES:
+        raise AnalysisError(f"device {device!r} is not one of {list(DEVICES)}")
+    return ("cpu", act_bytes) if device == "cpu" else ("flash", 4)
+
+
 def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: bool = True,
                        free_pipeline_outputs: bool = True, sdpa_kernel: str = "flash") -> ActivationOptions:
     """The formula inputs of a runtime configuration, the one adapter from a ModelConfig to them: the

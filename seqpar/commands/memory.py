@@ -140,13 +140,9 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _human(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)
+    from seqpar.analysis.text import human_bytes
+
+    return "-" if n is None else human_bytes(n)
 
 
 def run(args) -> int:
@@ -235,8 +231,9 @@ def run(args) -> int:
 def fused_core_note(micro_batch: int, device: str = "cpu") -> str:
     """What a fused core keeps, and that selective recompute leaves it alone (``analysis.memory.rebuilt``)."""
     from seqpar.analysis.memory import sdpa_output_is_out_proj_input
+    from seqpar.analysis.shapes import device_kernels
 
-    shared = sdpa_output_is_out_proj_input(micro_batch, "cpu" if device == "cpu" else "flash")
+    shared = sdpa_output_is_out_proj_input(micro_batch, device_kernels(device, 2)[0])
     out = "its output is the out-proj input's storage" if shared else "its output (2sbh/t)"
     return (f"fused attention (sdpa): no s² terms; it keeps Q, K, V, an fp32 log-sum-exp per row and head, {out}"
             " (and 16 B of RNG state on CUDA). selective recompute checkpoints nothing in a fused core: its kernel "

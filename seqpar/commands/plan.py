@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dropout is 0, else the paper's materialized core; sdpa has no attention dropout (--dropout "
                         "stays at the embedding and hidden sites) (default %(default)s)")
     g.add_argument("--fused-attention", action="store_true", help="same as --attention sdpa")
+    g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="the device kind the ranks run on: which fused attention kernel and norm-statistic width "
+                        "the memory counts (seqpar.analysis.shapes.device_kernels; `train --dry-run` prints both) "
+                        "(default %(default)s)")
     g.add_argument("--keep-pipeline-outputs", action="store_true",
                    help="do not free sent stage outputs (App. B off)")
     g = p.add_argument_group("output")
@@ -140,7 +144,13 @@ def request_from_args(args):
     from seqpar.analysis.planner import Request
     from seqpar.analysis.presets import preset_setup
     from seqpar.analysis.profiles import hardware_for
-    from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
+    from seqpar.analysis.shapes import (
+        ActivationOptions,
+        AnalysisError,
+        OptimizerOptions,
+        default_dropout,
+        device_kernels,
+    )
 
     shape, model_name = _shape(args)
     batch = args.global_batch
@@ -166,8 +176,9 @@ def request_from_args(args):
     # embedding and hidden sites only
     fused = attention == "sdpa" or (attention == "auto" and dropout == 0)
     # seqpar's bounded cross entropy keeps the logits in their dtype and an fp32 lse (docs/analysis.md)
+    kernel, stats = device_kernels(args.device, act_bytes)
     opts = ActivationOptions(act_bytes=act_bytes, logits_bytes=act_bytes, bounded_loss=True, dropout=dropout > 0,
-                             fused_attention=fused,
+                             fused_attention=fused, sdpa_kernel=kernel, ln_stats_bytes=stats,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from seqpar.analysis.shapes import device_kernels
 from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensorMeter
@@ -23,14 +24,17 @@ from seqpar.recompute import RecomputePlan, checkpoint
 
 
 def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
-    """Bytes of one LayerNorm mean/rstd element: fp32 on accelerators, the activation dtype on CPU."""
-    return torch.empty((), dtype=dtype).element_size() if device.type == "cpu" else 4
+    """Bytes of one LayerNorm mean/rstd element on ``device`` (``seqpar.analysis.shapes.device_kernels``)."""
+    return device_kernels(_kind(device), torch.empty((), dtype=dtype).element_size())[1]
 
 
 def sdpa_kernel_for(device: torch.device) -> str:
-    """The fused attention kernel (``seqpar.analysis.memory.SDPA_KERNELS``) ``scaled_dot_product_attention``
-    runs on ``device``: the CPU kernel, else flash (bf16/fp16 on CUDA; the formula's GPU default)."""
-    return "cpu" if device.type == "cpu" else "flash"
+    """The fused attention kernel ``scaled_dot_product_attention`` runs on ``device`` (``device_kernels``)."""
+    return device_kernels(_kind(device), 2)[0]
+
+
+def _kind(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else "cuda"  # any accelerator: the flash-class kernels
 
 
 def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,

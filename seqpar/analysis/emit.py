@@ -35,10 +35,13 @@ def train_sections(req: Request, plan: Plan, schedule: dict | None = None) -> di
             "train": train | {"data": None, "tokenizer": None}}
 
 
+HEADER = "# seqpar plan:"  # the first line of an emitted config: what a later --emit-config may replace
+
+
 def plan_toml(req: Request, plan: Plan, schedule: dict | None = None) -> str:
     """The TOML file ``seqpar plan --emit-config`` writes: the job that trains ``plan``, with comments on
     what the planner did not choose."""
-    notes = [f"# seqpar plan: {plan.label}",
+    notes = [f"{HEADER} {plan.label}",
              f"# run: seqpar train --config FILE --nproc {req.gpus} (or torchrun with {req.gpus} ranks in all)",
              "# [train] steps, lr, min_lr, schedule, warmup: the trainer's defaults, not chosen by the planner"]
     vocab = req.shape.vocab_size

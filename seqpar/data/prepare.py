@@ -2,7 +2,9 @@
 
 1. Plan: list the inputs, cut them into units (``seqpar.data.sources``), copy the tokenizer in, and
    write ``plan.json`` (inputs with sizes and modification times, options, units). A folder holding
-   the same plan resumes; another plan is refused unless ``overwrite``.
+   the same plan resumes; another plan is refused unless ``overwrite``, which removes the folder's own
+   files only (``own_file``). A non-empty folder that is not a prepare, and an ``out`` that is, holds or
+   lies inside an input, are refused (``seqpar.commands.out_path``).
 2. Tokenize the units not yet done, in ``workers`` processes (each single-threaded; one worker uses
    the tokenizer's own threads): unit ``k`` becomes ``shard_k.tokens`` (ids, each document followed by
    the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written to ``.tmp``
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -25,12 +28,14 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
+from seqpar.commands.out_path import check_not_input, check_out_folder, foreign, remove_own
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
-from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest
+from seqpar.data.prepared import FORMAT, MANIFEST, is_prepared, read_manifest
 from seqpar.data.sources import documents, input_files, plan_units
 
 PLAN = "plan.json"
+OWN_FILE = re.compile(r"(shard_\d{5}\.(tokens|docs|json)|(plan|manifest|tokenizer)\.json)(\.tmp)?|\.tokenizer")
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 ENCODE_BATCH = 256  # documents per encode_batch call
 
@@ -182,8 +187,14 @@ def _tokenizer_setup(tokenizer: str, out: Path, eos_token: str) -> tuple[dict | 
     return record, int(eos), record["vocab_size"]
 
 
+def own_file(name: str) -> bool:
+    """``name`` is one that ``seqpar prepare`` writes in its folder (what ``--overwrite`` may remove)."""
+    return bool(OWN_FILE.fullmatch(name))
+
+
 def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
-    """True when ``out`` holds this very plan (resume); clears it with ``overwrite``; refuses another."""
+    """True when ``out`` holds this very plan (resume); with ``overwrite``, a prepared folder of another plan
+    loses its own files (only: a user's file beside them stays); any other non-empty folder is refused."""
     if (out / PLAN).is_file():
         old = json.loads((out / PLAN).read_text())
         if old == plan:
@@ -192,10 +203,12 @@ def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
             what = [k for k in plan if old.get(k) != plan[k]]
             raise DataError(f"{out} holds a prepare of other inputs or options ({', '.join(what)} differ); "
                             "give another --out, or --overwrite")
-    elif out.exists() and any(out.iterdir()) and not overwrite:
-        raise DataError(f"{out} is not empty and holds no prepare; give an empty or new folder, or --overwrite")
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
+    elif not is_prepared(out) and foreign(out, own_file):
+        listed = ", ".join(foreign(out, own_file)[:3])
+        raise DataError(f"{out} is not empty ({listed}) and holds no prepare; give an empty or new folder"
+                        + (" (--overwrite replaces only a prepared folder)" if overwrite else ""))
+    if out.is_dir() and overwrite:
+        remove_own(out, own_file)
     return False
 
 
@@ -203,6 +216,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
             unit_mb: float = 16.0, overwrite: bool = False, progress: bool = True, eos_token: str = "") -> dict:
     """Prepare ``inputs`` into ``out`` (see the module docstring); returns the manifest."""
     out = Path(out)
+    check_out_folder(out, "--out")
+    check_not_input(out, inputs, "--out")
     if unit_mb <= 0 or workers < 0:
         raise DataError(f"--shard-mb {unit_mb} must be positive and --workers {workers} >= 0")
     files = input_files(inputs)

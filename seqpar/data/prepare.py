@@ -33,6 +33,7 @@ from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
 from seqpar.data.prepared import FORMAT, MANIFEST, is_prepared, read_manifest
 from seqpar.data.sources import documents, input_files, plan_units
+from seqpar.processes import die_with_parent
 
 PLAN = "plan.json"
 OWN_FILE = re.compile(r"(shard_\d{5}\.(tokens|docs|json)|(plan|manifest|tokenizer)\.json)(\.tmp)?|\.tokenizer")
@@ -258,7 +259,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
                 records[k] = tokenize_unit(*args, k, units[k], field, tok_path, eos, dtype, threads=True)
                 bar.add(records[k])
         else:
-            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+            with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
+                                     initargs=(os.getpid(),)) as pool:  # a killed prepare leaves no worker
                 running = set()
                 queue = list(pending)
                 while queue or running:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from seqpar.parallel.comm import barrier
+from seqpar.processes import die_with_parent
 
 
 def default_device() -> torch.device:
@@ -61,6 +62,7 @@ PRELOAD = ["torch", "torch._dynamo", "seqpar.train.loop"]  # the first optimizer
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threads: int, device_type: str,
             environ: dict[str, str]):
+    die_with_parent()  # the server, which exits with the caller: a killed caller leaves no rank behind
     os.environ.clear()  # the caller's environment now, as a spawned rank has it (not the server's, from its start)
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -1,6 +1,7 @@
 """Every process seqpar starts dies with its parent (issue 43): a ``--workers 2`` prepare killed with
 SIGKILL (no chance to clean up) or SIGTERM (what ``timeout`` and schedulers send) leaves no worker alive
-5 s later. Before, the workers lived on with parent 1, waiting on their queue or writing shards."""
+5 s later (before, the workers lived on with parent 1, waiting on their queue or writing shards); and the
+ranks ``run_ranks`` starts for the tests die with a killed caller (before, they and the forkserver lived on)."""
 
 from __future__ import annotations
 
@@ -72,5 +73,35 @@ def test_a_killed_prepare_leaves_no_worker(corpus, tmp_path, sig):
         assert not left, f"workers {left} outlived a prepare killed by {signal.Signals(sig).name}"
     finally:
         for pid in [proc.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _sleeping_rank(rank: int, world: int, folder: str) -> None:
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_die_with_a_killed_caller(tmp_path):
+    code = ("import sys; from seqpar.parallel.launch import run_ranks; "
+            "from tests.test_process_lifetime import _sleeping_rank; run_ranks(_sleeping_rank, 2, sys.argv[1])")
+    proc = subprocess.Popen([sys.executable, "-c", code, tmp_path], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(ranks) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+        assert len(ranks) == 2, f"the ranks did not start (caller exit {proc.poll()})"
+        proc.kill()
+        proc.wait(timeout=30)
+        end = time.monotonic() + GONE_S
+        while any(map(_alive, ranks)) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their killed caller"
+    finally:
+        for pid in [proc.pid, *ranks]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)

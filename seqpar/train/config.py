@@ -144,6 +144,7 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    changed: tuple[str, ...] = ()  # what building it changed on its own (a preset, a resume): warned, not saved
 
     @property
     def model(self) -> ModelConfig:
@@ -181,9 +182,10 @@ class JobConfig:
 
 
 def inert_settings(job: JobConfig) -> list[str]:
-    """Settings that are valid but do nothing in this job (``seqpar train`` warns once about each)."""
+    """Settings that are valid but do nothing in this job, after what building it changed on its own
+    (``JobConfig.changed``): ``seqpar train`` warns once about each."""
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
-    notes = []
+    notes = list(job.changed)
     if p.sp and p.tp == 1:
         notes.append("sequence parallelism does nothing at tp 1 (it splits the sequence over the tp ranks)")
     n = t.microbatches(p.dp)

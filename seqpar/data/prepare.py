@@ -31,7 +31,7 @@ from pathlib import Path
 from seqpar.commands.out_path import check_not_input, check_out_folder, foreign, remove_own
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
-from seqpar.data.prepared import FORMAT, MANIFEST, is_prepared, read_manifest
+from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest
 from seqpar.data.sources import documents, input_files, plan_units
 from seqpar.processes import die_with_parent
 
@@ -134,6 +134,7 @@ class Progress:
         self.t0 = self.last = time.perf_counter()
         self.enabled, self.every = enabled, every
         self.tty = enabled and sys.stderr.isatty()
+        self.shown = -1  # input bytes done at the last plain line
 
     def line(self) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
@@ -152,10 +153,10 @@ class Progress:
             print("\r" + self.line(), end="", file=sys.stderr, flush=True)
         elif self.enabled and now - self.last >= self.every:
             print(self.line(), file=sys.stderr, flush=True)
-            self.last = now
+            self.last, self.shown = now, self.done
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and (self.tty or self.shown != self.done):  # a plain line already shown is not repeated
             print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
 
 
@@ -196,6 +197,8 @@ def own_file(name: str) -> bool:
 def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
     """True when ``out`` holds this very plan (resume); with ``overwrite``, a prepared folder of another plan
     loses its own files (only: a user's file beside them stays); any other non-empty folder is refused."""
+    from seqpar.data.prepared import is_prepared
+
     if (out / PLAN).is_file():
         old = json.loads((out / PLAN).read_text())
         if old == plan:
@@ -275,6 +278,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
     finally:
         bar.close()
     shards = [records[k] for k in range(len(units))]
+    if not any(r["documents"] for r in shards):  # no manifest: the folder is not one train can read
+        skipped = sum(len(r["skipped"]) for r in shards)
+        raise DataError(f"the inputs hold no document ({len(files)} file(s), {total:,} bytes"
+                        + (f", {skipped} skipped as not text" if skipped else "") + "): nothing to train on")
     manifest = {"format": FORMAT, "tokenizer": tok_record, "eos_id": eos, "vocab_size": vocab, "dtype": dtype,
                 "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                 "input_bytes": total, "field": field,

@@ -74,7 +74,8 @@ def _inputs(rng, root):
             target = rng.choice(["file", "folder", "nowhere", "none"])
             if target != "none":
                 link = path / "zlink"
-                link.symlink_to({"file": path / "f0.txt", "folder": root / "elsewhere", "nowhere": root / "gone"}[target])
+                targets = {"file": path / "f0.txt", "folder": root / "elsewhere", "nowhere": root / "gone"}
+                link.symlink_to(targets[target])
                 (root / "elsewhere").mkdir(exist_ok=True)
                 (root / "elsewhere" / "e.txt").write_text("elsewhere text")
             kind = f"folder+link-{target}"

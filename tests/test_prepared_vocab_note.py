@@ -21,3 +21,18 @@ def test_the_bytes_note_reads_the_prepared_folder(tmp_path):
     assert "prepared as bytes (256 symbols), but vocab_size is 4,096" in bytes_notes(tmp_path / "bytes")[0]
     assert "prepare it with --tokenizer, or --vocab 256" in bytes_notes(tmp_path / "bytes")[0]
     assert "as bytes (256 symbols)" in bytes_notes(tmp_path / "a.txt")[0]  # plain text: as before
+
+
+def test_eval_scores_plain_text_of_a_document_masked_run_without_masks(tmp_path, capsys):
+    """`seqpar eval RUN --data held_out.txt` of a --document-mask run was refused with a training message;
+    plain text is scored as one stream (said on stderr), a prepared folder keeps the masks."""
+    from seqpar.train.evaluate import _document_mask
+
+    (tmp_path / "held_out.txt").write_text("text " * 100)
+    assert run_cli(["prepare", tmp_path / "held_out.txt", "--out", tmp_path / "p", "--no-progress"])[0] == 0
+    meta = {"config": {"data": {"document_mask": True}}}
+    capsys.readouterr()
+    assert _document_mask(meta, str(tmp_path / "held_out.txt")) is False
+    assert "scored as one stream, without the run's document masks" in capsys.readouterr().err
+    assert _document_mask(meta, str(tmp_path / "p")) is True
+    assert _document_mask({"config": {}}, str(tmp_path / "held_out.txt")) is False

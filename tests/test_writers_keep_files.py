@@ -61,12 +61,18 @@ def _cases(r):
         ("calibrate --out onto a user file", ["calibrate", "--quick", "--nproc", 1, "--out", r / "user.txt"]),
         ("bench --out onto a user file", ["bench", "mfu", "--quick", "--out", r / "user.txt"]),
         ("selftest --out into a folder with a user's selftest.json", ["selftest", "--quick", "--out", r / "st"]),
+        ("paper --plot into a folder with a user's figure1.png", ["paper", "--plot", r / "figs"]),
+        ("plan --plot into a folder with a user's plan_memory.png", ["plan", "--gpus", 8, "--model", "22b",
+                                                                     "--plot", r / "figs"]),
     ]
 
 
 def test_every_writer_keeps_what_was_there(world):
     (world / "st").mkdir(exist_ok=True)
     (world / "st" / "selftest.json").write_text("my own results\n")
+    (world / "figs").mkdir(exist_ok=True)
+    for name in ("figure1.png", "plan_memory.png"):
+        (world / "figs" / name).write_text("not an image seqpar drew\n")
     outcomes = []
     for name, argv in _cases(world):
         before = _snapshot(world)

@@ -73,6 +73,21 @@ def text_starting(prefix: str) -> Callable[[Path], bool]:
     return ours
 
 
+def png(path: Path) -> bool:
+    """``ours`` for a plot: a PNG image."""
+    with path.open("rb") as fh:
+        return fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def check_plot_folder(path: Path | str, names: Iterable[str], flag: str) -> Path:
+    """A folder a verb draws ``names`` into: it may be made, and each of those files is new or an image."""
+    path = check_out_folder(path, flag)
+    for name in names:
+        if path.is_dir():
+            check_out_file(path / name, flag, png, "a PNG image")
+    return path
+
+
 def _is_ours(ours: Callable[[Path], bool], path: Path) -> bool:
     try:
         return path.is_file() and not path.is_symlink() and ours(path)

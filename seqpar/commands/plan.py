@@ -171,12 +171,12 @@ def _emit(args, req, plan) -> None:
 def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
     from seqpar.analysis.emit import HEADER
-    from seqpar.commands.out_path import check_out_file, check_out_folder, text_starting
+    from seqpar.commands.out_path import check_out_file, check_plot_folder, text_starting
 
     if args.emit_config is not None:
         check_out_file(args.emit_config, "--emit-config", text_starting(HEADER), "a config seqpar plan wrote")
     if args.plot is not None:
-        check_out_folder(args.plot, "--plot")
+        check_plot_folder(args.plot, ["plan_stages.png" if args.explain is not None else "plan_memory.png"], "--plot")
 
 
 def run(args) -> int:

@@ -23,12 +23,15 @@ def run(args) -> int:
     from seqpar.commands.out_path import claim_folder
     from seqpar.data.tokenizer import of_checkpoint
     from seqpar.interop.checkpoints import export_hf, write_tokenizer
-    from seqpar.interop.hf import EXPORT_FILES, is_export
+    from seqpar.interop.hf import EXPORT_FILES, family_of, is_export
     from seqpar.train import checkpoint as ckpt
+    from seqpar.train.config import build_job
 
     args.checkpoint = checkpoint_of(args)
     folder = ckpt.resolve(args.checkpoint)
-    of_checkpoint(folder, ckpt.read_meta(folder))  # a tokenizer gone or changed: refused before writing
+    meta = ckpt.read_meta(folder)
+    of_checkpoint(folder, meta)  # a tokenizer gone or changed: refused before writing
+    family_of(build_job(meta["config"]).model)  # no architecture fits: refused before an earlier export is replaced
     claim_folder(args.out, "--out", "an earlier export", EXPORT_FILES.__contains__, args.overwrite, is_export,
                  inputs=[folder])
     path = export_hf(args.checkpoint, args.out)

@@ -48,7 +48,8 @@ def corpus(tmp_path_factory):
     return root
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's")
+@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+                    reason="reads /proc's children lists; the parent-death signal is Linux's")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_killed_prepare_leaves_no_worker(corpus, tmp_path, sig):
     out = tmp_path / "out"

@@ -30,6 +30,8 @@ def world(tmp_path_factory):
     (root / "user").mkdir()
     (root / "user" / "notes.txt").write_text("a user's notes\n")
     (root / "user.txt").write_text("a user's file\n")
+    (root / "tok").mkdir()
+    (root / "tok" / "tokenizer.json").write_text("{}\n")  # a user's, in a folder that is no prepare
     return root
 
 
@@ -40,6 +42,8 @@ def _cases(r):
         ("prepare into a folder of user files", ["prepare", r / "corpus", "--out", r / "user"]),
         ("prepare --overwrite into a folder of user files", ["prepare", r / "corpus", "--out", r / "user",
                                                              "--overwrite"]),
+        ("prepare --overwrite into a folder holding only names prepare writes", ["prepare", r / "corpus", "--out",
+                                                                                 r / "tok", "--overwrite"]),
         ("prepare --overwrite into its input", ["prepare", r / "corpus", "--out", r / "corpus", "--overwrite"]),
         ("prepare into a folder inside its input", ["prepare", r / "corpus", "--out", r / "corpus" / "p"]),
         ("prepare into a folder holding its input", ["prepare", r / "corpus" / "doc0.txt", "--out", r / "corpus",

@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
-from seqpar.commands.out_path import check_not_input, check_out_folder, foreign, remove_own
+from seqpar.commands.out_path import check_not_input, check_out_folder, remove_own
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
 from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest
@@ -207,11 +207,14 @@ def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
             what = [k for k in plan if old.get(k) != plan[k]]
             raise DataError(f"{out} holds a prepare of other inputs or options ({', '.join(what)} differ); "
                             "give another --out, or --overwrite")
-    elif not is_prepared(out) and foreign(out, own_file):
-        listed = ", ".join(foreign(out, own_file)[:3])
-        raise DataError(f"{out} is not empty ({listed}) and holds no prepare; give an empty or new folder"
-                        + (" (--overwrite replaces only a prepared folder)" if overwrite else ""))
-    if out.is_dir() and overwrite:
+    elif out.is_dir() and any(out.iterdir()):
+        if not is_prepared(out):
+            listed = ", ".join(sorted(p.name for p in out.iterdir())[:3])
+            raise DataError(f"{out} is not empty ({listed}) and holds no prepare; give an empty or new folder"
+                            + (" (--overwrite replaces only a prepared folder)" if overwrite else ""))
+        if not overwrite:
+            raise DataError(f"{out} holds a prepare without its plan; give another --out, or --overwrite")
+    if overwrite and is_prepared(out):
         remove_own(out, own_file)
     return False
 

@@ -348,6 +348,9 @@ class ParallelConfig:
                 raise ConfigError(f"kv heads {kv} and tp {self.tp}: one must divide the other")
             if model.ffn % self.tp:
                 raise ConfigError(f"ffn width {model.ffn} is not divisible by tp {self.tp}")
+            if model.experts and model.shared_expert_ffn % self.tp:
+                raise ConfigError(f"shared_expert_ffn {model.shared_expert_ffn} is not divisible by tp {self.tp} "
+                                  "(the shared expert is an MLP split over tp)")
             if self.cp > 1 and model.seq_len % (2 * self.cp):
                 raise ConfigError(f"sequence {model.seq_len} is not divisible by 2 × cp {self.cp} = "
                                   f"{2 * self.cp} (each cp rank holds two chunks of it)")

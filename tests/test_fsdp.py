@@ -194,17 +194,16 @@ def test_checkpoint_resumes_across_fsdp(name, resumed):
 
 # ---------------------------------------------------------------------- model states per rank
 def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
-    """Each job's start-record figures on this rank, and after one step the gradient storages FSDP holds."""
+    """Each job's start-record figures on this rank after one step (FSDP's gradients exist after a backward:
+    measured then, not copied from the parameters' bytes before any exists, issue 43)."""
     from seqpar.train.config import build_job
     from seqpar.train.loop import Trainer
     from seqpar.train.states import state_record
     out = []
     for sections in runs:
         trainer = Trainer(build_job(sections), quiet=True)
-        record = state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank)
         trainer.train_step(0)
-        grads = trainer.opt.grad_storage_bytes() if trainer.job.parallel.fsdp else record["grads_bytes"]
-        out.append({**record, "grads_after_step": grads})
+        out.append(state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank))
     return out
 
 
@@ -225,7 +224,6 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
         for rank, got in enumerate(ranks):
             r = got[j]
             assert [r[k] for k in keys] == [r[f"{k}_predicted"] for k in keys], (name, rank, r)
-            assert r["grads_after_step"] == r["grads_bytes"], (name, rank, r)
     plain = sum(ranks[0][0][k] for k in keys)
     for rank, got in enumerate(ranks):
         sharded = sum(got[1][k] for k in keys)

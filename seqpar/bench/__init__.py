@@ -34,13 +34,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q = sub.add_parser(name, help=help_text, description=help_text)
         q.add_argument("--json", action="store_true", help="print one JSON object")
         q.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke test, not a result)")
-        q.add_argument("--out", metavar="FILE", help="also write the JSON object to FILE")
+        q.add_argument("--out", metavar="FILE", help="also write the JSON object to FILE (an existing file is "
+                       "replaced only when it is a benchmark result)")
         importlib.import_module(module).add_arguments(q)
         q.set_defaults(_bench=module)
 
 
 def run(args: argparse.Namespace) -> dict:
     module = importlib.import_module(args._bench)
+    if getattr(args, "out", None):
+        from seqpar.commands.out_path import check_out_file, json_with
+
+        check_out_file(args.out, "--out", json_with("machine"), "a benchmark result")  # before the benchmark
     if args.quick:
         for key, value in module.QUICK.items():
             setattr(args, key, value)

@@ -210,18 +210,29 @@ def _emit(args, req, plan) -> None:
               "seqpar train)", file=sys.stderr)
 
 
+def _slurm_script(path) -> bool:
+    """A file ``--emit-slurm`` may replace: a batch script whose second line (after the shebang) is an
+    emitted plan's header."""
+    from seqpar.analysis.emit import HEADER
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return len(lines) > 1 and lines[1].startswith(HEADER)
+
+
 def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
+    from seqpar.analysis.emit import HEADER
     from seqpar.analysis.shapes import AnalysisError
-    from seqpar.commands.out_path import check_out_file, check_out_folder
+    from seqpar.commands.out_path import check_out_file, check_plot_folder, text_starting
 
     if args.emit_slurm is not None and args.emit_config is None:
         raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
-    for path, flag in ((args.emit_config, "--emit-config"), (args.emit_slurm, "--emit-slurm")):
-        if path is not None:
-            check_out_file(path, flag)
+    if args.emit_config is not None:
+        check_out_file(args.emit_config, "--emit-config", text_starting(HEADER), "a config seqpar plan wrote")
+    if args.emit_slurm is not None:  # its second line, after the shebang, is the plan's header
+        check_out_file(args.emit_slurm, "--emit-slurm", _slurm_script, "a batch script seqpar plan wrote")
     if args.plot is not None:
-        check_out_folder(args.plot, "--plot")
+        check_plot_folder(args.plot, ["plan_stages.png" if args.explain is not None else "plan_memory.png"], "--plot")
 
 
 def run(args) -> int:

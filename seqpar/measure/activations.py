@@ -74,7 +74,9 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     the pipeline; gradients are left in place for the next ``zero_grad``): ``stage_act_peak_measured``
     per pp rank (this rank's tp and dp coordinates), ``stage_act_peak_formula`` and ``_exact``
     (``seqpar.measure.stages``; None where the formula refuses the layout); under ``"rank"`` this
-    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list)."""
+    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list). With
+    experts both assume balanced routing (``act_peak_routing``): a rank whose experts get more tokens keeps
+    more than its "exact" value."""
 
     from seqpar.measure.stages import formula_stage_bytes, implementation_terms
     from seqpar.pipeline import forward_backward
@@ -103,7 +105,8 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
         except ConfigError:
             formula.append(None)
             exact.append(None)
+    routing = {"act_peak_routing": "balanced"} if m.experts else {}  # formula and exact: T·K/E per expert
     return {"stage_act_peak_measured": peaks.tolist(), "stage_act_peak_formula": formula,
-            "stage_act_peak_exact": exact,
+            "stage_act_peak_exact": exact, **{f"stage_{k}": v for k, v in routing.items()},
             "rank": {"act_peak_measured": meter.peak_bytes, "act_peak_formula": formula[dims.pp_rank],
-                     "act_peak_exact": exact[dims.pp_rank]}}
+                     "act_peak_exact": exact[dims.pp_rank], **routing}}

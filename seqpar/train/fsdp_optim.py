@@ -85,14 +85,14 @@ class FSDPOptimizer(AdamOnMasters):
         return lr
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: the fp32 parameter shards (FSDP's padded shard storage), their gradients
-        (the same padded size: FSDP's reduce-scatter output), Adam's two moments (the masters are the
-        parameters themselves)."""
+        """Bytes this rank holds: the fp32 parameter shards (FSDP's padded shard storage), the gradient
+        storages held now (FSDP's reduce-scatter outputs: measured after a backward, as the trainer's start
+        record is; 0 before any), Adam's two moments (the masters are the parameters themselves)."""
         shards = [p.to_local() for _, p in self.named]  # the live shards (FSDP re-pads an empty one at its first use)
         params = {x.untyped_storage()._cdata: x.untyped_storage().nbytes() for x in shards}
         moments = sum(t.numel() * t.element_size() for state in self.opt.state.values()
                       for k, t in state.items() if k != "step")
-        return {"params_bytes": sum(params.values()), "grads_bytes": sum(params.values()),
+        return {"params_bytes": sum(params.values()), "grads_bytes": self.grad_storage_bytes(),
                 "optimizer_bytes": moments}
 
     def grad_storage_bytes(self) -> int:

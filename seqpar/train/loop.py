@@ -63,6 +63,7 @@ class TrainState:
     skipped: int = 0  # steps skipped for non-finite values, in total
     skipped_in_row: int = 0
     losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
+    aux_losses: list[float] = field(default_factory=list)  # MoE: each step's load-balancing losses, apart
     val_loss: float = float("nan")
 
 
@@ -199,16 +200,21 @@ class Trainer:
             print(text, flush=True)
 
     def train_step(self, step: int) -> tuple[float, float, str]:
-        """One optimizer step; returns (loss, grad norm, outcome): ``applied``, ``overflow`` (fp16: the
-        scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``."""
+        """One optimizer step; returns (cross entropy, grad norm, outcome): ``applied``, ``overflow`` (fp16:
+        the scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``.
+        MoE: the step's load-balancing losses (part of the objective) go to ``state.aux_losses``."""
         t, dims, opt = self.job.train, self.dims, self.opt
         reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad(len(mbs))
+        aux: list[float] = []
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
-                                      keep_microbatches=self.job.recompute.keep_microbatches)  # App. C
+                                      keep_microbatches=self.job.recompute.keep_microbatches, aux=aux)  # App. C
         self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
+        if aux:  # logged apart: the cross entropy is what validation and seqpar eval report
+            self.state.aux_losses.append(broadcast_from_last_stage(aux[0], dims, self.device))
+            loss -= self.state.aux_losses[-1]
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike
         if math.isfinite(loss) and math.isfinite(norm):
@@ -266,7 +272,8 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.close()
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses, "interrupted": True, "step": self.state.step}
+                "losses": self.state.losses, "aux_losses": self.state.aux_losses, "interrupted": True,
+                "step": self.state.step}
 
     def _skipped_update(self, outcome: str, loss: float, norm: float, metrics: MetricsLog) -> None:
         """Log a step whose update was skipped (fp16 overflow, non-finite values); on non-finite values
@@ -287,6 +294,11 @@ class Trainer:
             raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
                                  f"stopped, last good state saved at {path}")
 
+    def _aux_record(self, steps: int) -> dict:
+        """MoE: the mean load-balancing loss of the last ``steps`` steps (``aux_loss``), else nothing."""
+        recent = [x for x in self.state.aux_losses[-steps:] if math.isfinite(x)]
+        return {"aux_loss": sum(recent) / len(recent)} if recent else {}
+
     def _window_record(self, norm: float, step_time: float, steps: int, validate: bool) -> dict:
         """The metrics record of the ``steps`` steps since the last log: their mean loss, the last grad
         norm, the rates at ``step_time`` seconds per step, and the validation loss when ``validate``."""
@@ -294,6 +306,7 @@ class Trainer:
         recent = [x for x in self.state.losses[-steps:] if math.isfinite(x)]
         last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
                 "loss_steps": len(recent),
+                **self._aux_record(steps),
                 "lr": self.opt.opt.param_groups[0]["lr"],
                 "grad_norm": norm, **self.throughput.rates(step_time)}
         if validate:
@@ -371,7 +384,8 @@ class Trainer:
         metrics.close()
         kept = {k: v for k, v in activations.items() if k.startswith("act_bytes_")}  # the summary's comparison
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses, "activations": kept}
+                "losses": self.state.losses, "aux_losses": self.state.aux_losses,
+                "activations": kept}
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,

@@ -104,6 +104,13 @@ class OptimizerOptions:
     master_bytes: int = 4
     adam_bytes: int = 8
     distributed: bool = False
+    # overlap (costmodel.dp_allreduce_s): gradient buckets of ``bucket_bytes`` fp32 reduced during the last
+    # microbatch's backward (train.overlap_grad_reduce, train.grad_bucket_mb); the distributed optimizer's
+    # weights all-gathered during the first microbatch's forward (Megatron's --overlap-param-gather; seqpar's
+    # trainer gathers them after the step)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_bytes: float = 25 * 2**20
 
     @classmethod
     def for_precision(cls, precision: str, distributed: bool = False) -> OptimizerOptions:

@@ -55,13 +55,14 @@ innermost, then cp, pp, dp outermost: ``placement.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import kv_heads_per_rank
 from seqpar.analysis.moe import all_to_all_s, moe_gemms, moe_training_flops
-from seqpar.analysis.placement import grad_group_spans_nodes, spans_nodes
+from seqpar.analysis.placement import grad_group_spans_nodes, group_ranks_per_node, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.analysis.stage import examined_ranks, rank_layers
 from seqpar.analysis.states import stage_parameter_sizes, stage_parameters
@@ -111,6 +112,7 @@ class IterationTime:
     terms: dict[str, float]
     microbatch_s: float
     slowest_rank: int
+    hidden: dict[str, float] = field(default_factory=dict)  # seconds of a term run under compute (not in total)
 
     @property
     def total(self) -> float:
@@ -120,6 +122,15 @@ class IterationTime:
 def link_bw(hw: Hardware, across_nodes: bool) -> float:
     """The bus bandwidth of a collective whose group stays in a node, or spans nodes (``placement.py``)."""
     return hw.inter_node_bw if across_nodes else hw.intra_node_bw
+
+
+def grad_group_bw(hw: Hardware, par: ParallelConfig) -> float:
+    """Bus bandwidth of the gradient group (dp × cp): in a node, NVLink; across nodes, one adapter per GPU for
+    each of the group's ranks in a node (``placement.group_ranks_per_node``), at most NVLink's."""
+    if not grad_group_spans_nodes(par, hw.gpus_per_node):
+        return hw.intra_node_bw
+    rails = group_ranks_per_node(par, ("cp", "dp"), hw.gpus_per_node)
+    return min(hw.intra_node_bw, rails * hw.inter_node_bw)
 
 
 def ring_allreduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
@@ -373,37 +384,82 @@ def grad_groups(shape: ModelConfig, par: ParallelConfig) -> list[tuple[float, in
     return [(dense, ranks)] + ([(experts, ranks // par.ep)] if experts else [])
 
 
-def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    """Gradient synchronisation over dp (x cp: context-parallel ranks hold the same parameters) once per
-    iteration (the largest stage's parameters; an MoE model's routed experts over dp·cp/ep ranks)."""
-    ranks = par.dp * par.cp
-    if ranks == 1:
-        return 0.0
-    if par.fsdp:  # per microbatch (fsdp_collectives_s): nothing left at the end of the step
-        return 0.0
-    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))  # an expert group is at most as wide
-    total = 0.0
-    for params, n in grad_groups(shape, par):  # one after the other: dense, then the experts'
+def dp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware,
+                     opt: OptimizerOptions) -> tuple[float, float, int]:
+    """(gradient reduction, weight all-gather, buckets) over dp (x cp: context-parallel ranks hold the same
+    parameters) once per iteration: the largest stage's parameters; an MoE model's routed experts over dp·cp/ep
+    ranks. The distributed optimizer reduce-scatters the gradients and all-gathers the 16-bit weights, else one
+    all-reduce. Buckets: ``opt.bucket_bytes`` of fp32 gradients each where the trainer buckets them."""
+    if par.dp * par.cp == 1 or par.fsdp:  # fsdp: per microbatch (fsdp_collectives_s)
+        return 0.0, 0.0, 0
+    reduce = gather = 0.0
+    buckets = 0
+    for i, (params, n) in enumerate(grad_groups(shape, par)):  # one after the other: dense, then the experts'
         if n == 1 or params == 0:
             continue
-        if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
-            total += 2 * hw.comm_latency + (n - 1) / n * params * (opt.grad_bytes + opt.param_bytes) / bw
+        bw = grad_group_bw(hw, par) if i == 0 else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
+        buckets += math.ceil(params * 4 / opt.bucket_bytes)
+        if opt.distributed:
+            reduce += hw.comm_latency + ring_gather_s(params * opt.grad_bytes, n, bw)
+            gather += hw.comm_latency + ring_gather_s(params * opt.param_bytes, n, bw)
         else:
-            total += hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, n, bw)
-    return total
+            reduce += hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, n, bw)
+    return reduce, gather, buckets
 
 
-def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    """FSDP per microbatch and stage: the weights all-gathered in the compute dtype for the forward and
-    again for the backward (once under ZeRO-2), the fp32 gradients reduce-scattered; one collective
-    per layer each, prefetched beside the layers' compute (counted whole: the model does not overlap it)."""
+def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
+    """Gradient synchronisation over dp × cp once per iteration, in full (``dp_collectives_s``)."""
+    reduce, gather, _ = dp_collectives_s(shape, par, hw, opt)
+    return reduce + gather
+
+
+def exposed_s(comm: float, last: float, window: float, hw: Hardware) -> float:
+    """A collective cut in buckets, each started when its data is ready, beside ``window`` seconds of compute:
+    all but the ``last`` bucket run under the window (what does not fit is exposed), the last one after it."""
+    last = min(last, comm)
+    return beside_gemm_s(comm - last, window, hw) + last
+
+
+def dp_exposed_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions,
+                 windows: tuple[float, float]) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the dp collectives: with ``opt.overlap_grad_reduce`` the gradient buckets
+    under the last microbatch's backward (``windows[1]``), with ``opt.overlap_param_gather`` the weights'
+    all-gather under the first microbatch's forward (``windows[0]``); one more ``comm_latency`` per bucket."""
+    reduce, gather, buckets = dp_collectives_s(shape, par, hw, opt)
+    full = reduce + gather
+    if buckets == 0:
+        return full, 0.0
+    calls = buckets * hw.comm_latency
+    if opt.overlap_grad_reduce:
+        reduce = exposed_s(reduce + calls, (reduce + calls) / buckets, windows[1], hw)
+    if opt.overlap_param_gather and opt.distributed:
+        gather = exposed_s(gather + calls, (gather + calls) / buckets, windows[0], hw)
+    return reduce + gather, max(0.0, full - reduce - gather)
+
+
+def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions,
+                       windows: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(exposed, hidden) seconds of FSDP's collectives for one microbatch on the largest stage: each unit's
+    (every layer, and the root's embedding and head) weights all-gathered in the compute dtype for the forward
+    and again for the backward (once under ZeRO-2), its fp32 gradients reduce-scattered. The next unit's gather
+    is prefetched beside a layer's forward (``windows[0]``), its gather and the previous unit's reduce-scatter
+    beside a layer's backward with its recompute (``windows[1]``): the first gather and the last reduce-scatter
+    are exposed, and what a layer's compute does not cover. Without ``windows`` nothing is hidden."""
     ranks = par.fsdp_shards
     params = largest_stage_parameters(shape, par)
-    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))  # HSDP's shard groups: at most as wide
+    bw = (grad_group_bw(hw, par) if not par.fsdp_shard_size  # HSDP's shard groups: one rail each, at most
+          else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node)))
     gathers = 2 if par.reshard_after_forward else 1
-    layers = shape.num_layers // par.pp + 1
-    return (gathers + 1) * layers * hw.comm_latency + ring_gather_s(
-        params * (gathers * opt.param_bytes + 4), ranks, bw)
+    units = shape.num_layers // par.pp + 1
+    gather = hw.comm_latency + ring_gather_s(params / units * opt.param_bytes, ranks, bw)  # one unit's
+    reduce = hw.comm_latency + ring_gather_s(params / units * 4, ranks, bw)
+    full = units * (gathers * gather + reduce)
+    if windows is None:
+        return full, 0.0
+    fwd = gather + (units - 1) * beside_gemm_s(gather, windows[0], hw)
+    bwd_comm = reduce + (gather if gathers == 2 else 0.0)
+    bwd = (gather if gathers == 2 else 0.0) + (units - 1) * beside_gemm_s(bwd_comm, windows[1], hw) + reduce
+    return fwd + bwd, full - fwd - bwd
 
 
 def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
@@ -437,12 +493,28 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     terms["bubble"] = (par.pp - 1) / par.interleave * t_mb
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
-    terms["dp_allreduce"] = dp_allreduce_s(shape, par, hw, opt)
-    if par.fsdp:  # every microbatch gathers and reduces the stage's weights
-        terms["dp_allreduce"] = n * fsdp_collectives_s(shape, par, hw, opt)
+    windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest)
+    if par.fsdp:  # every microbatch gathers and reduces the stage's weights, prefetched layer by layer
+        exposed, hidden = fsdp_collectives_s(shape, par, hw, opt, windows[2:])
+        exposed, hidden = n * exposed, n * hidden
+    else:
+        exposed, hidden = dp_exposed_s(shape, par, hw, opt, windows[:2])
+    terms["dp_allreduce"] = exposed
     terms["optimizer"] = optimizer_s(shape, par, hw, opt)
     terms["step_overhead"] = hw.step_overhead
-    return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest)
+    return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest,
+                         hidden={"dp_allreduce": hidden} if hidden else {})
+
+
+def pass_windows_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
+                   opts: ActivationOptions, rank: int) -> tuple[float, float, float, float]:
+    """Compute the dp and FSDP collectives run beside on pipeline rank ``rank``: (one microbatch's forward, its
+    backward with what recompute runs again, one layer's forward, one layer's backward with its recompute)."""
+    p = layer_pass_s(shape, par, b, hw, opts)
+    fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
+    rerun = fwd if rc.granularity == "full" else selective_rerun_s(p, rc, opts.fused_attention)
+    layers = rank_layers(shape, par, rank) * par.interleave
+    return layers * fwd, layers * (bwd + rerun), fwd, bwd + rerun
 
 
 def ties_with_best(times: list[float], band: float) -> list[bool]:

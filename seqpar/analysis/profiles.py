@@ -1,8 +1,9 @@
 """Hardware profiles: the cost model's machine (``costmodel.Hardware``) as JSON, with the source of its numbers.
 
 ``seqpar calibrate --out profile.json`` writes one from micro-benchmarks; built in are ``a100-80gb``
-(fitted to the paper's measured times, ``calibration.py``), ``h100-80gb`` and ``h200-141gb`` (the A100
-fit's achieved fractions of its data sheet, applied to theirs; data sheets in ``hardware.py``). Built-in
+(fitted to the paper's measured times, ``calibration.py``), ``h100-80gb`` and ``h200-141gb`` (GEMM efficiency
+measured by seqpar on an H200, ``HOPPER_MEASURED_GEMM_TFLOPS``; the other efficiencies the A100 fit's achieved
+fractions of its data sheet, applied to theirs; data sheets in ``hardware.py``). Built-in
 profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs); a profile file
 must say it (``REQUIRED_FIELDS``).
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from seqpar.analysis.calibration import paper_calibration
 from seqpar.analysis.costmodel import Hardware
-from seqpar.analysis.hardware import TFLOPS, datasheet_hardware, known_gpu
+from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS, TFLOPS, datasheet_hardware, known_gpu
 from seqpar.analysis.shapes import AnalysisError
 from seqpar.config import did_you_mean
 
@@ -26,6 +27,23 @@ PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops
                   "step_overhead", "comm_overlap", "gemm_operand_bw", "reserve_fraction", "error_band")
 REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
 
+
+
+# seqpar's own measurement on Hopper (docs/gpu.md, `seqpar selftest --device cuda --quick`, mfu check, 2026-12-04):
+# a bf16 GEMM of n = 8192 on one H200 reached 692 of the data sheet's 989 TFLOP/s. The H100 SXM has the same
+# GH100 tensor cores and clocks (the H200 differs in HBM only), so both Hopper profiles take this fraction.
+HOPPER_MEASURED_GEMM_TFLOPS = 692.0
+HOPPER = ("h100", "h200")
+
+
+def efficiency_sources(gpu: str, fitted_from: str) -> str:
+    """Where each efficiency of ``gpu``'s built-in profile comes from, one clause each (``seqpar plan`` prints it)."""
+    if gpu not in HOPPER:
+        return f"every efficiency {fitted_from}"
+    return (f"gemm_efficiency measured: {HOPPER_MEASURED_GEMM_TFLOPS:.0f} of {PEAK_DENSE_16BIT_TFLOPS[gpu]:.0f} TFLOP/s "
+            "(bf16 GEMM n=8192, one H200, docs/gpu.md); memory_bw, intra/inter-node bw: the A100 fit's achieved "
+            f"fractions of its data sheet x the {gpu}'s; comm_latency, layer/step overhead: the A100 fit's (not "
+            f"measured on a {gpu}; run seqpar calibrate there)")
 
 
 def scaled_from_a100(gpu: str):
@@ -38,11 +56,12 @@ def scaled_from_a100(gpu: str):
         source = (f"fitted to the paper's {len(cal.rows)} measured times (Tables 4, 5, Sec. 6.3) on A100-80GB; "
                   f"leave-one-model-out error up to {100 * band:.0f}%")
     else:
-        source = (f"{gpu} data sheet x the achieved fractions of the A100 fit to the paper (not measured on a "
-                  f"{gpu}; run seqpar calibrate there)")
+        source = f"{gpu} data sheet; " + efficiency_sources(gpu, "from the A100 fit to the paper (not measured on a "
+                                                           f"{gpu}; run seqpar calibrate there)")
     scale = {n: getattr(sheet, n) * getattr(fitted, n) / getattr(sheet_a100, n)
              for n in ("memory_bw", "intra_node_bw", "inter_node_bw")}
-    return replace(sheet, **scale, gemm_efficiency=fitted.gemm_efficiency, comm_latency=fitted.comm_latency,
+    gemm = HOPPER_MEASURED_GEMM_TFLOPS / PEAK_DENSE_16BIT_TFLOPS[gpu] if gpu in HOPPER else fitted.gemm_efficiency
+    return replace(sheet, **scale, gemm_efficiency=gemm, comm_latency=fitted.comm_latency,
                    layer_overhead=fitted.layer_overhead, step_overhead=fitted.step_overhead, error_band=band,
                    source=source,
                    name=next(k for k, v in BUILTIN_PROFILES.items() if v == gpu) if gpu in BUILTIN_PROFILES.values()

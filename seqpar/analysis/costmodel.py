@@ -84,7 +84,7 @@ class Hardware:
     """
 
     gpus_per_node: int = 8
-    memory_bytes: float = 80e9
+    memory_bytes: float = 80 * 2**30  # the data sheet's 80 GB of HBM: 80 GiB (hardware.GIB)
     peak_flops: float = 312e12  # A100 dense 16-bit
     gemm_efficiency: float = 0.70
     memory_bw: float = 1.6e12  # 80% of 2.04 TB/s HBM2e

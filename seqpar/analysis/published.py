@@ -245,3 +245,9 @@ def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
     return {k: {"rows": len(v), "median_abs_error": statistics.median(abs(r.error) for r in v),
                 "worst_abs_error": max(abs(r.error) for r in v),
                 "mean_error": statistics.fmean(r.error for r in v)} for k, v in groups.items() if v}
+
+
+# The band CI keeps (tests/test_published.py): (median, worst) |error| per group of ``error_stats``. The paper's
+# and the A100 medians are the issue's targets; the rest records where the model stands (issue 49: the H100
+# targets, median 8% and worst 20%, are not met), so a change that makes it worse fails.
+REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.30), "H100": (0.18, 0.60)}

@@ -47,9 +47,12 @@ def memory_terms(stage: StageMemory) -> str:
 
 
 def time_terms(ev: Evaluation) -> str:
-    rows = [[k, f"{v:.2f}"] for k, v in ev.time.terms.items()]
-    rows.append(["iteration", f"{ev.time.total:.2f}"])
-    return table([f"time (slowest rank {ev.time.slowest_rank})", "s"], rows)
+    """Each term's exposed seconds (what the iteration pays) and, beside it, what runs hidden under compute
+    (the dp / FSDP collectives overlapped with the backward or prefetched: ``IterationTime.hidden``)."""
+    hidden = ev.time.hidden
+    rows = [[k, f"{v:.2f}", f"{hidden[k]:.2f}" if k in hidden else ""] for k, v in ev.time.terms.items()]
+    rows.append(["iteration", f"{ev.time.total:.2f}", ""])
+    return table([f"time (slowest rank {ev.time.slowest_rank})", "exposed s", "hidden s"], rows)
 
 
 def plans_table(ranked: list[Evaluation], top: int, band: float = 0.0) -> str:

@@ -109,6 +109,7 @@ class Evaluation:
             out["memory_terms"] = dict(self.peak.terms)
         if self.time is not None:
             out["time_terms"] = dict(self.time.terms)
+            out["hidden_time_terms"] = dict(self.time.hidden)  # run under compute, not in the iteration time
         if self.error:
             out["error"] = self.error
         return out

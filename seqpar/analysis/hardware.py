@@ -32,7 +32,8 @@ PEAK_DENSE_16BIT_TFLOPS: dict[str, float] = {
 
 GIB = 2**30  # a data sheet's memory "GB" are the HBM/GDDR stacks' binary gigabytes: an "80 GB" A100 holds 80 GiB
 
-# name -> (memory GB as the sheet prints it (GiB, ``GIB``), memory TB/s, in-node link GB/s per direction per GPU, inter-node GB/s per GPU),
+# name -> (memory GB as the sheet prints it (GiB, ``GIB``), memory TB/s, in-node link GB/s per direction per
+# GPU, inter-node GB/s per GPU),
 # from the data sheets; inter-node: one InfiniBand adapter per GPU (HDR 200 Gb/s, NDR 400 Gb/s)
 DATASHEET: dict[str, tuple[float, float, float, float]] = {
     "v100": (32, 0.9, 150, 12.5),
@@ -73,6 +74,7 @@ def datasheet_hardware(gpu: str) -> Hardware:
     key = known_gpu(gpu)
     mem, hbm, link, ib = DATASHEET[key]
     base, a100 = Hardware(), DATASHEET["a100"]
-    return replace(base, name=key, source=f"{key} data sheet, uncalibrated", memory_bytes=memory_bytes(key), step_overhead=0.01,
+    return replace(base, name=key, source=f"{key} data sheet, uncalibrated", memory_bytes=memory_bytes(key),
+                   step_overhead=0.01,
                    peak_flops=peak_flops(key), memory_bw=hbm * 1e12 * base.memory_bw / (a100[1] * 1e12),
                    intra_node_bw=link * base.intra_node_bw / a100[2], inter_node_bw=ib * base.inter_node_bw / a100[3])

@@ -40,7 +40,8 @@ def efficiency_sources(gpu: str, fitted_from: str) -> str:
     """Where each efficiency of ``gpu``'s built-in profile comes from, one clause each (``seqpar plan`` prints it)."""
     if gpu not in HOPPER:
         return f"every efficiency {fitted_from}"
-    return (f"gemm_efficiency measured: {HOPPER_MEASURED_GEMM_TFLOPS:.0f} of {PEAK_DENSE_16BIT_TFLOPS[gpu]:.0f} TFLOP/s "
+    peak = PEAK_DENSE_16BIT_TFLOPS[gpu]
+    return (f"gemm_efficiency measured: {HOPPER_MEASURED_GEMM_TFLOPS:.0f} of {peak:.0f} TFLOP/s "
             "(bf16 GEMM n=8192, one H200, docs/gpu.md); memory_bw, intra/inter-node bw: the A100 fit's achieved "
             f"fractions of its data sheet x the {gpu}'s; comm_latency, layer/step overhead: the A100 fit's (not "
             f"measured on a {gpu}; run seqpar calibrate there)")

@@ -159,7 +159,8 @@ def request_from_args(args):
                              fused_attention=fused,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
-                   opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype, dropout=dropout,
+                   opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype,
+                   dropout=dropout,
                    try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
                    max_micro_batch=args.max_micro_batch, name=model_name)
 

@@ -157,6 +157,8 @@ class ModelConfig:
 
     def _validate_moe(self) -> None:
         _positive(top_k=self.top_k, moe_every=self.moe_every)  # a flag given is a flag checked, experts or not
+        if self.moe_ffn_hidden_size is not None:
+            _positive(moe_ffn_hidden_size=self.moe_ffn_hidden_size)
         if self.experts == 0:
             if self.shared_expert_ffn or self.moe_capacity:
                 raise ConfigError("shared_expert_ffn and moe_capacity need experts > 0")

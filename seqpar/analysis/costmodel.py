@@ -234,7 +234,11 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         g |= {k: moe * gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shape, par, b, opts.act_bytes).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
-    if par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
+    if par.sp and opts.tp_comm_overlap:  # each collective pipelined with the GEMM it feeds or follows
+        fwd_comm = sum(beside_gemm_s(gather, g[k], hw) for k in ("qkv", "out_proj", "fc1", "fc2"))
+        bwd_comm = sum(2 * beside_gemm_s(gather, g[k], hw) for k in ("qkv", "fc1")) + sum(
+            beside_gemm_s(gather, g[k], hw) for k in ("out_proj", "fc2"))
+    elif par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
         # and per column-parallel GEMM the re-gather beside dgrad, the reduce-scatter beside wgrad
         fwd_comm = 4 * gather
         bwd_comm = 2 * gather + sum(2 * beside_gemm_s(gather, g[k], hw) for k in ("qkv", "fc1"))

@@ -55,6 +55,10 @@ class PublishedRun:
     dropout: bool = False
     overlap_grad_reduce: bool = False  # the run reduced gradient buckets during the backward
     overlap_param_gather: bool = False  # the run all-gathered the distributed optimizer's weights in the forward
+    tp_comm_overlap: bool = False  # Megatron's --tp-comm-overlap (shapes.ActivationOptions)
+    # settings the source did not print, taken as the planner would: the fastest that fits at the published
+    # layout ("micro_batch": a divisor of the per-rank batch up to 16; "interleave": m dividing L/pp, up to 8)
+    choose: tuple[str, ...] = ()
     assumed: str = ""  # what the source did not print and this row assumes
 
     @property
@@ -62,7 +66,8 @@ class PublishedRun:
         return "H100" if self.gpu.startswith("h") else "A100"
 
     def opts(self) -> ActivationOptions:
-        return ActivationOptions(dropout=self.dropout, fused_attention=self.fused_attention)
+        return ActivationOptions(dropout=self.dropout, fused_attention=self.fused_attention,
+                                 tp_comm_overlap=self.tp_comm_overlap)
 
     def optimizer(self) -> OptimizerOptions:
         return OptimizerOptions(overlap_grad_reduce=self.overlap_grad_reduce,
@@ -171,9 +176,11 @@ def megatron_2024_runs() -> list[PublishedRun]:
             f"GPT {name} (mcore)", "megatron-2024", MEGATRON_2024, "h100",
             _gpt(layers, h, heads, 4096, 131072, untied=True), gpus,
             f"tp={tp},pp={pp},dp={dp}{sp},recompute=none,mb=1,distopt=on", batch, "tflops_per_gpu", tflops,
-            pct / 100, overlap_grad_reduce=True, overlap_param_gather=True,
-            assumed="untied output layer (the parameter counts say so), micro batch 1, no interleaving, no "
-                    "recompute, fused attention, dropout 0"))
+            pct / 100, overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=True,
+            choose=("micro_batch", "interleave"),
+            assumed="untied output layer (the parameter counts say so), no recompute, fused attention, dropout 0; "
+                    "micro batch and interleaving not printed (PP overlap 'enabled by default' is the interleaved "
+                    "schedule's): the fastest that fits, as the planner chooses"))
     return out
 
 
@@ -202,6 +209,7 @@ class Comparison:
     """One run: the published seconds and the cost model's, and whether the published layout fits."""
 
     run: PublishedRun
+    layout: str  # the published layout, with the settings ``run.choose`` names filled in
     published_s: float
     predicted_s: float
     fits: bool
@@ -216,7 +224,7 @@ class Comparison:
     def to_json(self) -> dict:
         r = self.run
         return {"name": r.name, "source": r.source, "link": r.link, "gpu": r.gpu, "gpus": r.gpus,
-                "layout": r.layout, "global_batch": r.global_batch, "published_s": self.published_s,
+                "layout": self.layout, "global_batch": r.global_batch, "published_s": self.published_s,
                 "published_mfu": r.published_mfu, "predicted_s": self.predicted_s, "error": self.error,
                 "fits": self.fits, "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes,
                 "assumed": r.assumed, "time_terms": self.terms}
@@ -229,11 +237,27 @@ def compare(run: PublishedRun, hw=None) -> Comparison:
 
     hw = hw or builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == run.gpu))
     req = Request(run.shape, run.gpus, run.global_batch, hw=hw, opts=run.opts(), opt=run.optimizer())
-    ev = evaluate(req, parse_plan(run.layout, run.gpus))
-    if ev.error:
-        raise ValueError(f"{run.name}: {ev.error}")
-    return Comparison(run, published_seconds(run), ev.time.total, ev.fits, ev.memory_bytes, ev.usable_bytes,
-                      dict(ev.time.terms))
+    evs = [evaluate(req, plan) for plan in candidates(run, parse_plan(run.layout, run.gpus))]
+    runnable = [e for e in evs if not e.error]
+    if not runnable:
+        raise ValueError(f"{run.name}: {evs[0].error}")
+    ev = min(runnable, key=lambda e: (not e.fits, e.time.total))  # the fastest that fits (else the fastest)
+    return Comparison(run, ev.plan.label, published_seconds(run), ev.time.total, ev.fits, ev.memory_bytes,
+                      ev.usable_bytes, dict(ev.time.terms))
+
+
+def candidates(run: PublishedRun, plan):
+    """``plan``, or with the settings ``run.choose`` names varied over the values the planner searches."""
+    from seqpar.analysis.planner import Request
+
+    p, sh = plan.par, run.shape
+    per_rank = run.global_batch // (p.dp * p.cp)
+    mbs = [d for d in range(1, min(per_rank, Request.max_micro_batch) + 1) if per_rank % d == 0] \
+        if "micro_batch" in run.choose else [plan.micro_batch]
+    chunks = sh.num_layers // p.pp if sh.num_layers % p.pp == 0 else 1
+    ms = [m for m in range(1, min(chunks, Request.max_interleave) + 1) if chunks % m == 0] \
+        if "interleave" in run.choose and p.pp > 1 else [p.interleave]
+    return [replace(plan, micro_batch=mb, par=replace(p, interleave=m)) for mb in mbs for m in ms]
 
 
 def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
@@ -247,7 +271,7 @@ def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
                 "mean_error": statistics.fmean(r.error for r in v)} for k, v in groups.items() if v}
 
 
-# The band CI keeps (tests/test_published.py): (median, worst) |error| per group of ``error_stats``. The paper's
-# and the A100 medians are the issue's targets; the rest records where the model stands (issue 49: the H100
-# targets, median 8% and worst 20%, are not met), so a change that makes it worse fails.
-REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.30), "H100": (0.18, 0.60)}
+# The band CI keeps (tests/test_published.py): (median, worst) |error| per group of ``error_stats``. The medians
+# are the issue's targets; the worst records where the model stands (issue 49's H100 worst, 20%, is not met: MPT-30B
+# at s 8192 is 26% fast on H100 and 29% on A100 alike), so a change that makes it worse fails.
+REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.30), "H100": (0.08, 0.30)}

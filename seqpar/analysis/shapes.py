@@ -86,6 +86,10 @@ class ActivationOptions:
     # dtype (logits_bytes) and an fp32 log-sum-exp per token instead of an fp32 softmax (the paper's Sec. 4.3)
     bounded_loss: bool = False
     free_pipeline_outputs: bool = True
+    # Megatron's --tp-comm-overlap (TransformerEngine userbuffers): every tensor-parallel collective of a layer
+    # pipelined with the GEMM it feeds or follows, forward and backward (seqpar's trainer overlaps the backward's
+    # SP re-gather and reduce-scatter only; costmodel.layer_pass_s). For modelling published runs.
+    tp_comm_overlap: bool = False
 
 
 @dataclass(frozen=True)

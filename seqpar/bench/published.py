@@ -36,8 +36,8 @@ def render(result: dict) -> str:
              f"{100 * r['published_mfu'] * r['published_s'] / r['predicted_s']:.1f}%" if r["published_mfu"] else "-",
              f"{gb(r['memory_bytes'])}/{gb(r['usable_bytes'])}" + ("" if r["fits"] else " OVER")]
             for r in result["rows"]]
-    rows = table(["source", "run", "gpu", "n", "published layout", "published s", "predicted s", "error",
-                  "MFU pub", "MFU pred", "GB / usable"], body, left=(0, 1, 2, 4))
+    rows = table(["source", "run", "gpu", "n", "layout (published; unprinted settings chosen)", "published s",
+                  "predicted s", "error", "MFU pub", "MFU pred", "GB / usable"], body, left=(0, 1, 2, 4))
     stats = [[k, v["rows"], f"{100 * v['median_abs_error']:.1f}%", f"{100 * v['worst_abs_error']:.1f}%",
               f"{100 * v['mean_error']:+.1f}%", _target(result["targets"].get(k))]
              for k, v in result["stats"].items()]

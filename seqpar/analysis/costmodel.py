@@ -68,7 +68,7 @@ from seqpar.analysis.memory import kv_heads_per_rank
 from seqpar.analysis.moe import all_to_all_s, moe_gemms, moe_training_flops
 from seqpar.analysis.placement import grad_group_spans_nodes, group_ranks_per_node, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
-from seqpar.analysis.stage import examined_ranks, rank_layers
+from seqpar.analysis.stage import examined_ranks, rank_chunk_layers
 from seqpar.analysis.states import stage_parameter_sizes, stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
@@ -355,7 +355,8 @@ def step_collectives_s(par: ParallelConfig, hw: Hardware) -> dict[str, float]:
 def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
                       rank: int, n: int, opts: ActivationOptions) -> dict[str, float]:
     """Seconds one microbatch costs pipeline rank ``rank``, per term."""
-    layers = rank_layers(shape, par, rank) * par.interleave  # L/p, or this rank's share of an uneven split
+    chunks = rank_chunk_layers(shape, par, rank)
+    layers = sum(chunks)  # L/p, or this rank's share of an uneven split
     p = layer_pass_s(shape, par, b, hw, opts)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}  # PASS_TERMS (+ cp_comm)
     if rank == 0:
@@ -365,8 +366,8 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
     if rc.granularity == "full":
-        share = 1.0 if rc.method == "uniform" else min(1.0, rc.num_layers / max(1, rank_layers(shape, par, rank)))
-        redo = layers * share * sum(p["forward"].values())
+        redone = layers if rc.method == "uniform" else sum(min(rc.num_layers, c) for c in chunks)  # block: N a chunk
+        redo = redone * sum(p["forward"].values())
     else:
         redo = layers * selective_rerun_s(p, rc, opts.fused_attention)
     terms["recompute"] = frac * redo
@@ -521,7 +522,7 @@ def pass_windows_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     p = layer_pass_s(shape, par, b, hw, opts)
     fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
     rerun = fwd if rc.granularity == "full" else selective_rerun_s(p, rc, opts.fused_attention)
-    layers = rank_layers(shape, par, rank) * par.interleave
+    layers = sum(rank_chunk_layers(shape, par, rank))
     return layers * fwd, layers * (bwd + rerun), fwd, bwd + rerun
 
 

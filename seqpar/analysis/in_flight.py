@@ -24,6 +24,14 @@ def in_flight_chunks(rank: int, p: int, m: int = 1, n: int | None = None) -> int
     return count if n is None else min(count, n * m)
 
 
+def in_flight_by_chunk(rank: int, p: int, m: int = 1, n: int | None = None) -> list[int]:
+    """How many of rank ``rank``'s in-flight chunk-microbatches (``in_flight_chunks``) belong to each of its m
+    chunks: before the first backward the interleaved schedule runs forwards in groups of p per chunk (its k-th
+    forward is chunk (k // p) mod m, Megatron's order), so the first W forwards are in flight."""
+    alive = in_flight_chunks(rank, p, m, n)
+    return [sum(1 for k in range(alive) if (k // p) % m == c) for c in range(m)]
+
+
 def interleaving_factor(p: int, m: int) -> float:
     """Sec. 4.2.3: the first stage of the interleaved schedule holds (1 + (p - 1)/(pm)) x L layers."""
     return 1 + (p - 1) / (p * m)

@@ -4,11 +4,13 @@ Dimensions: tp (<= GPUs per node, dividing heads and FFN width), ep (an MoE mode
 of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism, ring attention
 over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (up to L: even when
 it divides L, and with the lighter-ends split of ``uneven.py``), dp (the rest, dividing the global batch),
-interleave m (m > 1 needs pp > 1, L divisible by pp m and the microbatch count by pp, as Megatron requires;
-an uneven split has m = 1), SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused
-attention), full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or full with the
-most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on ``stage.examined_ranks`` (rank 0,
-the last, the first of each layer count: the in-flight count falls with the rank, so they bound the rest).
+interleave m (m > 1 needs pp > 1 and the microbatch count divisible by pp, as Megatron requires; L divisible
+by pp m, or where pp does not divide L an uneven split over the pp m virtual stages, the model's ends lighter),
+SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused attention), full-uniform-1,
+full-block-N (the smallest N that fits), and App. C (selective or full with the most kept chunk-microbatches
+that fit; not with an uneven interleaved split). Memory: ``stage.stage_memory`` on ``stage.examined_ranks``
+(rank 0, the last, the first of each set of chunk sizes: the in-flight count falls with the rank, so they bound
+the rest).
 Time: ``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve). The search counts what each
 rule ruled out and drops plans dominated at their layout (``undominated``).
 """
@@ -21,7 +23,14 @@ from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, predicted_mfu
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, validate_layout
-from seqpar.analysis.stage import StageMemory, all_stages, examined_ranks, most_loaded, stage_memory
+from seqpar.analysis.stage import (
+    StageMemory,
+    all_stages,
+    examined_ranks,
+    most_loaded,
+    stage_memory,
+    uneven_chunks,
+)
 from seqpar.analysis.states import bytes_per_parameter
 from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
@@ -210,6 +219,8 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     n = num_microbatches(req, base)
     in_flight = stage_memory(req.shape, base.par, RecomputeConfig(), base.micro_batch, n, req.opts,
                              _opt(req, base)).in_flight
+    if uneven_chunks(base.par, req.shape):  # App. C over chunks of different sizes is not modelled
+        return options
     for granularity in granularities:
         if fits_with(RecomputeConfig(granularity, keep_microbatches=in_flight)):
             continue  # keeping everything fits: plain "none" covers it
@@ -229,7 +240,7 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
         if shape.num_heads % tp or shape.ffn % tp or req.gpus % tp or (kv % tp and tp % kv):
             rejected["tp_split"] += 1  # the rules of ParallelConfig.validate: heads, FFN width, kv heads over tp
             continue
-        for cp, pp, split in _context_and_pipeline(req, tp, rejected):
+        for cp, pp, pipeline_split in _context_and_pipeline(req, tp, rejected):
             dp = req.gpus // (tp * cp * pp)
             if req.global_batch % dp:
                 rejected["batch_dp"] += 1
@@ -238,7 +249,7 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
                 if mb > req.max_micro_batch:
                     break
                 n = req.global_batch // (dp * mb)
-                for m in _divisors(shape.num_layers // pp) if not split else [1]:  # uneven: one chunk per rank
+                for m, split in _interleavings(req, pp, tp, pipeline_split):
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
                     for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
@@ -251,6 +262,22 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
                         if req.try_fsdp and dp * cp > 1 and not shape.experts:  # fsdp: dense models only
                             par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m, layer_split=split)
                             yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
+
+
+def _interleavings(req: Request, pp: int, tp: int, split: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """(m, layer split) for a pipeline of pp: every m dividing L/pp with the even split; an uneven split with
+    m = 1, and where pp does not divide L, interleaved too: m = 2 .. max_interleave over pp·m virtual stages
+    with the model's ends lighter (``uneven.lighter_ends_split``), as Megatron interleaves 126 layers on 16."""
+    n_layers = req.shape.num_layers
+    if not split:
+        return [(m, ()) for m in _divisors(n_layers // pp)]
+    out = [(1, split)]
+    if n_layers % pp:
+        for m in range(2, req.max_interleave + 1):
+            virtual = lighter_ends_split(req.shape, pp * m, tp)
+            if virtual is not None and len(set(virtual)) > 1:
+                out.append((m, virtual))
+    return out
 
 
 def _expert_parallel(shape: ModelConfig, ranks: int) -> list[int]:

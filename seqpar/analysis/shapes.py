@@ -53,14 +53,12 @@ def layers_per_chunk(model: ModelConfig, par: ParallelConfig) -> int:
 def validate_layout(model: ModelConfig, par: ParallelConfig) -> int:
     """The model's and the layout's rules (those of ``ParallelConfig.validate``, every one but the layer
     split), then the analytic model's even split; returns the layers per chunk, L/(pm). An uneven
-    ``layer_split`` (one chunk per rank) is modelled as given; then the fewest layers of a non-empty stage."""
+    ``layer_split`` (one entry per virtual stage, interleaved or not) is modelled as given; then the fewest layers
+    of a non-empty virtual stage."""
     model.validate()
     if par.layer_split:
         par.validate(model)  # the split's own rules too
-        counts = par.layer_counts(model.num_layers)
-        if par.interleave > 1 and len(set(counts)) > 1:
-            raise AnalysisError(f"the analytic model splits interleaved chunks evenly, not as {counts}")
-        return min((n for n in counts if n), default=1)
+        return min((n for n in par.layer_counts(model.num_layers) if n), default=1)
     par.validate(replace(model, num_layers=max(1, par.pp * par.interleave)))  # every rule but the layer count
     return layers_per_chunk(model, par)
 

@@ -24,12 +24,21 @@ def in_flight_chunks(rank: int, p: int, m: int = 1, n: int | None = None) -> int
     return count if n is None else min(count, n * m)
 
 
-def in_flight_by_chunk(rank: int, p: int, m: int = 1, n: int | None = None) -> list[int]:
-    """How many of rank ``rank``'s in-flight chunk-microbatches (``in_flight_chunks``) belong to each of its m
-    chunks: before the first backward the interleaved schedule runs forwards in groups of p per chunk (its k-th
-    forward is chunk (k // p) mod m, Megatron's order), so the first W forwards are in flight."""
+def peak_in_flight(rank: int, p: int, m: int, n: int | None, sizes: list[float]) -> float:
+    """The most bytes rank ``rank`` holds in chunk-microbatches over an interleaved 1F1B step whose chunks keep
+    ``sizes[c]`` each (they differ under an uneven split). Megatron's order: the k-th forward runs chunk
+    (k // p) mod m, the j-th backward chunk m - 1 - (j // p) mod m; ``in_flight_chunks`` - 1 warm-up forwards,
+    then one forward and one backward at a time. With equal sizes this is ``in_flight_chunks`` x the size."""
     alive = in_flight_chunks(rank, p, m, n)
-    return [sum(1 for k in range(alive) if (k // p) % m == c) for c in range(m)]
+    total = n * m if n is not None else alive + 2 * p * m  # unbounded: long enough for the steady state to cycle
+    held, peak, backward = 0.0, 0.0, 0
+    for k in range(total):
+        held += sizes[(k // p) % m]
+        peak = max(peak, held)
+        if k >= alive - 1:  # steady state: a backward follows each forward
+            held -= sizes[m - 1 - (backward // p) % m]
+            backward += 1
+    return peak
 
 
 def interleaving_factor(p: int, m: int) -> float:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
-from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_by_chunk, in_flight_chunks
+from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
 from seqpar.analysis.memory import layer_activation_terms
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
@@ -285,12 +285,11 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         terms["fsdp_in_flight"] = float(in_flight_bytes(shape, par, opt.param_bytes, rank=rank))
     else:
         terms = stage_state_bytes(shape, par, rank, opt)  # distributed: over dp × cp (routed experts: dp·cp/ep)
-    if uneven_chunks(par, shape):  # the chunk-microbatches in flight, each of its own chunk's size
+    if uneven_chunks(par, shape):  # the schedule's peak over chunk-microbatches of different sizes
         if kept:
             raise AnalysisError("App. C (keep_microbatches) with an uneven interleaved split is not modelled")
         each = chunk_bytes_each(shape, par, rc, b, opts, rank)
-        counts = in_flight_by_chunk(rank, par.pp, par.interleave, n)
-        terms["layer_activations"] = sum(k * c for k, c in zip(counts, each, strict=True))
+        terms["layer_activations"] = peak_in_flight(rank, par.pp, par.interleave, n, each)
     else:
         terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
     if kept:

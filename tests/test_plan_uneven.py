@@ -34,7 +34,8 @@ def test_llama3_405b_on_16384_gpus_has_plans_with_lighter_end_stages(tmp_path):
 
     job = build_job(load_toml(path)).validate(16384)  # train runs the emitted split
     split = job.parallel.layer_counts(126)
-    assert len(split) == job.parallel.pp and sum(split) == 126
+    assert len(split) == job.parallel.pp * job.parallel.interleave and sum(split) == 126
+    assert job.parallel.interleave > 1  # issue 49: the uneven split interleaves, the bubble shrinks by m
     if job.parallel.pp > 2:
         assert split[0] < max(split) and split[-1] < max(split)  # the embedding's and the head's stages lighter
     explain = parse_plan("tp=8,pp=16,split=7/8x14/7,mb=1,recompute=full,distopt=on", 16384)

@@ -33,6 +33,8 @@ def train_sections(req: Request, plan: Plan, schedule: dict | None = None) -> di
         "hidden_dropout": req.dropout, "attention": "sdpa" if fused else "materialized"}
     train = {"micro_batch": plan.micro_batch, "global_batch": req.global_batch,
              "distributed_optimizer": plan.distributed_optimizer} | (schedule or {})
+    if req.opt.overlap_grad_reduce and not plan.par.fsdp and plan.par.dp * plan.par.cp > 1:  # what the time assumed
+        train |= {"overlap_grad_reduce": True, "grad_bucket_mb": req.opt.bucket_bytes / 2**20}
     return {"model": model, "parallel": dataclasses.asdict(plan.par), "recompute": dataclasses.asdict(plan.rc),
             "train": train | {"data": None, "tokenizer": None}}
 

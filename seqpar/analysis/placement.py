@@ -69,3 +69,13 @@ def spans_nodes(par: ParallelConfig, dim: str, gpus_per_node: int) -> bool:
 def grad_group_spans_nodes(par: ParallelConfig, gpus_per_node: int) -> bool:
     """Whether the gradient reduction's dp × cp group holds ranks of two nodes."""
     return spans_nodes(par, "dp", gpus_per_node) or spans_nodes(par, "cp", gpus_per_node)
+
+
+def group_ranks_per_node(par: ParallelConfig, dims: tuple[str, ...], gpus_per_node: int) -> int:
+    """Ranks of one group over ``dims`` (e.g. ("dp", "cp"): the gradient group) that share a node: a collective
+    whose group spans nodes runs one ring per such rank, each through that GPU's own adapter (rail-optimized
+    nodes: one adapter per GPU), so it moves this many times one adapter's bandwidth across nodes."""
+    members = [0]
+    for dim in dims:  # rank 0's group: every combination of the dims' coordinates, at their strides
+        members = [m + k * stride(par, dim) for m in members for k in range(getattr(par, dim))]
+    return max(1, sum(m < gpus_per_node for m in members))

@@ -60,9 +60,12 @@ def memory_terms(stage: StageMemory) -> str:
 
 
 def time_terms(ev: Evaluation) -> str:
-    rows = [[k, f"{v:.2f}"] for k, v in ev.time.terms.items()]
-    rows.append(["iteration", f"{ev.time.total:.2f}"])
-    return table([f"time (slowest rank {ev.time.slowest_rank})", "s"], rows)
+    """Each term's exposed seconds (what the iteration pays) and, beside it, what runs hidden under compute
+    (the dp / FSDP collectives overlapped with the backward or prefetched: ``IterationTime.hidden``)."""
+    hidden = ev.time.hidden
+    rows = [[k, f"{v:.2f}", f"{hidden[k]:.2f}" if k in hidden else ""] for k, v in ev.time.terms.items()]
+    rows.append(["iteration", f"{ev.time.total:.2f}", ""])
+    return table([f"time (slowest rank {ev.time.slowest_rank})", "exposed s", "hidden s"], rows)
 
 
 def plans_table(ranked: list[Evaluation], top: int, band: float = 0.0) -> str:
@@ -178,11 +181,30 @@ def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> st
     best = ranked[0] if ranked else None
     parts.append(("" if ev.fits else "rejected: ") + _verdict(ev, best))
     parts.append(time_terms(ev) + f"\npredicted MFU {100 * ev.mfu:.1f}%")
+    if ev.fits and best is not None and ev.time.total > best.time.total * (1 + EXPLAIN_GAP):
+        parts.append(gap_terms(ev, best))
     position = rank_of(ev, ranked)
     if position is not None:
         parts.append(f"rank {position} of {len(ranked) + (0 if ev.plan in [e.plan for e in ranked] else 1)} "
                      f"fitting plans" + (f" (best: {best.plan.label}, {best.time.total:.2f} s)" if best else ""))
     return "\n\n".join(parts)
+
+
+EXPLAIN_GAP = 0.10  # --explain names the terms behind a gap to the best plan larger than this
+
+
+def gap_terms(ev: Evaluation, best: Evaluation) -> str:
+    """Why ``ev`` is slower than ``best``: each time term's seconds in both, largest difference first, and the
+    share of the gap each explains (terms that differ by less than 1% of the gap are left out)."""
+    gap = ev.time.total - best.time.total
+    keys = list(dict.fromkeys([*ev.time.terms, *best.time.terms]))
+    diffs = sorted(((k, ev.time.terms.get(k, 0.0), best.time.terms.get(k, 0.0)) for k in keys),
+                   key=lambda t: -abs(t[1] - t[2]))
+    rows = [[k, f"{a:.2f}", f"{b:.2f}", f"{a - b:+.2f}", f"{100 * (a - b) / gap:+.0f}%"]
+            for k, a, b in diffs if abs(a - b) >= 0.01 * gap]
+    head = (f"{pct_change(ev.time.total / best.time.total)} iteration time vs the best plan ({best.plan.label}); "
+            "the terms that make the difference:")
+    return head + "\n" + table(["term", "this plan s", "best s", "difference", "of the gap"], rows)
 
 
 def cost_model_line(req: Request) -> str:

@@ -4,15 +4,16 @@ Dimensions: tp (<= GPUs per node, dividing heads and FFN width), ep (an MoE mode
 of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism, ring attention
 over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (up to L: even when
 it divides L, and with the lighter-ends split of ``uneven.py``), dp (the rest, dividing the global batch),
-interleave m (m > 1 needs pp > 1, L divisible by pp m and the microbatch count by pp, as Megatron requires;
-an uneven split has m = 1), SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused
-attention), full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or full with the
-most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on ``stage.examined_ranks`` (rank 0,
-the last, the first of each layer count: the in-flight count falls with the rank, so they bound the rest).
-Time: ``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve). The rules named above are
-the config's (``ParallelConfig.validate``, ``validate_microbatches``): the planner asks them of each candidate
-and counts the refusals; its own are tp within a node, dp dividing the global batch and the search limits. It
-drops plans dominated at their layout (``undominated``).
+interleave m (m > 1 needs pp > 1 and the microbatch count divisible by pp, as Megatron requires; L divisible
+by pp m, or where pp does not divide L an uneven split over the pp m virtual stages, the model's ends lighter),
+SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused attention), full-uniform-1,
+full-block-N (the smallest N that fits), and App. C (selective or full with the most kept chunk-microbatches
+that fit; not with an uneven interleaved split). Memory: ``stage.stage_memory`` on ``stage.examined_ranks``
+(rank 0, the last, the first of each set of chunk sizes: the in-flight count falls with the rank, so they bound
+the rest). Time: ``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve). The rules named above
+are the config's (``ParallelConfig.validate``, ``validate_microbatches``): the planner asks them of each
+candidate and counts the refusals; its own are tp within a node, dp dividing the global batch and the search
+limits. It drops plans dominated at their layout (``undominated``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, predicted_mfu
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, validate_layout
-from seqpar.analysis.stage import StageMemory, all_stages, examined_ranks, most_loaded, stage_memory
+from seqpar.analysis.stage import (
+    StageMemory,
+    all_stages,
+    examined_ranks,
+    most_loaded,
+    stage_memory,
+    uneven_chunks,
+)
 from seqpar.analysis.states import bytes_per_parameter
 from seqpar.analysis.text import human_bytes
 from seqpar.analysis.uneven import lighter_ends_split
@@ -212,6 +220,7 @@ class Evaluation:
             out["memory_terms"] = dict(self.peak.terms)
         if self.time is not None:
             out["time_terms"] = dict(self.time.terms)
+            out["hidden_time_terms"] = dict(self.time.hidden)  # run under compute, not in the iteration time
         if self.error:
             out["error"] = self.error
         return out
@@ -310,6 +319,8 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     n = num_microbatches(req, base)
     in_flight = stage_memory(req.shape, base.par, RecomputeConfig(), base.micro_batch, n, req.opts,
                              _opt(req, base)).in_flight
+    if uneven_chunks(base.par, req.shape):  # App. C over chunks of different sizes is not modelled
+        return options
     for granularity in granularities:
         if fits_with(RecomputeConfig(granularity, keep_microbatches=in_flight)):
             continue  # keeping everything fits: plain "none" covers it
@@ -352,14 +363,15 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
 
 
 def _variants(req: Request, base: ParallelConfig, mb: int) -> Iterator[Plan]:
-    """At one (tp, cp, pp, split, dp) and microbatch: each interleave m, SP, ep and optimizer the rules allow."""
+    """At one (tp, cp, pp, split, dp) and microbatch: each interleave m (with its layer split), SP, ep and
+    optimizer the rules allow."""
     n = req.global_batch // (base.dp * mb)
-    for m in _divisors(req.shape.num_layers // base.pp) if not base.layer_split else [1]:  # uneven: one chunk
-        if m > req.max_interleave or _refused(req, replace(base, interleave=m)) or \
-                not _microbatches_ok(n, base.pp, m):
+    for m, split in _interleavings(req, base.pp, base.tp, base.layer_split):
+        staged = replace(base, interleave=m, layer_split=split)
+        if m > req.max_interleave or not _microbatches_ok(n, base.pp, m) or _refused(req, staged):
             continue
         for sp in (False, True) if base.tp > 1 else (False,):
-            par = replace(base, interleave=m, sp=sp)
+            par = replace(staged, sp=sp)
             if _refused(req, par):
                 continue
             group = par.dp * par.cp
@@ -368,6 +380,22 @@ def _variants(req: Request, base: ParallelConfig, mb: int) -> Iterator[Plan]:
                     yield Plan(replace(par, ep=ep), RecomputeConfig(), mb, dist)
             if req.try_fsdp and not _refused(req, replace(par, fsdp=True)):
                 yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
+
+
+def _interleavings(req: Request, pp: int, tp: int, split: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """(m, layer split) for a pipeline of pp: every m dividing L/pp with the even split; an uneven split with
+    m = 1, and where pp does not divide L, interleaved too: m = 2 .. max_interleave over pp·m virtual stages
+    with the model's ends lighter (``uneven.lighter_ends_split``), as Megatron interleaves 126 layers on 16."""
+    n_layers = req.shape.num_layers
+    if not split:
+        return [(m, ()) for m in _divisors(n_layers // pp)]
+    out = [(1, split)]
+    if n_layers % pp:
+        for m in range(2, req.max_interleave + 1):
+            virtual = lighter_ends_split(req.shape, pp * m, tp)
+            if virtual is not None and len(set(virtual)) > 1:
+                out.append((m, virtual))
+    return out
 
 
 def _microbatches_ok(n: int, pp: int, interleave: int) -> bool:

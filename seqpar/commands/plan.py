@@ -60,6 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
     g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradient buckets during the last microbatch's backward (train.overlap_grad_reduce): "
+                        "the cost model charges only what that backward does not cover, plus the last bucket")
+    g.add_argument("--grad-bucket-mb", type=float, default=None,
+                   help="MiB of fp32 gradients per bucket (train.grad_bucket_mb; default: the trainer's)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="model the distributed optimizer's weight all-gather under the next forward (Megatron's "
+                        "--overlap-param-gather; seqpar's trainer gathers after the step, so a plan for it leaves "
+                        "this off)")
     g.add_argument("--fsdp", action="store_true",
                    help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
@@ -181,9 +190,22 @@ def request_from_args(args):
                              fused_attention=fused, sdpa_kernel=kernel, ln_stats_bytes=stats,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
-                   opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,
+                   opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype,
+                   dropout=dropout,
                    try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
                    max_micro_batch=args.max_micro_batch, name=model_name)
+
+
+def _overlap(args, opt):
+    """``opt`` with the dp overlap the flags ask for, its buckets the trainer's (``train.grad_bucket_mb``)."""
+    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.train.config import TrainConfig
+
+    mb = TrainConfig.grad_bucket_mb if args.grad_bucket_mb is None else args.grad_bucket_mb
+    if not 0 < mb < float("inf"):
+        raise AnalysisError(f"--grad-bucket-mb must be a positive number, got {mb}")
+    return dataclasses.replace(opt, overlap_grad_reduce=args.overlap_grad_reduce,
+                               overlap_param_gather=args.overlap_param_gather, bucket_bytes=mb * 2**20)
 
 
 def _emit(args, req, plan) -> None:

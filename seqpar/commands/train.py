@@ -37,6 +37,7 @@ FLAG_KEYS = {
     "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
     "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
     "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
+    "max_restarts": ("train", "max_restarts"), "hang_timeout": ("train", "hang_timeout"),
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
@@ -160,6 +161,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb", choices=["off", "online", "offline"],
                    help=f"Weights & Biases logging beside TensorBoard; offline needs no network {d('wandb')}")
     g.add_argument("--wandb-project", help=f"the W&B project {d('wandb_project')}")
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--max-restarts", type=int, help="after a rank fails, restart every rank from the last checkpoint "
+                   f"up to N times (--nproc; under torchrun give torchrun --max-restarts) {d('max_restarts')}")
+    g.add_argument("--hang-timeout", type=float, metavar="S", help="a rank with no progress for S seconds stops the "
+                   f"job, named in one line (then restarted with --max-restarts); 0: off {d('hang_timeout')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
 

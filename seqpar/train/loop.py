@@ -51,6 +51,9 @@ class StepHook(Protocol):
     def before_step(self, rank: int, step: int) -> None:
         """Before step ``step`` (1-based, as logged) runs."""
 
+    def after_step(self, rank: int, step: int, seconds: float) -> None:
+        """Once step ``step`` is done on this rank, ``seconds`` after it began (seqpar/train/heartbeat.py)."""
+
     def checkpoint_written(self, rank: int, step: int) -> None:
         """Once this rank's part of checkpoint ``step`` is written, before the checkpoint is committed."""
 
@@ -75,11 +78,12 @@ class Trainer:
     """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
 
     def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False,
-                 hooks: Sequence[StepHook] = (), verified: bool = False):
+                 hooks: Sequence[StepHook] = (), verified: bool = False, events: Sequence[dict] = ()):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
+        self.events = tuple(events)  # records rank 0 logs after the start record (a restart's, seqpar/train/start.py)
         self.verified = verified  # the launcher checked the checkpoint to resume (checksums, tensors) already
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
@@ -321,6 +325,8 @@ class Trainer:
                 info["compile_s"] = compile_s
             metrics.log({"event": "start", **info, "ranks": ranks, "data": self.data.source,
                          "config": self.job.to_dict()})
+            for event in self.events:
+                metrics.log(event)
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last = {}
@@ -332,7 +338,10 @@ class Trainer:
                 step = self.state.step
                 for hook in self.hooks:
                     hook.before_step(self.dims.rank, step + 1)
+                t_step = time.perf_counter()
                 loss, norm, outcome = self.train_step(step)
+                for hook in self.hooks:
+                    hook.after_step(self.dims.rank, step + 1, time.perf_counter() - t_step)
                 self.state.losses.append(loss if outcome != "nonfinite" else float("nan"))
                 self.state.step += 1
                 window_steps += 1
@@ -365,11 +374,12 @@ class Trainer:
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,
-          hooks: Sequence[StepHook] = (), verified: bool = False) -> dict:
+          hooks: Sequence[StepHook] = (), verified: bool = False, events: Sequence[dict] = ()) -> dict:
     """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own). ``verified``:
-    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``)."""
+    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``); ``events``:
+    metrics records rank 0 logs after its start record."""
     job = build_job(job) if isinstance(job, dict) else job
-    trainer = Trainer(job, resume, device, quiet, hooks, verified)
+    trainer = Trainer(job, resume, device, quiet, hooks, verified, events)
     completed = False
     try:
         summary = trainer.run()

@@ -2,16 +2,20 @@
 jobs on the tiny GPT at tp 2 (8 steps, a checkpoint every 2) in subprocesses, tagged as in
 test_reliability_ranks.py so that "no process outlives the job" is checked over the whole of /proc:
 
-* ``--nproc 2 --max-restarts 2 --hang-timeout 10``: rank 1 killed before step 5 in the first attempt, rank 0
-  paused before step 7 in the second; the job names both, restarts twice, and its losses equal an
-  uninterrupted run's bit for bit;
-* a user's ``torchrun --max-restarts 1``: an exception on rank 1 at step 3; the restarted ranks resume
-  from the run's last checkpoint and log what ended the attempt before.
+* ``--nproc 2 --max-restarts 2 --hang-timeout 10 --async-save``: rank 1 killed during the background save
+  of step 4 in the first attempt (checkpoint 2 stays the last), rank 0 paused before step 7 in the second;
+  the job names both, restarts twice, and its losses equal an uninterrupted (synchronously saving) run's
+  bit for bit;
+* a user's ``torchrun --max-restarts 1`` (synchronous saves): an exception on rank 1 at step 3; the
+  restarted ranks resume from the run's last checkpoint and log what ended the attempt before.
+
+Kill and raise at a step without restarts: test_reliability_ranks.py.
 """
 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,9 +24,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_reliability_ranks import TAG, TINY, tagged_processes
 
-from seqpar.train import fault, heartbeat, supervise
+from seqpar.train import checkpoint, fault, heartbeat, supervise
 
 ARGS = ["--config", TINY, "--tp", "2", "--steps", "8", "--save-every", "2", "--log-every", "1", "--no-progress",
         "--set", "train.plot=false"]
@@ -71,20 +76,22 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_a_killed_then_a_hung_rank_cost_two_restarts_and_no_step(uninterrupted, tmp_path):
-    job = run_job(tmp_path, "--max-restarts", "2", "--hang-timeout", "10",
-                  fault_spec="rank=1,step=5,do=kill,attempt=0;rank=0,step=7,do=pause,attempt=1")
+    job = run_job(tmp_path, "--max-restarts", "2", "--hang-timeout", "10", "--async-save",
+                  fault_spec="rank=1,step=4,at=save,do=kill,attempt=0;rank=0,step=7,do=pause,attempt=1")
     print(job.text[-3000:])
     assert job.rc == 0, job.text[-3000:]
     ckpt = tmp_path / "checkpoints"
-    assert (f"seqpar train: rank 1 failed (killed by SIGKILL) at step 5; restart 1 of 2, resuming from "
-            f"{ckpt / 'step_000004'}") in job.text
+    killed = re.search(r"seqpar train: rank 1 failed \(killed by SIGKILL\) (at step (\d+), during the background "
+                       r"save of step 4|during the save of step 4); restart 1 of 2, resuming from (\S+)\n", job.text)
+    assert killed and killed.group(3) == str(ckpt / "step_000002"), job.text[-3000:]  # the killed save never counted
+    failed_step = int(killed.group(2) or 4)  # where the training thread was when the background save died
     hang = "hang: no progress for 10 s at step 7: rank 0 did not arrive (last seen: rank 0 at step 6)"
     assert f"seqpar train: {hang}\n" in job.text  # the watchdog's line, said once
     assert f"seqpar train: {hang}; restart 2 of 2, resuming from {ckpt / 'step_000006'}" in job.text
     restarts = [r for r in job.records if r.get("event") == "restart"]
     assert restarts == [
         {"event": "restart", "restart": 1, "max_restarts": 2, "failed_rank": 1, "how": "killed by SIGKILL",
-         "failed_step": 5, "checkpoint": str(ckpt / "step_000004")},
+         "failed_step": failed_step, "checkpoint": str(ckpt / "step_000002")},
         {"event": "restart", "restart": 2, "max_restarts": 2, "failed_rank": 0, "how": "hang", "failed_step": 7,
          "checkpoint": str(ckpt / "step_000006")}]
     assert losses(job.records) == uninterrupted  # bit for bit: the retrained steps are the same numbers
@@ -128,19 +135,25 @@ def test_the_fault_hook_fires_only_in_its_attempt(monkeypatch):
 
 
 def test_heartbeats_say_where_a_rank_was_and_who_did_not_arrive(tmp_path):
-    ranks = [heartbeat.Heartbeat(str(tmp_path), r, 3, attempt=0) for r in range(3)]
+    ranks = [heartbeat.Heartbeat(str(tmp_path), r, 3, attempt=0, save_every=r % 2) for r in range(3)]
     for beat in ranks:
         beat.before_step(beat.rank, 1)
         beat.after_step(beat.rank, 1, 0.5)
     ranks[0].before_step(0, 2)
     ranks[2].before_step(2, 2)
-    ranks[1].checkpoint_written(1, 1)  # its part of checkpoint 1 written, the checkpoint not committed
+    ranks[1].checkpoint_written(1, 1)  # in the save that follows step 1; the checkpoint not committed
     assert heartbeat.where(tmp_path, 0, 0) == (2, "at step 2")
     assert heartbeat.where(tmp_path, 0, 1) == (1, "during the save of step 1")
-    assert heartbeat.where(tmp_path, 0, 5) == (None, "before its first step")
+    assert heartbeat.where(tmp_path, 0, 4) == (None, "before its first step")
+    background = heartbeat.Heartbeat(str(tmp_path), 5, 6, attempt=0, end=1)  # --async-save: the steps go on
+    background.after_step(5, 1, 0.5)
+    background.before_step(5, 2)
+    background.after_step(5, 2, 0.5)
+    assert heartbeat.where(tmp_path, 0, 5) == (3, "at step 3, during the background save of step 1")
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_000001\n")
     assert heartbeat.where(tmp_path, 0, 1) == (2, "at step 2")  # the save was done: it failed after it
+    assert heartbeat.where(tmp_path, 0, 5) == (3, "at step 3")
     beats = heartbeat.read(tmp_path, 0, 4)
     assert heartbeat.hang_line(beats, 4, 12.3) == (
         "hang: no progress for 12 s at step 2: ranks 1, 3 did not arrive (last seen: rank 1 at step 1, "
@@ -162,3 +175,28 @@ def test_what_a_restart_can_mend():
     assert not supervise._restartable({1: _failure(-9)}, interrupted=True)  # Ctrl-C: stop, as without restarts
     assert not supervise._restartable({0: _failure(2, "DataError: bad")}, interrupted=False)  # a bad input
     assert not supervise._restartable({0: _failure(1, "NonFiniteError: non-finite loss")}, interrupted=False)
+
+
+def test_a_background_save_writes_the_copy_and_a_failed_one_leaves_the_last(tmp_path):
+    """In one process: the checkpoint holds the state as it was when the save started (training goes on
+    meanwhile), checksummed; a save that fails in the background raises at the next wait and leaves the
+    last checkpoint and ``latest``; the next save waits for the one in flight."""
+    state = {"model.w": torch.arange(6.0)}
+    saver = checkpoint.BackgroundSave()
+    saver.start(tmp_path, 1, state, {"step": 1}, keep=2)
+    state["model.w"] += 100  # the next steps change the weights while the save is written
+    saver.start(tmp_path, 2, state, {"step": 2}, keep=2)  # waits for step 1 first
+    assert (tmp_path / "step_000001" / checkpoint.META).is_file()
+
+    def fail():
+        raise RuntimeError("the background save failed")
+
+    saver.wait()
+    saver.start(tmp_path, 3, state, {"step": 3}, keep=2, written=fail)
+    with pytest.raises(RuntimeError, match="the background save failed"):
+        saver.wait()
+    assert (tmp_path / checkpoint.LATEST).read_text().strip() == "step_000002"
+    for step, expected in ((1, torch.arange(6.0)), (2, torch.arange(6.0) + 100)):
+        path = tmp_path / f"step_{step:06d}"
+        assert checkpoint.file_problems(path, checkpoint.read_meta(path)) == []
+        assert torch.equal(checkpoint.load_full(path, {"model.w": (6,)}, local=True)["model.w"], expected)

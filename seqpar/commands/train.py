@@ -38,6 +38,7 @@ FLAG_KEYS = {
     "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
     "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
     "max_restarts": ("train", "max_restarts"), "hang_timeout": ("train", "hang_timeout"),
+    "async_save": ("train", "async_save"),
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
@@ -166,6 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"up to N times (--nproc; under torchrun give torchrun --max-restarts) {d('max_restarts')}")
     g.add_argument("--hang-timeout", type=float, metavar="S", help="a rank with no progress for S seconds stops the "
                    f"job, named in one line (then restarted with --max-restarts); 0: off {d('hang_timeout')}")
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=None,
+                   help="write periodic checkpoints in a background thread: training waits only for the copy "
+                   f"to CPU memory {d('async_save')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
 

@@ -61,6 +61,7 @@ class TrainConfig:
     # failure, this many times; a rank with no progress for hang_timeout seconds is a failure (0: off)
     max_restarts: int = 0
     hang_timeout: float = 0.0
+    async_save: bool = False  # periodic checkpoints written in a background thread from a CPU copy
     seed: int = 1234
     data: str = ""  # empty: the Python standard library's own source files
     tokenizer: str = ""  # optional tokenizers.json (needs the `tokenizers` package)

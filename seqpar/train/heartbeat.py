@@ -52,9 +52,12 @@ def where(out_dir: str | Path, attempt: int, rank: int, since: float = 0.0) -> t
     beat = read(out_dir, attempt, rank + 1, since).get(rank)
     if beat is None:
         return None, "before its first step"
-    if beat["phase"] == "save" and not _committed(out_dir, beat["done"]):
-        return beat["done"], f"during the save of step {beat['done']}"
-    return beat["done"] + 1, f"at step {beat['done'] + 1}"
+    saving, done = beat.get("saving"), beat["done"]  # saving: a checkpoint begun and not yet committed
+    if saving is None or _committed(out_dir, saving):
+        return done + 1, f"at step {done + 1}"
+    if done == saving:
+        return saving, f"during the save of step {saving}"
+    return done + 1, f"at step {done + 1}, during the background save of step {saving}"  # --async-save
 
 
 def _committed(out_dir: str | Path, step: int) -> bool:
@@ -79,52 +82,61 @@ def hang_line(beats: dict[int, dict], world: int, idle_s: float) -> tuple[str, i
 class Heartbeat:
     """The step hook that writes this rank's progress, and (``timeout`` > 0) its watchdog thread."""
 
-    def __init__(self, out_dir: str, rank: int, world: int, attempt: int, timeout: float = 0.0):
+    def __init__(self, out_dir: str, rank: int, world: int, attempt: int, timeout: float = 0.0, save_every: int = 0,
+                 end: int = 0):
+        """``save_every``, ``end``: the run's checkpoint schedule (a save follows those steps)."""
         self.out_dir, self.rank, self.world, self.attempt, self.timeout = out_dir, rank, world, attempt, timeout
+        self.save_every, self.end = save_every, end
         self.born = time.time()  # heartbeats older than this rank are an earlier job's
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.saving: int | None = None  # the checkpoint begun after a step, until it is committed
+        self._failed = False
+        self._at = (0, 0)  # (the step this rank arrived at, the steps it finished): the training thread's
 
     def beat(self, step: int, done: int, phase: str, **extra) -> None:
         """This rank arrived at ``step`` and finished ``done`` steps (``phase``: step, save, hung, failed, done)."""
         target = path(self.out_dir, self.attempt, self.rank)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
+        if self.saving is not None and _committed(self.out_dir, self.saving):
+            self.saving = None
+        tmp = target.with_name(target.name + f".{threading.get_ident()}.tmp")  # the save's thread beats too
         tmp.write_text(json.dumps({"step": step, "done": done, "phase": phase, "time": time.time(),
-                                   "pid": os.getpid(), **extra}))
+                                   "pid": os.getpid(), "saving": self.saving, **extra}))
         os.replace(tmp, target)
-
-    def _last(self) -> dict:
-        return read(self.out_dir, self.attempt, self.rank + 1, self.born).get(self.rank) or {"step": 0, "done": 0}
 
     # the step hook (seqpar.train.loop.StepHook); the trainer calls it after the fault hook
     def before_step(self, rank: int, step: int) -> None:
+        self._at = (step, step - 1)
         self.beat(step, step - 1, "step")
         if self.timeout > 0 and self._thread is None:  # watched from the first step on (setup has its own timeouts)
             self._thread = threading.Thread(target=self._watch, name="seqpar-hang-watchdog", daemon=True)
             self._thread.start()
 
     def after_step(self, rank: int, step: int, seconds: float) -> None:
+        self._at = (step, step)
+        if step == self.end or (self.save_every and step % self.save_every == 0):
+            self.saving = step  # the checkpoint of this step is written next
         self.beat(step, step, "step", step_s=seconds)
 
     def checkpoint_written(self, rank: int, step: int) -> None:
-        self.beat(step, step, "save")
+        """Its part of checkpoint ``step`` is written (in the training thread, or a background save's)."""
+        self.beat(*self._at, "save")
 
     def failed(self, err: BaseException) -> None:
         """This rank is ending on ``err``: the note a restarted rank 0 reads under a user's torchrun
         (whose own launcher, not seqpar's, saw the exit)."""
-        last = self._last()
+        self._failed = True
         with contextlib.suppress(OSError):
-            self.beat(last["step"], last["done"], "failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
+            self.beat(*self._at, "failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
 
     def stop(self) -> None:
         """Training ended (well or not): the watchdog stands down, and this rank's peers' watchdogs stop
         waiting for it."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and not self._failed:  # a failure's note stays for the restart to read
             with contextlib.suppress(OSError):
-                last = self._last()
-                self.beat(last["step"], last["done"], "done")
+                self.beat(*self._at, "done")
 
     def _watch(self) -> None:
         period = min(1.0, self.timeout / 4)

@@ -106,6 +106,7 @@ class Trainer:
         # FSDP2 last (torchtitan's order: tp at construction, recompute, compile, then FSDP)
         mesh = apply_fsdp(self.chunks, self.dims, job.parallel) if job.parallel.fsdp else None
         self.opt = build_optimizer(self.chunks, t, self.dims, mesh)
+        self.saver = ckpt.BackgroundSave()
         self.state = TrainState()
         if self.resume_path is not None:
             self.load(self.resume_path)
@@ -140,7 +141,9 @@ class Trainer:
             self.log("note: the checkpoint predates position-keyed dropout (seqpar/parallel/rng.py): it loads, but "
                      "the steps after it drop other elements than the run that wrote it would have")
 
-    def save(self) -> str:
+    def save(self, background: bool = False) -> str:
+        """Write checkpoint ``state.step`` (every rank); ``background``: from a CPU copy, in a thread
+        (``checkpoint.background``); the path it is (or will be) committed at."""
         tensors = self.opt.checkpoint_views()
         meta = {"step": self.state.step, "optimizer_steps": self.opt.updates, "skipped": self.state.skipped,
                 "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True, "dropout_masks": DROPOUT_MASKS,
@@ -155,8 +158,12 @@ class Trainer:
             meta["loss_scaler"] = self.opt.scaler.state_dict()
         rank, step = self.dims.rank, self.state.step
         written = (lambda: [hook.checkpoint_written(rank, step) for hook in self.hooks]) if self.hooks else None
-        return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
-                             self.job.train.keep_checkpoints, written=written, files=files))
+        root, keep = os.path.join(self.job.train.out_dir, "checkpoints"), self.job.train.keep_checkpoints
+        self.saver.wait()  # one save at a time: the last one committed (or its error raised) first
+        if background:  # --async-save: stall for the copy to the CPU, write in a thread
+            self.saver.start(root, step, tensors, meta, keep, written=written, files=files)
+            return os.path.join(root, f"step_{step:06d}")
+        return str(ckpt.save(root, step, tensors, meta, keep, written=written, files=files))
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
@@ -250,6 +257,7 @@ class Trainer:
 
     def _interrupted(self, stop: StopFlag, metrics: MetricsLog, last: dict) -> dict:
         """After a SIGINT/SIGTERM: save this step (all ranks), say so in one line, return the summary."""
+        self.saver.wait()  # a background save of this step is then committed, and named by latest
         latest = Path(self.job.train.out_dir, "checkpoints", "latest")
         saved = latest.read_text().strip() if latest.is_file() else ""
         if saved == f"step_{self.state.step:06d}":  # a periodic save of this very step just finished
@@ -357,7 +365,7 @@ class Trainer:
                     window_t, window_steps = time.perf_counter(), 0
                 if t.save_every and done % t.save_every == 0 and done != end:
                     t_save = time.perf_counter()
-                    self.save()
+                    self.save(background=t.async_save)
                     saved_in = time.perf_counter() - t_save  # not counted as training time
                     window_t += saved_in
                     progress.t0 += saved_in

@@ -241,8 +241,9 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     if event is not None and not os.environ.get(supervise.CAUSE_ENV):  # the --nproc launcher printed it
         print(f"seqpar train: {event['line']}", file=sys.stderr, flush=True)
     # the last hook: a rank the fault hook stops before a step has not arrived at it
-    beat = Heartbeat(job.train.out_dir, int(os.environ.get("RANK", "0")), world, supervise.attempt(),
-                     job.train.hang_timeout)
+    t = job.train
+    beat = Heartbeat(t.out_dir, int(os.environ.get("RANK", "0")), world, supervise.attempt(), t.hang_timeout,
+                     t.save_every, t.stop_at or t.steps)
     hooks = (*fault.hooks_from_env(), beat) if under_torchrun() else fault.hooks_from_env()
 
     def before_training(signum, frame):  # data, process groups, model, checkpoint: nothing to save yet

@@ -7,7 +7,9 @@ test_reliability_ranks.py so that "no process outlives the job" is checked over 
   the job names both, restarts twice, and its losses equal an uninterrupted (synchronously saving) run's
   bit for bit;
 * a user's ``torchrun --max-restarts 1`` (synchronous saves): an exception on rank 1 at step 3; the
-  restarted ranks resume from the run's last checkpoint and log what ended the attempt before.
+  restarted ranks resume from the run's last checkpoint and log what ended the attempt before;
+* the uninterrupted run records every rank's step time and names a rank that spins a CPU second
+  (``--straggler-factor 3``).
 
 Kill and raise at a step without restarts: test_reliability_ranks.py.
 """
@@ -27,7 +29,7 @@ import pytest
 import torch
 from test_reliability_ranks import TAG, TINY, tagged_processes
 
-from seqpar.train import checkpoint, fault, heartbeat, supervise
+from seqpar.train import checkpoint, fault, heartbeat, stragglers, supervise
 
 ARGS = ["--config", TINY, "--tp", "2", "--steps", "8", "--save-every", "2", "--log-every", "1", "--no-progress",
         "--set", "train.plot=false"]
@@ -68,11 +70,30 @@ def losses(records: list[dict]) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    job = run_job(tmp_path_factory.mktemp("uninterrupted"))
+def uninterrupted_job(tmp_path_factory):
+    """The run every restarted one must equal; rank 1 spins a CPU second before step 3 (a straggler,
+    which changes no number)."""
+    job = run_job(tmp_path_factory.mktemp("uninterrupted"), "--straggler-factor", "3",
+                  fault_spec="rank=1,step=3,do=spin")
     assert job.rc == 0, job.text[-3000:]
     assert sorted(losses(job.records)) == list(range(1, 9))
-    return losses(job.records)
+    return job
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_job):
+    return losses(uninterrupted_job.records)
+
+
+def test_every_rank_s_step_time_is_recorded_and_a_straggler_named(uninterrupted_job):
+    records = {r["step"]: r for r in uninterrupted_job.records if "loss" in r and "event" not in r}
+    assert all(len(r["rank_step_s"]) == len(r["rank_cpu_s"]) == 2 for r in records.values())
+    assert records[3]["stragglers"] == [1]  # its CPU second, against a step of the tiny model
+    cpu = records[3]["rank_cpu_s"]
+    assert cpu[1] >= fault.SPIN_S
+    assert f"seqpar train: {stragglers.straggler_line(3, cpu, [1])}\n" in uninterrupted_job.text
+    assert stragglers.slower_than([1.0, 1.2, 4.0, 0.9], 2.0) == [2]  # median_low 1.0
+    assert stragglers.slower_than([1.0, 3.0], 2.5) == [1] and stragglers.slower_than([1.0, 3.0], 0) == []
 
 
 def test_a_killed_then_a_hung_rank_cost_two_restarts_and_no_step(uninterrupted, tmp_path):

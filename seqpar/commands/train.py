@@ -38,7 +38,7 @@ FLAG_KEYS = {
     "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
     "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
     "max_restarts": ("train", "max_restarts"), "hang_timeout": ("train", "hang_timeout"),
-    "async_save": ("train", "async_save"),
+    "async_save": ("train", "async_save"), "straggler_factor": ("train", "straggler_factor"),
 }
 
 # --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
@@ -170,6 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=None,
                    help="write periodic checkpoints in a background thread: training waits only for the copy "
                    f"to CPU memory {d('async_save')}")
+    g.add_argument("--straggler-factor", type=float, metavar="F", help="name a rank whose CPU time per step "
+                   f"exceeds F × the median over the ranks, at every log record; 0: off {d('straggler_factor')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
 

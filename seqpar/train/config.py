@@ -62,6 +62,7 @@ class TrainConfig:
     max_restarts: int = 0
     hang_timeout: float = 0.0
     async_save: bool = False  # periodic checkpoints written in a background thread from a CPU copy
+    straggler_factor: float = 0.0  # name a rank whose CPU time per step exceeds this × the median (0: off)
     seed: int = 1234
     data: str = ""  # empty: the Python standard library's own source files
     tokenizer: str = ""  # optional tokenizers.json (needs the `tokenizers` package)
@@ -98,7 +99,8 @@ class TrainConfig:
                               f"train.loss_scale_window {self.loss_scale_window} a positive integer")
         if not 0 < self.grad_bucket_mb < float("inf"):
             raise ConfigError(f"train.grad_bucket_mb must be a positive number, got {self.grad_bucket_mb}")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "hang_timeout"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "hang_timeout",
+                     "straggler_factor"):
             if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.stop_at > self.steps:

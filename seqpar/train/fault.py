@@ -1,6 +1,6 @@
 """TEST HOOK: make one rank fail at a chosen point, to show that a failing rank stops the whole job.
 
-``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill|pause][,attempt=A]"``: ``hooks_from_env`` turns it into
+``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill|pause|spin][,attempt=A]"``: ``hooks_from_env`` turns it into
 a step hook (``seqpar.train.loop.StepHook``) that ``seqpar train`` gives its Trainer
 (``seqpar/train/start.py``); the Trainer itself knows nothing of faults.
 
@@ -9,7 +9,8 @@ a step hook (``seqpar.train.loop.StepHook``) that ``seqpar train`` gives its Tra
   ``step_K.tmp`` folder is written and before the checkpoint is committed (renamed, ``latest``);
 * ``do=raise`` raises RuntimeError (the default at a step); ``do=kill`` sends SIGKILL to the
   rank's own process (the default at a save: nothing gets to clean up); ``do=pause`` sleeps
-  ``PAUSE_S`` seconds there (a slow save or step, for the Ctrl-C and hang tests);
+  ``PAUSE_S`` seconds there (a slow save or step, for the Ctrl-C and hang tests); ``do=spin`` keeps
+  the CPU busy for ``SPIN_S`` seconds there (a straggler);
 * several faults, separated by ``;``, each fire at their own point;
 * ``attempt=A``: only in attempt A of the job (0: the first run, K: its K-th restart,
   ``seqpar.train.supervise.attempt``); without it, in every attempt.
@@ -29,8 +30,9 @@ from seqpar.config import ConfigError
 from seqpar.train import supervise
 
 ENV = "SEQPAR_FAULT"
-USAGE = "expected rank=R,step=K[,at=step|save][,do=raise|kill|pause][,attempt=A]"
+USAGE = "expected rank=R,step=K[,at=step|save][,do=raise|kill|pause|spin][,attempt=A]"
 PAUSE_S = 30.0
+SPIN_S = 1.0  # CPU seconds of do=spin
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,11 @@ class Fault:
         if self.do == "pause":
             time.sleep(PAUSE_S)
             return
+        if self.do == "spin":  # busy, not asleep: a straggler's extra work
+            until = time.thread_time() + SPIN_S
+            while time.thread_time() < until:
+                pass
+            return
         where = f"step {step}" if at == "step" else f"the save of step {step}"
         raise RuntimeError(f"{ENV}: injected failure on rank {rank} at {where}")
 
@@ -62,12 +69,15 @@ class Fault:
     def after_step(self, rank: int, step: int, seconds: float) -> None:
         pass
 
+    def window(self, rank: int, step: int) -> dict:
+        return {}
+
     def checkpoint_written(self, rank: int, step: int) -> None:
         self.hit(rank, step, "save")
 
 
 def parse(text: str) -> Fault:
-    """One fault: ``rank=R,step=K[,at=step|save][,do=raise|kill|pause][,attempt=A]``."""
+    """One fault: ``rank=R,step=K[,at=step|save][,do=raise|kill|pause|spin][,attempt=A]``."""
     try:
         fields = dict(part.split("=", 1) for part in text.strip().split(","))
         rank, step = int(fields.pop("rank")), int(fields.pop("step"))
@@ -76,7 +86,7 @@ def parse(text: str) -> Fault:
         attempt = int(fields.pop("attempt")) if "attempt" in fields else None
     except (ValueError, KeyError):
         raise ConfigError(f"{ENV}={text!r}: {USAGE}") from None
-    if fields or at not in ("step", "save") or do not in ("raise", "kill", "pause") or (attempt or 0) < 0:
+    if fields or at not in ("step", "save") or do not in ("raise", "kill", "pause", "spin") or (attempt or 0) < 0:
         raise ConfigError(f"{ENV}={text!r}: {USAGE}")
     return Fault(rank, step, at, do, attempt)
 

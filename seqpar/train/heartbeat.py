@@ -123,6 +123,9 @@ class Heartbeat:
         """Its part of checkpoint ``step`` is written (in the training thread, or a background save's)."""
         self.beat(*self._at, "save")
 
+    def window(self, rank: int, step: int) -> dict:
+        return {}
+
     def failed(self, err: BaseException) -> None:
         """This rank is ending on ``err``: the note a restarted rank 0 reads under a user's torchrun
         (whose own launcher, not seqpar's, saw the exit)."""

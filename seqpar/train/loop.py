@@ -57,6 +57,9 @@ class StepHook(Protocol):
     def checkpoint_written(self, rank: int, step: int) -> None:
         """Once this rank's part of checkpoint ``step`` is written, before the checkpoint is committed."""
 
+    def window(self, rank: int, step: int) -> dict:
+        """At each metrics record (every rank, the same steps): fields to add to it (seqpar/train/stragglers.py)."""
+
 
 @dataclass
 class TrainState:
@@ -360,6 +363,8 @@ class Trainer:
                 if done % t.log_every == 0 or done == end:
                     last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
                                                validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
+                    for hook in self.hooks:
+                        last.update(hook.window(self.dims.rank, done))
                     metrics.log(last)
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0

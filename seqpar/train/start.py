@@ -233,6 +233,7 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     from seqpar.train.heartbeat import Heartbeat
     from seqpar.train.loop import train
     from seqpar.train.report import print_summary
+    from seqpar.train.stragglers import StepTimes
 
     t0 = time.perf_counter()
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -244,7 +245,8 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     t = job.train
     beat = Heartbeat(t.out_dir, int(os.environ.get("RANK", "0")), world, supervise.attempt(), t.hang_timeout,
                      t.save_every, t.stop_at or t.steps)
-    hooks = (*fault.hooks_from_env(), beat) if under_torchrun() else fault.hooks_from_env()
+    times = StepTimes(int(os.environ.get("RANK", "0")), t.straggler_factor)  # each rank's step time, gathered
+    hooks = (*fault.hooks_from_env(), beat, times) if under_torchrun() else fault.hooks_from_env()
 
     def before_training(signum, frame):  # data, process groups, model, checkpoint: nothing to save yet
         if rank0:

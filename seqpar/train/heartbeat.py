@@ -26,6 +26,7 @@ from pathlib import Path
 
 FOLDER = "heartbeat"
 EXIT_HUNG = 124  # a rank the watchdog stopped (timeout(1)'s status)
+CLOCK_SKEW_S = 60.0  # heartbeats written this long before a rank started still count (clocks of other machines)
 
 
 def path(out_dir: str | Path, attempt: int, rank: int) -> Path:
@@ -142,13 +143,21 @@ class Heartbeat:
                 self.beat(*self._at, "done")
 
     def _watch(self) -> None:
+        """Every ``period``: a rank whose heartbeat has not changed for ``timeout`` seconds (by this rank's
+        clock: no clock is compared across machines) stops the job."""
         period = min(1.0, self.timeout / 4)
+        start = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}  # rank -> (its last heartbeat, when this rank saw it change)
         while not self._stop.wait(period):
-            beats = read(self.out_dir, self.attempt, self.world, since=self.born)
+            beats = read(self.out_dir, self.attempt, self.world, since=self.born - CLOCK_SKEW_S)
             if any(b.get("phase") == "done" for b in beats.values()):
                 return  # a peer finished: the run is over
-            now = time.time()
-            idle = now - min(beats.get(r, {}).get("time", self.born) for r in range(self.world))
+            now = time.monotonic()
+            for rank, beat in beats.items():
+                text = json.dumps(beat, sort_keys=True)
+                if seen.get(rank, ("", 0.0))[0] != text:
+                    seen[rank] = (text, now)
+            idle = now - min(seen.get(r, ("", start))[1] for r in range(self.world))
             if idle > self.timeout and not self._stop.is_set():
                 self._hung(beats, idle)
 

@@ -184,6 +184,20 @@ def test_heartbeats_say_where_a_rank_was_and_who_did_not_arrive(tmp_path):
     assert heartbeat.read(tmp_path, 0, 3, since=ranks[2].born + 3600) == {}  # an earlier job's files
 
 
+def test_what_a_torchrun_restart_reads_from_the_last_attempt(tmp_path):
+    """Under a user's torchrun the ranks' own notes tell what ended the attempt: an exception, or (a kill)
+    the one rank that said nothing while its peer only lost it in a collective."""
+    ranks = [heartbeat.Heartbeat(str(tmp_path), r, 2, attempt=0) for r in range(2)]
+    for beat in ranks:
+        beat.before_step(beat.rank, 5)
+    ranks[0].failed(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert supervise.failure_of(str(tmp_path), 0, 2) == {
+        "failed_rank": 1, "how": "unknown", "failed_step": 5,
+        "line": "rank 1 ended without a word (a signal? torchrun's log names its exit code) at step 5"}
+    ranks[1].failed(ValueError("bad batch"))
+    assert supervise.failure_of(str(tmp_path), 0, 2)["line"] == "rank 1 failed (ValueError: bad batch) at step 5"
+
+
 def _failure(exitcode, message=""):
     data = {"message": {"message": message}} if message else {}
     return SimpleNamespace(exitcode=exitcode, timestamp=100, error_file_data=data)

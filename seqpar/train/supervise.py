@@ -115,8 +115,9 @@ def _restart_cause(failures: dict, number: int, max_restarts: int, out_dir: str,
 
 
 def failure_of(out_dir: str, attempt: int, world: int) -> dict:
-    """What ended ``attempt``, as far as its ranks' files tell (a hang, or the exception a rank recorded;
-    a rank killed by a signal records nothing): the ``restart`` metrics record's fields."""
+    """What ended ``attempt``, as far as its ranks' files tell (under a user's torchrun, whose launcher saw
+    the exits): a hang, the exception a rank recorded, or the one rank that recorded nothing while the
+    others only lost it (killed by a signal); the ``restart`` metrics record's fields."""
     from seqpar.train import heartbeat
 
     beats = heartbeat.read(out_dir, attempt, world)
@@ -125,11 +126,17 @@ def failure_of(out_dir: str, attempt: int, world: int) -> dict:
     if hang:
         return {"failed_rank": (hang["late"] or [None])[0], "how": "hang", "failed_step": hang["hang_step"],
                 "line": hang["hang"]}
-    failed = sorted(beats.items(), key=lambda item: any(s in item[1].get("error", "") for s in PEER_LOST))
-    for rank, beat in failed:  # a rank that only lost its peer in a collective after the rank that failed
-        if beat.get("phase") == "failed":
-            (at, words), how = heartbeat.where(out_dir, attempt, rank), beat.get("error", "an exception")
-            return {"failed_rank": rank, "how": how, "failed_step": at, "line": f"rank {rank} failed ({how}) {words}"}
+    for rank, beat in sorted(beats.items()):  # an exception, not a collective that lost its peer
+        error = beat.get("error", "")
+        if beat.get("phase") == "failed" and not any(s in error for s in PEER_LOST):
+            at, words = heartbeat.where(out_dir, attempt, rank)
+            return {"failed_rank": rank, "how": error, "failed_step": at,
+                    "line": f"rank {rank} failed ({error}) {words}"}
+    silent = [r for r in range(world) if beats.get(r, {}).get("phase") not in ("failed", "done")]
+    if len(silent) == 1:  # the others saw it vanish: it was killed (torchrun's log names the signal)
+        at, words = heartbeat.where(out_dir, attempt, silent[0])
+        return {"failed_rank": silent[0], "how": "unknown", "failed_step": at,
+                "line": f"rank {silent[0]} ended without a word (a signal? torchrun's log names its exit code) {words}"}
     return {"failed_rank": None, "how": "unknown", "failed_step": step,
             "line": f"a rank ended at step {step} without recording why (a signal? the launcher's log names "
                     "the rank and its exit code)"}

@@ -21,11 +21,13 @@ VERBS: dict[str, tuple[str, str]] = {
     "tokenizer": ("seqpar.commands.tokenizer", "train a BPE tokenizer on a corpus (tokenizer train)"),
     "eval": ("seqpar.commands.eval", "the loss of a checkpoint on given data (its own validation split by default)"),
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
-    "import-hf": ("seqpar.commands.import_hf", "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX folder -> a checkpoint"),
+    "import-hf": ("seqpar.commands.import_hf",
+                  "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX/Mixtral/Qwen2-MoE folder -> a checkpoint"),
     "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu, planner"),
     "calibrate": ("seqpar.commands.calibrate", "micro-benchmarks of this machine -> a hardware profile for plan"),
-    "verify": ("seqpar.commands.verify", "check a checkpoint: file checksums, config vs tensors, every tensor read"),
+    "verify": ("seqpar.commands.verify", "check a checkpoint (file checksums, config vs tensors, every tensor read) "
+               "or a prepared folder (checksums, index, ids)"),
     "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
 }
 

@@ -355,6 +355,10 @@ class ParallelConfig:
                 raise ConfigError(f"{split} is not divisible by tp {self.tp} (sequence parallelism splits it)")
             if self.ep > 1 and (model.experts == 0 or model.experts % self.ep):
                 raise ConfigError(f"ep {self.ep} needs a number of experts divisible by it, got {model.experts}")
+            if self.fsdp and model.experts:
+                raise ConfigError(f"fsdp with a mixture of experts ({model.experts} experts) is not supported: "
+                                  "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
+                                  "places experts on subsets of them; train MoE models without fsdp")
             self.layer_counts(model.num_layers)
         return self
 

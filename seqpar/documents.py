@@ -28,14 +28,21 @@ class Documents:
         self._additive: dict = {}
 
     @classmethod
-    def from_tokens(cls, tokens: torch.Tensor, eos_id: int) -> Documents:
-        """Documents that end with ``eos_id``: a new one starts after each (``tokens [b, s]``)."""
-        start = torch.zeros_like(tokens, dtype=torch.bool)  # [b, s]
+    def from_starts(cls, starts: torch.Tensor) -> Documents:
+        """Documents that begin where ``starts [b, s]`` (bool) holds, and at each row's first token. Training
+        takes ``starts`` from a prepared folder's document index (``Prepared.starts``), never from the ids."""
+        start = starts.clone()  # [b, s]
         start[:, 0] = True
-        start[:, 1:] = tokens[:, :-1] == eos_id
-        index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # [b, s]
+        index = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)  # [b, s]
         last_start = torch.cummax(torch.where(start, index, torch.zeros_like(index)), dim=1).values  # [b, s]
         return cls(index - last_start)
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, eos_id: int) -> Documents:
+        """Documents of ids alone (tests, hand-made rows): one starts after each ``eos_id`` (``tokens [b, s]``)."""
+        start = torch.zeros_like(tokens, dtype=torch.bool)  # [b, s]
+        start[:, 1:] = tokens[:, :-1] == eos_id
+        return cls.from_starts(start)
 
     def to(self, device) -> Documents:
         return self if self.positions.device == torch.device(device) else Documents(self.positions.to(device))
@@ -87,7 +94,7 @@ def using(docs: Documents | None):
         _current[0] = before
 
 
-def label_mask(tokens: torch.Tensor, labels: torch.Tensor, eos_id: int, ignore: int = -100) -> torch.Tensor:
-    """``labels`` with the label of every end-of-document token ignored: the next document's first
-    token is not predicted from the one before (``tokens``, ``labels`` ``[b, s]``)."""
-    return labels.masked_fill(tokens == eos_id, ignore)
+def label_mask(labels: torch.Tensor, next_starts: torch.Tensor, ignore: int = -100) -> torch.Tensor:
+    """``labels`` with the label of every document's last token ignored where the next token starts another
+    document (``next_starts``): its first token is not predicted from the one before (both ``[b, s]``)."""
+    return labels.masked_fill(next_starts, ignore)

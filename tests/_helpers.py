@@ -119,3 +119,23 @@ def random_tokens(path, vocab: int, n: int = 20_000, seed: int = 0):
     data, the standard library's sources, takes seconds to read); returns ``path``."""
     torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(torch.uint16).numpy().tofile(path)
     return path
+
+
+def prepared_documents(folder, documents: int = 1500, seed: int = 0, longest: int = 24):
+    """A prepared folder (``seqpar prepare``, byte-level, vocabulary 256, end-of-document id 0) of
+    ``documents`` JSON Lines documents of 1 to ``longest`` random letters: short enough that every window
+    of a small test model holds several document ends, so microbatches count different numbers of tokens.
+    Made in this process; returns ``folder``."""
+    import json
+    import random
+    from pathlib import Path
+
+    rng = random.Random(seed)
+    folder = Path(folder)
+    source = folder.with_name(folder.name + "-source.jsonl")
+    lines = ("".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(1, longest)))
+             for _ in range(documents))
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    code, out, err = run_cli(["prepare", source, "--out", folder, "--workers", "1", "--no-progress"])
+    assert code == 0, err
+    return folder

@@ -240,7 +240,8 @@ def test_overlap_is_what_the_gemm_hid_of_each_collective():
 def test_interleaved_rotates_the_order_and_the_paired_difference_ignores_one_round():
     import torch
 
-    from seqpar.bench.calibrate import interleaved, paired_difference
+    from seqpar.bench.calibrate import paired_difference
+    from seqpar.bench.common import interleaved
 
     order = []
     fns = {k: (lambda k=k: order.append(k)) for k in "abc"}

@@ -90,7 +90,7 @@ def test_recompute_under_compile_redraws_the_masks(eager_and_compiled, granulari
 def test_compiled_keeps_the_bytes_eager_keeps():
     """Saved-tensor hooks see what a compiled graph keeps for backward (AOTAutograd saves it through
     an autograd Function): the measured bytes with compile equal eager's, every recompute mode."""
-    from seqpar.measure.saved import SavedTensorMeter
+    from seqpar.measure.meter import SavedTensorMeter
 
     tokens, labels = parity_batch(DROPOUT)
     for rc in RECOMPUTES:

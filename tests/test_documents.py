@@ -33,7 +33,7 @@ def packed_batch(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     rows[0, [4, 5, 17, 29]] = EOS  # a one-token document (5), documents of 12 and 11 tokens
     rows[1, [12]] = EOS
     tokens, labels = rows[:, :-1], rows[:, 1:]
-    return tokens, label_mask(tokens, labels, EOS)
+    return tokens, label_mask(labels, tokens == EOS)
 
 
 def segments(tokens: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -75,7 +75,7 @@ def test_document_positions_restart_after_each_end_of_document():
     tokens = torch.tensor([[7, 8, EOS, 9, EOS, EOS, 5, 6]])
     assert Documents.from_tokens(tokens, EOS).positions.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
     labels = torch.tensor([[8, EOS, 9, EOS, EOS, 5, 6, 1]])
-    assert label_mask(tokens, labels, EOS).tolist() == [[8, EOS, -100, EOS, -100, -100, 6, 1]]
+    assert label_mask(labels, tokens == EOS).tolist() == [[8, EOS, -100, EOS, -100, -100, 6, 1]]
 
 
 @pytest.mark.parametrize("attention, position", CASES)
@@ -158,7 +158,7 @@ def test_drawn_document_boundaries_equal_their_documents_one_by_one(ends, attent
     gen = torch.Generator().manual_seed(len(ends))
     rows = torch.randint(1, BASE.vocab_size, (1, BASE.seq_len + 1), generator=gen)
     rows[0, ends] = EOS
-    tokens, labels = rows[:, :-1], label_mask(rows[:, :-1], rows[:, 1:], EOS)
+    tokens, labels = rows[:, :-1], label_mask(rows[:, 1:], rows[:, :-1] == EOS)
     if not (labels != -100).any():
         return
     model = build_model(cfg, seed=3, recompute=RecomputeConfig(granularity=recompute))

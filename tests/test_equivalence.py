@@ -12,8 +12,11 @@ padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven
 last stage, interleaved), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2} (ring attention) -- × recompute
 (none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
 on/off, overlapped dp reduction on/off, or FSDP2 (``parallel.fsdp``), which do something when
-dp × cp > 1). Layouts and recompute modes are enumerated (``combinations``); each combination gets an
-architecture and a gradient path drawn from generators seeded by its index.
+dp × cp > 1) × the micro-batch size at a fixed global batch (1 or 2; the reference runs 1) × the data
+(random-id windows, or a prepared folder of short documents with document masks, so microbatches count
+different numbers of tokens: ``pipeline.objective``). Layouts and recompute modes are enumerated
+(``combinations``); each combination gets an architecture, a gradient path, a micro-batch size and data
+drawn from generators seeded by its index (``DRAWN``: the CI sample takes each of their values too).
 
 The axes and their values are listed once (``AXES``); a new axis is one more entry there and its
 use in ``draw``.
@@ -55,12 +58,12 @@ import random
 from pathlib import Path
 
 import pytest
-from _helpers import Launches, random_tokens
+from _helpers import Launches, prepared_documents, random_tokens
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local
 
-STEPS, SEQ, HEADS, CLIP, DROPOUT = 5, 16, 4, 0.01, 0.1
+STEPS, SEQ, HEADS, CLIP, DROPOUT, GLOBAL_BATCH = 5, 16, 4, 0.01, 0.1, 4
 RECOMPUTE = {
     "none": {"granularity": "none"},
     "selective": {"granularity": "selective"},
@@ -88,6 +91,15 @@ AXES = {  # the one list of a combination's axes, in the order that numbers the 
     "cp": (1, 2),
 }
 Combo = collections.namedtuple("Combo", AXES)
+DRAWN = {  # axes drawn per combination (each from its own seeded stream), not enumerated (issue 42)
+    "micro_batch": (1, 2),  # at the reference's global batch: the reference runs micro-batch 1
+    "data": ("windows", "documents"),  # random ids, or a prepared folder of short documents with masks
+}
+
+
+def drawn(index: int) -> dict:
+    """The drawn axes' values of combination ``index``."""
+    return {axis: random.Random(f"{axis} {index}").choice(values) for axis, values in DRAWN.items()}
 
 
 def world_of(c: Combo) -> int:
@@ -121,24 +133,36 @@ def draw(index: int, c: Combo) -> dict:
               "attn_dropout": DROPOUT if model["attention"] == "materialized" else 0.0}
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
+    extra = drawn(index)
+    micro_batch, global_batch = extra["micro_batch"], GLOBAL_BATCH
+    while interleave > 1 and (global_batch // (micro_batch * c.dp)) % pp:  # microbatches in groups of pp
+        global_batch *= 2
+    data = {}
+    if extra["data"] == "documents":  # byte-level prepared folder: vocabulary 256, end-of-document id 0
+        model["vocab_size"], data = 256, {"document_mask": True}
     grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
     if c.dp * c.cp > 1 and random.Random(f"fsdp {index}").random() < 0.5:  # FSDP2 over dp × cp instead
         parallel["fsdp"] = True
         reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
-    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[c.recompute]), "train": reduction}
+    reduction |= {"micro_batch": micro_batch, "global_batch": global_batch}
+    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[c.recompute]), "train": reduction,
+            "data": data}
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
     train = {"steps": STEPS, "lr": 1e-2, "min_lr": 1e-3, "warmup": 0, "eps": 1e-4, "grad_clip": CLIP,
-             "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
+             "micro_batch": 1, "global_batch": GLOBAL_BATCH, "eval_every": 0, "eval_batches": 1, "log_every": 1,
              "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
     return {**sections, "train": {**train, **sections.get("train", {})}}
 
 
 def reference_of(sections: dict) -> dict:
-    return {"model": sections["model"], "parallel": {}, "recompute": {}}  # the replicated optimizer, no overlap
+    """One process, micro-batch 1, the replicated optimizer without overlap; the same model, data and
+    global batch."""
+    return {"model": sections["model"], "parallel": {}, "recompute": {}, "data": sections["data"],
+            "train": {"global_batch": sections["train"]["global_batch"]}}
 
 
 def records(out: str) -> list[dict]:
@@ -152,13 +176,13 @@ def rel(a: float, b: float) -> float:
 
 
 def sample(n: int) -> list[tuple[int, Combo]]:
-    """CI's ``n`` combinations of world size ≤ 4: first every axis value at least once, then the next
-    ones in a seeded shuffle."""
+    """CI's ``n`` combinations of world size ≤ 4: first every axis value (enumerated or drawn) at least
+    once, then the next ones in a seeded shuffle."""
     every = list(enumerate(combinations(4)))
     random.Random(2205_05198).shuffle(every)
     chosen, seen = [], set()
     for item in every:
-        values = set(enumerate(item[1]))
+        values = set(enumerate(item[1])) | set(drawn(item[0]).items())
         if not values <= seen:
             chosen.append(item)
             seen |= values
@@ -202,7 +226,9 @@ def results(tmp_path_factory):
     for index, combo in DRAWS:
         sections = draw(index, combo)
         vocab = sections["model"]["vocab_size"]
-        data = root / f"tokens{vocab}.bin"
+        data = root / (f"tokens{vocab}.bin" if not sections["data"] else "prepared")
+        if sections["data"] and not data.exists():
+            prepared_documents(data)
         if not data.exists():  # random ids in [0, vocab): the byte-level default data needs vocab ≥ 256
             random_tokens(data, vocab, seed=vocab)
         jobs[index] = (job(sections, root / f"d{index}", data), world_of(combo))
@@ -241,7 +267,10 @@ def _draw_id(index: int, c: Combo) -> str:
         return (axis if value else "") if isinstance(value, bool) else value if isinstance(value, str) \
             else f"{axis}{value}"
     fsdp = ["fsdp"] if draw(index, c)["parallel"].get("fsdp") else []
-    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))] + fsdp)
+    extra = drawn(index)
+    extra = [f"mb{extra['micro_batch']}"] + (["docs"] if extra["data"] == "documents" else [])
+    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))] + fsdp
+                    + extra)
 
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])

@@ -81,7 +81,7 @@ def test_fused_gpt_plan_of_the_issue_runs_and_says_what_it_did_not_choose(tmp_pa
     sections = load_toml(path)
     assert sections["model"]["attention"] == "sdpa" and sections["model"]["attn_dropout"] == 0.0
     assert {"steps", "lr", "warmup"} <= set(sections["train"]) and "# data unset" in text
-    assert "--nproc 16" in text
+    assert "torchrun --nnodes 2 --nproc-per-node 8" in text  # 16 GPUs: two nodes of 8
     code, out, err = run_cli(["train", "--config", path, "--nproc", 16, "--dry-run"])
     assert code == 0 and "predicted memory per rank" in out, err
     code, out, err = run_cli(["train", "--config", path, "--dry-run"])  # as the README once said: no --nproc

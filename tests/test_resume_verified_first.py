@@ -23,8 +23,8 @@ def test_damage_is_refused_before_the_ranks_start_and_files_are_hashed_once(tmp_
     assert seqpar(capsys, "train", "--config", TINY, "--out", out, "--steps", 2, *common)[0] == 0
 
     hashed = Counter()
-    sha256 = integrity.sha256
-    monkeypatch.setattr(integrity, "sha256", lambda path: hashed.update([str(path)]) or sha256(path))
+    sha256 = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda path: hashed.update([str(path)]) or sha256(path))
     code, _, stderr = seqpar(capsys, "train", "--resume", out, "--steps", 3, *common)
     assert code == 0, stderr
     read = {p: n for p, n in hashed.items() if "step_000002" in p}

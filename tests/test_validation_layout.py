@@ -59,7 +59,7 @@ def test_eval_scores_the_trainers_windows_by_default_with_progress(tmp_path, cap
     capsys.readouterr()
     assert main(["eval", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["windows"] == 2 * 2  # tiny.toml: eval_batches 2 × micro_batch 2, not the whole split
+    assert result["windows"] == 2 * 4  # tiny.toml: eval_batches 2 × global_batch 4, not the whole split
     assert result["loss"] == pytest.approx(val, abs=5e-5)
     assert main(["eval", str(out), "--batches", "1", "--micro-batch", "3"]) == 0
     err = capsys.readouterr().err

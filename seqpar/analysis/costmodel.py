@@ -42,6 +42,8 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 heads cp - 1 times forward, and backward K/V again plus the fp32 dK/dV cp times, each step
                 overlapping one block's compute (1/cp of the attention core; backward 2x that plus the
                 recomputed scores); only the excess is exposed, and the last dK/dV hop entirely
+    ep_comm     mixture of experts (docs/moe.md): each MoE layer's dispatch and combine all-to-alls over the ep
+                group, forward and backward, each (ep-1)/ep of the rank's T·K routed rows of h + comm_latency
     Fused attention and ring attention backward (flash style) also recompute QK^T from the saved
     log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
@@ -60,7 +62,7 @@ from dataclasses import dataclass
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import kv_heads_per_rank
-from seqpar.analysis.moe import all_to_all_s, moe_gemms, moe_training_flops
+from seqpar.analysis.moe import dispatch_bytes, moe_gemms, moe_training_flops
 from seqpar.analysis.placement import grad_group_spans_nodes, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.analysis.stage import examined_ranks, rank_layers
@@ -129,6 +131,11 @@ def ring_allreduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 def ring_gather_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     """Ring all-gather or reduce-scatter of a ``nbytes`` full tensor: (n-1)/n x bytes / bus bandwidth."""
+    return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def all_to_all_s(nbytes: float, ranks: int, bandwidth: float) -> float:
+    """All-to-all of ``nbytes`` per rank: each sends (n-1)/n of them to the others, over the bus bandwidth."""
     return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
 
 
@@ -230,9 +237,10 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
            "overhead": hw.layer_overhead}
     bwd = {"compute": 2 * fwd["compute"], "elementwise": 2 * fwd["elementwise"], "tp_comm": bwd_comm,
            "overhead": hw.layer_overhead}
-    if moe and par.ep > 1:  # dispatch + combine, forward and backward (inter-node when tp · ep exceeds a node)
-        bw = hw.intra_node_bw if par.tp * par.cp * par.ep <= hw.gpus_per_node else hw.inter_node_bw
-        fwd["ep_comm"] = bwd["ep_comm"] = 2 * moe * all_to_all_s(shape, par, b, opts.act_bytes, bw, hw.comm_latency)
+    if moe and par.ep > 1:  # dispatch + combine, forward and backward (inter-node when an ep group spans nodes)
+        bw = link_bw(hw, spans_nodes(par, "ep", hw.gpus_per_node))
+        a2a = hw.comm_latency + all_to_all_s(dispatch_bytes(shape, par, b, opts.act_bytes), par.ep, bw)
+        fwd["ep_comm"] = bwd["ep_comm"] = 2 * moe * a2a
     core = {"compute": g["qk"] + g["attention_v"], "elementwise": el["attention_core"], "tp_comm": 0.0,
             "overhead": 0.0}
     if opts.fused_attention or par.cp > 1:

@@ -20,12 +20,23 @@ def header(req: Request) -> str:
     sh, hw = req.shape, req.hw
     arch = f" kv={sh.num_kv_heads} ({sh.arch})" if sh.arch == "llama" or sh.num_kv_heads != sh.num_heads else ""
     return (f"model {req.name}: L={sh.num_layers} h={sh.hidden_size} a={sh.num_heads}{arch} s={sh.seq_len} "
-            f"v={sh.vocab_size} f={sh.ffn}; "
+            f"v={sh.vocab_size} f={sh.ffn}{moe_fields(sh)}; "
             f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {gb(hw.memory_bytes)} GB, usable "
             f"{gb(hw.usable_bytes)} GB ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
             f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.3g} "
             f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.3g} / "
             f"{hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req))
+
+
+def moe_fields(sh) -> str:
+    """`` E=8 K=2`` (routed experts, experts per token), the MoE layers' period and the shared expert where
+    there are; empty for a dense model."""
+    if not sh.experts:
+        return ""
+    every = f" (MoE every {sh.moe_every} layers)" if sh.moe_every > 1 else ""
+    shared = (f" shared={sh.shared_expert_ffn}" + (" (gated)" if sh.shared_expert_gate else "")
+              if sh.shared_expert_ffn else "")
+    return f" E={sh.experts} K={sh.top_k}{every}{shared}"
 
 
 def assumptions(req: Request) -> str:
@@ -101,7 +112,26 @@ def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -
                  f"{100 * best.mfu:.1f}%\n" + memory_terms(best.peak) + "\n\n" + time_terms(best))
     parts.append(why_not(req, best))
     parts.append(context_parallel_line(ranked))
+    if req.try_fsdp:
+        parts.append(fsdp_line(ranked))
     return "\n\n".join(parts)
+
+
+def fsdp_line(ranked: list[Evaluation]) -> str:
+    """With ``--fsdp``: where the best FSDP plan stands against the best plan (or the best without FSDP)."""
+    best = ranked[0]
+    if best.plan.par.fsdp:
+        other = next((ev for ev in ranked if not ev.plan.par.fsdp), None)
+        if other is None:
+            return "fsdp: chosen; no plan without it fits"
+        return (f"fsdp: chosen; the best plan without it, {other.plan.label}, needs {gb(other.memory_bytes)} GB and "
+                f"is {pct_change(other.time.total / best.time.total)} iteration time")
+    rank, other = next(((i + 1, ev) for i, ev in enumerate(ranked) if ev.plan.par.fsdp), (None, None))
+    if other is None:
+        return ("fsdp: no FSDP plan is listed: none fits, or each is dominated by the same layout without it "
+                "(less memory and less time)")
+    return (f"fsdp: not chosen; the best plan with it, {other.plan.label} (#{rank} of {len(ranked)}), needs "
+            f"{gb(other.memory_bytes)} GB and is {pct_change(other.time.total / best.time.total)} iteration time")
 
 
 def context_parallel_line(ranked: list[Evaluation]) -> str:

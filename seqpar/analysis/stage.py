@@ -17,7 +17,7 @@ from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
 from seqpar.analysis.memory import layer_activation_terms
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
-from seqpar.analysis.states import stage_state_bytes
+from seqpar.analysis.states import chunk_layer_ids, stage_state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -97,15 +97,6 @@ def layers_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: Activati
     dense = len(layers) - moe
     return ((moe * layer_bytes(shape, par, b, opts, rc, moe=True) if moe else 0.0)
             + (dense * layer_bytes(shape, par, b, opts, rc, moe=False) if dense else 0.0))
-
-
-def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[list[int]]:
-    """The global layers of each chunk of pipeline rank ``rank``, in order (``seqpar.pipeline.split``'s rule:
-    virtual stage c·p + r is chunk c of rank r)."""
-    sizes = par.layer_counts(shape.num_layers)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    stages = [c * par.pp + rank for c in range(par.interleave)]
-    return [list(range(starts[v], starts[v] + sizes[v])) for v in stages]
 
 
 def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:

@@ -1,7 +1,7 @@
 """`seqpar eval CHECKPOINT [--data PATH]`: the loss of a checkpoint on given data (one process).
 
 By default the held-out split training validated on, and the trainer's own fixed validation windows
-(``eval_batches × micro_batch`` of the run: the validation loss it logged, in seconds); ``--batches``
+(``eval_batches × global_batch`` of the run: the validation loss it logged, in seconds); ``--batches``
 scores that many forwards of ``--micro-batch`` windows, ``--full`` windows covering the split once.
 ``--data`` names other data (read with the run's tokenizer unless ``--tokenizer``), ``--split all``
 every token of it. A progress line (windows, tokens/s, ETA) goes to stderr.

@@ -1,6 +1,7 @@
 """`seqpar export-hf CKPT --out DIR`: a seqpar checkpoint → a Hugging Face folder (config.json +
 model.safetensors) of the architecture that computes the same model -- GPT2LMHeadModel, LlamaForCausalLM,
-StableLmForCausalLM or GPTNeoXForCausalLM -- or, when none does, a one-line refusal naming the model's
+StableLmForCausalLM, GPTNeoXForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM -- with the run's tokenizer
+and its bos/eos/pad ids in config.json -- or, when none does, a one-line refusal naming the model's
 fields (exit 2, nothing written)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`seqpar import-hf DIR --out CKPT`: a local Hugging Face GPT-2, Llama, StableLM or GPT-NeoX folder →
-a seqpar checkpoint (rope theta and linear / llama3 scaling included, in either config layout).
+"""`seqpar import-hf DIR --out CKPT`: a local Hugging Face GPT-2, Llama, StableLM, GPT-NeoX, Mixtral or
+Qwen2-MoE folder → a seqpar checkpoint (rope theta and linear / llama3 scaling included, in either config layout).
 
 The checkpoint holds full tensors, so ``seqpar train --resume CKPT`` shards it for any tp/pp/dp. A
 folder seqpar cannot compute exactly is refused by name (exit 2).
@@ -11,7 +11,8 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder", help="folder with config.json and model.safetensors (or pytorch_model.bin)")
+    p.add_argument("folder", help="a GPT-2, Llama, StableLM, GPT-NeoX, Mixtral or Qwen2-MoE folder: config.json and "
+                   "model.safetensors (or pytorch_model.bin)")
     p.add_argument("--out", required=True, help="checkpoint folder to write")
 
 

@@ -135,7 +135,8 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(layers=None)
     for action in p._actions:
         if action.dest == "layers":
-            action.help = "L (default 1; with --pp/--microbatches 2 per pipeline chunk)"
+            action.help = ("L (default 1; with --pp/--microbatches 2 per pipeline chunk; with --states the "
+                           "preset's, else 1 per pipeline chunk)")
 
 
 def _human(n: float | None) -> str:
@@ -298,14 +299,23 @@ def run_schedule(args) -> int:
     return 0
 
 
+def preset_layers(args) -> int | None:
+    """``--model``'s layer count (its model states are the whole model's), None without a preset."""
+    if not getattr(args, "model", None):
+        return None
+    from seqpar.analysis.presets import preset_shape
+
+    return preset_shape(args.model).num_layers
+
+
 def run_states(args) -> int:
     """``--states``: each pipeline rank's model states (most loaded dp rank) under plain DP, the
     distributed optimizer and FSDP or HSDP over dp × cp (``seqpar.analysis.fsdp_states.compare_states``)."""
     from seqpar.analysis.fsdp_states import compare_states
     from seqpar.config import ParallelConfig
 
-    if args.layers is None:
-        args.layers = args.pp * args.interleave
+    if args.layers is None:  # a preset's whole model, else one layer per pipeline chunk
+        args.layers = preset_layers(args) or args.pp * args.interleave
     cfg = model_from_args(args)
     par = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, interleave=args.interleave,
                          fsdp=args.dp * args.cp > 1, fsdp_shard_size=args.fsdp_shard_size).validate(cfg)

@@ -36,12 +36,27 @@ FLAG_KEYS = {
     "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
     "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
     "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
+    "verify_data": ("data", "verify"),
     "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
     "max_restarts": ("train", "max_restarts"), "hang_timeout": ("train", "hang_timeout"),
     "async_save": ("train", "async_save"), "straggler_factor": ("train", "straggler_factor"),
 }
 
-# --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
+# Megatron-LM's names for the same flags (its pretrain_gpt.py arguments): accepted as aliases, listed
+# once at the end of --help, and offered by "did you mean"
+MEGATRON_ALIASES = {
+    "--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-size": "--pp",
+    "--context-parallel-size": "--cp", "--expert-model-parallel-size": "--ep",
+    "--virtual-pipeline-model-parallel-size": "--interleave", "--sequence-parallel": "--sp",
+    "--use-distributed-optimizer": "--distributed-optimizer", "--recompute-granularity": "--recompute",
+    "--recompute-num-layers": "--recompute-layers", "--micro-batch-size": "--micro-batch",
+    "--global-batch-size": "--global-batch", "--num-layers": "--layers", "--hidden-size": "--hidden",
+    "--num-attention-heads": "--heads", "--num-query-groups": "--kv-heads", "--ffn-hidden-size": "--ffn",
+    "--seq-length": "--seq", "--num-experts": "--experts", "--moe-router-topk": "--top-k",
+    "--train-iters": "--steps", "--lr-warmup-iters": "--warmup", "--lr-decay-style": "--schedule",
+    "--log-interval": "--log-every", "--eval-interval": "--eval-every", "--save-interval": "--save-every",
+    "--save": "--out",
+}
 
 
 def _default(section: str, key: str) -> str:
@@ -146,6 +161,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
                    help="packed documents of a prepared folder attend only to themselves, positions restarting in "
                         f"each {d('document_mask')}")
+    g.add_argument("--verify-data", action=argparse.BooleanOptionalAction, default=None,
+                   help="check a prepared folder's shard files against its manifest's SHA-256s before training "
+                        f"(sizes, index and id range are checked always) {d('verify_data')}")
     g.add_argument("--tokenizer", help="a tokenizers JSON file for text data; sets --vocab unless given (default: "
                    "a prepared folder's, else none: bytes)")
     g.add_argument("--out", help=f"output folder: metrics, checkpoints, plots {d('out')}")
@@ -174,6 +192,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"exceeds F × the median over the ranks, at every log record; 0: off {d('straggler_factor')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
+    add_megatron_aliases(p)
+
+
+def add_megatron_aliases(p: argparse.ArgumentParser) -> None:
+    """Each ``MEGATRON_ALIASES`` name as a hidden twin of the seqpar flag (same destination, type and
+    choices; Megatron's on/off switches only switch on), and one epilog line listing them."""
+    actions = {o: a for a in p._actions for o in a.option_strings}
+    for alias, flag in MEGATRON_ALIASES.items():
+        action = actions[flag]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            p.add_argument(alias, dest=action.dest, action="store_const", const=True, help=argparse.SUPPRESS)
+        else:
+            p.add_argument(alias, dest=action.dest, type=action.type, choices=action.choices, help=argparse.SUPPRESS)
+    import textwrap
+
+    def fill(text: str, indent: str = "") -> str:  # never inside a flag's name
+        return textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's lines as written here
+    p.description = fill(p.description or "")
+    p.epilog = "Megatron-LM's flag names work too:\n" + fill(", ".join(f"{a} = {f}" for a, f in
+                                                                     MEGATRON_ALIASES.items()), "  ")
 
 
 def base_sections(args) -> dict[str, dict]:

@@ -1,8 +1,11 @@
-"""`seqpar verify CKPT`: is this checkpoint whole and does it load? One line per problem; exit 0 or 2.
+"""`seqpar verify PATH`: is this checkpoint (or prepared folder) whole, and does it load? One line per
+problem; exit 0 or 2.
 
-Checks every file against the SHA-256 recorded at save, the model config in meta.json against its
-own checksum, the model tensors' names and shapes against that config, and reads every tensor
-(finite values). Checkpoints written before checksums were recorded are checked for the rest.
+A checkpoint: every file against the SHA-256 recorded at save, the model config in meta.json against
+its own checksum, the model tensors' names and shapes against that config, and every tensor read (finite
+values); checkpoints written before checksums were recorded are checked for the rest. A prepared folder
+(``seqpar prepare``): every shard file against the size and SHA-256 its manifest records, the document
+index, and every id below the folder's vocabulary.
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a checkpoint folder (step_N, a run's --out folder, or its checkpoints/)")
+    p.add_argument("checkpoint", metavar="PATH", help="a checkpoint folder (step_N, a run's --out folder, or its "
+                   "checkpoints/), or a prepared folder")
 
 
 def run(args) -> int:
+    from seqpar.data import prepared
     from seqpar.train.checkpoint import verify
 
-    problems, notes = verify(args.checkpoint)
+    check = prepared.verify if prepared.is_prepared(args.checkpoint) else verify
+    problems, notes = check(args.checkpoint)
     for line in problems:
         print(f"seqpar verify: {line}", file=sys.stderr)
     for line in notes:

@@ -24,6 +24,19 @@ def not_text(raw: bytes) -> str:
     return f"binary (a NUL byte at offset {nul})" if nul >= 0 else ""
 
 
+def looks_like_text(head: bytes) -> bool:
+    """The first bytes are printable UTF-8 (token ids almost never are, over 16 bytes or more)."""
+    if len(head) < 16 or b"\0" in head:
+        return False
+    for cut in range(4):  # the sample may end inside a character
+        try:
+            text = head[:len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return all(c.isprintable() or c in "\t\n\r" for c in text)
+    return False
+
+
 def names(items: list[str], shown: int = 3) -> str:
     return ", ".join(items[:shown]) + (f", ... ({len(items) - shown} more)" if len(items) > shown else "")
 

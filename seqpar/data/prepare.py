@@ -5,15 +5,16 @@
    the same plan resumes; another plan is refused unless ``overwrite``.
 2. Tokenize the units not yet done, in ``workers`` processes (each single-threaded; one worker uses
    the tokenizer's own threads): unit ``k`` becomes ``shard_k.tokens`` (ids, each document followed by
-   the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written to ``.tmp``
-   names and renamed, then ``shard_k.json`` (counts, SHA-256 per file) last: the shard's completion
-   mark. A unit is a pure function of its inputs, so an interrupted prepare finishes with the same bytes.
+   the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written atomically
+   (``seqpar.fileio``), then ``shard_k.json`` (counts, SHA-256 per file) last: the shard's completion
+   mark. Text is encoded by ``seqpar.data.encode`` (a special token's text is text); a unit whose
+   documents themselves yield the end-of-document id is refused, with how many times. A unit is a
+   pure function of its inputs, so an interrupted prepare finishes with the same bytes.
 3. ``manifest.json`` gathers the shards; its presence marks the folder complete.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,60 +27,37 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from seqpar.data import tokenizer as tokfile
+from seqpar.data.encode import ENCODING, Encoder
 from seqpar.data.errors import DataError
-from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest
+from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
+from seqpar.fileio import sha256_file, write_atomic
+from seqpar.progress import Progress
 
 PLAN = "plan.json"
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 ENCODE_BATCH = 256  # documents per encode_batch call
 
 
-def shard_name(k: int, ext: str) -> str:
-    return f"shard_{k:05d}.{ext}"
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-class Encoder:
-    """Documents -> ids: a tokenizers JSON file (no special tokens added), or bytes (NUL bytes dropped:
-    NUL is the byte-level end-of-document)."""
-
-    def __init__(self, tokenizer_file: str, threads: bool):
-        self.tok = None
-        if tokenizer_file:
-            if not threads:
-                os.environ["RAYON_NUM_THREADS"] = "1"  # one core per worker process
-            self.tok = tokfile.load(tokenizer_file)
-
-    def encode(self, docs: list) -> list:
-        if self.tok is None:
-            return [(d if isinstance(d, bytes) else d.encode("utf-8")).replace(b"\0", b"") for d in docs]
-        texts = []
-        for d in docs:
-            texts.append(d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d)
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str, eos: int, dtype: str,
                   threads: bool = False) -> dict:
-    """Write shard ``k`` of ``unit`` (see the module docstring); returns its record."""
+    """Write shard ``k`` of ``unit`` (see the module docstring); returns its record. Refuses (before
+    writing) a unit whose documents hold the end-of-document id themselves: it would split them."""
     out_dir = Path(out)
     enc = Encoder(tokenizer_file, threads)
     ids, ends, skipped = array(ARRAY_CODES[dtype]), array("q"), []
+    inside = [0, ""]  # occurrences of eos inside documents, and where the first is
     batch: list = []
 
     def flush():
-        for doc in enc.encode(batch):
+        for doc in enc.documents(batch):
+            if enc.tok is not None and eos in doc:
+                inside[0] += doc.count(eos)
+                inside[1] = inside[1] or f"document {len(ends)} at token {doc.index(eos)}"
             ids.extend(doc)  # bytes iterate as their values
             ids.append(eos)
             ends.append(len(ids))
@@ -90,21 +68,29 @@ def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str,
         if len(batch) >= ENCODE_BATCH:
             flush()
     flush()
+    if inside[0]:
+        raise DataError(f"the end-of-document id {eos} ({enc.token(eos)!r}) occurs {inside[0]} times inside the "
+                        f"documents of {_unit_name(unit)}, first in its {inside[1]}: it would split them there; "
+                        "name a token the text never yields with --eos")
     if sys.byteorder != "little":
         ids.byteswap()
         ends.byteswap()
     files = {}
     for ext, arr in (("tokens", ids), ("docs", ends)):
         final = out_dir / shard_name(k, ext)
-        tmp = final.with_name(final.name + ".tmp")
-        with tmp.open("wb") as fh:
-            arr.tofile(fh)
-        os.replace(tmp, final)
-        files[final.name] = {"bytes": final.stat().st_size, "sha256": _sha256(final)}
+        write_atomic(final, arr.tobytes())
+        files[final.name] = {"bytes": final.stat().st_size, "sha256": sha256_file(final)}
     record = {"shard": k, "documents": len(ends), "tokens": len(ids), "input_bytes": unit["bytes"],
               "files": files, "skipped": skipped}
     _write_json(out_dir / shard_name(k, "json"), record)
     return record
+
+
+def _unit_name(unit: dict) -> str:
+    if unit["kind"] == "text":
+        more = len(unit["files"]) - 1
+        return unit["files"][0] + (f" (and {more} more file{'s' if more > 1 else ''})" if more else "")
+    return f"{unit['path']} ({'bytes' if unit['kind'] == 'jsonl' else 'rows'} {unit['start']}-{unit['end']})"
 
 
 def _shard_done(out: Path, k: int) -> dict | None:
@@ -118,39 +104,32 @@ def _shard_done(out: Path, k: int) -> dict | None:
     return record
 
 
-class Progress:
-    """One line of tokens/s and ETA (by input bytes): rewritten in place on a terminal, else every
-    ``every`` seconds."""
+class _Rate:
+    """What the progress display says of a prepare: tokens, tokens/s and MB/s of input since it started,
+    a line at most every ``every`` seconds (each finished shard advances the bar)."""
 
-    def __init__(self, total_bytes: int, done_bytes: int, enabled: bool, every: float = 5.0):
-        self.total, self.done, self.tokens = total_bytes, done_bytes, 0
-        self.start_bytes = done_bytes
+    def __init__(self, bar, done: int, every: float = 5.0):
+        self.bar, self.done, self.every = bar, done, every
+        self.tokens = self.bytes = 0
         self.t0 = self.last = time.perf_counter()
-        self.enabled, self.every = enabled, every
-        self.tty = enabled and sys.stderr.isatty()
 
-    def line(self) -> str:
+    def text(self) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        rate_b = (self.done - self.start_bytes) / dt
-        eta = (self.total - self.done) / rate_b if rate_b > 0 else float("inf")
-        pct = 100.0 * self.done / max(self.total, 1)
-        eta_text = f"{eta:.0f} s" if eta != float("inf") else "?"
-        return (f"prepare: {pct:5.1f}% of {self.total / 1e6:,.1f} MB, {self.tokens:,} tokens, "
-                f"{self.tokens / dt:,.0f} tokens/s, {rate_b / 1e6:.1f} MB/s, ETA {eta_text}")
+        return f"{self.tokens:,} tokens, {self.tokens / dt:,.0f} tokens/s, {self.bytes / dt / 1e6:.1f} MB/s"
 
     def add(self, record: dict) -> None:
-        self.done += record["input_bytes"]
+        self.done += 1
         self.tokens += record["tokens"]
-        now = time.perf_counter()
-        if self.tty:
-            print("\r" + self.line(), end="", file=sys.stderr, flush=True)
-        elif self.enabled and now - self.last >= self.every:
-            print(self.line(), file=sys.stderr, flush=True)
-            self.last = now
+        self.bytes += record["input_bytes"]
+        if time.perf_counter() - self.last >= self.every:
+            self.bar.update(self.done, self.text())
+            self.last = time.perf_counter()
+        else:
+            self.bar.tick(self.done)
 
     def close(self) -> None:
-        if self.enabled:
-            print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
+        self.bar.update(self.done, self.text())
+        self.bar.close()
 
 
 def _tokenizer_setup(tokenizer: str, out: Path, eos_token: str) -> tuple[dict | None, int, int]:
@@ -213,7 +192,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
         tok_file = staged / tokfile.FILE
         plan = {"format": FORMAT, "inputs": [[kind, str(p), p.stat().st_size, p.stat().st_mtime_ns]
                                              for kind, p in files],
-                "tokenizer_sha256": tok_record["sha256"] if tok_record else None, "field": field,
+                "tokenizer_sha256": tok_record["sha256"] if tok_record else None, "encoding": ENCODING, "field": field,
                 "unit_mb": unit_mb, "eos_id": eos, "units": units}
         staged_bytes = tok_file.read_bytes() if tok_record else None
     finally:
@@ -223,7 +202,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
         return read_manifest(out)
     out.mkdir(parents=True, exist_ok=True)
     if tok_record:
-        (out / tokfile.FILE).write_bytes(staged_bytes)
+        write_atomic(out / tokfile.FILE, staged_bytes)
     _write_json(out / PLAN, plan)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     records: dict[int, dict] = {}
@@ -233,7 +212,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
             records[k] = done
     pending = [k for k in range(len(units)) if k not in records]
     total = sum(u["bytes"] for u in units)
-    bar = Progress(total, sum(units[k]["bytes"] for k in records), progress)
+    bar = _Rate(Progress(len(units), len(records), progress, unit="shard"), len(records))
     tok_path = str(out / tokfile.FILE) if tok_record else ""
     workers = workers or min(len(pending), os.cpu_count() or 1) or 1
     args = (str(out),)

@@ -12,22 +12,19 @@ equivalent ``tokenizers`` JSON for ``export-hf``, so ``transformers`` loads a to
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
 from seqpar.data.errors import DataError
+from seqpar.fileio import sha256_file, write_atomic
 
 FILE = "tokenizer.json"
 # the names an end-of-document token goes by, most specific first
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
+# the names a begin-of-text and a padding token go by (config.json's bos_token_id and pad_token_id)
+BOS_NAMES = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "<|bos|>", "[BOS]")
+PAD_NAMES = ("<pad>", "<|pad|>", "<|padding|>", "[PAD]", "<|finetune_right_pad_id|>")
 BYTE_EOS = 0  # byte-level data: documents end with a NUL byte, which text never holds (NUL files are skipped)
-
-
-def sha256(path: str | Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def load(path: str | Path):
@@ -48,17 +45,26 @@ def load(path: str | Path):
 
 def eos_id(tok, path: str | Path = "") -> int | None:
     """The tokenizer's end-of-document token (a special token with one of ``EOS_NAMES``), or None."""
+    return _first_id(tok, EOS_NAMES)
+
+
+def _first_id(tok, names: tuple[str, ...]) -> int | None:
     vocab = tok.get_vocab(with_added_tokens=True)
-    for name in EOS_NAMES:
-        if name in vocab:
-            return int(vocab[name])
-    return None
+    return next((int(vocab[name]) for name in names if name in vocab), None)
+
+
+def special_ids(tok) -> dict[str, int | None]:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of a Hugging Face config.json: the tokens of
+    those names this tokenizer has (``eos_id``'s end-of-document token; None where it has none), so that
+    ``generate`` stops at the end of a document as the run's data marked it."""
+    return {"bos_token_id": _first_id(tok, BOS_NAMES), "eos_token_id": eos_id(tok),
+            "pad_token_id": _first_id(tok, PAD_NAMES)}
 
 
 def record(path: str | Path) -> dict:
     """What a run or a prepared folder records of its tokenizer (``FILE`` is the copy's name)."""
     tok = load(path)
-    return {"file": FILE, "sha256": sha256(path), "vocab_size": int(tok.get_vocab_size(with_added_tokens=True)),
+    return {"file": FILE, "sha256": sha256_file(path), "vocab_size": int(tok.get_vocab_size(with_added_tokens=True)),
             "eos_id": eos_id(tok), "source": str(path)}
 
 
@@ -69,9 +75,7 @@ def copy_into(path: str | Path, folder: str | Path) -> Path:
     dest = folder / FILE
     if dest.exists() and Path(path).resolve() == dest.resolve():
         return dest
-    tmp = folder / (FILE + ".tmp")
-    shutil.copyfile(path, tmp)
-    tmp.replace(dest)
+    write_atomic(dest, Path(path).read_bytes())
     return dest
 
 
@@ -80,7 +84,7 @@ def checked_copy(folder: str | Path, rec: dict, what: str) -> str:
     path = Path(folder) / rec.get("file", FILE)
     if not path.is_file():
         raise DataError(f"{what} {folder} records a tokenizer but its copy {path} is missing")
-    digest = sha256(path)
+    digest = sha256_file(path)
     if digest != rec["sha256"]:
         raise DataError(f"{what} {folder}: tokenizer {path} has SHA-256 {digest[:12]}..., not the "
                         f"{rec['sha256'][:12]}... recorded (changed after it was written)")
@@ -101,7 +105,7 @@ def of_checkpoint(folder: str | Path, meta: dict) -> str:
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:
-    return sha256(a) == sha256(b)
+    return sha256_file(a) == sha256_file(b)
 
 
 def folder_tokenizer(folder: str | Path, scratch: Path) -> str:

@@ -97,23 +97,25 @@ class GPTStage(nn.Module):
         return per_token.sum(), (target != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, docs: Documents | None = None):
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, docs: Documents | None = None,
+                reduction: str = "mean"):
         """``docs``: the microbatch's packed documents (``seqpar.documents``): each attends only to itself,
         positions restart in each; held as the ambient documents while this stage runs."""
         if docs is None:
-            return self._forward(x, labels)
+            return self._forward(x, labels, reduction)
         with documents.using(docs.to(x.device)):
-            return self._forward(x, labels)
+            return self._forward(x, labels, reduction)
 
-    def _forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+    def _forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
         """First stage: ``x`` = tokens ``[b, s]``; later stages: hidden ``[s(/t), b, h]``.
 
-        Last stage with ``labels``: returns the mean loss over non-ignored tokens; without labels
-        the logits. Other stages: the hidden state to send on.
+        Last stage with ``labels``: the loss over the non-ignored tokens, their mean (``reduction``
+        ``"mean"``) or their sum (``"sum"``: what a step's objective adds up, ``pipeline.objective``);
+        without labels the logits. Other stages: the hidden state to send on.
 
         Under context parallelism tokens and labels are the whole ``[b, s]``; the rank keeps its chunks.
         The sums of the losses and the counts are added over the cp ranks, so every cp rank returns the
-        whole sequence's mean loss, and its gradients are cp times its own tokens' share
+        whole sequence's loss, and its gradients are cp times its own tokens' share
         (``CPContext.sum``); averaged over dp × cp they are the single-process gradients.
         """
         if self.first:
@@ -125,8 +127,10 @@ class GPTStage(nn.Module):
         if labels is None:
             return logits
         total, count = self.loss(logits, self.cp.split(labels, 1))  # labels [b, s/cp]
-        total, count = self.cp.sum(total), self.cp.sum(count)
-        return total / count.clamp(min=1)
+        total = self.cp.sum(total)
+        if reduction == "sum":
+            return total
+        return total / self.cp.sum(count).clamp(min=1)
 
 
 def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_parallel: bool = False,

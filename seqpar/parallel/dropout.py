@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from seqpar.parallel.context import chunk_ids
 from seqpar.parallel.dims import GroupContext
 from seqpar.parallel.rng import Ranges, RNGTracker, coordinates, keep_mask, prefix_bits, slice_ranges, threshold
 
@@ -27,8 +28,7 @@ def sequence_ranges(local_len: int, cp_size: int = 1, cp_rank: int = 0, sp_size:
         ranges: Ranges = ((0, length),)
     else:
         c = length // 2
-        second = 2 * cp_size - 1 - cp_rank
-        ranges = ((cp_rank * c, (cp_rank + 1) * c), (second * c, (second + 1) * c))
+        ranges = tuple((i * c, (i + 1) * c) for i in chunk_ids(cp_size, cp_rank))
     return slice_ranges(ranges, sp_rank * local_len, (sp_rank + 1) * local_len)
 
 

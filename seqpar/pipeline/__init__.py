@@ -1,7 +1,7 @@
 """Pipeline parallelism (Sec. 4.2.3, 4.3, App. B, C): stage split, p2p, schedules, gradient sync.
 
     chunks = build_stages(cfg, parallel, recompute, dims, seed)
-    loss = forward_backward(chunks, microbatches, dims, parallel)   # local mean over microbatches
+    loss = forward_backward(chunks, microbatches, dims, parallel)   # mean per counted token (pipeline.objective)
     finalize_grads(chunks, dims)                                    # SP, tied weights, dp average
 """
 

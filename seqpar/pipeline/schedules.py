@@ -1,11 +1,11 @@
 """``forward_backward``: run every microbatch of a step with the configured schedule.
 
-No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3). Gradients
-accumulate into the parameters as the gradient of the MEAN over this rank's microbatches of each
-microbatch's mean loss; with data parallelism each dp rank runs its own microbatches and
-``finalize_grads`` averages over dp, so the result is the gradient of the mean over all dp ranks'
-microbatches. The returned loss is this dp rank's local mean (all-reduce it over dp to log the
-global one); every pipeline rank returns it (broadcast from the last stage).
+No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3). The step's
+objective is the mean loss per counted token of the whole global batch (``pipeline.objective``): each
+microbatch's loss sum is scaled by ``Objective.weight`` (dp / the step's counted tokens), so that once
+``finalize_grads`` averages over dp × cp the gradients are those of that mean, at any micro-batch size
+and layout. The returned loss is this dp rank's weighted sum (its average over dp is the step's loss;
+``broadcast_from_last_stage`` takes it); every pipeline rank returns it (broadcast from the last stage).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
+from seqpar.pipeline.objective import Objective
 from seqpar.pipeline.p2p import PipeComm
 from seqpar.pipeline.schedule_1f1b import run_1f1b, run_no_pipelining
 from seqpar.pipeline.schedule_interleaved import run_interleaved
@@ -35,14 +36,15 @@ def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
                      free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
                      meter=None, loss_scale: float = 1.0) -> float:
-    """Forward and backward of every microbatch; returns the mean loss over them (every pp rank).
+    """Forward and backward of every microbatch; returns this dp rank's share of the step's loss (every
+    pp rank; its average over dp is the mean loss per counted token of every dp rank's microbatches).
 
     ``microbatches``: [(tokens [b, s], labels [b, s])], the same list on every pp/tp rank of a
     pipeline (only the first stage reads tokens, only the last labels); with packed documents a third
     item, their ``seqpar.documents.Documents``, which every stage reads.
     ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
     chunk-microbatches that store every activation instead of recomputing.
-    ``meter``: an optional ``seqpar.measure.meter.ScheduleMeter`` recording the activation peak.
+    ``meter``: an optional ``seqpar.measure.meter.SavedTensorMeter`` recording the activation peak.
     ``loss_scale``: backward starts from loss · loss_scale (fp16); the returned loss is unscaled.
     """
     m = parallel.interleave
@@ -54,10 +56,11 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         raise ConfigError(f"every microbatch must have one shape (the stage-boundary buffers are sized by it), "
                           f"got tokens/labels shapes {sorted(shapes)}")
     k = keep_for_rank(keep_microbatches, dims.pp_rank, dims.pp)
-    runner = StepRunner(chunks, list(microbatches), free_outputs=free_outputs,
+    device = next(chunks[0].parameters()).device
+    objective = Objective.of_step(microbatches, dims.dp, dims.dp_group, device)  # one all-reduce over dp
+    runner = StepRunner(chunks, list(microbatches), objective, free_outputs=free_outputs,
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
                         loss_scale=loss_scale)
-    device = next(chunks[0].parameters()).device
     for chunk in chunks:
         if chunk.aux is not None:
             chunk.aux.take()  # forget values of forwards outside this step (evaluation)

@@ -1,9 +1,10 @@
 """One chunk-microbatch forward or backward: the unit every schedule is built from.
 
 ``StepRunner.forward`` runs a model chunk on a microbatch (tokens on the first virtual stage, the
-received hidden state elsewhere); on the last virtual stage it returns the microbatch's mean loss
-divided by the number of microbatches (and times the fp16 loss scale), so that accumulated
-gradients are those of the MEAN over microbatches. ``StepRunner.backward`` back-propagates a chunk
+received hidden state elsewhere); on the last virtual stage it returns the microbatch's loss SUM
+times the step's ``Objective.weight`` (and the fp16 loss scale), so that the gradients accumulated
+over microbatches and averaged over dp × cp are those of the global batch's mean loss per counted
+token (``seqpar.pipeline.objective``). ``StepRunner.backward`` back-propagates a chunk
 output and returns the gradient of the chunk input, to be sent to the previous stage.
 
 App. B: once a non-last chunk's output has been sent, ``release_output`` frees its data (the
@@ -21,17 +22,19 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from seqpar.pipeline.keep import KeepPolicy
+from seqpar.pipeline.objective import Objective
 
 
 @dataclass
 class StepRunner:
     chunks: list  # this rank's GPTStage chunks, in chunk order
     microbatches: list  # [(tokens [b, s], labels [b, s][, Documents])]
+    objective: Objective  # the step's counted tokens: each microbatch's loss sum is scaled by its weight
     free_outputs: bool = True  # App. B
     keep: KeepPolicy | None = None  # App. C
-    meter: object = None  # seqpar.measure.meter.ScheduleMeter or None
+    meter: object = None  # seqpar.measure.meter.SavedTensorMeter or None
     loss_scale: float = 1.0  # fp16 dynamic loss scaling: backward starts from loss · scale
-    losses: list = field(default_factory=list)  # unscaled microbatch losses (last virtual stage)
+    losses: list = field(default_factory=list)  # unscaled microbatch loss sums (last virtual stage)
 
     @property
     def num_microbatches(self) -> int:
@@ -50,9 +53,9 @@ class StepRunner:
             chunk.aux.weight = self.loss_scale / self.num_microbatches
         with keep, record:
             if chunk.last:
-                loss = chunk(x, labels.to(self._device(chunk)), docs=docs)
-                self.losses.append(loss.detach())
-                return loss * (self.loss_scale / self.num_microbatches)
+                total = chunk(x, labels.to(self._device(chunk)), docs=docs, reduction="sum")
+                self.losses.append(total.detach())
+                return total * (self.loss_scale * self.objective.weight)
             out = chunk(x, docs=docs)  # [s(/t), b, h]
         if self.meter is not None:
             self.meter.hold(out)  # the schedule keeps it until its backward
@@ -81,10 +84,11 @@ class StepRunner:
         return next(chunk.parameters()).device
 
     def mean_loss(self) -> float | None:
-        """Mean over microbatches of each microbatch's mean loss (last virtual stage only)."""
+        """This dp rank's loss sums times the objective's weight (last virtual stage only): averaged over
+        the dp ranks, the step's mean loss per counted token."""
         if not self.losses:
             return None
-        return float(torch.stack(self.losses).float().mean())
+        return float(torch.stack(self.losses).double().sum()) * self.objective.weight
 
 
 def as_input(received: torch.Tensor | None) -> torch.Tensor | None:

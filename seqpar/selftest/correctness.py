@@ -16,7 +16,7 @@ import torch
 
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.saved import SavedTensorMeter
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.measure.table2 import plan_rows
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
@@ -144,8 +144,9 @@ def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: in
     finalize_grads(chunks, dims)
     reference = build_model(cfg, seed=seed)
     ref_loss = 0.0
-    for tok, lab in microbatches:  # the schedule's loss: the mean over microbatches of each one's mean
-        part = reference(tok, lab) / len(microbatches)
+    counted = int((labels != -100).sum())
+    for tok, lab in microbatches:  # the step's objective: the loss sum over the counted tokens of both, / their number
+        part = reference(tok, lab, reduction="sum") / counted
         part.backward()
         ref_loss += part.item()
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}

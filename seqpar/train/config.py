@@ -53,7 +53,7 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per microbatch per data-parallel rank
     global_batch: int = 16  # sequences per optimizer step over all data-parallel ranks
     eval_every: int = 100  # 0: only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # validation: eval_batches × global_batch windows (as Megatron's eval_iters)
     log_every: int = 10
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
@@ -137,8 +137,11 @@ class DataConfig:
     """How training reads its data (where from: ``[train] data``)."""
 
     # packed documents attend only to themselves, positions restarting in each (seqpar/documents.py);
-    # needs a prepared folder (its end-of-document token marks the boundaries)
+    # needs a prepared folder (its document index marks the boundaries)
     document_mask: bool = False
+    # a prepared folder's shard files checked against the SHA-256s of its manifest before training (one read of
+    # every file; sizes, the index and ids in range are checked at every start)
+    verify: bool = False
 
     def validate(self) -> DataConfig:
         _check_types(self)
@@ -174,10 +177,6 @@ class JobConfig:
         if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
             raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
                               "itself: turn off distributed_optimizer and overlap_grad_reduce")
-        if self.parallel.fsdp and self.model.experts:
-            raise ConfigError(f"fsdp with a mixture of experts ({self.model.experts} experts) is not supported: "
-                              "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
-                              "places experts on subsets of them; train MoE models without fsdp")
         self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self
@@ -222,9 +221,25 @@ def inert_settings(job: JobConfig) -> list[str]:
     if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
         notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
                      "(they shard over, and overlap the reduction across, the data-parallel ranks)")
+    params = default_lr_on_large_model(job)
+    if params:
+        notes.append(f"lr {t.lr:g} is the trainer's default, set for the small models of configs/; this model has "
+                     f"{params / 1e9:.1f}B parameters: set lr (its paper's, or `seqpar plan --model PRESET "
+                     "--emit-config` where one was published)")
     if t.schedule != "wsd" and t.decay_fraction != TrainConfig.decay_fraction:
         notes.append(f"decay_fraction {t.decay_fraction} applies to the wsd schedule only, not {t.schedule}")
     return notes
+
+
+def default_lr_on_large_model(job: JobConfig) -> int:
+    """The model's parameter count when it has at least a billion and trains at the trainer's default lr
+    (which suits the small models of configs/), else 0."""
+    if job.train.lr != TrainConfig.lr:
+        return 0
+    from seqpar.analysis.states import stage_parameters
+
+    params = stage_parameters(job.model, ParallelConfig(), 0)  # the whole model: one rank, one stage
+    return params if params >= 1e9 else 0
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig,

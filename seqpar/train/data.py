@@ -6,10 +6,9 @@ Sources (``load_tokens``):
   * ``--data FILE|DIR``: a text file, or every regular file of a folder (sorted), as bytes. Hidden
     files and everything under hidden folders are skipped, and so are files that are not text (a
     NUL byte, or a gzip/bzip2/xz/zip/zstd magic number); the source line counts and names them;
-  * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped: raw little-endian ids, or an
-    llm.c file (a 1024-byte header: magic, version, token count). A NumPy ``.npy``, a compressed file,
-    text, a size that is not whole ids and uint32 ids read as uint16 are refused, naming the file;
-  * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package;
+  * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped, raw or llm.c (``seqpar.data.idfile``);
+  * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package (``seqpar.data.encode``,
+    the encoder ``seqpar prepare`` uses);
   * a prepared folder (``seqpar prepare``): sharded ids memory-mapped, whole documents held out for
     validation (``DocumentData``; it starts in seconds whatever the corpus size).
 
@@ -22,15 +21,16 @@ fixed set of windows whatever the layout (``seqpar.data.windows``).
 
 from __future__ import annotations
 
-import struct
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from seqpar.data.encode import Encoder
 from seqpar.data.errors import DataError
-from seqpar.data.files import check_file, names, not_text, text_files
+from seqpar.data.files import names, not_text, text_files
+from seqpar.data.idfile import load_ids
 from seqpar.data.prepared import Prepared, is_prepared
 from seqpar.data.windows import Spans, held_out, split_for_rank, train_offsets, validation_offsets
 from seqpar.documents import Documents, label_mask
@@ -46,9 +46,6 @@ def stdlib_files() -> list[Path]:
     if not files:
         raise DataError(f"no *.py files in the standard library folder {root}")
     return files
-
-
-TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 
 
 def _read(path: Path) -> bytes:
@@ -77,100 +74,27 @@ def _read_texts(paths: list[Path], root: Path) -> tuple[list[tuple[Path, bytes]]
     return texts, skipped
 
 
-def _as_tokens(chunks: list[bytes]) -> torch.Tensor:
-    raw = b"\n".join(chunks)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
-
-
-def _encode(texts: list[tuple[Path, bytes]], tokenizer_path: str) -> torch.Tensor:
-    from seqpar.data.tokenizer import load
-
-    tok = load(tokenizer_path)
-    ids: list[int] = []
-    for path, raw in texts:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text") from None
-        ids.extend(tok.encode(text).ids)
-    return torch.tensor(ids, dtype=torch.int64)
-
-
-# llm.c's token files: 256 little-endian int32 (magic, version, token count, ...) then the ids
-LLMC_HEADER_BYTES = 1024
-LLMC_FORMATS = {(20240520, 1): "uint16", (20240801, 7): "uint32"}
-
-
-def _looks_like_text(head: bytes) -> bool:
-    """The first bytes are printable UTF-8 (token ids almost never are, over 16 bytes or more)."""
-    if len(head) < 16 or b"\0" in head:
-        return False
-    for cut in range(4):  # the sample may end inside a character
-        try:
-            text = head[:len(head) - cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        return all(c.isprintable() or c in "\t\n\r" for c in text)
-    return False
-
-
-def _load_bin(path: Path, token_dtype: str) -> tuple[torch.Tensor, str]:
-    """Token ids from a ``.bin`` file, after checking that it is one (see the module docstring)."""
-    check_file(path)
-    nbytes = path.stat().st_size
+def _utf8(path: Path, raw: bytes) -> str:
     try:
-        with path.open("rb") as fh:  # readable? (torch.from_file would fail with its own message)
-            head = fh.read(4096)
-    except OSError as err:
-        raise DataError(f"cannot read {path}: {err.strerror}") from None
-    header, kind = 0, f"{token_dtype} tokens"
-    fmt = LLMC_FORMATS.get(struct.unpack("<2i", head[:8])) if len(head) >= LLMC_HEADER_BYTES else None
-    if fmt is not None:
-        count = struct.unpack("<i", head[8:12])[0]
-        if fmt != token_dtype:
-            raise DataError(f"{path} is an llm.c file of {fmt} tokens; set train.token_dtype = \"{fmt}\" "
-                            f"(it is {token_dtype!r})")
-        expected = LLMC_HEADER_BYTES + count * TOKEN_DTYPES[fmt].itemsize
-        if nbytes != expected:
-            raise DataError(f"{path}: its llm.c header says {count} {fmt} tokens ({expected} bytes), the file "
-                            f"has {nbytes} bytes (truncated?)")
-        header, kind = LLMC_HEADER_BYTES, f"llm.c file of {fmt} tokens"
-    elif head.startswith(b"\x93NUMPY"):
-        raise DataError(f"{path} is a NumPy .npy file, not raw token ids (write them with "
-                        f"array.astype(numpy.{token_dtype}).tofile(path))")
-    elif not_text(head).endswith("compressed"):
-        raise DataError(f"{path} is {not_text(head)}, not raw token ids; decompress it first")
-    elif _looks_like_text(head):
-        raise DataError(f"{path} looks like text, not {token_dtype} token ids; give text without the .bin suffix")
-    dtype = TOKEN_DTYPES[token_dtype]
-    size = dtype.itemsize
-    if (nbytes - header) % size:
-        raise DataError(f"{path}: {nbytes} bytes is not a whole number of {token_dtype}")
-    # memory-mapped, copy-on-write (the file is never written)
-    tokens = torch.from_file(str(path), shared=False, size=nbytes // size, dtype=dtype)[header // size:] \
-        if nbytes else torch.zeros(0, dtype=dtype)
-    if token_dtype == "uint16" and len(tokens) >= 64:
-        sample = tokens[:1 << 16].to(torch.int32)  # [n]
-        if not sample[1::2].any() and sample[0::2].any():  # little-endian uint32 ids < 65536
-            raise DataError(f"{path}: every second uint16 id is 0 -- these look like uint32 ids; set "
-                            "train.token_dtype = \"uint32\"")
-    return tokens, f"{path} ({kind})"
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text") from None
 
 
 def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16") -> tuple[torch.Tensor, str]:
     """The whole token stream and a short description of where it came from."""
     if not data:
         files = stdlib_files()
-        tokens = _as_tokens([_read(f) for f in files])
+        tokens = Encoder().stream([_read(f) for f in files])
         source = f"stdlib ({len(files)} files of {files[0].parent})"
     else:
         path = Path(data)
         if path.suffix == ".bin":
-            tokens, source = _load_bin(path, token_dtype)
+            tokens, source = load_ids(path, token_dtype)
         else:
             files, hidden = text_files(path)
             texts, binary = _read_texts(files, path)
-            tokens = _encode(texts, tokenizer) if tokenizer else _as_tokens([raw for _, raw in texts])
+            tokens = Encoder(tokenizer).stream([_utf8(p, raw) if tokenizer else raw for p, raw in texts])
             skipped = ([f"{len(hidden)} hidden ({names(hidden)})"] if hidden else []) + \
                 ([f"{len(binary)} not text ({names(binary)})"] if binary else [])
             source = (f"{path} ({len(texts)} file{'s' if len(texts) != 1 else ''}"
@@ -187,7 +111,6 @@ class Windows:
 
     seq_len: int
     source: str
-    document_eos: int | None = None  # packed documents (data.document_mask): their end-of-document id
 
     def train_spans(self) -> Spans:
         raise NotImplementedError
@@ -207,16 +130,21 @@ class Windows:
     def val_tokens(self) -> int:
         return self.val_spans().tokens
 
+    def document_starts(self, offsets: torch.Tensor, count: int) -> torch.Tensor | None:
+        """``[b, count]`` bool: where a document starts in the windows at ``offsets`` (packed documents,
+        ``data.document_mask``), or None: no document boundaries."""
+        return None
+
     def _windows(self, split: str, offsets: torch.Tensor) -> tuple:
-        """(tokens [b, s], labels [b, s]), and with packed documents their ``Documents`` (the labels of
-        end-of-document tokens ignored: the next document is not predicted from this one)."""
+        """(tokens [b, s], labels [b, s]), and with packed documents their ``Documents`` (the label of each
+        document's last token ignored: the next document is not predicted from this one)."""
         s = self.seq_len
         rows = torch.stack([self.read(split, o, s + 1) for o in offsets.tolist()])  # [b, s + 1]
         tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # [b, s] each
-        if self.document_eos is None:
+        starts = self.document_starts(offsets, s + 1)  # [b, s + 1]
+        if starts is None:
             return tokens, labels
-        eos = self.document_eos
-        return tokens, label_mask(tokens, labels, eos), Documents.from_tokens(tokens, eos)
+        return tokens, label_mask(labels, starts[:, 1:]), Documents.from_starts(starts[:, :-1])
 
     def train_offsets(self, seed: int, step: int, global_batch: int) -> torch.Tensor:
         return train_offsets(self.train_spans(), seed, step, global_batch)  # [B]
@@ -292,8 +220,8 @@ class DocumentData(Windows):
     """A prepared folder (``seqpar prepare``), memory-mapped: whole documents held out for validation
     (``held_out``), windows read across shard boundaries."""
 
-    def __init__(self, prepared: Prepared, seq_len: int, val_fraction: float):
-        self.prepared, self.seq_len = prepared, seq_len
+    def __init__(self, prepared: Prepared, seq_len: int, val_fraction: float, document_mask: bool = False):
+        self.prepared, self.seq_len, self.document_mask = prepared, seq_len, document_mask
         train, val = held_out(prepared.doc_ends, val_fraction)
         self._train, self._val = Spans(train, seq_len), Spans(val, seq_len)
         m = prepared.manifest
@@ -312,9 +240,7 @@ class DocumentData(Windows):
         if prepared.vocab_size > vocab_size:
             raise DataError(f"{path} was prepared with a vocabulary of {prepared.vocab_size}, more than the model's "
                             f"vocab_size {vocab_size}")
-        data = cls(prepared, seq_len, val_fraction)
-        data.document_eos = prepared.eos_id if document_mask else None
-        return data
+        return cls(prepared, seq_len, val_fraction, document_mask)
 
     def train_spans(self) -> Spans:
         return self._train
@@ -324,6 +250,10 @@ class DocumentData(Windows):
 
     def read(self, split: str, start: int, count: int) -> torch.Tensor:
         return self.prepared.read(start, count)
+
+    def document_starts(self, offsets: torch.Tensor, count: int) -> torch.Tensor | None:
+        """From the folder's document index (not from end-of-document ids found in the window)."""
+        return self.prepared.starts(offsets, count) if self.document_mask else None
 
     def with_validation(self, spans: Spans) -> DocumentData:
         """A copy validating on ``spans`` (``seqpar eval --split all``: every token)."""

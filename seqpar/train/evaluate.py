@@ -13,7 +13,7 @@ import torch.distributed as dist
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import MAX, all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.fsdp import shard_of
+from seqpar.pipeline.objective import counted as counted_tokens
 
 
 def broadcast_from_last_stage(value: float | None, dims: ParallelDims, device) -> float:
@@ -39,13 +39,15 @@ def dims_tp(chunk) -> int:
 
 
 def validation_windows(train) -> int:
-    """The trainer's validation set: ``eval_batches × micro_batch`` windows, whatever the layout."""
-    return train.eval_batches * train.micro_batch
+    """The trainer's validation set: ``eval_batches × global_batch`` windows (Megatron's eval iterations
+    of a global batch each), whatever the layout and the micro-batch size."""
+    return train.eval_batches * train.global_batch
 
 
-def mean_over_windows(total: torch.Tensor | None, count: int, dims: ParallelDims, device) -> float:
-    """The last pipeline stage's loss ``total`` over its ``count`` windows, summed over the dp ranks and
-    divided by every window there: the mean of one fixed window set, however it was shared out."""
+def mean_per_token(total: torch.Tensor | None, count: int, dims: ParallelDims, device) -> float:
+    """The last pipeline stage's loss sum ``total`` over its ``count`` counted tokens, both summed over the
+    dp ranks: the mean per counted token of one fixed window set, however it was shared out
+    (``pipeline.objective``'s definition)."""
     t = torch.tensor([float("nan"), float("nan")], dtype=torch.float64, device=device)
     if total is not None:
         t[0], t[1] = total.to(torch.float64), count
@@ -53,7 +55,7 @@ def mean_over_windows(total: torch.Tensor | None, count: int, dims: ParallelDims
         broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
     if dims.dp_group is not None:
         all_reduce(t, group=dims.dp_group)
-    return float(t[0] / t[1])
+    return float(t[0] / t[1].clamp(min=1))
 
 
 def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -61,8 +63,7 @@ def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[t
     parallelism every MoE forward exchanges tokens over the ep ranks (inside dp × cp): so every dp rank
     runs as many forwards as the one with the most batches: the extra ones, on a dummy window, not counted
     (nothing without either; a collective over dp with them)."""
-    fsdp = any(shard_of(p) is not None for c in chunks for p in c.parameters())
-    if dims.dp_group is None or not (fsdp or dims.ep > 1):
+    if dims.dp_group is None or not (dims.fsdp or dims.ep > 1):
         return []
     most = torch.tensor([n], dtype=torch.int64, device=device)
     all_reduce(most, group=dims.dp_group, op=MAX)
@@ -71,9 +72,11 @@ def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[t
 
 
 @torch.no_grad()
-def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims) -> float:
-    """Mean loss per window over every dp rank's ``batches`` (each its share of one window set; shares
-    may differ by a window, or be empty); the same value on every rank."""
+def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
+             done=None) -> float:
+    """Mean loss per counted token over every dp rank's ``batches`` (each its share of one window set;
+    shares may differ by a window, or be empty); the same value on every rank, at every layout and
+    micro-batch size (``pipeline.objective``). ``done(windows)``: called after each batch."""
     device = next(chunks[0].parameters()).device
     modes = [c.training for c in chunks]
     for c in chunks:
@@ -96,20 +99,22 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
                         dist.recv(x, src=dims.pp_ranks[(v - 1) % dims.pp], group=dims.pp_group)
                     inp = tokens.to(device) if chunk.first else x
                     if chunk.last:
-                        loss = chunk(inp, labels.to(device), docs=docs).double()
+                        loss = chunk(inp, labels.to(device), docs=docs, reduction="sum").double()
                         if i < counted:  # not a lockstep padding forward
-                            total += loss * tokens.shape[0]  # batch mean
-                            count += tokens.shape[0]
+                            total += loss
+                            count += counted_tokens(labels)
                     else:
                         x = chunk(inp, docs=docs)
                         nxt = (v + 1) % dims.pp
                         if nxt != owner:
                             dist.send(x.contiguous(), dst=dims.pp_ranks[nxt], group=dims.pp_group)
+            if done is not None and i < counted:
+                done(tokens.shape[0])
         last = any(c.last for c in chunks)
     finally:
         for c, mode in zip(chunks, modes, strict=True):
             c.train(mode)
-    return mean_over_windows(total if last else None, count, dims, device)
+    return mean_per_token(total if last else None, count, dims, device)
 
 
 @torch.no_grad()
@@ -120,7 +125,7 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
 
     ``data``/``tokenizer`` default to the run's own (its tokenizer copy); ``split`` ``val`` is the
     held-out data training validated on, ``all`` every token. By default the trainer's own fixed
-    validation windows (``eval_batches × micro_batch`` of the run: its logged validation loss);
+    validation windows (``eval_batches × global_batch`` of the run: its logged validation loss);
     ``batches`` > 0: that many forwards of ``micro_batch`` windows; ``full``: windows of ``seq_len``
     covering the split once. ``progress``: a line on stderr (windows, tokens/s, ETA)."""
     import math
@@ -150,19 +155,13 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     else:
         windows = validation_windows(build_job(meta["config"]).train)
     windows = min(windows, spans.total)
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
+    batches = tokens.validation_batches(windows, micro_batch)
     meter = _Meter(windows, cfg.seq_len, progress)
-    for x, y, *docs in tokens.validation_batches(windows, micro_batch):
-        loss = model(x.to(device), y.to(device), docs=docs[0] if docs else None).float()  # mean, counted tokens
-        counted = int((y != -100).sum())
-        total += float(loss) * counted
-        count += counted
-        meter.add(x.shape[0])
+    loss = evaluate([model], batches, ParallelDims.single(), done=meter.add)  # the trainer's validation, one rank
     meter.close()
-    loss = total / count
     result = {"checkpoint": str(path), "step": meta.get("step", 0), "data": tokens.source, "split": split,
-              "tokens": count, "windows": windows, "seq_len": cfg.seq_len, "loss": loss,
+              "tokens": sum(counted_tokens(b[1]) for b in batches), "windows": windows, "seq_len": cfg.seq_len,
+              "loss": loss,
               "perplexity": math.exp(min(loss, 700.0))}
     if cfg.vocab_size == 256 and not tokenizer:
         result["bits_per_byte"] = loss / math.log(2)
@@ -171,14 +170,14 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
 
 def _same_tokenizer(data, tokenizer: str) -> None:
     """A prepared folder's ids were made by the model's tokenizer (or both are bytes), or one line."""
-    from seqpar.data import tokenizer as tokfile
     from seqpar.data.errors import DataError
+    from seqpar.fileio import sha256_file
 
     prepared = getattr(data, "prepared", None)
     if prepared is None:
         return
     record = prepared.manifest["tokenizer"]
-    theirs, mine = (record["sha256"] if record else None), (tokfile.sha256(tokenizer) if tokenizer else None)
+    theirs, mine = (record["sha256"] if record else None), (sha256_file(tokenizer) if tokenizer else None)
     if theirs != mine:
         what = lambda digest: f"tokenizer sha256 {digest[:12]}..." if digest else "bytes"  # noqa: E731
         raise DataError(f"{prepared.path} was prepared with {what(theirs)}, the model reads {what(mine)}")

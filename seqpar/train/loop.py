@@ -25,13 +25,14 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData
 from seqpar.train.evaluate import broadcast_from_last_stage, evaluate, validation_windows
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
-from seqpar.train.metrics import MetricsLog, Progress, format_record, plot_losses
+from seqpar.train.metrics import MetricsLog, format_record, plot_losses
 from seqpar.train.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry
@@ -247,8 +248,9 @@ class Trainer:
         return time.perf_counter() - start
 
     def validation_loss(self) -> float:
-        """The loss on the validation split: a fixed set of ``eval_batches × micro_batch`` windows,
-        shared out over the dp ranks, the same at any tp/pp/dp/cp."""
+        """The loss on the validation split: the mean per counted token over a fixed set of
+        ``eval_batches × global_batch`` windows, shared out over the dp ranks, the same at any
+        tp/pp/dp/cp and micro-batch size (``pipeline.objective``)."""
         t = self.job.train
         batches = self.data.validation_batches(validation_windows(t), t.micro_batch, self.dims.dp_rank,
                                                self.dims.dp)
@@ -340,11 +342,15 @@ class Trainer:
                 metrics.log(event)
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
-        last = {}
+        last, norm = {}, math.nan  # norm: the last step's gradient norm, for its window's record
         window_t, window_steps = time.perf_counter(), 0
         try:
             while self.state.step < end:
                 if stop.requested(self.device):  # every rank agrees on the step to stop after
+                    if window_steps:  # the steps since the last log line get their record before the save
+                        last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps,
+                                                   window_steps, validate=False)
+                        metrics.log(last)
                     return self._interrupted(stop, metrics, last)
                 step = self.state.step
                 for hook in self.hooks:
@@ -382,8 +388,9 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
+        kept = {k: v for k, v in activations.items() if k.startswith("act_bytes_")}  # the summary's comparison
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses}
+                "losses": self.state.losses, "activations": kept}
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,

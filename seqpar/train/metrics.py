@@ -1,6 +1,6 @@
-"""Rank 0's metrics: a JSONL file, a progress bar with ETA, TensorBoard, Weights & Biases and a loss-curve PNG.
+"""Rank 0's metrics: a JSONL file, TensorBoard, Weights & Biases and a loss-curve PNG (the progress bar:
+``seqpar.progress``).
 
-The progress bar uses ``rich`` when installed, else ``tqdm``, else a plain line per log step.
 TensorBoard logs are written when the ``tensorboard`` package is installed, the PNG when
 ``matplotlib`` is; W&B when asked for (``train.wandb``, ``seqpar.train.wandb_sink``). None of them is required.
 """
@@ -9,72 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import time
 from pathlib import Path
+
+from seqpar.fileio import write_atomic
 
 
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     return str(value)
-
-
-class Progress:
-    """A bar over ``total`` steps; ``update(step, text)``."""
-
-    def __init__(self, total: int, start: int = 0, enabled: bool = True):
-        self.total, self.start, self.t0 = total, start, time.perf_counter()
-        self.kind, self._bar = ("plain" if enabled else "off"), None
-        if not enabled or not sys.stderr.isatty():
-            return
-        try:
-            from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-            self._bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
-            self._task = self._bar.add_task("", total=total, completed=start)
-            self._bar.start()
-            self.kind = "rich"
-            return
-        except ImportError:
-            pass
-        try:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-            self.kind = "tqdm"
-        except ImportError:
-            pass
-
-    def eta(self, step: int) -> float:
-        done = step - self.start
-        return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else float("nan")
-
-    def update(self, step: int, text: str) -> None:
-        """Advance the bar and print ``text`` as a line that stays above it."""
-        eta = self.eta(step)
-        line = f"step {step}/{self.total} {text}" + (f" eta {eta:.0f}s" if math.isfinite(eta) else "")
-        if self.kind == "rich":
-            self._bar.update(self._task, completed=step)
-            self._bar.console.print(line, highlight=False)
-        elif self.kind == "tqdm":
-            self._bar.update(step - self._bar.n)
-            self._bar.write(line)
-        elif self.kind == "plain":
-            print(line, flush=True)
-
-    def tick(self, step: int) -> None:
-        """Advance the bar without a line (every step)."""
-        if self.kind == "rich":
-            self._bar.update(self._task, completed=step)
-        elif self.kind == "tqdm":
-            self._bar.update(step - self._bar.n)
-
-    def close(self) -> None:
-        if self.kind == "rich":
-            self._bar.stop()
-        elif self.kind == "tqdm":
-            self._bar.close()
 
 
 class MetricsLog:
@@ -96,9 +39,7 @@ class MetricsLog:
             self.path.unlink()
         elif self.path.exists():
             self.records = [r for r in read_records(self.path) if r.get("step", 0) <= start_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-            tmp.replace(self.path)
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         try:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))

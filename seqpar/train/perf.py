@@ -19,6 +19,7 @@ import torch
 
 from seqpar.analysis.flops import training_flops
 from seqpar.dtypes import torch_dtype
+from seqpar.fileio import write_atomic
 
 
 def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3) -> float:
@@ -103,9 +104,7 @@ def cached_gemm_probe(device: torch.device, dtype: torch.dtype) -> tuple[float, 
     table[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(table, indent=1))
     except OSError:
         return flops, "GEMM probe (not cached: the cache folder is not writable)"
     return flops, f"GEMM probe, cached in {path}"

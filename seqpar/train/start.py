@@ -89,6 +89,19 @@ def check_tokenizer(job: JobConfig, resume: str = "") -> None:
                           f"(--vocab {size} or more)")
 
 
+def check_data(job: JobConfig) -> None:
+    """With ``data.verify``: the prepared folder's files against their SHA-256s (and what opening checks), once,
+    before any rank starts."""
+    from seqpar.data.prepared import Prepared, is_prepared
+
+    if not job.data.verify:
+        return
+    if not is_prepared(job.train.data):
+        raise ConfigError(f"data.verify checks a prepared folder's SHA-256s; {job.train.data or 'the default data'} "
+                          "is not one (seqpar prepare writes them)")
+    Prepared(job.train.data, hashes=True)
+
+
 def check_resume(job: JobConfig, resume: str) -> None:
     """A checkpoint of this run's model with steps left to train, its files matching their checksums and its
     tensors the model: checked once, before anything starts (the ranks then read it without checking again)."""
@@ -119,6 +132,7 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
         return _dry_run(job, resume)
     try:
         check_tokenizer(job, resume)
+        check_data(job)
         claim_out(job.train.out_dir, resume, overwrite)
         if nproc:  # the ranks would each find bad data only after launch
             from seqpar.train import run_tokenizer
@@ -163,6 +177,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         if dry_run:
             return _dry_run(job, run_resume) if rank0 else 0
         if not ours and not restart:
+            check_data(job)
             if rank0 or not overwrite:
                 claim_out(job.train.out_dir, resume, overwrite)
             if rank0:

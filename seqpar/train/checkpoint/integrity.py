@@ -7,7 +7,6 @@ Checkpoints written before checksums were recorded load with a one-line note.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from seqpar.config import ModelConfig
+from seqpar.fileio import sha256_bytes, sha256_file
 from seqpar.parallel.comm import all_gather_object
 from seqpar.train.checkpoint.format import META, CheckpointError, load_full, read_meta, recorded_model, stored_keys
 from seqpar.train.checkpoint.resume import resolve
@@ -25,21 +25,16 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def sha256(path: Path) -> str:
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def files_in(folder: Path) -> list[str]:
     """Every file of a checkpoint folder but the marker, as sorted relative names."""
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                  if p.is_file() and p.name not in (META, META + ".tmp"))
+                  if p.is_file() and p.name != META and not (p.name.startswith(META) and p.name.endswith(".tmp")))
 
 
 def file_record(path: Path) -> dict | str:
     """``{"bytes", "sha256"}`` of a file, or why it cannot be read."""
     try:
-        return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+        return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     except OSError as err:
         return f"cannot read {path}: {err.strerror}"
 
@@ -60,7 +55,7 @@ def over_ranks(fn, items: list, collective: bool = True, group=None) -> list:
 
 
 def config_digest(model: dict) -> str:
-    return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()
+    return sha256_bytes(json.dumps(model, sort_keys=True).encode())
 
 
 def _file_problem(folder: Path, name: str, record) -> str:
@@ -75,7 +70,7 @@ def _file_problem(folder: Path, name: str, record) -> str:
         size = path.stat().st_size
         if size != record["bytes"]:
             return f"{name} has {size} bytes, the save wrote {record['bytes']} (truncated or replaced?)"
-        if sha256(path) != record["sha256"]:
+        if sha256_file(path) != record["sha256"]:
             return f"{name} does not match the SHA-256 recorded at save: its bytes changed (a bit flip?)"
     except OSError as err:
         return f"{name} cannot be read ({err.strerror})"

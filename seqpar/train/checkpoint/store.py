@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from seqpar.fileio import write_atomic
 from seqpar.parallel.comm import barrier
 from seqpar.train.checkpoint.format import (
     FORMAT,
@@ -53,15 +54,6 @@ from seqpar.train.sharded import LoadPlanner, SavePlanner, ShardedView
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         barrier(group)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedView], meta: dict, keep: int = 2,
@@ -103,11 +95,11 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             marker = {"format": FORMAT, **meta, "files": records}
             if isinstance(meta.get("config"), dict) and "model" in meta["config"]:
                 marker["model_sha256"] = config_digest(meta["config"]["model"])
-            _write_atomic(tmp / META, json.dumps(marker, indent=1))
+            write_atomic(tmp / META, json.dumps(marker, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _write_atomic(root / LATEST, final.name + "\n")
+            write_atomic(root / LATEST, final.name + "\n")
             _prune(root, keep)
     except (OSError, RuntimeError, CheckpointException) as err:  # DCP gathers every rank's write error into one
         if isinstance(err, RuntimeError) and not _disk_full(err):

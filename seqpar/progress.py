@@ -1,0 +1,67 @@
+"""The progress display of every long command (``seqpar train``'s steps, ``seqpar prepare``'s shards): a bar
+with ETA through ``rich`` when installed, else ``tqdm``, else a plain line per ``update``; nothing when
+stderr is not a terminal but those lines.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+
+class Progress:
+    """A bar over ``total`` steps (or other ``unit``s: ``seqpar prepare``'s shards); ``update(step, text)``."""
+
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, unit: str = "step"):
+        self.total, self.start, self.t0, self.unit = total, start, time.perf_counter(), unit
+        self.kind, self._bar = ("plain" if enabled else "off"), None
+        if not enabled or not sys.stderr.isatty():
+            return
+        try:
+            from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+            self._bar = RichProgress(TextColumn(unit + " {task.completed}/{task.total}"), BarColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
+            self._task = self._bar.add_task("", total=total, completed=start)
+            self._bar.start()
+            self.kind = "rich"
+            return
+        except ImportError:
+            pass
+        try:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, initial=start, unit=unit, dynamic_ncols=True)
+            self.kind = "tqdm"
+        except ImportError:
+            pass
+
+    def eta(self, step: int) -> float:
+        done = step - self.start
+        return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else float("nan")
+
+    def update(self, step: int, text: str) -> None:
+        """Advance the bar and print ``text`` as a line that stays above it."""
+        eta = self.eta(step)
+        line = f"{self.unit} {step}/{self.total} {text}" + (f" eta {eta:.0f}s" if math.isfinite(eta) else "")
+        if self.kind == "rich":
+            self._bar.update(self._task, completed=step)
+            self._bar.console.print(line, highlight=False)
+        elif self.kind == "tqdm":
+            self._bar.update(step - self._bar.n)
+            self._bar.write(line)
+        elif self.kind == "plain":
+            print(line, flush=True)
+
+    def tick(self, step: int) -> None:
+        """Advance the bar without a line (every step)."""
+        if self.kind == "rich":
+            self._bar.update(self._task, completed=step)
+        elif self.kind == "tqdm":
+            self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        if self.kind == "rich":
+            self._bar.stop()
+        elif self.kind == "tqdm":
+            self._bar.close()

@@ -53,9 +53,11 @@ def where(out_dir: str | Path, attempt: int, rank: int, since: float = 0.0) -> t
     beat = read(out_dir, attempt, rank + 1, since).get(rank)
     if beat is None:
         return None, "before its first step"
-    saving, done = beat.get("saving"), beat["done"]  # saving: a checkpoint begun and not yet committed
-    if saving is None or _committed(out_dir, saving):
+    done = beat["done"]
+    pending = [s for s in beat.get("saving") or [] if not _committed(out_dir, s)]  # begun, not committed
+    if not pending:
         return done + 1, f"at step {done + 1}"
+    saving = min(pending)  # a background save in flight holds back the next one
     if done == saving:
         return saving, f"during the save of step {saving}"
     return done + 1, f"at step {done + 1}, during the background save of step {saving}"  # --async-save
@@ -91,7 +93,8 @@ class Heartbeat:
         self.born = time.time()  # heartbeats older than this rank are an earlier job's
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.saving: int | None = None  # the checkpoint begun after a step, until it is committed
+        self.saving: list[int] = []  # the checkpoints begun after a step and not yet committed
+        self._lock = threading.Lock()  # the training thread and a background save's both beat
         self._failed = False
         self._at = (0, 0)  # (the step this rank arrived at, the steps it finished): the training thread's
 
@@ -99,11 +102,12 @@ class Heartbeat:
         """This rank arrived at ``step`` and finished ``done`` steps (``phase``: step, save, hung, failed, done)."""
         target = path(self.out_dir, self.attempt, self.rank)
         target.parent.mkdir(parents=True, exist_ok=True)
-        if self.saving is not None and _committed(self.out_dir, self.saving):
-            self.saving = None
+        with self._lock:
+            self.saving = [s for s in self.saving if not _committed(self.out_dir, s)]
+            saving = list(self.saving)
         tmp = target.with_name(target.name + f".{threading.get_ident()}.tmp")  # the save's thread beats too
         tmp.write_text(json.dumps({"step": step, "done": done, "phase": phase, "time": time.time(),
-                                   "pid": os.getpid(), "saving": self.saving, **extra}))
+                                   "pid": os.getpid(), "saving": saving, **extra}))
         os.replace(tmp, target)
 
     # the step hook (seqpar.train.loop.StepHook); the trainer calls it after the fault hook
@@ -117,7 +121,8 @@ class Heartbeat:
     def after_step(self, rank: int, step: int, seconds: float) -> None:
         self._at = (step, step)
         if step == self.end or (self.save_every and step % self.save_every == 0):
-            self.saving = step  # the checkpoint of this step is written next
+            with self._lock:
+                self.saving.append(step)  # the checkpoint of this step is written next
         self.beat(step, step, "step", step_s=seconds)
 
     def checkpoint_written(self, rank: int, step: int) -> None:

@@ -154,3 +154,10 @@ def test_gpu_bench_runs_small_on_a_cpu(capsys):
     assert len(s["losses"]) == 3 and all(x == x for x in s["losses"])
     assert s["planned_peak_bytes"] > 0 and s["allocator_peak_bytes"] is None
     assert r["ratios"]["against"] == "plain_eager" and r["model_shape"]["kv_heads"] == 2
+
+
+def test_save_bench_reports_the_stall_of_a_sync_and_an_async_save(capsys):
+    result = _run(capsys, "save")
+    assert result["bytes"] == 4 * 2**20 and result["tensors"] == 4
+    assert 0 < result["async_stall_s"] <= result["async_write_s"]  # the stall is a part of the write
+    assert result["sync_stall_s"] > 0

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     module = importlib.import_module(args._bench)
     if getattr(args, "out", None):
-        from seqpar.commands.out_path import check_out_file, json_with
+        from seqpar.out_path import check_out_file, json_with
 
         check_out_file(args.out, "--out", json_with("machine"), "a benchmark result")  # before the benchmark
     if args.quick:

@@ -21,10 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.commands.out_path import claim_folder
     from seqpar.data.tokenizer import of_checkpoint
     from seqpar.interop.checkpoints import export_hf, write_tokenizer
     from seqpar.interop.hf import EXPORT_FILES, family_of, is_export
+    from seqpar.out_path import claim_folder
     from seqpar.train import checkpoint as ckpt
     from seqpar.train.config import build_job
 

@@ -90,10 +90,14 @@ def check_tokenizer(job: JobConfig, resume: str = "") -> None:
 
 
 def check_data(job: JobConfig) -> None:
-    """With ``data.verify``: the prepared folder's files against their SHA-256s (and what opening checks), once,
-    before any rank starts."""
+    """The run folder apart from the data it reads (``out_path``'s rule: a run inside its data folder would be
+    read as data by the next run); with ``data.verify``: the prepared folder's files against their SHA-256s
+    (and what opening checks), once, before any rank starts."""
     from seqpar.data.prepared import Prepared, is_prepared
+    from seqpar.out_path import check_not_input
 
+    if job.train.data and Path(job.train.data).is_dir():
+        check_not_input(job.train.out_dir, [job.train.data], "--out")
     if not job.data.verify:
         return
     if not is_prepared(job.train.data):

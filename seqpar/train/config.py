@@ -173,6 +173,9 @@ class JobConfig:
             raise ConfigError(f"fsdp with a mixture of experts ({self.model.experts} experts) is not supported: "
                               "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
                               "places experts on subsets of them; train MoE models without fsdp")
+        if self.train.compile and self.recompute.offload_modules:
+            raise ConfigError(f"offload modules {list(self.recompute.offload_modules)} need compile off (the offload "
+                              "hooks see an eager layer's saved tensors; a compiled region saves its own)")
         self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self

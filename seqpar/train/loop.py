@@ -96,7 +96,8 @@ class Trainer:
         self.quiet = quiet or not self.rank0
         self._forward_backward, self._finalize = forward_backward, finalize_grads  # tests wrap them
         self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
-        self.compiled = default_compile(self.device) if t.compile is None else t.compile
+        default = default_compile(self.device) and not job.recompute.offload_modules  # offload hooks run eager
+        self.compiled = default if t.compile is None else t.compile
         if self.compiled:
             for chunk in self.chunks:
                 compile_model(chunk)  # seqpar/model/compile.py: each layer one fused region, drawing dropouts eager

@@ -14,6 +14,7 @@ from seqpar.config import (
     NORMS,
     POSITIONS,
     RECOMPUTE_GRANULARITIES,
+    OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
     ModelConfig,
 )
@@ -103,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
                    help=f"with --recompute selective: any of {','.join(RECOMPUTE_MODULES)} "
                         "(default core_attention, the paper's)")
+    p.add_argument("--offload-modules", default="", metavar="M1,M2",
+                   help=f"activation offloading: any of {','.join(OFFLOAD_MODULES)}; the bytes are then the device's, "
+                        "and the host's are reported beside them (default none)")
     p.add_argument("--all", action="store_true",
                    help="the six Table 2 rows for this t (with --recompute selective --recompute-modules "
                         "dropout_mask: each row regenerating its attention dropout mask instead)")
@@ -171,8 +175,9 @@ def run(args) -> int:
     if args.loss_chunk_kib is not None and args.loss_chunk_kib < 1:  # checked with or without --measure
         raise ConfigError(f"--loss-chunk-kib must be a positive integer, got {args.loss_chunk_kib}")
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
+    offload = tuple(m for m in args.offload_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
-                     ep=args.ep)
+                     ep=args.ep, offload=offload)
     loss = None
     if args.measure:
         from seqpar.dtypes import torch_dtype
@@ -203,6 +208,15 @@ def run(args) -> int:
         if args.tensors:
             for t in r.tensors:
                 print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
+        if r.offload:
+            diff = "-" if r.host_measured_bytes is None else f"{r.host_measured_bytes - r.host_exact_bytes:,.0f}"
+            print(f"{'  host':<33}{_human(r.host_measured_bytes):>14}{_human(r.host_exact_bytes):>14}{'':>14}"
+                  f"{diff:>12}   offloaded: {','.join(r.offload)}")
+            for t in r.host_tensors if args.tensors else ():
+                print(f"    host {t['name']:<23}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
+    if offload:
+        print("offloaded (seqpar.recompute.offload): the rows' bytes are the device's; 'host' is what went to host "
+              "memory after the forward (a row's recomputation keeps what it rebuilds off the host).")
     print("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
     if cfg.experts:
         print(f"MoE (E={cfg.experts}, K={cfg.top_k}, ep={args.ep}): formula = balanced routing; exact = the routing "

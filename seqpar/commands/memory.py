@@ -12,9 +12,9 @@ from seqpar.config import (
     ARCH_FIELDS,
     ATTENTIONS,
     NORMS,
+    OFFLOAD_MODULES,
     POSITIONS,
     RECOMPUTE_GRANULARITIES,
-    OFFLOAD_MODULES,
     RECOMPUTE_MODULES,
     ModelConfig,
 )

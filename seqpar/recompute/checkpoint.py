@@ -151,7 +151,8 @@ class RecomputePlan:
 
     def checkpointed(self, module: str, run):
         """``run``, keeping only its inputs when the plan recomputes ``module`` (offloading them if it offloads it)."""
-        return self.choose(module, self.offloaded(module, run), functools.partial(checkpoint, run, tracker=self.tracker))
+        recomputed = functools.partial(checkpoint, run, tracker=self.tracker)
+        return self.choose(module, self.offloaded(module, run), recomputed)
 
     def norm_then(self, norm, consumer):
         """``consumer(norm(x))``; under the "norm" module the norm output is not kept (rebuilt for the

@@ -72,6 +72,7 @@ FIELD_RULES = {
     "comm_overlap": ("in [0, 1] (the share of a collective a GEMM beside it hides)", lambda v: 0 <= v <= 1),
     "comm_latency": _NON_NEGATIVE, "layer_overhead": _NON_NEGATIVE, "step_overhead": _NON_NEGATIVE,
     "reserve_fraction": _FRACTION_OPEN,
+    "host_bw": _POSITIVE, "host_memory_bytes": _POSITIVE, "host_reserve_fraction": _FRACTION_OPEN,
     "error_band": ("in [0, 1) (a relative error: 0.1 is ±10%)", _FRACTION_OPEN[1]),
 }
 

@@ -23,7 +23,8 @@ from seqpar.config import did_you_mean
 BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
                   "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
-                  "step_overhead", "comm_overlap", "gemm_operand_bw", "reserve_fraction", "error_band")
+                  "step_overhead", "comm_overlap", "gemm_operand_bw", "reserve_fraction", "error_band", "host_bw",
+                  "host_memory_bytes", "host_reserve_fraction")
 REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
 
 

@@ -246,3 +246,17 @@ def test_plan_offload_json_names_offload_choices():
     assert chosen and all(p["offload_bytes_per_step"] > 0 and p["host_bytes"] > 0 for p in chosen)
     code, out, _ = run_cli(["plan", *LLAMA70, "--explain", "tp=8,pp=4,sp=on,recompute=none,mb=2,offload=mlp"])
     assert code == 0 and "mlp offload" in out and "activation offload (inside mlp)" in out
+
+
+def test_memory_schedule_device_and_host_measured_are_exact():
+    """One step of pp 2 × interleave 2 on tp 2 + SP: each rank's device peak and host peak (its chunks' offloaded
+    activations, each in-flight microbatch's) measured == exact."""
+    code, out, err = run_cli(["memory", "--pp", 2, "--interleave", 2, "--microbatches", 4, "--tp", 2, "--sp",
+                              "--recompute", "selective", "--offload-modules", "mlp,norm", "--measure", "--hidden", 64,
+                              "--heads", 4, "--seq", 32, "--vocab", 64, "--json"])
+    assert code == 0, err
+    stages = json.loads(out)["stages"]
+    assert len(stages) == 2
+    for st in stages:
+        assert st["measured_peak_bytes"] == st["exact_bytes"]
+        assert st["measured_host_bytes"] == st["host_bytes"] > 0

@@ -273,14 +273,15 @@ def run_schedule(args) -> int:
         raise ConfigError(f"the schedule mode needs --microbatches (pp {args.pp})")
     cfg = model_from_args(args)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, interleave=args.interleave).validate(cfg)
-    recompute = RecomputeConfig(args.recompute).validate()
+    offload = tuple(m for m in args.offload_modules.split(",") if m)
+    recompute = RecomputeConfig(args.recompute, offload_modules=offload).validate()
     free, keep = not args.keep_outputs, args.keep_microbatches
     run = (recompute, args.micro_batch, args.microbatches, free, keep)
     if args.measure:
         stages = measure_schedules(cfg, parallel, [run])[0]
     else:
         from seqpar.config import validate_microbatches
-        from seqpar.measure.stages import StagePeak
+        from seqpar.measure.stages import StagePeak, formula_host_bytes
 
         validate_microbatches(args.microbatches, args.pp, args.interleave)
         stages = []
@@ -288,7 +289,8 @@ def run_schedule(args) -> int:
             formula, terms = formula_stage_bytes(cfg, parallel, recompute, args.micro_batch, args.microbatches,
                                                  r, free, keep)
             extra = implementation_terms(cfg, parallel, args.micro_batch, args.microbatches, r, free)
-            stages.append(StagePeak(r, None, formula, formula + sum(extra.values()), terms | extra))
+            host = formula_host_bytes(cfg, parallel, recompute, args.micro_batch, args.microbatches, r, keep)
+            stages.append(StagePeak(r, None, formula, formula + sum(extra.values()), terms | extra, host_bytes=host))
     if args.json:
         print(json.dumps({"stages": [st.as_json() for st in stages]}))
         return 0
@@ -303,6 +305,9 @@ def run_schedule(args) -> int:
         diff = "-" if m is None else f"{m - st.exact_bytes:,.0f}"
         print(f"{st.stage:>5}{_human(m):>16}{_human(st.formula_bytes):>14}{_human(st.exact_bytes):>14}"
               f"{ratio:>14}{diff:>12}")
+        if offload:
+            print(f"{'host':>5}{_human(st.measured_host_bytes):>16}{_human(st.host_bytes):>14}{'':>40}"
+                  f"   offloaded {','.join(offload)}: each in-flight microbatch's, on the host")
         if args.tensors:
             for name, value in st.terms.items():
                 print(f"      {name:<28}{_human(value):>14}")

@@ -47,6 +47,18 @@ class HostPool:
         self._free[(buffer.numel(), buffer.is_pinned())].append(buffer)
 
 
+class HostLedger:
+    """Offloaded bytes on the host now and at most, over every offloader that shares it (a rank's chunks)."""
+
+    def __init__(self):
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+
 class _Entry:
     """One device storage of a layer, on the host until its reload."""
 
@@ -68,6 +80,11 @@ class _LayerRecord:
         self.entries: dict[int, tuple[StorageWeakRef, _Entry]] = {}
         self.reloaded = False
         self.ready: torch.cuda.Event | None = None  # the reload's copies are done (CUDA)
+        self.ledger: HostLedger | None = None
+
+    def __del__(self):  # a forward whose backward never came (its graph dropped): its host bytes are gone
+        if not self.reloaded and self.ledger is not None:
+            self.ledger.add(-sum(e.nbytes for _, e in self.entries.values()))
 
 
 class _Packed:
@@ -91,7 +108,7 @@ class Offloader:
     def __init__(self, modules=()):
         self.modules = frozenset(modules)
         self.pool = HostPool()
-        self.peak_host_bytes = 0
+        self.ledger = HostLedger()
         self._stack: list[str] = []
         self._spared: set[int] = set()
         self._records: weakref.WeakSet[_LayerRecord] = weakref.WeakSet()
@@ -129,7 +146,14 @@ class Offloader:
         stage's first block (its record starts a new chain)."""
         return _Layer(self, block, first, modules) if self.modules else block
 
+    def share(self, other: Offloader) -> None:
+        """Use ``other``'s host pool and ledger (one rank's chunks: one pool, one peak)."""
+        self.pool, self.ledger = other.pool, other.ledger
+
     # ------------------------------------------------------------------ accounting
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.ledger.peak_bytes
     def host_tensors(self) -> list[_Entry]:
         """What is on the host now (offloaded, not yet reloaded), every layer of every microbatch in flight."""
         return [e for r in list(self._records) if not r.reloaded for _, e in r.entries.values()]
@@ -148,6 +172,7 @@ class Offloader:
         excluded = {p.untyped_storage()._cdata for m in modules for p in (*m.parameters(), *m.buffers())}
         prev = None if first or self._last is None else self._last()
         record = _LayerRecord(prev, x.untyped_storage()._cdata, excluded)
+        record.ledger = self.ledger
         self._records.add(record)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, outer, t), self._unpack):
@@ -175,7 +200,7 @@ class Offloader:
             if ref is not None:  # the dead storage's entry stays (its handles still point at it) under a new key
                 record.entries[object()] = record.entries[key]
             record.entries[key] = (StorageWeakRef(storage), entry)
-            self.peak_host_bytes = max(self.peak_host_bytes, sum(e.nbytes for e in self.host_tensors()))
+            self.ledger.add(entry.nbytes)
         return _Packed(record, entry, t)
 
     def _unpack(self, packed):
@@ -220,6 +245,7 @@ class Offloader:
             return
         record.reloaded = True
         entries = [e for _, e in record.entries.values()]
+        self.ledger.add(-sum(e.nbytes for e in entries))
         if not entries:
             return
         if entries[0].device.type != "cuda":

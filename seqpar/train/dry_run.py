@@ -48,7 +48,9 @@ def describe(job, world: int) -> str:
         shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
         terms = ", ".join(f"{k} {_gib(v)}" for k, v in st.terms.items() if v)
         lines.append(f"  pipeline rank {st.rank} (ranks {shown}): states {_gib(st.states)} + activations "
-                     f"{_gib(st.activations)} = {_gib(st.total)}  [{terms}]")
+                     f"{_gib(st.activations)} = {_gib(st.total)}  [{terms}]"
+                     + (f"; host {_gib(st.host_total)} offloaded ({', '.join(job.recompute.offload_modules)})"
+                        if st.host else ""))
     peak = max(stages, key=lambda st: st.total)
     lines.append(f"most loaded: pipeline rank {peak.rank}, {_gib(peak.total)} "
                  f"({peak.total:,.0f} B; {m.dtype}, {peak.in_flight} microbatch(es) in flight)")

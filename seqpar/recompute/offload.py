@@ -72,15 +72,25 @@ class _Entry:
 class _LayerRecord:
     """What one layer's forward offloaded (storage key → entry), and the record of the layer before it."""
 
-    def __init__(self, prev: _LayerRecord | None, input_key: int | None, excluded: set[int]):
+    def __init__(self, prev: _LayerRecord | None, input_key: int | None, modules: list):
         self.prev = None if prev is None else weakref.ref(prev)  # weak: a finished layer's record may go
-        self.input_key, self.excluded = input_key, excluded
+        self.input_key, self.modules = input_key, modules
+        self._excluded: set[int] | None = None
         # storage key → (weak reference, entry): a storage freed during the forward may see its key reused by a
         # later one, which the dead reference tells apart
         self.entries: dict[int, tuple[StorageWeakRef, _Entry]] = {}
         self.reloaded = False
         self.ready: torch.cuda.Event | None = None  # the reload's copies are done (CUDA)
         self.ledger: HostLedger | None = None
+
+    @property
+    def excluded(self) -> set[int]:
+        """The storages of the unit's parameters and buffers, read at its first save (after FSDP's pre-forward
+        gather has put the unsharded parameters in place)."""
+        if self._excluded is None:
+            tensors = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
+            self._excluded = {getattr(t, "_local_tensor", t).untyped_storage()._cdata for t in tensors}
+        return self._excluded
 
     def __del__(self):  # a forward whose backward never came (its graph dropped): its host bytes are gone
         if not self.reloaded and self.ledger is not None:
@@ -169,9 +179,8 @@ class Offloader:
     def run_layer(self, block, first: bool, modules: list, x: torch.Tensor):
         if not torch.is_grad_enabled() or _in_backward():  # a checkpoint's forward, or its recomputation
             return block(x)
-        excluded = {p.untyped_storage()._cdata for m in modules for p in (*m.parameters(), *m.buffers())}
         prev = None if first or self._last is None else self._last()
-        record = _LayerRecord(prev, x.untyped_storage()._cdata, excluded)
+        record = _LayerRecord(prev, x.untyped_storage()._cdata, modules)
         record.ledger = self.ledger
         self._records.add(record)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -250,14 +259,15 @@ class Offloader:
             return
         if entries[0].device.type != "cuda":
             for e in entries:
-                e.loaded = e.host.to(e.device)
+                e.loaded = e.host.to(e.device, copy=True)  # a real copy: the buffer goes back to the pool
                 self.pool.give(e.host)
             return
+        for e in entries:  # allocated on the compute stream, which frees them after their backward
+            e.loaded = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
         side = self._side()
         side.wait_stream(torch.cuda.current_stream())  # the fresh blocks' earlier users are done
         with torch.cuda.stream(side):
             for e in entries:
-                e.loaded = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
                 e.loaded.copy_(e.host, non_blocking=True)
                 self.pool.give(e.host)  # the next copy into it is queued on this stream after this one
             record.ready = torch.cuda.Event()

@@ -367,7 +367,8 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
-        kept = {k: v for k, v in activations.items() if k.startswith("act_bytes_")}  # the summary's comparison
+        # the summary's comparison (and what offloading put on the host)
+        kept = {k: v for k, v in activations.items() if k.startswith(("act_bytes_", "act_host_bytes_"))}
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
                 "losses": self.state.losses, "activations": kept}
 

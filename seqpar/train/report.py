@@ -65,7 +65,10 @@ def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
     names = {"without_sp": "without SP", "without_recompute": "without recompute", "without_both": "without either"}
     others = [f"{_human_bytes(act[f'act_bytes_{k}'])} {label} ({act[f'act_bytes_{k}'] / kept:.1f}x)"
               for k, label in names.items() if act.get(f"act_bytes_{k}")]
+    host = act.get("act_host_bytes_measured")
     return (f"  activations per rank, one microbatch: {_human_bytes(kept)} {source} with {this}"
+            + (f" (on the device; {_human_bytes(host)} offloaded to the host, formula "
+               f"{_human_bytes(act.get('act_host_bytes_predicted') or 0)})" if host is not None else "")
             + (f"; the same model keeps {', '.join(others)} (exact per-tensor formula)" if others else ""))
 
 

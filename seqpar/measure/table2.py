@@ -109,7 +109,7 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         device_terms, host_terms = layer_split_terms(cfg, par, b, exact_opts, recompute)
         exact = sum(device_terms.values())
         mine = layer_terms(cfg, par, b, opts, recompute)
-        paper_row = paper and name in TABLE2_ROWS and cp == 1 and not cfg.experts
+        paper_row = paper and name in TABLE2_ROWS and cp == 1 and not cfg.experts and not recompute.offload_modules
         formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
         reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
         rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep,

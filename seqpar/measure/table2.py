@@ -9,7 +9,7 @@ import torch
 from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_terms, table2_bytes, table2_config
 from seqpar.analysis.moe import Routing, balanced_routing
 from seqpar.analysis.shapes import activation_options
-from seqpar.analysis.stage import layer_split_terms, layer_terms
+from seqpar.analysis.stage import kept_terms, layer_split_terms, layer_terms
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.saved import layernorm_stat_bytes, measure_layer, sdpa_kernel_for
@@ -108,12 +108,13 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         recompute = RecomputeConfig(rc, modules=mods, offload_modules=offloadable(rc, mods, offload))
         device_terms, host_terms = layer_split_terms(cfg, par, b, exact_opts, recompute)
         exact = sum(device_terms.values())
-        mine = layer_terms(cfg, par, b, opts, recompute)
+        mine = layer_terms(cfg, par, b, opts, recompute)  # the device's
+        kept = kept_terms(cfg, par, b, opts, recompute)  # on the device or the host: what the architecture keeps
         paper_row = paper and name in TABLE2_ROWS and cp == 1 and not cfg.experts and not recompute.offload_modules
         formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
         reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
         rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep,
-                        vanished=sorted(reference.keys() - mine.keys()), added=sorted(mine.keys() - reference.keys()),
+                        vanished=sorted(reference.keys() - kept.keys()), added=sorted(kept.keys() - reference.keys()),
                         offload=recompute.offload_modules, host_exact_bytes=sum(host_terms.values())))
         if cfg.experts:
             tokens = s // cp * b // (t if par.sp else 1)

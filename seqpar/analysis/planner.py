@@ -341,13 +341,14 @@ def rejection_lines(req: Request, stats: dict) -> list[str]:
 
 def undominated(found: list[Evaluation]) -> list[Evaluation]:
     """``found`` without the plans another plan of the same layout beats on memory and on time (no worse on
-    both, better on one)."""
+    both, better on one) without moving more bytes over the host link."""
     by_layout: dict[ParallelConfig, list[Evaluation]] = {}
     for ev in found:
         by_layout.setdefault(ev.plan.par, []).append(ev)
 
     def beaten(ev: Evaluation) -> bool:
         return any(o.memory_bytes <= ev.memory_bytes and o.time.total <= ev.time.total
+                   and o.offload_bytes_per_step <= ev.offload_bytes_per_step  # host traffic is a cost too
                    and (o.memory_bytes < ev.memory_bytes or o.time.total < ev.time.total)
                    for o in by_layout[ev.plan.par])
 
@@ -355,15 +356,16 @@ def undominated(found: list[Evaluation]) -> list[Evaluation]:
 
 
 def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
-    """Fastest first; plans within ``tie`` (relative) of the fastest of their group are a tie,
-    ordered by memory (the cost model is not that precise, and headroom is worth something)."""
+    """Fastest first; plans within ``tie`` (relative) of the fastest of their group are a tie, those that
+    offload nothing first, then by memory (the cost model is not that precise, and headroom is worth something)."""
     by_time = sorted(found, key=lambda e: (e.time.total, e.memory_bytes))
     ranked: list[Evaluation] = []
     while by_time:
         limit = by_time[0].time.total * (1 + tie)
         group = [e for e in by_time if e.time.total <= limit]
         by_time = by_time[len(group):]
-        ranked += sorted(group, key=lambda e: (e.memory_bytes, e.time.total))
+        # offloading only where it buys time: the model does not see its PCIe share with the NICs
+        ranked += sorted(group, key=lambda e: (e.offload_bytes_per_step > 0, e.memory_bytes, e.time.total))
     return ranked
 
 

@@ -45,7 +45,7 @@ def test_plain_gpt_equals_seqpar_at_t1():
 
 
 def test_plain_gpt_keeps_the_same_bytes_as_seqpar():
-    from seqpar.bench.common import Meter
+    from seqpar.measure.meter import SavedTensorMeter
 
     cfg = ModelConfig(vocab_size=96, hidden_size=32, num_heads=4, num_layers=1, seq_len=16, dtype="bf16",
                       embd_dropout=0.1, attn_dropout=0.1, hidden_dropout=0.1).validate()
@@ -53,8 +53,7 @@ def test_plain_gpt_keeps_the_same_bytes_as_seqpar():
     x = torch.randn(cfg.seq_len, 2, cfg.hidden_size).to(torch.bfloat16).requires_grad_(True)
     kept = []
     for layer in (ours.layers["0"], plain.layers[0]):
-        meter = Meter(layer)
-        with meter:
+        with SavedTensorMeter(layer) as meter:
             layer(x)
         kept.append(meter.total_bytes)
     assert kept[0] == kept[1]
@@ -155,3 +154,10 @@ def test_gpu_bench_runs_small_on_a_cpu(capsys):
     assert len(s["losses"]) == 3 and all(x == x for x in s["losses"])
     assert s["planned_peak_bytes"] > 0 and s["allocator_peak_bytes"] is None
     assert r["ratios"]["against"] == "plain_eager" and r["model_shape"]["kv_heads"] == 2
+
+
+def test_save_bench_reports_the_stall_of_a_sync_and_an_async_save(capsys):
+    result = _run(capsys, "save")
+    assert result["bytes"] == 4 * 2**20 and result["tensors"] == 4
+    assert 0 < result["async_stall_s"] <= result["async_write_s"]  # the stall is a part of the write
+    assert result["sync_stall_s"] > 0

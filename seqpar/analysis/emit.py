@@ -33,10 +33,13 @@ def train_sections(req: Request, plan: Plan, schedule: dict | None = None) -> di
         "hidden_dropout": req.dropout, "attention": "sdpa" if fused else "materialized"}
     train = {"micro_batch": plan.micro_batch, "global_batch": req.global_batch,
              "distributed_optimizer": plan.distributed_optimizer} | (schedule or {})
+    if req.opt.overlap_grad_reduce and not plan.par.fsdp and plan.par.dp * plan.par.cp > 1:  # what the time assumed
+        train |= {"overlap_grad_reduce": True, "grad_bucket_mb": req.opt.bucket_bytes / 2**20}
     return {"model": model, "parallel": dataclasses.asdict(plan.par), "recompute": dataclasses.asdict(plan.rc),
             "train": train | {"data": None, "tokenizer": None}}
 
 
+HEADER = "# seqpar plan:"  # the first line of an emitted config: what a later --emit-config may replace
 RDZV_PORT = 29500  # torchrun's default rendezvous port
 
 
@@ -73,7 +76,7 @@ def slurm_script(req: Request, plan: Plan, config: str, out_dir: str) -> str:
                             "(torchrun starts as many ranks on every node)")
     per_node = min(per_node, req.gpus)
     return f"""#!/bin/bash
-# seqpar plan: {plan.label}
+{HEADER} {plan.label}
 # {req.gpus} GPUs: {nodes} node{'s' if nodes > 1 else ''} x {per_node}, one task per node running torchrun
 #SBATCH --job-name=seqpar
 #SBATCH --nodes={nodes}
@@ -102,7 +105,7 @@ def plan_toml(req: Request, plan: Plan, schedule: dict | None = None, lr: float 
     """The TOML file ``seqpar plan --emit-config`` writes: the job that trains ``plan``, with comments on
     what the planner did not choose; ``lr``: the preset's published peak learning rate (min_lr a tenth
     of it), else the trainer's default and a "set lr" line (``train`` warns of it for a large model)."""
-    notes = [f"# seqpar plan: {plan.label}",
+    notes = [f"{HEADER} {plan.label}",
              f"# run: {launch_command(req.gpus, req.hw.gpus_per_node)}"]
     if lr is not None:
         schedule = (schedule or {}) | {"lr": lr, "min_lr": float(f"{lr / 10:.3g}")}

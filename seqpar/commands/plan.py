@@ -60,6 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
     g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradient buckets during the last microbatch's backward (train.overlap_grad_reduce): "
+                        "the cost model charges only what that backward does not cover, plus the last bucket")
+    g.add_argument("--grad-bucket-mb", type=float, default=None,
+                   help="MiB of fp32 gradients per bucket (train.grad_bucket_mb; default: the trainer's)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="model the distributed optimizer's weight all-gather under the next forward (Megatron's "
+                        "--overlap-param-gather; seqpar's trainer gathers after the step, so a plan for it leaves "
+                        "this off)")
     g.add_argument("--fsdp", action="store_true",
                    help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
     g.add_argument("--offload", action="store_true",
@@ -80,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dropout is 0, else the paper's materialized core; sdpa has no attention dropout (--dropout "
                         "stays at the embedding and hidden sites) (default %(default)s)")
     g.add_argument("--fused-attention", action="store_true", help="same as --attention sdpa")
+    g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="the device kind the ranks run on: which fused attention kernel and norm-statistic width "
+                        "the memory counts (seqpar.analysis.shapes.device_kernels; `train --dry-run` prints both) "
+                        "(default %(default)s)")
     g.add_argument("--keep-pipeline-outputs", action="store_true",
                    help="do not free sent stage outputs (App. B off)")
     g = p.add_argument_group("output")
@@ -144,7 +157,13 @@ def request_from_args(args):
     from seqpar.analysis.planner import Request
     from seqpar.analysis.presets import preset_setup
     from seqpar.analysis.profiles import hardware_for
-    from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
+    from seqpar.analysis.shapes import (
+        ActivationOptions,
+        AnalysisError,
+        OptimizerOptions,
+        default_dropout,
+        device_kernels,
+    )
 
     shape, model_name = _shape(args)
     batch = args.global_batch
@@ -170,14 +189,28 @@ def request_from_args(args):
     # embedding and hidden sites only
     fused = attention == "sdpa" or (attention == "auto" and dropout == 0)
     # seqpar's bounded cross entropy keeps the logits in their dtype and an fp32 lse (docs/analysis.md)
+    kernel, stats = device_kernels(args.device, act_bytes)
     opts = ActivationOptions(act_bytes=act_bytes, logits_bytes=act_bytes, bounded_loss=True, dropout=dropout > 0,
-                             fused_attention=fused,
+                             fused_attention=fused, sdpa_kernel=kernel, ln_stats_bytes=stats,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
-                   opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,
+                   opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype,
+                   dropout=dropout,
                    try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
                    try_offload=args.offload,
                    max_micro_batch=args.max_micro_batch, name=model_name)
+
+
+def _overlap(args, opt):
+    """``opt`` with the dp overlap the flags ask for, its buckets the trainer's (``train.grad_bucket_mb``)."""
+    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.train.config import TrainConfig
+
+    mb = TrainConfig.grad_bucket_mb if args.grad_bucket_mb is None else args.grad_bucket_mb
+    if not 0 < mb < float("inf"):
+        raise AnalysisError(f"--grad-bucket-mb must be a positive number, got {mb}")
+    return dataclasses.replace(opt, overlap_grad_reduce=args.overlap_grad_reduce,
+                               overlap_param_gather=args.overlap_param_gather, bucket_bytes=mb * 2**20)
 
 
 def _emit(args, req, plan) -> None:
@@ -204,18 +237,29 @@ def _emit(args, req, plan) -> None:
               "seqpar train)", file=sys.stderr)
 
 
+def _slurm_script(path) -> bool:
+    """A file ``--emit-slurm`` may replace: a batch script whose second line (after the shebang) is an
+    emitted plan's header."""
+    from seqpar.analysis.emit import HEADER
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return len(lines) > 1 and lines[1].startswith(HEADER)
+
+
 def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
+    from seqpar.analysis.emit import HEADER
     from seqpar.analysis.shapes import AnalysisError
-    from seqpar.commands.out_path import check_out_file, check_out_folder
+    from seqpar.out_path import check_out_file, check_plot_folder, text_starting
 
     if args.emit_slurm is not None and args.emit_config is None:
         raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
-    for path, flag in ((args.emit_config, "--emit-config"), (args.emit_slurm, "--emit-slurm")):
-        if path is not None:
-            check_out_file(path, flag)
+    if args.emit_config is not None:
+        check_out_file(args.emit_config, "--emit-config", text_starting(HEADER), "a config seqpar plan wrote")
+    if args.emit_slurm is not None:  # its second line, after the shebang, is the plan's header
+        check_out_file(args.emit_slurm, "--emit-slurm", _slurm_script, "a batch script seqpar plan wrote")
     if args.plot is not None:
-        check_out_folder(args.plot, "--plot")
+        check_plot_folder(args.plot, ["plan_stages.png" if args.explain is not None else "plan_memory.png"], "--plot")
 
 
 def run(args) -> int:

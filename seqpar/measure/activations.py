@@ -1,7 +1,7 @@
 """The trainer's activation check: the bytes one microbatch's forward keeps in the transformer layers,
 measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm statistics);
 and each pipeline stage's activation peak over one step of its schedule (pp = 1 included), measured
-with ``ScheduleMeter`` as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
+with the same meter over the schedule as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from seqpar.analysis.stage import layers_bytes
 from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.meter import ScheduleMeter
-from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for
+from seqpar.measure.meter import SavedTensorMeter
+from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.comm import all_reduce
 
 
@@ -79,7 +79,9 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     the pipeline; gradients are left in place for the next ``zero_grad``): ``stage_act_peak_measured``
     per pp rank (this rank's tp and dp coordinates), ``stage_act_peak_formula`` and ``_exact``
     (``seqpar.measure.stages``; None where the formula refuses the layout); under ``"rank"`` this
-    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list)."""
+    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list). With
+    experts both assume balanced routing (``act_peak_routing``): a rank whose experts get more tokens keeps
+    more than its "exact" value."""
 
     from seqpar.measure.stages import formula_stage_bytes, implementation_terms
     from seqpar.pipeline import forward_backward
@@ -89,7 +91,7 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     n = t.microbatches(p.dp)
     batches = [(x, y, *(d.to(device) for d in docs)) for x, y, *docs in
                data.validation_batches(n * t.micro_batch, t.micro_batch)]
-    meter = ScheduleMeter(chunks)
+    meter = SavedTensorMeter(*chunks, names=False)
     meter.exclude([x for batch in batches for item in batch  # the data (tokens, labels, documents)
                    for x in (item.tensors(torch_dtype(m.dtype)) if isinstance(item, Documents) else [item])])
     forward_backward(chunks, batches, dims, p, keep_microbatches=r.keep_microbatches, meter=meter)
@@ -108,7 +110,8 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
         except ConfigError:
             formula.append(None)
             exact.append(None)
+    routing = {"act_peak_routing": "balanced"} if m.experts else {}  # formula and exact: T·K/E per expert
     return {"stage_act_peak_measured": peaks.tolist(), "stage_act_peak_formula": formula,
-            "stage_act_peak_exact": exact,
+            "stage_act_peak_exact": exact, **{f"stage_{k}": v for k, v in routing.items()},
             "rank": {"act_peak_measured": meter.peak_bytes, "act_peak_formula": formula[dims.pp_rank],
-                     "act_peak_exact": exact[dims.pp_rank]}}
+                     "act_peak_exact": exact[dims.pp_rank], **routing}}

@@ -57,6 +57,12 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
+    # fault tolerance (docs/training.md, Reliability): restart every rank from the last checkpoint after a
+    # failure, this many times; a rank with no progress for hang_timeout seconds is a failure (0: off)
+    max_restarts: int = 0
+    hang_timeout: float = 0.0
+    async_save: bool = False  # periodic checkpoints written in a background thread from a CPU copy
+    straggler_factor: float = 0.0  # name a rank whose CPU time per step exceeds this × the median (0: off)
     seed: int = 1234
     data: str = ""  # empty: the Python standard library's own source files
     tokenizer: str = ""  # optional tokenizers.json (needs the `tokenizers` package)
@@ -84,7 +90,8 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "global_batch", "eval_batches", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("stop_at", "warmup", "eval_every", "save_every", "seed", "max_skipped", "sample_tokens"):
+        for name in ("stop_at", "warmup", "eval_every", "save_every", "seed", "max_skipped", "sample_tokens",
+                     "max_restarts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not 1.0 <= self.loss_scale_init < float("inf") or self.loss_scale_window < 1:
@@ -92,7 +99,8 @@ class TrainConfig:
                               f"train.loss_scale_window {self.loss_scale_window} a positive integer")
         if not 0 < self.grad_bucket_mb < float("inf"):
             raise ConfigError(f"train.grad_bucket_mb must be a positive number, got {self.grad_bucket_mb}")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "hang_timeout",
+                     "straggler_factor"):
             if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.stop_at > self.steps:
@@ -147,6 +155,7 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    changed: tuple[str, ...] = ()  # what building it changed on its own (a preset, a resume): warned, not saved
 
     @property
     def model(self) -> ModelConfig:
@@ -169,10 +178,6 @@ class JobConfig:
         if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
             raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
                               "itself: turn off distributed_optimizer and overlap_grad_reduce")
-        if self.parallel.fsdp and self.model.experts:
-            raise ConfigError(f"fsdp with a mixture of experts ({self.model.experts} experts) is not supported: "
-                              "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
-                              "places experts on subsets of them; train MoE models without fsdp")
         if self.train.compile and self.recompute.offload_modules:
             raise ConfigError(f"offload modules {list(self.recompute.offload_modules)} need compile off (the offload "
                               "hooks see an eager layer's saved tensors; a compiled region saves its own)")
@@ -187,9 +192,10 @@ class JobConfig:
 
 
 def inert_settings(job: JobConfig) -> list[str]:
-    """Settings that are valid but do nothing in this job (``seqpar train`` warns once about each)."""
+    """Settings that are valid but do nothing in this job, after what building it changed on its own
+    (``JobConfig.changed``): ``seqpar train`` warns once about each."""
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
-    notes = []
+    notes = list(job.changed)
     if p.sp and p.tp == 1:
         notes.append("sequence parallelism does nothing at tp 1 (it splits the sequence over the tp ranks)")
     n = t.microbatches(p.dp)
@@ -212,11 +218,7 @@ def inert_settings(job: JobConfig) -> list[str]:
     if t.tokenizer and t.data.endswith(".bin"):
         notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
                      "recorded for sample and export-hf only")
-    if not t.tokenizer and not t.data.endswith(".bin") and m.vocab_size > BYTE_VOCAB:
-        source = f"{t.data} is read" if t.data else "the default data (the standard library's sources) is read"
-        notes.append(f"{source} as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: "
-                     f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained; give "
-                     "--tokenizer for text, or --data a pre-tokenized .bin, or --vocab 256")
+    notes += _bytes_note(m, t)
     if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
         notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
                      "(they shard over, and overlap the reduction across, the data-parallel ranks)")
@@ -239,6 +241,25 @@ def default_lr_on_large_model(job: JobConfig) -> int:
 
     params = stage_parameters(job.model, ParallelConfig(), 0)  # the whole model: one rank, one stage
     return params if params >= 1e9 else 0
+
+
+def _bytes_note(m: ModelConfig, t: TrainConfig) -> list[str]:
+    """The note for data read as bytes (256 symbols) by a model of a larger vocabulary: text without a
+    tokenizer, or a folder prepared without one (a prepared folder's own tokenizer is the run's)."""
+    from seqpar.data.prepared import is_prepared, read_manifest
+
+    if t.tokenizer or t.data.endswith(".bin") or m.vocab_size <= BYTE_VOCAB:
+        return []
+    unused = f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained"
+    if t.data and is_prepared(t.data):
+        manifest = read_manifest(t.data)
+        if manifest["tokenizer"]:
+            return []
+        return [f"{t.data} was prepared as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: "
+                f"{unused}; prepare it with --tokenizer, or --vocab 256"]
+    source = f"{t.data} is read" if t.data else "the default data (the standard library's sources) is read"
+    return [f"{source} as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: {unused}; give "
+            "--tokenizer for text, or --data a pre-tokenized .bin, or --vocab 256"]
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig,

@@ -24,6 +24,7 @@ from seqpar.model.compile import compile_model, default_compile
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
+from seqpar.parallel.rng import SCHEME
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
@@ -39,7 +40,7 @@ from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
 from seqpar.train.wandb_sink import WandbSink
 
-DROPOUT_MASKS = "position-keyed-1"  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
+DROPOUT_MASKS = SCHEME  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
 
 
 class NonFiniteError(RuntimeError):
@@ -52,8 +53,14 @@ class StepHook(Protocol):
     def before_step(self, rank: int, step: int) -> None:
         """Before step ``step`` (1-based, as logged) runs."""
 
+    def after_step(self, rank: int, step: int, seconds: float) -> None:
+        """Once step ``step`` is done on this rank, ``seconds`` after it began (seqpar/train/heartbeat.py)."""
+
     def checkpoint_written(self, rank: int, step: int) -> None:
         """Once this rank's part of checkpoint ``step`` is written, before the checkpoint is committed."""
+
+    def window(self, rank: int, step: int) -> dict:
+        """At each metrics record (every rank, the same steps): fields to add to it (seqpar/train/stragglers.py)."""
 
 
 @dataclass
@@ -62,6 +69,7 @@ class TrainState:
     skipped: int = 0  # steps skipped for non-finite values, in total
     skipped_in_row: int = 0
     losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
+    aux_losses: list[float] = field(default_factory=list)  # MoE: each step's load-balancing losses, apart
     val_loss: float = float("nan")
 
 
@@ -76,11 +84,12 @@ class Trainer:
     """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
 
     def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False,
-                 hooks: Sequence[StepHook] = (), verified: bool = False):
+                 hooks: Sequence[StepHook] = (), verified: bool = False, events: Sequence[dict] = ()):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
+        self.events = tuple(events)  # records rank 0 logs after the start record (a restart's, seqpar/train/start.py)
         self.verified = verified  # the launcher checked the checkpoint to resume (checksums, tensors) already
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
@@ -104,6 +113,7 @@ class Trainer:
         # FSDP2 last (torchtitan's order: tp at construction, recompute, compile, then FSDP)
         mesh = apply_fsdp(self.chunks, self.dims, job.parallel) if job.parallel.fsdp else None
         self.opt = build_optimizer(self.chunks, t, self.dims, mesh)
+        self.saver = ckpt.BackgroundSave()
         self.state = TrainState()
         if self.resume_path is not None:
             self.load(self.resume_path)
@@ -134,11 +144,15 @@ class Trainer:
                  f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
                  f" dp {meta['config']['parallel']['dp']})")
         m = self.job.model
-        if meta.get("dropout_masks") != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
-            self.log("note: the checkpoint predates position-keyed dropout (seqpar/parallel/rng.py): it loads, but "
-                     "the steps after it drop other elements than the run that wrote it would have")
+        written = meta.get("dropout_masks", "a scheme before position-keyed dropout")
+        if written != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
+            self.log(f"note: the checkpoint's dropout masks are {written}, this run's {DROPOUT_MASKS} "
+                     f"(seqpar/parallel/rng.py): it loads, and from step {step + 1} on other elements are dropped "
+                     "than the run that wrote it would have dropped")
 
-    def save(self) -> str:
+    def save(self, background: bool = False) -> str:
+        """Write checkpoint ``state.step`` (every rank); ``background``: from a CPU copy, in a thread
+        (``checkpoint.background``); the path it is (or will be) committed at."""
         tensors = self.opt.checkpoint_views()
         meta = {"step": self.state.step, "optimizer_steps": self.opt.updates, "skipped": self.state.skipped,
                 "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True, "dropout_masks": DROPOUT_MASKS,
@@ -153,8 +167,12 @@ class Trainer:
             meta["loss_scaler"] = self.opt.scaler.state_dict()
         rank, step = self.dims.rank, self.state.step
         written = (lambda: [hook.checkpoint_written(rank, step) for hook in self.hooks]) if self.hooks else None
-        return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
-                             self.job.train.keep_checkpoints, written=written, files=files))
+        root, keep = os.path.join(self.job.train.out_dir, "checkpoints"), self.job.train.keep_checkpoints
+        self.saver.wait()  # one save at a time: the last one committed (or its error raised) first
+        if background:  # --async-save: stall for the copy to the CPU, write in a thread
+            self.saver.start(root, step, tensors, meta, keep, written=written, files=files)
+            return os.path.join(root, f"step_{step:06d}")
+        return str(ckpt.save(root, step, tensors, meta, keep, written=written, files=files))
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
@@ -197,16 +215,21 @@ class Trainer:
             print(text, flush=True)
 
     def train_step(self, step: int) -> tuple[float, float, str]:
-        """One optimizer step; returns (loss, grad norm, outcome): ``applied``, ``overflow`` (fp16: the
-        scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``."""
+        """One optimizer step; returns (cross entropy, grad norm, outcome): ``applied``, ``overflow`` (fp16:
+        the scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``.
+        MoE: the step's load-balancing losses (part of the objective) go to ``state.aux_losses``."""
         t, dims, opt = self.job.train, self.dims, self.opt
         reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad(len(mbs))
+        aux: list[float] = []
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
-                                      keep_microbatches=self.job.recompute.keep_microbatches)  # App. C
+                                      keep_microbatches=self.job.recompute.keep_microbatches, aux=aux)  # App. C
         self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
+        if aux:  # logged apart: the cross entropy is what validation and seqpar eval report
+            self.state.aux_losses.append(broadcast_from_last_stage(aux[0], dims, self.device))
+            loss -= self.state.aux_losses[-1]
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike
         if math.isfinite(loss) and math.isfinite(norm):
@@ -249,6 +272,7 @@ class Trainer:
 
     def _interrupted(self, stop: StopFlag, metrics: MetricsLog, last: dict) -> dict:
         """After a SIGINT/SIGTERM: save this step (all ranks), say so in one line, return the summary."""
+        self.saver.wait()  # a background save of this step is then committed, and named by latest
         latest = Path(self.job.train.out_dir, "checkpoints", "latest")
         saved = latest.read_text().strip() if latest.is_file() else ""
         if saved == f"step_{self.state.step:06d}":  # a periodic save of this very step just finished
@@ -264,7 +288,8 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.close()
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses, "interrupted": True, "step": self.state.step}
+                "losses": self.state.losses, "aux_losses": self.state.aux_losses, "interrupted": True,
+                "step": self.state.step}
 
     def _skipped_update(self, outcome: str, loss: float, norm: float, metrics: MetricsLog) -> None:
         """Log a step whose update was skipped (fp16 overflow, non-finite values); on non-finite values
@@ -285,6 +310,11 @@ class Trainer:
             raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
                                  f"stopped, last good state saved at {path}")
 
+    def _aux_record(self, steps: int) -> dict:
+        """MoE: the mean load-balancing loss of the last ``steps`` steps (``aux_loss``), else nothing."""
+        recent = [x for x in self.state.aux_losses[-steps:] if math.isfinite(x)]
+        return {"aux_loss": sum(recent) / len(recent)} if recent else {}
+
     def _window_record(self, norm: float, step_time: float, steps: int, validate: bool) -> dict:
         """The metrics record of the ``steps`` steps since the last log: their mean loss, the last grad
         norm, the rates at ``step_time`` seconds per step, and the validation loss when ``validate``."""
@@ -292,6 +322,7 @@ class Trainer:
         recent = [x for x in self.state.losses[-steps:] if math.isfinite(x)]
         last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
                 "loss_steps": len(recent),
+                **self._aux_record(steps),
                 "lr": self.opt.opt.param_groups[0]["lr"],
                 "grad_norm": norm, **self.throughput.rates(step_time)}
         if validate:
@@ -324,6 +355,8 @@ class Trainer:
                 info["compile_s"] = compile_s
             metrics.log({"event": "start", **info, "ranks": ranks, "data": self.data.source,
                          "config": self.job.to_dict()})
+            for event in self.events:
+                metrics.log(event)
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last, norm = {}, math.nan  # norm: the last step's gradient norm, for its window's record
@@ -339,7 +372,10 @@ class Trainer:
                 step = self.state.step
                 for hook in self.hooks:
                     hook.before_step(self.dims.rank, step + 1)
+                t_step = time.perf_counter()
                 loss, norm, outcome = self.train_step(step)
+                for hook in self.hooks:
+                    hook.after_step(self.dims.rank, step + 1, time.perf_counter() - t_step)
                 self.state.losses.append(loss if outcome != "nonfinite" else float("nan"))
                 self.state.step += 1
                 window_steps += 1
@@ -350,12 +386,14 @@ class Trainer:
                 if done % t.log_every == 0 or done == end:
                     last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
                                                validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
+                    for hook in self.hooks:
+                        last.update(hook.window(self.dims.rank, done))
                     metrics.log(last)
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0
                 if t.save_every and done % t.save_every == 0 and done != end:
                     t_save = time.perf_counter()
-                    self.save()
+                    self.save(background=t.async_save)
                     saved_in = time.perf_counter() - t_save  # not counted as training time
                     window_t += saved_in
                     progress.t0 += saved_in
@@ -370,15 +408,17 @@ class Trainer:
         # the summary's comparison (and what offloading put on the host)
         kept = {k: v for k, v in activations.items() if k.startswith(("act_bytes_", "act_host_bytes_"))}
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses, "activations": kept}
+                "losses": self.state.losses, "aux_losses": self.state.aux_losses,
+                "activations": kept}
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,
-          hooks: Sequence[StepHook] = (), verified: bool = False) -> dict:
+          hooks: Sequence[StepHook] = (), verified: bool = False, events: Sequence[dict] = ()) -> dict:
     """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own). ``verified``:
-    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``)."""
+    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``); ``events``:
+    metrics records rank 0 logs after its start record."""
     job = build_job(job) if isinstance(job, dict) else job
-    trainer = Trainer(job, resume, device, quiet, hooks, verified)
+    trainer = Trainer(job, resume, device, quiet, hooks, verified, events)
     completed = False
     try:
         summary = trainer.run()

@@ -5,15 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from seqpar.analysis.text import human_bytes
 from seqpar.train.config import JobConfig
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
@@ -63,12 +56,13 @@ def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
     source = "measured" if "act_bytes_measured" in act else "formula"
     this = " + ".join(["SP"] * sp + [f"{granularity} recompute"] * (granularity != "none")) or "this layout"
     names = {"without_sp": "without SP", "without_recompute": "without recompute", "without_both": "without either"}
-    others = [f"{_human_bytes(act[f'act_bytes_{k}'])} {label} ({act[f'act_bytes_{k}'] / kept:.1f}x)"
+    ratio = (lambda b: f" ({b / kept:.1f}x)") if kept else (lambda b: "")  # full recompute on one layer keeps 0
+    others = [f"{human_bytes(act[f'act_bytes_{k}'])} {label}{ratio(act[f'act_bytes_{k}'])}"
               for k, label in names.items() if act.get(f"act_bytes_{k}")]
     host = act.get("act_host_bytes_measured")
-    return (f"  activations per rank, one microbatch: {_human_bytes(kept)} {source} with {this}"
-            + (f" (on the device; {_human_bytes(host)} offloaded to the host, formula "
-               f"{_human_bytes(act.get('act_host_bytes_predicted') or 0)})" if host is not None else "")
+    return (f"  activations per rank, one microbatch: {human_bytes(kept)} {source} with {this}"
+            + (f" (on the device; {human_bytes(host)} offloaded to the host, formula "
+               f"{human_bytes(act.get('act_host_bytes_predicted') or 0)})" if host is not None else "")
             + (f"; the same model keeps {', '.join(others)} (exact per-tensor formula)" if others else ""))
 
 

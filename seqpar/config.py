@@ -8,7 +8,7 @@ is looked up in ``seqpar.dtypes`` where a tensor is made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Bytes per element of each dtype name (the torch dtype is looked up in seqpar.dtypes, where tensors are made).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -470,7 +470,8 @@ class RecomputeConfig:
         recomputed = set(self.recomputed_modules)
         both = [m for m in self.offload_modules if recomputed & {m, *OFFLOAD_INSIDE.get(m, ())}]
         if both:
-            raise ConfigError(f"offload modules {both} are recomputed by recompute {self.label}: a module is kept, "
+            plain = replace(self, offload_modules=()).label
+            raise ConfigError(f"offload modules {both} are recomputed by recompute {plain}: a module is kept, "
                               "recomputed or offloaded, not two")
 
 

@@ -13,7 +13,7 @@ from seqpar.analysis.planner import (
     settings,
 )
 from seqpar.analysis.stage import STATE_TERMS, StageMemory
-from seqpar.analysis.text import exact_bytes, gb, gib, human_bytes, pct_change, table
+from seqpar.analysis.text import exact_bytes, gib, human_bytes, pct_change, table
 
 
 def header(req: Request) -> str:
@@ -77,10 +77,11 @@ def module_choices(req: Request, ev: Evaluation) -> str:
     text = f"per module (keep / recompute / offload): {words}"
     if offloaded:
         hw = req.hw
-        text += (f"\noffloaded: {gb(ev.host_bytes)} GB in host memory per GPU (of {gb(hw.host_usable_bytes)} usable: "
-                 f"{gb(hw.host_memory_bytes)} per node of {hw.gpus_per_node} GPUs), {gb(ev.offload_bytes_per_step)} GB "
-                 f"over the host link per iteration at {hw.host_bw / 1e9:.1f} GB/s per GPU; "
-                 f"{ev.time.terms.get('offload', 0.0):.2f} s of it not hidden under the passes")
+        text += (f"\noffloaded: {human_bytes(ev.host_bytes)} in host memory per GPU (of "
+                 f"{human_bytes(hw.host_usable_bytes)} usable: {human_bytes(hw.host_memory_bytes)} per node of "
+                 f"{hw.gpus_per_node} GPUs), {human_bytes(ev.offload_bytes_per_step)} over the host link per iteration "
+                 f"at {hw.host_bw / 1e9:.1f} GB/s per GPU; {ev.time.terms.get('offload', 0.0):.2f} s of it not hidden "
+                 "under the passes")
     return text
 
 

@@ -28,6 +28,7 @@ import torch
 from seqpar.analysis.presets import preset_shape
 from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import layer_split_terms
+from seqpar.analysis.text import human_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.model.init import init_parameters
@@ -152,10 +153,10 @@ def main(argv=None) -> int:
                    "overlap": None if copy_s is None else 1 - max(0.0, extra) / copy_s}
             results["rows"].append(row)
             overlap = "-" if row["overlap"] is None else f"{row['overlap']:.2f}"
-            print(f"{name:>10} {granularity:<9} offload {','.join(modules):<28} device saved {saved / 2**20:9.1f} MiB "
-                  f"(predicted {want['device_saved_bytes'] / 2**20:9.1f}), host {got['host_bytes'] / 2**20:9.1f} MiB "
-                  f"(predicted {want['host_bytes'] / 2**20:9.1f}); step {got['step_s'] * 1e3:8.1f} ms vs "
-                  f"{base['step_s'] * 1e3:8.1f} ms, overlap {overlap}")
+            print(f"{name:>10} {granularity:<9} offload {','.join(modules):<28} device saved {human_bytes(saved)} "
+                  f"(predicted {human_bytes(want['device_saved_bytes'])}), host {human_bytes(got['host_bytes'])} "
+                  f"(predicted {human_bytes(want['host_bytes'])}); step {got['step_s'] * 1e3:.1f} ms vs "
+                  f"{base['step_s'] * 1e3:.1f} ms, overlap {overlap}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "offload.json").write_text(json.dumps(results, indent=1))

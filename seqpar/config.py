@@ -8,7 +8,7 @@ is looked up in ``seqpar.dtypes`` where a tensor is made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Bytes per element of each dtype name (the torch dtype is looked up in seqpar.dtypes, where tensors are made).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -16,6 +16,11 @@ RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # Finer selective recompute (beyond the paper): what a layer may checkpoint.
 RECOMPUTE_MODULES = ("core_attention", "norm", "activation", "mlp", "moe", "dropout_mask")
+# Activation offloading (seqpar.recompute.offload): what a layer may move to host memory after its forward -- the
+# recompute modules that own saved tensors, and "layer_input", the layer's input (what full recompute keeps).
+OFFLOAD_MODULES = ("core_attention", "norm", "activation", "mlp", "moe", "layer_input")
+# Modules that run inside another: offloading the inner one of a recomputed outer one would move nothing.
+OFFLOAD_INSIDE = {"activation": ("mlp", "moe")}
 # The two layer families the analytic model knows, as ModelConfig fields: the paper's GPT (Fig. 2) and a
 # Llama-style layer (RMSNorm, SwiGLU, rotary positions, no biases, untied output layer, no dropout).
 ARCH_FIELDS = {
@@ -403,6 +408,16 @@ class RecomputeConfig:
     # App. C: on each pipeline rank up to this many in-flight chunk-microbatches keep all their
     # activations and are not recomputed; the others follow ``granularity``.
     keep_microbatches: int = 0
+    # Activation offloading (beside recomputation): each module's saved tensors go to host memory after its
+    # forward and come back for its backward (``OFFLOAD_MODULES``); a module is kept, recomputed or offloaded.
+    offload_modules: tuple[str, ...] = ()
+
+    @property
+    def recomputed_modules(self) -> tuple[str, ...]:
+        """The offloadable modules this recomputation rebuilds: under ``full`` all but the layer input."""
+        if self.granularity == "full":
+            return tuple(m for m in OFFLOAD_MODULES if m != "layer_input")
+        return self.selective_modules
 
     @property
     def selective_modules(self) -> tuple[str, ...]:
@@ -420,6 +435,8 @@ class RecomputeConfig:
             text += f"({','.join(self.modules)})"
         if self.keep_microbatches and self.granularity != "none":
             text += f"+keep{self.keep_microbatches}"
+        if self.offload_modules:
+            text += f"+offload({','.join(self.offload_modules)})"
         return text
 
     def validate(self, layers_per_stage: int | None = None) -> RecomputeConfig:
@@ -431,6 +448,7 @@ class RecomputeConfig:
         if self.modules and self.granularity != "selective":
             raise ConfigError(f"recompute modules {list(self.modules)} need granularity 'selective', "
                               f"not {self.granularity!r}")
+        self._validate_offload()
         if self.method not in RECOMPUTE_METHODS:
             raise ConfigError(f"recompute method {self.method!r} is not one of {list(RECOMPUTE_METHODS)}")
         k = self.keep_microbatches
@@ -443,6 +461,18 @@ class RecomputeConfig:
                 raise ConfigError(f"recompute num_layers {self.num_layers} exceeds the "
                                   f"{layers_per_stage} layers of a stage")
         return self
+
+    def _validate_offload(self) -> None:
+        """Known names, and no module both offloaded and recomputed (itself or the module it runs inside)."""
+        unknown = [m for m in self.offload_modules if m not in OFFLOAD_MODULES]
+        if unknown:
+            raise ConfigError(f"offload modules {unknown} are not among {list(OFFLOAD_MODULES)}")
+        recomputed = set(self.recomputed_modules)
+        both = [m for m in self.offload_modules if recomputed & {m, *OFFLOAD_INSIDE.get(m, ())}]
+        if both:
+            plain = replace(self, offload_modules=()).label
+            raise ConfigError(f"offload modules {both} are recomputed by recompute {plain}: a module is kept, "
+                              "recomputed or offloaded, not two")
 
 
 @dataclass(frozen=True)

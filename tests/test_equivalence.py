@@ -93,12 +93,24 @@ Combo = collections.namedtuple("Combo", AXES)
 DRAWN = {  # axes drawn per combination (each from its own seeded stream), not enumerated (issue 42)
     "micro_batch": (1, 2),  # at the reference's global batch: the reference runs micro-batch 1
     "data": ("windows", "documents"),  # random ids, or a prepared folder of short documents with masks
+    # activation offloading (issue 46): what of it the draw's recomputation leaves (a module is kept, recomputed or
+    # offloaded: ``offloadable``)
+    "offload": ((), ("mlp",), ("norm", "core_attention"), ("activation", "layer_input")),
 }
 
 
 def drawn(index: int) -> dict:
     """The drawn axes' values of combination ``index``."""
     return {axis: random.Random(f"{axis} {index}").choice(values) for axis, values in DRAWN.items()}
+
+
+def offloadable(modules: tuple[str, ...], recompute: dict) -> list[str]:
+    """The drawn offload modules the recomputation does not rebuild (``RecomputeConfig.validate``'s rule)."""
+    from seqpar.config import OFFLOAD_INSIDE, RecomputeConfig
+
+    rebuilt = set(RecomputeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})
+                  .recomputed_modules)
+    return [m for m in modules if not rebuilt & {m, *OFFLOAD_INSIDE.get(m, ())}]
 
 
 def world_of(c: Combo) -> int:
@@ -146,8 +158,9 @@ def draw(index: int, c: Combo) -> dict:
         parallel["fsdp"] = True
         reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
     reduction |= {"micro_batch": micro_batch, "global_batch": global_batch}
-    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[c.recompute]), "train": reduction,
-            "data": data}
+    recompute = dict(RECOMPUTE[c.recompute])
+    recompute["offload_modules"] = offloadable(extra["offload"], recompute)
+    return {"model": model, "parallel": parallel, "recompute": recompute, "train": reduction, "data": data}
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
@@ -261,7 +274,9 @@ def _draw_id(index: int, c: Combo) -> str:
             else f"{axis}{value}"
     fsdp = ["fsdp"] if draw(index, c)["parallel"].get("fsdp") else []
     extra = drawn(index)
-    extra = [f"mb{extra['micro_batch']}"] + (["docs"] if extra["data"] == "documents" else [])
+    offload = draw(index, c)["recompute"]["offload_modules"]
+    extra = ([f"mb{extra['micro_batch']}"] + (["docs"] if extra["data"] == "documents" else [])
+             + ([f"offload({','.join(offload)})"] if offload else []))
     return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))] + fsdp
                     + extra)
 

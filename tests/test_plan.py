@@ -55,11 +55,14 @@ def test_rank_plans_breaks_near_ties_by_memory():
 
     from seqpar.analysis.planner import TIE_FRACTION
 
-    def plan(seconds: float, memory: float):
-        return SimpleNamespace(time=SimpleNamespace(total=seconds), memory_bytes=memory)
+    def plan(seconds: float, memory: float, offloaded: float = 0.0):
+        return SimpleNamespace(time=SimpleNamespace(total=seconds), memory_bytes=memory,
+                               offload_bytes_per_step=offloaded)
 
     fast, tied_smaller, slow_smallest = plan(10.0, 3e9), plan(10.0 * (1 + TIE_FRACTION / 2), 2e9), plan(11.0, 1e9)
     assert rank_plans([fast, slow_smallest, tied_smaller]) == [tied_smaller, fast, slow_smallest]
+    offloading = plan(10.0, 1e9, offloaded=1e9)  # tied and smaller, but it moves bytes over the host link
+    assert rank_plans([offloading, fast]) == [fast, offloading]
     outside = plan(10.0 * (1 + 2 * TIE_FRACTION), 2e9)  # not a tie: the faster first, whatever its memory
     assert rank_plans([outside, fast]) == [fast, outside]
 

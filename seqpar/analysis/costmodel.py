@@ -70,7 +70,7 @@ from seqpar.analysis.memory import kv_heads_per_rank
 from seqpar.analysis.moe import dispatch_bytes, moe_gemms, moe_training_flops
 from seqpar.analysis.placement import grad_group_spans_nodes, group_ranks_per_node, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
-from seqpar.analysis.stage import examined_ranks, rank_chunk_layers
+from seqpar.analysis.stage import chunk_bytes, examined_ranks, rank_chunk_layers
 from seqpar.analysis.states import stage_parameter_sizes, stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
@@ -102,6 +102,11 @@ class Hardware:
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
     reserve_fraction: float = 0.10  # kept free for allocator fragmentation, workspaces, NCCL buffers
+    # activation offloading: host link bytes/s one GPU reaches per direction when every GPU of the node copies at
+    # once (its PCIe link, shared where GPUs share an uplink), and the node's host memory
+    host_bw: float = 12.8e9  # PCIe gen4 x16 32 GB/s x 0.8, two GPUs per uplink (DGX A100)
+    host_memory_bytes: float = 1e12
+    host_reserve_fraction: float = 0.25  # the OS, data loaders, pinned-memory limits
     error_band: float = 0.10
     name: str = "a100-80gb"
     source: str = "data sheet, uncalibrated"
@@ -109,6 +114,11 @@ class Hardware:
     @property
     def usable_bytes(self) -> float:
         return self.memory_bytes * (1 - self.reserve_fraction)
+
+    @property
+    def host_usable_bytes(self) -> float:
+        """Host bytes one GPU may offload to: its share of the node's usable host memory."""
+        return self.host_memory_bytes * (1 - self.host_reserve_fraction) / self.gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -379,10 +389,22 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     else:
         redo = layers * selective_rerun_s(p, rc, opts.fused_attention)
     terms["recompute"] = frac * redo
+    if rc.offload_modules:
+        moved = par.interleave * chunk_bytes(shape, par, rc, b, opts, rank, host=True)
+        fwd = layers * sum(p["forward"].values())
+        terms["offload"] = offload_exposed_s(moved, fwd, terms["recompute"] + layers * sum(p["backward"].values()), hw)
     p2p_bw = link_bw(hw, spans_nodes(par, "pp", hw.gpus_per_node))
     msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size / par.tp
     terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.comm_latency + msg / p2p_bw)
     return terms
+
+
+def offload_exposed_s(moved_bytes: float, forward_s: float, backward_s: float, hw: Hardware) -> float:
+    """Activation offloading, one microbatch of one rank: ``moved_bytes`` go to the host during its forward and
+    come back during its backward (``seqpar.recompute.offload``: a side stream beside the compute); what each
+    copy takes beyond the pass it runs beside is exposed."""
+    copy = moved_bytes / hw.host_bw
+    return max(0.0, copy - forward_s) + max(0.0, copy - backward_s)
 
 
 def largest_stage_parameters(shape: ModelConfig, par: ParallelConfig) -> float:

@@ -48,6 +48,17 @@ DATASHEET: dict[str, tuple[float, float, float, float]] = {
     "mi300x": (192, 5.3, 448, 50),
 }
 
+# name -> (host link GB/s per direction per GPU, GPUs sharing one host uplink, host memory GB per node) for
+# activation offloading, from the vendors' node sheets (DGX A100 / H100 / H200 / B200: PCIe gen4 / gen5 x16, two
+# GPUs behind each PCIe switch's uplink; 1 / 2 / 2 / 4 TB of host memory); single-GPU parts one per host link
+HOST_DATASHEET: dict[str, tuple[float, int, float]] = {
+    "v100": (16, 2, 512), "a10": (32, 1, 512), "l4": (32, 1, 512), "a100": (32, 2, 1024),
+    "h100-pcie": (64, 1, 1024), "h100": (64, 2, 2048), "h200": (64, 2, 2048), "b200": (64, 1, 4096),
+    "mi250x": (32, 2, 1024), "mi300x": (64, 1, 2048),
+}
+HOST_LINK_EFFICIENCY = 0.8  # of a PCIe link's nominal bandwidth a pinned copy reaches
+
+
 def known_gpu(gpu: str) -> str:
     """``gpu``'s key in the data-sheet tables (case-insensitive); an AnalysisError names the known ones."""
     key = gpu.lower()
@@ -74,7 +85,9 @@ def datasheet_hardware(gpu: str) -> Hardware:
     key = known_gpu(gpu)
     mem, hbm, link, ib = DATASHEET[key]
     base, a100 = Hardware(), DATASHEET["a100"]
+    host_link, sharing, host_gb = HOST_DATASHEET[key]
     return replace(base, name=key, source=f"{key} data sheet, uncalibrated", memory_bytes=memory_bytes(key),
                    step_overhead=0.01,
                    peak_flops=peak_flops(key), memory_bw=hbm * 1e12 * base.memory_bw / (a100[1] * 1e12),
-                   intra_node_bw=link * base.intra_node_bw / a100[2], inter_node_bw=ib * base.inter_node_bw / a100[3])
+                   intra_node_bw=link * base.intra_node_bw / a100[2], inter_node_bw=ib * base.inter_node_bw / a100[3],
+                   host_bw=host_link * 1e9 * HOST_LINK_EFFICIENCY / sharing, host_memory_bytes=host_gb * 1e9)

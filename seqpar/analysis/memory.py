@@ -39,6 +39,41 @@ REBUILT = {
 }
 
 
+# What each offload module (config.OFFLOAD_MODULES) moves to host memory: the terms of the tensors it saves, as
+# seqpar.recompute.offload attributes them (the innermost offloaded module running when autograd saves one; the
+# layer's input to "layer_input" wherever it is saved). A term recomputation drops is gone before: never moved.
+OFFLOADED = {
+    "layer_input": ("ln1_input", "layer_input"),  # ln1's input; under full recompute the checkpoint's
+    "core_attention": ("qk", "v", "softmax_output", "softmax_dropout_mask", "softmax_dropout_output", "softmax_lse",
+                       "attention_output", "sdpa_rng_state"),
+    "norm": ("ln1_input", "ln2_input", "ln_stats"),
+    "activation": ("gelu_input", "swiglu_input", "fc2_input", "expert_fc1_output", "expert_fc2_input",
+                   "shared_fc1_output", "shared_fc2_input"),
+    "mlp": ("fc1_input", "gelu_input", "swiglu_input", "fc2_input"),
+    "moe": ("fc1_input", "router_probs", "topk_indices", "topk_values", "topk_sums", "aux_f", "assignment_tokens",
+            "assignment_order", "expert_input", "expert_fc1_output", "expert_fc2_input", "dispatch_order",
+            "combine_order", "expert_output", "combine_weights", "shared_fc1_output", "shared_fc2_input",
+            "shared_gate", "shared_output"),
+}
+
+
+def offload_split(terms: dict[str, float], modules, core_output_shared: bool = False
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+    """``terms`` (one layer's, after recomputation) as (device, host) under the offload ``modules``: each moved
+    term goes to the host whole. ``core_output_shared``: the attention core's saved output is the out-proj
+    input's storage (a fused core writing it in place, ``sdpa_output_is_out_proj_input``, or ring attention);
+    offloading the core copies it to the host while out-proj keeps it on the device (host term
+    ``out_proj_input``, the device term stays)."""
+    device, host = dict(terms), {}
+    for module in sorted(modules, key=list(OFFLOADED).index):  # "layer_input" first: it owns ln1's input
+        for name in OFFLOADED[module]:
+            if name in device:
+                host[name] = device.pop(name)
+    if "core_attention" in modules and core_output_shared and "out_proj_input" in device:
+        host["out_proj_input"] = device["out_proj_input"]
+    return device, host
+
+
 def rebuilt(module: str, fused_attention: bool) -> tuple[str, ...]:
     """``REBUILT[module]``, but nothing for the core when it is fused: a flash-class kernel recomputes its
     tiles in its own backward, so checkpointing it would free only the log-sum-exp (and its output) for a

@@ -59,6 +59,32 @@ def memory_terms(stage: StageMemory) -> str:
             + f"\nrank {stage.rank} total: {exact_bytes(stage.total)}")
 
 
+def module_choices(req: Request, ev: Evaluation) -> str:
+    """What each module's saved tensors do in this plan: kept on the device, recomputed or offloaded, and what
+    offloading costs (host bytes, bytes over the host link, the transfer time the compute does not hide)."""
+    from seqpar.config import OFFLOAD_INSIDE, OFFLOAD_MODULES
+
+    rc = ev.plan.rc
+    recomputed, offloaded = set(rc.recomputed_modules), set(rc.offload_modules)
+
+    def choice(m: str) -> str:
+        outer = [o for o in OFFLOAD_INSIDE.get(m, ()) if o in recomputed | offloaded]
+        if outer and m not in offloaded:
+            return f"{'recompute' if outer[0] in recomputed else 'offload'} (inside {outer[0]})"
+        return "offload" if m in offloaded else "recompute" if m in recomputed else "keep"
+
+    words = ", ".join(f"{m} {choice(m)}" for m in OFFLOAD_MODULES if m != "moe" or req.shape.experts)
+    text = f"per module (keep / recompute / offload): {words}"
+    if offloaded:
+        hw = req.hw
+        text += (f"\noffloaded: {human_bytes(ev.host_bytes)} in host memory per GPU (of "
+                 f"{human_bytes(hw.host_usable_bytes)} usable: {human_bytes(hw.host_memory_bytes)} per node of "
+                 f"{hw.gpus_per_node} GPUs), {human_bytes(ev.offload_bytes_per_step)} over the host link per iteration "
+                 f"at {hw.host_bw / 1e9:.1f} GB/s per GPU; {ev.time.terms.get('offload', 0.0):.2f} s of it not hidden "
+                 "under the passes")
+    return text
+
+
 def time_terms(ev: Evaluation) -> str:
     """Each term's exposed seconds (what the iteration pays) and, beside it, what runs hidden under compute
     (the dp / FSDP collectives overlapped with the backward or prefetched: ``IterationTime.hidden``)."""
@@ -178,6 +204,7 @@ def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> st
                  + table(["rank", "in flight", "params", "grads", "optimizer", "layer acts", "other acts",
                           "total", "fits"], _stage_rows(ev.stages, req.hw.usable_bytes)))
     parts.append("most loaded rank, per term:\n" + memory_terms(ev.peak))
+    parts.append(module_choices(req, ev))
     best = ranked[0] if ranked else None
     parts.append(("" if ev.fits else "rejected: ") + _verdict(ev, best))
     parts.append(time_terms(ev) + f"\npredicted MFU {100 * ev.mfu:.1f}%")

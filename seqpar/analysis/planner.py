@@ -27,6 +27,7 @@ from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOp
 from seqpar.analysis.stage import (
     StageMemory,
     all_stages,
+    chunk_bytes,
     examined_ranks,
     most_loaded,
     stage_memory,
@@ -38,6 +39,10 @@ from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
+# --offload: the module sets each recompute option may also offload (``seqpar.recompute.offload``), lightest
+# first; a set the option recomputes part of is skipped (a module is kept, recomputed or offloaded)
+OFFLOAD_CHOICES = (("mlp",), ("mlp", "norm"), ("core_attention", "mlp", "norm"), ("layer_input",),
+                   ("core_attention", "mlp", "norm", "layer_input"))
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,9 @@ class Plan:
         cp = f"cp={p.cp}," if p.cp > 1 else ""
         split = f"split={split_text(p.layer_split)}," if p.layer_split else ""
         ep = f"ep={p.ep}," if p.ep > 1 else ""
+        offload = f",offload={'/'.join(self.rc.offload_modules)}" if self.rc.offload_modules else ""
         text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
-                f"recompute={self.rc.label},mb={self.micro_batch}")
+                f"recompute={replace(self.rc, offload_modules=()).label}{offload},mb={self.micro_batch}")
         return text + (",distopt=on" if self.distributed_optimizer else "") + (",fsdp=on" if p.fsdp else "")
 
 
@@ -66,7 +72,7 @@ _KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "inter
          "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
          "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
-         "fsdp": "fsdp"}
+         "fsdp": "fsdp", "offload": "offload"}
 
 
 def _flag(text: str) -> bool:
@@ -155,6 +161,8 @@ def parse_plan(text: str, gpus: int) -> Plan:
                              interleave=_count(values, "interleave", 1), layer_split=_split(values),
                              ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
+        if "offload" in values:  # offload=mlp/norm
+            rc = replace(rc, offload_modules=tuple(m for m in values["offload"][1].split("/") if m)).validate()
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one
         raise AnalysisError(f"plan {text!r}: {err}") from err
@@ -172,6 +180,7 @@ class Request:
     opt: OptimizerOptions = field(default_factory=OptimizerOptions)
     try_distributed_optimizer: bool = False
     try_fsdp: bool = False  # also plans with FSDP over dp × cp (parameters, gradients, optimizer sharded)
+    try_offload: bool = False  # also plans that offload modules' activations to host memory (OFFLOAD_CHOICES)
     max_micro_batch: int = 16
     max_interleave: int = 8
     max_cp: int = 16
@@ -198,6 +207,7 @@ class Evaluation:
     fits: bool = False
     error: str | None = None
     usable_bytes: float = 0.0
+    offload_bytes_per_step: float = 0.0  # over the host link, both directions, the rank that moves the most
 
     @property
     def peak(self) -> StageMemory | None:
@@ -206,6 +216,11 @@ class Evaluation:
     @property
     def memory_bytes(self) -> float:
         return self.peak.total if self.stages else 0.0
+
+    @property
+    def host_bytes(self) -> float:
+        """Offloaded activations in host memory on the examined rank that holds the most."""
+        return max((s.host_total for s in self.stages), default=0.0)
 
     def to_json(self) -> dict:
         p = self.plan.par
@@ -221,6 +236,9 @@ class Evaluation:
         if self.time is not None:
             out["time_terms"] = dict(self.time.terms)
             out["hidden_time_terms"] = dict(self.time.hidden)  # run under compute, not in the iteration time
+        if self.plan.rc.offload_modules:
+            out |= {"offload_modules": list(self.plan.rc.offload_modules), "host_bytes": self.host_bytes,
+                    "offload_bytes_per_step": self.offload_bytes_per_step}
         if self.error:
             out["error"] = self.error
         return out
@@ -269,7 +287,31 @@ def stages_of(req: Request, plan: Plan, every_rank: bool = False) -> list[StageM
 
 
 def fits(req: Request, plan: Plan) -> bool:
-    return most_loaded(stages_of(req, plan)).total <= req.hw.usable_bytes
+    stages = stages_of(req, plan)
+    return (most_loaded(stages).total <= req.hw.usable_bytes
+            and max(s.host_total for s in stages) <= req.hw.host_usable_bytes)
+
+
+def offload_bytes_per_step(req: Request, plan: Plan) -> float:
+    """Bytes one GPU moves over its host link per iteration: every microbatch's offloaded activations out during
+    its forward and back during its backward (the examined rank that moves the most)."""
+    n, p = num_microbatches(req, plan), plan.par
+    return max(2 * n * p.interleave * chunk_bytes(req.shape, p, plan.rc, plan.micro_batch, req.opts, r, host=True)
+               for r in examined_ranks(req.shape, p))
+
+
+def offload_options(req: Request, options: list[RecomputeConfig]) -> list[RecomputeConfig]:
+    """``options`` each with every ``OFFLOAD_CHOICES`` set it allows (``--offload``)."""
+    out = []
+    for rc in options:
+        for modules in OFFLOAD_CHOICES:
+            if "core_attention" in modules and not req.opts.fused_attention and rc.granularity == "none":
+                continue  # the s² terms over the host link: selective recomputation's job
+            try:
+                out.append(replace(rc, offload_modules=modules).validate())
+            except ConfigError:
+                continue
+    return out
 
 
 def evaluate(req: Request, plan: Plan, every_rank: bool = False) -> Evaluation:
@@ -281,7 +323,9 @@ def evaluate(req: Request, plan: Plan, every_rank: bool = False) -> Evaluation:
     except AnalysisError as err:
         ev.error = str(err)
         return ev
-    ev.fits = ev.memory_bytes <= req.hw.usable_bytes
+    ev.fits = ev.memory_bytes <= req.hw.usable_bytes and ev.host_bytes <= req.hw.host_usable_bytes
+    if plan.rc.offload_modules:
+        ev.offload_bytes_per_step = offload_bytes_per_step(req, plan)
     ev.time = iteration_time(req.shape, plan.par, plan.rc, plan.micro_batch, req.global_batch, req.hw,
                              _opt(req, plan), req.opts)
     ev.mfu = predicted_mfu(req.shape, plan.par, req.global_batch, ev.time.total, req.hw)
@@ -328,7 +372,7 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
                              lambda k, g=granularity: fits_with(RecomputeConfig(g, keep_microbatches=k)))
         if k:
             options.append(RecomputeConfig(granularity, keep_microbatches=k))
-    return options
+    return options + (offload_options(req, options) if req.try_offload else [])
 
 
 def _refused(req: Request, par: ParallelConfig, rejected: Counter | None = None, rule: str = "") -> bool:
@@ -446,13 +490,14 @@ def rejection_lines(req: Request, stats: dict) -> list[str]:
 
 def undominated(found: list[Evaluation]) -> list[Evaluation]:
     """``found`` without the plans another plan of the same layout beats on memory and on time (no worse on
-    both, better on one)."""
+    both, better on one) without moving more bytes over the host link."""
     by_layout: dict[ParallelConfig, list[Evaluation]] = {}
     for ev in found:
         by_layout.setdefault(ev.plan.par, []).append(ev)
 
     def beaten(ev: Evaluation) -> bool:
         return any(o.memory_bytes <= ev.memory_bytes and o.time.total <= ev.time.total
+                   and o.offload_bytes_per_step <= ev.offload_bytes_per_step  # host traffic is a cost too
                    and (o.memory_bytes < ev.memory_bytes or o.time.total < ev.time.total)
                    for o in by_layout[ev.plan.par])
 
@@ -460,15 +505,16 @@ def undominated(found: list[Evaluation]) -> list[Evaluation]:
 
 
 def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
-    """Fastest first; plans within ``tie`` (relative) of the fastest of their group are a tie,
-    ordered by memory (the cost model is not that precise, and headroom is worth something)."""
+    """Fastest first; plans within ``tie`` (relative) of the fastest of their group are a tie, those that
+    offload nothing first, then by memory (the cost model is not that precise, and headroom is worth something)."""
     by_time = sorted(found, key=lambda e: (e.time.total, e.memory_bytes))
     ranked: list[Evaluation] = []
     while by_time:
         limit = by_time[0].time.total * (1 + tie)
         group = [e for e in by_time if e.time.total <= limit]
         by_time = by_time[len(group):]
-        ranked += sorted(group, key=lambda e: (e.memory_bytes, e.time.total))
+        # offloading only where it buys time: the model does not see its PCIe share with the NICs
+        ranked += sorted(group, key=lambda e: (e.offload_bytes_per_step > 0, e.memory_bytes, e.time.total))
     return ranked
 
 

@@ -26,7 +26,8 @@ from seqpar.config import ParallelConfig, RecomputeConfig, did_you_mean
 BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
                   "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
-                  "step_overhead", "comm_overlap", "gemm_operand_bw", "reserve_fraction", "error_band")
+                  "step_overhead", "comm_overlap", "gemm_operand_bw", "reserve_fraction", "error_band", "host_bw",
+                  "host_memory_bytes", "host_reserve_fraction")
 REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
 
 
@@ -124,6 +125,7 @@ FIELD_RULES = {
     "comm_overlap": ("in [0, 1] (the share of a collective a GEMM beside it hides)", lambda v: 0 <= v <= 1),
     "comm_latency": _NON_NEGATIVE, "layer_overhead": _NON_NEGATIVE, "step_overhead": _NON_NEGATIVE,
     "reserve_fraction": _FRACTION_OPEN,
+    "host_bw": _POSITIVE, "host_memory_bytes": _POSITIVE, "host_reserve_fraction": _FRACTION_OPEN,
     "error_band": ("in [0, 1) (a relative error: 0.1 is ±10%)", _FRACTION_OPEN[1]),
 }
 

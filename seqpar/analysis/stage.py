@@ -10,11 +10,11 @@ m = 1 the layer term is Eq. 5 (Eq. 6 with selective recompute).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
-from seqpar.analysis.memory import layer_activation_terms
+from seqpar.analysis.memory import layer_activation_terms, offload_split, sdpa_output_is_out_proj_input
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
 from seqpar.analysis.states import chunk_layer_ids, stage_state_bytes
@@ -31,6 +31,11 @@ class StageMemory:
     rank: int
     in_flight: int  # chunk-microbatches alive at the peak
     terms: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)  # offloaded activations in host memory (not in total)
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
 
     @property
     def total(self) -> float:
@@ -47,6 +52,29 @@ class StageMemory:
 
 def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
                 rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None) -> dict[str, float]:
+    """Device bytes of one layer (``layer_split_terms``: what ``rc`` offloads is on the host)."""
+    return layer_split_terms(shape, par, b, opts, rc, routing, moe)[0]
+
+
+def layer_host_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
+                     rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None) -> dict[str, float]:
+    """Host bytes of one layer: what ``rc.offload_modules`` move there (``memory.offload_split``)."""
+    return layer_split_terms(shape, par, b, opts, rc, routing, moe)[1]
+
+
+def layer_split_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
+                      rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None
+                      ) -> tuple[dict[str, float], dict[str, float]]:
+    """(device, host) bytes of one layer per stored tensor: ``kept_terms`` split by the offload modules."""
+    terms = kept_terms(shape, par, b, opts, rc, routing, moe)
+    if not rc.offload_modules:
+        return terms, {}
+    shared = par.cp > 1 or (opts.fused_attention and sdpa_output_is_out_proj_input(b, opts.sdpa_kernel))
+    return offload_split(terms, rc.offload_modules, shared)
+
+
+def kept_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
+               rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None) -> dict[str, float]:
     """Table 2 bytes of one layer of this model on one tp rank under ``rc`` (its finer modules included),
     per stored tensor (``memory.layer_activation_terms``); an MoE layer keeps the MoE terms instead of the
     MLP's (``seqpar.analysis.moe``), for ``routing`` (default: balanced). ``moe``: whether the layer is an
@@ -78,9 +106,10 @@ def _dense_layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Ac
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
-                rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None) -> float:
-    """Sum of ``layer_terms``."""
-    return sum(layer_terms(shape, par, b, opts, rc, routing, moe).values())
+                rc: RecomputeConfig, routing: Routing | None = None, moe: bool | None = None,
+                host: bool = False) -> float:
+    """Sum of ``layer_terms`` (``host``: of ``layer_host_terms``)."""
+    return sum(layer_split_terms(shape, par, b, opts, rc, routing, moe)[1 if host else 0].values())
 
 
 def mixed_layers(shape: ModelConfig) -> bool:
@@ -89,14 +118,14 @@ def mixed_layers(shape: ModelConfig) -> bool:
 
 
 def layers_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions, rc: RecomputeConfig,
-                 layers: list[int]) -> float:
+                 layers: list[int], host: bool = False) -> float:
     """``layer_bytes`` summed over the global ``layers`` (each MoE or dense as the model makes it)."""
     if not mixed_layers(shape):
-        return len(layers) * layer_bytes(shape, par, b, opts, rc) if layers else 0.0
+        return len(layers) * layer_bytes(shape, par, b, opts, rc, host=host) if layers else 0.0
     moe = sum(shape.is_moe(i) for i in layers)
     dense = len(layers) - moe
-    return ((moe * layer_bytes(shape, par, b, opts, rc, moe=True) if moe else 0.0)
-            + (dense * layer_bytes(shape, par, b, opts, rc, moe=False) if dense else 0.0))
+    return ((moe * layer_bytes(shape, par, b, opts, rc, moe=True, host=host) if moe else 0.0)
+            + (dense * layer_bytes(shape, par, b, opts, rc, moe=False, host=host) if dense else 0.0))
 
 
 def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
@@ -130,7 +159,7 @@ def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
 
 
 def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                opts: ActivationOptions, rank: int = 0) -> float:
+                opts: ActivationOptions, rank: int = 0, host: bool = False) -> float:
     """Bytes one chunk-microbatch of pipeline rank ``rank`` (L/(pm) layers, or its uneven share) keeps
     under ``rc``'s granularity (Sec. 5). A model with MoE every k > 1 layers: counted over each chunk's own
     layers; refused where the rank's chunks would keep different bytes (the peak would depend on which
@@ -142,14 +171,14 @@ def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
         raise AnalysisError(f"pipeline rank {rank}'s chunks hold {rank_chunk_layers(shape, par, rank)} layers: "
                             "each keeps its own bytes (chunk_bytes_each)")
     if mixed_layers(shape):
-        per_chunk = {_chunk_bytes(shape, par, rc, b, opts, ids) for ids in chunk_layer_ids(shape, par, rank)}
+        per_chunk = {_chunk_bytes(shape, par, rc, b, opts, ids, host) for ids in chunk_layer_ids(shape, par, rank)}
         if len(per_chunk) > 1:
             raise AnalysisError(f"pipeline rank {rank}'s {par.interleave} chunks hold different numbers of MoE "
                                 f"layers (one every {shape.moe_every}), so they keep different bytes: the stage "
                                 "formula takes chunks alike (choose layers, interleave or moe_every so each "
                                 "chunk holds as many MoE layers)")
         return per_chunk.pop()
-    return _chunk_bytes(shape, par, rc, b, opts, list(range(n_layers)))
+    return _chunk_bytes(shape, par, rc, b, opts, list(range(n_layers)), host)
 
 
 def chunk_bytes_each(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
@@ -162,14 +191,15 @@ def chunk_bytes_each(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
 
 
 def _chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                 opts: ActivationOptions, layers: list[int]) -> float:
+                 opts: ActivationOptions, layers: list[int], host: bool = False) -> float:
     if rc.granularity in ("none", "selective"):
-        return layers_bytes(shape, par, b, opts, rc, layers)
-    checkpoint = layer_bytes(shape, par, b, opts, FULL, moe=False)  # one layer input (either kind)
+        return layers_bytes(shape, par, b, opts, rc, layers, host)
+    full, none = (replace(c, offload_modules=rc.offload_modules) for c in (FULL, NONE))  # "layer_input" only
+    checkpoint = layer_bytes(shape, par, b, opts, full, moe=False, host=host)  # one layer input (either kind)
     if rc.method == "uniform":  # each group of N layers keeps its input
         return math.ceil(len(layers) / rc.num_layers) * checkpoint
     # block: the first N layers checkpointed, the rest keep all
-    return rc.num_layers * checkpoint + layers_bytes(shape, par, b, opts, NONE, layers[rc.num_layers:])
+    return rc.num_layers * checkpoint + layers_bytes(shape, par, b, opts, none, layers[rc.num_layers:], host)
 
 
 def recompute_working_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
@@ -180,6 +210,7 @@ def recompute_working_bytes(shape: ModelConfig, par: ParallelConfig, rc: Recompu
     n_layers = rank_layers(shape, par, rank)
     if n_layers == 0 or rc.granularity == "none":
         return 0.0
+    rc = replace(rc, offload_modules=())  # what it rebuilds, wherever the rest is kept
     if not mixed_layers(shape):  # one kind of layer: every layer and group alike
         full_layer = layer_bytes(shape, par, b, opts, NONE)
         if rc.granularity == "selective":
@@ -279,18 +310,46 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     if uneven_chunks(par, shape):  # the schedule's peak over chunk-microbatches of different sizes
         if kept:
             raise AnalysisError("App. C (keep_microbatches) with an uneven interleaved split is not modelled")
+        if rc.offload_modules:
+            raise AnalysisError("activation offloading with an uneven interleaved split is not modelled")
         each = chunk_bytes_each(shape, par, rc, b, opts, rank)
         terms["layer_activations"] = peak_in_flight(rank, par.pp, par.interleave, n, each)
     else:
         terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
+    keep_all = replace(NONE, offload_modules=rc.offload_modules)  # App. C recomputes nothing, offloads the same
     if kept:
-        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts, rank)
+        terms["kept_microbatches"] = kept * chunk_bytes(shape, par, keep_all, b, opts, rank)
     terms.update(sec43_extra_terms(shape, par, b, opts, rank, n))
     if not opts.free_pipeline_outputs and par.pp > 1:
         terms["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, r)
     if r > kept and rc.granularity != "none":
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
-    return StageMemory(rank=rank, in_flight=r, terms=terms)
+    host = {}
+    if rc.offload_modules and r:
+        host = offload_host_terms(shape, par, rc, b, opts, rank, r - kept, kept)
+        terms["offload_reload_working"] = offload_reload_bytes(shape, par, rc, b, opts, rank)
+    return StageMemory(rank=rank, in_flight=r, terms=terms, host=host)
+
+
+def offload_host_terms(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                       opts: ActivationOptions, rank: int, recomputing: int, kept: int) -> dict[str, float]:
+    """Host bytes of pipeline rank ``rank`` at its peak: what each chunk-microbatch in flight offloaded (App. C's
+    kept microbatches offload the same modules), ``seqpar.recompute.offload``'s pool."""
+    host = {"offloaded_activations": recomputing * chunk_bytes(shape, par, rc, b, opts, rank, host=True)}
+    if kept:
+        keep_all = replace(NONE, offload_modules=rc.offload_modules)
+        host["offloaded_kept_microbatches"] = kept * chunk_bytes(shape, par, keep_all, b, opts, rank, host=True)
+    return host
+
+
+def offload_reload_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                         opts: ActivationOptions, rank: int = 0) -> float:
+    """Transient device bytes of the reloads during a backward: the unit (a layer, or a full-recompute uniform
+    group) whose backward runs and the one before it, brought back ahead of its backward
+    (``Offloader._unpack``); units of a chunk taken alike (their average, for a model of mixed layers)."""
+    layers = rank_layers(shape, par, rank)
+    units = math.ceil(layers / rc.num_layers) if rc.granularity == "full" and rc.method == "uniform" else layers
+    return min(2, units) * chunk_bytes(shape, par, rc, b, opts, rank, host=True) / max(units, 1)
 
 
 def all_stages(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int | None = None,

@@ -12,6 +12,7 @@ from seqpar.config import (
     ARCH_FIELDS,
     ATTENTIONS,
     NORMS,
+    OFFLOAD_MODULES,
     POSITIONS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_MODULES,
@@ -109,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
                    help=f"with --recompute selective: any of {','.join(RECOMPUTE_MODULES)} "
                         "(default core_attention, the paper's)")
+    p.add_argument("--offload-modules", default="", metavar="M1,M2",
+                   help=f"activation offloading: any of {','.join(OFFLOAD_MODULES)}; the bytes are then the device's, "
+                        "and the host's are reported beside them (default none)")
     p.add_argument("--all", action="store_true",
                    help="the six Table 2 rows for this t (with --recompute selective --recompute-modules "
                         "dropout_mask: each row regenerating its attention dropout mask instead)")
@@ -179,8 +183,9 @@ def run(args) -> int:
     if args.loss_chunk_kib is not None and args.loss_chunk_kib < 1:  # checked with or without --measure
         raise ConfigError(f"--loss-chunk-kib must be a positive integer, got {args.loss_chunk_kib}")
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
+    offload = tuple(m for m in args.offload_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
-                     ep=args.ep)
+                     ep=args.ep, offload=offload)
     loss = None
     if args.measure:
         from seqpar.dtypes import torch_dtype
@@ -211,6 +216,15 @@ def run(args) -> int:
         if args.tensors:
             for t in r.tensors:
                 print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
+        if r.offload:
+            diff = "-" if r.host_measured_bytes is None else f"{r.host_measured_bytes - r.host_exact_bytes:,.0f}"
+            print(f"{'  host':<33}{_human(r.host_measured_bytes):>14}{_human(r.host_exact_bytes):>14}{'':>14}"
+                  f"{diff:>12}   offloaded: {','.join(r.offload)}")
+            for t in r.host_tensors if args.tensors else ():
+                print(f"    host {t['name']:<23}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
+    if offload:
+        print("offloaded (seqpar.recompute.offload): the rows' bytes are the device's; 'host' is what went to host "
+              "memory after the forward (a row's recomputation keeps what it rebuilds off the host).")
     print("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
     if cfg.experts:
         print(f"MoE (E={cfg.experts}, K={cfg.top_k}, ep={args.ep}): formula = balanced routing; exact = the routing "
@@ -268,14 +282,15 @@ def run_schedule(args) -> int:
         raise ConfigError(f"the schedule mode needs --microbatches (pp {args.pp})")
     cfg = model_from_args(args)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, interleave=args.interleave).validate(cfg)
-    recompute = RecomputeConfig(args.recompute).validate()
+    offload = tuple(m for m in args.offload_modules.split(",") if m)
+    recompute = RecomputeConfig(args.recompute, offload_modules=offload).validate()
     free, keep = not args.keep_outputs, args.keep_microbatches
     run = (recompute, args.micro_batch, args.microbatches, free, keep)
     if args.measure:
         stages = measure_schedules(cfg, parallel, [run])[0]
     else:
         from seqpar.config import validate_microbatches
-        from seqpar.measure.stages import StagePeak
+        from seqpar.measure.stages import StagePeak, formula_host_bytes
 
         validate_microbatches(args.microbatches, args.pp, args.interleave)
         stages = []
@@ -283,7 +298,8 @@ def run_schedule(args) -> int:
             formula, terms = formula_stage_bytes(cfg, parallel, recompute, args.micro_batch, args.microbatches,
                                                  r, free, keep)
             extra = implementation_terms(cfg, parallel, args.micro_batch, args.microbatches, r, free)
-            stages.append(StagePeak(r, None, formula, formula + sum(extra.values()), terms | extra))
+            host = formula_host_bytes(cfg, parallel, recompute, args.micro_batch, args.microbatches, r, keep)
+            stages.append(StagePeak(r, None, formula, formula + sum(extra.values()), terms | extra, host_bytes=host))
     if args.json:
         print(json.dumps({"stages": [st.as_json() for st in stages]}))
         return 0
@@ -298,6 +314,9 @@ def run_schedule(args) -> int:
         diff = "-" if m is None else f"{m - st.exact_bytes:,.0f}"
         print(f"{st.stage:>5}{_human(m):>16}{_human(st.formula_bytes):>14}{_human(st.exact_bytes):>14}"
               f"{ratio:>14}{diff:>12}")
+        if offload:
+            print(f"{'host':>5}{_human(st.measured_host_bytes):>16}{_human(st.host_bytes):>14}{'':>40}"
+                  f"   offloaded {','.join(offload)}: each in-flight microbatch's, on the host")
         if args.tensors:
             for name, value in st.terms.items():
                 print(f"      {name:<28}{_human(value):>14}")

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "this off)")
     g.add_argument("--fsdp", action="store_true",
                    help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
+    g.add_argument("--offload", action="store_true",
+                   help="also try offloading modules' activations to host memory (keep / recompute / offload per "
+                        "module: mlp, norm, core_attention, the layer input), charged the host-link time the compute "
+                        "does not hide and limited by the node's host memory")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="training precision: bf16/fp16 mixed precision (18 B/param model states, default) or "
                         "fp32 throughout (16 B/param, 4-byte activations)")
@@ -193,6 +197,7 @@ def request_from_args(args):
                    opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype,
                    dropout=dropout,
                    try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
+                   try_offload=args.offload,
                    max_micro_batch=args.max_micro_batch, name=model_name)
 
 

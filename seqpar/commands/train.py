@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import sys
 
-from seqpar.config import ARCH_FIELDS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
+from seqpar.config import ARCH_FIELDS, OFFLOAD_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
 from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
 
 # flag dest -> (section, key)
@@ -25,7 +25,7 @@ FLAG_KEYS = {
     "distributed_optimizer": ("train", "distributed_optimizer"),
     "overlap_grad_reduce": ("train", "overlap_grad_reduce"), "compile": ("train", "compile"),
     "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
-    "recompute_layers": ("recompute", "num_layers"),
+    "recompute_layers": ("recompute", "num_layers"), "offload_modules": ("recompute", "offload_modules"),
     "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"), "heads": ("model", "num_heads"),
     "kv_heads": ("model", "kv_heads"), "ffn": ("model", "ffn_hidden_size"), "vocab": ("model", "vocab_size"),
     "seq": ("model", "seq_len"), "dtype": ("model", "dtype"), "attention": ("model", "attention"),
@@ -58,6 +58,11 @@ MEGATRON_ALIASES = {
     "--log-interval": "--log-every", "--eval-interval": "--eval-every", "--save-interval": "--save-every",
     "--save": "--out",
 }
+
+
+def _names(text: str) -> list[str]:
+    """``a,b`` → ["a", "b"] (a list flag's value)."""
+    return [m for m in text.split(",") if m]
 
 
 def _default(section: str, key: str) -> str:
@@ -127,6 +132,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, help=f"activation recomputation {d('recompute')}")
     g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help=f"for full recompute {d('recompute_method')}")
     g.add_argument("--recompute-layers", type=int, help=f"layers per full-recompute group {d('recompute_layers')}")
+    g.add_argument("--offload-modules", type=_names, metavar="M1,M2",
+                   help=f"activation offloading: what these modules save goes to host memory until their backward, "
+                        f"any of {','.join(OFFLOAD_MODULES)} (default none; compile off)")
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="PRESET",
                    help="a planner preset's shape (seqpar plan's --model: 22b, gpt2-xl, llama3-8b, ...); other model "

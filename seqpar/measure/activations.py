@@ -19,15 +19,16 @@ from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.comm import all_reduce
 
 
-def predicted_activation_bytes(job, layers: list[int], device: torch.device) -> float | None:
+def predicted_activation_bytes(job, layers: list[int], device: torch.device, host: bool = False) -> float | None:
     """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for the global ``layers`` of one
-    microbatch (each MoE or dense as the model makes it); None where the formula has no closed form."""
+    microbatch (each MoE or dense as the model makes it); None where the formula has no closed form. ``host``: the
+    bytes offloading moves to host memory instead."""
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
         opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
                                   sdpa_kernel=sdpa_kernel_for(device))
         return layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute,
-                            list(layers))
+                            list(layers), host)
     except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
         return None
 
@@ -64,8 +65,12 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
         with SavedTensorMeter(chunk) as meter:
             if docs is not None:
                 meter.exclude(docs.tensors(torch_dtype(job.model.dtype)))  # data, like the tokens
-            chunk(tokens.to(device), labels.to(device), docs=docs)
+            kept = chunk(tokens.to(device), labels.to(device), docs=docs)  # its graph holds what is offloaded
         out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
+        if job.recompute.offload_modules:  # on the host: the offloader's, next to the formula's
+            out["act_host_bytes_measured"] = sum(chunk.recompute.offloader.host_bytes().values())
+            out["act_host_bytes_predicted"] = predicted_activation_bytes(job, layers, device, host=True)
+        del kept
     return out | stage_peaks(job, chunks, data, dims, device)
 
 

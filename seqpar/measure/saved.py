@@ -12,7 +12,7 @@ import torch
 from seqpar.analysis.shapes import device_kernels
 from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.meter import SavedTensorMeter
+from seqpar.measure.meter import SavedTensor, SavedTensorMeter
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.context import CPContext
@@ -20,7 +20,7 @@ from seqpar.parallel.dims import group_rank
 from seqpar.parallel.expert import EPContext
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
-from seqpar.recompute import RecomputePlan, checkpoint
+from seqpar.recompute import RecomputePlan
 
 
 def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
@@ -57,15 +57,17 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
     rc = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(recompute)
     layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device, cp=cp, ep=EPContext(ep_group))
     init_parameters(layer, seed, group_rank(group), t)
-    recompute = rc.granularity
     s = cfg.seq_len // cp.size // (t if sp else 1)
     gen = torch.Generator(device=device).manual_seed(seed if input_seed is None else input_seed)
     x = torch.randn(s, micro_batch, cfg.hidden_size, generator=gen, device=device)
     x = x.to(torch_dtype(cfg.dtype)).requires_grad_(True)  # [s(/t), b, h]
+    plan = layer.recompute_plan
     meter = SavedTensorMeter(layer)
     meter.layer = layer  # the caller may read what the layer recorded (an MoE layer's routing)
     with meter:
-        y = checkpoint(layer, x, tracker=tracker) if recompute == "full" else layer(x)
+        y = plan.layer_blocks([layer])[0](x)  # under full recompute: checkpointed as one unit
+    # offloaded (rc.offload_modules): on the host now, what the meter (device bytes) did not see
+    meter.host = [SavedTensor(e.module, e.shape, e.dtype, e.nbytes) for e in plan.offloader.host_tensors()]
     if backward:
         y.float().square().mean().backward()
     else:

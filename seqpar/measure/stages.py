@@ -39,15 +39,20 @@ class StagePeak:
     exact_bytes: float  # formula + implementation_terms: what this code should measure to the byte
     terms: dict  # every term of exact_bytes
     loss: float | None = None  # the step's mean loss (the same on every rank)
+    host_bytes: float = 0.0  # offloaded activations in host memory at the peak (formula), beside the device's
+    measured_host_bytes: int | None = None  # the rank's offloaders' peak (its chunks share one ledger)
 
     @property
     def ratio(self) -> float | None:
         return None if self.measured_peak_bytes is None else self.measured_peak_bytes / self.formula_bytes
 
     def as_json(self) -> dict:
-        return {"stage": self.stage, "measured_peak_bytes": self.measured_peak_bytes,
-                "formula_bytes": self.formula_bytes, "exact_bytes": self.exact_bytes,
-                "measured_over_formula": None if self.ratio is None else round(self.ratio, 5)}
+        out = {"stage": self.stage, "measured_peak_bytes": self.measured_peak_bytes,
+               "formula_bytes": self.formula_bytes, "exact_bytes": self.exact_bytes,
+               "measured_over_formula": None if self.ratio is None else round(self.ratio, 5)}
+        if self.host_bytes or self.measured_host_bytes:
+            out |= {"host_bytes": self.host_bytes, "measured_host_bytes": self.measured_host_bytes}
+        return out
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,8 +69,20 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
     memory = stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
                           microbatches, opts, rank=rank)
     terms = {k: v for k, v in memory.terms.items() if k not in ("parameters", "gradients", "optimizer_states",
-                                                                 "recompute_working")}
+                                                                 "recompute_working", "offload_reload_working")}
     return sum(terms.values()), terms
+
+
+def formula_host_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, micro_batch: int,
+                       microbatches: int, rank: int, keep: int = 0, device: str = "cpu") -> float:
+    """Host bytes of offloaded activations pipeline rank ``rank`` holds at its peak (``stage_memory``'s host)."""
+    if not recompute.offload_modules:
+        return 0.0
+    opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
+                              sdpa_kernel=sdpa_kernel_for(torch.device(device)))
+    activations_only = replace(parallel, fsdp=False, fsdp_shard_size=0)
+    return stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
+                        microbatches, opts, rank=rank).host_total
 
 
 def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch: int, microbatches: int,
@@ -111,15 +128,16 @@ def synthetic_microbatches(cfg: ModelConfig, micro_batch: int, n: int, seed: int
 
 def measure_here(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, dims: ParallelDims,
                  micro_batch: int, microbatches: int, free_outputs: bool = True,
-                 keep: int | list[int] = 0, seed: int = 0) -> tuple[int, float]:
-    """On this rank (collective over the pipeline): one step's activation peak and its mean loss."""
+                 keep: int | list[int] = 0, seed: int = 0) -> tuple[int, float, int]:
+    """On this rank (collective over the pipeline): one step's activation peak, its mean loss and the peak host
+    bytes of offloaded activations (its chunks share one ledger)."""
     chunks = build_stages(cfg, parallel, recompute, dims, seed=seed)
     batches = synthetic_microbatches(cfg, micro_batch, microbatches, seed)
     meter = SavedTensorMeter(*chunks, names=False)
     meter.exclude([t for batch in batches for t in batch])  # the data, not activations
     loss = forward_backward(chunks, batches, dims, parallel, free_outputs=free_outputs, keep_microbatches=keep,
                             meter=meter)
-    return meter.peak_bytes, loss
+    return meter.peak_bytes, loss, chunks[0].recompute.offloader.peak_host_bytes  # the rank's chunks share it
 
 
 def measure_jobs_here(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]]) -> list[list[dict]]:
@@ -129,8 +147,8 @@ def measure_jobs_here(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tu
         dims = ParallelDims.build(parallel)
         results = []
         for recompute, micro_batch, n, free, keep in runs:
-            peak, loss = measure_here(cfg, parallel, recompute, dims, micro_batch, n, free, keep)
-            results.append({"stage": dims.pp_rank, "tp_rank": dims.tp_rank, "peak": peak, "loss": loss})
+            peak, loss, host = measure_here(cfg, parallel, recompute, dims, micro_batch, n, free, keep)
+            results.append({"stage": dims.pp_rank, "tp_rank": dims.tp_rank, "peak": peak, "loss": loss, "host": host})
         out.append(results)
     return out
 
@@ -166,11 +184,12 @@ def report(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]], res
             stages = []
             for r in range(parallel.pp):
                 mine = [res[j][i] for res in results if res[j][i]["stage"] == r]
-                formula, terms = formula_stage_bytes(cfg, parallel, recompute, micro_batch, n, r, free,
-                                                     keep_for_rank(keep, r, parallel.pp))
+                kept = keep_for_rank(keep, r, parallel.pp)
+                formula, terms = formula_stage_bytes(cfg, parallel, recompute, micro_batch, n, r, free, kept)
                 extra = implementation_terms(cfg, parallel, micro_batch, n, r, free)
+                host = formula_host_bytes(cfg, parallel, recompute, micro_batch, n, r, kept)
                 stages.append(StagePeak(r, max(x["peak"] for x in mine), formula, formula + sum(extra.values()),
-                                        terms | extra, mine[0]["loss"]))
+                                        terms | extra, mine[0]["loss"], host, max(x["host"] for x in mine)))
             job.append(stages)
         out.append(job)
     return out

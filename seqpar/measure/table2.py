@@ -9,7 +9,7 @@ import torch
 from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_terms, table2_bytes, table2_config
 from seqpar.analysis.moe import Routing, balanced_routing
 from seqpar.analysis.shapes import activation_options
-from seqpar.analysis.stage import layer_terms
+from seqpar.analysis.stage import kept_terms, layer_split_terms, layer_terms
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.saved import layernorm_stat_bytes, measure_layer, sdpa_kernel_for
@@ -35,10 +35,14 @@ class Row:
     cp: int = 1  # context parallelism: the layer holds s/cp tokens (docs/context_parallel.md)
     ep: int = 1  # expert parallelism of an MoE layer (its ranks taken as dp ranks)
     routing: dict | None = None  # MoE: {"balanced": (T, N, R), "measured": (T, N, R), "per_expert": [...]}
+    offload: tuple[str, ...] = ()  # offloaded modules: exact/measured bytes above are the device's, these the host's
+    host_exact_bytes: float = 0.0
+    host_measured_bytes: int | None = None
+    host_tensors: list[dict] = field(default_factory=list)
 
     @property
     def recompute_config(self) -> RecomputeConfig:
-        return RecomputeConfig(self.recompute, modules=self.modules)
+        return RecomputeConfig(self.recompute, modules=self.modules, offload_modules=self.offload)
 
     def as_json(self) -> dict:
         out = {"row": self.row, "tp": self.tp, "cp": self.cp, "sp": self.sp, "recompute": self.recompute,
@@ -50,6 +54,9 @@ class Row:
             out["vanished_terms"], out["added_terms"] = self.vanished, self.added
         if self.routing is not None:
             out["ep"], out["routing"] = self.ep, self.routing
+        if self.offload:
+            out |= {"offload_modules": list(self.offload), "host_measured_bytes": self.host_measured_bytes,
+                    "host_exact_bytes": self.host_exact_bytes}
         return out
 
 
@@ -67,7 +74,8 @@ def is_paper_gpt(cfg: ModelConfig) -> bool:
 
 
 def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str, all_rows: bool,
-              device: str = "cpu", modules: tuple[str, ...] = (), cp: int = 1, ep: int = 1) -> list[Row]:
+              device: str = "cpu", modules: tuple[str, ...] = (), cp: int = 1, ep: int = 1,
+              offload: tuple[str, ...] = ()) -> list[Row]:
     """The rows to report, with their exact and formula bytes; validated before any rank starts.
 
     ``formula_bytes`` is Table 2's closed form for the paper's GPT, and the per-tensor derivation
@@ -75,9 +83,12 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     (``cp`` > 1: every row holds s/cp tokens, the attention core is ring attention; Table 2 has no cp).
     An MoE layer's rows (``cfg.experts``, ``ep`` ranks) are computed for balanced routing here; a
     measurement replaces the exact bytes by those of the routing it saw (``measure_rows``).
+    ``offload``: modules offloaded (``RecomputeConfig.offload_modules``) in every row: exact and formula bytes
+    are the device's, ``host_exact_bytes`` what went to host memory (each row's recomputation leaves a module
+    it rebuilds on the device: ``offloadable``).
     """
     cfg.validate()
-    RecomputeConfig(recompute, modules=modules).validate()
+    RecomputeConfig(recompute, modules=modules, offload_modules=offload).validate()
     configs = []
     if all_rows:
         for name in TABLE2_ROWS:
@@ -95,18 +106,29 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     rows = []
     for name, t, row_sp, rc, mods in configs:
         par = ParallelConfig(tp=t, cp=cp, sp=row_sp and t > 1, dp=ep, ep=ep).validate(replace(cfg, num_layers=1))
-        recompute = RecomputeConfig(rc, modules=mods)
-        exact = sum(layer_terms(cfg, par, b, exact_opts, recompute).values())
-        mine = layer_terms(cfg, par, b, opts, recompute)
-        paper_row = paper and name in TABLE2_ROWS and cp == 1 and not cfg.experts
+        recompute = RecomputeConfig(rc, modules=mods, offload_modules=offloadable(rc, mods, offload))
+        device_terms, host_terms = layer_split_terms(cfg, par, b, exact_opts, recompute)
+        exact = sum(device_terms.values())
+        mine = layer_terms(cfg, par, b, opts, recompute)  # the device's
+        kept = kept_terms(cfg, par, b, opts, recompute)  # on the device or the host: what the architecture keeps
+        paper_row = paper and name in TABLE2_ROWS and cp == 1 and not cfg.experts and not recompute.offload_modules
         formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
         reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
         rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep,
-                        vanished=sorted(reference.keys() - mine.keys()), added=sorted(mine.keys() - reference.keys())))
+                        vanished=sorted(reference.keys() - kept.keys()), added=sorted(kept.keys() - reference.keys()),
+                        offload=recompute.offload_modules, host_exact_bytes=sum(host_terms.values())))
         if cfg.experts:
             tokens = s // cp * b // (t if par.sp else 1)
             rows[-1].routing = {"balanced": list(astuple(balanced_routing(cfg, tokens)))}
     return rows
+
+
+def offloadable(recompute: str, modules: tuple[str, ...], offload: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``offload`` modules a row's recomputation does not rebuild (``--all``: full keeps only the layer input)."""
+    from seqpar.config import OFFLOAD_INSIDE
+
+    rebuilt = set(RecomputeConfig(recompute, modules=modules).recomputed_modules)
+    return tuple(m for m in offload if not rebuilt & {m, *OFFLOAD_INSIDE.get(m, ())})
 
 
 def _with_modules(name: str, t: int, sp: bool, recompute: str, modules: tuple[str, ...]) -> tuple:
@@ -141,7 +163,8 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, r
                               backward=False, cp_group=dims.cp_group, ep_group=dims.ep_group, input_seed=dims.ep_rank)
         mlp = meter.layer.mlp
         routing = (mlp.routing, mlp.rows_per_expert) if isinstance(mlp, MoE) else None
-        results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors], routing))
+        results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors], routing,
+                        [t.as_dict() for t in meter.host]))
     return results
 
 
@@ -151,8 +174,9 @@ def measure_rows(cfg: ModelConfig, micro_batch: int, rows: list[Row]) -> list[Ro
 
     world = rows[0].cp * rows[0].ep * max(row.tp for row in rows)
     measured = run_ranks(_measure_worker, world, cfg, micro_batch, rows)[0]
-    for row, (total, tensors, routing) in zip(rows, measured, strict=True):
+    for row, (total, tensors, routing, host) in zip(rows, measured, strict=True):
         row.measured_bytes, row.tensors = total, tensors
+        row.host_measured_bytes, row.host_tensors = sum(t["bytes"] for t in host), host
         if routing is not None and row.routing is not None:  # MoE: the exact bytes of the routing rank 0 saw
             seen, per_expert = routing
             row.routing |= {"measured": list(astuple(seen)), "per_expert": list(per_expert)}

@@ -266,7 +266,8 @@ class SelfAttention(nn.Module):
                                           dtype=dtype, device=device)
         # selective: keeps only its input; a fused core is never checkpointed (its kernel recomputes its tiles in
         # its own backward: a checkpoint would free only the log-sum-exp for a second forward)
-        self.run_core = self.core if fused else plan.checkpointed("core_attention", self.core)
+        self.run_core = plan.offloaded("core_attention", self.core) if fused else \
+            plan.checkpointed("core_attention", self.core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups·(g+2)·d]

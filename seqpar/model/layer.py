@@ -38,6 +38,7 @@ class TransformerLayer(nn.Module):
                  aux: AuxLosses | None = None):
         super().__init__()
         plan = plan or RecomputePlan(tracker=tp.tracker)
+        self.recompute_plan = plan  # what backward keeps (and offloads), resolved for this layer's stage
         output_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)  # scaled init of the output projections
         self.ln1 = make_norm(cfg, tp.sequence_parallel, device)
         self.attention = SelfAttention(cfg, tp, plan, output_std, device, cp, layer)  # cp: ring attention

@@ -81,7 +81,7 @@ class MLP(nn.Module):
         self.act = activation(cfg)
         self.fc2 = RowParallelLinear(f, h, tp, bias=cfg.bias, init_std=output_std,
                                      dtype=dtype, device=device)
-        self.act_fc2 = plan.choose("activation", self._act_fc2, self._recomputed_act_fc2)
+        self.act_fc2 = plan.choose("activation", plan.offloaded("activation", self._act_fc2), self._recomputed_act_fc2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)  # [s, b, f/t] (2f/t for SwiGLU)   keeps its input (2sbh, or 2sbh/t under SP)

@@ -203,7 +203,7 @@ class Experts(nn.Module):
         for p, std in ((self.fc1, cfg.init_std), (self.fc2, output_std)):
             relayout(mark(p, sequence_parallel=tp.sequence_parallel, init_std=std), expert=split)
         self.act = activation(cfg)
-        self.act_fc2 = plan.choose("activation", self._act_fc2, self._recomputed_act_fc2)
+        self.act_fc2 = plan.choose("activation", plan.offloaded("activation", self._act_fc2), self._recomputed_act_fc2)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:  # x [N, h], expert-major
         y = GroupedLinear.apply(x, self.fc1, counts, None)  # [N, 2f or f]

@@ -41,4 +41,6 @@ def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
         chunks.append(build_model(cfg, dims, sequence_parallel=parallel.sp, seed=seed, layer_ids=ids, first=first,
                                   last=last, device=device, tied=tied,
                                   recompute=recompute))
+    for chunk in chunks[1:]:  # one host pool and one count of offloaded bytes per rank
+        chunk.recompute.offloader.share(chunks[0].recompute.offloader)
     return chunks

@@ -178,6 +178,9 @@ class JobConfig:
         if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
             raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
                               "itself: turn off distributed_optimizer and overlap_grad_reduce")
+        if self.train.compile and self.recompute.offload_modules:
+            raise ConfigError(f"offload modules {list(self.recompute.offload_modules)} need compile off (the offload "
+                              "hooks see an eager layer's saved tensors; a compiled region saves its own)")
         self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self

@@ -45,7 +45,9 @@ def _stage_lines(job, stages: list) -> list[str]:
         shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
         terms = ", ".join(f"{k} {human_bytes(v)}" for k, v in st.terms.items() if v)
         lines.append(f"  pipeline rank {st.rank} (ranks {shown}): states {human_bytes(st.states)} + activations "
-                     f"{human_bytes(st.activations)} = {human_bytes(st.total)}  [{terms}]")
+                     f"{human_bytes(st.activations)} = {human_bytes(st.total)}  [{terms}]"
+                     + (f"; host {human_bytes(st.host_total)} offloaded ({', '.join(job.recompute.offload_modules)})"
+                        if st.host else ""))
     return lines
 
 

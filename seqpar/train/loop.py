@@ -105,7 +105,8 @@ class Trainer:
         self.quiet = quiet or not self.rank0
         self._forward_backward, self._finalize = forward_backward, finalize_grads  # tests wrap them
         self.chunks = build_stages(m, job.parallel, job.recompute, self.dims, t.seed, device=self.device)
-        self.compiled = default_compile(self.device) if t.compile is None else t.compile
+        default = default_compile(self.device) and not job.recompute.offload_modules  # offload hooks run eager
+        self.compiled = default if t.compile is None else t.compile
         if self.compiled:
             for chunk in self.chunks:
                 compile_model(chunk)  # seqpar/model/compile.py: each layer one fused region, drawing dropouts eager
@@ -404,7 +405,8 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
-        kept = {k: v for k, v in activations.items() if k.startswith("act_bytes_")}  # the summary's comparison
+        # the summary's comparison (and what offloading put on the host)
+        kept = {k: v for k, v in activations.items() if k.startswith(("act_bytes_", "act_host_bytes_"))}
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
                 "losses": self.state.losses, "aux_losses": self.state.aux_losses,
                 "activations": kept}

@@ -59,7 +59,10 @@ def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
     ratio = (lambda b: f" ({b / kept:.1f}x)") if kept else (lambda b: "")  # full recompute on one layer keeps 0
     others = [f"{human_bytes(act[f'act_bytes_{k}'])} {label}{ratio(act[f'act_bytes_{k}'])}"
               for k, label in names.items() if act.get(f"act_bytes_{k}")]
+    host = act.get("act_host_bytes_measured")
     return (f"  activations per rank, one microbatch: {human_bytes(kept)} {source} with {this}"
+            + (f" (on the device; {human_bytes(host)} offloaded to the host, formula "
+               f"{human_bytes(act.get('act_host_bytes_predicted') or 0)})" if host is not None else "")
             + (f"; the same model keeps {', '.join(others)} (exact per-tensor formula)" if others else ""))
 
 

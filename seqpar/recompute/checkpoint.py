@@ -10,7 +10,9 @@
 
 ``RecomputePlan`` is the configuration resolved for one model stage when it is built: each module
 asks it once, in its constructor, how to run the piece it owns (``checkpointed``, ``norm_then``,
-``choose``, ``layer_blocks``), so the modules' forwards hold no recompute branches. Inside
+``choose``, ``layer_blocks``), so the modules' forwards hold no recompute branches. The same questions place
+activation offloading (``cfg.offload_modules``, ``seqpar.recompute.offload``): a module the plan offloads runs
+in its ``Offloader`` scope, and each block of ``layer_blocks`` as one offloading unit. Inside
 ``keep_everything()`` (App. C: a microbatch that stores all its activations) every piece runs as
 under ``none``.
 
@@ -31,6 +33,7 @@ import torch
 from seqpar import documents
 from seqpar.config import RecomputeConfig
 from seqpar.parallel.rng import RNGTracker
+from seqpar.recompute.offload import Offloader
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -126,6 +129,7 @@ class RecomputePlan:
         self.cfg = (cfg or RecomputeConfig()).validate()
         self.tracker = tracker or RNGTracker()
         self.modules = frozenset(self.cfg.selective_modules)
+        self.offloader = Offloader(self.cfg.offload_modules)
         self.keeping_everything = False
 
     @contextlib.contextmanager
@@ -141,26 +145,35 @@ class RecomputePlan:
         """``recomputed`` if the plan recomputes ``module`` (outside ``keep_everything``), else ``plain``."""
         return _Switch(self, plain, recomputed) if module in self.modules else plain
 
+    def offloaded(self, module: str, run):
+        """``run``, its saved tensors on the host between its forward and backward when the plan offloads
+        ``module`` (never a recomputed one: ``RecomputeConfig.validate``)."""
+        return self.offloader.scope(module, run) if module in self.offloader.modules else run
+
     def checkpointed(self, module: str, run):
-        """``run``, keeping only its inputs when the plan recomputes ``module``."""
-        return self.choose(module, run, functools.partial(checkpoint, run, tracker=self.tracker))
+        """``run``, keeping only its inputs when the plan recomputes ``module`` (offloading them if it offloads it)."""
+        recomputed = functools.partial(checkpoint, run, tracker=self.tracker)
+        return self.choose(module, self.offloaded(module, run), recomputed)
 
     def norm_then(self, norm, consumer):
         """``consumer(norm(x))``; under the "norm" module the norm output is not kept (rebuilt for the
-        consumer's backward)."""
-        return self.choose("norm", _Then(norm, consumer),
-                           functools.partial(checkpoint_without_output, norm, consumer=consumer, tracker=self.tracker))
+        consumer's backward, so never offloaded either)."""
+        return self.choose("norm", _Then(self.offloaded("norm", norm), consumer),
+                           functools.partial(checkpoint_without_output, norm, consumer=self.offloader.sparing(consumer),
+                                             tracker=self.tracker))
 
     def layer_blocks(self, layers: list) -> list:
         """The stage's layers as the units it runs in order: one layer, or a full-recompute group
         checkpointed as one unit (keeps only its input)."""
         blocks, i = [], 0
         for start, stop in full_recompute_groups(len(layers), self.cfg):
-            blocks += layers[i:start]
+            blocks += [(layer, [layer]) for layer in layers[i:start]]
             chain = _Chain(layers[start:stop])
-            blocks.append(_Switch(self, chain, functools.partial(checkpoint, chain, tracker=self.tracker)))
+            blocks.append((_Switch(self, chain, functools.partial(checkpoint, chain, tracker=self.tracker)),
+                           chain.layers))
             i = stop
-        return blocks + layers[i:]
+        blocks += [(layer, [layer]) for layer in layers[i:]]
+        return [self.offloader.layer(block, k == 0, modules) for k, (block, modules) in enumerate(blocks)]
 
 
 class _Switch:

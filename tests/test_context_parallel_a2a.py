@@ -1,0 +1,143 @@
+"""All-to-all (Ulysses) and hybrid context parallelism (``cp_comm_type``): the configuration's rules, the
+re-sharding's head rows and chunk order, and the issue's acceptance layouts trained against the single
+process (fp32, a Llama with 4 heads and one kv head, every dropout 0.1 where the core takes it): every
+step's loss and grad norm within 1e-5. Jobs of one world size share a launch (``_helpers.Launches``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers import Launches, prepared_documents, random_tokens
+
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig
+from seqpar.parallel.all_to_all import _from_group_order, _to_group_order, head_rows, local_heads
+from seqpar.parallel.context import chunk_positions
+from seqpar.parallel.dims import _a2a_groups
+from seqpar.train.loop import train_local
+
+LLAMA = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, kv_heads=1, num_layers=2, seq_len=16,
+                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ParallelConfig(cp=2, cp_comm_type="ulysses").validate(), "cp_comm_type 'ulysses' is not one of"),
+    (lambda: ParallelConfig(cp=1, cp_comm_type="a2a").validate(), "cp_comm_type a2a needs cp >= 2, got cp 1"),
+    (lambda: ParallelConfig(cp=4, cp_comm_type="a2a+ring", cp_a2a_size=3).validate(),
+     "cp_a2a_size 3 must be >= 2 and divide cp 4"),
+    (lambda: ParallelConfig(cp=4, cp_a2a_size=2).validate(), "cp_a2a_size 2 needs cp_comm_type a2a\\+ring"),
+    (lambda: ParallelConfig(cp=4, cp_comm_type="a2a", cp_a2a_size=2).validate(), "cp_a2a_size 2 != cp 4"),
+    (lambda: ParallelConfig(tp=2, cp=4, cp_comm_type="a2a").validate(LLAMA),
+     "heads 4 is not divisible by tp 2 × cp_a2a_size 4 = 8"),
+    (lambda: ParallelConfig(cp=4, cp_comm_type="a2a").validate(ModelConfig(num_heads=12, kv_heads=6,
+                                                                           hidden_size=96, seq_len=16)),
+     "kv heads per tp rank 6 and cp_a2a_size 4: one must divide the other"),
+])
+def test_config_refuses_in_one_line(make, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+def test_a2a_and_ring_sizes():
+    assert ParallelConfig(cp=4).a2a_size == 1 and ParallelConfig(cp=4, cp_comm_type="a2a").a2a_size == 4
+    hybrid = ParallelConfig(cp=8, cp_comm_type="a2a+ring", cp_a2a_size=2)
+    assert (hybrid.a2a_size, hybrid.ring_size) == (2, 4)
+
+
+def test_groups_a2a_consecutive_ring_strided():
+    """cp rank = ring rank · K + a2a rank: the a2a group is K consecutive cp ranks, the ring the ranks K apart."""
+    import seqpar.parallel.dims as dims
+
+    made = []
+    original = dims._my_group
+    dims._my_group = lambda lists, rank: (made.append(lists) or (None, [rank]))
+    try:
+        _a2a_groups([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], 2, 0)
+    finally:
+        dims._my_group = original
+    assert made[0][:4] == [[0, 1], [2, 3], [4, 5], [6, 7]] and made[1][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_group_tokens_are_the_rings_chunks():
+    """The K ranks of a2a group i hold, in the order ``_to_group_order`` makes, ring rank i's two chunks of
+    a 2R-chunking in increasing global order (what the ring over cp / K expects)."""
+    s, cp, k = 48, 6, 3
+    for i in range(cp // k):
+        held = torch.stack([chunk_positions(s, cp, i * k + m) for m in range(k)])  # [K, 2c]
+        ordered = _to_group_order(held, torch.empty(s * k // cp, dtype=held.dtype))
+        assert ordered.tolist() == chunk_positions(s, cp // k, i).tolist()
+        assert torch.equal(_from_group_order(ordered, torch.empty_like(held)), held)
+
+
+@pytest.mark.parametrize("groups, g, k", [(4, 1, 2), (2, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 4)])
+def test_head_rows_split_query_heads_contiguously(groups, g, k):
+    """Rank j's query heads are [j·A, (j+1)·A) of its tp rank's; each kv row goes with its queries; every
+    query row is sent once, kv rows replicated only where a group is shared."""
+    n, gq = local_heads(groups, g, k)
+    a = groups * g // k
+    for j in range(k):
+        rows = head_rows(groups, g, k, j)
+        queries = [r for r in rows if r % (g + 2) < g]
+        assert [(r // (g + 2)) * g + r % (g + 2) for r in queries] == list(range(j * a, (j + 1) * a))
+        assert {r // (g + 2) for r in rows} == {r // (g + 2) for r in queries} and len(rows) == n * (gq + 2)
+        packed = head_rows(groups, g, k, j, packed=True)
+        assert sorted(packed) == sorted(rows) and packed[:n * gq] == queries
+
+
+# ---------------------------------------------------------------- the acceptance layouts
+STEPS = 3
+LAYOUTS = {  # name: (parallel, world, attention, documents)
+    "a2a-cp2": ({"cp": 2, "cp_comm_type": "a2a"}, 2, "materialized", False),
+    "a2a-cp2-sdpa-docs": ({"cp": 2, "cp_comm_type": "a2a"}, 2, "sdpa", True),
+    "hybrid-cp4-k2": ({"cp": 4, "cp_comm_type": "a2a+ring", "cp_a2a_size": 2}, 4, "materialized", False),
+    "hybrid-cp4-k2-sdpa-docs": ({"cp": 4, "cp_comm_type": "a2a+ring", "cp_a2a_size": 2}, 4, "sdpa", True),
+    "a2a-cp2-tp2-sp": ({"cp": 2, "cp_comm_type": "a2a", "tp": 2, "sp": True}, 4, "materialized", False),
+    "a2a-cp2-pp2": ({"cp": 2, "cp_comm_type": "a2a", "pp": 2}, 4, "materialized", False),
+}
+
+
+def sections(name: str, out: Path, data: Path, parallel: dict | None) -> dict:
+    _, _, attention, docs = LAYOUTS[name]
+    model = {"vocab_size": 256 if docs else 64, "hidden_size": 32, "num_heads": 4, "kv_heads": 1, "num_layers": 2,
+             "seq_len": 16, "norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False,
+             "tie_embeddings": False, "dtype": "fp32", "attention": attention, "embd_dropout": 0.1,
+             "hidden_dropout": 0.1, "attn_dropout": 0.1 if attention == "materialized" else 0.0}
+    train = {"steps": STEPS, "lr": 1e-2, "min_lr": 1e-3, "warmup": 0, "eps": 1e-4, "grad_clip": 0.01,
+             "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
+             "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
+    recompute = {"granularity": "selective"} if name.endswith("docs") else {}
+    return {"model": model, "parallel": parallel or {}, "recompute": recompute, "train": train,
+            "data": {"document_mask": True} if docs else {}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("a2a")
+    tokens, prepared = random_tokens(root / "tokens.bin", 64), prepared_documents(root / "prepared")
+    jobs, refs = {}, {}
+    for name, (parallel, world, _, docs) in LAYOUTS.items():
+        data = prepared if docs else tokens
+        jobs[name] = (sections(name, root / name, data, parallel), world)
+        refs[name] = sections(name, root / f"{name}-ref", data, None)
+    return Launches(jobs, len(LAYOUTS), 60.0), refs
+
+
+def records(out: str) -> list[dict]:
+    rows = map(json.loads, Path(out, "metrics.jsonl").read_text().splitlines())
+    return sorted((r for r in rows if "event" not in r and "step" in r), key=lambda r: r["step"])
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_trains_the_single_process(name, runs):
+    launches, refs = runs
+    launches.result(name)
+    train_local(refs[name])
+    got = records(launches.jobs[name][0]["train"]["out_dir"])
+    want = records(refs[name]["train"]["out_dir"])
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a[key], b[key])

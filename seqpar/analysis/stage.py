@@ -74,7 +74,7 @@ def _dense_layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Ac
                                   act_bytes=opts.act_bytes, mask_bytes=opts.mask_bytes, dropout=opts.dropout,
                                   ln_stats_bytes=opts.ln_stats_bytes, fused_attention=opts.fused_attention,
                                   sdpa_kernel=opts.sdpa_kernel, kv_heads=shape.kv_heads, norm=shape.norm,
-                                  activation=shape.activation, cp=par.cp)
+                                  activation=shape.activation, cp=par.cp, a2a=par.a2a_size)
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,

@@ -11,6 +11,7 @@ from seqpar.config import (
     ACTIVATIONS,
     ARCH_FIELDS,
     ATTENTIONS,
+    CP_COMM_TYPES,
     NORMS,
     POSITIONS,
     RECOMPUTE_GRANULARITIES,
@@ -95,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
+    p.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="ring",
+                   help="context parallelism's exchange: ring, a2a (all-to-all from sequence to heads) or a2a+ring "
+                        "(default %(default)s)")
+    p.add_argument("--cp-a2a-size", type=int, default=0, help="a2a+ring: the all-to-all group K (divides cp)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
@@ -171,7 +176,7 @@ def run(args) -> int:
         raise ConfigError(f"--loss-chunk-kib must be a positive integer, got {args.loss_chunk_kib}")
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
-                     ep=args.ep)
+                     ep=args.ep, cp_comm_type=args.cp_comm_type, cp_a2a_size=args.cp_a2a_size)
     loss = None
     if args.measure:
         from seqpar.dtypes import torch_dtype
@@ -189,7 +194,9 @@ def run(args) -> int:
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     core = cfg.attention_core + (" (auto)" if cfg.attention == "auto" else "")
     arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {core}"
-    cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, ring attention" if args.cp > 1 else ""
+    exchange = {"ring": "ring attention", "a2a": "all-to-all (Ulysses)",
+                "a2a+ring": f"all-to-all over {args.cp_a2a_size}, ring across"}[args.cp_comm_type]
+    cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, {exchange}" if args.cp > 1 else ""
     print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {cfg.hidden_dropout} "
           f"({arch}){cp}")
     head = f"{'row':<16}{'t':>3} {'sp':<4}{'recompute':<10}{'measured':>14}{'exact':>14}{'formula':>14}"

@@ -141,3 +141,19 @@ def test_layout_trains_the_single_process(name, runs):
     for a, b in zip(got, want, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a[key], b[key])
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tp", "2", "--cp", "2", "--cp-comm-type", "a2a", "--attention", "materialized", "--dropout", "0.1"],
+    ["--cp", "4", "--cp-comm-type", "a2a+ring", "--cp-a2a-size", "2", "--attention", "sdpa"],
+])
+def test_memory_measured_equals_exact(flags):
+    """Every Table 2 row of an all-to-all layer (kv heads replicated over the a2a group) keeps what its terms say."""
+    from _helpers import run_cli
+
+    code, out, err = run_cli(["memory", "--measure", "--all", "--json", "--arch", "llama", "--heads", "4",
+                              "--kv-heads", "1", "--hidden", "64", "--seq", "32", *flags])
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert len(rows) == 6 and {r["cp_comm_type"] for r in rows} == {flags[flags.index("--cp-comm-type") + 1]}
+    assert all(r["measured_bytes"] == r["exact_bytes"] for r in rows), rows

@@ -380,7 +380,8 @@ class ParallelConfig:
     def _validate_cp_comm(self) -> None:
         kind, k, cp = self.cp_comm_type, self.cp_a2a_size, self.cp
         if kind not in CP_COMM_TYPES:
-            raise ConfigError(f"cp_comm_type {kind!r} is not one of {list(CP_COMM_TYPES)}{did_you_mean(kind, CP_COMM_TYPES)}")
+            raise ConfigError(f"cp_comm_type {kind!r} is not one of {list(CP_COMM_TYPES)}"
+                              f"{did_you_mean(kind, CP_COMM_TYPES)}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"cp_a2a_size must be an integer >= 0, got {k!r}")
         if kind != "ring" and cp < 2:

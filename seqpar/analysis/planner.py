@@ -15,6 +15,7 @@ rule ruled out and drops plans dominated at their layout (``undominated``).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -24,7 +25,7 @@ from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOp
 from seqpar.analysis.stage import StageMemory, all_stages, examined_ranks, most_loaded, stage_memory
 from seqpar.analysis.states import bytes_per_parameter
 from seqpar.analysis.uneven import lighter_ends_split
-from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
 
@@ -41,7 +42,8 @@ class Plan:
     @property
     def label(self) -> str:
         p = self.par
-        cp = f"cp={p.cp}," if p.cp > 1 else ""
+        cp = f"cp={p.cp},cp_comm_type={p.cp_comm_type}," if p.cp > 1 else ""
+        cp += f"cp_a2a_size={p.cp_a2a_size}," if p.cp_a2a_size else ""
         split = f"split={split_text(p.layer_split)}," if p.layer_split else ""
         ep = f"ep={p.ep}," if p.ep > 1 else ""
         text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
@@ -98,7 +100,8 @@ class Evaluation:
 
     def to_json(self) -> dict:
         p = self.plan.par
-        out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
+        out = {"tp": p.tp, "cp": p.cp, "cp_comm_type": p.cp_comm_type, "cp_a2a_size": p.a2a_size,
+               "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
                "distributed_optimizer": self.plan.distributed_optimizer, "fsdp": p.fsdp,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
@@ -240,16 +243,36 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
                 for m in _divisors(shape.num_layers // pp) if not split else [1]:  # uneven: one chunk per rank
                     if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
                         continue
-                    for sp in ((False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,)):
-                        par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m)
+                    for sp, comm in itertools.product(
+                            (False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,),
+                            cp_comm_types(shape, tp, cp)):
                         for dist in ((False, True) if req.try_distributed_optimizer and dp * cp > 1 else (False,)):
                             for ep in _expert_parallel(shape, dp * cp):
                                 par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m,
-                                                     layer_split=split, ep=ep)
+                                                     layer_split=split, ep=ep, **comm)
                                 yield Plan(par, RecomputeConfig(), mb, dist)
                         if req.try_fsdp and dp * cp > 1 and not shape.experts:  # fsdp: dense models only
-                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m, layer_split=split)
+                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m, layer_split=split,
+                                                 **comm)
                             yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
+
+
+def cp_comm_types(shape: ModelConfig, tp: int, cp: int) -> list[dict]:
+    """The attention exchanges context parallelism can use at (tp, cp): the ring; all-to-all over every cp rank
+    and, for each K dividing cp (1 < K < cp), all-to-all inside K and the ring across -- where the heads split
+    over tp × K (``ParallelConfig.validate``'s rules)."""
+    if cp == 1:
+        return [{}]
+    kinds = [{"cp_comm_type": "a2a"}] + [{"cp_comm_type": "a2a+ring", "cp_a2a_size": k}
+                                         for k in _divisors(cp)[1:-1]]
+    out = [{}]
+    for comm in kinds:
+        try:
+            ParallelConfig(tp=tp, cp=cp, **comm)._validate_a2a_heads(shape)
+        except ConfigError:
+            continue
+        out.append(comm)
+    return out
 
 
 def _expert_parallel(shape: ModelConfig, ranks: int) -> list[int]:
@@ -398,7 +421,7 @@ _KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "inter
          "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
          "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
-         "fsdp": "fsdp"}
+         "fsdp": "fsdp", "cp_comm_type": "cp_comm_type", "cp_a2a_size": "cp_a2a_size"}
 
 
 def _flag(text: str) -> bool:
@@ -485,7 +508,9 @@ def parse_plan(text: str, gpus: int) -> Plan:
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
                              interleave=_count(values, "interleave", 1), layer_split=_split(values),
-                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]))
+                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]),
+                             cp_comm_type=values.get("cp_comm_type", ("", "ring"))[1],
+                             cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
-from seqpar.analysis.memory import layer_activation_terms
+from seqpar.analysis.memory import a2a_buffer_bytes, kv_heads_per_rank, layer_activation_terms
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
 from seqpar.analysis.states import stage_state_bytes
@@ -270,7 +270,17 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         terms["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, r)
     if r > kept and rc.granularity != "none":
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
+    if par.a2a_size > 1 and rank_layers(shape, par, rank):
+        terms["a2a_buffers"] = a2a_buffers(shape, par, b, opts)
     return StageMemory(rank=rank, in_flight=r, terms=terms)
+
+
+def a2a_buffers(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions) -> float:
+    """All-to-all CP's send and receive buffers of one layer's exchange, in flight (transient) while it runs
+    (``memory.a2a_buffer_bytes``)."""
+    kv_local = kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads)
+    return a2a_buffer_bytes(shape.seq_len // par.cp, b, shape.hidden_size, shape.num_heads, par.tp, par.a2a_size,
+                            kv_local, opts.act_bytes)
 
 
 def all_stages(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int | None = None,

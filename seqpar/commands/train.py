@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"ring attention between them (docs/context_parallel.md) {d('cp')}")
     g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES,
                    help="context parallelism's exchange: K/V around a ring, q/k/v all-to-all from sequence to heads "
-                        f"(Ulysses), or all-to-all inside groups of --cp-a2a-size and a ring across {d('cp_comm_type')}")
+                        "(Ulysses), or all-to-all inside groups of --cp-a2a-size and a ring across "
+                        f"{d('cp_comm_type')}")
     g.add_argument("--cp-a2a-size", type=int, help="a2a+ring: the cp ranks of one all-to-all group K (divides cp; "
                    "the ring runs over cp / K) (default: cp under a2a)")
     g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp × cp))")

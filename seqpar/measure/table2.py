@@ -139,8 +139,8 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, r
     from seqpar.parallel.dims import ParallelDims
 
     cp, ep = rows[0].cp, rows[0].ep
-    dims = ParallelDims.build(ParallelConfig(tp=world // cp // ep, cp=cp, dp=ep, ep=ep, cp_comm_type=rows[0].cp_comm_type,
-                                             cp_a2a_size=rows[0].cp_a2a_size))
+    dims = ParallelDims.build(ParallelConfig(tp=world // cp // ep, cp=cp, dp=ep, ep=ep,
+                                             cp_comm_type=rows[0].cp_comm_type, cp_a2a_size=rows[0].cp_a2a_size))
     results = []
     for row in rows:
         if row.tp == 1 and dims.tp_rank != 0:

@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
            "and the reduction time hidden"),
     "gpu": ("seqpar.bench.gpu", "Llama-class speed on one device: a Llama-3-8B layer and a Llama-3.2-1B-shaped "
             "model through the trainer, against the same math in plain PyTorch (eager, compiled)"),
+    "cp": ("seqpar.bench.cp", "context parallelism's exchanges side by side: ring vs all-to-all (Ulysses) vs the "
+           "hybrid, one layer's fwd+bwd at cp 2 and 4"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
 }

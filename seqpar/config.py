@@ -335,8 +335,11 @@ class ParallelConfig:
         return self.cp // max(self.a2a_size, 1)
 
     def describe_world(self) -> str:
-        """``dp 2 × pp 1 × cp 2 × tp 4`` (cp named only when used)."""
+        """``dp 2 × pp 1 × cp 2 × tp 4`` (cp named only when used; its exchange when not the ring:
+        ``cp 4 (a2a+ring, K 2)``)."""
         cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        if self.cp > 1 and self.cp_comm_type != "ring":
+            cp += f" ({self.cp_comm_type}" + (f", K {self.cp_a2a_size})" if self.cp_comm_type == "a2a+ring" else ")")
         return f"dp {self.dp} × pp {self.pp}{cp} × tp {self.tp}"
 
     def layer_counts(self, num_layers: int) -> list[int]:

@@ -159,7 +159,9 @@ class ModelConfig:
         return sum(self.is_moe(i) for i in range(self.num_layers))
 
     def _validate_moe(self) -> None:
-        _positive(top_k=self.top_k, moe_every=self.moe_every)  # a flag given is a flag checked, experts or not
+        # a flag given is a flag checked, experts or not
+        given = {} if self.moe_ffn_hidden_size is None else {"moe_ffn_hidden_size": self.moe_ffn_hidden_size}
+        _positive(top_k=self.top_k, moe_every=self.moe_every, **given)
         if self.experts == 0:
             if self.shared_expert_ffn or self.moe_capacity:
                 raise ConfigError("shared_expert_ffn and moe_capacity need experts > 0")
@@ -367,6 +369,9 @@ class ParallelConfig:
                 raise ConfigError(f"kv heads {kv} and tp {self.tp}: one must divide the other")
             if model.ffn % self.tp:
                 raise ConfigError(f"ffn width {model.ffn} is not divisible by tp {self.tp}")
+            if model.experts and model.shared_expert_ffn % self.tp:
+                raise ConfigError(f"shared_expert_ffn {model.shared_expert_ffn} is not divisible by tp {self.tp} "
+                                  "(the shared expert is an MLP split over tp)")
             if self.cp > 1 and model.seq_len % (2 * self.cp):
                 raise ConfigError(f"sequence {model.seq_len} is not divisible by 2 × cp {self.cp} = "
                                   f"{2 * self.cp} (each cp rank holds two chunks of it)")
@@ -377,6 +382,10 @@ class ParallelConfig:
             self._validate_a2a_heads(model)
             if self.ep > 1 and (model.experts == 0 or model.experts % self.ep):
                 raise ConfigError(f"ep {self.ep} needs a number of experts divisible by it, got {model.experts}")
+            if self.fsdp and model.experts:
+                raise ConfigError(f"fsdp with a mixture of experts ({model.experts} experts) is not supported: "
+                                  "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
+                                  "places experts on subsets of them; train MoE models without fsdp")
             self.layer_counts(model.num_layers)
         return self
 

@@ -35,6 +35,7 @@ from seqpar.parallel.rng import RNGTracker
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
+    @torch.compiler.disable(recursive=False)  # eager: traced, it would guard on the tracker's ints (every step)
     def forward(ctx, run, tracker: RNGTracker, *inputs):
         ctx.run, ctx.tracker = run, tracker
         ctx.rng_state = tracker.get_state()  # Python ints (step, first sample): no tensor to keep

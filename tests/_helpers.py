@@ -139,3 +139,41 @@ def prepared_documents(folder, documents: int = 1500, seed: int = 0, longest: in
     code, out, err = run_cli(["prepare", source, "--out", folder, "--workers", "1", "--no-progress"])
     assert code == 0, err
     return folder
+
+
+def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[str]:
+    """Where the trained ranks (a ``start`` record's ``ranks``) differ from their pipeline ranks' planned terms
+    (``stages``: pp rank -> `seqpar plan` terms for the device they ran on): parameters exactly; gradients
+    exactly but 4 B per element of the fp32 buckets' padding; optimizer state exactly per rank, or with the
+    distributed optimizer summed over the dp × cp ranks that shard it (the padding holds none); the
+    activation peak equal to the planned activations less the transient ``recompute_working`` plus the
+    implementation's small tensors (``seqpar.measure.stages.implementation_terms``)."""
+    from seqpar.analysis.stage import STATE_TERMS
+    from seqpar.measure.stages import implementation_terms
+
+    p, t, bad, held = job.parallel, job.train, [], {}
+    for x in ranks:
+        plan, who = stages[x["pp_rank"]], f"rank {x['rank']} (pp {x['pp_rank']})"
+        acts = sum(v for k, v in plan.items() if k not in STATE_TERMS and k != "recompute_working")
+        impl = sum(implementation_terms(job.model, p, t.micro_batch, t.microbatches(p.dp), x["pp_rank"]).values())
+        for name, got, want in (("parameters", x["params_bytes"], plan["parameters"]),
+                                ("gradients", x["grads_bytes"], plan["gradients"] + 4 * x["grad_padding"]),
+                                ("activations", x["act_peak_measured"], acts + impl)):
+            if got != want:
+                bad.append(f"{who} {name}: measured {got:,} != planned {want:,.0f}")
+        held.setdefault((x["pp_rank"], x["tp_rank"]), []).append(x["optimizer_bytes"])
+    for (pp, tp), values in held.items():
+        planned = stages[pp]["optimizer_states"]
+        pairs = [(sum(values), len(values) * planned)] if t.distributed_optimizer else [(v, planned) for v in values]
+        bad += [f"pp {pp} tp {tp} optimizer: measured {got:,} != planned {want:,.0f}"
+                for got, want in pairs if abs(got - want) > 1e-3]
+    return bad
+
+
+def step_records(out) -> list[dict]:
+    """The per-step records of a run's ``metrics.jsonl`` in ``out`` (no events), by step."""
+    import json
+    from pathlib import Path
+
+    lines = Path(out, "metrics.jsonl").read_text().splitlines()
+    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])

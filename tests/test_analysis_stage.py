@@ -139,9 +139,13 @@ def test_an_uneven_split_is_modelled_as_given():
 
 
 def test_layouts_the_analytic_model_has_no_formula_for_are_refused():
-    """An uneven interleaved split: a clear refusal, never the numbers of an even split."""
-    with pytest.raises(AnalysisError, match=r"splits interleaved chunks evenly, not as \[0, 2, 1, 1\]"):
-        stage_memory(TINY, ParallelConfig(pp=2, interleave=2, layer_split=(0, 2, 1, 1)), RecomputeConfig(), 1)
+    """An uneven interleaved split is modelled chunk by chunk (tests/test_plan_interleave_uneven.py), never with an
+    even split's numbers; App. C over its chunks of different sizes has no formula: a clear refusal."""
+    uneven = ParallelConfig(pp=2, interleave=2, layer_split=(0, 2, 1, 1))
+    rank0 = stage_memory(TINY, uneven, RecomputeConfig(), 1, n=2)  # chunks of 0 and 1 layers: 4 forwards in flight
+    assert rank0.terms["layer_activations"] == 2 * layer_activation_bytes(4, 1, 8, 2, 1)  # the 2 of the 1-layer chunk
+    with pytest.raises(AnalysisError, match=r"App. C \(keep_microbatches\) with an uneven interleaved split"):
+        stage_memory(TINY, uneven, RecomputeConfig("full", keep_microbatches=1), 1, n=2)
     # cp alone has a formula: every layer term at s/cp tokens (tests/test_context_parallel.py)
     cp2 = stage_memory(TINY, ParallelConfig(cp=2), RecomputeConfig(), 1)
     assert cp2.terms["layer_activations"] == 4 * layer_activation_bytes(4, 1, 8, 2, 1, cp=2)  # 4 layers

@@ -45,7 +45,7 @@ def test_plain_gpt_equals_seqpar_at_t1():
 
 
 def test_plain_gpt_keeps_the_same_bytes_as_seqpar():
-    from seqpar.bench.common import Meter
+    from seqpar.measure.meter import SavedTensorMeter
 
     cfg = ModelConfig(vocab_size=96, hidden_size=32, num_heads=4, num_layers=1, seq_len=16, dtype="bf16",
                       embd_dropout=0.1, attn_dropout=0.1, hidden_dropout=0.1).validate()
@@ -53,8 +53,7 @@ def test_plain_gpt_keeps_the_same_bytes_as_seqpar():
     x = torch.randn(cfg.seq_len, 2, cfg.hidden_size).to(torch.bfloat16).requires_grad_(True)
     kept = []
     for layer in (ours.layers["0"], plain.layers[0]):
-        meter = Meter(layer)
-        with meter:
+        with SavedTensorMeter(layer) as meter:
             layer(x)
         kept.append(meter.total_bytes)
     assert kept[0] == kept[1]

@@ -10,18 +10,22 @@ from dataclasses import replace
 import pytest
 
 from seqpar.analysis.calibration import DataPoint, calibrate, fit, paper_calibration, paper_points
-from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, ties_with_best
+from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, layer_time_s, ties_with_best
 from seqpar.analysis.hardware import datasheet_hardware
-from seqpar.analysis.presets import TABLE5_ITERATION_S
+from seqpar.analysis.presets import TABLE3, TABLE5_ITERATION_S
 from seqpar.analysis.profiles import (
+    HOPPER_22B_LAYER_MS,
+    HOPPER_MEASURED_GEMM_TFLOPS,
     builtin_profile,
     hardware_for,
+    hopper_gemm_efficiency,
     load_profile,
     profile_from_json,
     profile_to_json,
 )
 from seqpar.analysis.shapes import AnalysisError
 from seqpar.cli import main
+from seqpar.config import ParallelConfig, RecomputeConfig
 
 PLAN = ["plan", "--model", "gpt2-medium", "--gpus", "2", "--global-batch", "8", "--json", "--top", "3"]
 
@@ -74,11 +78,20 @@ def test_fit_refuses_bad_measurements():
 def test_builtin_profiles_and_data_sheet_memory():
     a100, h100, h200 = (builtin_profile(n) for n in ("a100-80gb", "h100-80gb", "h200-141gb"))
     assert "fitted to the paper" in a100.source and "A100 fit" in h100.source
-    assert a100.gemm_efficiency == h100.gemm_efficiency == paper_calibration().hardware.gemm_efficiency
-    assert h200.memory_bytes == 141e9 and h100.memory_bytes == 80e9 and h100.peak_flops == 989e12
+    # the A100 fit is kept; Hopper's GEMM efficiency is fitted to seqpar's own H200 layer, and the source says so
+    assert a100.gemm_efficiency == paper_calibration().hardware.gemm_efficiency
+    assert h100.gemm_efficiency == h200.gemm_efficiency == hopper_gemm_efficiency()
+    assert "fitted to seqpar's measured 22B layer" in h100.source and "docs/gpu.md" in h200.source
+    setup = TABLE3["22B"]
+    layer = layer_time_s(setup.shape, ParallelConfig(tp=1), RecomputeConfig("none"), setup.micro_batch, h200)
+    assert sum(layer) == pytest.approx(sum(HOPPER_22B_LAYER_MS) / 1e3, rel=1e-6)  # the measured layer, timed
+    assert h200.gemm_efficiency < HOPPER_MEASURED_GEMM_TFLOPS / 989  # below the lone GEMM's fraction
+    # data-sheet memory is binary: an "80 GB" card holds 80 GiB
+    assert h200.memory_bytes == 141 * 2**30 and h100.memory_bytes == 80 * 2**30 and h100.peak_flops == 989e12
+    assert a100.memory_bytes == 80 * 2**30
     assert h200.memory_bw > h100.memory_bw > a100.memory_bw
-    assert hardware_for(None, "mi300x").memory_bytes == 192e9
-    assert hardware_for(None, "h200").memory_bytes == 141e9
+    assert hardware_for(None, "mi300x").memory_bytes == 192 * 2**30
+    assert hardware_for(None, "h200").memory_bytes == 141 * 2**30
     assert hardware_for("a100-80gb", memory_gb=40, gemm_efficiency=0.5).gemm_efficiency == 0.5
     assert "overridden by hand: gemm_efficiency" in hardware_for("a100-80gb", gemm_efficiency=0.5).source
 
@@ -240,7 +253,8 @@ def test_overlap_is_what_the_gemm_hid_of_each_collective():
 def test_interleaved_rotates_the_order_and_the_paired_difference_ignores_one_round():
     import torch
 
-    from seqpar.bench.calibrate import interleaved, paired_difference
+    from seqpar.bench.calibrate import paired_difference
+    from seqpar.bench.common import interleaved
 
     order = []
     fns = {k: (lambda k=k: order.append(k)) for k in "abc"}

@@ -90,7 +90,7 @@ def test_recompute_under_compile_redraws_the_masks(eager_and_compiled, granulari
 def test_compiled_keeps_the_bytes_eager_keeps():
     """Saved-tensor hooks see what a compiled graph keeps for backward (AOTAutograd saves it through
     an autograd Function): the measured bytes with compile equal eager's, every recompute mode."""
-    from seqpar.measure.saved import SavedTensorMeter
+    from seqpar.measure.meter import SavedTensorMeter
 
     tokens, labels = parity_batch(DROPOUT)
     for rc in RECOMPUTES:
@@ -103,6 +103,29 @@ def test_compiled_keeps_the_bytes_eager_keeps():
                 model(tokens, labels)
             kept.append(sum(t.bytes for t in meter.tensors))
         assert kept[0] == kept[1] > 0, (rc.granularity, kept)
+
+
+def test_new_steps_and_microbatches_do_not_recompile():
+    """With dropout and selective recompute under compile, the graphs of the first step serve the next steps and
+    microbatches: the checkpoint's state (the tracker's step and sample, Python ints) stays outside them."""
+    import torch._dynamo
+
+    model = build_model(DROPOUT, seed=3, recompute=RecomputeConfig("selective")).train()
+    compile_model(model)
+    tokens, labels = parity_batch(DROPOUT)
+
+    def step(number: int, microbatch: int) -> None:
+        model.tracker.start_step(number)
+        model.tracker.microbatch(microbatch, tokens.shape[0])
+        model(tokens, labels).backward()
+
+    step(11, 0)  # compiles (grad and no-grad forwards, the recomputation)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for number, microbatch in ((12, 0), (12, 1), (13, 1)):
+            step(number, microbatch)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
 
 
 def _loss_head_cases(dims: ParallelDims) -> list:

@@ -7,6 +7,8 @@ tp 2 + SP run's losses within 1e-6 relative (fp32: the layouts add partial sums 
 Resumed at the same layout they are bit-identical.
 """
 
+import json
+
 import pytest
 
 from seqpar.train.loop import train_local
@@ -49,3 +51,29 @@ def test_resumed_at_another_layout_continues_the_uninterrupted_losses(runs, layo
     if layout == "tp2-sp":
         assert got == uninterrupted[3:]  # the same layout: bit-identical
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, uninterrupted[3:], strict=True))
+
+
+def test_a_checkpoint_of_the_older_mask_scheme_resumes_with_a_note(tmp_path, capsys):
+    """A checkpoint recording ``position-keyed-1`` (32-bit state, issue 42) loads; one line says that the masks
+    change from the next step on, and the run's own checkpoints record the scheme it draws."""
+    from seqpar.parallel.rng import SCHEME
+    from seqpar.train.config import build_job
+    from seqpar.train.loop import train
+
+    single = {**TRAIN, "steps": 2, "global_batch": 2}
+    written = {**sections(tmp_path / "old", {}), "train": {**single, "out_dir": str(tmp_path / "old"), "stop_at": 1}}
+    train(build_job(written).validate(1), quiet=True)
+    (meta_path,) = (tmp_path / "old").glob("checkpoints/step_*/meta.json")
+    meta = json.loads(meta_path.read_text())
+    assert meta["dropout_masks"] == SCHEME == "position-keyed-2"
+    meta_path.write_text(json.dumps({**meta, "dropout_masks": "position-keyed-1"}))
+    capsys.readouterr()
+    resumed = {**sections(tmp_path / "new", {}), "train": {**single, "out_dir": str(tmp_path / "new")}}
+    train(build_job(resumed).validate(1), resume=str(tmp_path / "old"), quiet=False)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "dropout masks" in line]
+    print(notes)
+    assert notes == ["note: the checkpoint's dropout masks are position-keyed-1, this run's position-keyed-2 "
+                     "(seqpar/parallel/rng.py): it loads, and from step 2 on other elements are dropped than the "
+                     "run that wrote it would have dropped"]
+    latest = sorted((tmp_path / "new").glob("checkpoints/step_*/meta.json"))[-1]
+    assert json.loads(latest.read_text())["dropout_masks"] == SCHEME

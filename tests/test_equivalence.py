@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import math
 import os
 import random
 from pathlib import Path
 
 import pytest
-from _helpers import Launches, prepared_documents, random_tokens
+from _helpers import Launches, prepared_documents, random_tokens, step_records
 
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 from seqpar.train.checkpoint import load_model_state
@@ -179,12 +178,6 @@ def reference_of(sections: dict) -> dict:
             "train": {"global_batch": sections["train"]["global_batch"]}}
 
 
-def records(out: str) -> list[dict]:
-    lines = Path(out, "metrics.jsonl").read_text().splitlines()
-    steps = [r for r in map(json.loads, lines) if "event" not in r and "step" in r]
-    return sorted(steps, key=lambda r: r["step"])
-
-
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
@@ -259,7 +252,7 @@ def result_of(results, index: int) -> dict:
 
 def compare(result: dict) -> dict[str, float]:
     run, ref = result["run"], result["ref"]
-    got, want = (records(d) for d in result["dirs"])
+    got, want = (step_records(d) for d in result["dirs"])
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
     weights, ref_weights = load_model_state(run["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]

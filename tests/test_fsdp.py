@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import random_tokens
+from _helpers import random_tokens, step_records
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local, train_local_many
@@ -30,11 +30,6 @@ def job(sections: dict, out: Path, data: Path) -> dict:
              "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
              "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
     return {**sections, "train": {**train, **sections.get("train", {})}}
-
-
-def records(out: str) -> list[dict]:
-    lines = Path(out, "metrics.jsonl").read_text().splitlines()
-    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])
 
 
 def rel(a: float, b: float) -> float:
@@ -97,7 +92,7 @@ def results(tmp_path_factory, data) -> dict:
 
 
 def errors(run: dict, ref: dict, run_dir: Path, ref_dir: Path) -> dict[str, float]:
-    got, want = records(str(run_dir)), records(str(ref_dir))
+    got, want = step_records(str(run_dir)), step_records(str(ref_dir))
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
     weights, ref_weights = load_model_state(run["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
@@ -199,17 +194,16 @@ def test_checkpoint_resumes_across_fsdp(name, resumed):
 
 # ---------------------------------------------------------------------- model states per rank
 def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
-    """Each job's start-record figures on this rank, and after one step the gradient storages FSDP holds."""
+    """Each job's start-record figures on this rank after one step (FSDP's gradients exist after a backward:
+    measured then, not copied from the parameters' bytes before any exists, issue 43)."""
     from seqpar.train.config import build_job
     from seqpar.train.loop import Trainer
     from seqpar.train.states import state_record
     out = []
     for sections in runs:
         trainer = Trainer(build_job(sections), quiet=True)
-        record = state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank)
         trainer.train_step(0)
-        grads = trainer.opt.grad_storage_bytes() if trainer.job.parallel.fsdp else record["grads_bytes"]
-        out.append({**record, "grads_after_step": grads})
+        out.append(state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank))
     return out
 
 
@@ -230,7 +224,6 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
         for rank, got in enumerate(ranks):
             r = got[j]
             assert [r[k] for k in keys] == [r[f"{k}_predicted"] for k in keys], (name, rank, r)
-            assert r["grads_after_step"] == r["grads_bytes"], (name, rank, r)
     plain = sum(ranks[0][0][k] for k in keys)
     for rank, got in enumerate(ranks):
         sharded = sum(got[1][k] for k in keys)
@@ -320,8 +313,15 @@ def test_bf16_and_fp16_loss_scaling_track_plain_data_parallelism(tmp_path, data)
     for dtype in ("bf16", "fp16"):
         a, b = runs[f"{dtype}-fsdp"]["losses"], runs[f"{dtype}-dp"]["losses"]
         worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
-        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}")
-        assert worst < 2e-3, (a, b)
+        fsdp, dp = ({r["step"]: r["grad_norm"] for r in step_records(str(tmp_path / f"{dtype}-{mode}"))
+                     if math.isfinite(r["grad_norm"])} for mode in ("fsdp", "dp"))
+        # the steps whose gradients were finite (fp16 from a scale of 2^40 overflows at all 6)
+        assert fsdp.keys() == dp.keys() and (fsdp or dtype == "fp16")
+        norms = max((rel(fsdp[k], dp[k]) for k in dp), default=0.0)
+        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}; grad norms {norms:.1e} relative")
+        # the same bf16 weights and gradients, reduced in fp32 by both: equal to fp32 rounding (a bf16
+        # reduce-scatter moved the bf16 losses by 2.4e-4 and the grad norms by 8.6e-4)
+        assert worst < 1e-5 and norms < 1e-6, (a, b, fsdp, dp)
     assert overflows("fp16-fsdp") == overflows("fp16-dp") and overflows("fp16-dp"), overflows("fp16-dp")
 
 

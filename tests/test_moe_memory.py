@@ -76,6 +76,7 @@ def test_moe_every_2_layers_measured_equal_the_formula(tmp_path):
     assert start["act_bytes_measured"] == start["act_bytes_predicted"], start
     assert f"measured {start['act_bytes_measured']:,} B, formula {start['act_bytes_measured']:,} B" in stdout
     assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"]
+    assert start["stage_act_peak_routing"] == "balanced"  # what "exact" assumes of an MoE model (issue 43)
     start, _ = _moe_every_run(tmp_path, "pp2", "--nproc", "4", "--pp", "2", "--dp", "2", "--ep", "2",
                               "--recompute", "selective")
     assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"], start  # ep 2: was None

@@ -3,6 +3,9 @@ experts' states alone do not fit 80 GB otherwise), the emitted configuration is 
 MoE fields and ep, and the MoE layer's time terms (all-to-all, expert GEMMs) are in the cost model."""
 
 import tomllib
+from dataclasses import replace
+
+import pytest
 
 from seqpar.analysis.costmodel import layer_pass_s
 from seqpar.analysis.emit import plan_toml
@@ -55,8 +58,8 @@ def test_dp_reduction_counts_the_experts_over_their_own_ranks():
     assert (n_dense, n_experts) == (8, 1) and dense + experts == max(stage_parameters(shape, par, r) for r in (0, 3))
     assert experts > 5 * dense  # Mixtral: even one expert of 8 per rank outweighs the rest
     dense_only = dp_allreduce_s(shape, par, hw, opt)
-    assert dense_only == 2 * hw.comm_latency + 7 / 8 * dense * (opt.grad_bytes + opt.param_bytes) / \
-        dense_only_bandwidth(hw, par)
+    assert dense_only == pytest.approx(2 * hw.comm_latency + 7 / 8 * dense * (opt.grad_bytes + opt.param_bytes) /
+                                       dense_only_bandwidth(hw, par), rel=1e-12)
     half = ParallelConfig(tp=2, sp=True, pp=4, dp=8, ep=4)  # experts now reduced over 2 ranks
     assert dp_allreduce_s(shape, half, hw, opt) > dense_only
     from seqpar.analysis.costmodel import optimizer_bytes_per_parameter
@@ -65,5 +68,26 @@ def test_dp_reduction_counts_the_experts_over_their_own_ranks():
 
 
 def dense_only_bandwidth(hw, par):
-    from seqpar.analysis.costmodel import grad_group_spans_nodes, link_bw
-    return link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
+    from seqpar.analysis.costmodel import grad_group_bw
+    return grad_group_bw(hw, par)
+
+
+def test_fsdp_is_for_dense_models_one_rule_everywhere():
+    """The rule lives in ``ParallelConfig.validate``: the config refuses fsdp with experts, so the planner (which
+    asks it) offers no fsdp layout for Mixtral though it offers them for the dense model of the same size, and
+    ``memory --states`` prints no fsdp row for it."""
+    import pytest
+
+    from seqpar.analysis.fsdp_states import compare_states
+    from seqpar.analysis.planner import layouts
+    from seqpar.config import ConfigError
+
+    shape = preset_shape("mixtral-8x7b")
+    with pytest.raises(ConfigError, match="fsdp with a mixture of experts"):
+        ParallelConfig(dp=2, fsdp=True).validate(shape)
+    for experts, expected in ((8, False), (0, True)):
+        model = replace(shape, experts=experts)
+        req = Request(shape=model, gpus=16, global_batch=64, hw=hardware_for("a100-80gb"), try_fsdp=True)
+        assert any(p.par.fsdp for p in layouts(req)) is expected
+        modes = {r["mode"] for r in compare_states(model, ParallelConfig(tp=2, dp=4))}
+        assert ("fsdp" in modes) is expected

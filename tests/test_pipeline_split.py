@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
-from seqpar.measure.meter import ScheduleMeter
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.model import build_model
 from seqpar.parallel.data_parallel import buckets
 from seqpar.parallel.dims import ParallelDims
@@ -74,7 +74,7 @@ def test_no_pipelining_accumulates_the_mean_gradient():
     peaks = []
     for keep in (0, 1):
         chunks = build_stages(CFG, parallel, RecomputeConfig("selective"), dims, seed=2)
-        meter = ScheduleMeter(chunks)
+        meter = SavedTensorMeter(*chunks, names=False)
         meter.exclude([t for b in batches for t in b])
         loss = forward_backward(chunks, batches, dims, parallel, keep_microbatches=keep, meter=meter)
         finalize_grads(chunks, dims)

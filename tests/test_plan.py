@@ -48,10 +48,20 @@ def test_tp_only_does_not_fit():
     assert not ev.fits and ev.memory_bytes > Hardware().usable_bytes
 
 
-def test_rank_plans_breaks_near_ties_by_memory(ranked_530b):
-    a, b = ranked_530b[0], ranked_530b[1]
-    reordered = rank_plans([b, a])
-    assert reordered[0] is a or reordered[0].memory_bytes <= reordered[1].memory_bytes
+def test_rank_plans_breaks_near_ties_by_memory():
+    """Plans within TIE_FRACTION of the fastest are ordered by memory, others by time: built here with times
+    on either side of the tie (the 530B search's top two, which this once read, need not tie)."""
+    from types import SimpleNamespace
+
+    from seqpar.analysis.planner import TIE_FRACTION
+
+    def plan(seconds: float, memory: float):
+        return SimpleNamespace(time=SimpleNamespace(total=seconds), memory_bytes=memory)
+
+    fast, tied_smaller, slow_smallest = plan(10.0, 3e9), plan(10.0 * (1 + TIE_FRACTION / 2), 2e9), plan(11.0, 1e9)
+    assert rank_plans([fast, slow_smallest, tied_smaller]) == [tied_smaller, fast, slow_smallest]
+    outside = plan(10.0 * (1 + 2 * TIE_FRACTION), 2e9)  # not a tie: the faster first, whatever its memory
+    assert rank_plans([outside, fast]) == [fast, outside]
 
 
 def test_invalid_plans_say_why():

@@ -58,3 +58,41 @@ def test_dp_outermost_crosses_nodes_and_the_pipeline_stays_in_one():
     inter = replace(hw, gpus_per_node=4, intra_node_bw=hw.inter_node_bw)
     assert iteration_time(shape, par, RecomputeConfig("selective"), 1, 16, inter).terms["dp_allreduce"] == \
         four["dp_allreduce"]
+
+
+def _ep_groups(par: ParallelConfig) -> list[list[int]]:
+    """The ep groups by their definition: same pp and tp coordinates, one block of ep consecutive dp × cp indices."""
+    dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp)
+    out: dict[tuple, list[int]] = {}
+    for d in range(par.dp):
+        for p in range(par.pp):
+            for c in range(par.cp):
+                for t in range(par.tp):
+                    out.setdefault((p, t, (d * par.cp + c) // par.ep), []).append(dims.rank_of(d, p, c, t))
+    return list(out.values())
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.integers(1, 2), st.integers(1, 2), st.integers(1, 4), st.integers(1, 4), st.integers(1, 8),
+       st.sampled_from([2, 4, 8]))
+def test_the_ep_group_spans_nodes_as_placed(tp, cp, pp, dp, ep, per_node):
+    from seqpar.analysis.placement import expert_groups, spans_nodes
+
+    if (dp * cp) % ep:
+        return
+    par = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep)
+    assert expert_groups(par)[0] == _ep_groups(par)
+    assert spans_nodes(par, "ep", per_node) == _spans(_ep_groups(par), per_node), (par, per_node)
+
+
+def test_the_issue_48_ep_group_pays_the_inter_node_rate():
+    """tp 2, pp 4, dp 2, ep 2 on 8-GPU nodes: the ep groups are ranks {r, r + 8}, two nodes, though tp·cp·ep = 4
+    fits one: the all-to-all costs what it costs with every link at the inter-node rate."""
+    from seqpar.analysis.costmodel import layer_pass_s
+    from seqpar.analysis.shapes import ActivationOptions
+
+    shape, par, hw = preset_shape("mixtral-8x7b"), ParallelConfig(tp=2, sp=True, pp=4, dp=2, ep=2), Hardware()
+    ep_comm = {name: layer_pass_s(shape, par, 1, h, ActivationOptions())["forward"]["ep_comm"]
+               for name, h in (("placed", hw), ("inter", replace(hw, intra_node_bw=hw.inter_node_bw)),
+                               ("intra", replace(hw, inter_node_bw=hw.intra_node_bw)))}
+    assert ep_comm["placed"] == ep_comm["inter"] > 5 * ep_comm["intra"]

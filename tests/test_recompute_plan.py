@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from seqpar.config import ModelConfig, RecomputeConfig
-from seqpar.measure.saved import SavedTensorMeter
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.model import build_model
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=16)

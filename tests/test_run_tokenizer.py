@@ -132,3 +132,31 @@ def test_a_byte_level_export_carries_a_byte_tokenizer_transformers_loads(tmp_pat
         gen = model.generate(torch.tensor([list(prompt.encode())]), max_new_tokens=6, do_sample=False,
                              pad_token_id=0)
     assert hf_tok.decode(gen[0]) == text.rstrip("\n")
+
+
+def test_the_export_names_the_tokenizers_eos_and_generate_stops_there(bpe_run, tmp_path, capsys):
+    """config.json takes eos from the run's tokenizer (issue 44.5): ``generate`` stops at <|endoftext|>,
+    which the GPT-2 head is made to predict first (its embedding row scaled far past the others' norm,
+    the final norm's output fixed to that row), where a null eos would run to max_new_tokens."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _, _ = bpe_run
+    code, _, err = seqpar(capsys, "export-hf", out, "--out", tmp_path / "hf")
+    assert code == 0, err
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    eos = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == eos and config["bos_token_id"] is None and config["pad_token_id"] is None
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        wte = model.transformer.wte.weight
+        wte[eos] = wte[eos] / wte[eos].norm() * 1e3 * wte.norm(dim=1).max()
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(wte[eos])
+        ids = hf_tok(PROMPT, return_tensors="pt")["input_ids"]
+        stopped = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=eos)
+        unstopped = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=eos, eos_token_id=None)
+    assert stopped[0].tolist() == ids[0].tolist() + [eos]
+    assert unstopped.shape[1] == ids.shape[1] + 8

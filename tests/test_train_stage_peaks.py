@@ -26,6 +26,7 @@ def test_start_record_holds_every_stage_peak(tmp_path):
           f"formula {start['stage_act_peak_formula']}")
     assert len(start["stage_act_peak_measured"]) == 2 and min(start["stage_act_peak_measured"]) > 0
     assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"]
+    assert "stage_act_peak_routing" not in start  # a dense model: no routing to assume
 
 
 def test_start_record_holds_each_ranks_peak_with_one_stage_under_cp(tmp_path):

@@ -237,6 +237,9 @@ def test_every_flag_of_every_verb_has_help_and_says_its_default():
         if isinstance(action, argparse._VersionAction) or not action.option_strings:
             continue
         text = action.help or ""
+        if text == argparse.SUPPRESS:  # an alias (Megatron's names): listed in the verb's epilog instead
+            assert verb == "seqpar train" and all(o in train_cmd.MEGATRON_ALIASES for o in action.option_strings)
+            continue
         switch = isinstance(action, argparse._StoreConstAction)  # store_true: off unless given
         if not text or (not switch and not action.required and "default" not in text):
             missing.append(f"{verb} {'/'.join(action.option_strings)}")
@@ -262,6 +265,9 @@ def test_verbs_that_read_a_checkpoint_take_it_either_way(verb):
 
 # ---------------------------------------------------------------- 11. dry run, eval, tokenizer export, schedules
 def test_dry_run_prints_a_config_that_reads_back_and_every_pipeline_ranks_memory(tmp_path, capsys):
+    import torch
+
+    from seqpar.analysis.text import exact_bytes
     from seqpar.train.dry_run import predicted_memory
 
     code, out, _ = seqpar(capsys, "train", "--dry-run", "--config", DEFAULT, "--nproc", 4, "--pp", 2,
@@ -271,11 +277,14 @@ def test_dry_run_prints_a_config_that_reads_back_and_every_pipeline_ranks_memory
     job = train_cmd.job_from_args(parse_train("--config", DEFAULT, "--pp", 2, "--global-batch", 64,
                                               "--out", tmp_path / "never"), 4)
     assert build_job(tomllib.loads(toml)).validate(4) == job  # the printed config is the run's
-    stages = predicted_memory(job)
+    stages = predicted_memory(job, torch.device("cuda"))  # what `seqpar plan` plans for, printed rank by rank
     assert len(stages) == 2
     for stage in stages:
         assert f"pipeline rank {stage.rank} (ranks {stage.rank * 2}, {stage.rank * 2 + 1})" in out
-    assert f"({max(s.total for s in stages):,.0f} B;" in out
+    peak = max(stages, key=lambda s: s.total)
+    assert f"most loaded on cuda: pipeline rank {peak.rank}, {exact_bytes(peak.total)};" in out
+    here = max(predicted_memory(job), key=lambda s: s.total)  # this CPU host's kernels and norm statistics
+    assert f"most loaded on cpu (this host): pipeline rank {here.rank}, {exact_bytes(here.total)};" in out
 
 
 def test_eval_reports_the_loss_training_validated(resumed_run, capsys):

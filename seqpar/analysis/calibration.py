@@ -38,6 +38,10 @@ TABLE4_CONFIGS: dict[str, tuple[bool, str]] = {  # Table 4 row -> (SP, recompute
     "selective_sp": (True, "selective"),
 }
 
+# the accuracy goal of a calibrated machine: |predicted - measured| / measured step time, closed loop (seqpar bench
+# planner checks it; a calibration's profile reports it as its error_band)
+CLOSED_LOOP_TARGET = 0.20
+
 
 @dataclass(frozen=True)
 class DataPoint:

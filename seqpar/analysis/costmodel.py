@@ -47,28 +47,35 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 the output back, backward the same two, each exposed (nothing to overlap), (K-1)/K of the
                 bytes each rank holds leaving it, on the link the a2a group spans (``placement``);
                 selective recompute reruns the core, not the exchanges
+    ep_comm     mixture of experts (docs/moe.md): each MoE layer's dispatch and combine all-to-alls over the ep
+                group, forward and backward, each (ep-1)/ep of the rank's T·K routed rows of h + comm_latency
     Fused attention and ring attention backward (flash style) also recompute QK^T from the saved
     log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
-microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the dp
-gradient all-reduce over dp x cp (not overlapped) + the optimizer step (memory-bound: bytes of the mixed-precision
-Adam update / memory_bw) + ``step_overhead``.
+microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the exposed part of
+the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather`` what the last
+microbatch's backward / the first one's forward does not cover plus the last bucket; FSDP: per microbatch,
+each layer's prefetched gathers and reduce-scatters beside the layers' compute: ``dp_exposed_s``,
+``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``) + the optimizer step (memory-bound: bytes of
+the mixed-precision Adam update / memory_bw) + ``step_overhead``.
 Every collective and p2p is priced at ``intra_node_bw`` when its group stays in a node and at
 ``inter_node_bw`` when it spans nodes, with the ranks placed as ``ParallelDims`` places them (tp
-innermost, then cp, pp, dp outermost: ``placement.py``).
+innermost, then cp, pp, dp outermost: ``placement.py``); the gradient group across nodes at ``inter_node_bw``
+times its ranks in a node (one adapter per GPU: ``grad_group_bw``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
 from seqpar.analysis.memory import a2a_kv_heads, kv_heads_per_rank
-from seqpar.analysis.moe import all_to_all_s, moe_gemms, moe_training_flops
-from seqpar.analysis.placement import a2a_spans_nodes, grad_group_spans_nodes, spans_nodes
+from seqpar.analysis.moe import dispatch_bytes, moe_gemms, moe_training_flops
+from seqpar.analysis.placement import a2a_spans_nodes, grad_group_spans_nodes, group_ranks_per_node, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
-from seqpar.analysis.stage import examined_ranks, rank_layers
+from seqpar.analysis.stage import examined_ranks, rank_chunk_layers
 from seqpar.analysis.states import stage_parameter_sizes, stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
@@ -88,7 +95,7 @@ class Hardware:
     """
 
     gpus_per_node: int = 8
-    memory_bytes: float = 80e9
+    memory_bytes: float = 80 * 2**30  # the data sheet's 80 GB of HBM: 80 GiB (hardware.GIB)
     peak_flops: float = 312e12  # A100 dense 16-bit
     gemm_efficiency: float = 0.70
     memory_bw: float = 1.6e12  # 80% of 2.04 TB/s HBM2e
@@ -116,6 +123,7 @@ class IterationTime:
     terms: dict[str, float]
     microbatch_s: float
     slowest_rank: int
+    hidden: dict[str, float] = field(default_factory=dict)  # seconds of a term run under compute (not in total)
 
     @property
     def total(self) -> float:
@@ -127,6 +135,15 @@ def link_bw(hw: Hardware, across_nodes: bool) -> float:
     return hw.inter_node_bw if across_nodes else hw.intra_node_bw
 
 
+def grad_group_bw(hw: Hardware, par: ParallelConfig) -> float:
+    """Bus bandwidth of the gradient group (dp × cp): in a node, NVLink; across nodes, one adapter per GPU for
+    each of the group's ranks in a node (``placement.group_ranks_per_node``), at most NVLink's."""
+    if not grad_group_spans_nodes(par, hw.gpus_per_node):
+        return hw.intra_node_bw
+    rails = group_ranks_per_node(par, ("cp", "dp"), hw.gpus_per_node)
+    return min(hw.intra_node_bw, rails * hw.inter_node_bw)
+
+
 def ring_allreduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     """Ring all-reduce: 2(n-1)/n x bytes over the bus bandwidth (= reduce-scatter + all-gather)."""
     return 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * nbytes / bandwidth
@@ -134,6 +151,11 @@ def ring_allreduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
 
 def ring_gather_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     """Ring all-gather or reduce-scatter of a ``nbytes`` full tensor: (n-1)/n x bytes / bus bandwidth."""
+    return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def all_to_all_s(nbytes: float, ranks: int, bandwidth: float) -> float:
+    """All-to-all of ``nbytes`` per rank: each sends (n-1)/n of them to the others, over the bus bandwidth."""
     return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
 
 
@@ -224,7 +246,11 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         g |= {k: moe * gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shape, par, b, opts.act_bytes).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
-    if par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
+    if par.sp and opts.tp_comm_overlap:  # each collective pipelined with the GEMM it feeds or follows
+        fwd_comm = sum(beside_gemm_s(gather, g[k], hw) for k in ("qkv", "out_proj", "fc1", "fc2"))
+        bwd_comm = sum(2 * beside_gemm_s(gather, g[k], hw) for k in ("qkv", "fc1")) + sum(
+            beside_gemm_s(gather, g[k], hw) for k in ("out_proj", "fc2"))
+    elif par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
         # and per column-parallel GEMM the re-gather beside dgrad, the reduce-scatter beside wgrad
         fwd_comm = 4 * gather
         bwd_comm = 2 * gather + sum(2 * beside_gemm_s(gather, g[k], hw) for k in ("qkv", "fc1"))
@@ -235,9 +261,10 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
            "overhead": hw.layer_overhead}
     bwd = {"compute": 2 * fwd["compute"], "elementwise": 2 * fwd["elementwise"], "tp_comm": bwd_comm,
            "overhead": hw.layer_overhead}
-    if moe and par.ep > 1:  # dispatch + combine, forward and backward (inter-node when tp · ep exceeds a node)
-        bw = hw.intra_node_bw if par.tp * par.cp * par.ep <= hw.gpus_per_node else hw.inter_node_bw
-        fwd["ep_comm"] = bwd["ep_comm"] = 2 * moe * all_to_all_s(shape, par, b, opts.act_bytes, bw, hw.comm_latency)
+    if moe and par.ep > 1:  # dispatch + combine, forward and backward (inter-node when an ep group spans nodes)
+        bw = link_bw(hw, spans_nodes(par, "ep", hw.gpus_per_node))
+        a2a = hw.comm_latency + all_to_all_s(dispatch_bytes(shape, par, b, opts.act_bytes), par.ep, bw)
+        fwd["ep_comm"] = bwd["ep_comm"] = 2 * moe * a2a
     core = {"compute": g["qk"] + g["attention_v"], "elementwise": el["attention_core"], "tp_comm": 0.0,
             "overhead": 0.0}
     if opts.fused_attention or par.cp > 1:
@@ -269,14 +296,9 @@ def ring_exposed_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
     return fwd, bwd
 
 
-def all_to_all_bytes_s(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
-    """One all-to-all of ``nbytes`` per rank over ``ranks``: (ranks − 1)/ranks of them leave each rank."""
-    return latency + nbytes * (ranks - 1) / ranks / bandwidth if ranks > 1 else 0.0
-
-
 def a2a_exchange_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, opts: ActivationOptions) -> float:
     """Seconds of one pass's all-to-alls of all-to-all CP (module doc, cp_comm): q, k, v rows to the K ranks
-    (kv heads replicated where fewer than K) and the output back, on the link the a2a group spans."""
+    (kv heads replicated where fewer than K) and the output back, each one call, on the link the a2a group spans."""
     k = par.a2a_size
     if k == 1:
         return 0.0
@@ -284,9 +306,9 @@ def a2a_exchange_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
     kv = a2a_kv_heads(kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads), k)
     rows = shape.num_heads / par.tp + 2 * k * kv  # q heads of the tp rank, k and v rows sent to the K ranks
     bw = link_bw(hw, a2a_spans_nodes(par, hw.gpus_per_node))
-    qkv = all_to_all_bytes_s(opts.act_bytes * s * b * rows * d, k, bw, hw.comm_latency)
-    out = all_to_all_bytes_s(opts.act_bytes * s * b * shape.hidden_size / par.tp, k, bw, hw.comm_latency)
-    return qkv + out
+    qkv = all_to_all_s(opts.act_bytes * s * b * rows * d, k, bw)
+    out = all_to_all_s(opts.act_bytes * s * b * shape.hidden_size / par.tp, k, bw)
+    return 2 * hw.comm_latency + qkv + out
 
 
 def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
@@ -366,7 +388,8 @@ def step_collectives_s(par: ParallelConfig, hw: Hardware) -> dict[str, float]:
 def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
                       rank: int, n: int, opts: ActivationOptions) -> dict[str, float]:
     """Seconds one microbatch costs pipeline rank ``rank``, per term."""
-    layers = rank_layers(shape, par, rank) * par.interleave  # L/p, or this rank's share of an uneven split
+    chunks = rank_chunk_layers(shape, par, rank)
+    layers = sum(chunks)  # L/p, or this rank's share of an uneven split
     p = layer_pass_s(shape, par, b, hw, opts)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}  # PASS_TERMS (+ cp_comm)
     if rank == 0:
@@ -376,8 +399,8 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
             terms[k] += v
     frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
     if rc.granularity == "full":
-        share = 1.0 if rc.method == "uniform" else min(1.0, rc.num_layers / max(1, rank_layers(shape, par, rank)))
-        redo = layers * share * sum(p["forward"].values())
+        redone = layers if rc.method == "uniform" else sum(min(rc.num_layers, c) for c in chunks)  # block: N a chunk
+        redo = redone * sum(p["forward"].values())
     else:
         redo = layers * selective_rerun_s(p, rc, opts.fused_attention)
     terms["recompute"] = frac * redo
@@ -403,37 +426,82 @@ def grad_groups(shape: ModelConfig, par: ParallelConfig) -> list[tuple[float, in
     return [(dense, ranks)] + ([(experts, ranks // par.ep)] if experts else [])
 
 
-def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    """Gradient synchronisation over dp (x cp: context-parallel ranks hold the same parameters) once per
-    iteration (the largest stage's parameters; an MoE model's routed experts over dp·cp/ep ranks)."""
-    ranks = par.dp * par.cp
-    if ranks == 1:
-        return 0.0
-    if par.fsdp:  # per microbatch (fsdp_collectives_s): nothing left at the end of the step
-        return 0.0
-    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))  # an expert group is at most as wide
-    total = 0.0
-    for params, n in grad_groups(shape, par):  # one after the other: dense, then the experts'
+def dp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware,
+                     opt: OptimizerOptions) -> tuple[float, float, int]:
+    """(gradient reduction, weight all-gather, buckets) over dp (x cp: context-parallel ranks hold the same
+    parameters) once per iteration: the largest stage's parameters; an MoE model's routed experts over dp·cp/ep
+    ranks. The distributed optimizer reduce-scatters the gradients and all-gathers the 16-bit weights, else one
+    all-reduce. Buckets: ``opt.bucket_bytes`` of fp32 gradients each where the trainer buckets them."""
+    if par.dp * par.cp == 1 or par.fsdp:  # fsdp: per microbatch (fsdp_collectives_s)
+        return 0.0, 0.0, 0
+    reduce = gather = 0.0
+    buckets = 0
+    for i, (params, n) in enumerate(grad_groups(shape, par)):  # one after the other: dense, then the experts'
         if n == 1 or params == 0:
             continue
-        if opt.distributed:  # reduce-scatter gradients + all-gather 16-bit weights
-            total += 2 * hw.comm_latency + (n - 1) / n * params * (opt.grad_bytes + opt.param_bytes) / bw
+        bw = grad_group_bw(hw, par) if i == 0 else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
+        buckets += math.ceil(params * 4 / opt.bucket_bytes)
+        if opt.distributed:
+            reduce += hw.comm_latency + ring_gather_s(params * opt.grad_bytes, n, bw)
+            gather += hw.comm_latency + ring_gather_s(params * opt.param_bytes, n, bw)
         else:
-            total += hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, n, bw)
-    return total
+            reduce += hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, n, bw)
+    return reduce, gather, buckets
 
 
-def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
-    """FSDP per microbatch and stage: the weights all-gathered in the compute dtype for the forward and
-    again for the backward (once under ZeRO-2), the fp32 gradients reduce-scattered; one collective
-    per layer each, prefetched beside the layers' compute (counted whole: the model does not overlap it)."""
+def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions) -> float:
+    """Gradient synchronisation over dp × cp once per iteration, in full (``dp_collectives_s``)."""
+    reduce, gather, _ = dp_collectives_s(shape, par, hw, opt)
+    return reduce + gather
+
+
+def exposed_s(comm: float, last: float, window: float, hw: Hardware) -> float:
+    """A collective cut in buckets, each started when its data is ready, beside ``window`` seconds of compute:
+    all but the ``last`` bucket run under the window (what does not fit is exposed), the last one after it."""
+    last = min(last, comm)
+    return beside_gemm_s(comm - last, window, hw) + last
+
+
+def dp_exposed_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions,
+                 windows: tuple[float, float]) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the dp collectives: with ``opt.overlap_grad_reduce`` the gradient buckets
+    under the last microbatch's backward (``windows[1]``), with ``opt.overlap_param_gather`` the weights'
+    all-gather under the first microbatch's forward (``windows[0]``); one more ``comm_latency`` per bucket."""
+    reduce, gather, buckets = dp_collectives_s(shape, par, hw, opt)
+    full = reduce + gather
+    if buckets == 0:
+        return full, 0.0
+    calls = buckets * hw.comm_latency
+    if opt.overlap_grad_reduce:
+        reduce = exposed_s(reduce + calls, (reduce + calls) / buckets, windows[1], hw)
+    if opt.overlap_param_gather and opt.distributed:
+        gather = exposed_s(gather + calls, (gather + calls) / buckets, windows[0], hw)
+    return reduce + gather, max(0.0, full - reduce - gather)
+
+
+def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions,
+                       windows: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(exposed, hidden) seconds of FSDP's collectives for one microbatch on the largest stage: each unit's
+    (every layer, and the root's embedding and head) weights all-gathered in the compute dtype for the forward
+    and again for the backward (once under ZeRO-2), its fp32 gradients reduce-scattered. The next unit's gather
+    is prefetched beside a layer's forward (``windows[0]``), its gather and the previous unit's reduce-scatter
+    beside a layer's backward with its recompute (``windows[1]``): the first gather and the last reduce-scatter
+    are exposed, and what a layer's compute does not cover. Without ``windows`` nothing is hidden."""
     ranks = par.fsdp_shards
     params = largest_stage_parameters(shape, par)
-    bw = link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))  # HSDP's shard groups: at most as wide
+    bw = (grad_group_bw(hw, par) if not par.fsdp_shard_size  # HSDP's shard groups: one rail each, at most
+          else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node)))
     gathers = 2 if par.reshard_after_forward else 1
-    layers = shape.num_layers // par.pp + 1
-    return (gathers + 1) * layers * hw.comm_latency + ring_gather_s(
-        params * (gathers * opt.param_bytes + 4), ranks, bw)
+    units = shape.num_layers // par.pp + 1
+    gather = hw.comm_latency + ring_gather_s(params / units * opt.param_bytes, ranks, bw)  # one unit's
+    reduce = hw.comm_latency + ring_gather_s(params / units * 4, ranks, bw)
+    full = units * (gathers * gather + reduce)
+    if windows is None:
+        return full, 0.0
+    fwd = gather + (units - 1) * beside_gemm_s(gather, windows[0], hw)
+    bwd_comm = reduce + (gather if gathers == 2 else 0.0)
+    bwd = (gather if gathers == 2 else 0.0) + (units - 1) * beside_gemm_s(bwd_comm, windows[1], hw) + reduce
+    return fwd + bwd, full - fwd - bwd
 
 
 def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
@@ -467,12 +535,28 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     terms["bubble"] = (par.pp - 1) / par.interleave * t_mb
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
-    terms["dp_allreduce"] = dp_allreduce_s(shape, par, hw, opt)
-    if par.fsdp:  # every microbatch gathers and reduces the stage's weights
-        terms["dp_allreduce"] = n * fsdp_collectives_s(shape, par, hw, opt)
+    windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest)
+    if par.fsdp:  # every microbatch gathers and reduces the stage's weights, prefetched layer by layer
+        exposed, hidden = fsdp_collectives_s(shape, par, hw, opt, windows[2:])
+        exposed, hidden = n * exposed, n * hidden
+    else:
+        exposed, hidden = dp_exposed_s(shape, par, hw, opt, windows[:2])
+    terms["dp_allreduce"] = exposed
     terms["optimizer"] = optimizer_s(shape, par, hw, opt)
     terms["step_overhead"] = hw.step_overhead
-    return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest)
+    return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest,
+                         hidden={"dp_allreduce": hidden} if hidden else {})
+
+
+def pass_windows_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
+                   opts: ActivationOptions, rank: int) -> tuple[float, float, float, float]:
+    """Compute the dp and FSDP collectives run beside on pipeline rank ``rank``: (one microbatch's forward, its
+    backward with what recompute runs again, one layer's forward, one layer's backward with its recompute)."""
+    p = layer_pass_s(shape, par, b, hw, opts)
+    fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
+    rerun = fwd if rc.granularity == "full" else selective_rerun_s(p, rc, opts.fused_attention)
+    layers = sum(rank_chunk_layers(shape, par, rank))
+    return layers * fwd, layers * (bwd + rerun), fwd, bwd + rerun
 
 
 def ties_with_best(times: list[float], band: float) -> list[bool]:

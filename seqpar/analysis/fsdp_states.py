@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 
-from seqpar.analysis.states import layer_parameter_sizes, stage_parameter_sizes
-from seqpar.config import ModelConfig, ParallelConfig
+from seqpar.analysis.states import chunk_layer_ids, layer_parameter_sizes, stage_parameter_sizes
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 
 # (rows, elements per row) of one tp-local tensor: dim 0 and the product of the others
 Tensor = tuple[int, int]
@@ -53,22 +53,19 @@ def stage_tensors(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[Te
     return [as_tensor(shape, name, n) for name, n in stage_parameter_sizes(shape, par, rank)]
 
 
-def stage_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
-    """Transformer layers pipeline rank ``rank`` holds."""
-    return sum(1 for name, _ in stage_parameter_sizes(shape, par, rank) if name.endswith("attention.qkv.weight"))
-
-
-def shard_rows(rows: int, n: int, index: int) -> int:
-    """Rows of shard ``index`` of ``n`` (``torch.chunk``: ceil(rows / n) each, the last ones short)."""
-    size = math.ceil(rows / n)
-    return max(0, min(size, rows - index * size))
+def chunk_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """(first row, rows) of shard ``index`` of ``rows`` rows cut as ``torch.chunk`` does (FSDP2's dim-0 Shard):
+    ceil(rows / shards) each, the last ones short or empty."""
+    size = -(-rows // shards)  # ceil
+    first = min(index * size, rows)
+    return first, min(size, rows - first)
 
 
 def fsdp_state_bytes(tensors: list[Tensor], n: int, index: int = 0) -> dict[str, int]:
     """Bytes shard ``index`` of ``n`` holds of ``tensors``: fp32 parameter and gradient shards (padded),
     Adam's moments of its own rows."""
     padded = sum(math.ceil(rows / n) * row for rows, row in tensors)
-    own = sum(shard_rows(rows, n, index) * row for rows, row in tensors)
+    own = sum(chunk_rows(rows, n, index)[1] * row for rows, row in tensors)
     return {"parameters": 4 * padded, "gradients": 4 * padded, "optimizer_states": 8 * own}
 
 
@@ -86,7 +83,7 @@ def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int,
     (ZeRO-2) every layer stays gathered from its forward to its backward."""
     n = par.fsdp_shards
     layer = layer_tensors(shape, par.tp)
-    layers = stage_layers(shape, par, rank)
+    layers = sum(len(ids) for ids in chunk_layer_ids(shape, par, rank))  # every chunk's
     names = [name for name, _ in stage_parameter_sizes(shape, par, rank)]
     root = [x for name, x in zip(names, stage_tensors(shape, par, rank), strict=True) if not name.startswith("layers.")]
 
@@ -118,7 +115,7 @@ def compare_states(shape: ModelConfig, par: ParallelConfig) -> list[dict]:
                 "distributed optimizer": stage_state_bytes(shape, par, rank,
                                                            OptimizerOptions.for_precision(shape.dtype, True))}
         fsdp = replace(par, fsdp=True)
-        if dp > 1 and not shape.experts:  # fsdp trains dense models only
+        if _allowed(fsdp, shape):  # the config's rules: something to shard over, a dense model
             compute = OptimizerOptions.for_precision(shape.dtype).param_bytes
             name = f"hsdp {fsdp.fsdp_shards}" if fsdp.fsdp_shards < dp else "fsdp"
             rows[name] = {**stage_fsdp_state_bytes(shape, fsdp, rank),
@@ -127,3 +124,12 @@ def compare_states(shape: ModelConfig, par: ParallelConfig) -> list[dict]:
             total = terms["parameters"] + terms["gradients"] + terms["optimizer_states"]
             out.append({"rank": rank, "mode": mode, **terms, "total": total, "in_flight": terms.get("in_flight", 0)})
     return out
+
+
+def _allowed(par: ParallelConfig, shape: ModelConfig) -> bool:
+    """Whether ``ParallelConfig.validate`` accepts ``par`` for ``shape``."""
+    try:
+        par.validate(shape)
+    except ConfigError:
+        return False
+    return True

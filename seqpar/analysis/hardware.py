@@ -30,7 +30,10 @@ PEAK_DENSE_16BIT_TFLOPS: dict[str, float] = {
     "mi300x": 1307.0,
 }
 
-# name -> (memory GB, memory TB/s, in-node link GB/s per direction per GPU, inter-node GB/s per GPU),
+GIB = 2**30  # a data sheet's memory "GB" are the HBM/GDDR stacks' binary gigabytes: an "80 GB" A100 holds 80 GiB
+
+# name -> (memory GB as the sheet prints it (GiB, ``GIB``), memory TB/s, in-node link GB/s per direction per
+# GPU, inter-node GB/s per GPU),
 # from the data sheets; inter-node: one InfiniBand adapter per GPU (HDR 200 Gb/s, NDR 400 Gb/s)
 DATASHEET: dict[str, tuple[float, float, float, float]] = {
     "v100": (32, 0.9, 150, 12.5),
@@ -60,8 +63,8 @@ def peak_flops(gpu: str) -> float:
 
 
 def memory_bytes(gpu: str) -> float:
-    """Memory of ``gpu`` in bytes (decimal GB from the data sheet)."""
-    return DATASHEET[known_gpu(gpu)][0] * 1e9
+    """Memory of ``gpu`` in bytes: the data sheet's GB, which for device memory are GiB (``GIB``)."""
+    return DATASHEET[known_gpu(gpu)][0] * GIB
 
 
 def datasheet_hardware(gpu: str) -> Hardware:
@@ -71,6 +74,7 @@ def datasheet_hardware(gpu: str) -> Hardware:
     key = known_gpu(gpu)
     mem, hbm, link, ib = DATASHEET[key]
     base, a100 = Hardware(), DATASHEET["a100"]
-    return replace(base, name=key, source=f"{key} data sheet, uncalibrated", memory_bytes=mem * 1e9, step_overhead=0.01,
+    return replace(base, name=key, source=f"{key} data sheet, uncalibrated", memory_bytes=memory_bytes(key),
+                   step_overhead=0.01,
                    peak_flops=peak_flops(key), memory_bw=hbm * 1e12 * base.memory_bw / (a100[1] * 1e12),
                    intra_node_bw=link * base.intra_node_bw / a100[2], inter_node_bw=ib * base.inter_node_bw / a100[3])

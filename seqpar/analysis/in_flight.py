@@ -24,6 +24,23 @@ def in_flight_chunks(rank: int, p: int, m: int = 1, n: int | None = None) -> int
     return count if n is None else min(count, n * m)
 
 
+def peak_in_flight(rank: int, p: int, m: int, n: int | None, sizes: list[float]) -> float:
+    """The most bytes rank ``rank`` holds in chunk-microbatches over an interleaved 1F1B step whose chunks keep
+    ``sizes[c]`` each (they differ under an uneven split). Megatron's order: the k-th forward runs chunk
+    (k // p) mod m, the j-th backward chunk m - 1 - (j // p) mod m; ``in_flight_chunks`` - 1 warm-up forwards,
+    then one forward and one backward at a time. With equal sizes this is ``in_flight_chunks`` x the size."""
+    alive = in_flight_chunks(rank, p, m, n)
+    total = n * m if n is not None else alive + 2 * p * m  # unbounded: long enough for the steady state to cycle
+    held, peak, backward = 0.0, 0.0, 0
+    for k in range(total):
+        held += sizes[(k // p) % m]
+        peak = max(peak, held)
+        if k >= alive - 1:  # steady state: a backward follows each forward
+            held -= sizes[m - 1 - (backward // p) % m]
+            backward += 1
+    return peak
+
+
 def interleaving_factor(p: int, m: int) -> float:
     """Sec. 4.2.3: the first stage of the interleaved schedule holds (1 + (p - 1)/(pm)) x L layers."""
     return 1 + (p - 1) / (p * m)

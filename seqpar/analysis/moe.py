@@ -167,10 +167,7 @@ def moe_gemms(model: ModelConfig, par: ParallelConfig, b: int, act_bytes: int) -
     return out
 
 
-def all_to_all_s(model: ModelConfig, par: ParallelConfig, b: int, act_bytes: int, bandwidth: float,
-                 latency: float) -> float:
-    """One dispatch (or combine) all-to-all over ep ranks: each sends (ep-1)/ep of its T·K rows of h."""
-    if par.ep == 1:
-        return 0.0
+def dispatch_bytes(model: ModelConfig, par: ParallelConfig, b: int, act_bytes: int) -> float:
+    """Bytes one dispatch (or combine) all-to-all moves from a rank: its T·K routed rows of h."""
     rows = model.seq_len // par.cp * b // (par.tp if par.sp else 1) * model.top_k
-    return latency + act_bytes * rows * model.hidden_size * (par.ep - 1) / par.ep / bandwidth
+    return act_bytes * rows * model.hidden_size

@@ -13,7 +13,7 @@ from seqpar.analysis.planner import (
     settings,
 )
 from seqpar.analysis.stage import STATE_TERMS, StageMemory
-from seqpar.analysis.text import gb, pct_change, table
+from seqpar.analysis.text import exact_bytes, gib, human_bytes, pct_change, table
 from seqpar.config import CP_COMM_TYPES
 
 
@@ -21,12 +21,23 @@ def header(req: Request) -> str:
     sh, hw = req.shape, req.hw
     arch = f" kv={sh.num_kv_heads} ({sh.arch})" if sh.arch == "llama" or sh.num_kv_heads != sh.num_heads else ""
     return (f"model {req.name}: L={sh.num_layers} h={sh.hidden_size} a={sh.num_heads}{arch} s={sh.seq_len} "
-            f"v={sh.vocab_size} f={sh.ffn}; "
-            f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {gb(hw.memory_bytes)} GB, usable "
-            f"{gb(hw.usable_bytes)} GB ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
+            f"v={sh.vocab_size} f={sh.ffn}{moe_fields(sh)}; "
+            f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {human_bytes(hw.memory_bytes)}, usable "
+            f"{human_bytes(hw.usable_bytes)} ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
             f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.3g} "
             f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.3g} / "
             f"{hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req))
+
+
+def moe_fields(sh) -> str:
+    """`` E=8 K=2`` (routed experts, experts per token), the MoE layers' period and the shared expert where
+    there are; empty for a dense model."""
+    if not sh.experts:
+        return ""
+    every = f" (MoE every {sh.moe_every} layers)" if sh.moe_every > 1 else ""
+    shared = (f" shared={sh.shared_expert_ffn}" + (" (gated)" if sh.shared_expert_gate else "")
+              if sh.shared_expert_ffn else "")
+    return f" E={sh.experts} K={sh.top_k}{every}{shared}"
 
 
 def assumptions(req: Request) -> str:
@@ -34,7 +45,8 @@ def assumptions(req: Request) -> str:
     unless given), attention kernel."""
     st = settings(req)
     dropout = f"dropout {st['dropout']:g}" + ("" if req.opts.dropout else " (no masks)")
-    kernel = ("fused attention (sdpa: no s² tensors; selective recompute checkpoints nothing in the core)"
+    kernel = (f"fused attention (sdpa, the {st['sdpa_kernel']} kernel: no s² tensors; selective recompute checkpoints "
+              "nothing in the core)"
               if st["fused_attention"] else "materialized attention")
     precision = "fp32 throughout" if st["precision"] == "fp32" else f"{st['precision']} mixed precision"
     return (f"{precision}: {st['bytes_per_parameter']:g} B/param model states, "
@@ -42,25 +54,29 @@ def assumptions(req: Request) -> str:
 
 
 def memory_terms(stage: StageMemory) -> str:
-    rows = [[k, gb(v, 2)] for k, v in stage.terms.items()]
-    rows.append(["total", gb(stage.total, 2)])
-    return table([f"rank {stage.rank} ({stage.in_flight} chunk-microbatches in flight)", "GB"], rows)
+    rows = [[k, gib(v)] for k, v in stage.terms.items()]
+    rows.append(["total", gib(stage.total)])
+    return (table([f"rank {stage.rank} ({stage.in_flight} chunk-microbatches in flight)", "GiB"], rows)
+            + f"\nrank {stage.rank} total: {exact_bytes(stage.total)}")
 
 
 def time_terms(ev: Evaluation) -> str:
-    rows = [[k, f"{v:.2f}"] for k, v in ev.time.terms.items()]
-    rows.append(["iteration", f"{ev.time.total:.2f}"])
-    return table([f"time (slowest rank {ev.time.slowest_rank})", "s"], rows)
+    """Each term's exposed seconds (what the iteration pays) and, beside it, what runs hidden under compute
+    (the dp / FSDP collectives overlapped with the backward or prefetched: ``IterationTime.hidden``)."""
+    hidden = ev.time.hidden
+    rows = [[k, f"{v:.2f}", f"{hidden[k]:.2f}" if k in hidden else ""] for k, v in ev.time.terms.items()]
+    rows.append(["iteration", f"{ev.time.total:.2f}", ""])
+    return table([f"time (slowest rank {ev.time.slowest_rank})", "exposed s", "hidden s"], rows)
 
 
 def plans_table(ranked: list[Evaluation], top: int, band: float = 0.0) -> str:
     """The best ``top`` plans; "≈ best" marks those the cost model cannot tell from the fastest
     (``costmodel.ties_with_best`` within the profile's error ``band``)."""
     ties = ties_with_best([ev.time.total for ev in ranked], band)
-    rows = [[i + 1, ev.plan.label, f"{gb(ev.memory_bytes)} (rank {ev.peak.rank})", f"{ev.time.total:.2f}",
+    rows = [[i + 1, ev.plan.label, f"{gib(ev.memory_bytes)} (rank {ev.peak.rank})", f"{ev.time.total:.2f}",
              f"{100 * ev.mfu:.1f}%", "≈ best" if tie else ""]
             for i, (ev, tie) in enumerate(zip(ranked[:top], ties[:top], strict=True))]
-    return table(["#", "plan", "GB most loaded", "iteration s", "MFU", "tie"], rows, left=(0, 1))
+    return table(["#", "plan", "GiB most loaded", "iteration s", "MFU", "tie"], rows, left=(0, 1))
 
 
 def _verdict(ev: Evaluation, best: Evaluation | None) -> str:
@@ -68,12 +84,13 @@ def _verdict(ev: Evaluation, best: Evaluation | None) -> str:
         return f"invalid: {ev.error}"
     peak = ev.peak
     if not ev.fits:
-        return (f"does not fit: rank {peak.rank} needs {gb(peak.total)} GB > {gb(ev.usable_bytes)} GB usable "
-                f"(states {gb(peak.states)} + activations {gb(peak.activations)})")
+        return (f"does not fit: rank {peak.rank} needs {human_bytes(peak.total)} > {human_bytes(ev.usable_bytes)} "
+                "usable "
+                f"(states {human_bytes(peak.states)} + activations {human_bytes(peak.activations)})")
     if best is not None and ev.plan != best.plan:
-        return (f"fits ({gb(peak.total)} GB) but {pct_change(ev.time.total / best.time.total)} iteration time vs "
+        return (f"fits ({human_bytes(peak.total)}) but {pct_change(ev.time.total / best.time.total)} iteration time vs "
                 "the best")
-    return f"fits ({gb(peak.total)} GB): this is the best plan"
+    return f"fits ({human_bytes(peak.total)}): this is the best plan"
 
 
 def why_not(req: Request, best: Evaluation) -> str:
@@ -81,8 +98,8 @@ def why_not(req: Request, best: Evaluation) -> str:
     rows = []
     for name, ev in alternatives(req, best.plan).items():
         time = f"{ev.time.total:.2f}" if ev.time else "-"
-        rows.append([name, gb(ev.memory_bytes) if ev.stages else "-", time, _verdict(ev, best)])
-    return table(["technique at the best layout", "GB", "iteration s", "verdict"], rows, left=(0, 3))
+        rows.append([name, gib(ev.memory_bytes) if ev.stages else "-", time, _verdict(ev, best)])
+    return table(["technique at the best layout", "GiB", "iteration s", "verdict"], rows, left=(0, 3))
 
 
 def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -> str:
@@ -104,7 +121,27 @@ def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -
     parts.append(context_parallel_line(ranked))
     if best.plan.par.cp > 1:
         parts.append(cp_comm_line(ranked))
+    if req.try_fsdp:
+        parts.append(fsdp_line(ranked))
     return "\n\n".join(parts)
+
+
+def fsdp_line(ranked: list[Evaluation]) -> str:
+    """With ``--fsdp``: where the best FSDP plan stands against the best plan (or the best without FSDP)."""
+    best = ranked[0]
+    if best.plan.par.fsdp:
+        other = next((ev for ev in ranked if not ev.plan.par.fsdp), None)
+        if other is None:
+            return "fsdp: chosen; no plan without it fits"
+        return (f"fsdp: chosen; the best plan without it, {other.plan.label}, needs "
+                f"{human_bytes(other.memory_bytes)} and is {pct_change(other.time.total / best.time.total)} "
+                "iteration time")
+    rank, other = next(((i + 1, ev) for i, ev in enumerate(ranked) if ev.plan.par.fsdp), (None, None))
+    if other is None:
+        return ("fsdp: no FSDP plan is listed: none fits, or each is dominated by the same layout without it "
+                "(less memory and less time)")
+    return (f"fsdp: not chosen; the best plan with it, {other.plan.label} (#{rank} of {len(ranked)}), needs "
+            f"{human_bytes(other.memory_bytes)} and is {pct_change(other.time.total / best.time.total)} iteration time")
 
 
 def context_parallel_line(ranked: list[Evaluation]) -> str:
@@ -116,7 +153,7 @@ def context_parallel_line(ranked: list[Evaluation]) -> str:
         if other is None:
             return f"context parallelism: cp {best.plan.par.cp} is needed: no plan without it fits"
         return (f"context parallelism: cp {best.plan.par.cp} is chosen; the best plan without it, {other.plan.label}, "
-                f"needs {gb(other.memory_bytes)} GB and is {pct_change(other.time.total / best.time.total)} "
+                f"needs {human_bytes(other.memory_bytes)} and is {pct_change(other.time.total / best.time.total)} "
                 "iteration time")
     if other is None:
         return "context parallelism: no plan with cp > 1 fits (searched with pp = 1 and 2 cp dividing s)"
@@ -136,7 +173,7 @@ def cp_comm_line(ranked: list[Evaluation]) -> str:
         other = next((ev for ev in ranked if ev.plan.par.cp > 1 and ev.plan.par.cp_comm_type == other_kind), None)
         others.append(f"{other_kind}: no fitting plan" if other is None else
                       f"{other_kind}: {other.plan.label}, {pct_change(other.time.total / best.time.total)} iteration "
-                      f"time, {gb(other.memory_bytes)} GB")
+                      f"time, {human_bytes(other.memory_bytes)}")
     exchange = best.time.terms.get("cp_comm", 0.0) if best.time else 0.0
     return (f"cp_comm_type: {kind} is chosen (its exposed exchange {exchange:.3f} s per iteration); the best of the "
             "other kinds: " + "; ".join(others))
@@ -147,8 +184,8 @@ def _stage_rows(stages: list[StageMemory], usable: float) -> list[list]:
     for st in stages:
         layer = st.terms.get("layer_activations", 0.0) + st.terms.get("kept_microbatches", 0.0)
         other = st.activations - layer
-        rows.append([st.rank, st.in_flight] + [gb(st.terms[k], 2) for k in STATE_TERMS]
-                    + [gb(layer, 2), gb(other, 2), gb(st.total, 2), "yes" if st.total <= usable else "NO"])
+        rows.append([st.rank, st.in_flight] + [gib(st.terms[k]) for k in STATE_TERMS]
+                    + [gib(layer), gib(other), gib(st.total), "yes" if st.total <= usable else "NO"])
     return rows
 
 
@@ -158,18 +195,37 @@ def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> st
         parts.append(f"rejected: {ev.error}")
         return "\n\n".join(parts)
     n = num_microbatches(req, ev.plan)
-    parts.append(f"{n} microbatches of {ev.plan.micro_batch} per iteration; memory per pipeline rank (GB):\n"
+    parts.append(f"{n} microbatches of {ev.plan.micro_batch} per iteration; memory per pipeline rank (GiB):\n"
                  + table(["rank", "in flight", "params", "grads", "optimizer", "layer acts", "other acts",
                           "total", "fits"], _stage_rows(ev.stages, req.hw.usable_bytes)))
     parts.append("most loaded rank, per term:\n" + memory_terms(ev.peak))
     best = ranked[0] if ranked else None
     parts.append(("" if ev.fits else "rejected: ") + _verdict(ev, best))
     parts.append(time_terms(ev) + f"\npredicted MFU {100 * ev.mfu:.1f}%")
+    if ev.fits and best is not None and ev.time.total > best.time.total * (1 + EXPLAIN_GAP):
+        parts.append(gap_terms(ev, best))
     position = rank_of(ev, ranked)
     if position is not None:
         parts.append(f"rank {position} of {len(ranked) + (0 if ev.plan in [e.plan for e in ranked] else 1)} "
                      f"fitting plans" + (f" (best: {best.plan.label}, {best.time.total:.2f} s)" if best else ""))
     return "\n\n".join(parts)
+
+
+EXPLAIN_GAP = 0.10  # --explain names the terms behind a gap to the best plan larger than this
+
+
+def gap_terms(ev: Evaluation, best: Evaluation) -> str:
+    """Why ``ev`` is slower than ``best``: each time term's seconds in both, largest difference first, and the
+    share of the gap each explains (terms that differ by less than 1% of the gap are left out)."""
+    gap = ev.time.total - best.time.total
+    keys = list(dict.fromkeys([*ev.time.terms, *best.time.terms]))
+    diffs = sorted(((k, ev.time.terms.get(k, 0.0), best.time.terms.get(k, 0.0)) for k in keys),
+                   key=lambda t: -abs(t[1] - t[2]))
+    rows = [[k, f"{a:.2f}", f"{b:.2f}", f"{a - b:+.2f}", f"{100 * (a - b) / gap:+.0f}%"]
+            for k, a, b in diffs if abs(a - b) >= 0.01 * gap]
+    head = (f"{pct_change(ev.time.total / best.time.total)} iteration time vs the best plan ({best.plan.label}); "
+            "the terms that make the difference:")
+    return head + "\n" + table(["term", "this plan s", "best s", "difference", "of the gap"], rows)
 
 
 def cost_model_line(req: Request) -> str:

@@ -1,31 +1,42 @@
 """`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
 
 Dimensions: tp (<= GPUs per node, dividing heads and FFN width), ep (an MoE model's experts split over ep
-of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism, ring attention
-over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (up to L: even when
+of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism over the sequence: 2 cp
+dividing s, searched with pp = 1, up to ``Request.max_cp``; its exchange ``cp_comm_type`` ring, a2a, or
+a2a+ring for each K dividing cp, where the heads split over tp × K), pp (up to L: even when
 it divides L, and with the lighter-ends split of ``uneven.py``), dp (the rest, dividing the global batch),
-interleave m (m > 1 needs pp > 1, L divisible by pp m and the microbatch count by pp, as Megatron requires;
-an uneven split has m = 1), SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused
-attention), full-uniform-1, full-block-N (the smallest N that fits), and App. C (selective or full with the
-most kept chunk-microbatches that fit). Memory: ``stage.stage_memory`` on ``stage.examined_ranks`` (rank 0,
-the last, the first of each layer count: the in-flight count falls with the rank, so they bound the rest).
-Time: ``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve). The search counts what each
-rule ruled out and drops plans dominated at their layout (``undominated``).
+interleave m (m > 1 needs pp > 1 and the microbatch count divisible by pp, as Megatron requires; L divisible
+by pp m, or where pp does not divide L an uneven split over the pp m virtual stages, the model's ends lighter),
+SP on/off (tp > 1), microbatch, recompute: none, selective (not with fused attention), full-uniform-1,
+full-block-N (the smallest N that fits), and App. C (selective or full with the most kept chunk-microbatches
+that fit; not with an uneven interleaved split). Memory: ``stage.stage_memory`` on ``stage.examined_ranks``
+(rank 0, the last, the first of each set of chunk sizes: the in-flight count falls with the rank, so they bound
+the rest). Time: ``costmodel.iteration_time``. Usable memory = GPU memory x (1 - reserve). The rules named above
+are the config's (``ParallelConfig.validate``, ``validate_microbatches``): the planner asks them of each
+candidate and counts the refusals; its own are tp within a node, dp dividing the global batch and the search
+limits. It drops plans dominated at their layout (``undominated``).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.costmodel import Hardware, IterationTime, iteration_time, predicted_mfu
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, validate_layout
-from seqpar.analysis.stage import StageMemory, all_stages, examined_ranks, most_loaded, stage_memory
+from seqpar.analysis.stage import (
+    StageMemory,
+    all_stages,
+    examined_ranks,
+    most_loaded,
+    stage_memory,
+    uneven_chunks,
+)
 from seqpar.analysis.states import bytes_per_parameter
+from seqpar.analysis.text import human_bytes
 from seqpar.analysis.uneven import lighter_ends_split
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
 
@@ -49,6 +60,108 @@ class Plan:
         text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
                 f"recompute={self.rc.label},mb={self.micro_batch}")
         return text + (",distopt=on" if self.distributed_optimizer else "") + (",fsdp=on" if p.fsdp else "")
+
+
+# ---------------------------------------------------------------- a plan as text: ``Plan.label`` writes it,
+# ``parse_plan`` reads it back (``--explain``), with the keys' long names as aliases
+_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "interleave", "interleave": "interleave",
+         "sp": "sp",
+         "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
+         "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
+         "fsdp": "fsdp", "cp_comm_type": "cp_comm_type", "cp_a2a_size": "cp_a2a_size"}
+
+
+def _flag(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "on", "true", "yes"):
+        return True
+    if low in ("0", "off", "false", "no"):
+        return False
+    raise AnalysisError(f"expected on/off, got {text!r}")
+
+
+def parse_recompute(text: str, keep: int = 0) -> RecomputeConfig:
+    """'none' | 'selective' | 'full' | 'full-uniform-N' | 'full-block-N', optional '+keepK' (App. C)."""
+    body, _, suffix = text.partition("+keep")
+    parts = body.split("-")
+    try:
+        if suffix:
+            if not suffix.isdigit():
+                raise AnalysisError(f"keep {suffix!r} is not an integer >= 0")
+            keep = int(suffix)
+        if parts[0] == "full" and len(parts) == 3:
+            return RecomputeConfig("full", parts[1], int(parts[2]), keep_microbatches=keep).validate()
+        if len(parts) == 1:
+            return RecomputeConfig(parts[0], keep_microbatches=keep).validate()
+    except ValueError as err:
+        raise AnalysisError(f"recompute {text!r}: {err}") from err
+    raise AnalysisError(f"recompute {text!r} is not none, selective, full, full-uniform-N or full-block-N")
+
+
+def _count(values: dict[str, tuple[str, str]], key: str, default: int, least: int = 1) -> int:
+    """The integer given for ``key`` (``default`` when absent), at least ``least``."""
+    name, text = values.get(key, (key, str(default)))
+    try:
+        number = int(text)
+    except ValueError:
+        number = None
+    if number is None or number < least:
+        rule = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise AnalysisError(f"{name} must be {rule}, got {text!r}")
+    return number
+
+
+def split_text(counts: tuple[int, ...]) -> str:
+    """Layers per stage joined by '/', a run of three or more as COUNTxRUN: (7, 8, 8, 8, 7) -> '7/8x3/7'."""
+    parts: list[list[int]] = []
+    for c in counts:
+        if parts and parts[-1][0] == c:
+            parts[-1][1] += 1
+        else:
+            parts.append([c, 1])
+    return "/".join(f"{c}x{k}" if k > 2 else "/".join([str(c)] * k) for c, k in parts)
+
+
+def _split(values: dict[str, tuple[str, str]]) -> tuple[int, ...]:
+    """``split=7/8x14/7`` (``split_text``): layers per pipeline stage (``ParallelConfig.layer_split``);
+    () when absent."""
+    if "split" not in values:
+        return ()
+    name, text = values["split"]
+    counts: list[int] = []
+    for part in text.split("/"):
+        count, times, run = part.strip().partition("x")
+        run = run if times else "1"
+        if not count.isdigit() or not run.isdigit() or int(run) < 1:
+            raise AnalysisError(f"{name} must be layer counts joined by '/' (a run as COUNTxRUN), e.g. 7/8x14/7, "
+                                f"got {text!r}")
+        counts += [int(count)] * int(run)
+    return tuple(counts)
+
+
+def parse_plan(text: str, gpus: int) -> Plan:
+    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan (``split=7/8/8/7``: an uneven layer split);
+    dp defaults to gpus / (tp pp cp).
+
+    Every count must be a positive integer (keep >= 0): the error names the key and the value."""
+    values: dict[str, tuple[str, str]] = {}  # canonical key -> (the key as written, value)
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in _KEYS:
+            raise AnalysisError(f"plan item {item!r}: expected KEY=VALUE with KEY in {sorted(_KEYS)}")
+        values[_KEYS[key.strip()]] = (key.strip(), value.strip())
+    try:
+        tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
+        dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
+        par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
+                             interleave=_count(values, "interleave", 1), layer_split=_split(values),
+                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]),
+                             cp_comm_type=values.get("cp_comm_type", ("", "ring"))[1],
+                             cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0))
+        rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
+        return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
+    except ValueError as err:  # AnalysisError is one
+        raise AnalysisError(f"plan {text!r}: {err}") from err
 
 
 @dataclass(frozen=True)
@@ -75,7 +188,7 @@ def settings(req: Request) -> dict:
     """The assumptions every plan of ``req`` shares, as the reports print them."""
     return {"precision": req.precision, "bytes_per_parameter": bytes_per_parameter(req.opt),
             "activation_bytes": req.opts.act_bytes, "dropout": req.dropout,
-            "fused_attention": req.opts.fused_attention}
+            "fused_attention": req.opts.fused_attention, "sdpa_kernel": req.opts.sdpa_kernel}
 
 
 @dataclass
@@ -112,6 +225,7 @@ class Evaluation:
             out["memory_terms"] = dict(self.peak.terms)
         if self.time is not None:
             out["time_terms"] = dict(self.time.terms)
+            out["hidden_time_terms"] = dict(self.time.hidden)  # run under compute, not in the iteration time
         if self.error:
             out["error"] = self.error
         return out
@@ -147,9 +261,7 @@ def check_plan(req: Request, plan: Plan) -> None:
     if req.global_batch % (p.dp * plan.micro_batch):
         raise AnalysisError(f"global batch {req.global_batch} is not divisible by dp {p.dp} x "
                             f"micro batch {plan.micro_batch}")
-    n = num_microbatches(req, plan)
-    if p.interleave > 1 and n % p.pp:
-        raise AnalysisError(f"interleaving needs the {n} microbatches to be a multiple of pp {p.pp}")
+    validate_microbatches(num_microbatches(req, plan), p.pp, p.interleave)
 
 
 def stages_of(req: Request, plan: Plan, every_rank: bool = False) -> list[StageMemory]:
@@ -212,6 +324,8 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     n = num_microbatches(req, base)
     in_flight = stage_memory(req.shape, base.par, RecomputeConfig(), base.micro_batch, n, req.opts,
                              _opt(req, base)).in_flight
+    if uneven_chunks(base.par, req.shape):  # App. C over chunks of different sizes is not modelled
+        return options
     for granularity in granularities:
         if fits_with(RecomputeConfig(granularity, keep_microbatches=in_flight)):
             continue  # keeping everything fits: plain "none" covers it
@@ -222,99 +336,121 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     return options
 
 
+def _refused(req: Request, par: ParallelConfig, rejected: Counter | None = None, rule: str = "") -> bool:
+    """Whether ``ParallelConfig.validate`` (the model's and the world's rules, each in its one home) refuses
+    ``par`` on ``req``'s GPUs; a refusal is counted under ``rule`` when given."""
+    try:
+        par.validate(req.shape, req.gpus)
+    except ConfigError:
+        if rule:
+            rejected[rule] += 1
+        return True
+    return False
+
+
 def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
-    """Every (tp, cp, pp with its layer split, dp, m, sp, microbatch) the rules allow, with recompute none
-    (filled in later); ``rejected`` counts the layouts each rule ruled out (``rejection_lines`` words them)."""
-    shape, rejected = req.shape, Counter() if rejected is None else rejected
+    """Every (tp, cp, pp with its layer split, dp, microbatch, m, sp, ep, optimizer) the rules allow, with
+    recompute none (filled in later); ``rejected`` counts the layouts each rule ruled out (``rejection_lines``
+    words them). The rules are ``ParallelConfig.validate``'s and ``validate_microbatches``'; the planner's own
+    are a node's GPUs for tp, the global batch for dp, and its search limits."""
+    rejected = Counter() if rejected is None else rejected
     for tp in _divisors(min(req.hw.gpus_per_node, req.gpus)):
-        kv = shape.num_kv_heads
-        if shape.num_heads % tp or shape.ffn % tp or req.gpus % tp or (kv % tp and tp % kv):
-            rejected["tp_split"] += 1  # the rules of ParallelConfig.validate: heads, FFN width, kv heads over tp
+        if _refused(req, ParallelConfig(tp=tp, dp=req.gpus // tp), rejected, "tp_split"):  # heads, FFN, kv, GPUs
             continue
-        for cp, pp, split in _context_and_pipeline(req, tp, rejected):
-            dp = req.gpus // (tp * cp * pp)
-            if req.global_batch % dp:
+        for base in _context_and_pipeline(req, tp, rejected):
+            if req.global_batch % base.dp:
                 rejected["batch_dp"] += 1
                 continue
-            for mb in _divisors(req.global_batch // dp):
+            for mb in _divisors(req.global_batch // base.dp):
                 if mb > req.max_micro_batch:
                     break
-                n = req.global_batch // (dp * mb)
-                for m in _divisors(shape.num_layers // pp) if not split else [1]:  # uneven: one chunk per rank
-                    if m > req.max_interleave or (m > 1 and (pp == 1 or n % pp)):
-                        continue
-                    for sp, comm in itertools.product(
-                            (False, True) if tp > 1 and shape.seq_len // cp % tp == 0 else (False,),
-                            cp_comm_types(shape, tp, cp)):
-                        for dist in ((False, True) if req.try_distributed_optimizer and dp * cp > 1 else (False,)):
-                            for ep in _expert_parallel(shape, dp * cp):
-                                par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m,
-                                                     layer_split=split, ep=ep, **comm)
-                                yield Plan(par, RecomputeConfig(), mb, dist)
-                        if req.try_fsdp and dp * cp > 1 and not shape.experts:  # fsdp: dense models only
-                            par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, interleave=m, layer_split=split,
-                                                 **comm)
-                            yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
+                yield from _variants(req, base, mb)
 
 
-def cp_comm_types(shape: ModelConfig, tp: int, cp: int) -> list[dict]:
-    """The attention exchanges context parallelism can use at (tp, cp): the ring; all-to-all over every cp rank
-    and, for each K dividing cp (1 < K < cp), all-to-all inside K and the ring across -- where the heads split
-    over tp × K (``ParallelConfig.validate``'s rules)."""
-    if cp == 1:
-        return [{}]
-    kinds = [{"cp_comm_type": "a2a"}] + [{"cp_comm_type": "a2a+ring", "cp_a2a_size": k}
-                                         for k in _divisors(cp)[1:-1]]
-    out = [{}]
-    for comm in kinds:
-        try:
-            ParallelConfig(tp=tp, cp=cp, **comm)._validate_a2a_heads(shape)
-        except ConfigError:
+def _variants(req: Request, base: ParallelConfig, mb: int) -> Iterator[Plan]:
+    """At one (tp, cp, pp, split, dp) and microbatch: each interleave m (with its layer split), SP, ep and
+    optimizer the rules allow."""
+    n = req.global_batch // (base.dp * mb)
+    for m, split in _interleavings(req, base.pp, base.tp, base.layer_split):
+        staged = replace(base, interleave=m, layer_split=split)
+        if m > req.max_interleave or not _microbatches_ok(n, base.pp, m) or _refused(req, staged):
             continue
-        out.append(comm)
+        for sp in (False, True) if base.tp > 1 else (False,):
+            par = replace(staged, sp=sp)
+            if _refused(req, par):
+                continue
+            group = par.dp * par.cp
+            for dist in (False, True) if req.try_distributed_optimizer and group > 1 else (False,):
+                for ep in (ep for ep in _divisors(group) if not _refused(req, replace(par, ep=ep))):
+                    yield Plan(replace(par, ep=ep), RecomputeConfig(), mb, dist)
+            if req.try_fsdp and not _refused(req, replace(par, fsdp=True)):
+                yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
+
+
+def _interleavings(req: Request, pp: int, tp: int, split: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """(m, layer split) for a pipeline of pp: every m dividing L/pp with the even split; an uneven split with
+    m = 1, and where pp does not divide L, interleaved too: m = 2 .. max_interleave over pp·m virtual stages
+    with the model's ends lighter (``uneven.lighter_ends_split``), as Megatron interleaves 126 layers on 16."""
+    n_layers = req.shape.num_layers
+    if not split:
+        return [(m, ()) for m in _divisors(n_layers // pp)]
+    out = [(1, split)]
+    if n_layers % pp:
+        for m in range(2, req.max_interleave + 1):
+            virtual = lighter_ends_split(req.shape, pp * m, tp)
+            if virtual is not None and len(set(virtual)) > 1:
+                out.append((m, virtual))
     return out
 
 
-def _expert_parallel(shape: ModelConfig, ranks: int) -> list[int]:
-    """ep sizes for an MoE model: divisors of the dp × cp ranks that divide the experts (1 without MoE)."""
-    return [ep for ep in _divisors(ranks) if shape.experts % ep == 0] if shape.experts else [1]
+def _microbatches_ok(n: int, pp: int, interleave: int) -> bool:
+    """Whether the schedule runs ``n`` microbatches at ``pp`` and ``interleave`` (``validate_microbatches``)."""
+    try:
+        validate_microbatches(n, pp, interleave)
+    except ConfigError:
+        return False
+    return True
 
 
-def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[tuple[int, int, tuple[int, ...]]]:
-    """(cp, pp, layer split) for ``tp``: cp = 1 with each pp up to L, split evenly when pp divides L and with
-    the ends lighter (``uneven.lighter_ends_split``) when that differs; or cp > 1 (2 cp dividing s, at most
+def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[ParallelConfig]:
+    """(tp, cp, pp, layer split, dp) for ``tp``: cp = 1 with each pp, split evenly and with the ends lighter
+    (``uneven.lighter_ends_split``) when that differs and the config allows each; or cp > 1 (up to
     ``max_cp``) with pp = 1 (keeps the search small; ``--explain`` evaluates cp with pp)."""
-    rest, n_layers = req.gpus // tp, req.shape.num_layers
+    rest = req.gpus // tp
     for pp in _divisors(rest):
-        if pp > n_layers:
-            rejected["pp_layers"] += 1
-            continue
-        if n_layers % pp == 0:
-            yield 1, pp, ()
         split = lighter_ends_split(req.shape, pp, tp)
-        if split is not None and len(set(split)) > 1:
-            yield 1, pp, split
+        splits = [(), split] if split and len(set(split)) > 1 else [()]
+        allowed = [par for s in splits if not _refused(req, par := ParallelConfig(tp=tp, pp=pp, dp=rest // pp,
+                                                                                   layer_split=s))]
+        if not allowed:  # no split of the layers over pp stages: pp above the layers
+            rejected["pp_layers"] += 1
+        yield from allowed
     for cp in _divisors(rest)[1:]:
-        if cp > req.max_cp:
-            continue
-        if req.shape.seq_len % (2 * cp):
-            rejected["cp_seq"] += 1
-            continue
-        yield cp, 1, ()
+        par = ParallelConfig(tp=tp, cp=cp, dp=rest // cp)
+        if cp <= req.max_cp and not _refused(req, par, rejected, "cp_seq"):  # 2 cp dividing the sequence
+            yield par
+            yield from (replace(par, **comm) for comm in _a2a_kinds(cp) if not _refused(req, replace(par, **comm)))
+
+
+def _a2a_kinds(cp: int) -> list[dict]:
+    """The all-to-all exchanges context parallelism may use besides the ring: a2a over every cp rank, and
+    a2a+ring for each K dividing cp (1 < K < cp); ``ParallelConfig.validate`` refuses those whose heads do
+    not split over tp × K."""
+    return [{"cp_comm_type": "a2a"}] + [{"cp_comm_type": "a2a+ring", "cp_a2a_size": k} for k in _divisors(cp)[1:-1]]
 
 
 def rejection_lines(req: Request, stats: dict) -> list[str]:
     """What each rule ruled out, one line each (the rules that ruled out nothing are left out)."""
-    sh, usable = req.shape, req.hw.usable_bytes / 1e9
+    sh, usable = req.shape, human_bytes(req.hw.usable_bytes)
     words = {
         "tp_split": f"tp values (up to a node's {req.hw.gpus_per_node} GPUs) that do not split heads "
                     f"{sh.num_heads}, kv heads {sh.num_kv_heads}, FFN width {sh.ffn} or the {req.gpus} GPUs",
         "pp_layers": f"pp values above the {sh.num_layers} layers",
         "cp_seq": f"cp values with 2 cp not dividing the sequence {sh.seq_len}",
         "batch_dp": f"layouts whose dp does not divide the global batch {req.global_batch}",
-        "states_too_big": f"layouts whose model states alone (weights, gradients, optimizer) exceed {usable:.1f} GB "
+        "states_too_big": f"layouts whose model states alone (weights, gradients, optimizer) exceed {usable} "
                           "usable",
-        "activations": f"layouts that exceed {usable:.1f} GB usable with every recompute option tried",
+        "activations": f"layouts that exceed {usable} usable with every recompute option tried",
         "dominated": "plans dropped as dominated: another at the same layout needs less memory and less time",
     }
     counts = stats.get("rejected", {}) | {k: stats.get(k, 0) for k in ("states_too_big", "activations", "dominated")}
@@ -415,103 +551,3 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
         out[f"distributed optimizer, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain,
                                                                                distributed_optimizer=True))
     return out
-
-
-_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "interleave", "interleave": "interleave",
-         "sp": "sp",
-         "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
-         "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
-         "fsdp": "fsdp", "cp_comm_type": "cp_comm_type", "cp_a2a_size": "cp_a2a_size"}
-
-
-def _flag(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "on", "true", "yes"):
-        return True
-    if low in ("0", "off", "false", "no"):
-        return False
-    raise AnalysisError(f"expected on/off, got {text!r}")
-
-
-def parse_recompute(text: str, keep: int = 0) -> RecomputeConfig:
-    """'none' | 'selective' | 'full' | 'full-uniform-N' | 'full-block-N', optional '+keepK' (App. C)."""
-    body, _, suffix = text.partition("+keep")
-    parts = body.split("-")
-    try:
-        if suffix:
-            if not suffix.isdigit():
-                raise AnalysisError(f"keep {suffix!r} is not an integer >= 0")
-            keep = int(suffix)
-        if parts[0] == "full" and len(parts) == 3:
-            return RecomputeConfig("full", parts[1], int(parts[2]), keep_microbatches=keep).validate()
-        if len(parts) == 1:
-            return RecomputeConfig(parts[0], keep_microbatches=keep).validate()
-    except ValueError as err:
-        raise AnalysisError(f"recompute {text!r}: {err}") from err
-    raise AnalysisError(f"recompute {text!r} is not none, selective, full, full-uniform-N or full-block-N")
-
-
-def _count(values: dict[str, tuple[str, str]], key: str, default: int, least: int = 1) -> int:
-    """The integer given for ``key`` (``default`` when absent), at least ``least``."""
-    name, text = values.get(key, (key, str(default)))
-    try:
-        number = int(text)
-    except ValueError:
-        number = None
-    if number is None or number < least:
-        rule = "a positive integer" if least == 1 else f"an integer >= {least}"
-        raise AnalysisError(f"{name} must be {rule}, got {text!r}")
-    return number
-
-
-def split_text(counts: tuple[int, ...]) -> str:
-    """Layers per stage joined by '/', a run of three or more as COUNTxRUN: (7, 8, 8, 8, 7) -> '7/8x3/7'."""
-    parts: list[list[int]] = []
-    for c in counts:
-        if parts and parts[-1][0] == c:
-            parts[-1][1] += 1
-        else:
-            parts.append([c, 1])
-    return "/".join(f"{c}x{k}" if k > 2 else "/".join([str(c)] * k) for c, k in parts)
-
-
-def _split(values: dict[str, tuple[str, str]]) -> tuple[int, ...]:
-    """``split=7/8x14/7`` (``split_text``): layers per pipeline stage (``ParallelConfig.layer_split``);
-    () when absent."""
-    if "split" not in values:
-        return ()
-    name, text = values["split"]
-    counts: list[int] = []
-    for part in text.split("/"):
-        count, times, run = part.strip().partition("x")
-        run = run if times else "1"
-        if not count.isdigit() or not run.isdigit() or int(run) < 1:
-            raise AnalysisError(f"{name} must be layer counts joined by '/' (a run as COUNTxRUN), e.g. 7/8x14/7, "
-                                f"got {text!r}")
-        counts += [int(count)] * int(run)
-    return tuple(counts)
-
-
-def parse_plan(text: str, gpus: int) -> Plan:
-    """'tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1' -> Plan (``split=7/8/8/7``: an uneven layer split);
-    dp defaults to gpus / (tp pp cp).
-
-    Every count must be a positive integer (keep >= 0): the error names the key and the value."""
-    values: dict[str, tuple[str, str]] = {}  # canonical key -> (the key as written, value)
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in _KEYS:
-            raise AnalysisError(f"plan item {item!r}: expected KEY=VALUE with KEY in {sorted(_KEYS)}")
-        values[_KEYS[key.strip()]] = (key.strip(), value.strip())
-    try:
-        tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
-        dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
-        par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
-                             interleave=_count(values, "interleave", 1), layer_split=_split(values),
-                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]),
-                             cp_comm_type=values.get("cp_comm_type", ("", "ring"))[1],
-                             cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0))
-        rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
-        return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
-    except ValueError as err:  # AnalysisError is one
-        raise AnalysisError(f"plan {text!r}: {err}") from err

@@ -88,6 +88,20 @@ EXTRA_SHAPES: dict[str, ModelConfig] = {
 }
 
 
+# Peak learning rates the presets' papers published (what `plan --emit-config` writes; the others get a
+# "set lr" line): GPT-3 (Brown et al. 2020, Table 2.1), MT-NLG 530B (Smith et al. 2022), Llama 2 (Touvron
+# et al. 2023, Table 1), Llama 3 405B (Llama Team 2024, Sec. 3.4.1).
+PUBLISHED_LR: dict[str, float] = {
+    "175b": 0.6e-4, "530b": 5.0e-5, "gpt3-6.7b": 1.2e-4, "gpt3-13b": 1.0e-4,
+    "llama2-7b": 3.0e-4, "llama2-13b": 3.0e-4, "llama2-70b": 1.5e-4, "llama3-405b": 8.0e-5,
+}
+
+
+def published_lr(name: str) -> float | None:
+    """The peak learning rate a preset's paper published, None where it gave none."""
+    return PUBLISHED_LR.get(name.lower())
+
+
 def preset_names() -> list[str]:
     return [k.lower() for k in TABLE3] + list(EXTRA_SHAPES)
 

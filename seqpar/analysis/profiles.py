@@ -1,7 +1,8 @@
 """Hardware profiles: the cost model's machine (``costmodel.Hardware``) as JSON, with the source of its numbers.
 
 ``seqpar calibrate --out profile.json`` writes one from micro-benchmarks; built in are ``a100-80gb``
-(fitted to the paper's measured times, ``calibration.py``), ``h100-80gb`` and ``h200-141gb`` (the A100
+(fitted to the paper's measured times, ``calibration.py``), ``h100-80gb`` and ``h200-141gb`` (GEMM efficiency
+fitted to seqpar's own measured 22B layer on an H200, ``hopper_gemm_efficiency``; the other efficiencies the A100
 fit's achieved fractions of its data sheet, applied to theirs; data sheets in ``hardware.py``). Built-in
 profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs); a profile file
 must say it (``REQUIRED_FIELDS``).
@@ -12,13 +13,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import fields, replace
+from functools import lru_cache
 from pathlib import Path
 
 from seqpar.analysis.calibration import paper_calibration
-from seqpar.analysis.costmodel import Hardware
-from seqpar.analysis.hardware import TFLOPS, datasheet_hardware, known_gpu
+from seqpar.analysis.costmodel import Hardware, layer_time_s
+from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS, TFLOPS, datasheet_hardware, known_gpu
+from seqpar.analysis.presets import TABLE3
 from seqpar.analysis.shapes import AnalysisError
-from seqpar.config import did_you_mean
+from seqpar.config import ParallelConfig, RecomputeConfig, did_you_mean
 
 BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
@@ -28,23 +31,72 @@ REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap
 
 
 
-def scaled_from_a100(gpu: str):
-    """``gpu``'s data sheet times the fractions the A100 fit to the paper achieved of the A100's sheet:
-    the same GEMM efficiency, share of memory and link bandwidth, latency and per-layer overhead."""
+# seqpar's own measurements on Hopper (docs/gpu.md, `seqpar selftest --device cuda --quick` on one H200,
+# 2026-12-04): the paper's 22B layer (h 6144, a 64, s 2048, b 4, bf16, dropout 0.1, t = 1, materialized core,
+# no recompute) ran 23.3 ms forward + 29.9 ms backward, and a bf16 GEMM of n = 8192 reached 692 of 989 TFLOP/s.
+# ``gemm_efficiency`` is fitted to the layer, as the A100's is fitted to the paper's layer and iteration times
+# (the lone GEMM's 0.70 is its upper bound). The H100 SXM has the same GH100 tensor cores and clocks (the H200
+# differs in HBM only), so both Hopper profiles take the efficiency fitted on the H200.
+HOPPER_22B_LAYER_MS = (23.3, 29.9)
+HOPPER_MEASURED_GEMM_TFLOPS = 692.0
+HOPPER = ("h100", "h200")
+
+
+@lru_cache(maxsize=1)
+def hopper_gemm_efficiency() -> float:
+    """The GEMM efficiency at which the cost model times the 22B layer on the H200 profile as measured
+    (``HOPPER_22B_LAYER_MS``, forward + backward; bisection: the layer's time falls as the efficiency rises)."""
+    setup = TABLE3["22B"]
+    hw = _sheet_scaled("h200")
+    target = sum(HOPPER_22B_LAYER_MS) / 1e3
+    lo, hi = 0.05, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        t = sum(layer_time_s(setup.shape, ParallelConfig(tp=1), RecomputeConfig("none"), setup.micro_batch,
+                             replace(hw, gemm_efficiency=mid)))
+        lo, hi = (mid, hi) if t > target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def efficiency_sources(gpu: str, fitted_from: str) -> str:
+    """Where each efficiency of ``gpu``'s built-in profile comes from, one clause each (``seqpar plan`` prints it)."""
+    if gpu not in HOPPER:
+        return f"every efficiency {fitted_from}"
+    peak = PEAK_DENSE_16BIT_TFLOPS[gpu]
+    return (f"gemm_efficiency {hopper_gemm_efficiency():.2f} fitted to seqpar's measured 22B layer on one H200 "
+            f"({HOPPER_22B_LAYER_MS[0]} + {HOPPER_22B_LAYER_MS[1]} ms, t=1, b=4; its lone bf16 GEMM reached "
+            f"{HOPPER_MEASURED_GEMM_TFLOPS:.0f} of {peak:.0f} TFLOP/s; docs/gpu.md); memory_bw, intra/inter-node bw: "
+            f"the A100 fit's achieved fractions of its data sheet x the {gpu}'s; comm_latency, layer/step overhead: "
+            f"the A100 fit's (not measured on a {gpu}; run seqpar calibrate there)")
+
+
+def _sheet_scaled(gpu: str):
+    """``gpu``'s data sheet x the A100 fit's achieved fractions of the A100's sheet (bandwidths) and the fit's
+    GEMM efficiency, latency and overheads."""
     cal = paper_calibration()
     fitted, sheet_a100, sheet = cal.hardware, datasheet_hardware("a100"), datasheet_hardware(gpu)
+    scale = {n: getattr(sheet, n) * getattr(fitted, n) / getattr(sheet_a100, n)
+             for n in ("memory_bw", "intra_node_bw", "inter_node_bw")}
+    return replace(sheet, **scale, gemm_efficiency=fitted.gemm_efficiency, comm_latency=fitted.comm_latency,
+                   layer_overhead=fitted.layer_overhead, step_overhead=fitted.step_overhead)
+
+
+def scaled_from_a100(gpu: str):
+    """``gpu``'s data sheet times the fractions the A100 fit to the paper achieved of the A100's sheet:
+    the same share of memory and link bandwidth, latency and per-layer overhead; the same GEMM efficiency, except
+    on Hopper, where it is fitted to seqpar's own measurement (``hopper_gemm_efficiency``)."""
+    cal = paper_calibration()
     band = max(abs(e) for e in cal.errors("heldout_predicted_s"))
     if gpu == "a100":
         source = (f"fitted to the paper's {len(cal.rows)} measured times (Tables 4, 5, Sec. 6.3) on A100-80GB; "
                   f"leave-one-model-out error up to {100 * band:.0f}%")
     else:
-        source = (f"{gpu} data sheet x the achieved fractions of the A100 fit to the paper (not measured on a "
-                  f"{gpu}; run seqpar calibrate there)")
-    scale = {n: getattr(sheet, n) * getattr(fitted, n) / getattr(sheet_a100, n)
-             for n in ("memory_bw", "intra_node_bw", "inter_node_bw")}
-    return replace(sheet, **scale, gemm_efficiency=fitted.gemm_efficiency, comm_latency=fitted.comm_latency,
-                   layer_overhead=fitted.layer_overhead, step_overhead=fitted.step_overhead, error_band=band,
-                   source=source,
+        source = f"{gpu} data sheet; " + efficiency_sources(gpu, "from the A100 fit to the paper (not measured on a "
+                                                           f"{gpu}; run seqpar calibrate there)")
+    hw = _sheet_scaled(gpu)
+    if gpu in HOPPER:
+        hw = replace(hw, gemm_efficiency=hopper_gemm_efficiency())
+    return replace(hw, error_band=band, source=source,
                    name=next(k for k, v in BUILTIN_PROFILES.items() if v == gpu) if gpu in BUILTIN_PROFILES.values()
                    else gpu)
 

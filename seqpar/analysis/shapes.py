@@ -53,14 +53,12 @@ def layers_per_chunk(model: ModelConfig, par: ParallelConfig) -> int:
 def validate_layout(model: ModelConfig, par: ParallelConfig) -> int:
     """The model's and the layout's rules (those of ``ParallelConfig.validate``, every one but the layer
     split), then the analytic model's even split; returns the layers per chunk, L/(pm). An uneven
-    ``layer_split`` (one chunk per rank) is modelled as given; then the fewest layers of a non-empty stage."""
+    ``layer_split`` (one entry per virtual stage, interleaved or not) is modelled as given; then the fewest layers
+    of a non-empty virtual stage."""
     model.validate()
     if par.layer_split:
         par.validate(model)  # the split's own rules too
-        counts = par.layer_counts(model.num_layers)
-        if par.interleave > 1 and len(set(counts)) > 1:
-            raise AnalysisError(f"the analytic model splits interleaved chunks evenly, not as {counts}")
-        return min((n for n in counts if n), default=1)
+        return min((n for n in par.layer_counts(model.num_layers) if n), default=1)
     par.validate(replace(model, num_layers=max(1, par.pp * par.interleave)))  # every rule but the layer count
     return layers_per_chunk(model, par)
 
@@ -86,6 +84,10 @@ class ActivationOptions:
     # dtype (logits_bytes) and an fp32 log-sum-exp per token instead of an fp32 softmax (the paper's Sec. 4.3)
     bounded_loss: bool = False
     free_pipeline_outputs: bool = True
+    # Megatron's --tp-comm-overlap (TransformerEngine userbuffers): every tensor-parallel collective of a layer
+    # pipelined with the GEMM it feeds or follows, forward and backward (seqpar's trainer overlaps the backward's
+    # SP re-gather and reduce-scatter only; costmodel.layer_pass_s). For modelling published runs.
+    tp_comm_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,13 @@ class OptimizerOptions:
     master_bytes: int = 4
     adam_bytes: int = 8
     distributed: bool = False
+    # overlap (costmodel.dp_allreduce_s): gradient buckets of ``bucket_bytes`` fp32 reduced during the last
+    # microbatch's backward (train.overlap_grad_reduce, train.grad_bucket_mb); the distributed optimizer's
+    # weights all-gathered during the first microbatch's forward (Megatron's --overlap-param-gather; seqpar's
+    # trainer gathers them after the step)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_bytes: float = 25 * 2**20
 
     @classmethod
     def for_precision(cls, precision: str, distributed: bool = False) -> OptimizerOptions:
@@ -134,6 +143,20 @@ def uses_dropout(cfg: ModelConfig, embedding: bool = True) -> bool:
         raise AnalysisError(f"the formula needs the {kinds} dropouts all on or all off, got "
                             + ", ".join(f"{k} {rates[k]}" for k in on))
     return on["hidden"]
+
+
+DEVICES = ("cuda", "cpu")  # the device kinds a prediction is for (what a launch on such a host runs)
+
+
+def device_kernels(device: str, act_bytes: int) -> tuple[str, int]:
+    """What the run's device changes in the activation formula, the one owner of that rule (the planner, the
+    dry run and the measurement ask it): the fused kernel ``scaled_dot_product_attention`` runs
+    (``memory.SDPA_KERNELS``: the CPU kernel writes its output in the query's memory order, flash on CUDA a
+    ``[b, s, heads, d]`` one, a second storage at b > 1) and the bytes of one norm-statistic element (the
+    activation width ``act_bytes`` on CPU, fp32 on accelerators)."""
+    if device not in DEVICES:
+        raise AnalysisError(f"device {device!r} is not one of {list(DEVICES)}")
+    return ("cpu", act_bytes) if device == "cpu" else ("flash", 4)
 
 
 def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: bool = True,

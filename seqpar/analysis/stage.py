@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass, field
 
 from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
-from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks
+from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
 from seqpar.analysis.memory import a2a_buffer_bytes, kv_heads_per_rank, layer_activation_terms
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
-from seqpar.analysis.states import stage_state_bytes
+from seqpar.analysis.states import chunk_layer_ids, stage_state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -99,21 +99,23 @@ def layers_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: Activati
             + (dense * layer_bytes(shape, par, b, opts, rc, moe=False) if dense else 0.0))
 
 
-def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[list[int]]:
-    """The global layers of each chunk of pipeline rank ``rank``, in order (``seqpar.pipeline.split``'s rule:
-    virtual stage c·p + r is chunk c of rank r)."""
-    sizes = par.layer_counts(shape.num_layers)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    stages = [c * par.pp + rank for c in range(par.interleave)]
-    return [list(range(starts[v], starts[v] + sizes[v])) for v in stages]
-
-
 def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
-    """Layers in each chunk of pipeline rank ``rank``: L/(pm), or its entry of an uneven ``layer_split``
-    (one chunk per rank; ``validate_layout`` refuses an uneven interleaved split)."""
+    """Layers in each chunk of pipeline rank ``rank``: L/(pm), or under an uneven ``layer_split`` its largest
+    chunk's (its only one when m = 1; ``rank_chunk_layers`` gives each)."""
+    return max(rank_chunk_layers(shape, par, rank))
+
+
+def rank_chunk_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[int]:
+    """Layers of each of pipeline rank ``rank``'s m chunks: virtual stage c·p + rank is its chunk c."""
     if par.layer_split:
-        return par.layer_counts(shape.num_layers)[rank]
-    return layers_per_chunk(shape, par)
+        counts = par.layer_counts(shape.num_layers)
+        return [counts[c * par.pp + rank] for c in range(par.interleave)]
+    return [layers_per_chunk(shape, par)] * par.interleave
+
+
+def uneven_chunks(par: ParallelConfig, shape: ModelConfig) -> bool:
+    """Whether some rank's chunks differ in layers (an uneven interleaved split)."""
+    return par.interleave > 1 and bool(par.layer_split) and len(set(par.layer_counts(shape.num_layers))) > 1
 
 
 def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
@@ -121,9 +123,9 @@ def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
     the last (the output layer) and, under an uneven split, the first rank of each layer count (the in-flight
     count and the recomputed share fall with the rank, so later ranks of a count hold and run less)."""
     ranks = {0, par.pp - 1}
-    if par.layer_split:
-        counts = par.layer_counts(shape.num_layers)
-        ranks |= {counts.index(n) for n in set(counts)}
+    if par.layer_split:  # the first rank of each set of chunk sizes
+        chunks = [tuple(rank_chunk_layers(shape, par, r)) for r in range(par.pp)]
+        ranks |= {chunks.index(c) for c in set(chunks)}
     return sorted(ranks)
 
 
@@ -136,6 +138,9 @@ def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
     n_layers = rank_layers(shape, par, rank)
     if n_layers == 0:
         return 0.0
+    if uneven_chunks(par, shape):
+        raise AnalysisError(f"pipeline rank {rank}'s chunks hold {rank_chunk_layers(shape, par, rank)} layers: "
+                            "each keeps its own bytes (chunk_bytes_each)")
     if mixed_layers(shape):
         per_chunk = {_chunk_bytes(shape, par, rc, b, opts, ids) for ids in chunk_layer_ids(shape, par, rank)}
         if len(per_chunk) > 1:
@@ -145,6 +150,15 @@ def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
                                 "chunk holds as many MoE layers)")
         return per_chunk.pop()
     return _chunk_bytes(shape, par, rc, b, opts, list(range(n_layers)))
+
+
+def chunk_bytes_each(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                     opts: ActivationOptions, rank: int = 0) -> list[float]:
+    """Bytes one chunk-microbatch keeps under ``rc``, for each of rank ``rank``'s chunks (``chunk_bytes`` for
+    every chunk when they are alike)."""
+    if not uneven_chunks(par, shape):
+        return [chunk_bytes(shape, par, rc, b, opts, rank)] * par.interleave
+    return [_chunk_bytes(shape, par, rc, b, opts, ids) if ids else 0.0 for ids in chunk_layer_ids(shape, par, rank)]
 
 
 def _chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
@@ -262,7 +276,13 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         terms["fsdp_in_flight"] = float(in_flight_bytes(shape, par, opt.param_bytes, rank=rank))
     else:
         terms = stage_state_bytes(shape, par, rank, opt)  # distributed: over dp × cp (routed experts: dp·cp/ep)
-    terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
+    if uneven_chunks(par, shape):  # the schedule's peak over chunk-microbatches of different sizes
+        if kept:
+            raise AnalysisError("App. C (keep_microbatches) with an uneven interleaved split is not modelled")
+        each = chunk_bytes_each(shape, par, rc, b, opts, rank)
+        terms["layer_activations"] = peak_in_flight(rank, par.pp, par.interleave, n, each)
+    else:
+        terms["layer_activations"] = (r - kept) * chunk_bytes(shape, par, rc, b, opts, rank)
     if kept:
         terms["kept_microbatches"] = kept * chunk_bytes(shape, par, NONE, b, opts, rank)
     terms.update(sec43_extra_terms(shape, par, b, opts, rank, n))

@@ -100,16 +100,22 @@ def chunk_parameter_sizes(shape: ModelConfig, t: int, layer_ids: list[int], firs
     return out
 
 
+def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[list[int]]:
+    """The global layers of each chunk of pipeline rank ``rank``, in order (``seqpar.pipeline.split``'s rule:
+    virtual stage c·p + r is chunk c of rank r)."""
+    sizes = par.layer_counts(shape.num_layers)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    stages = [c * par.pp + rank for c in range(par.interleave)]
+    return [list(range(starts[v], starts[v] + sizes[v])) for v in stages]
+
+
 def stage_parameter_sizes(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[tuple[str, int]]:
     """(name, elements) of every parameter one tp rank of pipeline rank ``rank`` holds (all its interleaved
     chunks, the layer split ``par.layer_split`` or even), in the order the optimizer lists them."""
     p, m = par.pp, par.interleave
-    counts = par.layer_counts(shape.num_layers)
-    starts = [sum(counts[:i]) for i in range(len(counts))]
     out: list[tuple[str, int]] = []
-    for c in range(m):
+    for c, ids in enumerate(chunk_layer_ids(shape, par, rank)):
         v = c * p + rank  # the virtual stage (seqpar.pipeline.split.virtual_stage)
-        ids = list(range(starts[v], starts[v] + counts[v]))
         out += chunk_parameter_sizes(shape, par.tp, ids, first=v == 0, last=v == p * m - 1, one_stage=p * m == 1,
                                      ep=par.ep)
     return out

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
-GB = 1e9  # reports use decimal GB (an "80 GB" A100 holds 80 GiB, so this errs on the safe side)
+GB = 1e9  # the paper's tables (`seqpar paper`) print decimal GB, as the paper does
+GiB = 2**30  # every other memory report (plan, train --dry-run, memory): binary units, ``human_bytes``
 
 
 def gb(nbytes: float, digits: int = 1) -> str:
     return f"{nbytes / GB:.{digits}f}"
+
+
+def gib(nbytes: float, digits: int = 2) -> str:
+    """``nbytes`` in GiB, for a table column headed "GiB"."""
+    return f"{nbytes / GiB:.{digits}f}"
+
+
+def human_bytes(nbytes: float) -> str:
+    """``nbytes`` in one binary unit, the same in every memory report: ``1,000 B``, ``1.50 KiB``, ``2.00 MiB``,
+    ``59.96 GiB``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(value) < 1024:
+            return f"{value:,.0f} B" if unit == "B" else f"{value:,.2f} {unit}"
+        value /= 1024
+    return f"{value:,.2f} GiB"
+
+
+def exact_bytes(nbytes: float) -> str:
+    """``nbytes`` exactly, then in ``human_bytes``: ``64,375,809,536 B (59.96 GiB)``; the form every report
+    gives a rank's total in."""
+    return f"{nbytes:,.0f} B" if abs(nbytes) < 1024 else f"{nbytes:,.0f} B ({human_bytes(nbytes)})"
 
 
 def pct_change(ratio: float, digits: int = 1) -> str:

@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
            "and the reduction time hidden"),
     "gpu": ("seqpar.bench.gpu", "Llama-class speed on one device: a Llama-3-8B layer and a Llama-3.2-1B-shaped "
             "model through the trainer, against the same math in plain PyTorch (eager, compiled)"),
+    "published": ("seqpar.bench.published", "the cost model against published training runs (paper, Megatron-LM "
+                  "README A100 and H100 tables, llm-foundry MPT): predicted vs published seconds, error by GPU kind"),
     "cp": ("seqpar.bench.cp", "context parallelism's exchanges side by side: ring vs all-to-all (Ulysses) vs the "
            "hybrid, one layer's fwd+bwd at cp 2 and 4"),
     "planner": ("seqpar.bench.planner",
@@ -36,13 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q = sub.add_parser(name, help=help_text, description=help_text)
         q.add_argument("--json", action="store_true", help="print one JSON object")
         q.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke test, not a result)")
-        q.add_argument("--out", metavar="FILE", help="also write the JSON object to FILE")
+        q.add_argument("--out", metavar="FILE", help="also write the JSON object to FILE (an existing file is "
+                       "replaced only when it is a benchmark result)")
         importlib.import_module(module).add_arguments(q)
         q.set_defaults(_bench=module)
 
 
 def run(args: argparse.Namespace) -> dict:
     module = importlib.import_module(args._bench)
+    if getattr(args, "out", None):
+        from seqpar.commands.out_path import check_out_file, json_with
+
+        check_out_file(args.out, "--out", json_with("machine"), "a benchmark result")  # before the benchmark
     if args.quick:
         for key, value in module.QUICK.items():
             setattr(args, key, value)

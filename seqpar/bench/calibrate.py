@@ -4,7 +4,7 @@
 Every local rank runs each benchmark at the same time (on a CPU each rank gets cores / ranks threads,
 as ``seqpar train --nproc`` gives them); a benchmark's time is the median over repeats on the slowest
 rank, each repeat a block of calls lasting ``block`` seconds (a sustained rate). What is compared is
-timed interleaved (``interleaved``: one block of each per round, the order rotating): the GEMM shapes
+timed interleaved (``common.interleaved``: one block of each per round, the order rotating): the GEMM shapes
 with each other, and each collective with the GEMM alone it is measured against, what it adds being
 the median over rounds of the two blocks' difference (``paired_difference``). What is measured, and
 which parameter it gives:
@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 import warnings
 from dataclasses import replace
 
@@ -41,12 +40,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.analysis.calibration import DataPoint, fit
-from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time
+from seqpar.analysis.calibration import CLOSED_LOOP_TARGET, DataPoint, fit
+from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time, ring_allreduce_s, ring_gather_s
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
+from seqpar.bench import common
 from seqpar.config import DTYPE_BYTES, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
-from seqpar.parallel.comm import MAX, all_gather_into, all_reduce, barrier, reduce_scatter_into
+from seqpar.parallel.comm import all_gather_into, all_reduce, reduce_scatter_into
 from seqpar.parallel.launch import default_device, run_ranks
 
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
@@ -65,70 +65,6 @@ TINY_SHAPE = {"hidden": 32, "heads": 2, "seq": 16, "micro_batch": 1, "vocab": 25
 STEP_FIT = ("gemm_efficiency", "memory_bw")  # + comm_latency with a tp step: the rates a real step runs at
 STEP_PRIOR_WEIGHT = 0.1  # residual per e-fold away from the micro-benchmarks' value: they stay where steps are
 # silent, as on the split of a step's time between GEMMs and element-wise work (docs/analysis.md)
-CLOSED_LOOP_BAND = 0.20  # the goal for predicted vs measured step time on the calibrated machine (seqpar bench planner)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
-
-
-def _slowest(seconds: float) -> float:
-    if not dist.is_initialized():
-        return seconds
-    t = torch.tensor([seconds], dtype=torch.float64)
-    all_reduce(t, op=MAX)  # gloo and nccl both take a CPU double via the default group
-    return float(t.item())
-
-
-def timed(fn, repeats: int, device: torch.device, min_block: float = 0.0) -> float:
-    """Seconds per call of ``fn()``: the median over ``repeats`` blocks, all ranks starting each block
-    together, of the slowest rank. A block runs ``fn`` enough times to last ``min_block`` seconds (the
-    same count on every rank): a sustained rate, which is what a training run gets on a machine whose
-    cores other processes share (a lone millisecond call often runs before the scheduler interrupts it)."""
-    return _slowest(statistics.median(_blocks({"fn": fn}, repeats, device, min_block)["fn"]))
-
-
-def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float = 0.0) -> dict[str, list[float]]:
-    """Seconds per call of each of ``fns`` in ``repeats`` rounds, the slowest rank's time of each block
-    (as ``timed``); in each round every function runs one block, the order rotating from round to round,
-    so that a slow spell of the machine lands on neighbouring blocks of different functions and cancels
-    in their difference (``paired_difference``) instead of on all blocks of one of them."""
-    times = _blocks(fns, repeats, device, min_block)
-    if dist.is_initialized():
-        names = list(times)
-        t = torch.tensor([times[k] for k in names], dtype=torch.float64)
-        all_reduce(t, op=MAX)
-        times = {k: row for k, row in zip(names, t.tolist(), strict=True)}
-    return times
-
-
-def _blocks(fns: dict, repeats: int, device: torch.device, min_block: float) -> dict[str, list[float]]:
-    """This rank's seconds per call of each of ``fns`` in ``repeats`` rounds of one block each (the order
-    rotating); one warm-up call each sets its calls per block, the same on every rank (collectives
-    inside a function need every rank to make the same number of calls)."""
-    names = list(fns)
-    calls = {}
-    for name in names:
-        start = time.perf_counter()
-        fns[name]()
-        _sync(device)
-        calls[name] = max(1, int(min_block / max(time.perf_counter() - start, 1e-9)))
-    if dist.is_initialized():
-        n = torch.tensor([calls[k] for k in names], dtype=torch.int64)
-        all_reduce(n, op=MAX)
-        calls = dict(zip(names, (int(c) for c in n.tolist()), strict=True))
-    times = {k: [0.0] * max(1, repeats) for k in names}
-    for r in range(max(1, repeats)):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            if dist.is_initialized():
-                barrier()
-            start = time.perf_counter()
-            for _ in range(calls[name]):
-                fns[name]()
-            _sync(device)
-            times[name][r] = (time.perf_counter() - start) / calls[name]
-    return times
 
 
 def paired_difference(with_s: list[float], base_s: list[float]) -> float:
@@ -148,7 +84,7 @@ def gemm_sweep(shapes, dtype, device, repeats: int, block: float = 0.0) -> list[
         fns[(m, k, n)] = lambda a=a, b=b: torch.mm(a, b)  # a fresh output, as F.linear gives one
         rows.append({"m": m, "k": k, "n": n, "flops": 2 * m * k * n,
                      "bytes": a.element_size() * (m * k + k * n + m * n)})
-    times = interleaved(fns, repeats, device, block)
+    times = common.interleaved(fns, repeats, device, block)
     return [{**r, "seconds": statistics.median(times[(r["m"], r["k"], r["n"])])} for r in rows]
 
 
@@ -172,7 +108,7 @@ def elementwise(sizes, dtype, device, repeats: int, block: float = 0.0, dropout:
         "dropout_residual": (lambda: (F.dropout(x, dropout) + res).backward(torch.ones_like(x)),
                              (3 * e + 1) * x.numel()),
     }
-    return [{"op": name, "bytes": 3 * nbytes, "seconds": timed(fn, repeats, device, block)}
+    return [{"op": name, "bytes": 3 * nbytes, "seconds": common.sustained_s(fn, repeats, device, block)}
             for name, (fn, nbytes) in ops.items()]
 
 
@@ -218,8 +154,8 @@ def collectives(sizes: list[int], dtype, device, repeats: int, block: float = 0.
                 gemm()
                 work.wait()
 
-            alone = timed(fn, 3, device, block)  # for comparison only: nothing is fitted to it
-            t = interleaved({"gemm": gemm, "after": after, "beside": beside}, repeats, device, block)
+            alone = common.sustained_s(fn, 3, device, block)  # for comparison only: nothing is fitted to it
+            t = common.interleaved({"gemm": gemm, "after": after, "beside": beside}, repeats, device, block)
             seconds = max(1e-7, paired_difference(t["after"], t["gemm"]))
             rows.append({"op": name, "bytes": numel * e, "seconds": seconds, "alone_s": alone,
                          "beside_s": paired_difference(t["beside"], t["gemm"]),
@@ -257,7 +193,7 @@ def p2p(sizes: list[int], dtype, device, repeats: int, block: float = 0.0, gemm_
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        t = interleaved({"gemm": gemm, "pingpong": pingpong}, repeats, device, block)
+        t = common.interleaved({"gemm": gemm, "pingpong": pingpong}, repeats, device, block)
         seconds = max(1e-7, paired_difference(t["pingpong"], t["gemm"]) / 2)
         rows.append({"bytes": buf.numel(), "seconds": seconds, "gemm_s": statistics.median(t["gemm"])})
     return rows
@@ -312,7 +248,8 @@ def framework(dtype: str, device, repeats: int, block: float, shape: dict,
             step = iter(range(10**6))
             for _ in range(2):  # the first steps allocate the optimizer state and warm the allocator
                 trainer.train_step(next(step))
-            seconds = timed(lambda trainer=trainer, step=step: trainer.train_step(next(step)), repeats, device, block)
+            seconds = common.sustained_s(lambda trainer=trainer, step=step: trainer.train_step(next(step)), repeats,
+                                         device, block)
             rows.append({**cfg, "seconds": seconds})
             del trainer
     return rows
@@ -391,10 +328,10 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
                   gemm_efficiency=0.9, name=name, memory_bytes=_memory_bytes(), reserve_fraction=0.10,
                   comm_overlap=0.0 if default_device().type == "cpu" else 1.0)  # not measured on one rank
     if meas["collectives"]:  # bus bandwidth and latency as the cost model uses them: latency + volume / bw
-        factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+        ring = {"all_reduce": ring_allreduce_s, "all_gather": ring_gather_s, "reduce_scatter": ring_gather_s}
         points = [DataPoint("collective", "", f"{r['op']} {r['bytes']} B", r["seconds"],
-                            lambda h, r=r: h.comm_latency + factor[r["op"]] * (nproc - 1) / nproc * r["bytes"]
-                            / h.intra_node_bw) for r in meas["collectives"]]
+                            lambda h, r=r: h.comm_latency + ring[r["op"]](r["bytes"], nproc, h.intra_node_bw))
+                  for r in meas["collectives"]]
         points += [DataPoint("p2p", "", f"send {r['bytes']} B", r["seconds"],
                              lambda h, r=r: h.comm_latency + r["bytes"] / h.intra_node_bw) for r in meas["p2p"]]
         hw = fit(points, hw, names=("intra_node_bw", "comm_latency"), prior_weight=1e-3)
@@ -445,34 +382,19 @@ def _memory_bytes() -> float:
         return 16e9
 
 
-def machine() -> dict:
-    """What was calibrated: device, CPU model, cores, load, torch."""
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    device = default_device()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
-    return {"device": device.type, "device_name": name, "cpu": cpu, "cores": os.cpu_count(),
-            "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
 def calibrate(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
     """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine).
     ``shape``: the model whose training steps are timed (``step_shape``; seqpar bench planner passes its own)."""
     from seqpar.analysis.profiles import profile_to_json
 
-    info = machine()
+    info = common.machine()
     meas = measure(nproc, dtype, size, shape)
     label = f"{info['device_name']} x{nproc}"
     hw = fit_profile(meas, nproc, dtype, name=f"local {info['device']}")
     source = (f"seqpar calibrate on {label} ({dtype}, {size} sizes, {info['date']}, 1-min load "
               f"{info['load_avg_1min']:.2f}); cross-node bandwidth not measured (set to the local one); error band "
-              f"{100 * CLOSED_LOOP_BAND:.0f}% is the closed-loop goal of seqpar bench planner, not a measured error")
-    hw = replace(hw, source=source, error_band=CLOSED_LOOP_BAND)
+              f"{100 * CLOSED_LOOP_TARGET:.0f}% is the closed-loop goal of seqpar bench planner, not a measured error")
+    hw = replace(hw, source=source, error_band=CLOSED_LOOP_TARGET)
     steps = [{"config": p.config, "measured_s": p.measured_s, "predicted_s": p.predict(hw)}
              for p in step_points(meas, dtype)]
     return {**profile_to_json(hw), "dtype": dtype, "machine": info, "gemm_rate": gemm_rate(meas["gemm"]),

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from seqpar.config import ConfigError, ModelConfig
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.parallel import comm
 from seqpar.parallel.comm import MAX, all_reduce
+from seqpar.parallel.launch import default_device
 
 
 def add_shape_arguments(p, hidden: int, heads: int, seq: int, micro_batch: int, layers: int | None = None,
@@ -75,14 +79,18 @@ def model_config(args, dtype: str | None = None, vocab: int | None = None, layer
 
 
 def machine() -> dict:
-    """What ran the benchmark: CPU, cores, torch, date. Other processes may have been running."""
+    """What ran the benchmark or the calibration: device, CPU, cores, threads, load, torch, date. Other processes
+    may have been running."""
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as fh:
             cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "nproc": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    device = default_device()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    return {"device": device.type, "device_name": name, "cpu": cpu, "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
@@ -153,47 +161,69 @@ def timed_cpu(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-class Meter:
-    """What autograd keeps for backward while active, in bytes: every distinct storage saved (views
-    and 2-D reshapes of one storage count once), parameters and buffers excluded -- the accounting of
-    ``seqpar.measure.saved.SavedTensorMeter``, extended to DTensors (counted by their local
-    tensor's storage) and to the inputs a non-reentrant ``torch.utils.checkpoint`` keeps alive outside
-    autograd's saved tensors (reported through ``seqpar.bench.torch_native.KeptInputs``)."""
+@contextlib.contextmanager
+def metered(model: torch.nn.Module) -> Iterator[SavedTensorMeter]:
+    """The saved-activation meter (``seqpar.measure.meter``) over ``model``'s forward, also counting the inputs
+    a non-reentrant ``torch.utils.checkpoint`` keeps alive outside autograd's saved tensors (reported through
+    ``seqpar.bench.torch_native.KeptInputs``)."""
+    from seqpar.bench.torch_native import KeptInputs
 
-    def __init__(self, module: torch.nn.Module):
-        from torch.distributed.tensor import DTensor
-
-        self._dtensor = DTensor
-        self._exclude = {self._local(t).untyped_storage().data_ptr() for t in [*module.parameters(),
-                                                                                 *module.buffers()]}
-        self._kept: dict[int, object] = {}  # data_ptr -> storage, held until exit so no address is reused
-        self.total_bytes = 0
-
-    def _local(self, t):
-        return t._local_tensor if isinstance(t, self._dtensor) else t
-
-    def _pack(self, t):
-        storage = self._local(t).untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._exclude and key not in self._kept and storage.nbytes() > 0:
-            self._kept[key] = storage
-        return t
-
-    def __enter__(self):
-        from seqpar.bench.torch_native import KeptInputs
-
-        KeptInputs.sink = self._pack
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        from seqpar.bench.torch_native import KeptInputs
-
+    meter = SavedTensorMeter(model, names=False)
+    KeptInputs.sink = meter.keep
+    try:
+        with meter:
+            yield meter
+    finally:
         KeptInputs.sink = None
-        self._hooks.__exit__(*exc)
-        self.total_bytes = sum(storage.nbytes() for storage in self._kept.values())
-        self._kept.clear()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def sustained_s(fn, repeats: int, device: torch.device, min_block: float = 0.0) -> float:
+    """Seconds per call of ``fn()``: the median over ``repeats`` blocks, all ranks starting each block
+    together, of the slowest rank. A block runs ``fn`` enough times to last ``min_block`` seconds (the
+    same count on every rank): a sustained rate, which is what a training run gets on a machine whose
+    cores other processes share (a lone millisecond call often runs before the scheduler interrupts it)."""
+    return max_over_ranks([statistics.median(_blocks({"fn": fn}, repeats, device, min_block)["fn"])])[0]
+
+
+def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float = 0.0) -> dict[str, list[float]]:
+    """Seconds per call of each of ``fns`` in ``repeats`` rounds, the slowest rank's time of each block
+    (as ``sustained_s``); in each round every function runs one block, the order rotating from round to round,
+    so that a slow spell of the machine lands on neighbouring blocks of different functions and cancels
+    in their difference (``calibrate.paired_difference``) instead of on all blocks of one of them."""
+    return {k: max_over_ranks(v) for k, v in _blocks(fns, repeats, device, min_block).items()}
+
+
+def _blocks(fns: dict, repeats: int, device: torch.device, min_block: float) -> dict[str, list[float]]:
+    """This rank's seconds per call of each of ``fns`` in ``repeats`` rounds of one block each (the order
+    rotating); one warm-up call each sets its calls per block, the same on every rank (collectives
+    inside a function need every rank to make the same number of calls)."""
+    names = list(fns)
+    calls = {}
+    for name in names:
+        start = time.perf_counter()
+        fns[name]()
+        _sync(device)
+        calls[name] = max(1, int(min_block / max(time.perf_counter() - start, 1e-9)))
+    if dist.is_initialized():
+        n = torch.tensor([calls[k] for k in names], dtype=torch.int64)
+        all_reduce(n, op=MAX)
+        calls = dict(zip(names, (int(c) for c in n.tolist()), strict=True))
+    times = {k: [0.0] * max(1, repeats) for k in names}
+    for r in range(max(1, repeats)):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if dist.is_initialized():
+                barrier()
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                fns[name]()
+            _sync(device)
+            times[name][r] = (time.perf_counter() - start) / calls[name]
+    return times
 
 
 def fmt_bytes(n: float) -> str:

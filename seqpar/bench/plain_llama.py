@@ -68,6 +68,48 @@ class PlainLlama(nn.Module):
             if p.dim() > 1:
                 nn.init.normal_(p, std=0.02)
 
+    @classmethod
+    def from_config(cls, cfg, device=None) -> PlainLlama:
+        """From a ``seqpar.config.ModelConfig`` of the Llama architecture (only its fields are read)."""
+        from seqpar.dtypes import torch_dtype
+
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.ffn, cfg.num_layers,
+                   cfg.seq_len, dtype=torch_dtype(cfg.dtype), device=device, theta=cfg.rope_theta,
+                   eps=cfg.layernorm_eps)
+
+    def hf_names(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter's Hugging Face Llama weights, concatenated along rows in this order (the fused
+        QKV is [q; k; v], the fused gate/up [gate; up])."""
+        names = {"embed.weight": ("model.embed_tokens.weight",), "norm": ("model.norm.weight",),
+                 "head.weight": ("lm_head.weight",)}
+        for i in range(len(self.blocks)):
+            pre = f"model.layers.{i}."
+            names |= {f"blocks.{i}.norm1": (pre + "input_layernorm.weight",),
+                      f"blocks.{i}.norm2": (pre + "post_attention_layernorm.weight",),
+                      f"blocks.{i}.wqkv.weight": tuple(pre + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                      f"blocks.{i}.wo.weight": (pre + "self_attn.o_proj.weight",),
+                      f"blocks.{i}.w13.weight": (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),
+                      f"blocks.{i}.w2.weight": (pre + "mlp.down_proj.weight",)}
+        return names
+
+    def load_hf_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face Llama weights (``hf_names``) into this model."""
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, parts in self.hf_names().items():
+                params[name].copy_(torch.cat([sd[k] for k in parts], dim=0))
+
+    def hf_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """This model's weights (or gradients) under their Hugging Face Llama names (``hf_names``)."""
+        params, out = dict(self.named_parameters()), {}
+        kv = self.blocks[0].kv * self.blocks[0].d if len(self.blocks) else 0  # k and v rows each
+        for name, parts in self.hf_names().items():
+            value = params[name].grad if grads else params[name].detach()
+            # [q; k; v] splits at heads · d and kv · d rows, [gate; up] in halves
+            pieces = value.split([value.shape[0] - 2 * kv, kv, kv]) if len(parts) == 3 else value.chunk(len(parts))
+            out.update(zip(parts, pieces, strict=True))
+        return out
+
     def compile_blocks(self) -> None:
         for block in self.blocks:
             block.compile()

@@ -34,13 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from seqpar.analysis.calibration import CLOSED_LOOP_TARGET
 from seqpar.bench import common
 
 LAYOUTS = ["tp=2,sp=off,recompute=none", "tp=2,sp=on,recompute=selective", "tp=2,sp=on,recompute=full",
            "tp=1,dp=2,recompute=none", "tp=1,pp=2,recompute=full"]
 QUICK = {"layers": 2, "hidden": 32, "heads": 2, "seq": 16, "micro_batch": 1, "global_batch": 2, "steps": 4,
          "log_every": 2, "size": "quick", "layouts": LAYOUTS[:1] + LAYOUTS[3:4], "rounds": 1}
-TARGET = 0.20
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -297,11 +297,11 @@ def run(args) -> dict:
         rows.append({**summarize(label, rounds[label], [x["predicted_s"] for x in preds], refs),
                      "terms": preds[0]["terms"]})
     rank = ranking(rows)
-    within = all(abs(r["error"]) <= TARGET for r in rows)
+    within = all(abs(r["error"]) <= CLOSED_LOOP_TARGET for r in rows)
     within_norm = None if any(r["error_normalized"] is None for r in rows) else \
-        all(abs(r["error_normalized"]) <= TARGET for r in rows)
+        all(abs(r["error_normalized"]) <= CLOSED_LOOP_TARGET for r in rows)
     brief = [{k: v for k, v in p.items() if k != "measurements"} for p in profiles]
-    return {"rows": rows, "ranking": rank, "target": TARGET, "within_target": within,
+    return {"rows": rows, "ranking": rank, "target": CLOSED_LOOP_TARGET, "within_target": within,
             "within_target_normalized": within_norm, "reference_calibration_s": refs,
             "ranking_matches": rank["agreeing"] == rank["distinguishable_pairs"],
             "profile": brief[0], "profile_after": brief[-1] if len(brief) > 1 else None, "profiles": brief,

@@ -99,8 +99,7 @@ def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute
     per_layer = {}
     for name, model in (("seqpar", ours), ("torch", theirs)):
         x = x_local.detach().requires_grad_(True)
-        meter = common.Meter(model)
-        with meter:
+        with common.metered(model) as meter:
             y = model(x)
         _loss(y).backward()
         model.zero_grad(set_to_none=True)

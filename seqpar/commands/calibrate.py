@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+PROFILE_KEYS = ("name", "source", "layer_overhead", "step_overhead")  # a profile's: what --out may replace
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, help="local ranks (default: every accelerator, or 2 on a CPU)")
@@ -15,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the training dtype of the GEMM sweep and element-wise ops (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (a smoke test, not a profile)")
     p.add_argument("--json", action="store_true", help="print the profile (with its measurements) as JSON")
-    p.add_argument("--out", type=Path, metavar="FILE", help="write the profile to FILE (for plan --hardware)")
+    p.add_argument("--out", type=Path, metavar="FILE", help="write the profile to FILE (for plan --hardware; "
+                   "an existing file is replaced only when it is a profile)")
 
 
 def _default_nproc() -> int:
@@ -51,9 +54,9 @@ def run(args) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     if args.out:
-        from seqpar.commands.out_path import check_out_file
+        from seqpar.commands.out_path import check_out_file, json_with
 
-        check_out_file(args.out, "--out")  # before minutes of benchmarks, not after
+        check_out_file(args.out, "--out", json_with(*PROFILE_KEYS), "a calibrated profile")  # before the benchmarks
     profile = calibrate(nproc, args.dtype, "quick" if args.quick else "full")
     if args.out:
         args.out.write_text(json.dumps(profile, indent=1))

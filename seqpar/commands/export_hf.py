@@ -1,7 +1,9 @@
 """`seqpar export-hf CKPT --out DIR`: a seqpar checkpoint → a Hugging Face folder (config.json +
 model.safetensors) of the architecture that computes the same model -- GPT2LMHeadModel, LlamaForCausalLM,
-StableLmForCausalLM or GPTNeoXForCausalLM -- or, when none does, a one-line refusal naming the model's
-fields (exit 2, nothing written)."""
+StableLmForCausalLM, GPTNeoXForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM -- with the run's tokenizer
+and its bos/eos/pad ids in config.json -- or, when none does, a one-line refusal naming the model's
+fields (exit 2, nothing written). ``--out`` is a new or empty folder; ``--overwrite`` replaces only an earlier
+export (a folder holding anything else is refused, exit 2, nothing changed)."""
 
 from __future__ import annotations
 
@@ -12,17 +14,27 @@ from seqpar.commands.checkpoint_arg import add_checkpoint_argument, checkpoint_o
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_argument(p)  # `export-hf DIR` or `export-hf --checkpoint DIR`
-    p.add_argument("--out", required=True, help="folder to write (required)")
+    p.add_argument("--out", required=True, help="folder to write (required): new or empty, or an earlier export "
+                   "with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (its own files only; "
+                   "a folder holding anything else is refused)")
 
 
 def run(args) -> int:
+    from seqpar.commands.out_path import claim_folder
     from seqpar.data.tokenizer import of_checkpoint
     from seqpar.interop.checkpoints import export_hf, write_tokenizer
+    from seqpar.interop.hf import EXPORT_FILES, family_of, is_export
     from seqpar.train import checkpoint as ckpt
+    from seqpar.train.config import build_job
 
     args.checkpoint = checkpoint_of(args)
     folder = ckpt.resolve(args.checkpoint)
-    of_checkpoint(folder, ckpt.read_meta(folder))  # a tokenizer gone or changed: refused before writing
+    meta = ckpt.read_meta(folder)
+    of_checkpoint(folder, meta)  # a tokenizer gone or changed: refused before writing
+    family_of(build_job(meta["config"]).model)  # no architecture fits: refused before an earlier export is replaced
+    claim_folder(args.out, "--out", "an earlier export", EXPORT_FILES.__contains__, args.overwrite, is_export,
+                 inputs=[folder])
     path = export_hf(args.checkpoint, args.out)
     print(f"exported {args.checkpoint} -> {path}")
     tokenizer = write_tokenizer(args.checkpoint, path)

@@ -16,6 +16,7 @@ from seqpar.config import (
     POSITIONS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_MODULES,
+    ConfigError,
     ModelConfig,
 )
 
@@ -80,6 +81,11 @@ def model_from_args(args) -> ModelConfig:
 
     shape = shape_from_args(args)
     arch = LLAMA if shape["arch"] == "llama" else {}
+    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.dropout and args.attention == "sdpa":  # the default dropout gives way to sdpa's 0; a given one not
+        raise ConfigError(f"--attention sdpa takes attention dropout 0, but --dropout {args.dropout} sets it: give "
+                          "--dropout 0, or --attention materialized (or auto)")
     dropout = args.dropout if args.dropout is not None else default_dropout(shape["arch"])
     chosen = {k: getattr(args, k) for k in ("norm", "activation", "position") if getattr(args, k) is not None}
     return ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_heads=shape["heads"],
@@ -140,17 +146,20 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(layers=None)
     for action in p._actions:
         if action.dest == "layers":
-            action.help = "L (default 1; with --pp/--microbatches 2 per pipeline chunk)"
+            action.help = ("L (default 1; with --pp/--microbatches 2 per pipeline chunk; with --states the "
+                           "preset's, else 1 per pipeline chunk)")
+
+
+def _dropouts(cfg: ModelConfig) -> str:
+    """``dropout p``, and the attention dropout where it differs (sdpa takes 0)."""
+    same = cfg.attn_dropout == cfg.hidden_dropout
+    return f"dropout {cfg.hidden_dropout}" + ("" if same else f" (attention dropout {cfg.attn_dropout})")
 
 
 def _human(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} B" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)
+    from seqpar.analysis.text import human_bytes
+
+    return "-" if n is None else human_bytes(n)
 
 
 def run(args) -> int:
@@ -197,14 +206,14 @@ def run(args) -> int:
     exchange = {"ring": "ring attention", "a2a": "all-to-all (Ulysses)",
                 "a2a+ring": f"all-to-all over {args.cp_a2a_size}, ring across"}[args.cp_comm_type]
     cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, {exchange}" if args.cp > 1 else ""
-    print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, dropout {cfg.hidden_dropout} "
-          f"({arch}){cp}")
-    head = f"{'row':<16}{'t':>3} {'sp':<4}{'recompute':<10}{'measured':>14}{'exact':>14}{'formula':>14}"
+    print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, {_dropouts(cfg)} ({arch}){cp}")
+    w, wr = max(16, *(len(r.row) + 2 for r in rows)), max(10, *(len(r.recompute) + 1 for r in rows))  # columns
+    head = f"{'row':<{w}}{'t':>3} {'sp':<4}{'recompute':<{wr}}{'measured':>14}{'exact':>14}{'formula':>14}"
     print(head + f"{'meas-exact':>12}{'meas/form':>10}")
     for r in rows:
         diff = "-" if r.measured_bytes is None else f"{r.measured_bytes - r.exact_bytes:,.0f}"
         ratio = "-" if r.measured_bytes is None else f"{r.measured_bytes / r.formula_bytes:.4f}"
-        print(f"{r.row:<16}{r.tp:>3} {'on' if r.sp else 'off':<4}{r.recompute:<10}{_human(r.measured_bytes):>14}"
+        print(f"{r.row:<{w}}{r.tp:>3} {'on' if r.sp else 'off':<4}{r.recompute:<{wr}}{_human(r.measured_bytes):>14}"
               f"{_human(r.exact_bytes):>14}{_human(r.formula_bytes):>14}{diff:>12}{ratio:>10}")
         if args.tensors:
             for t in r.tensors:
@@ -241,8 +250,9 @@ def run(args) -> int:
 def fused_core_note(micro_batch: int, device: str = "cpu") -> str:
     """What a fused core keeps, and that selective recompute leaves it alone (``analysis.memory.rebuilt``)."""
     from seqpar.analysis.memory import sdpa_output_is_out_proj_input
+    from seqpar.analysis.shapes import device_kernels
 
-    shared = sdpa_output_is_out_proj_input(micro_batch, "cpu" if device == "cpu" else "flash")
+    shared = sdpa_output_is_out_proj_input(micro_batch, device_kernels(device, 2)[0])
     out = "its output is the out-proj input's storage" if shared else "its output (2sbh/t)"
     return (f"fused attention (sdpa): no s² terms; it keeps Q, K, V, an fp32 log-sum-exp per row and head, {out}"
             " (and 16 B of RNG state on CUDA). selective recompute checkpoints nothing in a fused core: its kernel "
@@ -287,7 +297,7 @@ def run_schedule(args) -> int:
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     print(f"one step, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} m={args.interleave} "
           f"n={args.microbatches} recompute={args.recompute} App.B={'on' if free else 'off'} App.C K={keep}: "
-          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, dropout {cfg.hidden_dropout}")
+          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, {_dropouts(cfg)}")
     print(f"{'stage':>5}{'measured peak':>16}{'formula':>14}{'exact':>14}{'meas/formula':>14}{'meas-exact':>12}")
     for st in stages:
         m = st.measured_peak_bytes
@@ -305,14 +315,23 @@ def run_schedule(args) -> int:
     return 0
 
 
+def preset_layers(args) -> int | None:
+    """``--model``'s layer count (its model states are the whole model's), None without a preset."""
+    if not getattr(args, "model", None):
+        return None
+    from seqpar.analysis.presets import preset_shape
+
+    return preset_shape(args.model).num_layers
+
+
 def run_states(args) -> int:
     """``--states``: each pipeline rank's model states (most loaded dp rank) under plain DP, the
     distributed optimizer and FSDP or HSDP over dp × cp (``seqpar.analysis.fsdp_states.compare_states``)."""
     from seqpar.analysis.fsdp_states import compare_states
     from seqpar.config import ParallelConfig
 
-    if args.layers is None:
-        args.layers = args.pp * args.interleave
+    if args.layers is None:  # a preset's whole model, else one layer per pipeline chunk
+        args.layers = preset_layers(args) or args.pp * args.interleave
     cfg = model_from_args(args)
     par = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, interleave=args.interleave,
                          fsdp=args.dp * args.cp > 1, fsdp_shard_size=args.fsdp_shard_size).validate(cfg)

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+FIGURES = ("figure1.png", "figure7.png")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
@@ -20,6 +22,10 @@ def run(args) -> int:
     from seqpar.analysis import paper, paper_report
     from seqpar.analysis.shapes import AnalysisError
 
+    if args.plot:
+        from seqpar.commands.out_path import check_plot_folder
+
+        check_plot_folder(args.plot, FIGURES, "--plot")  # a user's figure1.png is not replaced
     if args.json:
         print(json.dumps(paper.reproduce()))
     else:
@@ -29,7 +35,7 @@ def run(args) -> int:
             from seqpar.analysis import plots
 
             args.plot.mkdir(parents=True, exist_ok=True)
-            for path in (plots.figure1(args.plot / "figure1.png"), plots.figure7(args.plot / "figure7.png")):
+            for path in (plots.figure1(args.plot / FIGURES[0]), plots.figure7(args.plot / FIGURES[1])):
                 print(f"wrote {path}", file=sys.stderr)
         except AnalysisError:
             raise  # seqpar.cli turns it into a usage error (exit 2)

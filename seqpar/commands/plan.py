@@ -12,9 +12,12 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model: a preset, or dimensions (which also override a preset's)")
-    g.add_argument("--model", help="preset: 22b, 175b, 530b, 1t (Table 3), gpt2-medium, gpt2-xl, gpt3-6.7b, "
-                                   "gpt3-13b, llama2-7b, llama2-13b, llama2-70b, llama3-8b, llama3-70b (default: none; "
-                                   "then give --layers --hidden --heads --seq --vocab)")
+    from seqpar.analysis.presets import TABLE3, preset_names
+
+    paper = [k.lower() for k in TABLE3]
+    g.add_argument("--model", help=f"preset: {', '.join(paper)} (Table 3), "
+                   f"{', '.join(n for n in preset_names() if n not in paper)} (default: none; "
+                   "then give --layers --hidden --heads --seq --vocab)")
     g.add_argument("--layers", type=int, help="L (default: the preset's)")
     g.add_argument("--hidden", type=int, help="h (default: the preset's)")
     g.add_argument("--heads", type=int, help="a (default: the preset's)")
@@ -26,6 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "planner then searches ep); default: the preset's, else 0")
     g.add_argument("--top-k", type=int, help="experts per token (default: the preset's, else 2)")
     g.add_argument("--moe-ffn", type=int, help="each expert's width (default: --ffn)")
+    g.add_argument("--moe-every", type=int, help="every k-th layer is MoE, the others dense (Qwen-MoE's "
+                   "decoder_sparse_step; default: the preset's, else 1)")
+    g.add_argument("--shared-expert-ffn", type=int, help="width of an always-on shared expert beside the routed "
+                   "ones (Qwen2-MoE; default: the preset's, else 0: none)")
+    g.add_argument("--shared-expert-gate", action="store_true", default=None,
+                   help="the shared expert's output times sigmoid(x · w_g), as Qwen2-MoE (default: the preset's, "
+                        "else off)")
     g.add_argument("--arch", choices=["gpt", "llama"],
                    help="gpt (the paper's, default) or llama: RMSNorm, SwiGLU, RoPE, no biases, untied output")
     g = p.add_argument_group("machine")
@@ -50,6 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
     g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradient buckets during the last microbatch's backward (train.overlap_grad_reduce): "
+                        "the cost model charges only what that backward does not cover, plus the last bucket")
+    g.add_argument("--grad-bucket-mb", type=float, default=None,
+                   help="MiB of fp32 gradients per bucket (train.grad_bucket_mb; default: the trainer's)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="model the distributed optimizer's weight all-gather under the next forward (Megatron's "
+                        "--overlap-param-gather; seqpar's trainer gathers after the step, so a plan for it leaves "
+                        "this off)")
     g.add_argument("--fsdp", action="store_true",
                    help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
     g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
@@ -66,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dropout is 0, else the paper's materialized core; sdpa has no attention dropout (--dropout "
                         "stays at the embedding and hidden sites) (default %(default)s)")
     g.add_argument("--fused-attention", action="store_true", help="same as --attention sdpa")
+    g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="the device kind the ranks run on: which fused attention kernel and norm-statistic width "
+                        "the memory counts (seqpar.analysis.shapes.device_kernels; `train --dry-run` prints both) "
+                        "(default %(default)s)")
     g.add_argument("--keep-pipeline-outputs", action="store_true",
                    help="do not free sent stage outputs (App. B off)")
     g = p.add_argument_group("output")
@@ -74,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--emit-config", type=Path, metavar="FILE",
                    help="write the best plan (or --explain's) as a TOML file `seqpar train --config FILE` runs "
                         "(default: none)")
+    g.add_argument("--emit-slurm", type=Path, metavar="FILE",
+                   help="with --emit-config: write a Slurm batch script that trains it on the plan's nodes (srun "
+                        "torchrun, one task per node, rendezvous at the first node, runs/<config name> as the "
+                        "output folder, --resume from it when requeued) (default: none)")
     g.add_argument("--plot", type=Path, metavar="DIR",
                    help="write plan_memory.png (the best plans' memory) into DIR, or with --explain "
                         "plan_stages.png (every pipeline rank of that plan); as paper --plot (default: none)")
@@ -94,7 +121,7 @@ def _shape(args):
         fields = {"layers": base.num_layers, "hidden": base.hidden_size, "heads": base.num_heads,
                   "seq": base.seq_len, "vocab": base.vocab_size, "ffn": base.ffn_hidden_size,
                   "kv_heads": base.kv_heads, "arch": base.arch} | given
-        moe = {k: getattr(base, k) for k in MOE_FIELDS} | _moe_flags(args)
+        moe = {k: getattr(base, k) for k in MOE_FIELDS + ROPE_FIELDS} | _moe_flags(args)
         name = preset_name(args.model) + ("*" if given or _moe_flags(args) else "")
         return dataclasses.replace(model_config(**fields), **moe).validate(), name
     dims["arch"] = dims["arch"] or "gpt"
@@ -107,12 +134,18 @@ def _shape(args):
 
 MOE_FIELDS = ("experts", "top_k", "moe_every", "moe_ffn_hidden_size", "moe_norm_topk", "shared_expert_ffn",
               "shared_expert_gate")
+# what a preset names beyond its dimensions and the planner keeps for --emit-config (Llama 3's theta 500000)
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_len")
 
 
 def _moe_flags(args) -> dict:
-    """The mixture-of-experts fields the flags give (``--experts``, ``--top-k``, ``--moe-ffn``)."""
+    """The mixture-of-experts fields the flags give (``--experts``, ``--top-k``, ``--moe-ffn``, ``--moe-every``,
+    ``--shared-expert-ffn``, ``--shared-expert-gate``)."""
     given = {"experts": getattr(args, "experts", None), "top_k": getattr(args, "top_k", None),
-             "moe_ffn_hidden_size": getattr(args, "moe_ffn", None)}
+             "moe_ffn_hidden_size": getattr(args, "moe_ffn", None), "moe_every": getattr(args, "moe_every", None),
+             "shared_expert_ffn": getattr(args, "shared_expert_ffn", None),
+             "shared_expert_gate": getattr(args, "shared_expert_gate", None)}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -120,7 +153,13 @@ def request_from_args(args):
     from seqpar.analysis.planner import Request
     from seqpar.analysis.presets import preset_setup
     from seqpar.analysis.profiles import hardware_for
-    from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, default_dropout
+    from seqpar.analysis.shapes import (
+        ActivationOptions,
+        AnalysisError,
+        OptimizerOptions,
+        default_dropout,
+        device_kernels,
+    )
 
     shape, model_name = _shape(args)
     batch = args.global_batch
@@ -146,36 +185,76 @@ def request_from_args(args):
     # embedding and hidden sites only
     fused = attention == "sdpa" or (attention == "auto" and dropout == 0)
     # seqpar's bounded cross entropy keeps the logits in their dtype and an fp32 lse (docs/analysis.md)
+    kernel, stats = device_kernels(args.device, act_bytes)
     opts = ActivationOptions(act_bytes=act_bytes, logits_bytes=act_bytes, bounded_loss=True, dropout=dropout > 0,
-                             fused_attention=fused,
+                             fused_attention=fused, sdpa_kernel=kernel, ln_stats_bytes=stats,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
-                   opt=OptimizerOptions.for_precision(args.dtype), precision=args.dtype, dropout=dropout,
+                   opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype,
+                   dropout=dropout,
                    try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
                    max_micro_batch=args.max_micro_batch, name=model_name)
 
 
+def _overlap(args, opt):
+    """``opt`` with the dp overlap the flags ask for, its buckets the trainer's (``train.grad_bucket_mb``)."""
+    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.train.config import TrainConfig
+
+    mb = TrainConfig.grad_bucket_mb if args.grad_bucket_mb is None else args.grad_bucket_mb
+    if not 0 < mb < float("inf"):
+        raise AnalysisError(f"--grad-bucket-mb must be a positive number, got {mb}")
+    return dataclasses.replace(opt, overlap_grad_reduce=args.overlap_grad_reduce,
+                               overlap_param_gather=args.overlap_param_gather, bucket_bytes=mb * 2**20)
+
+
 def _emit(args, req, plan) -> None:
-    """``--emit-config``: ``plan`` as the train job's TOML (``seqpar.analysis.emit``)."""
+    """``--emit-config``: ``plan`` as the train job's TOML, ``--emit-slurm`` the batch script that runs it
+    (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import SCHEDULE_KEYS, plan_toml
+    from seqpar.analysis.emit import SCHEDULE_KEYS, launch_command, nodes_of, plan_toml, slurm_script
     from seqpar.train.config import TrainConfig
 
     defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
-    args.emit_config.write_text(plan_toml(req, plan, defaults))
-    print(f"wrote {args.emit_config} ({plan.label}); run it with `seqpar train --config {args.emit_config} "
-          f"--nproc {req.gpus}` (or torchrun)", file=sys.stderr)
+    script = None if args.emit_slurm is None else \
+        slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}")
+    from seqpar.analysis.presets import published_lr
+
+    args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None))
+    where = "" if nodes_of(req.gpus, req.hw.gpus_per_node) == 1 else \
+        " on every node (HOST: the first node's address)"
+    command = launch_command(req.gpus, req.hw.gpus_per_node, str(args.emit_config))
+    print(f"wrote {args.emit_config} ({plan.label}); run it with `{command}`{where}", file=sys.stderr)
+    if script is not None:
+        args.emit_slurm.write_text(script)
+        print(f"wrote {args.emit_slurm}; submit it with `sbatch {args.emit_slurm}` (arguments after it reach "
+              "seqpar train)", file=sys.stderr)
+
+
+def _slurm_script(path) -> bool:
+    """A file ``--emit-slurm`` may replace: a batch script whose second line (after the shebang) is an
+    emitted plan's header."""
+    from seqpar.analysis.emit import HEADER
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return len(lines) > 1 and lines[1].startswith(HEADER)
 
 
 def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
-    from seqpar.commands.out_path import check_out_file, check_out_folder
+    from seqpar.analysis.emit import HEADER
+    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.commands.out_path import check_out_file, check_plot_folder, text_starting
 
+    if args.emit_slurm is not None and args.emit_config is None:
+        raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
     if args.emit_config is not None:
-        check_out_file(args.emit_config, "--emit-config")
+        check_out_file(args.emit_config, "--emit-config", text_starting(HEADER), "a config seqpar plan wrote")
+    if args.emit_slurm is not None:  # its second line, after the shebang, is the plan's header
+        check_out_file(args.emit_slurm, "--emit-slurm", _slurm_script, "a batch script seqpar plan wrote")
     if args.plot is not None:
-        check_out_folder(args.plot, "--plot")
+        check_plot_folder(args.plot, ["plan_stages.png" if args.explain is not None else "plan_memory.png"], "--plot")
 
 
 def run(args) -> int:

@@ -40,8 +40,12 @@ def run(args) -> int:
     if unknown:
         raise ConfigError(f"--only {','.join(unknown)}: not a check; the checks are {','.join(CHECKS)}")
     out = Path(args.out) if args.out else None
-    if out is not None and out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a folder")
+    if out is not None:
+        from seqpar.commands.out_path import check_out_file, check_out_folder, json_with
+
+        check_out_folder(out, "--out")
+        if out.is_dir():  # only selftest.json is written there: replaced when it is an earlier report
+            check_out_file(out / "selftest.json", "--out", json_with("checks"), "a selftest report")
     report, rank0 = run_selftest(args.device, args.nproc, args.quick, only, str(out) if out else None)
     passed = all(c["ok"] for c in report["checks"])
     if rank0:

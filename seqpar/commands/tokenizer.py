@@ -13,15 +13,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        "tokenizer with <|endoftext|> as its end-of-document token")
     t.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl or .parquet files")
     t.add_argument("--vocab", type=int, required=True, help="vocabulary size, <|endoftext|> included (required)")
-    t.add_argument("--out", required=True, help="the tokenizer JSON file to write (required)")
+    t.add_argument("--out", required=True, help="the tokenizer JSON file to write (required; an existing file is "
+                   "replaced only when it is a tokenizer file)")
     t.add_argument("--field", default="text", help="the text field of JSON Lines and Parquet (default %(default)s)")
     t.add_argument("--min-frequency", type=int, default=2, help="merges seen fewer times are not learned "
                    "(default %(default)s)")
 
 
 def run(args) -> int:
+    from seqpar.commands.out_path import check_out_file, json_with
     from seqpar.data.bpe import train_bpe
 
+    check_out_file(args.out, "--out", json_with("model", "added_tokens"), "a tokenizers JSON file",
+                   inputs=args.inputs)
     record = train_bpe(args.inputs, args.out, args.vocab, args.field, args.min_frequency)
     print(f"seqpar tokenizer train: {args.out}: {record['vocab_size']:,} tokens, end-of-document id "
           f"{record['eos_id']}, sha256 {record['sha256'][:12]}...")

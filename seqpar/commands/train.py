@@ -9,6 +9,7 @@ arguments into a job; ``seqpar.train.start`` runs it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from seqpar.config import ARCH_FIELDS, CP_COMM_TYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
@@ -41,7 +42,21 @@ FLAG_KEYS = {
     "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
 }
 
-# --arch: the model fields each architecture sets (Llama-style: no dropout, as Llama is trained)
+# Megatron-LM's names for the same flags (its pretrain_gpt.py arguments): accepted as aliases, listed
+# once at the end of --help, and offered by "did you mean"
+MEGATRON_ALIASES = {
+    "--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-size": "--pp",
+    "--context-parallel-size": "--cp", "--expert-model-parallel-size": "--ep",
+    "--virtual-pipeline-model-parallel-size": "--interleave", "--sequence-parallel": "--sp",
+    "--use-distributed-optimizer": "--distributed-optimizer", "--recompute-granularity": "--recompute",
+    "--recompute-num-layers": "--recompute-layers", "--micro-batch-size": "--micro-batch",
+    "--global-batch-size": "--global-batch", "--num-layers": "--layers", "--hidden-size": "--hidden",
+    "--num-attention-heads": "--heads", "--num-query-groups": "--kv-heads", "--ffn-hidden-size": "--ffn",
+    "--seq-length": "--seq", "--num-experts": "--experts", "--moe-router-topk": "--top-k",
+    "--train-iters": "--steps", "--lr-warmup-iters": "--warmup", "--lr-decay-style": "--schedule",
+    "--log-interval": "--log-every", "--eval-interval": "--eval-every", "--save-interval": "--save-every",
+    "--save": "--out",
+}
 
 
 def _default(section: str, key: str) -> str:
@@ -173,6 +188,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", help=f"the W&B project {d('wandb_project')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
+    add_megatron_aliases(p)
+
+
+def add_megatron_aliases(p: argparse.ArgumentParser) -> None:
+    """Each ``MEGATRON_ALIASES`` name as a hidden twin of the seqpar flag (same destination, type and
+    choices; Megatron's on/off switches only switch on), and one epilog line listing them."""
+    actions = {o: a for a in p._actions for o in a.option_strings}
+    for alias, flag in MEGATRON_ALIASES.items():
+        action = actions[flag]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            p.add_argument(alias, dest=action.dest, action="store_const", const=True, help=argparse.SUPPRESS)
+        else:
+            p.add_argument(alias, dest=action.dest, type=action.type, choices=action.choices, help=argparse.SUPPRESS)
+    import textwrap
+
+    def fill(text: str, indent: str = "") -> str:  # never inside a flag's name
+        return textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's lines as written here
+    p.description = fill(p.description or "")
+    p.epilog = "Megatron-LM's flag names work too:\n" + fill(", ".join(f"{a} = {f}" for a, f in
+                                                                     MEGATRON_ALIASES.items()), "  ")
 
 
 def base_sections(args) -> dict[str, dict]:
@@ -214,7 +251,9 @@ def model_overrides(args) -> dict:
 def job_from_args(args, world_size: int) -> JobConfig:
     """The validated job: TOML (or a resumed checkpoint's config), then --set, then flags;
     dp defaults to world / (tp × pp × cp)."""
-    sections = merge(base_sections(args), {"model": model_overrides(args)})
+    base = base_sections(args)
+    base_model = dict(base.get("model", {}))
+    sections = merge(base, {"model": model_overrides(args)})
     overrides: dict[str, dict] = {}
     for text in args.set:
         section, key, value = parse_assignment(text)
@@ -238,7 +277,55 @@ def job_from_args(args, world_size: int) -> JobConfig:
         tp, pp, cp = par.get("tp", 1), par.get("pp", 1), par.get("cp", 1)
         if all(isinstance(n, int) and n > 0 for n in (tp, pp, cp)) and world_size % (tp * pp * cp) == 0:
             par["dp"] = world_size // (tp * pp * cp)
-    return build_job(sections).validate(world_size)
+    changed = _preset_changes(args, base_model, overrides.get("model", {}))
+    if args.resume and not args.config:
+        changed += fit_inherited(sections, overrides)
+    return dataclasses.replace(build_job(sections).validate(world_size), changed=tuple(changed))
+
+
+def _preset_changes(args, base: dict, given: dict) -> list[str]:
+    """What ``--model`` / ``--arch`` changed of the TOML's (or the checkpoint's) model, flags aside."""
+    preset = model_overrides(args)
+    what = f"--model {args.model}" if getattr(args, "model", None) else f"--arch {getattr(args, 'arch', '')}"
+    changes = [f"{k} {base[k]} -> {v}" for k, v in preset.items() if k in base and base[k] != v and k not in given]
+    return [f"{what} changed {', '.join(changes)} (give the flag or --set model.KEY=VALUE after it to keep a value)"
+            ] if changes else []
+
+
+def fit_inherited(sections: dict[str, dict], given: dict[str, dict]) -> list[str]:
+    """A resume takes the layout asked: the checkpoint's parallel settings (not given again) that this layout
+    cannot use are dropped, one line each (the checkpoint loads at any layout)."""
+    par, train = sections["parallel"], sections.setdefault("train", {})
+    asked = given.get("parallel", {})
+    notes = []
+
+    def drop(section: dict, key: str, why: str) -> None:
+        if key in section and key not in (asked if section is par else given.get("train", {})):
+            notes.append(f"the checkpoint's {key} = {str(section.pop(key)).lower()} is dropped: {why}")
+
+    dp, cp, pp = par.get("dp", 1), par.get("cp", 1), par.get("pp", 1)
+    if par.get("fsdp") and "fsdp" not in asked:
+        if dp * cp == 1:
+            drop(par, "fsdp", f"dp {dp} × cp {cp} has nothing to shard over (--fsdp with dp × cp > 1 keeps it)")
+        elif given.get("train", {}).get("distributed_optimizer") or given.get("train", {}).get("overlap_grad_reduce"):
+            drop(par, "fsdp", "--distributed-optimizer / --overlap-grad-reduce asked instead")
+    shard = par.get("fsdp_shard_size", 0)
+    if shard and not par.get("fsdp"):
+        drop(par, "fsdp_shard_size", "fsdp is off")
+    elif shard and (dp * cp) % shard:
+        drop(par, "fsdp_shard_size", f"it does not divide dp {dp} × cp {cp} (the default 0 shards over all of them)")
+    for key, why in (("distributed_optimizer", "fsdp shards the optimizer state itself"),
+                     ("overlap_grad_reduce", "fsdp reduce-scatters the gradients itself")):
+        if par.get("fsdp") and train.get(key):
+            drop(train, key, why)
+    if (dp * cp) % par.get("ep", 1):
+        drop(par, "ep", f"it does not divide dp {dp} × cp {cp}")
+    if par.get("interleave", 1) > 1 and pp == 1:
+        drop(par, "interleave", "pp is 1")
+    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1):
+        drop(par, "layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
+             f"pp {pp} × interleave {par.get('interleave', 1)}")
+    return notes
 
 
 def run(args) -> int:

@@ -4,6 +4,8 @@ documents of ``seqpar prepare``'s inputs, with ``<|endoftext|>`` as id 0 (the en
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,10 +15,24 @@ from seqpar.data.sources import documents, input_files, plan_units
 EOS = "<|endoftext|>"
 
 
-def corpus(inputs: list[str], field: str) -> Iterator[str]:
-    for unit in plan_units(input_files(inputs), 1 << 24):
+def corpus(inputs: list[str], field: str, every: float = 5.0) -> Iterator[str]:
+    """The inputs' documents as text; a line on stderr at the start and every ``every`` seconds of reading
+    (the tokenizers package counts merges only on a terminal, and reading is most of the time)."""
+    units = plan_units(input_files(inputs), 1 << 24)
+    total, done, last = sum(u["bytes"] for u in units), 0, time.monotonic()
+    _say(f"reading {total / 1e6:,.1f} MB of text")
+    for unit in units:
         for doc in documents(unit, field, []):
             yield doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
+        done += unit["bytes"]
+        if time.monotonic() - last >= every:
+            _say(f"read {100 * done / max(total, 1):.0f}% of {total / 1e6:,.1f} MB")
+            last = time.monotonic()
+    _say("read every input; learning the merges")
+
+
+def _say(text: str) -> None:
+    print(f"seqpar tokenizer train: {text}", file=sys.stderr, flush=True)
 
 
 def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, field: str = "text", min_frequency: int = 2) -> dict:
@@ -33,7 +49,8 @@ def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, field: str = 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=sys.stderr.isatty())
     tok.train_from_iterator(corpus(inputs, field), trainer)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

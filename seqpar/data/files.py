@@ -54,19 +54,27 @@ def check_file(path: Path, folder: bool = False) -> None:
 
 def text_files(path: Path) -> tuple[list[Path], list[str]]:
     """The files to read (sorted) and the hidden entries skipped (``.git/``, ``.env``): hidden files
-    and hidden folders are skipped alike (a folder's contents are not listed)."""
+    and hidden folders are skipped alike (a folder's contents are not listed). Symbolic links are
+    followed, and each file or folder is read once however many links reach it."""
     check_file(path, folder=True)
     if path.is_file():
         return [path], []
-    files, hidden = [], []
-    for folder, dirs, entries in os.walk(path):  # symbolic links to folders are not followed (nor read)
+    files, hidden, seen = [], [], set()
+    for folder, dirs, entries in os.walk(path, followlinks=True):
         here = Path(folder)
+        if os.path.realpath(here) in seen:  # a link back to a folder already walked (or a cycle)
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(here))
         hidden += [f"{(here / d).relative_to(path)}/" for d in sorted(dirs) if d.startswith(".")]
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in entries:
             (hidden.append(str((here / name).relative_to(path))) if name.startswith(".")
              else files.append(here / name))
-    files.sort()
+    once: dict[str, Path] = {}
+    for file in sorted(files):  # a file reached by several links: its first path in sorted order
+        once.setdefault(os.path.realpath(file), file)
+    files = sorted(once.values())
     for file in files:  # a FIFO would block reading and a broken link would vanish silently
         check_file(file)
     if not files:

@@ -2,7 +2,9 @@
 
 1. Plan: list the inputs, cut them into units (``seqpar.data.sources``), copy the tokenizer in, and
    write ``plan.json`` (inputs with sizes and modification times, options, units). A folder holding
-   the same plan resumes; another plan is refused unless ``overwrite``.
+   the same plan resumes; another plan is refused unless ``overwrite``, which removes the folder's own
+   files only (``own_file``). A non-empty folder that is not a prepare, and an ``out`` that is, holds or
+   lies inside an input, are refused (``seqpar.commands.out_path``).
 2. Tokenize the units not yet done, in ``workers`` processes (each single-threaded; one worker uses
    the tokenizer's own threads): unit ``k`` becomes ``shard_k.tokens`` (ids, each document followed by
    the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written atomically
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -26,15 +29,18 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
+from seqpar.commands.out_path import check_not_input, check_out_folder, remove_own
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.encode import ENCODING, Encoder
 from seqpar.data.errors import DataError
 from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
 from seqpar.fileio import sha256_file, write_atomic
+from seqpar.processes import die_with_parent
 from seqpar.progress import Progress
 
 PLAN = "plan.json"
+OWN_FILE = re.compile(r"(shard_\d{5}\.(tokens|docs|json)|(plan|manifest|tokenizer)\.json)(\.tmp)?|\.tokenizer")
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 ENCODE_BATCH = 256  # documents per encode_batch call
 
@@ -112,6 +118,7 @@ class _Rate:
         self.bar, self.done, self.every = bar, done, every
         self.tokens = self.bytes = 0
         self.t0 = self.last = time.perf_counter()
+        self.shown = -1  # shards done at the last line shown
 
     def text(self) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
@@ -123,12 +130,13 @@ class _Rate:
         self.bytes += record["input_bytes"]
         if time.perf_counter() - self.last >= self.every:
             self.bar.update(self.done, self.text())
-            self.last = time.perf_counter()
+            self.last, self.shown = time.perf_counter(), self.done
         else:
             self.bar.tick(self.done)
 
     def close(self) -> None:
-        self.bar.update(self.done, self.text())
+        if self.shown != self.done:  # the last line once, not again when it was just shown
+            self.bar.update(self.done, self.text())
         self.bar.close()
 
 
@@ -161,8 +169,16 @@ def _tokenizer_setup(tokenizer: str, out: Path, eos_token: str) -> tuple[dict | 
     return record, int(eos), record["vocab_size"]
 
 
+def own_file(name: str) -> bool:
+    """``name`` is one that ``seqpar prepare`` writes in its folder (what ``--overwrite`` may remove)."""
+    return bool(OWN_FILE.fullmatch(name))
+
+
 def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
-    """True when ``out`` holds this very plan (resume); clears it with ``overwrite``; refuses another."""
+    """True when ``out`` holds this very plan (resume); with ``overwrite``, a prepared folder of another plan
+    loses its own files (only: a user's file beside them stays); any other non-empty folder is refused."""
+    from seqpar.data.prepared import is_prepared
+
     if (out / PLAN).is_file():
         old = json.loads((out / PLAN).read_text())
         if old == plan:
@@ -171,10 +187,15 @@ def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
             what = [k for k in plan if old.get(k) != plan[k]]
             raise DataError(f"{out} holds a prepare of other inputs or options ({', '.join(what)} differ); "
                             "give another --out, or --overwrite")
-    elif out.exists() and any(out.iterdir()) and not overwrite:
-        raise DataError(f"{out} is not empty and holds no prepare; give an empty or new folder, or --overwrite")
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
+    elif out.is_dir() and any(out.iterdir()):
+        if not is_prepared(out):
+            listed = ", ".join(sorted(p.name for p in out.iterdir())[:3])
+            raise DataError(f"{out} is not empty ({listed}) and holds no prepare; give an empty or new folder"
+                            + (" (--overwrite replaces only a prepared folder)" if overwrite else ""))
+        if not overwrite:
+            raise DataError(f"{out} holds a prepare without its plan; give another --out, or --overwrite")
+    if overwrite and is_prepared(out):
+        remove_own(out, own_file)
     return False
 
 
@@ -182,6 +203,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
             unit_mb: float = 16.0, overwrite: bool = False, progress: bool = True, eos_token: str = "") -> dict:
     """Prepare ``inputs`` into ``out`` (see the module docstring); returns the manifest."""
     out = Path(out)
+    check_out_folder(out, "--out")
+    check_not_input(out, inputs, "--out")
     if unit_mb <= 0 or workers < 0:
         raise DataError(f"--shard-mb {unit_mb} must be positive and --workers {workers} >= 0")
     files = input_files(inputs)
@@ -222,7 +245,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
                 records[k] = tokenize_unit(*args, k, units[k], field, tok_path, eos, dtype, threads=True)
                 bar.add(records[k])
         else:
-            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+            with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
+                                     initargs=(os.getpid(),)) as pool:  # a killed prepare leaves no worker
                 running = set()
                 queue = list(pending)
                 while queue or running:
@@ -237,6 +261,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
     finally:
         bar.close()
     shards = [records[k] for k in range(len(units))]
+    if not any(r["documents"] for r in shards):  # no manifest: the folder is not one train can read
+        skipped = sum(len(r["skipped"]) for r in shards)
+        raise DataError(f"the inputs hold no document ({len(files)} file(s), {total:,} bytes"
+                        + (f", {skipped} skipped as not text" if skipped else "") + "): nothing to train on")
     manifest = {"format": FORMAT, "tokenizer": tok_record, "eos_id": eos, "vocab_size": vocab, "dtype": dtype,
                 "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                 "input_bytes": total, "field": field,

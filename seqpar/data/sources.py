@@ -70,7 +70,19 @@ def _parquet(path: Path):
     try:
         return datasets.Dataset.from_parquet(str(path), keep_in_memory=False)
     except Exception as err:  # datasets / pyarrow raise their own types for a file they cannot read
+        if _parquet_row_count(path) == 0:  # datasets cannot build a dataset of no rows, and says only that it failed
+            raise DataError(f"{path} holds no rows (an empty Parquet table): nothing to prepare") from None
         raise DataError(f"{path} cannot be read as Parquet: {str(err).splitlines()[0]}") from None
+
+
+def _parquet_row_count(path: Path) -> int | None:
+    """The row count in ``path``'s Parquet footer, None when it has none that pyarrow reads."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(str(path)).num_rows
+    except Exception:  # noqa: BLE001 -- not Parquet at all: the caller's message says so
+        return None
 
 
 def plan_units(files: list[tuple[str, Path]], unit_bytes: int) -> list[dict]:
@@ -125,9 +137,10 @@ def documents(unit: dict, field: str, skipped: list[str]) -> Iterator[bytes | st
         table = _parquet(Path(unit["path"]))
         if field not in table.column_names:
             raise DataError(f"{unit['path']} has no column {field!r} (columns: {table.column_names}); give --field")
-        for text in table.select(range(unit["start"], unit["end"]))[field]:
+        for row, text in enumerate(table.select(range(unit["start"], unit["end"]))[field], start=unit["start"]):
             if not isinstance(text, str):
-                raise DataError(f"{unit['path']}: column {field!r} holds {type(text).__name__}, not text")
+                what = "null" if text is None else f"{type(text).__name__}, not text"
+                raise DataError(f"{unit['path']}: row {row} (from 0) of column {field!r} is {what}")
             if text:
                 yield text
 
@@ -144,11 +157,23 @@ def _jsonl(path: Path, start: int, end: int, field: str) -> Iterator[str]:
         try:
             record = json.loads(line)
         except ValueError as err:
-            raise DataError(f"{path}: the line at byte {here} is not JSON ({err})") from None
+            raise DataError(f"{path}: line {_line_number(path, here)} is not JSON ({err})") from None
         if not isinstance(record, dict) or field not in record:
-            raise DataError(f"{path}: the line at byte {here} has no field {field!r}; give --field")
+            raise DataError(f"{path}: line {_line_number(path, here)} has no field {field!r}; give --field")
         text = record[field]
         if not isinstance(text, str):
-            raise DataError(f"{path}: field {field!r} at byte {here} is {type(text).__name__}, not text")
+            raise DataError(f"{path}: line {_line_number(path, here)}: field {field!r} is "
+                            f"{'null' if text is None else type(text).__name__ + ', not text'}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # valid JSON ("\ud800"), not Unicode text
+            raise DataError(f"{path}: line {_line_number(path, here)}: field {field!r} holds a lone surrogate "
+                            f"{text[err.start]!r} at character {err.start}, which is not Unicode text") from None
         if text:
             yield text
+
+
+def _line_number(path: Path, byte: int) -> int:
+    """The 1-based line that starts at ``byte`` of ``path`` (read only for an error message)."""
+    with path.open("rb") as fh:
+        return fh.read(byte).count(b"\n") + 1

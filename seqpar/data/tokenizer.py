@@ -21,6 +21,9 @@ from seqpar.fileio import sha256_file, write_atomic
 FILE = "tokenizer.json"
 # the names an end-of-document token goes by, most specific first
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
+# the names a begin-of-text and a padding token go by (config.json's bos_token_id and pad_token_id)
+BOS_NAMES = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "<|bos|>", "[BOS]")
+PAD_NAMES = ("<pad>", "<|pad|>", "<|padding|>", "[PAD]", "<|finetune_right_pad_id|>")
 BYTE_EOS = 0  # byte-level data: documents end with a NUL byte, which text never holds (NUL files are skipped)
 
 
@@ -42,11 +45,20 @@ def load(path: str | Path):
 
 def eos_id(tok, path: str | Path = "") -> int | None:
     """The tokenizer's end-of-document token (a special token with one of ``EOS_NAMES``), or None."""
+    return _first_id(tok, EOS_NAMES)
+
+
+def _first_id(tok, names: tuple[str, ...]) -> int | None:
     vocab = tok.get_vocab(with_added_tokens=True)
-    for name in EOS_NAMES:
-        if name in vocab:
-            return int(vocab[name])
-    return None
+    return next((int(vocab[name]) for name in names if name in vocab), None)
+
+
+def special_ids(tok) -> dict[str, int | None]:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of a Hugging Face config.json: the tokens of
+    those names this tokenizer has (``eos_id``'s end-of-document token; None where it has none), so that
+    ``generate`` stops at the end of a document as the run's data marked it."""
+    return {"bos_token_id": _first_id(tok, BOS_NAMES), "eos_token_id": eos_id(tok),
+            "pad_token_id": _first_id(tok, PAD_NAMES)}
 
 
 def record(path: str | Path) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -71,4 +72,6 @@ def write_tokenizer(checkpoint: str, out) -> str:
         return ""
     tok = tokfile.load(out / tokfile.FILE)
     tokfile.write_json(out / "tokenizer_config.json", tokfile.hf_config(model, tokfile.eos_id(tok), tok))
+    config = json.loads((out / "config.json").read_text())  # the model's ids of the tokenizer's special tokens
+    tokfile.write_json(out / "config.json", config | tokfile.special_ids(tok))
     return what

@@ -62,6 +62,25 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     return cfg, family.state_from_hf(sd, cfg)
 
 
+EXPORT_MARK = {"written_by": "seqpar export-hf"}  # in model.safetensors' metadata: what --overwrite may replace
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "generation_config.json", "special_tokens_map.json")
+
+
+def is_export(folder: str | Path) -> bool:
+    """``folder`` is one ``seqpar export-hf`` wrote (its weights carry ``EXPORT_MARK``)."""
+    weights = Path(folder) / "model.safetensors"
+    if not weights.is_file():
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), "pt") as fh:
+            return (fh.metadata() or {}).items() >= EXPORT_MARK.items()
+    except Exception:  # noqa: BLE001 -- any unreadable file is not an export
+        return False
+
+
 def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
     """A folder ``transformers`` loads with ``from_pretrained`` (GPT2LMHeadModel, LlamaForCausalLM,
     StableLmForCausalLM or GPTNeoXForCausalLM); refused (ConfigError) before anything is written when
@@ -72,7 +91,7 @@ def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     weights, config = folder / "model.safetensors", folder / "config.json"
-    save_file(family.state_to_hf(state, cfg), str(weights), metadata={"format": "pt"})
+    save_file(family.state_to_hf(state, cfg), str(weights), metadata={"format": "pt", **EXPORT_MARK})
     config.write_text(json.dumps(hf_config, indent=2))
     os.chmod(weights, stat.S_IMODE(config.stat().st_mode))  # safetensors writes 0600; a file made here has the umask's
     return folder

@@ -9,11 +9,16 @@ into ``mlp.experts.fc1[e]`` = [gate; up] [2f_e, h], its ``down_proj``/``w2`` int
 ``norm_topk_prob`` says, adds a shared expert (seqpar's ``mlp.shared``, an MLP of width
 ``shared_expert_intermediate_size``) gated by ``sigmoid(x · shared_expert_gate)``, and makes every
 ``decoder_sparse_step``-th layer sparse (seqpar's ``moe_every``), the others dense MLPs of width
-``intermediate_size``. The load-balancing loss coefficient is ``router_aux_loss_coef`` (training only;
-seqpar's loss is per layer, Switch-style, Hugging Face's over all layers' tokens at once).
+``intermediate_size``.
+
+The load-balancing loss coefficient (training only) is converted, not copied (``coef_from_hf``): Hugging
+Face's ``router_aux_loss_coef`` weighs one loss over all L MoE layers' tokens pooled, with f summing to K;
+seqpar's ``moe_aux_coef`` (Megatron's) one loss per MoE layer, with f summing to 1.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -44,6 +49,24 @@ def architecture(cfg: ModelConfig) -> str | None:
     return None
 
 
+def coef_from_hf(router_aux_loss_coef: float, top_k: int, moe_layers: int) -> float:
+    """seqpar's ``moe_aux_coef`` that puts Hugging Face's penalty ``router_aux_loss_coef`` on the objective.
+
+    Hugging Face (``load_balancing_loss_func``: the N = L·T rows of every MoE layer's router pooled, counts
+    c_e over all K slots): ``a_HF · E · Σ_e (c_e / N)(p_e / N)``, f = c/N summing to K. seqpar (Megatron), per
+    layer l over its T tokens, summed over the layers: ``Σ_l a · E · Σ_e (c_e^l / (T·K))(p_e^l / T)``, f summing
+    to 1. When every layer routes alike (c_e^l = c_e / L, p_e^l = p_e / L), with S = E · Σ_e c_e^l p_e^l / T²
+    the first is ``a_HF · S`` and the second ``(L · a / K) · S``: equal for ``a = a_HF · K / L`` (S = K at
+    balance, so both are ``a_HF · K``). Layers that route differently make them differ: Hugging Face's pools
+    the layers before the product."""
+    return router_aux_loss_coef * top_k / moe_layers
+
+
+def coef_to_hf(moe_aux_coef: float, top_k: int, moe_layers: int) -> float:
+    """``router_aux_loss_coef`` for seqpar's ``moe_aux_coef`` (the inverse of ``coef_from_hf``)."""
+    return moe_aux_coef * moe_layers / top_k
+
+
 def _check(hf: dict, name: str, required: list[tuple[str, object]]) -> None:
     for key, ok in required:
         if hf.get(key, ok) != ok:
@@ -67,7 +90,13 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                   layernorm_eps=hf.get("rms_norm_eps", 1e-6), embd_dropout=0.0,
                   attn_dropout=float(hf.get("attention_dropout", 0.0)), hidden_dropout=0.0,
                   init_std=hf.get("initializer_range", 0.02), top_k=hf["num_experts_per_tok"],
-                  moe_aux_coef=float(hf.get("router_aux_loss_coef", 0.0)), **rope_from_hf(hf, name))
+                  moe_aux_coef=0.0, **rope_from_hf(hf, name))
+    cfg = _moe_config(hf, kind, name, common)
+    coef = coef_from_hf(float(hf.get("router_aux_loss_coef", 0.0)), cfg.top_k, cfg.moe_layers)
+    return dataclasses.replace(cfg, moe_aux_coef=coef).validate()
+
+
+def _moe_config(hf: dict, kind: str, name: str, common: dict) -> ModelConfig:
     if kind == "mixtral":
         return ModelConfig(**common, ffn_hidden_size=hf["intermediate_size"], experts=hf["num_local_experts"],
                            moe_norm_topk=True).validate()
@@ -86,8 +115,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     if kind is None:
         raise ConfigError(f"this model is neither of {EXPORTS}")
     out = decoder_fields(cfg, kind, NAMES[kind][1]) | {
-        "rms_norm_eps": cfg.layernorm_eps, "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": cfg.moe_aux_coef,
-        "router_jitter_noise": 0.0}
+        "rms_norm_eps": cfg.layernorm_eps, "num_experts_per_tok": cfg.top_k,
+        "router_aux_loss_coef": coef_to_hf(cfg.moe_aux_coef, cfg.top_k, cfg.moe_layers), "router_jitter_noise": 0.0}
     if kind == "mixtral":
         out |= {"intermediate_size": cfg.moe_ffn, "num_local_experts": cfg.experts, "sliding_window": None}
     else:

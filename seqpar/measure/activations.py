@@ -1,7 +1,7 @@
 """The trainer's activation check: the bytes one microbatch's forward keeps in the transformer layers,
 measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm statistics);
 and each pipeline stage's activation peak over one step of its schedule (pp = 1 included), measured
-with ``ScheduleMeter`` as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
+with the same meter over the schedule as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from seqpar.analysis.stage import layers_bytes
 from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.meter import ScheduleMeter
-from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for
+from seqpar.measure.meter import SavedTensorMeter
+from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.comm import all_reduce
 
 
@@ -32,11 +32,31 @@ def predicted_activation_bytes(job, layers: list[int], device: torch.device) -> 
         return None
 
 
+def without_paper_bytes(job, layers: list[int], device: torch.device) -> dict:
+    """What the same layers would keep per microbatch without what the paper adds (the exact per-tensor
+    formula that ``act_bytes_predicted`` checks against the measurement): ``act_bytes_without_sp`` (tp
+    alone), ``act_bytes_without_recompute`` (nothing recomputed), ``act_bytes_without_both``; only the
+    ones that differ from this run's (a run with neither has none)."""
+    p, r = job.parallel, job.recompute
+    none = replace(r, granularity="none", modules=())
+    variants = {"without_sp": (replace(p, sp=False), r), "without_recompute": (p, none),
+                "without_both": (replace(p, sp=False), none)}
+    out, seen = {}, {(p.sp and p.tp > 1, r.granularity)}
+    for name, (par, rc) in variants.items():
+        if (par.sp and par.tp > 1, rc.granularity) not in seen:
+            seen.add((par.sp and par.tp > 1, rc.granularity))
+            variant = replace(job, run=replace(job.run, parallel=par, recompute=rc))
+            out[f"act_bytes_{name}"] = predicted_activation_bytes(variant, layers, device)
+    return out
+
+
 def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
-    """``act_bytes_predicted`` for the model's layers and, with one pipeline stage, ``act_bytes_measured``:
-    what one validation microbatch's forward keeps in the layers; then ``stage_peaks`` (collective)."""
+    """``act_bytes_predicted`` for the model's layers (and ``without_paper_bytes``) and, with one pipeline
+    stage, ``act_bytes_measured``: what one validation microbatch's forward keeps in the layers; then
+    ``stage_peaks`` (collective)."""
     layers = [i for c in chunks for i in c.layer_ids]
-    out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)}
+    out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)} | \
+        without_paper_bytes(job, layers, device)
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
         tokens, labels, *docs = data.validation_batches(job.train.micro_batch, job.train.micro_batch)[0]
@@ -54,7 +74,9 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     the pipeline; gradients are left in place for the next ``zero_grad``): ``stage_act_peak_measured``
     per pp rank (this rank's tp and dp coordinates), ``stage_act_peak_formula`` and ``_exact``
     (``seqpar.measure.stages``; None where the formula refuses the layout); under ``"rank"`` this
-    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list)."""
+    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list). With
+    experts both assume balanced routing (``act_peak_routing``): a rank whose experts get more tokens keeps
+    more than its "exact" value."""
 
     from seqpar.measure.stages import formula_stage_bytes, implementation_terms
     from seqpar.pipeline import forward_backward
@@ -64,7 +86,7 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     n = t.microbatches(p.dp)
     batches = [(x, y, *(d.to(device) for d in docs)) for x, y, *docs in
                data.validation_batches(n * t.micro_batch, t.micro_batch)]
-    meter = ScheduleMeter(chunks)
+    meter = SavedTensorMeter(*chunks, names=False)
     meter.exclude([x for batch in batches for item in batch  # the data (tokens, labels, documents)
                    for x in (item.tensors(torch_dtype(m.dtype)) if isinstance(item, Documents) else [item])])
     forward_backward(chunks, batches, dims, p, keep_microbatches=r.keep_microbatches, meter=meter)
@@ -83,7 +105,8 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
         except ConfigError:
             formula.append(None)
             exact.append(None)
+    routing = {"act_peak_routing": "balanced"} if m.experts else {}  # formula and exact: T·K/E per expert
     return {"stage_act_peak_measured": peaks.tolist(), "stage_act_peak_formula": formula,
-            "stage_act_peak_exact": exact,
+            "stage_act_peak_exact": exact, **{f"stage_{k}": v for k, v in routing.items()},
             "rank": {"act_peak_measured": meter.peak_bytes, "act_peak_formula": formula[dims.pp_rank],
-                     "act_peak_exact": exact[dims.pp_rank]}}
+                     "act_peak_exact": exact[dims.pp_rank], **routing}}

@@ -16,7 +16,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from seqpar.analysis.shapes import ActivationOptions
 from seqpar.analysis.stage import loss_head_terms, loss_working_bytes
-from seqpar.measure.saved import SavedTensorMeter
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.parallel.cross_entropy import CHUNK_BYTES, _Eager, chunk_rows, vocab_parallel_cross_entropy
 
 

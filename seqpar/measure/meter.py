@@ -1,94 +1,157 @@
-"""Peak activation bytes held by one rank over a whole pipeline step (Sec. 4.2.3, 4.3, App. B).
+"""The saved-activation meter: the bytes autograd keeps for backward, measured -- one meter and one rule for
+what it counts, used by ``seqpar memory --measure`` (one layer's forward, ``saved.measure_layer``; a rank's peak
+over a pipeline step, ``stages``/``activations``), the trainer's start record and the benchmarks.
 
-Unlike ``seqpar.measure.saved.SavedTensorMeter`` (what ONE forward saves), this tracks what is
-LIVE over time: a storage is counted when autograd saves it during a forward step (or when the
-schedule keeps a stage output for its backward, ``hold``) and stops counting when the storage is
-freed -- after its backward, or when App. B frees a sent output. Storages are de-duplicated (Q, K, V
-are views of one QKV output; a linear keeps its input reshaped) and parameters are excluded.
-Sizes are read when each forward ends. Memory grows only during forwards and holds, so checking
-the total there gives the exact peak.
+What counts:
 
-Only forward-time saves count: the transient working set that recomputation rebuilds during a
-backward is not an activation held across the schedule (it is the same for any number of
-microbatches in flight) and is left out, as the paper's Eq. 5/6 leave it out.
+* a **storage**, not a tensor: views and reshapes of one storage (Q, K, V of one QKV output; a linear's
+  input reshaped to 2-D) count once; a DTensor counts by its local tensor's storage;
+* storages are told apart by identity (``_cdata``), not address, and each is held until the forward that
+  saved it ends, so an address released and reused inside a forward is not taken for the earlier storage;
+* its size is read when that forward ends: a storage released after it was saved (a recomputed norm output,
+  resized to 0) counts 0;
+* **parameters and buffers** of the metered modules never count, FSDP's gathered parameters included
+  (``parameter_storages``), nor tensors ``exclude``\\ d (data: tokens, labels, packed documents' masks);
+* only forward-time saves count, and what the caller adds (``keep``: a stage output the schedule holds, the
+  inputs a non-reentrant checkpoint keeps alive outside autograd's saved tensors): the transient working set
+  a recomputation rebuilds during a backward is not an activation held across the schedule (the paper's
+  Eq. 5/6 leave it out, and it is the same for any number of microbatches in flight).
+
+One forward: ``with meter:`` then ``total_bytes`` and ``tensors`` (each storage with the innermost module that
+saved it). A pipeline step: ``meter.forward()`` per chunk-microbatch and ``hold`` per kept output; a storage
+stops counting once freed, and since memory grows only during forwards and holds, ``peak_bytes`` read there
+is the exact peak.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from seqpar.parallel.fsdp import parameter_storages
+
+@dataclass
+class SavedTensor:
+    name: str  # the innermost module running when autograd saved it
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int  # bytes of the whole storage it keeps alive
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
-class ScheduleMeter:
-    """Live saved-activation bytes of this rank, and their peak."""
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage a tensor keeps alive (a DTensor's: its local tensor's)."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
 
-    def __init__(self, modules, detail: bool = False):
-        self.detail = detail  # keep (shape, dtype, bytes) of what is live at the peak
-        self.peak_tensors: list[tuple[tuple[int, ...], str, int]] = []
-        self._exclude: set[int] = set()  # storage addresses
-        self._exclude_storages = parameter_storages(modules)  # storage identities (FSDP's gathers move)
+
+def parameter_storages(modules) -> set[int]:
+    """The storages (``_cdata``) of ``modules``' parameters and buffers, FSDP's gathered parameters
+    included (each unit gathered once to find them; FSDP reuses their storages for every gather)."""
+    keys: set[int] = set()
+    for module in modules:
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        for t in [*module.parameters(), *module.buffers()]:
+            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
+        for unit in units:
+            unit.reshard()
+        for t in module.parameters():
+            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
+    return keys
+
+
+class SavedTensorMeter:
+    """Saved-activation bytes of ``modules`` on this rank (module doc): what one forward saved, and the live
+    bytes and their peak over a schedule. ``names``: record the innermost module that saved each storage."""
+
+    def __init__(self, *modules: nn.Module, names: bool = True):
+        self.tensors: list[SavedTensor] = []  # every storage counted, in the order saved
+        self.current_bytes = self.peak_bytes = 0
+        self._exclude = parameter_storages(modules)
+        self._pending: dict[int, tuple[torch.UntypedStorage, SavedTensor]] = {}  # held until the forward ends
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self._what: dict[int, tuple[tuple[int, ...], str, int]] = {}
-        self._pending: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str]] = {}
-        self.peak_bytes = 0
-        self.current_bytes = 0
+        self._stack: list[str] = []
+        self._handles = [h for m in modules if names for name, sub in m.named_modules()
+                         for h in (sub.register_forward_pre_hook(self._push(name or "<root>")),
+                                   sub.register_forward_hook(self._pop))]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every storage counted (one forward: what it saved)."""
+        return sum(t.bytes for t in self.tensors)
 
     def exclude(self, tensors) -> None:
-        """Never count these tensors' storages (e.g. the input tokens: data, not activations)."""
-        self._exclude.update(t.untyped_storage().data_ptr() for t in tensors)
+        """Never count these tensors' storages (data, not activations)."""
+        self._exclude.update(storage_of(t)._cdata for t in tensors)
 
-    def _prune(self) -> None:
-        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
-            self.current_bytes -= self._live.pop(key)[1]
-            self._what.pop(key, None)
-
-    def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        # The storage object's identity, not its address: a storage released during the forward (a
-        # recomputed norm output, resized to 0) frees its address for a later tensor of the same forward,
-        # which an address key would take for the released one and skip. Holding the storage in _pending
-        # keeps the identity unique until the forward ends; _prune drops dead ones before reuse.
+    def keep(self, t: torch.Tensor):
+        """Count ``t``'s storage as saved by the running forward (autograd's hook, and callers')."""
+        storage = storage_of(t)
         key = storage._cdata
-        if (storage.data_ptr() not in self._exclude and key not in self._exclude_storages and storage.nbytes() > 0
-                and key not in self._pending):
-            self._pending[key] = (storage, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        if key not in self._exclude and key not in self._pending and storage.nbytes() > 0:
+            where = self._stack[-1] if self._stack else "<outside>"
+            self._pending[key] = (storage, SavedTensor(where, tuple(t.shape), str(t.dtype).removeprefix("torch."), 0))
         return t
-
-    def _settle(self) -> None:
-        """Count what the last forward saved, at the size its storage has now that the forward is over
-        (a storage the model released after saving it -- a recomputed norm output -- counts 0)."""
-        self._prune()  # a freed storage's address may be reused: forget the dead ones first
-        for key, (storage, shape, dtype) in self._pending.items():
-            nbytes = storage.nbytes()
-            if key in self._live or nbytes == 0:
-                continue
-            self._live[key] = (StorageWeakRef(storage), nbytes)
-            self.current_bytes += nbytes
-            if self.detail:
-                self._what[key] = (shape, dtype, nbytes)
-        self._pending.clear()
-        if self.current_bytes > self.peak_bytes:
-            self.peak_bytes = self.current_bytes
-            if self.detail:
-                self.peak_tensors = [self._what[k] for k in self._live]
 
     def hold(self, t: torch.Tensor) -> None:
         """The schedule keeps ``t`` (a stage output) until its backward: count it while it lives."""
-        self._pack(t)
+        self.keep(t)
         self._settle()
 
     @contextlib.contextmanager
     def forward(self):
-        """Count what autograd saves inside this block (one chunk-microbatch forward). Memory only
-        grows during a forward, so reading the total when it ends gives the exact peak."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        """Count what autograd saves inside this block (one chunk-microbatch forward)."""
+        with torch.autograd.graph.saved_tensors_hooks(self.keep, lambda t: t):
             yield
         self._settle()
 
     def live_bytes(self) -> int:
+        """Bytes counted and still alive."""
         self._prune()
         return self.current_bytes
+
+    def __enter__(self):
+        self._forward = self.forward()
+        self._forward.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._forward.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _push(self, name):
+        def hook(module, args):
+            self._stack.append(name)
+        return hook
+
+    def _pop(self, module, args, output):
+        if self._stack:
+            self._stack.pop()
+
+    def _prune(self) -> None:
+        """Forget the storages freed since (after their backward)."""
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            self.current_bytes -= self._live.pop(key)[1]
+
+    def _settle(self) -> None:
+        """Count what the last forward saved, at the size its storage has now that the forward is over."""
+        self._prune()  # a freed storage's identity may be reused: forget the dead ones first
+        for key, (storage, record) in self._pending.items():
+            record.bytes = storage.nbytes()
+            if key in self._live or record.bytes == 0:
+                continue
+            self._live[key] = (StorageWeakRef(storage), record.bytes)
+            self.current_bytes += record.bytes
+            self.tensors.append(record)
+        self._pending.clear()
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)

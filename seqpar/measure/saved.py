@@ -1,116 +1,40 @@
 """Measured activation memory: the bytes one transformer layer keeps for backward.
 
-Every tensor autograd saves during the forward pass is seen through
-``torch.autograd.graph.saved_tensors_hooks``; tensors are de-duplicated by storage (Q, K and V are
-views of one QKV output; a linear layer keeps its input reshaped to 2-D), and parameters and buffers
-are excluded. This is the measurement the formulas of ``seqpar.analysis.memory`` are checked against.
+The layer runs under the saved-activation meter (``seqpar.measure.meter``, which states what counts: distinct
+storages, parameters and buffers excluded). This is the measurement the formulas of
+``seqpar.analysis.memory`` are checked against.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
-from torch import nn
 
+from seqpar.analysis.shapes import device_kernels
 from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.context import CPContext
 from seqpar.parallel.dims import group_rank
 from seqpar.parallel.expert import EPContext
-from seqpar.parallel.fsdp import parameter_storages
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan, checkpoint
 
 
-@dataclass
-class SavedTensor:
-    name: str  # the innermost module running when autograd saved it
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int  # bytes of the whole storage it keeps alive
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class SavedTensorMeter:
-    """Context manager recording every distinct storage autograd saves while it is active."""
-
-    def __init__(self, module: nn.Module | None = None):
-        self.tensors: list[SavedTensor] = []
-        self._pending: list[tuple[object, SavedTensor]] = []  # (storage, record) until exit
-        self._seen: set[int] = set()
-        self._exclude: set[int] = set()
-        self._stack: list[str] = []
-        self._handles = []
-        if module is not None:
-            self._exclude |= parameter_storages([module])  # FSDP's gathered parameters too
-            for name, sub in module.named_modules():
-                self._handles.append(sub.register_forward_pre_hook(self._push(name or "<root>")))
-                self._handles.append(sub.register_forward_hook(self._pop))
-
-    def exclude(self, tensors) -> None:
-        """Never count these tensors' storages (data, not activations: packed documents' masks)."""
-        self._exclude.update(t.untyped_storage()._cdata for t in tensors)
-
-    def _push(self, name):
-        def hook(module, args):
-            self._stack.append(name)
-        return hook
-
-    def _pop(self, module, args, output):
-        if self._stack:
-            self._stack.pop()
-
-    def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        # The storage object's identity, not its address: a storage released during the forward
-        # (a recomputed norm output) may see its address reused by a later tensor. Holding the
-        # storage in _pending keeps the identity unique until the forward ends.
-        key = storage._cdata
-        if key not in self._exclude and key not in self._seen and storage.nbytes() > 0:
-            self._seen.add(key)
-            where = self._stack[-1] if self._stack else "<outside>"
-            record = SavedTensor(where, tuple(t.shape), str(t.dtype).removeprefix("torch."), 0)
-            self._pending.append((storage, record))
-        return t
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.bytes for t in self.tensors)
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        # Bytes are read when the forward is over: a storage released after it was saved (a
-        # recomputed norm output, a pipeline stage's sent output) no longer counts.
-        for storage, record in self._pending:
-            record.bytes = storage.nbytes()
-            if record.bytes:
-                self.tensors.append(record)
-        self._pending.clear()
-        self._hooks.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-
 def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
-    """Bytes of one LayerNorm mean/rstd element: fp32 on accelerators, the activation dtype on CPU."""
-    return torch.empty((), dtype=dtype).element_size() if device.type == "cpu" else 4
+    """Bytes of one LayerNorm mean/rstd element on ``device`` (``seqpar.analysis.shapes.device_kernels``)."""
+    return device_kernels(_kind(device), torch.empty((), dtype=dtype).element_size())[1]
 
 
 def sdpa_kernel_for(device: torch.device) -> str:
-    """The fused attention kernel (``seqpar.analysis.memory.SDPA_KERNELS``) ``scaled_dot_product_attention``
-    runs on ``device``: the CPU kernel, else flash (bf16/fp16 on CUDA; the formula's GPU default)."""
-    return "cpu" if device.type == "cpu" else "flash"
+    """The fused attention kernel ``scaled_dot_product_attention`` runs on ``device`` (``device_kernels``)."""
+    return device_kernels(_kind(device), 2)[0]
+
+
+def _kind(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else "cuda"  # any accelerator: the flash-class kernels
 
 
 def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,

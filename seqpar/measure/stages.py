@@ -1,7 +1,7 @@
 """Activation memory over a pipeline schedule: measured per stage, next to the formula.
 
 Runs one training step of the configured schedule on p × t local gloo ranks, recording with
-``ScheduleMeter`` the peak of the activation bytes each rank holds, and computes the formula of
+``SavedTensorMeter`` the peak of the activation bytes each rank holds, and computes the formula of
 ``seqpar.analysis.stage`` for the same stage: Eq. 5 (Eq. 6 with selective recompute) on the first
 stage, the interleaving factor (1 + (p-1)/(pm)), the Sec. 4.3 terms outside the layers, App. B's
 kept outputs when freeing is off and App. C's kept microbatches. The formula is the *exact* one:
@@ -22,7 +22,7 @@ from seqpar.analysis.shapes import activation_options
 from seqpar.analysis.stage import stage_memory
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.meter import ScheduleMeter
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
@@ -115,7 +115,7 @@ def measure_here(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
     """On this rank (collective over the pipeline): one step's activation peak and its mean loss."""
     chunks = build_stages(cfg, parallel, recompute, dims, seed=seed)
     batches = synthetic_microbatches(cfg, micro_batch, microbatches, seed)
-    meter = ScheduleMeter(chunks)
+    meter = SavedTensorMeter(*chunks, names=False)
     meter.exclude([t for batch in batches for t in batch])  # the data, not activations
     loss = forward_backward(chunks, batches, dims, parallel, free_outputs=free_outputs, keep_microbatches=keep,
                             meter=meter)

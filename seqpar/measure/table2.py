@@ -13,6 +13,7 @@ from seqpar.analysis.stage import layer_terms
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.saved import layernorm_stat_bytes, measure_layer, sdpa_kernel_for
+from seqpar.model.moe import MoE
 
 PAPER_GPT = ModelConfig()  # the architecture options Table 2 assumes (the defaults)
 PAPER_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention_core")
@@ -148,7 +149,8 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, r
             continue
         meter = measure_layer(cfg, dims.tp_group if row.tp > 1 else None, row.sp, row.recompute_config, micro_batch,
                               backward=False, cp=CPContext.of(dims), ep_group=dims.ep_group, input_seed=dims.ep_rank)
-        routing = getattr(meter.layer.mlp, "routing", None)
+        mlp = meter.layer.mlp
+        routing = (mlp.routing, mlp.rows_per_expert) if isinstance(mlp, MoE) else None
         results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors], routing))
     return results
 
@@ -162,6 +164,7 @@ def measure_rows(cfg: ModelConfig, micro_batch: int, rows: list[Row]) -> list[Ro
     for row, (total, tensors, routing) in zip(rows, measured, strict=True):
         row.measured_bytes, row.tensors = total, tensors
         if routing is not None and row.routing is not None:  # MoE: the exact bytes of the routing rank 0 saw
-            row.routing |= {"measured": list(routing[:3]), "per_expert": list(routing[3])}
-            row.exact_bytes = exact_for_routing(cfg, micro_batch, row, Routing(*routing[:3]))
+            seen, per_expert = routing
+            row.routing |= {"measured": list(astuple(seen)), "per_expert": list(per_expert)}
+            row.exact_bytes = exact_for_routing(cfg, micro_batch, row, seen)
     return rows

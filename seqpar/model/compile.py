@@ -11,9 +11,9 @@ leaves the modules' code untouched. Two plans:
   per layer shape). Graph boundaries, where dynamo runs eager code between graphs: the conjugate
   collectives (``f``, ``f̄``, ``g``, ``ḡ``, ``LinearWithGatheredInput``: autograd Functions of
   ``seqpar.parallel`` calling ``parallel/comm.py``), every dropout with p > 0, the materialized and the
-  ring attention cores (below), and the checkpoints of ``seqpar.recompute`` (``torch.compiler.disable``:
-  their state is Python ints, and a traced checkpoint would recompile for every dropout key; what they
-  run inside may be compiled);
+  ring attention cores (below), and the checkpoints of ``seqpar.recompute`` (``torch.compiler.disable`` on
+  the call and on its autograd Function's forward: their state is Python ints, and a traced checkpoint
+  would recompile for every step and microbatch; what they run inside may be compiled);
 * the older regions (``REGIONS`` minus "layer"): each layer's attention core (``CoreAttention``) and MLP.
 
 In both, the loss head (``VocabParallelCrossEntropy.compile``) compiles its chunk passes, the all-reduces

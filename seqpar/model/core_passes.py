@@ -20,7 +20,7 @@ from seqpar.parallel.rng import last_keep
 
 def softmax_dropout(scores, prefix, cols, limit):
     """``scores [b·groups, g, s, s]`` → softmax P, keep, ``where(keep, P, 0)`` (the 1/(1 − p) is in the next GEMM).
-    ``prefix [b, heads, s, 1]``, ``cols [1, 1, 1, s]``, ``limit``: ``AttentionMask.parts``."""
+    ``prefix [b, heads, s, 1]``, ``cols [1, 1, 1, s]`` (key positions' words), ``limit``: ``AttentionMask.parts``."""
     probs = torch.softmax(scores, dim=-1)
     keep = last_keep(prefix, cols, limit).view(probs.shape)  # [b, heads, s, s] → like P
     return probs, keep, torch.where(keep, probs, 0.0)

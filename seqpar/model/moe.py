@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar.analysis.moe import Routing
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.mlp import MLP, activation
@@ -223,6 +224,9 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.ep = cfg, ep or EPContext()
         self.aux = aux or AuxLosses()
+        # what this rank handled in its last forward (seqpar memory's exact bytes are a function of it)
+        self.routing: Routing | None = None  # T, N, R
+        self.rows_per_expert: tuple[int, ...] = ()  # of this rank's local experts
         self.router = Router(cfg, tp, cp or CPContext(), device)
         self.experts = Experts(cfg, tp, self.ep, plan, output_std, device)
         self.shared = None
@@ -265,8 +269,8 @@ class MoE(nn.Module):
         order, counts = self.assignments(chosen)  # [N], [E]
         token = order // self.cfg.top_k  # [N]: the token of each assignment
         plan = DispatchPlan.build(counts, self.ep)
-        # what this rank handled (seqpar memory's exact bytes are a function of it): T, N, R, rows per expert
-        self.routing = (tokens.shape[0], order.numel(), sum(plan.expert_counts), plan.expert_counts)
+        self.routing = Routing(tokens.shape[0], order.numel(), sum(plan.expert_counts))
+        self.rows_per_expert = tuple(plan.expert_counts)
         x = plan.dispatch(tokens.index_select(0, token))  # [received, h], expert-major
         y = plan.combine(self.experts(x, plan.expert_counts))  # [N, h]
         w = weights.reshape(-1)[order].to(y.dtype).unsqueeze(-1)  # [N, 1]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from seqpar.analysis.placement import expert_groups
 from seqpar.config import ConfigError, ParallelConfig
 
 
@@ -70,6 +71,12 @@ class ParallelDims:
     ep: int = 1
     ep_group: object = field(default=None, repr=False)
     expert_grad_group: object = field(default=None, repr=False)
+    # FSDP (``parallel.fsdp``) shards over the grad group; HSDP (``fsdp_shard_size`` < dp·cp) over shard
+    # groups of that many of its ranks (consecutive in grad-group order), replicated across them
+    fsdp: bool = False
+    fsdp_shard_size: int = 0  # HSDP's shard group size (0: FSDP over the whole grad group, or no FSDP)
+    hsdp_replicate_group: object = field(default=None, repr=False)
+    hsdp_shard_group: object = field(default=None, repr=False)
     pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
     tp_ranks: list[int] = field(default_factory=lambda: [0])
 
@@ -147,23 +154,28 @@ class ParallelDims:
         dims.grad_group = dims.dp_group if cp == 1 else dims.cp_group if dp == 1 else \
             _my_group(groups("dc"), dims.rank)[0]
         dims.ep = parallel.ep
-        dims.ep_group, dims.expert_grad_group = _expert_groups(dims, coords)
+        dims.ep_group, dims.expert_grad_group = _expert_groups(dims, parallel)
+        dims.fsdp = parallel.fsdp
+        if parallel.fsdp and parallel.fsdp_shard_size not in (0, dp * cp):
+            dims.fsdp_shard_size = parallel.fsdp_shard_size
+            grad_lists = groups("dc")  # each in dp-then-cp order
+            size = dims.fsdp_shard_size
+            dims.hsdp_shard_group = _my_group([g[i:i + size] for g in grad_lists for i in range(0, len(g), size)],
+                                              dims.rank)[0]
+            dims.hsdp_replicate_group = _my_group([g[j::size] for g in grad_lists for j in range(size)], dims.rank)[0]
         return dims
 
+    def grad_ranks(self) -> list[int]:
+        """The global ranks of this rank's grad group (dp × cp, cp running fastest)."""
+        return [self.rank_of(d, self.pp_rank, c, self.tp_rank) for d in range(self.dp) for c in range(self.cp)]
 
-def _expert_groups(dims: ParallelDims, coords: list[tuple]) -> tuple[object, object]:
-    """(ep group, expert grad group) of this rank: by the dp × cp index q = dp·cp + c, the ep group
-    holds one block of ep consecutive q, the expert grad group every q with the same q mod ep."""
+
+def _expert_groups(dims: ParallelDims, parallel: ParallelConfig) -> tuple[object, object]:
+    """(ep group, expert grad group) of this rank, of the rank lists ``placement.expert_groups`` owns."""
     if dims.ep == 1:
         return None, dims.grad_group
-    ep_lists: dict[tuple, list[int]] = {}
-    grad_lists: dict[tuple, list[int]] = {}
-    for d, p, c, t in coords:
-        q = d * dims.cp + c
-        ep_lists.setdefault((p, t, q // dims.ep), []).append(dims.rank_of(d, p, c, t))
-        grad_lists.setdefault((p, t, q % dims.ep), []).append(dims.rank_of(d, p, c, t))
-    ep_group = _my_group(list(ep_lists.values()), dims.rank)[0]
-    return ep_group, _my_group(list(grad_lists.values()), dims.rank)[0]
+    ep_lists, grad_lists = expert_groups(parallel)
+    return _my_group(ep_lists, dims.rank)[0], _my_group(grad_lists, dims.rank)[0]
 
 
 def _a2a_groups(cp_lists: list[list[int]], k: int, rank: int) -> tuple[object, object]:

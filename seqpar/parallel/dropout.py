@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from seqpar.parallel.context import chunk_ids
 from seqpar.parallel.dims import GroupContext
-from seqpar.parallel.rng import Ranges, RNGTracker, coordinates, keep_mask, prefix_bits, slice_ranges, threshold
+from seqpar.parallel.rng import Ranges, RNGTracker, coordinates, keep_mask, prefix_bits, slice_ranges, threshold, words
 
 
 def sequence_ranges(local_len: int, cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1,
@@ -27,8 +28,7 @@ def sequence_ranges(local_len: int, cp_size: int = 1, cp_rank: int = 0, sp_size:
         ranges: Ranges = ((0, length),)
     else:
         c = length // 2
-        second = 2 * cp_size - 1 - cp_rank
-        ranges = ((cp_rank * c, (cp_rank + 1) * c), (second * c, (second + 1) * c))
+        ranges = tuple((i * c, (i + 1) * c) for i in chunk_ids(cp_size, cp_rank))
     return slice_ranges(ranges, sp_rank * local_len, (sp_rank + 1) * local_len)
 
 
@@ -102,11 +102,11 @@ class AttentionMask:
 
     def parts(self, rows: Ranges, cols: Ranges, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a fused pass needs to compute the mask ``[b, heads, sq, sk]``: the prefix hash of (sample, head,
-        query) ``[b, heads, sq, 1]`` (small, eager), the key positions ``[1, 1, 1, sk]`` and the threshold
+        query) ``[b, heads, sq, 1]`` (small, eager), the key positions' words ``[1, 1, 1, sk]`` and the threshold
         (0-dim): ``seqpar.parallel.rng.last_keep`` of the three (tensors only: no recompile per step)."""
         coords = coordinates([self.samples, self.heads, rows, cols], device)
         limit = torch.tensor(threshold(self.p), dtype=torch.int64, device=device)
-        return prefix_bits(self.key, *coords[:-1]), coords[-1], limit
+        return prefix_bits(self.key, *coords[:-1]), words(coords[-1]), limit
 
     def keep(self, rows: Ranges, cols: Ranges, device) -> torch.Tensor:
         """``[b, heads, sq, sk]`` bool."""

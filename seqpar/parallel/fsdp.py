@@ -15,7 +15,7 @@ on; backward: the previous layer's, implicit). Mixed precision is FSDP's: fp32 s
 (they are the master weights), gathered in bf16/fp16 for compute, gradients reduce-scattered in fp32
 and averaged over the mesh (the dp × cp average ``finalize_grads`` applies otherwise).
 
-Each sharded parameter keeps its ``ParamLayout`` and gains an ``FSDPShard``: which rows of the tp-local
+Each sharded parameter's ``ParamLayout`` gains an ``FSDPShard`` (its ``fsdp`` field): which rows of the tp-local
 tensor this rank holds (``torch.chunk`` rows: ceil(rows / N) each, the last ones short or empty), so
 the norm's counting rules, the grouped-kv and sequence-parallel reductions over tp and the checkpoint
 views work on the local rows.
@@ -28,85 +28,33 @@ embedding's copies over {first, last}) runs on the reduced shards after the back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from seqpar.analysis.fsdp_states import chunk_rows
 from seqpar.config import ParallelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.layout import layout_of
-
-
-@dataclass(frozen=True)
-class FSDPShard:
-    """Rows [row0, row0 + rows) of a parameter's tp-local tensor (``shape``) that this rank holds:
-    the flat elements [start, stop) of its row-major flattening."""
-
-    shape: tuple[int, ...]
-    row0: int
-    rows: int
-
-    @property
-    def row_elements(self) -> int:
-        out = 1
-        for n in self.shape[1:]:
-            out *= n
-        return out
-
-    @property
-    def start(self) -> int:
-        return self.row0 * self.row_elements
-
-    @property
-    def stop(self) -> int:
-        return (self.row0 + self.rows) * self.row_elements
-
-
-def chunk_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
-    """(first row, rows) of shard ``index`` of ``rows`` rows cut as ``torch.chunk`` does (dim-0 Shard)."""
-    size = -(-rows // shards)  # ceil
-    first = min(index * size, rows)
-    return first, min(size, rows - first)
+from seqpar.parallel.layout import FSDPShard, layout_of
 
 
 def shard_of(param: torch.Tensor) -> FSDPShard | None:
-    """The parameter's FSDP shard (None: not sharded by FSDP)."""
-    return getattr(param, "fsdp_shard", None)
+    """The parameter's FSDP shard (None: not sharded by FSDP), a field of its ``ParamLayout``."""
+    return layout_of(param).fsdp
 
 
-def fsdp_mesh(dims: ParallelDims, parallel: ParallelConfig, device_type: str) -> DeviceMesh:
-    """The mesh of this rank's grad group (dp × cp ranks, in dp-then-cp order): 1-D (``shard``), or
-    2-D (``replicate``, ``shard``) for HSDP. Collective over the world: every rank creates every
-    (pp, tp) coordinate's groups, in the same order."""
-    n = dims.dp * dims.cp
-    shard = parallel.fsdp_shard_size or n
-    mine: dict[str, object] = {}
-    my_ranks: list[int] = []
-    for p in range(dims.pp):
-        for t in range(dims.tp):
-            ranks = [dims.rank_of(d, p, c, t) for d in range(dims.dp) for c in range(dims.cp)]
-            if dims.rank in ranks:
-                my_ranks = ranks
-            if shard == n:
-                continue
-            rows = [ranks[i:i + shard] for i in range(0, n, shard)]
-            cols = [ranks[j::shard] for j in range(shard)]
-            for name, lists in (("shard", rows), ("replicate", cols)):
-                for group_ranks in lists:
-                    group = dist.new_group(group_ranks)
-                    if dims.rank in group_ranks:
-                        mine[name] = group
-    if shard == n:
-        return DeviceMesh.from_group(dims.grad_group, device_type, mesh=torch.tensor(my_ranks),
-                                     mesh_dim_names=("shard",))
-    layout = torch.tensor(my_ranks).view(n // shard, shard)  # [replicate, shard]
-    return DeviceMesh.from_group([mine["replicate"], mine["shard"]], device_type, mesh=layout,
+def fsdp_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The mesh of this rank's grad group (dp × cp ranks, in dp-then-cp order) over the groups
+    ``ParallelDims.build`` made: 1-D (``shard``: the grad group), or 2-D (``replicate``, ``shard``) for HSDP."""
+    ranks = torch.tensor(dims.grad_ranks())
+    if not dims.fsdp_shard_size:
+        return DeviceMesh.from_group(dims.grad_group, device_type, mesh=ranks, mesh_dim_names=("shard",))
+    layout = ranks.view(-1, dims.fsdp_shard_size)  # [replicate, shard]
+    return DeviceMesh.from_group([dims.hsdp_replicate_group, dims.hsdp_shard_group], device_type, mesh=layout,
                                  mesh_dim_names=("replicate", "shard"))
 
 
@@ -121,7 +69,7 @@ def apply_fsdp(chunks: list[nn.Module], dims: ParallelDims, parallel: ParallelCo
     """Shard every chunk in place: each transformer layer one FSDP unit, the chunk the root; the
     parameters become fp32 (the masters), keeping their layouts. Returns the mesh."""
     device = next(p for chunk in chunks for p in chunk.parameters()).device
-    mesh = fsdp_mesh(dims, parallel, device.type)
+    mesh = fsdp_mesh(dims, device.type)
     policy = mixed_precision(chunks[0].cfg.dtype)
     shard_rank = mesh.get_local_rank("shard")
     shards = mesh.size(mesh.ndim - 1)
@@ -138,28 +86,9 @@ def apply_fsdp(chunks: list[nn.Module], dims: ParallelDims, parallel: ParallelCo
         for later, earlier in zip(layers[1:], layers[:-1], strict=True):
             earlier.set_modules_to_forward_prefetch([later])  # gather the next layer while this one computes
         for name, p in chunk.named_parameters():
-            p.parallel_layout = layouts[name]
             shape = tuple(p.shape)
             row0, rows = chunk_rows(shape[0], shards, shard_rank)
             if p.to_local().shape[0] != rows:
                 raise RuntimeError(f"{name}: FSDP holds {p.to_local().shape[0]} rows here, torch.chunk gives {rows}")
-            p.fsdp_shard = FSDPShard(shape, row0, rows)
+            p.parallel_layout = replace(layouts[name], fsdp=FSDPShard(shape, row0, rows))
     return mesh
-
-
-def parameter_storages(modules) -> set[int]:
-    """The storages (``_cdata``) of ``modules``' parameters and buffers, FSDP's gathered parameters
-    included (each unit gathered once to find them; FSDP reuses their storages for every gather), so
-    that an activation meter leaves them out."""
-    keys: set[int] = set()
-    for module in modules:
-        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for unit in units:
-            unit.unshard()
-        for t in [*module.parameters(), *module.buffers()]:
-            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
-        for unit in units:
-            unit.reshard()
-        for t in module.parameters():
-            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
-    return keys

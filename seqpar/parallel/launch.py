@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from seqpar.parallel.comm import barrier
+from seqpar.processes import die_with
 
 
 def default_device() -> torch.device:
@@ -60,7 +61,8 @@ PRELOAD = ["torch", "torch._dynamo", "seqpar.train.loop"]  # the first optimizer
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args, threads: int, device_type: str,
-            environ: dict[str, str]):
+            environ: dict[str, str], caller: int):
+    die_with(caller)  # not its parent, the forkserver, which lives on while a rank does: a killed caller leaves none
     os.environ.clear()  # the caller's environment now, as a spawned rank has it (not the server's, from its start)
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -95,7 +97,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 900.0, threads: int =
         mp.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call), then ignored
     with tempfile.TemporaryDirectory(prefix="seqpar-ranks-") as out_dir:
         ctx = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, device_type,
-                                                dict(os.environ)),
+                                                dict(os.environ), os.getpid()),
                                  nprocs=world_size, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         try:

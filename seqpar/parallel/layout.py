@@ -102,6 +102,31 @@ class ExpertSplit:
 
 
 @dataclass(frozen=True)
+class FSDPShard:
+    """Rows [row0, row0 + rows) of a parameter's tp-local tensor (``shape``) that this rank holds:
+    the flat elements [start, stop) of its row-major flattening."""
+
+    shape: tuple[int, ...]
+    row0: int
+    rows: int
+
+    @property
+    def row_elements(self) -> int:
+        out = 1
+        for n in self.shape[1:]:
+            out *= n
+        return out
+
+    @property
+    def start(self) -> int:
+        return self.row0 * self.row_elements
+
+    @property
+    def stop(self) -> int:
+        return (self.row0 + self.rows) * self.row_elements
+
+
+@dataclass(frozen=True)
 class ParamLayout:
     """Where a parameter's shard lies in the full tensor, and how the parameter is initialised."""
 
@@ -110,6 +135,7 @@ class ParamLayout:
     parts: int = 1  # equal parts of the split dimension, each split on its own ([gate; up])
     grouped: GroupedQKVLayout | None = None  # fused QKV with fewer kv heads than ranks
     expert: ExpertSplit | None = None  # routed experts: dim 0 split over ep (split_dim None: replicated over tp)
+    fsdp: FSDPShard | None = None  # FSDP: the rows of the tp-local tensor this rank holds (``parallel/fsdp.py``)
     sequence_parallel: bool = False  # replicated, gradient a partial sum over the tp group
     init: str = "normal"  # normal | zeros | ones
     init_std: float = 0.02

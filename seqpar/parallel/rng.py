@@ -12,12 +12,18 @@ tensor -- its tp heads, its sp sequence slice, its cp chunks, its pp layers, its
 microbatch in flight -- and gets exactly that slice of the single process's mask. p is resolved to
 2⁻³².
 
-The hash is a multiply-xorshift finaliser on 32-bit values held in int64 (``mix32``): every
-product is below 2³¹ · 2³² < 2⁶³, so no operation overflows, and CPU eager, Inductor C++ and
-Triton produce the same bits. Every coordinate but the last is hashed eagerly into a small prefix
-tensor (``prefix_bits``); the one full-size step (``last_keep``: one ``mix32`` and a compare per
-element) is compiled for large masks (cached by Inductor across processes), eager for small ones --
-the same bits either way.
+The scheme (``SCHEME``, recorded in checkpoints) carries 64 bits from the key through every
+coordinate: ``h ← mix64(h ^ word(c))``, ``word(c) = mix64(c + γ)``, with ``mix64`` the splitmix64
+finaliser on int64 tensors (products wrap modulo 2⁶⁴, right shifts masked to be logical), and an
+element is kept when the top 32 bits of its final ``h`` are ≥ the threshold. Hashing each coordinate
+before it is folded in means two rows whose running hashes differ share no structure (a bare
+``h ^ c`` makes them the same row permuted when the difference is below the row length: the
+32-bit ``position-keyed-1`` scheme before it, issue 42). CPU eager, Inductor C++ and Triton
+produce the same bits (checked in tests/test_dropout_masks.py). Every coordinate but the last is
+hashed eagerly into a small prefix tensor (``prefix_bits``) and the last one's words are a small
+tensor too (``words``); the one full-size step (``last_keep``: one ``mix64`` and a compare per
+element) is compiled for large masks (cached by Inductor across processes; eager when no C++
+compiler is found, with one warning), eager for small ones -- the same bits either way.
 
 ``RNGTracker`` holds what the bits need besides the coordinates a module knows itself: the seed,
 the step, and the global index of the first sample of the microbatch in flight. A checkpoint keeps
@@ -29,62 +35,104 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import torch
 
+SCHEME = "position-keyed-2"  # the mask scheme a checkpoint records (seqpar.train.loop); "-1": 32-bit state
 M32 = 0xFFFFFFFF
 _MASK64 = 2**64 - 1
 SITES = ("embedding", "attention", "attention_output", "mlp_output")  # one id per dropout site
 Ranges = tuple[tuple[int, int], ...]  # an axis's global coordinates: concatenated [start, stop) ranges
 COMPILE_FROM = 1 << 20  # masks with at least this many elements are computed by the compiled function
+GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: word(c) = mix64(c + γ)
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser multipliers
+
+
+def signed64(v: int) -> int:
+    """A 64-bit word as the int64 that holds the same bits."""
+    v &= _MASK64
+    return v - 2**64 if v >= 2**63 else v
+
+
+def _mix_int(h: int) -> int:
+    """``mix64`` of one Python integer (a 64-bit word)."""
+    h = ((h ^ (h >> 30)) * _M1) & _MASK64
+    h = ((h ^ (h >> 27)) * _M2) & _MASK64
+    return h ^ (h >> 31)
 
 
 def mix(*values: int) -> int:
-    """A 63-bit integer from integers (splitmix64 finaliser per value): distinct inputs, unrelated outputs."""
-    h = 0x9E3779B97F4A7C15
+    """A 64-bit word from integers, ``mix64`` folding each in: distinct inputs, unrelated outputs."""
+    h = GAMMA
     for v in values:
-        h = ((h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 31
-    return h & (2**63 - 1)
+        h = _mix_int(h ^ (v & _MASK64))
+    return h
 
 
 def site_key(seed: int, step: int, layer: int, site: str) -> int:
-    """The seed scheme: the 32-bit key of one dropout site of global ``layer`` (−1: the embedding) at
-    training ``step``. Checkpoints and resumed runs depend on it staying as it is."""
-    return mix(seed, step, layer + 1, SITES.index(site)) & M32
+    """The seed scheme: the 64-bit key (an int64's value) of one dropout site of global ``layer`` (−1: the
+    embedding) at training ``step``. Checkpoints and resumed runs depend on it staying as it is (``SCHEME``)."""
+    return signed64(mix(seed, step, layer + 1, SITES.index(site)))
 
 
 def threshold(p: float) -> int:
-    """An element is kept when its 32-bit hash is ≥ this: probability 1 − p, p resolved to 2⁻³²."""
+    """An element is kept when the top 32 bits of its hash are ≥ this: probability 1 − p, p resolved to 2⁻³²."""
     return round(p * 2**32)
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit hash of int64 values in [0, 2³²): xorshift-multiply, every product < 2⁶³."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & M32
-    x = x ^ (x >> 15)
-    x = (x * 0x27D4EB2F) & M32
-    return x ^ (x >> 16)
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The logical right shift of int64 ``x`` by ``k`` (torch's ``>>`` is arithmetic: mask the sign's copies)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser (a bijection of 64-bit words) on int64 tensors; products wrap modulo 2⁶⁴."""
+    x = (x ^ _shr(x, 30)) * signed64(_M1)
+    x = (x ^ _shr(x, 27)) * signed64(_M2)
+    return x ^ _shr(x, 31)
+
+
+def words(c: torch.Tensor) -> torch.Tensor:
+    """What a coordinate contributes: its own 64-bit hash, so no two coordinates differ by a small XOR."""
+    return mix64(c + signed64(GAMMA))
 
 
 def prefix_bits(key: int, *coords: torch.Tensor) -> torch.Tensor:
-    """``mix32(… mix32(mix32(key ^ c₀) ^ c₁) … ^ cₙ₋₁)`` over broadcasting coordinates (int64, each in
-    [0, 2³²)): the hash of every coordinate but the last, a small tensor computed eagerly."""
-    h = torch.tensor(key, dtype=torch.int64, device=coords[0].device if coords else None)
+    """``mix64(… mix64(mix64(key ^ word(c₀)) ^ word(c₁)) … ^ word(cₙ₋₁))`` over broadcasting int64 coordinates:
+    the hash of every coordinate but the last, a small tensor computed eagerly."""
+    h = torch.tensor(signed64(key), dtype=torch.int64, device=coords[0].device if coords else None)
     for c in coords:
-        h = mix32(h ^ c)
+        h = mix64(h ^ words(c))
     return h
 
 
 def last_keep(prefix: torch.Tensor, last: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """``mix32(prefix ^ last) ≥ limit``: the one full-size step (``limit`` a 0-dim int64 tensor: no recompile
-    per p). One pass when compiled; the prefix is read, not recomputed, per element."""
-    return mix32(prefix ^ last) >= limit
+    """``top32(mix64(prefix ^ last)) ≥ limit``, ``last`` the last coordinate's ``words`` (``limit`` a 0-dim int64
+    tensor: no recompile per p). The one full-size step: one pass when compiled; prefix and words are read,
+    not recomputed, per element."""
+    return _shr(mix64(prefix ^ last), 32) >= limit
 
 
 _compiled = None
+_compiler_ok: bool | None = None
+
+
+def compiler_available() -> bool:
+    """Whether Inductor finds a C++ compiler on CPU (asked once; without one, compiled masks fall back to the
+    eager hash -- the same bits -- with one warning)."""
+    global _compiler_ok
+    if _compiler_ok is None:
+        from torch._inductor import cpp_builder, exc
+
+        try:
+            cpp_builder.get_cpp_compiler()
+            _compiler_ok = True
+        except (exc.InvalidCxxCompiler, OSError, RuntimeError) as e:
+            _compiler_ok = False
+            print(f"seqpar: warning: no C++ compiler for torch.compile ({type(e).__name__}): dropout masks are "
+                  "hashed eagerly (the same bits, slower)", file=sys.stderr, flush=True)
+    return _compiler_ok
 
 
 def _compiled_last_keep():
@@ -94,10 +142,12 @@ def _compiled_last_keep():
     return _compiled
 
 
-def compile_masks() -> bool:
-    """Whether large masks use the compiled function (``SEQPAR_COMPILE_MASKS=0``: never; for a machine
-    without a compiler)."""
-    return os.environ.get("SEQPAR_COMPILE_MASKS", "1") != "0"
+def compile_masks(device) -> bool:
+    """Whether large masks use the compiled function: not with ``SEQPAR_COMPILE_MASKS=0``, nor on CPU without a
+    C++ compiler."""
+    if os.environ.get("SEQPAR_COMPILE_MASKS", "1") == "0":
+        return False
+    return torch.device(device).type != "cpu" or compiler_available()
 
 
 def axis(ranges: Ranges, device) -> torch.Tensor:
@@ -136,9 +186,9 @@ def keep_mask(key: int, p: float, axes: list[Ranges], device, compiled: bool | N
     coords = coordinates(axes, device, dims)
     limit = torch.tensor(threshold(p), dtype=torch.int64, device=device)
     if compiled is None:
-        compiled = compile_masks() and math.prod(size(r) for r in axes) >= COMPILE_FROM
+        compiled = math.prod(size(r) for r in axes) >= COMPILE_FROM and compile_masks(device)
     fn = _compiled_last_keep() if compiled and not torch.compiler.is_compiling() else last_keep
-    return fn(prefix_bits(key, *coords[:-1]), coords[-1], limit)
+    return fn(prefix_bits(key, *coords[:-1]), words(coords[-1]), limit)
 
 
 class RNGTracker:

@@ -35,7 +35,7 @@ def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
 
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
                      free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
-                     meter=None, loss_scale: float = 1.0) -> float:
+                     meter=None, loss_scale: float = 1.0, aux: list | None = None) -> float:
     """Forward and backward of every microbatch; returns this dp rank's share of the step's loss (every
     pp rank; its average over dp is the mean loss per counted token of every dp rank's microbatches).
 
@@ -44,8 +44,10 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     item, their ``seqpar.documents.Documents``, which every stage reads.
     ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
     chunk-microbatches that store every activation instead of recomputing.
-    ``meter``: an optional ``seqpar.measure.meter.ScheduleMeter`` recording the activation peak.
+    ``meter``: an optional ``seqpar.measure.meter.SavedTensorMeter`` recording the activation peak.
     ``loss_scale``: backward starts from loss · loss_scale (fp16); the returned loss is unscaled.
+    ``aux``: a list that receives the step's MoE load-balancing losses (part of the returned loss), to be
+    logged apart from the cross entropy.
     """
     m = parallel.interleave
     if len(chunks) != m:
@@ -73,7 +75,10 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
             run_1f1b(runner, comm)
         else:
             run_interleaved(runner, comm, m)
-    return broadcast_loss(runner.mean_loss(), dims, device) + aux_loss(chunks, len(microbatches), dims, device)
+    balance = aux_loss(chunks, len(microbatches), dims, device)
+    if aux is not None and chunks[0].cfg.experts:
+        aux.append(balance)
+    return broadcast_loss(runner.mean_loss(), dims, device) + balance
 
 
 def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> float:

@@ -32,7 +32,7 @@ class StepRunner:
     objective: Objective  # the step's counted tokens: each microbatch's loss sum is scaled by its weight
     free_outputs: bool = True  # App. B
     keep: KeepPolicy | None = None  # App. C
-    meter: object = None  # seqpar.measure.meter.ScheduleMeter or None
+    meter: object = None  # seqpar.measure.meter.SavedTensorMeter or None
     loss_scale: float = 1.0  # fp16 dynamic loss scaling: backward starts from loss · scale
     losses: list = field(default_factory=list)  # unscaled microbatch loss sums (last virtual stage)
 

@@ -16,7 +16,7 @@ import torch
 
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
-from seqpar.measure.saved import SavedTensorMeter
+from seqpar.measure.meter import SavedTensorMeter
 from seqpar.measure.table2 import plan_rows
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer

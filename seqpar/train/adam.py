@@ -9,20 +9,26 @@
 * ``fsdp_optim.FSDPOptimizer`` -- under ``parallel.fsdp``: the masters are FSDP2's fp32 parameter shards
   themselves, the gradients arrive reduce-scattered by FSDP (``dp_reduced``).
 
-A subclass says, in the methods the base marks abstract, where the gradients live
-(``build_grad_buffers``), what its masters are (``build_masters``: whole tensors or fragments), whether
-the model computes in low precision (``mixed``), and how it unscales, norms, steps and checkpoints. The
-base ``__init__`` calls ``build_grad_buffers`` and then ``build_masters`` (which sets ``self.masters``)
-before it creates AdamW over the masters.
+A subclass's ``__init__`` sets, after the base's, where the gradients live (``buffers``), the groups its
+gradient pieces are sharded over (``shard_groups``) and what its masters are (``start_adam``: whole tensors or
+fragments, each beside its parameter); it says in the methods the base marks abstract which pieces of gradient it
+holds (``counted_grads``), whether the model computes in low precision (``mixed``), and how it unscales, steps and
+checkpoints. The gradient-counting rule (``counted_elements``) and the global norm (``global_grad_norm``) are
+written once, here, for all three.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
+from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.grad_buffer import GradBuffers
+from seqpar.parallel.layout import layout_of
 from seqpar.parallel.tied import canonical_name
 from seqpar.train.config import TrainConfig
 from seqpar.train.loss_scale import DynamicLossScaler
@@ -52,6 +58,39 @@ def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     return [(canonical_name(chunk, n), p) for chunk in chunks for n, p in chunk.named_parameters()]
 
 
+def counted_elements(p: torch.Tensor, tp_rank: int, tied_copy: bool) -> int:
+    """The gradient-counting rule: how many leading elements of ``p``'s tp-local flat gradient the global norm
+    counts on this rank, so that every unique element counts once -- a tied copy none (its first-stage twin
+    counts), a replicated parameter all on tp rank 0 only, grouped k/v rows on the first rank of their group,
+    a split parameter all. (Routed experts count on every rank: they differ over ep, ``global_grad_norm``.)"""
+    if tied_copy:
+        return 0
+    layout, shape = layout_of(p), tuple(p.shape)
+    if layout.grouped is not None:
+        return layout.grouped.counted_rows(torch.empty(shape, device="meta"), tp_rank).numel()
+    return 0 if layout.split_dim is None and tp_rank != 0 else math.prod(shape)
+
+
+def global_grad_norm(pieces: Iterable[tuple[torch.Tensor, bool]], dims: ParallelDims, device: torch.device,
+                     shard_groups: tuple = (None, None)) -> torch.Tensor:
+    """Global L2 norm of the gradients from this rank's counted pieces ((gradient elements, a routed expert's?)):
+    squares summed here, then over the ranks holding other shards of the same parameters (``shard_groups``:
+    (the dense parameters' group, the routed experts'), None when not sharded), the experts over ep (they
+    differ there), and all of it over tp and pp."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)
+    for grad, expert in pieces:
+        (experts if expert else total).add_(grad.detach().double().pow(2).sum())
+    for group, value in ((shard_groups[0], total), (shard_groups[1], experts), (dims.ep_group, experts)):
+        if group is not None:
+            all_reduce(value, group)
+    total += experts
+    for group in (dims.tp_group, dims.pp_group):
+        if group is not None:
+            all_reduce(total, group)
+    return total.sqrt()
+
+
 class AdamOnMasters:
     """torch.optim.AdamW on fp32 masters of ``chunks``' parameters (decay on matrices only); a subclass
     decides what the masters and the gradient buffers are (module docstring)."""
@@ -63,22 +102,26 @@ class AdamOnMasters:
         self.named = named_parameters(chunks)
         self.tied_copies = {id(p) for chunk in chunks for n, p in chunk.named_parameters()
                             if chunk.tied.is_copy(chunk, n)}  # counted with their first-stage twin
-        self.buffers = self.build_grad_buffers(chunks)
+        self.counted = [counted_elements(p, dims.tp_rank, id(p) in self.tied_copies) for _, p in self.named]
+        self.buffers: GradBuffers | None = None  # flat fp32 gradient buckets, or None: per-parameter gradients
+        self.shard_groups: tuple = (None, None)  # what the gradient pieces are sharded over (``global_grad_norm``)
         self.masters: list[nn.Parameter] = []
-        decay, no_decay = self.build_masters()
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
-        init_adam_state(self.opt)
         # AdamW's own step count (its bias correction's t): the updates applied, which a skipped step (fp16
         # overflow, non-finite values) does not add to; saved in the checkpoint, restored by ``loaded``
         self.updates = 0
         fp16 = any(p.dtype == torch.float16 for _, p in self.named)
         self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window) if fp16 else None
 
-    def build_grad_buffers(self, chunks: list[nn.Module]) -> GradBuffers | None:
-        """The flat fp32 gradient buckets the reduction uses, or None (per-parameter gradients)."""
-        raise NotImplementedError
+    def start_adam(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+        """AdamW over the masters of (model parameter, fp32 master) ``pairs``, weight decay on the matrices'
+        only, its state created now (``init_adam_state``)."""
+        self.masters = [m for _, m in pairs]
+        decay = [m for p, m in pairs if p.dim() >= 2]
+        no_decay = [m for p, m in pairs if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=self.cfg.lr,
+                                     betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps, foreach=False)
+        init_adam_state(self.opt)
 
     def flat_buckets(self, chunks: list[nn.Module], shard: bool) -> GradBuffers:
         """Flat fp32 gradient buckets (``seqpar.parallel.grad_buffer``) over this rank's parameters, the tied
@@ -87,10 +130,6 @@ class AdamOnMasters:
         return GradBuffers([p for _, p in self.named], self.dims.grad_group, overlap=self.cfg.overlap_grad_reduce,
                            shard=shard, bucket_bytes=int(self.cfg.grad_bucket_mb * 2**20), alone=tuple(tied),
                            expert_group=self.dims.expert_grad_group)
-
-    def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """Fill ``self.masters`` (the fp32 tensors AdamW updates); return them split (decayed, not decayed)."""
-        raise NotImplementedError
 
     @property
     def mixed(self) -> bool:
@@ -143,9 +182,13 @@ class AdamOnMasters:
         """Divide the (reduced) fp32 gradients by the loss scale (fp16 only)."""
         raise NotImplementedError
 
+    def counted_grads(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        """(the elements of a gradient this rank holds that the norm counts, a routed expert's?) per piece."""
+        raise NotImplementedError
+
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients, every unique element counted once over all ranks."""
-        raise NotImplementedError
+        return global_grad_norm(self.counted_grads(), self.dims, self.named[0][1].device, self.shard_groups)
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
         """Clip to ``grad_clip`` using ``grad_norm``, set the scheduled lr, update; returns the lr."""

@@ -147,6 +147,7 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    changed: tuple[str, ...] = ()  # what building it changed on its own (a preset, a resume): warned, not saved
 
     @property
     def model(self) -> ModelConfig:
@@ -169,10 +170,6 @@ class JobConfig:
         if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
             raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
                               "itself: turn off distributed_optimizer and overlap_grad_reduce")
-        if self.parallel.fsdp and self.model.experts:
-            raise ConfigError(f"fsdp with a mixture of experts ({self.model.experts} experts) is not supported: "
-                              "FSDP would shard each expert over every dp × cp rank, while expert parallelism "
-                              "places experts on subsets of them; train MoE models without fsdp")
         self.data.validate()
         validate_microbatches(self.train.microbatches(self.parallel.dp), self.parallel.pp, self.parallel.interleave)
         return self
@@ -184,9 +181,10 @@ class JobConfig:
 
 
 def inert_settings(job: JobConfig) -> list[str]:
-    """Settings that are valid but do nothing in this job (``seqpar train`` warns once about each)."""
+    """Settings that are valid but do nothing in this job, after what building it changed on its own
+    (``JobConfig.changed``): ``seqpar train`` warns once about each."""
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
-    notes = []
+    notes = list(job.changed)
     if p.sp and p.tp == 1:
         notes.append("sequence parallelism does nothing at tp 1 (it splits the sequence over the tp ranks)")
     n = t.microbatches(p.dp)
@@ -209,17 +207,48 @@ def inert_settings(job: JobConfig) -> list[str]:
     if t.tokenizer and t.data.endswith(".bin"):
         notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
                      "recorded for sample and export-hf only")
-    if not t.tokenizer and not t.data.endswith(".bin") and m.vocab_size > BYTE_VOCAB:
-        source = f"{t.data} is read" if t.data else "the default data (the standard library's sources) is read"
-        notes.append(f"{source} as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: "
-                     f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained; give "
-                     "--tokenizer for text, or --data a pre-tokenized .bin, or --vocab 256")
+    notes += _bytes_note(m, t)
     if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
         notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
                      "(they shard over, and overlap the reduction across, the data-parallel ranks)")
+    params = default_lr_on_large_model(job)
+    if params:
+        notes.append(f"lr {t.lr:g} is the trainer's default, set for the small models of configs/; this model has "
+                     f"{params / 1e9:.1f}B parameters: set lr (its paper's, or `seqpar plan --model PRESET "
+                     "--emit-config` where one was published)")
     if t.schedule != "wsd" and t.decay_fraction != TrainConfig.decay_fraction:
         notes.append(f"decay_fraction {t.decay_fraction} applies to the wsd schedule only, not {t.schedule}")
     return notes
+
+
+def default_lr_on_large_model(job: JobConfig) -> int:
+    """The model's parameter count when it has at least a billion and trains at the trainer's default lr
+    (which suits the small models of configs/), else 0."""
+    if job.train.lr != TrainConfig.lr:
+        return 0
+    from seqpar.analysis.states import stage_parameters
+
+    params = stage_parameters(job.model, ParallelConfig(), 0)  # the whole model: one rank, one stage
+    return params if params >= 1e9 else 0
+
+
+def _bytes_note(m: ModelConfig, t: TrainConfig) -> list[str]:
+    """The note for data read as bytes (256 symbols) by a model of a larger vocabulary: text without a
+    tokenizer, or a folder prepared without one (a prepared folder's own tokenizer is the run's)."""
+    from seqpar.data.prepared import is_prepared, read_manifest
+
+    if t.tokenizer or t.data.endswith(".bin") or m.vocab_size <= BYTE_VOCAB:
+        return []
+    unused = f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained"
+    if t.data and is_prepared(t.data):
+        manifest = read_manifest(t.data)
+        if manifest["tokenizer"]:
+            return []
+        return [f"{t.data} was prepared as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: "
+                f"{unused}; prepare it with --tokenizer, or --vocab 256"]
+    source = f"{t.data} is read" if t.data else "the default data (the standard library's sources) is read"
+    return [f"{source} as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: {unused}; give "
+            "--tokenizer for text, or --data a pre-tokenized .bin, or --vocab 256"]
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "recompute": RecomputeConfig, "train": TrainConfig,

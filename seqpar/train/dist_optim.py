@@ -11,9 +11,9 @@ update equals the unsharded one. The updated weights are then all-gathered, buck
 every rank's parameters. Per parameter and rank: 2 + 4 + 12/N bytes in bf16 (4 + 4 + 8/N in fp32).
 
 Clipping and the non-finite skip stay global and exact: each rank adds the squares of the
-fragments it owns (the same counting rules as ``MasterOptimizer.grad_norm``: a tied copy never,
-a replicated parameter on tp rank 0, grouped k/v rows once) and the sum is reduced over the grad
-group as well as tp and pp. Checkpoints stay layout-free and are written without gathering: each
+fragments it owns (the one counting rule, ``adam.counted_elements``: a tied copy never, a replicated
+parameter on tp rank 0, grouped k/v rows once) and the sum is reduced over the grad group as well as tp
+and pp (``adam.global_grad_norm``). Checkpoints stay layout-free and are written without gathering: each
 fragment is stored where it lies in the full tensor (``seqpar.train.sharded.FragmentView``), and a
 load at any layout reads the stored pieces that overlap its own.
 
@@ -29,15 +29,15 @@ the DCP checkpoints store.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from seqpar.parallel.comm import all_gather_into, all_reduce
+from seqpar.parallel.comm import all_gather_into
 from seqpar.parallel.expert import is_expert
-from seqpar.parallel.grad_buffer import Bucket, GradBuffers
-from seqpar.parallel.layout import layout_of
+from seqpar.parallel.grad_buffer import Bucket
 from seqpar.train.adam import AdamOnMasters, set_adam_step, set_lr_and_clip_scale
 from seqpar.train.sharded import KINDS, FragmentView, master_views
 
@@ -52,7 +52,7 @@ class Fragment:
     offset: int  # where the parameter starts in the bucket
     start: int
     end: int
-    counted: int  # the norm counts [start, min(end, counted)) (0: nothing)
+    counted: int  # the norm counts [start, min(end, counted)) (0: nothing): ``adam.counted_elements``
     master: nn.Parameter  # fp32 [end - start]
 
     def grad(self) -> torch.Tensor:
@@ -63,15 +63,15 @@ class Fragment:
 class DistributedOptimizer(AdamOnMasters):
     """AdamW on this rank's shard of the fp32 masters (fragments); the same interface as ``MasterOptimizer``."""
 
-    def build_grad_buffers(self, chunks: list[nn.Module]) -> GradBuffers:
-        """Always flat buckets: the reduction is a reduce-scatter to each shard's owner."""
-        return self.flat_buckets(chunks, shard=True)
-
-    def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        buffers, index = self.buffers, {id(p): i for i, (_, p) in enumerate(self.named)}
-        tp_rank = self.dims.tp_rank
+    def __init__(self, chunks: list[nn.Module], cfg, dims):
+        """Always flat buckets (the reduction is a reduce-scatter to each shard's owner); a 1-D fp32 master per
+        fragment of this rank's shards."""
+        super().__init__(chunks, cfg, dims)
+        self.buffers = self.flat_buckets(chunks, shard=True)
+        self.shard_groups = (dims.grad_group, dims.expert_grad_group)
+        index = {id(p): i for i, (_, p) in enumerate(self.named)}
         self.fragments: list[Fragment] = []
-        for bucket in buffers.buckets:
+        for bucket in self.buffers.buckets:
             lo, hi = bucket.shard_range(bucket.rank, bucket.world)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 start, end = max(lo, offset) - offset, min(hi, offset + p.numel()) - offset
@@ -79,21 +79,9 @@ class DistributedOptimizer(AdamOnMasters):
                     continue
                 flat = p.detach().view(-1)[start:end]  # [end - start]
                 master = nn.Parameter(flat if p.dtype == torch.float32 else flat.float())
-                self.fragments.append(Fragment(index[id(p)], p, bucket, offset, start, end,
-                                               self._counted(p, tp_rank), master))
-        self.masters.extend(f.master for f in self.fragments)
-        decay = [f.master for f in self.fragments if f.param.dim() >= 2]
-        no_decay = [f.master for f in self.fragments if f.param.dim() < 2]
-        return decay, no_decay
-
-    def _counted(self, p: nn.Parameter, tp_rank: int) -> int:
-        """How many leading elements of ``p``'s flat gradient the global norm counts on this rank."""
-        if id(p) in self.tied_copies:
-            return 0
-        layout = layout_of(p)
-        if layout.grouped is not None:
-            return layout.grouped.counted_rows(torch.empty(p.shape, device="meta"), tp_rank).numel()
-        return 0 if layout.split_dim is None and tp_rank != 0 else p.numel()
+                i = index[id(p)]
+                self.fragments.append(Fragment(i, p, bucket, offset, start, end, self.counted[i], master))
+        self.start_adam([(f.param, f.master) for f in self.fragments])
 
     @property
     def mixed(self) -> bool:
@@ -106,25 +94,13 @@ class DistributedOptimizer(AdamOnMasters):
         for f in self.fragments:
             f.grad().mul_(inv)
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm: this rank's fragments, then summed over the grad group, tp and pp (routed
-        experts' fragments over the ranks holding the same experts, then over ep)."""
-        device = self.named[0][1].device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        experts = torch.zeros((), dtype=torch.float64, device=device)
+    def counted_grads(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        """This rank's fragments' counted elements (summed over the grad group, the routed experts' over the
+        ranks holding the same experts: ``shard_groups``)."""
         for f in self.fragments:
             end = min(f.end, f.counted)
             if end > f.start:
-                (experts if is_expert(f.param) else total).add_(f.grad()[:end - f.start].double().pow(2).sum())
-        for group, value in ((self.dims.grad_group, total), (self.dims.expert_grad_group, experts),
-                             (self.dims.ep_group, experts)):
-            if group is not None:
-                all_reduce(value, group)
-        total += experts
-        for group in (self.dims.tp_group, self.dims.pp_group):
-            if group is not None:
-                all_reduce(total, group)
-        return total.sqrt()
+                yield f.grad()[:end - f.start], is_expert(f.param)
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
         lr, scale = set_lr_and_clip_scale(self.opt, step, self.cfg, grad_norm)

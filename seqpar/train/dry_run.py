@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from seqpar.analysis.text import exact_bytes, human_bytes
 from seqpar.config import ConfigError
 from seqpar.config_toml import config_toml
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import ParallelDims
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
-
-
 def predicted_memory(job, device: torch.device | None = None) -> list:
-    """``StageMemory`` of every pipeline rank (one tp rank's bytes; dp ranks repeat them)."""
+    """``StageMemory`` of every pipeline rank (one tp rank's bytes; dp ranks repeat them) on ``device``'s kind."""
     from seqpar.analysis.shapes import OptimizerOptions, activation_options
     from seqpar.analysis.stage import all_stages
     from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
@@ -30,28 +27,47 @@ def predicted_memory(job, device: torch.device | None = None) -> list:
     return all_stages(m, p, r, t.micro_batch, t.microbatches(p.dp), opts, opt)
 
 
+def prediction_devices() -> list[str]:
+    """The device kinds the dry run predicts for: CUDA (what `seqpar plan` plans for), and this host's kind
+    when it differs (a launch here runs the CPU kernels; ``seqpar.analysis.shapes.device_kernels``)."""
+    from seqpar.parallel.launch import default_device
+
+    here = "cpu" if default_device().type == "cpu" else "cuda"
+    return ["cuda"] + ([here] if here != "cuda" else [])
+
+
+def _stage_lines(job, stages: list) -> list[str]:
+    p = job.parallel
+    lines = []
+    for st in stages:
+        layout = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+        ranks = [layout.rank_of(d, st.rank, c, k) for d in range(p.dp) for c in range(p.cp) for k in range(p.tp)]
+        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+        terms = ", ".join(f"{k} {human_bytes(v)}" for k, v in st.terms.items() if v)
+        lines.append(f"  pipeline rank {st.rank} (ranks {shown}): states {human_bytes(st.states)} + activations "
+                     f"{human_bytes(st.activations)} = {human_bytes(st.total)}  [{terms}]")
+    return lines
+
+
 def describe(job, world: int) -> str:
     m, p, t = job.model, job.parallel, job.train
     lines = [f"# seqpar train --dry-run: {world} rank{'s' if world != 1 else ''} = {p.describe_world()}; "
              f"{t.microbatches(p.dp)} microbatch(es) of {t.micro_batch} per step; nothing was started",
              config_toml(job.to_dict()), ""]
+    devices = prediction_devices()
     try:
-        stages = predicted_memory(job)
+        stages = {d: predicted_memory(job, torch.device(d)) for d in devices}
     except ConfigError as err:
         lines.append(f"predicted memory: not available ({err})")
         return "\n".join(lines)
-    lines.append("predicted memory per rank (seqpar.analysis: states = weights + gradients + optimizer, "
-                 "activations at the pipeline peak):")
-    for st in stages:
-        layout = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
-        ranks = [layout.rank_of(d, st.rank, c, k) for d in range(p.dp) for c in range(p.cp) for k in range(p.tp)]
-        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
-        terms = ", ".join(f"{k} {_gib(v)}" for k, v in st.terms.items() if v)
-        lines.append(f"  pipeline rank {st.rank} (ranks {shown}): states {_gib(st.states)} + activations "
-                     f"{_gib(st.activations)} = {_gib(st.total)}  [{terms}]")
-    peak = max(stages, key=lambda st: st.total)
-    lines.append(f"most loaded: pipeline rank {peak.rank}, {_gib(peak.total)} "
-                 f"({peak.total:,.0f} B; {m.dtype}, {peak.in_flight} microbatch(es) in flight)")
+    lines.append(f"predicted memory per rank on {devices[0]} (seqpar.analysis: states = weights + gradients + "
+                 "optimizer, activations at the pipeline peak):")
+    lines += _stage_lines(job, stages[devices[0]])
+    for d in devices:
+        peak = max(stages[d], key=lambda st: st.total)
+        host = " (this host)" if d == devices[-1] and len(devices) > 1 else ""
+        lines.append(f"most loaded on {d}{host}: pipeline rank {peak.rank}, {exact_bytes(peak.total)}; "
+                     f"{m.dtype}, {peak.in_flight} microbatch(es) in flight")
     return "\n".join(lines)
 
 

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import MAX, all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.fsdp import shard_of
 from seqpar.pipeline.objective import counted as counted_tokens
 
 
@@ -64,8 +63,7 @@ def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[t
     parallelism every MoE forward exchanges tokens over the ep ranks (inside dp × cp): so every dp rank
     runs as many forwards as the one with the most batches: the extra ones, on a dummy window, not counted
     (nothing without either; a collective over dp with them)."""
-    fsdp = any(shard_of(p) is not None for c in chunks for p in c.parameters())
-    if dims.dp_group is None or not (fsdp or dims.ep > 1):
+    if dims.dp_group is None or not (dims.fsdp or dims.ep > 1):
         return []
     most = torch.tensor([n], dtype=torch.int64, device=device)
     all_reduce(most, group=dims.dp_group, op=MAX)
@@ -145,7 +143,7 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
         tokenizer = ""  # token ids already
     tokens = TokenData.build(cfg.seq_len, cfg.vocab_size, data, tokenizer, train.get("token_dtype", "uint16"),
                              train.get("val_fraction", 0.05),
-                             document_mask=meta["config"].get("data", {}).get("document_mask", False))
+                             document_mask=_document_mask(meta, data))
     _same_tokenizer(tokens, tokenizer)
     if split == "all":
         tokens = _whole(tokens)
@@ -231,3 +229,18 @@ class _Meter:
 
         if self.enabled:  # the last state, whole (on a terminal: over the running line)
             print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)
+
+
+def _document_mask(meta: dict, data: str) -> bool:
+    """The run's document masks where the data holds documents (a prepared folder); other data -- a held-out
+    text file -- is scored as one stream without them, which a line on stderr says."""
+    import sys
+
+    from seqpar.data.prepared import is_prepared
+
+    masked = bool(meta["config"].get("data", {}).get("document_mask", False))
+    if masked and not is_prepared(data):
+        print(f"seqpar eval: {data} is not a prepared folder: scored as one stream, without the run's document "
+              "masks (prepare it for them)", file=sys.stderr)
+        return False
+    return masked

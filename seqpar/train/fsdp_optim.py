@@ -10,37 +10,26 @@ plus ``torch.chunk``'s padding of the parameter and gradient shards (``FSDPShard
 
 Clipping and the non-finite skip stay global and exact: each rank adds the squares of its rows that
 the counting rules count (a tied copy never, a replicated parameter on tp rank 0, grouped k/v rows on
-the first rank of their group: a prefix of the tp-local flat tensor, ``counted_elements``), summed over
-the shard dim of the mesh, tp and pp (HSDP's replicas hold the same shards and are not added).
+the first rank of their group: a prefix of the tp-local flat tensor, ``adam.counted_elements``), summed
+over the shard dim of the mesh, tp and pp (``adam.global_grad_norm``; HSDP's replicas hold the same shards
+and are not added).
 Checkpoints are written without gathering: each shard is a ``FragmentView`` (a flat range of the
 tp-local tensor), so fsdp and non-fsdp checkpoints are the same files, loadable at any layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from seqpar.parallel.comm import all_reduce
+from seqpar.parallel.expert import is_expert
 from seqpar.parallel.fsdp import shard_of
-from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
 from seqpar.train.adam import AdamOnMasters, set_adam_step, set_lr_and_clip_scale
 from seqpar.train.loss_scale import DynamicLossScaler
 from seqpar.train.sharded import KINDS, FragmentView, master_views
-
-
-def counted_elements(p: torch.Tensor, tp_rank: int, tied_copy: bool) -> int:
-    """How many leading elements of ``p``'s tp-local flat gradient the global norm counts on this rank."""
-    if tied_copy:
-        return 0
-    layout, shape = layout_of(p), tuple(p.shape)
-    if layout.grouped is not None:
-        return layout.grouped.counted_rows(torch.empty(shape, device="meta"), tp_rank).numel()
-    numel = 1
-    for n in shape:
-        numel *= n
-    return 0 if layout.split_dim is None and tp_rank != 0 else numel
 
 
 class FSDPOptimizer(AdamOnMasters):
@@ -49,21 +38,13 @@ class FSDPOptimizer(AdamOnMasters):
     dp_reduced = True  # FSDP's reduce-scatter already averaged the gradients over dp × cp
 
     def __init__(self, chunks: list[nn.Module], cfg, dims, shard_group=None):
-        self.shard_group = shard_group  # the mesh's shard dim: the ranks whose shards the norm adds
-        super().__init__(chunks, cfg, dims)
+        """The masters are the local shards of the parameters (aliases); ``shard_group``: the mesh's shard
+        dim, the ranks whose shards the norm adds (HSDP's replicas hold the same shards)."""
+        super().__init__(chunks, cfg, dims)  # FSDP owns the reduce-scatter and its output buffers: no ``buffers``
+        self.shard_groups = (shard_group, None)
         if chunks[0].cfg.dtype == "fp16":  # the parameters are fp32 masters; FSDP computes in fp16
             self.scaler = DynamicLossScaler(cfg.loss_scale_init, cfg.loss_scale_window)
-
-    def build_grad_buffers(self, chunks: list[nn.Module]) -> None:
-        return None  # FSDP owns the reduce-scatter and its output buffers
-
-    def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        tp_rank = self.dims.tp_rank
-        self.counted = [counted_elements(p, tp_rank, id(p) in self.tied_copies) for _, p in self.named]
-        self.masters.extend(nn.Parameter(p.to_local().detach()) for _, p in self.named)  # aliases of the shards
-        decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() >= 2]
-        no_decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() < 2]
-        return decay, no_decay
+        self.start_adam([(p, nn.Parameter(p.to_local().detach())) for _, p in self.named])
 
     @property
     def mixed(self) -> bool:
@@ -81,19 +62,13 @@ class FSDPOptimizer(AdamOnMasters):
             if grad is not None:
                 grad.mul_(inv)
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm: this rank's counted rows, summed over the shard group, tp and pp."""
-        device = self.masters[0].device
-        total = torch.zeros((), dtype=torch.float64, device=device)
+    def counted_grads(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        """This rank's rows of each parameter, cut to the counted prefix (``counted_elements``)."""
         for i, p, grad in self._grads():
             shard = shard_of(p)
             end = min(shard.stop, self.counted[i]) - shard.start
             if grad is not None and end > 0:
-                total += grad.reshape(-1)[:end].double().pow(2).sum()
-        for group in (self.shard_group, self.dims.tp_group, self.dims.pp_group):
-            if group is not None:
-                all_reduce(total, group)
-        return total.sqrt()
+                yield grad.reshape(-1)[:end], is_expert(p)
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
         lr, scale = set_lr_and_clip_scale(self.opt, step, self.cfg, grad_norm)
@@ -110,14 +85,14 @@ class FSDPOptimizer(AdamOnMasters):
         return lr
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: the fp32 parameter shards (FSDP's padded shard storage), their gradients
-        (the same padded size: FSDP's reduce-scatter output), Adam's two moments (the masters are the
-        parameters themselves)."""
+        """Bytes this rank holds: the fp32 parameter shards (FSDP's padded shard storage), the gradient
+        storages held now (FSDP's reduce-scatter outputs: measured after a backward, as the trainer's start
+        record is; 0 before any), Adam's two moments (the masters are the parameters themselves)."""
         shards = [p.to_local() for _, p in self.named]  # the live shards (FSDP re-pads an empty one at its first use)
         params = {x.untyped_storage()._cdata: x.untyped_storage().nbytes() for x in shards}
         moments = sum(t.numel() * t.element_size() for state in self.opt.state.values()
                       for k, t in state.items() if k != "step")
-        return {"params_bytes": sum(params.values()), "grads_bytes": sum(params.values()),
+        return {"params_bytes": sum(params.values()), "grads_bytes": self.grad_storage_bytes(),
                 "optimizer_bytes": moments}
 
     def grad_storage_bytes(self) -> int:

@@ -24,6 +24,7 @@ from seqpar.model.compile import compile_model, default_compile
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
+from seqpar.parallel.rng import SCHEME
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
@@ -39,7 +40,7 @@ from seqpar.train.ranks import gather_ranks, rank_entry
 from seqpar.train.states import state_record
 from seqpar.train.wandb_sink import WandbSink
 
-DROPOUT_MASKS = "position-keyed-1"  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
+DROPOUT_MASKS = SCHEME  # the dropout scheme a checkpoint's steps continue (seqpar.parallel.rng)
 
 
 class NonFiniteError(RuntimeError):
@@ -62,6 +63,7 @@ class TrainState:
     skipped: int = 0  # steps skipped for non-finite values, in total
     skipped_in_row: int = 0
     losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
+    aux_losses: list[float] = field(default_factory=list)  # MoE: each step's load-balancing losses, apart
     val_loss: float = float("nan")
 
 
@@ -133,9 +135,11 @@ class Trainer:
                  f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
                  f" dp {meta['config']['parallel']['dp']})")
         m = self.job.model
-        if meta.get("dropout_masks") != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
-            self.log("note: the checkpoint predates position-keyed dropout (seqpar/parallel/rng.py): it loads, but "
-                     "the steps after it drop other elements than the run that wrote it would have")
+        written = meta.get("dropout_masks", "a scheme before position-keyed dropout")
+        if written != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:
+            self.log(f"note: the checkpoint's dropout masks are {written}, this run's {DROPOUT_MASKS} "
+                     f"(seqpar/parallel/rng.py): it loads, and from step {step + 1} on other elements are dropped "
+                     "than the run that wrote it would have dropped")
 
     def save(self) -> str:
         tensors = self.opt.checkpoint_views()
@@ -196,16 +200,21 @@ class Trainer:
             print(text, flush=True)
 
     def train_step(self, step: int) -> tuple[float, float, str]:
-        """One optimizer step; returns (loss, grad norm, outcome): ``applied``, ``overflow`` (fp16: the
-        scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``."""
+        """One optimizer step; returns (cross entropy, grad norm, outcome): ``applied``, ``overflow`` (fp16:
+        the scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``.
+        MoE: the step's load-balancing losses (part of the objective) go to ``state.aux_losses``."""
         t, dims, opt = self.job.train, self.dims, self.opt
         reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad(len(mbs))
+        aux: list[float] = []
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
-                                      keep_microbatches=self.job.recompute.keep_microbatches)  # App. C
+                                      keep_microbatches=self.job.recompute.keep_microbatches, aux=aux)  # App. C
         self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)
+        if aux:  # logged apart: the cross entropy is what validation and seqpar eval report
+            self.state.aux_losses.append(broadcast_from_last_stage(aux[0], dims, self.device))
+            loss -= self.state.aux_losses[-1]
         opt.unscale()
         norm = float(opt.grad_norm())  # global: every rank decides alike
         if math.isfinite(loss) and math.isfinite(norm):
@@ -263,7 +272,8 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.close()
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses, "interrupted": True, "step": self.state.step}
+                "losses": self.state.losses, "aux_losses": self.state.aux_losses, "interrupted": True,
+                "step": self.state.step}
 
     def _skipped_update(self, outcome: str, loss: float, norm: float, metrics: MetricsLog) -> None:
         """Log a step whose update was skipped (fp16 overflow, non-finite values); on non-finite values
@@ -284,6 +294,11 @@ class Trainer:
             raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
                                  f"stopped, last good state saved at {path}")
 
+    def _aux_record(self, steps: int) -> dict:
+        """MoE: the mean load-balancing loss of the last ``steps`` steps (``aux_loss``), else nothing."""
+        recent = [x for x in self.state.aux_losses[-steps:] if math.isfinite(x)]
+        return {"aux_loss": sum(recent) / len(recent)} if recent else {}
+
     def _window_record(self, norm: float, step_time: float, steps: int, validate: bool) -> dict:
         """The metrics record of the ``steps`` steps since the last log: their mean loss, the last grad
         norm, the rates at ``step_time`` seconds per step, and the validation loss when ``validate``."""
@@ -291,6 +306,7 @@ class Trainer:
         recent = [x for x in self.state.losses[-steps:] if math.isfinite(x)]
         last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
                 "loss_steps": len(recent),
+                **self._aux_record(steps),
                 "lr": self.opt.opt.param_groups[0]["lr"],
                 "grad_norm": norm, **self.throughput.rates(step_time)}
         if validate:
@@ -325,11 +341,15 @@ class Trainer:
                          "config": self.job.to_dict()})
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
-        last = {}
+        last, norm = {}, math.nan  # norm: the last step's gradient norm, for its window's record
         window_t, window_steps = time.perf_counter(), 0
         try:
             while self.state.step < end:
                 if stop.requested(self.device):  # every rank agrees on the step to stop after
+                    if window_steps:  # the steps since the last log line get their record before the save
+                        last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps,
+                                                   window_steps, validate=False)
+                        metrics.log(last)
                     return self._interrupted(stop, metrics, last)
                 step = self.state.step
                 for hook in self.hooks:
@@ -362,8 +382,10 @@ class Trainer:
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})
         metrics.close()
+        kept = {k: v for k, v in activations.items() if k.startswith("act_bytes_")}  # the summary's comparison
         return {**last, "checkpoint": path, "plot": str(plot) if plot else None, "skipped": self.state.skipped,
-                "losses": self.state.losses}
+                "losses": self.state.losses, "aux_losses": self.state.aux_losses,
+                "activations": kept}
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,

@@ -17,13 +17,12 @@ Adam's moments over dp instead (``seqpar.train.optimizers.build_optimizer`` choo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.expert import is_expert
-from seqpar.parallel.grad_buffer import GradBuffers
-from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
 from seqpar.train.adam import AdamOnMasters, accumulate_into_main_grad, set_adam_step, set_lr_and_clip_scale
 from seqpar.train.sharded import sharded_state
@@ -32,23 +31,19 @@ from seqpar.train.sharded import sharded_state
 class MasterOptimizer(AdamOnMasters):
     """AdamW on a whole fp32 master of every parameter this rank holds (replicated over dp)."""
 
-    def build_grad_buffers(self, chunks: list[nn.Module]) -> GradBuffers | None:
-        """Flat fp32 buckets when the dp reduction overlaps the backward; None: per-parameter gradients,
-        reduced after the backward."""
-        return self.flat_buckets(chunks, shard=False) if self.cfg.overlap_grad_reduce else None
-
-    def build_masters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """One fp32 master per parameter (the parameter itself in fp32); (decayed, not decayed)."""
-        for _, p in self.named:
-            self.masters.append(p if p.dtype == torch.float32 else nn.Parameter(p.detach().float()))
-        decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() >= 2]
-        no_decay = [m for (_, p), m in zip(self.named, self.masters, strict=True) if p.dim() < 2]
+    def __init__(self, chunks: list[nn.Module], cfg, dims):
+        """Flat fp32 buckets when the dp reduction overlaps the backward (else per-parameter gradients, reduced
+        after the backward); one fp32 master per parameter (the parameter itself in fp32)."""
+        super().__init__(chunks, cfg, dims)
+        if cfg.overlap_grad_reduce:
+            self.buffers = self.flat_buckets(chunks, shard=False)
+        pairs = [(p, p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())) for _, p in self.named]
         if self.buffers is None:
-            for (_, p), m in zip(self.named, self.masters, strict=True):
+            for p, m in pairs:
                 if m is not p:
                     p.main_grad = torch.zeros_like(m)  # fp32
                     p.register_post_accumulate_grad_hook(accumulate_into_main_grad)
-        return decay, no_decay
+        self.start_adam(pairs)
 
     @property
     def mixed(self) -> bool:
@@ -64,36 +59,13 @@ class MasterOptimizer(AdamOnMasters):
             if grad is not None:
                 grad.mul_(inv)
 
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients, each unique parameter element counted once over tp/pp/dp.
-
-        Gradients are already reduced (identical over dp, and over tp for replicated parameters), so
-        this rank adds its split parameters, the k/v rows it is first to hold (grouped-query layout),
-        replicated parameters on tp rank 0 only, and never a tied copy; the sum of squares is then
-        reduced over the tensor- and pipeline-parallel groups. Routed experts differ over the ep group
-        (identical over the ranks holding the same ones): their squares are summed over ep first.
-        """
-        device = self.masters[0].device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        experts = torch.zeros((), dtype=torch.float64, device=device)
-        tp_rank = self.dims.tp_rank
-        for _, p in self.named:
+    def counted_grads(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        """Gradients are already reduced (identical over dp, and over tp for replicated parameters): each
+        parameter's counted prefix (``counted_elements``) of its whole fp32 gradient."""
+        for (_, p), counted in zip(self.named, self.counted, strict=True):
             grad = grad_of(p)
-            if grad is None or id(p) in self.tied_copies:
-                continue
-            layout = layout_of(p)
-            if layout.grouped is not None:
-                grad = layout.grouped.counted_rows(grad, tp_rank)
-            elif layout.split_dim is None and tp_rank != 0:
-                continue
-            (experts if is_expert(p) else total).add_(grad.detach().double().pow(2).sum())
-        if self.dims.ep_group is not None:
-            all_reduce(experts, self.dims.ep_group)
-        total += experts
-        for group in (self.dims.tp_group, self.dims.pp_group):
-            if group is not None:
-                all_reduce(total, group)
-        return total.sqrt()
+            if grad is not None and counted:
+                yield grad.reshape(-1)[:counted], is_expert(p)
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
         """Clip to ``grad_clip`` using ``grad_norm``, set the scheduled lr, update; returns the lr."""

@@ -6,7 +6,7 @@ Model states: ``seqpar.train.states`` (measured from the tensors; predicted by `
 (``seqpar.parallel.grad_buffer``): every rank's gradients hold 4 bytes per padded element; the padding
 lies in the last shard of each bucket, so with the distributed optimizer the rank that owns it holds
 fewer masters and moments than the others (the prediction counts both). Activations: the peak
-``ScheduleMeter`` saw on this rank (``seqpar.measure.activations.stage_peaks``) next to its stage's
+``SavedTensorMeter`` saw on this rank (``seqpar.measure.activations.stage_peaks``) next to its stage's
 formula and exact value.
 """
 

@@ -5,15 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from seqpar.analysis.text import human_bytes
 from seqpar.train.config import JobConfig
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
@@ -25,7 +18,9 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     ep = f" (ep {p.ep} inside dp × cp)" if p.ep > 1 else ""
     print(f"  layout {p.describe_world()}{ep}, sequence parallel {'on' if p.sp else 'off'}, "
           f"recompute {r.granularity}")
-    print(f"  steps {summary.get('step', t.steps)}, global batch {t.global_batch} × {m.seq_len} tokens")
+    done = summary.get("step", t.steps)
+    of = f" of {t.steps} (stopped at --stop-at {done}; resume continues the schedule)" if done < t.steps else ""
+    print(f"  steps {done}{of}, global batch {t.global_batch} × {m.seq_len} tokens")
     loss, val = summary.get("loss", math.nan), summary.get("val_loss", math.nan)
     n = summary.get("loss_steps", t.log_every)
     print(f"  final train loss {loss:.4f} (mean of the last {n} step{'s' if n != 1 else ''})  "
@@ -34,6 +29,9 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     if "tokens_per_s" in summary:
         print(f"  throughput {summary['tokens_per_s']:,.0f} tokens/s, step {summary['step_time'] * 1e3:.0f} ms, "
               f"MFU {summary['mfu']:.1%}, HFU {summary['hfu']:.1%} (of the last log window, saves excluded)")
+    line = activation_line(summary.get("activations") or {}, p.sp and p.tp > 1, r.granularity)
+    if line:
+        print(line)
     if summary.get("skipped"):
         print(f"  {summary['skipped']} steps skipped for non-finite values")
     print(f"  wall time {seconds:.1f} s")
@@ -46,6 +44,22 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
           "  tensorboard: not written (pip install tensorboard, or `make demo`, which installs it)")
     if t.sample_tokens and summary.get("checkpoint"):
         print_sample(summary["checkpoint"], t.sample_prompt, t.sample_tokens, t.tokenizer, t.seed)
+
+
+def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
+    """What the layers keep for one microbatch on this rank, measured at the start, beside what the same
+    model keeps without sequence parallelism and without recompute (the exact per-tensor formula the
+    measurement was checked against; ``seqpar.measure.activations.without_paper_bytes``)."""
+    kept = act.get("act_bytes_measured", act.get("act_bytes_predicted"))
+    if kept is None:
+        return None
+    source = "measured" if "act_bytes_measured" in act else "formula"
+    this = " + ".join(["SP"] * sp + [f"{granularity} recompute"] * (granularity != "none")) or "this layout"
+    names = {"without_sp": "without SP", "without_recompute": "without recompute", "without_both": "without either"}
+    others = [f"{human_bytes(act[f'act_bytes_{k}'])} {label} ({act[f'act_bytes_{k}'] / kept:.1f}x)"
+              for k, label in names.items() if act.get(f"act_bytes_{k}")]
+    return (f"  activations per rank, one microbatch: {human_bytes(kept)} {source} with {this}"
+            + (f"; the same model keeps {', '.join(others)} (exact per-tensor formula)" if others else ""))
 
 
 def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:

@@ -15,6 +15,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from seqpar.processes import die_with_parent
+
 PROG = "seqpar train"  # the command relaunch() re-runs, and the prefix of the launcher's lines
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's status for a Ctrl-C'd command
 REPEAT_S = 1.0  # a second signal sooner than this after the first is the same interruption
@@ -210,12 +212,7 @@ def _die_with_launcher() -> None:
         if not os.path.exists(f"/proc/{launcher}"):
             os._exit(1)
         return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(launcher):  # the launcher died just before the call above
-        os._exit(1)
+    die_with_parent(int(launcher))
 
 
 def _describe_exit(code: int) -> str:

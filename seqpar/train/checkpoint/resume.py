@@ -51,7 +51,7 @@ def _not_a_checkpoint(path: Path) -> str:
 # the model fields a resumed run may change: the rest define the function the weights compute
 # (seq_len is free for rotary positions; a learned position table fixes it through its shape)
 RESUME_MAY_CHANGE = ("seq_len", "dtype", "attention", "embd_dropout", "attn_dropout", "hidden_dropout",
-                     "label_smoothing", "init_std")
+                     "label_smoothing", "init_std", "moe_aux_coef", "moe_capacity")  # the last two: MoE training
 
 
 def _resolved(cfg: ModelConfig, name: str):
@@ -70,8 +70,8 @@ def check_resume(path: str | Path, model: ModelConfig) -> Path:
                and not getattr(saved, f.name) is getattr(model, f.name) is None]  # kv_heads/ffn follow heads/h
     if changes:
         raise CheckpointError(f"cannot resume from {path}: a different model ({'; '.join(changes)}); a resumed "
-                              "run keeps the checkpoint's model (the layout, recompute, dtype, dropout and "
-                              "training settings may change)")
+                              "run keeps the checkpoint's model (the layout, recompute, dtype, dropout, MoE aux and "
+                              "capacity, and training settings may change)")
     return path
 
 

@@ -1,0 +1,50 @@
+"""``published``: the cost model against published training runs (``seqpar.analysis.published``).
+
+Each run's published layout is predicted on its GPU's built-in profile and set beside the seconds per
+iteration the authors measured; the error statistics are split by GPU kind (and the paper's in-sample rows).
+No device is used: the planner is deterministic and takes seconds. ``--source`` keeps one source's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from seqpar.analysis.published import compare, error_stats, published_runs
+from seqpar.analysis.text import gb, table
+
+QUICK: dict = {}
+# the issue's targets (median, worst |error|); A100 median, paper rows median
+TARGETS = {"H100": (0.08, 0.20), "A100": (0.08, None), "A100 paper": (0.05, None)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source", choices=["paper", "megatron-2021", "megatron-2024", "llm-foundry"],
+                   help="only this source's runs (default: all)")
+
+
+def run(args) -> dict:
+    runs = [r for r in published_runs() if args.source in (None, r.source)]
+    rows = [compare(r) for r in runs]
+    return {"rows": [r.to_json() for r in rows], "stats": error_stats(rows),
+            "targets": {k: {"median": m, "worst": w} for k, (m, w) in TARGETS.items()}}
+
+
+def render(result: dict) -> str:
+    body = [[r["source"], r["name"], r["gpu"], r["gpus"], r["layout"], f"{r['published_s']:.3g}",
+             f"{r['predicted_s']:.3g}", f"{100 * r['error']:+.1f}%",
+             "-" if r["published_mfu"] is None else f"{100 * r['published_mfu']:.1f}%",
+             f"{100 * r['published_mfu'] * r['published_s'] / r['predicted_s']:.1f}%" if r["published_mfu"] else "-",
+             f"{gb(r['memory_bytes'])}/{gb(r['usable_bytes'])}" + ("" if r["fits"] else " OVER")]
+            for r in result["rows"]]
+    rows = table(["source", "run", "gpu", "n", "layout (published; unprinted settings chosen)", "published s",
+                  "predicted s", "error", "MFU pub", "MFU pred", "GB / usable"], body, left=(0, 1, 2, 4))
+    stats = [[k, v["rows"], f"{100 * v['median_abs_error']:.1f}%", f"{100 * v['worst_abs_error']:.1f}%",
+              f"{100 * v['mean_error']:+.1f}%", _target(result["targets"].get(k))]
+             for k, v in result["stats"].items()]
+    return rows + "\n\n" + table(["rows", "n", "median |error|", "worst |error|", "mean error", "target"], stats)
+
+
+def _target(t: dict | None) -> str:
+    if not t:
+        return ""
+    return f"median <= {100 * t['median']:.0f}%" + (f", worst <= {100 * t['worst']:.0f}%" if t["worst"] else "")

@@ -1,0 +1,205 @@
+"""From the first hour to the cluster (issue 44): the demo's configuration is one where SP and selective
+recompute keep less (no "checkpoints nothing" warning) and its summary says how much less; a plan larger than
+a node prints the multi-node torchrun line and --emit-slurm writes a batch script whose torchrun line trains
+on one local node and resumes when run again; presets carry what they name (rope theta, the whole model's
+layers for --states, MoE flags)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from _helpers import seqpar
+
+from seqpar.train.config import build_job, inert_settings, load_toml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ROOT / "configs" / "default.toml"
+
+
+# ---------------------------------------------------------------- 1. the demo shows what the paper buys
+def test_the_demo_config_keeps_less_with_sp_and_selective_recompute_and_warns_of_nothing():
+    import torch
+
+    from seqpar.measure.activations import predicted_activation_bytes, without_paper_bytes
+
+    job = build_job(load_toml(DEFAULT)).validate(2)
+    assert inert_settings(job) == []
+    assert job.parallel.sp and job.recompute.granularity == "selective" and not job.model.fused_attention
+    layers = list(range(job.model.num_layers))
+    kept = predicted_activation_bytes(job, layers, torch.device("cpu"))
+    others = without_paper_bytes(job, layers, torch.device("cpu"))
+    assert set(others) == {"act_bytes_without_sp", "act_bytes_without_recompute", "act_bytes_without_both"}
+    assert kept < others["act_bytes_without_sp"] < others["act_bytes_without_both"]
+    assert kept < others["act_bytes_without_recompute"] < others["act_bytes_without_both"]
+
+
+def test_the_summary_prints_the_measured_bytes_beside_the_model_without_sp_and_recompute(tmp_path, capsys):
+    code, out, err = seqpar(capsys, "train", "--config", ROOT / "configs" / "tiny.toml", "--steps", 2,
+                            "--recompute", "selective", "--attention", "materialized", "--set",
+                            "model.attn_dropout=0.1", "--set", "model.hidden_dropout=0.1", "--out", tmp_path / "run",
+                            "--no-progress", "--sample-tokens", 0)
+    assert code == 0, err
+    measured = next(line for line in out.splitlines() if "activations kept by the layers" in line)
+    summary = next(line for line in out.splitlines() if line.startswith("  activations per rank"))
+    assert "measured with selective recompute" in summary and "without recompute" in summary
+    assert "without SP" not in summary  # tp 1: there is no SP to go without
+    # the summary's bytes are the start record's measurement
+    kept = int(measured.split("measured ")[1].split(" B")[0].replace(",", ""))
+    assert f"{kept / 1024:.1f} KiB measured" in summary
+
+
+# ---------------------------------------------------------------- 2. from a plan to a cluster
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SHRINK = ["--set", "model.num_layers=2", "--set", "model.hidden_size=64", "--set", "model.num_heads=4", "--set",
+          "model.kv_heads=2", "--set", "model.ffn_hidden_size=128", "--set", "model.seq_len=32", "--set",
+          "model.vocab_size=256", "--set", "model.dtype=fp32", "--set", "parallel.pp=1", "--set", "parallel.dp=1",
+          "--set", "parallel.interleave=1", "--set", "train.global_batch=2", "--set", "train.steps=2", "--set",
+          "train.warmup=1", "--set", "train.log_every=1", "--set", "train.sample_tokens=0", "--set",
+          "train.eval_batches=1", "--no-progress"]
+
+
+def test_a_multi_node_plan_prints_torchrun_and_its_slurm_script_trains_on_one_node_and_resumes(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 64, "--gpus-per-node", 8, "--hardware",
+                          "h100-80gb", "--global-batch", 512, "--emit-config", "p.toml", "--emit-slurm", "job.sbatch",
+                          "--top", 1)
+    assert code == 0, err
+    assert ("torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m seqpar "
+            "train --config p.toml") in err
+    assert "torchrun --nnodes 8" in Path("p.toml").read_text().splitlines()[1]
+    script = Path("job.sbatch").read_text()
+    for line in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "scontrol show hostnames", "srun torchrun", 'OUT="${OUT:-runs/p}"'):
+        assert line in script
+    assert subprocess.run(["bash", "-n", "job.sbatch"]).returncode == 0
+    # one node, locally: scontrol and srun stand-ins, the model shrunk with --set
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    torchrun = Path(sys.executable).parent
+    assert (torchrun / "torchrun").exists() or shutil.which("torchrun")
+    env = os.environ | {"PATH": f"{bin_dir}:{torchrun}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
+                        "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_JOB_ID": "44",
+                        "GPUS_PER_NODE": "2", "PORT": str(_free_port())}
+    first = subprocess.run(["bash", "job.sbatch", *SHRINK, "--stop-at", "1"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "tp 2" in first.stdout and "steps 1 of 2" in first.stdout
+    env["PORT"] = str(_free_port())
+    again = subprocess.run(["bash", "job.sbatch", *SHRINK], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from runs/p/checkpoints/step_000001 at step 1" in again.stdout + again.stderr
+    assert (tmp_path / "runs" / "p" / "checkpoints" / "step_000002").is_dir()
+
+
+def test_emit_slurm_needs_the_config_and_whole_nodes(tmp_path, capsys):
+    code, _, err = seqpar(capsys, "plan", "--model", "gpt2-medium", "--gpus", 8, "--emit-slurm", tmp_path / "j")
+    assert code == 2 and "--emit-slurm needs --emit-config" in err
+    code, _, err = seqpar(capsys, "plan", "--model", "gpt2-medium", "--gpus", 12, "--global-batch", 24,
+                          "--emit-config", tmp_path / "c.toml", "--emit-slurm", tmp_path / "j", "--top", 1)
+    assert code == 2 and "12 GPUs are not a whole number of nodes of 8" in err
+    code, _, err = seqpar(capsys, "plan", "--model", "gpt2-medium", "--gpus", 4, "--global-batch", 8,
+                          "--emit-config", tmp_path / "c.toml", "--top", 1)
+    assert code == 0 and f"seqpar train --config {tmp_path / 'c.toml'} --nproc 4" in err
+
+
+# ---------------------------------------------------------------- 4. presets that say what they name
+def test_an_emitted_llama3_config_rotates_with_theta_500000(tmp_path, capsys):
+    code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 8, "--global-batch", 8,
+                          "--emit-config", tmp_path / "p.toml", "--top", 1)
+    assert code == 0, err
+    assert tomllib.loads((tmp_path / "p.toml").read_text())["model"]["rope_theta"] == 500000.0
+
+
+def test_memory_states_of_a_preset_counts_its_layers(capsys):
+    args = ("memory", "--model", "llama3-8b", "--states", "--tp", 8, "--dp", 8)
+    code, preset, err = seqpar(capsys, *args)
+    assert code == 0, err
+    assert (0, preset, "") == seqpar(capsys, *args, "--layers", 32)
+    assert preset != seqpar(capsys, *args, "--layers", 1)[1]
+
+
+def test_plan_lists_every_preset_and_plans_shared_expert_moe(capsys):
+    from seqpar.analysis.presets import preset_names
+
+    code, text, _ = seqpar(capsys, "plan", "--help")
+    assert code == 0 and all(name in " ".join(text.split()) for name in preset_names())
+    code, out, err = seqpar(capsys, "plan", "--layers", 4, "--hidden", 256, "--heads", 4, "--seq", 256, "--vocab",
+                            1024, "--experts", 8, "--top-k", 2, "--moe-every", 2, "--shared-expert-ffn", 512,
+                            "--shared-expert-gate", "--gpus", 4, "--global-batch", 8, "--top", 1, "--json")
+    assert code == 0, err
+    code, out, err = seqpar(capsys, "plan", "--layers", 4, "--hidden", 256, "--heads", 4, "--seq", 256, "--vocab",
+                            1024, "--experts", 8, "--top-k", 2, "--moe-every", 2, "--shared-expert-ffn", 512,
+                            "--gpus", 4, "--global-batch", 8, "--top", 1)
+    assert code == 0, err
+    assert "E=8 K=2 (MoE every 2 layers) shared=512" in out.splitlines()[0]
+
+
+def test_an_emitted_config_carries_the_published_lr_or_says_to_set_it(tmp_path, capsys):
+    from seqpar.analysis.presets import published_lr
+
+    code, _, err = seqpar(capsys, "plan", "--model", "llama2-7b", "--gpus", 8, "--global-batch", 8,
+                          "--emit-config", tmp_path / "l2.toml", "--top", 1)
+    assert code == 0, err
+    train = tomllib.loads((tmp_path / "l2.toml").read_text())["train"]
+    assert train["lr"] == published_lr("llama2-7b") and train["min_lr"] < train["lr"]
+    code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 8, "--global-batch", 8,
+                          "--emit-config", tmp_path / "l3.toml", "--top", 1)
+    assert code == 0, err
+    assert "# set lr: no published learning rate for llama3-8b" in (tmp_path / "l3.toml").read_text()
+    code, out, err = seqpar(capsys, "train", "--config", tmp_path / "l3.toml", "--dry-run", "--nproc", 8)
+    assert code == 0, err
+    assert "warning: lr 0.003 is the trainer's default" in out and "8.0B parameters: set lr" in out
+    code, out, err = seqpar(capsys, "train", "--config", tmp_path / "l2.toml", "--dry-run", "--nproc", 8)
+    assert code == 0 and "set lr" not in out, err
+
+
+def test_import_hf_help_names_every_family_it_reads(capsys):
+    from seqpar.interop.moe import NAMES
+
+    code, text, _ = seqpar(capsys, "import-hf", "--help")
+    assert code == 0 and all(name in text for name, _ in NAMES.values())
+
+
+# ---------------------------------------------------------------- 3. Megatron's flag names
+def test_megatron_flag_names_are_aliases_listed_once_and_offered_for_typos(capsys):
+    from seqpar.commands.train import MEGATRON_ALIASES
+
+    code, out, err = seqpar(capsys, "train", "--config", ROOT / "configs" / "tiny.toml",
+                            "--tensor-model-parallel-size", 2, "--sequence-parallel", "--num-layers", 2,
+                            "--micro-batch-size", 1, "--global-batch-size", 4, "--recompute-granularity", "selective",
+                            "--nproc", 2, "--dry-run")
+    assert code == 0, err
+    config = tomllib.loads(out.split("\npredicted memory")[0])
+    assert config["parallel"]["tp"] == 2 and config["parallel"]["sp"] is True
+    assert config["model"]["num_layers"] == 2 and config["recompute"]["granularity"] == "selective"
+    assert (config["train"]["micro_batch"], config["train"]["global_batch"]) == (1, 4)
+    code, text, _ = seqpar(capsys, "train", "--help")
+    flat = " ".join(text.split())
+    assert all(flat.count(alias) == 1 for alias in MEGATRON_ALIASES if alias != "--save")
+    code, _, err = seqpar(capsys, "train", "--tensor-parallel-size", 2)
+    assert code == 2 and "did you mean --tensor-model-parallel-size" in err
+
+
+# ---------------------------------------------------------------- 6. where the best FSDP plan stands
+def test_plan_with_fsdp_says_where_the_best_fsdp_plan_stands(capsys):
+    code, out, err = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--fsdp",
+                            "--gpu-memory", 24, "--top", 1)
+    assert code == 0, err
+    line = out.splitlines()[-1]
+    assert line.startswith("fsdp: not chosen; the best plan with it, ") and ",fsdp=on (#" in line, line
+    code, out, _ = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--top", 1)
+    assert "fsdp:" not in out

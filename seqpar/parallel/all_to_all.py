@@ -125,7 +125,7 @@ class HeadsToSeq(torch.autograd.Function):
     def backward(ctx, grad):
         k = group_size(ctx.group)
         s, b, _ = grad.shape
-        send = grad.view(s, b, k, -1).permute(2, 0, 1, 3).contiguous()  # [K, s/cp, b, A·d]
+        send = grad.reshape(s, b, k, -1).permute(2, 0, 1, 3).contiguous()  # [K, s/cp, b, A·d]
         received = _exchange(send, ctx.group)  # [K, s/cp, b, A·d]: sender m's tokens of my heads
         return _to_group_order(received, grad.new_empty((k * s, b, received.shape[-1]))), None
 

@@ -1,7 +1,8 @@
 """All-to-all (Ulysses) and hybrid context parallelism (``cp_comm_type``): the configuration's rules, the
 re-sharding's head rows and chunk order, and the issue's acceptance layouts trained against the single
-process (fp32, a Llama with 4 heads and one kv head, every dropout 0.1 where the core takes it): every
-step's loss and grad norm within 1e-5. Jobs of one world size share a launch (``_helpers.Launches``)."""
+process (fp32, a Llama with 4 heads and one kv head, every dropout 0.1 where the core takes it; one with MoE
+experts over ep ranks): every step's loss and grad norm within 1e-5. Jobs of one world size share a launch
+(``_helpers.Launches``)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ def test_head_rows_split_query_heads_contiguously(groups, g, k):
 STEPS = 3
 LAYOUTS = {  # name: (parallel, world, attention, documents)
     "a2a-cp2": ({"cp": 2, "cp_comm_type": "a2a"}, 2, "materialized", False),
+    "a2a-cp2-ep2-moe": ({"cp": 2, "cp_comm_type": "a2a", "ep": 2}, 2, "materialized", False),
     "a2a-cp2-sdpa-docs": ({"cp": 2, "cp_comm_type": "a2a"}, 2, "sdpa", True),
     "hybrid-cp4-k2": ({"cp": 4, "cp_comm_type": "a2a+ring", "cp_a2a_size": 2}, 4, "materialized", False),
     "hybrid-cp4-k2-sdpa-docs": ({"cp": 4, "cp_comm_type": "a2a+ring", "cp_a2a_size": 2}, 4, "sdpa", True),
@@ -105,6 +107,8 @@ def sections(name: str, out: Path, data: Path, parallel: dict | None) -> dict:
              "seq_len": 16, "norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False,
              "tie_embeddings": False, "dtype": "fp32", "attention": attention, "embd_dropout": 0.1,
              "hidden_dropout": 0.1, "attn_dropout": 0.1 if attention == "materialized" else 0.0}
+    if "moe" in name:  # routed experts in place of the MLP, split over the ep ranks inside dp × cp
+        model |= {"experts": 4, "top_k": 2}
     train = {"steps": STEPS, "lr": 1e-2, "min_lr": 1e-3, "warmup": 0, "eps": 1e-4, "grad_clip": 0.01,
              "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
              "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}

@@ -161,3 +161,44 @@ def test_memory_measured_equals_exact(flags):
     rows = json.loads(out)["rows"]
     assert len(rows) == 6 and {r["cp_comm_type"] for r in rows} == {flags[flags.index("--cp-comm-type") + 1]}
     assert all(r["measured_bytes"] == r["exact_bytes"] for r in rows), rows
+
+
+# ---------------------------------------------------------------- time and plan
+def test_exchange_priced_on_the_link_its_group_spans():
+    """The all-to-all of a group of 16 (tp 1) spans two 8-GPU nodes: its bytes move at the inter-node rate; in
+    16-GPU nodes at the intra-node rate. The ring of the hybrid runs over cp / K with the kv heads after the
+    exchange."""
+    from dataclasses import replace
+
+    from seqpar.analysis.costmodel import Hardware, a2a_exchange_s, ring_exposed_s
+    from seqpar.analysis.presets import preset_shape
+    from seqpar.analysis.shapes import ActivationOptions
+
+    shape, opts = replace(preset_shape("llama3-8b"), seq_len=32768), ActivationOptions(fused_attention=True)
+    par = ParallelConfig(cp=16, dp=4, cp_comm_type="a2a")
+    eight = Hardware(gpus_per_node=8)
+    sixteen = replace(eight, gpus_per_node=16)
+    latency = 2 * eight.comm_latency
+    across, inside = (a2a_exchange_s(shape, par, 1, hw, opts) - latency for hw in (eight, sixteen))
+    assert across / inside == pytest.approx(eight.intra_node_bw / eight.inter_node_bw)
+    assert a2a_exchange_s(shape, ParallelConfig(cp=16, dp=4), 1, eight, opts) == 0.0  # the ring has none
+    hybrid = ParallelConfig(cp=16, dp=4, cp_comm_type="a2a+ring", cp_a2a_size=2)
+    ring8 = ring_exposed_s(shape, replace(par, cp=8, dp=8, cp_comm_type="ring"), 1, eight, opts, 0.0)
+    assert ring_exposed_s(shape, hybrid, 1, eight, opts, 0.0) != ring8  # the same 8 steps, other blocks and kv
+    assert ring_exposed_s(shape, par, 1, eight, opts, 0.0) == (0.0, 0.0)  # a2a: no ring
+
+
+def test_plan_names_and_explains_cp_comm_type():
+    """Every plan names its exchange; the search holds more than the ring; the text says why the best took its."""
+    from _helpers import run_cli
+
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "64", "--seq", "131072", "--global-batch", "64"]
+    code, out, err = run_cli([*argv, "--json"])
+    assert code == 0, err
+    plans = json.loads(out)["plans"]
+    assert all(p["cp_comm_type"] in ("ring", "a2a", "a2a+ring") for p in plans)
+    assert {p["cp_comm_type"] for p in plans if p["cp"] > 1} >= {"ring", "a2a+ring"}
+    assert all(p["cp_a2a_size"] == {"ring": 1, "a2a": p["cp"]}.get(p["cp_comm_type"], p["cp_a2a_size"]) > 0
+               for p in plans)
+    code, out, err = run_cli(argv)
+    assert code == 0 and "cp_comm_type: " in out and "is chosen" in out, err

@@ -14,9 +14,9 @@ import torch
 from _helpers import Launches, prepared_documents, random_tokens
 
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig
-from seqpar.parallel.all_to_all import _from_group_order, _to_group_order, head_rows, local_heads
+from seqpar.parallel.all_to_all import from_group_order, head_rows, local_heads, to_group_order
 from seqpar.parallel.context import chunk_positions
-from seqpar.parallel.dims import _a2a_groups
+from seqpar.parallel.dims import a2a_group_lists
 from seqpar.train.loop import train_local
 
 LLAMA = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, kv_heads=1, num_layers=2, seq_len=16,
@@ -50,27 +50,20 @@ def test_a2a_and_ring_sizes():
 
 def test_groups_a2a_consecutive_ring_strided():
     """cp rank = ring rank · K + a2a rank: the a2a group is K consecutive cp ranks, the ring the ranks K apart."""
-    import seqpar.parallel.dims as dims
-
-    made = []
-    original = dims._my_group
-    dims._my_group = lambda lists, rank: (made.append(lists) or (None, [rank]))
-    try:
-        _a2a_groups([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], 2, 0)
-    finally:
-        dims._my_group = original
-    assert made[0][:4] == [[0, 1], [2, 3], [4, 5], [6, 7]] and made[1][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    a2a, ring = a2a_group_lists([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], 2)
+    assert a2a[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]] and a2a[4] == [8, 9]
+    assert ring == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
 
 
 def test_group_tokens_are_the_rings_chunks():
-    """The K ranks of a2a group i hold, in the order ``_to_group_order`` makes, ring rank i's two chunks of
+    """The K ranks of a2a group i hold, in the order ``to_group_order`` makes, ring rank i's two chunks of
     a 2R-chunking in increasing global order (what the ring over cp / K expects)."""
     s, cp, k = 48, 6, 3
     for i in range(cp // k):
         held = torch.stack([chunk_positions(s, cp, i * k + m) for m in range(k)])  # [K, 2c]
-        ordered = _to_group_order(held, torch.empty(s * k // cp, dtype=held.dtype))
+        ordered = to_group_order(held, torch.empty(s * k // cp, dtype=held.dtype))
         assert ordered.tolist() == chunk_positions(s, cp // k, i).tolist()
-        assert torch.equal(_from_group_order(ordered, torch.empty_like(held)), held)
+        assert torch.equal(from_group_order(ordered, torch.empty_like(held)), held)
 
 
 @pytest.mark.parametrize("groups, g, k", [(4, 1, 2), (2, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 4)])

@@ -54,7 +54,7 @@ def head_rows(groups: int, g: int, k: int, j: int, packed: bool = False) -> list
     return [p[q] for p in parts for q in range(gq)] + [p[gq] for p in parts] + [p[gq + 1] for p in parts]
 
 
-def _to_group_order(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def to_group_order(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``received [K, 2c, ...]`` (each sender's two chunks) → ``out [2Kc, ...]`` in global order."""
     k, c2 = received.shape[:2]
     c = c2 // 2
@@ -64,8 +64,8 @@ def _to_group_order(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _from_group_order(x: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``_to_group_order``: ``x [2Kc, ...]`` → ``send [K, 2c, ...]`` (each rank's two chunks)."""
+def from_group_order(x: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_group_order``: ``x [2Kc, ...]`` → ``send [K, 2c, ...]`` (each rank's two chunks)."""
     k, c2 = send.shape[:2]
     c = c2 // 2
     send[:, :c].copy_(x[:k * c].view(k, c, *x.shape[1:]))
@@ -95,13 +95,13 @@ class SeqToHeads(torch.autograd.Function):
         received = _exchange(send, group)  # [K, s/cp, b, rows', d]: every sender's tokens of my rows
         del send
         ctx.group, ctx.shape, ctx.rows = group, x.shape, rows  # Python integers: nothing kept
-        return _to_group_order(received, x.new_empty((k * s, b, index.shape[1], d)))
+        return to_group_order(received, x.new_empty((k * s, b, index.shape[1], d)))
 
     @staticmethod
     def backward(ctx, grad):
         index = torch.tensor(ctx.rows, device=grad.device)  # [K, rows']
         k = index.shape[0]
-        send = _from_group_order(grad, grad.new_empty((k, grad.shape[0] // k, *grad.shape[1:])))
+        send = from_group_order(grad, grad.new_empty((k, grad.shape[0] // k, *grad.shape[1:])))
         received = _exchange(send, ctx.group)  # [K, s/cp, b, rows', d]: my tokens' grads from rank j
         out = grad.new_zeros(ctx.shape)  # [s/cp, b, rows, d]
         for j in range(k):
@@ -117,7 +117,7 @@ class HeadsToSeq(torch.autograd.Function):
     def forward(ctx, o, group):
         k = group_size(group)
         ctx.group = group
-        send = _from_group_order(o, o.new_empty((k, o.shape[0] // k, *o.shape[1:])))  # [K, s/cp, b, A·d]
+        send = from_group_order(o, o.new_empty((k, o.shape[0] // k, *o.shape[1:])))  # [K, s/cp, b, A·d]
         received = _exchange(send, group)  # [K, s/cp, b, A·d]: rank j's heads of my tokens
         return received.permute(1, 2, 0, 3).reshape(o.shape[0] // k, o.shape[1], -1)  # [s/cp, b, K·A·d]
 
@@ -127,7 +127,7 @@ class HeadsToSeq(torch.autograd.Function):
         s, b, _ = grad.shape
         send = grad.reshape(s, b, k, -1).permute(2, 0, 1, 3).contiguous()  # [K, s/cp, b, A·d]
         received = _exchange(send, ctx.group)  # [K, s/cp, b, A·d]: sender m's tokens of my heads
-        return _to_group_order(received, grad.new_empty((k * s, b, received.shape[-1]))), None
+        return to_group_order(received, grad.new_empty((k * s, b, received.shape[-1]))), None
 
 
 def seq_to_heads(x: torch.Tensor, rows: list[list[int]], group) -> torch.Tensor:

@@ -150,7 +150,8 @@ class ParallelDims:
         dims.cp_group, _ = _my_group(groups("c"), dims.rank)
         dims.cp_comm_type = parallel.cp_comm_type
         if parallel.cp_comm_type != "ring":
-            dims.a2a_group, dims.ring_group = _a2a_groups(groups("c"), parallel.a2a_size, dims.rank)
+            a2a, ring = a2a_group_lists(groups("c"), parallel.a2a_size)
+            dims.a2a_group, dims.ring_group = _my_group(a2a, dims.rank)[0], _my_group(ring, dims.rank)[0]
         dims.grad_group = dims.dp_group if cp == 1 else dims.cp_group if dp == 1 else \
             _my_group(groups("dc"), dims.rank)[0]
         dims.ep = parallel.ep
@@ -178,12 +179,12 @@ def _expert_groups(dims: ParallelDims, parallel: ParallelConfig) -> tuple[object
     return _my_group(ep_lists, dims.rank)[0], _my_group(grad_lists, dims.rank)[0]
 
 
-def _a2a_groups(cp_lists: list[list[int]], k: int, rank: int) -> tuple[object, object]:
-    """(a2a group, ring group) of this rank: inside each cp group (listed by cp rank), K consecutive ranks
-    and the ranks K apart (None where a group has one rank)."""
+def a2a_group_lists(cp_lists: list[list[int]], k: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(a2a groups, ring groups) as rank lists: inside each cp group (listed by cp rank), K consecutive ranks,
+    and the ranks K apart."""
     a2a = [ranks[i:i + k] for ranks in cp_lists for i in range(0, len(ranks), k)]
     ring = [ranks[j::k] for ranks in cp_lists for j in range(k)]
-    return _my_group(a2a, rank)[0], _my_group(ring, rank)[0]
+    return a2a, ring
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> tuple[object, list[int]]:

@@ -168,3 +168,10 @@ def test_bench_cp_times_every_kind_at_cp_2_and_4(capsys):
     assert four["a2a"]["kept_bytes"] > four["a2a+ring K=2"]["kept_bytes"] > four["ring"]["kept_bytes"]
     assert four["a2a"]["predicted_exchange_s"] < four["a2a+ring K=2"]["predicted_exchange_s"]
     assert four["a2a+ring K=2"]["predicted_exchange_s"] < four["ring"]["predicted_exchange_s"]
+
+
+def test_save_bench_reports_the_stall_of_a_sync_and_an_async_save(capsys):
+    result = _run(capsys, "save")
+    assert result["bytes"] == 4 * 2**20 and result["tensors"] == 4
+    assert 0 < result["async_stall_s"] <= result["async_write_s"]  # the stall is a part of the write
+    assert result["sync_stall_s"] > 0

@@ -174,8 +174,8 @@ def job(sections: dict, out: Path, data: Path) -> dict:
 def reference_of(sections: dict) -> dict:
     """One process, micro-batch 1, the replicated optimizer without overlap; the same model, data and
     global batch."""
-    return {"model": sections["model"], "parallel": {}, "recompute": {}, "data": sections["data"],
-            "train": {"global_batch": sections["train"]["global_batch"]}}
+    return {"model": sections["model"], "parallel": {}, "recompute": {}, "data": sections.get("data", {}),
+            "train": {"global_batch": sections.get("train", {}).get("global_batch", GLOBAL_BATCH)}}
 
 
 def rel(a: float, b: float) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from _helpers import seqpar
 
+from seqpar.analysis.text import human_bytes
 from seqpar.train.config import build_job, inert_settings, load_toml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ def test_the_summary_prints_the_measured_bytes_beside_the_model_without_sp_and_r
     assert "without SP" not in summary  # tp 1: there is no SP to go without
     # the summary's bytes are the start record's measurement
     kept = int(measured.split("measured ")[1].split(" B")[0].replace(",", ""))
-    assert f"{kept / 1024:.1f} KiB measured" in summary
+    assert f"{human_bytes(kept)} measured" in summary
 
 
 # ---------------------------------------------------------------- 2. from a plan to a cluster
@@ -199,7 +200,8 @@ def test_plan_with_fsdp_says_where_the_best_fsdp_plan_stands(capsys):
     code, out, err = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--fsdp",
                             "--gpu-memory", 24, "--top", 1)
     assert code == 0, err
-    line = out.splitlines()[-1]
-    assert line.startswith("fsdp: not chosen; the best plan with it, ") and ",fsdp=on (#" in line, line
+    line = out.splitlines()[-1]  # chosen or not (FSDP traffic is overlapped: issue 49), it says where it stands
+    assert (line.startswith("fsdp: not chosen; the best plan with it, ") and ",fsdp=on (#" in line) or \
+        (line.startswith("fsdp: chosen; the best plan without it, ") and "fsdp=on" not in line), line
     code, out, _ = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--top", 1)
     assert "fsdp:" not in out

@@ -135,7 +135,7 @@ def test_out_must_be_a_folder(tmp_path, capsys):
     file.write_text("x")
     with pytest.raises(SystemExit) as exc:
         main(["selftest", "--device", "cpu", "--out", str(file)])
-    assert exc.value.code == 2 and "exists and is not a folder" in capsys.readouterr().err
+    assert exc.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
 
 
 def test_launch_backend_follows_the_device():

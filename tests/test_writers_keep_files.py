@@ -68,6 +68,8 @@ def _cases(r):
         ("paper --plot into a folder with a user's figure1.png", ["paper", "--plot", r / "figs"]),
         ("plan --plot into a folder with a user's plan_memory.png", ["plan", "--gpus", 8, "--model", "22b",
                                                                      "--plot", r / "figs"]),
+        ("train --out inside its --data folder", ["train", "--data", r / "corpus", "--out", r / "corpus" / "run",
+                                                  "--steps", 1, "--no-progress"]),
     ]
 
 

@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                   "README A100 and H100 tables, llm-foundry MPT): predicted vs published seconds, error by GPU kind"),
     "cp": ("seqpar.bench.cp", "context parallelism's exchanges side by side: ring vs all-to-all (Ulysses) vs the "
            "hybrid, one layer's fwd+bwd at cp 2 and 4"),
+    "save": ("seqpar.bench.save", "checkpoint stall: a synchronous save vs --async-save (the copy to CPU "
+             "memory), and when the background write is committed"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
 }
@@ -47,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     module = importlib.import_module(args._bench)
     if getattr(args, "out", None):
-        from seqpar.commands.out_path import check_out_file, json_with
+        from seqpar.out_path import check_out_file, json_with
 
         check_out_file(args.out, "--out", json_with("machine"), "a benchmark result")  # before the benchmark
     if args.quick:

@@ -49,7 +49,6 @@ def _rank(rank: int, world: int, args) -> dict:
         mesh = apply_fsdp(chunks, dims, job.parallel) if job.parallel.fsdp else None
         opt = build_optimizer(chunks, job.train, dims, mesh)
         setups[mode] = (job, dims, chunks, opt)
-        states[mode] = state_record(job, opt, 0, dims.grad_rank)
 
     def step(mode: str) -> float:
         job, dims, chunks, opt = setups[mode]
@@ -67,6 +66,8 @@ def _rank(rank: int, world: int, args) -> dict:
             (total,) = max_over_ranks([step(mode)])
             if i >= args.warmup:
                 times[mode].append(total)
+    for mode, (job, dims, _, opt) in setups.items():  # after a backward: FSDP's gradients exist then
+        states[mode] = state_record(job, opt, 0, dims.grad_rank)
     return {"times": times, "states": states}
 
 

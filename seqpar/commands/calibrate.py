@@ -54,7 +54,7 @@ def run(args) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     if args.out:
-        from seqpar.commands.out_path import check_out_file, json_with
+        from seqpar.out_path import check_out_file, json_with
 
         check_out_file(args.out, "--out", json_with(*PROFILE_KEYS), "a calibrated profile")  # before the benchmarks
     profile = calibrate(nproc, args.dtype, "quick" if args.quick else "full")

@@ -21,21 +21,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.commands.out_path import claim_folder
     from seqpar.data.tokenizer import of_checkpoint
-    from seqpar.interop.checkpoints import export_hf, write_tokenizer
-    from seqpar.interop.hf import EXPORT_FILES, family_of, is_export
+    from seqpar.interop.checkpoints import write_tokenizer
+    from seqpar.interop.hf import EXPORT_FILES, family_of, is_export, write_hf_folder
+    from seqpar.out_path import claim_folder
     from seqpar.train import checkpoint as ckpt
     from seqpar.train.config import build_job
 
     args.checkpoint = checkpoint_of(args)
     folder = ckpt.resolve(args.checkpoint)
-    meta = ckpt.read_meta(folder)
+    state, meta = ckpt.load_model_state(folder)  # checksums, and the tensors against the recorded config, first
     of_checkpoint(folder, meta)  # a tokenizer gone or changed: refused before writing
-    family_of(build_job(meta["config"]).model)  # no architecture fits: refused before an earlier export is replaced
+    model = build_job(meta["config"]).model
+    family_of(model)  # no architecture fits: refused before an earlier export is replaced
     claim_folder(args.out, "--out", "an earlier export", EXPORT_FILES.__contains__, args.overwrite, is_export,
                  inputs=[folder])
-    path = export_hf(args.checkpoint, args.out)
+    path = write_hf_folder(args.out, model, state)
     print(f"exported {args.checkpoint} -> {path}")
     tokenizer = write_tokenizer(args.checkpoint, path)
     print(f"  with {tokenizer}" if tokenizer else "  without a tokenizer: the run recorded none and its vocabulary "

@@ -18,8 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.commands.out_path import check_empty_folder
     from seqpar.interop.checkpoints import import_hf
+    from seqpar.out_path import check_empty_folder
     from seqpar.train import checkpoint as ckpt
 
     check_empty_folder(args.out, "--out", inputs=[args.folder])

@@ -23,7 +23,7 @@ def run(args) -> int:
     from seqpar.analysis.shapes import AnalysisError
 
     if args.plot:
-        from seqpar.commands.out_path import check_plot_folder
+        from seqpar.out_path import check_plot_folder
 
         check_plot_folder(args.plot, FIGURES, "--plot")  # a user's figure1.png is not replaced
     if args.json:

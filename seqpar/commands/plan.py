@@ -245,7 +245,7 @@ def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
     from seqpar.analysis.emit import HEADER
     from seqpar.analysis.shapes import AnalysisError
-    from seqpar.commands.out_path import check_out_file, check_plot_folder, text_starting
+    from seqpar.out_path import check_out_file, check_plot_folder, text_starting
 
     if args.emit_slurm is not None and args.emit_config is None:
         raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")

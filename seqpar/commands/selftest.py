@@ -41,7 +41,7 @@ def run(args) -> int:
         raise ConfigError(f"--only {','.join(unknown)}: not a check; the checks are {','.join(CHECKS)}")
     out = Path(args.out) if args.out else None
     if out is not None:
-        from seqpar.commands.out_path import check_out_file, check_out_folder, json_with
+        from seqpar.out_path import check_out_file, check_out_folder, json_with
 
         check_out_folder(out, "--out")
         if out.is_dir():  # only selftest.json is written there: replaced when it is an earlier report

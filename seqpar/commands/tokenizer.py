@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.commands.out_path import check_out_file, json_with
     from seqpar.data.bpe import train_bpe
+    from seqpar.out_path import check_out_file, json_with
 
     check_out_file(args.out, "--out", json_with("model", "added_tokens"), "a tokenizers JSON file",
                    inputs=args.inputs)

@@ -40,6 +40,8 @@ FLAG_KEYS = {
     "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
     "verify_data": ("data", "verify"),
     "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
+    "max_restarts": ("train", "max_restarts"), "hang_timeout": ("train", "hang_timeout"),
+    "async_save": ("train", "async_save"), "straggler_factor": ("train", "straggler_factor"),
 }
 
 # Megatron-LM's names for the same flags (its pretrain_gpt.py arguments): accepted as aliases, listed
@@ -186,6 +188,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb", choices=["off", "online", "offline"],
                    help=f"Weights & Biases logging beside TensorBoard; offline needs no network {d('wandb')}")
     g.add_argument("--wandb-project", help=f"the W&B project {d('wandb_project')}")
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--max-restarts", type=int, help="after a rank fails, restart every rank from the last checkpoint "
+                   f"up to N times (--nproc; under torchrun give torchrun --max-restarts) {d('max_restarts')}")
+    g.add_argument("--hang-timeout", type=float, metavar="S", help="a rank with no progress for S seconds stops the "
+                   f"job, named in one line (then restarted with --max-restarts); 0: off {d('hang_timeout')}")
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=None,
+                   help="write periodic checkpoints in a background thread: training waits only for the copy "
+                   f"to CPU memory {d('async_save')}")
+    g.add_argument("--straggler-factor", type=float, metavar="F", help="name a rank whose CPU time per step "
+                   f"exceeds F × the median over the ranks, at every log record; 0: off {d('straggler_factor')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
     add_megatron_aliases(p)

@@ -4,7 +4,7 @@
    write ``plan.json`` (inputs with sizes and modification times, options, units). A folder holding
    the same plan resumes; another plan is refused unless ``overwrite``, which removes the folder's own
    files only (``own_file``). A non-empty folder that is not a prepare, and an ``out`` that is, holds or
-   lies inside an input, are refused (``seqpar.commands.out_path``).
+   lies inside an input, are refused (``seqpar.out_path``).
 2. Tokenize the units not yet done, in ``workers`` processes (each single-threaded; one worker uses
    the tokenizer's own threads): unit ``k`` becomes ``shard_k.tokens`` (ids, each document followed by
    the end-of-document id) and ``shard_k.docs`` (int64 document end offsets), written atomically
@@ -29,13 +29,13 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
-from seqpar.commands.out_path import check_not_input, check_out_folder, remove_own
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.encode import ENCODING, Encoder
 from seqpar.data.errors import DataError
 from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
 from seqpar.fileio import sha256_file, write_atomic
+from seqpar.out_path import check_not_input, check_out_folder, remove_own
 from seqpar.processes import die_with_parent
 from seqpar.progress import Progress
 

@@ -64,6 +64,13 @@ def broadcast(x: torch.Tensor, src: int, group=None) -> None:
     dist.broadcast(x, src=src, group=group)
 
 
+def side_group():
+    """A new gloo group over every rank, for collectives a background thread runs beside the step's on
+    connections of their own (a background checkpoint write); every rank calls this at the same point.
+    None for a process alone."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
 def barrier(group=None) -> None:
     """Wait until every rank of ``group`` (None: every rank) has arrived."""
     dist.barrier(group=group)

@@ -57,6 +57,12 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
+    # fault tolerance (docs/training.md, Reliability): restart every rank from the last checkpoint after a
+    # failure, this many times; a rank with no progress for hang_timeout seconds is a failure (0: off)
+    max_restarts: int = 0
+    hang_timeout: float = 0.0
+    async_save: bool = False  # periodic checkpoints written in a background thread from a CPU copy
+    straggler_factor: float = 0.0  # name a rank whose CPU time per step exceeds this × the median (0: off)
     seed: int = 1234
     data: str = ""  # empty: the Python standard library's own source files
     tokenizer: str = ""  # optional tokenizers.json (needs the `tokenizers` package)
@@ -84,7 +90,8 @@ class TrainConfig:
         for name in ("steps", "micro_batch", "global_batch", "eval_batches", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("stop_at", "warmup", "eval_every", "save_every", "seed", "max_skipped", "sample_tokens"):
+        for name in ("stop_at", "warmup", "eval_every", "save_every", "seed", "max_skipped", "sample_tokens",
+                     "max_restarts"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not 1.0 <= self.loss_scale_init < float("inf") or self.loss_scale_window < 1:
@@ -92,7 +99,8 @@ class TrainConfig:
                               f"train.loss_scale_window {self.loss_scale_window} a positive integer")
         if not 0 < self.grad_bucket_mb < float("inf"):
             raise ConfigError(f"train.grad_bucket_mb must be a positive number, got {self.grad_bucket_mb}")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "hang_timeout",
+                     "straggler_factor"):
             if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.stop_at > self.steps:

@@ -53,8 +53,14 @@ class StepHook(Protocol):
     def before_step(self, rank: int, step: int) -> None:
         """Before step ``step`` (1-based, as logged) runs."""
 
+    def after_step(self, rank: int, step: int, seconds: float) -> None:
+        """Once step ``step`` is done on this rank, ``seconds`` after it began (seqpar/train/heartbeat.py)."""
+
     def checkpoint_written(self, rank: int, step: int) -> None:
         """Once this rank's part of checkpoint ``step`` is written, before the checkpoint is committed."""
+
+    def window(self, rank: int, step: int) -> dict:
+        """At each metrics record (every rank, the same steps): fields to add to it (seqpar/train/stragglers.py)."""
 
 
 @dataclass
@@ -78,11 +84,12 @@ class Trainer:
     """Holds one rank's pieces; ``run()`` trains to ``train.steps``."""
 
     def __init__(self, job: JobConfig, resume: str = "", device: torch.device | None = None, quiet: bool = False,
-                 hooks: Sequence[StepHook] = (), verified: bool = False):
+                 hooks: Sequence[StepHook] = (), verified: bool = False, events: Sequence[dict] = ()):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.job = job.validate(world)  # every rule, before any process group starts
         t, m = job.train, job.model
         self.hooks = tuple(hooks)
+        self.events = tuple(events)  # records rank 0 logs after the start record (a restart's, seqpar/train/start.py)
         self.verified = verified  # the launcher checked the checkpoint to resume (checksums, tensors) already
         # a bad path, or a checkpoint of another model, fails before groups too
         self.resume_path = ckpt.check_resume(resume, m) if resume else None
@@ -105,6 +112,7 @@ class Trainer:
         # FSDP2 last (torchtitan's order: tp at construction, recompute, compile, then FSDP)
         mesh = apply_fsdp(self.chunks, self.dims, job.parallel) if job.parallel.fsdp else None
         self.opt = build_optimizer(self.chunks, t, self.dims, mesh)
+        self.saver = ckpt.BackgroundSave()
         self.state = TrainState()
         if self.resume_path is not None:
             self.load(self.resume_path)
@@ -141,7 +149,9 @@ class Trainer:
                      f"(seqpar/parallel/rng.py): it loads, and from step {step + 1} on other elements are dropped "
                      "than the run that wrote it would have dropped")
 
-    def save(self) -> str:
+    def save(self, background: bool = False) -> str:
+        """Write checkpoint ``state.step`` (every rank); ``background``: from a CPU copy, in a thread
+        (``checkpoint.background``); the path it is (or will be) committed at."""
         tensors = self.opt.checkpoint_views()
         meta = {"step": self.state.step, "optimizer_steps": self.opt.updates, "skipped": self.state.skipped,
                 "skipped_in_row": self.state.skipped_in_row, "has_optimizer": True, "dropout_masks": DROPOUT_MASKS,
@@ -156,8 +166,12 @@ class Trainer:
             meta["loss_scaler"] = self.opt.scaler.state_dict()
         rank, step = self.dims.rank, self.state.step
         written = (lambda: [hook.checkpoint_written(rank, step) for hook in self.hooks]) if self.hooks else None
-        return str(ckpt.save(os.path.join(self.job.train.out_dir, "checkpoints"), step, tensors, meta,
-                             self.job.train.keep_checkpoints, written=written, files=files))
+        root, keep = os.path.join(self.job.train.out_dir, "checkpoints"), self.job.train.keep_checkpoints
+        self.saver.wait()  # one save at a time: the last one committed (or its error raised) first
+        if background:  # --async-save: stall for the copy to the CPU, write in a thread
+            self.saver.start(root, step, tensors, meta, keep, written=written, files=files)
+            return os.path.join(root, f"step_{step:06d}")
+        return str(ckpt.save(root, step, tensors, meta, keep, written=written, files=files))
 
     def banner(self, info: dict) -> str:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
@@ -257,6 +271,7 @@ class Trainer:
 
     def _interrupted(self, stop: StopFlag, metrics: MetricsLog, last: dict) -> dict:
         """After a SIGINT/SIGTERM: save this step (all ranks), say so in one line, return the summary."""
+        self.saver.wait()  # a background save of this step is then committed, and named by latest
         latest = Path(self.job.train.out_dir, "checkpoints", "latest")
         saved = latest.read_text().strip() if latest.is_file() else ""
         if saved == f"step_{self.state.step:06d}":  # a periodic save of this very step just finished
@@ -339,6 +354,8 @@ class Trainer:
                 info["compile_s"] = compile_s
             metrics.log({"event": "start", **info, "ranks": ranks, "data": self.data.source,
                          "config": self.job.to_dict()})
+            for event in self.events:
+                metrics.log(event)
             self.log(self.banner(info))
         progress = Progress(end, self.state.step, enabled=t.progress and not self.quiet)
         last, norm = {}, math.nan  # norm: the last step's gradient norm, for its window's record
@@ -354,7 +371,10 @@ class Trainer:
                 step = self.state.step
                 for hook in self.hooks:
                     hook.before_step(self.dims.rank, step + 1)
+                t_step = time.perf_counter()
                 loss, norm, outcome = self.train_step(step)
+                for hook in self.hooks:
+                    hook.after_step(self.dims.rank, step + 1, time.perf_counter() - t_step)
                 self.state.losses.append(loss if outcome != "nonfinite" else float("nan"))
                 self.state.step += 1
                 window_steps += 1
@@ -365,12 +385,14 @@ class Trainer:
                 if done % t.log_every == 0 or done == end:
                     last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
                                                validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
+                    for hook in self.hooks:
+                        last.update(hook.window(self.dims.rank, done))
                     metrics.log(last)
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0
                 if t.save_every and done % t.save_every == 0 and done != end:
                     t_save = time.perf_counter()
-                    self.save()
+                    self.save(background=t.async_save)
                     saved_in = time.perf_counter() - t_save  # not counted as training time
                     window_t += saved_in
                     progress.t0 += saved_in
@@ -389,11 +411,12 @@ class Trainer:
 
 
 def train(job: JobConfig | dict, resume: str = "", device=None, quiet: bool = False,
-          hooks: Sequence[StepHook] = (), verified: bool = False) -> dict:
+          hooks: Sequence[StepHook] = (), verified: bool = False, events: Sequence[dict] = ()) -> dict:
     """Train (one rank of) ``job``; returns rank 0's summary (every rank returns its own). ``verified``:
-    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``)."""
+    the checkpoint to resume was checked before the ranks started (``seqpar.train.start``); ``events``:
+    metrics records rank 0 logs after its start record."""
     job = build_job(job) if isinstance(job, dict) else job
-    trainer = Trainer(job, resume, device, quiet, hooks, verified)
+    trainer = Trainer(job, resume, device, quiet, hooks, verified, events)
     completed = False
     try:
         summary = trainer.run()

@@ -56,7 +56,8 @@ def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
     source = "measured" if "act_bytes_measured" in act else "formula"
     this = " + ".join(["SP"] * sp + [f"{granularity} recompute"] * (granularity != "none")) or "this layout"
     names = {"without_sp": "without SP", "without_recompute": "without recompute", "without_both": "without either"}
-    others = [f"{human_bytes(act[f'act_bytes_{k}'])} {label} ({act[f'act_bytes_{k}'] / kept:.1f}x)"
+    ratio = (lambda b: f" ({b / kept:.1f}x)") if kept else (lambda b: "")  # full recompute on one layer keeps 0
+    others = [f"{human_bytes(act[f'act_bytes_{k}'])} {label}{ratio(act[f'act_bytes_{k}'])}"
               for k, label in names.items() if act.get(f"act_bytes_{k}")]
     return (f"  activations per rank, one microbatch: {human_bytes(kept)} {source} with {this}"
             + (f"; the same model keeps {', '.join(others)} (exact per-tensor formula)" if others else ""))

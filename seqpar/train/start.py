@@ -8,6 +8,7 @@ line and exit status 2; a new run never writes into an old one (``claim_out``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,7 +25,8 @@ from seqpar.train.config import JobConfig, inert_settings
 from seqpar.train.interrupt import abort_line
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id",
+             "heartbeat")
 
 
 class RunFolderError(ConfigError):
@@ -88,10 +90,14 @@ def check_tokenizer(job: JobConfig, resume: str = "") -> None:
 
 
 def check_data(job: JobConfig) -> None:
-    """With ``data.verify``: the prepared folder's files against their SHA-256s (and what opening checks), once,
-    before any rank starts."""
+    """The run folder apart from the data it reads (``out_path``'s rule: a run inside its data folder would be
+    read as data by the next run); with ``data.verify``: the prepared folder's files against their SHA-256s
+    (and what opening checks), once, before any rank starts."""
     from seqpar.data.prepared import Prepared, is_prepared
+    from seqpar.out_path import check_not_input
 
+    if job.train.data and Path(job.train.data).is_dir():
+        check_not_input(job.train.out_dir, [job.train.data], "--out")
     if not job.data.verify:
         return
     if not is_prepared(job.train.data):
@@ -143,7 +149,8 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
     warn_inert(job)
     if nproc:
         out = job.train.out_dir
-        return supervise.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out))
+        return supervise.relaunch(nproc, argv or [], abort_message=lambda: abort_line(out), out_dir=out,
+                                  max_restarts=job.train.max_restarts)
     return train_and_report(job, resume, verified=True)  # check_resume above checked the checkpoint
 
 
@@ -165,19 +172,23 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
     plain torchrun rank 0 checks the folder (and clears it with ``overwrite``) and warns."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
     ours = supervise.started_by_relaunch()
+    restart = supervise.attempt() > 0  # the folder is this job's own: resumed, never claimed or cleared again
 
     def main() -> int:
         job = make_job(int(os.environ["WORLD_SIZE"]))
-        check_tokenizer(job, resume)
+        run_resume = restart_resume(job, resume) if restart else resume
+        check_tokenizer(job, run_resume)
         if dry_run:
-            return _dry_run(job, resume) if rank0 else 0
-        if not ours:
+            return _dry_run(job, run_resume) if rank0 else 0
+        if not ours and not restart:
             check_data(job)
             if rank0 or not overwrite:
                 claim_out(job.train.out_dir, resume, overwrite)
             if rank0:
                 warn_inert(job)
-        return train_and_report(job, resume, verified=ours)  # relaunch's launcher checked the checkpoint
+                warn_shared_store()
+        # relaunch's launcher checked the checkpoint the first attempt resumes
+        return train_and_report(job, run_resume, verified=ours and not restart)
 
     try:
         return supervise.as_rank(main)
@@ -185,6 +196,41 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         if rank0 and not ours:
             print(f"seqpar train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def warn_shared_store() -> None:
+    """torchrun's restarts with its rendezvous store shared with the ranks (torch's default): a restarted
+    process group can read the previous attempt's addresses and fail to connect."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0 and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print("seqpar train: warning: torchrun --max-restarts shares its rendezvous store with the ranks, and a "
+              "restarted process group can then read the last attempt's addresses and fail to connect "
+              "(pytorch/pytorch#135712): start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", file=sys.stderr)
+
+
+def restart_resume(job: JobConfig, resume: str) -> str:
+    """What a restarted attempt resumes: the run's last complete checkpoint, else what the first attempt
+    resumed ('' when it started afresh and failed before its first checkpoint)."""
+    return job.train.out_dir if supervise.latest_checkpoint(job.train.out_dir) else resume
+
+
+def restart_event(job: JobConfig, world: int) -> dict | None:
+    """The ``restart`` metrics record of a restarted attempt (None in the first): what ended the attempt
+    before (told by the ``--nproc`` launcher, else read from its ranks' heartbeats) and the checkpoint
+    this one resumes."""
+    number = supervise.attempt()
+    if number == 0:
+        return None
+    told = os.environ.get(supervise.CAUSE_ENV)
+    if told:
+        return json.loads(told)
+    out = job.train.out_dir
+    latest = supervise.latest_checkpoint(out)
+    cause = supervise.failure_of(out, number - 1, world)
+    source = f"resuming from {latest}" if latest else "no checkpoint yet: starting again from step 0"
+    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    return {"event": "restart", "restart": number, "max_restarts": int(limit) if limit.isdigit() else None,
+            **cause, "checkpoint": latest, "line": f"{cause['line']}; restart {number} of {limit}, {source}"}
 
 
 def _dry_run(job: JobConfig, resume: str) -> int:
@@ -203,11 +249,23 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     """Train (this rank of) ``job``; rank 0 prints the summary. A signal before the first step exits
     130 at once (nothing to save yet); after it the trainer's own handlers take over."""
     from seqpar.train import fault
+    from seqpar.train.heartbeat import Heartbeat
     from seqpar.train.loop import train
     from seqpar.train.report import print_summary
+    from seqpar.train.stragglers import StepTimes
 
     t0 = time.perf_counter()
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    event = restart_event(job, world) if rank0 else None  # read before any rank of this attempt beats
+    if event is not None and not os.environ.get(supervise.CAUSE_ENV):  # the --nproc launcher printed it
+        print(f"seqpar train: {event['line']}", file=sys.stderr, flush=True)
+    # the last hook: a rank the fault hook stops before a step has not arrived at it
+    t = job.train
+    beat = Heartbeat(t.out_dir, int(os.environ.get("RANK", "0")), world, supervise.attempt(), t.hang_timeout,
+                     t.save_every, t.stop_at or t.steps)
+    times = StepTimes(int(os.environ.get("RANK", "0")), t.straggler_factor)  # each rank's step time, gathered
+    hooks = (*fault.hooks_from_env(), beat, times) if under_torchrun() else fault.hooks_from_env()
 
     def before_training(signum, frame):  # data, process groups, model, checkpoint: nothing to save yet
         if rank0:
@@ -218,8 +276,14 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, before_training) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        summary = train(job, resume=resume_path(resume, job), hooks=fault.hooks_from_env(), verified=verified)
+        summary = train(job, resume=resume_path(resume, job), hooks=hooks, verified=verified,
+                        events=[{k: v for k, v in event.items() if k != "line"}] if event else [])
+    except BaseException as err:
+        if under_torchrun():
+            beat.failed(err)
+        raise
     finally:
+        beat.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if summary.get("interrupted"):

@@ -4,11 +4,17 @@
 The launcher passes the first SIGINT/SIGTERM on to the ranks and kills them on a second
 (``LauncherSignals``); its ranks die with it however it dies (``as_rank``); it reports their end in
 one line: an interruption, a bad input a rank found (exit 2), or which rank failed first.
+
+Restarts (``[train] max_restarts = N``): when a rank fails (a signal, an exception, the hang watchdog of
+``seqpar.train.heartbeat``), the launcher says which rank, how and at which step, and starts every rank
+again, up to N times; the ranks of attempt K (``attempt()``, also torchrun's own restart count under a
+user's ``torchrun --max-restarts``) resume from the run's last complete checkpoint (``seqpar.train.start``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -21,12 +27,23 @@ PROG = "seqpar train"  # the command relaunch() re-runs, and the prefix of the l
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's status for a Ctrl-C'd command
 REPEAT_S = 1.0  # a second signal sooner than this after the first is the same interruption
 LAUNCHER_ENV = "SEQPAR_LAUNCHER_PID"  # set by relaunch() for its ranks
+ATTEMPT_ENV = "SEQPAR_ATTEMPT"  # set by relaunch(): which attempt of the job its ranks run (0: the first)
+CAUSE_ENV = "SEQPAR_RESTART_CAUSE"  # set by relaunch() for a restart's ranks: what ended the attempt before (JSON)
 
 
-def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | None = None) -> int:
-    """Re-run ``seqpar train ARGV`` (``--nproc`` removed) on ``nproc`` local ranks; the exit status.
+def attempt() -> int:
+    """Which attempt of the job this process belongs to: 0 for the first run, K after the K-th restart
+    (``relaunch``'s, or torchrun's own ``--max-restarts``: ``TORCHELASTIC_RESTART_COUNT``)."""
+    return int(os.environ.get(ATTEMPT_ENV) or 0) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
-    ``abort_message()``: the line a second Ctrl-C prints after killing the ranks.
+
+def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | None = None, out_dir: str = "",
+             max_restarts: int = 0) -> int:
+    """Re-run ``seqpar train ARGV`` (``--nproc`` removed) on ``nproc`` local ranks, again after a
+    failure up to ``max_restarts`` times; the exit status.
+
+    ``abort_message()``: the line a second Ctrl-C prints after killing the ranks; ``out_dir``: the run's
+    folder (its heartbeats and checkpoints name the step and checkpoint of a restart).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -49,14 +66,90 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
     _quiet_elastic_logs()
     guard.install()
     try:
-        run(launcher)
-    except ChildFailedError as err:
-        return _report(err.failures, guard.interrupted)
+        for number in range(max_restarts + 1):
+            os.environ[ATTEMPT_ENV] = str(number)
+            started = time.time()
+            try:
+                run(launcher)
+                return 0
+            except ChildFailedError as err:
+                if number == max_restarts or not _restartable(err.failures, guard.interrupted):
+                    return _report(err.failures, guard.interrupted, restarts=max_restarts)
+                cause = _restart_cause(err.failures, number, max_restarts, out_dir, nproc, started)
+                print(f"{PROG}: {cause['line']}", file=sys.stderr, flush=True)
+                os.environ[CAUSE_ENV] = json.dumps(cause)
     finally:
         guard.restore()
-        os.environ.pop(LAUNCHER_ENV, None)
+        for name in (LAUNCHER_ENV, ATTEMPT_ENV, CAUSE_ENV):
+            os.environ.pop(name, None)
     return 0
 
+
+def _restartable(failures: dict, interrupted: bool) -> bool:
+    """A failure a restart can mend: not an interruption, a bad input (exit 2) or non-finite values
+    (which the same steps would meet again)."""
+    codes = {f.exitcode for f in failures.values()}
+    if interrupted or codes <= {EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT}:
+        return False
+    _, failure = _first_failure(failures)
+    return failure.exitcode != 2 and not _cause(failure).startswith(": NonFiniteError")
+
+
+def _restart_cause(failures: dict, number: int, max_restarts: int, out_dir: str, nproc: int,
+                   started: float) -> dict:
+    """What ended attempt ``number`` and where the next one starts: the restart's line and metrics record."""
+    from seqpar.train import heartbeat
+
+    first, failure = _first_failure(failures)
+    hang = heartbeat.hang_of(out_dir, number, nproc, since=started)
+    step, at = heartbeat.where(out_dir, number, first, since=started)
+    if hang:  # the watchdog stopped every rank: the line names the step and the ranks that did not arrive
+        how, what, step = "hang", hang["hang"], hang["hang_step"]
+    else:
+        how = f"{_describe_exit(failure.exitcode)}{_cause(failure)}"
+        what = f"rank {first} failed ({how}) {at}"
+    latest = latest_checkpoint(out_dir)
+    source = f"resuming from {latest}" if latest else "no checkpoint yet: starting again from step 0"
+    return {"event": "restart", "restart": number + 1, "max_restarts": max_restarts,
+            "failed_rank": (hang["late"] or [None])[0] if hang else first, "how": how, "failed_step": step,
+            "checkpoint": latest,
+            "line": f"{what}; restart {number + 1} of {max_restarts}, {source}"}
+
+
+def failure_of(out_dir: str, attempt: int, world: int) -> dict:
+    """What ended ``attempt``, as far as its ranks' files tell (under a user's torchrun, whose launcher saw
+    the exits): a hang, the exception a rank recorded, or the one rank that recorded nothing while the
+    others only lost it (killed by a signal); the ``restart`` metrics record's fields."""
+    from seqpar.train import heartbeat
+
+    beats = heartbeat.read(out_dir, attempt, world)
+    step = max((b["done"] + 1 for b in beats.values()), default=1)
+    hang = heartbeat.hang_of(out_dir, attempt, world)
+    if hang:
+        return {"failed_rank": (hang["late"] or [None])[0], "how": "hang", "failed_step": hang["hang_step"],
+                "line": hang["hang"]}
+    for rank, beat in sorted(beats.items()):  # an exception, not a collective that lost its peer
+        error = beat.get("error", "")
+        if beat.get("phase") == "failed" and not any(s in error for s in PEER_LOST):
+            at, words = heartbeat.where(out_dir, attempt, rank)
+            return {"failed_rank": rank, "how": error, "failed_step": at,
+                    "line": f"rank {rank} failed ({error}) {words}"}
+    silent = [r for r in range(world) if beats.get(r, {}).get("phase") not in ("failed", "done")]
+    if len(silent) == 1:  # the others saw it vanish: it was killed (torchrun's log names the signal)
+        at, words = heartbeat.where(out_dir, attempt, silent[0])
+        return {"failed_rank": silent[0], "how": "unknown", "failed_step": at,
+                "line": f"rank {silent[0]} ended without a word (a signal? torchrun's log names its exit code) {words}"}
+    return {"failed_rank": None, "how": "unknown", "failed_step": step,
+            "line": f"a rank ended at step {step} without recording why (a signal? the launcher's log names "
+                    "the rank and its exit code)"}
+
+
+def latest_checkpoint(out_dir: str) -> str:
+    """The run's last complete checkpoint (``OUT/checkpoints/step_N``), '' when it has none."""
+    from pathlib import Path
+
+    latest = Path(out_dir, "checkpoints", "latest")
+    return str(latest.parent / latest.read_text().strip()) if out_dir and latest.is_file() else ""
 
 def started_by_relaunch() -> bool:
     """This rank was started by ``relaunch``, which checked the inputs and reports the ranks' end
@@ -74,8 +167,9 @@ def as_rank(main: Callable[[], int]) -> int:
     return record(main)()
 
 
-def _report(failures: dict, interrupted: bool) -> int:
-    """One line (or none, when rank 0 said it already) and the exit status for ranks that did not end well."""
+def _report(failures: dict, interrupted: bool, restarts: int = 0) -> int:
+    """One line (or none, when rank 0 said it already) and the exit status for ranks that did not end well
+    (``restarts``: how many restarts the job had, all used when it fails after them)."""
     codes = {f.exitcode for f in failures.values()}
     if EXIT_INTERRUPTED in codes and codes <= {EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT}:
         return EXIT_INTERRUPTED  # rank 0 printed "interrupted at step N; saved ...; resume with ..."
@@ -89,7 +183,9 @@ def _report(failures: dict, interrupted: bool) -> int:
               f"{_cause(failure)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"{PROG}: rank {first} failed first ({_describe_exit(failure.exitcode)}{_cause(failure)})"
-          + (f"; the launcher then stopped {others}" if others else ""), file=sys.stderr)
+          + (f"; the launcher then stopped {others}" if others else "")
+          + (f"; no restarts left (max_restarts {restarts})" if restarts and _restartable(failures, False) else ""),
+          file=sys.stderr)
     return 1
 
 

@@ -39,14 +39,15 @@ def file_record(path: Path) -> dict | str:
         return f"cannot read {path}: {err.strerror}"
 
 
-def over_ranks(fn, items: list, collective: bool = True) -> list:
+def over_ranks(fn, items: list, collective: bool = True, group=None) -> list:
     """``fn`` over ``items``, the items split over the ranks (``collective``, every rank calls this
-    with the same items); every rank gets all results, in item order. ``fn`` must not raise."""
+    with the same items; ``group``: a group over every rank to gather on, default the world's); every
+    rank gets all results, in item order. ``fn`` must not raise."""
     if not (collective and dist.is_initialized()) or dist.get_world_size() == 1:
         return [fn(x) for x in items]
     rank, world = dist.get_rank(), dist.get_world_size()
     parts: list = [None] * world
-    all_gather_object(parts, [fn(x) for x in items[rank::world]])
+    all_gather_object(parts, [fn(x) for x in items[rank::world]], group)
     out = [None] * len(items)
     for r, part in enumerate(parts):
         out[r::world] = part

@@ -51,20 +51,22 @@ from seqpar.train.checkpoint.resume import resolve
 from seqpar.train.sharded import LoadPlanner, SavePlanner, ShardedView
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        barrier()
+        barrier(group)
 
 
 def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedView], meta: dict, keep: int = 2,
-         written=None, files: dict[str, Path] | None = None) -> Path:
+         written=None, files: dict[str, Path] | None = None, group=None) -> Path:
     """Write ``tensors`` (this rank's shards, or full tensors) at ``root/step_N`` atomically; every rank
     calls this.
 
     A failed write (disk full, ...) removes the temporary folder and raises CheckpointError; the
     previous checkpoint and ``latest`` are untouched. ``written()`` (a test hook) runs on every rank
     once its part of the temporary folder is on disk, before the commit. ``files`` (name -> path):
-    copied in by rank 0 and checksummed with the rest (the run's tokenizer)."""
+    copied in by rank 0 and checksummed with the rest (the run's tokenizer). ``group``: the process group
+    of the save's own collectives (a group over every rank; default the world's), e.g. the side group
+    a background save uses (``checkpoint.background``)."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -73,18 +75,19 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left by a save that was killed
                 shutil.rmtree(tmp)
-        _barrier()
+        _barrier(group)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             views = {k: v if isinstance(v, ShardedView) else ShardedView(v.float()) for k, v in tensors.items()}
-            dcp.save(views, checkpoint_id=str(tmp), planner=SavePlanner(), no_dist=not dist.is_initialized())
+            dcp.save(views, checkpoint_id=str(tmp), planner=SavePlanner(), no_dist=not dist.is_initialized(),
+                     process_group=group)
         if is_rank0():
             for name, source in (files or {}).items():
                 shutil.copyfile(source, tmp / name)
         if written is not None:
             written()
-        _barrier()
-        records = dict(over_ranks(lambda name: (name, file_record(tmp / name)), files_in(tmp)))
+        _barrier(group)
+        records = dict(over_ranks(lambda name: (name, file_record(tmp / name)), files_in(tmp), group=group))
         unreadable = [record for record in records.values() if isinstance(record, str)]
         if unreadable:
             raise OSError(unreadable[0])
@@ -108,7 +111,7 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
                                   f"{_last_good(root)}") from None
         raise CheckpointError(f"could not write checkpoint {final} ({_write_failure(err)}); "
                               f"{_last_good(root)}") from None
-    _barrier()
+    _barrier(group)
     return final
 
 

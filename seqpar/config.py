@@ -35,6 +35,9 @@ POSITIONS = ("learned", "rope")
 ATTENTIONS = ("auto", "materialized", "sdpa")
 BYTE_VOCAB = 256  # text read without a tokenizer (the default data among it) is bytes: 256 symbols
 ROPE_SCALINGS = ("none", "linear", "llama3")  # how rotary frequencies are stretched (Llama 3.x: llama3)
+# Context parallelism's attention exchange (docs/context_parallel.md): K/V around a ring, q/k/v re-sharded
+# from sequence to heads by all-to-all (Ulysses), or all-to-all inside groups of cp_a2a_size and a ring across.
+CP_COMM_TYPES = ("ring", "a2a", "a2a+ring")
 
 
 class ConfigError(ValueError):
@@ -289,14 +292,18 @@ def layer_counts(num_layers: int, pp: int, interleave: int = 1, counts: list[int
 class ParallelConfig:
     """world = dp × pp × cp × tp, tp innermost (consecutive ranks share a tensor-parallel group).
 
-    ``cp``: context parallelism, the sequence split over cp ranks in every region of the layer, the
-    attention core exchanging K/V around them (``seqpar.parallel.ring_attention``).
+    ``cp``: context parallelism, the sequence split over cp ranks in every region of the layer. The attention
+    core's exchange is ``cp_comm_type``: ``ring`` (K/V around the cp ranks, ``seqpar.parallel.ring_attention``),
+    ``a2a`` (q, k, v re-sharded from sequence to heads over the cp ranks and back, ``seqpar.parallel.all_to_all``)
+    or ``a2a+ring`` (all-to-all inside groups of ``cp_a2a_size`` consecutive cp ranks, the ring over cp / K).
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    cp_comm_type: str = "ring"
+    cp_a2a_size: int = 0  # K of a2a+ring (divides cp); 0: cp for a2a (1 for ring)
     sp: bool = False  # sequence parallelism over the tp group (Sec. 4.2.2)
     # expert parallelism: the routed experts split over ep ranks taken inside the dp × cp ranks (same
     # tp and pp coordinates); tokens reach their experts by all-to-all (seqpar/parallel/expert.py)
@@ -324,9 +331,22 @@ class ParallelConfig:
             return 1
         return self.fsdp_shard_size or self.dp * self.cp
 
+    @property
+    def a2a_size(self) -> int:
+        """K: the cp ranks one all-to-all spans (1 under the ring, cp under a2a, cp_a2a_size under a2a+ring)."""
+        return {"ring": 1, "a2a": self.cp}.get(self.cp_comm_type, self.cp_a2a_size)
+
+    @property
+    def ring_size(self) -> int:
+        """The ring's ranks: cp / K."""
+        return self.cp // max(self.a2a_size, 1)
+
     def describe_world(self) -> str:
-        """``dp 2 × pp 1 × cp 2 × tp 4`` (cp named only when used)."""
+        """``dp 2 × pp 1 × cp 2 × tp 4`` (cp named only when used; its exchange when not the ring:
+        ``cp 4 (a2a+ring, K 2)``)."""
         cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        if self.cp > 1 and self.cp_comm_type != "ring":
+            cp += f" ({self.cp_comm_type}" + (f", K {self.cp_a2a_size})" if self.cp_comm_type == "a2a+ring" else ")")
         return f"dp {self.dp} × pp {self.pp}{cp} × tp {self.tp}"
 
     def layer_counts(self, num_layers: int) -> list[int]:
@@ -344,6 +364,7 @@ class ParallelConfig:
         if self.interleave > 1 and self.pp == 1:
             raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
         self._validate_fsdp()
+        self._validate_cp_comm()
         if model is not None:
             if model.num_heads % self.tp:
                 raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")
@@ -363,6 +384,7 @@ class ParallelConfig:
                 split = f"sequence {model.seq_len} / cp {self.cp} = {model.seq_len // self.cp}" if self.cp > 1 \
                     else f"sequence {model.seq_len}"
                 raise ConfigError(f"{split} is not divisible by tp {self.tp} (sequence parallelism splits it)")
+            self._validate_a2a_heads(model)
             if self.ep > 1 and (model.experts == 0 or model.experts % self.ep):
                 raise ConfigError(f"ep {self.ep} needs a number of experts divisible by it, got {model.experts}")
             if self.fsdp and model.experts:
@@ -371,6 +393,37 @@ class ParallelConfig:
                                   "places experts on subsets of them; train MoE models without fsdp")
             self.layer_counts(model.num_layers)
         return self
+
+    def _validate_cp_comm(self) -> None:
+        kind, k, cp = self.cp_comm_type, self.cp_a2a_size, self.cp
+        if kind not in CP_COMM_TYPES:
+            raise ConfigError(f"cp_comm_type {kind!r} is not one of {list(CP_COMM_TYPES)}"
+                              f"{did_you_mean(kind, CP_COMM_TYPES)}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"cp_a2a_size must be an integer >= 0, got {k!r}")
+        if kind != "ring" and cp < 2:
+            raise ConfigError(f"cp_comm_type {kind} needs cp >= 2, got cp {cp}")
+        if kind == "ring" and k:
+            raise ConfigError(f"cp_a2a_size {k} needs cp_comm_type a2a+ring (the ring has no all-to-all group)")
+        if kind == "a2a" and k not in (0, cp):
+            raise ConfigError(f"cp_a2a_size {k} != cp {cp}: cp_comm_type a2a spans every cp rank "
+                              f"(a2a+ring for groups of {k})")
+        if kind == "a2a+ring" and (k < 2 or cp % k):
+            raise ConfigError(f"cp_a2a_size {k} must be >= 2 and divide cp {cp} "
+                              "(a2a+ring: all-to-all inside groups of K cp ranks, the ring over cp / K)")
+
+    def _validate_a2a_heads(self, model: ModelConfig) -> None:
+        """All-to-all CP splits each tp rank's query heads over its K ranks (kv heads too, or replicates them)."""
+        k, t = self.a2a_size, self.tp
+        if k == 1:
+            return
+        if model.num_heads % (t * k):
+            raise ConfigError(f"heads {model.num_heads} is not divisible by tp {t} × cp_a2a_size {k} = {t * k} "
+                              f"(cp_comm_type {self.cp_comm_type} splits each tp rank's heads over {k} ranks)")
+        groups = max(model.num_kv_heads // t, 1)  # kv heads on a tp rank (replicated when fewer than tp)
+        if groups % k and k % groups:
+            raise ConfigError(f"kv heads per tp rank {groups} and cp_a2a_size {k}: one must divide the other "
+                              "(kv heads are split over the all-to-all group, or replicated when fewer)")
 
     def _validate_fsdp(self) -> None:
         group = self.dp * self.cp

@@ -156,6 +156,20 @@ def test_gpu_bench_runs_small_on_a_cpu(capsys):
     assert r["ratios"]["against"] == "plain_eager" and r["model_shape"]["kv_heads"] == 2
 
 
+def test_bench_cp_times_every_kind_at_cp_2_and_4(capsys):
+    """bench cp at tiny sizes: ring, a2a (and the hybrid at cp 4) timed side by side; the kept bytes are the
+    analysis package's (a2a keeps more: its full-sequence q/k/v with the kv heads replicated), the modelled
+    exchange of the hybrid lies between ring's and a2a's at cp 4."""
+    r = _run(capsys, "cp")
+    assert set(r["cp"]) == {"2", "4"}
+    assert set(r["cp"]["2"]) == {"ring", "a2a"} and set(r["cp"]["4"]) == {"ring", "a2a", "a2a+ring K=2"}
+    assert all(k["step_s"] > 0 for by_kind in r["cp"].values() for k in by_kind.values())
+    four = r["cp"]["4"]
+    assert four["a2a"]["kept_bytes"] > four["a2a+ring K=2"]["kept_bytes"] > four["ring"]["kept_bytes"]
+    assert four["a2a"]["predicted_exchange_s"] < four["a2a+ring K=2"]["predicted_exchange_s"]
+    assert four["a2a+ring K=2"]["predicted_exchange_s"] < four["ring"]["predicted_exchange_s"]
+
+
 def test_save_bench_reports_the_stall_of_a_sync_and_an_async_save(capsys):
     result = _run(capsys, "save")
     assert result["bytes"] == 4 * 2**20 and result["tensors"] == 4

@@ -9,7 +9,8 @@ must match the same model trained in one process: every step's loss and global g
 The space (``draw``): architecture -- norm, activation, position, attention core, biases, tied or
 untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a tp rank holding only
 padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
-last stage, interleaved), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2} (ring attention) -- × recompute
+last stage, interleaved), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2} (ring attention, or all-to-all:
+``cp_comm_type`` drawn, ring where the heads do not split over tp × cp) -- × recompute
 (none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
 on/off, overlapped dp reduction on/off, or FSDP2 (``parallel.fsdp``), which do something when
 dp × cp > 1) × the micro-batch size at a fixed global batch (1 or 2; the reference runs 1) × the data
@@ -59,6 +60,7 @@ from pathlib import Path
 import pytest
 from _helpers import Launches, prepared_documents, random_tokens, step_records
 
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local
 
@@ -96,6 +98,7 @@ DRAWN = {  # axes drawn per combination (each from its own seeded stream), not e
     # activation offloading (issue 46): what of it the draw's recomputation leaves (a module is kept, recomputed or
     # offloaded: ``offloadable``)
     "offload": ((), ("mlp",), ("norm", "core_attention"), ("activation", "layer_input")),
+    "cp_comm_type": ("ring", "a2a"),  # under cp > 1; ring where all-to-all cannot split the heads (a2a_fits)
 }
 
 
@@ -145,6 +148,8 @@ def draw(index: int, c: Combo) -> dict:
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
     extra = drawn(index)
+    if extra["cp_comm_type"] == "a2a" and a2a_fits(model, c):
+        parallel["cp_comm_type"] = "a2a"
     micro_batch, global_batch = extra["micro_batch"], GLOBAL_BATCH
     while interleave > 1 and (global_batch // (micro_batch * c.dp)) % pp:  # microbatches in groups of pp
         global_batch *= 2
@@ -161,6 +166,15 @@ def draw(index: int, c: Combo) -> dict:
     recompute = dict(RECOMPUTE[c.recompute])
     recompute["offload_modules"] = offloadable(extra["offload"], recompute)
     return {"model": model, "parallel": parallel, "recompute": recompute, "train": reduction, "data": data}
+
+
+def a2a_fits(model: dict, c: Combo) -> bool:
+    """Whether all-to-all CP applies (cp > 1, heads split over tp × cp): ``ParallelConfig.validate`` decides."""
+    try:
+        ParallelConfig(tp=c.tp, cp=c.cp, cp_comm_type="a2a").validate(ModelConfig(**model))
+    except ConfigError:
+        return False
+    return True
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
@@ -272,7 +286,9 @@ def _draw_id(index: int, c: Combo) -> str:
     def label(axis, value):
         return (axis if value else "") if isinstance(value, bool) else value if isinstance(value, str) \
             else f"{axis}{value}"
-    fsdp = ["fsdp"] if draw(index, c)["parallel"].get("fsdp") else []
+    parallel = draw(index, c)["parallel"]
+    fsdp = ["fsdp"] if parallel.get("fsdp") else []
+    fsdp += ["a2a"] if parallel.get("cp_comm_type") == "a2a" else []
     extra = drawn(index)
     offload = draw(index, c)["recompute"]["offload_modules"]
     extra = ([f"mb{extra['micro_batch']}"] + (["docs"] if extra["data"] == "documents" else [])

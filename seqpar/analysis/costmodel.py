@@ -41,7 +41,12 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 (attention: s/cp queries against all s keys); the ring sends the K/V block of the rank's kv
                 heads cp - 1 times forward, and backward K/V again plus the fp32 dK/dV cp times, each step
                 overlapping one block's compute (1/cp of the attention core; backward 2x that plus the
-                recomputed scores); only the excess is exposed, and the last dK/dV hop entirely
+                recomputed scores); only the excess is exposed, and the last dK/dV hop entirely.
+                All-to-all CP (``cp_comm_type`` a2a: K = cp; a2a+ring: K inside, the ring over cp / K with
+                the kv heads one rank holds after the exchange): forward q, k, v from sequence to heads and
+                the output back, backward the same two, each exposed (nothing to overlap), (K-1)/K of the
+                bytes each rank holds leaving it, on the link the a2a group spans (``placement``);
+                selective recompute reruns the core, not the exchanges
     ep_comm     mixture of experts (docs/moe.md): each MoE layer's dispatch and combine all-to-alls over the ep
                 group, forward and backward, each (ep-1)/ep of the rank's T·K routed rows of h + comm_latency
     Fused attention and ring attention backward (flash style) also recompute QK^T from the saved
@@ -66,9 +71,9 @@ from dataclasses import dataclass, field
 
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
-from seqpar.analysis.memory import kv_heads_per_rank
+from seqpar.analysis.memory import a2a_kv_heads, kv_heads_per_rank
 from seqpar.analysis.moe import dispatch_bytes, moe_gemms, moe_training_flops
-from seqpar.analysis.placement import grad_group_spans_nodes, group_ranks_per_node, spans_nodes
+from seqpar.analysis.placement import a2a_spans_nodes, grad_group_spans_nodes, group_ranks_per_node, spans_nodes
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.analysis.stage import chunk_bytes, examined_ranks, rank_chunk_layers
 from seqpar.analysis.states import stage_parameter_sizes, stage_parameters
@@ -276,7 +281,10 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         bwd["compute"] += g["qk"]  # flash-style backward (fused kernel, ring) rebuilds the scores from the lse
     if par.cp > 1:
         fwd["cp_comm"], bwd["cp_comm"] = ring_exposed_s(shape, par, b, hw, opts, g["qk"] + g["attention_v"])
-        core["cp_comm"] = fwd["cp_comm"]  # selective recompute runs the ring forward again
+        core["cp_comm"] = fwd["cp_comm"]  # selective recompute runs the ring forward again (not the all-to-alls)
+        exchange = a2a_exchange_s(shape, par, b, hw, opts)
+        fwd["cp_comm"] += exchange
+        bwd["cp_comm"] += exchange
     regen = {"elementwise": dropout_mask_bytes(shape, t, b, opts, par.cp) / hw.memory_bw}
     return {"forward": fwd, "backward": bwd, "attention_core": core, "dropout_mask": regen}
 
@@ -285,15 +293,32 @@ def ring_exposed_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware
                    core_s: float) -> tuple[float, float]:
     """(forward, backward) seconds of ring attention's p2p not hidden behind its blocks' compute (module
     doc, cp_comm). ``core_s``: the forward attention GEMMs of the rank's s/cp queries, cp blocks of it."""
-    cp, d = par.cp, shape.hidden_size // shape.num_heads
-    kv_local = kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads)
-    block = shape.seq_len // cp * b * kv_local * d  # elements of one K (or V) block
+    cp, d = par.ring_size, shape.hidden_size // shape.num_heads  # the ring's ranks: cp / K
+    if cp == 1:
+        return 0.0, 0.0
+    kv_local = a2a_kv_heads(kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads), par.a2a_size)
+    block = shape.seq_len // cp * b * kv_local * d  # elements of one K (or V) block (after an all-to-all)
     bw = link_bw(hw, spans_nodes(par, "cp", hw.gpus_per_node))
     kv, dkv = 2 * opts.act_bytes * block / bw, 2 * 4 * block / bw  # K and V; fp32 dK and dV
     step = core_s / cp
     fwd = (cp - 1) * beside_gemm_s(hw.comm_latency + kv, step, hw)
     bwd = (cp - 1) * beside_gemm_s(2 * hw.comm_latency + kv + dkv, 2.5 * step, hw) + hw.comm_latency + dkv
     return fwd, bwd
+
+
+def a2a_exchange_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware, opts: ActivationOptions) -> float:
+    """Seconds of one pass's all-to-alls of all-to-all CP (module doc, cp_comm): q, k, v rows to the K ranks
+    (kv heads replicated where fewer than K) and the output back, each one call, on the link the a2a group spans."""
+    k = par.a2a_size
+    if k == 1:
+        return 0.0
+    d, s = shape.hidden_size // shape.num_heads, shape.seq_len // par.cp
+    kv = a2a_kv_heads(kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads), k)
+    rows = shape.num_heads / par.tp + 2 * k * kv  # q heads of the tp rank, k and v rows sent to the K ranks
+    bw = link_bw(hw, a2a_spans_nodes(par, hw.gpus_per_node))
+    qkv = all_to_all_s(opts.act_bytes * s * b * rows * d, k, bw)
+    out = all_to_all_s(opts.act_bytes * s * b * shape.hidden_size / par.tp, k, bw)
+    return 2 * hw.comm_latency + qkv + out
 
 
 def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,

@@ -15,7 +15,9 @@ Which regions are split over the t ranks:
 Context parallelism (cp > 1, docs/context_parallel.md) splits the sequence of every region over cp
 ranks: every term above holds s/cp tokens, and the attention core is ring attention, which keeps no
 s^2 tensor (with either core, dropout or not) but one fp32 log-sum-exp per (head, query); its output
-is the out-proj input itself (one storage).
+is the out-proj input itself (one storage). All-to-all CP (``cp_comm_type`` a2a, K = cp; a2a+ring, K
+divides cp) re-shards q, k, v from the rank's s/cp tokens to K·s/cp tokens of 1/K of its heads: the
+core's own terms over that shape (``a2a_attention_terms``), its output kept apart from the out-proj input.
 """
 
 from __future__ import annotations
@@ -150,17 +152,51 @@ def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused
     return terms
 
 
+def a2a_kv_heads(kv_local: float, k: int) -> float:
+    """kv heads one of K all-to-all ranks holds of its tp rank's ``kv_local``: split, or one replicated
+    (``seqpar.parallel.all_to_all.local_heads``)."""
+    return kv_local / k if kv_local % k == 0 else 1
+
+
+def a2a_attention_terms(s, b, h, a, t, k, cp, kv_local, *, act_bytes, mask_bytes, dropout, fused_attention,
+                        sdpa_kernel="flash") -> dict[str, float]:
+    """All-to-all CP (``s`` the rank's s/cp tokens): the core runs on the a2a group's K·s tokens and a/(tK)
+    query heads with their kv heads (``a2a_kv_heads``, replicated where fewer than K: more bytes). It keeps
+    q, k, v of that shape (one storage, the all-to-all's output), its own terms (the single-process core's,
+    or the ring's over cp / K) and its output, which the inverse all-to-all copies into the out-proj input."""
+    d, full = h / a, k * s
+    kv = a2a_kv_heads(kv_local, k)
+    terms = {"qk": act_bytes * full * b * d * (a / (t * k) + kv), "v": act_bytes * full * b * d * kv}
+    terms |= attention_core_terms(full, b, h, a, t * k, act_bytes=act_bytes, mask_bytes=mask_bytes,
+                                  dropout=dropout, fused_attention=fused_attention, cp=cp // k,
+                                  sdpa_kernel=sdpa_kernel)
+    if fused_attention or cp > k:  # the materialized core's output is not kept (·V needs only P and V)
+        terms["attention_output"] = act_bytes * full * b * h / (t * k)
+    return terms
+
+
+def a2a_buffer_bytes(s, b, h, a, t, k, kv_local, act_bytes) -> float:
+    """The all-to-all's buffers in flight (transient, not kept): q, k, v rows sent and received at once,
+    2 · K·s/cp · b · (a/(tK) + 2·kv) · d (``s`` the rank's s/cp tokens); the output's exchange is smaller."""
+    return 2 * act_bytes * k * s * b * (h / a) * (a / (t * k) + 2 * a2a_kv_heads(kv_local, k))
+
+
 def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused_attention,
-                    kv_heads, cp=1, sdpa_kernel="flash") -> dict[str, float]:
+                    kv_heads, cp=1, sdpa_kernel="flash", a2a=1) -> dict[str, float]:
     """Sec. 4.1, the attention block (11sbh + 5as^2b with LN1's input): LN1 input 2sbh, QKV input 2sbh (both
     sequence-sharded only under SP, the stored-input trick), Q and K 4sbh, the core, V 2sbh, out-proj input
-    2sbh and the dropout mask sbh. GQA: K and V of the kv heads one rank holds."""
+    2sbh and the dropout mask sbh. GQA: K and V of the kv heads one rank holds. ``a2a`` > 1: all-to-all CP
+    over that many ranks (``a2a_attention_terms`` in place of Q, K, V and the core)."""
     d, kv_local, sbh = h / a, kv_heads_per_rank(a, t, kv_heads), s * b * h
-    terms = {"ln1_input": act_bytes * sbh / rep, "qkv_input": act_bytes * sbh / rep,
-             "qk": act_bytes * s * b * d * (a / t + kv_local)}
-    terms |= attention_core_terms(s, b, h, a, t, act_bytes=act_bytes, mask_bytes=mask_bytes, dropout=dropout,
-                                  fused_attention=fused_attention, cp=cp, sdpa_kernel=sdpa_kernel)
-    terms["v"] = act_bytes * s * b * d * kv_local
+    terms = {"ln1_input": act_bytes * sbh / rep, "qkv_input": act_bytes * sbh / rep}
+    width = {"act_bytes": act_bytes, "mask_bytes": mask_bytes, "dropout": dropout,
+             "fused_attention": fused_attention, "sdpa_kernel": sdpa_kernel}
+    if a2a > 1:
+        terms |= a2a_attention_terms(s, b, h, a, t, a2a, cp, kv_local, **width)
+    else:
+        terms["qk"] = act_bytes * s * b * d * (a / t + kv_local)
+        terms |= attention_core_terms(s, b, h, a, t, cp=cp, **width)
+        terms["v"] = act_bytes * s * b * d * kv_local
     terms["out_proj_input"] = act_bytes * sbh / t
     if dropout:
         terms["attn_dropout_mask"] = mask_bytes * sbh / rep
@@ -186,7 +222,7 @@ def mlp_terms(s, b, h, f, t, rep, *, act_bytes, mask_bytes, dropout, activation)
 def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=None, act_bytes=2,
                            mask_bytes=1, dropout=True, ln_stats_bytes=0, fused_attention=False,
                            kv_heads=None, norm="layernorm", activation="gelu",
-                           modules=None, cp=1, sdpa_kernel="flash") -> dict[str, float]:
+                           modules=None, cp=1, sdpa_kernel="flash", a2a=1) -> dict[str, float]:
     """Bytes one layer keeps for backward on one tp rank, one entry per stored tensor (Sec. 4.1).
 
     ``recompute``: "none"; "selective" drops what its ``modules`` rebuild in backward (``REBUILT``; default
@@ -197,7 +233,8 @@ def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=N
     ``attention_core_terms``, ``attention_terms`` and ``mlp_terms``. A fused core is never checkpointed:
     selective recompute rebuilds nothing in it (``rebuilt``). ``cp``: context parallelism, ``s`` stays the whole
     sequence and
-    every term holds this rank's s/cp tokens (ring attention's core, ``attention_core_terms``).
+    every term holds this rank's s/cp tokens (ring attention's core, ``attention_core_terms``); ``a2a``: the
+    all-to-all group's K (1: the ring; ``a2a_attention_terms``).
     """
     _check(s, b, h, a, t, recompute)
     if not isinstance(cp, int) or cp < 1 or (cp > 1 and s % (2 * cp)):
@@ -209,7 +246,7 @@ def layer_activation_terms(s, b, h, a, t=1, *, sp=False, recompute="none", ffn=N
     f = 4 * h if ffn is None else ffn
     width = {"act_bytes": act_bytes, "mask_bytes": mask_bytes, "dropout": dropout}
     terms = attention_terms(s, b, h, a, t, rep, fused_attention=fused_attention, kv_heads=kv_heads, cp=cp,
-                            sdpa_kernel=sdpa_kernel, **width)
+                            sdpa_kernel=sdpa_kernel, a2a=a2a if cp > 1 else 1, **width)
     terms |= mlp_terms(s, b, h, f, t, rep, activation=activation, **width)
     if ln_stats_bytes > 0:
         terms["ln_stats"] = 2 * s * b / rep * norm_stat_bytes(norm, ln_stats_bytes)  # 2 norms per layer

@@ -66,6 +66,14 @@ def spans_nodes(par: ParallelConfig, dim: str, gpus_per_node: int) -> bool:
     return n > 1 and par.world_size > gpus_per_node and gpus_per_node % block != 0
 
 
+def a2a_spans_nodes(par: ParallelConfig, gpus_per_node: int) -> bool:
+    """Whether some all-to-all CP group (K = ``par.a2a_size`` consecutive cp ranks, tp apart) holds ranks of
+    two nodes (``ParallelDims``: cp rank = ring rank · K + a2a rank)."""
+    k = par.a2a_size
+    block = stride(par, "cp") * k
+    return k > 1 and par.world_size > gpus_per_node and gpus_per_node % block != 0
+
+
 def grad_group_spans_nodes(par: ParallelConfig, gpus_per_node: int) -> bool:
     """Whether the gradient reduction's dp × cp group holds ranks of two nodes."""
     return spans_nodes(par, "dp", gpus_per_node) or spans_nodes(par, "cp", gpus_per_node)

@@ -14,6 +14,7 @@ from seqpar.analysis.planner import (
 )
 from seqpar.analysis.stage import STATE_TERMS, StageMemory
 from seqpar.analysis.text import exact_bytes, gib, human_bytes, pct_change, table
+from seqpar.config import CP_COMM_TYPES
 
 
 def header(req: Request) -> str:
@@ -144,6 +145,8 @@ def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -
                  f"{100 * best.mfu:.1f}%\n" + memory_terms(best.peak) + "\n\n" + time_terms(best))
     parts.append(why_not(req, best))
     parts.append(context_parallel_line(ranked))
+    if best.plan.par.cp > 1:
+        parts.append(cp_comm_line(ranked))
     if req.try_fsdp:
         parts.append(fsdp_line(ranked))
     return "\n\n".join(parts)
@@ -182,6 +185,24 @@ def context_parallel_line(ranked: list[Evaluation]) -> str:
         return "context parallelism: no plan with cp > 1 fits (searched with pp = 1 and 2 cp dividing s)"
     return (f"context parallelism: not chosen; the best plan with it, {other.plan.label}, is "
             f"{pct_change(other.time.total / best.time.total)} iteration time")
+
+
+def cp_comm_line(ranked: list[Evaluation]) -> str:
+    """Why the best plan's context parallelism exchanges as it does: the best fitting plan of each other
+    ``cp_comm_type``, its time and memory next to the best's."""
+    best = ranked[0]
+    kind = best.plan.par.cp_comm_type
+    others = []
+    for other_kind in CP_COMM_TYPES:
+        if other_kind == kind:
+            continue
+        other = next((ev for ev in ranked if ev.plan.par.cp > 1 and ev.plan.par.cp_comm_type == other_kind), None)
+        others.append(f"{other_kind}: no fitting plan" if other is None else
+                      f"{other_kind}: {other.plan.label}, {pct_change(other.time.total / best.time.total)} iteration "
+                      f"time, {human_bytes(other.memory_bytes)}")
+    exchange = best.time.terms.get("cp_comm", 0.0) if best.time else 0.0
+    return (f"cp_comm_type: {kind} is chosen (its exposed exchange {exchange:.3f} s per iteration); the best of the "
+            "other kinds: " + "; ".join(others))
 
 
 def _stage_rows(stages: list[StageMemory], usable: float) -> list[list]:

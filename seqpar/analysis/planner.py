@@ -1,8 +1,9 @@
 """`seqpar plan`: enumerate layouts, keep those whose most loaded rank fits, rank by predicted time.
 
 Dimensions: tp (<= GPUs per node, dividing heads and FFN width), ep (an MoE model's experts split over ep
-of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism, ring attention
-over the sequence: 2 cp dividing s, searched with pp = 1, up to ``Request.max_cp``), pp (up to L: even when
+of the dp × cp ranks: every divisor that divides the experts), cp (context parallelism over the sequence: 2 cp
+dividing s, searched with pp = 1, up to ``Request.max_cp``; its exchange ``cp_comm_type`` ring, a2a, or
+a2a+ring for each K dividing cp, where the heads split over tp × K), pp (up to L: even when
 it divides L, and with the lighter-ends split of ``uneven.py``), dp (the rest, dividing the global batch),
 interleave m (m > 1 needs pp > 1 and the microbatch count divisible by pp, as Megatron requires; L divisible
 by pp m, or where pp does not divide L an uneven split over the pp m virtual stages, the model's ends lighter),
@@ -57,7 +58,8 @@ class Plan:
     @property
     def label(self) -> str:
         p = self.par
-        cp = f"cp={p.cp}," if p.cp > 1 else ""
+        cp = f"cp={p.cp},cp_comm_type={p.cp_comm_type}," if p.cp > 1 else ""
+        cp += f"cp_a2a_size={p.cp_a2a_size}," if p.cp_a2a_size else ""
         split = f"split={split_text(p.layer_split)}," if p.layer_split else ""
         ep = f"ep={p.ep}," if p.ep > 1 else ""
         offload = f",offload={'/'.join(self.rc.offload_modules)}" if self.rc.offload_modules else ""
@@ -72,7 +74,7 @@ _KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "inter
          "sp": "sp",
          "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
          "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
-         "fsdp": "fsdp", "offload": "offload"}
+         "fsdp": "fsdp", "offload": "offload", "cp_comm_type": "cp_comm_type", "cp_a2a_size": "cp_a2a_size"}
 
 
 def _flag(text: str) -> bool:
@@ -159,7 +161,9 @@ def parse_plan(text: str, gpus: int) -> Plan:
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
                              interleave=_count(values, "interleave", 1), layer_split=_split(values),
-                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]))
+                             ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]),
+                             cp_comm_type=values.get("cp_comm_type", ("", "ring"))[1],
+                             cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         if "offload" in values:  # offload=mlp/norm
             rc = replace(rc, offload_modules=tuple(m for m in values["offload"][1].split("/") if m)).validate()
@@ -224,7 +228,8 @@ class Evaluation:
 
     def to_json(self) -> dict:
         p = self.plan.par
-        out = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
+        out = {"tp": p.tp, "cp": p.cp, "cp_comm_type": p.cp_comm_type, "cp_a2a_size": p.a2a_size,
+               "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
                "distributed_optimizer": self.plan.distributed_optimizer, "fsdp": p.fsdp,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
@@ -468,6 +473,14 @@ def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[
         par = ParallelConfig(tp=tp, cp=cp, dp=rest // cp)
         if cp <= req.max_cp and not _refused(req, par, rejected, "cp_seq"):  # 2 cp dividing the sequence
             yield par
+            yield from (replace(par, **comm) for comm in _a2a_kinds(cp) if not _refused(req, replace(par, **comm)))
+
+
+def _a2a_kinds(cp: int) -> list[dict]:
+    """The all-to-all exchanges context parallelism may use besides the ring: a2a over every cp rank, and
+    a2a+ring for each K dividing cp (1 < K < cp); ``ParallelConfig.validate`` refuses those whose heads do
+    not split over tp × K."""
+    return [{"cp_comm_type": "a2a"}] + [{"cp_comm_type": "a2a+ring", "cp_a2a_size": k} for k in _divisors(cp)[1:-1]]
 
 
 def rejection_lines(req: Request, stats: dict) -> list[str]:

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
-from seqpar.analysis.memory import layer_activation_terms, offload_split, sdpa_output_is_out_proj_input
+from seqpar.analysis.memory import (
+    a2a_buffer_bytes,
+    kv_heads_per_rank,
+    layer_activation_terms,
+    offload_split,
+    sdpa_output_is_out_proj_input,
+)
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
 from seqpar.analysis.states import chunk_layer_ids, stage_state_bytes
@@ -102,7 +108,7 @@ def _dense_layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Ac
                                   act_bytes=opts.act_bytes, mask_bytes=opts.mask_bytes, dropout=opts.dropout,
                                   ln_stats_bytes=opts.ln_stats_bytes, fused_attention=opts.fused_attention,
                                   sdpa_kernel=opts.sdpa_kernel, kv_heads=shape.kv_heads, norm=shape.norm,
-                                  activation=shape.activation, cp=par.cp)
+                                  activation=shape.activation, cp=par.cp, a2a=par.a2a_size)
 
 
 def layer_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
@@ -324,6 +330,8 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         terms["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, r)
     if r > kept and rc.granularity != "none":
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
+    if par.a2a_size > 1 and rank_layers(shape, par, rank):
+        terms["a2a_buffers"] = a2a_buffers(shape, par, b, opts)
     host = {}
     if rc.offload_modules and r:
         host = offload_host_terms(shape, par, rc, b, opts, rank, r - kept, kept)
@@ -350,6 +358,14 @@ def offload_reload_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeC
     layers = rank_layers(shape, par, rank)
     units = math.ceil(layers / rc.num_layers) if rc.granularity == "full" and rc.method == "uniform" else layers
     return min(2, units) * chunk_bytes(shape, par, rc, b, opts, rank, host=True) / max(units, 1)
+
+
+def a2a_buffers(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions) -> float:
+    """All-to-all CP's send and receive buffers of one layer's exchange, in flight (transient) while it runs
+    (``memory.a2a_buffer_bytes``)."""
+    kv_local = kv_heads_per_rank(shape.num_heads, par.tp, shape.kv_heads)
+    return a2a_buffer_bytes(shape.seq_len // par.cp, b, shape.hidden_size, shape.num_heads, par.tp, par.a2a_size,
+                            kv_local, opts.act_bytes)
 
 
 def all_stages(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int | None = None,

@@ -24,6 +24,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
             "model through the trainer, against the same math in plain PyTorch (eager, compiled)"),
     "published": ("seqpar.bench.published", "the cost model against published training runs (paper, Megatron-LM "
                   "README A100 and H100 tables, llm-foundry MPT): predicted vs published seconds, error by GPU kind"),
+    "cp": ("seqpar.bench.cp", "context parallelism's exchanges side by side: ring vs all-to-all (Ulysses) vs the "
+           "hybrid, one layer's fwd+bwd at cp 2 and 4"),
     "save": ("seqpar.bench.save", "checkpoint stall: a synchronous save vs --async-save (the copy to CPU "
              "memory), and when the background write is committed"),
     "planner": ("seqpar.bench.planner",

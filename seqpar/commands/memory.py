@@ -11,6 +11,7 @@ from seqpar.config import (
     ACTIVATIONS,
     ARCH_FIELDS,
     ATTENTIONS,
+    CP_COMM_TYPES,
     NORMS,
     OFFLOAD_MODULES,
     POSITIONS,
@@ -102,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
+    p.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="ring",
+                   help="context parallelism's exchange: ring, a2a (all-to-all from sequence to heads) or a2a+ring "
+                        "(default %(default)s)")
+    p.add_argument("--cp-a2a-size", type=int, default=0, help="a2a+ring: the all-to-all group K (divides cp)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
@@ -185,7 +190,7 @@ def run(args) -> int:
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
     offload = tuple(m for m in args.offload_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
-                     ep=args.ep, offload=offload)
+                     ep=args.ep, offload=offload, cp_comm_type=args.cp_comm_type, cp_a2a_size=args.cp_a2a_size)
     loss = None
     if args.measure:
         from seqpar.dtypes import torch_dtype
@@ -203,7 +208,9 @@ def run(args) -> int:
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     core = cfg.attention_core + (" (auto)" if cfg.attention == "auto" else "")
     arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {core}"
-    cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, ring attention" if args.cp > 1 else ""
+    exchange = {"ring": "ring attention", "a2a": "all-to-all (Ulysses)",
+                "a2a+ring": f"all-to-all over {args.cp_a2a_size}, ring across"}[args.cp_comm_type]
+    cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, {exchange}" if args.cp > 1 else ""
     print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, {_dropouts(cfg)} ({arch}){cp}")
     w, wr = max(16, *(len(r.row) + 2 for r in rows)), max(10, *(len(r.recompute) + 1 for r in rows))  # columns
     head = f"{'row':<{w}}{'t':>3} {'sp':<4}{'recompute':<{wr}}{'measured':>14}{'exact':>14}{'formula':>14}"

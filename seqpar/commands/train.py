@@ -12,13 +12,21 @@ import argparse
 import dataclasses
 import sys
 
-from seqpar.config import ARCH_FIELDS, OFFLOAD_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, ConfigError
+from seqpar.config import (
+    ARCH_FIELDS,
+    CP_COMM_TYPES,
+    OFFLOAD_MODULES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    ConfigError,
+)
 from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
 
 # flag dest -> (section, key)
 FLAG_KEYS = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
     "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
+    "cp_comm_type": ("parallel", "cp_comm_type"), "cp_a2a_size": ("parallel", "cp_a2a_size"),
     "experts": ("model", "experts"), "top_k": ("model", "top_k"), "moe_every": ("model", "moe_every"),
     "fsdp": ("parallel", "fsdp"), "reshard_after_forward": ("parallel", "reshard_after_forward"),
     "fsdp_shard_size": ("parallel", "fsdp_shard_size"),
@@ -106,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, help=f"pipeline-parallel size p {d('pp')}")
     g.add_argument("--cp", type=int, help="context-parallel size: the sequence split over cp ranks in every region, "
                    f"ring attention between them (docs/context_parallel.md) {d('cp')}")
+    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES,
+                   help="context parallelism's exchange: K/V around a ring, q/k/v all-to-all from sequence to heads "
+                        "(Ulysses), or all-to-all inside groups of --cp-a2a-size and a ring across "
+                        f"{d('cp_comm_type')}")
+    g.add_argument("--cp-a2a-size", type=int, help="a2a+ring: the cp ranks of one all-to-all group K (divides cp; "
+                   "the ring runs over cp / K) (default: cp under a2a)")
     g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp × cp))")
     g.add_argument("--ep", type=int, help="expert-parallel size: the routed experts split over ep of the dp × cp "
                    f"ranks, tokens exchanged by all-to-all {d('ep')}")

@@ -33,6 +33,8 @@ class Row:
     added: list[str] = field(default_factory=list)  # terms it keeps that the paper's GPT does not
     tensors: list[dict] = field(default_factory=list)
     cp: int = 1  # context parallelism: the layer holds s/cp tokens (docs/context_parallel.md)
+    cp_comm_type: str = "ring"  # and its attention exchange (ParallelConfig.cp_comm_type, cp_a2a_size)
+    cp_a2a_size: int = 0
     ep: int = 1  # expert parallelism of an MoE layer (its ranks taken as dp ranks)
     routing: dict | None = None  # MoE: {"balanced": (T, N, R), "measured": (T, N, R), "per_expert": [...]}
     offload: tuple[str, ...] = ()  # offloaded modules: exact/measured bytes above are the device's, these the host's
@@ -45,7 +47,8 @@ class Row:
         return RecomputeConfig(self.recompute, modules=self.modules, offload_modules=self.offload)
 
     def as_json(self) -> dict:
-        out = {"row": self.row, "tp": self.tp, "cp": self.cp, "sp": self.sp, "recompute": self.recompute,
+        out = {"row": self.row, "tp": self.tp, "cp": self.cp, "cp_comm_type": self.cp_comm_type, "sp": self.sp,
+               "recompute": self.recompute,
                "measured_bytes": self.measured_bytes, "exact_bytes": self.exact_bytes,
                "formula_bytes": self.formula_bytes}
         if self.modules:
@@ -75,12 +78,13 @@ def is_paper_gpt(cfg: ModelConfig) -> bool:
 
 def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str, all_rows: bool,
               device: str = "cpu", modules: tuple[str, ...] = (), cp: int = 1, ep: int = 1,
-              offload: tuple[str, ...] = ()) -> list[Row]:
+              offload: tuple[str, ...] = (), cp_comm_type: str = "ring", cp_a2a_size: int = 0) -> list[Row]:
     """The rows to report, with their exact and formula bytes; validated before any rank starts.
 
     ``formula_bytes`` is Table 2's closed form for the paper's GPT, and the per-tensor derivation
     without the small terms the paper drops for other architectures or under context parallelism
-    (``cp`` > 1: every row holds s/cp tokens, the attention core is ring attention; Table 2 has no cp).
+    (``cp`` > 1: every row holds s/cp tokens, the attention core is ring attention or all-to-all's by
+    ``cp_comm_type``; Table 2 has no cp).
     An MoE layer's rows (``cfg.experts``, ``ep`` ranks) are computed for balanced routing here; a
     measurement replaces the exact bytes by those of the routing it saw (``measure_rows``).
     ``offload``: modules offloaded (``RecomputeConfig.offload_modules``) in every row: exact and formula bytes
@@ -105,7 +109,8 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     paper = is_paper_gpt(cfg)
     rows = []
     for name, t, row_sp, rc, mods in configs:
-        par = ParallelConfig(tp=t, cp=cp, sp=row_sp and t > 1, dp=ep, ep=ep).validate(replace(cfg, num_layers=1))
+        par = ParallelConfig(tp=t, cp=cp, sp=row_sp and t > 1, dp=ep, ep=ep, cp_comm_type=cp_comm_type,
+                             cp_a2a_size=cp_a2a_size).validate(replace(cfg, num_layers=1))
         recompute = RecomputeConfig(rc, modules=mods, offload_modules=offloadable(rc, mods, offload))
         device_terms, host_terms = layer_split_terms(cfg, par, b, exact_opts, recompute)
         exact = sum(device_terms.values())
@@ -114,7 +119,8 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         paper_row = paper and name in TABLE2_ROWS and cp == 1 and not cfg.experts and not recompute.offload_modules
         formula = table2_bytes(name, s, b, h, a, t, sp=par.sp) if paper_row else sum(mine.values())
         reference = layer_activation_terms(s, b, h, a, t, sp=par.sp, recompute=rc, modules=mods or None)
-        rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep,
+        rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep, cp_comm_type=cp_comm_type,
+                        cp_a2a_size=cp_a2a_size,
                         vanished=sorted(reference.keys() - kept.keys()), added=sorted(kept.keys() - reference.keys()),
                         offload=recompute.offload_modules, host_exact_bytes=sum(host_terms.values())))
         if cfg.experts:
@@ -145,22 +151,25 @@ def exact_for_routing(cfg: ModelConfig, micro_batch: int, row: Row, routing: Rou
     cpu = torch.device("cpu")
     opts = activation_options(cfg, layernorm_stat_bytes(cpu, torch_dtype(cfg.dtype)), embedding=False,
                               sdpa_kernel=sdpa_kernel_for(cpu))
-    par = ParallelConfig(tp=row.tp, cp=row.cp, sp=row.sp and row.tp > 1, dp=row.ep, ep=row.ep)
+    par = ParallelConfig(tp=row.tp, cp=row.cp, sp=row.sp and row.tp > 1, dp=row.ep, ep=row.ep,
+                         cp_comm_type=row.cp_comm_type, cp_a2a_size=row.cp_a2a_size)
     return sum(layer_terms(cfg, par, micro_batch, opts, row.recompute_config, routing).values())
 
 
 def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, rows: list[Row]):
+    from seqpar.parallel.context import CPContext
     from seqpar.parallel.dims import ParallelDims
 
     cp, ep = rows[0].cp, rows[0].ep
-    dims = ParallelDims.build(ParallelConfig(tp=world // cp // ep, cp=cp, dp=ep, ep=ep))
+    dims = ParallelDims.build(ParallelConfig(tp=world // cp // ep, cp=cp, dp=ep, ep=ep,
+                                             cp_comm_type=rows[0].cp_comm_type, cp_a2a_size=rows[0].cp_a2a_size))
     results = []
     for row in rows:
         if row.tp == 1 and dims.tp_rank != 0:
             results.append(None)
             continue
         meter = measure_layer(cfg, dims.tp_group if row.tp > 1 else None, row.sp, row.recompute_config, micro_batch,
-                              backward=False, cp_group=dims.cp_group, ep_group=dims.ep_group, input_seed=dims.ep_rank)
+                              backward=False, cp=CPContext.of(dims), ep_group=dims.ep_group, input_seed=dims.ep_rank)
         mlp = meter.layer.mlp
         routing = (mlp.routing, mlp.rows_per_expert) if isinstance(mlp, MoE) else None
         results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors], routing,

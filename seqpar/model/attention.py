@@ -17,6 +17,7 @@ writes at no extra pass, and makes one grouped-query kernel call.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from seqpar import documents
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
-from seqpar.model.context_attention import RingCoreAttention
+from seqpar.model.context_attention import A2ACoreAttention, RingCoreAttention
 from seqpar.model.materialized import MaterializedAttention
 from seqpar.parallel.context import CPContext
 from seqpar.parallel.dropout import AttentionMask, attention_mask
@@ -242,11 +243,24 @@ class SelfAttention(nn.Module):
         cp, fused = cp or CPContext(), cfg.fused_attention
         first_head = tp.rank * (cfg.num_heads // t)  # query heads are split contiguously over tp ranks
 
-        def core(groups: int, g: int):  # under cp the ring (seqpar.model.context_attention)
-            if cp.size > 1:
-                return RingCoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, cp, layer, first_head)
-            return CoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, layer, first_head,
+        def plain(groups: int, g: int, first: int = 0):
+            return CoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, layer, first_head + first,
                                  plan.choose("dropout_mask", _false, _true))
+
+        def ring(group, groups: int, g: int, first: int = 0):
+            return RingCoreAttention(groups, g, d, cfg.attn_dropout, tp.tracker, fused, CPContext(group), layer,
+                                     first_head + first)
+
+        def core(groups: int, g: int):  # under cp: the ring, or all-to-all around a core (model.context_attention)
+            if cp.size == 1:
+                return plain(groups, g)
+            if cp.comm_type == "ring":
+                return ring(cp.group, groups, g)
+            inner = plain if cp.ring_group is None else functools.partial(ring, cp.ring_group)
+            return A2ACoreAttention(groups, g, d, cp.a2a_group, inner, checkpoint_core)
+
+        def checkpoint_core(module):  # a fused core is never checkpointed (see run_core), only offloaded
+            return plan.offloaded("core_attention", module) if fused else plan.checkpointed("core_attention", module)
 
         a, kv = cfg.num_heads, cfg.num_kv_heads
         g = a // kv
@@ -266,8 +280,9 @@ class SelfAttention(nn.Module):
                                           dtype=dtype, device=device)
         # selective: keeps only its input; a fused core is never checkpointed (its kernel recomputes its tiles in
         # its own backward: a checkpoint would free only the log-sum-exp for a second forward)
-        self.run_core = plan.offloaded("core_attention", self.core) if fused else \
-            plan.checkpointed("core_attention", self.core)
+        # under a2a the inner core is checkpointed, the all-to-alls are not run again
+        a2a = isinstance(self.core, A2ACoreAttention)
+        self.run_core = self.core if a2a else checkpoint_core(self.core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups·(g+2)·d]

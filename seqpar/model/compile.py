@@ -27,7 +27,7 @@ recompile for at every step, so every ``Dropout`` with p > 0 runs its forward ea
 eagerly too, its element-wise passes compiled on their own (``fuse_passes``, ``seqpar.model.core_passes``):
 softmax + position-keyed dropout mask + ``where`` one kernel, mask + softmax backward one kernel, the key
 passed as tensors (no recompile per step). A checkpoint's recomputation, which restores the tracker,
-computes the same masks. Ring attention cores (cp > 1: p2p inside) run eagerly.
+computes the same masks. Ring attention cores (cp > 1: p2p inside) and all-to-all cores run eagerly.
 
 Compilation happens at the first call of each region (``warm_up`` in the trainer and benchmarks does it
 before anything is timed). ``default_compile(device)``: the fused layer is on by default on CUDA, off on
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from seqpar.model.attention import CoreAttention
-from seqpar.model.context_attention import RingCoreAttention
+from seqpar.model.context_attention import A2ACoreAttention, RingCoreAttention
 from seqpar.model.layer import TransformerLayer
 from seqpar.model.mlp import MLP
 from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
@@ -68,10 +68,11 @@ def compiled_regions(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER) -
 
 def _eager(m: nn.Module) -> bool:
     """Whether a module runs eagerly inside a compiled region: a dropout with p > 0 (its key is Python
-    integers), the materialized core (the same key; its passes compiled on their own) and the ring core."""
+    integers), the materialized core (the same key; its passes compiled on their own), the ring core and the
+    all-to-all core (collectives and Python-integer head rows inside)."""
     if isinstance(m, Dropout):
         return m.p > 0
-    return isinstance(m, RingCoreAttention) or (isinstance(m, CoreAttention) and not m.fused)
+    return isinstance(m, RingCoreAttention | A2ACoreAttention) or (isinstance(m, CoreAttention) and not m.fused)
 
 
 def compile_model(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER, **options) -> list[str]:

@@ -151,6 +151,6 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     tracker = RNGTracker(seed)  # masks keyed by global layer and position: the same under every layout
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
     model = GPTStage(cfg, TPContext(dims.tp_group, sequence_parallel, tracker), ids, first, last, device, tied,
-                     RecomputePlan(recompute, tracker), CPContext(dims.cp_group), EPContext(dims.ep_group))
+                     RecomputePlan(recompute, tracker), CPContext.of(dims), EPContext(dims.ep_group))
     init_parameters(model, seed, dims.tp_rank, dims.tp)
     return model

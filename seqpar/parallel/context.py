@@ -68,7 +68,20 @@ def gather_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class CPContext(GroupContext):
-    """The context-parallel group a model is built with (``None``: cp = 1, every call an identity)."""
+    """The context-parallel group a model is built with (``None``: cp = 1, every call an identity).
+
+    ``comm_type`` (``ParallelConfig.cp_comm_type``) is how the attention core exchanges: ``ring`` over
+    ``group``; ``a2a``/``a2a+ring``: all-to-all over ``a2a_group`` (K consecutive cp ranks), the ring over
+    ``ring_group`` (the cp / K ranks K apart; None under a2a)."""
+
+    comm_type: str = "ring"
+    a2a_group: object = None
+    ring_group: object = None
+
+    @classmethod
+    def of(cls, dims) -> CPContext:
+        """The cp groups of ``ParallelDims`` ``dims``."""
+        return cls(dims.cp_group, dims.cp_comm_type, dims.a2a_group, dims.ring_group)
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor (tokens, labels ``[b, s]`` → ``[b, s/cp]``)."""

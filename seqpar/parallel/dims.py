@@ -57,6 +57,11 @@ class ParallelDims:
     pp_group: object = field(default=None, repr=False)
     dp_group: object = field(default=None, repr=False)
     cp_group: object = field(default=None, repr=False)
+    # all-to-all CP (``ParallelConfig.cp_comm_type``): cp rank = ring rank · K + a2a rank; the a2a group is K
+    # consecutive cp ranks (the all-to-all), the ring group the cp / K ranks of one a2a rank (the ring)
+    cp_comm_type: str = "ring"
+    a2a_group: object = field(default=None, repr=False)
+    ring_group: object = field(default=None, repr=False)
     # dp × cp: the ranks holding the same parameters (same pp and tp coordinates); gradients are
     # averaged over it (each cp rank's gradient is the whole sequence's, see GPTStage.forward)
     grad_group: object = field(default=None, repr=False)
@@ -143,6 +148,10 @@ class ParallelDims:
         dims.pp_group, dims.pp_ranks = _my_group(groups("p"), dims.rank)
         dims.dp_group, _ = _my_group(groups("d"), dims.rank)
         dims.cp_group, _ = _my_group(groups("c"), dims.rank)
+        dims.cp_comm_type = parallel.cp_comm_type
+        if parallel.cp_comm_type != "ring":
+            a2a, ring = a2a_group_lists(groups("c"), parallel.a2a_size)
+            dims.a2a_group, dims.ring_group = _my_group(a2a, dims.rank)[0], _my_group(ring, dims.rank)[0]
         dims.grad_group = dims.dp_group if cp == 1 else dims.cp_group if dp == 1 else \
             _my_group(groups("dc"), dims.rank)[0]
         dims.ep = parallel.ep
@@ -168,6 +177,14 @@ def _expert_groups(dims: ParallelDims, parallel: ParallelConfig) -> tuple[object
         return None, dims.grad_group
     ep_lists, grad_lists = expert_groups(parallel)
     return _my_group(ep_lists, dims.rank)[0], _my_group(grad_lists, dims.rank)[0]
+
+
+def a2a_group_lists(cp_lists: list[list[int]], k: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(a2a groups, ring groups) as rank lists: inside each cp group (listed by cp rank), K consecutive ranks,
+    and the ranks K apart."""
+    a2a = [ranks[i:i + k] for ranks in cp_lists for i in range(0, len(ranks), k)]
+    ring = [ranks[j::k] for ranks in cp_lists for j in range(k)]
+    return a2a, ring
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> tuple[object, list[int]]:

@@ -39,17 +39,14 @@ its first test runs, under a timeout that grows with its work (``_helpers.Launch
 launch that fails is rerun one draw at a time, so a failure or a timeout is reported against its own
 draw, and the launch's other draws still pass or fail on their own results.
 
-Last sweeps (issue 42, 2026-12-05, Intel Xeon with AMX, 2 cores shared with other work, load 8-38):
-``SEQPAR_EQUIV_FULL=1 pytest tests/test_equivalence.py`` on a clean clone of e887eb5 (the step's objective
-and the micro-batch and data axes): **468 of 468 combinations passed in one run** (1 h 24 min under that
-load); 241 draws at micro-batch 2, 234 on a prepared folder with document masks, 246 at world 8, 151 with
-FSDP2, 240 with attention dropout 0.1 in the materialized core; worst relative error grad_norm 7.35e-07,
-loss 1.43e-07, weights 1.14e-06. On a clean clone of 597438f (with the 64-bit mask hash, issues 43, 44,
-47-49 merged; before the offload and cp_comm_type axes) the first 238 of the 468 in launch order (world
-1, 2 and part of 4) passed before the sweep was stopped: worst loss 1.4e-07, grad_norm 3.1e-07, weights
-1.1e-06. The offload and cp_comm_type axes have run in the CI sample and their own tests
-(tests/test_offload.py, tests/test_context_parallel_a2a.py; every a2a draw of the generator, 78, in one
-run by the issue-45 session), not yet in one full sweep.
+Last sweep (issues 42, 45, 46, 2026-12-05, Intel Xeon with AMX, 2 cores, quiet): ``SEQPAR_EQUIV_FULL=1
+pytest tests/test_equivalence.py`` on a clean clone of 0524bf6, **468 of 468 combinations passed in one run,
+11 min 0 s** (471 tests); 246 at world 8, 241 at micro-batch 2, 234 on a prepared folder with document
+masks, 239 offloading modules, 78 with all-to-all CP, 151 with FSDP2, 240 with attention dropout 0.1 in the
+materialized core; worst relative error grad_norm 7.64e-07, loss 1.42e-07, weights 1.09e-06. (The same
+sweep on e887eb5, the objective with the micro-batch and data axes alone: 468 of 468, worst grad_norm
+7.35e-07, loss 1.43e-07, weights 1.14e-06.) The hybrid a2a+ring needs cp ≥ 4, beyond this generator's cp;
+tests/test_context_parallel_a2a.py covers it.
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ from seqpar.processes import die_with_parent
 from seqpar.progress import Progress
 
 PLAN = "plan.json"
-OWN_FILE = re.compile(r"(shard_\d{5}\.(tokens|docs|json)|(plan|manifest|tokenizer)\.json)(\.tmp)?|\.tokenizer")
+# its files, and the temporary names fileio.write_atomic gives them (NAME.PID.THREAD.tmp) while writing
+OWN_FILE = re.compile(r"(shard_\d{5}\.(tokens|docs|json)|(plan|manifest|tokenizer)\.json)(\.\d+\.\d+\.tmp)?"
+                      r"|\.tokenizer")
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 ENCODE_BATCH = 256  # documents per encode_batch call
 

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from seqpar.fileio import write_atomic
+
 FOLDER = "heartbeat"
 EXIT_HUNG = 124  # a rank the watchdog stopped (timeout(1)'s status)
 CLOCK_SKEW_S = 60.0  # heartbeats written this long before a rank started still count (clocks of other machines)
@@ -105,10 +107,8 @@ class Heartbeat:
         with self._lock:
             self.saving = [s for s in self.saving if not _committed(self.out_dir, s)]
             saving = list(self.saving)
-        tmp = target.with_name(target.name + f".{threading.get_ident()}.tmp")  # the save's thread beats too
-        tmp.write_text(json.dumps({"step": step, "done": done, "phase": phase, "time": time.time(),
-                                   "pid": os.getpid(), "saving": saving, **extra}))
-        os.replace(tmp, target)
+        write_atomic(target, json.dumps({"step": step, "done": done, "phase": phase, "time": time.time(),
+                                         "pid": os.getpid(), "saving": saving, **extra}), durable=False)
 
     # the step hook (seqpar.train.loop.StepHook); the trainer calls it after the fault hook
     def before_step(self, rank: int, step: int) -> None:

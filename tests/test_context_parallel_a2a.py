@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import Launches, prepared_documents, random_tokens
+from _helpers import Launches, prepared_documents, random_tokens, step_records
 
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 from seqpar.parallel.all_to_all import from_group_order, head_rows, local_heads, to_group_order
@@ -122,18 +122,13 @@ def runs(tmp_path_factory):
     return Launches(jobs, len(LAYOUTS), 60.0), refs
 
 
-def records(out: str) -> list[dict]:
-    rows = map(json.loads, Path(out, "metrics.jsonl").read_text().splitlines())
-    return sorted((r for r in rows if "event" not in r and "step" in r), key=lambda r: r["step"])
-
-
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_trains_the_single_process(name, runs):
     launches, refs = runs
     launches.result(name)
     train_local(refs[name])
-    got = records(launches.jobs[name][0]["train"]["out_dir"])
-    want = records(refs[name]["train"]["out_dir"])
+    got = step_records(launches.jobs[name][0]["train"]["out_dir"])
+    want = step_records(refs[name]["train"]["out_dir"])
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for a, b in zip(got, want, strict=True):
         for key in ("loss", "grad_norm"):

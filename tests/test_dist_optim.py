@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _helpers import random_tokens
+from _helpers import random_tokens, step_records
 
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local, train_local_many
@@ -41,10 +41,6 @@ def records(out) -> list[dict]:
     return lines
 
 
-def steps_of(out) -> list[dict]:
-    return sorted((r for r in records(out) if "event" not in r and "step" in r), key=lambda r: r["step"])
-
-
 def start_of(out) -> dict:
     return next(r for r in records(out) if r.get("event") == "start")
 
@@ -54,7 +50,7 @@ def rel(a: float, b: float) -> float:
 
 
 def errors(run_out, ref_out, run_ckpt, ref_ckpt) -> dict[str, float]:
-    got, want = steps_of(run_out), steps_of(ref_out)
+    got, want = step_records(run_out), step_records(ref_out)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
     w, ref = load_model_state(run_ckpt)[0], load_model_state(ref_ckpt)[0]
@@ -151,12 +147,12 @@ def test_grouped_tp2_checkpoint_of_fragments_resumes_exactly_at_any_layout(tmp_p
 
     whole, _ = train_local_many([grouped("whole", wide, distributed_optimizer=True),
                                  grouped("cut", wide, distributed_optimizer=True, stop_at=2)], 4)
-    cut = steps_of(tmp_path / "cut")
+    cut = step_records(tmp_path / "cut")
     assert [r["step"] for r in cut] == [1, 2]
     resumed = train_local(grouped("cut", wide, distributed_optimizer=True), world=4,
                           resume=str(tmp_path / "cut" / "checkpoints"))
     narrow = train_local(grouped("narrow"), resume=str(tmp_path / "cut" / "checkpoints" / "step_000002"))
-    reference = steps_of(tmp_path / "whole")
+    reference = step_records(tmp_path / "whole")
     for name, summary in (("same layout", resumed), ("tp=1 dp=1", narrow)):
         got = summary["losses"][-2:]
         worst = max(rel(a, b["loss"]) for a, b in zip(got, reference[2:], strict=True))

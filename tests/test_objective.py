@@ -11,11 +11,10 @@ by ~1e-3 in grad norm on this data.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _helpers import Launches, prepared_documents
+from _helpers import Launches, prepared_documents, step_records
 
 from seqpar.train.evaluate import evaluate_checkpoint
 
@@ -39,11 +38,6 @@ def job(parallel: dict, micro_batch: int, data: Path, out: Path, arch: str) -> d
             "data": {"document_mask": True}}
 
 
-def records(out) -> list[dict]:
-    lines = Path(out, "metrics.jsonl").read_text().splitlines()
-    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("objective")
@@ -62,10 +56,10 @@ def test_every_micro_batch_and_layout_trains_one_objective(runs, arch):
     launches, root = runs
     for key in [(arch, name) for name in LAYOUTS]:
         launches.result(key)
-    want = records(root / f"{arch}-mb1")
+    want = step_records(root / f"{arch}-mb1")
     assert len(want) == STEPS
     for name in LAYOUTS:
-        got = records(root / f"{arch}-{name}")
+        got = step_records(root / f"{arch}-{name}")
         errors = {q: max(rel(a[q], b[q]) for a, b in zip(got, want, strict=True)) for q in ("loss", "grad_norm")}
         errors["val_loss"] = rel(got[-1]["val_loss"], want[-1]["val_loss"])
         print(f"{arch} {name}: " + ", ".join(f"{q} {e:.1e}" for q, e in errors.items()))
@@ -76,7 +70,7 @@ def test_every_micro_batch_and_layout_trains_one_objective(runs, arch):
 def test_eval_equals_logged_validation(runs, name):
     launches, root = runs
     summary = launches.result(("gpt", name))
-    logged = records(root / f"gpt-{name}")[-1]["val_loss"]
+    logged = step_records(root / f"gpt-{name}")[-1]["val_loss"]
     got = evaluate_checkpoint(summary["checkpoint"])["loss"]
     print(f"{name}: logged val_loss {logged:.9f}, seqpar eval {got:.9f}, rel {rel(got, logged):.1e}")
     assert rel(got, logged) <= 1e-6

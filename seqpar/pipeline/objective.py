@@ -27,14 +27,6 @@ def counted(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
-def dp_sum(values: list[float], dp_group, device) -> list[float]:
-    """``values`` summed over the dp ranks (float64; unchanged without data parallelism)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dp_group is not None:
-        all_reduce(t, group=dp_group)
-    return t.tolist()
-
-
 @dataclass(frozen=True)
 class Objective:
     """A step's normaliser: ``tokens`` counted over the global batch, ``dp`` data-parallel ranks."""
@@ -46,8 +38,10 @@ class Objective:
     def of_step(cls, microbatches: list, dp: int, dp_group, device) -> Objective:
         """The counted tokens of this dp rank's ``microbatches`` [(tokens, labels[, docs])], summed over
         dp (labels are whole on every cp, tp and pp rank, so no other group adds to them)."""
-        mine = sum(counted(mb[1]) for mb in microbatches)
-        return cls(int(dp_sum([mine], dp_group, device)[0]), dp)
+        tokens = torch.tensor([sum(counted(mb[1]) for mb in microbatches)], dtype=torch.int64, device=device)
+        if dp_group is not None:
+            all_reduce(tokens, group=dp_group)
+        return cls(int(tokens), dp)
 
     @property
     def weight(self) -> float:

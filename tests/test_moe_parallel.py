@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import step_records
 
 from seqpar.train.checkpoint.store import load_model_state
 from seqpar.train.loop import train, train_local, train_local_many
@@ -69,6 +70,7 @@ def test_expert_parallel_equals_single_process(name, reference, runs):
     run = runs[name]
     loss_err = max(abs(a - b) for a, b in zip(run["losses"], reference["losses"], strict=True))
     assert len(run["aux_losses"]) == len(run["losses"]) and min(reference["aux_losses"]) > 0  # logged apart
+    assert all("aux_loss" in r for r in step_records(Path(run["checkpoint"]).parents[1]))  # in metrics.jsonl too
     loss_err = max(loss_err, *(abs(a - b) for a, b in zip(run["aux_losses"], reference["aux_losses"], strict=True)))
     norm_err = abs(run["grad_norm"] - reference["grad_norm"])
     ref_w, _ = load_model_state(reference["checkpoint"])

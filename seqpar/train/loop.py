@@ -310,19 +310,15 @@ class Trainer:
             raise NonFiniteError(f"non-finite loss {loss} / grad norm {norm} at step {done}; "
                                  f"stopped, last good state saved at {path}")
 
-    def _aux_record(self, steps: int) -> dict:
-        """MoE: the mean load-balancing loss of the last ``steps`` steps (``aux_loss``), else nothing."""
-        recent = [x for x in self.state.aux_losses[-steps:] if math.isfinite(x)]
-        return {"aux_loss": sum(recent) / len(recent)} if recent else {}
-
     def _window_record(self, norm: float, step_time: float, steps: int, validate: bool) -> dict:
         """The metrics record of the ``steps`` steps since the last log: their mean loss, the last grad
         norm, the rates at ``step_time`` seconds per step, and the validation loss when ``validate``."""
         done = self.state.step
         recent = [x for x in self.state.losses[-steps:] if math.isfinite(x)]
+        aux = [x for x in self.state.aux_losses[-steps:] if math.isfinite(x)]  # MoE's, logged apart
         last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
                 "loss_steps": len(recent),
-                **self._aux_record(steps),
+                **({"aux_loss": sum(aux) / len(aux)} if aux else {}),
                 "lr": self.opt.opt.param_groups[0]["lr"],
                 "grad_norm": norm, **self.throughput.rates(step_time)}
         if validate:

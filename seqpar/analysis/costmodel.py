@@ -7,12 +7,15 @@ GEMM operands move), ``intra_node_bw`` / ``inter_node_bw`` (achieved bus bandwid
 node / per GPU across nodes), ``comm_latency`` (seconds per message: each collective call and each
 pipeline send), ``layer_overhead``
 (fixed seconds per layer per pass: kernel launches, framework) and ``step_overhead`` (fixed seconds per
-iteration). Nothing else is tuned, and nothing per model.
+iteration). Beside them ``attention_efficiency``, the fraction of peak a fused attention kernel reaches (None:
+the GEMM's; the built-in profiles fit it to published flash-attention runs, ``published.fit_attention_efficiency``).
+Nothing else is tuned, and nothing per model.
 
 One layer on one tensor-parallel rank, one microbatch of b samples:
     GEMM        each of QKV, QK^T, attention*V, out-proj, fc1, fc2 (App. A shapes, /t) costs
                 FLOPs / (peak x gemm_efficiency) + operand bytes / memory_bw; backward = 2 x forward
-                (input gradient + weight gradient)
+                (input gradient + weight gradient). A fused (flash-style) core skips the causal mask's
+                masked half: QK^T and attention*V count half their FLOPs, at ``attention_efficiency``
     element-wise  bytes read + written by LN, dropout + residual (split over t under SP, Sec. 4.2.2),
                 GeLU, softmax + dropout of the s^2 scores (none with fused attention), / memory_bw;
                 backward moves twice the forward's bytes
@@ -67,7 +70,7 @@ times its ranks in a node (one adapter per GPU: ``grad_group_bw``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
@@ -106,6 +109,9 @@ class Hardware:
     comm_overlap: float = 1.0  # share of a collective a GEMM run beside it hides (1: GPUs, NCCL on its own stream)
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
+    # fraction of peak a fused (flash-style) attention kernel reaches on the FLOPs it does: under the causal mask it
+    # skips the masked half of the scores; None: the GEMM efficiency (``fused_attention_s``)
+    attention_efficiency: float | None = None
     reserve_fraction: float = 0.10  # kept free for allocator fragmentation, workspaces, NCCL buffers
     # activation offloading: host link bytes/s one GPU reaches per direction when every GPU of the node copies at
     # once (its PCIe link, shared where GPUs share an uplink), and the node's host memory
@@ -192,6 +198,13 @@ def gemm_s(flops: float, nbytes: float, hw: Hardware) -> float:
     return flops / (hw.peak_flops * hw.gemm_efficiency) + nbytes / (hw.gemm_operand_bw or hw.memory_bw)
 
 
+def fused_attention_s(flops: float, nbytes: float, hw: Hardware) -> float:
+    """One GEMM of a fused causal attention kernel (QK^T or attention x V, ``flops`` counted over all s^2 scores as
+    App. A counts them): the kernel skips the masked blocks, so half the FLOPs, at ``attention_efficiency`` of peak
+    (flash-attention kernels reach less of it than a large GEMM, on Hopper far less: ``profiles``)."""
+    return gemm_s(flops / 2, nbytes, replace(hw, gemm_efficiency=hw.attention_efficiency or hw.gemm_efficiency))
+
+
 def layer_gemms(shape: ModelConfig, t: int, b: int, opts: ActivationOptions,
                 cp: int = 1) -> dict[str, tuple[float, float]]:
     """Forward GEMMs of one layer on one of t ranks: name -> (FLOPs, bytes read + written).
@@ -249,7 +262,9 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
     """Seconds of one layer's forward, backward and attention-core forward (what selective recompute
     runs again) on one tp rank, each per term (compute, elementwise, tp_comm, overhead)."""
     t = par.tp
-    g = {k: gemm_s(f, nb, hw) for k, (f, nb) in layer_gemms(shape, t, b, opts, par.cp).items()}
+    core = ("qk", "attention_v") if opts.fused_attention else ()
+    g = {k: (fused_attention_s if k in core else gemm_s)(f, nb, hw)
+         for k, (f, nb) in layer_gemms(shape, t, b, opts, par.cp).items()}
     moe = shape.moe_layers / shape.num_layers  # MoE layers' share: their GEMMs replace fc1 and fc2
     if moe:
         g = {k: v * (1 - moe) if k in ("fc1", "fc2") else v for k, v in g.items()}

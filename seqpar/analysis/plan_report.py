@@ -25,8 +25,14 @@ def header(req: Request) -> str:
             f"{req.gpus} GPUs ({hw.gpus_per_node} per node) x {human_bytes(hw.memory_bytes)}, usable "
             f"{human_bytes(hw.usable_bytes)} ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
             f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.3g} "
-            f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%, links {hw.intra_node_bw / 1e9:.3g} / "
-            f"{hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req))
+            f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%{attention_efficiency(req)}, links "
+            f"{hw.intra_node_bw / 1e9:.3g} / {hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req))
+
+
+def attention_efficiency(req: Request) -> str:
+    """``, fused attention 18%`` where the plan's core is fused and the profile gives the kernel its own figure."""
+    eff = req.hw.attention_efficiency
+    return f", fused attention {100 * eff:.0f}%" if req.opts.fused_attention and eff else ""
 
 
 def moe_fields(sh) -> str:

@@ -21,6 +21,7 @@ Sources (read 2026-12-05):
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -155,6 +156,88 @@ _FOUNDRY = [
 ]
 
 
+# llm-foundry's rows outside the regression set (measured on one kind only, the same MPT shapes as above, tables
+# "H100 80GB BF16" and "A100 80GB ... (RoCE)"): what ``fit_attention_efficiency`` fits the fused attention kernel's
+# efficiency to, so that the regression set stays out of sample. Per kind: (model, s, GPUs, micro batch, grad
+# accumulation, tokens/s, MFU %, activation checkpointing)
+_FOUNDRY_FIT = {
+    "h100": [
+        ("30b", 2048, 32, 14, 3, 73860, 43.92, True), ("30b", 2048, 16, 10, 3, 36209, 43.07, True),
+        ("13b", 32768, 8, 1, 3, 15812, 31.68, True), ("13b", 16384, 8, 3, 3, 23881, 35.55, True),
+        ("13b", 2048, 64, 2, 1, 307209, 39.86, False), ("13b", 2048, 32, 2, 1, 153960, 39.95, False),
+        ("13b", 2048, 16, 2, 1, 76280, 39.58, False), ("7b", 65536, 8, 1, 2, 15654, 28.59, True),
+        ("7b", 32768, 8, 2, 2, 26550, 30.94, True), ("3b", 65536, 8, 1, 2, 26099, 26.81, True),
+        ("3b", 32768, 8, 3, 6, 46984, 28.84, True), ("3b", 16384, 8, 1, 6, 89223, 36.34, False),
+        ("3b", 2048, 64, 6, 3, 1441663, 40.8, False), ("3b", 2048, 32, 6, 3, 736701, 41.7, False),
+        ("3b", 2048, 16, 10, 3, 386285, 43.73, False), ("3b", 1024, 8, 20, 6, 216369, 46.2, False),
+        ("3b", 512, 8, 40, 6, 223721, 46.32, False), ("1b", 65536, 8, 1, 2, 44050, 26.34, True),
+        ("1b", 32768, 8, 1, 4, 96203, 33.54, False), ("1b", 16384, 8, 2, 4, 157194, 35.22, False),
+        ("1b", 8192, 8, 3, 4, 233256, 37.73, False), ("1b", 4096, 8, 7, 4, 308282, 40.26, False),
+        ("1b", 2048, 64, 20, 1, 2841754, 40.85, False), ("1b", 2048, 32, 20, 1, 1444183, 41.52, False),
+        ("1b", 2048, 16, 20, 1, 736596, 42.36, False), ("1b", 1024, 8, 18, 4, 391287, 41.95, False),
+        ("1b", 512, 8, 56, 4, 418201, 43.21, False),
+    ],
+    "a100": [
+        ("30b", 512, 8, 12, 21, 7739, 56.4, True), ("13b", 32768, 8, 1, 3, 8134, 51.69, True),
+        ("13b", 16384, 8, 3, 3, 11454, 54.07, True), ("13b", 8192, 8, 5, 3, 14362, 56.07, True),
+        ("7b", 65536, 8, 1, 2, 8108, 46.97, True), ("7b", 32768, 8, 2, 2, 13382, 49.46, True),
+        ("7b", 16384, 8, 4, 2, 19629, 51.96, True), ("3b", 65536, 8, 1, 2, 14137, 46.05, True),
+        ("3b", 32768, 8, 3, 6, 24235, 47.18, True), ("3b", 16384, 8, 1, 6, 44233, 57.13, False),
+        ("3b", 2048, 8, 10, 2, 86491, 62.11, False), ("3b", 1024, 8, 20, 6, 92643, 62.73, False),
+        ("3b", 512, 8, 40, 6, 97019, 63.71, False), ("1b", 65536, 8, 1, 2, 24353, 46.18, True),
+        ("1b", 32768, 8, 1, 4, 50207, 55.52, False), ("1b", 16384, 8, 2, 4, 79650, 56.6, False),
+        ("1b", 8192, 8, 3, 4, 110516, 56.69, False), ("1b", 4096, 8, 7, 4, 142457, 59.0, False),
+        ("1b", 1024, 8, 18, 4, 176898, 60.15, False), ("1b", 512, 8, 56, 4, 185186, 60.68, False),
+    ],
+}
+FOUNDRY_ASSUMED = ("GPT layer with learned positions (MPT: no biases, ALiBi off in the benchmark yamls), flash-attn 2 "
+                   "(the benchmark installs .[gpu-flash2]; causal, at the profile's attention_efficiency), dropout 0, "
+                   "FSDP prefetching the next layer")
+
+
+def _foundry_run(model: str, seq: int, gpus: int, gpu: str, mb: int, accum: int, tokens: int, pct: float,
+                 checkpointed: bool) -> PublishedRun:
+    layers, h, heads = _MPT[model]
+    return PublishedRun(
+        f"MPT-{model.upper()} s{seq} {gpus} GPUs", "llm-foundry", FOUNDRY, gpu, _gpt(layers, h, heads, seq, 50368),
+        gpus, f"dp={gpus},fsdp=on,recompute={'full' if checkpointed else 'none'},mb={mb}", mb * accum * gpus,
+        "tokens_per_s", tokens, pct / 100, assumed=FOUNDRY_ASSUMED)
+
+
+def foundry_fit_runs(gpu: str) -> list[PublishedRun]:
+    """The llm-foundry runs on ``gpu`` (a100 | h100) outside the regression set (``_FOUNDRY_FIT``)."""
+    return [_foundry_run(model, seq, gpus, gpu, *rest) for model, seq, gpus, *rest in _FOUNDRY_FIT[gpu]]
+
+
+def fit_attention_efficiency(gpu: str) -> float:
+    """The fused attention kernel's efficiency at which the cost model, on ``gpu``'s built-in profile, best times
+    llm-foundry's flash-attention runs outside the regression set (``foundry_fit_runs``): least squares of
+    log(predicted / published), golden-section search on (0.05, 1). ``profiles.FUSED_ATTENTION_EFFICIENCY`` holds
+    the result (tests/test_published.py fits it again)."""
+    from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
+
+    base = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == gpu))
+    runs = foundry_fit_runs(gpu)
+
+    def loss(e: float) -> float:
+        hw = replace(base, attention_efficiency=e)
+        return sum(math.log1p(compare(r, hw).error) ** 2 for r in runs)
+
+    lo, hi, phi = 0.05, 1.0, (math.sqrt(5) - 1) / 2
+    a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    while hi - lo > 1e-3:
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - phi * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + phi * (hi - lo)
+            fb = loss(b)
+    return (lo + hi) / 2
+
+
 def megatron_2021_runs() -> list[PublishedRun]:
     out = []
     for name, heads, h, layers, tp, pp, gpus, batch, tflops, pct in _MEGATRON_2021:
@@ -185,18 +268,8 @@ def megatron_2024_runs() -> list[PublishedRun]:
 
 
 def foundry_runs() -> list[PublishedRun]:
-    out = []
-    for model, seq, gpus, *kinds in _FOUNDRY:
-        layers, h, heads = _MPT[model]
-        for gpu, (mb, accum, tokens, pct, checkpointed) in zip(("h100", "a100"), kinds, strict=True):
-            recompute = "full" if checkpointed else "none"
-            out.append(PublishedRun(
-                f"MPT-{model.upper()} s{seq} {gpus} GPUs", "llm-foundry", FOUNDRY, gpu,
-                _gpt(layers, h, heads, seq, 50368), gpus, f"dp={gpus},fsdp=on,recompute={recompute},mb={mb}",
-                mb * accum * gpus, "tokens_per_s", tokens, pct / 100,
-                assumed="GPT layer with learned positions (MPT: no biases, ALiBi off in the benchmark yamls), "
-                        "flash attention, dropout 0, FSDP prefetching the next layer"))
-    return out
+    return [_foundry_run(model, seq, gpus, gpu, *row)
+            for model, seq, gpus, *kinds in _FOUNDRY for gpu, row in zip(("h100", "a100"), kinds, strict=True)]
 
 
 def published_runs() -> list[PublishedRun]:
@@ -271,7 +344,8 @@ def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
                 "mean_error": statistics.fmean(r.error for r in v)} for k, v in groups.items() if v}
 
 
-# The band CI keeps (tests/test_published.py): (median, worst) |error| per group of ``error_stats``. The medians
-# are the issue's targets; the worst records where the model stands (issue 49's H100 worst, 20%, is not met: MPT-30B
-# at s 8192 is 26% fast on H100 and 29% on A100 alike), so a change that makes it worse fails.
-REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.30), "H100": (0.08, 0.30)}
+# The band CI keeps (tests/test_published.py): (median, worst) |error| per group of ``error_stats``: the issue's
+# targets (issue 49: H100 median <= 8%, worst <= 20%; A100 median <= 8%, paper rows <= 5%). The A100 worst is where
+# the model stands, so a change that makes it worse fails: MPT-30B at s 8192 is 26% fast on A100 (18% on H100), a
+# run the next-larger and next-smaller sequences of the same model (-4%, +1%) do not explain.
+REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.30), "H100": (0.08, 0.20)}

@@ -305,3 +305,23 @@ def test_local_profile_is_fitted_to_seqpars_own_steps():
     assert moved.comm_latency > 1.2 * hw.comm_latency  # what tp = 2 adds is its collectives
     tp2 = step_points(slower)[-1]
     assert tp2.predict(moved) == pytest.approx(tp2.measured_s, rel=0.03)
+
+
+def test_the_fused_attention_efficiency_is_fitted_to_the_timed_kernel():
+    """`seqpar calibrate` times causal scaled_dot_product_attention forward + backward; the fit recovers the
+    kernel's rate the timings were made with (the cost model's fused core), and a profile without the timings keeps
+    the GEMM's (``attention_efficiency`` None)."""
+    from seqpar.bench.calibrate import SIZES, attention_points, fit_profile
+
+    truth = Hardware(gpus_per_node=2, peak_flops=80e9, gemm_efficiency=0.7, memory_bw=5e9, intra_node_bw=2e9,
+                     inter_node_bw=2e9, comm_latency=2e-3, layer_overhead=1e-3, step_overhead=5e-3, comm_overlap=0.0,
+                     gemm_operand_bw=1e13, attention_efficiency=0.35)
+    meas = _measurements_of(truth)
+    keys = ("batch", "heads", "seq", "head_dim")
+    rows = [{**dict(zip(keys, shape, strict=True)), "seconds": 1.0} for shape in SIZES["full"]["attention"]]
+    meas["attention"] = [{**r, "seconds": p.predict(truth)} for r, p in zip(rows, attention_points(rows, "fp32"),
+                                                                              strict=True)]
+    hw = fit_profile(meas, 2)  # its peak is the micro-benchmarks' best GEMM: the kernel's rate is what is recovered
+    assert hw.attention_efficiency * hw.peak_flops == pytest.approx(0.35 * truth.peak_flops, rel=0.02)
+    assert hw.attention_efficiency < hw.gemm_efficiency
+    assert fit_profile({**meas, "attention": []}, 2).attention_efficiency is None

@@ -97,16 +97,19 @@ def paper_points(table4: Mapping[str, tuple[float, float]] = TABLE4_22B_LAYER_MS
     return points
 
 
+FRACTIONS = ("gemm_efficiency", "attention_efficiency")  # fitted through a logistic: they stay in (0, 1)
+
+
 def _to_params(hw: Hardware, names: tuple[str, ...]) -> list[float]:
     out = []
     for n in names:
         v = getattr(hw, n)
-        out.append(math.log(v / (1 - v)) if n == "gemm_efficiency" else math.log(v))
+        out.append(math.log(v / (1 - v)) if n in FRACTIONS else math.log(v))
     return out
 
 
 def _from_params(x: list[float], names: tuple[str, ...]) -> dict[str, float]:
-    return {n: 1 / (1 + math.exp(-v)) if n == "gemm_efficiency" else math.exp(v) for n, v in zip(names, x, strict=True)}
+    return {n: 1 / (1 + math.exp(-v)) if n in FRACTIONS else math.exp(v) for n, v in zip(names, x, strict=True)}
 
 
 def fit(points: list[DataPoint], prior: Hardware, names: tuple[str, ...] = FIT_PARAMETERS,

@@ -11,6 +11,9 @@ which parameter it gives:
     GEMM sweep (training dtype)     peak_flops = the best FLOP/s seen; gemm_efficiency and
                                     gemm_operand_bw fitted to every shape with the cost model's GEMM
                                     formula (FLOPs / (peak x eff) + operand bytes / operand bandwidth)
+    causal attention (fwd + bwd)    attention_efficiency: scaled_dot_product_attention, the fused core
+                                    seqpar trains with, fitted to every shape with the cost model's fused
+                                    core (``costmodel.fused_attention_s``: the causal half of the scores)
     element-wise ops (fwd + bwd)    memory_bw = the bytes the cost model counts for LayerNorm, GeLU,
                                     the attention core's softmax + dropout, dropout + residual / time
     all-reduce, all-gather,         each right after a GEMM on every rank, as training calls them (minus
@@ -41,7 +44,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from seqpar.analysis.calibration import CLOSED_LOOP_TARGET, DataPoint, fit
-from seqpar.analysis.costmodel import Hardware, gemm_s, iteration_time, ring_allreduce_s, ring_gather_s
+from seqpar.analysis.costmodel import (
+    Hardware,
+    fused_attention_s,
+    gemm_s,
+    iteration_time,
+    layer_gemms,
+    ring_allreduce_s,
+    ring_gather_s,
+)
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.bench import common
 from seqpar.config import DTYPE_BYTES, ParallelConfig, RecomputeConfig
@@ -51,12 +62,14 @@ from seqpar.parallel.launch import default_device, run_ranks
 
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
     "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
-              "collective_bytes": [1 << 14, 1 << 16], "beside_gemm": (64, 64, 64), "repeats": 3,
+              "attention": [(1, 2, 64, 16), (1, 2, 128, 16)], "collective_bytes": [1 << 14, 1 << 16],
+              "beside_gemm": (64, 64, 64), "repeats": 3,
               "comm_repeats": 3, "comm_block": 0.0, "framework_repeats": 3, "framework_block": 0.0, "block": 0.0,
               "step_shape": {"hidden": 32, "heads": 2, "seq": 16, "micro_batch": 2, "vocab": 256}},
     "full": {"gemm": [(m, k, n) for m in (256, 1024) for k in (256, 1024) for n in (256, 768, 1024)]
              + [(512, 512, 512)],
-             "elementwise": (128, 4, 256, 4), "collective_bytes": [1 << 12, 1 << 16, 1 << 19, 1 << 22],
+             "elementwise": (128, 4, 256, 4), "attention": [(2, 4, 512, 64), (1, 8, 1024, 64), (1, 4, 2048, 128)],
+             "collective_bytes": [1 << 12, 1 << 16, 1 << 19, 1 << 22],
              "beside_gemm": (512, 512, 512), "repeats": 5, "comm_repeats": 9, "comm_block": 0.15,
              "framework_repeats": 5, "framework_block": 0.5, "block": 0.25,
              "step_shape": {"hidden": 256, "heads": 4, "seq": 128, "micro_batch": 4, "vocab": 256}},
@@ -86,6 +99,37 @@ def gemm_sweep(shapes, dtype, device, repeats: int, block: float = 0.0) -> list[
                      "bytes": a.element_size() * (m * k + k * n + m * n)})
     times = common.interleaved(fns, repeats, device, block)
     return [{**r, "seconds": statistics.median(times[(r["m"], r["k"], r["n"])])} for r in rows]
+
+
+def attention_sweep(shapes, dtype, device, repeats: int, block: float = 0.0) -> list[dict]:
+    """Forward + backward of causal ``scaled_dot_product_attention`` (the fused core) at each (b, heads, s, d),
+    the shapes interleaved as ``gemm_sweep``'s: seconds per call."""
+    gen = torch.Generator().manual_seed(2)
+    fns, rows = {}, []
+    for b, a, s, d in shapes:
+        q, k, v = (torch.randn(b, a, s, d, generator=gen).to(device, dtype).requires_grad_(True) for _ in range(3))
+        grad = torch.randn(b, a, s, d, generator=gen).to(device, dtype)
+        fns[(b, a, s, d)] = lambda q=q, k=k, v=v, g=grad: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True).backward(g)
+        rows.append({"batch": b, "heads": a, "seq": s, "head_dim": d})
+    times = common.interleaved(fns, repeats, device, block)
+    return [{**r, "seconds": statistics.median(times[tuple(r.values())])} for r in rows]
+
+
+def attention_points(rows: list[dict], dtype: str) -> list[DataPoint]:
+    """The timed attention calls as data points: the cost model's fused core, forward (QK^T, attention x V) and
+    backward (twice that, and QK^T rebuilt from the log-sum-exp: ``costmodel.layer_pass_s``)."""
+    from seqpar.analysis.shapes import model_config
+
+    opts = ActivationOptions(act_bytes=DTYPE_BYTES[dtype], fused_attention=True, dropout=False)
+    points = []
+    for r in rows:
+        shape = model_config(layers=1, hidden=r["heads"] * r["head_dim"], heads=r["heads"], seq=r["seq"], vocab=256)
+        g = layer_gemms(shape, 1, r["batch"], opts)
+        label = f"causal attention b={r['batch']} a={r['heads']} s={r['seq']} d={r['head_dim']}"
+        points.append(DataPoint("attention", "", label, r["seconds"], lambda h, g=g: sum(
+            n * fused_attention_s(*g[k], h) for k, n in (("qk", 4), ("attention_v", 3)))))
+    return points
 
 
 def elementwise(sizes, dtype, device, repeats: int, block: float = 0.0, dropout: float = 0.1) -> list[dict]:
@@ -264,6 +308,7 @@ def _measure(rank: int, world: int, dtype: str, size: str, shape: dict) -> dict:
     block, reps = sz["block"], sz["repeats"]
     return {"step_shape": shape, "gemm": gemm_sweep(sz["gemm"], tdt, device, reps, block),
             "elementwise": elementwise(sz["elementwise"], tdt, device, reps, block),
+            "attention": attention_sweep(sz["attention"], tdt, device, reps, block),
             "collectives": collectives(sz["collective_bytes"], tdt, device, sz["comm_repeats"], sz["comm_block"],
                                        sz["beside_gemm"]),
             "p2p": p2p([8, sz["collective_bytes"][-1]], tdt, device, sz["comm_repeats"], sz["comm_block"],
@@ -340,6 +385,9 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
                         lambda h, r=r: gemm_s(r["flops"], r["bytes"], h)) for r in meas["gemm"]]
     hw = fit(points, replace(hw, gemm_operand_bw=memory_bw), names=("gemm_efficiency", "gemm_operand_bw"),
              prior_weight=1e-3)
+    if meas.get("attention"):  # the fused kernel's own efficiency, its operands at the GEMMs' operand bandwidth
+        hw = fit(attention_points(meas["attention"], dtype), replace(hw, attention_efficiency=hw.gemm_efficiency),
+                 names=("attention_efficiency",), prior_weight=1e-3)
     # seqpar's own steps: the fixed overhead per layer pass and per step what the fitted terms leave of the
     # tiny model's steps at 1 and 3 layers; then the rates refitted to the steps at the profile's shape
     points = step_points(meas, dtype)

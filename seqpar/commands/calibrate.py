@@ -36,6 +36,8 @@ def render(profile: dict) -> str:
             ["GEMM efficiency", f"{100 * profile['gemm_efficiency']:.1f}%"],
             ["GEMM operand bandwidth", "= memory" if profile["gemm_operand_bw"] is None
              else f"{profile['gemm_operand_bw'] / 1e9:.4g} GB/s"],
+            ["fused causal attention efficiency", "= GEMM" if profile.get("attention_efficiency") is None
+             else f"{100 * profile['attention_efficiency']:.1f}%"],
             ["element-wise bytes/s (memory_bw)", f"{profile['memory_bw'] / 1e9:.4g} GB/s"],
             ["collective bus bandwidth", f"{profile['intra_node_bw'] / 1e9:.4g} GB/s"],
             ["latency per message", f"{1e6 * profile['comm_latency']:.1f} us"],

@@ -116,3 +116,20 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_pa
     code, out, err = run_cli([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert code == 2 and out == "" and "Traceback" not in err, err
     assert ("does not exist" in err or "is a folder" in err) and len(err.strip().splitlines()) == 2
+
+
+def test_compile_without_a_cxx_compiler_is_one_line_before_anything_is_written(tmp_path):
+    """A machine without a C++ compiler: ``--compile`` on the CPU is refused in one line, exit 2, no run folder
+    (it used to fail at the first step inside torch.compile, after claiming the folder); without --compile
+    the same machine trains (masks fall back to the eager hash)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++")}
+    cmd = [sys.executable, "-m", "seqpar", "train", "--compile", "--steps", "1", "--out", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "train.compile needs a C++ compiler" in lines[0] and "without --compile" in lines[0]
+    assert not out.exists()
+    eager = subprocess.run(cmd[:4] + ["--steps", "1", "--eval-every", "0", "--out", str(out)], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert eager.returncode == 0, eager.stderr

@@ -115,24 +115,36 @@ def last_keep(prefix: torch.Tensor, last: torch.Tensor, limit: torch.Tensor) -> 
 
 
 _compiled = None
-_compiler_ok: bool | None = None
+_compiler_problem: str | None = None  # None: not asked yet; "": a compiler was found
 
 
-def compiler_available() -> bool:
-    """Whether Inductor finds a C++ compiler on CPU (asked once; without one, compiled masks fall back to the
-    eager hash -- the same bits -- with one warning)."""
-    global _compiler_ok
-    if _compiler_ok is None:
+def compiler_problem() -> str:
+    """Why Inductor finds no C++ compiler on CPU (asked once), or "" when it finds one."""
+    global _compiler_problem
+    if _compiler_problem is None:
         from torch._inductor import cpp_builder, exc
 
         try:
             cpp_builder.get_cpp_compiler()
-            _compiler_ok = True
+            _compiler_problem = ""
         except (exc.InvalidCxxCompiler, OSError, RuntimeError) as e:
-            _compiler_ok = False
-            print(f"seqpar: warning: no C++ compiler for torch.compile ({type(e).__name__}): dropout masks are "
-                  "hashed eagerly (the same bits, slower)", file=sys.stderr, flush=True)
-    return _compiler_ok
+            _compiler_problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'none found'}"
+    return _compiler_problem
+
+
+_warned = False
+
+
+def compiler_available() -> bool:
+    """Whether Inductor finds a C++ compiler on CPU; without one, compiled masks fall back to the eager hash -- the
+    same bits -- with one warning."""
+    global _warned
+    problem = compiler_problem()
+    if problem and not _warned:
+        _warned = True
+        print(f"seqpar: warning: no C++ compiler for torch.compile ({problem.split(':')[0]}): dropout masks are "
+              "hashed eagerly (the same bits, slower)", file=sys.stderr, flush=True)
+    return not problem
 
 
 def _compiled_last_keep():

@@ -106,6 +106,17 @@ def check_data(job: JobConfig) -> None:
     Prepared(job.train.data, hashes=True)
 
 
+def check_compiler(job: JobConfig) -> None:
+    """``train.compile`` on a CPU needs the C++ compiler Inductor builds its kernels with: without one the first
+    step would fail deep inside torch.compile, after the run folder was claimed."""
+    from seqpar.parallel.launch import default_device
+    from seqpar.parallel.rng import compiler_problem
+
+    if job.train.compile and default_device().type == "cpu" and compiler_problem():
+        raise ConfigError(f"train.compile needs a C++ compiler on the CPU, and torch.compile found none "
+                          f"({compiler_problem()}): install one (Debian: apt install g++) or train without --compile")
+
+
 def check_resume(job: JobConfig, resume: str) -> None:
     """A checkpoint of this run's model with steps left to train, its files matching their checksums and its
     tensors the model: checked once, before anything starts (the ranks then read it without checking again)."""
@@ -136,6 +147,7 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
         return _dry_run(job, resume)
     try:
         check_tokenizer(job, resume)
+        check_compiler(job)
         check_data(job)
         claim_out(job.train.out_dir, resume, overwrite)
         if nproc:  # the ranks would each find bad data only after launch
@@ -181,6 +193,7 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         if dry_run:
             return _dry_run(job, run_resume) if rank0 else 0
         if not ours and not restart:
+            check_compiler(job)
             check_data(job)
             if rank0 or not overwrite:
                 claim_out(job.train.out_dir, resume, overwrite)

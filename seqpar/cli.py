@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import re
 import sys
 
@@ -122,3 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ConfigError, AnalysisError) as err:  # bad input: a usage error naming the rule, no traceback
         args._parser.error(str(err))  # one line naming the rule, exits 2
+    except BrokenPipeError:  # `seqpar paper | head`: the reader left; quiet, as a Unix tool killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+        return 128 + 13

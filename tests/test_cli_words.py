@@ -133,3 +133,19 @@ def test_compile_without_a_cxx_compiler_is_one_line_before_anything_is_written(t
     eager = subprocess.run(cmd[:4] + ["--steps", "1", "--eval-every", "0", "--out", str(out)], env=env,
                            capture_output=True, text=True, timeout=300)
     assert eager.returncode == 0, eager.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`seqpar paper | head -1`: the verb stops quietly with 141 (128 + SIGPIPE), as a Unix tool would. The pipe
+    is shrunk below the report's size, so the verb is still writing when the reader leaves."""
+    import fcntl
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "paper"], stdout=write_end, stderr=subprocess.PIPE,
+                            text=True)
+    os.close(write_end)
+    assert os.read(read_end, 64).startswith(b"Table 2")  # 64 bytes: the verb has thousands more to write
+    os.close(read_end)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

@@ -83,7 +83,7 @@ def datasheet_hardware(gpu: str) -> Hardware:
     (the A100's 0.8 of HBM, 230/300 of NVLink, 20/25 of InfiniBand, 10 ms of host work per iteration):
     an uncalibrated guess."""
     key = known_gpu(gpu)
-    mem, hbm, link, ib = DATASHEET[key]
+    _, hbm, link, ib = DATASHEET[key]  # the memory: memory_bytes(key)
     base, a100 = Hardware(), DATASHEET["a100"]
     host_link, sharing, host_gb = HOST_DATASHEET[key]
     return replace(base, name=key, source=f"{key} data sheet, uncalibrated", memory_bytes=memory_bytes(key),

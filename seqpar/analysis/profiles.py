@@ -193,7 +193,10 @@ def profile_from_json(data: dict, where: str = "profile", name: str = "custom pr
         hint = (" (comm_overlap: the share of a collective a GEMM beside it hides, 1 on GPUs, about 0 on a CPU; "
                 "seqpar calibrate measures it)" if "comm_overlap" in missing else "")
         raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}{hint}")
-    defaulted = [n for n in PROFILE_FIELDS if n not in values and n not in ("name", "source")]
+    # fields left out take the A100 sheet's values, except those whose absence means "as another field"
+    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency)
+    defaulted = [n for n in PROFILE_FIELDS if n not in values and n not in ("name", "source")
+                 and getattr(Hardware(), n) is not None]
     values.setdefault("name", name)
     values.setdefault("source", where)
     if defaulted:

@@ -64,7 +64,9 @@ def test_sigint_under_nproc_2_saves_one_line_exit_130_and_resume_continues(tmp_p
     assert f"resume with: seqpar train --resume {out} --nproc 2" in lines[0]
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
     assert 0 < step < 1000 and logged_steps(out) == [step]
-    assert next(r for r in records(out) if r.get("step") == step and "loss" in r)["loss_steps"] == step
+    window = next(r for r in records(out) if r.get("step") == step and "loss" in r)
+    assert window["loss_steps"] == step
+    assert len(window["rank_step_s"]) == len(window["rank_cpu_s"]) == 2  # the hooks' fields, as every window's
 
     # resumed in this process at tp 1 (checkpoints are layout-free; `--nproc 2` works the same, slower)
     assert main(["train", "--resume", str(out), "--tp", "1", "--steps", str(step + 3), "--no-progress"]) == 0

@@ -325,6 +325,16 @@ class Trainer:
             self.state.val_loss = last["val_loss"] = self.validation_loss()
         return last
 
+    def _log_window(self, metrics: MetricsLog, norm: float, window_t: float, steps: int, validate: bool) -> dict:
+        """The record of the ``steps`` steps since ``window_t`` (``_window_record``) with the hooks' fields (every
+        rank at the same step: the stragglers' gather), logged; a periodic log line and an interrupted window
+        alike."""
+        last = self._window_record(norm, (time.perf_counter() - window_t) / steps, steps, validate)
+        for hook in self.hooks:
+            last.update(hook.window(self.dims.rank, self.state.step))
+        metrics.log(last)
+        return last
+
     def run(self) -> dict:
         """Train to ``train.steps`` (or ``stop_at``); a SIGINT/SIGTERM stops after the step, saved (interrupt.py)."""
         stop = StopFlag(self._abort_message).install()  # until the last checkpoint is written
@@ -361,9 +371,7 @@ class Trainer:
             while self.state.step < end:
                 if stop.requested(self.device):  # every rank agrees on the step to stop after
                     if window_steps:  # the steps since the last log line get their record before the save
-                        last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps,
-                                                   window_steps, validate=False)
-                        metrics.log(last)
+                        last = self._log_window(metrics, norm, window_t, window_steps, validate=False)
                     return self._interrupted(stop, metrics, last)
                 step = self.state.step
                 for hook in self.hooks:
@@ -380,11 +388,8 @@ class Trainer:
                 if outcome != "applied":  # logged; then the step's periodic record, validation and save as any
                     self._skipped_update(outcome, loss, norm, metrics)
                 if done % t.log_every == 0 or done == end:
-                    last = self._window_record(norm, (time.perf_counter() - window_t) / window_steps, window_steps,
-                                               validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
-                    for hook in self.hooks:
-                        last.update(hook.window(self.dims.rank, done))
-                    metrics.log(last)
+                    last = self._log_window(metrics, norm, window_t, window_steps,
+                                            validate=bool(t.eval_every and done % t.eval_every == 0 or done == end))
                     progress.update(done, format_record(last, ("loss", "val_loss", "lr", "tokens_per_s", "mfu")))
                     window_t, window_steps = time.perf_counter(), 0
                 if t.save_every and done % t.save_every == 0 and done != end:

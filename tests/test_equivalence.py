@@ -10,8 +10,8 @@ The space (``draw``): architecture -- norm, activation, position, attention core
 untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a tp rank holding only
 padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
 last stage, interleaved: even, uneven, and with both ends empty as the planner splits), dp ∈ {1, 2},
-context parallelism cp ∈ {1, 2} (ring attention, or all-to-all: ``cp_comm_type`` drawn, ring where the
-heads do not split over tp × cp) -- × recompute
+context parallelism cp ∈ {1, 2, 4} (ring attention, all-to-all, or at cp 4 the hybrid a2a+ring with K 2:
+``cp_comm_type`` drawn, ring where the heads do not split over tp × K) -- × recompute
 (none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
 on/off, overlapped dp reduction on/off, or FSDP2 (``parallel.fsdp``), which do something when
 dp × cp > 1) × the micro-batch size at a fixed global batch (1 or 2; the reference runs 1) × the data
@@ -27,9 +27,11 @@ Which draws run (environment):
 
 * default (CI): a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4)
   that takes every axis value at least once;
-* ``SEQPAR_EQUIV_FULL=1``: every combination (540, world sizes ≤ 8);
-* ``SEQPAR_EQUIV_WORLD=8`` (or a list, ``1,2,4``): every combination of those world sizes (246 at 8,
-  222 at ≤ 4);
+* ``SEQPAR_EQUIV_FULL=1``: every combination (600, world sizes ≤ 8);
+* ``SEQPAR_EQUIV_WORLD=8`` (or a list, ``1,2,4``): every combination of those world sizes (342 at 8,
+  258 at ≤ 4);
+* ``SEQPAR_EQUIV_ONLY=cp=4`` (``axis=value``, comma-separated): every combination with those values, e.g. to
+  check a new axis value alone;
 * ``SEQPAR_EQUIV_SHARD=k/n`` (1 ≤ k ≤ n), with any of the above: every n-th of those draws from the
   k-th, so n runs one after another (or on n machines) cover the selection, each with its share of
   every world size.
@@ -50,8 +52,8 @@ pytest tests/test_equivalence.py`` on a clean clone of 0524bf6, **468 of 468 com
 masks, 239 offloading modules, 78 with all-to-all CP, 151 with FSDP2, 240 with attention dropout 0.1 in the
 materialized core; worst relative error grad_norm 7.64e-07, loss 1.42e-07, weights 1.09e-06. (The same
 sweep on e887eb5, the objective with the micro-batch and data axes alone: 468 of 468, worst grad_norm
-7.35e-07, loss 1.43e-07, weights 1.14e-06.) The hybrid a2a+ring needs cp ≥ 4, beyond this generator's cp;
-tests/test_context_parallel_a2a.py covers it.
+7.35e-07, loss 1.43e-07, weights 1.14e-06.) Since then cp 4 is an axis value: the hybrid a2a+ring (K 2) is
+drawn there (SEQPAR_EQUIV_ONLY=cp=4 runs those 60 combinations).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ AXES = {  # the one list of a combination's axes, in the order that numbers the 
     "pipeline": tuple(PIPELINES),
     "dp": (1, 2),
     "recompute": tuple(RECOMPUTE),
-    "cp": (1, 2),
+    "cp": (1, 2, 4),  # 4: where the hybrid a2a+ring (K 2, a ring of 2) can be drawn
 }
 Combo = collections.namedtuple("Combo", AXES)
 DRAWN = {  # axes drawn per combination (each from its own seeded stream), not enumerated (issue 42)
@@ -105,7 +107,8 @@ DRAWN = {  # axes drawn per combination (each from its own seeded stream), not e
     # activation offloading (issue 46): what of it the draw's recomputation leaves (a module is kept, recomputed or
     # offloaded: ``offloadable``)
     "offload": ((), ("mlp",), ("norm", "core_attention"), ("activation", "layer_input")),
-    "cp_comm_type": ("ring", "a2a"),  # under cp > 1; ring where all-to-all cannot split the heads (a2a_fits)
+    # under cp > 1; a2a+ring (K 2) needs cp 4, else a2a; ring where all-to-all cannot split the heads (a2a_fits)
+    "cp_comm_type": ("ring", "a2a", "a2a+ring"),
 }
 
 
@@ -155,7 +158,10 @@ def draw(index: int, c: Combo) -> dict:
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
     extra = drawn(index)
-    if extra["cp_comm_type"] == "a2a" and a2a_fits(model, c):
+    kind = extra["cp_comm_type"]
+    if kind == "a2a+ring" and c.cp >= 4 and a2a_fits(model, c, kind):
+        parallel |= {"cp_comm_type": kind, "cp_a2a_size": 2}
+    elif kind != "ring" and a2a_fits(model, c):
         parallel["cp_comm_type"] = "a2a"
     micro_batch, global_batch = extra["micro_batch"], GLOBAL_BATCH
     while interleave > 1 and (global_batch // (micro_batch * c.dp)) % pp:  # microbatches in groups of pp
@@ -175,10 +181,12 @@ def draw(index: int, c: Combo) -> dict:
     return {"model": model, "parallel": parallel, "recompute": recompute, "train": reduction, "data": data}
 
 
-def a2a_fits(model: dict, c: Combo) -> bool:
-    """Whether all-to-all CP applies (cp > 1, heads split over tp × cp): ``ParallelConfig.validate`` decides."""
+def a2a_fits(model: dict, c: Combo, kind: str = "a2a") -> bool:
+    """Whether all-to-all CP ``kind`` applies (cp > 1, heads split over tp × K; a2a+ring: K 2):
+    ``ParallelConfig.validate`` decides."""
+    k = {"cp_a2a_size": 2} if kind == "a2a+ring" else {}
     try:
-        ParallelConfig(tp=c.tp, cp=c.cp, cp_comm_type="a2a").validate(ModelConfig(**model))
+        ParallelConfig(tp=c.tp, cp=c.cp, cp_comm_type=kind, **k).validate(ModelConfig(**model))
     except ConfigError:
         return False
     return True
@@ -226,14 +234,24 @@ def shard(items: list, spec: str) -> list:
     return items[int(k) - 1::int(n)]
 
 
+def matches(c: Combo, spec: str) -> bool:
+    """Whether ``c`` has every ``axis=value`` of ``spec`` (comma-separated, e.g. ``cp=4,pipeline=pp1``)."""
+    pairs = [item.partition("=") for item in spec.split(",")]
+    if any(not sep or axis not in AXES for axis, sep, _ in pairs):
+        raise ValueError(f"SEQPAR_EQUIV_ONLY={spec!r}: expected axis=value[,axis=value] over {', '.join(AXES)}")
+    return all(str(getattr(c, axis)) == value for axis, _, value in pairs)
+
+
 def selected(env=os.environ) -> list[tuple[int, Combo]]:
     """The draws this run checks, in launch order (world size, then index)."""
-    worlds = env.get("SEQPAR_EQUIV_WORLD", "")
-    if env.get("SEQPAR_EQUIV_FULL") == "1" or worlds:
+    worlds, only = env.get("SEQPAR_EQUIV_WORLD", ""), env.get("SEQPAR_EQUIV_ONLY", "")
+    if env.get("SEQPAR_EQUIV_FULL") == "1" or worlds or only:
         every = list(enumerate(combinations(8)))
         if worlds:
             wanted = {int(w) for w in worlds.split(",")}
             every = [(i, c) for i, c in every if world_of(c) in wanted]
+        if only:
+            every = [(i, c) for i, c in every if matches(c, only)]
     else:
         every = sample(int(env.get("SEQPAR_EQUIV_DRAWS", "10")))
     every.sort(key=lambda item: (world_of(item[1]), item[0]))
@@ -326,12 +344,15 @@ def test_summary():
 def test_selection_slices():
     """World and shard slices: shards are disjoint and cover their selection; bad specs are refused."""
     eight = selected({"SEQPAR_EQUIV_WORLD": "8"})
-    assert len(eight) == 288 and {world_of(c) for _, c in eight} == {8}
+    assert len(eight) == 342 and {world_of(c) for _, c in eight} == {8}
     small = selected({"SEQPAR_EQUIV_WORLD": "1,2,4"})
-    assert len(small) == len(combinations(4)) == 252
+    assert len(small) == len(combinations(4)) == 258
     assert sorted(selected({"SEQPAR_EQUIV_FULL": "1"})) == sorted(small + eight) == list(enumerate(combinations(8)))
     parts = [selected({"SEQPAR_EQUIV_WORLD": "8", "SEQPAR_EQUIV_SHARD": f"{k}/5"}) for k in range(1, 6)]
-    assert sorted(sum(parts, [])) == sorted(eight) and {len(p) for p in parts} == {57, 58}
+    assert sorted(sum(parts, [])) == sorted(eight) and {len(p) for p in parts} == {68, 69}
+    assert {c.cp for _, c in selected({"SEQPAR_EQUIV_ONLY": "cp=4"})} == {4}
+    with pytest.raises(ValueError, match="SEQPAR_EQUIV_ONLY"):
+        selected({"SEQPAR_EQUIV_ONLY": "cpp=4"})
     for spec in ("0/3", "4/3", "3", "a/b"):
         with pytest.raises(ValueError, match="SEQPAR_EQUIV_SHARD"):
             shard(eight, spec)

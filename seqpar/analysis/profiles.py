@@ -45,7 +45,7 @@ HOPPER = ("h100", "h200")
 # The fused (flash) attention kernel's efficiency on the FLOPs it does (``costmodel.fused_attention_s``), fitted to
 # llm-foundry's flash-attn 2 runs outside the regression set (``published.fit_attention_efficiency``; the test fits
 # it again): on Hopper flash-attn 2 reaches far less of the peak than a GEMM does (FlashAttention-3, arXiv
-# 2407.08608, puts it at 35% in the forward alone). The H200 takes the H100's (the same tensor cores); every other
+# 2407.08608, abstract: 35% utilization). The H200 takes the H100's (the same tensor cores); every other
 # GPU the A100's, as it takes the A100's other fractions.
 FUSED_ATTENTION_EFFICIENCY = {"a100": 0.33, "h100": 0.18}
 

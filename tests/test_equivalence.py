@@ -42,10 +42,11 @@ its first test runs, under a timeout that grows with its work (``_helpers.Launch
 launch that fails is rerun one draw at a time, so a failure or a timeout is reported against its own
 draw, and the launch's other draws still pass or fail on their own results.
 
-Last sweep (issue 49, 2026-12-06, AMD EPYC, 2 cores, other work running): ``SEQPAR_EQUIV_FULL=1 pytest
-tests/test_equivalence.py`` at 70e9e27, **540 of 540 combinations passed in one run, 22 min 13 s** (543 tests),
-the 72 with both interleaved end chunks empty among them (worst grad_norm 2.1e-07, weights 8.3e-07); worst
-relative error over all grad_norm 1.77e-06, loss 1.46e-07, weights 2.24e-06. The sweep before it (issues 42, 45,
+Last sweep (issue 49, 2026-12-06, AMD EPYC, 2 cores, quiet but for small edits): ``SEQPAR_EQUIV_FULL=1 pytest
+tests/test_equivalence.py`` at daca6f4, **600 of 600 combinations passed in one run, 21 min 20 s** (603 tests): 60
+at cp 4, 22 of them the hybrid a2a+ring (worst grad_norm 7.5e-08, weights 6.3e-07), 78 with both interleaved end
+chunks empty; worst relative error over all grad_norm 1.77e-06, loss 1.67e-07, weights 2.34e-06 (540 of 540 at
+70e9e27, before cp 4). The sweep before it (issues 42, 45,
 46, 2026-12-05, Intel Xeon with AMX, 2 cores, quiet): ``SEQPAR_EQUIV_FULL=1
 pytest tests/test_equivalence.py`` on a clean clone of 0524bf6, **468 of 468 combinations passed in one run,
 11 min 0 s** (471 tests); 246 at world 8, 241 at micro-batch 2, 234 on a prepared folder with document

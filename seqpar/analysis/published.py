@@ -10,13 +10,16 @@ Sources (read 2026-12-05):
 - ``paper``: the paper's Table 5 and Sec. 6.3 (A100, ``presets``): the cost model's own fit, so in-sample.
 - ``megatron-2021``: the Megatron-LM README's weak-scaling table of April 2021 (A100 80 GB, Selene; the image
   ``images/cases_april2021.png``; heads and the tp × pp split of each "model-parallel size" from Table 1 of
-  Narayanan et al. 2021, arXiv 2104.04473). Per-GPU teraFLOP/s counted with full recompute,
+  Narayanan et al. 2021, arXiv 2104.04473; every row checked on 2026-12-06 against three independent public
+  transcriptions of that table). Per-GPU teraFLOP/s counted with full recompute,
   96 B s L h^2 (1 + s/6h + v/16Lh) (``flops.hardware_flops(..., "full")``).
 - ``megatron-2024``: the Megatron-LM README's H100 table (``images/model_table.png``, July 2024; s 4096, v 131072,
   "--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap"). Per-GPU teraFLOP/s of Eq. 7's model FLOPs.
 - ``llm-foundry``: MosaicML's MPT benchmarking tables (``scripts/train/benchmarking/README.md``): the rows
   measured on both H100 80GB (BF16) and A100 80GB at the same model, sequence and GPU count. Throughput in
   tokens/s; FSDP FULL_SHARD over every GPU; "Activation Checkpointing" True is full recompute of every layer.
+  The rows measured on one kind only (``_FOUNDRY_FIT``, read 2026-12-06) are not in the set: the fused attention
+  kernel's efficiency is fitted to them (``fit_attention_efficiency``).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ times its ranks in a node (one adapter per GPU: ``grad_group_bw``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from seqpar.analysis.flops import model_flops_from_gemms
 from seqpar.analysis.in_flight import in_flight_chunks
@@ -191,18 +191,19 @@ def tp_collectives_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardwa
     return hw.comm_latency + ring_allreduce_s(msg, par.tp, bw), hw.comm_latency + ring_gather_s(msg, par.tp, bw)
 
 
-def gemm_s(flops: float, nbytes: float, hw: Hardware) -> float:
-    """One GEMM: FLOPs at ``gemm_efficiency`` x peak, plus its operands' traffic at ``memory_bw`` (or at
-    ``gemm_operand_bw`` where a calibration measured that apart: a CPU's caches serve GEMM operands far
-    faster than its element-wise ops run)."""
-    return flops / (hw.peak_flops * hw.gemm_efficiency) + nbytes / (hw.gemm_operand_bw or hw.memory_bw)
+def gemm_s(flops: float, nbytes: float, hw: Hardware, efficiency: float | None = None) -> float:
+    """One GEMM: FLOPs at ``gemm_efficiency`` x peak (or at ``efficiency``: a fused kernel's own), plus its
+    operands' traffic at ``memory_bw`` (or at ``gemm_operand_bw`` where a calibration measured that apart: a CPU's
+    caches serve GEMM operands far faster than its element-wise ops run)."""
+    rate = hw.peak_flops * (efficiency or hw.gemm_efficiency)
+    return flops / rate + nbytes / (hw.gemm_operand_bw or hw.memory_bw)
 
 
 def fused_attention_s(flops: float, nbytes: float, hw: Hardware) -> float:
     """One GEMM of a fused causal attention kernel (QK^T or attention x V, ``flops`` counted over all s^2 scores as
     App. A counts them): the kernel skips the masked blocks, so half the FLOPs, at ``attention_efficiency`` of peak
     (flash-attention kernels reach less of it than a large GEMM, on Hopper far less: ``profiles``)."""
-    return gemm_s(flops / 2, nbytes, replace(hw, gemm_efficiency=hw.attention_efficiency or hw.gemm_efficiency))
+    return gemm_s(flops / 2, nbytes, hw, efficiency=hw.attention_efficiency)
 
 
 def layer_gemms(shape: ModelConfig, t: int, b: int, opts: ActivationOptions,

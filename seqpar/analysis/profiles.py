@@ -66,9 +66,15 @@ def hopper_gemm_efficiency() -> float:
     return (lo + hi) / 2
 
 
+def attention_kind(gpu: str) -> str:
+    """The GPU whose fitted ``FUSED_ATTENTION_EFFICIENCY`` ``gpu``'s built-in profile takes: Hopper the H100's, every
+    other the A100's."""
+    return "h100" if gpu in HOPPER else "a100"
+
+
 def attention_source(gpu: str) -> str:
     """Where ``gpu``'s built-in ``attention_efficiency`` comes from (``FUSED_ATTENTION_EFFICIENCY``)."""
-    kind = "h100" if gpu in HOPPER else "a100"
+    kind = attention_kind(gpu)
     return (f"attention_efficiency {FUSED_ATTENTION_EFFICIENCY[kind]:.2f} (the fused flash kernel, on the causal half "
             f"of the scores) fitted to llm-foundry's flash-attn 2 runs on {kind.upper()} outside the published "
             "regression set (seqpar bench published)")
@@ -113,7 +119,7 @@ def scaled_from_a100(gpu: str):
     hw = _sheet_scaled(gpu)
     if gpu in HOPPER:
         hw = replace(hw, gemm_efficiency=hopper_gemm_efficiency())
-    hw = replace(hw, attention_efficiency=FUSED_ATTENTION_EFFICIENCY["h100" if gpu in HOPPER else "a100"])
+    hw = replace(hw, attention_efficiency=FUSED_ATTENTION_EFFICIENCY[attention_kind(gpu)])
     return replace(hw, error_band=band, source=source,
                    name=next(k for k, v in BUILTIN_PROFILES.items() if v == gpu) if gpu in BUILTIN_PROFILES.values()
                    else gpu)

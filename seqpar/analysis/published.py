@@ -215,30 +215,23 @@ def foundry_fit_runs(gpu: str) -> list[PublishedRun]:
 def fit_attention_efficiency(gpu: str) -> float:
     """The fused attention kernel's efficiency at which the cost model, on ``gpu``'s built-in profile, best times
     llm-foundry's flash-attention runs outside the regression set (``foundry_fit_runs``): least squares of
-    log(predicted / published), golden-section search on (0.05, 1). ``profiles.FUSED_ATTENTION_EFFICIENCY`` holds
-    the result (tests/test_published.py fits it again)."""
+    log(predicted / published) (``fit.least_squares``, the efficiency through a logistic). ``profiles.
+    FUSED_ATTENTION_EFFICIENCY`` holds the result (tests/test_published.py fits it again)."""
+    from seqpar.analysis.fit import least_squares
     from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
 
     base = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == gpu))
     runs = foundry_fit_runs(gpu)
 
-    def loss(e: float) -> float:
-        hw = replace(base, attention_efficiency=e)
-        return sum(math.log1p(compare(r, hw).error) ** 2 for r in runs)
+    def efficiency(x: float) -> float:
+        return 1 / (1 + math.exp(-x))
 
-    lo, hi, phi = 0.05, 1.0, (math.sqrt(5) - 1) / 2
-    a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
-    fa, fb = loss(a), loss(b)
-    while hi - lo > 1e-3:
-        if fa < fb:
-            hi, b, fb = b, a, fa
-            a = hi - phi * (hi - lo)
-            fa = loss(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + phi * (hi - lo)
-            fb = loss(b)
-    return (lo + hi) / 2
+    def residuals(x) -> list[float]:
+        hw = replace(base, attention_efficiency=efficiency(x[0]))
+        return [math.log1p(compare(r, hw).error) for r in runs]
+
+    (x,), _ = least_squares(residuals, [0.0])
+    return efficiency(x)
 
 
 def megatron_2021_runs() -> list[PublishedRun]:

@@ -21,9 +21,22 @@ from seqpar.parallel.dims import group_size
 
 # ---------------------------------------------------------------- raw collectives (device from tensor)
 # Every collective seqpar runs goes through this section (point-to-point transfers, which are not
-# collectives, stay with their schedules: pipeline/p2p.py, parallel/ring_attention.py). torch >= 2.13
-# names the single-tensor collectives all_gather_single / reduce_scatter_single (pyproject's range).
+# collectives, stay with their schedules: pipeline/p2p.py, parallel/ring_attention.py).
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
+
+# The one torch-version rule of the package: torch 2.13 names the single-tensor collectives
+# all_gather_single / reduce_scatter_single; the releases before it call the same collectives, with the
+# same arguments, all_gather_into_tensor / reduce_scatter_tensor. Looked up per call and by name, not by
+# version: a build that has either works, and a test can hide the new names.
+_NAMES = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+          "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+
+def collective(kind: str):
+    """This torch's single-tensor ``kind`` collective ("all_gather" or "reduce_scatter"): the 2.13 name where
+    it exists, else the older one."""
+    new, old = _NAMES[kind]
+    return getattr(dist, new, None) or getattr(dist, old)
 
 
 def all_reduce(x: torch.Tensor, group=None, async_op: bool = False, op=SUM):
@@ -33,12 +46,12 @@ def all_reduce(x: torch.Tensor, group=None, async_op: bool = False, op=SUM):
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
     """``out`` (N times ``x``'s size) = every rank's ``x`` concatenated along dim 0, in rank order."""
-    return dist.all_gather_single(out, x, group=group, async_op=async_op)
+    return collective("all_gather")(out, x, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
     """``out`` (1/N of ``x``) = the sum over ranks of this rank's slice of ``x`` along dim 0."""
-    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return collective("reduce_scatter")(out, x, group=group, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,

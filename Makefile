@@ -5,7 +5,7 @@
 # tokenizers and datasets for seqpar prepare):
 # every test runs, none is skipped for a missing package. The demo adds TensorBoard.
 # TORCH_SPEC pins the CPU build that lies on this machine's disk; on a GPU machine use e.g.
-#   make test TORCH_SPEC='torch>=2.13,<2.15'
+#   make test TORCH_SPEC='torch>=2.11,<2.15'
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0

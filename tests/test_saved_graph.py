@@ -33,12 +33,12 @@ def _tensors(value, out: list) -> None:
 
 def graph_tensors(output: torch.Tensor) -> list[torch.Tensor]:
     """Every tensor reachable from the graph nodes of ``output`` (not the leaves' own variables)."""
-    found, seen, stack = [], set(), [output.grad_fn]
+    found, seen, stack = [], {}, [output.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node  # held: a wrapper freed would give its id to the next one (torch 2.11 makes them anew)
         for name in dir(node):
             if name.startswith("_saved_"):
                 with contextlib.suppress(RuntimeError):  # a saved value already freed

@@ -38,7 +38,7 @@ CASES = {
 def test_collective_takes_the_older_names_where_the_new_are_absent(monkeypatch):
     for kind, name in NEW.items():
         monkeypatch.delattr(dist, name, raising=False)
-        assert comm.collective(kind) is getattr(dist, OLD[kind])
+        assert comm.collective(kind).__wrapped__ is getattr(dist, OLD[kind])  # kept out of compiled graphs
 
 
 def _sections(name: str, out, data) -> dict:
@@ -74,7 +74,7 @@ def _trains(rank: int, world: int, jobs: list[dict], hide: bool) -> dict[str, in
 
         setattr(dist, old, counted)
         if hide:
-            assert comm.collective(kind) is counted
+            assert comm.collective(kind).__wrapped__ is counted
     for sections in jobs:
         train(build_job(sections), quiet=True)
     return calls

@@ -14,6 +14,8 @@ these operators, so tests can observe their order.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -27,16 +29,26 @@ SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 # The one torch-version rule of the package: torch 2.13 names the single-tensor collectives
 # all_gather_single / reduce_scatter_single; the releases before it call the same collectives, with the
 # same arguments, all_gather_into_tensor / reduce_scatter_tensor. Looked up per call and by name, not by
-# version: a build that has either works, and a test can hide the new names.
+# version: a build that has either works, and a test can hide the new names. Under torch.compile the older
+# names run eagerly (a graph break): torch 2.11's dynamo rewrites them into functional collectives whose
+# gradients through seqpar's g / g_bar came out wrong (tp 2 + SP, compiled against eager: weight gradients
+# off by up to 0.2, tests/test_compile.py); 2.13's rewrite of the new names is exact.
 _NAMES = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
 
 
 def collective(kind: str):
     """This torch's single-tensor ``kind`` collective ("all_gather" or "reduce_scatter"): the 2.13 name where
-    it exists, else the older one."""
+    it exists, else the older one, kept out of compiled graphs."""
     new, old = _NAMES[kind]
-    return getattr(dist, new, None) or getattr(dist, old)
+    fn = getattr(dist, new, None)
+    return fn if fn is not None else _eager(getattr(dist, old))
+
+
+@functools.cache
+def _eager(fn):
+    """``fn`` run as Python, never traced by torch.compile (one wrapper per function)."""
+    return torch.compiler.disable(fn)
 
 
 def all_reduce(x: torch.Tensor, group=None, async_op: bool = False, op=SUM):

@@ -11,6 +11,10 @@ could see. Every sync is sorted by ``ALLOWED``:
   data pipeline's tensors and ``torch.optim``'s step counts count; in an accelerator run they are no sync,
 * ``unexpected``: anything else (what the test, tests/test_syncs.py, refuses).
 
+On the CPU a third step runs its forward, backward and reductions inside
+``seqpar.measure.syncs.DevicelessFactories``: a tensor made without a device there lands on ``meta`` and
+fails where it meets the device's tensors, as a CPU tensor does on an accelerator (``deviceless``: the sites).
+
 Configurations of one rank run in this process; those of 2 ranks in one launch of 2 local ranks (gloo on
 ``--device cpu``; one rank per GPU on ``cuda``, skipped with fewer than 2 GPUs).
 """
@@ -82,7 +86,7 @@ def sections(name: str, out: Path, data: dict[str, Path]) -> dict:
     """The trainer's sections of configuration ``name`` (``data``: the token file and the prepared folder)."""
     world, model, parallel, recompute, docs = CONFIGS[name]
     dp = parallel.get("dp", 1)
-    train = {"steps": 2, "micro_batch": 1, "global_batch": 2 * dp, "eval_every": 0, "eval_batches": 1,
+    train = {"steps": 3, "micro_batch": 1, "global_batch": 2 * dp, "eval_every": 0, "eval_batches": 1,
              "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False, "compile": False,
              "out_dir": str(out), "data": str(data["documents" if docs else "tokens"])}
     return {"model": dict(model), "parallel": dict(parallel), "recompute": dict(recompute), "train": train,
@@ -117,6 +121,29 @@ def count_step(trainer, step: int = 1) -> list:
     return counter.syncs
 
 
+def placed_step(trainer, step: int) -> list[str]:
+    """Run step ``step`` with its forward, backward and reductions inside ``DevicelessFactories`` (the data and
+    the optimizer outside: host work): the seqpar sites that made a tensor without naming its device (on
+    ``meta``, so one mixed into device math has raised)."""
+    from seqpar.measure.syncs import DevicelessFactories
+
+    net = DevicelessFactories()
+
+    def netted(fn):
+        def run(*args, **kwargs):
+            with net:
+                return fn(*args, **kwargs)
+        return run
+
+    saved = trainer._forward_backward, trainer._finalize
+    trainer._forward_backward, trainer._finalize = netted(saved[0]), netted(saved[1])
+    try:
+        trainer.train_step(step)
+    finally:
+        trainer._forward_backward, trainer._finalize = saved
+    return net.sites
+
+
 def summary(syncs: list) -> dict:
     """Counts by category (``ALLOWED``) and by site."""
     from seqpar.measure.syncs import allowed_by
@@ -140,7 +167,10 @@ def run_config(name: str, root: Path, data: dict[str, Path], device: torch.devic
     job = build_job(sections(name, root / name, data))
     trainer = Trainer(job, device=device, quiet=True)
     syncs = count_step(trainer)
-    return {"syncs": syncs, **summary(syncs)}
+    out = {"syncs": syncs, **summary(syncs)}
+    if device.type == "cpu":  # on an accelerator a device-less tensor shows itself
+        out["deviceless"] = placed_step(trainer, 2)
+    return out
 
 
 def rank_device(device_type: str) -> torch.device:

@@ -131,7 +131,7 @@ def _shape(name: str, args, kwargs) -> bool:
     if name in ("__getitem__", "__setitem__", "index_put_"):
         return len(args) > 1 and _bool_index(args[1])
     if name == "repeat_interleave":
-        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0])  # (repeats) alone: its own
         return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
     if name == "where":
         return len(args) == 1 and not kwargs

@@ -3,7 +3,7 @@ on the tree of an older commit (default: the one before the fix) with today's co
 
 Run from the repository root: ``python benchmarks/syncs_before_after.py [BASE] [--device cpu|cuda]``. Prints,
 per configuration, the syncs an accelerator would see (``total - host``: the CPU-only data reads left out)
-and the unexpected ones (outside the allow-list) of each tree."""
+and the unexpected ones (outside the allow-list) of each tree, and what the placement net caught (CPU)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def main() -> None:
             print(f"  {name:<26}{'skipped':>12}")
             continue
         cells = "".join(f"{r['on_accelerator']:>6} ({r['unexpected']:>3})" for r in (b, a))
-        print(f"  {name:<26}{cells}")
+        caught = [d for d in b.get("deviceless", []) if d.startswith("raised")]
+        print(f"  {name:<26}{cells}" + (f"   before: {caught[0][:90]}" if caught else ""))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def count_step(trainer, step: int = 1) -> list:
 def placed_step(trainer, step: int) -> list[str]:
     """Run step ``step`` with its forward, backward and reductions inside ``DevicelessFactories`` (the data and
     the optimizer outside: host work): the seqpar sites that made a tensor without naming its device (on
-    ``meta``, so one mixed into device math has raised)."""
+    ``meta``), and, where one met the device's tensors, the error it raised (as a CPU tensor would on a GPU)."""
     from seqpar.measure.syncs import DevicelessFactories
 
     net = DevicelessFactories()
@@ -139,6 +139,8 @@ def placed_step(trainer, step: int) -> list[str]:
     trainer._forward_backward, trainer._finalize = netted(saved[0]), netted(saved[1])
     try:
         trainer.train_step(step)
+    except (RuntimeError, NotImplementedError) as err:  # every rank makes the same tensors: all fail alike
+        return [*net.sites, f"raised {type(err).__name__}: {str(err).splitlines()[0]}"]
     finally:
         trainer._forward_backward, trainer._finalize = saved
     return net.sites

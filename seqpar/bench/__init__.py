@@ -28,6 +28,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
            "hybrid, one layer's fwd+bwd at cp 2 and 4"),
     "save": ("seqpar.bench.save", "checkpoint stall: a synchronous save vs --async-save (the copy to CPU "
              "memory), and when the background write is committed"),
+    "syncs": ("seqpar.bench.syncs", "host-device synchronisations per training step, counted where seqpar makes "
+              "them: GPT, Llama, sdpa, packed documents, MoE (ep 2), cp a2a, tp 2 + SP"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
 }

@@ -135,11 +135,23 @@ def barrier(group=None) -> None:
         comm.barrier(group)
 
 
-def max_over_ranks(values: list[float], group=None) -> list[float]:
-    """Element-wise max over ranks (a step takes as long as its slowest rank)."""
+def collective_device(group=None, device=None) -> torch.device:
+    """Where a collective of ``group`` takes its tensors: ``device`` when the benchmark names it, else the CPU
+    under gloo and this rank's current accelerator under any other backend (NCCL rejects CPU tensors)."""
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def max_over_ranks(values: list[float], group=None, device=None) -> list[float]:
+    """Element-wise max over ranks (a step takes as long as its slowest rank); the values travel on ``device``
+    (``collective_device``)."""
     if not dist.is_initialized():
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group, device))
     all_reduce(t, op=MAX, group=group)
     return t.tolist()
 
@@ -187,7 +199,7 @@ def sustained_s(fn, repeats: int, device: torch.device, min_block: float = 0.0) 
     together, of the slowest rank. A block runs ``fn`` enough times to last ``min_block`` seconds (the
     same count on every rank): a sustained rate, which is what a training run gets on a machine whose
     cores other processes share (a lone millisecond call often runs before the scheduler interrupts it)."""
-    return max_over_ranks([statistics.median(_blocks({"fn": fn}, repeats, device, min_block)["fn"])])[0]
+    return max_over_ranks([statistics.median(_blocks({"fn": fn}, repeats, device, min_block)["fn"])], device=device)[0]
 
 
 def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float = 0.0) -> dict[str, list[float]]:
@@ -195,7 +207,7 @@ def interleaved(fns: dict, repeats: int, device: torch.device, min_block: float 
     (as ``sustained_s``); in each round every function runs one block, the order rotating from round to round,
     so that a slow spell of the machine lands on neighbouring blocks of different functions and cancels
     in their difference (``calibrate.paired_difference``) instead of on all blocks of one of them."""
-    return {k: max_over_ranks(v) for k, v in _blocks(fns, repeats, device, min_block).items()}
+    return {k: max_over_ranks(v, device=device) for k, v in _blocks(fns, repeats, device, min_block).items()}
 
 
 def _blocks(fns: dict, repeats: int, device: torch.device, min_block: float) -> dict[str, list[float]]:
@@ -210,7 +222,7 @@ def _blocks(fns: dict, repeats: int, device: torch.device, min_block: float) -> 
         _sync(device)
         calls[name] = max(1, int(min_block / max(time.perf_counter() - start, 1e-9)))
     if dist.is_initialized():
-        n = torch.tensor([calls[k] for k in names], dtype=torch.int64)
+        n = torch.tensor([calls[k] for k in names], dtype=torch.int64, device=collective_device(device=device))
         all_reduce(n, op=MAX)
         calls = dict(zip(names, (int(c) for c in n.tolist()), strict=True))
     times = {k: [0.0] * max(1, repeats) for k in names}

@@ -92,7 +92,7 @@ def _rank(rank: int, world: int, args) -> dict:
     times = {name: [] for name in layers}
     for i in range(args.warmup + args.repeats):
         for name, layer in layers.items():
-            (slowest,) = max_over_ranks([step(layer)])
+            (slowest,) = max_over_ranks([step(layer)], device=device)
             if i >= args.warmup:
                 times[name].append(slowest)
     return times

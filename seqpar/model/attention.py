@@ -141,8 +141,10 @@ class Rotary(nn.Module):
         """Angles of this rank's ``s`` positions ``[s, 1, 1, 1, d]``; with packed documents' ``positions``
         ``[b, s]`` (each token's place in its document) ``[s, b, 1, 1, d]``."""
         if positions is not None:
+            # a document's positions are below the whole sequence's length: a table that long, read by index
+            # on the device (the largest position is never read on the host)
+            cos, sin = self.table(positions.shape[1], device)  # [s·cp, 1, 1, 1, d]
             positions = self.cp.split(positions, 1)  # [b, s]: this cp rank's tokens
-            cos, sin = self.table(int(positions.max()) + 1, device)  # [n, 1, 1, 1, d]
             index = positions.t().to(device)  # [s, b]
             return cos[:, 0][index], sin[:, 0][index]  # [s, b, 1, 1, d]
         if self.cp.size > 1:

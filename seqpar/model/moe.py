@@ -36,7 +36,7 @@ from seqpar.dtypes import torch_dtype
 from seqpar.model.mlp import MLP, activation
 from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.context import CPContext
-from seqpar.parallel.expert import DispatchPlan, EPContext
+from seqpar.parallel.expert import DispatchPlan, EPContext, Groups
 from seqpar.parallel.layers import mark
 from seqpar.parallel.layout import ExpertSplit, relayout
 from seqpar.parallel.tp_context import TPContext
@@ -44,6 +44,12 @@ from seqpar.recompute import RecomputePlan
 
 
 # ---------------------------------------------------------------------------------- grouped GEMMs
+def expert_counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[E]`` int64: how many of ``flat``'s expert indices name each expert. ``bincount``'s values without its
+    read of the largest index on the host (its CUDA kernel sizes the output by it): integer adds, exact in any order."""
+    return torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def _aligned(*tensors: torch.Tensor) -> bool:
     """``torch._grouped_mm`` needs 16-byte aligned pointers and strides (checked on CPU, torch 2.13)."""
     return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
@@ -57,37 +63,39 @@ def _groupable(x: torch.Tensor) -> bool:
             and (x.device.type == "cpu" or x.dtype == torch.bfloat16))
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Groups | list[int]) -> torch.Tensor:
     """Rows of expert e times ``w[e]``: ``x`` [N, k] (expert-major, ``counts`` rows each), ``w`` [E_l, k, n]
-    → [N, n]. ``torch._grouped_mm`` when the device and the layout allow it, else a loop over experts."""
+    → [N, n]. ``torch._grouped_mm`` when the device and the layout allow it (offsets computed on the device),
+    else a loop over experts (which reads the sizes on the host)."""
+    groups = Groups.of(counts)
     if _groupable(x) and _aligned(x, w):
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w, offs=offs)
-    parts = [rows @ w[e] for e, rows in enumerate(x.split(counts))]
+        return torch._grouped_mm(x, w, offs=groups.offsets(x.device))
+    parts = [rows @ w[e] for e, rows in enumerate(x.split(groups.sizes))]
     return torch.cat(parts) if parts else x.new_zeros((0, w.shape[-1]))
 
 
-def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, counts: Groups | list[int]) -> torch.Tensor:
     """Per expert ``g_e^T x_e``: ``g`` [N, n], ``x`` [N, k] → [E_l, n, k]."""
-    gt = g.t()  # [n, N]
+    groups, gt = Groups.of(counts), g.t()  # gt [n, N]
     if _groupable(x) and _aligned(gt, x):
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(gt, x, offs=offs)
-    return torch.stack([ge.t() @ xe for ge, xe in zip(g.split(counts), x.split(counts), strict=True)])
+        return torch._grouped_mm(gt, x, offs=groups.offsets(x.device))
+    sizes = groups.sizes
+    return torch.stack([ge.t() @ xe for ge, xe in zip(g.split(sizes), x.split(sizes), strict=True)])
 
 
 class GroupedLinear(torch.autograd.Function):
     """``y_e = act(x_e) W_e^T`` for the experts' row blocks; ``w`` [E_l, out, in]. Keeps ``x`` and ``w``;
     with ``act`` (the "activation" recompute module) ``act(x)`` is rebuilt in backward, so only the
-    previous GEMM's output is kept."""
+    previous GEMM's output is kept. ``counts``: a ``Groups`` (or sizes), held by ``ctx`` with its [E_l] int32
+    offsets: shared by the layer's GEMMs, routing metadata rather than an activation."""
 
     @staticmethod
     def forward(ctx, x, w, counts, act):
-        ctx.counts, ctx.act = counts, act
+        ctx.counts, ctx.act = Groups.of(counts), act
         ctx.save_for_backward(x, w)
         with torch.no_grad():
             z = x if act is None else act(x)  # [N, in]
-            return grouped_mm(z, w.transpose(1, 2), counts)  # [N, out]
+            return grouped_mm(z, w.transpose(1, 2), ctx.counts)  # [N, out]
 
     @staticmethod
     def backward(ctx, grad):  # [N, out]
@@ -150,7 +158,16 @@ class AuxLosses:
 
     def take(self) -> float:
         """The sum of the values recorded since the last call (then cleared)."""
-        total = float(torch.stack(self.values).sum()) if self.values else 0.0
+        total = self.take_tensor()
+        return 0.0 if total is None else float(total)
+
+    def forget(self) -> None:
+        """Drop the values recorded so far (forwards outside the step: evaluation), reading nothing."""
+        self.values.clear()
+
+    def take_tensor(self) -> torch.Tensor | None:
+        """``take`` without reading the device: the 0-dim float64 sum (None when nothing was recorded)."""
+        total = torch.stack(self.values).sum().double() if self.values else None
         self.values.clear()
         return total
 
@@ -175,7 +192,7 @@ class Router(nn.Module):
     def aux_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share, the whole layer's loss) of ``coef · E · Σ_e f_e · P_e``."""
         e, k = self.cfg.experts, self.cfg.top_k
-        stats = torch.cat([torch.bincount(chosen.reshape(-1), minlength=e).to(probs.dtype),
+        stats = torch.cat([expert_counts(chosen.reshape(-1), e).to(probs.dtype),
                            probs.detach().sum(0)])  # [2E]: assignments, probability sums
         tokens = probs.shape[0] * self.cp.size
         if self.tp.sequence_parallel:
@@ -205,7 +222,7 @@ class Experts(nn.Module):
         self.act = activation(cfg)
         self.act_fc2 = plan.choose("activation", plan.offloaded("activation", self._act_fc2), self._recomputed_act_fc2)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:  # x [N, h], expert-major
+    def forward(self, x: torch.Tensor, counts: Groups) -> torch.Tensor:  # x [N, h], expert-major
         y = GroupedLinear.apply(x, self.fc1, counts, None)  # [N, 2f or f]
         return self.act_fc2(y, counts)  # [N, h]
 
@@ -224,9 +241,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.ep = cfg, ep or EPContext()
         self.aux = aux or AuxLosses()
-        # what this rank handled in its last forward (seqpar memory's exact bytes are a function of it)
-        self.routing: Routing | None = None  # T, N, R
-        self.rows_per_expert: tuple[int, ...] = ()  # of this rank's local experts
+        self._last: tuple[int, int, Groups] | None = None  # T, N and the local experts' rows of the last forward
         self.router = Router(cfg, tp, cp or CPContext(), device)
         self.experts = Experts(cfg, tp, self.ep, plan, output_std, device)
         self.shared = None
@@ -257,7 +272,7 @@ class MoE(nn.Module):
         """(kept assignments sorted by expert, as flat indices into ``chosen`` [N]; rows per expert [E])."""
         e, flat = self.cfg.experts, chosen.reshape(-1)  # [T·K]
         order = torch.argsort(flat, stable=True)  # [T·K], expert-major, token order within an expert
-        counts = torch.bincount(flat, minlength=e)  # [E]
+        counts = expert_counts(flat, e)  # [E]
         if self.cfg.moe_capacity > 0:
             capacity = math.ceil(self.cfg.moe_capacity * chosen.numel() / e)
             position = torch.arange(order.numel(), device=order.device) - (counts.cumsum(0) - counts)[flat[order]]
@@ -269,9 +284,20 @@ class MoE(nn.Module):
         order, counts = self.assignments(chosen)  # [N], [E]
         token = order // self.cfg.top_k  # [N]: the token of each assignment
         plan = DispatchPlan.build(counts, self.ep)
-        self.routing = Routing(tokens.shape[0], order.numel(), sum(plan.expert_counts))
-        self.rows_per_expert = tuple(plan.expert_counts)
+        self._last = (tokens.shape[0], order.numel(), plan.groups)
         x = plan.dispatch(tokens.index_select(0, token))  # [received, h], expert-major
-        y = plan.combine(self.experts(x, plan.expert_counts))  # [N, h]
+        y = plan.combine(self.experts(x, plan.groups))  # [N, h]
         w = weights.reshape(-1)[order].to(y.dtype).unsqueeze(-1)  # [N, 1]
         return _WeightedScatter.apply(y, w, token, tokens.shape[0])  # [T, h]
+
+    # what this rank handled in its last forward (seqpar memory's exact bytes are a function of it), read on
+    # the host when asked, not during the forward
+    @property
+    def routing(self) -> Routing | None:
+        """T, N, R of the last forward."""
+        return None if self._last is None else Routing(*self._last[:2], sum(self._last[2].sizes))
+
+    @property
+    def rows_per_expert(self) -> tuple[int, ...]:
+        """Rows of each of this rank's local experts in the last forward."""
+        return () if self._last is None else tuple(self._last[2].sizes)

@@ -27,6 +27,7 @@ import torch
 
 from seqpar.parallel.comm import all_to_all
 from seqpar.parallel.dims import group_size
+from seqpar.parallel.host import cached
 
 
 def local_heads(groups: int, g: int, k: int) -> tuple[int, int]:
@@ -87,7 +88,7 @@ class SeqToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rows: list[list[int]], group):
         k = len(rows)
-        index = torch.tensor(rows, device=x.device)  # [K, rows']
+        index = cached(rows, x.device)  # [K, rows']: the layer's fixed rows, copied to the device once
         s, b, _, d = x.shape
         send = x.new_empty((k, s, b, index.shape[1], d))  # [K, s/cp, b, rows', d]
         for j in range(k):
@@ -99,7 +100,7 @@ class SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        index = torch.tensor(ctx.rows, device=grad.device)  # [K, rows']
+        index = cached(ctx.rows, grad.device)  # [K, rows']
         k = index.shape[0]
         send = from_group_order(grad, grad.new_empty((k, grad.shape[0] // k, *grad.shape[1:])))
         received = _exchange(send, ctx.group)  # [K, s/cp, b, rows', d]: my tokens' grads from rank j

@@ -208,6 +208,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.view(logits.shape), None, None, None, None, None, None
 
 
+def check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int = -100) -> None:
+    """Refuse a target id outside ``[0, vocab_size)`` that is not the ignore index (identical targets on every tp
+    rank: all refuse together), without the host reading the targets: ``torch._assert_async`` is a device-side
+    assertion on an accelerator (the stream fails, the host does not wait; the trainer's data are checked against
+    the vocabulary when read, ``seqpar.train.data``), and raises at once on the CPU, where the id is then named."""
+    outside = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    try:
+        torch._assert_async(~outside.any(), f"a target id is outside the vocabulary [0, {vocab_size}) and is not "
+                                            f"the ignore index {ignore_index}")
+    except RuntimeError:  # host targets: the assertion failed here and now
+        bad = int(target[outside][0])
+        raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab_size}) and is not the ignore "
+                         f"index {ignore_index} ({int(outside.sum())} such targets)") from None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, vocab_size: int,
                                  label_smoothing: float = 0.0, ignore_index: int = -100,
                                  passes: _Eager | _Compiled = EAGER) -> torch.Tensor:
@@ -219,11 +234,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     t = group_size(group)
     if logits.shape[-1] * t < vocab_size:
         raise ValueError(f"logits hold {logits.shape[-1]} × tp {t} columns < vocabulary {vocab_size}")
-    outside = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
-    if bool(outside.any()):  # identical targets on every tp rank: all raise together
-        bad = int(target[outside][0])
-        raise ValueError(f"target id {bad} is outside the vocabulary [0, {vocab_size}) and is not the ignore "
-                         f"index {ignore_index} ({int(outside.sum())} such targets)")
+    check_targets(target, vocab_size, ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, label_smoothing, ignore_index,
                                             passes)
 

@@ -105,7 +105,7 @@ class AttentionMask:
         query) ``[b, heads, sq, 1]`` (small, eager), the key positions' words ``[1, 1, 1, sk]`` and the threshold
         (0-dim): ``seqpar.parallel.rng.last_keep`` of the three (tensors only: no recompile per step)."""
         coords = coordinates([self.samples, self.heads, rows, cols], device)
-        limit = torch.tensor(threshold(self.p), dtype=torch.int64, device=device)
+        limit = torch.full((), threshold(self.p), dtype=torch.int64, device=device)  # a fill kernel: no copy
         return prefix_bits(self.key, *coords[:-1]), words(coords[-1]), limit
 
     def keep(self, rows: Ranges, cols: Ranges, device) -> torch.Tensor:

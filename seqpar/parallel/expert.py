@@ -28,6 +28,7 @@ import torch
 from seqpar.parallel.comm import all_gather_list, all_to_all
 from seqpar.parallel.data_parallel import average_gradients
 from seqpar.parallel.dims import GroupContext, ParallelDims
+from seqpar.parallel.host import to_device
 from seqpar.parallel.layout import layout_of
 from seqpar.parallel.main_grad import grad_of
 
@@ -59,13 +60,41 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class Groups:
+    """Rows per local expert of the expert-major rows the grouped GEMMs read: ``counts`` [E_l] on the device
+    (their end ``offsets``, int32, are computed there once and shared by every GEMM of the layer, forward and
+    backward) and ``sizes``, the same as Python integers (the loop over experts, ``seqpar memory``'s record),
+    read from the device only when first asked (one sync; none on the grouped GEMM's own path)."""
+
+    def __init__(self, counts: torch.Tensor | None = None, sizes: list[int] | None = None):
+        self.counts, self._sizes, self._offsets = counts, sizes, None
+
+    @classmethod
+    def of(cls, groups: Groups | list[int]) -> Groups:
+        """``groups`` as a ``Groups``: Python sizes (tests, benchmarks) are copied to the device when needed."""
+        return groups if isinstance(groups, Groups) else cls(sizes=list(groups))
+
+    @property
+    def sizes(self) -> list[int]:
+        if self._sizes is None:
+            self._sizes = self.counts.tolist()  # a read of the device: only the loop and the records ask
+        return self._sizes
+
+    def offsets(self, device) -> torch.Tensor:
+        """``[E_l]`` int32: where each expert's rows end (``torch._grouped_mm``'s ``offs``)."""
+        if self._offsets is None:
+            counts = to_device(self._sizes, device) if self.counts is None else self.counts  # [E_l] int64
+            self._offsets = counts.cumsum(0).to(torch.int32)
+        return self._offsets
+
+
 @dataclass
 class DispatchPlan:
     """Where one rank's expert-sorted rows go and what arrives, from the tokens per expert of every rank."""
 
-    send: list[int]  # rows to each ep rank (the sum of my counts for its experts)
+    send: list[int]  # rows to each ep rank (the sum of my counts for its experts); [] with one ep rank
     receive: list[int]  # rows from each ep rank
-    expert_counts: list[int]  # rows for each of my local experts, over all sources
+    groups: Groups  # rows for each of my local experts, over all sources
     order: torch.Tensor | None  # expert-major position -> source-major row (None: one source)
     group: object
 
@@ -74,22 +103,24 @@ class DispatchPlan:
         """``counts`` [E]: this rank's rows per expert (global expert index). Collective over ep."""
         n, local = ep.size, ep.local_experts(counts.numel())
         if n == 1:
-            c = counts.tolist()
-            return cls([sum(c)], [sum(c)], c, None, None)
+            return cls([], [], Groups(counts), None, None)  # nothing read on the host
         everyone = [torch.empty_like(counts) for _ in range(n)]
         all_gather_list(everyone, counts, group=ep.group)  # n × [E]
         table = torch.stack(everyone)  # [source, E]
         mine = table[:, ep.rank * local:(ep.rank + 1) * local]  # [source, local expert]
-        send = counts.view(n, local).sum(1).tolist()
-        receive = mine.sum(1).tolist()
+        per_expert = mine.sum(0)  # [local expert]
+        # the all-to-all's split sizes on the host: the one read of a MoE layer (every ep peer makes it too)
+        sizes = torch.cat([counts.view(n, local).sum(1), mine.sum(1), per_expert]).tolist()  # [2n + local]
+        send, receive = sizes[:n], sizes[n:2 * n]
         flat = mine.reshape(-1)  # source-major blocks
         starts = (flat.cumsum(0) - flat).view(n, local)  # where block (source, expert) begins
         major = mine.t().reshape(-1)  # block sizes, expert-major
         begin = starts.t().reshape(-1)
         first = torch.cumsum(major, 0) - major  # where each block begins once expert-major
-        rows = int(major.sum())
-        order = torch.repeat_interleave(begin - first, major, output_size=rows) + torch.arange(rows)
-        return cls(send, receive, mine.sum(0).tolist(), order.to(counts.device), ep.group)
+        rows = sum(receive)
+        order = torch.repeat_interleave(begin - first, major, output_size=rows) + torch.arange(rows,
+                                                                                              device=counts.device)
+        return cls(send, receive, Groups(per_expert, sizes[2 * n:]), order, ep.group)
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """``[rows, h]`` sorted by expert → ``[received, h]`` expert-major over my experts."""

@@ -101,7 +101,7 @@ def words(c: torch.Tensor) -> torch.Tensor:
 def prefix_bits(key: int, *coords: torch.Tensor) -> torch.Tensor:
     """``mix64(… mix64(mix64(key ^ word(c₀)) ^ word(c₁)) … ^ word(cₙ₋₁))`` over broadcasting int64 coordinates:
     the hash of every coordinate but the last, a small tensor computed eagerly."""
-    h = torch.tensor(signed64(key), dtype=torch.int64, device=coords[0].device if coords else None)
+    h = torch.full((), signed64(key), dtype=torch.int64, device=coords[0].device if coords else None)  # no copy
     for c in coords:
         h = mix64(h ^ words(c))
     return h
@@ -196,7 +196,7 @@ def keep_mask(key: int, p: float, axes: list[Ranges], device, compiled: bool | N
 
     ``compiled`` None: the last step compiled from ``COMPILE_FROM`` elements on (when allowed)."""
     coords = coordinates(axes, device, dims)
-    limit = torch.tensor(threshold(p), dtype=torch.int64, device=device)
+    limit = torch.full((), threshold(p), dtype=torch.int64, device=device)  # a fill kernel: no host-device copy
     if compiled is None:
         compiled = math.prod(size(r) for r in axes) >= COMPILE_FROM and compile_masks(device)
     fn = _compiled_last_keep() if compiled and not torch.compiler.is_compiling() else last_keep

@@ -38,10 +38,13 @@ class Objective:
     def of_step(cls, microbatches: list, dp: int, dp_group, device) -> Objective:
         """The counted tokens of this dp rank's ``microbatches`` [(tokens, labels[, docs])], summed over
         dp (labels are whole on every cp, tp and pp rank, so no other group adds to them)."""
-        tokens = torch.tensor([sum(counted(mb[1]) for mb in microbatches)], dtype=torch.int64, device=device)
-        if dp_group is not None:
-            all_reduce(tokens, group=dp_group)
-        return cls(int(tokens), dp)
+        tokens = sum(counted(mb[1]) for mb in microbatches)  # the labels are host data: no device read
+        if dp_group is None:
+            return cls(tokens, dp)
+        # the sum over dp: one copy and one read per step (the collective needs a device tensor under NCCL)
+        total = torch.tensor([tokens], dtype=torch.int64, device=device)
+        all_reduce(total, group=dp_group)
+        return cls(int(total), dp)
 
     @property
     def weight(self) -> float:

@@ -35,7 +35,8 @@ def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
 
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
                      free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
-                     meter=None, loss_scale: float = 1.0, aux: list | None = None) -> float:
+                     meter=None, loss_scale: float = 1.0, aux: list | None = None,
+                     as_tensor: bool = False) -> float | torch.Tensor:
     """Forward and backward of every microbatch; returns this dp rank's share of the step's loss (every
     pp rank; its average over dp is the mean loss per counted token of every dp rank's microbatches).
 
@@ -48,6 +49,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     ``loss_scale``: backward starts from loss · loss_scale (fp16); the returned loss is unscaled.
     ``aux``: a list that receives the step's MoE load-balancing losses (part of the returned loss), to be
     logged apart from the cross entropy.
+    ``as_tensor``: the loss (and ``aux``'s value) as a 0-dim float64 tensor on the device, not read on the
+    host (the trainer reads it once per step, with the gradient norm); else a Python float.
     """
     m = parallel.interleave
     if len(chunks) != m:
@@ -65,7 +68,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
                         loss_scale=loss_scale)
     for chunk in chunks:
         if chunk.aux is not None:
-            chunk.aux.take()  # forget values of forwards outside this step (evaluation)
+            chunk.aux.forget()  # values of forwards outside this step (evaluation)
     if dims.pp == 1:
         run_no_pipelining(runner)
     else:
@@ -76,26 +79,34 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         else:
             run_interleaved(runner, comm, m)
     balance = aux_loss(chunks, len(microbatches), dims, device)
-    if aux is not None and chunks[0].cfg.experts:
-        aux.append(balance)
-    return broadcast_loss(runner.mean_loss(), dims, device) + balance
+    loss = broadcast_loss(runner.mean_loss(), dims, device)
+    if balance is not None:
+        loss = loss + balance
+        if aux is not None:
+            aux.append(balance if as_tensor else float(balance))
+    return loss if as_tensor else float(loss)
 
 
-def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> float:
+def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> torch.Tensor | None:
     """The MoE layers' load-balancing losses of this step, mean over microbatches, summed over the
-    layers of every pipeline stage (0 without MoE); each value is already whole over tp, cp and ep."""
+    layers of every pipeline stage (None without MoE), 0-dim float64 on the device; each value is
+    already whole over tp, cp and ep."""
     if not chunks[0].cfg.experts:
-        return 0.0
-    value = torch.tensor([sum(c.aux.take() for c in chunks if c.aux is not None) / microbatches],
-                         dtype=torch.float64, device=device)
+        return None
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for chunk in chunks:
+        value = chunk.aux.take_tensor() if chunk.aux is not None else None
+        if value is not None:
+            total = total + value
+    value = (total / microbatches).reshape(1)  # [1]
     if dims.pp > 1:
         all_reduce(value, group=dims.pp_group)
-    return float(value.item())
+    return value[0]
 
 
-def broadcast_loss(loss: float | None, dims: ParallelDims, device) -> float:
-    """The last pipeline rank's loss, on every rank of the pipeline."""
-    value = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64, device=device)
+def broadcast_loss(loss: torch.Tensor | None, dims: ParallelDims, device) -> torch.Tensor:
+    """The last pipeline rank's loss (0-dim float64, None elsewhere) on every rank of the pipeline."""
+    value = torch.zeros(1, dtype=torch.float64, device=device) if loss is None else loss.reshape(1).clone()
     if dims.pp > 1:
         broadcast(value, src=dims.pp_ranks[-1], group=dims.pp_group)
-    return float(value.item())
+    return value[0]

@@ -83,12 +83,12 @@ class StepRunner:
     def _device(chunk) -> torch.device:
         return next(chunk.parameters()).device
 
-    def mean_loss(self) -> float | None:
-        """This dp rank's loss sums times the objective's weight (last virtual stage only): averaged over
-        the dp ranks, the step's mean loss per counted token."""
+    def mean_loss(self) -> torch.Tensor | None:
+        """This dp rank's loss sums times the objective's weight (last virtual stage only), 0-dim float64 on the
+        device (not read on the host): averaged over the dp ranks, the step's mean loss per counted token."""
         if not self.losses:
             return None
-        return float(torch.stack(self.losses).double().sum()) * self.objective.weight
+        return torch.stack(self.losses).double().sum() * self.objective.weight
 
 
 def as_input(received: torch.Tensor | None) -> torch.Tensor | None:

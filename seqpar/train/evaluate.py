@@ -16,15 +16,19 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.objective import counted as counted_tokens
 
 
-def broadcast_from_last_stage(value: float | None, dims: ParallelDims, device) -> float:
-    """The last pipeline stage's ``value`` on every rank of the pipeline, averaged over dp."""
-    t = torch.tensor([float("nan") if value is None else float(value)], dtype=torch.float64, device=device)
+def broadcast_from_last_stage(value: float | torch.Tensor | None, dims: ParallelDims, device) -> torch.Tensor:
+    """The last pipeline stage's ``value`` on every rank of the pipeline, averaged over dp: 0-dim float64 on
+    ``device``, not read on the host (a Python value is filled in, not copied)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().reshape(1).to(device=device, dtype=torch.float64, copy=True)  # [1]
+    else:
+        t = torch.full((1,), float("nan") if value is None else float(value), dtype=torch.float64, device=device)
     if dims.pp_group is not None:
         broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
     if dims.dp_group is not None:
         all_reduce(t, group=dims.dp_group)
         t /= dims.dp
-    return float(t)
+    return t[0]
 
 
 def hidden_shape(chunk, micro_batch: int) -> tuple[int, int, int]:

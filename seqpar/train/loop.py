@@ -222,16 +222,21 @@ class Trainer:
         reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
         opt.zero_grad(len(mbs))
-        aux: list[float] = []
+        aux: list[torch.Tensor] = []
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
-                                      keep_microbatches=self.job.recompute.keep_microbatches, aux=aux)  # App. C
+                                      keep_microbatches=self.job.recompute.keep_microbatches, aux=aux,
+                                      as_tensor=True)  # App. C
         self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
-        loss = broadcast_from_last_stage(loss, dims, self.device)
+        loss = broadcast_from_last_stage(loss, dims, self.device)  # 0-dim float64 on the device
         if aux:  # logged apart: the cross entropy is what validation and seqpar eval report
-            self.state.aux_losses.append(broadcast_from_last_stage(aux[0], dims, self.device))
-            loss -= self.state.aux_losses[-1]
+            balance = broadcast_from_last_stage(aux[0], dims, self.device)
+            loss = loss - balance
         opt.unscale()
-        norm = float(opt.grad_norm())  # global: every rank decides alike
+        # the step's one read of the device: the non-finite policy decides on the host, every rank alike
+        read = torch.stack([loss, opt.grad_norm().double(), *([balance] if aux else [])]).tolist()
+        loss, norm = read[:2]
+        if aux:
+            self.state.aux_losses.append(read[2])
         if math.isfinite(loss) and math.isfinite(norm):
             opt.step(step, torch.tensor(norm))
             if opt.scaler is not None:

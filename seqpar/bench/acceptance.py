@@ -14,7 +14,8 @@ PyTorch, eager and compiled (``bench gpu --parts layer``); the fused attention e
 
 Writes ``OUT/acceptance-partN.json`` (every figure, each verb's full result under ``result``) and
 ``OUT/acceptance-partN.txt`` (the summary, also printed). Shapes: real on an accelerator, tiny on a CPU;
-``SEQPAR_ACCEPTANCE_SMOKE=1`` (or ``--quick``) also skips the compiled steps (the tests: seconds, not minutes).
+``SEQPAR_ACCEPTANCE_SMOKE=1`` (or ``--smoke``, ``--quick``) also skips the compiled steps and runs the self-test's
+memory check alone (the tests: seconds, not minutes).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Context:
     deadline: float
     scratch: Path
     env: dict = field(default_factory=dict)
+    smoke: bool = False  # the tests' run: compiled steps skipped, the self-test's memory check alone
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -128,8 +130,8 @@ def sdpa(ctx: Context, timeout: float) -> dict:
 
 
 def selftest(ctx: Context, timeout: float) -> dict:
-    r = ctx.json(["selftest", "--device", ctx.device, "--nproc", "1", "--quick", "--only", "parity,memory,training",
-                  "--json"], timeout)
+    only = "memory" if ctx.smoke else "parity,memory,training"  # smoke: measured == exact alone
+    r = ctx.json(["selftest", "--device", ctx.device, "--nproc", "1", "--quick", "--only", only, "--json"], timeout)
     checks = {c["name"]: {"ok": c["ok"], "summary": c["figures"].get("summary")} for c in r["checks"]}
     return {"ok": all(c["ok"] for c in checks.values()), "checks": checks, "seconds": r.get("seconds"), "result": r}
 
@@ -291,11 +293,11 @@ def resolve_device(name: str):
     return default_device()
 
 
-def run_step(ctx: Context, step: Step, smoke: bool, index: int, count: int, part: int) -> dict:
+def run_step(ctx: Context, step: Step, index: int, count: int, part: int) -> dict:
     """One step, guarded: its figures, or its error in one line; progress on stderr."""
     left = ctx.left()
     tag = f"[acceptance part {part}] {index}/{count} {step.name}"
-    if step.compiled and smoke:
+    if step.compiled and ctx.smoke:
         print(f"{tag}: skipped (smoke run)", file=sys.stderr, flush=True)
         return {"name": step.name, "ok": None, "skipped": "smoke run: compiled steps skipped", "seconds": 0.0}
     if left < MIN_STEP_S:
@@ -335,8 +337,8 @@ def run(args) -> dict:
     start = time.monotonic()
     steps = part_steps(args.part)
     with tempfile.TemporaryDirectory(prefix="seqpar-acceptance-") as scratch:
-        ctx = Context(str(device), kind != "cpu", start + budget, Path(scratch), child_env(device.type))
-        results = [run_step(ctx, s, smoke, i, len(steps), args.part) for i, s in enumerate(steps, 1)]
+        ctx = Context(str(device), kind != "cpu", start + budget, Path(scratch), child_env(device.type), smoke)
+        results = [run_step(ctx, s, i, len(steps), args.part) for i, s in enumerate(steps, 1)]
     result = {"part": args.part, "device": str(device), "shapes": "real" if ctx.real else "tiny", "smoke": smoke,
               "budget_s": budget, "wall_s": time.monotonic() - start, "steps": results,
               "figures": {r["name"]: r.get("figures") or {k: r[k] for k in ("error", "skipped") if k in r}

@@ -204,7 +204,8 @@ def _sets(**values) -> list[str]:
 
 
 def table4(ctx: Context, timeout: float) -> dict:
-    size = [] if ctx.real else ["--quick", "--tp", "1"]
+    size = [] if ctx.real else ["--tp", "1", "--hidden", "64", "--heads", "4", "--seq", "32", "--micro-batch", "2",
+                                "--dtype", "fp32", "--repeats", "3", "--warmup", "1"]  # --quick would time no warm-up
     r = ctx.json(["bench", "table4", "--device", ctx.device, *size, "--json"], timeout)
     rows = {row["name"]: {"combined_ms": row["combined_ms"], "overhead_pct": row["overhead_pct"],
                           "tflops_per_s": row["tflops_per_s"]} for row in r["rows"]}

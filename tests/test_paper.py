@@ -79,18 +79,11 @@ def test_plots_are_written(tmp_path):
 
 
 def test_plot_without_matplotlib_gives_a_clear_error(monkeypatch, tmp_path):
-    import builtins
+    import sys
 
     from seqpar.analysis import plots
 
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError, as when not installed
     with pytest.raises(AnalysisError, match=r"pip install 'seqpar\[plots\]'"):
         plots.figure7(tmp_path / "x.png")
 

@@ -4,16 +4,22 @@
 # fwd + bwd), set beside the built-in profile's, which is fitted to llm-foundry's flash-attn 2 runs
 # (seqpar/analysis/profiles.py FUSED_ATTENTION_EFFICIENCY: 0.18 on H100); and its gemm_efficiency beside the
 # built-in 0.60. Bounded (< 5 min); results land in $OUT (the device tool's output folder) or ./calibrate-gpu.
-#   bash benchmarks/gpu/attention_efficiency.sh     # from the repository root, torch with CUDA installed
-set -u
+# Runs from the checkout (PYTHONPATH), installing nothing; $PYTHON (default python3) with torch.
+#   bash benchmarks/gpu/attention_efficiency.sh     # from anywhere; torch with CUDA installed
+# benchmarks/gpu/acceptance.sh --part 2 measures the same fit among its other figures.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+py="${PYTHON:-python3}"
 out="${OUT:-calibrate-gpu}"
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1
-timeout 290 python -m seqpar calibrate --nproc 1 --dtype bf16 --out "$out/profile.json" > "$out/calibrate.txt" \
-  2> "$out/calibrate.err"
-echo "calibrate rc $?" | tee -a "$out/status.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpu.txt" 2>&1 || true
+rc=0
+timeout 290 "$py" -m seqpar calibrate --nproc 1 --dtype bf16 --out "$out/profile.json" > "$out/calibrate.txt" \
+  2> "$out/calibrate.err" || rc=$?
+echo "calibrate rc $rc" | tee -a "$out/status.txt"
 cat "$out/calibrate.txt"
-python - "$out/profile.json" <<'PY' || tail -5 "$out/calibrate.err"
+"$py" - "$out/profile.json" <<'PY' || tail -5 "$out/calibrate.err"
 import json, sys
 from seqpar.analysis.profiles import builtin_profile
 p = json.load(open(sys.argv[1]))

@@ -7,8 +7,10 @@ For each layer and offload set, a stack of ``--layers`` layers (bf16, one rank, 
 * step time with and without offloading at equal recomputation, and the share of the copy time hidden under
   the passes (overlap = 1 - extra time / copy time at the measured host-link rate).
 
-    python benchmarks/gpu/offload_layers.py --device cuda --out DIR     # < 5 min on one H100
-    python benchmarks/gpu/offload_layers.py --device cpu --small        # the same path on CPU (tests)
+    python3 benchmarks/gpu/offload_layers.py --device cuda --out DIR     # < 5 min on one H100
+    python3 benchmarks/gpu/offload_layers.py --device cpu --small        # the same path on CPU (tests)
+
+It runs from a checkout without installing seqpar (the checkout is put on ``sys.path``).
 
 On CPU the copies are synchronous and the times mean nothing: only the bytes are checked there. The GPU figures
 are unmeasured until this script runs on a GPU.
@@ -24,6 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, "") and str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout: seqpar is two levels up
 
 from seqpar.analysis.presets import preset_shape
 from seqpar.analysis.shapes import activation_options

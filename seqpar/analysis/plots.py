@@ -8,16 +8,14 @@ from seqpar.analysis import paper
 from seqpar.analysis.presets import TABLE3
 from seqpar.analysis.shapes import AnalysisError
 from seqpar.analysis.text import GB
+from seqpar.optional import require
 
 LABELS = {"tp": "TP", "tp_sp": "TP+SP", "tp_selective": "TP+selective", "tp_sp_selective": "TP+SP+selective",
           "full": "full recompute"}
 
 
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise AnalysisError("plotting needs matplotlib: pip install 'seqpar[plots]'") from err
+    matplotlib = require("matplotlib", "plotting", AnalysisError)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

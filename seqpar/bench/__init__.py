@@ -32,6 +32,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "them: GPT, Llama, sdpa, packed documents, MoE (ep 2), cp a2a, tp 2 + SP"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
+    "acceptance": ("seqpar.bench.acceptance", "the GPU acceptance run, part 1 or 2 (each under 4 min on one H100; "
+                   "benchmarks/gpu/acceptance.sh): seqpar's own verbs, each step bounded and guarded"),
 }
 
 

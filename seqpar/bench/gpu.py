@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="model steps, the first 2 untimed (default 8; CPU 3)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile (seqpar's fused layer and the plain compiled variants; default: on a GPU only)")
+    p.add_argument("--parts", default="layer,model", choices=["layer,model", "layer", "model"],
+                   help="which of (a) the layer and (b, c) the model to run (benchmarks/gpu/acceptance.sh: layer)")
 
 
 def _llama(shape: dict, dtype: str, layers: int = 1, vocab: int = 256) -> ModelConfig:
@@ -167,6 +169,29 @@ def plain_model(cfg: ModelConfig, device, compiled: bool, steps: int, peaks: dic
     return _rates(seconds, flops, peaks) | {"tokens_per_s": cfg.seq_len / seconds, "first_s": first}
 
 
+def model_bench(cfg: ModelConfig, device, compiled: bool, steps: int, peaks: dict) -> dict:
+    """(b) seqpar's trainer and (c) the plain model, eager and (when ``compiled``) compiled."""
+    model = {"seqpar": seqpar_model(cfg, device, compiled, steps, peaks)}
+    flops = model["seqpar"]["flops"]
+    model["plain_eager"] = plain_model(cfg, device, False, steps, peaks, flops)
+    model["plain_compiled"] = plain_model(cfg, device, True, steps, peaks, flops) if compiled else None
+    return model
+
+
+def targets_met(layer: dict | None, model: dict | None, ratios: dict) -> dict:
+    """Each ``TARGETS`` entry of the parts that ran: met or not."""
+    met = {}
+    if layer is not None:
+        met["layer_mfu_sheet"] = (layer["seqpar"]["mfu_sheet"] or 0) >= TARGETS["layer_mfu_sheet"]
+    if model is not None:
+        s = model["seqpar"]
+        met["model_mfu_sheet"] = (s["mfu_sheet"] or 0) >= TARGETS["model_mfu_sheet"]
+        met["peak_vs_plan"] = s["peak_vs_plan"] is not None and abs(s["peak_vs_plan"]) <= TARGETS["peak_vs_plan"]
+    both = [r for r in (ratios["layer_vs_plain"], ratios["model_vs_plain"]) if r is not None]
+    met["vs_compiled_plain"] = max(both) <= TARGETS["vs_compiled_plain"]
+    return met
+
+
 def run(args) -> dict:
     start = time.perf_counter()
     device = default_device()
@@ -184,26 +209,19 @@ def run(args) -> dict:
              "gemm": gemm_probe(device, torch_dtype, n=8192 if gpu else 512, seconds=2.0 if gpu else 0.3)}
     layer_cfg = _llama(SMALL["layer"] if small else LAYER, dtype)
     model_cfg = _llama(SMALL["model"] if small else MODEL, dtype)
-    layer = layer_bench(layer_cfg, device, compiled, repeats, peaks)
-    model = {"seqpar": seqpar_model(model_cfg, device, compiled, steps, peaks)}
-    flops = model["seqpar"]["flops"]
-    model["plain_eager"] = plain_model(model_cfg, device, False, steps, peaks, flops)
-    model["plain_compiled"] = plain_model(model_cfg, device, True, steps, peaks, flops) if compiled else None
+    parts = args.parts.split(",") if getattr(args, "parts", None) else ["layer", "model"]
+    layer = layer_bench(layer_cfg, device, compiled, repeats, peaks) if "layer" in parts else None
+    model = model_bench(model_cfg, device, compiled, steps, peaks) if "model" in parts else None
 
     def vs(rows):
+        if rows is None:
+            return None
         base = rows.get("plain_compiled") or rows["plain_eager"]
         return rows["seqpar"]["ms"] / base["ms"]
 
     ratios = {"layer_vs_plain": vs(layer), "model_vs_plain": vs(model),
               "against": "plain_compiled" if compiled else "plain_eager"}
-    met = None
-    if gpu and not small:
-        s = model["seqpar"]
-        met = {"layer_mfu_sheet": (layer["seqpar"]["mfu_sheet"] or 0) >= TARGETS["layer_mfu_sheet"],
-               "model_mfu_sheet": (s["mfu_sheet"] or 0) >= TARGETS["model_mfu_sheet"],
-               "vs_compiled_plain": max(ratios["layer_vs_plain"], ratios["model_vs_plain"]) <= TARGETS[
-                   "vs_compiled_plain"],
-               "peak_vs_plan": s["peak_vs_plan"] is not None and abs(s["peak_vs_plan"]) <= TARGETS["peak_vs_plan"]}
+    met = targets_met(layer, model, ratios) if gpu and not small else None
     return {"device": device_name(device) or "cpu", "sheet_entry": key, "dtype": dtype, "small": small,
             "compiled": compiled, "gemm_peak_tflops": peaks["gemm"] / 1e12,
             "sheet_tflops": peaks["sheet"] / 1e12 if peaks["sheet"] else None,
@@ -224,22 +242,28 @@ def render(r: dict) -> str:
 
     head = ["", "ms", "TFLOP/s", "MFU sheet", "MFU GEMM", ""]
     layer, model = r["layer"], r["model"]
+    lines = [f"gpu bench on {r['device']} ({r['dtype']}, {'small shapes' if r['small'] else 'full shapes'}, "
+             f"{'compiled' if r['compiled'] else 'eager'}): GEMM peak {r['gemm_peak_tflops']:.1f} TFLOP/s"
+             + (f", data sheet {r['sheet_tflops']:.0f}" if r["sheet_tflops"] else ", no data-sheet entry")]
+    if layer is not None:
+        lines += [f"(a) one layer {r['layer_shape']}, forward + backward",
+                  common.table(head, [row(k, layer[k]) for k in ("seqpar", "plain_eager", "plain_compiled")]),
+                  f"seqpar / {r['ratios']['against']}, layer: {r['ratios']['layer_vs_plain']:.2f}×"]
+    if model is not None:
+        lines += _render_model(r, model, head, row)
+    met = r["targets_met"]
+    judged = ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items()) if met else None
+    lines.append(f"targets {judged or 'not judged (small shapes or no GPU)'}; {r['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _render_model(r: dict, model: dict, head: list, row) -> list[str]:
     s = model["seqpar"]
     peak = ("allocator peak " + common.fmt_bytes(s["allocator_peak_bytes"]) + f" vs planned "
             f"{common.fmt_bytes(s['planned_peak_bytes'])} ({100 * s['peak_vs_plan']:+.1f}%)"
             if s["allocator_peak_bytes"] else f"planned peak {common.fmt_bytes(s['planned_peak_bytes'])} "
             "(no allocator on a CPU)")
-    lines = [f"gpu bench on {r['device']} ({r['dtype']}, {'small shapes' if r['small'] else 'full shapes'}, "
-             f"{'compiled' if r['compiled'] else 'eager'}): GEMM peak {r['gemm_peak_tflops']:.1f} TFLOP/s"
-             + (f", data sheet {r['sheet_tflops']:.0f}" if r["sheet_tflops"] else ", no data-sheet entry"),
-             f"(a) one layer {r['layer_shape']}, forward + backward",
-             common.table(head, [row(k, layer[k]) for k in ("seqpar", "plain_eager", "plain_compiled")]),
-             f"(b, c) model {r['model_shape']}, one training step",
-             common.table(head, [row(k, model[k], f"{model[k]['tokens_per_s']:,.0f} tokens/s" if model[k] else "")
-                                 for k in ("seqpar", "plain_eager", "plain_compiled")]),
-             f"seqpar / {r['ratios']['against']}: layer {r['ratios']['layer_vs_plain']:.2f}×, model "
-             f"{r['ratios']['model_vs_plain']:.2f}×; {peak}",
-             "targets " + (", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in r["targets_met"].items())
-                           if r["targets_met"] else "not judged (small shapes or no GPU)")
-             + f"; {r['wall_s']:.0f} s"]
-    return "\n".join(lines)
+    return [f"(b, c) model {r['model_shape']}, one training step",
+            common.table(head, [row(k, model[k], f"{model[k]['tokens_per_s']:,.0f} tokens/s" if model[k] else "")
+                                for k in ("seqpar", "plain_eager", "plain_compiled")]),
+            f"seqpar / {r['ratios']['against']}, model: {r['ratios']['model_vs_plain']:.2f}×; {peak}"]

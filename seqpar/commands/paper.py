@@ -21,11 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from seqpar.analysis import paper, paper_report
     from seqpar.analysis.shapes import AnalysisError
+    from seqpar.optional import require
 
     if args.plot:
         from seqpar.out_path import check_plot_folder
 
         check_plot_folder(args.plot, FIGURES, "--plot")  # a user's figure1.png is not replaced
+        require("matplotlib", "--plot", AnalysisError)  # refused before the tables, not after
     if args.json:
         print(json.dumps(paper.reproduce()))
     else:

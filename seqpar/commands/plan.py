@@ -260,6 +260,9 @@ def _check_outputs(args) -> None:
         check_out_file(args.emit_slurm, "--emit-slurm", _slurm_script, "a batch script seqpar plan wrote")
     if args.plot is not None:
         check_plot_folder(args.plot, ["plan_stages.png" if args.explain is not None else "plan_memory.png"], "--plot")
+        from seqpar.optional import require
+
+        require("matplotlib", "--plot", AnalysisError)  # refused before the search, not after
 
 
 def run(args) -> int:

@@ -41,10 +41,11 @@ def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, field: str = 
 
     if vocab_size < 257 + 1:
         raise DataError(f"--vocab {vocab_size} must exceed 257 (the 256 bytes and {EOS}) to learn any merge")
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    except ImportError:
-        raise DataError("tokenizer train needs the tokenizers package (pip install tokenizers)") from None
+    from seqpar.optional import require
+
+    tk = require("tokenizers", "tokenizer train", DataError)
+    Tokenizer, decoders, models, pre_tokenizers, trainers = (tk.Tokenizer, tk.decoders, tk.models, tk.pre_tokenizers,
+                                                              tk.trainers)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -61,11 +61,9 @@ def _parquet(path: Path):
     import os
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a network call
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(f"{path}: Parquet input needs the Hugging Face `datasets` package "
-                        "(pip install 'seqpar[data]')") from None
+    from seqpar.optional import require
+
+    datasets = require("datasets", f"{path}: Parquet input", DataError)
     datasets.disable_progress_bars()
     try:
         return datasets.Dataset.from_parquet(str(path), keep_in_memory=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from seqpar.data.errors import DataError
 from seqpar.fileio import sha256_file, write_atomic
+from seqpar.optional import require
 
 FILE = "tokenizer.json"
 # the names an end-of-document token goes by, most specific first
@@ -33,10 +34,7 @@ def load(path: str | Path):
     if not path.is_file():
         what = "does not exist" if not path.exists() else "is not a file"
         raise DataError(f"tokenizer file {path} {what}")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise DataError(f"tokenizer {path} needs the tokenizers package (pip install tokenizers)") from None
+    Tokenizer = require("tokenizers", f"tokenizer {path}", DataError).Tokenizer
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises plain Exception for unreadable or invalid JSON
@@ -118,9 +116,8 @@ def folder_tokenizer(folder: str | Path, scratch: Path) -> str:
     names = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt", "tokenizer_config.json")
     if not any((folder / n).is_file() for n in names):
         return ""
+    AutoTokenizer = require("transformers", f"the tokenizer files of {folder}", DataError).AutoTokenizer
     try:
-        from transformers import AutoTokenizer
-
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as err:  # transformers raises many types for folders it cannot read
         raise DataError(f"the tokenizer files of {folder} cannot be read by transformers: "
@@ -136,8 +133,8 @@ def byte_level_json() -> str:
     """A ``tokenizers`` JSON whose ids are byte values (0-255), as seqpar's byte-level models read
     text: a byte-level pre-tokenizer without the regex split and a BPE over the 256 byte symbols with
     no merges, so ``encode(text).ids == list(text.encode())`` and decode returns the bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
+    tk = require("tokenizers", "a byte-level tokenizer file", DataError)
+    Tokenizer, decoders, models, pre_tokenizers = tk.Tokenizer, tk.decoders, tk.models, tk.pre_tokenizers
     symbols = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins of GPT-2's byte map
     table = _byte_symbols()
     assert sorted(symbols) == sorted(table.values())

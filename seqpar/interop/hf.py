@@ -32,12 +32,10 @@ def family_of(cfg: ModelConfig):
 
 
 def _safetensors():
-    try:
-        from safetensors.torch import load_file, save_file
-    except ImportError:
-        raise ConfigError("Hugging Face interop needs the `safetensors` package: "
-                          "pip install 'seqpar[interop]'") from None
-    return load_file, save_file
+    from seqpar.optional import require
+
+    st = require("safetensors.torch", "Hugging Face interop")
+    return st.load_file, st.save_file
 
 
 def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -72,8 +70,9 @@ def is_export(folder: str | Path) -> bool:
     weights = Path(folder) / "model.safetensors"
     if not weights.is_file():
         return False
-    from safetensors import safe_open
+    from seqpar.optional import require
 
+    safe_open = require("safetensors", "Hugging Face interop").safe_open
     try:
         with safe_open(str(weights), "pt") as fh:
             return (fh.metadata() or {}).items() >= EXPORT_MARK.items()

@@ -10,12 +10,12 @@ in one line before any rank starts (``require_wandb``).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import uuid
 from pathlib import Path
 
 from seqpar.config import ConfigError
+from seqpar.optional import available, install_hint
 
 WANDB_MODES = ("off", "online", "offline")
 
@@ -24,8 +24,8 @@ def require_wandb(mode: str) -> None:
     """Refuse an unknown mode, or a mode other than off without the ``wandb`` package."""
     if mode not in WANDB_MODES:
         raise ConfigError(f"train.wandb {mode!r} is not one of {list(WANDB_MODES)}")
-    if mode != "off" and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"train.wandb = {mode!r} needs the wandb package: pip install 'seqpar[wandb]' "
+    if mode != "off" and not available("wandb"):
+        raise ConfigError(f"train.wandb = {mode!r} needs the wandb package: {install_hint('wandb')} "
                           "(or --wandb off)")
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) holding seqpar/
-PART_BUDGET_S = {"cpu": 160.0, "accelerator": 205.0}  # under 3 min on the CPU, under 4 on one GPU with ~15 s of start-up
+PART_BUDGET_S = {"cpu": 160.0, "accelerator": 205.0}  # < 3 min on a CPU, < 4 on a GPU with ~15 s of start-up
 MIN_STEP_S = 8.0  # a step with less left than this is skipped, not started
 SMOKE_ENV = "SEQPAR_ACCEPTANCE_SMOKE"
 QUICK = {"smoke": True}

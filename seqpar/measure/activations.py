@@ -26,7 +26,7 @@ def predicted_activation_bytes(job, layers: list[int], device: torch.device, hos
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
         opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
-                                  sdpa_kernel=sdpa_kernel_for(device))
+                                  sdpa_kernel=sdpa_kernel_for(device, torch_dtype(m.dtype), job.data.document_mask))
         return layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute,
                             list(layers), host)
     except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form

@@ -142,7 +142,8 @@ class AdamOnMasters:
         no_decay = [m for p, m in pairs if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.cfg.lr,
-                                     betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps, foreach=False)
+                                     betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps,
+                                     **adam_implementation(self.masters[0].device if self.masters else None))
         init_adam_state(self.opt)
 
     def flat_buckets(self, chunks: list[nn.Module], shard: bool) -> GradBuffers:
@@ -226,9 +227,27 @@ class AdamOnMasters:
         raise NotImplementedError
 
 
+def adam_implementation(device: torch.device | None) -> dict:
+    """AdamW's implementation for masters on ``device``: the per-parameter loop on CPU (the parity tests compare its
+    bits with ``torch.optim.AdamW``'s CPU default), elsewhere the fused kernel -- the same update, one launch per
+    device and dtype instead of a dozen per parameter, and no step-wide temporaries (foreach's would be a copy
+    of every master). Fused keeps Adam's step count on the masters' device as fp32 (``adam_step``)."""
+    return {"foreach": False} if device is None or device.type == "cpu" else {"fused": True}
+
+
+def adam_step(count: int, group: dict, master: torch.Tensor) -> torch.Tensor:
+    """Adam's step count as ``torch.optim.AdamW`` keeps it for ``group``: a CPU scalar tensor (default dtype), on
+    the master's device as fp32 where the fused (or capturable) kernel reads it there."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(count), dtype=torch.float32, device=master.device)
+    return torch.tensor(float(count), dtype=torch.get_default_dtype())
+
+
 def set_adam_step(state: dict, opt_step: int) -> None:
-    """Adam's step count after a load; 0 (no optimizer state in the checkpoint): fresh zero moments."""
-    state["step"] = torch.tensor(float(opt_step))
+    """Adam's step count after a load, where and as ``init_adam_state`` made it (``adam_step``); 0 (no optimizer
+    state in the checkpoint): fresh zero moments."""
+    held = state["step"]
+    state["step"] = torch.tensor(float(opt_step), dtype=held.dtype, device=held.device)
     if opt_step == 0:
         state["exp_avg"].zero_()
         state["exp_avg_sq"].zero_()
@@ -240,7 +259,7 @@ def init_adam_state(opt: torch.optim.AdamW) -> None:
     optimizer's bytes are allocated, and measurable, before training starts."""
     for group in opt.param_groups:
         for m in group["params"]:
-            opt.state[m] = {"step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
+            opt.state[m] = {"step": adam_step(0, group, m),
                             "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
                             "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
 

@@ -59,6 +59,14 @@ OFFLOADED = {
 }
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """Host bytes torch's caching host allocator reserves for a pinned buffer of ``nbytes``: the power of two at or
+    above it (torch 2.13 ``CachingHostAllocator.h``: ``PowerOf2Ceil`` up to ``pinned_max_round_threshold``, which is
+    unlimited unless PYTORCH_CUDA_ALLOC_CONF sets it). So pinned RAM is up to 2x the bytes offloaded or staged:
+    the offload pool reports these (``HostPool.allocated_bytes``) beside the exact bytes the formula counts."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
 def offload_split(terms: dict[str, float], modules, core_output_shared: bool = False
                   ) -> tuple[dict[str, float], dict[str, float]]:
     """``terms`` (one layer's, after recomputation) as (device, host) under the offload ``modules``: each moved

@@ -69,6 +69,7 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
         out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
         if job.recompute.offload_modules:  # on the host: the offloader's, next to the formula's
             out["act_host_bytes_measured"] = sum(chunk.recompute.offloader.host_bytes().values())
+            out["act_host_reserved_bytes"] = chunk.recompute.offloader.reserved_host_bytes  # pinned: rounded up
             out["act_host_bytes_predicted"] = predicted_activation_bytes(job, layers, device, host=True)
         del kept
     return out | stage_peaks(job, chunks, data, dims, device)

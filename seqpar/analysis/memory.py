@@ -59,6 +59,14 @@ OFFLOADED = {
 }
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """Host bytes torch's caching host allocator reserves for a pinned buffer of ``nbytes``: the power of two at or
+    above it (torch 2.13 ``CachingHostAllocator.h``: ``PowerOf2Ceil`` up to ``pinned_max_round_threshold``, which is
+    unlimited unless PYTORCH_CUDA_ALLOC_CONF sets it). So pinned RAM is up to 2x the bytes offloaded or staged:
+    the offload pool reports these (``HostPool.allocated_bytes``) beside the exact bytes the formula counts."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
 def offload_split(terms: dict[str, float], modules, core_output_shared: bool = False
                   ) -> tuple[dict[str, float], dict[str, float]]:
     """``terms`` (one layer's, after recomputation) as (device, host) under the offload ``modules``: each moved
@@ -105,19 +113,25 @@ def kv_heads_per_rank(a: int, t: int, kv_heads: int | None) -> float:
 
 # What each fused kernel behind scaled_dot_product_attention keeps besides Q, K and V (torch 2.13,
 # torch/_meta_registrations.py and the CPU kernel): the rows of its fp32 log-sum-exp per (b, head) for s
-# queries, the bytes of its RNG state (seed and offset; none on CPU), and whether its output can be the
-# out-proj input's storage: the CPU kernel writes it in the query's memory order ([s, b, heads, d] here), so
-# its [s, b, h/t] view is that input; the CUDA kernels write [b, s, heads, d], which is that view only for b = 1.
+# queries, the bytes of its RNG state (seed and offset; none on CPU), and the memory order of its output:
+# "query" -- the query's own (``empty_like(query)``: the CPU kernel and flash; cuDNN's
+# ``alloc_with_matching_layout``), which the fused core's q makes [s, b, heads, d], so the output's [s, b, h/t]
+# view is the out-proj input itself; "bshd" -- a fresh [b, s, heads, d] (the memory-efficient kernel), which
+# out-proj copies into an [s·b, h/t] input of its own unless b = 1 (``sdpa_output_is_out_proj_input``).
 SDPA_KERNELS = {
     "cpu": (lambda s: s, 0, "query"),  # _scaled_dot_product_flash_attention_for_cpu: lse [b, heads, s]
-    "flash": (lambda s: s, 16, "bshd"),  # lse [b, heads, s]; rng_state uint64 [2] (+ an empty placeholder)
+    "flash": (lambda s: s, 16, "query"),  # lse [b, heads, s]; rng_state uint64 [2] (+ an empty placeholder)
     "efficient": (lambda s: -(-s // 32) * 32, 16, "bshd"),  # lse [b, heads, ⌈s/32⌉·32]; int64 seed, offset
-    "cudnn": (lambda s: s, 16, "bshd"),  # stats [b, heads, s, 1]; seed and offset
+    "cudnn": (lambda s: s, 16, "query"),  # stats [b, heads, s, 1]; seed and offset
 }
 
 
 def sdpa_output_is_out_proj_input(b: int, kernel: str) -> bool:
-    """Whether the ``kernel``'s output and the out-proj's saved input are one storage (see ``SDPA_KERNELS``)."""
+    """Whether the ``kernel``'s output and the out-proj's saved input are one storage: the output in the query's
+    memory order ([s, b, heads, d] in the fused core) is; a [b, s, heads, d] one only for b = 1 (out-proj's
+    [s·b, h/t] reshape copies it otherwise). See ``SDPA_KERNELS``."""
+    if kernel not in SDPA_KERNELS:
+        raise AnalysisError(f"sdpa kernel {kernel!r} is not one of {list(SDPA_KERNELS)}")
     return SDPA_KERNELS[kernel][2] == "query" or b == 1
 
 

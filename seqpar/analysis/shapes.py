@@ -148,15 +148,24 @@ def uses_dropout(cfg: ModelConfig, embedding: bool = True) -> bool:
 DEVICES = ("cuda", "cpu")  # the device kinds a prediction is for (what a launch on such a host runs)
 
 
-def device_kernels(device: str, act_bytes: int) -> tuple[str, int]:
+def device_kernels(device: str, act_bytes: int, masked: bool = False) -> tuple[str, int]:
     """What the run's device changes in the activation formula, the one owner of that rule (the planner, the
-    dry run and the measurement ask it): the fused kernel ``scaled_dot_product_attention`` runs
-    (``memory.SDPA_KERNELS``: the CPU kernel writes its output in the query's memory order, flash on CUDA a
-    ``[b, s, heads, d]`` one, a second storage at b > 1) and the bytes of one norm-statistic element (the
+    dry run, the measurement and the fused core, which pins the kernel named here, ask it): the fused kernel
+    ``scaled_dot_product_attention`` runs (``sdpa_kernel_of``) and the bytes of one norm-statistic element (the
     activation width ``act_bytes`` on CPU, fp32 on accelerators)."""
     if device not in DEVICES:
         raise AnalysisError(f"device {device!r} is not one of {list(DEVICES)}")
-    return ("cpu", act_bytes) if device == "cpu" else ("flash", 4)
+    return sdpa_kernel_of(device, act_bytes, masked), act_bytes if device == "cpu" else 4
+
+
+def sdpa_kernel_of(device: str, act_bytes: int, masked: bool = False) -> str:
+    """The one ``memory.SDPA_KERNELS`` kernel the fused core runs (and pins: never the math fallback, which keeps
+    s² tensors): the CPU's flash kernel on CPU; on an accelerator flash for 16-bit activations without a mask,
+    else the memory-efficient kernel (flash takes neither fp32 nor an attention mask: packed documents).
+    ``act_bytes``: the width of q, k, v; ``masked``: an additive mask is passed (``[data] document_mask``)."""
+    if device == "cpu":
+        return "cpu"
+    return "flash" if act_bytes == 2 and not masked else "efficient"
 
 
 def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: bool = True,

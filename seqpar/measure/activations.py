@@ -26,7 +26,7 @@ def predicted_activation_bytes(job, layers: list[int], device: torch.device, hos
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
         opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
-                                  sdpa_kernel=sdpa_kernel_for(device))
+                                  sdpa_kernel=sdpa_kernel_for(device, torch_dtype(m.dtype), job.data.document_mask))
         return layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute,
                             list(layers), host)
     except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
@@ -69,6 +69,7 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
         out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
         if job.recompute.offload_modules:  # on the host: the offloader's, next to the formula's
             out["act_host_bytes_measured"] = sum(chunk.recompute.offloader.host_bytes().values())
+            out["act_host_reserved_bytes"] = chunk.recompute.offloader.reserved_host_bytes  # pinned: rounded up
             out["act_host_bytes_predicted"] = predicted_activation_bytes(job, layers, device, host=True)
         del kept
     return out | stage_peaks(job, chunks, data, dims, device)

@@ -28,9 +28,10 @@ def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
     return device_kernels(_kind(device), torch.empty((), dtype=dtype).element_size())[1]
 
 
-def sdpa_kernel_for(device: torch.device) -> str:
-    """The fused attention kernel ``scaled_dot_product_attention`` runs on ``device`` (``device_kernels``)."""
-    return device_kernels(_kind(device), 2)[0]
+def sdpa_kernel_for(device: torch.device, dtype: torch.dtype = torch.bfloat16, masked: bool = False) -> str:
+    """The fused attention kernel the core pins on ``device`` for ``dtype`` activations, with a document mask or
+    not (``seqpar.analysis.shapes.sdpa_kernel_of``, which ``CoreAttention`` asks too)."""
+    return device_kernels(_kind(device), torch.empty((), dtype=dtype).element_size(), masked)[0]
 
 
 def _kind(device: torch.device) -> str:

@@ -62,8 +62,9 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
                         micro_batch: int, microbatches: int, rank: int, free_outputs: bool = True,
                         keep: int = 0, device: str = "cpu") -> tuple[float, dict]:
     """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
-    opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
-                              free_pipeline_outputs=free_outputs, sdpa_kernel=sdpa_kernel_for(torch.device(device)))
+    dev, dtype = torch.device(device), torch_dtype(cfg.dtype)
+    opts = activation_options(cfg, layernorm_stat_bytes(dev, dtype), free_pipeline_outputs=free_outputs,
+                              sdpa_kernel=sdpa_kernel_for(dev, dtype))
     # the states do not matter here (no activation term depends on dp; ep's ranks are taken inside dp × cp)
     activations_only = replace(parallel, fsdp=False, fsdp_shard_size=0)
     memory = stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
@@ -79,7 +80,7 @@ def formula_host_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: Re
     if not recompute.offload_modules:
         return 0.0
     opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
-                              sdpa_kernel=sdpa_kernel_for(torch.device(device)))
+                              sdpa_kernel=sdpa_kernel_for(torch.device(device), torch_dtype(cfg.dtype)))
     activations_only = replace(parallel, fsdp=False, fsdp_shard_size=0)
     return stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
                         microbatches, opts, rank=rank).host_total

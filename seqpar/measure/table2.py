@@ -104,7 +104,7 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     s, b, h, a = cfg.seq_len, micro_batch, cfg.hidden_size, cfg.num_heads
     exact_opts = activation_options(cfg, layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype)),
                                     embedding=False,  # one layer: no embedding dropout
-                                    sdpa_kernel=sdpa_kernel_for(torch.device(device)))
+                                    sdpa_kernel=sdpa_kernel_for(torch.device(device), torch_dtype(cfg.dtype)))
     opts = replace(exact_opts, ln_stats_bytes=0)
     paper = is_paper_gpt(cfg)
     rows = []
@@ -150,7 +150,7 @@ def exact_for_routing(cfg: ModelConfig, micro_batch: int, row: Row, routing: Rou
     """A row's exact bytes for the routing a rank saw (MoE layers)."""
     cpu = torch.device("cpu")
     opts = activation_options(cfg, layernorm_stat_bytes(cpu, torch_dtype(cfg.dtype)), embedding=False,
-                              sdpa_kernel=sdpa_kernel_for(cpu))
+                              sdpa_kernel=sdpa_kernel_for(cpu, torch_dtype(cfg.dtype)))
     par = ParallelConfig(tp=row.tp, cp=row.cp, sp=row.sp and row.tp > 1, dp=row.ep, ep=row.ep,
                          cp_comm_type=row.cp_comm_type, cp_a2a_size=row.cp_a2a_size)
     return sum(layer_terms(cfg, par, micro_batch, opts, row.recompute_config, routing).values())

@@ -23,8 +23,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seqpar import documents
+from seqpar.analysis.shapes import sdpa_kernel_of
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.context_attention import A2ACoreAttention, RingCoreAttention
@@ -165,6 +167,27 @@ class Rotary(nn.Module):
         return table[0][:s], table[1][:s]  # views, [s, 1, 1, 1, d]
 
 
+# The torch backend of each kernel the formula knows (``seqpar.analysis.memory.SDPA_KERNELS``); the CPU's is its
+# flash kernel. MATH is none of them: it keeps the s² probabilities.
+SDPA_BACKENDS = {"cpu": SDPBackend.FLASH_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def _device_kind(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else "cuda"  # any accelerator: the flash-class kernels
+
+
+def _no_kernel(kernel: str, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """One line: why the fused core stops when its pinned kernel refuses the call, and what to change."""
+    b, heads, s, d = q.shape
+    what = "a document mask" if mask is not None else "causal"
+    return (f"fused attention: the {kernel} kernel (the one the memory formula counts, "
+            f"seqpar.analysis.shapes.sdpa_kernel_of) cannot run {str(q.dtype).removeprefix('torch.')} q on "
+            f"{q.device.type} with head dim {d}, {heads} query heads on {k.shape[1]} kv heads, {what}, s {s}, b {b}; "
+            f"seqpar does not fall back to the math kernel (it keeps s² tensors): set fused_attention = false "
+            f"or change the dtype / head dim to what the {kernel} kernel takes")
+
+
 class CoreAttention(nn.Module):
     """Attention of this rank's heads: ``[s, b, groups·(g+2)·d]`` → ``[s, b, groups·g·d]``.
 
@@ -213,8 +236,13 @@ class CoreAttention(nn.Module):
         q = q.reshape(s, b, n * g, d).permute(1, 2, 0, 3)  # [b, heads, s, d] (view)
         k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d] (views)
         mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                             enable_gqa=g > 1)  # [b, heads, s, d]
+        kernel = sdpa_kernel_of(_device_kind(q.device), q.element_size(), mask is not None)
+        try:
+            with sdpa_kernel(SDPA_BACKENDS[kernel]):  # the kernel the formula counts, never the math fallback
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                     scale=self.scale, enable_gqa=g > 1)  # [b, heads, s, d]
+        except RuntimeError as err:
+            raise RuntimeError(_no_kernel(kernel, q, k, mask)) from err
         return out.permute(2, 0, 1, 3).reshape(s, b, n * g * d)  # [s, b, h/t]: a view where the kernel allows
 
     def pack(self, qkv: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,9 @@ lists what is on the host, per module -- the meter counts device bytes, the offl
 
 On CUDA: pinned host buffers from a pool reused across steps, copies on one side stream (device→host after the
 producer, host→device before the consumer, events between), so a layer's copies run under the next layer's
-forward and the previous layer's reload under this layer's backward. On CPU the copies are real copies into the
+forward and the previous layer's reload under this layer's backward; the stream and events are the tensor's
+device's. Pinned blocks are what torch's caching host allocator reserves, powers of two (``reserved_host_bytes``
+beside the exact ``peak_host_bytes``). On CPU the copies are real copies into the
 same kind of pool, synchronously: the code path and the accounting run in CI; time figures there mean nothing.
 """
 
@@ -28,23 +30,31 @@ from collections import defaultdict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from seqpar.analysis.memory import pinned_block_bytes
+
 
 class HostPool:
-    """Host byte buffers by size, reused across steps (pinned on CUDA): ``take`` one, ``give`` it back."""
+    """Host byte buffers, reused across steps: ``take`` one, ``give`` it back. Pinned (on CUDA) a buffer is a view
+    of a whole block of ``pinned_block_bytes`` -- what torch's caching host allocator reserves for it anyway -- so
+    a block serves every size that rounds to it, and ``allocated_bytes`` is the pinned RAM really held."""
 
     def __init__(self):
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
-        self.allocated_bytes = 0  # every buffer the pool ever made
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)  # whole blocks by (bytes, pinned)
+        self.allocated_bytes = 0  # every block the pool ever made, as the allocator reserves them
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor:
-        free = self._free[(nbytes, pin)]
-        if free:
-            return free.pop()
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        """uint8 ``[nbytes]``: a view of a free block of its size class, or of a new one."""
+        size = pinned_block_bytes(nbytes) if pin else nbytes
+        free = self._free[(size, pin)]
+        if not free:
+            self.allocated_bytes += size
+            free.append(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
+        return free.pop()[:nbytes]  # [nbytes], a view of the block
 
     def give(self, buffer: torch.Tensor) -> None:
-        self._free[(buffer.numel(), buffer.is_pinned())].append(buffer)
+        """Return a buffer ``take`` gave: its whole block is free again."""
+        block = buffer._base if buffer._base is not None else buffer
+        self._free[(block.numel(), block.is_pinned())].append(block)
 
 
 class HostLedger:
@@ -123,7 +133,7 @@ class Offloader:
         self._spared: set[int] = set()
         self._records: weakref.WeakSet[_LayerRecord] = weakref.WeakSet()
         self._last = None  # weakref to the record of the last layer run
-        self._stream = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # the side stream per device (CUDA)
 
     # ------------------------------------------------------------------ where modules run
     def scope(self, module: str, run):
@@ -163,7 +173,15 @@ class Offloader:
     # ------------------------------------------------------------------ accounting
     @property
     def peak_host_bytes(self) -> int:
+        """The most offloaded bytes on the host at once (exact: what the formula's host terms count)."""
         return self.ledger.peak_bytes
+
+    @property
+    def reserved_host_bytes(self) -> int:
+        """Host RAM the pool holds for them: pinned blocks as the allocator rounds them (``pinned_block_bytes``),
+        up to 2x ``peak_host_bytes`` on CUDA; the same bytes on CPU."""
+        return self.pool.allocated_bytes
+
     def host_tensors(self) -> list[_Entry]:
         """What is on the host now (offloaded, not yet reloaded), every layer of every microbatch in flight."""
         return [e for r in list(self._records) if not r.reloaded for _, e in r.entries.values()]
@@ -221,17 +239,18 @@ class Offloader:
         prev = None if record.prev is None else record.prev()
         if prev is not None:  # its backward comes next: start its copies now
             self._reload(prev)
-        if record.ready is not None:
-            torch.cuda.current_stream().wait_event(record.ready)
         loaded = packed.entry.loaded
+        if record.ready is not None:
+            torch.cuda.current_stream(loaded.device).wait_event(record.ready)
         return torch.empty(0, dtype=packed.dtype, device=loaded.device).set_(
             loaded.untyped_storage(), packed.offset, packed.size, packed.stride)
 
     # ------------------------------------------------------------------ copies
-    def _side(self):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        """The copies' side stream on ``device`` (the tensor's, which need not be the current device)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
 
     def _copy_out(self, module: str, t: torch.Tensor) -> _Entry:
         storage = t.untyped_storage()
@@ -241,9 +260,9 @@ class Offloader:
         if not cuda:
             entry.host.copy_(source)
             return entry
-        side = self._side()
-        side.wait_stream(torch.cuda.current_stream())  # the producer has written it
-        with torch.cuda.stream(side):
+        side = self._side(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))  # the producer has written it
+        with torch.cuda.device(t.device), torch.cuda.stream(side):
             entry.host.copy_(source, non_blocking=True)
         source.record_stream(side)  # its memory is not reused before the copy has read it
         return entry
@@ -264,9 +283,10 @@ class Offloader:
             return
         for e in entries:  # allocated on the compute stream, which frees them after their backward
             e.loaded = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-        side = self._side()
-        side.wait_stream(torch.cuda.current_stream())  # the fresh blocks' earlier users are done
-        with torch.cuda.stream(side):
+        device = entries[0].device
+        side = self._side(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the fresh blocks' earlier users are done
+        with torch.cuda.device(device), torch.cuda.stream(side):
             for e in entries:
                 e.loaded.copy_(e.host, non_blocking=True)
                 self.pool.give(e.host)  # the next copy into it is queued on this stream after this one

@@ -71,16 +71,38 @@ def counted_elements(p: torch.Tensor, tp_rank: int, tied_copy: bool) -> int:
     return 0 if layout.split_dim is None and tp_rank != 0 else math.prod(shape)
 
 
+# Elements per view whose fp32 norm the CPU takes: its norm kernel sums each thread's share in fp32 in one pass (a
+# 67M-element gradient comes out 0.5% low), views of 2**14 elements keep it to 2e-8. Accelerators reduce in a
+# tree (their foreach kernel in blocks of 65536) and take whole tensors.
+NORM_CHUNK = {"cpu": 2**14}
+
+
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ ‖g‖² over ``grads`` as a float64 0-dim tensor on ``device``: norms in fp32 by one foreach kernel (of each
+    tensor, or of its ``NORM_CHUNK`` views), no copy of a gradient, squared and summed in float64. A float64
+    square per element copies every gradient at 8 bytes an element (4.2 GB for Llama-3.2-1B's embedding gradient,
+    in no formula); this differs from it by rounding only (tests/test_grad_norm.py). A NaN or inf element gives a
+    non-finite sum (the skip rule reads it), as does a tensor whose norm passes 1.8e19 (its fp32 sum of squares
+    overflows: such a step is skipped)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    chunk = NORM_CHUNK.get(grads[0].device.type)
+    views = [v for g in grads for v in (g.view(-1).split(chunk) if chunk and g.is_contiguous() else (g,))]
+    norms = torch._foreach_norm(views, 2, dtype=torch.float32)  # [‖v‖] per view, fp32 0-dim each
+    return torch.stack(norms).double().square().sum()  # float64 0-dim
+
+
 def global_grad_norm(pieces: Iterable[tuple[torch.Tensor, bool]], dims: ParallelDims, device: torch.device,
                      shard_groups: tuple = (None, None)) -> torch.Tensor:
     """Global L2 norm of the gradients from this rank's counted pieces ((gradient elements, a routed expert's?)):
     squares summed here, then over the ranks holding other shards of the same parameters (``shard_groups``:
     (the dense parameters' group, the routed experts'), None when not sharded), the experts over ep (they
     differ there), and all of it over tp and pp."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    experts = torch.zeros((), dtype=torch.float64, device=device)
+    dense: list[torch.Tensor] = []
+    routed: list[torch.Tensor] = []
     for grad, expert in pieces:
-        (experts if expert else total).add_(grad.detach().double().pow(2).sum())
+        (routed if expert else dense).append(grad.detach())
+    total, experts = squared_norm(dense, device), squared_norm(routed, device)
     for group, value in ((shard_groups[0], total), (shard_groups[1], experts), (dims.ep_group, experts)):
         if group is not None:
             all_reduce(value, group)
@@ -120,7 +142,8 @@ class AdamOnMasters:
         no_decay = [m for p, m in pairs if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.cfg.lr,
-                                     betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps, foreach=False)
+                                     betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps,
+                                     **adam_implementation(self.masters[0].device if self.masters else None))
         init_adam_state(self.opt)
 
     def flat_buckets(self, chunks: list[nn.Module], shard: bool) -> GradBuffers:
@@ -204,9 +227,27 @@ class AdamOnMasters:
         raise NotImplementedError
 
 
+def adam_implementation(device: torch.device | None) -> dict:
+    """AdamW's implementation for masters on ``device``: the per-parameter loop on CPU (the parity tests compare its
+    bits with ``torch.optim.AdamW``'s CPU default), elsewhere the fused kernel -- the same update, one launch per
+    device and dtype instead of a dozen per parameter, and no step-wide temporaries (foreach's would be a copy
+    of every master). Fused keeps Adam's step count on the masters' device as fp32 (``adam_step``)."""
+    return {"foreach": False} if device is None or device.type == "cpu" else {"fused": True}
+
+
+def adam_step(count: int, group: dict, master: torch.Tensor) -> torch.Tensor:
+    """Adam's step count as ``torch.optim.AdamW`` keeps it for ``group``: a CPU scalar tensor (default dtype), on
+    the master's device as fp32 where the fused (or capturable) kernel reads it there."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(count), dtype=torch.float32, device=master.device)
+    return torch.tensor(float(count), dtype=torch.get_default_dtype())
+
+
 def set_adam_step(state: dict, opt_step: int) -> None:
-    """Adam's step count after a load; 0 (no optimizer state in the checkpoint): fresh zero moments."""
-    state["step"] = torch.tensor(float(opt_step))
+    """Adam's step count after a load, where and as ``init_adam_state`` made it (``adam_step``); 0 (no optimizer
+    state in the checkpoint): fresh zero moments."""
+    held = state["step"]
+    state["step"] = torch.tensor(float(opt_step), dtype=held.dtype, device=held.device)
     if opt_step == 0:
         state["exp_avg"].zero_()
         state["exp_avg_sq"].zero_()
@@ -218,7 +259,7 @@ def init_adam_state(opt: torch.optim.AdamW) -> None:
     optimizer's bytes are allocated, and measurable, before training starts."""
     for group in opt.param_groups:
         for m in group["params"]:
-            opt.state[m] = {"step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
+            opt.state[m] = {"step": adam_step(0, group, m),
                             "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
                             "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
 

@@ -62,7 +62,8 @@ def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
     host = act.get("act_host_bytes_measured")
     return (f"  activations per rank, one microbatch: {human_bytes(kept)} {source} with {this}"
             + (f" (on the device; {human_bytes(host)} offloaded to the host, formula "
-               f"{human_bytes(act.get('act_host_bytes_predicted') or 0)})" if host is not None else "")
+               f"{human_bytes(act.get('act_host_bytes_predicted') or 0)}, host RAM held for it "
+               f"{human_bytes(act.get('act_host_reserved_bytes') or 0)})" if host is not None else "")
             + (f"; the same model keeps {', '.join(others)} (exact per-tensor formula)" if others else ""))
 
 

@@ -274,7 +274,10 @@ def child_sdpa(device) -> dict:
     for kv in (heads, heads // 4):
         for docs in (False, True):
             name = f"{'gqa' if kv < heads else 'mha'}{'+documents' if docs else ''}"
-            cases[name] = probe_core(device, b, s, heads, kv, d, docs)
+            try:
+                cases[name] = probe_core(device, b, s, heads, kv, d, docs)
+            except RuntimeError as err:  # the core's one-line refusal (no counted kernel takes the call)
+                cases[name] = {"forward_op": "refused", "error": str(err).splitlines()[0], "shares_storage": False}
     return {"shape": {"b": b, "s": s, "heads": heads, "head_dim": d, "dtype": "bf16"}, "cases": cases}
 
 
@@ -392,7 +395,8 @@ def _versions_line(f: dict) -> str:
 
 
 def _sdpa_line(f: dict) -> str:
-    return "; ".join(f"{name} {c['forward_op']} ({'one storage' if c['shares_storage'] else 'a copy'})"
+    return "; ".join(f"{name} refused" if c["forward_op"] == "refused" else
+                     f"{name} {c['forward_op']} ({'one storage' if c['shares_storage'] else 'a copy'})"
                      for name, c in f["cases"].items())
 
 

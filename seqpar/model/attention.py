@@ -184,8 +184,8 @@ def _no_kernel(kernel: str, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor
     return (f"fused attention: the {kernel} kernel (the one the memory formula counts, "
             f"seqpar.analysis.shapes.sdpa_kernel_of) cannot run {str(q.dtype).removeprefix('torch.')} q on "
             f"{q.device.type} with head dim {d}, {heads} query heads on {k.shape[1]} kv heads, {what}, s {s}, b {b}; "
-            f"seqpar does not fall back to the math kernel (it keeps s² tensors): set fused_attention = false "
-            f"or change the dtype / head dim to what the {kernel} kernel takes")
+            f"seqpar does not fall back to the math kernel (it keeps s² tensors): use the paper's core "
+            f"(--attention materialized; TOML [model] attention) or a dtype / head dim the {kernel} kernel takes")
 
 
 class CoreAttention(nn.Module):

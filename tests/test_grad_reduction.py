@@ -61,7 +61,9 @@ def test_single_process_norm_counts_every_parameter(tie):
     """Untied: the output layer's own weight is a parameter, not a tied copy (it was skipped)."""
     cfg = cfg_of(tie_embeddings=tie)
     norm, opt, chunks, _, _ = step_norm(cfg, ParallelConfig(), ParallelDims.single())
-    assert norm == pytest.approx(true_norm(chunks), rel=1e-9)
+    # per-tensor norms in fp32 (no float64 copy of a gradient), their squares summed in float64: fp32's rounding;
+    # a parameter left out moves it by orders more
+    assert norm == pytest.approx(true_norm(chunks), rel=1e-7)
     assert opt.num_parameters() == sum(p.numel() for c in chunks for p in c.parameters())
 
 

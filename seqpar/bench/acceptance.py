@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", type=int, choices=[1, 2], default=1)
     p.add_argument("--budget", type=float, help="seconds for the part (default 205 on an accelerator, 160 on cpu)")
     p.add_argument("--smoke", action="store_true", help=f"skip the compiled steps (also {SMOKE_ENV}=1)")
-    p.add_argument("--step", choices=sorted(CHILD_STEPS), help=argparse.SUPPRESS)  # a child's in-package step
+    p.add_argument("--step", choices=sorted(CHILD_STEPS), help="run one in-process step alone and print its JSON, "
+                   "as the run's child process does (default: none, the whole part)")
 
 
 # ---------------------------------------------------------------- what a part runs

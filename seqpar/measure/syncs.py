@@ -84,10 +84,10 @@ def _where(site: str) -> str:
 def _frame(frame) -> str:
     """``path:line function``, the path relative to seqpar's root, or to torch's for torch's own files."""
     path = os.path.abspath(frame.f_code.co_filename)
-    if path.startswith(_ROOT + os.sep):
-        path = os.path.relpath(path, _ROOT)
-    elif path.startswith(_TORCH + os.sep):
+    if path.startswith(_TORCH + os.sep):  # first: torch may sit inside the checkout (make test's .venv)
         path = os.path.relpath(path, os.path.dirname(_TORCH))
+    elif path.startswith(_ROOT + os.sep):
+        path = os.path.relpath(path, _ROOT)
     return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
 
 

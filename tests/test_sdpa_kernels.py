@@ -88,3 +88,44 @@ def test_each_kernels_output_is_out_proj_input_as_the_formula_says(b, n, g):
         shared = saved.untyped_storage()._cdata == out.untyped_storage()._cdata
         assert shared == sdpa_output_is_out_proj_input(b, kernel), (kernel, out.stride())
         assert lse.shape[2] == sdpa_lse_rows(s, kernel) and lse.dtype == torch.float32, kernel
+
+
+def _no_grouped_kv_on_cpu(monkeypatch):
+    """The CPU kernel made to say what the memory-efficient kernel says on CUDA: no grouped kv heads."""
+    monkeypatch.setitem(SDPA_KERNELS, "cpu", (*SDPA_KERNELS["cpu"][:3], False))
+
+
+def test_a_kernel_without_grouped_kv_heads_reads_k_and_v_expanded(monkeypatch):
+    """Expanded K and V (``expand_heads``) give the grouped kernel's output and gradients (the efficient kernel's
+    case on CUDA, where enable_gqa falls back to math)."""
+    runs = []
+    for expand in (False, True):
+        if expand:
+            _no_grouped_kv_on_cpu(monkeypatch)
+        torch.manual_seed(0)
+        core, qkv = _core_input(n=2, g=3)
+        out = core(core.pack(qkv))
+        out.square().sum().backward()
+        runs.append((out.detach(), qkv.grad))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-6, atol=1e-6)
+
+
+def test_expanded_k_and_v_are_in_the_formula_measured_equals_exact(monkeypatch):
+    """The kernel keeps the expanded copies: 2 × 2sbh/t bytes more, measured == exact with and without."""
+    from seqpar.config import ModelConfig
+    from seqpar.measure.saved import measure_layer
+    from seqpar.measure.table2 import plan_rows
+
+    cfg = ModelConfig(hidden_size=128, num_heads=8, seq_len=64, num_layers=1, dtype="bf16", norm="rmsnorm",
+                      activation="swiglu", position="rope", bias=False, kv_heads=2, attention="sdpa",
+                      tie_embeddings=False, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
+    totals = []
+    for expand in (False, True):
+        if expand:
+            _no_grouped_kv_on_cpu(monkeypatch)
+        row = plan_rows(cfg, 2, 1, False, "none", all_rows=False)[0]
+        measured = measure_layer(cfg, None, False, "none", micro_batch=2, backward=False).total_bytes
+        assert measured == row.exact_bytes, (expand, measured, row.exact_bytes)
+        totals.append(measured)
+    assert totals[1] - totals[0] == 2 * 2 * cfg.seq_len * 2 * cfg.hidden_size  # K and V, bf16, s·b·h each

@@ -118,12 +118,23 @@ def kv_heads_per_rank(a: int, t: int, kv_heads: int | None) -> float:
 # ``alloc_with_matching_layout``), which the fused core's q makes [s, b, heads, d], so the output's [s, b, h/t]
 # view is the out-proj input itself; "bshd" -- a fresh [b, s, heads, d] (the memory-efficient kernel), which
 # out-proj copies into an [s·b, h/t] input of its own unless b = 1 (``sdpa_output_is_out_proj_input``).
+# Last, whether it takes fewer kv heads than query heads (``enable_gqa``: the CPU kernel and flash; torch's
+# documentation names flash and math alone on CUDA): where not, the core expands K and V to every query head
+# first, and the kernel keeps the expanded copies (``sdpa_expands_kv``).
 SDPA_KERNELS = {
-    "cpu": (lambda s: s, 0, "query"),  # _scaled_dot_product_flash_attention_for_cpu: lse [b, heads, s]
-    "flash": (lambda s: s, 16, "query"),  # lse [b, heads, s]; rng_state uint64 [2] (+ an empty placeholder)
-    "efficient": (lambda s: -(-s // 32) * 32, 16, "bshd"),  # lse [b, heads, ⌈s/32⌉·32]; int64 seed, offset
-    "cudnn": (lambda s: s, 16, "query"),  # stats [b, heads, s, 1]; seed and offset
+    "cpu": (lambda s: s, 0, "query", True),  # _scaled_dot_product_flash_attention_for_cpu: lse [b, heads, s]
+    "flash": (lambda s: s, 16, "query", True),  # lse [b, heads, s]; rng_state uint64 [2] (+ an empty placeholder)
+    "efficient": (lambda s: -(-s // 32) * 32, 16, "bshd", False),  # lse [b, heads, ⌈s/32⌉·32]; seed, offset
+    "cudnn": (lambda s: s, 16, "query", False),  # stats [b, heads, s, 1]; seed and offset
 }
+
+
+def sdpa_expands_kv(kernel: str, heads: float, kv_heads: float | None) -> bool:
+    """Whether the fused core gives the ``kernel`` K and V expanded to its ``heads`` query heads (fewer
+    ``kv_heads``, None: as many, on a kernel that does not take grouped kv heads: ``SDPA_KERNELS``)."""
+    if kernel not in SDPA_KERNELS:
+        raise AnalysisError(f"sdpa kernel {kernel!r} is not one of {list(SDPA_KERNELS)}")
+    return kv_heads is not None and kv_heads < heads and not SDPA_KERNELS[kernel][3]
 
 
 def sdpa_output_is_out_proj_input(b: int, kernel: str) -> bool:
@@ -143,12 +154,13 @@ def sdpa_lse_rows(s: int, kernel: str) -> int:
 
 
 def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused_attention,
-                         cp=1, sdpa_kernel="flash") -> dict[str, float]:
+                         cp=1, sdpa_kernel="flash", kv_heads=None) -> dict[str, float]:
     """Sec. 4.1, the attention core: softmax output 2as^2b, its dropout mask as^2b and output 2as^2b (the
     5as^2b of Eq. 1), split over t. Without dropout attention*V reads the softmax output itself (2as^2b).
     Fused (not in the paper; ``sdpa_kernel`` one of ``SDPA_KERNELS``): its fp32 log-sum-exp 4·(a/t)·b·rows(s)
-    (rows = s, padded to 32 on the memory-efficient kernel), its RNG state, and its output 2sbh/t where that is
-    not the out-proj input's storage (``sdpa_output_is_out_proj_input``).
+    (rows = s, padded to 32 on the memory-efficient kernel), its RNG state, its output 2sbh/t where that is
+    not the out-proj input's storage (``sdpa_output_is_out_proj_input``), and K and V expanded to the a/t
+    query heads, 4sbh/t, where the core's ``kv_heads`` are fewer and the kernel takes no grouped ones.
     Ring attention (cp > 1, ``s`` the rank's s/cp tokens): the log-sum-exp only, 4asb/t; the output it keeps
     is the out-proj input's storage, counted there."""
     if cp > 1:
@@ -157,6 +169,8 @@ def attention_core_terms(s, b, h, a, t, *, act_bytes, mask_bytes, dropout, fused
         terms = {"softmax_lse": 4 * a / t * b * sdpa_lse_rows(s, sdpa_kernel)}
         if not sdpa_output_is_out_proj_input(b, sdpa_kernel):
             terms["attention_output"] = act_bytes * s * b * h / t
+        if sdpa_expands_kv(sdpa_kernel, a / t, kv_heads):
+            terms["kv_expanded"] = 2 * act_bytes * s * b * h / t
         rng = SDPA_KERNELS[sdpa_kernel][1]
         return terms | ({"sdpa_rng_state": rng} if rng else {})
     terms = {"softmax_output": act_bytes * a * s * s * b / t}
@@ -183,7 +197,7 @@ def a2a_attention_terms(s, b, h, a, t, k, cp, kv_local, *, act_bytes, mask_bytes
     terms = {"qk": act_bytes * full * b * d * (a / (t * k) + kv), "v": act_bytes * full * b * d * kv}
     terms |= attention_core_terms(full, b, h, a, t * k, act_bytes=act_bytes, mask_bytes=mask_bytes,
                                   dropout=dropout, fused_attention=fused_attention, cp=cp // k,
-                                  sdpa_kernel=sdpa_kernel)
+                                  sdpa_kernel=sdpa_kernel, kv_heads=kv)
     if fused_attention or cp > k:  # the materialized core's output is not kept (·V needs only P and V)
         terms["attention_output"] = act_bytes * full * b * h / (t * k)
     return terms
@@ -209,7 +223,7 @@ def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused
         terms |= a2a_attention_terms(s, b, h, a, t, a2a, cp, kv_local, **width)
     else:
         terms["qk"] = act_bytes * s * b * d * (a / t + kv_local)
-        terms |= attention_core_terms(s, b, h, a, t, cp=cp, **width)
+        terms |= attention_core_terms(s, b, h, a, t, cp=cp, kv_heads=kv_local, **width)
         terms["v"] = act_bytes * s * b * d * kv_local
     terms["out_proj_input"] = act_bytes * sbh / t
     if dropout:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seqpar import documents
+from seqpar.analysis.memory import sdpa_expands_kv
 from seqpar.analysis.shapes import sdpa_kernel_of
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
@@ -177,15 +178,23 @@ def _device_kind(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else "cuda"  # any accelerator: the flash-class kernels
 
 
-def _no_kernel(kernel: str, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
+def _no_kernel(kernel: str, q: torch.Tensor, kv_heads: int, mask: torch.Tensor | None) -> str:
     """One line: why the fused core stops when its pinned kernel refuses the call, and what to change."""
     b, heads, s, d = q.shape
     what = "a document mask" if mask is not None else "causal"
     return (f"fused attention: the {kernel} kernel (the one the memory formula counts, "
             f"seqpar.analysis.shapes.sdpa_kernel_of) cannot run {str(q.dtype).removeprefix('torch.')} q on "
-            f"{q.device.type} with head dim {d}, {heads} query heads on {k.shape[1]} kv heads, {what}, s {s}, b {b}; "
+            f"{q.device.type} with head dim {d}, {heads} query heads on {kv_heads} kv heads, {what}, s {s}, b {b}; "
             f"seqpar does not fall back to the math kernel (it keeps s² tensors): use the paper's core "
             f"(--attention materialized; TOML [model] attention) or a dtype / head dim the {kernel} kernel takes")
+
+
+def expand_heads(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``[b, groups, s, d]`` → ``[b, groups·g, s, d]``: each kv head repeated for its g query heads, in the
+    order grouped-query attention pairs them (query head i reads kv head i // g). A copy; its backward sums
+    the g copies and keeps nothing."""
+    b, n, s, d = x.shape
+    return x.unsqueeze(2).expand(b, n, g, s, d).reshape(b, n * g, s, d)  # [b, groups·g, s, d]
 
 
 class CoreAttention(nn.Module):
@@ -198,8 +207,10 @@ class CoreAttention(nn.Module):
     again in backward instead of kept when ``regenerate()`` (recompute module ``dropout_mask``).
     ``sdpa`` (``fused``): one ``scaled_dot_product_attention`` call over every query head, grouped-query
     attention inside the kernel (``enable_gqa``); it keeps Q, K, V, its output and one fp32 log-sum-exp per
-    row (``seqpar.analysis.memory.SDPA_KERNELS``). With g > 1 it reads the packed QKV layout (``packed``,
-    ``qkv_views``), which the rotary embedding writes directly (or ``pack`` copies into, without rope).
+    row (``seqpar.analysis.memory.SDPA_KERNELS``; K and V expanded to every query head first, and kept so, on
+    a kernel that takes no grouped kv heads: CUDA's memory-efficient one). With g > 1 it reads the packed QKV
+    layout (``packed``, ``qkv_views``), which the rotary embedding writes directly (or ``pack`` copies into,
+    without rope).
 
     The dropout mask is position-keyed (``seqpar.parallel.dropout``): global ``layer``, this rank's
     query heads from ``first_head`` on, the tracker's samples -- the single process's mask, sliced.
@@ -237,12 +248,15 @@ class CoreAttention(nn.Module):
         k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d] (views)
         mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
         kernel = sdpa_kernel_of(_device_kind(q.device), q.element_size(), mask is not None)
+        if sdpa_expands_kv(kernel, n * g, n):  # a kernel without grouped kv heads: K, V for every query head
+            k, v = expand_heads(k, g), expand_heads(v, g)  # [b, heads, s, d] each: copies the kernel keeps
         try:
             with sdpa_kernel(SDPA_BACKENDS[kernel]):  # the kernel the formula counts, never the math fallback
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                     scale=self.scale, enable_gqa=g > 1)  # [b, heads, s, d]
+                                                     scale=self.scale,
+                                                     enable_gqa=k.shape[1] < q.shape[1])  # [b, heads, s, d]
         except RuntimeError as err:
-            raise RuntimeError(_no_kernel(kernel, q, k, mask)) from err
+            raise RuntimeError(_no_kernel(kernel, q, n, mask)) from err
         return out.permute(2, 0, 1, 3).reshape(s, b, n * g * d)  # [s, b, h/t]: a view where the kernel allows
 
     def pack(self, qkv: torch.Tensor) -> torch.Tensor:

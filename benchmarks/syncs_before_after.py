@@ -17,7 +17,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ["seqpar/measure/syncs.py", "seqpar/bench/syncs.py", "seqpar/bench/__init__.py"]
+# the counter, its bench verb and the verbs its registry names beside it
+TOOLS = ["seqpar/measure/syncs.py", "seqpar/bench/syncs.py", "seqpar/bench/__init__.py", "seqpar/bench/acceptance.py",
+         "seqpar/bench/sdpa_probe.py"]
 
 
 def counts(tree: Path, device: str) -> dict:

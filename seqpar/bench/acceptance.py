@@ -409,9 +409,10 @@ def _selftest_line(f: dict) -> str:
 def _syncs_line(f: dict) -> str:
     if f.get("syncs") == "unavailable":
         return "bench syncs: unavailable in this tree"
-    r = f["result"]
-    figures = {k: v for k, v in r.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    return ", ".join(f"{k} {v:g}" for k, v in list(figures.items())[:4]) or json.dumps(r)[:100]
+    configs = f["result"]["configs"]  # name -> {"on_accelerator": syncs a device would see, "unexpected": ...}
+    return "per step: " + ", ".join(
+        f"{name} skipped" if "skipped" in c else f"{name} {c['on_accelerator']} ({c['unexpected']} unexpected)"
+        for name, c in configs.items())
 
 
 def _train_line(f: dict) -> str:

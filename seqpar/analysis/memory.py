@@ -71,7 +71,7 @@ def offload_split(terms: dict[str, float], modules, core_output_shared: bool = F
                   ) -> tuple[dict[str, float], dict[str, float]]:
     """``terms`` (one layer's, after recomputation) as (device, host) under the offload ``modules``: each moved
     term goes to the host whole. ``core_output_shared``: the attention core's saved output is the out-proj
-    input's storage (a fused core writing it in place, ``sdpa_output_is_out_proj_input``, or ring attention);
+    input's storage (``core_output_is_out_proj_input``: a fused core writing it in place, or ring attention);
     offloading the core copies it to the host while out-proj keeps it on the device (host term
     ``out_proj_input``, the device term stays)."""
     device, host = dict(terms), {}
@@ -144,6 +144,16 @@ def sdpa_output_is_out_proj_input(b: int, kernel: str) -> bool:
     if kernel not in SDPA_KERNELS:
         raise AnalysisError(f"sdpa kernel {kernel!r} is not one of {list(SDPA_KERNELS)}")
     return SDPA_KERNELS[kernel][2] == "query" or b == 1
+
+
+def core_output_is_out_proj_input(b: int, cp: int, a2a: int, fused_attention: bool, sdpa_kernel: str) -> bool:
+    """Whether the attention core's saved output and the out-proj's saved input are one storage: ring attention's
+    (cp > 1 with no all-to-all) and a fused core's in the query's memory order (``sdpa_output_is_out_proj_input``)
+    are; under all-to-all CP (``a2a`` > 1) never: the inverse all-to-all copies the core's output, kept apart as
+    ``attention_output`` (``a2a_attention_terms``), into an out-proj input of its own."""
+    if a2a > 1:
+        return False
+    return cp > 1 or (fused_attention and sdpa_output_is_out_proj_input(b, sdpa_kernel))
 
 
 def sdpa_lse_rows(s: int, kernel: str) -> int:

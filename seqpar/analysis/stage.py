@@ -16,10 +16,10 @@ from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
 from seqpar.analysis.memory import (
     a2a_buffer_bytes,
+    core_output_is_out_proj_input,
     kv_heads_per_rank,
     layer_activation_terms,
     offload_split,
-    sdpa_output_is_out_proj_input,
 )
 from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, layers_per_chunk, validate_layout
@@ -75,7 +75,7 @@ def layer_split_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Act
     terms = kept_terms(shape, par, b, opts, rc, routing, moe)
     if not rc.offload_modules:
         return terms, {}
-    shared = par.cp > 1 or (opts.fused_attention and sdpa_output_is_out_proj_input(b, opts.sdpa_kernel))
+    shared = core_output_is_out_proj_input(b, par.cp, par.a2a_size, opts.fused_attention, opts.sdpa_kernel)
     return offload_split(terms, rc.offload_modules, shared)
 
 

@@ -146,15 +146,15 @@ def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[st
     (``stages``: pp rank -> `seqpar plan` terms for the device they ran on): parameters exactly; gradients
     exactly but 4 B per element of the fp32 buckets' padding; optimizer state exactly per rank, or with the
     distributed optimizer summed over the dp × cp ranks that shard it (the padding holds none); the
-    activation peak equal to the planned activations less the transient ``recompute_working`` plus the
+    activation peak equal to the planned activations less the transients (``stage.TRANSIENT_TERMS``) plus the
     implementation's small tensors (``seqpar.measure.stages.implementation_terms``)."""
-    from seqpar.analysis.stage import STATE_TERMS
+    from seqpar.analysis.stage import STATE_TERMS, TRANSIENT_TERMS
     from seqpar.measure.stages import implementation_terms
 
     p, t, bad, held = job.parallel, job.train, [], {}
     for x in ranks:
         plan, who = stages[x["pp_rank"]], f"rank {x['rank']} (pp {x['pp_rank']})"
-        acts = sum(v for k, v in plan.items() if k not in STATE_TERMS and k != "recompute_working")
+        acts = sum(v for k, v in plan.items() if k not in STATE_TERMS + TRANSIENT_TERMS)
         impl = sum(implementation_terms(job.model, p, t.micro_batch, t.microbatches(p.dp), x["pp_rank"]).values())
         for name, got, want in (("parameters", x["params_bytes"], plan["parameters"]),
                                 ("gradients", x["grads_bytes"], plan["gradients"] + 4 * x["grad_padding"]),

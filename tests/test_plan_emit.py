@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, device_kernels
-from seqpar.analysis.stage import STATE_TERMS, stage_memory
+from seqpar.analysis.stage import STATE_TERMS, TRANSIENT_TERMS, stage_memory
 from seqpar.cli import main
 from seqpar.measure.stages import implementation_terms
 from seqpar.train.config import build_job, load_toml
@@ -49,7 +49,7 @@ def _plan_stages(job, settings: dict) -> list[dict]:
 
 
 def _activations(terms: dict) -> float:
-    return sum(v for k, v in terms.items() if k not in STATE_TERMS and k != TRANSIENT)
+    return sum(v for k, v in terms.items() if k not in STATE_TERMS + TRANSIENT_TERMS)
 
 
 @pytest.mark.parametrize("explain", [None, "tp=2,pp=2,sp=on,recompute=selective,mb=2"], ids=["best", "tp2-pp2-sp"])

@@ -27,6 +27,10 @@ from seqpar.analysis.states import chunk_layer_ids, stage_state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
+# Working sets alive only inside one pass, never across the schedule: what a recomputation rebuilds, the reloads
+# ahead of a backward, an all-to-all's send and receive buffers. The device total counts them (a plan must fit
+# them); what the schedule holds between passes -- what ``seqpar.measure.meter`` measures -- does not.
+TRANSIENT_TERMS = ("recompute_working", "offload_reload_working", "a2a_buffers")
 NONE, FULL = RecomputeConfig("none"), RecomputeConfig("full")
 
 
@@ -54,6 +58,11 @@ class StageMemory:
     @property
     def activations(self) -> float:
         return self.total - self.states
+
+    @property
+    def held_terms(self) -> dict[str, float]:
+        """The activation terms held across the schedule at the peak: neither states nor ``TRANSIENT_TERMS``."""
+        return {k: v for k, v in self.terms.items() if k not in STATE_TERMS + TRANSIENT_TERMS}
 
 
 def layer_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,

@@ -6,8 +6,8 @@ Runs one training step of the configured schedule on p × t local gloo ranks, re
 stage, the interleaving factor (1 + (p-1)/(pm)), the Sec. 4.3 terms outside the layers, App. B's
 kept outputs when freeing is off and App. C's kept microbatches. The formula is the *exact* one:
 LayerNorm mean/rstd included (the paper drops them), the activation byte width of the model's
-dtype, the fp32 logits. The recompute working set (transient, during a backward) is left out of
-both; see ``seqpar.measure.meter``.
+dtype, the fp32 logits. The transients (``stage.TRANSIENT_TERMS``: the recompute working set, the reloads,
+an all-to-all's buffers) are left out of both: alive inside one pass only; see ``seqpar.measure.meter``.
 """
 
 from __future__ import annotations
@@ -69,8 +69,7 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
     activations_only = replace(parallel, fsdp=False, fsdp_shard_size=0)
     memory = stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
                           microbatches, opts, rank=rank)
-    terms = {k: v for k, v in memory.terms.items() if k not in ("parameters", "gradients", "optimizer_states",
-                                                                 "recompute_working", "offload_reload_working")}
+    terms = memory.held_terms  # the transients (an a2a exchange's buffers among them) are not held at the peak
     return sum(terms.values()), terms
 
 

@@ -56,6 +56,17 @@ def test_kept_is_exact_and_transient_is_one_chunk(dtype):
     assert whole.chunk_bytes == whole.unbounded_copy <= whole.transient_measured <= whole.working_term
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4, 8, 64])
+def test_transient_is_within_its_term_for_a_cp_rank(cp):
+    """Under context parallelism a rank's head sees s/cp tokens: the per-token allowance shrinks with them, and the
+    term must still hold what does not (the padded-vocabulary mask, the loss's scalar): at cp 4 (32 tokens, 512
+    columns) the transient measured 65.57 KiB against a term of 65.25 before it counted them. Tight: the term is
+    the measured bytes plus the per-token allowance's slack (6 B a token here), nothing more."""
+    m = measure_loss_head(64 // cp, 2, 512, vocab=500)
+    assert m.chunk_bytes <= m.transient_measured <= m.working_term, (cp, m)
+    assert m.working_term - m.transient_measured <= 6 * m.tokens, (cp, m)
+
+
 def test_seqpar_memory_measures_the_loss_head(capsys):
     """``seqpar memory --measure``: the cross entropy's kept bytes equal its term; its transient is within its
     term and (chunk 16 KiB) below the fp32 copy of the logits."""

@@ -273,16 +273,19 @@ def loss_head_terms(s: int, b: int, v_per_rank: int, opts: ActivationOptions) ->
 
 
 LOSS_TOKEN_BYTES = 40  # the passes' per-token vectors: max/lse, sums (2-3), loss, scale (fp32), index temporaries
+LOSS_SCALAR_BYTES = 8  # the loss's scalar reduction and its seed gradient (fp32 each)
 
 
 def loss_working_bytes(s: int, b: int, v_per_rank: int, chunk_bytes: int) -> float:
-    """The bounded cross entropy's transient working set beyond what it keeps and the logits' gradient: one
-    fp32 chunk of logits rows (``seqpar.parallel.cross_entropy.chunk_rows``: as many rows as fit
-    ``chunk_bytes``, at most s·b) and at most ``LOSS_TOKEN_BYTES`` per token of per-token vectors. The
-    gradient of the logits (their dtype, [s·b, v/t]) is the output layer's input gradient, as in any cross
-    entropy."""
+    """The bounded cross entropy's working set beyond the logits and their gradient: one fp32 chunk of logits
+    rows (``seqpar.parallel.cross_entropy.chunk_rows``: as many rows as fit ``chunk_bytes``, at most s·b), at
+    most ``LOSS_TOKEN_BYTES`` per token of per-token vectors, the padded-vocabulary mask (one bool per column of
+    the rank's shard, kept from forward to backward: independent of the tokens, so it is not in the per-token
+    allowance -- which under context parallelism, s/cp tokens a rank, no longer covers it) and
+    ``LOSS_SCALAR_BYTES``. The gradient of the logits (their dtype, [s·b, v/t]) is the output layer's input
+    gradient, as in any cross entropy."""
     rows = min(s * b, max(1, chunk_bytes // (4 * v_per_rank)))
-    return 4 * rows * v_per_rank + LOSS_TOKEN_BYTES * s * b
+    return 4 * rows * v_per_rank + LOSS_TOKEN_BYTES * s * b + v_per_rank + LOSS_SCALAR_BYTES
 
 
 def sec43_extra_bytes_paper(shape: ModelConfig, t: int, p: int, b: int) -> float:

@@ -83,11 +83,11 @@ def test_head_rows_split_query_heads_contiguously(groups, g, k):
 
 # ---------------------------------------------------------------- the acceptance layouts
 STEPS = 3
-LAYOUTS = {  # name: (parallel, world, attention, documents)
-    "a2a-cp2": ({"cp": 2, "cp_comm_type": "a2a"}, 2, "materialized", False),
+LAYOUTS = {  # name: (parallel, world, attention, documents); "offload": the core's saved tensors to the host
+    "a2a-cp2-offload": ({"cp": 2, "cp_comm_type": "a2a"}, 2, "materialized", False),
     "a2a-cp2-ep2-moe": ({"cp": 2, "cp_comm_type": "a2a", "ep": 2}, 2, "materialized", False),
     "a2a-cp2-sdpa-docs": ({"cp": 2, "cp_comm_type": "a2a"}, 2, "sdpa", True),
-    "hybrid-cp4-k2": ({"cp": 4, "cp_comm_type": "a2a+ring", "cp_a2a_size": 2}, 4, "materialized", False),
+    "hybrid-cp4-k2-offload": ({"cp": 4, "cp_comm_type": "a2a+ring", "cp_a2a_size": 2}, 4, "materialized", False),
     "hybrid-cp4-k2-sdpa-docs": ({"cp": 4, "cp_comm_type": "a2a+ring", "cp_a2a_size": 2}, 4, "sdpa", True),
     "a2a-cp2-tp2-sp": ({"cp": 2, "cp_comm_type": "a2a", "tp": 2, "sp": True}, 4, "materialized", False),
     "a2a-cp2-pp2": ({"cp": 2, "cp_comm_type": "a2a", "pp": 2}, 4, "materialized", False),
@@ -106,6 +106,8 @@ def sections(name: str, out: Path, data: Path, parallel: dict | None) -> dict:
              "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
              "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
     recompute = {"granularity": "selective"} if name.endswith("docs") else {}
+    if name.endswith("offload"):  # nothing recomputed: a module is kept, recomputed or offloaded, not two
+        recompute["offload_modules"] = ["core_attention"]
     return {"model": model, "parallel": parallel or {}, "recompute": recompute, "train": train,
             "data": {"document_mask": True} if docs else {}}
 
@@ -135,12 +137,33 @@ def test_layout_trains_the_single_process(name, runs):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a[key], b[key])
 
 
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_start_record_stage_peak_and_host_bytes_are_exact(name, runs):
+    """The same runs' start records: each rank's activation peak over a step equals the exact stage formula (an
+    all-to-all's send and receive buffers live inside one exchange, not at the peak), and what the core offloaded
+    equals its host term (a2a's core output is its own storage, not the out-proj input's). Experts: the formula
+    assumes balanced routing, so only the dense layouts are held to the byte."""
+    launches, _ = runs
+    launches.result(name)
+    start = json.loads(Path(launches.jobs[name][0]["train"]["out_dir"], "metrics.jsonl").read_text().splitlines()[0])
+    peaks = [(x["rank"], x["act_peak_measured"], x["act_peak_exact"]) for x in start["ranks"]]
+    if "moe" not in name:
+        assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"], (name, peaks)
+        assert all(measured == exact for _, measured, exact in peaks), (name, peaks)
+    if name.endswith("offload"):
+        assert start["act_host_bytes_measured"] == start["act_host_bytes_predicted"] > 0, name
+
+
 @pytest.mark.parametrize("flags", [
     ["--tp", "2", "--cp", "2", "--cp-comm-type", "a2a", "--attention", "materialized", "--dropout", "0.1"],
-    ["--cp", "4", "--cp-comm-type", "a2a+ring", "--cp-a2a-size", "2", "--attention", "sdpa"],
+    ["--cp", "4", "--cp-comm-type", "a2a+ring", "--cp-a2a-size", "2", "--attention", "sdpa",
+     "--offload-modules", "core_attention"],
+    ["--cp", "2", "--cp-comm-type", "a2a", "--attention", "sdpa", "--dropout", "0",
+     "--offload-modules", "core_attention"],
 ])
 def test_memory_measured_equals_exact(flags):
-    """Every Table 2 row of an all-to-all layer (kv heads replicated over the a2a group) keeps what its terms say."""
+    """Every Table 2 row of an all-to-all layer (kv heads replicated over the a2a group) keeps what its terms say;
+    with the core offloaded, what went to the host too."""
     from _helpers import run_cli
 
     code, out, err = run_cli(["memory", "--measure", "--all", "--json", "--arch", "llama", "--heads", "4",
@@ -149,6 +172,9 @@ def test_memory_measured_equals_exact(flags):
     rows = json.loads(out)["rows"]
     assert len(rows) == 6 and {r["cp_comm_type"] for r in rows} == {flags[flags.index("--cp-comm-type") + 1]}
     assert all(r["measured_bytes"] == r["exact_bytes"] for r in rows), rows
+    if "--offload-modules" in flags:
+        offloaded = [r for r in rows if r.get("host_exact_bytes")]
+        assert offloaded and all(r["host_measured_bytes"] == r["host_exact_bytes"] for r in offloaded), rows
 
 
 # ---------------------------------------------------------------- time and plan

@@ -9,14 +9,14 @@ from pathlib import Path
 from seqpar.train.loop import train_local
 
 
-def _start_record(tmp_path, layers: int, parallel: dict) -> dict:
-    """One selective-recompute step of a tiny model on 2 ranks; its ``start`` record."""
+def _start_record(tmp_path, layers: int, parallel: dict, recompute: dict | None = None, world: int = 2) -> dict:
+    """One step of a tiny model on ``world`` ranks (default: selective recompute); its ``start`` record."""
     sections = {"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": layers, "seq_len": 16,
                           "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
-                "parallel": parallel, "recompute": {"granularity": "selective"},
+                "parallel": parallel, "recompute": recompute or {"granularity": "selective"},
                 "train": {"steps": 1, "micro_batch": 2, "global_batch": 8, "eval_every": 0, "eval_batches": 1,
                           "peak_tflops": 1.0, "progress": False, "plot": False, "out_dir": str(tmp_path)}}
-    train_local(sections, world=2)
+    train_local(sections, world=world)
     return json.loads(Path(tmp_path, "metrics.jsonl").read_text().splitlines()[0])
 
 
@@ -40,3 +40,17 @@ def test_start_record_holds_each_ranks_peak_with_one_stage_under_cp(tmp_path):
     assert [x["cp_rank"] for x in ranks] == [0, 1]
     assert all(x["act_peak_measured"] == x["act_peak_exact"] > 0 for x in ranks)
     assert all(x["params_bytes"] == x["params_bytes_predicted"] for x in ranks)
+
+
+def test_start_record_is_exact_under_a2a_cp4_with_the_core_offloaded(tmp_path):
+    """All-to-all over 4 ranks (each core on all s tokens, one head), the core's saved tensors on the host: each
+    rank's peak is the exact stage formula (the exchange's buffers are not held at it) and the host bytes are
+    the formula's (the core's output is its own storage under a2a, not the out-proj input's)."""
+    start = _start_record(tmp_path, layers=2, parallel={"cp": 4, "cp_comm_type": "a2a"},
+                          recompute={"offload_modules": ["core_attention"]}, world=4)
+    print(f"\na2a cp 4, core offloaded: stage peak measured {start['stage_act_peak_measured']}, exact "
+          f"{start['stage_act_peak_exact']}; host {start['act_host_bytes_measured']} measured, "
+          f"{start['act_host_bytes_predicted']} predicted")
+    assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"]
+    assert all(x["act_peak_measured"] == x["act_peak_exact"] > 0 for x in start["ranks"])
+    assert start["act_host_bytes_measured"] == start["act_host_bytes_predicted"] > 0

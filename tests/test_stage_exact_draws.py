@@ -1,5 +1,6 @@
 """Pipeline stages, measured == exact over seeded draws of architecture, dtype, vocabulary, tp, pp, SP,
-attention kernel, dropout and recompute: the final RMSNorm keeps one fp32 rstd,
+attention kernel, dropout and recompute, then cp 4 or cp 2 × pp 2 over each exchange (ring, a2a, a2a+ring) with
+and without the core offloaded (host bytes measured == exact too): the final RMSNorm keeps one fp32 rstd,
 a vocabulary that t does not divide is padded to ceil(v/t) per rank (logits and parameters), and fused
 attention with dropout on elsewhere is a configuration the stage formula accepts. Each rank's parameter
 count equals ``stage_parameters``. One spawn of 4 gloo ranks runs every draw; SEQPAR_DRAWS=N runs N."""
@@ -38,9 +39,28 @@ def draw(rng: random.Random) -> tuple[ModelConfig, ParallelConfig, tuple]:
     return cfg.validate(), parallel.validate(cfg), run
 
 
+# context parallelism's exchange and whether the core is offloaded, taken in turn (every one in a CI sample)
+CP_AXES = [("a2a", True), ("a2a+ring", True), ("ring", False), ("a2a", False)]
+
+
+def cp_draw(rng: random.Random, i: int) -> tuple[ModelConfig, ParallelConfig, tuple]:
+    """The ``i``-th context-parallel configuration: cp 4 (a2a+ring: K 2) or cp 2 × pp 2, the exchange and offload
+    of ``CP_AXES[i]`` (offloading the core: nothing recomputed, a module is kept, recomputed or offloaded)."""
+    cfg, _, (recompute, b, _, free, keep) = draw(rng)
+    comm, offload = CP_AXES[i % len(CP_AXES)]
+    cp, pp = (4, 1) if comm == "a2a+ring" else rng.choice([(4, 1), (2, 2)])
+    parallel = ParallelConfig(pp=pp, cp=cp, cp_comm_type=comm, cp_a2a_size=2 if comm == "a2a+ring" else 0)
+    cfg = replace(cfg, num_layers=2 * pp, seq_len=16)
+    if offload:
+        recompute = RecomputeConfig(offload_modules=("core_attention",))
+    return cfg.validate(), parallel.validate(cfg), (recompute, b, pp * rng.choice([1, 2]), free, keep)
+
+
 def cases(n: int = DRAWS, seed: int = 20) -> list[tuple]:
-    rng = random.Random(seed)
-    return [draw(rng) for _ in range(n)]
+    """``n`` draws of tp × pp, then ``len(CP_AXES)`` (or ``n // 2``, the more) of cp, from a stream of their own
+    (the tp × pp draws stay as they were)."""
+    rng, cp_rng = random.Random(seed), random.Random(seed + 1)
+    return [draw(rng) for _ in range(n)] + [cp_draw(cp_rng, i) for i in range(max(len(CP_AXES), n // 2))]
 
 
 def _worker(rank, world, drawn):
@@ -59,6 +79,7 @@ def test_ci_sample_covers_the_three_claims():
     assert any(c.norm == "rmsnorm" and c.dtype == "fp32" and p.pp > 1 for c, p, _ in drawn)  # item 9
     assert any(c.vocab_size % p.tp for c, p, _ in drawn)  # item 10
     assert any(c.attention == "sdpa" and c.hidden_dropout > 0 and p.pp > 1 for c, p, _ in drawn)  # item 11
+    assert any(p.a2a_size > 1 and r[0].offload_modules for _, p, r in drawn)  # issue 56: a2a with the core offloaded
 
 
 def test_stages_measured_equal_exact_and_parameters_equal_the_formula():
@@ -68,13 +89,15 @@ def test_stages_measured_equal_exact_and_parameters_equal_the_formula():
     results = run_ranks(_worker, WORLD, drawn)
     for i, (cfg, parallel, run) in enumerate(drawn):
         label = (f"{cfg.norm} {cfg.dtype} {cfg.attention} dropout {cfg.hidden_dropout} v={cfg.vocab_size} "
-                 f"kv={cfg.num_kv_heads} tp={parallel.tp} pp={parallel.pp} sp={parallel.sp} "
+                 f"kv={cfg.num_kv_heads} tp={parallel.tp} pp={parallel.pp} sp={parallel.sp} cp={parallel.cp} "
+                 f"{parallel.cp_comm_type} offload={run[0].offload_modules} "
                  f"{run[0].granularity} b={run[1]} n={run[2]}")
         stages = report(cfg, [(parallel, [run])], [[r[i][0][0]] for r in results])[0][0]
         for st in stages:
             assert st.measured_peak_bytes == st.exact_bytes, (label, st.stage, st.measured_peak_bytes - st.exact_bytes)
+            assert st.measured_host_bytes == st.host_bytes, (label, st.stage, st.measured_host_bytes - st.host_bytes)
         shape = cfg
-        par = ParallelConfig(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp)
+        par = ParallelConfig(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, cp=parallel.cp)
         for r in results:
             _, stage, params = r[i]
             assert params == stage_parameters(shape, par, stage), (label, stage, params)

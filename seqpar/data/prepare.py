@@ -12,7 +12,8 @@
    mark. Text is encoded by ``seqpar.data.encode`` (a special token's text is text); a unit whose
    documents themselves yield the end-of-document id is refused, with how many times. A unit is a
    pure function of its inputs, so an interrupted prepare finishes with the same bytes.
-3. ``manifest.json`` gathers the shards; its presence marks the folder complete.
+3. ``manifest.json`` gathers the shards and records its own SHA-256; its presence marks the folder
+   complete.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.encode import ENCODING, Encoder
 from seqpar.data.errors import DataError
-from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
+from seqpar.data.prepared import DIGEST, FORMAT, MANIFEST, manifest_digest, read_manifest, shard_name
 from seqpar.data.sources import documents, input_files, plan_units
 from seqpar.fileio import sha256_file, write_atomic
 from seqpar.out_path import check_not_input, check_out_folder, remove_own
@@ -273,5 +274,6 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
                 "inputs": [str(i) for i in inputs],
                 "skipped": [name for s in shards for name in s["skipped"]],
                 "shards": [{k: s[k] for k in ("documents", "tokens", "files")} for s in shards]}
+    manifest[DIGEST] = manifest_digest(manifest)  # a hand edit of the manifest is found (issue 56)
     _write_json(out / MANIFEST, manifest)
     return manifest

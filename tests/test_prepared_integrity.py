@@ -182,7 +182,7 @@ def test_a_tokenizer_folders_vocabulary_is_checked_against_its_tokenizer(corpus,
 
     folder, _, tok = corpus
     vocab = prep.prepare([str(folder)], tmp_path / "p", str(tok), progress=False)["vocab_size"]
-    rerun = "re-run `seqpar prepare` (with --overwrite) to write the folder again"
+    rerun = "re-run the same `seqpar prepare` to mend it: it keeps the finished shards"
     for name, record_too in (("edited", False), ("older", True)):
         copy = tmp_path / name
         shutil.copytree(tmp_path / "p", copy)

@@ -18,7 +18,7 @@ from seqpar.data.errors import DataError
 from seqpar.data.prepared import DIGEST, Prepared, manifest_digest
 
 ROOT = Path(__file__).resolve().parent.parent
-RERUN = "re-run `seqpar prepare` (with --overwrite) to write the folder again"
+RERUN = "re-run the same `seqpar prepare` to mend it: it keeps the finished shards"
 TRAIN = ("--config", ROOT / "configs" / "tiny.toml", "--seq", 16, "--layers", 1, "--steps", 1, "--warmup", 0,
          "--no-progress")
 
@@ -27,6 +27,8 @@ TRAIN = ("--config", ROOT / "configs" / "tiny.toml", "--seq", 16, "--layers", 1,
 def folder(tmp_path_factory):
     """400 short byte-level documents in 5 or more shards (vocabulary 256, uint16)."""
     root = tmp_path_factory.mktemp("manifest")
+    root = root / "m"  # the copies' plans name src.jsonl: re-running prepare on a copy resumes (mends) it
+    root.mkdir()
     rng = random.Random(0)
     lines = ("".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(1, 24))) for _ in range(400))
     (root / "src.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
@@ -107,8 +109,8 @@ def test_each_manifest_edit_is_refused_by_verify_and_at_open(folder, tmp_path, c
 def test_a_listed_file_removed_is_refused(folder, tmp_path, capsys):
     copy = edited(folder, tmp_path, lambda m, d: (d / "shard_00002.docs").unlink())
     code, _, err = seqpar(capsys, "verify", copy)
-    assert code == 2 and err.splitlines() == [f"seqpar verify: {copy}: shard_00002.docs is missing (its manifest.json "
-                                              f"lists it; {RERUN})"], err
+    line = f"seqpar verify: {copy}: shard_00002.docs is missing, though manifest.json lists it; {RERUN}"
+    assert code == 2 and err.splitlines() == [line], err
     with pytest.raises(DataError, match="shard_00002.docs is missing"):
         Prepared(copy)
 
@@ -142,3 +144,19 @@ def test_an_untouched_folder_and_an_older_one_without_the_hash_open(folder, tmp_
         out.splitlines()[1]] and "manifest.json matches the folder, " in out.splitlines()[1], out
     code, _, err = seqpar(capsys, "train", *TRAIN, "--data", older, "--verify-data", "--out", tmp_path / "run")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("name", ["shard dropped from the list", "stray shard file", "vocab up", "listed file removed"])
+def test_re_running_the_same_prepare_mends_the_folder(folder, tmp_path, capsys, name):
+    """What each refusal says to do works: the same prepare again writes the manifest from the shards' records
+    (a stray shard file of no unit removed, a shard whose file is gone tokenized again), and says so."""
+    edit = EDITS[name][0] if name in EDITS else lambda m, d: (d / "shard_00002.docs").unlink()
+    copy = edited(folder, tmp_path, edit)
+    assert seqpar(capsys, "verify", copy)[0] == 2
+    code, _, err = seqpar(capsys, "prepare", folder.parent / "src.jsonl", "--out", copy, "--no-progress",
+                          "--workers", 1, "--shard-mb", 0.002)
+    assert code == 0 and f"{copy / 'manifest.json'} does not match the folder (" in err, err
+    assert "writing it again from the shards' records" in err and len(err.splitlines()) == 1, err
+    code, out, err = seqpar(capsys, "verify", copy)
+    assert code == 0 and "matches the folder and its SHA-256" in out, err
+    assert (copy / "manifest.json").read_text() == (folder / "manifest.json").read_text()

@@ -17,7 +17,7 @@ prepared before it was recorded has none and is checked for the rest). Every che
 few bytes: it runs at every open.
 The document index (``.docs``) is where documents start and end: ``Prepared.starts`` reads packed
 documents' boundaries from it, never from end-of-document ids in a window. Opening checks what is
-cheap (sizes, the index, ids below the vocabulary: one vectorised pass); ``verify`` (``seqpar verify
+cheap (the manifest, sizes, the index, ids below the vocabulary: one vectorised pass); ``verify`` (``seqpar verify
 DIR``) and ``Prepared(..., hashes=True)`` (``seqpar train --verify-data``) check the SHA-256s too.
 """
 
@@ -37,7 +37,7 @@ DIGEST = "manifest_sha256"  # the manifest's own SHA-256 (of the rest of it), wr
 BYTE_VOCAB, BYTE_EOS = 256, 0  # a folder prepared as bytes (no tokenizer)
 ITEMSIZE = {"uint16": 2, "uint32": 4}
 SHARD_FILE = re.compile(r"shard_\d{5}\.(tokens|docs)")
-RERUN = "re-run `seqpar prepare` (with --overwrite) to write the folder again"
+RERUN = "re-run the same `seqpar prepare` to mend it: it keeps the finished shards"
 
 
 def shard_name(k: int, ext: str) -> str:
@@ -145,15 +145,21 @@ def _vocab_problem(manifest: dict) -> str:
     return ""
 
 
-def manifest_problem(path: str | Path, manifest: dict) -> str:
-    """'' when the manifest agrees with its folder and itself (see the module docstring), else one line saying
-    what disagrees, with the numbers, and what to do. Cheap: no shard file is read but a stat."""
+def disagreement(path: str | Path, manifest: dict) -> str:
+    """'' when the manifest agrees with its folder and itself (see the module docstring), else what disagrees,
+    with the numbers. Cheap: no shard file is read but a stat."""
     path = Path(path)
     problem = (_shape_problem(manifest) or _list_problem(path, manifest) or _count_problem(path, manifest)
                or _vocab_problem(manifest))
     if not problem and DIGEST in manifest and manifest[DIGEST] != manifest_digest(manifest):
         problem = (f"its content hashes to {manifest_digest(manifest)[:12]}..., not the "
                    f"{str(manifest[DIGEST])[:12]}... it records: it was edited after the prepare")
+    return problem
+
+
+def manifest_problem(path: str | Path, manifest: dict) -> str:
+    """``disagreement`` as one line that says what to do, or ''."""
+    problem = disagreement(path, manifest)
     return f"{MANIFEST} does not match the folder: {problem}; {RERUN}" if problem else ""
 
 
@@ -171,15 +177,16 @@ def _map(path: Path, count: int, dtype):
     return torch.from_file(str(path), shared=False, size=count, dtype=dtype) if count else torch.zeros(0, dtype=dtype)
 
 
-def file_problems(path: str | Path, manifest: dict, hashes: bool = False) -> list[str]:
-    """One line per shard file that is missing or of another size than the manifest records, and with
-    ``hashes`` of another SHA-256 (one read of every file): its bytes changed after the prepare."""
+def file_problems(path: str | Path, manifest: dict, hashes: bool = False, remedy: bool = True) -> list[str]:
+    """One line per shard file that is missing (``remedy``: saying to re-run prepare) or of another size than
+    the manifest records, and with ``hashes`` of another SHA-256 (one read of every file): its bytes changed
+    after the prepare."""
     path, lines = Path(path), []
     for shard in manifest["shards"]:
         for name, rec in shard["files"].items():
             f = path / name
             if not f.is_file():
-                lines.append(f"{name} is missing (its {MANIFEST} lists it; {RERUN})")
+                lines.append(f"{name} is missing, though {MANIFEST} lists it" + (f"; {RERUN}" if remedy else ""))
             elif f.stat().st_size != rec["bytes"]:
                 lines.append(f"{name} has {f.stat().st_size} bytes, the manifest says {rec['bytes']} (truncated or "
                              "changed)")
@@ -222,8 +229,8 @@ class Prepared:
     (8 bytes a document), windows read across shard boundaries."""
 
     def __init__(self, path: str | Path, hashes: bool = False):
-        """Opening checks what is cheap (``check_files``' sizes, then ``problem``: the index and the ids in
-        range); ``hashes``: every file's SHA-256 too (``seqpar train --verify-data``)."""
+        """Opening checks what is cheap (``check_manifest``, ``check_files``' sizes, then ``problem``: the index
+        and the ids in range); ``hashes``: every file's SHA-256 too (``seqpar train --verify-data``)."""
         import torch
 
         self.path = Path(path)

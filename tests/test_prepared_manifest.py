@@ -160,3 +160,14 @@ def test_re_running_the_same_prepare_mends_the_folder(folder, tmp_path, capsys, 
     code, out, err = seqpar(capsys, "verify", copy)
     assert code == 0 and "matches the folder and its SHA-256" in out, err
     assert (copy / "manifest.json").read_text() == (folder / "manifest.json").read_text()
+
+
+def test_a_run_taking_its_vocabulary_from_the_folder_is_refused_before_any_note(folder, tmp_path, capsys):
+    """vocab_size 256 -> 300 built a vocab-300 model (the vocabulary is read from the manifest when no --vocab
+    is given): the manifest is checked where it is first read, so the refusal is the first line printed."""
+    copy = edited(folder, tmp_path, EDITS["vocab up"][0])
+    code, out, err = seqpar(capsys, "train", "--data", copy, "--layers", 1, "--hidden", 32, "--heads", 4, "--seq", 16,
+                            "--steps", 1, "--out", tmp_path / "run", "--no-progress")
+    assert code == 2 and not out and err.splitlines()[0] == (
+        f"seqpar train: error: prepared folder {copy}: manifest.json does not match the folder: its vocab_size is 300, "
+        f"a folder prepared as bytes has 256; {RERUN}"), err

@@ -170,6 +170,14 @@ def check_manifest(path: str | Path, manifest: dict) -> None:
         raise DataError(f"prepared folder {path}: {problem}")
 
 
+def checked_manifest(path: str | Path) -> dict:
+    """``read_manifest`` after ``check_manifest``: what a run reads of a folder before opening it (the model's
+    vocabulary, the tokenizer) comes from a manifest that agrees with the folder."""
+    manifest = read_manifest(path)
+    check_manifest(path, manifest)
+    return manifest
+
+
 def _map(path: Path, count: int, dtype):
     """``count`` items of ``path``, memory-mapped copy-on-write (the file is never written)."""
     import torch

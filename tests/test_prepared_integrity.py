@@ -146,7 +146,8 @@ def test_an_out_of_range_id_is_refused_at_train_and_eval_start(bytes_folder, tmp
     assert code == 0, err
     folder, name = damaged(bytes_folder, tmp_path, 5, 300)
     line = (f"prepared folder {folder}: {name} holds id 300 at offset 5 (token 5 of the shard), not below its "
-            f"vocabulary of 256 (changed after the prepare? `seqpar verify {folder}` checks every file's SHA-256)")
+            f"vocabulary of 256 (its ids need one of at least 301) (changed after the prepare? `seqpar verify "
+            f"{folder}` checks every file's SHA-256)")
     code, _, err = seqpar(capsys, "train", *tiny, "--data", folder, "--steps", 1, "--out", tmp_path / "run2")
     assert code == 2 and err.splitlines()[0] == f"seqpar train: error: {line}", err  # and the --help hint
     code, _, err = seqpar(capsys, "eval", tmp_path / "run", "--data", folder)
@@ -170,3 +171,29 @@ def test_one_encoder_gives_prepare_and_the_plain_stream_the_same_ids(corpus, tmp
     assert m["eos_id"] not in stream.tolist() and torch.equal(stream, ids[kept])
     stream, _ = load_tokens(str(folder))
     assert bytes(stream.tolist()) == "\n".join(docs).encode()
+
+
+def test_a_tokenizer_folders_vocabulary_is_checked_against_its_tokenizer(corpus, tmp_path, capsys):
+    """The manifest's vocab_size against its tokenizer record (every open), and against the tokenizer copy itself
+    (verify: an older folder, without the manifest's hash, whose record was edited to agree)."""
+    import shutil
+
+    from seqpar.data.prepared import DIGEST
+
+    folder, _, tok = corpus
+    vocab = prep.prepare([str(folder)], tmp_path / "p", str(tok), progress=False)["vocab_size"]
+    rerun = "re-run the same `seqpar prepare` to mend it: it keeps the finished shards"
+    for name, record_too in (("edited", False), ("older", True)):
+        copy = tmp_path / name
+        shutil.copytree(tmp_path / "p", copy)
+        m = json.loads((copy / "manifest.json").read_text())
+        m["vocab_size"] = 310
+        if record_too:
+            m["tokenizer"]["vocab_size"] = 310
+            m.pop(DIGEST)
+        (copy / "manifest.json").write_text(json.dumps(m))
+        code, _, err = seqpar(capsys, "verify", copy)
+        what = (f"its tokenizer {copy / 'tokenizer.json'} holds {vocab}" if record_too
+                else f"its tokenizer record says {vocab}")
+        assert code == 2 and err.splitlines() == [f"seqpar verify: {copy}: manifest.json does not match the folder: "
+                                                  f"its vocab_size is 310, {what}; {rerun}"], err

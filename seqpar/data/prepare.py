@@ -12,7 +12,10 @@
    mark. Text is encoded by ``seqpar.data.encode`` (a special token's text is text); a unit whose
    documents themselves yield the end-of-document id is refused, with how many times. A unit is a
    pure function of its inputs, so an interrupted prepare finishes with the same bytes.
-3. ``manifest.json`` gathers the shards; its presence marks the folder complete.
+3. ``manifest.json`` gathers the shards and records its own SHA-256; its presence marks the folder
+   complete. Run again on a complete folder whose manifest disagrees with it (edited, a shard file
+   removed or added: ``prepared.disagreement``), prepare says so and writes it again from the shards'
+   records, re-tokenizing only a shard whose files are gone.
 """
 
 from __future__ import annotations
@@ -32,7 +35,16 @@ from pathlib import Path
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.encode import ENCODING, Encoder
 from seqpar.data.errors import DataError
-from seqpar.data.prepared import FORMAT, MANIFEST, read_manifest, shard_name
+from seqpar.data.prepared import (
+    DIGEST,
+    FORMAT,
+    MANIFEST,
+    disagreement,
+    file_problems,
+    manifest_digest,
+    read_manifest,
+    shard_name,
+)
 from seqpar.data.sources import documents, input_files, plan_units
 from seqpar.fileio import sha256_file, write_atomic
 from seqpar.out_path import check_not_input, check_out_folder, remove_own
@@ -99,6 +111,20 @@ def _unit_name(unit: dict) -> str:
         more = len(unit["files"]) - 1
         return unit["files"][0] + (f" (and {more} more file{'s' if more > 1 else ''})" if more else "")
     return f"{unit['path']} ({'bytes' if unit['kind'] == 'jsonl' else 'rows'} {unit['start']}-{unit['end']})"
+
+
+def _finished_problem(out: Path, units: int) -> str:
+    """'' when a finished folder's manifest agrees with the folder (``prepared.disagreement``, the files'
+    sizes), else what does not, after removing the shard files of no unit (``units``: how many there are)."""
+    try:
+        manifest = read_manifest(out)
+    except DataError as err:
+        return str(err)
+    problem = disagreement(out, manifest) or next(iter(file_problems(out, manifest, remedy=False)), "")
+    for f in out.iterdir() if problem else ():
+        if re.fullmatch(r"shard_\d{5}\.(tokens|docs|json)", f.name) and int(f.name[6:11]) >= units:
+            f.unlink()  # a shard file the plan has no unit for: prepare's own name, not a user's file
+    return problem
 
 
 def _shard_done(out: Path, k: int) -> dict | None:
@@ -224,7 +250,12 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
         shutil.rmtree(staged, ignore_errors=True)
     resume = _claim(out, plan, overwrite)
     if resume and (out / MANIFEST).is_file():
-        return read_manifest(out)
+        problem = _finished_problem(out, len(units))
+        if not problem:
+            return read_manifest(out)
+        print(f"seqpar prepare: {out / MANIFEST} does not match the folder ({problem}): writing it again from the "
+              "shards' records (finished shards are kept)", file=sys.stderr)
+        (out / MANIFEST).unlink()
     out.mkdir(parents=True, exist_ok=True)
     if tok_record:
         write_atomic(out / tokfile.FILE, staged_bytes)
@@ -273,5 +304,6 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
                 "inputs": [str(i) for i in inputs],
                 "skipped": [name for s in shards for name in s["skipped"]],
                 "shards": [{k: s[k] for k in ("documents", "tokens", "files")} for s in shards]}
+    manifest[DIGEST] = manifest_digest(manifest)  # a hand edit of the manifest is found (issue 56)
     _write_json(out / MANIFEST, manifest)
     return manifest

@@ -246,13 +246,13 @@ def default_lr_on_large_model(job: JobConfig) -> int:
 def _bytes_note(m: ModelConfig, t: TrainConfig) -> list[str]:
     """The note for data read as bytes (256 symbols) by a model of a larger vocabulary: text without a
     tokenizer, or a folder prepared without one (a prepared folder's own tokenizer is the run's)."""
-    from seqpar.data.prepared import is_prepared, read_manifest
+    from seqpar.data.prepared import checked_manifest, is_prepared
 
     if t.tokenizer or t.data.endswith(".bin") or m.vocab_size <= BYTE_VOCAB:
         return []
     unused = f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained"
     if t.data and is_prepared(t.data):
-        manifest = read_manifest(t.data)
+        manifest = checked_manifest(t.data)
         if manifest["tokenizer"]:
             return []
         return [f"{t.data} was prepared as bytes ({BYTE_VOCAB} symbols), but vocab_size is {m.vocab_size:,}: "

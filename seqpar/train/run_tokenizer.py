@@ -17,11 +17,11 @@ from seqpar.train.config import TrainConfig
 
 def prepared_tokenizer(data: str) -> str:
     """A prepared folder's tokenizer copy ('' for byte data or anything else)."""
-    from seqpar.data.prepared import is_prepared, read_manifest
+    from seqpar.data.prepared import checked_manifest, is_prepared
 
     if not data or not is_prepared(data):
         return ""
-    manifest = read_manifest(data)
+    manifest = checked_manifest(data)
     rec = manifest.get("tokenizer")
     return tokfile.checked_copy(data, rec, "prepared folder") if rec else ""
 
@@ -61,8 +61,8 @@ def vocab_of(train: dict) -> int | None:
         return tokfile.record(train["tokenizer"])["vocab_size"]
     data = train.get("data", "")
     if isinstance(data, str) and data:
-        from seqpar.data.prepared import is_prepared, read_manifest
+        from seqpar.data.prepared import checked_manifest, is_prepared
 
         if is_prepared(data):
-            return int(read_manifest(data)["vocab_size"])
+            return int(checked_manifest(data)["vocab_size"])
     return None

@@ -32,7 +32,7 @@ from seqpar.data.errors import DataError
 from seqpar.data.files import names, not_text, text_files
 from seqpar.data.idfile import load_ids
 from seqpar.data.prepared import Prepared, is_prepared
-from seqpar.data.windows import Spans, held_out, split_for_rank, train_offsets, validation_offsets
+from seqpar.data.windows import Spans, held_out, probe_offsets, split_for_rank, train_offsets, validation_offsets
 from seqpar.documents import Documents, label_mask
 
 __all__ = ["BYTE_VOCAB", "DataError", "DocumentData", "TokenData", "Windows", "load_tokens", "stdlib_files"]
@@ -159,10 +159,22 @@ class Windows:
 
     def validation_batches(self, windows: int, micro_batch: int, dp_rank: int = 0,
                            dp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """dp rank ``dp_rank``'s share of the fixed set of ``windows`` validation windows (evenly spaced
-        over the split, the same set at every layout), in microbatches of at most ``micro_batch``."""
+        """dp rank ``dp_rank``'s share of the fixed validation set of ``windows`` windows (evenly spaced
+        over the split, each at most once: all of the split's own when it holds fewer; the same set at every
+        layout, ``validation_offsets``), in microbatches of at most ``micro_batch``."""
         mine = split_for_rank(validation_offsets(self.val_spans(), windows), dp_rank, dp)  # [~W/dp]
         return [self._windows("val", mine[i:i + micro_batch]) for i in range(0, len(mine), micro_batch)]
+
+    def validation_count(self, windows: int) -> int:
+        """How many windows the validation set of ``windows`` holds (fewer when the split holds fewer)."""
+        return min(windows, self.val_spans().total)
+
+    def probe_batches(self, windows: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``windows`` real validation windows in microbatches of ``micro_batch``, repeated where the split holds
+        fewer (``probe_offsets``): a step's shapes to run (compile warm-up, activation measurement), never
+        scored."""
+        offsets = probe_offsets(self.val_spans(), windows)  # [W]
+        return [self._windows("val", offsets[i:i + micro_batch]) for i in range(0, windows, micro_batch)]
 
 
 @dataclass

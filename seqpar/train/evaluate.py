@@ -158,7 +158,7 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
         windows = batches * micro_batch
     else:
         windows = validation_windows(build_job(meta["config"]).train)
-    windows = min(windows, spans.total)
+    windows = tokens.validation_count(windows)  # the validation set's own (each window once)
     batches = tokens.validation_batches(windows, micro_batch)
     meter = _Meter(windows, cfg.seq_len, progress)
     loss = evaluate([model], batches, ParallelDims.single(), done=meter.add)  # the trainer's validation, one rank

@@ -186,7 +186,7 @@ class Trainer:
                  f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
                  f"{t.micro_batch} per step",
                  f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "
-                 "tokens",
+                 "tokens" + self._small_validation(),
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
         if "optimizer_bytes" in info:
             opt = ("distributed optimizer" if t.distributed_optimizer else "optimizer") + \
@@ -208,6 +208,13 @@ class Trainer:
             lines.append(f"  activations kept by the layers for one microbatch on this rank: measured "
                          f"{info['act_bytes_measured']:,} B, formula {formula}")
         return "\n".join(lines)
+
+    def _small_validation(self) -> str:
+        """The banner's note when the validation split holds fewer windows than ``eval_batches × global_batch``
+        (each is scored once: validation and ``seqpar eval`` score the same set)."""
+        wanted = validation_windows(self.job.train)
+        held = self.data.validation_count(wanted)
+        return "" if held == wanted else f" (validation scores all {held:,} of its windows, fewer than {wanted:,})"
 
     # ------------------------------------------------------------------ steps
     def log(self, text: str) -> None:
@@ -255,7 +262,7 @@ class Trainer:
         mode, this run's schedule), gradients then cleared; returns its seconds (compile time + one step).
         Evaluation (dropout off) compiles its own graphs at the first validation."""
         t, p = self.job.train, self.job.parallel
-        batches = self.data.validation_batches(t.microbatches(p.dp) * t.micro_batch, t.micro_batch)
+        batches = self.data.probe_batches(t.microbatches(p.dp) * t.micro_batch, t.micro_batch)
         start = time.perf_counter()
         self._forward_backward(self.chunks, batches, self.dims, p,
                                keep_microbatches=self.job.recompute.keep_microbatches)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _helpers import Launches, prepared_documents, step_records
+from _helpers import Launches, prepared_documents, run_cli, step_records, validation_documents, word_documents
 
 from seqpar.train.evaluate import evaluate_checkpoint
 
@@ -74,3 +74,32 @@ def test_eval_equals_logged_validation(runs, name):
     got = evaluate_checkpoint(summary["checkpoint"])["loss"]
     print(f"{name}: logged val_loss {logged:.9f}, seqpar eval {got:.9f}, rel {rel(got, logged):.1e}")
     assert rel(got, logged) <= 1e-6
+
+
+def test_the_document_index_counts_the_tokens_validation_counts(tmp_path):
+    """The host count behind the refusal below (no id read) is the count of the labels validation scores."""
+    from seqpar.data.windows import validation_offsets
+    from seqpar.pipeline.objective import counted
+    from seqpar.train.data import DocumentData
+
+    data = DocumentData.open(str(prepared_documents(tmp_path / "p", documents=1500)), 32, 256, 0.05, True)
+    batches = data.validation_batches(40, 8)
+    assert 0 < data.counted_tokens(validation_offsets(data.val_spans(), 40)) == sum(counted(b[1]) for b in batches)
+
+
+def test_a_validation_split_that_counts_no_token_is_refused(tmp_path):
+    """Issue 56: validation documents of one token each (their end: under document masks no label counts)
+    printed validation loss 0.0000 and perplexity 1.00, exit 0; `seqpar eval` the same. Now one line, exit 2."""
+    pytest.importorskip("tokenizers")
+    empty = validation_documents(4000)
+    bad, tokenizer = word_documents(tmp_path / "bad", [" " if i in empty else "a b c d" for i in range(4000)])
+    good, _ = word_documents(tmp_path / "good", ["a b c d"] * 4000)
+    base = ["train", "--config", Path(__file__).parent.parent / "configs" / "tiny.toml", "--seq", "8", "--steps", "1",
+            "--warmup", "0", "--document-mask", "--tokenizer", tokenizer, "--no-progress"]
+    code, out, err = run_cli([*base, "--data", bad, "--out", tmp_path / "bad-run"])
+    assert code == 2 and "the 8 validation windows of" in err and "count none of their 64 labels" in err, (out, err)
+    assert not (tmp_path / "bad-run" / "checkpoints").exists()
+    code, out, err = run_cli([*base, "--data", good, "--out", tmp_path / "run"])
+    assert code == 0, err
+    code, out, err = run_cli(["eval", tmp_path / "run", "--data", bad, "--no-progress"])
+    assert code == 2 and "count none of their 64 labels" in err, (out, err)

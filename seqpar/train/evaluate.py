@@ -14,6 +14,7 @@ from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import MAX, all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.objective import counted as counted_tokens
+from seqpar.train.data import validation_windows
 
 
 def broadcast_from_last_stage(value: float | torch.Tensor | None, dims: ParallelDims, device) -> torch.Tensor:
@@ -40,12 +41,6 @@ def hidden_shape(chunk, micro_batch: int) -> tuple[int, int, int]:
 
 def dims_tp(chunk) -> int:
     return 1 if chunk.group is None else dist.get_world_size(chunk.group)
-
-
-def validation_windows(train) -> int:
-    """The trainer's validation set: ``eval_batches × global_batch`` windows (Megatron's eval iterations
-    of a global batch each), whatever the layout and the micro-batch size."""
-    return train.eval_batches * train.global_batch
 
 
 def mean_per_token(total: torch.Tensor | None, count: int, dims: ParallelDims, device) -> float:
@@ -159,6 +154,7 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     else:
         windows = validation_windows(build_job(meta["config"]).train)
     windows = tokens.validation_count(windows)  # the validation set's own (each window once)
+    tokens.check_validation(windows)  # a set that counts no token: refused, not scored as loss 0
     batches = tokens.validation_batches(windows, micro_batch)
     meter = _Meter(windows, cfg.seq_len, progress)
     loss = evaluate([model], batches, ParallelDims.single(), done=meter.add)  # the trainer's validation, one rank

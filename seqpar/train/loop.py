@@ -26,6 +26,7 @@ from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.parallel.rng import SCHEME
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.pipeline.objective import Objective
 from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import run_tokenizer
@@ -66,7 +67,7 @@ class StepHook(Protocol):
 @dataclass
 class TrainState:
     step: int = 0  # the next step to run
-    skipped: int = 0  # steps skipped for non-finite values, in total
+    skipped: int = 0  # steps skipped for non-finite values or no counted token, in total
     skipped_in_row: int = 0
     losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
     aux_losses: list[float] = field(default_factory=list)  # MoE: each step's load-balancing losses, apart
@@ -223,16 +224,25 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float, str]:
         """One optimizer step; returns (cross entropy, grad norm, outcome): ``applied``, ``overflow`` (fp16:
-        the scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``.
-        MoE: the step's load-balancing losses (part of the objective) go to ``state.aux_losses``."""
+        the scaled gradients overflowed, the step is skipped and the loss scale halved), ``nonfinite``, or
+        ``empty`` (the global batch counts no token: no forward, no update, NaN loss and norm, skipped like a
+        non-finite step). MoE: the step's load-balancing losses (part of the objective) go to
+        ``state.aux_losses``."""
         t, dims, opt = self.job.train, self.dims, self.opt
         reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
+        # the global batch's counted tokens, summed over dp: every rank decides alike
+        objective = Objective.of_step(mbs, dims.dp, dims.dp_group, self.device)
+        if objective.tokens == 0:  # no objective to step on: Adam's moments and weight decay stay put
+            if self.job.model.experts:
+                self.state.aux_losses.append(math.nan)
+            self.state.skipped += 1
+            return math.nan, math.nan, "empty"
         opt.zero_grad(len(mbs))
         aux: list[torch.Tensor] = []
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
                                       keep_microbatches=self.job.recompute.keep_microbatches, aux=aux,
-                                      as_tensor=True)  # App. C
+                                      as_tensor=True, objective=objective)  # App. C
         self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)  # 0-dim float64 on the device
         if aux:  # logged apart: the cross entropy is what validation and seqpar eval report
@@ -304,9 +314,14 @@ class Trainer:
                 "step": self.state.step}
 
     def _skipped_update(self, outcome: str, loss: float, norm: float, metrics: MetricsLog) -> None:
-        """Log a step whose update was skipped (fp16 overflow, non-finite values); on non-finite values
-        stop, with the last good state saved, when the policy says so."""
+        """Log a step whose update was skipped (fp16 overflow, non-finite values, no counted token); on non-finite
+        values stop, with the last good state saved, when the policy says so."""
         t, done = self.job.train, self.state.step
+        if outcome == "empty":  # not a divergence: the non-finite policy does not stop on it
+            metrics.log({"step": done, "event": "empty", "skipped": self.state.skipped})
+            self.log(f"step {done}: the global batch of {t.global_batch} windows counts no token (every label "
+                     f"ignored); update skipped ({self.state.skipped} so far)")
+            return
         if outcome == "overflow":
             metrics.log({"step": done, "event": "overflow", "loss": loss, "loss_scale": self.opt.loss_scale})
             self.log(f"step {done}: fp16 gradients overflowed; update skipped, loss scale now "
@@ -328,7 +343,7 @@ class Trainer:
         done = self.state.step
         recent = [x for x in self.state.losses[-steps:] if math.isfinite(x)]
         aux = [x for x in self.state.aux_losses[-steps:] if math.isfinite(x)]  # MoE's, logged apart
-        last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
+        last = {"step": done, "loss": sum(recent) / len(recent) if recent else math.nan,  # mean since the last log
                 "loss_steps": len(recent),
                 **({"aux_loss": sum(aux) / len(aux)} if aux else {}),
                 "lr": self.opt.opt.param_groups[0]["lr"],

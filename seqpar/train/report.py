@@ -33,7 +33,7 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     if line:
         print(line)
     if summary.get("skipped"):
-        print(f"  {summary['skipped']} steps skipped for non-finite values")
+        print(f"  {summary['skipped']} steps skipped (non-finite values, or a global batch counting no token)")
     print(f"  wall time {seconds:.1f} s")
     print(f"  checkpoint {summary.get('checkpoint')}")
     if summary.get("plot"):

@@ -279,14 +279,26 @@ class Trainer:
         self.opt.zero_grad()
         return time.perf_counter() - start
 
-    def validation_loss(self) -> float:
-        """The loss on the validation split: the mean per counted token over a fixed set of
-        ``eval_batches × global_batch`` windows, shared out over the dp ranks, the same at any
-        tp/pp/dp/cp and micro-batch size (``pipeline.objective``)."""
+    def validation_scores(self) -> tuple[float, float]:
+        """(cross entropy, objective) on the validation split: means per counted token over a fixed set of
+        ``eval_batches × global_batch`` windows, shared out over the dp ranks, the same at any tp/pp/dp/cp and
+        micro-batch size (``pipeline.objective``); the objective has the label smoothing training minimises."""
         t = self.job.train
         batches = self.data.validation_batches(validation_windows(t), t.micro_batch, self.dims.dp_rank,
                                                self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
+
+    def validation_loss(self) -> float:
+        """The validation loss: the plain cross entropy (``validation_scores``)."""
+        return self.validation_scores()[0]
+
+    def _validate(self, record: dict) -> None:
+        """``record`` gets ``val_loss`` (the plain cross entropy) and, with label smoothing, ``val_objective``
+        (the smoothed loss training minimises, its ``loss``)."""
+        cross_entropy, objective = self.validation_scores()
+        self.state.val_loss = record["val_loss"] = cross_entropy
+        if self.job.model.label_smoothing > 0:
+            record["val_objective"] = objective
 
     def _abort_message(self) -> str | None:
         """The line a second Ctrl-C prints (rank 0 only) before exiting at once."""
@@ -349,7 +361,7 @@ class Trainer:
                 "lr": self.opt.opt.param_groups[0]["lr"],
                 "grad_norm": norm, **self.throughput.rates(step_time)}
         if validate:
-            self.state.val_loss = last["val_loss"] = self.validation_loss()
+            self._validate(last)
         return last
 
     def _log_window(self, metrics: MetricsLog, norm: float, window_t: float, steps: int, validate: bool) -> dict:
@@ -428,7 +440,7 @@ class Trainer:
         finally:
             progress.close()
         if "val_loss" not in last:
-            self.state.val_loss = last["val_loss"] = self.validation_loss()
+            self._validate(last)
         path = self.save()
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})

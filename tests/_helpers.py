@@ -141,6 +141,40 @@ def prepared_documents(folder, documents: int = 1500, seed: int = 0, longest: in
     return folder
 
 
+def word_documents(folder, texts: list[str]):
+    """A prepared folder of ``texts`` (one document each), tokenized by a word-level tokenizer of the words
+    ``a`` to ``j`` (end-of-document ``<|endoftext|>`` id 0, vocabulary 12) that splits on whitespace: a text of
+    spaces is a document of one token, its end, whose label is never counted under document masks. Needs
+    the ``tokenizers`` package; returns ``(folder, tokenizer file)``."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = Path(folder)
+    words = ["<|endoftext|>", "[UNK]", *"abcdefghij"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = folder.with_name(folder.name + "-tokenizer.json")
+    tok.save(str(tokenizer))
+    source = folder.with_name(folder.name + "-source.jsonl")
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    code, out, err = run_cli(["prepare", source, "--out", folder, "--tokenizer", tokenizer, "--workers", "1",
+                              "--no-progress"])
+    assert code == 0, err
+    return folder, tokenizer
+
+
+def validation_documents(documents: int, val_fraction: float = 0.05) -> set[int]:
+    """Which of ``documents`` documents a prepared folder holds out for validation (``held_out``)."""
+    import torch
+
+    from seqpar.data.windows import held_out
+
+    _, val = held_out(torch.arange(1, documents + 1), val_fraction)
+    return {i for a, b in val for i in range(a, b)}
+
+
 def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[str]:
     """Where the trained ranks (a ``start`` record's ``ranks``) differ from their pipeline ranks' planned terms
     (``stages``: pp rank -> `seqpar plan` terms for the device they ran on): parameters exactly; gradients

@@ -14,7 +14,7 @@ from _helpers import random_tokens
 
 from seqpar.train.checkpoint import read_meta, resolve
 from seqpar.train.config import build_job
-from seqpar.train.loop import Trainer
+from seqpar.train.loop import Trainer, train_local
 
 STEPS, STOP = 6, 3
 
@@ -93,3 +93,62 @@ def test_a_skipped_step_keeps_its_checkpoint_log_record_and_validation(tmp_path)
         "step_000001", "step_000002", "step_000003"]
     meta = read_meta(tmp_path / "checkpoints" / "step_000001")
     assert meta["loss_scaler"]["scale"] == 2.0 ** 19 and meta["optimizer_steps"] == 0
+
+
+# ---------------------------------------------------------------- issue 56: a global batch that counts no token
+def empty_batch_job(tmp_path, **parallel) -> dict:
+    """Training documents mostly of one token (their end, never counted under document masks): of 8 steps of
+    2 windows of 8 tokens, some count no token at all, some count tokens in one window only."""
+    from _helpers import validation_documents, word_documents
+
+    val = validation_documents(4000)
+    data, tokenizer = word_documents(tmp_path / "docs", ["a b c d" if i in val or i % 12 == 0 else " "
+                                                         for i in range(4000)])
+    return {"model": {"vocab_size": 12, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 8},
+            "parallel": parallel, "data": {"document_mask": True},
+            "train": {"steps": 8, "warmup": 0, "lr": 1e-2, "micro_batch": 1, "global_batch": 2, "eval_every": 0,
+                      "eval_batches": 1, "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False,
+                      "data": str(data), "tokenizer": str(tokenizer), "out_dir": str(tmp_path / "run")}}
+
+
+def adam_state(t: Trainer) -> list[dict]:
+    """Copies of the optimizer's per-parameter tensors (moments, step counts)."""
+    return [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in t.opt.opt.state.values()]
+
+
+def test_a_global_batch_that_counts_no_token_is_a_skipped_step(tmp_path):
+    """Issue 56: such a step was logged as loss 0.0, grad_norm 0.0 and the optimizer stepped (Adam's moments and
+    weight decay moved the weights; a logged mean averaged the 0 in). Now: no update, NaN, not in the logged
+    means, counted as skipped, every dp rank alike (the count is global over dp)."""
+    pytest.importorskip("tokenizers")
+    sections = empty_batch_job(tmp_path)
+    t = Trainer(build_job(sections), quiet=True)
+    per_window = [[t.data.counted_tokens(t.data.train_offsets(t.job.train.seed, s, 2)[[w]]) for w in (0, 1)]
+                  for s in range(8)]
+    empty = [s for s, c in enumerate(per_window) if sum(c) == 0]
+    half = [s for s, c in enumerate(per_window) if 0 in c and sum(c) > 0]  # dp 2: one rank's share empty
+    assert empty and half and max(empty) < 7, per_window  # the data gives both kinds, and a step after
+    outcomes = []
+    for step in range(8):
+        before = weights(t), adam_state(t)
+        updates = t.opt.updates
+        loss, norm, outcome = t.train_step(step)
+        t.state.step += 1
+        outcomes.append(outcome)
+        if step in empty:
+            assert math.isnan(loss) and math.isnan(norm) and t.opt.updates == updates
+            assert all(torch.equal(a, b) for a, b in zip(before[0], weights(t), strict=True))
+            assert all(torch.equal(a[k], b[k]) for a, b in zip(before[1], adam_state(t), strict=True) for k in a)
+    assert [s for s, o in enumerate(outcomes) if o == "empty"] == empty and t.state.skipped == len(empty)
+    assert all(o == "applied" for s, o in enumerate(outcomes) if s not in empty)
+
+    one = train_local(sections | {"train": sections["train"] | {"out_dir": str(tmp_path / "one")}})
+    dp2 = {"parallel": {"dp": 2}, "train": sections["train"] | {"out_dir": str(tmp_path / "two")}}
+    two = train_local(sections | dp2, world=2)
+    for summary, out in ((one, "one"), (two, "two")):
+        assert summary["skipped"] == len(empty)
+        records = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if r.get("event") == "empty"] == [s + 1 for s in empty]
+        logged = {r["step"]: r for r in records if "event" not in r and "loss" in r}
+        assert all(math.isnan(logged[s + 1]["loss"]) and logged[s + 1]["loss_steps"] == 0 for s in empty)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, nan_ok=True)

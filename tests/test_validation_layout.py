@@ -64,3 +64,23 @@ def test_eval_scores_the_trainers_windows_by_default_with_progress(tmp_path, cap
     assert main(["eval", str(out), "--batches", "1", "--micro-batch", "3"]) == 0
     err = capsys.readouterr().err
     assert "eval: 3/3 windows" in err and "tokens/s" in err
+
+
+def test_validation_and_eval_score_the_same_windows_of_a_small_split(tmp_path, capsys):
+    """Issue 56: a validation split of 13 windows and eval_batches 2 × global_batch 8 = 16: logged validation
+    scored 3 windows twice (5.548306) while `seqpar eval` scored each once (5.548699)."""
+    from _helpers import random_tokens
+
+    data, out = random_tokens(tmp_path / "small.bin", 256, n=900), tmp_path / "run"  # 45 validation tokens
+    code = main(["train", "--config", str(ROOT / "configs" / "tiny.toml"), "--steps", "1", "--warmup", "0",
+                 "--global-batch", "8",
+                 "--data", str(data), "--out", str(out), "--no-progress"])
+    assert code == 0
+    banner = capsys.readouterr().out
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in logged if "val_loss" in r][-1]
+    assert main(["eval", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["windows"] == 13
+    assert result["loss"] == pytest.approx(val, rel=1e-7)
+    assert "validation scores all 13 of its windows, fewer than 16" in banner

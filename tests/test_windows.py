@@ -31,5 +31,12 @@ def test_held_out_documents_and_windows(lengths, fraction, seq_len, seed, step, 
         for o in offsets:  # a window of seq_len + 1 tokens inside one span
             assert any(a <= o and o + seq_len + 1 <= b for a, b in spans.spans)
         fixed = validation_offsets(spans, windows)
+        assert len(fixed) == min(windows, spans.total) == len(set(fixed.tolist()))  # never a window twice
         shares = [split_for_rank(fixed, r, dp) for r in range(dp)]
         assert torch.equal(torch.cat(shares), fixed) and max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_a_validation_split_of_fewer_windows_is_scored_once_each():
+    """Issue 56: 16 windows asked of a split of 13 gave 16 starts, 3 of them twice (``linspace(...).long()``)."""
+    spans = Spans([(0, 45)], 32)  # 13 windows of 33 tokens
+    assert validation_offsets(spans, 16).tolist() == list(range(13))

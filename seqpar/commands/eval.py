@@ -47,5 +47,7 @@ def run(args) -> int:
     bits = f" ({result['bits_per_byte']:.3f} bits/byte)" if "bits_per_byte" in result else ""
     print(f"seqpar eval: {path} (step {result['step']}) on {result['data']}, {args.split} split: "
           f"loss {result['loss']:.4f} nats/token{bits}, perplexity {result['perplexity']:.2f}, over "
-          f"{result['tokens']:,} tokens ({result['windows']:,} windows of {result['seq_len']})")
+          f"{result['tokens']:,} tokens ({result['windows']:,} windows of {result['seq_len']})"
+          + (f"; label-smoothed objective {result['objective']:.4f} nats/token (what training minimised)"
+             if "objective" in result else ""))
     return 0

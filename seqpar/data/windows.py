@@ -5,9 +5,13 @@ the layout (tp, pp, dp, cp), so resuming, resharding and validating agree everyw
   ``total`` possible starts maps to one offset (the spans' starts laid end to end).
 * ``train_offsets``: the step's ``global_batch`` starts, drawn from a generator seeded by (seed, step);
   dp rank ``r`` takes the ``r``-th contiguous slice.
-* ``validation_offsets``: ``windows`` starts evenly spaced over every possible one -- the same fixed
-  set at any layout; ``split_for_rank`` gives dp rank ``r`` its contiguous share (uneven shares
-  allowed: the loss is summed over windows and divided by their number, not averaged over ranks).
+* ``validation_offsets``: the validation set, the one owner of which windows validation and ``seqpar eval``
+  score: ``windows`` starts evenly spaced over every possible one, each at most once (a split holding
+  fewer windows gives all of its own) -- the same fixed set at any layout; ``split_for_rank`` gives dp
+  rank ``r`` its contiguous share (uneven shares allowed: the loss is summed over windows and divided by
+  their number, not averaged over ranks).
+* ``probe_offsets``: ``windows`` starts to run a step's shapes on (compile warm-up, activation
+  measurement): evenly spaced over the same spans, repeated where the split holds fewer; never scored.
 * ``held_out``: a prepared folder's documents split into train and validation spans of whole
   documents: the validation documents are the last ``val_fraction`` of each of up to ``REGIONS``
   equal runs of documents, so validation samples the whole corpus rather than its tail.
@@ -45,6 +49,13 @@ def train_offsets(spans: Spans, seed: int, step: int, global_batch: int) -> torc
 
 
 def validation_offsets(spans: Spans, windows: int) -> torch.Tensor:
+    """The validation set: ``min(windows, spans.total)`` distinct starts, evenly spaced."""
+    return probe_offsets(spans, min(windows, spans.total))  # [min(W, total)]: no window twice
+
+
+def probe_offsets(spans: Spans, windows: int) -> torch.Tensor:
+    """``windows`` starts evenly spaced over ``spans`` (repeated when ``windows > spans.total``): not a set to
+    score, a step's worth of real windows to run (warm-up, measurement)."""
     return spans.offsets(torch.linspace(0, spans.total - 1, windows).long())  # [W]
 
 

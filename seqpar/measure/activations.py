@@ -60,7 +60,7 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
         without_paper_bytes(job, layers, device)
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
-        tokens, labels, *docs = data.validation_batches(job.train.micro_batch, job.train.micro_batch)[0]
+        tokens, labels, *docs = data.probe_batches(job.train.micro_batch, job.train.micro_batch)[0]
         docs = docs[0].to(device) if docs else None
         with SavedTensorMeter(chunk) as meter:
             if docs is not None:
@@ -91,7 +91,7 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     n = t.microbatches(p.dp)
     batches = [(x, y, *(d.to(device) for d in docs)) for x, y, *docs in
-               data.validation_batches(n * t.micro_batch, t.micro_batch)]
+               data.probe_batches(n * t.micro_batch, t.micro_batch)]
     meter = SavedTensorMeter(*chunks, names=False)
     meter.exclude([x for batch in batches for item in batch  # the data (tokens, labels, documents)
                    for x in (item.tensors(torch_dtype(m.dtype)) if isinstance(item, Documents) else [item])])

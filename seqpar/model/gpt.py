@@ -90,10 +90,12 @@ class GPTStage(nn.Module):
             return LinearWithGatheredInput.apply(x, weight, None, self.group)  # [s, b, v/t]
         return F.linear(comm.f(x, self.group), weight)  # [s, b, v/t]
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of per-token losses and the number of counted tokens; labels ``[b, s]``."""
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor,
+             smoothed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of per-token losses (``smoothed`` False: the plain cross entropy, whatever the label smoothing) and
+        the number of counted tokens; labels ``[b, s]``."""
         target = labels.t()  # [s, b]
-        per_token = self.loss_head(logits, target)  # [s, b]
+        per_token = self.loss_head(logits, target, smoothed)  # [s, b]
         return per_token.sum(), (target != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------ forward
@@ -110,8 +112,10 @@ class GPTStage(nn.Module):
         """First stage: ``x`` = tokens ``[b, s]``; later stages: hidden ``[s(/t), b, h]``.
 
         Last stage with ``labels``: the loss over the non-ignored tokens, their mean (``reduction``
-        ``"mean"``) or their sum (``"sum"``: what a step's objective adds up, ``pipeline.objective``);
-        without labels the logits. Other stages: the hidden state to send on.
+        ``"mean"``) or their sum (``"sum"``: what a step's objective adds up, ``pipeline.objective``), or
+        (``"scores"``, evaluation) ``[2]``: the plain cross entropy's sum and the objective's (label smoothing
+        included; the same number without it); without labels the logits. Other stages: the hidden state to
+        send on.
 
         Under context parallelism tokens and labels are the whole ``[b, s]``; the rank keeps its chunks.
         The sums of the losses and the counts are added over the cp ranks, so every cp rank returns the
@@ -126,7 +130,12 @@ class GPTStage(nn.Module):
         logits = self.logits(x)
         if labels is None:
             return logits
-        total, count = self.loss(logits, self.cp.split(labels, 1))  # labels [b, s/cp]
+        labels = self.cp.split(labels, 1)  # [b, s/cp]
+        if reduction == "scores":  # what validation reports, then what training minimises
+            plain = self.loss(logits, labels, smoothed=False)[0]
+            smoothed = self.loss(logits, labels)[0] if self.cfg.label_smoothing > 0 else plain
+            return self.cp.sum(torch.stack([plain, smoothed]))  # [2]
+        total, count = self.loss(logits, labels)
         total = self.cp.sum(total)
         if reduction == "sum":
             return total

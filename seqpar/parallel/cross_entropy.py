@@ -253,6 +253,9 @@ class VocabParallelCrossEntropy(nn.Module):
         """Compile the passes between the collectives (not ``forward``: the collectives stay eager)."""
         self.passes = compiled_passes(**options)
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # [s, b, v/t], [s, b]
-        return vocab_parallel_cross_entropy(logits, target, self.group, self.vocab_size, self.label_smoothing,
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, smoothed: bool = True) -> torch.Tensor:
+        """Per-token loss ``[s, b]`` of logits ``[s, b, v/t]``; ``smoothed`` False: the plain cross entropy
+        (what validation reports) whatever the label smoothing."""
+        eps = self.label_smoothing if smoothed else 0.0
+        return vocab_parallel_cross_entropy(logits, target, self.group, self.vocab_size, eps,
                                             self.ignore_index, self.passes)  # [s, b]

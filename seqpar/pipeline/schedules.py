@@ -36,7 +36,7 @@ def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
                      free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
                      meter=None, loss_scale: float = 1.0, aux: list | None = None,
-                     as_tensor: bool = False) -> float | torch.Tensor:
+                     as_tensor: bool = False, objective: Objective | None = None) -> float | torch.Tensor:
     """Forward and backward of every microbatch; returns this dp rank's share of the step's loss (every
     pp rank; its average over dp is the mean loss per counted token of every dp rank's microbatches).
 
@@ -51,6 +51,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     logged apart from the cross entropy.
     ``as_tensor``: the loss (and ``aux``'s value) as a 0-dim float64 tensor on the device, not read on the
     host (the trainer reads it once per step, with the gradient norm); else a Python float.
+    ``objective``: the step's ``Objective`` when the caller counted it already (the trainer, which skips a
+    step that counts no token); else counted here.
     """
     m = parallel.interleave
     if len(chunks) != m:
@@ -62,7 +64,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
                           f"got tokens/labels shapes {sorted(shapes)}")
     k = keep_for_rank(keep_microbatches, dims.pp_rank, dims.pp)
     device = next(chunks[0].parameters()).device
-    objective = Objective.of_step(microbatches, dims.dp, dims.dp_group, device)  # one all-reduce over dp
+    if objective is None:
+        objective = Objective.of_step(microbatches, dims.dp, dims.dp_group, device)  # one all-reduce over dp
     runner = StepRunner(chunks, list(microbatches), objective, free_outputs=free_outputs,
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
                         loss_scale=loss_scale)

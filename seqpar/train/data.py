@@ -32,7 +32,7 @@ from seqpar.data.errors import DataError
 from seqpar.data.files import names, not_text, text_files
 from seqpar.data.idfile import load_ids
 from seqpar.data.prepared import Prepared, is_prepared
-from seqpar.data.windows import Spans, held_out, split_for_rank, train_offsets, validation_offsets
+from seqpar.data.windows import Spans, held_out, probe_offsets, split_for_rank, train_offsets, validation_offsets
 from seqpar.documents import Documents, label_mask
 
 __all__ = ["BYTE_VOCAB", "DataError", "DocumentData", "TokenData", "Windows", "load_tokens", "stdlib_files"]
@@ -104,6 +104,13 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
     return tokens, source
 
 
+def validation_windows(train) -> int:
+    """The trainer's validation set: ``eval_batches × global_batch`` windows (Megatron's eval iterations
+    of a global batch each), whatever the layout and the micro-batch size (fewer when the split holds
+    fewer: ``validation_offsets``)."""
+    return train.eval_batches * train.global_batch
+
+
 class Windows:
     """The batch rule over any token source (``seqpar.data.windows``): a subclass gives its train and
     validation spans and reads ids; training windows follow (seed, step), validation is a fixed set of
@@ -129,6 +136,22 @@ class Windows:
     @property
     def val_tokens(self) -> int:
         return self.val_spans().tokens
+
+    def counted_tokens(self, offsets: torch.Tensor) -> int:
+        """The tokens the windows at ``offsets`` count (labels not ignored, ``pipeline.objective``), from the
+        document index alone (no id read): every label counts without packed documents."""
+        return len(offsets) * self.seq_len
+
+    def check_validation(self, windows: int) -> None:
+        """Refuse a validation set of ``windows`` windows that counts no token (its loss would read 0 and its
+        perplexity 1), in one line naming the numbers."""
+        offsets = validation_offsets(self.val_spans(), windows)  # [W]
+        if self.counted_tokens(offsets) == 0:
+            n = len(offsets)
+            raise DataError(f"the {n:,} validation windows of {self.source} count none of their {n * self.seq_len:,} "
+                            f"labels (seq_len {self.seq_len}): each is a document's first token, not predicted under "
+                            "data.document_mask, so validation would report loss 0 and perplexity 1; give longer "
+                            "validation documents, or no document masks")
 
     def document_starts(self, offsets: torch.Tensor, count: int) -> torch.Tensor | None:
         """``[b, count]`` bool: where a document starts in the windows at ``offsets`` (packed documents,
@@ -159,10 +182,22 @@ class Windows:
 
     def validation_batches(self, windows: int, micro_batch: int, dp_rank: int = 0,
                            dp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """dp rank ``dp_rank``'s share of the fixed set of ``windows`` validation windows (evenly spaced
-        over the split, the same set at every layout), in microbatches of at most ``micro_batch``."""
+        """dp rank ``dp_rank``'s share of the fixed validation set of ``windows`` windows (evenly spaced
+        over the split, each at most once: all of the split's own when it holds fewer; the same set at every
+        layout, ``validation_offsets``), in microbatches of at most ``micro_batch``."""
         mine = split_for_rank(validation_offsets(self.val_spans(), windows), dp_rank, dp)  # [~W/dp]
         return [self._windows("val", mine[i:i + micro_batch]) for i in range(0, len(mine), micro_batch)]
+
+    def validation_count(self, windows: int) -> int:
+        """How many windows the validation set of ``windows`` holds (fewer when the split holds fewer)."""
+        return min(windows, self.val_spans().total)
+
+    def probe_batches(self, windows: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``windows`` real validation windows in microbatches of ``micro_batch``, repeated where the split holds
+        fewer (``probe_offsets``): a step's shapes to run (compile warm-up, activation measurement), never
+        scored."""
+        offsets = probe_offsets(self.val_spans(), windows)  # [W]
+        return [self._windows("val", offsets[i:i + micro_batch]) for i in range(0, windows, micro_batch)]
 
 
 @dataclass
@@ -212,8 +247,10 @@ class TokenData(Windows):
         ``tokenizer``: the file to read text with (default ``train.tokenizer``; the run's resolved one)."""
         m, t = job.model, job.train
         tokenizer = t.tokenizer if tokenizer is None else tokenizer
-        return cls.build(m.seq_len, m.vocab_size, t.data, tokenizer, t.token_dtype, t.val_fraction,
+        data = cls.build(m.seq_len, m.vocab_size, t.data, tokenizer, t.token_dtype, t.val_fraction,
                          job.data.document_mask)
+        data.check_validation(validation_windows(t))  # before any process group: no validation of loss 0
+        return data
 
 
 class DocumentData(Windows):
@@ -250,6 +287,15 @@ class DocumentData(Windows):
 
     def read(self, split: str, start: int, count: int) -> torch.Tensor:
         return self.prepared.read(start, count)
+
+    def counted_tokens(self, offsets: torch.Tensor) -> int:
+        """Under document masks a label is ignored where a document starts (``label_mask``): window ``o``'s labels
+        are positions ``o + 1 .. o + s``, so it counts ``s`` less the document ends among them."""
+        if not self.document_mask:
+            return super().counted_tokens(offsets)
+        ends = self.prepared.doc_ends  # [D], increasing
+        starts = torch.searchsorted(ends, offsets + self.seq_len, right=True) - torch.searchsorted(ends, offsets + 1)
+        return int((self.seq_len - starts).sum())  # [W] -> total
 
     def document_starts(self, offsets: torch.Tensor, count: int) -> torch.Tensor | None:
         """From the folder's document index (not from end-of-document ids found in the window)."""

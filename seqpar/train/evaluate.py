@@ -14,6 +14,7 @@ from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import MAX, all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.objective import counted as counted_tokens
+from seqpar.train.data import validation_windows
 
 
 def broadcast_from_last_stage(value: float | torch.Tensor | None, dims: ParallelDims, device) -> torch.Tensor:
@@ -42,24 +43,19 @@ def dims_tp(chunk) -> int:
     return 1 if chunk.group is None else dist.get_world_size(chunk.group)
 
 
-def validation_windows(train) -> int:
-    """The trainer's validation set: ``eval_batches × global_batch`` windows (Megatron's eval iterations
-    of a global batch each), whatever the layout and the micro-batch size."""
-    return train.eval_batches * train.global_batch
-
-
-def mean_per_token(total: torch.Tensor | None, count: int, dims: ParallelDims, device) -> float:
-    """The last pipeline stage's loss sum ``total`` over its ``count`` counted tokens, both summed over the
-    dp ranks: the mean per counted token of one fixed window set, however it was shared out
-    (``pipeline.objective``'s definition)."""
-    t = torch.tensor([float("nan"), float("nan")], dtype=torch.float64, device=device)
-    if total is not None:
-        t[0], t[1] = total.to(torch.float64), count
+def mean_per_token(totals: torch.Tensor | None, count: int, dims: ParallelDims, device) -> tuple[float, float]:
+    """The last pipeline stage's loss sums ``totals`` ``[2]`` (cross entropy, objective) over its ``count`` counted
+    tokens, all summed over the dp ranks: the means per counted token of one fixed window set, however it was
+    shared out (``pipeline.objective``'s definition)."""
+    t = torch.full((3,), float("nan"), dtype=torch.float64, device=device)  # [cross entropy, objective, count]
+    if totals is not None:
+        t[:2], t[2] = totals.to(torch.float64), count
     if dims.pp_group is not None:
         broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
     if dims.dp_group is not None:
         all_reduce(t, group=dims.dp_group)
-    return float(t[0] / t[1].clamp(min=1))
+    cross_entropy, objective = (t[:2] / t[2].clamp(min=1)).tolist()
+    return cross_entropy, objective
 
 
 def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -77,15 +73,17 @@ def lockstep_padding(chunks: list, n: int, dims: ParallelDims, device) -> list[t
 
 @torch.no_grad()
 def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
-             done=None) -> float:
-    """Mean loss per counted token over every dp rank's ``batches`` (each its share of one window set;
-    shares may differ by a window, or be empty); the same value on every rank, at every layout and
-    micro-batch size (``pipeline.objective``). ``done(windows)``: called after each batch."""
+             done=None) -> tuple[float, float]:
+    """(cross entropy, objective): mean losses per counted token over every dp rank's ``batches`` (each its
+    share of one window set; shares may differ by a window, or be empty); the same values on every rank, at
+    every layout and micro-batch size (``pipeline.objective``). The cross entropy is plain (what validation
+    loss, perplexity and bits per byte report); the objective is what training minimises (label smoothing
+    included; equal to the cross entropy without it). ``done(windows)``: called after each batch."""
     device = next(chunks[0].parameters()).device
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
-    total, count, last = torch.zeros((), dtype=torch.float64, device=device), 0, False
+    total, count, last = torch.zeros(2, dtype=torch.float64, device=device), 0, False  # [cross entropy, objective]
     counted = len(batches)
     batches = list(batches) + lockstep_padding(chunks, len(batches), dims, device)
     try:
@@ -103,7 +101,7 @@ def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dim
                         dist.recv(x, src=dims.pp_ranks[(v - 1) % dims.pp], group=dims.pp_group)
                     inp = tokens.to(device) if chunk.first else x
                     if chunk.last:
-                        loss = chunk(inp, labels.to(device), docs=docs, reduction="sum").double()
+                        loss = chunk(inp, labels.to(device), docs=docs, reduction="scores").double()  # [2]
                         if i < counted:  # not a lockstep padding forward
                             total += loss
                             count += counted_tokens(labels)
@@ -158,10 +156,11 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
         windows = batches * micro_batch
     else:
         windows = validation_windows(build_job(meta["config"]).train)
-    windows = min(windows, spans.total)
+    windows = tokens.validation_count(windows)  # the validation set's own (each window once)
+    tokens.check_validation(windows)  # a set that counts no token: refused, not scored as loss 0
     batches = tokens.validation_batches(windows, micro_batch)
     meter = _Meter(windows, cfg.seq_len, progress)
-    loss = evaluate([model], batches, ParallelDims.single(), done=meter.add)  # the trainer's validation, one rank
+    loss, objective = evaluate([model], batches, ParallelDims.single(), done=meter.add)  # the trainer's, one rank
     meter.close()
     result = {"checkpoint": str(path), "step": meta.get("step", 0), "data": tokens.source, "split": split,
               "tokens": sum(counted_tokens(b[1]) for b in batches), "windows": windows, "seq_len": cfg.seq_len,
@@ -169,6 +168,8 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
               "perplexity": math.exp(min(loss, 700.0))}
     if cfg.vocab_size == 256 and not tokenizer:
         result["bits_per_byte"] = loss / math.log(2)
+    if cfg.label_smoothing > 0:  # what training minimised, apart: loss, perplexity and bits are the plain ones
+        result["objective"] = objective
     return result
 
 

@@ -26,6 +26,7 @@ from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.parallel.rng import SCHEME
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.pipeline.objective import Objective
 from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import run_tokenizer
@@ -66,7 +67,7 @@ class StepHook(Protocol):
 @dataclass
 class TrainState:
     step: int = 0  # the next step to run
-    skipped: int = 0  # steps skipped for non-finite values, in total
+    skipped: int = 0  # steps skipped for non-finite values or no counted token, in total
     skipped_in_row: int = 0
     losses: list[float] = field(default_factory=list)  # per step run by this process (nan if skipped)
     aux_losses: list[float] = field(default_factory=list)  # MoE: each step's load-balancing losses, apart
@@ -186,7 +187,7 @@ class Trainer:
                  f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
                  f"{t.micro_batch} per step",
                  f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "
-                 "tokens",
+                 "tokens" + self._small_validation(),
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
         if "optimizer_bytes" in info:
             opt = ("distributed optimizer" if t.distributed_optimizer else "optimizer") + \
@@ -209,6 +210,13 @@ class Trainer:
                          f"{info['act_bytes_measured']:,} B, formula {formula}")
         return "\n".join(lines)
 
+    def _small_validation(self) -> str:
+        """The banner's note when the validation split holds fewer windows than ``eval_batches × global_batch``
+        (each is scored once: validation and ``seqpar eval`` score the same set)."""
+        wanted = validation_windows(self.job.train)
+        held = self.data.validation_count(wanted)
+        return "" if held == wanted else f" (validation scores all {held:,} of its windows, fewer than {wanted:,})"
+
     # ------------------------------------------------------------------ steps
     def log(self, text: str) -> None:
         if not self.quiet:
@@ -216,16 +224,25 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float, str]:
         """One optimizer step; returns (cross entropy, grad norm, outcome): ``applied``, ``overflow`` (fp16:
-        the scaled gradients overflowed, the step is skipped and the loss scale halved) or ``nonfinite``.
-        MoE: the step's load-balancing losses (part of the objective) go to ``state.aux_losses``."""
+        the scaled gradients overflowed, the step is skipped and the loss scale halved), ``nonfinite``, or
+        ``empty`` (the global batch counts no token: no forward, no update, NaN loss and norm, skipped like a
+        non-finite step). MoE: the step's load-balancing losses (part of the objective) go to
+        ``state.aux_losses``."""
         t, dims, opt = self.job.train, self.dims, self.opt
         reseed_dropout(self.chunks, step, dims.dp_rank * (t.global_batch // dims.dp))  # data.train_batch's order
         mbs = self.data.train_batch(t.seed, step, t.global_batch, t.micro_batch, dims.dp_rank, dims.dp)
+        # the global batch's counted tokens, summed over dp: every rank decides alike
+        objective = Objective.of_step(mbs, dims.dp, dims.dp_group, self.device)
+        if objective.tokens == 0:  # no objective to step on: Adam's moments and weight decay stay put
+            if self.job.model.experts:
+                self.state.aux_losses.append(math.nan)
+            self.state.skipped += 1
+            return math.nan, math.nan, "empty"
         opt.zero_grad(len(mbs))
         aux: list[torch.Tensor] = []
         loss = self._forward_backward(self.chunks, mbs, dims, self.job.parallel, loss_scale=opt.loss_scale,
                                       keep_microbatches=self.job.recompute.keep_microbatches, aux=aux,
-                                      as_tensor=True)  # App. C
+                                      as_tensor=True, objective=objective)  # App. C
         self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
         loss = broadcast_from_last_stage(loss, dims, self.device)  # 0-dim float64 on the device
         if aux:  # logged apart: the cross entropy is what validation and seqpar eval report
@@ -255,21 +272,33 @@ class Trainer:
         mode, this run's schedule), gradients then cleared; returns its seconds (compile time + one step).
         Evaluation (dropout off) compiles its own graphs at the first validation."""
         t, p = self.job.train, self.job.parallel
-        batches = self.data.validation_batches(t.microbatches(p.dp) * t.micro_batch, t.micro_batch)
+        batches = self.data.probe_batches(t.microbatches(p.dp) * t.micro_batch, t.micro_batch)
         start = time.perf_counter()
         self._forward_backward(self.chunks, batches, self.dims, p,
                                keep_microbatches=self.job.recompute.keep_microbatches)
         self.opt.zero_grad()
         return time.perf_counter() - start
 
-    def validation_loss(self) -> float:
-        """The loss on the validation split: the mean per counted token over a fixed set of
-        ``eval_batches × global_batch`` windows, shared out over the dp ranks, the same at any
-        tp/pp/dp/cp and micro-batch size (``pipeline.objective``)."""
+    def validation_scores(self) -> tuple[float, float]:
+        """(cross entropy, objective) on the validation split: means per counted token over a fixed set of
+        ``eval_batches × global_batch`` windows, shared out over the dp ranks, the same at any tp/pp/dp/cp and
+        micro-batch size (``pipeline.objective``); the objective has the label smoothing training minimises."""
         t = self.job.train
         batches = self.data.validation_batches(validation_windows(t), t.micro_batch, self.dims.dp_rank,
                                                self.dims.dp)
         return evaluate(self.chunks, batches, self.dims)
+
+    def validation_loss(self) -> float:
+        """The validation loss: the plain cross entropy (``validation_scores``)."""
+        return self.validation_scores()[0]
+
+    def _validate(self, record: dict) -> None:
+        """``record`` gets ``val_loss`` (the plain cross entropy) and, with label smoothing, ``val_objective``
+        (the smoothed loss training minimises, its ``loss``)."""
+        cross_entropy, objective = self.validation_scores()
+        self.state.val_loss = record["val_loss"] = cross_entropy
+        if self.job.model.label_smoothing > 0:
+            record["val_objective"] = objective
 
     def _abort_message(self) -> str | None:
         """The line a second Ctrl-C prints (rank 0 only) before exiting at once."""
@@ -297,9 +326,14 @@ class Trainer:
                 "step": self.state.step}
 
     def _skipped_update(self, outcome: str, loss: float, norm: float, metrics: MetricsLog) -> None:
-        """Log a step whose update was skipped (fp16 overflow, non-finite values); on non-finite values
-        stop, with the last good state saved, when the policy says so."""
+        """Log a step whose update was skipped (fp16 overflow, non-finite values, no counted token); on non-finite
+        values stop, with the last good state saved, when the policy says so."""
         t, done = self.job.train, self.state.step
+        if outcome == "empty":  # not a divergence: the non-finite policy does not stop on it
+            metrics.log({"step": done, "event": "empty", "skipped": self.state.skipped})
+            self.log(f"step {done}: the global batch of {t.global_batch} windows counts no token (every label "
+                     f"ignored); update skipped ({self.state.skipped} so far)")
+            return
         if outcome == "overflow":
             metrics.log({"step": done, "event": "overflow", "loss": loss, "loss_scale": self.opt.loss_scale})
             self.log(f"step {done}: fp16 gradients overflowed; update skipped, loss scale now "
@@ -321,13 +355,13 @@ class Trainer:
         done = self.state.step
         recent = [x for x in self.state.losses[-steps:] if math.isfinite(x)]
         aux = [x for x in self.state.aux_losses[-steps:] if math.isfinite(x)]  # MoE's, logged apart
-        last = {"step": done, "loss": sum(recent) / max(len(recent), 1),  # mean since the last log
+        last = {"step": done, "loss": sum(recent) / len(recent) if recent else math.nan,  # mean since the last log
                 "loss_steps": len(recent),
                 **({"aux_loss": sum(aux) / len(aux)} if aux else {}),
                 "lr": self.opt.opt.param_groups[0]["lr"],
                 "grad_norm": norm, **self.throughput.rates(step_time)}
         if validate:
-            self.state.val_loss = last["val_loss"] = self.validation_loss()
+            self._validate(last)
         return last
 
     def _log_window(self, metrics: MetricsLog, norm: float, window_t: float, steps: int, validate: bool) -> dict:
@@ -406,7 +440,7 @@ class Trainer:
         finally:
             progress.close()
         if "val_loss" not in last:
-            self.state.val_loss = last["val_loss"] = self.validation_loss()
+            self._validate(last)
         path = self.save()
         plot = plot_losses(metrics.records, os.path.join(t.out_dir, "loss.png")) if self.rank0 and t.plot else None
         metrics.log({"event": "end", "checkpoint": path, "final": last})

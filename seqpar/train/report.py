@@ -25,7 +25,9 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     n = summary.get("loss_steps", t.log_every)
     print(f"  final train loss {loss:.4f} (mean of the last {n} step{'s' if n != 1 else ''})  "
           f"validation loss {val:.4f} nats/token"
-          + (f" ({val / math.log(2):.3f} bits/byte)" if m.vocab_size == 256 and not t.tokenizer else ""))
+          + (f" ({val / math.log(2):.3f} bits/byte)" if m.vocab_size == 256 and not t.tokenizer else "")
+          + (f"; label-smoothed: validation {summary['val_objective']:.4f}, as the train loss"
+             if "val_objective" in summary else ""))
     if "tokens_per_s" in summary:
         print(f"  throughput {summary['tokens_per_s']:,.0f} tokens/s, step {summary['step_time'] * 1e3:.0f} ms, "
               f"MFU {summary['mfu']:.1%}, HFU {summary['hfu']:.1%} (of the last log window, saves excluded)")
@@ -33,7 +35,7 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     if line:
         print(line)
     if summary.get("skipped"):
-        print(f"  {summary['skipped']} steps skipped for non-finite values")
+        print(f"  {summary['skipped']} steps skipped (non-finite values, or a global batch counting no token)")
     print(f"  wall time {seconds:.1f} s")
     print(f"  checkpoint {summary.get('checkpoint')}")
     if summary.get("plot"):

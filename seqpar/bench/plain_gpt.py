@@ -125,8 +125,9 @@ class Block(nn.Module):
         """``allowed [b, s, s]``: packed documents' attention mask; ``keep``: this layer's dropout masks by site
         (``attention [b, n, s, s]``, ``attention_output`` and ``mlp_output [s, b, h]``)."""
         keep = keep or {}
-        x = x + dropout(self.attention(self.ln1(x), allowed, keep.get("attention")), self.p, self.training,
-                        keep.get("attention_output"))
+        # keywords: a tensor-parallel plan's input hooks (seqpar.bench.torch_native) see one positional input
+        attention = self.attention(self.ln1(x), allowed=allowed, keep=keep.get("attention"))  # [s, b, h]
+        x = x + dropout(attention, self.p, self.training, keep.get("attention_output"))
         return x + dropout(self.mlp(self.ln2(x)), self.p, self.training, keep.get("mlp_output"))
 
 

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable
 
 from seqpar.processes import die_with_parent
@@ -48,6 +49,8 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from seqpar.train.heartbeat import JOB_ENV
+
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -63,6 +66,7 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
          "--signals-to-handle", handled, "-m", "seqpar", *PROG.split()[1:], *rest])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (_die_with_launcher)
+    os.environ[JOB_ENV] = uuid.uuid4().hex  # this job's heartbeats, in every attempt (an earlier job's are not)
     _quiet_elastic_logs()
     guard.install()
     try:
@@ -80,7 +84,7 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
                 os.environ[CAUSE_ENV] = json.dumps(cause)
     finally:
         guard.restore()
-        for name in (LAUNCHER_ENV, ATTEMPT_ENV, CAUSE_ENV):
+        for name in (LAUNCHER_ENV, ATTEMPT_ENV, CAUSE_ENV, JOB_ENV):
             os.environ.pop(name, None)
     return 0
 

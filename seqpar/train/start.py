@@ -222,9 +222,12 @@ def warn_shared_store() -> None:
 
 
 def restart_resume(job: JobConfig, resume: str) -> str:
-    """What a restarted attempt resumes: the run's last complete checkpoint, else what the first attempt
-    resumed ('' when it started afresh and failed before its first checkpoint)."""
-    return job.train.out_dir if supervise.latest_checkpoint(job.train.out_dir) else resume
+    """What a restarted attempt resumes: the run's newest checkpoint that verifies (the ``--nproc`` launcher
+    chose it and says which; under a user's torchrun every rank reads the same files), else what the first
+    attempt resumed ('' when it started afresh and failed before its first checkpoint)."""
+    told = os.environ.get(supervise.CAUSE_ENV)
+    checkpoint = json.loads(told)["checkpoint"] if told else supervise.restart_source(job.train.out_dir)[0]
+    return checkpoint or resume
 
 
 def restart_event(job: JobConfig, world: int) -> dict | None:
@@ -238,9 +241,8 @@ def restart_event(job: JobConfig, world: int) -> dict | None:
     if told:
         return json.loads(told)
     out = job.train.out_dir
-    latest = supervise.latest_checkpoint(out)
+    latest, source = supervise.restart_source(out)
     cause = supervise.failure_of(out, number - 1, world)
-    source = f"resuming from {latest}" if latest else "no checkpoint yet: starting again from step 0"
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
     return {"event": "restart", "restart": number, "max_restarts": int(limit) if limit.isdigit() else None,
             **cause, "checkpoint": latest, "line": f"{cause['line']}; restart {number} of {limit}, {source}"}

@@ -22,7 +22,7 @@ from seqpar.config import ConfigError, WorldSizeError
 from seqpar.parallel.launch import under_torchrun
 from seqpar.train import supervise
 from seqpar.train.config import JobConfig, inert_settings
-from seqpar.train.interrupt import abort_line
+from seqpar.train.interrupt import Reached, abort_line, stopped_line
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id",
@@ -280,16 +280,18 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     beat = Heartbeat(t.out_dir, int(os.environ.get("RANK", "0")), world, supervise.attempt(), t.hang_timeout,
                      t.save_every, t.stop_at or t.steps)
     times = StepTimes(int(os.environ.get("RANK", "0")), t.straggler_factor)  # each rank's step time, gathered
-    hooks = (*fault.hooks_from_env(), beat, times) if under_torchrun() else fault.hooks_from_env()
+    reached = Reached()  # the step a signal outside the loop names (the loop's own handlers save and say)
+    hooks = (*fault.hooks_from_env(), beat, times, reached) if under_torchrun() else (*fault.hooks_from_env(),
+                                                                                      reached)
 
-    def before_training(signum, frame):  # data, process groups, model, checkpoint: nothing to save yet
+    def outside_the_loop(signum, frame):  # before the first step (nothing to save yet), or after an error ended it
         if rank0:
-            print("seqpar train: interrupted before the first step; nothing was saved", file=sys.stderr, flush=True)
+            print(f"seqpar train: {stopped_line(t.out_dir, reached.step, world)}", file=sys.stderr, flush=True)
         os._exit(EXIT_INTERRUPTED)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, before_training) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, outside_the_loop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         summary = train(job, resume=resume_path(resume, job), hooks=hooks, verified=verified,
                         events=[{k: v for k, v in event.items() if k != "line"}] if event else [])

@@ -26,7 +26,8 @@ from seqpar.train.interrupt import Reached, abort_line, stopped_line
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id",
-             "heartbeat")
+             "heartbeat", "tracebacks")
+TRACEBACKS = "tracebacks"  # OUT/tracebacks/a{attempt}_r{rank}.txt: a failed rank's traceback, named in its one line
 
 
 class RunFolderError(ConfigError):
@@ -186,8 +187,12 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
     ours = supervise.started_by_relaunch()
     restart = supervise.attempt() > 0  # the folder is this job's own: resumed, never claimed or cleared again
 
+    out = ""  # the run folder, once known: a failure's traceback is kept there
+
     def main() -> int:
+        nonlocal out
         job = make_job(int(os.environ["WORLD_SIZE"]))
+        out = job.train.out_dir
         run_resume = restart_resume(job, resume) if restart else resume
         check_tokenizer(job, run_resume)
         if dry_run:
@@ -209,6 +214,29 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         if rank0 and not ours:
             print(f"seqpar train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as err:  # recorded for the launcher's report (as_rank); here one line, the traceback kept
+        if not out:
+            raise
+        print(f"seqpar train: {_failed_line(out, err)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def _failed_line(out: str, err: BaseException) -> str:
+    """This rank's failure in one line; its traceback kept in ``OUT/tracebacks/a{attempt}_r{rank}.txt``
+    (a hundred lines per rank on the console hid the one that said what failed)."""
+    import traceback
+
+    rank = int(os.environ.get("RANK", "0"))
+    text = "".join(traceback.format_exception(err))
+    what = supervise.clip(f"{type(err).__name__}: {err}".splitlines()[0])
+    path = Path(out) / TRACEBACKS / f"a{supervise.attempt()}_r{rank}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as failed:  # nowhere to keep it: on the console after all
+        sys.stderr.write(text)
+        return f"rank {rank} failed ({what}); traceback above (not kept: {failed.strerror})"
+    return f"rank {rank} failed ({what}); traceback in {path}"
 
 
 def warn_shared_store() -> None:

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed.checkpoint.filesystem as dcp_fs
@@ -14,7 +15,7 @@ from test_reliability_ranks import BOUND_S, TINY, Job
 
 from seqpar.cli import main
 from seqpar.train import checkpoint as ckpt
-from seqpar.train import fault
+from seqpar.train import fault, start, supervise
 
 RUN = ["--no-progress", "--set", "train.plot=false", "--log-every", "1", "--save-every", "2"]
 
@@ -87,3 +88,35 @@ def test_disk_full_during_a_save_keeps_the_last_good_checkpoint(tmp_path, capsys
     monkeypatch.setattr(dcp_fs, "_write_item", write_item)  # space again: resume finishes the run
     out = _train_here(capsys, tmp_path, "--steps", "4", "--layers", "2", "--resume")
     assert "at step 2" in out and (root / "latest").read_text().strip() == "step_000004"
+
+
+def test_a_restart_passes_over_a_damaged_latest_checkpoint_to_the_newest_that_verifies(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A restarted attempt resumes the newest checkpoint that verifies, naming the damaged one it passes over
+    in its one line; with none whole it stops rather than train over them from step 0."""
+    monkeypatch.delenv(fault.ENV, raising=False)
+    monkeypatch.delenv(supervise.CAUSE_ENV, raising=False)
+    _train_here(capsys, tmp_path, "--steps", "4", "--layers", "2")
+    root = tmp_path / "checkpoints"
+    damaged = sorted((root / "step_000004").glob("*.distcp"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 1  # one bit flipped after the save
+    damaged.write_bytes(bytes(data))
+    job = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path)))
+    assert start.restart_resume(job, "") == str(root / "step_000002")
+    line = supervise.restart_source(str(tmp_path))[1]
+    with capsys.disabled():
+        print(f"\n{line}")
+    assert line == (f"resuming from {root / 'step_000002'}, the newest checkpoint that verifies (checkpoint "
+                    f"{root / 'step_000004'} is damaged: {damaged.name} does not match the SHA-256 recorded at "
+                    "save: its bytes changed (a bit flip?))")
+    out = _train_here(capsys, tmp_path, "--steps", "4", "--layers", "2", "--resume", str(root / "step_000002"))
+    assert "at step 2" in out and ckpt.newest_verified(root) == (root / "step_000004", [])  # trained over it
+
+    for step in (2, 4):  # none whole: stop, naming each
+        target = sorted((root / f"step_{step:06d}").glob("*.distcp"))[0]
+        target.write_bytes(target.read_bytes()[:-1])
+    with pytest.raises(ckpt.CheckpointError, match=rf"no checkpoint of {tmp_path} verifies \(checkpoint "
+                       rf".*step_000004 is damaged: .*; checkpoint .*step_000002 is damaged: .*\): not restarting "
+                       "from step 0 over them"):
+        start.restart_resume(job, "")

@@ -139,6 +139,13 @@ def test_exception_on_one_rank_stops_every_rank(tmp_path):
                 "step 3)") in text, text[-3000:]
         _stopped_others(text, 0)
         assert job.left() == {}
+    # one line per failed rank, its traceback kept in the run folder (it was ~100 lines per rank here)
+    kept = tmp_path / "tracebacks" / "a0_r1.txt"
+    assert "Traceback" not in text, text[-3000:]
+    assert (f"seqpar train: rank 1 failed (RuntimeError: SEQPAR_FAULT: injected failure on rank 1 at step 3); "
+            f"traceback in {kept}\n") in text, text[-3000:]
+    assert kept.read_text().startswith("Traceback (most recent call last):")
+    assert "RuntimeError: SEQPAR_FAULT: injected failure on rank 1 at step 3" in kept.read_text()
 
 
 def test_kill_9_of_the_launcher_takes_its_ranks_down(tmp_path):

@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -182,6 +183,26 @@ def test_heartbeats_say_where_a_rank_was_and_who_did_not_arrive(tmp_path):
     assert heartbeat.hang_line({r: beats[r] for r in (0, 2)}, 2, 5)[0] == \
         "hang: no progress for 5 s at step 2: rank 1 did not arrive (last seen: rank 1 at no step)"
     assert heartbeat.read(tmp_path, 0, 3, since=ranks[2].born + 3600) == {}  # an earlier job's files
+
+
+def test_an_earlier_job_s_finished_heartbeats_do_not_stand_the_watchdog_down(tmp_path, monkeypatch):
+    """A job that finished a moment ago in the same folder left ``done`` heartbeats of the same names
+    (attempt 0): the next job's watchdog still sees its own rank 1 never arrive."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SEQPAR_JOB", "earlier")
+    for rank in range(2):
+        heartbeat.Heartbeat(str(tmp_path), rank, 2, attempt=0).beat(8, 8, "done")
+    monkeypatch.setenv("SEQPAR_JOB", "this")
+    watched = heartbeat.Heartbeat(str(tmp_path), 0, 2, attempt=0, timeout=0.4)
+    hung = threading.Event()
+    monkeypatch.setattr(watched, "_hung", lambda beats, idle: (hung.set(), watched._stop.set()))
+    watched.before_step(0, 1)  # this job's rank 1 never arrives
+    try:
+        assert hung.wait(10), "the watchdog stood down on the earlier job's 'done'"
+    finally:
+        watched._stop.set()
+    assert list(heartbeat.read(tmp_path, 0, 2)) == [0]  # rank 1's file is the earlier job's
+    assert list(heartbeat.read(tmp_path, 0, 2, job="earlier")) == [1]  # rank 0 wrote again since
 
 
 def test_what_a_torchrun_restart_reads_from_the_last_attempt(tmp_path):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from seqpar.cli import main
 
@@ -131,3 +132,42 @@ def test_a_launcher_interrupted_before_its_ranks_start_exits_130_in_one_line():
     proc = subprocess.run([sys.executable, "-c", NO_RANKS_YET], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (130, "")
     assert proc.stderr == "seqpar train: interrupted before the ranks started; nothing was saved\n"
+
+
+def test_a_signal_after_a_peer_s_failure_ended_training_names_the_step_and_the_checkpoint_kept(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """A peer failed at step 5 (step 3 saved): the launcher's SIGTERM reaches rank 0 after the loop ended on the
+    lost collective, where the handler of "before the first step" used to say "nothing was saved"."""
+    import seqpar.train.loop
+    from seqpar.train import start as train_start
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_000003\n")
+    job = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path), hang_timeout=0, save_every=3, stop_at=0,
+                                                steps=6, straggler_factor=0))
+
+    class Stopped(BaseException):
+        pass
+
+    def lost_peer(job, resume, hooks, verified, events):  # steps 1-5 arrived at, then the collective lost its peer
+        for step in range(1, 6):
+            for hook in hooks:
+                hook.before_step(0, step)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher stopping this rank
+        raise RuntimeError("Connection closed by peer")
+
+    def exit_at_once(code):
+        raise Stopped(code)
+
+    monkeypatch.setattr(seqpar.train.loop, "train", lost_peer)
+    monkeypatch.setattr(os, "_exit", exit_at_once)
+    for name in ("RANK", "WORLD_SIZE", "SEQPAR_FAULT"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        train_start.train_and_report(job, "")
+    except Stopped as stopped:
+        assert stopped.args == (130,)
+    err = capsys.readouterr().err
+    assert err == (f"seqpar train: interrupted at step 5, after training stopped on an error; nothing new was saved; "
+                   f"the last complete checkpoint {tmp_path / 'checkpoints' / 'step_000003'} is kept (resume with: "
+                   f"seqpar train --resume {tmp_path})\n")

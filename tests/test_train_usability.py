@@ -6,6 +6,7 @@ do nothing, the flags (--arch, --model, --version, help with defaults, one check
 import argparse
 import json
 import math
+import sys
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -116,6 +117,36 @@ def test_a_resumed_metrics_log_keeps_the_history_and_repeats_no_step(tmp_path):
     assert [r["step"] for r in resumed.records if "loss" in r] == steps  # what loss.png plots
     assert MetricsLog(tmp_path, start_step=0).records == [] and not (tmp_path / "metrics.jsonl").exists()
 
+
+
+def test_a_resumed_run_s_tensorboard_purges_the_steps_it_repeats(tmp_path, monkeypatch):
+    """TensorBoard (a stand-in for ``torch.utils.tensorboard``, which keeps TensorBoard's rule: a writer opened
+    with ``purge_step`` P hides every earlier event at step P or later) shows each step once after a resume
+    from step 6 of a run that had logged to step 10, as metrics.jsonl does."""
+    shown: list[tuple[str, float, int]] = []  # what TensorBoard draws: (tag, value, step)
+
+    class SummaryWriter:
+        def __init__(self, logdir, purge_step=None):
+            if purge_step is not None:
+                shown[:] = [event for event in shown if event[2] < purge_step]
+
+        def add_scalar(self, tag, value, step):
+            shown.append((tag, value, step))
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", SimpleNamespace(SummaryWriter=SummaryWriter))
+    log = MetricsLog(tmp_path, start_step=0)
+    for step in range(1, 11):
+        log.log({"step": step, "loss": 5.0 - step / 10})
+    log.close()
+    resumed = MetricsLog(tmp_path, start_step=6)
+    for step in (7, 8):
+        resumed.log({"step": step, "loss": 1.0})
+    resumed.close()
+    assert [step for tag, _, step in shown if tag == "loss"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [value for tag, value, step in shown if tag == "loss" and step > 6] == [1.0, 1.0]
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):

@@ -1,8 +1,10 @@
 """Each rank's progress, one small file per rank and attempt, and the hang watchdog that reads them.
 
 ``OUT/heartbeat/a{K}_r{R}.json`` (attempt K of the job, rank R): the step rank R last arrived at, the
-time, and how it ended when it did not end well (a hang). The files live beside the checkpoints
-(a shared folder on every node), so every rank and the ``--nproc`` launcher read the same picture:
+time, the job it belongs to (``job_id()``: an earlier job in the same folder wrote files of the same
+names, never read as this job's), and how it ended when it did not end well (a hang). The files live
+beside the checkpoints (a shared folder on every node), so every rank and the ``--nproc`` launcher read the
+same picture:
 
 * the watchdog (``Heartbeat.watch``, ``[train] hang_timeout = S``): a thread in every rank; when a rank
   has made no progress for S seconds, the lowest rank that arrived at the newest step prints one line
@@ -29,22 +31,34 @@ from seqpar.fileio import write_atomic
 FOLDER = "heartbeat"
 EXIT_HUNG = 124  # a rank the watchdog stopped (timeout(1)'s status)
 CLOCK_SKEW_S = 60.0  # heartbeats written this long before a rank started still count (clocks of other machines)
+JOB_ENV = "SEQPAR_JOB"  # set by the --nproc launcher (seqpar.train.supervise.relaunch): one id for all its attempts
+
+
+def job_id() -> str:
+    """The job this process belongs to, the same on every rank and in every attempt: the ``--nproc``
+    launcher's id, else torchrun's run id (``--standalone`` draws one; ``--rdzv-id`` names it); '' when
+    neither says (torchrun's static rendezvous without ``--rdzv-id``: only the time tells jobs apart)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return os.environ.get(JOB_ENV) or ("" if run in ("", "none") else run)
 
 
 def path(out_dir: str | Path, attempt: int, rank: int) -> Path:
     return Path(out_dir) / FOLDER / f"a{attempt}_r{rank}.json"
 
 
-def read(out_dir: str | Path, attempt: int, world: int, since: float = 0.0) -> dict[int, dict]:
-    """rank -> its last heartbeat of ``attempt`` (written at or after ``since``, a wall-clock time: older
-    files are an earlier job's); ranks without one are left out."""
+def read(out_dir: str | Path, attempt: int, world: int, since: float = 0.0,
+         job: str | None = None) -> dict[int, dict]:
+    """rank -> its last heartbeat of ``attempt`` of ``job`` (default: this process's ``job_id()``; another
+    job's files are left out) written at or after ``since`` (a wall-clock time: older files are an
+    earlier job's); ranks without one are left out."""
+    job = job_id() if job is None else job
     beats = {}
     for rank in range(world):
         try:
             beat = json.loads(path(out_dir, attempt, rank).read_text())
         except (OSError, ValueError):  # none yet, or caught mid-replace
             continue
-        if beat.get("time", 0.0) >= since:
+        if beat.get("time", 0.0) >= since and (not job or beat.get("job") == job):
             beats[rank] = beat
     return beats
 
@@ -92,6 +106,7 @@ class Heartbeat:
         """``save_every``, ``end``: the run's checkpoint schedule (a save follows those steps)."""
         self.out_dir, self.rank, self.world, self.attempt, self.timeout = out_dir, rank, world, attempt, timeout
         self.save_every, self.end = save_every, end
+        self.job = job_id()  # the files of an earlier job in this folder are not this one's
         self.born = time.time()  # heartbeats older than this rank are an earlier job's
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,7 +123,8 @@ class Heartbeat:
             self.saving = [s for s in self.saving if not _committed(self.out_dir, s)]
             saving = list(self.saving)
         write_atomic(target, json.dumps({"step": step, "done": done, "phase": phase, "time": time.time(),
-                                         "pid": os.getpid(), "saving": saving, **extra}), durable=False)
+                                         "pid": os.getpid(), "job": self.job, "attempt": self.attempt,
+                                         "saving": saving, **extra}), durable=False)
 
     # the step hook (seqpar.train.loop.StepHook); the trainer calls it after the fault hook
     def before_step(self, rank: int, step: int) -> None:
@@ -154,7 +170,7 @@ class Heartbeat:
         start = time.monotonic()
         seen: dict[int, tuple[str, float]] = {}  # rank -> (its last heartbeat, when this rank saw it change)
         while not self._stop.wait(period):
-            beats = read(self.out_dir, self.attempt, self.world, since=self.born - CLOCK_SKEW_S)
+            beats = read(self.out_dir, self.attempt, self.world, since=self.born - CLOCK_SKEW_S, job=self.job)
             if any(b.get("phase") == "done" for b in beats.values()):
                 return  # a peer finished: the run is over
             now = time.monotonic()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from seqpar.parallel.comm import MAX, all_reduce
 from seqpar.train.supervise import EXIT_INTERRUPTED, REPEAT_S
 
-__all__ = ["StopFlag", "abort_line", "resume_hint"]
+__all__ = ["Reached", "StopFlag", "abort_line", "resume_hint", "stopped_line"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -93,3 +93,38 @@ def abort_line(out_dir: str) -> str:
     if latest:
         return text + f"; the last complete checkpoint {root / latest} is kept (resume with --resume {out_dir})"
     return text + "; no checkpoint had been written"
+
+
+class Reached:
+    """The step hook that remembers the step this rank last arrived at (0: none yet): what a signal outside
+    the training loop (before its first step, or after a peer's failure ended it) names."""
+
+    def __init__(self):
+        self.step = 0
+
+    def before_step(self, rank: int, step: int) -> None:
+        self.step = step
+
+    def after_step(self, rank: int, step: int, seconds: float) -> None:
+        pass
+
+    def checkpoint_written(self, rank: int, step: int) -> None:
+        pass
+
+    def window(self, rank: int, step: int) -> dict:
+        return {}
+
+
+def stopped_line(out_dir: str, step: int, world: int) -> str:
+    """The line of a rank stopped at once by a signal outside the training loop: before the first step
+    (``step`` 0), or at ``step`` after training ended on an error (a peer's failure): the run's last
+    complete checkpoint, which it did not add to."""
+    from pathlib import Path
+
+    if not step:
+        return "interrupted before the first step; nothing was saved"
+    latest = Path(out_dir) / "checkpoints" / "latest"
+    name = latest.read_text().strip() if latest.is_file() else ""
+    kept = (f"the last complete checkpoint {latest.parent / name} is kept (resume with: {resume_hint(out_dir, world)})"
+            if name else "no checkpoint had been written")
+    return f"interrupted at step {step}, after training stopped on an error; nothing new was saved; {kept}"

@@ -42,7 +42,10 @@ class MetricsLog:
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            # a resumed run's TensorBoard hides what an earlier attempt logged after start_step (steps it
+            # repeats now), as the JSONL above drops it: without it both copies of those steps are drawn
+            self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"),
+                                     purge_step=start_step + 1 if start_step else None)
         except ImportError:
             self._tb = None
 

@@ -22,11 +22,12 @@ from seqpar.config import ConfigError, WorldSizeError
 from seqpar.parallel.launch import under_torchrun
 from seqpar.train import supervise
 from seqpar.train.config import JobConfig, inert_settings
-from seqpar.train.interrupt import abort_line
+from seqpar.train.interrupt import Reached, abort_line, stopped_line
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id",
-             "heartbeat")
+             "heartbeat", "tracebacks")
+TRACEBACKS = "tracebacks"  # OUT/tracebacks/a{attempt}_r{rank}.txt: a failed rank's traceback, named in its one line
 
 
 class RunFolderError(ConfigError):
@@ -186,8 +187,12 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
     ours = supervise.started_by_relaunch()
     restart = supervise.attempt() > 0  # the folder is this job's own: resumed, never claimed or cleared again
 
+    out = ""  # the run folder, once known: a failure's traceback is kept there
+
     def main() -> int:
+        nonlocal out
         job = make_job(int(os.environ["WORLD_SIZE"]))
+        out = job.train.out_dir
         run_resume = restart_resume(job, resume) if restart else resume
         check_tokenizer(job, run_resume)
         if dry_run:
@@ -209,6 +214,29 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         if rank0 and not ours:
             print(f"seqpar train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as err:  # recorded for the launcher's report (as_rank); here one line, the traceback kept
+        if not out:
+            raise
+        print(f"seqpar train: {_failed_line(out, err)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def _failed_line(out: str, err: BaseException) -> str:
+    """This rank's failure in one line; its traceback kept in ``OUT/tracebacks/a{attempt}_r{rank}.txt``
+    (a hundred lines per rank on the console hid the one that said what failed)."""
+    import traceback
+
+    rank = int(os.environ.get("RANK", "0"))
+    text = "".join(traceback.format_exception(err))
+    what = supervise.clip(f"{type(err).__name__}: {err}".splitlines()[0])
+    path = Path(out) / TRACEBACKS / f"a{supervise.attempt()}_r{rank}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as failed:  # nowhere to keep it: on the console after all
+        sys.stderr.write(text)
+        return f"rank {rank} failed ({what}); traceback above (not kept: {failed.strerror})"
+    return f"rank {rank} failed ({what}); traceback in {path}"
 
 
 def warn_shared_store() -> None:
@@ -222,9 +250,12 @@ def warn_shared_store() -> None:
 
 
 def restart_resume(job: JobConfig, resume: str) -> str:
-    """What a restarted attempt resumes: the run's last complete checkpoint, else what the first attempt
-    resumed ('' when it started afresh and failed before its first checkpoint)."""
-    return job.train.out_dir if supervise.latest_checkpoint(job.train.out_dir) else resume
+    """What a restarted attempt resumes: the run's newest checkpoint that verifies (the ``--nproc`` launcher
+    chose it and says which; under a user's torchrun every rank reads the same files), else what the first
+    attempt resumed ('' when it started afresh and failed before its first checkpoint)."""
+    told = os.environ.get(supervise.CAUSE_ENV)
+    checkpoint = json.loads(told)["checkpoint"] if told else supervise.restart_source(job.train.out_dir)[0]
+    return checkpoint or resume
 
 
 def restart_event(job: JobConfig, world: int) -> dict | None:
@@ -238,9 +269,8 @@ def restart_event(job: JobConfig, world: int) -> dict | None:
     if told:
         return json.loads(told)
     out = job.train.out_dir
-    latest = supervise.latest_checkpoint(out)
+    latest, source = supervise.restart_source(out)
     cause = supervise.failure_of(out, number - 1, world)
-    source = f"resuming from {latest}" if latest else "no checkpoint yet: starting again from step 0"
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
     return {"event": "restart", "restart": number, "max_restarts": int(limit) if limit.isdigit() else None,
             **cause, "checkpoint": latest, "line": f"{cause['line']}; restart {number} of {limit}, {source}"}
@@ -278,16 +308,18 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     beat = Heartbeat(t.out_dir, int(os.environ.get("RANK", "0")), world, supervise.attempt(), t.hang_timeout,
                      t.save_every, t.stop_at or t.steps)
     times = StepTimes(int(os.environ.get("RANK", "0")), t.straggler_factor)  # each rank's step time, gathered
-    hooks = (*fault.hooks_from_env(), beat, times) if under_torchrun() else fault.hooks_from_env()
+    reached = Reached()  # the step a signal outside the loop names (the loop's own handlers save and say)
+    hooks = (*fault.hooks_from_env(), beat, times, reached) if under_torchrun() else (*fault.hooks_from_env(),
+                                                                                      reached)
 
-    def before_training(signum, frame):  # data, process groups, model, checkpoint: nothing to save yet
+    def outside_the_loop(signum, frame):  # before the first step (nothing to save yet), or after an error ended it
         if rank0:
-            print("seqpar train: interrupted before the first step; nothing was saved", file=sys.stderr, flush=True)
+            print(f"seqpar train: {stopped_line(t.out_dir, reached.step, world)}", file=sys.stderr, flush=True)
         os._exit(EXIT_INTERRUPTED)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, before_training) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, outside_the_loop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         summary = train(job, resume=resume_path(resume, job), hooks=hooks, verified=verified,
                         events=[{k: v for k, v in event.items() if k != "line"}] if event else [])

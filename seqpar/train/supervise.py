@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable
 
 from seqpar.processes import die_with_parent
@@ -48,6 +49,9 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from seqpar.train.checkpoint import CheckpointError
+    from seqpar.train.heartbeat import JOB_ENV
+
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -63,6 +67,7 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
          "--signals-to-handle", handled, "-m", "seqpar", *PROG.split()[1:], *rest])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (_die_with_launcher)
+    os.environ[JOB_ENV] = uuid.uuid4().hex  # this job's heartbeats, in every attempt (an earlier job's are not)
     _quiet_elastic_logs()
     guard.install()
     try:
@@ -75,12 +80,17 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
             except ChildFailedError as err:
                 if number == max_restarts or not _restartable(err.failures, guard.interrupted):
                     return _report(err.failures, guard.interrupted, restarts=max_restarts)
-                cause = _restart_cause(err.failures, number, max_restarts, out_dir, nproc, started)
+                try:
+                    cause = _restart_cause(err.failures, number, max_restarts, out_dir, nproc, started)
+                except CheckpointError as damaged:  # checkpoints, none of them whole: stop, never start over
+                    code = _report(err.failures, guard.interrupted)
+                    print(f"{PROG}: error: {damaged}", file=sys.stderr, flush=True)
+                    return code
                 print(f"{PROG}: {cause['line']}", file=sys.stderr, flush=True)
                 os.environ[CAUSE_ENV] = json.dumps(cause)
     finally:
         guard.restore()
-        for name in (LAUNCHER_ENV, ATTEMPT_ENV, CAUSE_ENV):
+        for name in (LAUNCHER_ENV, ATTEMPT_ENV, CAUSE_ENV, JOB_ENV):
             os.environ.pop(name, None)
     return 0
 
@@ -108,8 +118,7 @@ def _restart_cause(failures: dict, number: int, max_restarts: int, out_dir: str,
     else:
         how = f"{_describe_exit(failure.exitcode)}{_cause(failure)}"
         what = f"rank {first} failed ({how}) {at}"
-    latest = latest_checkpoint(out_dir)
-    source = f"resuming from {latest}" if latest else "no checkpoint yet: starting again from step 0"
+    latest, source = restart_source(out_dir)
     return {"event": "restart", "restart": number + 1, "max_restarts": max_restarts,
             "failed_rank": (hang["late"] or [None])[0] if hang else first, "how": how, "failed_step": step,
             "checkpoint": latest,
@@ -142,6 +151,25 @@ def failure_of(out_dir: str, attempt: int, world: int) -> dict:
     return {"failed_rank": None, "how": "unknown", "failed_step": step,
             "line": f"a rank ended at step {step} without recording why (a signal? the launcher's log names "
                     "the rank and its exit code)"}
+
+
+def restart_source(out_dir: str) -> tuple[str, str]:
+    """The checkpoint a restart resumes (the newest of the run that verifies, '' for none yet) and the
+    words that say so: a damaged newer one is named and passed over, never silently. Raises
+    CheckpointError when the run has checkpoints and none verifies (a restart from step 0 would train
+    over them)."""
+    from seqpar.train.checkpoint import CheckpointError, newest_verified
+
+    latest = latest_checkpoint(out_dir)
+    if not latest:
+        return "", "no checkpoint yet: starting again from step 0"
+    good, skipped = newest_verified(os.path.join(out_dir, "checkpoints"))
+    if good is None:
+        raise CheckpointError(f"no checkpoint of {out_dir} verifies ({'; '.join(skipped)}): not restarting from "
+                              "step 0 over them")
+    if not skipped:
+        return str(good), f"resuming from {good}"
+    return str(good), f"resuming from {good}, the newest checkpoint that verifies ({'; '.join(skipped)})"
 
 
 def latest_checkpoint(out_dir: str) -> str:

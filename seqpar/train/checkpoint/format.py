@@ -102,3 +102,9 @@ def read_dcp(path: Path, state: dict, planner=None, local: bool = False) -> None
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         cause = lines[-1][:300] if lines else type(err).__name__
         raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file?): {cause}") from None
+
+
+def step_of(folder: Path) -> int | None:
+    """The step a ``step_N`` folder holds (N has at least 6 digits, more past step 999,999); None otherwise."""
+    digits = folder.name[len("step_"):]
+    return int(digits) if folder.name.startswith("step_") and digits.isdigit() else None

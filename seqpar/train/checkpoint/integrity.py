@@ -16,7 +16,16 @@ import torch.distributed as dist
 from seqpar.config import ModelConfig
 from seqpar.fileio import sha256_bytes, sha256_file
 from seqpar.parallel.comm import all_gather_object
-from seqpar.train.checkpoint.format import META, CheckpointError, load_full, read_meta, recorded_model, stored_keys
+from seqpar.train.checkpoint.format import (
+    LATEST,
+    META,
+    CheckpointError,
+    load_full,
+    read_meta,
+    recorded_model,
+    step_of,
+    stored_keys,
+)
 from seqpar.train.checkpoint.resume import resolve
 
 
@@ -180,3 +189,23 @@ def verify(path: str | Path) -> tuple[list[str], list[str]]:
                      + (f"{len(files)} files ({mib:.1f} MiB) match their SHA-256; " if files else "")
                      + f"{len(stored)} tensors fit the model config and are finite")
     return problems, notes
+
+
+def newest_verified(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint in ``root`` (a run's ``checkpoints/`` folder), at or before the one ``latest``
+    names, whose files match their SHA-256s and whose tensors fit its model (``check_before_load``);
+    None when none does. Also the one-line problem of each newer checkpoint passed over."""
+    root = Path(root)
+    latest = step_of(Path((root / LATEST).read_text().strip())) if (root / LATEST).is_file() else None
+    if latest is None:
+        return None, []
+    steps = sorted((step, p) for p in root.glob("step_*")
+                   if p.is_dir() and (step := step_of(p)) is not None and step <= latest)
+    skipped = []
+    for _, path in reversed(steps):
+        try:
+            check_before_load(path, read_meta(path))
+            return path, skipped
+        except (CheckpointError, OSError, ValueError) as err:  # damaged, or no meta.json (an interrupted save)
+            skipped.append(str(err).splitlines()[0] if str(err) else f"checkpoint {path}: {type(err).__name__}")
+    return None, skipped

@@ -37,6 +37,7 @@ from seqpar.train.checkpoint.format import (
     load_full,
     read_dcp,
     read_meta,
+    step_of,
     stored_keys,
 )
 from seqpar.train.checkpoint.integrity import (
@@ -145,12 +146,6 @@ def _last_good(root: Path) -> str:
     if latest.is_file():
         return f"the last good checkpoint {latest.read_text().strip()} is kept ({latest} names it)"
     return "no earlier checkpoint exists"
-
-
-def step_of(folder: Path) -> int | None:
-    """The step a ``step_N`` folder holds (N has at least 6 digits, more past step 999,999); None otherwise."""
-    digits = folder.name[len("step_"):]
-    return int(digits) if folder.name.startswith("step_") and digits.isdigit() else None
 
 
 def _prune(root: Path, keep: int) -> None:

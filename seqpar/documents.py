@@ -73,6 +73,11 @@ class Documents:
         share)."""
         return [self.positions, self.doc, self.allowed(), *([self.additive(dtype)] if dtype else [])]
 
+    def held(self) -> list[torch.Tensor]:
+        """The tensors built so far (none built here): what a saved-tensor hook leaves alone as data."""
+        return [self.positions, self.doc, *([self._mask] if self._mask is not None else []),
+                *self._additive.values()]
+
     def bias(self, like: torch.Tensor, groups: int) -> torch.Tensor:
         """The additive mask of the materialized core: 0 where allowed, -inf elsewhere, ``[b·groups, s, s]``."""
         mask = self.allowed()[:, 0]  # [b, s, s]

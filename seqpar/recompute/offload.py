@@ -30,6 +30,7 @@ from collections import defaultdict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from seqpar import documents
 from seqpar.analysis.memory import pinned_block_bytes
 
 
@@ -77,6 +78,13 @@ class _Entry:
         self.shape, self.dtype = tuple(shape), str(dtype).removeprefix("torch.")
         self.nbytes = host.numel()
         self.loaded: torch.Tensor | None = None  # uint8 [nbytes] on the device, once reloaded
+
+
+def _document_storages() -> set[int]:
+    """The storages of the microbatch's packed documents (their shared masks): data every layer reads, kept
+    once on the device, never offloaded per layer (as the meter leaves them out)."""
+    docs = documents.current()
+    return set() if docs is None else {t.untyped_storage()._cdata for t in docs.held()}
 
 
 class _LayerRecord:
@@ -208,7 +216,7 @@ class Offloader:
         return y
 
     def _owner(self, record: _LayerRecord, key: int) -> str | None:
-        if key in record.excluded or key in self._spared:
+        if key in record.excluded or key in self._spared or key in _document_storages():
             return None
         if key == record.input_key and "layer_input" in self.modules:
             return "layer_input"

@@ -29,10 +29,11 @@ SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 # The one torch-version rule of the package: torch 2.13 names the single-tensor collectives
 # all_gather_single / reduce_scatter_single; the releases before it call the same collectives, with the
 # same arguments, all_gather_into_tensor / reduce_scatter_tensor. Looked up per call and by name, not by
-# version: a build that has either works, and a test can hide the new names. Under torch.compile the older
-# names run eagerly (a graph break): torch 2.11's dynamo rewrites them into functional collectives whose
-# gradients through seqpar's g / g_bar came out wrong (tp 2 + SP, compiled against eager: weight gradients
-# off by up to 0.2, tests/test_compile.py); 2.13's rewrite of the new names is exact.
+# version: a build that has either works, and a test can hide the new names. A torch without the new names
+# also traces collectives its own way: torch 2.11's dynamo rewrites them into functional collectives, and a
+# compiled tp 2 layer's gradients came out wrong through them (with SP and without: the layers' weight
+# gradients zero, tests/test_compile.py), while 2.13's rewrite is exact. So there every collective below runs
+# outside compiled graphs (a graph break around each).
 _NAMES = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
 
@@ -45,6 +46,12 @@ def collective(kind: str):
     return fn if fn is not None else _eager(getattr(dist, old))
 
 
+def _traced(fn):
+    """``fn`` (a ``torch.distributed`` collective) as compiled graphs may hold it: itself where this torch has
+    the 2.13 names, else kept out of them (the rule above)."""
+    return fn if getattr(dist, _NAMES["all_gather"][0], None) is not None else _eager(fn)
+
+
 @functools.cache
 def _eager(fn):
     """``fn`` run as Python, never traced by torch.compile (one wrapper per function)."""
@@ -53,7 +60,7 @@ def _eager(fn):
 
 def all_reduce(x: torch.Tensor, group=None, async_op: bool = False, op=SUM):
     """Reduce ``x`` in place over ``group`` (None: every rank) with ``op``; the work handle when ``async_op``."""
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    return _traced(dist.all_reduce)(x, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
@@ -71,12 +78,12 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None 
     """Rank r's ``out`` = the dim-0 slices every rank's ``x`` addressed to r, in rank order: ``x`` is cut
     into ``in_splits`` rows (one slice per rank), ``out`` receives ``out_splits`` rows from each rank
     (None: equal slices). Expert parallelism's dispatch and combine (``seqpar.parallel.expert``)."""
-    dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    _traced(dist.all_to_all_single)(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
 
 
 def all_gather_list(shards: list[torch.Tensor], x: torch.Tensor, group=None) -> None:
     """``shards[r]`` = rank r's ``x`` (shapes may differ between calls, not between ranks)."""
-    dist.all_gather(shards, x, group=group)
+    _traced(dist.all_gather)(shards, x, group=group)
 
 
 def all_gather_object(out: list, obj, group=None) -> None:
@@ -86,7 +93,7 @@ def all_gather_object(out: list, obj, group=None) -> None:
 
 def broadcast(x: torch.Tensor, src: int, group=None) -> None:
     """``x`` on every rank of ``group`` = ``x`` of global rank ``src``."""
-    dist.broadcast(x, src=src, group=group)
+    _traced(dist.broadcast)(x, src=src, group=group)
 
 
 def side_group():

@@ -148,6 +148,12 @@ def uses_dropout(cfg: ModelConfig, embedding: bool = True) -> bool:
 DEVICES = ("cuda", "cpu")  # the device kinds a prediction is for (what a launch on such a host runs)
 
 
+def device_kind(device_type: str) -> str:
+    """The ``DEVICES`` kind of a torch device type: ``cpu``, or ``cuda`` for any accelerator (the flash-class
+    kernels, fp32 norm statistics)."""
+    return "cpu" if device_type == "cpu" else "cuda"
+
+
 def device_kernels(device: str, act_bytes: int, masked: bool = False) -> tuple[str, int]:
     """What the run's device changes in the activation formula, the one owner of that rule (the planner, the
     dry run, the measurement and the fused core, which pins the kernel named here, ask it): the fused kernel

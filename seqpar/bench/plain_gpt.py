@@ -42,14 +42,15 @@ def packed_documents(rows: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.
     and the labels ``[b, s]`` (``IGNORE`` where the next token starts another document)."""
     tokens, labels = rows[:, :-1], rows[:, 1:]  # [b, s] each
     b, s = tokens.shape
-    start = torch.zeros(b, s, dtype=torch.bool)  # [b, s]: a document starts here
+    start = torch.zeros(b, s, dtype=torch.bool, device=rows.device)  # [b, s]: a document starts here
     start[:, 0] = True  # the window's first token starts (a piece of) a document
     start[:, 1:] = tokens[:, :-1] == eos
     doc = torch.cumsum(start.long(), dim=1)  # [b, s]: which document of its window each token is in
-    positions = torch.zeros(b, s, dtype=torch.long)  # [b, s]
+    positions = torch.zeros(b, s, dtype=torch.long, device=rows.device)  # [b, s]
     for i in range(1, s):
         positions[:, i] = torch.where(start[:, i], 0, positions[:, i - 1] + 1)
-    allowed = (doc.unsqueeze(2) == doc.unsqueeze(1)) & torch.ones(s, s, dtype=torch.bool).tril()  # [b, s, s]
+    causal = torch.ones(s, s, dtype=torch.bool, device=rows.device).tril()  # [s, s]
+    allowed = (doc.unsqueeze(2) == doc.unsqueeze(1)) & causal  # [b, s, s]
     return positions, allowed, labels.masked_fill(tokens == eos, IGNORE)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.analysis.shapes import device_kernels
+from seqpar.analysis.shapes import device_kernels, device_kind
 from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensor, SavedTensorMeter
@@ -25,17 +25,13 @@ from seqpar.recompute import RecomputePlan
 
 def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
     """Bytes of one LayerNorm mean/rstd element on ``device`` (``seqpar.analysis.shapes.device_kernels``)."""
-    return device_kernels(_kind(device), torch.empty((), dtype=dtype).element_size())[1]
+    return device_kernels(device_kind(device.type), torch.empty((), dtype=dtype).element_size())[1]
 
 
 def sdpa_kernel_for(device: torch.device, dtype: torch.dtype = torch.bfloat16, masked: bool = False) -> str:
     """The fused attention kernel the core pins on ``device`` for ``dtype`` activations, with a document mask or
     not (``seqpar.analysis.shapes.sdpa_kernel_of``, which ``CoreAttention`` asks too)."""
-    return device_kernels(_kind(device), torch.empty((), dtype=dtype).element_size(), masked)[0]
-
-
-def _kind(device: torch.device) -> str:
-    return "cpu" if device.type == "cpu" else "cuda"  # any accelerator: the flash-class kernels
+    return device_kernels(device_kind(device.type), torch.empty((), dtype=dtype).element_size(), masked)[0]
 
 
 def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seqpar import documents
 from seqpar.analysis.memory import sdpa_expands_kv
-from seqpar.analysis.shapes import sdpa_kernel_of
+from seqpar.analysis.shapes import device_kind, sdpa_kernel_of
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.context_attention import A2ACoreAttention, RingCoreAttention
@@ -174,10 +174,6 @@ SDPA_BACKENDS = {"cpu": SDPBackend.FLASH_ATTENTION, "flash": SDPBackend.FLASH_AT
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def _device_kind(device: torch.device) -> str:
-    return "cpu" if device.type == "cpu" else "cuda"  # any accelerator: the flash-class kernels
-
-
 def _no_kernel(kernel: str, q: torch.Tensor, kv_heads: int, mask: torch.Tensor | None) -> str:
     """One line: why the fused core stops when its pinned kernel refuses the call, and what to change."""
     b, heads, s, d = q.shape
@@ -247,7 +243,7 @@ class CoreAttention(nn.Module):
         q = q.reshape(s, b, n * g, d).permute(1, 2, 0, 3)  # [b, heads, s, d] (view)
         k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, groups, s, d] (views)
         mask = None if docs is None else docs.additive(qkv.dtype)  # [b, 1, s, s], one per microbatch
-        kernel = sdpa_kernel_of(_device_kind(q.device), q.element_size(), mask is not None)
+        kernel = sdpa_kernel_of(device_kind(q.device.type), q.element_size(), mask is not None)
         if sdpa_expands_kv(kernel, n * g, n):  # a kernel without grouped kv heads: K, V for every query head
             k, v = expand_heads(k, g), expand_heads(v, g)  # [b, heads, s, d] each: copies the kernel keeps
         try:

@@ -30,9 +30,10 @@ def predicted_memory(job, device: torch.device | None = None) -> list:
 def prediction_devices() -> list[str]:
     """The device kinds the dry run predicts for: CUDA (what `seqpar plan` plans for), and this host's kind
     when it differs (a launch here runs the CPU kernels; ``seqpar.analysis.shapes.device_kernels``)."""
+    from seqpar.analysis.shapes import device_kind
     from seqpar.parallel.launch import default_device
 
-    here = "cpu" if default_device().type == "cpu" else "cuda"
+    here = device_kind(default_device().type)
     return ["cuda"] + ([here] if here != "cuda" else [])
 
 

@@ -186,6 +186,25 @@ def test_memory_cli_tp2_sp_llama_offload_mlp_measured_is_exact():
     assert code == 2 and "kept, recomputed or offloaded" in err and "Traceback" not in err
 
 
+def test_memory_all_rows_name_the_offload_their_recomputation_drops():
+    """``memory --all --offload-modules``: a row whose recomputation rebuilds an asked module says so in one line
+    (issue 56: the selective and full rows dropped it silently)."""
+    argv = ["memory", "--layers", 1, "--hidden", 64, "--heads", 4, "--seq", 32, "--all", "--offload-modules",
+            "core_attention,mlp"]
+    code, out, err = run_cli(argv)
+    assert code == 0, err
+    lines = out.splitlines()
+    said = {lines[i - 1 - lines[i - 1].startswith("  host")].split()[0]: line for i, line in enumerate(lines)
+            if line.startswith("  not offloaded in this row")}
+    assert said.keys() == {"tp_selective", "tp_sp_selective", "full"}, out
+    assert "core_attention (recompute selective rebuilds it" in said["tp_selective"]
+    assert "core_attention,mlp (recompute full rebuilds them" in said["full"]
+    code, out, err = run_cli([*argv, "--json"])
+    rows = {r["row"]: r.get("recomputed_not_offloaded", []) for r in json.loads(out)["rows"]}
+    assert rows["none"] == [] and rows["tp_selective"] == ["core_attention"] and rows["full"] == ["core_attention",
+                                                                                                   "mlp"]
+
+
 def test_replace_keeps_offload():  # the analysis' variants of a plan keep its offload modules
     rc = RecomputeConfig("full", offload_modules=("layer_input",))
     assert replace(rc, granularity="none").validate().offload_modules == ("layer_input",)

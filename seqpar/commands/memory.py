@@ -229,6 +229,10 @@ def run(args) -> int:
                   f"{diff:>12}   offloaded: {','.join(r.offload)}")
             for t in r.host_tensors if args.tensors else ():
                 print(f"    host {t['name']:<23}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
+        if r.recomputed_not_offloaded:
+            names, them = r.recomputed_not_offloaded, "it" if len(r.recomputed_not_offloaded) == 1 else "them"
+            print(f"  not offloaded in this row: {','.join(names)} (recompute {r.recompute} rebuilds {them} on the "
+                  "device)")
     if offload:
         print("offloaded (seqpar.recompute.offload): the rows' bytes are the device's; 'host' is what went to host "
               "memory after the forward (a row's recomputation keeps what it rebuilds off the host).")

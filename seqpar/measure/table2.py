@@ -41,6 +41,7 @@ class Row:
     host_exact_bytes: float = 0.0
     host_measured_bytes: int | None = None
     host_tensors: list[dict] = field(default_factory=list)
+    recomputed_not_offloaded: tuple[str, ...] = ()  # asked offload modules this row's recomputation rebuilds
 
     @property
     def recompute_config(self) -> RecomputeConfig:
@@ -60,6 +61,8 @@ class Row:
         if self.offload:
             out |= {"offload_modules": list(self.offload), "host_measured_bytes": self.host_measured_bytes,
                     "host_exact_bytes": self.host_exact_bytes}
+        if self.recomputed_not_offloaded:
+            out["recomputed_not_offloaded"] = list(self.recomputed_not_offloaded)
         return out
 
 
@@ -89,7 +92,7 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     measurement replaces the exact bytes by those of the routing it saw (``measure_rows``).
     ``offload``: modules offloaded (``RecomputeConfig.offload_modules``) in every row: exact and formula bytes
     are the device's, ``host_exact_bytes`` what went to host memory (each row's recomputation leaves a module
-    it rebuilds on the device: ``offloadable``).
+    it rebuilds on the device: ``offloadable``; the row names them, ``recomputed_not_offloaded``).
     """
     cfg.validate()
     RecomputeConfig(recompute, modules=modules, offload_modules=offload).validate()
@@ -122,7 +125,8 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
         rows.append(Row(name, t, row_sp, rc, exact, formula, modules=mods, cp=cp, ep=ep, cp_comm_type=cp_comm_type,
                         cp_a2a_size=cp_a2a_size,
                         vanished=sorted(reference.keys() - kept.keys()), added=sorted(kept.keys() - reference.keys()),
-                        offload=recompute.offload_modules, host_exact_bytes=sum(host_terms.values())))
+                        offload=recompute.offload_modules, host_exact_bytes=sum(host_terms.values()),
+                        recomputed_not_offloaded=tuple(m for m in offload if m not in recompute.offload_modules)))
         if cfg.experts:
             tokens = s // cp * b // (t if par.sp else 1)
             rows[-1].routing = {"balanced": list(astuple(balanced_routing(cfg, tokens)))}

@@ -1,36 +1,39 @@
-"""Generated equivalence: architecture × layout × recompute, each trained against the single process.
+"""Generated equivalence: architecture × layout × recompute × the shared axes, each trained against the single
+process.
 
-Every draw trains 5 steps (fp32, every dropout 0.1 -- attention dropout 0 with the sdpa core --,
-``grad_clip`` small enough that clipping binds every step, Adam's eps large enough that the clip factor
-moves the update) with ``seqpar``'s own trainer, and
-must match the same model trained in one process: every step's loss and global grad norm within
-1e-5 relative, every final weight within 1e-5 relative (‖a − b‖ / ‖b‖ per tensor).
+Every draw trains 5 or 8 steps (the ``steps`` axis; every dropout 0.1 -- attention dropout 0 with the sdpa core
+--, ``grad_clip`` small enough that clipping binds every step, Adam's eps large enough that the clip factor
+moves the update) with ``seqpar``'s own trainer, and must match the same model trained in one process: every
+step's loss and global grad norm, and every final weight (‖a − b‖ / ‖b‖ per tensor), within 1e-5 relative in
+fp32, 3e-2 in bf16 (``tests/_axes.py`` ``BF16_TOLERANCE``; measured in the CI sample, 3 bf16 draws of 5 and 8
+steps: worst weights 1.1e-2, grad_norm 2.9e-3, loss 1.5e-4 -- one bf16 ulp is 7.8e-3 relative).
 
 The space (``draw``): architecture -- norm, activation, position, attention core, biases, tied or
 untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a tp rank holding only
-padding -- × layout -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty first or
-last stage, interleaved: even, uneven, and with both ends empty as the planner splits), dp ∈ {1, 2},
-context parallelism cp ∈ {1, 2, 4} (ring attention, all-to-all, or at cp 4 the hybrid a2a+ring with K 2:
-``cp_comm_type`` drawn, ring where the heads do not split over tp × K) -- × recompute
-(none, selective, full uniform/block, the finer modules) × the gradient path (distributed optimizer
-on/off, overlapped dp reduction on/off, or FSDP2 (``parallel.fsdp``), which do something when
-dp × cp > 1) × the micro-batch size at a fixed global batch (1 or 2; the reference runs 1) × the data
-(random-id windows, or a prepared folder of short documents with document masks, so microbatches count
-different numbers of tokens: ``pipeline.objective``). Layouts and recompute modes are enumerated
-(``combinations``); each combination gets an architecture, a gradient path, a micro-batch size and data
-drawn from generators seeded by its index (``DRAWN``: the CI sample takes each of their values too).
-
-The axes and their values are listed once (``AXES``); a new axis is one more entry there and its
-use in ``draw``.
+padding -- × layout (enumerated, ``AXES``) -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty
+first or last stage, interleaved: even, uneven, and with both ends empty as the planner splits), dp ∈ {1, 2},
+context parallelism cp ∈ {1, 2, 4} -- × recompute (none, selective, full uniform/block, the finer modules) × the
+gradient path (distributed optimizer on/off, overlapped dp reduction on/off) × the axes every generated check
+shares (``tests/_axes.py``, drawn per combination from streams seeded by its index, then fitted to the layout by
+its rules): micro-batch 1, 2, 4 at global batch 4, 8, 12 (raised to a multiple of micro-batch × dp, × pp when
+interleaved; the reference runs micro-batch 1), steps, fp32 or bf16, label smoothing 0 or 0.1, the data (random-id
+windows, or a prepared folder of short documents with document masks, so microbatches count different numbers of
+tokens: ``pipeline.objective``), offloaded modules (those the recomputation does not rebuild), the cp exchange
+(ring, a2a, a2a+ring K 2 at cp 4; ring where the heads do not split), FSDP2 off, over dp × cp, or HSDP in groups
+of 2 (where dp × cp > 1, >= 4), reshard-after-forward on/off under FSDP2, compile (``SEQPAR_AXES_COMPILE=1``
+only: slow on CPU). ep does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
+replaced by a rule) is printed as ``narrowed (equivalence N): ...`` and recorded as the test's ``narrowed``
+property; the test id ends ``-narrowedK``; ``test_summary`` counts them per axis.
 
 Which draws run (environment):
 
-* default (CI): a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4)
-  that takes every axis value at least once;
+* default (CI): a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4), chosen
+  greedily to take every axis value (enumerated or shared, as fitted) at least once;
 * ``SEQPAR_EQUIV_FULL=1``: every combination (600, world sizes ≤ 8);
 * ``SEQPAR_EQUIV_WORLD=8`` (or a list, ``1,2,4``): every combination of those world sizes (342 at 8,
   258 at ≤ 4);
-* ``SEQPAR_EQUIV_ONLY=cp=4`` (``axis=value``, comma-separated): every combination with those values, e.g. to
+* ``SEQPAR_EQUIV_ONLY=cp=4`` (``axis=value``, comma-separated, any enumerated or shared axis as fitted, e.g.
+  ``dtype=bf16``, ``fsdp=hsdp``, ``offload=norm+core_attention``): every combination with those values, e.g. to
   check a new axis value alone;
 * ``SEQPAR_EQUIV_SHARD=k/n`` (1 ≤ k ≤ n), with any of the above: every n-th of those draws from the
   k-th, so n runs one after another (or on n machines) cover the selection, each with its share of
@@ -54,22 +57,26 @@ masks, 239 offloading modules, 78 with all-to-all CP, 151 with FSDP2, 240 with a
 materialized core; worst relative error grad_norm 7.64e-07, loss 1.42e-07, weights 1.09e-06. (The same
 sweep on e887eb5, the objective with the micro-batch and data axes alone: 468 of 468, worst grad_norm
 7.35e-07, loss 1.43e-07, weights 1.14e-06.) Since then cp 4 is an axis value: the hybrid a2a+ring (K 2) is
-drawn there (SEQPAR_EQUIV_ONLY=cp=4 runs those 60 combinations).
+drawn there (SEQPAR_EQUIV_ONLY=cp=4 runs those 60 combinations). Those sweeps predate the shared axes of
+``tests/_axes.py`` (issue 56: bf16, label smoothing, micro-batch 4, global batch 12, 8 steps, HSDP, ZeRO-2):
+since then each combination draws different values, and no full sweep has run.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import os
 import random
 from pathlib import Path
 
+import _axes
 import pytest
 from _helpers import Launches, prepared_documents, random_tokens, step_records
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig
+from seqpar.config import RecomputeConfig
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local
 
@@ -102,31 +109,6 @@ AXES = {  # the one list of a combination's axes, in the order that numbers the 
     "cp": (1, 2, 4),  # 4: where the hybrid a2a+ring (K 2, a ring of 2) can be drawn
 }
 Combo = collections.namedtuple("Combo", AXES)
-DRAWN = {  # axes drawn per combination (each from its own seeded stream), not enumerated (issue 42)
-    "micro_batch": (1, 2),  # at the reference's global batch: the reference runs micro-batch 1
-    "data": ("windows", "documents"),  # random ids, or a prepared folder of short documents with masks
-    # activation offloading (issue 46): what of it the draw's recomputation leaves (a module is kept, recomputed or
-    # offloaded: ``offloadable``)
-    "offload": ((), ("mlp",), ("norm", "core_attention"), ("activation", "layer_input")),
-    # under cp > 1; a2a+ring (K 2) needs cp 4, else a2a; ring where all-to-all cannot split the heads (a2a_fits)
-    "cp_comm_type": ("ring", "a2a", "a2a+ring"),
-}
-
-
-def drawn(index: int) -> dict:
-    """The drawn axes' values of combination ``index``."""
-    return {axis: random.Random(f"{axis} {index}").choice(values) for axis, values in DRAWN.items()}
-
-
-def offloadable(modules: tuple[str, ...], recompute: dict) -> list[str]:
-    """The drawn offload modules the recomputation does not rebuild (``RecomputeConfig.validate``'s rule)."""
-    from seqpar.config import OFFLOAD_INSIDE, RecomputeConfig
-
-    rebuilt = set(RecomputeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})
-                  .recomputed_modules)
-    return [m for m in modules if not rebuilt & {m, *OFFLOAD_INSIDE.get(m, ())}]
-
-
 def world_of(c: Combo) -> int:
     return c.tp * PIPELINES[c.pipeline][0] * c.dp * c.cp
 
@@ -137,9 +119,20 @@ def combinations(max_world: int) -> list[Combo]:
     return [c for c in everything if not (c.sp and c.tp == 1) and world_of(c) <= max_world]
 
 
+DENSE = {"ep": "a dense model has no experts (tests/test_equivalence_moe.py draws ep)"}
+
+
 def draw(index: int, c: Combo) -> dict:
     """The job sections of one combination, with an architecture drawn from ``Random(index)``."""
+    return drawn(index, c)[0]
+
+
+@functools.cache
+def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
+    """The job sections of one combination and its draw of the shared axes (``tests/_axes.py``), fitted to
+    the layout (what it narrowed recorded in the draw)."""
     rng = random.Random(index)
+    axes = _axes.draw("equivalence", index).fixed(DENSE)
     pp, interleave, layers, split = PIPELINES[c.pipeline]
     model = {
         "vocab_size": rng.choice((5, 9, 37, 64)),  # 5 and 9 at tp=4: the last rank holds only padding
@@ -151,46 +144,32 @@ def draw(index: int, c: Combo) -> dict:
         "attention": rng.choice(("materialized", "sdpa")),
         "bias": rng.choice((True, False)),
         "tie_embeddings": rng.choice((True, False)),
-        "dtype": "fp32",
+        "dtype": axes["dtype"], "label_smoothing": axes["label_smoothing"],
     }
     # every dropout on: position-keyed masks are the same under every layout (sdpa takes no attention dropout)
     model |= {"embd_dropout": DROPOUT, "hidden_dropout": DROPOUT,
               "attn_dropout": DROPOUT if model["attention"] == "materialized" else 0.0}
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
-    extra = drawn(index)
-    kind = extra["cp_comm_type"]
-    if kind == "a2a+ring" and c.cp >= 4 and a2a_fits(model, c, kind):
-        parallel |= {"cp_comm_type": kind, "cp_a2a_size": 2}
-    elif kind != "ring" and a2a_fits(model, c):
-        parallel["cp_comm_type"] = "a2a"
-    micro_batch, global_batch = extra["micro_batch"], GLOBAL_BATCH
-    while interleave > 1 and (global_batch // (micro_batch * c.dp)) % pp:  # microbatches in groups of pp
-        global_batch *= 2
+    parallel |= _axes.fit_cp_comm(axes, model, c.tp, c.cp)
     data = {}
-    if extra["data"] == "documents":  # byte-level prepared folder: vocabulary 256, end-of-document id 0
+    if axes["data"] == "documents":  # byte-level prepared folder: vocabulary 256, end-of-document id 0
         model["vocab_size"], data = 256, {"document_mask": True}
     grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
-    if c.dp * c.cp > 1 and random.Random(f"fsdp {index}").random() < 0.5:  # FSDP2 over dp × cp instead
-        parallel["fsdp"] = True
+    fsdp = _axes.fit_fsdp(axes, c.dp, c.cp)
+    if fsdp:  # FSDP2 over dp × cp instead
+        parallel |= fsdp
         reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
-    reduction |= {"micro_batch": micro_batch, "global_batch": global_batch}
+    reduction |= {"micro_batch": axes["micro_batch"], "global_batch": _axes.fit_batch(axes, c.dp, pp, interleave),
+                  "steps": axes["steps"]}
     recompute = dict(RECOMPUTE[c.recompute])
-    recompute["offload_modules"] = offloadable(extra["offload"], recompute)
-    return {"model": model, "parallel": parallel, "recompute": recompute, "train": reduction, "data": data}
-
-
-def a2a_fits(model: dict, c: Combo, kind: str = "a2a") -> bool:
-    """Whether all-to-all CP ``kind`` applies (cp > 1, heads split over tp × K; a2a+ring: K 2):
-    ``ParallelConfig.validate`` decides."""
-    k = {"cp_a2a_size": 2} if kind == "a2a+ring" else {}
-    try:
-        ParallelConfig(tp=c.tp, cp=c.cp, cp_comm_type=kind, **k).validate(ModelConfig(**model))
-    except ConfigError:
-        return False
-    return True
+    recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
+        k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))
+    if _axes.fit_compile(axes, tuple(recompute["offload_modules"])):
+        reduction["compile"] = True
+    return {"model": model, "parallel": parallel, "recompute": recompute, "train": reduction, "data": data}, axes
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
@@ -201,27 +180,34 @@ def job(sections: dict, out: Path, data: Path) -> dict:
 
 
 def reference_of(sections: dict) -> dict:
-    """One process, micro-batch 1, the replicated optimizer without overlap; the same model, data and
-    global batch."""
+    """One process, micro-batch 1, the replicated optimizer without overlap; the same model, data, global
+    batch and steps."""
+    train = sections.get("train", {})
     return {"model": sections["model"], "parallel": {}, "recompute": {}, "data": sections.get("data", {}),
-            "train": {"global_batch": sections.get("train", {}).get("global_batch", GLOBAL_BATCH)}}
+            "train": {"global_batch": train.get("global_batch", GLOBAL_BATCH), "steps": train.get("steps", STEPS)}}
 
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def values_of(index: int, c: Combo) -> set:
+    """The (axis, value) pairs a combination takes: its enumerated layout and its fitted draw of the shared axes."""
+    return set(c._asdict().items()) | {(axis, _axes.shown(v)) for axis, v in drawn(index, c)[1].values.items()}
+
+
 def sample(n: int) -> list[tuple[int, Combo]]:
-    """CI's ``n`` combinations of world size ≤ 4: first every axis value (enumerated or drawn) at least
-    once, then the next ones in a seeded shuffle."""
+    """CI's ``n`` combinations of world size ≤ 4: greedily the one taking the most axis values (enumerated or
+    drawn) not yet taken, until every value is, then the next ones in a seeded shuffle."""
     every = list(enumerate(combinations(4)))
     random.Random(2205_05198).shuffle(every)
     chosen, seen = [], set()
-    for item in every:
-        values = set(enumerate(item[1])) | set(drawn(item[0]).items())
-        if not values <= seen:
-            chosen.append(item)
-            seen |= values
+    while len(chosen) < n:
+        best = max(every, key=lambda item: len(values_of(*item) - seen) if item not in chosen else -1)
+        if not values_of(*best) - seen:
+            break
+        chosen.append(best)
+        seen |= values_of(*best)
     chosen += [item for item in every if item not in chosen]
     return chosen[:max(n, 1)]
 
@@ -235,12 +221,16 @@ def shard(items: list, spec: str) -> list:
     return items[int(k) - 1::int(n)]
 
 
-def matches(c: Combo, spec: str) -> bool:
-    """Whether ``c`` has every ``axis=value`` of ``spec`` (comma-separated, e.g. ``cp=4,pipeline=pp1``)."""
+def matches(index: int, c: Combo, spec: str) -> bool:
+    """Whether combination ``index`` takes every ``axis=value`` of ``spec`` (comma-separated, e.g.
+    ``cp=4,dtype=bf16``; an enumerated axis or a shared one of ``tests/_axes.py`` after fitting; a tuple's
+    values joined by ``+``, e.g. ``offload=norm+core_attention``, ``()`` as ``none``)."""
     pairs = [item.partition("=") for item in spec.split(",")]
-    if any(not sep or axis not in AXES for axis, sep, _ in pairs):
-        raise ValueError(f"SEQPAR_EQUIV_ONLY={spec!r}: expected axis=value[,axis=value] over {', '.join(AXES)}")
-    return all(str(getattr(c, axis)) == value for axis, _, value in pairs)
+    if any(not sep or axis not in {*AXES, *_axes.AXES} for axis, sep, _ in pairs):
+        raise ValueError(f"SEQPAR_EQUIV_ONLY={spec!r}: expected axis=value[,axis=value] over "
+                         f"{', '.join([*AXES, *_axes.AXES])}")
+    taken = {(axis, str(value)) for axis, value in values_of(index, c)}
+    return all((axis, value) in taken for axis, _, value in pairs)
 
 
 def selected(env=os.environ) -> list[tuple[int, Combo]]:
@@ -252,7 +242,7 @@ def selected(env=os.environ) -> list[tuple[int, Combo]]:
             wanted = {int(w) for w in worlds.split(",")}
             every = [(i, c) for i, c in every if world_of(c) in wanted]
         if only:
-            every = [(i, c) for i, c in every if matches(c, only)]
+            every = [(i, c) for i, c in every if matches(i, c, only)]
     else:
         every = sample(int(env.get("SEQPAR_EQUIV_DRAWS", "10")))
     every.sort(key=lambda item: (world_of(item[1]), item[0]))
@@ -286,13 +276,14 @@ def result_of(results, index: int) -> dict:
     launches, dirs = results
     run = launches.result(index)
     ref = train_local(dirs[index][1])
-    return {"run": run, "ref": ref, "dirs": (str(dirs[index][0]), dirs[index][1]["train"]["out_dir"])}
+    return {"run": run, "ref": ref, "dirs": (str(dirs[index][0]), dirs[index][1]["train"]["out_dir"]),
+            "steps": dirs[index][1]["train"]["steps"]}
 
 
 def compare(result: dict) -> dict[str, float]:
     run, ref = result["run"], result["ref"]
     got, want = (step_records(d) for d in result["dirs"])
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, result.get("steps", STEPS) + 1))
     assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
     weights, ref_weights = load_model_state(run["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
     assert weights.keys() == ref_weights.keys()
@@ -312,33 +303,41 @@ def _draw_id(index: int, c: Combo) -> str:
     def label(axis, value):
         return (axis if value else "") if isinstance(value, bool) else value if isinstance(value, str) \
             else f"{axis}{value}"
-    parallel = draw(index, c)["parallel"]
-    fsdp = ["fsdp"] if parallel.get("fsdp") else []
-    fsdp += ["a2a"] if parallel.get("cp_comm_type") == "a2a" else []
-    extra = drawn(index)
-    offload = draw(index, c)["recompute"]["offload_modules"]
-    extra = ([f"mb{extra['micro_batch']}"] + (["docs"] if extra["data"] == "documents" else [])
-             + ([f"offload({','.join(offload)})"] if offload else []))
-    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))] + fsdp
-                    + extra)
+    sections, axes = drawn(index, c)
+    parallel, train = sections["parallel"], sections["train"]
+    extra = [{"fsdp": "fsdp", "hsdp": "hsdp"}.get(axes["fsdp"], "")] + ["zero2"] * (not parallel.get(
+        "reshard_after_forward", True))
+    extra += [parallel.get("cp_comm_type", "")] * (c.cp > 1) + [f"mb{train['micro_batch']}",
+                                                                f"gb{train['global_batch']}", f"{train['steps']}steps"]
+    extra += ["docs"] * (axes["data"] == "documents") + ["bf16"] * (axes["dtype"] == "bf16")
+    extra += [f"ls{axes['label_smoothing']}"] * bool(axes["label_smoothing"]) + ["compile"] * axes["compile"]
+    offload = sections["recompute"]["offload_modules"]
+    extra += [f"offload({','.join(offload)})"] if offload else []
+    extra += [f"narrowed{len(axes.narrowed)}"] * bool(axes.narrowed)
+    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))]
+                    + [x for x in extra if x])
 
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])
-def test_draw_matches_single_process(index, combo, results):
+def test_draw_matches_single_process(index, combo, results, record_property):
+    sections, axes = drawn(index, combo)
+    _axes.report(axes, record_property)
     errors = compare(result_of(results, index))
     for key, value in errors.items():
-        WORST[key] = max(WORST.get(key, 0.0), value)
+        WORST[(axes["dtype"], key)] = max(WORST.get((axes["dtype"], key), 0.0), value)
     CHECKED.append(index)
-    drawn = draw(index, combo)
-    print(f"\n{index} {tuple(combo)} {drawn['model']} {drawn['train']}: "
+    print(f"{index} {tuple(combo)} {sections['model']} {sections['train']}: "
           + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    assert all(math.isfinite(v) and v <= 1e-5 for v in errors.values()), errors
+    assert all(math.isfinite(v) and v <= _axes.tolerance(axes) for v in errors.values()), errors
 
 
 def test_summary():
     """The suite's summary line (draws compared, worst relative error per quantity); runs after the draws."""
+    narrowed = collections.Counter(n.split(" ")[0] for i, c in DRAWS for n in drawn(i, c)[1].narrowed)
     print(f"\nequivalence: {len(CHECKED)} of {len(DRAWS)} draws compared ({len(combinations(8))} combinations); "
-          "worst relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(WORST.items())))
+          "worst relative error: " + ", ".join(f"{d} {k} {v:.2e}" for (d, k), v in sorted(WORST.items()))
+          + "; narrowed: " + (", ".join(f"{k} ×{n}" for k, n in narrowed.most_common()) or "nothing")
+          + ("" if _axes.compile_drawn() else f"; compile not drawn (switch {_axes.COMPILE_SWITCH}=1)"))
     assert CHECKED
 
 
@@ -352,6 +351,11 @@ def test_selection_slices():
     parts = [selected({"SEQPAR_EQUIV_WORLD": "8", "SEQPAR_EQUIV_SHARD": f"{k}/5"}) for k in range(1, 6)]
     assert sorted(sum(parts, [])) == sorted(eight) and {len(p) for p in parts} == {68, 69}
     assert {c.cp for _, c in selected({"SEQPAR_EQUIV_ONLY": "cp=4"})} == {4}
+    bf16 = selected({"SEQPAR_EQUIV_ONLY": "dtype=bf16,micro_batch=4"})  # the shared axes select too (tests/_axes.py)
+    assert bf16 and all(draw(i, c)["model"]["dtype"] == "bf16" and draw(i, c)["train"]["micro_batch"] == 4
+                        for i, c in bf16)
+    hsdp = selected({"SEQPAR_EQUIV_ONLY": "fsdp=hsdp"})  # as fitted: hsdp only where dp × cp >= 4
+    assert hsdp and all(draw(i, c)["parallel"]["fsdp_shard_size"] == 2 and c.dp * c.cp >= 4 for i, c in hsdp)
     with pytest.raises(ValueError, match="SEQPAR_EQUIV_ONLY"):
         selected({"SEQPAR_EQUIV_ONLY": "cpp=4"})
     for spec in ("0/3", "4/3", "3", "a/b"):

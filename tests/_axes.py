@@ -1,0 +1,166 @@
+"""The axes every generated check draws (issue 56), in one place: each axis' values, and the rules that join
+them to a check's layout. A new option is one entry in ``AXES``: every check draws it, and a check it does not
+apply to says so in its report.
+
+Checks: ``equivalence`` and ``equivalence_moe`` (trained against the single process), ``stages`` (measured ==
+exact stage peaks and host bytes), ``plan_loop`` (plan == dry run == measured). Resume/reshard
+(``tests/test_resume_layout.py``, ``tests/test_checkpoint_resume.py``) and fault injection
+(``tests/test_reliability_*.py``) draw nothing: they are fixed cases.
+
+A check draws with ``draw(check, key)`` (each axis from its own stream seeded by ``"{axis} {key}"``, so adding an
+axis moves no other axis' draws), then fits the draw to its layout with the rules below (``fit_*``): a value
+that does not apply, or that the rules exclude, is replaced and the replacement recorded in ``Draw.narrowed``
+(``report`` puts it in the test report: a printed line under ``-rA`` and a ``narrowed`` property). ``compile``
+is drawn only with ``SEQPAR_AXES_COMPILE=1`` (or when ``SEQPAR_EQUIV_ONLY`` names it): it is slow on CPU.
+
+Why here (``tests/``) and not ``seqpar/testing.py``: these are the test suite's sampling rules, read with its
+environment switches; ``seqpar.testing`` holds the parity helpers a user's own check may import."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+from seqpar.config import OFFLOAD_INSIDE, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
+
+AXES = {  # axis: the values a draw takes (the first is the default a narrowed draw falls back to)
+    "micro_batch": (1, 2, 4),  # at a fixed global batch; the references run micro-batch 1
+    "global_batch": (4, 8, 12),  # raised to a multiple of micro-batch × dp (× pp interleaved) by fit_batch
+    "steps": (5, 8),
+    "dtype": ("fp32", "bf16"),  # bf16: tolerance BF16_TOLERANCE
+    "label_smoothing": (0.0, 0.1),
+    "data": ("windows", "documents"),  # random ids, or a prepared folder of short documents with masks
+    "offload": ((), ("mlp",), ("norm", "core_attention"), ("activation", "layer_input")),
+    "cp_comm_type": ("ring", "a2a", "a2a+ring"),  # a2a+ring: K 2 (needs cp 4)
+    "fsdp": ("off", "fsdp", "hsdp"),  # hsdp: FSDP2 sharded over groups of 2 of the dp × cp ranks
+    "reshard_after_forward": (True, False),  # under fsdp: ZeRO-3 or ZeRO-2
+    "ep": (1, 2, 4),  # expert parallelism (MoE checks)
+    "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
+}
+COMPILE_SWITCH = "SEQPAR_AXES_COMPILE"
+TOLERANCE = 1e-5  # relative, fp32: every step's loss and grad norm, every final weight
+BF16_TOLERANCE = 3e-2  # relative, bf16 (measured: see tests/test_equivalence.py's docstring)
+
+
+@dataclass
+class Draw:
+    """One draw's axis values (after the check's rules) and what they narrowed."""
+    check: str
+    key: object
+    values: dict
+    narrowed: list[str] = field(default_factory=list)
+
+    def __getitem__(self, axis: str):
+        return self.values[axis]
+
+    def narrow(self, axis: str, value, why: str) -> None:
+        """Replace ``axis``'s value by ``value`` (recorded with ``why`` when it changes)."""
+        if self.values[axis] != value:
+            self.narrowed.append(f"{axis} {shown(self.values[axis])} -> {shown(value)}: {why}")
+            self.values[axis] = value
+
+    def fixed(self, reasons: dict[str, str]) -> Draw:
+        """Axes this check does not draw, each back to its default with the reason (``{axis: why}``)."""
+        for axis, why in reasons.items():
+            self.narrow(axis, AXES[axis][0], why)
+        return self
+
+
+def shown(value) -> str:
+    """A value as a report and ``SEQPAR_EQUIV_ONLY`` write it: a tuple's items joined by ``+``, ``()`` as none."""
+    return "+".join(value) or "none" if isinstance(value, tuple) else str(value)
+
+
+def compile_drawn(env=os.environ) -> bool:
+    return env.get(COMPILE_SWITCH) == "1" or "compile=" in env.get("SEQPAR_EQUIV_ONLY", "")
+
+
+def draw(check: str, key, env=os.environ) -> Draw:
+    """Every axis' value for ``key`` of ``check`` (each from its own seeded stream)."""
+    values = {axis: random.Random(f"{axis} {key}").choice(options) for axis, options in AXES.items()}
+    if not compile_drawn(env):
+        values["compile"] = False
+    return Draw(check, key, values)
+
+
+def tolerance(d: Draw) -> float:
+    return BF16_TOLERANCE if d["dtype"] == "bf16" else TOLERANCE
+
+
+def report(d: Draw, record_property=None) -> str:
+    """The draw's narrowings as one line (printed, and a ``narrowed`` property of the test when given)."""
+    line = f"narrowed ({d.check} {d.key}): " + ("; ".join(d.narrowed) or "nothing")
+    if record_property is not None:
+        record_property("narrowed", "; ".join(d.narrowed))
+    print(f"\n{line}")
+    return line
+
+
+# The rules that join the axes to a layout: each narrows what the layout cannot take, saying why.
+
+def fit_cp_comm(d: Draw, model: dict, tp: int, cp: int) -> dict:
+    """The ``parallel`` keys of the drawn exchange: a2a needs cp > 1 and the heads split over tp × K (K 2 for
+    a2a+ring, which needs cp 4); ``ParallelConfig.validate`` decides."""
+    if cp < 2:
+        d.narrow("cp_comm_type", "ring", "cp 1 has no exchange")
+    elif d["cp_comm_type"] == "a2a+ring" and cp < 4:
+        d.narrow("cp_comm_type", "a2a", f"a2a+ring (K 2) needs cp 4, got cp {cp}")
+    kind = d["cp_comm_type"]
+    if kind != "ring":
+        keys = {"cp_comm_type": kind} | ({"cp_a2a_size": 2} if kind == "a2a+ring" else {})
+        try:
+            ParallelConfig(tp=tp, cp=cp, **keys).validate(ModelConfig(**model))
+        except ConfigError as e:
+            d.narrow("cp_comm_type", "ring", str(e))
+    kind = d["cp_comm_type"]
+    return {} if kind == "ring" else {"cp_comm_type": kind} | ({"cp_a2a_size": 2} if kind == "a2a+ring" else {})
+
+
+def fit_offload(d: Draw, recompute: RecomputeConfig) -> tuple[str, ...]:
+    """The drawn offload modules the recomputation does not rebuild (a module is kept, recomputed or offloaded:
+    ``RecomputeConfig.validate``'s rule)."""
+    rebuilt = set(recompute.recomputed_modules)
+    kept = tuple(m for m in d["offload"] if not rebuilt & {m, *OFFLOAD_INSIDE.get(m, ())})
+    d.narrow("offload", kept, f"recompute {recompute.label} rebuilds the rest")
+    return kept
+
+
+def fit_fsdp(d: Draw, dp: int, cp: int, experts: int = 0) -> dict:
+    """The ``parallel`` keys of the drawn FSDP2 mode: it needs dp × cp > 1 and no experts; hsdp (groups of 2)
+    needs dp × cp >= 4; reshard_after_forward means something under fsdp only."""
+    mode, group = d["fsdp"], dp * cp
+    if mode != "off" and experts:
+        d.narrow("fsdp", "off", f"fsdp with {experts} experts is refused (ParallelConfig)")
+    elif mode != "off" and group < 2:
+        d.narrow("fsdp", "off", f"dp {dp} × cp {cp} = {group}: nothing to shard over")
+    elif mode == "hsdp" and group < 4:
+        d.narrow("fsdp", "fsdp", f"hsdp in groups of 2 needs dp × cp >= 4, got {group}")
+    if d["fsdp"] == "off":
+        d.narrow("reshard_after_forward", True, "fsdp is off")
+        return {}
+    return {"fsdp": True, "reshard_after_forward": d["reshard_after_forward"]} | \
+        ({"fsdp_shard_size": 2} if d["fsdp"] == "hsdp" else {})
+
+
+def fit_batch(d: Draw, dp: int, pp: int, interleave: int) -> int:
+    """The drawn global batch, raised to a multiple of micro-batch × dp (× pp under interleaving: the schedule
+    takes microbatches in groups of pp)."""
+    unit = d["micro_batch"] * dp * (pp if interleave > 1 else 1)
+    batch = -(-d["global_batch"] // unit) * unit
+    d.narrow("global_batch", batch, f"a multiple of micro-batch {d['micro_batch']} × dp {dp}"
+             + (f" × pp {pp} (interleaved)" if interleave > 1 else ""))
+    return batch
+
+
+def fit_ep(d: Draw, dp: int, cp: int) -> int:
+    """The drawn expert parallelism, the largest value <= it that divides dp × cp."""
+    ep = max(e for e in AXES["ep"] if e <= d["ep"] and (dp * cp) % e == 0)
+    d.narrow("ep", ep, f"ep divides dp {dp} × cp {cp}")
+    return ep
+
+
+def fit_compile(d: Draw, offload: tuple[str, ...]) -> bool:
+    if d["compile"] and offload:
+        d.narrow("compile", False, "offloading runs eager (TrainJob refuses compile with offload modules)")
+    return d["compile"]

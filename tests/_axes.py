@@ -28,7 +28,7 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "micro_batch": (1, 2, 4),  # at a fixed global batch; the references run micro-batch 1
     "global_batch": (4, 8, 12),  # raised to a multiple of micro-batch × dp (× pp interleaved) by fit_batch
     "steps": (5, 8),
-    "dtype": ("fp32", "bf16"),  # bf16: tolerance BF16_TOLERANCE
+    "dtype": ("fp32", "bf16"),  # bf16: BF16_TOLERANCE
     "label_smoothing": (0.0, 0.1),
     "data": ("windows", "documents"),  # random ids, or a prepared folder of short documents with masks
     "offload": ((), ("mlp",), ("norm", "core_attention"), ("activation", "layer_input")),
@@ -40,7 +40,9 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
 }
 COMPILE_SWITCH = "SEQPAR_AXES_COMPILE"
 TOLERANCE = 1e-5  # relative, fp32: every step's loss and grad norm, every final weight
-BF16_TOLERANCE = 3e-2  # relative, bf16 (measured: see tests/test_equivalence.py's docstring)
+# relative, bf16, measured in the CI samples (5 and 8 steps, one bf16 ulp is 7.8e-3): loss 1.5e-4, grad_norm
+# 2.9e-3, weights 3.8e-2 (a zero-initialised LayerNorm bias of an MoE draw after 8 Adam steps; dense 1.1e-2)
+BF16_TOLERANCE = {"loss": 1e-2, "grad_norm": 1e-2, "weights": 1e-1}
 
 
 @dataclass
@@ -84,8 +86,9 @@ def draw(check: str, key, env=os.environ) -> Draw:
     return Draw(check, key, values)
 
 
-def tolerance(d: Draw) -> float:
-    return BF16_TOLERANCE if d["dtype"] == "bf16" else TOLERANCE
+def tolerance(d: Draw, quantity: str) -> float:
+    """The relative error ``quantity`` (loss, grad_norm, weights) may have against the single process."""
+    return BF16_TOLERANCE[quantity] if d["dtype"] == "bf16" else TOLERANCE
 
 
 def report(d: Draw, record_property=None) -> str:

@@ -22,15 +22,18 @@ tests/test_moe_parallel.py``: 390 of 390 draws passed (402 tests with test_moe_p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import random
 
+import _axes
 import pytest
 from _helpers import Launches, random_tokens
 from test_equivalence import DRAW_S, LAUNCH_DRAWS, compare, job, reference_of
 
+from seqpar.config import RecomputeConfig
 from seqpar.train.loop import train_local
 
 RECOMPUTE = {
@@ -47,24 +50,35 @@ def combinations(max_world: int) -> list[tuple]:
     """Every (tp, sp, pipeline, dp, cp, ep, recompute) whose world fits ``max_world``."""
     out = []
     for tp, sp, pipe, dp, cp, ep, rc in itertools.product((1, 2), (False, True), PIPELINES, (1, 2, 4), (1, 2),
-                                                          (1, 2, 4), RECOMPUTE):
+                                                          _axes.AXES["ep"], RECOMPUTE):
         if (sp and tp == 1) or (dp * cp) % ep or tp * PIPELINES[pipe][0] * dp * cp > max_world:
             continue
         out.append((tp, sp, pipe, dp, cp, ep, rc))
     return out
 
 
+MOE = {"data": "the MoE check trains random-id windows"}
+
+
 def draw(index: int, combo: tuple) -> dict:
+    return drawn(index, combo)[0]
+
+
+@functools.cache
+def drawn(index: int, combo: tuple) -> tuple[dict, _axes.Draw]:
+    """The job sections of one combination and its draw of the shared axes (``tests/_axes.py``), fitted."""
     tp, sp, pipe, dp, cp, ep, rc = combo
     rng = random.Random(f"moe {index}")
+    axes = _axes.draw("equivalence_moe", f"moe {index}").fixed(MOE)
+    axes.values["ep"] = ep  # enumerated here (combinations), not drawn
     pp, interleave, layers = PIPELINES[pipe]
     experts = rng.choice([e for e in (ep, 2 * ep, 8) if e <= 8 and e % ep == 0])
     shared = rng.choice((0, 16))
     model = {
         "vocab_size": rng.choice((37, 64)), "hidden_size": 32, "num_heads": 4, "num_layers": layers, "seq_len": 16,
         "norm": rng.choice(("layernorm", "rmsnorm")), "activation": rng.choice(("gelu", "swiglu")),
-        "position": "rope", "bias": False, "tie_embeddings": rng.choice((True, False)), "dtype": "fp32",
-        "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0,
+        "position": "rope", "bias": False, "tie_embeddings": rng.choice((True, False)), "dtype": axes["dtype"],
+        "label_smoothing": axes["label_smoothing"], "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0,
         "experts": experts, "top_k": rng.choice([k for k in (1, 2) if k <= experts]),
         "moe_every": rng.choice((1, 2)), "moe_ffn_hidden_size": 24, "moe_norm_topk": rng.choice((True, False)),
         "moe_aux_coef": rng.choice((0.0, 0.1)), "shared_expert_ffn": shared,
@@ -72,21 +86,23 @@ def draw(index: int, combo: tuple) -> dict:
         "moe_capacity": rng.choice((0.0, 1.0)) if not sp and cp == 1 else 0.0,
     }
     parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "interleave": interleave}
+    parallel |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, experts)
     grads = random.Random(f"moe grads {index}")
     reduction = {"distributed_optimizer": grads.choice((True, False)),
-                 "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}
-    global_batch = 4  # micro batch 1 (test_equivalence.job)
-    while interleave > 1 and (global_batch // dp) % pp:  # the interleaved schedule: microbatches in groups of pp
-        global_batch *= 2
-    if global_batch != 4:
-        reduction["global_batch"] = global_batch
-    return {"model": model, "parallel": parallel, "recompute": dict(RECOMPUTE[rc]), "train": reduction}
+                 "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01,
+                 "micro_batch": axes["micro_batch"], "global_batch": _axes.fit_batch(axes, dp, pp, interleave),
+                 "steps": axes["steps"]}
+    recompute = dict(RECOMPUTE[rc])
+    recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
+        k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))
+    if _axes.fit_compile(axes, tuple(recompute["offload_modules"])):
+        reduction["compile"] = True
+    return {"model": model, "parallel": parallel, "recompute": recompute, "train": reduction}, axes
 
 
 def reference(sections: dict) -> dict:
-    """The single process's job: ``reference_of``, with the draw's global batch."""
-    batch = {k: v for k, v in sections["train"].items() if k == "global_batch"}
-    return {**reference_of(sections), "train": batch}
+    """The single process's job: ``reference_of`` (the draw's model, global batch and steps)."""
+    return reference_of(sections)
 
 
 def selected() -> list[tuple[int, tuple]]:
@@ -124,19 +140,27 @@ def results(tmp_path_factory):
 
 
 def _draw_id(index: int, c: tuple) -> str:
-    return f"{index}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-cp{c[4]}-ep{c[5]}-{c[6]}"
+    sections, axes = drawn(index, c)
+    train, kind = sections["train"], sections["parallel"].get("cp_comm_type", "")
+    extra = [kind, f"mb{train['micro_batch']}", f"gb{train['global_batch']}", f"{train['steps']}steps"]
+    extra += ["bf16"] * (axes["dtype"] == "bf16") + [f"ls{axes['label_smoothing']}"] * bool(axes["label_smoothing"])
+    extra += [f"offload({','.join(o)})" for o in [sections["recompute"]["offload_modules"]] if o]
+    extra += ["compile"] * axes["compile"] + [f"narrowed{len(axes.narrowed)}"] * bool(axes.narrowed)
+    return "-".join([f"{index}-tp{c[0]}{'-sp' if c[1] else ''}-{c[2]}-dp{c[3]}-cp{c[4]}-ep{c[5]}-{c[6]}",
+                     *filter(None, extra)])
 
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])
-def test_moe_draw_matches_single_process(index, combo, results):
+def test_moe_draw_matches_single_process(index, combo, results, record_property):
     launches, refs = results
+    sections, axes = drawn(index, combo)
+    _axes.report(axes, record_property)
     run = launches.result(index)
-    errors = compare({"run": run, "ref": train_local(refs[index]),
+    errors = compare({"run": run, "ref": train_local(refs[index]), "steps": refs[index]["train"]["steps"],
                       "dirs": (jobs_dir(launches, index), refs[index]["train"]["out_dir"])})
-    drawn = draw(index, combo)
     shown = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
-    print(f"\n{index} {combo} {drawn['model']} {drawn['train']}: {shown}")
-    assert all(math.isfinite(v) and v <= 1e-5 for v in errors.values()), errors
+    print(f"{index} {combo} {sections['model']} {sections['parallel']} {sections['train']}: {shown}")
+    assert all(math.isfinite(v) and v <= _axes.tolerance(axes, k) for k, v in errors.items()), errors
 
 
 def jobs_dir(launches: Launches, index: int) -> str:

@@ -9,7 +9,10 @@ pp with interleaving, cp, dp, the distributed optimizer) × recompute × micro-b
 * trained one step on 4 gloo ranks, every rank measures the plan (``_helpers.plan_vs_measured``: states
   exactly up to the buckets' padding, the activation peak plus the implementation's small tensors).
 
-The draws are seeded (an invalid one is drawn again); all of them train in one launch of 4 ranks. CI runs
+Dtype, micro-batch (1, 2, 4), global batch, label smoothing (set in the emitted config: the plan has no flag for
+it), the cp exchange and offloaded modules come from the shared axes (``tests/_axes.py``), fitted to the layout;
+what they narrow is printed per draw (``narrowed (plan_loop ...)``) and recorded. The draws are seeded (an
+invalid one is drawn again); all of them train in one launch of 4 ranks. CI runs
 ``SEQPAR_PLAN_LOOP_DRAWS`` (default 4); ``SEQPAR_PLAN_LOOP_FULL=1`` runs ``FULL_DRAWS``."""
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import json
 import os
 import random
 
+import _axes
 import torch
 from _helpers import plan_vs_measured, random_tokens, run_cli
 from test_states_closed_loop import LAYOUTS, WORLD, start_record
 
 from seqpar.analysis.text import exact_bytes
-from seqpar.config import ConfigError
+from seqpar.config import ConfigError, RecomputeConfig
 from seqpar.train.config import build_job, load_toml
 from seqpar.train.dry_run import predicted_memory
 from seqpar.train.loop import train_local_many
@@ -35,21 +39,42 @@ VOCAB = 64
 RECOMPUTE = ("none", "selective", "full", "full-block-1")
 
 
-def draw(rng: random.Random) -> tuple[list, str]:
-    """(plan argv without --explain, the --explain layout) of one configuration."""
+PLAN_LOOP = {  # the shared axes (tests/_axes.py) the loop does not take, and why
+    "steps": "one step measures the plan",
+    "data": "random ids",
+    "fsdp": "plan --explain has no hsdp, and its fsdp is checked in tests/test_states_closed_loop.py",
+    "reshard_after_forward": "fsdp is not drawn here",
+    "ep": "dense models",
+    "compile": "eager",
+}
+RECOMPUTE_CONFIGS = {"none": RecomputeConfig("none"), "selective": RecomputeConfig("selective"),
+                     "full": RecomputeConfig("full"), "full-block-1": RecomputeConfig("full", "block", 1)}
+
+
+def draw(rng: random.Random, axes: _axes.Draw) -> tuple[list, str, dict]:
+    """(plan argv without --explain, the --explain layout, the emitted config's model keys the plan has no flag
+    for) of one configuration: dtype, micro-batch, global batch, label smoothing, the cp exchange and the offloaded
+    modules from the shared ``axes``, fitted to the layout."""
     arch = rng.choice(["gpt", "llama"])
     tp, pp, cp, dp = rng.choice(LAYOUTS)
     interleave = 2 if pp > 1 and rng.random() < 0.3 else 1
-    micro, distopt = rng.choice([1, 2]), dp * cp > 1 and rng.random() < 0.5
-    batch = micro * dp * rng.choice([1, 2]) * pp  # microbatches a multiple of pp (interleaving needs it)
-    argv = ["plan", "--arch", arch, "--layers", pp * interleave * rng.choice([1, 2]), "--hidden", 32, "--heads", 4,
-            "--kv-heads", rng.choice([1, 2, 4]) if arch == "llama" else 4, "--seq", 16, "--vocab", VOCAB,
-            "--gpus", WORLD, "--gpus-per-node", WORLD, "--global-batch", batch, "--max-micro-batch", 2,
-            "--dtype", rng.choice(["fp32", "bf16"]), "--attention", rng.choice(["materialized", "sdpa"]),
-            "--dropout", rng.choice([0.0, 0.1])] + ["--distributed-optimizer"] * distopt
+    micro, distopt = axes["micro_batch"], dp * cp > 1 and rng.random() < 0.5
+    batch = _axes.fit_batch(axes, dp, pp, 2 if pp > 1 else 1)  # microbatches a multiple of pp (interleaving's rule)
+    layers, kv = pp * interleave * rng.choice([1, 2]), rng.choice([1, 2, 4]) if arch == "llama" else 4
+    model = {"vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_layers": layers, "seq_len": 16,
+             "kv_heads": kv}
+    comm = _axes.fit_cp_comm(axes, model, tp, cp)
+    argv = ["plan", "--arch", arch, "--layers", layers, "--hidden", 32, "--heads", 4, "--kv-heads", kv, "--seq", 16,
+            "--vocab", VOCAB, "--gpus", WORLD, "--gpus-per-node", WORLD, "--global-batch", batch,
+            "--max-micro-batch", max(_axes.AXES["micro_batch"]), "--dtype", axes["dtype"],
+            "--attention", rng.choice(["materialized", "sdpa"]), "--dropout", rng.choice([0.0, 0.1])]
+    argv += ["--distributed-optimizer"] * distopt
+    recompute = rng.choice(RECOMPUTE)
+    offload = _axes.fit_offload(axes, RECOMPUTE_CONFIGS[recompute])
     explain = (f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if tp > 1 and rng.random() < 0.5 else 'off'}"
-               f",recompute={rng.choice(RECOMPUTE)},mb={micro},distopt={'on' if distopt else 'off'}")
-    return argv, explain
+               f",recompute={recompute},mb={micro},distopt={'on' if distopt else 'off'}"
+               + "".join(f",{k}={v}" for k, v in comm.items()) + (f",offload={'/'.join(offload)}" if offload else ""))
+    return argv, explain, {"label_smoothing": axes["label_smoothing"]}
 
 
 def planned(argv: list, explain: str, device: str, path=None) -> dict:
@@ -62,14 +87,19 @@ def planned(argv: list, explain: str, device: str, path=None) -> dict:
 
 
 def cases(tmp_path, n: int = DRAWS, seed: int = 42) -> list[dict]:
-    """``n`` valid draws, each planned for cpu and cuda and emitted as a 1-step job."""
+    """``n`` valid draws, each planned for cpu and cuda and emitted as a 1-step job (a layout the model cannot
+    run is drawn again, with the next draw of the shared axes)."""
     rng, out, data = random.Random(seed), [], random_tokens(tmp_path / "tokens.bin", VOCAB)
+    tries = 0
     while len(out) < n:
-        argv, explain = draw(rng)
+        axes = _axes.draw("plan_loop", f"{seed} {tries}").fixed(PLAN_LOOP)
+        tries += 1
+        argv, explain, model = draw(rng, axes)
         path = tmp_path / f"plan{len(out)}.toml"
         try:
             cpu, cuda = planned(argv, explain, "cpu", path), planned(argv, explain, "cuda")
             sections = load_toml(path)
+            sections["model"] |= model
             sections["train"] |= {"steps": 1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "peak_tflops": 1.0,
                                   "progress": False, "plot": False, "data": str(data),
                                   "out_dir": str(tmp_path / f"run{len(out)}")}
@@ -77,7 +107,7 @@ def cases(tmp_path, n: int = DRAWS, seed: int = 42) -> list[dict]:
         except ConfigError:  # a layout the model cannot run (AnalysisError is one)
             continue
         out.append({"argv": argv, "explain": explain, "path": path, "cpu": cpu, "cuda": cuda, "sections": sections,
-                    "job": job})
+                    "job": job, "axes": axes})
     return out
 
 
@@ -90,7 +120,8 @@ def dry_run_mismatches(case: dict) -> list[str]:
         bad += [f"{device} pp {r}: dry run {predicted[r]} != plan {stages[r]}"
                 for r in stages if predicted[r] != stages[r]]
     code, out, err = run_cli(["train", "--config", case["path"], "--nproc", WORLD, "--dry-run",
-                              "--set", f"train.data={case['sections']['train']['data']}"])
+                              "--set", f"train.data={case['sections']['train']['data']}",
+                              "--set", f"model.label_smoothing={case['sections']['model']['label_smoothing']}"])
     for device in ("cpu", "cuda"):
         plan = case[device]["plan"]
         line = f"most loaded on {device}"
@@ -101,8 +132,11 @@ def dry_run_mismatches(case: dict) -> list[str]:
     return bad
 
 
-def test_plan_dry_run_and_measured_bytes_agree(tmp_path):
+def test_plan_dry_run_and_measured_bytes_agree(tmp_path, record_property):
     drawn = cases(tmp_path)
+    for case in drawn:
+        _axes.report(case["axes"])
+    record_property("narrowed", " | ".join("; ".join(case["axes"].narrowed) for case in drawn))
     cores = {c["job"].model.attention_core for c in drawn}
     assert cores == {"materialized", "sdpa"} and any(c["job"].train.micro_batch > 1 for c in drawn), cores
     summaries = train_local_many([c["sections"] for c in drawn], WORLD, timeout=300.0 + 30.0 * len(drawn))

@@ -1,13 +1,18 @@
-"""Pipeline stages, measured == exact over seeded draws of architecture, dtype, vocabulary, tp, pp, SP,
-attention kernel, dropout and recompute, then cp 4 or cp 2 × pp 2 over each exchange (ring, a2a, a2a+ring) with
-and without the core offloaded (host bytes measured == exact too): the final RMSNorm keeps one fp32 rstd,
-a vocabulary that t does not divide is padded to ceil(v/t) per rank (logits and parameters), and fused
-attention with dropout on elsewhere is a configuration the stage formula accepts. Each rank's parameter
-count equals ``stage_parameters``. One spawn of 4 gloo ranks runs every draw; SEQPAR_DRAWS=N runs N."""
+"""Pipeline stages, measured == exact over seeded draws of architecture, vocabulary, tp, pp, SP, attention kernel,
+dropout and recompute, then cp 4 or cp 2 × pp 2; dtype, micro-batch, offloaded modules and the cp exchange (ring,
+a2a, a2a+ring) from the shared axes (``tests/_axes.py``; host bytes measured == exact too; what the stage measure
+does not take or the rules narrow is printed per draw, ``narrowed (stages ...)``, and recorded): the final
+RMSNorm keeps one fp32 rstd, a vocabulary that t does not divide is padded to ceil(v/t) per rank (logits and
+parameters), and fused attention with dropout on elsewhere is a configuration the stage formula accepts. Each
+rank's parameter count equals ``stage_parameters``. One spawn of 4 gloo ranks runs every draw; SEQPAR_DRAWS=N runs
+N tp × pp draws (and N // 2, at least 4, of cp)."""
 
+import dataclasses
 import os
 import random
 from dataclasses import replace
+
+import _axes
 
 from seqpar.analysis.states import stage_parameters
 from seqpar.commands.memory import LLAMA
@@ -21,10 +26,23 @@ WORLD = 4
 DRAWS = int(os.environ.get("SEQPAR_DRAWS", "6"))
 
 
-def draw(rng: random.Random) -> tuple[ModelConfig, ParallelConfig, tuple]:
-    """One configuration: (model, layout, schedule run) as `seqpar memory --pp` would build them."""
+STAGES = {  # the shared axes (tests/_axes.py) the stage measure does not take, and why
+    "label_smoothing": "the stage measure runs no loss options (tests/test_cross_entropy_bounded.py bounds the loss)",
+    "global_batch": "the stage measure runs pp × 1 or 2 microbatches of the drawn micro-batch",
+    "steps": "one forward and backward",
+    "data": "random ids",
+    "fsdp": "parameters and their gradients are measured apart (tests/test_states_closed_loop.py)",
+    "reshard_after_forward": "fsdp is not drawn here",
+    "ep": "dense models",
+    "compile": "eager",
+}
+
+
+def draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, ParallelConfig, tuple]:
+    """One configuration: (model, layout, schedule run) as `seqpar memory --pp` would build them; dtype,
+    micro-batch and offloaded modules from the shared ``axes``."""
     tp, pp = rng.choice([(1, 4), (2, 2), (4, 1), (2, 2)])
-    arch, dtype = rng.choice(["gpt", "llama"]), rng.choice(["fp32", "bf16"])
+    arch, dtype = rng.choice(["gpt", "llama"]), axes["dtype"]
     attention = rng.choice(["materialized", "sdpa"])
     dropout = rng.choice([0.0, 0.1])
     heads = 4
@@ -35,32 +53,32 @@ def draw(rng: random.Random) -> tuple[ModelConfig, ParallelConfig, tuple]:
                       kv_heads=kv, attention=attention, **(LLAMA if arch == "llama" else {}))
     parallel = ParallelConfig(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.5)
     recompute = RecomputeConfig(rng.choice(["none", "selective", "full"]))
-    run = (recompute, rng.choice([1, 2]), pp * rng.choice([1, 2]), True, 0)
+    recompute = replace(recompute, offload_modules=_axes.fit_offload(axes, recompute))
+    run = (recompute, axes["micro_batch"], pp * rng.choice([1, 2]), True, 0)
     return cfg.validate(), parallel.validate(cfg), run
 
 
-# context parallelism's exchange and whether the core is offloaded, taken in turn (every one in a CI sample)
-CP_AXES = [("a2a", True), ("a2a+ring", True), ("ring", False), ("a2a", False)]
-
-
-def cp_draw(rng: random.Random, i: int) -> tuple[ModelConfig, ParallelConfig, tuple]:
-    """The ``i``-th context-parallel configuration: cp 4 (a2a+ring: K 2) or cp 2 × pp 2, the exchange and offload
-    of ``CP_AXES[i]`` (offloading the core: nothing recomputed, a module is kept, recomputed or offloaded)."""
-    cfg, _, (recompute, b, _, free, keep) = draw(rng)
-    comm, offload = CP_AXES[i % len(CP_AXES)]
-    cp, pp = (4, 1) if comm == "a2a+ring" else rng.choice([(4, 1), (2, 2)])
-    parallel = ParallelConfig(pp=pp, cp=cp, cp_comm_type=comm, cp_a2a_size=2 if comm == "a2a+ring" else 0)
+def cp_draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, ParallelConfig, tuple]:
+    """A context-parallel configuration: cp 4 or cp 2 × pp 2, the exchange (a2a+ring: K 2 at cp 4) and the
+    offloaded modules of the shared ``axes``, fitted (``tests/_axes.py``)."""
+    cfg, _, (recompute, b, _, free, keep) = draw(rng, axes)
+    cp, pp = (4, 1) if axes["cp_comm_type"] == "a2a+ring" else rng.choice([(4, 1), (2, 2)])
     cfg = replace(cfg, num_layers=2 * pp, seq_len=16)
-    if offload:
-        recompute = RecomputeConfig(offload_modules=("core_attention",))
+    comm = _axes.fit_cp_comm(axes, dataclasses.asdict(cfg), 1, cp)
+    parallel = ParallelConfig(pp=pp, cp=cp, **comm)
     return cfg.validate(), parallel.validate(cfg), (recompute, b, pp * rng.choice([1, 2]), free, keep)
 
 
-def cases(n: int = DRAWS, seed: int = 20) -> list[tuple]:
-    """``n`` draws of tp × pp, then ``len(CP_AXES)`` (or ``n // 2``, the more) of cp, from a stream of their own
-    (the tp × pp draws stay as they were)."""
-    rng, cp_rng = random.Random(seed), random.Random(seed + 1)
-    return [draw(rng) for _ in range(n)] + [cp_draw(cp_rng, i) for i in range(max(len(CP_AXES), n // 2))]
+def cases(n: int = DRAWS, seed: int = 41) -> list[tuple[tuple, _axes.Draw]]:
+    """``n`` draws of tp × pp (cp 1: the exchange narrowed to the ring), then ``n // 2`` (at least 4) of cp, from a
+    stream of their own; each with its draw of the shared axes."""
+    rng, cp_rng, out = random.Random(seed), random.Random(seed + 1), []
+    for i in range(n + max(4, n // 2)):
+        axes = _axes.draw("stages", f"{seed} {i}").fixed(STAGES)
+        if i < n:
+            axes.narrow("cp_comm_type", "ring", "a tp × pp draw (cp 1)")
+        out.append(((draw if i < n else cp_draw)(rng if i < n else cp_rng, axes), axes))
+    return out
 
 
 def _worker(rank, world, drawn):
@@ -75,15 +93,22 @@ def _worker(rank, world, drawn):
 
 
 def test_ci_sample_covers_the_three_claims():
-    drawn = cases()
+    drawn = [case for case, _ in cases()]
     assert any(c.norm == "rmsnorm" and c.dtype == "fp32" and p.pp > 1 for c, p, _ in drawn)  # item 9
     assert any(c.vocab_size % p.tp for c, p, _ in drawn)  # item 10
     assert any(c.attention == "sdpa" and c.hidden_dropout > 0 and p.pp > 1 for c, p, _ in drawn)  # item 11
-    assert any(p.a2a_size > 1 and r[0].offload_modules for _, p, r in drawn)  # issue 56: a2a with the core offloaded
+    assert any(p.a2a_size > 1 and "core_attention" in r[0].offload_modules for _, p, r in drawn)  # issue 56
+    assert {p.cp_comm_type for _, p, _ in drawn if p.cp > 1} == set(_axes.AXES["cp_comm_type"])  # every exchange
+    assert {r[1] for _, _, r in drawn} == set(_axes.AXES["micro_batch"]) and {c.dtype for c, _, _ in drawn} == \
+        set(_axes.AXES["dtype"])  # every micro-batch and dtype of the shared axes
 
 
-def test_stages_measured_equal_exact_and_parameters_equal_the_formula():
-    drawn = cases()
+def test_stages_measured_equal_exact_and_parameters_equal_the_formula(record_property):
+    drawn_axes = cases()
+    drawn = [case for case, _ in drawn_axes]
+    for _, axes in drawn_axes:
+        _axes.report(axes)
+    record_property("narrowed", " | ".join("; ".join(axes.narrowed) for _, axes in drawn_axes))
     for cfg, parallel, run in drawn:
         assert validate_jobs(cfg, [(parallel, [run])]) == WORLD
     results = run_ranks(_worker, WORLD, drawn)

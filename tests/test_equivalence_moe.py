@@ -101,8 +101,12 @@ def drawn(index: int, combo: tuple) -> tuple[dict, _axes.Draw]:
 
 
 def reference(sections: dict) -> dict:
-    """The single process's job: ``reference_of`` (the draw's model, global batch and steps)."""
-    return reference_of(sections)
+    """The single process's job: ``reference_of`` (the draw's model, global batch and steps) at the draw's
+    micro-batch size: the aux loss and the capacity are one microbatch's statistics, so the same global batch in
+    microbatches of another size trains another objective (docs/moe.md, "What depends on the micro-batch size";
+    found by the shared ``micro_batch`` axis: micro-batch 4 against 1 with aux 0.1 moved the weights 1.4e-1)."""
+    ref = reference_of(sections)
+    return ref | {"train": ref["train"] | {"micro_batch": sections["train"]["micro_batch"]}}
 
 
 def selected() -> list[tuple[int, tuple]]:

@@ -3,8 +3,14 @@ cannot use is dropped with one line naming it and why (an fsdp dp 4 checkpoint r
 refused, and --no-fsdp then failed on the inherited fsdp_shard_size); and a preset (--arch, --model) says
 what it changed of the TOML."""
 
+import os
+import random
+
+import _axes
+
 from seqpar.cli import build_parser
 from seqpar.commands.train import fit_inherited, job_from_args
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 from seqpar.train.config import inert_settings
 
 
@@ -21,6 +27,25 @@ def test_fsdp_dp4_resumed_at_tp2_pp2_drops_fsdp_and_its_shard_size():
     assert "fsdp" not in sections["parallel"] and "fsdp_shard_size" not in sections["parallel"]
     assert notes == ["the checkpoint's fsdp = true is dropped: dp 1 × cp 1 has nothing to shard over (--fsdp with "
                      "dp × cp > 1 keeps it)", "the checkpoint's fsdp_shard_size = 2 is dropped: fsdp is off"]
+
+
+def test_an_a2a_checkpoint_resumed_where_the_exchange_cannot_run_drops_it():
+    """Found by the drawn resumes below (the shared cp_comm_type axis): a cp 2 a2a checkpoint resumed at cp 1 was
+    refused on the inherited exchange ("cp_comm_type a2a needs cp >= 2"), and at tp 4 on the heads."""
+    model = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16}
+    sections = _inherited(cp_comm_type="a2a+ring", cp_a2a_size=2) | {"model": model}
+    sections["parallel"] |= {"cp": 1, "dp": 1}
+    assert fit_inherited(sections, {"parallel": {"cp": 1}}) == [
+        "the checkpoint's cp_comm_type = a2a+ring is dropped: cp_comm_type a2a+ring needs cp >= 2, got cp 1",
+        "the checkpoint's cp_a2a_size = 2 is dropped: the exchange is the ring"]
+    sections = _inherited(cp_comm_type="a2a", cp_a2a_size=0) | {"model": model}
+    sections["parallel"] |= {"tp": 4, "cp": 2, "dp": 1}
+    assert fit_inherited(sections, {"parallel": {"tp": 4}}) == [
+        "the checkpoint's cp_comm_type = a2a is dropped: heads 4 is not divisible by tp 4 × cp_a2a_size 2 = 8 "
+        "(cp_comm_type a2a splits each tp rank's heads over 2 ranks)"]
+    sections = _inherited(cp_comm_type="a2a", cp_a2a_size=0) | {"model": model}
+    sections["parallel"] |= {"tp": 4, "cp": 2, "dp": 1}
+    assert fit_inherited(sections, {"parallel": {"tp": 4, "cp_comm_type": "a2a"}}) == []  # asked: never dropped
 
 
 def test_an_asked_setting_is_never_dropped_and_a_usable_one_is_kept():
@@ -49,3 +74,43 @@ def test_a_preset_says_what_it_changed_of_the_toml(tmp_path):
     args = build_parser().parse_args(["train", "--config", str(toml), "--arch", "llama", "--set",
                                       "model.hidden_dropout=0.1"])
     assert job_from_args(args, 1).changed == ()
+
+
+RESUME = {  # the shared axes (tests/_axes.py) a resume's layout does not take: fit_inherited reads parallel settings
+    axis: "not a parallel setting (a resume keeps the checkpoint's or takes the flag)"
+    for axis in ("micro_batch", "global_batch", "steps", "dtype", "label_smoothing", "data", "offload", "compile")}
+LAYOUTS = [(tp, pp, dp, cp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2, 4) for cp in (1, 2, 4)
+           if tp * pp * dp * cp <= 8]
+RESUME_DRAWS = int(os.environ.get("SEQPAR_RESUME_DRAWS", "300"))
+
+
+def resumed(i: int) -> tuple[dict, dict, list[str], _axes.Draw]:
+    """Draw ``i``: a checkpoint's model and parallel settings (the shared axes fitted to its layout), then the
+    layout (tp, pp, dp, cp) a resume asks: (model, the parallel settings fit_inherited leaves, its notes, draw)."""
+    rng = random.Random(f"resume {i}")
+    axes = _axes.draw("resume", i).fixed(RESUME)
+    tp, pp, dp, cp = rng.choice(LAYOUTS)
+    ep = _axes.fit_ep(axes, dp, cp)
+    model = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 4, "seq_len": 16,
+             "kv_heads": rng.choice((1, 2, 4)), "experts": 4 if ep > 1 else 0}
+    par = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    par |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, model["experts"])
+    ParallelConfig(**par).validate(ModelConfig(**model))  # the checkpoint's layout ran
+    asked = dict(zip(("tp", "pp", "dp", "cp"), rng.choice(LAYOUTS), strict=True))
+    sections = {"model": model, "parallel": par | asked, "train": {}}
+    notes = fit_inherited(sections, {"parallel": asked})
+    return model, sections["parallel"], notes, axes
+
+
+def test_drawn_resumes_take_the_layout_asked():
+    """Seeded draws (``SEQPAR_RESUME_DRAWS``, default 300, no ranks started): whatever the checkpoint's exchange,
+    FSDP/HSDP, reshard-after-forward and ep (the shared axes), a resume at any layout of <= 8 ranks validates
+    after ``fit_inherited``, and every inherited setting it drops is named in one line."""
+    failures = []
+    for i in range(RESUME_DRAWS):
+        model, par, notes, axes = resumed(i)
+        try:
+            ParallelConfig(**par).validate(ModelConfig(**model))
+        except ConfigError as err:
+            failures.append(f"{i}: {par} after {notes}: {err}")
+    assert not failures, f"{len(failures)} of {RESUME_DRAWS}:\n" + "\n".join(failures[:10])

@@ -347,12 +347,34 @@ def fit_inherited(sections: dict[str, dict], given: dict[str, dict]) -> list[str
             drop(train, key, why)
     if (dp * cp) % par.get("ep", 1):
         drop(par, "ep", f"it does not divide dp {dp} × cp {cp}")
+    exchange = _exchange_problem(sections.get("model", {}), par)
+    if exchange and "cp_comm_type" not in asked:
+        drop(par, "cp_comm_type", exchange)
+        if par.get("cp_a2a_size"):
+            drop(par, "cp_a2a_size", "the exchange is the ring")
     if par.get("interleave", 1) > 1 and pp == 1:
         drop(par, "interleave", "pp is 1")
     if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1):
         drop(par, "layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
              f"pp {pp} × interleave {par.get('interleave', 1)}")
     return notes
+
+
+def _exchange_problem(model: dict, par: dict) -> str:
+    """Why this layout cannot use the (checkpoint's) all-to-all exchange: ``ParallelConfig``'s rule, or ""."""
+    from seqpar.config import ConfigError, ModelConfig, ParallelConfig
+
+    kind = par.get("cp_comm_type", "ring")
+    if kind == "ring":
+        return ""
+    layout = ParallelConfig(tp=par.get("tp", 1), cp=par.get("cp", 1), cp_comm_type=kind,
+                            cp_a2a_size=par.get("cp_a2a_size", 0))
+    try:
+        layout._validate_cp_comm()
+        layout._validate_a2a_heads(ModelConfig(**model))
+    except (ConfigError, TypeError) as err:  # TypeError: no whole model section (its own check reports that)
+        return str(err) if isinstance(err, ConfigError) else ""
+    return ""
 
 
 def run(args) -> int:

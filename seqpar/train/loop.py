@@ -141,9 +141,10 @@ class Trainer:
         self.state.skipped_in_row = int(meta.get("skipped_in_row", 0)) if has_opt else 0
         if self.opt.scaler is not None and has_opt and "loss_scaler" in meta:
             self.opt.scaler.load_state_dict(meta["loss_scaler"])
-        self.log(f"resumed from {path} at step {self.state.step}"
-                 f" (written with tp {meta['config']['parallel']['tp']} pp {meta['config']['parallel']['pp']}"
-                 f" dp {meta['config']['parallel']['dp']})")
+        par = meta["config"]["parallel"]
+        cp = f" cp {par['cp']} ({par.get('cp_comm_type', 'ring')})" if par.get("cp", 1) > 1 else ""
+        self.log(f"resumed from {path} at step {self.state.step} (written with tp {par['tp']} pp {par['pp']} "
+                 f"dp {par['dp']}{cp})")
         m = self.job.model
         written = meta.get("dropout_masks", "a scheme before position-keyed dropout")
         if written != DROPOUT_MASKS and max(m.embd_dropout, m.attn_dropout, m.hidden_dropout) > 0:

@@ -40,9 +40,10 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
 }
 COMPILE_SWITCH = "SEQPAR_AXES_COMPILE"
 TOLERANCE = 1e-5  # relative, fp32: every step's loss and grad norm, every final weight
-# relative, bf16, measured in the CI samples (5 and 8 steps, one bf16 ulp is 7.8e-3): loss 1.5e-4, grad_norm
-# 2.9e-3, weights 3.8e-2 (a zero-initialised LayerNorm bias of an MoE draw after 8 Adam steps; dense 1.1e-2)
-BF16_TOLERANCE = {"loss": 1e-2, "grad_norm": 1e-2, "weights": 1e-1}
+# relative, bf16 (one bf16 ulp is 7.8e-3), measured over 35 bf16 draws (the CI samples and SEQPAR_EQUIV_ONLY
+# slices, 5 and 8 steps): worst loss 1.5e-4, grad_norm 6.8e-3, weights 3.8e-2 (a zero-initialised LayerNorm bias
+# of an MoE draw after 8 Adam steps; dense 1.4e-2)
+BF16_TOLERANCE = {"loss": 1e-2, "grad_norm": 3e-2, "weights": 1e-1}
 
 
 @dataclass

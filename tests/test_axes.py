@@ -1,13 +1,15 @@
 """The shared axes (``tests/_axes.py``): their rules narrow what a layout cannot take and say why, every check
 names only axes that exist, and the equivalence CI sample takes every value of every axis that applies to it."""
 
+import math
+
 import _axes
 import test_equivalence
 import test_equivalence_moe
 import test_plan_closed_loop
 import test_stage_exact_draws
 
-from seqpar.config import RecomputeConfig
+from seqpar.config import ConfigError, RecomputeConfig
 
 MODEL = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16}
 
@@ -77,3 +79,21 @@ def test_equivalence_ci_sample_takes_every_value_that_applies():
 def test_compile_is_drawn_only_with_its_switch():
     assert not any(_axes.draw("unit", k, env={})["compile"] for k in range(20))
     assert any(_axes.draw("unit", k, env={_axes.COMPILE_SWITCH: "1"})["compile"] for k in range(20))
+
+
+def test_every_fitted_draw_is_a_job_seqpar_accepts(monkeypatch):
+    """The rules are complete: every combination of both equivalence spaces, with every shared axis drawn (compile
+    too), is a job ``TrainJob.validate`` accepts at its world size (a refused one would fail its launch in a sweep)."""
+    from seqpar.train.config import build_job
+
+    monkeypatch.setenv(_axes.COMPILE_SWITCH, "1")
+    bad = []
+    for module in (test_equivalence, test_equivalence_moe):
+        for index, combo in enumerate(module.combinations(8)):
+            sections = module.drawn.__wrapped__(index, combo)[0]  # uncached: compile drawn too
+            world = math.prod(sections["parallel"][k] for k in ("tp", "pp", "dp", "cp"))
+            try:
+                build_job(test_equivalence.job(sections, "unused", "unused")).validate(world)
+            except ConfigError as err:
+                bad.append(f"{module.__name__} {index} {combo}: {err}")
+    assert not bad, f"{len(bad)} refused:\n" + "\n".join(bad[:10])

@@ -3,9 +3,10 @@ them to a check's layout. A new option is one entry in ``AXES``: every check dra
 apply to says so in its report.
 
 Checks: ``equivalence`` and ``equivalence_moe`` (trained against the single process), ``stages`` (measured ==
-exact stage peaks and host bytes), ``plan_loop`` (plan == dry run == measured). Resume/reshard
-(``tests/test_resume_layout.py``, ``tests/test_checkpoint_resume.py``) and fault injection
-(``tests/test_reliability_*.py``) draw nothing: they are fixed cases.
+exact stage peaks and host bytes), ``plan_loop`` (plan == dry run == measured), ``resume`` (a checkpoint's
+parallel settings resumed at another layout, ``tests/test_resume_layout.py``: no ranks started). The trained
+resume checks (``tests/test_checkpoint_resume.py``) and fault injection (``tests/test_reliability_*.py``) are
+fixed cases and draw nothing.
 
 A check draws with ``draw(check, key)`` (each axis from its own stream seeded by ``"{axis} {key}"``, so adding an
 axis moves no other axis' draws), then fits the draw to its layout with the rules below (``fit_*``): a value
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from seqpar.config import OFFLOAD_INSIDE, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 
 AXES = {  # axis: the values a draw takes (the first is the default a narrowed draw falls back to)
-    "micro_batch": (1, 2, 4),  # at a fixed global batch; the references run micro-batch 1
+    "micro_batch": (1, 2, 4),  # at a fixed global batch (the dense reference runs 1, the MoE one the same)
     "global_batch": (4, 8, 12),  # raised to a multiple of micro-batch × dp (× pp interleaved) by fit_batch
     "steps": (5, 8),
     "dtype": ("fp32", "bf16"),  # bf16: BF16_TOLERANCE

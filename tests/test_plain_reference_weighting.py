@@ -7,15 +7,15 @@ of tokens. The plain side is ``seqpar.bench.plain_gpt``'s GPT, and ``seqpar.benc
 (grouped-query attention with 2 kv heads of 4, RMSNorm, SwiGLU, rotary positions, untied), with the
 documents written plainly from the ids (``packed_documents``: attention within a document, positions --
 learned rows, or rotary angles -- restarting in each, a document's end predicting nothing), trained by a
-plain loop (``torch.optim.AdamW``, ``clip_grad_norm_``, the schedule
-written out) on the whole global batch in one forward, its loss ``F.cross_entropy(..., reduction="sum") /
-counted``. From seqpar it takes only which windows a step reads and which windows validation scores
-(``train_offsets``, ``validation_offsets``) and its initial weights. For each model, seqpar at micro-batch 1 and at
-micro-batch 4 (the same global batch of 4) must train the same trajectory: 20 steps' losses and grad
-norms, the final weights, and the logged validation at steps 10 and 20 against the plain mean cross
-entropy over the validation windows' counted tokens. A mean of per-microbatch (per-window at micro-batch
-1) means fails it (the report of issue 56 shows the failure). The prepared folder is made once for both
-models; each model's two seqpar runs and its plain run are made once (a module fixture per model).
+plain loop (``torch.optim.AdamW``, ``clip_grad_norm_``, the schedule written out) on the whole global batch
+in one forward, its loss ``F.cross_entropy(..., reduction="sum") / counted``. From seqpar it takes only
+which windows a step reads and which windows validation scores (``train_offsets``, ``validation_offsets``)
+and its initial weights. For each model, seqpar at micro-batch 1 and at micro-batch 4 (the same global
+batch of 4) must train the same trajectory: 20 steps' losses and grad norms, the final weights, and the
+logged validation at steps 10 and 20 against the plain mean cross entropy over the validation windows'
+counted tokens. A mean of per-microbatch means fails micro-batch 1, a mean of per-window means both (the
+reports of issue 56 show the failures). The prepared folder is made once for both models; each model's two
+seqpar runs and its plain run are made once (a module fixture per model).
 
 Rotary positions restarting in each document cannot be seen here, and need not be: under the document
 mask a query and a key are of one document, and a rotary score depends only on their positions'

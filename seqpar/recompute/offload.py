@@ -7,7 +7,7 @@ an offloaded module runs -- or the layer's input where ``layer_input`` offloads 
 once per layer, into a host buffer, and autograd keeps only a handle: the device storage is freed as soon as the
 forward drops its last reference. The first backward that unpacks one of a layer's handles brings the whole layer
 back and starts bringing back the layer before it (its backward comes next). Parameters and buffers are never
-offloaded, nor a norm output that norm recomputation releases (``sparing``).
+offloaded (``seqpar.storages``, the meter's rule), nor a norm output that norm recomputation releases (``sparing``).
 
 Composition with a meter (``seqpar.measure``): the hooks found active when a layer starts (a meter's) still see
 every tensor the layer keeps on the device; offloaded tensors do not reach them, and ``Offloader.host_tensors``

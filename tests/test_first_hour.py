@@ -117,8 +117,9 @@ def test_a_multi_node_plan_prints_torchrun_and_its_slurm_script_saves_requeues_a
                         "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_JOB_ID": "44",
                         "SLURM_SUBMIT_DIR": str(tmp_path), "GPUS_PER_NODE": "2", "PORT": str(_free_port())}
     run = tmp_path / "runs" / "p"
-    first = subprocess.Popen(["bash", tmp_path / "job.sbatch", *SHRINK, "--steps", "100000"], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, cwd=tmp_path / "bin")  # Slurm runs a copy elsewhere
+    first = subprocess.Popen(["bash", tmp_path / "job.sbatch", *SHRINK, "--steps", "100000"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=tmp_path / "bin")  # Slurm runs a copy of the script elsewhere
     try:
         _first_step(run / "metrics.jsonl", first)
         first.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@N reaches the batch shell only

@@ -25,16 +25,15 @@ def test_bad_time_refused(text):
 
 def test_the_write_the_interval_and_the_lead_follow_the_terms():
     stages = [{"parameters": 2e9, "optimizer_states": 12e9}, {"parameters": 1e9, "optimizer_states": 6e9}]
-    c = jt.save_cadence(stages, step_s=10.0, gpus=64, per_node=8, tp=4, pp=2, shards=1, params_sharded=False,
-                        gbps=1.0)
+    c = jt.save_cadence(stages, step_s=10.0, gpus=64, per_node=8, tp=4, shards=1, params_sharded=False, gbps=1.0)
     assert c.checkpoint_bytes == 4 * (14e9 + 7e9)
-    assert c.writing_nodes == 1  # tp 4 x pp 2 = 8 ranks hold a distinct chunk: one node's worth
-    assert c.write_s == pytest.approx(84e9 / 1e9 + jt.SAVE_LATENCY_S)
+    assert c.writing_nodes == 8  # DCP spreads the replicas' chunks over their holders: every node writes
+    assert c.write_s == pytest.approx(84e9 / 8e9 + jt.SAVE_LATENCY_S)
     young = math.sqrt(2 * c.write_s * jt.GPU_MTBF_H * 3600 / 64)
     assert c.save_every == math.floor(min(young, jt.MAX_LOST_S) / 10.0)
     assert c.signal_s >= 10.0 + c.write_s + jt.SIGNAL_SLACK_S
-    sharded = jt.save_cadence(stages, 10.0, 64, 8, 4, 2, shards=8, params_sharded=False, gbps=1.0)
-    assert sharded.writing_nodes == 8 and sharded.checkpoint_bytes == 4 * (3e9 + 8 * 18e9)
+    sharded = jt.save_cadence(stages, 10.0, 64, 8, 4, shards=8, params_sharded=True, gbps=1.0)
+    assert sharded.checkpoint_bytes == 4 * 8 * (3e9 + 18e9)
 
 
 def test_a_time_limit_shorter_than_the_save_is_refused(tmp_path, capsys):

@@ -32,7 +32,7 @@ def cadence(req: Request, plan: Plan, gbps: float = DEFAULT_WRITE_GBPS) -> SaveC
     p = plan.par
     sharded = plan.distributed_optimizer or p.fsdp
     return save_cadence([s.terms for s in ev.stages], ev.time.total, req.gpus, min(req.hw.gpus_per_node, req.gpus),
-                        p.tp, p.pp, p.dp * p.cp if sharded else 1, p.fsdp, gbps)
+                        p.tp, p.dp * p.cp if sharded else 1, p.fsdp, gbps)
 
 
 def train_sections(req: Request, plan: Plan, schedule: dict | None = None) -> dict[str, dict]:

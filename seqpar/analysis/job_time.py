@@ -1,11 +1,11 @@
 """When a cluster job saves (``seqpar plan --emit-slurm``): the checkpoint's bytes and predicted write time,
 the periodic save interval, and how long before the time limit Slurm must warn the job.
 
-- **write**: a checkpoint holds every parameter and its optimizer state once (DCP writes chunks several ranks
-  hold once; ``train/checkpoint/store.py``), so its bytes are the plan's ``parameters`` + ``optimizer_states``
-  summed over one model replica (the optimizer's shards over dp × cp with the distributed optimizer or FSDP);
-  the ranks that hold a distinct chunk write at ``--checkpoint-gbps`` per node, plus ``SAVE_LATENCY_S``
-  (barriers, SHA-256 of the files, the rename).
+- **write**: a checkpoint holds every parameter and its optimizer state once (DCP writes a chunk several ranks
+  hold once, its default planner spreading such chunks over their holders; ``train/checkpoint/store.py``), so
+  its bytes are the plan's ``parameters`` + ``optimizer_states`` summed over one model replica (the optimizer's
+  shards over dp × cp with the distributed optimizer or FSDP), written by every node at ``--checkpoint-gbps``,
+  plus ``SAVE_LATENCY_S`` (barriers, SHA-256 of the files, the rename).
 - **interval**: Young's optimum ``sqrt(2 · write · MTBF)`` between saves (J. W. Young, "A first order
   approximation to the optimum checkpoint interval", CACM 1974), the job's MTBF the GPUs' one over their count
   (``GPU_MTBF_H``, from Llama 3's 419 unexpected interruptions in 54 days on 16,384 GPUs), at most
@@ -91,15 +91,14 @@ def checkpoint_bytes(stage_terms: list[dict], tp: int, shards: int, params_shard
                for t in stage_terms)
 
 
-def save_cadence(stage_terms: list[dict], step_s: float, gpus: int, per_node: int, tp: int, pp: int,
+def save_cadence(stage_terms: list[dict], step_s: float, gpus: int, per_node: int, tp: int,
                  shards: int, params_sharded: bool, gbps: float = DEFAULT_WRITE_GBPS) -> SaveCadence:
     """``stage_terms``: the plan's memory terms of every pipeline rank; ``shards``: the dp × cp ranks the
     optimizer state is split over (1: replicated, only one replica writes)."""
     if not gbps > 0:
         raise AnalysisError(f"--checkpoint-gbps must be a positive number, got {gbps}")
     nbytes = checkpoint_bytes(stage_terms, tp, shards, params_sharded)
-    writers = tp * pp * shards  # the ranks holding a distinct chunk
-    nodes = max(1, min(math.ceil(gpus / per_node), math.ceil(writers / per_node)))
+    nodes = math.ceil(gpus / per_node)
     write_s = nbytes / (nodes * gbps * 1e9) + SAVE_LATENCY_S
     mtbf_s = GPU_MTBF_H * 3600 / gpus
     interval = min(math.sqrt(2 * write_s * mtbf_s), MAX_LOST_S)

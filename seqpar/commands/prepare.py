@@ -28,16 +28,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import sys
 
+    from seqpar.data.errors import Interrupted
     from seqpar.data.files import names
-    from seqpar.data.prepare import Interrupted, prepare
 
     try:
+        from seqpar.data.prepare import prepare  # torch: seconds a Ctrl-C may land in
+
         manifest = prepare(args.inputs, args.out, args.tokenizer, args.field, args.workers, args.shard_mb,
                            args.overwrite, not args.no_progress, args.eos)
-    except Interrupted as stop:
+    except Interrupted as stop:  # what is kept, and how to continue
         print(f"seqpar prepare: {stop}", file=sys.stderr)
         return 130
-    except KeyboardInterrupt:  # while listing the inputs, before any shard
+    except KeyboardInterrupt:  # while starting or listing the inputs, before any shard
         print(f"seqpar prepare: interrupted before any shard was written; run the same command again to start "
               f"{args.out}", file=sys.stderr)
         return 130

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.encode import ENCODING, Encoder
-from seqpar.data.errors import DataError
+from seqpar.data.errors import DataError, Interrupted
 from seqpar.data.prepared import (
     DIGEST,
     FORMAT,
@@ -57,14 +57,6 @@ OWN_FILE = re.compile(r"(shard_\d{5}\.(tokens|docs|json)|(plan|manifest|tokenize
                       r"|\.tokenizer")
 ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 ENCODE_BATCH = 256  # documents per encode_batch call
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during the tokenization: the finished shards are kept, and the same command continues."""
-
-    def __init__(self, out: Path, done: int, total: int):
-        super().__init__(f"interrupted; {done} of {total} shard(s) are finished and kept in {out}; run the same "
-                         "command again to continue (it reuses them)")
 
 
 def _worker_init(parent: int) -> None:

@@ -75,19 +75,40 @@ def resume_path(resume: str, job: JobConfig) -> str:
     return job.train.out_dir if resume == "auto" else resume
 
 
+PAD_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by, times tp: the padding a vocabulary may take
+PAD_FRACTION = 0.01  # or up to 1% more rows (published models pad further: Qwen2's 151,665 tokens in 152,064 rows)
+
+
+def padded_vocab(size: int, tp: int) -> int:
+    """The largest model vocabulary that is ``size`` tokens padded, not another tokenizer's vocabulary: up to the
+    next multiple of 128 × tp, or 1% more rows."""
+    multiple = PAD_MULTIPLE * tp
+    return max(-(-size // multiple) * multiple, int(size * (1 + PAD_FRACTION)))
+
+
 def check_tokenizer(job: JobConfig, resume: str = "") -> None:
     """The run's tokenizer (``--tokenizer``, a prepared folder's, or a resumed checkpoint's copy): it
-    exists, parses, and its vocabulary fits the model, checked before launch."""
+    exists, parses, and the model's vocabulary is its size, or that padded (``padded_vocab``: said in a note);
+    checked before launch."""
     from seqpar.data import tokenizer as tokfile
     from seqpar.train import run_tokenizer
 
     path = run_tokenizer.resolve(job.train, resume_path(resume, job) or None)
     if not path:
         return
-    size = tokfile.record(path)["vocab_size"]
-    if size > job.model.vocab_size:
-        raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {job.model.vocab_size} "
+    size, vocab = tokfile.record(path)["vocab_size"], job.model.vocab_size
+    if size > vocab:
+        raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {vocab} "
                           f"(--vocab {size} or more)")
+    limit = padded_vocab(size, job.parallel.tp)
+    source = f"{job.train.data} (prepared with tokenizer {path})" if job.train.data and path != job.train.tokenizer \
+        else f"tokenizer {path}"
+    if vocab > limit:
+        raise ConfigError(f"the model's vocab_size {vocab:,} disagrees with {source}: {size:,} tokens (padded at most "
+                          f"to {limit:,}); leave vocab_size out to take the data's, or --vocab {size}")
+    if vocab > size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"seqpar train: note: vocab_size {vocab:,} pads the {size:,} tokens of {source}: "
+              f"{vocab - size:,} rows no token reaches", file=sys.stderr)
 
 
 def check_data(job: JobConfig) -> None:

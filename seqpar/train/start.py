@@ -229,16 +229,28 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         # relaunch's launcher checked the checkpoint the first attempt resumes
         return train_and_report(job, run_resume, verified=ours and not restart)
 
+    def shown(err: BaseException) -> str:
+        """This rank's failure in one line, printed here (a bad input by rank 0 only) and in the launcher's report,
+        which then holds no traceback: a crash's is kept in OUT/tracebacks (``_failed_line``)."""
+        if isinstance(err, ConfigError):  # a bad input: one line, once (the --nproc launcher prints it), exit 2
+            if rank0 and not ours:
+                print(f"seqpar train: error: {err}", file=sys.stderr, flush=True)
+            return f"seqpar train: error: {err}"
+        if not out:  # before the run folder is known: nowhere to keep the traceback
+            import traceback
+
+            return "".join(traceback.format_exception(err))
+        line = f"seqpar train: {_failed_line(out, err)}"
+        print(line, file=sys.stderr, flush=True)
+        return line
+
     try:
-        return supervise.as_rank(main)
-    except ConfigError as err:  # a bad input: one line, once (the --nproc launcher prints it), exit 2
-        if rank0 and not ours:
-            print(f"seqpar train: error: {err}", file=sys.stderr)
+        return supervise.as_rank(main, shown)
+    except ConfigError:
         raise SystemExit(2) from None
-    except Exception as err:  # recorded for the launcher's report (as_rank); here one line, the traceback kept
+    except Exception:
         if not out:
             raise
-        print(f"seqpar train: {_failed_line(out, err)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 

@@ -215,6 +215,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"exceeds F × the median over the ranks, at every log record; 0: off {d('straggler_factor')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
+    g = p.add_argument_group("dry run")
+    g.add_argument("--gpu-memory", type=float, metavar="GB",
+                   help="GB per GPU that --dry-run checks each rank's predicted memory against (default: this "
+                        "machine's GPU; none: not checked for GPUs)")
     add_megatron_aliases(p)
 
 
@@ -383,4 +387,4 @@ def run(args) -> int:
 
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []  # what --nproc re-runs
     return start(lambda world: job_from_args(args, world), nproc=args.nproc, resume=args.resume,
-                 overwrite=args.overwrite, dry_run=args.dry_run, argv=argv)
+                 overwrite=args.overwrite, dry_run=args.dry_run, argv=argv, gpu_memory=args.gpu_memory)

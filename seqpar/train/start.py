@@ -151,22 +151,28 @@ def check_resume(job: JobConfig, resume: str) -> None:
 
 
 def warn_inert(job: JobConfig) -> None:
-    for note in inert_settings(job):
+    from seqpar.parallel.launch import default_device
+    from seqpar.train.perf import slow_dtype_note
+
+    for note in inert_settings(job) + slow_dtype_note(job, default_device()):
         print(f"seqpar train: warning: {note}", file=sys.stderr)
 
 
 def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume: str = "", overwrite: bool = False,
-          dry_run: bool = False, argv: list[str] | None = None) -> int:
+          dry_run: bool = False, argv: list[str] | None = None, gpu_memory: float | None = None) -> int:
     """The exit status of one ``seqpar train``. ``make_job(world size)``: the validated job;
-    ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks."""
+    ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks; ``gpu_memory``: GB per GPU
+    the dry run checks the ranks against (default: this machine's GPU)."""
     if under_torchrun():
-        return _as_rank(make_job, resume, overwrite, dry_run)
+        return _as_rank(make_job, resume, overwrite, dry_run, gpu_memory)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     job = _job(make_job, nproc)  # every rule, before any process starts
-    if dry_run:
+    if dry_run:  # what a real run refuses before launch, refused here too
         check_tokenizer(job, resume)
-        return _dry_run(job, resume)
+        check_compiler(job)
+        check_data(job)
+        return _dry_run(job, resume, gpu_memory)
     try:
         check_tokenizer(job, resume)
         check_compiler(job)
@@ -201,7 +207,8 @@ def _job(make_job: Callable[[int], JobConfig], nproc: int | None) -> JobConfig:
                              f"(torchrun --nproc-per-node {n} -m seqpar train ...)", n, err.world) from None
 
 
-def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool) -> int:
+def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool,
+             gpu_memory: float | None = None) -> int:
     """One torchrun rank. Started by ``--nproc``, whose launcher checked, warned and reports; under
     plain torchrun rank 0 checks the folder (and clears it with ``overwrite``) and warns."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -217,7 +224,9 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         run_resume = restart_resume(job, resume) if restart else resume
         check_tokenizer(job, run_resume)
         if dry_run:
-            return _dry_run(job, run_resume) if rank0 else 0
+            check_compiler(job)
+            check_data(job)
+            return _dry_run(job, run_resume, gpu_memory) if rank0 else 0
         if not ours and not restart:
             check_compiler(job)
             check_data(job)
@@ -309,10 +318,10 @@ def restart_event(job: JobConfig, world: int) -> dict | None:
             **cause, "checkpoint": latest, "line": f"{cause['line']}; restart {number} of {limit}, {source}"}
 
 
-def _dry_run(job: JobConfig, resume: str) -> int:
+def _dry_run(job: JobConfig, resume: str, gpu_memory: float | None = None) -> int:
     from seqpar.train.dry_run import print_dry_run
 
-    print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir))
+    print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir), gpu_memory=gpu_memory)
     return 0
 
 

@@ -37,7 +37,8 @@ def test_the_write_the_interval_and_the_lead_follow_the_terms():
 
 
 def test_a_time_limit_shorter_than_the_save_is_refused(tmp_path, capsys):
-    args = ("plan", "--model", "gpt2-medium", "--gpus", 8, "--global-batch", 8, "--emit-config", tmp_path / "p.toml",
+    args = ("plan", "--layers", 2, "--hidden", 64, "--heads", 4, "--seq", 32, "--vocab", 256, "--gpus", 1,
+            "--global-batch", 1, "--emit-config", tmp_path / "p.toml",
             "--top", 1)
     code, _, err = seqpar(capsys, *args, "--time", "5")
     assert code == 2 and "--time is the batch script's limit" in err

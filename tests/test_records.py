@@ -69,7 +69,7 @@ def test_a_missing_field_lists_what_there_is_and_the_corrected_command_then_runs
     assert code == 2 and f"no {'column' if listed.startswith('(columns: id, c') else 'field'} {field!r} {listed}" in err
     good = "body" if name.endswith(".csv") else "content.body"
     code, out, err = seqpar(capsys, *argv, "--field", good)
-    assert code == 0 and "unfinished prepare whose field differ" in err and f"{len(TEXTS)} documents" in out
+    assert code == 0 and "unfinished prepare whose field differs" in err and f"{len(TEXTS)} documents" in out
 
 
 def test_a_stray_json_is_skipped_and_listed(records, tmp_path, capsys):

@@ -229,7 +229,8 @@ def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
         if not (out / MANIFEST).is_file() and not overwrite:  # it never finished: nothing a user relies on yet
             what = [k for k in plan if old.get(k) != plan[k]]
             done = len(list(out.glob("shard_*.json")))
-            print(f"seqpar prepare: {out} holds an unfinished prepare whose {', '.join(what)} differ: starting "
+            print(f"seqpar prepare: {out} holds an unfinished prepare whose {', '.join(what)} "
+                  f"{'differs' if len(what) == 1 else 'differ'}: starting "
                   f"again with these ({done} finished shard(s) of it removed)", file=sys.stderr)
             remove_own(out, own_file)
             return False

@@ -69,7 +69,8 @@ def test_sample_checks_its_tokenizer_like_train(prepared):
     assert model_tokenizer("ckpt", meta, str(prepared / "tok.json")) == str(prepared / "tok.json")
     with pytest.raises(ConfigError, match="is not the one checkpoint ckpt was trained with"):
         model_tokenizer("ckpt", meta, str(prepared / "other.json"))
-    with pytest.raises(ConfigError, match=f"has {own['vocab_size']} tokens but the model of ckpt has a vocabulary of 256"):
+    size = own["vocab_size"]
+    with pytest.raises(ConfigError, match=f"has {size} tokens but the model of ckpt has a vocabulary of 256"):
         model_tokenizer("ckpt", {"config": {"model": {"vocab_size": 256}}}, str(prepared / "tok.json"))
 
 

@@ -131,6 +131,8 @@ PORT="${{PORT:-$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))}}"  # from the job 
 export SEQPAR_RESUME_HINT="sbatch {shlex.quote(script)}"
 # torchrun gives its ranks this long to save after passing SIGTERM on (its default: 30 s)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="{saves.signal_s}"
+# a restarted attempt's process group must not read the last attempt's addresses (pytorch/pytorch#135712)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # a site may need some of these (ask its documentation):
 # export NCCL_SOCKET_IFNAME=ib0            # the network interface NCCL's bootstrap uses
 # export NCCL_IB_HCA=mlx5                  # the InfiniBand adapters

@@ -111,6 +111,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--explain", metavar="PLAN",
                    help='e.g. "tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1": memory per stage, time, rank '
                         "(default: none, search)")
+    g = p.add_argument_group("cluster job (--emit-config, --emit-slurm)")
+    g.add_argument("--time", metavar="LIMIT",
+                   help="the job's Slurm time limit (M, H:M:S, D-H:M:S): #SBATCH --time; the script saves and "
+                        "requeues before it (default: none, the partition's)")
+    g.add_argument("--checkpoint-gbps", type=float, default=None,
+                   help="GB/s one node writes checkpoints at: the predicted write, hence save_every and "
+                        "--signal's lead (default: 2, a conservative shared file system)")
 
 
 def _shape(args):
@@ -218,15 +225,20 @@ def _emit(args, req, plan) -> None:
     (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import SCHEDULE_KEYS, launch_command, nodes_of, plan_toml, slurm_script
+    from seqpar.analysis.emit import SCHEDULE_KEYS, cadence, launch_command, nodes_of, plan_toml, slurm_script
+    from seqpar.analysis.job_time import DEFAULT_WRITE_GBPS, parse_time
     from seqpar.train.config import TrainConfig
 
     defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
+    gbps = DEFAULT_WRITE_GBPS if args.checkpoint_gbps is None else args.checkpoint_gbps
+    saves = cadence(req, plan, gbps)
     script = None if args.emit_slurm is None else \
-        slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}")
+        slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}", saves,
+                     None if args.time is None else parse_time(args.time), str(args.emit_slurm))
     from seqpar.analysis.presets import published_lr
 
-    args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None))
+    args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None,
+                                          saves, gbps))
     where = "" if nodes_of(req.gpus, req.hw.gpus_per_node) == 1 else \
         " on every node (HOST: the first node's address)"
     command = launch_command(req.gpus, req.hw.gpus_per_node, str(args.emit_config))
@@ -254,6 +266,12 @@ def _check_outputs(args) -> None:
 
     if args.emit_slurm is not None and args.emit_config is None:
         raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
+    if args.time is not None:
+        from seqpar.analysis.job_time import parse_time
+
+        if args.emit_slurm is None:
+            raise AnalysisError("--time is the batch script's limit: give it with --emit-slurm FILE")
+        parse_time(args.time)  # refused before the search
     if args.emit_config is not None:
         check_out_file(args.emit_config, "--emit-config", text_starting(HEADER), "a config seqpar plan wrote")
     if args.emit_slurm is not None:  # its second line, after the shebang, is the plan's header

@@ -215,6 +215,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"exceeds F × the median over the ranks, at every log record; 0: off {d('straggler_factor')}")
     g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
                    "bar when stderr is a terminal, else a plain line every --log-every steps)")
+    g = p.add_argument_group("dry run")
+    g.add_argument("--gpu-memory", type=float, metavar="GB",
+                   help="GB per GPU that --dry-run checks each rank's predicted memory against (default: this "
+                        "machine's GPU; none: not checked for GPUs)")
     add_megatron_aliases(p)
 
 
@@ -307,6 +311,8 @@ def job_from_args(args, world_size: int) -> JobConfig:
     changed = _preset_changes(args, base_model, overrides.get("model", {}))
     if args.resume and not args.config:
         changed += fit_inherited(sections, overrides)
+    else:  # a config's layout settings that the tp / pp asked on the command line cannot use
+        changed += fit_layout(sections, overrides, "config")
     return dataclasses.replace(build_job(sections).validate(world_size), changed=tuple(changed))
 
 
@@ -319,18 +325,44 @@ def _preset_changes(args, base: dict, given: dict) -> list[str]:
             ] if changes else []
 
 
+def _dropper(sections: dict[str, dict], given: dict[str, dict], source: str, notes: list[str]):
+    """``drop(section, key, why)``: ``key`` removed from ``section`` with a note, unless it was given again."""
+    par = sections["parallel"]
+
+    def drop(section: dict, key: str, why: str) -> None:
+        if key in section and key not in given.get("parallel" if section is par else "train", {}):
+            notes.append(f"the {source}'s {key} = {str(section.pop(key)).lower()} is dropped: {why}")
+
+    return drop
+
+
+def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -> list[str]:
+    """The ``source``'s (checkpoint's, config's) SP, interleave and layer split that the tp / pp asked on the
+    command line cannot use, dropped with a note each (a config's only where the flags changed that tp / pp)."""
+    par, asked, notes = sections.setdefault("parallel", {}), given.get("parallel", {}), []
+    drop = _dropper(sections, given, source, notes)
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    inherited = source == "checkpoint"
+    if par.get("sp") and tp == 1 and (inherited or "tp" in asked):
+        drop(par, "sp", "tp is 1 (sequence parallelism splits the sequence over the tp ranks)")
+    if par.get("interleave", 1) > 1 and pp == 1 and (inherited or "pp" in asked):
+        drop(par, "interleave", "pp is 1")
+    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1) and \
+            (inherited or "pp" in asked or "interleave" in asked):
+        drop(par, "layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
+             f"pp {pp} × interleave {par.get('interleave', 1)}")
+    return notes
+
+
 def fit_inherited(sections: dict[str, dict], given: dict[str, dict]) -> list[str]:
     """A resume takes the layout asked: the checkpoint's parallel settings (not given again) that this layout
     cannot use are dropped, one line each (the checkpoint loads at any layout)."""
     par, train = sections["parallel"], sections.setdefault("train", {})
     asked = given.get("parallel", {})
     notes = []
+    drop = _dropper(sections, given, "checkpoint", notes)
 
-    def drop(section: dict, key: str, why: str) -> None:
-        if key in section and key not in (asked if section is par else given.get("train", {})):
-            notes.append(f"the checkpoint's {key} = {str(section.pop(key)).lower()} is dropped: {why}")
-
-    dp, cp, pp = par.get("dp", 1), par.get("cp", 1), par.get("pp", 1)
+    dp, cp = par.get("dp", 1), par.get("cp", 1)
     if par.get("fsdp") and "fsdp" not in asked:
         if dp * cp == 1:
             drop(par, "fsdp", f"dp {dp} × cp {cp} has nothing to shard over (--fsdp with dp × cp > 1 keeps it)")
@@ -347,12 +379,7 @@ def fit_inherited(sections: dict[str, dict], given: dict[str, dict]) -> list[str
             drop(train, key, why)
     if (dp * cp) % par.get("ep", 1):
         drop(par, "ep", f"it does not divide dp {dp} × cp {cp}")
-    if par.get("interleave", 1) > 1 and pp == 1:
-        drop(par, "interleave", "pp is 1")
-    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1):
-        drop(par, "layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
-             f"pp {pp} × interleave {par.get('interleave', 1)}")
-    return notes
+    return notes + fit_layout(sections, given, "checkpoint")
 
 
 def run(args) -> int:
@@ -360,4 +387,4 @@ def run(args) -> int:
 
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []  # what --nproc re-runs
     return start(lambda world: job_from_args(args, world), nproc=args.nproc, resume=args.resume,
-                 overwrite=args.overwrite, dry_run=args.dry_run, argv=argv)
+                 overwrite=args.overwrite, dry_run=args.dry_run, argv=argv, gpu_memory=args.gpu_memory)

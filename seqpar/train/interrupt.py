@@ -75,8 +75,14 @@ class StopFlag:
         return bool(flag.item())
 
 
+RESUME_HINT_ENV = "SEQPAR_RESUME_HINT"  # set by a batch script seqpar plan wrote: "sbatch job.sbatch"
+
+
 def resume_hint(out_dir: str, world: int) -> str:
-    """The command that continues a run in ``out_dir`` (its configuration comes from the checkpoint)."""
+    """The command that continues a run in ``out_dir`` (its configuration comes from the checkpoint); in a
+    batch job ``seqpar plan --emit-slurm`` wrote, submitting that script again."""
+    if os.environ.get(RESUME_HINT_ENV) and os.environ.get("SLURM_JOB_ID"):
+        return f"{os.environ[RESUME_HINT_ENV]} (it resumes from {out_dir}'s latest checkpoint)"
     return f"seqpar train --resume {out_dir}" + (f" --nproc {world}" if world > 1 else "")
 
 

@@ -185,8 +185,8 @@ class Trainer:
         lines = [f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
                  f"vocab {m.vocab_size}, {m.dtype}; {params:,} parameters on rank 0",
                  f"  layout {p.describe_world()}{extras}, sequence parallel "
-                 f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
-                 f"{t.micro_batch} per step",
+                 f"{'on' if p.sp and p.tp > 1 else 'off'}, recompute {r.granularity}; "
+                 f"{n} microbatch{'es' if n != 1 else ''} of {t.micro_batch} per step",
                  f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "
                  "tokens" + self._small_validation(),
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]

@@ -17,7 +17,7 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     print(f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
           f"vocab {m.vocab_size}, {m.dtype}{moe}")
     ep = f" (ep {p.ep} inside dp × cp)" if p.ep > 1 else ""
-    print(f"  layout {p.describe_world()}{ep}, sequence parallel {'on' if p.sp else 'off'}, "
+    print(f"  layout {p.describe_world()}{ep}, sequence parallel {'on' if p.sp and p.tp > 1 else 'off'}, "
           f"recompute {r.granularity}")
     done = summary.get("step", t.steps)
     of = f" of {t.steps} (stopped at --stop-at {done}; resume continues the schedule)" if done < t.steps else ""

@@ -29,6 +29,7 @@ from seqpar.train import fault, run_tokenizer, supervise
 from seqpar.train.config import JobConfig, inert_settings
 from seqpar.train.heartbeat import Heartbeat
 from seqpar.train.interrupt import Reached, abort_line, stopped_line
+from seqpar.train.perf import slow_dtype_note
 from seqpar.train.report import print_summary
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
@@ -82,16 +83,37 @@ def resume_path(resume: str, job: JobConfig) -> str:
     return job.train.out_dir if resume == "auto" else resume
 
 
+PAD_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by, times tp: the padding a vocabulary may take
+PAD_FRACTION = 0.01  # or up to 1% more rows (published models pad further: Qwen2's 151,665 tokens in 152,064 rows)
+
+
+def padded_vocab(size: int, tp: int) -> int:
+    """The largest model vocabulary that is ``size`` tokens padded, not another tokenizer's vocabulary: up to the
+    next multiple of 128 × tp, or 1% more rows."""
+    multiple = PAD_MULTIPLE * tp
+    return max(-(-size // multiple) * multiple, int(size * (1 + PAD_FRACTION)))
+
+
 def check_tokenizer(job: JobConfig, resume: str = "") -> None:
     """The run's tokenizer (``--tokenizer``, a prepared folder's, or a resumed checkpoint's copy): it
-    exists, parses, and its vocabulary fits the model, checked before launch."""
+    exists, parses, and the model's vocabulary is its size, or that padded (``padded_vocab``: said in a note);
+    checked before launch."""
     path = run_tokenizer.resolve(job.train, resume_path(resume, job) or None)
     if not path:
         return
-    size = tokfile.record(path)["vocab_size"]
-    if size > job.model.vocab_size:
-        raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {job.model.vocab_size} "
+    size, vocab = tokfile.record(path)["vocab_size"], job.model.vocab_size
+    if size > vocab:
+        raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {vocab} "
                           f"(--vocab {size} or more)")
+    limit = padded_vocab(size, job.parallel.tp)
+    source = f"{job.train.data} (prepared with tokenizer {path})" if job.train.data and path != job.train.tokenizer \
+        else f"tokenizer {path}"
+    if vocab > limit:
+        raise ConfigError(f"the model's vocab_size {vocab:,} disagrees with {source}: {size:,} tokens (padded at most "
+                          f"to {limit:,}); leave vocab_size out to take the data's, or --vocab {size}")
+    if vocab > size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"seqpar train: note: vocab_size {vocab:,} pads the {size:,} tokens of {source}: "
+              f"{vocab - size:,} rows no token reaches", file=sys.stderr)
 
 
 def check_data(job: JobConfig) -> None:
@@ -128,22 +150,25 @@ def check_resume(job: JobConfig, resume: str) -> None:
 
 
 def warn_inert(job: JobConfig) -> None:
-    for note in inert_settings(job):
+    for note in inert_settings(job) + slow_dtype_note(job, default_device()):
         print(f"seqpar train: warning: {note}", file=sys.stderr)
 
 
 def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume: str = "", overwrite: bool = False,
-          dry_run: bool = False, argv: list[str] | None = None) -> int:
+          dry_run: bool = False, argv: list[str] | None = None, gpu_memory: float | None = None) -> int:
     """The exit status of one ``seqpar train``. ``make_job(world size)``: the validated job;
-    ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks."""
+    ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks; ``gpu_memory``: GB per GPU
+    the dry run checks the ranks against (default: this machine's GPU)."""
     if under_torchrun():
-        return _as_rank(make_job, resume, overwrite, dry_run)
+        return _as_rank(make_job, resume, overwrite, dry_run, gpu_memory)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     job = _job(make_job, nproc)  # every rule, before any process starts
-    if dry_run:
+    if dry_run:  # what a real run refuses before launch, refused here too
         check_tokenizer(job, resume)
-        return _dry_run(job, resume)
+        check_compiler(job)
+        check_data(job)
+        return _dry_run(job, resume, gpu_memory)
     try:
         check_tokenizer(job, resume)
         check_compiler(job)
@@ -177,7 +202,8 @@ def _job(make_job: Callable[[int], JobConfig], nproc: int | None) -> JobConfig:
                              f"(torchrun --nproc-per-node {n} -m seqpar train ...)", n, err.world) from None
 
 
-def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool) -> int:
+def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool,
+             gpu_memory: float | None = None) -> int:
     """One torchrun rank. Started by ``--nproc``, whose launcher checked, warned and reports; under
     plain torchrun rank 0 checks the folder (and clears it with ``overwrite``) and warns."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -193,7 +219,9 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         run_resume = restart_resume(job, resume) if restart else resume
         check_tokenizer(job, run_resume)
         if dry_run:
-            return _dry_run(job, run_resume) if rank0 else 0
+            check_compiler(job)
+            check_data(job)
+            return _dry_run(job, run_resume, gpu_memory) if rank0 else 0
         if not ours and not restart:
             check_compiler(job)
             check_data(job)
@@ -205,16 +233,26 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         # relaunch's launcher checked the checkpoint the first attempt resumes
         return train_and_report(job, run_resume, verified=ours and not restart)
 
+    def shown(err: BaseException) -> str:
+        """This rank's failure in one line, printed here (a bad input by rank 0 only) and in the launcher's report,
+        which then holds no traceback: a crash's is kept in OUT/tracebacks (``_failed_line``)."""
+        if isinstance(err, ConfigError):  # a bad input: one line, once (the --nproc launcher prints it), exit 2
+            if rank0 and not ours:
+                print(f"seqpar train: error: {err}", file=sys.stderr, flush=True)
+            return f"seqpar train: error: {err}"
+        if not out:  # before the run folder is known: nowhere to keep the traceback
+            return "".join(traceback.format_exception(err))
+        line = f"seqpar train: {_failed_line(out, err)}"
+        print(line, file=sys.stderr, flush=True)
+        return line
+
     try:
-        return supervise.as_rank(main)
-    except ConfigError as err:  # a bad input: one line, once (the --nproc launcher prints it), exit 2
-        if rank0 and not ours:
-            print(f"seqpar train: error: {err}", file=sys.stderr)
+        return supervise.as_rank(main, shown)
+    except ConfigError:
         raise SystemExit(2) from None
-    except Exception as err:  # recorded for the launcher's report (as_rank); here one line, the traceback kept
+    except Exception:
         if not out:
             raise
-        print(f"seqpar train: {_failed_line(out, err)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 
@@ -271,10 +309,10 @@ def restart_event(job: JobConfig, world: int) -> dict | None:
             **cause, "checkpoint": latest, "line": f"{cause['line']}; restart {number} of {limit}, {source}"}
 
 
-def _dry_run(job: JobConfig, resume: str) -> int:
+def _dry_run(job: JobConfig, resume: str, gpu_memory: float | None = None) -> int:
     from seqpar.train.dry_run import print_dry_run  # heavy (the measuring code): only for --dry-run
 
-    print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir))
+    print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir), gpu_memory=gpu_memory)
     return 0
 
 

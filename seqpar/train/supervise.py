@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -183,14 +184,32 @@ def started_by_relaunch() -> bool:
     return LAUNCHER_ENV in os.environ
 
 
-def as_rank(main: Callable[[], int]) -> int:
-    """Run a torchrun rank's ``main()``: the rank dies with a ``relaunch`` launcher, and an
-    exception it raises is recorded in torch.distributed.elastic's error file, which the
-    launcher's report names."""
-    from torch.distributed.elastic.multiprocessing.errors import record  # torch: this module stays torch-free
+def as_rank(main: Callable[[], int], shown: Callable[[BaseException], str] | None = None) -> int:
+    """Run a torchrun rank's ``main()``: the rank dies with a ``relaunch`` launcher, and an exception it
+    raises is recorded in torch.distributed.elastic's error file, which the launcher's report prints:
+    ``shown(err)`` is what it prints (one line; the traceback kept elsewhere), by default the traceback
+    (as torch's ``record`` writes it). The file's message stays ``Type: text`` (what ``_cause`` reads)."""
+    # torch: this module stays torch-free
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     _die_with_launcher()
-    return record(main)()
+    get_error_handler().initialize()  # a fault handler that writes into the same file
+    try:
+        return main()
+    except Exception as err:
+        _error_file(err, shown(err) if shown else traceback.format_exc())
+        raise
+
+
+def _error_file(err: BaseException, shown: str) -> None:
+    """The error file torchrun names in ``TORCHELASTIC_ERROR_FILE``, in the form of torch's ``record``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(err).__name__}: {err}",
+                        "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w") as fh:
+        json.dump(data, fh)
 
 
 def _report(failures: dict, interrupted: bool, restarts: int = 0) -> int:

@@ -51,8 +51,8 @@ def test_bf16_on_a_cpu_without_it_is_warned_of_and_mfu_stays_under_one(monkeypat
     assert "bf16 on this CPU is emulated" in perf.slow_dtype_note(job, torch.device("cpu"))[0]
     monkeypatch.setattr(perf, "native_bf16", lambda device: True)
     assert perf.slow_dtype_note(job, torch.device("cpu")) == []
-    monkeypatch.setattr(perf, "peak_flops", lambda *a: (1.0, "GEMM probe, cached in x"))  # a probe the run beats
+    monkeypatch.setattr(perf, "mfu_peak", lambda *a: (1.0, "GEMM probe, cached in x"))  # a probe the run beats
     rates = perf.Throughput(job, torch.device("cpu")).rates(1.0)
     assert rates["hfu"] == 1.0 and rates["mfu"] <= 1.0
-    monkeypatch.setattr(perf, "peak_flops", lambda *a: (1.0, "given"))  # the user's own number stays theirs
+    monkeypatch.setattr(perf, "mfu_peak", lambda *a: (1.0, "given"))  # the user's own number stays theirs
     assert perf.Throughput(job, torch.device("cpu")).rates(1.0)["mfu"] > 1.0

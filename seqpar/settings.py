@@ -172,6 +172,7 @@ SETTINGS: tuple[Setting, ...] = (
 del S
 BY_FLAG = {s.flag: s for s in SETTINGS if s.flag}
 BY_KEY = {s.key: s for s in SETTINGS if s.key}
+ALIAS_OF = {alias: s for s in SETTINGS for alias in s.aliases}
 
 
 def add(group, flag: str, **override) -> argparse.Action:
@@ -312,6 +313,8 @@ def hint_for_flag(word: str, flags) -> str:
     Megatron-LM name, else a close spelling of one of ``flags`` (not a flag that only starts the same:
     ``--hidden-dropout`` is not ``--hidden``); "" for none."""
     flags = list(flags)
+    if word in ALIAS_OF:  # another verb's alias: this verb's flag of the setting, if it has one
+        return ALIAS_OF[word].flag if ALIAS_OF[word].flag in flags else ""
     if word in MEGATRON_HINTS:
         hint = MEGATRON_HINTS[word]
         text = "" if hint is None else _rendered_flag(hint, flags, "--set" in flags)

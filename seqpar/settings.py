@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import difflib
 from dataclasses import dataclass
+from pathlib import Path
 
 from seqpar.config import (
+    ARCH_FIELDS,
     ATTENTIONS,
     CP_COMM_TYPES,
     OFFLOAD_MODULES,
@@ -42,6 +44,7 @@ class Setting:
     type: object = None
     choices: tuple | None = None
     switch: bool = False  # --x / --no-x
+    action: str | None = None  # "store_true": a command's own on-switch
     metavar: str | None = None
     aliases: tuple[str, ...] = ()
     labels: tuple[str, ...] = ()
@@ -106,6 +109,9 @@ SETTINGS: tuple[Setting, ...] = (
       f"host memory until their backward, any of {','.join(OFFLOAD_MODULES)} (default none; compile off)", names,
       metavar="M1,M2", labels=("offload",)),
     # ---------------------------------------------------------------- model
+    S("--model", "", "a planner preset's shape", metavar="PRESET"),
+    S("--arch", "", "llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0",
+      choices=tuple(sorted(ARCH_FIELDS))),
     S("--layers", "model.num_layers", "L {default}", int, aliases=("--num-layers",)),
     S("--hidden", "model.hidden_size", "h {default}", int, aliases=("--hidden-size",)),
     S("--heads", "model.num_heads", "a {default}", int, aliases=("--num-attention-heads",)),
@@ -168,6 +174,14 @@ SETTINGS: tuple[Setting, ...] = (
       "for the copy to CPU memory {default}", switch=True),
     S("--straggler-factor", "train.straggler_factor", "name a rank whose CPU time per step exceeds F × the median "
       "over the ranks, at every log record; 0: off {default}", float, metavar="F"),
+    # ---------------------------------------------------------------- the commands' own (no config key)
+    S("--nproc", "", "local ranks", int),
+    S("--json", "", "print one JSON object", action="store_true"),
+    S("--no-progress", "", "no progress line", action="store_true"),
+    S("--overwrite", "", "replace what an earlier run of the command wrote", action="store_true"),
+    S("--quick", "", "tiny sizes, few repeats", action="store_true"),
+    S("--field", "", "the text field of JSON Lines records and Parquet rows"),
+    S("--plot", "", "write the figures into DIR", Path, metavar="DIR"),
 )
 del S
 BY_FLAG = {s.flag: s for s in SETTINGS if s.flag}
@@ -180,13 +194,15 @@ def add(group, flag: str, **override) -> argparse.Action:
     command says differently (its help, default, choices, action)."""
     s = BY_FLAG[flag]
     kwargs: dict = {"help": s.help}
-    if s.switch:
+    if s.action:
+        kwargs["action"] = s.action
+    elif s.switch:
         kwargs |= {"action": argparse.BooleanOptionalAction, "default": None}
     else:
         kwargs |= {k: v for k, v in (("type", s.type), ("choices", s.choices), ("metavar", s.metavar)) if v}
+    if override.get("action") in ("store_true", "store_false"):  # a plain switch here: argparse's own default
+        kwargs = {"help": s.help}
     kwargs |= override
-    if kwargs.get("action") in ("store_true", "store_false"):
-        kwargs.pop("type", None), kwargs.pop("choices", None), kwargs.pop("metavar", None)
     return group.add_argument(flag, **kwargs)
 
 

@@ -10,16 +10,14 @@ import json
 from seqpar.config import (
     ACTIVATIONS,
     ARCH_FIELDS,
-    ATTENTIONS,
-    CP_COMM_TYPES,
     NORMS,
     OFFLOAD_MODULES,
     POSITIONS,
-    RECOMPUTE_GRANULARITIES,
     RECOMPUTE_MODULES,
     ConfigError,
     ModelConfig,
 )
+from seqpar.settings import add
 
 # the model without --model (a preset's shape replaces these, and any flag given overrides either)
 SHAPE_DEFAULTS = {"hidden": 512, "heads": 8, "seq": 256, "vocab": 512, "ffn": None, "kv_heads": None, "arch": "gpt"}
@@ -28,35 +26,34 @@ SHAPE_DEFAULTS = {"hidden": 512, "heads": 8, "seq": 256, "vocab": 512, "ffn": No
 def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     d = {"layers": 1, "micro_batch": 2, "dtype": "bf16"} | defaults
     g = p.add_argument_group("model (paper notation)")
-    g.add_argument("--model", metavar="PRESET", help="a `seqpar plan` preset's shape (22b, gpt3-6.7b, llama3-8b, ...); "
-                   "the flags below override it (default: none, the defaults below)")
-    g.add_argument("--layers", type=int, default=d["layers"], help="L (default %(default)s)")
+    add(g, "--model", help="a `seqpar plan` preset's shape (22b, gpt3-6.7b, llama3-8b, ...); "
+        "the flags below override it (default: none, the defaults below)")
+    add(g, "--layers", default=d["layers"], help="L (default %(default)s)")
     for flag, name in (("hidden", "h"), ("heads", "a"), ("seq", "s"), ("vocab", "v")):
-        g.add_argument(f"--{flag}", type=int, help=f"{name} (default: the preset's, else {SHAPE_DEFAULTS[flag]})")
-    g.add_argument("--micro-batch", type=int, default=d["micro_batch"], help="b (default %(default)s)")
-    g.add_argument("--ffn", type=int, help="FFN width f (default: the preset's, else 4h)")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
-    g.add_argument("--dropout", type=float, default=None,
-                   help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
-                        "as in `seqpar plan` and `seqpar paper`)")
+        add(g, f"--{flag}", help=f"{name} (default: the preset's, else {SHAPE_DEFAULTS[flag]})")
+    add(g, "--micro-batch", default=d["micro_batch"], help="b (default %(default)s)")
+    add(g, "--ffn", help="FFN width f (default: the preset's, else 4h)")
+    add(g, "--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
+    add(g, "--dropout", default=None,
+        help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
+        "as in `seqpar plan` and `seqpar paper`)")
     a = p.add_argument_group("architecture (default: the paper's GPT)")
-    a.add_argument("--arch", choices=["gpt", "llama"],
-                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: the "
-                        "preset's, else gpt)")
-    a.add_argument("--kv-heads", type=int, default=None,
-                   help="grouped-query attention (default: the preset's, else = heads)")
-    a.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="materialized s² scores (the paper), fused scaled_dot_product_attention, or auto: sdpa "
-                        "where the dropout is 0, else materialized (default %(default)s)")
+    add(a, "--arch", help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: the "
+        "preset's, else gpt)")
+    add(a, "--kv-heads", default=None,
+        help="grouped-query attention (default: the preset's, else = heads)")
+    add(a, "--attention", default="auto",
+        help="materialized s² scores (the paper), fused scaled_dot_product_attention, or auto: sdpa "
+        "where the dropout is 0, else materialized (default %(default)s)")
     a.add_argument("--norm", choices=NORMS, default=None, help="override the --arch's norm (default: the arch's)")
     a.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="override the --arch's MLP activation (default: the arch's)")
     a.add_argument("--position", choices=POSITIONS, default=None,
                    help="override the --arch's positions (default: the arch's)")
     m = p.add_argument_group("mixture of experts (default: a dense MLP)")
-    m.add_argument("--experts", type=int, default=0, help="routed experts E in place of the MLP (default %(default)s)")
-    m.add_argument("--top-k", type=int, default=2, help="experts per token K (default %(default)s)")
-    m.add_argument("--moe-ffn", type=int, default=None, help="each expert's width (default: --ffn)")
+    add(m, "--experts", default=0, help="routed experts E in place of the MLP (default %(default)s)")
+    add(m, "--top-k", default=2, help="experts per token K (default %(default)s)")
+    add(m, "--moe-ffn", default=None, help="each expert's width (default: --ffn)")
     m.add_argument("--capacity", type=float, default=0.0,
                    help="capacity factor c: each expert takes ceil(c·T·K/E) of a rank's T tokens (default 0: dropless)")
 
@@ -100,38 +97,38 @@ def model_from_args(args) -> ModelConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="run the layer on --tp local gloo ranks and measure")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
-    p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
-    p.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="ring",
-                   help="context parallelism's exchange: ring, a2a (all-to-all from sequence to heads) or a2a+ring "
-                        "(default %(default)s)")
-    p.add_argument("--cp-a2a-size", type=int, default=0, help="a2a+ring: the all-to-all group K (divides cp)")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
-    p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none",
-                   help="activation recomputation (default %(default)s)")
+    add(p, "--tp", default=1, help="tensor-parallel size t (default %(default)s)")
+    add(p, "--cp", default=1,
+        help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
+    add(p, "--cp-comm-type", default="ring",
+        help="context parallelism's exchange: ring, a2a (all-to-all from sequence to heads) or a2a+ring "
+        "(default %(default)s)")
+    add(p, "--cp-a2a-size", default=0, help="a2a+ring: the all-to-all group K (divides cp)")
+    add(p, "--sp", action="store_true", help="sequence parallelism")
+    add(p, "--ep", default=1,
+        help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
+    add(p, "--recompute", default="none",
+        help="activation recomputation (default %(default)s)")
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
                    help=f"with --recompute selective: any of {','.join(RECOMPUTE_MODULES)} "
                         "(default core_attention, the paper's)")
-    p.add_argument("--offload-modules", default="", metavar="M1,M2",
-                   help=f"activation offloading: any of {','.join(OFFLOAD_MODULES)}; the bytes are then the device's, "
-                        "and the host's are reported beside them (default none)")
+    add(p, "--offload-modules", type=str, default="", metavar="M1,M2",
+        help=f"activation offloading: any of {','.join(OFFLOAD_MODULES)}; the bytes are then the device's, "
+        "and the host's are reported beside them (default none)")
     p.add_argument("--all", action="store_true",
                    help="the six Table 2 rows for this t (with --recompute selective --recompute-modules "
                         "dropout_mask: each row regenerating its attention dropout mask instead)")
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add(p, "--json", help="print one JSON object")
     p.add_argument("--loss-chunk-kib", type=int, default=None,
                    help="with --measure: the cross entropy's chunk in KiB of fp32 rows (default: the runtime's, "
                         "32768)")
     g = p.add_argument_group("model states (--states: weights, gradients, optimizer per rank, formula)")
     g.add_argument("--states", action="store_true",
                    help="model states of each pipeline rank under plain DP, the distributed optimizer and FSDP")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default %(default)s)")
-    g.add_argument("--fsdp-shard-size", type=int, default=0,
-                   help="HSDP: shard inside groups of this many dp × cp ranks (default 0: all of them)")
+    add(g, "--dp", default=1, help="data-parallel size (default %(default)s)")
+    add(g, "--fsdp-shard-size", default=0,
+        help="HSDP: shard inside groups of this many dp × cp ranks (default 0: all of them)")
     add_model_arguments(p)
     add_schedule_arguments(p)
 
@@ -139,9 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """Whole-schedule mode (Sec. 4.2.3, 4.3, App. B/C): peak activation bytes of every pipeline stage."""
     g = p.add_argument_group("pipeline schedule (--pp or --microbatches: peak over one step, per stage)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size p (default %(default)s)")
+    add(g, "--pp", default=1, help="pipeline-parallel size p (default %(default)s)")
     g.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: pp)")
-    g.add_argument("--interleave", type=int, default=1, help="m, chunks per pipeline rank (default %(default)s)")
+    add(g, "--interleave", default=1, help="m, chunks per pipeline rank (default %(default)s)")
     g.add_argument("--keep-outputs", action="store_true",
                    help="do not free a stage's output once sent (App. B off)")
     g.add_argument("--keep-microbatches", type=int, default=0,

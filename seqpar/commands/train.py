@@ -47,12 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                              "--model/--arch, then --set, then the flags.")
     p.add_argument("--config", help="TOML file with [model] [parallel] [recompute] [train] tables (default: none; "
                    "with --resume and no --config, the checkpoint's own configuration)")
-    p.add_argument("--nproc", type=int, help="start this many local ranks through torch.distributed.run (default: "
-                   "one process; under torchrun, torchrun's ranks)")
+    add(p, "--nproc", help="start this many local ranks through torch.distributed.run (default: "
+        "one process; under torchrun, torchrun's ranks)")
     p.add_argument("--resume", nargs="?", const="auto", default="",
                    help="continue from a checkpoint folder (bare --resume: OUT's latest; default: a new run)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start a new run in an OUT that holds one, deleting its checkpoints, metrics and plots")
+    add(p, "--overwrite",
+        help="start a new run in an OUT that holds one, deleting its checkpoints, metrics and plots")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve and validate the configuration, print it with the predicted memory of every "
                         "pipeline rank (analysis package: model states + activations), and exit")
@@ -65,12 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  "--offload-modules"):
         setting(g, name)
     g = p.add_argument_group("model")
-    g.add_argument("--model", metavar="PRESET",
-                   help="a planner preset's shape (seqpar plan's --model: 22b, gpt2-xl, llama3-8b, ...); other model "
-                        "flags override it, e.g. --vocab 256 for byte data (default: none)")
-    g.add_argument("--arch", choices=sorted(ARCH_FIELDS),
-                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: gpt, or "
-                        "the preset's)")
+    add(g, "--model", help="a planner preset's shape (seqpar plan's --model: 22b, gpt2-xl, llama3-8b, ...); other "
+        "model flags override it, e.g. --vocab 256 for byte data (default: none)")
+    add(g, "--arch", help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: gpt, or "
+        "the preset's)")
     for name in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--experts", "--top-k", "--moe-every",
                  "--vocab", "--seq", "--dtype", "--attention"):
         setting(g, name)
@@ -85,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fault tolerance")
     for name in ("--max-restarts", "--hang-timeout", "--async-save", "--straggler-factor"):
         setting(g, name)
-    g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
-                   "bar when stderr is a terminal, else a plain line every --log-every steps)")
+    add(g, "--no-progress", help="no progress bar and no per-step lines (default: a "
+        "bar when stderr is a terminal, else a plain line every --log-every steps)")
     add_megatron_aliases(p)
 
 

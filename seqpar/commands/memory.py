@@ -17,6 +17,8 @@ from seqpar.config import (
     ConfigError,
     ModelConfig,
 )
+from seqpar.measure.table2_text import bytes_or_dash as _human
+from seqpar.measure.table2_text import dropouts, render_rows
 from seqpar.settings import add
 
 # the model without --model (a preset's shape replaces these, and any flag given overrides either)
@@ -151,18 +153,6 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                            "preset's, else 1 per pipeline chunk)")
 
 
-def _dropouts(cfg: ModelConfig) -> str:
-    """``dropout p``, and the attention dropout where it differs (sdpa takes 0)."""
-    same = cfg.attn_dropout == cfg.hidden_dropout
-    return f"dropout {cfg.hidden_dropout}" + ("" if same else f" (attention dropout {cfg.attn_dropout})")
-
-
-def _human(n: float | None) -> str:
-    from seqpar.analysis.text import human_bytes
-
-    return "-" if n is None else human_bytes(n)
-
-
 def run(args) -> int:
     from seqpar.config import ConfigError
     from seqpar.measure.table2 import measure_rows, plan_rows
@@ -202,72 +192,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"rows": [r.as_json() for r in rows]} | ({"loss_head": loss.as_json()} if loss else {})))
         return 0
-    s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
-    core = cfg.attention_core + (" (auto)" if cfg.attention == "auto" else "")
-    arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {core}"
-    exchange = {"ring": "ring attention", "a2a": "all-to-all (Ulysses)",
-                "a2a+ring": f"all-to-all over {args.cp_a2a_size}, ring across"}[args.cp_comm_type]
-    cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, {exchange}" if args.cp > 1 else ""
-    print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, {_dropouts(cfg)} ({arch}){cp}")
-    w, wr = max(16, *(len(r.row) + 2 for r in rows)), max(10, *(len(r.recompute) + 1 for r in rows))  # columns
-    head = f"{'row':<{w}}{'t':>3} {'sp':<4}{'recompute':<{wr}}{'measured':>14}{'exact':>14}{'formula':>14}"
-    print(head + f"{'meas-exact':>12}{'meas/form':>10}")
-    for r in rows:
-        diff = "-" if r.measured_bytes is None else f"{r.measured_bytes - r.exact_bytes:,.0f}"
-        ratio = "-" if r.measured_bytes is None else f"{r.measured_bytes / r.formula_bytes:.4f}"
-        print(f"{r.row:<{w}}{r.tp:>3} {'on' if r.sp else 'off':<4}{r.recompute:<{wr}}{_human(r.measured_bytes):>14}"
-              f"{_human(r.exact_bytes):>14}{_human(r.formula_bytes):>14}{diff:>12}{ratio:>10}")
-        if args.tensors:
-            for t in r.tensors:
-                print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
-        if r.offload:
-            diff = "-" if r.host_measured_bytes is None else f"{r.host_measured_bytes - r.host_exact_bytes:,.0f}"
-            print(f"{'  host':<33}{_human(r.host_measured_bytes):>14}{_human(r.host_exact_bytes):>14}{'':>14}"
-                  f"{diff:>12}   offloaded: {','.join(r.offload)}")
-            for t in r.host_tensors if args.tensors else ():
-                print(f"    host {t['name']:<23}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
-    if offload:
-        print("offloaded (seqpar.recompute.offload): the rows' bytes are the device's; 'host' is what went to host "
-              "memory after the forward (a row's recomputation keeps what it rebuilds off the host).")
-    print("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
-    if cfg.experts:
-        print(f"MoE (E={cfg.experts}, K={cfg.top_k}, ep={args.ep}): formula = balanced routing; exact = the routing "
-              "rank 0 saw (T tokens routed, N assignments kept, R rows its experts ran):")
-        for r in rows:
-            seen = r.routing.get("measured")
-            print(f"  {r.row}: balanced T, N, R = {r.routing['balanced']}"
-                  + (f"; measured {seen}, rows per local expert {r.routing['per_expert']}" if seen else ""))
-    if rows[0].vanished or rows[0].added:
-        print("formula = the per-tensor derivation for this architecture (Table 2 assumes the paper's GPT).")
-    for r in rows:
-        if r.vanished or r.added:
-            print(f"{r.row}: vanished vs the paper's GPT: {', '.join(r.vanished) or '-'}; "
-                  f"added: {', '.join(r.added) or '-'}")
-    if cfg.hidden_dropout == 0:
-        print("dropout 0: no masks" + ("." if cfg.fused_attention else
-                                       ", and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t)."))
-    if cfg.fused_attention:
-        print(fused_core_note(args.micro_batch))
-    if loss is not None:
-        print(f"cross entropy (bounded, one rank's [{loss.tokens}, {loss.columns}] logits): kept "
-              f"{_human(loss.kept_measured)}"
-              f" measured, {_human(loss.kept_term)} exact; transient beyond the logits and their gradient "
-              f"{_human(loss.transient_measured)} measured, at most {_human(loss.working_term)} by its term (one "
-              f"fp32 chunk {_human(loss.chunk_bytes)} + per-token vectors); an fp32 copy of the logits would be "
-              f"{_human(loss.unbounded_copy)}.")
+    print(render_rows(cfg, rows, args.micro_batch, cp=args.cp, cp_comm_type=args.cp_comm_type,
+                      cp_a2a_size=args.cp_a2a_size, ep=args.ep, offload=offload, tensors=args.tensors, loss=loss))
     return 0
-
-
-def fused_core_note(micro_batch: int, device: str = "cpu") -> str:
-    """What a fused core keeps, and that selective recompute leaves it alone (``analysis.memory.rebuilt``)."""
-    from seqpar.analysis.memory import sdpa_output_is_out_proj_input
-    from seqpar.analysis.shapes import device_kernels
-
-    shared = sdpa_output_is_out_proj_input(micro_batch, device_kernels(device, 2)[0])
-    out = "its output is the out-proj input's storage" if shared else "its output (2sbh/t)"
-    return (f"fused attention (sdpa): no s² terms; it keeps Q, K, V, an fp32 log-sum-exp per row and head, {out}"
-            " (and 16 B of RNG state on CUDA). selective recompute checkpoints nothing in a fused core: its kernel "
-            "recomputes its tiles in its own backward, so a checkpoint would free only the log-sum-exp.")
 
 
 def run_schedule(args) -> int:
@@ -310,7 +237,7 @@ def run_schedule(args) -> int:
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     print(f"one step, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} m={args.interleave} "
           f"n={args.microbatches} recompute={args.recompute} App.B={'on' if free else 'off'} App.C K={keep}: "
-          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, {_dropouts(cfg)}")
+          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, {dropouts(cfg)}")
     print(f"{'stage':>5}{'measured peak':>16}{'formula':>14}{'exact':>14}{'meas/formula':>14}{'meas-exact':>12}")
     for st in stages:
         m = st.measured_peak_bytes

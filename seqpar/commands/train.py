@@ -169,7 +169,7 @@ def job_from_args(args, world_size: int) -> JobConfig:
             par["dp"] = world_size // (tp * pp * cp)
     changed = _preset_changes(args, base_model, overrides.get("model", {}))
     if args.resume and not args.config:
-        changed += fit_inherited(sections, overrides)
+        changed += fit_inherited(sections, overrides, world_size)
     return dataclasses.replace(build_job(sections).validate(world_size), changed=tuple(changed))
 
 
@@ -182,40 +182,49 @@ def _preset_changes(args, base: dict, given: dict) -> list[str]:
             ] if changes else []
 
 
-def fit_inherited(sections: dict[str, dict], given: dict[str, dict]) -> list[str]:
-    """A resume takes the layout asked: the checkpoint's parallel settings (not given again) that this layout
-    cannot use are dropped, one line each (the checkpoint loads at any layout)."""
-    par, train = sections["parallel"], sections.setdefault("train", {})
-    asked = given.get("parallel", {})
-    notes = []
+# what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
+INHERITED_DROPPABLE = ("parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep", "parallel.interleave",
+                       "parallel.layer_split", "train.distributed_optimizer", "train.overlap_grad_reduce")
 
-    def drop(section: dict, key: str, why: str) -> None:
-        if key in section and key not in (asked if section is par else given.get("train", {})):
-            notes.append(f"the checkpoint's {key} = {str(section.pop(key)).lower()} is dropped: {why}")
 
-    dp, cp, pp = par.get("dp", 1), par.get("cp", 1), par.get("pp", 1)
-    if par.get("fsdp") and "fsdp" not in asked:
-        if dp * cp == 1:
-            drop(par, "fsdp", f"dp {dp} × cp {cp} has nothing to shard over (--fsdp with dp × cp > 1 keeps it)")
-        elif given.get("train", {}).get("distributed_optimizer") or given.get("train", {}).get("overlap_grad_reduce"):
-            drop(par, "fsdp", "--distributed-optimizer / --overlap-grad-reduce asked instead")
-    shard = par.get("fsdp_shard_size", 0)
-    if shard and not par.get("fsdp"):
-        drop(par, "fsdp_shard_size", "fsdp is off")
-    elif shard and (dp * cp) % shard:
-        drop(par, "fsdp_shard_size", f"it does not divide dp {dp} × cp {cp} (the default 0 shards over all of them)")
-    for key, why in (("distributed_optimizer", "fsdp shards the optimizer state itself"),
-                     ("overlap_grad_reduce", "fsdp reduce-scatters the gradients itself")):
-        if par.get("fsdp") and train.get(key):
-            drop(train, key, why)
-    if (dp * cp) % par.get("ep", 1):
-        drop(par, "ep", f"it does not divide dp {dp} × cp {cp}")
-    if par.get("interleave", 1) > 1 and pp == 1:
-        drop(par, "interleave", "pp is 1")
-    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1):
-        drop(par, "layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
-             f"pp {pp} × interleave {par.get('interleave', 1)}")
-    return notes
+def fit_inherited(sections: dict[str, dict], given: dict[str, dict], world_size: int | None = None) -> list[str]:
+    """A resume takes the layout asked: validate, and while the error names a setting the checkpoint set (not
+    given again, not its default) that may go, drop it with one line saying the error (the checkpoint loads at any
+    layout); any other error is left to the build that follows."""
+    notes: list[str] = []
+    while True:
+        try:
+            build_job(sections).validate(world_size)
+            return notes
+        except ConfigError as err:
+            key = _named_inherited(str(err), sections, given)
+            if key is None:
+                return notes
+            section, name = key.split(".")
+            value = sections[section].pop(name)
+            notes.append(f"the checkpoint's {name} = {str(value).lower()} is dropped: {err}")
+
+
+def _named_inherited(message: str, sections: dict[str, dict], given: dict[str, dict]) -> str | None:
+    """The droppable setting ``message`` names first (by its key or its plan label, ``split`` for layer_split),
+    among those the checkpoint set to other than the default and this run did not give."""
+    import re
+
+    from seqpar.settings import BY_KEY
+    from seqpar.train.config import SECTIONS
+
+    found = []
+    for key in INHERITED_DROPPABLE:
+        section, name = key.split(".")
+        values = sections.get(section, {})
+        default = SECTIONS[section].__dataclass_fields__[name].default
+        if name not in values or name in given.get(section, {}) or values[name] in (default, [], ()):
+            continue
+        words = {name} | {label for label in BY_KEY[key].labels if len(label) > 2}
+        spots = [m.start() for w in words for m in [re.search(rf"\b{w}\b", message)] if m]
+        if spots:
+            found.append((min(spots), key))
+    return min(found)[1] if found else None
 
 
 def run(args) -> int:

@@ -369,3 +369,9 @@ def _keys_elsewhere(section: str) -> dict[str, dict[str, str]]:
             out.setdefault(s.section, {}).update({s.name: s.name} | {
                 a: s.name for a, n in toml_aliases(s.section).items() if n == s.name})
     return out
+
+
+def table_of(key: str) -> str:
+    """The TOML table(s) a key (or an alias of one) of the table of settings belongs in: ``[model]``, ``[model]
+    or [recompute]`` (``num_layers``); "" for none."""
+    return " or ".join(f"[{section}]" for section, keys in sorted(_keys_elsewhere("").items()) if key in keys)

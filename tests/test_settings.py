@@ -97,6 +97,10 @@ def test_a_toml_takes_the_flags_aliases_and_names_every_unknown_key_at_once():
     with pytest.raises(ConfigError, match=r"\[model\] seq_len and seq_length are the same setting"):
         build_job({"model": {"seq_len": 16, "seq_length": 32}})
     assert parse_assignment("model.seq_length=8") == ("model", "seq_len", 8)  # --set takes them as well
+    with pytest.raises(ConfigError, match=r"^seq_length is outside a table: put it under \[model\]$"):
+        build_job({"seq_length": 2})
+    with pytest.raises(ConfigError, match=r"^num_layers is outside a table: put it under \[model\] or \[recompute\]"):
+        build_job({"num_layers": 2})
 
 
 def test_plan_labels_read_back_with_the_tables_keys():

@@ -23,7 +23,7 @@ from seqpar.config import (
     did_you_mean,
     validate_microbatches,
 )
-from seqpar.settings import hint_for_key, toml_aliases
+from seqpar.settings import hint_for_key, table_of, toml_aliases
 from seqpar.train.lr_schedule import SCHEDULES
 from seqpar.train.wandb_sink import require_wandb
 
@@ -314,6 +314,9 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
     """A JobConfig from ``{"model": {...}, "train": {...}}``; unknown sections or keys are errors."""
     built = {}
     for name, values in sections.items():
+        table = table_of(name)
+        if name not in SECTIONS and not isinstance(values, dict) and table:  # Megatron's flat files
+            raise ConfigError(f"{name} is outside a table: put it under {table}")
         if name not in SECTIONS:
             raise ConfigError(f"unknown config section [{name}]{did_you_mean(name, SECTIONS)}; known: "
                               f"{sorted(SECTIONS)}")

@@ -286,7 +286,7 @@ MEGATRON_HINTS: dict[str, Hint | None] = {
     "--vocab-file": Hint("train.tokenizer"), "--vocab-size": Hint("model.vocab_size"),
     "--group-query-attention": Hint("model.kv_heads"), "--recompute-activations": Hint("recompute.granularity",
                                                                                        "selective"),
-    "--recompute-method": None,  # seqpar's own flag of that name
+    "--recompute-method": None,  # train's own flag; elsewhere none (not memory's --recompute-modules)
     "--moe-ffn-hidden-size": Hint("model.moe_ffn_hidden_size"), "--moe-aux-loss-coeff": Hint("model.moe_aux_coef"),
     "--moe-expert-capacity-factor": Hint("model.moe_capacity"),
     "--moe-shared-expert-intermediate-size": Hint("model.shared_expert_ffn"),

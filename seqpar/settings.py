@@ -182,6 +182,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("--quick", "", "tiny sizes, few repeats", action="store_true"),
     S("--field", "", "the text field of JSON Lines records and Parquet rows"),
     S("--plot", "", "write the figures into DIR", Path, metavar="DIR"),
+    S("--repeats", "", "timed repetitions", int),  # the benchmarks'
 )
 del S
 BY_FLAG = {s.flag: s for s in SETTINGS if s.flag}

@@ -183,6 +183,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("--field", "", "the text field of JSON Lines records and Parquet rows"),
     S("--plot", "", "write the figures into DIR", Path, metavar="DIR"),
     S("--repeats", "", "timed repetitions", int),  # the benchmarks'
+    S("--threads", "", "torch threads per rank", int),
+    S("--microbatches", "", "microbatches per step", int),
 )
 del S
 BY_FLAG = {s.flag: s for s in SETTINGS if s.flag}

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cps", default="2,4", help="the cp sizes, comma-separated (default %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one rank per GPU")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (cpu)")
+    add(p, "--threads", default=1, help="torch threads per rank (cpu)")
 
 
 def kinds(cp: int) -> list[dict]:

@@ -32,11 +32,11 @@ MODES = ("after_backward", "overlapped")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shape_arguments(p, hidden=256, heads=8, seq=128, micro_batch=2, layers=4, vocab=2048)
     add_timing_arguments(p, repeats=5, warmup=1)
-    p.add_argument("--microbatches", type=int, default=2, help="per dp rank and step")
+    add(p, "--microbatches", default=2, help="per dp rank and step")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="MiB of fp32 gradients per bucket")
     add(p, "--dtype", choices=["fp32", "bf16"], default="fp32", help=None)
-    p.add_argument("--distributed-optimizer", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add(p, "--distributed-optimizer", action="store_true", help=None)
+    add(p, "--threads", default=1, help="torch threads per rank")
     p.add_argument("--sharding-dps", default="2,4",
                    help="dp sizes of the plain DP / distributed optimizer / FSDP comparison ('' skips it)")
 

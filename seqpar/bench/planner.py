@@ -52,10 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "--heads", default=4, help=None)
     add(p, "--seq", default=128, help=None)
     add(p, "--micro-batch", default=4, help=None)
-    p.add_argument("--global-batch", type=int, default=8)
+    add(p, "--global-batch", default=8, help=None)
     add(p, "--dtype", choices=["fp32", "bf16"], default="fp32", help=None)
     p.add_argument("--steps", type=int, default=12, help="training steps per layout (default %(default)s)")
-    p.add_argument("--log-every", type=int, default=3, help="steps per timing window (default %(default)s)")
+    add(p, "--log-every", default=3, help="steps per timing window (default %(default)s)")
     p.add_argument("--rounds", type=_positive, default=3,
                    help="rounds of the layouts, a calibration before the first and after each (default %(default)s)")
     p.add_argument("--size", choices=["quick", "full"], default="full", help="calibration sizes")

@@ -44,13 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "--hidden", default=4096, help=None)
     add(p, "--heads", default=32, help=None)
     add(p, "--kv-heads", default=8, help=None)
-    p.add_argument("--ffn", type=int, default=14336)
+    add(p, "--ffn", default=14336, help=None)
     add(p, "--layers", default=2, help=None)
     add(p, "--vocab", default=32000, help=None)
     add(p, "--seq", default=256, help=None)
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (2 × dp ranks in all)")
-    p.add_argument("--distributed-optimizer", action="store_true",
-                   help="shard the fp32 masters and Adam moments over the dp ranks (seqpar/train/dist_optim.py)")
+    add(p, "--dp", default=1, help="data-parallel ranks (2 × dp ranks in all)")
+    add(p, "--distributed-optimizer", action="store_true",
+        help="shard the fp32 masters and Adam moments over the dp ranks (seqpar/train/dist_optim.py)")
     p.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint")
 

@@ -139,7 +139,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """Whole-schedule mode (Sec. 4.2.3, 4.3, App. B/C): peak activation bytes of every pipeline stage."""
     g = p.add_argument_group("pipeline schedule (--pp or --microbatches: peak over one step, per stage)")
     add(g, "--pp", default=1, help="pipeline-parallel size p (default %(default)s)")
-    g.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: pp)")
+    add(g, "--microbatches", default=None, help="microbatches per step (default: pp)")
     add(g, "--interleave", default=1, help="m, chunks per pipeline rank (default %(default)s)")
     g.add_argument("--keep-outputs", action="store_true",
                    help="do not free a stage's output once sent (App. B off)")

@@ -198,9 +198,9 @@ def test_the_cpu_gemm_probe_is_measured_once_per_machine(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SEQPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(perf, "gemm_probe", lambda *a, **k: 1.5e9)
-    first = perf.peak_flops(0.0, torch.device("cpu"), torch.float32)
+    first = perf.mfu_peak(0.0, torch.device("cpu"), torch.float32)
     monkeypatch.setattr(perf, "gemm_probe", lambda *a, **k: 9e9)  # a second probe would differ
-    second = perf.peak_flops(0.0, torch.device("cpu"), torch.float32)
+    second = perf.mfu_peak(0.0, torch.device("cpu"), torch.float32)
     assert first[0] == second[0] == 1.5e9 and "cached in" in second[1]
 
 

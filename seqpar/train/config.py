@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seqpar.analysis.states import stage_parameters
 from seqpar.config import (
     BYTE_VOCAB,
     ConfigError,
@@ -23,6 +24,7 @@ from seqpar.config import (
     did_you_mean,
     validate_microbatches,
 )
+from seqpar.data.prepared import checked_manifest, is_prepared
 from seqpar.settings import hint_for_key, table_of, toml_aliases
 from seqpar.train.lr_schedule import SCHEDULES
 from seqpar.train.wandb_sink import require_wandb
@@ -238,7 +240,6 @@ def default_lr_on_large_model(job: JobConfig) -> int:
     (which suits the small models of configs/), else 0."""
     if job.train.lr != TrainConfig.lr:
         return 0
-    from seqpar.analysis.states import stage_parameters
 
     params = stage_parameters(job.model, ParallelConfig(), 0)  # the whole model: one rank, one stage
     return params if params >= 1e9 else 0
@@ -247,8 +248,6 @@ def default_lr_on_large_model(job: JobConfig) -> int:
 def _bytes_note(m: ModelConfig, t: TrainConfig) -> list[str]:
     """The note for data read as bytes (256 symbols) by a model of a larger vocabulary: text without a
     tokenizer, or a folder prepared without one (a prepared folder's own tokenizer is the run's)."""
-    from seqpar.data.prepared import checked_manifest, is_prepared
-
     if t.tokenizer or t.data.endswith(".bin") or m.vocab_size <= BYTE_VOCAB:
         return []
     unused = f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained"

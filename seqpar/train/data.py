@@ -21,6 +21,7 @@ fixed set of windows whatever the layout (``seqpar.data.windows``).
 
 from __future__ import annotations
 
+import copy
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,8 +304,6 @@ class DocumentData(Windows):
 
     def with_validation(self, spans: Spans) -> DocumentData:
         """A copy validating on ``spans`` (``seqpar eval --split all``: every token)."""
-        import copy
-
         other = copy.copy(self)
         other._val = spans
         return other

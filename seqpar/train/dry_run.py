@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from seqpar.analysis.shapes import OptimizerOptions, activation_options, device_kind
+from seqpar.analysis.stage import all_stages
 from seqpar.analysis.text import exact_bytes, human_bytes
 from seqpar.config import ConfigError
 from seqpar.config_toml import config_toml
 from seqpar.dtypes import torch_dtype
+from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import default_device
+from seqpar.train.config import inert_settings
+from seqpar.train.data import TokenData
 
 
 def predicted_memory(job, device: torch.device | None = None) -> list:
     """``StageMemory`` of every pipeline rank (one tp rank's bytes; dp ranks repeat them) on ``device``'s kind."""
-    from seqpar.analysis.shapes import OptimizerOptions, activation_options
-    from seqpar.analysis.stage import all_stages
-    from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
-
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     device = device or torch.device("cpu")
     opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)),
@@ -30,9 +32,6 @@ def predicted_memory(job, device: torch.device | None = None) -> list:
 def prediction_devices() -> list[str]:
     """The device kinds the dry run predicts for: CUDA (what `seqpar plan` plans for), and this host's kind
     when it differs (a launch here runs the CPU kernels; ``seqpar.analysis.shapes.device_kernels``)."""
-    from seqpar.analysis.shapes import device_kind
-    from seqpar.parallel.launch import default_device
-
     here = device_kind(default_device().type)
     return ["cuda"] + ([here] if here != "cuda" else [])
 
@@ -77,9 +76,6 @@ def describe(job, world: int) -> str:
 def print_dry_run(job, existing: str = "") -> None:
     """``--dry-run``'s output: the configuration, each rank's predicted memory, the data, and what
     a real run would be told (``existing``: an earlier run in the output folder, see start.py)."""
-    from seqpar.train.config import inert_settings
-    from seqpar.train.data import TokenData
-
     data = TokenData.for_job(job)
     print(describe(job, job.parallel.world_size))
     print(f"data {data.source}: {data.train_tokens:,} train / {data.val_tokens:,} validation tokens")

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -81,8 +82,6 @@ def resume_hint(out_dir: str, world: int) -> str:
 
 def abort_line(out_dir: str) -> str:
     """What a second signal leaves behind: the save it cut short (if any) and the last complete checkpoint."""
-    from pathlib import Path
-
     root = Path(out_dir) / "checkpoints"
     pending = sorted((p.name[: -len(".tmp")] for p in root.glob("step_*.tmp")), key=lambda n: (len(n), n)) \
         if root.is_dir() else []  # by step: step_1000000 after step_999999
@@ -119,8 +118,6 @@ def stopped_line(out_dir: str, step: int, world: int) -> str:
     """The line of a rank stopped at once by a signal outside the training loop: before the first step
     (``step`` 0), or at ``step`` after training ended on an error (a peer's failure): the run's last
     complete checkpoint, which it did not add to."""
-    from pathlib import Path
-
     if not step:
         return "interrupted before the first step; nothing was saved"
     latest = Path(out_dir) / "checkpoints" / "latest"

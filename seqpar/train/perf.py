@@ -1,4 +1,5 @@
-"""Throughput, MFU/HFU (Sec. 6.3) and activation memory (``seqpar.measure.activations``), predicted next to measured.
+"""Throughput and MFU/HFU (Sec. 6.3) of a measured step against the peak FLOP/s (``mfu_peak``); activation
+memory is measured apart (``seqpar.measure.activations``).
 
 The peak FLOP/s is the user's ``peak_tflops``; else the accelerator's from the analysis table; else
 (CPU) a short fp32 GEMM probe, measured once per machine and cached (``cached_gemm_probe``) -- so a
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from seqpar.analysis.flops import training_flops
+from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
 from seqpar.dtypes import torch_dtype
 from seqpar.fileio import write_atomic
 
@@ -38,8 +40,6 @@ def spec_sheet_key(device_name: str) -> str | None:
     """The peak table's entry for a device name, matched on whole words: "NVIDIA H100 80GB HBM3" is
     h100, "NVIDIA H100 PCIe" h100-pcie, "NVIDIA A100-SXM4-80GB" a100; "NVIDIA L40S" is not l4 (a
     substring match took it for one, at a third of its peak). None when the table has no entry."""
-    from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
-
     words = re.findall(r"[a-z0-9]+", device_name.lower())
     for key in sorted(PEAK_DENSE_16BIT_TFLOPS, key=len, reverse=True):
         parts = key.split("-")
@@ -59,13 +59,13 @@ def device_name(device: torch.device) -> str:
     return module.get_device_name(device) if hasattr(module, "get_device_name") else ""
 
 
-def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+def mfu_peak(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The peak FLOP/s a rank's MFU divides by, and where it came from: the user's ``peak_tflops``, else the spec
+    sheet's (``analysis.hardware``, whose ``peak_flops`` names a GPU's), else the GEMM probe's (module doc)."""
     if peak_tflops > 0:
         return peak_tflops * 1e12, "given"
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
     if key is not None:
-        from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
-
         return PEAK_DENSE_16BIT_TFLOPS[key] * 1e12, f"spec sheet ({key})"
     return cached_gemm_probe(device, dtype)
 
@@ -120,7 +120,7 @@ class Throughput:
 
     def __init__(self, job, device: torch.device):
         self.job = job
-        self.peak, self.peak_source = peak_flops(job.train.peak_tflops, device, torch_dtype(job.model.dtype))
+        self.peak, self.peak_source = mfu_peak(job.train.peak_tflops, device, torch_dtype(job.model.dtype))
         m, t = job.model, job.train
         self.tokens = t.global_batch * m.seq_len
         self.model_flops, self.hardware_flops = step_flops(job)

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from seqpar.analysis.text import human_bytes
+from seqpar.config import ConfigError
 from seqpar.train.config import JobConfig
 
 
@@ -71,8 +72,7 @@ def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
 
 def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:
     """A sample from the saved checkpoint (temperature 0.8, top-k ``TOP_K``): bytes, or the run's tokenizer."""
-    from seqpar.config import ConfigError
-    from seqpar.train.sample import TOP_K, sample_text
+    from seqpar.train.sample import TOP_K, sample_text  # torch and the model: this module stays torch-free
 
     try:
         text = sample_text(checkpoint, prompt, tokens, temperature=0.8, top_k=TOP_K, seed=seed, tokenizer=tokenizer)

@@ -15,14 +15,21 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from seqpar.config import ConfigError, WorldSizeError
-from seqpar.parallel.launch import under_torchrun
-from seqpar.train import supervise
+from seqpar.data import tokenizer as tokfile
+from seqpar.data.prepared import Prepared, is_prepared
+from seqpar.out_path import check_not_input
+from seqpar.parallel.launch import default_device, under_torchrun
+from seqpar.parallel.rng import compiler_problem
+from seqpar.train import fault, run_tokenizer, supervise
 from seqpar.train.config import JobConfig, inert_settings
+from seqpar.train.heartbeat import Heartbeat
 from seqpar.train.interrupt import Reached, abort_line, stopped_line
+from seqpar.train.report import print_summary
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id",
@@ -78,9 +85,6 @@ def resume_path(resume: str, job: JobConfig) -> str:
 def check_tokenizer(job: JobConfig, resume: str = "") -> None:
     """The run's tokenizer (``--tokenizer``, a prepared folder's, or a resumed checkpoint's copy): it
     exists, parses, and its vocabulary fits the model, checked before launch."""
-    from seqpar.data import tokenizer as tokfile
-    from seqpar.train import run_tokenizer
-
     path = run_tokenizer.resolve(job.train, resume_path(resume, job) or None)
     if not path:
         return
@@ -94,9 +98,6 @@ def check_data(job: JobConfig) -> None:
     """The run folder apart from the data it reads (``out_path``'s rule: a run inside its data folder would be
     read as data by the next run); with ``data.verify``: the prepared folder's files against their SHA-256s
     (and what opening checks), once, before any rank starts."""
-    from seqpar.data.prepared import Prepared, is_prepared
-    from seqpar.out_path import check_not_input
-
     if job.train.data and Path(job.train.data).is_dir():
         check_not_input(job.train.out_dir, [job.train.data], "--out")
     if not job.data.verify:
@@ -110,9 +111,6 @@ def check_data(job: JobConfig) -> None:
 def check_compiler(job: JobConfig) -> None:
     """``train.compile`` on a CPU needs the C++ compiler Inductor builds its kernels with: without one the first
     step would fail deep inside torch.compile, after the run folder was claimed."""
-    from seqpar.parallel.launch import default_device
-    from seqpar.parallel.rng import compiler_problem
-
     if job.train.compile and default_device().type == "cpu" and compiler_problem():
         raise ConfigError(f"train.compile needs a C++ compiler on the CPU, and torch.compile found none "
                           f"({compiler_problem()}): install one (Debian: apt install g++) or train without --compile")
@@ -121,7 +119,7 @@ def check_compiler(job: JobConfig) -> None:
 def check_resume(job: JobConfig, resume: str) -> None:
     """A checkpoint of this run's model with steps left to train, its files matching their checksums and its
     tensors the model: checked once, before anything starts (the ranks then read it without checking again)."""
-    from seqpar.train import checkpoint as ckpt
+    from seqpar.train import checkpoint as ckpt  # heavy (torch.distributed.checkpoint): only to resume
 
     if resume:
         path = ckpt.check_resume(resume_path(resume, job), job.model)
@@ -152,8 +150,7 @@ def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume
         check_data(job)
         claim_out(job.train.out_dir, resume, overwrite)
         if nproc:  # the ranks would each find bad data only after launch
-            from seqpar.train import run_tokenizer
-            from seqpar.train.data import TokenData
+            from seqpar.train.data import TokenData  # heavy (the data readers): only under --nproc
 
             TokenData.for_job(job, tokenizer=run_tokenizer.resolve(job.train, resume_path(resume, job) or None))
         check_resume(job, resume)
@@ -224,8 +221,6 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
 def _failed_line(out: str, err: BaseException) -> str:
     """This rank's failure in one line; its traceback kept in ``OUT/tracebacks/a{attempt}_r{rank}.txt``
     (a hundred lines per rank on the console hid the one that said what failed)."""
-    import traceback
-
     rank = int(os.environ.get("RANK", "0"))
     text = "".join(traceback.format_exception(err))
     what = supervise.clip(f"{type(err).__name__}: {err}".splitlines()[0])
@@ -277,7 +272,7 @@ def restart_event(job: JobConfig, world: int) -> dict | None:
 
 
 def _dry_run(job: JobConfig, resume: str) -> int:
-    from seqpar.train.dry_run import print_dry_run
+    from seqpar.train.dry_run import print_dry_run  # heavy (the measuring code): only for --dry-run
 
     print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir))
     return 0
@@ -291,10 +286,8 @@ def _one_line(err: Exception) -> int:
 def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int:
     """Train (this rank of) ``job``; rank 0 prints the summary. A signal before the first step exits
     130 at once (nothing to save yet); after it the trainer's own handlers take over."""
-    from seqpar.train import fault
-    from seqpar.train.heartbeat import Heartbeat
+    # heavy (the model, the pipeline, compile): a launcher process never trains, so never loads them
     from seqpar.train.loop import train
-    from seqpar.train.report import print_summary
     from seqpar.train.stragglers import StepTimes
 
     t0 = time.perf_counter()

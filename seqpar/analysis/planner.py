@@ -38,6 +38,7 @@ from seqpar.analysis.states import bytes_per_parameter
 from seqpar.analysis.text import human_bytes
 from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
+from seqpar.settings import label_keys, label_of
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
 # --offload: the module sets each recompute option may also offload (``seqpar.recompute.offload``), lightest
@@ -57,24 +58,27 @@ class Plan:
 
     @property
     def label(self) -> str:
-        p = self.par
-        cp = f"cp={p.cp},cp_comm_type={p.cp_comm_type}," if p.cp > 1 else ""
-        cp += f"cp_a2a_size={p.cp_a2a_size}," if p.cp_a2a_size else ""
-        split = f"split={split_text(p.layer_split)}," if p.layer_split else ""
-        ep = f"ep={p.ep}," if p.ep > 1 else ""
-        offload = f",offload={'/'.join(self.rc.offload_modules)}" if self.rc.offload_modules else ""
-        text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
-                f"recompute={replace(self.rc, offload_modules=()).label}{offload},mb={self.micro_batch}")
-        return text + (",distopt=on" if self.distributed_optimizer else "") + (",fsdp=on" if p.fsdp else "")
+        """``tp=8,pp=4,dp=2,m=1,sp=on,recompute=selective,mb=1``: each key the table of settings' plan label
+        (``seqpar.settings``), read back by ``parse_plan``."""
+        p, k = self.par, label_of
+        cp = f"{k('parallel.cp')}={p.cp},{k('parallel.cp_comm_type')}={p.cp_comm_type}," if p.cp > 1 else ""
+        cp += f"{k('parallel.cp_a2a_size')}={p.cp_a2a_size}," if p.cp_a2a_size else ""
+        split = f"{k('parallel.layer_split')}={split_text(p.layer_split)}," if p.layer_split else ""
+        ep = f"{k('parallel.ep')}={p.ep}," if p.ep > 1 else ""
+        offload = f",{k('recompute.offload_modules')}={'/'.join(self.rc.offload_modules)}" \
+            if self.rc.offload_modules else ""
+        text = (f"{k('parallel.tp')}={p.tp},{cp}{k('parallel.pp')}={p.pp},{split}{k('parallel.dp')}={p.dp},{ep}"
+                f"{k('parallel.interleave')}={p.interleave},{k('parallel.sp')}={'on' if p.sp else 'off'},"
+                f"{k('recompute.granularity')}={replace(self.rc, offload_modules=()).label}{offload},"
+                f"{k('train.micro_batch')}={self.micro_batch}")
+        return (text + (f",{k('train.distributed_optimizer')}=on" if self.distributed_optimizer else "")
+                + (f",{k('parallel.fsdp')}=on" if p.fsdp else ""))
 
 
 # ---------------------------------------------------------------- a plan as text: ``Plan.label`` writes it,
-# ``parse_plan`` reads it back (``--explain``), with the keys' long names as aliases
-_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "interleave", "interleave": "interleave",
-         "sp": "sp",
-         "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
-         "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
-         "fsdp": "fsdp", "offload": "offload", "cp_comm_type": "cp_comm_type", "cp_a2a_size": "cp_a2a_size"}
+# ``parse_plan`` reads it back (``--explain``), with the keys' long names as aliases: both from the table of
+# settings (``seqpar.settings``, each setting's ``labels``)
+_KEYS = label_keys()
 
 
 def _flag(text: str) -> bool:
@@ -160,14 +164,14 @@ def parse_plan(text: str, gpus: int) -> Plan:
         tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
-                             interleave=_count(values, "interleave", 1), layer_split=_split(values),
+                             interleave=_count(values, "m", 1), layer_split=_split(values),
                              ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]),
                              cp_comm_type=values.get("cp_comm_type", ("", "ring"))[1],
                              cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         if "offload" in values:  # offload=mlp/norm
             rc = replace(rc, offload_modules=tuple(m for m in values["offload"][1].split("/") if m)).validate()
-        return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
+        return Plan(par, rc, _count(values, "mb", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one
         raise AnalysisError(f"plan {text!r}: {err}") from err
 

@@ -28,6 +28,7 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import default_device
 from seqpar.pipeline.objective import counted as counted_tokens
 from seqpar.progress import CountMeter
+from seqpar.settings import add
 from seqpar.train.config import build_job
 from seqpar.train.data import TokenData, validation_windows
 from seqpar.train.evaluate import evaluate
@@ -36,17 +37,17 @@ from seqpar.train.sample import load_model, model_tokenizer
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_argument(p)
-    p.add_argument("--data", help="text file or folder, or a .bin of token ids (default: the run's own data)")
-    p.add_argument("--tokenizer", help="tokenizers JSON file (default: the run's; else bytes)")
+    add(p, "--data", help="text file or folder, or a .bin of token ids (default: the run's own data)")
+    add(p, "--tokenizer", help="tokenizers JSON file (default: the run's; else bytes)")
     p.add_argument("--split", choices=["val", "all"], default="val",
                    help="val: the held-out tail training validated on; all: every token (default %(default)s)")
-    p.add_argument("--micro-batch", type=int, default=8, help="windows per forward (default %(default)s)")
+    add(p, "--micro-batch", default=8, help="windows per forward (default %(default)s)")
     p.add_argument("--batches", type=int, default=0,
                    help="this many forwards of --micro-batch windows; 0: the trainer's validation windows "
                         "(default %(default)s)")
     p.add_argument("--full", action="store_true", help="windows covering the whole split once (slow on big data)")
-    p.add_argument("--no-progress", action="store_true", help="no progress line")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add(p, "--no-progress", help="no progress line")
+    add(p, "--json", help="print one JSON object")
 
 
 def run(args) -> int:

@@ -6,23 +6,24 @@ from __future__ import annotations
 
 import argparse
 
+from seqpar.settings import add
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text files, folders (every file, sorted; hidden ones skipped), .jsonl, .csv, .tsv or "
                         ".parquet files (records: one document each, its --field)")
     p.add_argument("--out", required=True, help="the prepared folder to write (required)")
-    p.add_argument("--tokenizer", default="",
-                   help="a tokenizers JSON file or a transformers model folder (default: bytes, vocabulary 256)")
-    p.add_argument("--field", default="text", help="the text field of JSON Lines records, CSV/TSV and Parquet "
-                   "rows; a dotted path into nested objects: content.body (default %(default)s)")
+    add(p, "--tokenizer", default="",
+        help="a tokenizers JSON file or a transformers model folder (default: bytes, vocabulary 256)")
+    add(p, "--field", default="text")
     p.add_argument("--eos", default="", help="the end-of-document token (default: the tokenizer's "
                    "<|endoftext|>, </s>, ...; bytes: NUL)")
     p.add_argument("--workers", type=int, default=0, help="worker processes (default: one per core)")
     p.add_argument("--shard-mb", type=float, default=16.0,
                    help="MB of input per shard and unit of work (default %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace a prepared folder of other inputs")
-    p.add_argument("--no-progress", action="store_true", help="no progress line")
+    add(p, "--overwrite", help="replace a prepared folder of other inputs")
+    add(p, "--no-progress", help="no progress line")
 
 
 def run(args) -> int:

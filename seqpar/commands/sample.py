@@ -11,6 +11,7 @@ import argparse
 
 from seqpar.commands.checkpoint_arg import add_checkpoint_argument, checkpoint_of
 from seqpar.config import ConfigError
+from seqpar.settings import add
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=20, help="keep the k most likely tokens; 0 = all (default %(default)s, "
                    "as the sample at the end of training)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
-    p.add_argument("--tokenizer", help="tokenizers JSON file (default: the one training used; else bytes)")
+    add(p, "--tokenizer", help="tokenizers JSON file (default: the one training used; else bytes)")
     p.add_argument("--no-stop", action="store_true",
                    help="generate all --tokens, through end-of-document ids (default: stop at the first)")
 

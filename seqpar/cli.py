@@ -18,7 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("seqpar.commands.plan", "which parallel layout, recompute and microbatch fits and runs fastest"),
     "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
     "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
-    "prepare": ("seqpar.commands.prepare", "text, JSON Lines or Parquet -> sharded token files + document index"),
+    "prepare": ("seqpar.commands.prepare", "text, JSON Lines, CSV/TSV or Parquet -> sharded token files + document index"),
     "tokenizer": ("seqpar.commands.tokenizer", "train a BPE tokenizer on a corpus (tokenizer train)"),
     "eval": ("seqpar.commands.eval", "the loss of a checkpoint on given data (its own validation split by default)"),
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),

@@ -59,7 +59,8 @@ microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B 
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather`` what the last
 microbatch's backward / the first one's forward does not cover plus the last bucket; FSDP: per microbatch,
 each layer's prefetched gathers and reduce-scatters beside the layers' compute: ``dp_exposed_s``,
-``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``) + the optimizer step (memory-bound: bytes of
+``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``; a window holds only what runs: the layers
+recompute re-runs, and the exchanges on another link than the gradient group's, ``pass_windows_s``) + the optimizer step (memory-bound: bytes of
 the mixed-precision Adam update / memory_bw) + ``step_overhead``.
 Every collective and p2p is priced at ``intra_node_bw`` when its group stays in a node and at
 ``inter_node_bw`` when it spans nodes, with the ranks placed as ``ParallelDims`` places them (tp
@@ -350,6 +351,27 @@ def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     return fwd, bwd
 
 
+def rerun_layers(rc: RecomputeConfig, chunks: list[int] | tuple[int, ...]) -> int:
+    """Layers of a rank (``chunks``: its chunks' layer counts) whose whole forward full recompute runs again:
+    uniform every layer, block the first N of each chunk; 0 without full recompute."""
+    if rc.granularity != "full":
+        return 0
+    return sum(chunks) if rc.method == "uniform" else sum(min(rc.num_layers, c) for c in chunks)
+
+
+def rerun_s(p: dict, rc: RecomputeConfig, opts: ActivationOptions, chunks, frac: float,
+            busy=lambda terms: sum(terms.values())) -> float:
+    """Seconds one microbatch's backward on a rank runs forward again (``p``: ``layer_pass_s``): full recompute the
+    forward of ``rerun_layers``, selective the attention core of every layer, each on the ``frac`` of
+    chunk-microbatches App. C does not keep (``recomputed_fraction``); ``busy`` sums a pass's terms (all of them,
+    or what hides a collective: ``pass_windows_s``)."""
+    if rc.granularity == "full":
+        return frac * (rerun_layers(rc, chunks) * busy(p["forward"]))
+    if not reruns_core(rc) or opts.fused_attention:
+        return frac * (sum(chunks) * selective_rerun_s(p, rc, opts.fused_attention))
+    return frac * (sum(chunks) * busy(p["attention_core"]))
+
+
 def selective_rerun_s(p: dict, rc: RecomputeConfig, fused: bool) -> float:
     """Seconds selective recompute runs again in one layer's backward (``p``: ``layer_pass_s``): the attention
     core's forward, or with the ``dropout_mask`` module alone one mask-sized pass; nothing for a fused core
@@ -423,13 +445,8 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     if rank == par.pp - 1:
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
-    frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
-    if rc.granularity == "full":
-        redone = layers if rc.method == "uniform" else sum(min(rc.num_layers, c) for c in chunks)  # block: N a chunk
-        redo = redone * sum(p["forward"].values())
-    else:
-        redo = layers * selective_rerun_s(p, rc, opts.fused_attention)
-    terms["recompute"] = frac * redo
+    terms["recompute"] = rerun_s(p, rc, opts, chunks, recomputed_fraction(rc, in_flight_chunks(rank, par.pp,
+                                                                                                 par.interleave, n)))
     if rc.offload_modules:
         moved = par.interleave * chunk_bytes(shape, par, rc, b, opts, rank, host=True)
         fwd = layers * sum(p["forward"].values())
@@ -573,7 +590,7 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     terms["bubble"] = (par.pp - 1) / par.interleave * t_mb
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
-    windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest)
+    windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest, n)
     if par.fsdp:  # every microbatch gathers and reduces the stage's weights, prefetched layer by layer
         exposed, hidden = fsdp_collectives_s(shape, par, hw, opt, windows[2:])
         exposed, hidden = n * exposed, n * hidden
@@ -586,15 +603,37 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
                          hidden={"dp_allreduce": hidden} if hidden else {})
 
 
+COMM_TERMS = ("tp_comm", "cp_comm", "ep_comm")  # a pass's exchanges: each on its group's link
+
+
+def exchanges_beside_grad_group(par: ParallelConfig, hw: Hardware) -> set[str]:
+    """The pass's exchanges on another link than the gradient group's (dp x cp; FSDP's shards): only those can run
+    while a dp or FSDP collective moves bytes, so only they widen its window. An exchange on the same link (both
+    in a node: NVLink; both across nodes: the adapters) shares its bandwidth and hides nothing."""
+    grad = grad_group_spans_nodes(par, hw.gpus_per_node)
+    dims = {"tp_comm": "tp", "cp_comm": "cp", "ep_comm": "ep"}
+    return {k for k, d in dims.items() if getattr(par, d) > 1 and spans_nodes(par, d, hw.gpus_per_node) != grad}
+
+
 def pass_windows_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
-                   opts: ActivationOptions, rank: int) -> tuple[float, float, float, float]:
-    """Compute the dp and FSDP collectives run beside on pipeline rank ``rank``: (one microbatch's forward, its
-    backward with what recompute runs again, one layer's forward, one layer's backward with its recompute)."""
+                   opts: ActivationOptions, rank: int, n: int = 1) -> tuple[float, float, float, float]:
+    """Seconds of work the dp and FSDP collectives can run beside on pipeline rank ``rank`` (microbatches ``n``):
+    (one microbatch's forward, its backward with what recompute really runs again, the mean layer's forward, the
+    mean layer's backward with its share of that recompute). Only what runs counts: full-block recompute re-runs N
+    layers a chunk, not every layer (``rerun_layers``), App. C's kept chunk-microbatches none; and of a pass's
+    exchanges only those on another link than the gradient group's (``exchanges_beside_grad_group``)."""
     p = layer_pass_s(shape, par, b, hw, opts)
-    fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
-    rerun = fwd if rc.granularity == "full" else selective_rerun_s(p, rc, opts.fused_attention)
-    layers = sum(rank_chunk_layers(shape, par, rank))
-    return layers * fwd, layers * (bwd + rerun), fwd, bwd + rerun
+    beside = exchanges_beside_grad_group(par, hw)
+
+    def busy(terms: dict[str, float]) -> float:
+        return sum(v for k, v in terms.items() if k not in COMM_TERMS or k in beside)
+
+    chunks = rank_chunk_layers(shape, par, rank)
+    layers = sum(chunks)
+    frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
+    rerun = rerun_s(p, rc, opts, chunks, frac, busy)
+    fwd, bwd = busy(p["forward"]), busy(p["backward"])
+    return layers * fwd, layers * bwd + rerun, fwd, bwd + (rerun / layers if layers else 0.0)
 
 
 def ties_with_best(times: list[float], band: float) -> list[bool]:

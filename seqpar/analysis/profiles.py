@@ -225,6 +225,17 @@ def load_profile(text: str):
     return profile_from_json(data, where=f"hardware profile {text}", name=path.stem)
 
 
+def profiled_gpu(gpu: str) -> str:
+    """``gpu``'s key when a built-in profile times it (``BUILTIN_PROFILES``); an accelerator with a data sheet but no
+    fitted or measured fractions is refused rather than timed with the A100's (issue 59): a profile file gives it."""
+    key = known_gpu(gpu)
+    if key not in BUILTIN_PROFILES.values():
+        raise AnalysisError(f"accelerator {gpu!r} has a data sheet but no cost-model profile (built in: "
+                            f"{', '.join(BUILTIN_PROFILES.values())}); the A100's fitted fractions would time it "
+                            f"unchecked: give --hardware FILE (seqpar calibrate on a {key} writes one)")
+    return key
+
+
 def hardware_for(profile: str | None, gpu: str = "a100", *, gpus_per_node: int | None = None,
                  memory_gb: float | None = None, peak_tflops: float | None = None,
                  gemm_efficiency: float | None = None, intra_node_gbps: float | None = None,
@@ -232,7 +243,7 @@ def hardware_for(profile: str | None, gpu: str = "a100", *, gpus_per_node: int |
     """The cost model's machine for `seqpar plan`: ``profile`` (built-in name or file), else ``gpu``'s data
     sheet x the A100 fit's achieved fractions; then each value given overrides the profile's (and the
     source says so). Every value given is checked as a profile's is (finite, in range)."""
-    hw = load_profile(profile) if profile else scaled_from_a100(known_gpu(gpu))
+    hw = load_profile(profile) if profile else scaled_from_a100(profiled_gpu(gpu))
     flags = {"gpus_per_node": ("--gpus-per-node", gpus_per_node, 1), "memory_bytes": ("--gpu-memory", memory_gb, 1e9),
              "peak_flops": ("--peak-tflops", peak_tflops, TFLOPS),
              "gemm_efficiency": ("--gemm-efficiency", gemm_efficiency, 1),

@@ -515,9 +515,9 @@ def refusal(req: Request, stats: dict) -> str:
     usable = human_bytes(req.hw.usable_bytes)
     where = f"no plan fits {req.name} on {req.gpus} GPUs"
     experts = stats.get("rejected", {}).get("ep_experts", 0)
-    ep_note = (f"; the {req.shape.experts} experts do not divide over any ep > 1 of the dp x cp ranks that would "
-               "shard them" if experts and not any(d > 1 and req.shape.experts % d == 0
-                                                   for d in _divisors(req.gpus)) else "")
+    shards = [d for d in _divisors(req.gpus)[1:] if req.shape.experts % d == 0]
+    ep_note = (f"; ep would shard the experts, but it must divide the {req.shape.experts} experts and no GPU count "
+               f"that divides {req.gpus} (> 1) does" if experts and not shards else "")
     if stats.get("examined", 0):
         least, label = stats.get("least_memory", (float("nan"), "-"))
         return (f"{where}: every one of its {stats['examined']} plans exceeds {usable} usable with every recompute "

@@ -13,7 +13,6 @@ from seqpar.analysis.calibration import DataPoint, calibrate, fit, paper_calibra
 from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, layer_time_s, ties_with_best
 from seqpar.analysis.hardware import datasheet_hardware
 from seqpar.analysis.presets import TABLE3, TABLE5_ITERATION_S
-from seqpar.analysis.shapes import AnalysisError
 from seqpar.analysis.profiles import (
     HOPPER_22B_LAYER_MS,
     HOPPER_MEASURED_GEMM_TFLOPS,

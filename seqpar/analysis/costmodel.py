@@ -60,8 +60,8 @@ the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``over
 microbatch's backward / the first one's forward does not cover plus the last bucket; FSDP: per microbatch,
 each layer's prefetched gathers and reduce-scatters beside the layers' compute: ``dp_exposed_s``,
 ``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``; a window holds only what runs: the layers
-recompute re-runs, and the exchanges on another link than the gradient group's, ``pass_windows_s``) + the optimizer step (memory-bound: bytes of
-the mixed-precision Adam update / memory_bw) + ``step_overhead``.
+recompute re-runs, and the exchanges on another link than the gradient group's, ``pass_windows_s``) + the
+optimizer step (memory-bound: bytes of the mixed-precision Adam update / memory_bw) + ``step_overhead``.
 Every collective and p2p is priced at ``intra_node_bw`` when its group stays in a node and at
 ``inter_node_bw`` when it spans nodes, with the ranks placed as ``ParallelDims`` places them (tp
 innermost, then cp, pp, dp outermost: ``placement.py``); the gradient group across nodes at ``inter_node_bw``

@@ -653,3 +653,10 @@ def predicted_mfu(shape: ModelConfig, par: ParallelConfig, global_batch: int, se
                                    shape.vocab_size, shape.ffn, kv_ratio=shape.kv_ratio, gated=shape.arch == "llama")
     flops += moe_training_flops(global_batch, shape, RecomputeConfig())[0]
     return flops / (seconds * par.world_size * hw.peak_flops)
+
+
+def mfu_bound(hw: Hardware) -> float:
+    """The most MFU the cost model can predict on ``hw``: every second a GEMM at ``gemm_efficiency`` of peak, the
+    causal attention core (whose masked half Eq. 7 counts but a fused kernel skips) at twice ``attention_efficiency``;
+    nothing else in the iteration does model FLOPs. A plan above it hides work that does not run (issue 59)."""
+    return max(hw.gemm_efficiency, 2 * (hw.attention_efficiency or hw.gemm_efficiency))

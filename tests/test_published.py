@@ -116,3 +116,15 @@ def test_a_fused_core_counts_half_its_scores_at_the_attention_efficiency():
     assert faster["forward"]["compute"] < half["forward"]["compute"]
     assert layer_pass_s(shape, par, 2, hw, plain) == layer_pass_s(shape, par, 2, replace(hw, attention_efficiency=0.01),
                                                                   plain)
+
+
+def test_bench_published_prints_the_band_ci_keeps():
+    """One owner (issue 58): the targets `seqpar bench published` prints are ``REGRESSION_BAND``, and no machine path
+    reaches a row's link."""
+    from argparse import Namespace
+
+    from seqpar.bench import published as bench
+
+    result = bench.run(Namespace(source="paper"))
+    assert result["targets"] == {k: {"median": m, "worst": w} for k, (m, w) in REGRESSION_BAND.items()}
+    assert all("/work/" not in r["link"] for r in result["rows"])

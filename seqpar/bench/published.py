@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from seqpar.analysis.published import compare, error_stats, published_runs
+from seqpar.analysis.published import REGRESSION_BAND, compare, error_stats, published_runs
 from seqpar.analysis.text import gb, table
 
 QUICK: dict = {}
-# the targets (median, worst |error|); A100 median, paper rows median
-TARGETS = {"H100": (0.08, 0.20), "A100": (0.08, None), "A100 paper": (0.05, None)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +24,7 @@ def run(args) -> dict:
     runs = [r for r in published_runs() if args.source in (None, r.source)]
     rows = [compare(r) for r in runs]
     return {"rows": [r.to_json() for r in rows], "stats": error_stats(rows),
-            "targets": {k: {"median": m, "worst": w} for k, (m, w) in TARGETS.items()}}
+            "targets": {k: {"median": m, "worst": w} for k, (m, w) in REGRESSION_BAND.items()}}
 
 
 def render(result: dict) -> str:

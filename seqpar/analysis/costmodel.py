@@ -8,7 +8,7 @@ node / per GPU across nodes), ``comm_latency`` (seconds per message: each collec
 pipeline send), ``layer_overhead``
 (fixed seconds per layer per pass: kernel launches, framework) and ``step_overhead`` (fixed seconds per
 iteration). Beside them ``attention_efficiency``, the fraction of peak a fused attention kernel reaches (None:
-the GEMM's; the built-in profiles fit it to published flash-attention runs, ``published.fit_attention_efficiency``).
+the GEMM's; the built-in profiles fit it to published flash-attention runs, ``published.fit_foundry``).
 Nothing else is tuned, and nothing per model.
 
 One layer on one tensor-parallel rank, one microbatch of b samples:
@@ -108,6 +108,10 @@ class Hardware:
     comm_latency: float = 20e-6  # per collective call or pipeline message
     layer_overhead: float = 50e-6
     comm_overlap: float = 1.0  # share of a collective a GEMM run beside it hides (1: GPUs, NCCL on its own stream)
+    # share of an FSDP gather / reduce-scatter a layer's work beside it hides: below 1 where the collectives' kernels
+    # take SMs and HBM from that work and the link is busy most of the step (``fsdp_beside_s``; the built-in
+    # profiles fit it to FSDP runs, ``profiles.FSDP_OVERLAP``)
+    fsdp_overlap: float = 1.0
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
     # fraction of peak a fused (flash-style) attention kernel reaches on the FLOPs it does: under the causal mask it
@@ -179,6 +183,13 @@ def all_to_all_s(nbytes: float, ranks: int, bandwidth: float) -> float:
 def beside_gemm_s(comm: float, gemm: float, hw: Hardware) -> float:
     """A collective launched beside a GEMM: what ``comm_overlap`` of the GEMM's time does not hide."""
     return comm - hw.comm_overlap * min(comm, gemm)
+
+
+def fsdp_beside_s(comm: float, window: float, hw: Hardware) -> float:
+    """An FSDP collective prefetched beside ``window`` seconds of a layer's work: what ``fsdp_overlap`` of the window
+    does not hide (``beside_gemm_s`` with FSDP's share: a unit's gather and reduce-scatter contend with the layer for
+    SMs and memory bandwidth, and the link carries them back to back all step)."""
+    return comm - hw.fsdp_overlap * min(comm, window)
 
 
 def tp_collectives_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
@@ -553,9 +564,9 @@ def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, op
     full = units * (gathers * gather + reduce)
     if windows is None:
         return full, 0.0
-    fwd = gather + (units - 1) * beside_gemm_s(gather, windows[0], hw)
+    fwd = gather + (units - 1) * fsdp_beside_s(gather, windows[0], hw)
     bwd_comm = reduce + (gather if gathers == 2 else 0.0)
-    bwd = (gather if gathers == 2 else 0.0) + (units - 1) * beside_gemm_s(bwd_comm, windows[1], hw) + reduce
+    bwd = (gather if gathers == 2 else 0.0) + (units - 1) * fsdp_beside_s(bwd_comm, windows[1], hw) + reduce
     return fwd + bwd, full - fwd - bwd
 
 

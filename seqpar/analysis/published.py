@@ -19,7 +19,7 @@ Sources (read 2026-12-05):
   measured on both H100 80GB (BF16) and A100 80GB at the same model, sequence and GPU count. Throughput in
   tokens/s; FSDP FULL_SHARD over every GPU; "Activation Checkpointing" True is full recompute of every layer.
   The rows measured on one kind only (``_FOUNDRY_FIT``, read 2026-12-06) are not in the set: the fused attention
-  kernel's efficiency is fitted to them (``fit_attention_efficiency``).
+  kernel's efficiency and FSDP's overlap share are fitted to them (``fit_foundry``).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ _FOUNDRY = [
 
 
 # llm-foundry's rows outside the regression set (measured on one kind only, the same MPT shapes as above, tables
-# "H100 80GB BF16" and "A100 80GB ... (RoCE)"): what ``fit_attention_efficiency`` fits the fused attention kernel's
+# "H100 80GB BF16" and "A100 80GB ... (RoCE)"): what ``fit_foundry`` fits the fused attention kernel's
 # efficiency to, so that the regression set stays out of sample. Per kind: (model, s, GPUs, micro batch, grad
 # accumulation, tokens/s, MFU %, activation checkpointing)
 _FOUNDRY_FIT = {
@@ -212,26 +212,27 @@ def foundry_fit_runs(gpu: str) -> list[PublishedRun]:
     return [_foundry_run(model, seq, gpus, gpu, *rest) for model, seq, gpus, *rest in _FOUNDRY_FIT[gpu]]
 
 
-def fit_attention_efficiency(gpu: str) -> float:
-    """The fused attention kernel's efficiency at which the cost model, on ``gpu``'s built-in profile, best times
-    llm-foundry's flash-attention runs outside the regression set (``foundry_fit_runs``): least squares of
-    log(predicted / published) (``fit.least_squares``, the efficiency through a logistic). ``profiles.
-    FUSED_ATTENTION_EFFICIENCY`` holds the result (tests/test_published.py fits it again)."""
+def fit_foundry(gpu: str) -> tuple[float, float]:
+    """(attention_efficiency, fsdp_overlap) at which the cost model, on ``gpu``'s built-in profile, best times
+    llm-foundry's flash-attention FSDP runs outside the regression set (``foundry_fit_runs``): least squares of
+    log(predicted / published) (``fit.least_squares``, each share through a logistic). ``profiles.
+    FUSED_ATTENTION_EFFICIENCY`` and ``profiles.FSDP_OVERLAP`` hold the result (tests/test_published.py fits it
+    again)."""
     from seqpar.analysis.fit import least_squares
     from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
 
     base = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == gpu))
     runs = foundry_fit_runs(gpu)
 
-    def efficiency(x: float) -> float:
+    def share(x: float) -> float:
         return 1 / (1 + math.exp(-x))
 
     def residuals(x) -> list[float]:
-        hw = replace(base, attention_efficiency=efficiency(x[0]))
+        hw = replace(base, attention_efficiency=share(x[0]), fsdp_overlap=share(x[1]))
         return [math.log1p(compare(r, hw).error) for r in runs]
 
-    (x,), _ = least_squares(residuals, [0.0])
-    return efficiency(x)
+    (attention, overlap), _ = least_squares(residuals, [0.0, 1.0])
+    return share(attention), share(overlap)
 
 
 def megatron_2021_runs() -> list[PublishedRun]:

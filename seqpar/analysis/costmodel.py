@@ -175,6 +175,30 @@ def ring_gather_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
 
 
+# NCCL's own tuning model (src/graph/tuning.cc, ``hwLat``, the Simple protocol large collectives use): seconds one
+# step of a ring spends on an NVLink hop and on a network hop. A call's fixed cost is the fitted ``comm_latency``.
+RING_HOP_S = {"nvlink": 3.4e-6, "net": 9.6e-6}
+
+
+def grad_group_steps_s(hw: Hardware, par: ParallelConfig, ranks: int, allreduce: bool = False) -> float:
+    """Seconds of latency a dp / FSDP collective over ``ranks`` of the gradient group adds to its call's
+    ``comm_latency``, growing with the group as NCCL's algorithms do: a ring all-gather or reduce-scatter runs
+    ranks - 1 steps, the nodes - 1 between nodes over the network; an all-reduce twice that, or a tree's
+    2 log2(ranks) levels of network hops where fewer (NCCL picks the faster); with one rank per node NCCL's PAT
+    all-gathers and reduce-scatters in log2(ranks) network steps. tp and cp groups (a node or a few) keep the fitted
+    per-call latency, which absorbed their steps."""
+    if ranks <= 1:
+        return 0.0
+    across = grad_group_spans_nodes(par, hw.gpus_per_node)
+    per_node = min(ranks, group_ranks_per_node(par, ("cp", "dp"), hw.gpus_per_node)) if across else ranks
+    nodes = max(1, ranks // per_node)
+    ring = (ranks - nodes) * RING_HOP_S["nvlink"] + (nodes - 1) * RING_HOP_S["net"]
+    log_steps = math.ceil(math.log2(ranks)) * RING_HOP_S["net"]
+    if allreduce:
+        return min(2 * ring, 2 * log_steps)
+    return log_steps if per_node == 1 and nodes > 1 else ring
+
+
 def all_to_all_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     """All-to-all of ``nbytes`` per rank: each sends (n-1)/n of them to the others, over the bus bandwidth."""
     return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
@@ -507,11 +531,13 @@ def dp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware,
             continue
         bw = grad_group_bw(hw, par) if i == 0 else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
         buckets += math.ceil(params * 4 / opt.bucket_bytes)
-        if opt.distributed:
-            reduce += hw.comm_latency + ring_gather_s(params * opt.grad_bytes, n, bw)
-            gather += hw.comm_latency + ring_gather_s(params * opt.param_bytes, n, bw)
+        if opt.distributed:  # one call's latency: its launch and its steps over the group
+            steps = grad_group_steps_s(hw, par, n)
+            reduce += hw.comm_latency + steps + ring_gather_s(params * opt.grad_bytes, n, bw)
+            gather += hw.comm_latency + steps + ring_gather_s(params * opt.param_bytes, n, bw)
         else:
-            reduce += hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, n, bw)
+            steps = grad_group_steps_s(hw, par, n, allreduce=True)
+            reduce += hw.comm_latency + steps + ring_allreduce_s(params * opt.grad_bytes, n, bw)
     return reduce, gather, buckets
 
 
@@ -559,8 +585,9 @@ def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, op
           else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node)))
     gathers = 2 if par.reshard_after_forward else 1
     units = shape.num_layers // par.pp + 1
-    gather = hw.comm_latency + ring_gather_s(params / units * opt.param_bytes, ranks, bw)  # one unit's
-    reduce = hw.comm_latency + ring_gather_s(params / units * 4, ranks, bw)
+    steps = grad_group_steps_s(hw, par, ranks)  # a unit's ring (or PAT) steps over the shards
+    gather = hw.comm_latency + steps + ring_gather_s(params / units * opt.param_bytes, ranks, bw)  # one unit's
+    reduce = hw.comm_latency + steps + ring_gather_s(params / units * 4, ranks, bw)
     full = units * (gathers * gather + reduce)
     if windows is None:
         return full, 0.0

@@ -132,3 +132,19 @@ def test_bench_published_prints_the_band_ci_keeps():
     result = bench.run(Namespace(source="paper"))
     assert result["targets"] == {k: {"median": m, "worst": w} for k, (m, w) in REGRESSION_BAND.items()}
     assert all("/work/" not in r["link"] for r in result["rows"])
+    # issue 59 item 4: the fitted efficiencies with the rows they were fitted on, and the check that the long
+    # sequences are not what the attention fit absorbs: fitted again without them, within 0.05 of peak
+    for fit in result["fits"]:
+        assert fit["rows"] >= 20 and fit["long_rows"] > 0 and fit["median_abs_error"] < 0.05
+        assert abs(fit["without_long_rows"]["attention_efficiency"] - fit["attention_efficiency"]) <= 0.05, fit
+
+
+def test_free_parameters_are_predicted_at_their_default_and_ranged(rows):
+    """Issue 59 item 4: a row whose micro batch and interleave the source did not print is predicted at micro batch
+    1 without interleaving (not the fastest, which the model's slow errors make the least wrong) and reported with
+    the range over every candidate that fits; a row without free parameters has no range."""
+    free = [r for r in rows if r.run.choose]
+    assert free and all(",m=1," in r.layout and r.layout.endswith(",mb=1,distopt=on") for r in free)
+    assert all(r.range_s[0] <= r.predicted_s <= r.range_s[1] for r in free if r.fits)
+    assert any(r.range_s[0] < r.predicted_s for r in free)  # a faster candidate exists, and is not the one reported
+    assert all(r.range_s == (r.predicted_s, r.predicted_s) for r in rows if not r.run.choose)

@@ -313,6 +313,8 @@ def run(args) -> int:
                 plans[0]["stages"] = planner.stages_json(planner.evaluate(req, ranked[0].plan, every_rank=True).stages)
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
                               "settings": planner.settings(req), "hardware": profile_to_json(req.hw),
+                              "searched": {"fsdp": req.try_fsdp, "distributed_optimizer": req.try_distributed_optimizer,
+                                           "offload": req.try_offload},
                               "ruled_out": planner.rejection_lines(req, stats)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))

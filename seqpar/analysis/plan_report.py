@@ -152,10 +152,7 @@ def why_not(req: Request, best: Evaluation) -> str:
 def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -> str:
     parts = [header(req), cost_model_line(req)]
     rejected = "".join(f"\n  {line}" for line in rejection_lines(req, stats))
-    if not ranked:
-        parts.append(f"no plan fits: {stats.get('examined', 0)} plans examined; ruled out:{rejected or ' nothing'}")
-        return "\n\n".join(parts)
-    best = ranked[0]
+    best = ranked[0]  # nothing fitting is refused before (``planner.refusal``, exit 2)
     parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined); ruled out:{rejected or ' nothing'}"
                  "\nFastest first (times within 1% ordered by memory); '≈ best': a tie with the "
                  f"best, within the cost model's ±{100 * req.hw.error_band:.0f}% error band "

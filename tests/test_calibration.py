@@ -156,6 +156,7 @@ def test_calibrated_profile_changes_the_plan(capsys, tmp_path):
     hw = load_profile(str(path))
     assert hw.peak_flops == max(r["flops"] / r["seconds"] for r in printed["measurements"]["gemm"])
     assert 0 <= hw.comm_overlap <= 1 and printed["comm_overlap"] == hw.comm_overlap
+    assert hw.fsdp_overlap == hw.comm_overlap  # an FSDP gather beside a layer: the share measured beside a GEMM
     assert "seqpar calibrate" in hw.source
     assert main(PLAN) == 0
     default = json.loads(capsys.readouterr().out)

@@ -118,6 +118,8 @@ def test_profile_json_round_trip_and_validation(tmp_path):
     with pytest.raises(AnalysisError, match="missing field.s. comm_overlap .*seqpar calibrate measures it"):
         profile_from_json(no_overlap)
     assert builtin_profile("a100-80gb").comm_overlap == 1.0  # GPUs overlap, as the paper's fit assumes
+    older = {k: v for k, v in good.items() if k != "fsdp_overlap"} | {"comm_overlap": 0.4}  # a file before issue 59
+    assert profile_from_json(older).fsdp_overlap == 0.4  # the share it measured beside a GEMM, not the default 1
     path.write_text("{not json")
     with pytest.raises(AnalysisError, match="not readable JSON"):
         load_profile(str(path))

@@ -216,7 +216,9 @@ def profile_from_json(data: dict, where: str = "profile", name: str = "custom pr
                 "seqpar calibrate measures it)" if "comm_overlap" in missing else "")
         raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}{hint}")
     # fields left out take the A100 sheet's values, except those whose absence means "as another field"
-    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency)
+    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency; fsdp_overlap: comm_overlap, the share a
+    # file measured beside a GEMM)
+    values.setdefault("fsdp_overlap", values["comm_overlap"])
     defaulted = [n for n in PROFILE_FIELDS if n not in values and n not in ("name", "source")
                  and getattr(Hardware(), n) is not None]
     values.setdefault("name", name)

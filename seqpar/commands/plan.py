@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost-model profile: a100-80gb (fitted to the paper's measured times), h100-80gb, "
                         "h200-141gb, or a JSON file from `seqpar calibrate` (default: the --gpu's); the flags "
                         "below override its values")
-    g.add_argument("--gpu", default="a100", help="accelerator without --hardware: its data sheet (peak, memory, "
-                                                  "links) x the A100 fit's achieved fractions (default %(default)s)")
+    g.add_argument("--gpu", default="a100", help="accelerator without --hardware: a100, h100 or h200, its data sheet "
+                                                  "(peak, memory, links) x the A100 fit's achieved fractions; another "
+                                                  "is refused: give --hardware FILE (default %(default)s)")
     g.add_argument("--gpus-per-node", type=int, help="(default: the profile's, 8 for GPUs); tp stays within a node")
     add(g, "--gpu-memory", metavar=None, help="GB per GPU (default: the profile's / the data sheet's)")
     add(g, "--peak-tflops",
@@ -298,6 +299,8 @@ def run(args) -> int:
                 raise AnalysisError(f"--explain {args.explain!r}: {err}") from None
         stats: dict = {}
         ranked = planner.search(req, stats)
+        if not ranked and explain is None:  # bad input for this machine: one line naming the binding rule, exit 2
+            raise AnalysisError(planner.refusal(req, stats))
         if explain is not None:
             ev = planner.evaluate(req, explain, every_rank=True)
             _emit(args, req, ev.plan)
@@ -328,6 +331,8 @@ def run(args) -> int:
                 plans[0]["stages"] = planner.stages_json(planner.evaluate(req, ranked[0].plan, every_rank=True).stages)
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
                               "settings": planner.settings(req), "hardware": profile_to_json(req.hw),
+                              "searched": {"fsdp": req.try_fsdp, "distributed_optimizer": req.try_distributed_optimizer,
+                                           "offload": req.try_offload},
                               "ruled_out": planner.rejection_lines(req, stats)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
@@ -338,6 +343,6 @@ def run(args) -> int:
             path = plan_memory(args.plot / "plan_memory.png", ranked[:args.top], req.hw.usable_bytes,
                                req.hw.memory_bytes)
             print(f"wrote {path}", file=sys.stderr)
-        return 0 if ranked else 1
+        return 0
     except AnalysisError:
         raise  # seqpar.cli turns it into a usage error (exit 2)

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import re
 import sys
 
 from seqpar.config import did_you_mean
+from seqpar.settings import hint_for_flag
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -18,7 +18,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("seqpar.commands.plan", "which parallel layout, recompute and microbatch fits and runs fastest"),
     "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
     "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
-    "prepare": ("seqpar.commands.prepare", "text, JSON Lines or Parquet -> sharded token files + document index"),
+    "prepare": ("seqpar.commands.prepare",
+                "text, JSON Lines, CSV/TSV or Parquet -> sharded token files + document index"),
     "tokenizer": ("seqpar.commands.tokenizer", "train a BPE tokenizer on a corpus (tokenizer train)"),
     "eval": ("seqpar.commands.eval", "the loss of a checkpoint on given data (its own validation split by default)"),
     "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
@@ -54,16 +55,16 @@ class _Version(argparse.Action):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is the one line that names it, a "did you mean" for a misspelled flag, and
-    where to read more, not the whole usage block (``seqpar VERB --help`` prints that)."""
+    """argparse, but a usage error is the one line that names it, a "did you mean" for a misspelled flag or a
+    Megatron-LM name (``seqpar.settings.hint_for_flag``), and where to read more, not the whole usage block
+    (``seqpar VERB --help`` prints that)."""
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
             flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             words = message.split(": ", 1)[1].split()
-            close = {w: difflib.get_close_matches(w.split("=", 1)[0], flags, n=1, cutoff=0.6) for w in words
-                     if w.startswith("--")}
-            close = [f"{match[0]} for {w}" for w, match in close.items() if match]
+            close = {w: hint_for_flag(w.split("=", 1)[0], flags) for w in words if w.startswith("--")}
+            close = [f"{match} for {w}" for w, match in close.items() if match]
             message += f" (did you mean {', '.join(close)}?)" if close else ""
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if choice:

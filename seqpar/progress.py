@@ -1,6 +1,7 @@
 """The progress display of every long command (``seqpar train``'s steps, ``seqpar prepare``'s shards): a bar
 with ETA through ``rich`` when installed, else ``tqdm``, else a plain line per ``update``; nothing when
-stderr is not a terminal but those lines.
+stderr is not a terminal but those lines. ``CountMeter``: a count with its rate and ETA on stderr
+(``seqpar eval``'s windows), whose stdout carries the result.
 """
 
 from __future__ import annotations
@@ -65,3 +66,33 @@ class Progress:
             self._bar.stop()
         elif self.kind == "tqdm":
             self._bar.close()
+
+
+class CountMeter:
+    """``{label}: done/total {unit}, rate {per[1]}/s, ETA`` on stderr: in place on a terminal, else a line every
+    ``every`` seconds, and the last state once closed. ``per``: (how many of them one unit is, their name)."""
+
+    def __init__(self, label: str, total: int, unit: str, per: tuple[int, str], enabled: bool = True,
+                 every: float = 5.0):
+        self.label, self.total, self.unit, self.per, self.every = label, total, unit, per, every
+        self.done, self.enabled, self.tty = 0, enabled, enabled and sys.stderr.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def line(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        rate = self.done / dt
+        eta = (self.total - self.done) / rate if rate else float("inf")
+        return (f"{self.label}: {self.done:,}/{self.total:,} {self.unit}, {rate * self.per[0]:,.0f} {self.per[1]}/s, "
+                f"ETA {eta:.0f} s")
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.tty:
+            print("\r" + self.line(), end="", file=sys.stderr, flush=True)
+        elif self.enabled and time.perf_counter() - self.last >= self.every:
+            self.last = time.perf_counter()
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:  # the last state, whole (on a terminal: over the running line)
+            print(("\r" if self.tty else "") + self.line(), file=sys.stderr, flush=True)

@@ -6,9 +6,11 @@ layers for --states, MoE flags)."""
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -68,25 +70,44 @@ SHRINK = ["--set", "model.num_layers=2", "--set", "model.hidden_size=64", "--set
           "train.eval_batches=1", "--no-progress"]
 
 
-def test_a_multi_node_plan_prints_torchrun_and_its_slurm_script_trains_on_one_node_and_resumes(tmp_path, capsys,
-                                                                                                 monkeypatch):
+def _first_step(metrics: Path, job: subprocess.Popen, timeout: float = 240) -> None:
+    """Wait until the run in ``job`` has logged a training step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.poll() is None:
+        if metrics.is_file() and any('"loss"' in line and '"event"' not in line
+                                     for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no step logged (exit {job.poll()})")
+
+
+def test_a_multi_node_plan_prints_torchrun_and_its_slurm_script_saves_requeues_and_resumes(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """Issue 57: the script asks for the time limit and a USR1 before it; the USR1 makes every rank save and
+    the script requeue the job (stand-ins for srun and scontrol, one local node); run again it resumes."""
     monkeypatch.chdir(tmp_path)
     code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 64, "--gpus-per-node", 8, "--hardware",
                           "h100-80gb", "--global-batch", 512, "--emit-config", "p.toml", "--emit-slurm", "job.sbatch",
-                          "--top", 1)
+                          "--time", "2:00:00", "--top", 1)
     assert code == 0, err
     assert ("torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m seqpar "
             "train --config p.toml") in err
     assert "torchrun --nnodes 8" in Path("p.toml").read_text().splitlines()[1]
+    assert tomllib.loads(Path("p.toml").read_text())["train"]["save_every"] >= 1
     script = Path("job.sbatch").read_text()
     for line in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "scontrol show hostnames", "srun torchrun", 'OUT="${OUT:-runs/p}"'):
+                 "#SBATCH --cpus-per-task=", "#SBATCH --time=02:00:00", "#SBATCH --error=seqpar-%j.err",
+                 "scontrol show hostnames", "srun torchrun", "--max-restarts", 'OUT="$(absolute "${OUT:-runs/p}")"',
+                 "SLURM_JOB_ID % ", "# export NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         assert line in script
+    lead = int(script.split("#SBATCH --signal=B:USR1@")[1].split()[0])
+    assert f'TORCH_ELASTIC_SHUTDOWN_TIMEOUT="{lead}"' in script  # torchrun waits as long for the ranks' save
     assert subprocess.run(["bash", "-n", "job.sbatch"]).returncode == 0
     # one node, locally: scontrol and srun stand-ins, the model shrunk with --set
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    (bin_dir / "scontrol").write_text('#!/bin/sh\nif [ "$1" = requeue ]; then echo "$@" >> "$SLURM_SUBMIT_DIR/'
+                                      'requeued"; else echo localhost; fi\n')
     (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
@@ -94,16 +115,30 @@ def test_a_multi_node_plan_prints_torchrun_and_its_slurm_script_trains_on_one_no
     assert (torchrun / "torchrun").exists() or shutil.which("torchrun")
     env = os.environ | {"PATH": f"{bin_dir}:{torchrun}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
                         "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_JOB_ID": "44",
-                        "GPUS_PER_NODE": "2", "PORT": str(_free_port())}
-    first = subprocess.run(["bash", "job.sbatch", *SHRINK, "--stop-at", "1"], env=env, capture_output=True,
-                           text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "tp 2" in first.stdout and "steps 1 of 2" in first.stdout
+                        "SLURM_SUBMIT_DIR": str(tmp_path), "GPUS_PER_NODE": "2", "PORT": str(_free_port())}
+    run = tmp_path / "runs" / "p"
+    first = subprocess.Popen(["bash", tmp_path / "job.sbatch", *SHRINK, "--steps", "100000"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             cwd=tmp_path / "bin")  # Slurm runs a copy of the script elsewhere
+    try:
+        _first_step(run / "metrics.jsonl", first)
+        first.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@N reaches the batch shell only
+        out = first.communicate(timeout=240)[0]
+    finally:
+        first.kill()
+    assert first.returncode != 0, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if "seqpar" in line or "interrupted" in line))
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "44"], out[-3000:]
+    saved = (run / "checkpoints" / "latest").read_text().strip()
+    step = int(saved.split("_")[1])
+    assert step >= 1 and (run / "checkpoints" / saved / "meta.json").is_file()
+    assert f"saved {run / 'checkpoints' / saved}; resume with: sbatch job.sbatch" in out, out[-3000:]
     env["PORT"] = str(_free_port())
-    again = subprocess.run(["bash", "job.sbatch", *SHRINK], env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(["bash", "job.sbatch", *SHRINK, "--steps", "100000", "--stop-at", str(step + 1)], env=env,
+                           capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from runs/p/checkpoints/step_000001 at step 1" in again.stdout + again.stderr
-    assert (tmp_path / "runs" / "p" / "checkpoints" / "step_000002").is_dir()
+    assert f"resumed from {run / 'checkpoints' / saved} at step {step}" in again.stdout + again.stderr
+    assert (run / "checkpoints" / f"step_{step + 1:06d}").is_dir()
 
 
 def test_emit_slurm_needs_the_config_and_whole_nodes(tmp_path, capsys):

@@ -46,7 +46,7 @@ def test_cost_model_has_the_moe_terms():
 def test_dp_reduction_counts_the_experts_over_their_own_ranks():
     """The routed experts' gradients are reduced over the dp·cp/ep ranks holding the same experts, the rest over
     dp × cp: at ep = dp the experts need no reduction at all, and the time is the dense part's alone."""
-    from seqpar.analysis.costmodel import dp_allreduce_s, grad_groups, optimizer_s
+    from seqpar.analysis.costmodel import dp_allreduce_s, grad_group_steps_s, grad_groups, optimizer_s
     from seqpar.analysis.shapes import OptimizerOptions
     from seqpar.analysis.states import stage_parameters
 
@@ -58,7 +58,8 @@ def test_dp_reduction_counts_the_experts_over_their_own_ranks():
     assert (n_dense, n_experts) == (8, 1) and dense + experts == max(stage_parameters(shape, par, r) for r in (0, 3))
     assert experts > 5 * dense  # Mixtral: even one expert of 8 per rank outweighs the rest
     dense_only = dp_allreduce_s(shape, par, hw, opt)
-    assert dense_only == pytest.approx(2 * hw.comm_latency + 7 / 8 * dense * (opt.grad_bytes + opt.param_bytes) /
+    call = hw.comm_latency + grad_group_steps_s(hw, par, 8)  # a call's launch and its ring's steps over 8 ranks
+    assert dense_only == pytest.approx(2 * call + 7 / 8 * dense * (opt.grad_bytes + opt.param_bytes) /
                                        dense_only_bandwidth(hw, par), rel=1e-12)
     half = ParallelConfig(tp=2, sp=True, pp=4, dp=8, ep=4)  # experts now reduced over 2 ranks
     assert dp_allreduce_s(shape, half, hw, opt) > dense_only

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _helpers import Launches, prepared_documents, run_cli, step_records, validation_documents, word_documents
 
-from seqpar.train.evaluate import evaluate_checkpoint
+from seqpar.commands.eval import evaluate_checkpoint
 
 STEPS = 3
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 32, "dtype": "fp32",

@@ -20,15 +20,9 @@ import numpy as np
 import pytest
 import torch
 from _helpers import Launches, random_tokens, step_records
+from _plain_models import plain_model, plain_weights, rel, seqpar_weights
 
-from seqpar.bench.plain_gpt import GPT
-from seqpar.bench.plain_llama import PlainLlama
 from seqpar.config import ARCH_FIELDS
-from seqpar.interop.llama import state_to_hf
-from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.sharding import full_state_dict
-from seqpar.pipeline.build import build_stages
-from seqpar.train.checkpoint import load_model_state
 from seqpar.train.config import build_job
 from seqpar.train.data import TokenData
 
@@ -67,25 +61,6 @@ def plain_lr(step: int) -> float:
     return low + 0.5 * (lr - low) * (1 + math.cos(math.pi * (step - warm) / (steps - warm)))
 
 
-def plain_model(job):
-    """The plain model of ``job``'s architecture, holding seqpar's initial weights (the single process's)."""
-    cfg = job.model
-    chunks = build_stages(cfg, job.parallel, job.recompute, ParallelDims.build(job.parallel), job.train.seed)
-    initial = full_state_dict(chunks[0], None)
-    if cfg.arch == "llama":
-        model = PlainLlama.from_config(cfg)
-        model.load_hf_state(state_to_hf(initial, cfg))
-    else:
-        model = GPT.from_config(cfg)
-        model.load_state_dict(initial)
-    return model
-
-
-def plain_weights(model) -> dict[str, torch.Tensor]:
-    """The plain model's weights under the names the comparison uses (seqpar's, or Hugging Face's)."""
-    return model.hf_state() if isinstance(model, PlainLlama) else dict(model.state_dict())
-
-
 def train_plain(job, data: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """5 plain steps: each step's loss and pre-clip gradient norm, and the final weights."""
     model = plain_model(job)
@@ -108,15 +83,6 @@ def train_plain(job, data: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
         opt.step()
         steps.append({"loss": loss.item(), "grad_norm": norm.item()})
     return steps, plain_weights(model)
-
-
-def seqpar_weights(job, checkpoint: str) -> dict[str, torch.Tensor]:
-    state = load_model_state(checkpoint)[0]
-    return state_to_hf(state, job.model) if job.model.arch == "llama" else state
-
-
-def rel(a, b) -> float:
-    return float((torch.as_tensor(a) - torch.as_tensor(b)).norm() / torch.as_tensor(b).norm().clamp(min=1e-30))
 
 
 CASES = [(m, lay) for m in MODELS for lay in LAYOUTS]

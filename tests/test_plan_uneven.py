@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 from _helpers import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.planner import Request, parse_plan, search
+from seqpar.analysis.planner import Request, parse_plan, rejection_lines, search
+from seqpar.analysis.presets import preset_shape
+from seqpar.analysis.profiles import builtin_profile
 from seqpar.analysis.shapes import model_config
 from seqpar.analysis.text import human_bytes
 from seqpar.config import ParallelConfig
 
 LLAMA405 = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--global-batch", "2048", "--fused-attention",
             "--gpu", "h100"]
+LLAMA405_SHAPE = preset_shape("llama3-405b")
 
 
 def test_llama3_405b_on_16384_gpus_has_plans_with_lighter_end_stages(tmp_path):
@@ -43,16 +47,22 @@ def test_llama3_405b_on_16384_gpus_has_plans_with_lighter_end_stages(tmp_path):
 
 
 def test_no_plan_fits_names_each_rule_and_what_it_ruled_out():
-    code, out, _ = run_cli([*LLAMA405, "--gpu-memory", "8"])
-    assert code == 1 and "no plan fits" in out
-    lines = out.split("no plan fits", 1)[1]
-    assert "pp values above the 126 layers" in lines
+    """Nothing fits: one line naming the binding constraint and its numbers, exit 2 (issue 59 item 5); the rules'
+    counts stay in ``rejection_lines``."""
+    code, out, err = run_cli([*LLAMA405, "--gpu-memory", "8"])
     usable = human_bytes(0.9 * 8e9)  # --gpu-memory 8 (GB), 10% reserved
-    assert f"model states alone (weights, gradients, optimizer) exceed {usable} usable" in lines
-    assert "dp does not divide the global batch 2048" in lines
-    code, out, _ = run_cli([*LLAMA405, "--gpu-memory", "8", "--json"])
-    ruled_out = json.loads(out)["ruled_out"]
-    assert code == 1 and any("model states alone" in line for line in ruled_out) and ruled_out[0][0].isdigit()
+    assert code == 2 and out == "" and len(err.splitlines()) == 2, err  # the line + the --help pointer
+    assert f"no plan fits llama3-405b on 16384 GPUs: the model states alone (weights, gradients, optimizer) " \
+           f"exceed {usable} usable" in err and "the least needs" in err
+    code, out, err = run_cli([*LLAMA405, "--gpu-memory", "8", "--json"])
+    assert code == 2 and out == "" and "no plan fits" in err
+    stats: dict = {}
+    req = Request(LLAMA405_SHAPE, 16384, 2048, hw=replace(builtin_profile("h100-80gb"), memory_bytes=8e9))
+    assert search(req, stats) == [] and stats["least_states"] > req.hw.usable_bytes
+    lines = rejection_lines(req, stats)
+    assert any("pp values above the 126 layers" in line for line in lines)
+    assert any(f"model states alone (weights, gradients, optimizer) exceed {usable} usable" in line for line in lines)
+    assert any("dp does not divide the global batch 2048" in line for line in lines) and lines[0][0].isdigit()
 
 
 @st.composite

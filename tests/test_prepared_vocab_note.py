@@ -26,7 +26,7 @@ def test_the_bytes_note_reads_the_prepared_folder(tmp_path):
 def test_eval_scores_plain_text_of_a_document_masked_run_without_masks(tmp_path, capsys):
     """`seqpar eval RUN --data held_out.txt` of a --document-mask run was refused with a training message;
     plain text is scored as one stream (said on stderr), a prepared folder keeps the masks."""
-    from seqpar.train.evaluate import _document_mask
+    from seqpar.commands.eval import _document_mask
 
     (tmp_path / "held_out.txt").write_text("text " * 100)
     assert run_cli(["prepare", tmp_path / "held_out.txt", "--out", tmp_path / "p", "--no-progress"])[0] == 0

@@ -25,8 +25,10 @@ def test_fsdp_dp4_resumed_at_tp2_pp2_drops_fsdp_and_its_shard_size():
     sections["parallel"] |= {"tp": 2, "pp": 2, "dp": 1}
     notes = fit_inherited(sections, {"parallel": {"tp": 2, "pp": 2}})
     assert "fsdp" not in sections["parallel"] and "fsdp_shard_size" not in sections["parallel"]
-    assert notes == ["the checkpoint's fsdp = true is dropped: dp 1 × cp 1 has nothing to shard over (--fsdp with "
-                     "dp × cp > 1 keeps it)", "the checkpoint's fsdp_shard_size = 2 is dropped: fsdp is off"]
+    # each note is the validation error that named the setting (fit_inherited: validate, then drop what it names)
+    assert notes == ["the checkpoint's fsdp = true is dropped: fsdp shards over the dp × cp ranks: dp 1 × cp 1 has "
+                     "nothing to shard over", "the checkpoint's fsdp_shard_size = 2 is dropped: fsdp_shard_size 2 "
+                     "needs fsdp = true"]
 
 
 def test_an_a2a_checkpoint_resumed_where_the_exchange_cannot_run_drops_it():
@@ -37,7 +39,7 @@ def test_an_a2a_checkpoint_resumed_where_the_exchange_cannot_run_drops_it():
     sections["parallel"] |= {"cp": 1, "dp": 1}
     assert fit_inherited(sections, {"parallel": {"cp": 1}}) == [
         "the checkpoint's cp_comm_type = a2a+ring is dropped: cp_comm_type a2a+ring needs cp >= 2, got cp 1",
-        "the checkpoint's cp_a2a_size = 2 is dropped: the exchange is the ring"]
+        "the checkpoint's cp_a2a_size = 2 is dropped with it (the all-to-all group of a2a+ring)"]
     sections = _inherited(cp_comm_type="a2a", cp_a2a_size=0) | {"model": model}
     sections["parallel"] |= {"tp": 4, "cp": 2, "dp": 1}
     assert fit_inherited(sections, {"parallel": {"tp": 4}}) == [
@@ -55,11 +57,19 @@ def test_an_asked_setting_is_never_dropped_and_a_usable_one_is_kept():
     sections = _inherited(fsdp=True, fsdp_shard_size=2)
     sections["parallel"] |= {"dp": 1, "fsdp": False}
     notes = fit_inherited(sections, {"parallel": {"fsdp": False}})  # --no-fsdp: the shard size goes with it
-    assert notes == ["the checkpoint's fsdp_shard_size = 2 is dropped: fsdp is off"]
+    assert notes == ["the checkpoint's fsdp_shard_size = 2 is dropped: fsdp_shard_size 2 needs fsdp = true"]
     sections = _inherited(interleave=2, layer_split=[1, 1, 1, 1], pp=2)
     sections["parallel"] |= {"dp": 1, "pp": 1}
     notes = fit_inherited(sections, {"parallel": {"pp": 1}})
     assert [n.split(" = ")[0] for n in notes] == ["the checkpoint's interleave", "the checkpoint's layer_split"]
+    sections = _inherited(fsdp=True)
+    sections["parallel"] |= {"dp": 2}
+    sections["train"] |= {"distributed_optimizer": True}  # --distributed-optimizer asked: the inherited fsdp goes
+    notes = fit_inherited(sections, {"train": {"distributed_optimizer": True}})
+    assert [n.split(" = ")[0] for n in notes] == ["the checkpoint's fsdp"] and "fsdp" not in sections["parallel"]
+    sections = _inherited(pp=2)
+    sections["parallel"] |= {"dp": 1, "tp": 3}  # an error naming no inherited setting: nothing dropped
+    assert fit_inherited(sections, {"parallel": {"tp": 3}}) == [] and sections["parallel"]["pp"] == 2
 
 
 def test_a_preset_says_what_it_changed_of_the_toml(tmp_path):

@@ -8,7 +8,7 @@ import torch
 
 from seqpar.config import ModelConfig
 from seqpar.model import build_model
-from seqpar.model.attention import Rotary
+from seqpar.model.rotary import Rotary
 from seqpar.parallel.dims import ParallelDims
 
 

@@ -156,7 +156,7 @@ def test_spec_sheet_entry_is_matched_on_whole_words(name, key):
     assert spec_sheet_key(name) == key
 
 
-def test_peak_flops_reads_the_accelerator_name(monkeypatch):
+def test_mfu_peak_reads_the_accelerator_name(monkeypatch):
     """torch has no torch.accelerator.get_device_name (2.13): the name comes from the device's own
     module, so an H100 is measured against its data sheet, not a 512 × 512 GEMM probe."""
     from seqpar.train import perf
@@ -164,7 +164,7 @@ def test_peak_flops_reads_the_accelerator_name(monkeypatch):
     monkeypatch.delattr(torch.accelerator, "get_device_name", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(perf, "gemm_probe", lambda *a, **k: pytest.fail("probed instead of the data sheet"))
-    assert perf.peak_flops(0.0, torch.device("cuda", 0), torch.bfloat16) == (989e12, "spec sheet (h100)")
+    assert perf.mfu_peak(0.0, torch.device("cuda", 0), torch.bfloat16) == (989e12, "spec sheet (h100)")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

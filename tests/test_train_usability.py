@@ -82,6 +82,24 @@ def test_a_rank_that_finds_bad_input_says_it_once_and_exits_2(tmp_path, capsys, 
     assert [line for line in stderr.splitlines() if "seqpar" in line] == expected
 
 
+def test_under_torchrun_the_error_file_holds_the_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """Issue 57: torchrun's report prints each rank's error file; it held the whole traceback (87 lines for 2
+    ranks): now the line seqpar printed, the message still ``Type: text`` for the --nproc launcher."""
+    import json
+
+    for key, value in {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "RANK": "0",
+                       "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv(supervise.LAUNCHER_ENV, raising=False)
+    missing = tmp_path / "missing"
+    code, _, err = seqpar(capsys, "train", "--config", TINY, "--tp", 2, "--data", missing, "--out", tmp_path / "o")
+    line = f"seqpar train: error: data path {missing} does not exist"
+    assert code == 2 and err.splitlines()[0] == line
+    recorded = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert recorded["extraInfo"]["py_callstack"] == line
+    assert recorded["message"] == f"DataError: data path {missing} does not exist"
+
+
 def _failure(code, message="", t=0.0):
     data = {"message": {"message": message}} if message else {}
     return SimpleNamespace(exitcode=code, error_file_data=data, timestamp=t)
@@ -198,9 +216,9 @@ def test_the_cpu_gemm_probe_is_measured_once_per_machine(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SEQPAR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(perf, "gemm_probe", lambda *a, **k: 1.5e9)
-    first = perf.peak_flops(0.0, torch.device("cpu"), torch.float32)
+    first = perf.mfu_peak(0.0, torch.device("cpu"), torch.float32)
     monkeypatch.setattr(perf, "gemm_probe", lambda *a, **k: 9e9)  # a second probe would differ
-    second = perf.peak_flops(0.0, torch.device("cpu"), torch.float32)
+    second = perf.mfu_peak(0.0, torch.device("cpu"), torch.float32)
     assert first[0] == second[0] == 1.5e9 and "cached in" in second[1]
 
 

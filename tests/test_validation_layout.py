@@ -10,6 +10,7 @@ import pytest
 from seqpar.cli import main
 from seqpar.parallel.launch import run_ranks
 from seqpar.train.config import build_job
+from seqpar.train.evaluate import evaluate
 from seqpar.train.loop import Trainer, train_local
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,15 +21,22 @@ TRAIN = {"steps": 2, "warmup": 0, "micro_batch": 1, "global_batch": 4, "eval_eve
          "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False}
 
 
-def _validation_losses(rank: int, world: int, jobs: list[dict], resume: str) -> list[float]:
-    """Each job's validation loss of the checkpoint ``resume`` (loaded, not trained further)."""
+def _odd_share(trainer: Trainer) -> float:
+    """The loss of 5 validation windows in microbatches of at most 2: an odd count per dp rank, the last one short
+    (the forward-only schedules' holes under interleaving, each boundary tensor sized by its own microbatch)."""
+    dims = trainer.dims
+    return evaluate(trainer.chunks, trainer.data.validation_batches(5, 2, dims.dp_rank, dims.dp), dims)[0]
+
+
+def _validation_losses(rank: int, world: int, jobs: list[dict], resume: str) -> list[tuple[float, float]]:
+    """Each job's validation loss of the checkpoint ``resume`` (loaded, not trained further), and ``_odd_share``."""
     import torch.distributed as dist
 
     out = []
     for sections in jobs:
         trainer = Trainer(build_job(sections), resume=resume, quiet=True)
         validate = getattr(trainer, "validation_loss", None) or trainer.validate_loss  # named so before 080d296
-        out.append(validate())
+        out.append((validate(), _odd_share(trainer)))
         if trainer.owns_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -40,13 +48,15 @@ def test_the_validation_loss_of_one_checkpoint_is_the_same_at_every_layout(tmp_p
     more = TRAIN | {"steps": 3}  # a run that could go on (the checkpoint is at step 2); none is trained
     reference = _validation_losses(0, 1, [{"model": MODEL, "train": more | {"out_dir": str(tmp_path / "ref")}}],
                                    first["checkpoint"])[0]
-    assert reference == pytest.approx(first["val_loss"], rel=1e-6)
-    layouts = {"dp 2": {"dp": 2}, "pp 2": {"pp": 2}, "tp 2 + sp": {"tp": 2, "sp": True}, "cp 2": {"cp": 2}}
+    assert reference[0] == pytest.approx(first["val_loss"], rel=1e-6)
+    # pp 2 interleaved: an embedding-only first and an output-only last virtual stage
+    layouts = {"dp 2": {"dp": 2}, "pp 2": {"pp": 2}, "tp 2 + sp": {"tp": 2, "sp": True}, "cp 2": {"cp": 2},
+               "pp 2 interleaved": {"pp": 2, "interleave": 2, "layer_split": [0, 1, 1, 0]}}
     jobs = [{"model": MODEL, "parallel": par, "train": more | {"out_dir": str(tmp_path / name.replace(" ", ""))}}
             for name, par in layouts.items()]
     losses = run_ranks(_validation_losses, 2, jobs, first["checkpoint"], timeout=600)[0]
     for name, loss in zip(layouts, losses, strict=True):
-        assert loss == pytest.approx(reference, rel=1e-5, abs=1e-6), name
+        assert loss == pytest.approx(reference, rel=1e-5, abs=1e-6), name  # (validation, odd share)
 
 
 def test_eval_scores_the_trainers_windows_by_default_with_progress(tmp_path, capsys):

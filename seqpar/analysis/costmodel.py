@@ -8,7 +8,7 @@ node / per GPU across nodes), ``comm_latency`` (seconds per message: each collec
 pipeline send), ``layer_overhead``
 (fixed seconds per layer per pass: kernel launches, framework) and ``step_overhead`` (fixed seconds per
 iteration). Beside them ``attention_efficiency``, the fraction of peak a fused attention kernel reaches (None:
-the GEMM's; the built-in profiles fit it to published flash-attention runs, ``published.fit_attention_efficiency``).
+the GEMM's; the built-in profiles fit it to published flash-attention runs, ``published.fit_foundry``).
 Nothing else is tuned, and nothing per model.
 
 One layer on one tensor-parallel rank, one microbatch of b samples:
@@ -59,8 +59,9 @@ microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B 
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather`` what the last
 microbatch's backward / the first one's forward does not cover plus the last bucket; FSDP: per microbatch,
 each layer's prefetched gathers and reduce-scatters beside the layers' compute: ``dp_exposed_s``,
-``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``) + the optimizer step (memory-bound: bytes of
-the mixed-precision Adam update / memory_bw) + ``step_overhead``.
+``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``; a window holds only what runs: the layers
+recompute re-runs, and the exchanges on another link than the gradient group's, ``pass_windows_s``) + the
+optimizer step (memory-bound: bytes of the mixed-precision Adam update / memory_bw) + ``step_overhead``.
 Every collective and p2p is priced at ``intra_node_bw`` when its group stays in a node and at
 ``inter_node_bw`` when it spans nodes, with the ranks placed as ``ParallelDims`` places them (tp
 innermost, then cp, pp, dp outermost: ``placement.py``); the gradient group across nodes at ``inter_node_bw``
@@ -107,6 +108,10 @@ class Hardware:
     comm_latency: float = 20e-6  # per collective call or pipeline message
     layer_overhead: float = 50e-6
     comm_overlap: float = 1.0  # share of a collective a GEMM run beside it hides (1: GPUs, NCCL on its own stream)
+    # share of an FSDP gather / reduce-scatter a layer's work beside it hides: below 1 where the collectives' kernels
+    # take SMs and HBM from that work and the link is busy most of the step (``fsdp_beside_s``; the built-in
+    # profiles fit it to FSDP runs, ``profiles.FSDP_OVERLAP``)
+    fsdp_overlap: float = 1.0
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
     # fraction of peak a fused (flash-style) attention kernel reaches on the FLOPs it does: under the causal mask it
@@ -170,6 +175,30 @@ def ring_gather_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
 
 
+# NCCL's own tuning model (src/graph/tuning.cc, ``hwLat``, the Simple protocol large collectives use): seconds one
+# step of a ring spends on an NVLink hop and on a network hop. A call's fixed cost is the fitted ``comm_latency``.
+RING_HOP_S = {"nvlink": 3.4e-6, "net": 9.6e-6}
+
+
+def grad_group_steps_s(hw: Hardware, par: ParallelConfig, ranks: int, allreduce: bool = False) -> float:
+    """Seconds of latency a dp / FSDP collective over ``ranks`` of the gradient group adds to its call's
+    ``comm_latency``, growing with the group as NCCL's algorithms do: a ring all-gather or reduce-scatter runs
+    ranks - 1 steps, the nodes - 1 between nodes over the network; an all-reduce twice that, or a tree's
+    2 log2(ranks) levels of network hops where fewer (NCCL picks the faster); with one rank per node NCCL's PAT
+    all-gathers and reduce-scatters in log2(ranks) network steps. tp and cp groups (a node or a few) keep the fitted
+    per-call latency, which absorbed their steps."""
+    if ranks <= 1:
+        return 0.0
+    across = grad_group_spans_nodes(par, hw.gpus_per_node)
+    per_node = min(ranks, group_ranks_per_node(par, ("cp", "dp"), hw.gpus_per_node)) if across else ranks
+    nodes = max(1, ranks // per_node)
+    ring = (ranks - nodes) * RING_HOP_S["nvlink"] + (nodes - 1) * RING_HOP_S["net"]
+    log_steps = math.ceil(math.log2(ranks)) * RING_HOP_S["net"]
+    if allreduce:
+        return min(2 * ring, 2 * log_steps)
+    return log_steps if per_node == 1 and nodes > 1 else ring
+
+
 def all_to_all_s(nbytes: float, ranks: int, bandwidth: float) -> float:
     """All-to-all of ``nbytes`` per rank: each sends (n-1)/n of them to the others, over the bus bandwidth."""
     return 0.0 if ranks == 1 else (ranks - 1) / ranks * nbytes / bandwidth
@@ -178,6 +207,13 @@ def all_to_all_s(nbytes: float, ranks: int, bandwidth: float) -> float:
 def beside_gemm_s(comm: float, gemm: float, hw: Hardware) -> float:
     """A collective launched beside a GEMM: what ``comm_overlap`` of the GEMM's time does not hide."""
     return comm - hw.comm_overlap * min(comm, gemm)
+
+
+def fsdp_beside_s(comm: float, window: float, hw: Hardware) -> float:
+    """An FSDP collective prefetched beside ``window`` seconds of a layer's work: what ``fsdp_overlap`` of the window
+    does not hide (``beside_gemm_s`` with FSDP's share: a unit's gather and reduce-scatter contend with the layer for
+    SMs and memory bandwidth, and the link carries them back to back all step)."""
+    return comm - hw.fsdp_overlap * min(comm, window)
 
 
 def tp_collectives_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
@@ -350,6 +386,27 @@ def layer_time_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     return fwd, bwd
 
 
+def rerun_layers(rc: RecomputeConfig, chunks: list[int] | tuple[int, ...]) -> int:
+    """Layers of a rank (``chunks``: its chunks' layer counts) whose whole forward full recompute runs again:
+    uniform every layer, block the first N of each chunk; 0 without full recompute."""
+    if rc.granularity != "full":
+        return 0
+    return sum(chunks) if rc.method == "uniform" else sum(min(rc.num_layers, c) for c in chunks)
+
+
+def rerun_s(p: dict, rc: RecomputeConfig, opts: ActivationOptions, chunks, frac: float,
+            busy=lambda terms: sum(terms.values())) -> float:
+    """Seconds one microbatch's backward on a rank runs forward again (``p``: ``layer_pass_s``): full recompute the
+    forward of ``rerun_layers``, selective the attention core of every layer, each on the ``frac`` of
+    chunk-microbatches App. C does not keep (``recomputed_fraction``); ``busy`` sums a pass's terms (all of them,
+    or what hides a collective: ``pass_windows_s``)."""
+    if rc.granularity == "full":
+        return frac * (rerun_layers(rc, chunks) * busy(p["forward"]))
+    if not reruns_core(rc) or opts.fused_attention:
+        return frac * (sum(chunks) * selective_rerun_s(p, rc, opts.fused_attention))
+    return frac * (sum(chunks) * busy(p["attention_core"]))
+
+
 def selective_rerun_s(p: dict, rc: RecomputeConfig, fused: bool) -> float:
     """Seconds selective recompute runs again in one layer's backward (``p``: ``layer_pass_s``): the attention
     core's forward, or with the ``dropout_mask`` module alone one mask-sized pass; nothing for a fused core
@@ -423,13 +480,8 @@ def rank_microbatch_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConf
     if rank == par.pp - 1:
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
-    frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
-    if rc.granularity == "full":
-        redone = layers if rc.method == "uniform" else sum(min(rc.num_layers, c) for c in chunks)  # block: N a chunk
-        redo = redone * sum(p["forward"].values())
-    else:
-        redo = layers * selective_rerun_s(p, rc, opts.fused_attention)
-    terms["recompute"] = frac * redo
+    terms["recompute"] = rerun_s(p, rc, opts, chunks, recomputed_fraction(rc, in_flight_chunks(rank, par.pp,
+                                                                                                 par.interleave, n)))
     if rc.offload_modules:
         moved = par.interleave * chunk_bytes(shape, par, rc, b, opts, rank, host=True)
         fwd = layers * sum(p["forward"].values())
@@ -479,11 +531,13 @@ def dp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware,
             continue
         bw = grad_group_bw(hw, par) if i == 0 else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node))
         buckets += math.ceil(params * 4 / opt.bucket_bytes)
-        if opt.distributed:
-            reduce += hw.comm_latency + ring_gather_s(params * opt.grad_bytes, n, bw)
-            gather += hw.comm_latency + ring_gather_s(params * opt.param_bytes, n, bw)
+        if opt.distributed:  # one call's latency: its launch and its steps over the group
+            steps = grad_group_steps_s(hw, par, n)
+            reduce += hw.comm_latency + steps + ring_gather_s(params * opt.grad_bytes, n, bw)
+            gather += hw.comm_latency + steps + ring_gather_s(params * opt.param_bytes, n, bw)
         else:
-            reduce += hw.comm_latency + ring_allreduce_s(params * opt.grad_bytes, n, bw)
+            steps = grad_group_steps_s(hw, par, n, allreduce=True)
+            reduce += hw.comm_latency + steps + ring_allreduce_s(params * opt.grad_bytes, n, bw)
     return reduce, gather, buckets
 
 
@@ -531,14 +585,15 @@ def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, op
           else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node)))
     gathers = 2 if par.reshard_after_forward else 1
     units = shape.num_layers // par.pp + 1
-    gather = hw.comm_latency + ring_gather_s(params / units * opt.param_bytes, ranks, bw)  # one unit's
-    reduce = hw.comm_latency + ring_gather_s(params / units * 4, ranks, bw)
+    steps = grad_group_steps_s(hw, par, ranks)  # a unit's ring (or PAT) steps over the shards
+    gather = hw.comm_latency + steps + ring_gather_s(params / units * opt.param_bytes, ranks, bw)  # one unit's
+    reduce = hw.comm_latency + steps + ring_gather_s(params / units * 4, ranks, bw)
     full = units * (gathers * gather + reduce)
     if windows is None:
         return full, 0.0
-    fwd = gather + (units - 1) * beside_gemm_s(gather, windows[0], hw)
+    fwd = gather + (units - 1) * fsdp_beside_s(gather, windows[0], hw)
     bwd_comm = reduce + (gather if gathers == 2 else 0.0)
-    bwd = (gather if gathers == 2 else 0.0) + (units - 1) * beside_gemm_s(bwd_comm, windows[1], hw) + reduce
+    bwd = (gather if gathers == 2 else 0.0) + (units - 1) * fsdp_beside_s(bwd_comm, windows[1], hw) + reduce
     return fwd + bwd, full - fwd - bwd
 
 
@@ -573,7 +628,7 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     terms["bubble"] = (par.pp - 1) / par.interleave * t_mb
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
-    windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest)
+    windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest, n)
     if par.fsdp:  # every microbatch gathers and reduces the stage's weights, prefetched layer by layer
         exposed, hidden = fsdp_collectives_s(shape, par, hw, opt, windows[2:])
         exposed, hidden = n * exposed, n * hidden
@@ -586,15 +641,37 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
                          hidden={"dp_allreduce": hidden} if hidden else {})
 
 
+COMM_TERMS = ("tp_comm", "cp_comm", "ep_comm")  # a pass's exchanges: each on its group's link
+
+
+def exchanges_beside_grad_group(par: ParallelConfig, hw: Hardware) -> set[str]:
+    """The pass's exchanges on another link than the gradient group's (dp x cp; FSDP's shards): only those can run
+    while a dp or FSDP collective moves bytes, so only they widen its window. An exchange on the same link (both
+    in a node: NVLink; both across nodes: the adapters) shares its bandwidth and hides nothing."""
+    grad = grad_group_spans_nodes(par, hw.gpus_per_node)
+    dims = {"tp_comm": "tp", "cp_comm": "cp", "ep_comm": "ep"}
+    return {k for k, d in dims.items() if getattr(par, d) > 1 and spans_nodes(par, d, hw.gpus_per_node) != grad}
+
+
 def pass_windows_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
-                   opts: ActivationOptions, rank: int) -> tuple[float, float, float, float]:
-    """Compute the dp and FSDP collectives run beside on pipeline rank ``rank``: (one microbatch's forward, its
-    backward with what recompute runs again, one layer's forward, one layer's backward with its recompute)."""
+                   opts: ActivationOptions, rank: int, n: int = 1) -> tuple[float, float, float, float]:
+    """Seconds of work the dp and FSDP collectives can run beside on pipeline rank ``rank`` (microbatches ``n``):
+    (one microbatch's forward, its backward with what recompute really runs again, the mean layer's forward, the
+    mean layer's backward with its share of that recompute). Only what runs counts: full-block recompute re-runs N
+    layers a chunk, not every layer (``rerun_layers``), App. C's kept chunk-microbatches none; and of a pass's
+    exchanges only those on another link than the gradient group's (``exchanges_beside_grad_group``)."""
     p = layer_pass_s(shape, par, b, hw, opts)
-    fwd, bwd = sum(p["forward"].values()), sum(p["backward"].values())
-    rerun = fwd if rc.granularity == "full" else selective_rerun_s(p, rc, opts.fused_attention)
-    layers = sum(rank_chunk_layers(shape, par, rank))
-    return layers * fwd, layers * (bwd + rerun), fwd, bwd + rerun
+    beside = exchanges_beside_grad_group(par, hw)
+
+    def busy(terms: dict[str, float]) -> float:
+        return sum(v for k, v in terms.items() if k not in COMM_TERMS or k in beside)
+
+    chunks = rank_chunk_layers(shape, par, rank)
+    layers = sum(chunks)
+    frac = recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n))
+    rerun = rerun_s(p, rc, opts, chunks, frac, busy)
+    fwd, bwd = busy(p["forward"]), busy(p["backward"])
+    return layers * fwd, layers * bwd + rerun, fwd, bwd + (rerun / layers if layers else 0.0)
 
 
 def ties_with_best(times: list[float], band: float) -> list[bool]:
@@ -614,3 +691,10 @@ def predicted_mfu(shape: ModelConfig, par: ParallelConfig, global_batch: int, se
                                    shape.vocab_size, shape.ffn, kv_ratio=shape.kv_ratio, gated=shape.arch == "llama")
     flops += moe_training_flops(global_batch, shape, RecomputeConfig())[0]
     return flops / (seconds * par.world_size * hw.peak_flops)
+
+
+def mfu_bound(hw: Hardware) -> float:
+    """The most MFU the cost model can predict on ``hw``: every second a GEMM at ``gemm_efficiency`` of peak, the
+    causal attention core (whose masked half Eq. 7 counts but a fused kernel skips) at twice ``attention_efficiency``;
+    nothing else in the iteration does model FLOPs. A plan above it hides work that does not run (issue 59)."""
+    return max(hw.gemm_efficiency, 2 * (hw.attention_efficiency or hw.gemm_efficiency))

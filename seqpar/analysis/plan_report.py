@@ -26,7 +26,22 @@ def header(req: Request) -> str:
             f"{human_bytes(hw.usable_bytes)} ({100 * hw.reserve_fraction:.0f}% reserved for allocator fragmentation, "
             f"workspaces, NCCL buffers); global batch {req.global_batch}; peak {hw.peak_flops / 1e12:.3g} "
             f"TFLOP/s, GEMM efficiency {100 * hw.gemm_efficiency:.0f}%{attention_efficiency(req)}, links "
-            f"{hw.intra_node_bw / 1e9:.3g} / {hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req))
+            f"{hw.intra_node_bw / 1e9:.3g} / {hw.inter_node_bw / 1e9:.3g} GB/s intra / inter node\n" + assumptions(req)
+            + "\n" + searched(req))
+
+
+def searched(req: Request) -> str:
+    """One line: which options the search tried, and the flag that adds each it did not (issue 59: a search that
+    leaves out what practitioners use says so)."""
+    def said(on: bool, name: str, off_flag: str, on_flag: str) -> str:
+        return f"{name} {'yes' if on else 'no'} ({off_flag if on else on_flag})"
+
+    return ("searched: " + ", ".join([
+        said(req.try_fsdp, "FSDP", "--fsdp", "--fsdp adds it"),
+        said(req.try_distributed_optimizer, "distributed optimizer", "--distributed-optimizer",
+             "--distributed-optimizer adds it"),
+        said(req.try_offload, "activation offloading", "--offload", "--offload adds it")])
+        + f"; micro batch <= {req.max_micro_batch}, interleave <= {req.max_interleave}, cp <= {req.max_cp} (pp 1)")
 
 
 def attention_efficiency(req: Request) -> str:
@@ -137,10 +152,7 @@ def why_not(req: Request, best: Evaluation) -> str:
 def render_plan(req: Request, ranked: list[Evaluation], stats: dict, top: int) -> str:
     parts = [header(req), cost_model_line(req)]
     rejected = "".join(f"\n  {line}" for line in rejection_lines(req, stats))
-    if not ranked:
-        parts.append(f"no plan fits: {stats.get('examined', 0)} plans examined; ruled out:{rejected or ' nothing'}")
-        return "\n\n".join(parts)
-    best = ranked[0]
+    best = ranked[0]  # nothing fitting is refused before (``planner.refusal``, exit 2)
     parts.append(f"{len(ranked)} plans fit ({stats.get('examined', 0)} examined); ruled out:{rejected or ' nothing'}"
                  "\nFastest first (times within 1% ordered by memory); '≈ best': a tie with the "
                  f"best, within the cost model's ±{100 * req.hw.error_band:.0f}% error band "

@@ -19,6 +19,7 @@ limits. It drops plans dominated at their layout (``undominated``).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ from seqpar.analysis.states import bytes_per_parameter
 from seqpar.analysis.text import human_bytes
 from seqpar.analysis.uneven import lighter_ends_split
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
+from seqpar.settings import label_keys, label_of
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
 # --offload: the module sets each recompute option may also offload (``seqpar.recompute.offload``), lightest
@@ -57,24 +59,27 @@ class Plan:
 
     @property
     def label(self) -> str:
-        p = self.par
-        cp = f"cp={p.cp},cp_comm_type={p.cp_comm_type}," if p.cp > 1 else ""
-        cp += f"cp_a2a_size={p.cp_a2a_size}," if p.cp_a2a_size else ""
-        split = f"split={split_text(p.layer_split)}," if p.layer_split else ""
-        ep = f"ep={p.ep}," if p.ep > 1 else ""
-        offload = f",offload={'/'.join(self.rc.offload_modules)}" if self.rc.offload_modules else ""
-        text = (f"tp={p.tp},{cp}pp={p.pp},{split}dp={p.dp},{ep}m={p.interleave},sp={'on' if p.sp else 'off'},"
-                f"recompute={replace(self.rc, offload_modules=()).label}{offload},mb={self.micro_batch}")
-        return text + (",distopt=on" if self.distributed_optimizer else "") + (",fsdp=on" if p.fsdp else "")
+        """``tp=8,pp=4,dp=2,m=1,sp=on,recompute=selective,mb=1``: each key the table of settings' plan label
+        (``seqpar.settings``), read back by ``parse_plan``."""
+        p, k = self.par, label_of
+        cp = f"{k('parallel.cp')}={p.cp},{k('parallel.cp_comm_type')}={p.cp_comm_type}," if p.cp > 1 else ""
+        cp += f"{k('parallel.cp_a2a_size')}={p.cp_a2a_size}," if p.cp_a2a_size else ""
+        split = f"{k('parallel.layer_split')}={split_text(p.layer_split)}," if p.layer_split else ""
+        ep = f"{k('parallel.ep')}={p.ep}," if p.ep > 1 else ""
+        offload = f",{k('recompute.offload_modules')}={'/'.join(self.rc.offload_modules)}" \
+            if self.rc.offload_modules else ""
+        text = (f"{k('parallel.tp')}={p.tp},{cp}{k('parallel.pp')}={p.pp},{split}{k('parallel.dp')}={p.dp},{ep}"
+                f"{k('parallel.interleave')}={p.interleave},{k('parallel.sp')}={'on' if p.sp else 'off'},"
+                f"{k('recompute.granularity')}={replace(self.rc, offload_modules=()).label}{offload},"
+                f"{k('train.micro_batch')}={self.micro_batch}")
+        return (text + (f",{k('train.distributed_optimizer')}=on" if self.distributed_optimizer else "")
+                + (f",{k('parallel.fsdp')}=on" if p.fsdp else ""))
 
 
 # ---------------------------------------------------------------- a plan as text: ``Plan.label`` writes it,
-# ``parse_plan`` reads it back (``--explain``), with the keys' long names as aliases
-_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "m": "interleave", "interleave": "interleave",
-         "sp": "sp",
-         "recompute": "recompute", "mb": "micro_batch", "micro_batch": "micro_batch", "keep": "keep",
-         "distopt": "distopt", "distributed_optimizer": "distopt", "split": "split", "layer_split": "split",
-         "fsdp": "fsdp", "offload": "offload", "cp_comm_type": "cp_comm_type", "cp_a2a_size": "cp_a2a_size"}
+# ``parse_plan`` reads it back (``--explain``), with the keys' long names as aliases: both from the table of
+# settings (``seqpar.settings``, each setting's ``labels``)
+_KEYS = label_keys()
 
 
 def _flag(text: str) -> bool:
@@ -160,14 +165,14 @@ def parse_plan(text: str, gpus: int) -> Plan:
         tp, pp, cp = _count(values, "tp", 1), _count(values, "pp", 1), _count(values, "cp", 1)
         dp = _count(values, "dp", max(1, gpus // (tp * pp * cp)))
         par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, sp=_flag(values.get("sp", ("", "off"))[1]),
-                             interleave=_count(values, "interleave", 1), layer_split=_split(values),
+                             interleave=_count(values, "m", 1), layer_split=_split(values),
                              ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]),
                              cp_comm_type=values.get("cp_comm_type", ("", "ring"))[1],
                              cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0))
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         if "offload" in values:  # offload=mlp/norm
             rc = replace(rc, offload_modules=tuple(m for m in values["offload"][1].split("/") if m)).validate()
-        return Plan(par, rc, _count(values, "micro_batch", 1), _flag(values.get("distopt", ("", "off"))[1]))
+        return Plan(par, rc, _count(values, "mb", 1), _flag(values.get("distopt", ("", "off"))[1]))
     except ValueError as err:  # AnalysisError is one
         raise AnalysisError(f"plan {text!r}: {err}") from err
 
@@ -255,7 +260,9 @@ def stages_json(stages: list[StageMemory]) -> list[dict]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, in sqrt(n) steps (``--gpus 2147483647`` answers at once)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _opt(req: Request, plan: Plan) -> OptimizerOptions:
@@ -408,12 +415,12 @@ def layouts(req: Request, rejected: Counter | None = None) -> Iterator[Plan]:
             for mb in _divisors(req.global_batch // base.dp):
                 if mb > req.max_micro_batch:
                     break
-                yield from _variants(req, base, mb)
+                yield from _variants(req, base, mb, rejected)
 
 
-def _variants(req: Request, base: ParallelConfig, mb: int) -> Iterator[Plan]:
+def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) -> Iterator[Plan]:
     """At one (tp, cp, pp, split, dp) and microbatch: each interleave m (with its layer split), SP, ep and
-    optimizer the rules allow."""
+    optimizer the rules allow (``rejected`` counts the ep values the experts do not divide)."""
     n = req.global_batch // (base.dp * mb)
     for m, split in _interleavings(req, base.pp, base.tp, base.layer_split):
         staged = replace(base, interleave=m, layer_split=split)
@@ -424,8 +431,11 @@ def _variants(req: Request, base: ParallelConfig, mb: int) -> Iterator[Plan]:
             if _refused(req, par):
                 continue
             group = par.dp * par.cp
+            eps = [ep for ep in _divisors(group) if not _refused(req, replace(par, ep=ep))]
+            if req.shape.experts:  # ep values the experts do not divide (the refusal names them)
+                rejected["ep_experts"] += sum(1 for ep in _divisors(group) if req.shape.experts % ep)
             for dist in (False, True) if req.try_distributed_optimizer and group > 1 else (False,):
-                for ep in (ep for ep in _divisors(group) if not _refused(req, replace(par, ep=ep))):
+                for ep in eps:
                     yield Plan(replace(par, ep=ep), RecomputeConfig(), mb, dist)
             if req.try_fsdp and not _refused(req, replace(par, fsdp=True)):
                 yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
@@ -492,6 +502,7 @@ def rejection_lines(req: Request, stats: dict) -> list[str]:
         "pp_layers": f"pp values above the {sh.num_layers} layers",
         "cp_seq": f"cp values with 2 cp not dividing the sequence {sh.seq_len}",
         "batch_dp": f"layouts whose dp does not divide the global batch {req.global_batch}",
+        "ep_experts": f"ep values (dividing the dp x cp ranks) that do not divide the {sh.experts} experts",
         "states_too_big": f"layouts whose model states alone (weights, gradients, optimizer) exceed {usable} "
                           "usable",
         "activations": f"layouts that exceed {usable} usable with every recompute option tried",
@@ -499,6 +510,28 @@ def rejection_lines(req: Request, stats: dict) -> list[str]:
     }
     counts = stats.get("rejected", {}) | {k: stats.get(k, 0) for k in ("states_too_big", "activations", "dominated")}
     return [f"{counts[k]} {text}" for k, text in words.items() if counts.get(k)]
+
+
+def refusal(req: Request, stats: dict) -> str:
+    """Why no plan fits ``req``, in one line naming the binding constraint and its numbers: no layout the rules
+    allow (each rule's count), the model states alone over the usable memory (the least any layout needs; the
+    experts that do not divide over ep), or every recompute option over it (the least any plan needs)."""
+    usable = human_bytes(req.hw.usable_bytes)
+    where = f"no plan fits {req.name} on {req.gpus} GPUs"
+    experts = stats.get("rejected", {}).get("ep_experts", 0)
+    shards = [d for d in _divisors(req.gpus)[1:] if req.shape.experts % d == 0]
+    ep_note = (f"; ep would shard the experts, but it must divide the {req.shape.experts} experts and no GPU count "
+               f"that divides {req.gpus} (> 1) does" if experts and not shards else "")
+    if stats.get("examined", 0):
+        least, label = stats.get("least_memory", (float("nan"), "-"))
+        return (f"{where}: every one of its {stats['examined']} plans exceeds {usable} usable with every recompute "
+                f"option tried (the least, {label}, needs {human_bytes(least)})")
+    if stats.get("states_too_big", 0):
+        return (f"{where}: the model states alone (weights, gradients, optimizer) exceed {usable} usable in all "
+                f"{stats['states_too_big']} layouts the rules allow (the least needs "
+                f"{human_bytes(stats['least_states'])} per GPU){ep_note}")
+    lines = rejection_lines(req, stats)
+    return f"{where}: no layout passes the rules: " + ("; ".join(lines) if lines else "none examined")
 
 
 def undominated(found: list[Evaluation]) -> list[Evaluation]:
@@ -542,6 +575,7 @@ def search(req: Request, stats: dict | None = None) -> list[Evaluation]:
         states = max(stage_memory(req.shape, base.par, RecomputeConfig("full"), base.micro_batch,
                                   num_microbatches(req, base), req.opts, _opt(req, base), rank).states
                      for rank in examined_ranks(req.shape, base.par))
+        stats["least_states"] = min(stats.get("least_states", states), states)
         if states > req.hw.usable_bytes:
             stats["states_too_big"] += 1  # parameters + optimizer alone do not fit
             continue
@@ -552,6 +586,8 @@ def search(req: Request, stats: dict | None = None) -> list[Evaluation]:
             if ev.fits:
                 found.append(ev)
                 fitting += 1
+            elif ev.time is not None and ev.memory_bytes < stats.get("least_memory", (float("inf"), ""))[0]:
+                stats["least_memory"] = (ev.memory_bytes, ev.plan.label)
         stats["activations"] += not fitting
     kept = undominated(found)
     stats["dominated"] = len(found) - len(kept)

@@ -4,8 +4,8 @@
 (fitted to the paper's measured times, ``calibration.py``), ``h100-80gb`` and ``h200-141gb`` (GEMM efficiency
 fitted to seqpar's own measured 22B layer on an H200, ``hopper_gemm_efficiency``; the other efficiencies the A100
 fit's achieved fractions of its data sheet, applied to theirs; data sheets in ``hardware.py``). Built-in
-profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs); a profile file
-must say it (``REQUIRED_FIELDS``).
+profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs; a profile file
+must say it, ``REQUIRED_FIELDS``) and FSDP's collectives with a layer's work by a fitted share (``FSDP_OVERLAP``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from seqpar.config import ParallelConfig, RecomputeConfig, did_you_mean
 BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
                   "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
-                  "step_overhead", "comm_overlap", "gemm_operand_bw", "attention_efficiency", "reserve_fraction",
-                  "error_band", "host_bw", "host_memory_bytes", "host_reserve_fraction")
+                  "step_overhead", "comm_overlap", "fsdp_overlap", "gemm_operand_bw", "attention_efficiency",
+                  "reserve_fraction", "error_band", "host_bw", "host_memory_bytes", "host_reserve_fraction")
 REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
 
 
@@ -43,11 +43,17 @@ HOPPER_MEASURED_GEMM_TFLOPS = 692.0
 HOPPER = ("h100", "h200")
 
 # The fused (flash) attention kernel's efficiency on the FLOPs it does (``costmodel.fused_attention_s``), fitted to
-# llm-foundry's flash-attn 2 runs outside the regression set (``published.fit_attention_efficiency``; the test fits
+# llm-foundry's flash-attn 2 runs outside the regression set (``published.fit_foundry``; the test fits
 # it again): on Hopper flash-attn 2 reaches far less of the peak than a GEMM does (FlashAttention-3, arXiv
 # 2407.08608, abstract: 35% utilization). The H200 takes the H100's (the same tensor cores); every other
 # GPU the A100's, as it takes the A100's other fractions.
-FUSED_ATTENTION_EFFICIENCY = {"a100": 0.33, "h100": 0.18}
+FUSED_ATTENTION_EFFICIENCY = {"a100": 0.33, "h100": 0.19}
+# The share of an FSDP gather / reduce-scatter a layer's work beside it hides (``costmodel.fsdp_beside_s``), fitted
+# with the attention efficiency to the same llm-foundry FSDP runs (``published.fit_foundry``; issue 59: 1 had
+# Llama-3-70B on 64 A100s at 67.8% MFU, hiding 57 s of FSDP traffic under 70 s of compute). dp's bucketed
+# overlap (Megatron's --overlap-grad-reduce / --overlap-param-gather) keeps ``comm_overlap``: no run outside the
+# regression set measures it.
+FSDP_OVERLAP = {"a100": 0.64, "h100": 0.65}
 
 
 @lru_cache(maxsize=1)
@@ -80,9 +86,16 @@ def attention_source(gpu: str) -> str:
             "regression set (seqpar bench published)")
 
 
+def fsdp_source(gpu: str) -> str:
+    """Where ``gpu``'s built-in ``fsdp_overlap`` comes from (``FSDP_OVERLAP``)."""
+    kind = attention_kind(gpu)
+    return (f"fsdp_overlap {FSDP_OVERLAP[kind]:.2f} (the share of an FSDP collective a layer's work hides) fitted "
+            f"with it to the same runs")
+
+
 def efficiency_sources(gpu: str, fitted_from: str) -> str:
     """Where each efficiency of ``gpu``'s built-in profile comes from, one clause each (``seqpar plan`` prints it)."""
-    attention = "; " + attention_source(gpu)
+    attention = "; " + attention_source(gpu) + "; " + fsdp_source(gpu)
     if gpu not in HOPPER:
         return f"every other efficiency {fitted_from}{attention}"
     peak = PEAK_DENSE_16BIT_TFLOPS[gpu]
@@ -112,14 +125,15 @@ def scaled_from_a100(gpu: str):
     band = max(abs(e) for e in cal.errors("heldout_predicted_s"))
     if gpu == "a100":
         source = (f"fitted to the paper's {len(cal.rows)} measured times (Tables 4, 5, Sec. 6.3) on A100-80GB; "
-                  f"leave-one-model-out error up to {100 * band:.0f}%; {attention_source(gpu)}")
+                  f"leave-one-model-out error up to {100 * band:.0f}%; {attention_source(gpu)}; {fsdp_source(gpu)}")
     else:
         source = f"{gpu} data sheet; " + efficiency_sources(gpu, "from the A100 fit to the paper (not measured on a "
                                                            f"{gpu}; run seqpar calibrate there)")
     hw = _sheet_scaled(gpu)
     if gpu in HOPPER:
         hw = replace(hw, gemm_efficiency=hopper_gemm_efficiency())
-    hw = replace(hw, attention_efficiency=FUSED_ATTENTION_EFFICIENCY[attention_kind(gpu)])
+    kind = attention_kind(gpu)
+    hw = replace(hw, attention_efficiency=FUSED_ATTENTION_EFFICIENCY[kind], fsdp_overlap=FSDP_OVERLAP[kind])
     return replace(hw, error_band=band, source=source,
                    name=next(k for k, v in BUILTIN_PROFILES.items() if v == gpu) if gpu in BUILTIN_PROFILES.values()
                    else gpu)
@@ -147,6 +161,8 @@ FIELD_RULES = {
     "gemm_efficiency": ("in (0, 1]", lambda v: 0 < v <= 1),
     "attention_efficiency": ("in (0, 1] (or null: the GEMM efficiency)", lambda v: 0 < v <= 1),
     "comm_overlap": ("in [0, 1] (the share of a collective a GEMM beside it hides)", lambda v: 0 <= v <= 1),
+    "fsdp_overlap": ("in [0, 1] (the share of an FSDP collective a layer's work beside it hides)",
+                     lambda v: 0 <= v <= 1),
     "comm_latency": _NON_NEGATIVE, "layer_overhead": _NON_NEGATIVE, "step_overhead": _NON_NEGATIVE,
     "reserve_fraction": _FRACTION_OPEN,
     "host_bw": _POSITIVE, "host_memory_bytes": _POSITIVE, "host_reserve_fraction": _FRACTION_OPEN,
@@ -200,7 +216,9 @@ def profile_from_json(data: dict, where: str = "profile", name: str = "custom pr
                 "seqpar calibrate measures it)" if "comm_overlap" in missing else "")
         raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}{hint}")
     # fields left out take the A100 sheet's values, except those whose absence means "as another field"
-    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency)
+    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency; fsdp_overlap: comm_overlap, the share a
+    # file measured beside a GEMM)
+    values.setdefault("fsdp_overlap", values["comm_overlap"])
     defaulted = [n for n in PROFILE_FIELDS if n not in values and n not in ("name", "source")
                  and getattr(Hardware(), n) is not None]
     values.setdefault("name", name)
@@ -225,6 +243,17 @@ def load_profile(text: str):
     return profile_from_json(data, where=f"hardware profile {text}", name=path.stem)
 
 
+def profiled_gpu(gpu: str) -> str:
+    """``gpu``'s key when a built-in profile times it (``BUILTIN_PROFILES``); an accelerator with a data sheet but no
+    fitted or measured fractions is refused rather than timed with the A100's (issue 59): a profile file gives it."""
+    key = known_gpu(gpu)
+    if key not in BUILTIN_PROFILES.values():
+        raise AnalysisError(f"accelerator {gpu!r} has a data sheet but no cost-model profile (built in: "
+                            f"{', '.join(BUILTIN_PROFILES.values())}); the A100's fitted fractions would time it "
+                            f"unchecked: give --hardware FILE (seqpar calibrate on a {key} writes one)")
+    return key
+
+
 def hardware_for(profile: str | None, gpu: str = "a100", *, gpus_per_node: int | None = None,
                  memory_gb: float | None = None, peak_tflops: float | None = None,
                  gemm_efficiency: float | None = None, intra_node_gbps: float | None = None,
@@ -232,7 +261,7 @@ def hardware_for(profile: str | None, gpu: str = "a100", *, gpus_per_node: int |
     """The cost model's machine for `seqpar plan`: ``profile`` (built-in name or file), else ``gpu``'s data
     sheet x the A100 fit's achieved fractions; then each value given overrides the profile's (and the
     source says so). Every value given is checked as a profile's is (finite, in range)."""
-    hw = load_profile(profile) if profile else scaled_from_a100(known_gpu(gpu))
+    hw = load_profile(profile) if profile else scaled_from_a100(profiled_gpu(gpu))
     flags = {"gpus_per_node": ("--gpus-per-node", gpus_per_node, 1), "memory_bytes": ("--gpu-memory", memory_gb, 1e9),
              "peak_flops": ("--peak-tflops", peak_tflops, TFLOPS),
              "gemm_efficiency": ("--gemm-efficiency", gemm_efficiency, 1),

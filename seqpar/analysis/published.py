@@ -19,7 +19,7 @@ Sources (read 2026-12-05):
   measured on both H100 80GB (BF16) and A100 80GB at the same model, sequence and GPU count. Throughput in
   tokens/s; FSDP FULL_SHARD over every GPU; "Activation Checkpointing" True is full recompute of every layer.
   The rows measured on one kind only (``_FOUNDRY_FIT``, read 2026-12-06) are not in the set: the fused attention
-  kernel's efficiency is fitted to them (``fit_attention_efficiency``).
+  kernel's efficiency and FSDP's overlap share are fitted to them (``fit_foundry``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ MEGATRON_2021 = ("https://github.com/NVIDIA/Megatron-LM/blob/2e90a342f5/images/c
                  "(README of 2021-04; heads and tp x pp: arXiv 2104.04473 Table 1)")
 MEGATRON_2024 = "https://github.com/NVIDIA/Megatron-LM/blob/main/images/model_table.png (README, Performance)"
 FOUNDRY = "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md"
-PAPER = "arXiv 2205.05198 (the paper: /work/shared/spec/paper.md), Table 5 and Sec. 6.3"
+PAPER = "arXiv 2205.05198 (Korthikanti et al. 2022, the paper seqpar implements), Table 5 and Sec. 6.3"
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ class PublishedRun:
     overlap_grad_reduce: bool = False  # the run reduced gradient buckets during the backward
     overlap_param_gather: bool = False  # the run all-gathered the distributed optimizer's weights in the forward
     tp_comm_overlap: bool = False  # Megatron's --tp-comm-overlap (shapes.ActivationOptions)
-    # settings the source did not print, taken as the planner would: the fastest that fits at the published
-    # layout ("micro_batch": a divisor of the per-rank batch up to 16; "interleave": m dividing L/pp, up to 8)
+    # settings the source did not print (free parameters): the row is predicted at their stated default
+    # (``FREE_DEFAULTS``) and reported with the range over every candidate that fits ("micro_batch": a divisor of
+    # the per-rank batch up to 16; "interleave": m dividing L/pp, up to 8), and judged apart (``error_stats``)
     choose: tuple[str, ...] = ()
     assumed: str = ""  # what the source did not print and this row assumes
 
@@ -160,7 +161,7 @@ _FOUNDRY = [
 
 
 # llm-foundry's rows outside the regression set (measured on one kind only, the same MPT shapes as above, tables
-# "H100 80GB BF16" and "A100 80GB ... (RoCE)"): what ``fit_attention_efficiency`` fits the fused attention kernel's
+# "H100 80GB BF16" and "A100 80GB ... (RoCE)"): what ``fit_foundry`` fits the fused attention kernel's
 # efficiency to, so that the regression set stays out of sample. Per kind: (model, s, GPUs, micro batch, grad
 # accumulation, tokens/s, MFU %, activation checkpointing)
 _FOUNDRY_FIT = {
@@ -212,26 +213,46 @@ def foundry_fit_runs(gpu: str) -> list[PublishedRun]:
     return [_foundry_run(model, seq, gpus, gpu, *rest) for model, seq, gpus, *rest in _FOUNDRY_FIT[gpu]]
 
 
-def fit_attention_efficiency(gpu: str) -> float:
-    """The fused attention kernel's efficiency at which the cost model, on ``gpu``'s built-in profile, best times
-    llm-foundry's flash-attention runs outside the regression set (``foundry_fit_runs``): least squares of
-    log(predicted / published) (``fit.least_squares``, the efficiency through a logistic). ``profiles.
-    FUSED_ATTENTION_EFFICIENCY`` holds the result (tests/test_published.py fits it again)."""
+def fit_foundry(gpu: str, max_seq: int | None = None) -> tuple[float, float]:
+    """(attention_efficiency, fsdp_overlap) at which the cost model, on ``gpu``'s built-in profile, best times
+    llm-foundry's flash-attention FSDP runs outside the regression set (``foundry_fit_runs``): least squares of
+    log(predicted / published) (``fit.least_squares``, each share through a logistic). ``profiles.
+    FUSED_ATTENTION_EFFICIENCY`` and ``profiles.FSDP_OVERLAP`` hold the result (tests/test_published.py fits it
+    again). ``max_seq``: only the runs of sequences up to it (``fit_report``'s check of the long rows)."""
     from seqpar.analysis.fit import least_squares
     from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
 
     base = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == gpu))
-    runs = foundry_fit_runs(gpu)
+    runs = [r for r in foundry_fit_runs(gpu) if max_seq is None or r.shape.seq_len <= max_seq]
 
-    def efficiency(x: float) -> float:
+    def share(x: float) -> float:
         return 1 / (1 + math.exp(-x))
 
     def residuals(x) -> list[float]:
-        hw = replace(base, attention_efficiency=efficiency(x[0]))
+        hw = replace(base, attention_efficiency=share(x[0]), fsdp_overlap=share(x[1]))
         return [math.log1p(compare(r, hw).error) for r in runs]
 
-    (x,), _ = least_squares(residuals, [0.0])
-    return efficiency(x)
+    (attention, overlap), _ = least_squares(residuals, [0.0, 1.0])
+    return share(attention), share(overlap)
+
+
+LONG_SEQ = 8192  # the fit's rows above it: long sequences, where attention is most of the FLOPs
+
+
+def fit_report(gpu: str) -> dict:
+    """The fitted efficiencies of ``gpu``'s built-in profile with the rows they were fitted on (``fit_foundry``):
+    their count, sequences and median |error| after the fit, and the fit again without the rows above ``LONG_SEQ``,
+    so that a reader sees whether the long-sequence rows are what the attention efficiency absorbs."""
+    from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
+
+    hw = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == gpu))
+    runs = foundry_fit_runs(gpu)
+    short = fit_foundry(gpu, max_seq=LONG_SEQ)
+    return {"gpu": gpu, "attention_efficiency": hw.attention_efficiency, "fsdp_overlap": hw.fsdp_overlap,
+            "rows": len(runs), "long_rows": sum(r.shape.seq_len > LONG_SEQ for r in runs),
+            "seq": [min(r.shape.seq_len for r in runs), max(r.shape.seq_len for r in runs)],
+            "median_abs_error": statistics.median(abs(compare(r, hw).error) for r in runs),
+            "without_long_rows": {"attention_efficiency": short[0], "fsdp_overlap": short[1]}}
 
 
 def megatron_2021_runs() -> list[PublishedRun]:
@@ -259,7 +280,8 @@ def megatron_2024_runs() -> list[PublishedRun]:
             choose=("micro_batch", "interleave"),
             assumed="untied output layer (the parameter counts say so), no recompute, fused attention, dropout 0; "
                     "micro batch and interleaving not printed (PP overlap 'enabled by default' is the interleaved "
-                    "schedule's): the fastest that fits, as the planner chooses"))
+                    "schedule's): predicted at micro batch 1 without interleaving, with the range over every "
+                    "micro batch and interleave that fits"))
     return out
 
 
@@ -273,46 +295,68 @@ def published_runs() -> list[PublishedRun]:
     return paper_runs() + megatron_2021_runs() + megatron_2024_runs() + foundry_runs()
 
 
+# a free parameter's stated default: the value a row that does not print it is predicted at
+FREE_DEFAULTS = {"micro_batch": 1, "interleave": 1}
+
+
 @dataclass
 class Comparison:
-    """One run: the published seconds and the cost model's, and whether the published layout fits."""
+    """One run: the published seconds and the cost model's, and whether the published layout fits. A run with free
+    parameters (``PublishedRun.choose``) is predicted at their stated default (``FREE_DEFAULTS``), and ``range_s``
+    spans every candidate that fits; otherwise both ends are the prediction."""
 
     run: PublishedRun
-    layout: str  # the published layout, with the settings ``run.choose`` names filled in
+    layout: str  # the published layout, with the free settings at their defaults
     published_s: float
     predicted_s: float
     fits: bool
     memory_bytes: float
     usable_bytes: float
     terms: dict[str, float] = field(default_factory=dict)
+    range_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def error(self) -> float:
         return self.predicted_s / self.published_s - 1
+
+    @property
+    def error_range(self) -> tuple[float, float]:
+        return self.range_s[0] / self.published_s - 1, self.range_s[1] / self.published_s - 1
 
     def to_json(self) -> dict:
         r = self.run
         return {"name": r.name, "source": r.source, "link": r.link, "gpu": r.gpu, "gpus": r.gpus,
                 "layout": self.layout, "global_batch": r.global_batch, "published_s": self.published_s,
                 "published_mfu": r.published_mfu, "predicted_s": self.predicted_s, "error": self.error,
+                "free_parameters": {k: FREE_DEFAULTS[k] for k in r.choose}, "predicted_range_s": list(self.range_s),
+                "error_range": list(self.error_range),
                 "fits": self.fits, "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes,
                 "assumed": r.assumed, "time_terms": self.terms}
 
 
 def compare(run: PublishedRun, hw=None) -> Comparison:
-    """The cost model's seconds for the published layout on the GPU's built-in profile (or ``hw``)."""
+    """The cost model's seconds for the published layout on the GPU's built-in profile (or ``hw``): its free
+    settings at their defaults, and the range over the candidates that fit (else over all that run)."""
     from seqpar.analysis.planner import Request, evaluate, parse_plan
     from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
 
     hw = hw or builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == run.gpu))
     req = Request(run.shape, run.gpus, run.global_batch, hw=hw, opts=run.opts(), opt=run.optimizer())
-    evs = [evaluate(req, plan) for plan in candidates(run, parse_plan(run.layout, run.gpus))]
+    plan = parse_plan(run.layout, run.gpus)
+    evs = [evaluate(req, p) for p in candidates(run, plan)]
     runnable = [e for e in evs if not e.error]
     if not runnable:
         raise ValueError(f"{run.name}: {evs[0].error}")
-    ev = min(runnable, key=lambda e: (not e.fits, e.time.total))  # the fastest that fits (else the fastest)
+    spread = [e.time.total for e in runnable if e.fits] or [e.time.total for e in runnable]
+    ev = next((e for e in runnable if _at_defaults(run, e.plan)), runnable[0])
     return Comparison(run, ev.plan.label, published_seconds(run), ev.time.total, ev.fits, ev.memory_bytes,
-                      ev.usable_bytes, dict(ev.time.terms))
+                      ev.usable_bytes, dict(ev.time.terms), (min(spread), max(spread)))
+
+
+def _at_defaults(run: PublishedRun, plan) -> bool:
+    """Whether ``plan`` holds every free setting of ``run`` at its stated default (``FREE_DEFAULTS``)."""
+    values = {"micro_batch": plan.micro_batch, "interleave": plan.par.interleave}
+    return all(values[k] == FREE_DEFAULTS[k] for k in run.choose)
 
 
 def candidates(run: PublishedRun, plan):
@@ -330,8 +374,12 @@ def candidates(run: PublishedRun, plan):
 
 
 def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
-    """Median and worst |error| per group: H100, A100 (every A100 row), the paper's rows, A100 outside them."""
+    """Median and worst |error| per group: every H100 row (free settings at their defaults), the H100 rows without
+    free parameters (where the model is judged), those with them (at the defaults); every A100 row, the paper's,
+    A100 outside them."""
     groups = {"H100": [r for r in rows if r.run.kind == "H100"],
+              "H100 without free parameters": [r for r in rows if r.run.kind == "H100" and not r.run.choose],
+              "H100 free, at mb 1 m 1": [r for r in rows if r.run.kind == "H100" and r.run.choose],
               "A100": [r for r in rows if r.run.kind == "A100"],
               "A100 paper": [r for r in rows if r.run.source == "paper"],
               "A100 outside the fit": [r for r in rows if r.run.kind == "A100" and r.run.source != "paper"]}
@@ -340,8 +388,15 @@ def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
                 "mean_error": statistics.fmean(r.error for r in v)} for k, v in groups.items() if v}
 
 
-# The band CI keeps (tests/test_published.py): (median, worst) |error| per group of ``error_stats``: the issue's
-# targets (issue 49: H100 median <= 8%, worst <= 20%; A100 median <= 8%, paper rows <= 5%). The A100 worst is where
-# the model stands, so a change that makes it worse fails: MPT-30B at s 8192 is 26% fast on A100 (18% on H100), a
-# run the next-larger and next-smaller sequences of the same model (-4%, +1%) do not explain.
-REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.30), "H100": (0.08, 0.20)}
+# The band CI keeps (tests/test_published.py) and ``seqpar bench published`` prints as its target, one owner:
+# (median, worst) |error| per group of ``error_stats``. The issue's targets (issue 49: H100 median <= 8%, worst
+# <= 20%; A100 median <= 8%, paper rows <= 5%) judge the rows without free parameters (issue 59: a row whose micro
+# batch and interleave are chosen "fastest that fits" is also chosen least wrong, as the model errs slow). The
+# others are where the model stands, so a change that makes them worse fails: the A100 worst is MPT-30B at s 8192,
+# 24% fast on A100 (15% on H100), a run the next-larger and next-smaller sequences of the same model (-4%, +1%) do not
+# explain; Megatron's 2024 H100 rows at micro batch 1 without interleaving err slow by a median 22%, worst 53%
+# (GPT 32B): with --overlap-grad-reduce / --overlap-param-gather the model hides the distributed optimizer's
+# reduce-scatter and all-gather under one microbatch's backward and forward, at micro batch 1 a quarter of micro
+# batch 4's (32B: 0.42 s exposed at mb 1, none at mb 4; ``compare``'s range, +1%..+53%, says which the run was).
+REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.25), "H100 without free parameters": (0.08, 0.20),
+                   "H100 free, at mb 1 m 1": (0.22, 0.53)}

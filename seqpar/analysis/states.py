@@ -180,12 +180,6 @@ def bucket_layout(sizes: list[tuple[str, int]], bucket_bytes: int = BUCKET_BYTES
     return [(n, expert) for n, expert in buckets]
 
 
-def bucket_numels(sizes: list[tuple[str, int]], bucket_bytes: int = BUCKET_BYTES,
-                  alone: tuple[str, ...] = ()) -> list[int]:
-    """Elements of each flat fp32 gradient bucket (``bucket_layout``)."""
-    return [n for n, _ in bucket_layout(sizes, bucket_bytes, alone)]
-
-
 def shard_elements(numel: int, world: int, rank: int) -> int:
     """Real (not padding) elements of rank ``rank``'s 1/world shard of a bucket padded to a multiple of world."""
     size = -(-numel // world)

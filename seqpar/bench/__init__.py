@@ -10,6 +10,8 @@ import argparse
 import importlib
 import json
 
+from seqpar.settings import add
+
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "table4": ("seqpar.bench.table4", "the paper's Table 4: one layer's fwd/bwd time per recompute/SP mode, t=2 "
                "(--device cuda: the 22B layer, t=1)"),
@@ -42,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     for name, (module, help_text) in BENCHMARKS.items():
         q = sub.add_parser(name, help=help_text, description=help_text)
-        q.add_argument("--json", action="store_true", help="print one JSON object")
-        q.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke test, not a result)")
+        add(q, "--json", help="print one JSON object")
+        add(q, "--quick", help="tiny sizes, one repeat (a smoke test, not a result)")
         q.add_argument("--out", metavar="FILE", help="also write the JSON object to FILE (an existing file is "
                        "replaced only when it is a benchmark result)")
         importlib.import_module(module).add_arguments(q)

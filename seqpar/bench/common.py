@@ -18,28 +18,29 @@ from seqpar.measure.meter import SavedTensorMeter
 from seqpar.parallel import comm
 from seqpar.parallel.comm import MAX, all_reduce
 from seqpar.parallel.launch import default_device
+from seqpar.settings import add
 
 
 def add_shape_arguments(p, hidden: int, heads: int, seq: int, micro_batch: int, layers: int | None = None,
                         vocab: int | None = None) -> None:
     """The model shape flags every benchmark takes (``--layers``, ``--vocab`` where it has them)."""
-    p.add_argument("--hidden", type=int, default=hidden)
-    p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--seq", type=int, default=seq)
-    p.add_argument("--micro-batch", type=int, default=micro_batch)
+    add(p, "--hidden", default=hidden, help=None)
+    add(p, "--heads", default=heads, help=None)
+    add(p, "--seq", default=seq, help=None)
+    add(p, "--micro-batch", default=micro_batch, help=None)
     if layers is not None:
-        p.add_argument("--layers", type=int, default=layers)
+        add(p, "--layers", default=layers, help=None)
     if vocab is not None:
-        p.add_argument("--vocab", type=int, default=vocab)
+        add(p, "--vocab", default=vocab, help=None)
 
 
 def add_timing_arguments(p, repeats: int, warmup: int) -> None:
-    p.add_argument("--repeats", type=int, default=repeats)
+    add(p, "--repeats", default=repeats, help=None)
     p.add_argument("--warmup", type=int, default=warmup)
 
 
 def add_compile_argument(p) -> None:
-    p.add_argument("--compile", action="store_true",
+    add(p, "--compile", action="store_true",
                    help="also time the models with torch.compile'd attention cores and MLPs (seqpar.model.compile); "
                         "compile time is reported once, apart from the step times")
 

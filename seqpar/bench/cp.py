@@ -18,24 +18,25 @@ import time
 import torch
 
 from seqpar.bench.common import machine, max_over_ranks, median
+from seqpar.settings import add
 
 QUICK = {"hidden": 64, "heads": 4, "kv_heads": 2, "seq": 32, "micro_batch": 1, "repeats": 1, "warmup": 0,
          "cps": "2,4"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--attention", choices=["sdpa", "materialized"], default="sdpa")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--repeats", type=int, default=5)
+    add(p, "--hidden", default=512, help=None)
+    add(p, "--heads", default=8, help=None)
+    add(p, "--kv-heads", default=2, help=None)
+    add(p, "--seq", default=2048, help=None)
+    add(p, "--micro-batch", default=1, help=None)
+    add(p, "--attention", choices=["sdpa", "materialized"], default="sdpa", help=None)
+    add(p, "--dtype", choices=["fp32", "bf16"], default="fp32", help=None)
+    add(p, "--repeats", default=5, help=None)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cps", default="2,4", help="the cp sizes, comma-separated (default %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one rank per GPU")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (cpu)")
+    add(p, "--threads", default=1, help="torch threads per rank (cpu)")
 
 
 def kinds(cp: int) -> list[dict]:

@@ -22,6 +22,7 @@ import torch
 
 from seqpar.bench.common import add_shape_arguments, add_timing_arguments, machine, max_over_ranks, median
 from seqpar.bench.sharding import render_sharding, run_sharding
+from seqpar.settings import add
 
 QUICK = {"hidden": 32, "heads": 4, "seq": 16, "micro_batch": 1, "layers": 2, "vocab": 64, "repeats": 1,
          "warmup": 1, "bucket_mb": 0.01}
@@ -31,11 +32,11 @@ MODES = ("after_backward", "overlapped")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shape_arguments(p, hidden=256, heads=8, seq=128, micro_batch=2, layers=4, vocab=2048)
     add_timing_arguments(p, repeats=5, warmup=1)
-    p.add_argument("--microbatches", type=int, default=2, help="per dp rank and step")
+    add(p, "--microbatches", default=2, help="per dp rank and step")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="MiB of fp32 gradients per bucket")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--distributed-optimizer", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add(p, "--dtype", choices=["fp32", "bf16"], default="fp32", help=None)
+    add(p, "--distributed-optimizer", action="store_true", help=None)
+    add(p, "--threads", default=1, help="torch threads per rank")
     p.add_argument("--sharding-dps", default="2,4",
                    help="dp sizes of the plain DP / distributed optimizer / FSDP comparison ('' skips it)")
 

@@ -30,6 +30,7 @@ from seqpar.bench.plain_llama import Block, PlainLlama, rope_angles
 from seqpar.config import ARCH_FIELDS, ModelConfig
 from seqpar.parallel.launch import default_device
 from seqpar.selftest.correctness import sync
+from seqpar.settings import add
 from seqpar.train.perf import device_name, gemm_probe, spec_sheet_key
 
 LAYER = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "seq": 8192}  # Llama-3-8B, b = 1
@@ -42,10 +43,10 @@ TARGETS = {"layer_mfu_sheet": 0.55, "model_mfu_sheet": 0.45, "vs_compiled_plain"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small", action="store_true", help="the small shapes (the default on a CPU)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on a GPU, fp32 on a CPU")
-    p.add_argument("--repeats", type=int, default=None, help="timed layer passes (default 10 on a GPU, 2 on a CPU)")
+    add(p, "--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 on a GPU, fp32 on a CPU")
+    add(p, "--repeats", default=None, help="timed layer passes (default 10 on a GPU, 2 on a CPU)")
     p.add_argument("--steps", type=int, default=None, help="model steps, the first 2 untimed (default 8; CPU 3)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+    add(p, "--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile (seqpar's fused layer and the plain compiled variants; default: on a GPU only)")
     p.add_argument("--parts", default="layer,model", choices=["layer,model", "layer", "model"],
                    help="which of (a) the layer and (b, c) the model to run (benchmarks/gpu/acceptance.sh: layer)")

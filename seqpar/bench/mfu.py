@@ -16,6 +16,7 @@ from seqpar.bench import common
 from seqpar.bench.single import batch, step
 from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
+from seqpar.settings import add
 
 QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 1, "vocab": 128, "gemm": 256,
          "gemm_repeats": 1, "repeats": 1, "warmup": 0, "dtype": ["bf16", "fp32"]}
@@ -23,9 +24,9 @@ QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 1, "vo
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_shape_arguments(p, hidden=2048, heads=16, seq=256, micro_batch=4, layers=2, vocab=8192)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], nargs="+", default=["bf16"],
+    add(p, "--dtype", choices=["bf16", "fp32"], nargs="+", default=["bf16"],
                    help="one step per dtype, each against its own GEMM peak; the first is the headline")
-    p.add_argument("--dropout", type=float, default=0.1)
+    add(p, "--dropout", default=0.1, help=None)
     p.add_argument("--gemm", type=int, default=4096, help="n of the square GEMM for the peak")
     p.add_argument("--gemm-repeats", type=int, default=10, help="GEMM peak: best of this many, taken "
                    "before and after the steps (default %(default)s)")

@@ -4,6 +4,10 @@ What a user would write from the papers with nothing but ``torch``: ``nn.Linear`
 ``F.rms_norm``, rotary embeddings (rotate-half), one ``scaled_dot_product_attention`` call with grouped-query
 attention in the kernel, SwiGLU, an untied output layer and ``F.cross_entropy`` on fp32 logits. No
 parallelism, no recompute. Eager, or ``torch.compile``d one block at a time (as torchtitan does).
+
+Packed documents, written plainly (``seqpar.bench.plain_gpt.packed_documents`` makes the tensors from the
+ids): the SDPA call takes the documents' mask (a query sees the keys of its own document at or before it)
+in place of the causal one, and the rotary angles are those of each token's position inside its document.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ def rope_angles(s: int, d: int, theta: float, device) -> tuple[torch.Tensor, tor
     freqs = torch.outer(torch.arange(s, device=device).float(), inv)  # [s, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [s, d]
     return emb.cos(), emb.sin()
+
+
+def document_angles(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The angles ``[s, d]`` read at packed documents' ``positions [b, s]`` (each token's place in its document)
+    → ``[b, 1, s, d]`` each, broadcasting over the heads."""
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [b, heads, s, d]
@@ -37,21 +47,27 @@ class Block(nn.Module):
         self.w13 = nn.Linear(h, 2 * ffn, **kw)
         self.w2 = nn.Linear(ffn, h, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [b, s, h]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:  # x [b, s, h]
+        """``cos``, ``sin``: ``[s, d]``, or packed documents' ``[b, 1, s, d]`` (``document_angles``); ``allowed
+        [b, s, s]``: packed documents' attention mask in place of the causal one."""
         b, s, _ = x.shape
         q, k, v = self.wqkv(F.rms_norm(x, x.shape[-1:], self.norm1, self.eps)).split(
             [self.heads * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
         q = rotate(q.view(b, s, self.heads, self.d).transpose(1, 2), cos, sin)  # [b, heads, s, d]
         k = rotate(k.view(b, s, self.kv, self.d).transpose(1, 2), cos, sin)  # [b, kv, s, d]
         v = v.view(b, s, self.kv, self.d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv < self.heads)
+        mask = None if allowed is None else allowed.unsqueeze(1)  # [b, 1, s, s]: the same for every head
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.kv < self.heads)  # [b, heads, s, d]
         x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))  # [b, s, h]
         gate, up = self.w13(F.rms_norm(x, x.shape[-1:], self.norm2, self.eps)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
 
 class PlainLlama(nn.Module):
-    """``layers`` blocks, embedding and untied head; ``forward(tokens, labels)`` is the mean loss."""
+    """``layers`` blocks, embedding and untied head; ``forward(tokens, labels)`` is the mean loss over the
+    labels not ignored."""
 
     def __init__(self, vocab: int, h: int, heads: int, kv_heads: int, ffn: int, layers: int, seq: int,
                  dtype=torch.bfloat16, device=None, theta: float = 500000.0, eps: float = 1e-5):
@@ -114,9 +130,17 @@ class PlainLlama(nn.Module):
         for block in self.blocks:
             block.compile()
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # [b, s] each
-        x = self.embed(tokens)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:  # tokens, labels [b, s]
+        """``positions [b, s]`` and ``allowed [b, s, s]``: packed documents (``plain_gpt.packed_documents``);
+        with ``labels`` the mean cross entropy over the labels not ignored (-100), else the logits ``[b, s, v]``."""
+        s = tokens.shape[1]
+        cos, sin = (self.cos[:s], self.sin[:s]) if positions is None else document_angles(self.cos, self.sin,
+                                                                                          positions)
+        x = self.embed(tokens)  # [b, s, h]
         for block in self.blocks:
-            x = block(x, self.cos, self.sin)
+            x = block(x, cos, sin, allowed)
         logits = self.head(F.rms_norm(x, x.shape[-1:], self.norm, self.eps))  # [b, s, v]
+        if labels is None:
+            return logits
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())

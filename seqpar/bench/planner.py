@@ -36,6 +36,7 @@ from pathlib import Path
 
 from seqpar.analysis.calibration import CLOSED_LOOP_TARGET
 from seqpar.bench import common
+from seqpar.settings import add
 
 LAYOUTS = ["tp=2,sp=off,recompute=none", "tp=2,sp=on,recompute=selective", "tp=2,sp=on,recompute=full",
            "tp=1,dp=2,recompute=none", "tp=1,pp=2,recompute=full"]
@@ -45,16 +46,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, default=2, help="local ranks (default %(default)s)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    add(p, "--nproc", default=2, help="local ranks (default %(default)s)")
+    add(p, "--layers", default=4, help=None)
+    add(p, "--hidden", default=256, help=None)
+    add(p, "--heads", default=4, help=None)
+    add(p, "--seq", default=128, help=None)
+    add(p, "--micro-batch", default=4, help=None)
+    add(p, "--global-batch", default=8, help=None)
+    add(p, "--dtype", choices=["fp32", "bf16"], default="fp32", help=None)
     p.add_argument("--steps", type=int, default=12, help="training steps per layout (default %(default)s)")
-    p.add_argument("--log-every", type=int, default=3, help="steps per timing window (default %(default)s)")
+    add(p, "--log-every", default=3, help="steps per timing window (default %(default)s)")
     p.add_argument("--rounds", type=_positive, default=3,
                    help="rounds of the layouts, a calibration before the first and after each (default %(default)s)")
     p.add_argument("--size", choices=["quick", "full"], default="full", help="calibration sizes")

@@ -18,6 +18,7 @@ import torch
 
 from seqpar.bench import common
 from seqpar.parallel.launch import default_device
+from seqpar.settings import add
 from seqpar.train import checkpoint as ckpt
 
 QUICK = {"megabytes": 4.0, "tensors": 4, "repeats": 1}
@@ -26,7 +27,7 @@ QUICK = {"megabytes": 4.0, "tensors": 4, "repeats": 1}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megabytes", type=float, default=256.0, help="MiB of fp32 state (default %(default)s)")
     p.add_argument("--tensors", type=int, default=16, help="split into this many tensors (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="saves of each kind (default %(default)s)")
+    add(p, "--repeats", default=3, help="saves of each kind (default %(default)s)")
     p.add_argument("--device", help="where the state lives (default: the accelerator, else cpu)")
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from seqpar.bench.common import machine
+from seqpar.settings import add
 
 QUICK = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 160, "vocab": 250, "seq": 16}
 TARGET_STATE, TARGET_PEAK = 0.02, 0.25
@@ -40,16 +41,16 @@ TP = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (2 × dp ranks in all)")
-    p.add_argument("--distributed-optimizer", action="store_true",
-                   help="shard the fp32 masters and Adam moments over the dp ranks (seqpar/train/dist_optim.py)")
+    add(p, "--hidden", default=4096, help=None)
+    add(p, "--heads", default=32, help=None)
+    add(p, "--kv-heads", default=8, help=None)
+    add(p, "--ffn", default=14336, help=None)
+    add(p, "--layers", default=2, help=None)
+    add(p, "--vocab", default=32000, help=None)
+    add(p, "--seq", default=256, help=None)
+    add(p, "--dp", default=1, help="data-parallel ranks (2 × dp ranks in all)")
+    add(p, "--distributed-optimizer", action="store_true",
+        help="shard the fp32 masters and Adam moments over the dp ranks (seqpar/train/dist_optim.py)")
     p.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint")
 

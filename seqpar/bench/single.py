@@ -15,14 +15,15 @@ from seqpar.bench.plain_gpt import GPT
 from seqpar.config import ModelConfig
 from seqpar.model import build_model
 from seqpar.parallel.sharding import full_state_dict
+from seqpar.settings import add
 
 QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 2, "vocab": 128, "repeats": 1, "warmup": 0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_shape_arguments(p, hidden=1024, heads=16, seq=512, micro_batch=2, layers=2, vocab=8192)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--dropout", type=float, default=0.1)
+    add(p, "--dtype", choices=["bf16", "fp32"], default="bf16", help=None)
+    add(p, "--dropout", default=0.1, help=None)
     common.add_timing_arguments(p, repeats=7, warmup=2)
     common.add_compile_argument(p)
 

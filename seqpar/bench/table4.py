@@ -32,6 +32,7 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan, checkpoint
+from seqpar.settings import add
 
 # name: (sequence parallel, recompute granularity, selective modules, sdpa core with attention dropout 0)
 ROWS = {"baseline": (False, "none", (), False), "sp": (True, "none", (), False), "full": (False, "full", (), False),
@@ -47,11 +48,11 @@ SHAPES = {"cpu": {"hidden": 3072, "heads": 32, "seq": 1024, "micro_batch": 1, "t
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu (t ranks on gloo) or an accelerator such as cuda (t = 1, this process); default cpu")
-    p.add_argument("--tp", type=int, default=None, help="default 2 on cpu, 1 on an accelerator")
+    add(p, "--tp", default=None, help="default 2 on cpu, 1 on an accelerator")
     common.add_shape_arguments(p, hidden=0, heads=0, seq=0, micro_batch=0)
     p.set_defaults(hidden=None, heads=None, seq=None, micro_batch=None)  # per device: SHAPES
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16")
-    p.add_argument("--dropout", type=float, default=0.1)
+    add(p, "--dtype", choices=["bf16", "fp32"], default=None, help="default bf16")
+    add(p, "--dropout", default=0.1, help=None)
     common.add_timing_arguments(p, repeats=5, warmup=1)
     p.add_argument("--profile", action="store_true", help="print rank 0's per-op profile of each row")
     common.add_compile_argument(p)

@@ -25,15 +25,16 @@ from seqpar.parallel.comm import all_reduce, split_seq
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
+from seqpar.settings import add
 
 QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 2, "repeats": 1, "warmup": 0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    add(p, "--tp", nargs="+", default=[2, 4], help=None)
     common.add_shape_arguments(p, hidden=1024, heads=16, seq=512, micro_batch=1, layers=2)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--dropout", type=float, default=0.0, help="0 by default (see the module docstring)")
+    add(p, "--dtype", choices=["bf16", "fp32"], default="bf16", help=None)
+    add(p, "--dropout", default=0.0, help="0 by default (see the module docstring)")
     common.add_timing_arguments(p, repeats=7, warmup=2)
     common.add_compile_argument(p)
 

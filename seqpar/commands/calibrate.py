@@ -8,15 +8,17 @@ import json
 import sys
 from pathlib import Path
 
+from seqpar.settings import add
+
 PROFILE_KEYS = ("name", "source", "layer_overhead", "step_overhead")  # a profile's: what --out may replace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, help="local ranks (default: every accelerator, or 2 on a CPU)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="the training dtype of the GEMM sweep and element-wise ops (default %(default)s)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (a smoke test, not a profile)")
-    p.add_argument("--json", action="store_true", help="print the profile (with its measurements) as JSON")
+    add(p, "--nproc", help="local ranks (default: every accelerator, or 2 on a CPU)")
+    add(p, "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+        help="the training dtype of the GEMM sweep and element-wise ops (default %(default)s)")
+    add(p, "--quick", help="tiny sizes, few repeats (a smoke test, not a profile)")
+    add(p, "--json", help="print the profile (with its measurements) as JSON")
     p.add_argument("--out", type=Path, metavar="FILE", help="write the profile to FILE (for plan --hardware; "
                    "an existing file is replaced only when it is a profile)")
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import argparse
 
 from seqpar.commands.checkpoint_arg import add_checkpoint_argument, checkpoint_of
+from seqpar.settings import add
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_argument(p)  # `export-hf DIR` or `export-hf --checkpoint DIR`
     p.add_argument("--out", required=True, help="folder to write (required): new or empty, or an earlier export "
                    "with --overwrite")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (its own files only; "
-                   "a folder holding anything else is refused)")
+    add(p, "--overwrite", help="replace an earlier export in --out (its own files only; "
+        "a folder holding anything else is refused)")
 
 
 def run(args) -> int:

@@ -10,16 +10,16 @@ import json
 from seqpar.config import (
     ACTIVATIONS,
     ARCH_FIELDS,
-    ATTENTIONS,
-    CP_COMM_TYPES,
     NORMS,
     OFFLOAD_MODULES,
     POSITIONS,
-    RECOMPUTE_GRANULARITIES,
     RECOMPUTE_MODULES,
     ConfigError,
     ModelConfig,
 )
+from seqpar.measure.table2_text import bytes_or_dash as _human
+from seqpar.measure.table2_text import dropouts, render_rows
+from seqpar.settings import add
 
 # the model without --model (a preset's shape replaces these, and any flag given overrides either)
 SHAPE_DEFAULTS = {"hidden": 512, "heads": 8, "seq": 256, "vocab": 512, "ffn": None, "kv_heads": None, "arch": "gpt"}
@@ -28,35 +28,34 @@ SHAPE_DEFAULTS = {"hidden": 512, "heads": 8, "seq": 256, "vocab": 512, "ffn": No
 def add_model_arguments(p: argparse.ArgumentParser, **defaults) -> None:
     d = {"layers": 1, "micro_batch": 2, "dtype": "bf16"} | defaults
     g = p.add_argument_group("model (paper notation)")
-    g.add_argument("--model", metavar="PRESET", help="a `seqpar plan` preset's shape (22b, gpt3-6.7b, llama3-8b, ...); "
-                   "the flags below override it (default: none, the defaults below)")
-    g.add_argument("--layers", type=int, default=d["layers"], help="L (default %(default)s)")
+    add(g, "--model", help="a `seqpar plan` preset's shape (22b, gpt3-6.7b, llama3-8b, ...); "
+        "the flags below override it (default: none, the defaults below)")
+    add(g, "--layers", default=d["layers"], help="L (default %(default)s)")
     for flag, name in (("hidden", "h"), ("heads", "a"), ("seq", "s"), ("vocab", "v")):
-        g.add_argument(f"--{flag}", type=int, help=f"{name} (default: the preset's, else {SHAPE_DEFAULTS[flag]})")
-    g.add_argument("--micro-batch", type=int, default=d["micro_batch"], help="b (default %(default)s)")
-    g.add_argument("--ffn", type=int, help="FFN width f (default: the preset's, else 4h)")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
-    g.add_argument("--dropout", type=float, default=None,
-                   help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
-                        "as in `seqpar plan` and `seqpar paper`)")
+        add(g, f"--{flag}", help=f"{name} (default: the preset's, else {SHAPE_DEFAULTS[flag]})")
+    add(g, "--micro-batch", default=d["micro_batch"], help="b (default %(default)s)")
+    add(g, "--ffn", help="FFN width f (default: the preset's, else 4h)")
+    add(g, "--dtype", choices=["fp32", "bf16"], default=d["dtype"], help="activations (default %(default)s)")
+    add(g, "--dropout", default=None,
+        help="attention and hidden dropout; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
+        "as in `seqpar plan` and `seqpar paper`)")
     a = p.add_argument_group("architecture (default: the paper's GPT)")
-    a.add_argument("--arch", choices=["gpt", "llama"],
-                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: the "
-                        "preset's, else gpt)")
-    a.add_argument("--kv-heads", type=int, default=None,
-                   help="grouped-query attention (default: the preset's, else = heads)")
-    a.add_argument("--attention", choices=ATTENTIONS, default="auto",
-                   help="materialized s² scores (the paper), fused scaled_dot_product_attention, or auto: sdpa "
-                        "where the dropout is 0, else materialized (default %(default)s)")
+    add(a, "--arch", help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: the "
+        "preset's, else gpt)")
+    add(a, "--kv-heads", default=None,
+        help="grouped-query attention (default: the preset's, else = heads)")
+    add(a, "--attention", default="auto",
+        help="materialized s² scores (the paper), fused scaled_dot_product_attention, or auto: sdpa "
+        "where the dropout is 0, else materialized (default %(default)s)")
     a.add_argument("--norm", choices=NORMS, default=None, help="override the --arch's norm (default: the arch's)")
     a.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="override the --arch's MLP activation (default: the arch's)")
     a.add_argument("--position", choices=POSITIONS, default=None,
                    help="override the --arch's positions (default: the arch's)")
     m = p.add_argument_group("mixture of experts (default: a dense MLP)")
-    m.add_argument("--experts", type=int, default=0, help="routed experts E in place of the MLP (default %(default)s)")
-    m.add_argument("--top-k", type=int, default=2, help="experts per token K (default %(default)s)")
-    m.add_argument("--moe-ffn", type=int, default=None, help="each expert's width (default: --ffn)")
+    add(m, "--experts", default=0, help="routed experts E in place of the MLP (default %(default)s)")
+    add(m, "--top-k", default=2, help="experts per token K (default %(default)s)")
+    add(m, "--moe-ffn", default=None, help="each expert's width (default: --ffn)")
     m.add_argument("--capacity", type=float, default=0.0,
                    help="capacity factor c: each expert takes ceil(c·T·K/E) of a rank's T tokens (default 0: dropless)")
 
@@ -100,38 +99,38 @@ def model_from_args(args) -> ModelConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="run the layer on --tp local gloo ranks and measure")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size t (default %(default)s)")
-    p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
-    p.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="ring",
-                   help="context parallelism's exchange: ring, a2a (all-to-all from sequence to heads) or a2a+ring "
-                        "(default %(default)s)")
-    p.add_argument("--cp-a2a-size", type=int, default=0, help="a2a+ring: the all-to-all group K (divides cp)")
-    p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
-    p.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, default="none",
-                   help="activation recomputation (default %(default)s)")
+    add(p, "--tp", default=1, help="tensor-parallel size t (default %(default)s)")
+    add(p, "--cp", default=1,
+        help="context-parallel size: the layer holds s/cp tokens, ring attention (default %(default)s)")
+    add(p, "--cp-comm-type", default="ring",
+        help="context parallelism's exchange: ring, a2a (all-to-all from sequence to heads) or a2a+ring "
+        "(default %(default)s)")
+    add(p, "--cp-a2a-size", default=0, help="a2a+ring: the all-to-all group K (divides cp)")
+    add(p, "--sp", action="store_true", help="sequence parallelism")
+    add(p, "--ep", default=1,
+        help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
+    add(p, "--recompute", default="none",
+        help="activation recomputation (default %(default)s)")
     p.add_argument("--recompute-modules", default="", metavar="M1,M2",
                    help=f"with --recompute selective: any of {','.join(RECOMPUTE_MODULES)} "
                         "(default core_attention, the paper's)")
-    p.add_argument("--offload-modules", default="", metavar="M1,M2",
-                   help=f"activation offloading: any of {','.join(OFFLOAD_MODULES)}; the bytes are then the device's, "
-                        "and the host's are reported beside them (default none)")
+    add(p, "--offload-modules", type=str, default="", metavar="M1,M2",
+        help=f"activation offloading: any of {','.join(OFFLOAD_MODULES)}; the bytes are then the device's, "
+        "and the host's are reported beside them (default none)")
     p.add_argument("--all", action="store_true",
                    help="the six Table 2 rows for this t (with --recompute selective --recompute-modules "
                         "dropout_mask: each row regenerating its attention dropout mask instead)")
     p.add_argument("--tensors", action="store_true", help="list every saved tensor (with --measure)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add(p, "--json", help="print one JSON object")
     p.add_argument("--loss-chunk-kib", type=int, default=None,
                    help="with --measure: the cross entropy's chunk in KiB of fp32 rows (default: the runtime's, "
                         "32768)")
     g = p.add_argument_group("model states (--states: weights, gradients, optimizer per rank, formula)")
     g.add_argument("--states", action="store_true",
                    help="model states of each pipeline rank under plain DP, the distributed optimizer and FSDP")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default %(default)s)")
-    g.add_argument("--fsdp-shard-size", type=int, default=0,
-                   help="HSDP: shard inside groups of this many dp × cp ranks (default 0: all of them)")
+    add(g, "--dp", default=1, help="data-parallel size (default %(default)s)")
+    add(g, "--fsdp-shard-size", default=0,
+        help="HSDP: shard inside groups of this many dp × cp ranks (default 0: all of them)")
     add_model_arguments(p)
     add_schedule_arguments(p)
 
@@ -139,9 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """Whole-schedule mode (Sec. 4.2.3, 4.3, App. B/C): peak activation bytes of every pipeline stage."""
     g = p.add_argument_group("pipeline schedule (--pp or --microbatches: peak over one step, per stage)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size p (default %(default)s)")
-    g.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: pp)")
-    g.add_argument("--interleave", type=int, default=1, help="m, chunks per pipeline rank (default %(default)s)")
+    add(g, "--pp", default=1, help="pipeline-parallel size p (default %(default)s)")
+    add(g, "--microbatches", default=None, help="microbatches per step (default: pp)")
+    add(g, "--interleave", default=1, help="m, chunks per pipeline rank (default %(default)s)")
     g.add_argument("--keep-outputs", action="store_true",
                    help="do not free a stage's output once sent (App. B off)")
     g.add_argument("--keep-microbatches", type=int, default=0,
@@ -152,18 +151,6 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
         if action.dest == "layers":
             action.help = ("L (default 1; with --pp/--microbatches 2 per pipeline chunk; with --states the "
                            "preset's, else 1 per pipeline chunk)")
-
-
-def _dropouts(cfg: ModelConfig) -> str:
-    """``dropout p``, and the attention dropout where it differs (sdpa takes 0)."""
-    same = cfg.attn_dropout == cfg.hidden_dropout
-    return f"dropout {cfg.hidden_dropout}" + ("" if same else f" (attention dropout {cfg.attn_dropout})")
-
-
-def _human(n: float | None) -> str:
-    from seqpar.analysis.text import human_bytes
-
-    return "-" if n is None else human_bytes(n)
 
 
 def run(args) -> int:
@@ -205,76 +192,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"rows": [r.as_json() for r in rows]} | ({"loss_head": loss.as_json()} if loss else {})))
         return 0
-    s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
-    core = cfg.attention_core + (" (auto)" if cfg.attention == "auto" else "")
-    arch = f"{cfg.arch}: {cfg.norm}, {cfg.activation}, {cfg.position}, kv heads {cfg.num_kv_heads}, {core}"
-    exchange = {"ring": "ring attention", "a2a": "all-to-all (Ulysses)",
-                "a2a+ring": f"all-to-all over {args.cp_a2a_size}, ring across"}[args.cp_comm_type]
-    cp = f", cp={args.cp}: s/cp={s // args.cp} tokens per rank, {exchange}" if args.cp > 1 else ""
-    print(f"one layer, one rank: s={s} b={b} h={h} a={a} f={cfg.ffn} {cfg.dtype}, {_dropouts(cfg)} ({arch}){cp}")
-    w, wr = max(16, *(len(r.row) + 2 for r in rows)), max(10, *(len(r.recompute) + 1 for r in rows))  # columns
-    head = f"{'row':<{w}}{'t':>3} {'sp':<4}{'recompute':<{wr}}{'measured':>14}{'exact':>14}{'formula':>14}"
-    print(head + f"{'meas-exact':>12}{'meas/form':>10}")
-    for r in rows:
-        diff = "-" if r.measured_bytes is None else f"{r.measured_bytes - r.exact_bytes:,.0f}"
-        ratio = "-" if r.measured_bytes is None else f"{r.measured_bytes / r.formula_bytes:.4f}"
-        print(f"{r.row:<{w}}{r.tp:>3} {'on' if r.sp else 'off':<4}{r.recompute:<{wr}}{_human(r.measured_bytes):>14}"
-              f"{_human(r.exact_bytes):>14}{_human(r.formula_bytes):>14}{diff:>12}{ratio:>10}")
-        if args.tensors:
-            for t in r.tensors:
-                print(f"    {t['name']:<28}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
-        if r.offload:
-            diff = "-" if r.host_measured_bytes is None else f"{r.host_measured_bytes - r.host_exact_bytes:,.0f}"
-            print(f"{'  host':<33}{_human(r.host_measured_bytes):>14}{_human(r.host_exact_bytes):>14}{'':>14}"
-                  f"{diff:>12}   offloaded: {','.join(r.offload)}")
-            for t in r.host_tensors if args.tensors else ():
-                print(f"    host {t['name']:<23}{t['dtype']:<10}{str(list(t['shape'])):<22}{t['bytes']:>12,}")
-        if r.recomputed_not_offloaded:
-            names, them = r.recomputed_not_offloaded, "it" if len(r.recomputed_not_offloaded) == 1 else "them"
-            print(f"  not offloaded in this row: {','.join(names)} (recompute {r.recompute} rebuilds {them} on the "
-                  "device)")
-    if offload:
-        print("offloaded (seqpar.recompute.offload): the rows' bytes are the device's; 'host' is what went to host "
-              "memory after the forward (a row's recomputation keeps what it rebuilds off the host).")
-    print("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
-    if cfg.experts:
-        print(f"MoE (E={cfg.experts}, K={cfg.top_k}, ep={args.ep}): formula = balanced routing; exact = the routing "
-              "rank 0 saw (T tokens routed, N assignments kept, R rows its experts ran):")
-        for r in rows:
-            seen = r.routing.get("measured")
-            print(f"  {r.row}: balanced T, N, R = {r.routing['balanced']}"
-                  + (f"; measured {seen}, rows per local expert {r.routing['per_expert']}" if seen else ""))
-    if rows[0].vanished or rows[0].added:
-        print("formula = the per-tensor derivation for this architecture (Table 2 assumes the paper's GPT).")
-    for r in rows:
-        if r.vanished or r.added:
-            print(f"{r.row}: vanished vs the paper's GPT: {', '.join(r.vanished) or '-'}; "
-                  f"added: {', '.join(r.added) or '-'}")
-    if cfg.hidden_dropout == 0:
-        print("dropout 0: no masks" + ("." if cfg.fused_attention else
-                                       ", and attention·V keeps the softmax output itself (2as²b/t, not 5as²b/t)."))
-    if cfg.fused_attention:
-        print(fused_core_note(args.micro_batch))
-    if loss is not None:
-        print(f"cross entropy (bounded, one rank's [{loss.tokens}, {loss.columns}] logits): kept "
-              f"{_human(loss.kept_measured)}"
-              f" measured, {_human(loss.kept_term)} exact; transient beyond the logits and their gradient "
-              f"{_human(loss.transient_measured)} measured, at most {_human(loss.working_term)} by its term (one "
-              f"fp32 chunk {_human(loss.chunk_bytes)} + per-token vectors); an fp32 copy of the logits would be "
-              f"{_human(loss.unbounded_copy)}.")
+    print(render_rows(cfg, rows, args.micro_batch, cp=args.cp, cp_comm_type=args.cp_comm_type,
+                      cp_a2a_size=args.cp_a2a_size, ep=args.ep, offload=offload, tensors=args.tensors, loss=loss))
     return 0
-
-
-def fused_core_note(micro_batch: int, device: str = "cpu") -> str:
-    """What a fused core keeps, and that selective recompute leaves it alone (``analysis.memory.rebuilt``)."""
-    from seqpar.analysis.memory import sdpa_output_is_out_proj_input
-    from seqpar.analysis.shapes import device_kernels
-
-    shared = sdpa_output_is_out_proj_input(micro_batch, device_kernels(device, 2)[0])
-    out = "its output is the out-proj input's storage" if shared else "its output (2sbh/t)"
-    return (f"fused attention (sdpa): no s² terms; it keeps Q, K, V, an fp32 log-sum-exp per row and head, {out}"
-            " (and 16 B of RNG state on CUDA). selective recompute checkpoints nothing in a fused core: its kernel "
-            "recomputes its tiles in its own backward, so a checkpoint would free only the log-sum-exp.")
 
 
 def run_schedule(args) -> int:
@@ -317,7 +237,7 @@ def run_schedule(args) -> int:
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     print(f"one step, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} m={args.interleave} "
           f"n={args.microbatches} recompute={args.recompute} App.B={'on' if free else 'off'} App.C K={keep}: "
-          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, {_dropouts(cfg)}")
+          f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, {dropouts(cfg)}")
     print(f"{'stage':>5}{'measured peak':>16}{'formula':>14}{'exact':>14}{'meas/formula':>14}{'meas-exact':>12}")
     for st in stages:
         m = st.measured_peak_bytes

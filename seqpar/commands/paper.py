@@ -6,16 +6,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from seqpar.settings import add
 
 FIGURES = ("figure1.png", "figure7.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true",
-                   help='print one object {"table2", "figure7", "figure1", "table5", "cost_model"}')
-    p.add_argument("--plot", type=Path, metavar="DIR", help="write figure1.png and figure7.png into DIR "
-                   "(default: none)")
+    add(p, "--json", help='print one object {"table2", "figure7", "figure1", "table5", "cost_model"}')
+    add(p, "--plot", help="write figure1.png and figure7.png into DIR "
+        "(default: none)")
 
 
 def run(args) -> int:

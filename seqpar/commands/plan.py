@@ -9,47 +9,49 @@ import json
 import sys
 from pathlib import Path
 
+from seqpar.settings import add
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model: a preset, or dimensions (which also override a preset's)")
     from seqpar.analysis.presets import TABLE3, preset_names
 
     paper = [k.lower() for k in TABLE3]
-    g.add_argument("--model", help=f"preset: {', '.join(paper)} (Table 3), "
-                   f"{', '.join(n for n in preset_names() if n not in paper)} (default: none; "
-                   "then give --layers --hidden --heads --seq --vocab)")
-    g.add_argument("--layers", type=int, help="L (default: the preset's)")
-    g.add_argument("--hidden", type=int, help="h (default: the preset's)")
-    g.add_argument("--heads", type=int, help="a (default: the preset's)")
-    g.add_argument("--seq", type=int, help="s (default: the preset's)")
-    g.add_argument("--vocab", type=int, help="v (default: the preset's)")
-    g.add_argument("--ffn", type=int, help="FFN width f (default 4h)")
-    g.add_argument("--kv-heads", type=int, help="grouped-query attention: kv heads (default = heads)")
-    g.add_argument("--experts", type=int, help="routed experts in place of every MLP (mixture of experts; the "
-                   "planner then searches ep); default: the preset's, else 0")
-    g.add_argument("--top-k", type=int, help="experts per token (default: the preset's, else 2)")
-    g.add_argument("--moe-ffn", type=int, help="each expert's width (default: --ffn)")
-    g.add_argument("--moe-every", type=int, help="every k-th layer is MoE, the others dense (Qwen-MoE's "
-                   "decoder_sparse_step; default: the preset's, else 1)")
+    add(g, "--model", metavar=None, help=f"preset: {', '.join(paper)} (Table 3), "
+        f"{', '.join(n for n in preset_names() if n not in paper)} (default: none; "
+        "then give --layers --hidden --heads --seq --vocab)")
+    add(g, "--layers", help="L (default: the preset's)")
+    add(g, "--hidden", help="h (default: the preset's)")
+    add(g, "--heads", help="a (default: the preset's)")
+    add(g, "--seq", help="s (default: the preset's)")
+    add(g, "--vocab", help="v (default: the preset's)")
+    add(g, "--ffn", help="FFN width f (default 4h)")
+    add(g, "--kv-heads", help="grouped-query attention: kv heads (default = heads)")
+    add(g, "--experts", help="routed experts in place of every MLP (mixture of experts; the "
+        "planner then searches ep); default: the preset's, else 0")
+    add(g, "--top-k", help="experts per token (default: the preset's, else 2)")
+    add(g, "--moe-ffn", help="each expert's width (default: --ffn)")
+    add(g, "--moe-every", help="every k-th layer is MoE, the others dense (Qwen-MoE's "
+        "decoder_sparse_step; default: the preset's, else 1)")
     g.add_argument("--shared-expert-ffn", type=int, help="width of an always-on shared expert beside the routed "
                    "ones (Qwen2-MoE; default: the preset's, else 0: none)")
     g.add_argument("--shared-expert-gate", action="store_true", default=None,
                    help="the shared expert's output times sigmoid(x · w_g), as Qwen2-MoE (default: the preset's, "
                         "else off)")
-    g.add_argument("--arch", choices=["gpt", "llama"],
-                   help="gpt (the paper's, default) or llama: RMSNorm, SwiGLU, RoPE, no biases, untied output")
+    add(g, "--arch", help="gpt (the paper's, default) or llama: RMSNorm, SwiGLU, RoPE, no biases, untied output")
     g = p.add_argument_group("machine")
     g.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     g.add_argument("--hardware", metavar="PROFILE",
                    help="cost-model profile: a100-80gb (fitted to the paper's measured times), h100-80gb, "
                         "h200-141gb, or a JSON file from `seqpar calibrate` (default: the --gpu's); the flags "
                         "below override its values")
-    g.add_argument("--gpu", default="a100", help="accelerator without --hardware: its data sheet (peak, memory, "
-                                                  "links) x the A100 fit's achieved fractions (default %(default)s)")
+    g.add_argument("--gpu", default="a100", help="accelerator without --hardware: a100, h100 or h200, its data sheet "
+                                                  "(peak, memory, links) x the A100 fit's achieved fractions; another "
+                                                  "is refused: give --hardware FILE (default %(default)s)")
     g.add_argument("--gpus-per-node", type=int, help="(default: the profile's, 8 for GPUs); tp stays within a node")
-    g.add_argument("--gpu-memory", type=float, help="GB per GPU (default: the profile's / the data sheet's)")
-    g.add_argument("--peak-tflops", type=float,
-                   help="peak dense 16-bit TFLOP/s per GPU (overrides the profile; default: the profile's)")
+    add(g, "--gpu-memory", metavar=None, help="GB per GPU (default: the profile's / the data sheet's)")
+    add(g, "--peak-tflops",
+        help="peak dense 16-bit TFLOP/s per GPU (overrides the profile; default: the profile's)")
     g.add_argument("--gemm-efficiency", type=float, help="fraction of peak the GEMMs reach (default: the profile's)")
     g.add_argument("--intra-node-gbps", type=float, help="bus GB/s per GPU in a node (default: the profile's)")
     g.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU across nodes (default: the profile's)")
@@ -57,37 +59,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of memory kept free for fragmentation and workspaces (default: the profile's, "
                         "0.10)")
     g = p.add_argument_group("training")
-    g.add_argument("--global-batch", type=int, help="samples per iteration (default: the preset's Table 3 batch)")
+    add(g, "--global-batch", help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
-    g.add_argument("--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="reduce gradient buckets during the last microbatch's backward (train.overlap_grad_reduce): "
-                        "the cost model charges only what that backward does not cover, plus the last bucket")
+    add(g, "--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    add(g, "--overlap-grad-reduce", action="store_true",
+        help="reduce gradient buckets during the last microbatch's backward (train.overlap_grad_reduce): "
+        "the cost model charges only what that backward does not cover, plus the last bucket")
     g.add_argument("--grad-bucket-mb", type=float, default=None,
                    help="MiB of fp32 gradients per bucket (train.grad_bucket_mb; default: the trainer's)")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="model the distributed optimizer's weight all-gather under the next forward (Megatron's "
                         "--overlap-param-gather; seqpar's trainer gathers after the step, so a plan for it leaves "
                         "this off)")
-    g.add_argument("--fsdp", action="store_true",
-                   help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
+    add(g, "--fsdp", action="store_true",
+        help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
     g.add_argument("--offload", action="store_true",
                    help="also try offloading modules' activations to host memory (keep / recompute / offload per "
                         "module: mlp, norm, core_attention, the layer input), charged the host-link time the compute "
                         "does not hide and limited by the node's host memory")
-    g.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-                   help="training precision: bf16/fp16 mixed precision (18 B/param model states, default) or "
-                        "fp32 throughout (16 B/param, 4-byte activations)")
+    add(g, "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+        help="training precision: bf16/fp16 mixed precision (18 B/param model states, default) or "
+        "fp32 throughout (16 B/param, 4-byte activations)")
     g.add_argument("--activation-bytes", type=int, choices=(2, 4), default=None,
                    help="bytes per activation element (default: 2 for bf16/fp16, 4 for fp32)")
-    g.add_argument("--dropout", type=float, default=None,
-                   help="dropout probability; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
-                        "as in `seqpar memory` and `seqpar paper`)")
+    add(g, "--dropout", default=None,
+        help="dropout probability; 0 removes the masks (default 0.1 for gpt, 0 for llama, "
+        "as in `seqpar memory` and `seqpar paper`)")
     g.add_argument("--no-dropout", action="store_true", help="same as --dropout 0")
-    g.add_argument("--attention", choices=("auto", "materialized", "sdpa"), default="auto",
-                   help="attention core: auto = fused (sdpa: no s² tensors kept, never checkpointed) where the "
-                        "dropout is 0, else the paper's materialized core; sdpa has no attention dropout (--dropout "
-                        "stays at the embedding and hidden sites) (default %(default)s)")
+    add(g, "--attention", default="auto",
+        help="attention core: auto = fused (sdpa: no s² tensors kept, never checkpointed) where the "
+        "dropout is 0, else the paper's materialized core; sdpa has no attention dropout (--dropout "
+        "stays at the embedding and hidden sites) (default %(default)s)")
     g.add_argument("--fused-attention", action="store_true", help="same as --attention sdpa")
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="the device kind the ranks run on: which fused attention kernel and norm-statistic width "
@@ -97,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not free sent stage outputs (App. B off)")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=8, help="plans listed (default %(default)s)")
-    g.add_argument("--json", action="store_true", help='print {"best": PLAN, "plans": [PLAN, ...]}')
+    add(g, "--json", help='print {"best": PLAN, "plans": [PLAN, ...]}')
     g.add_argument("--emit-config", type=Path, metavar="FILE",
                    help="write the best plan (or --explain's) as a TOML file `seqpar train --config FILE` runs "
                         "(default: none)")
@@ -105,12 +107,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --emit-config: write a Slurm batch script that trains it on the plan's nodes (srun "
                         "torchrun, one task per node, rendezvous at the first node, runs/<config name> as the "
                         "output folder, --resume from it when requeued) (default: none)")
-    g.add_argument("--plot", type=Path, metavar="DIR",
-                   help="write plan_memory.png (the best plans' memory) into DIR, or with --explain "
-                        "plan_stages.png (every pipeline rank of that plan); as paper --plot (default: none)")
+    add(g, "--plot", metavar="DIR", help="write plan_memory.png (the best plans' memory) into DIR, or with --explain "
+        "plan_stages.png (every pipeline rank of that plan); as paper --plot (default: none)")
     g.add_argument("--explain", metavar="PLAN",
                    help='e.g. "tp=8,pp=35,m=3,sp=on,recompute=selective,mb=1": memory per stage, time, rank '
                         "(default: none, search)")
+    g = p.add_argument_group("cluster job (--emit-config, --emit-slurm)")
+    g.add_argument("--time", metavar="LIMIT",
+                   help="the job's Slurm time limit (M, H:M:S, D-H:M:S): #SBATCH --time; the script saves and "
+                        "requeues before it (default: none, the partition's)")
+    g.add_argument("--checkpoint-gbps", type=float, default=None,
+                   help="GB/s one node writes checkpoints at: the predicted write, hence save_every and "
+                        "--signal's lead (default: 2, a conservative shared file system)")
 
 
 def _shape(args):
@@ -218,15 +226,20 @@ def _emit(args, req, plan) -> None:
     (``seqpar.analysis.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import SCHEDULE_KEYS, launch_command, nodes_of, plan_toml, slurm_script
+    from seqpar.analysis.emit import SCHEDULE_KEYS, cadence, launch_command, nodes_of, plan_toml, slurm_script
+    from seqpar.analysis.job_time import DEFAULT_WRITE_GBPS, parse_time
     from seqpar.train.config import TrainConfig
 
     defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
+    gbps = DEFAULT_WRITE_GBPS if args.checkpoint_gbps is None else args.checkpoint_gbps
+    saves = cadence(req, plan, gbps)
     script = None if args.emit_slurm is None else \
-        slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}")
+        slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}", saves,
+                     None if args.time is None else parse_time(args.time), str(args.emit_slurm))
     from seqpar.analysis.presets import published_lr
 
-    args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None))
+    args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None,
+                                          saves, gbps))
     where = "" if nodes_of(req.gpus, req.hw.gpus_per_node) == 1 else \
         " on every node (HOST: the first node's address)"
     command = launch_command(req.gpus, req.hw.gpus_per_node, str(args.emit_config))
@@ -254,6 +267,12 @@ def _check_outputs(args) -> None:
 
     if args.emit_slurm is not None and args.emit_config is None:
         raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
+    if args.time is not None:
+        from seqpar.analysis.job_time import parse_time
+
+        if args.emit_slurm is None:
+            raise AnalysisError("--time is the batch script's limit: give it with --emit-slurm FILE")
+        parse_time(args.time)  # refused before the search
     if args.emit_config is not None:
         check_out_file(args.emit_config, "--emit-config", text_starting(HEADER), "a config seqpar plan wrote")
     if args.emit_slurm is not None:  # its second line, after the shebang, is the plan's header
@@ -280,6 +299,8 @@ def run(args) -> int:
                 raise AnalysisError(f"--explain {args.explain!r}: {err}") from None
         stats: dict = {}
         ranked = planner.search(req, stats)
+        if not ranked and explain is None:  # bad input for this machine: one line naming the binding rule, exit 2
+            raise AnalysisError(planner.refusal(req, stats))
         if explain is not None:
             ev = planner.evaluate(req, explain, every_rank=True)
             _emit(args, req, ev.plan)
@@ -310,6 +331,8 @@ def run(args) -> int:
                 plans[0]["stages"] = planner.stages_json(planner.evaluate(req, ranked[0].plan, every_rank=True).stages)
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
                               "settings": planner.settings(req), "hardware": profile_to_json(req.hw),
+                              "searched": {"fsdp": req.try_fsdp, "distributed_optimizer": req.try_distributed_optimizer,
+                                           "offload": req.try_offload},
                               "ruled_out": planner.rejection_lines(req, stats)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
@@ -320,6 +343,6 @@ def run(args) -> int:
             path = plan_memory(args.plot / "plan_memory.png", ranked[:args.top], req.hw.usable_bytes,
                                req.hw.memory_bytes)
             print(f"wrote {path}", file=sys.stderr)
-        return 0 if ranked else 1
+        return 0
     except AnalysisError:
         raise  # seqpar.cli turns it into a usage error (exit 2)

@@ -1,7 +1,8 @@
 """`seqpar sample --checkpoint DIR --prompt TEXT`: generate with temperature / top-k (0: greedy).
 
 The checkpoint is loaded on one process whatever tp/pp/dp wrote it. An empty prompt starts the text
-after a newline (the separator between files in seqpar's text data), which is not printed.
+after a newline (the separator between files in seqpar's text data), which is not printed. Generation stops at
+the end-of-document id (``--no-stop``: it goes on through it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 
 from seqpar.commands.checkpoint_arg import add_checkpoint_argument, checkpoint_of
 from seqpar.config import ConfigError
+from seqpar.settings import add
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=20, help="keep the k most likely tokens; 0 = all (default %(default)s, "
                    "as the sample at the end of training)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
-    p.add_argument("--tokenizer", help="tokenizers JSON file (default: the one training used; else bytes)")
+    add(p, "--tokenizer", help="tokenizers JSON file (default: the one training used; else bytes)")
+    p.add_argument("--no-stop", action="store_true",
+                   help="generate all --tokens, through end-of-document ids (default: stop at the first)")
 
 
 def run(args) -> int:
@@ -32,5 +36,5 @@ def run(args) -> int:
     from seqpar.train.sample import sample_text
 
     print(sample_text(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
-                      args.tokenizer or ""))
+                      args.tokenizer or "", stop=not args.no_stop))
     return 0

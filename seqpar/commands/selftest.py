@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from seqpar.settings import add
+
 CHECK_NAMES = ("parity", "memory", "table4", "mfu", "training")
 
 
@@ -20,12 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (the accelerator if there is one, else cpu), cpu, cuda, cuda:1, ... "
                         "(default %(default)s)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local ranks, t = nproc (default: every local accelerator, or 2 gloo ranks on cpu; "
-                        "under torchrun the launcher decides)")
-    p.add_argument("--quick", action="store_true", help="fewer repeats and smaller MFU shapes")
-    p.add_argument("--json", action="store_true",
-                   help='print one JSON object {"device", "torch", "checks": [{"name", "ok", "figures"}], "seconds"}')
+    add(p, "--nproc", default=None,
+        help="local ranks, t = nproc (default: every local accelerator, or 2 gloo ranks on cpu; "
+        "under torchrun the launcher decides)")
+    add(p, "--quick", help="fewer repeats and smaller MFU shapes")
+    add(p, "--json", help='print one JSON object {"device", "torch", "checks": [{"name", "ok", "figures"}], "seconds"}')
     p.add_argument("--out", metavar="DIR", help="also write DIR/selftest.json")
     p.add_argument("--only", default="", metavar="CHECK,...",
                    help=f"run only these checks, of {','.join(CHECK_NAMES)} (default: all)")

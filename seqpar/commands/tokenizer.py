@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import argparse
 
+from seqpar.settings import add
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION")
     sub.required = True
     t = sub.add_parser("train", help="train a byte-level BPE tokenizer", description="train a byte-level BPE "
                        "tokenizer with <|endoftext|> as its end-of-document token")
-    t.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, folders, .jsonl or .parquet files")
-    t.add_argument("--vocab", type=int, required=True, help="vocabulary size, <|endoftext|> included (required)")
+    t.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text files, folders, .jsonl, .csv, .tsv or .parquet files")
+    add(t, "--vocab", required=True, help="vocabulary size, <|endoftext|> included (required)")
     t.add_argument("--out", required=True, help="the tokenizer JSON file to write (required; an existing file is "
                    "replaced only when it is a tokenizer file)")
-    t.add_argument("--field", default="text", help="the text field of JSON Lines and Parquet (default %(default)s)")
+    add(t, "--field", default="text")
     t.add_argument("--min-frequency", type=int, default=2, help="merges seen fewer times are not learned "
                    "(default %(default)s)")
 

@@ -12,65 +12,14 @@ import argparse
 import dataclasses
 import sys
 
-from seqpar.config import (
-    ARCH_FIELDS,
-    CP_COMM_TYPES,
-    OFFLOAD_MODULES,
-    RECOMPUTE_GRANULARITIES,
-    RECOMPUTE_METHODS,
-    ConfigError,
-)
+from seqpar.config import ARCH_FIELDS, ConfigError
+from seqpar.settings import BY_FLAG, SETTINGS, add, add_aliases, flag_keys
 from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
 
-# flag dest -> (section, key)
-FLAG_KEYS = {
-    "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "sp": ("parallel", "sp"),
-    "interleave": ("parallel", "interleave"), "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
-    "cp_comm_type": ("parallel", "cp_comm_type"), "cp_a2a_size": ("parallel", "cp_a2a_size"),
-    "experts": ("model", "experts"), "top_k": ("model", "top_k"), "moe_every": ("model", "moe_every"),
-    "fsdp": ("parallel", "fsdp"), "reshard_after_forward": ("parallel", "reshard_after_forward"),
-    "fsdp_shard_size": ("parallel", "fsdp_shard_size"),
-    "distributed_optimizer": ("train", "distributed_optimizer"),
-    "overlap_grad_reduce": ("train", "overlap_grad_reduce"), "compile": ("train", "compile"),
-    "recompute": ("recompute", "granularity"), "recompute_method": ("recompute", "method"),
-    "recompute_layers": ("recompute", "num_layers"), "offload_modules": ("recompute", "offload_modules"),
-    "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"), "heads": ("model", "num_heads"),
-    "kv_heads": ("model", "kv_heads"), "ffn": ("model", "ffn_hidden_size"), "vocab": ("model", "vocab_size"),
-    "seq": ("model", "seq_len"), "dtype": ("model", "dtype"), "attention": ("model", "attention"),
-    "steps": ("train", "steps"), "stop_at": ("train", "stop_at"), "lr": ("train", "lr"), "min_lr": ("train", "min_lr"),
-    "schedule": ("train", "schedule"), "warmup": ("train", "warmup"),
-    "micro_batch": ("train", "micro_batch"), "global_batch": ("train", "global_batch"),
-    "seed": ("train", "seed"), "data": ("train", "data"), "tokenizer": ("train", "tokenizer"),
-    "out": ("train", "out_dir"), "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
-    "save_every": ("train", "save_every"), "peak_tflops": ("train", "peak_tflops"),
-    "nonfinite": ("train", "nonfinite"), "sample_tokens": ("train", "sample_tokens"),
-    "sample_prompt": ("train", "sample_prompt"), "document_mask": ("data", "document_mask"),
-    "verify_data": ("data", "verify"),
-    "wandb": ("train", "wandb"), "wandb_project": ("train", "wandb_project"),
-    "max_restarts": ("train", "max_restarts"), "hang_timeout": ("train", "hang_timeout"),
-    "async_save": ("train", "async_save"), "straggler_factor": ("train", "straggler_factor"),
-}
-
-# Megatron-LM's names for the same flags (its pretrain_gpt.py arguments): accepted as aliases, listed
-# once at the end of --help, and offered by "did you mean"
-MEGATRON_ALIASES = {
-    "--tensor-model-parallel-size": "--tp", "--pipeline-model-parallel-size": "--pp",
-    "--context-parallel-size": "--cp", "--expert-model-parallel-size": "--ep",
-    "--virtual-pipeline-model-parallel-size": "--interleave", "--sequence-parallel": "--sp",
-    "--use-distributed-optimizer": "--distributed-optimizer", "--recompute-granularity": "--recompute",
-    "--recompute-num-layers": "--recompute-layers", "--micro-batch-size": "--micro-batch",
-    "--global-batch-size": "--global-batch", "--num-layers": "--layers", "--hidden-size": "--hidden",
-    "--num-attention-heads": "--heads", "--num-query-groups": "--kv-heads", "--ffn-hidden-size": "--ffn",
-    "--seq-length": "--seq", "--num-experts": "--experts", "--moe-router-topk": "--top-k",
-    "--train-iters": "--steps", "--lr-warmup-iters": "--warmup", "--lr-decay-style": "--schedule",
-    "--log-interval": "--log-every", "--eval-interval": "--eval-every", "--save-interval": "--save-every",
-    "--save": "--out",
-}
-
-
-def _names(text: str) -> list[str]:
-    """``a,b`` → ["a", "b"] (a list flag's value)."""
-    return [m for m in text.split(",") if m]
+# flag dest -> (section, key), and Megatron-LM's names of the flags (its pretrain_gpt.py arguments: accepted as
+# aliases, listed once at the end of --help, offered by "did you mean"): both from the table of settings
+FLAG_KEYS = flag_keys()
+MEGATRON_ALIASES = {alias: s.flag for s in SETTINGS for alias in s.aliases}
 
 
 def _default(section: str, key: str) -> str:
@@ -88,146 +37,64 @@ def _default(section: str, key: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from seqpar.config import ATTENTIONS
     from seqpar.train.lr_schedule import SCHEDULES
 
-    def d(dest: str) -> str:
-        return f"(default {_default(*FLAG_KEYS[dest])})"
+    def setting(group, flag: str, **override) -> None:  # the table's flag, its help saying the config's default
+        s = BY_FLAG[flag]
+        add(group, flag, help=s.help.format(default=f"(default {_default(s.section, s.name)})"), **override)
 
     p.description = (p.description or "") + (". Values come from the built-in defaults shown, then --config, then "
                                              "--model/--arch, then --set, then the flags.")
     p.add_argument("--config", help="TOML file with [model] [parallel] [recompute] [train] tables (default: none; "
                    "with --resume and no --config, the checkpoint's own configuration)")
-    p.add_argument("--nproc", type=int, help="start this many local ranks through torch.distributed.run (default: "
-                   "one process; under torchrun, torchrun's ranks)")
+    add(p, "--nproc", help="start this many local ranks through torch.distributed.run (default: "
+        "one process; under torchrun, torchrun's ranks)")
     p.add_argument("--resume", nargs="?", const="auto", default="",
                    help="continue from a checkpoint folder (bare --resume: OUT's latest; default: a new run)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start a new run in an OUT that holds one, deleting its checkpoints, metrics and plots")
+    add(p, "--overwrite",
+        help="start a new run in an OUT that holds one, deleting its checkpoints, metrics and plots")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve and validate the configuration, print it with the predicted memory of every "
                         "pipeline rank (analysis package: model states + activations), and exit")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="any config value, e.g. --set train.weight_decay=0 (repeatable; default: none)")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tp", type=int, help=f"tensor-parallel size t {d('tp')}")
-    g.add_argument("--pp", type=int, help=f"pipeline-parallel size p {d('pp')}")
-    g.add_argument("--cp", type=int, help="context-parallel size: the sequence split over cp ranks in every region, "
-                   f"ring attention between them (docs/context_parallel.md) {d('cp')}")
-    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES,
-                   help="context parallelism's exchange: K/V around a ring, q/k/v all-to-all from sequence to heads "
-                        "(Ulysses), or all-to-all inside groups of --cp-a2a-size and a ring across "
-                        f"{d('cp_comm_type')}")
-    g.add_argument("--cp-a2a-size", type=int, help="a2a+ring: the cp ranks of one all-to-all group K (divides cp; "
-                   "the ring runs over cp / K) (default: cp under a2a)")
-    g.add_argument("--dp", type=int, help="data-parallel size (default: world / (tp × pp × cp))")
-    g.add_argument("--ep", type=int, help="expert-parallel size: the routed experts split over ep of the dp × cp "
-                   f"ranks, tokens exchanged by all-to-all {d('ep')}")
-    g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"sequence parallelism over the tp ranks {d('sp')}")
-    g.add_argument("--interleave", type=int, help=f"virtual pipeline chunks per rank m {d('interleave')}")
-    g.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"shard the fp32 master weights and Adam moments over dp {d('distributed_optimizer')}")
-    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSDP2 over the dp × cp ranks: parameters, gradients and optimizer state sharded, each layer "
-                        f"gathered for its forward and backward (docs/fsdp.md) {d('fsdp')}")
-    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="fsdp: free each layer's gathered weights after its forward (ZeRO-3; off: keep them to the "
-                        f"backward, ZeRO-2) {d('reshard_after_forward')}")
-    g.add_argument("--fsdp-shard-size", type=int,
-                   help="HSDP: shard inside groups of this many dp × cp ranks, replicate across them (default 0: "
-                        "shard over all)")
-    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"reduce gradient buckets during the backward {d('overlap_grad_reduce')}")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile each layer as one fused region (norms, rotary, activation, residual adds "
-                        "between the GEMMs); drawing dropouts stay eager, compile time is reported once, before the "
-                        "timed steps (default: on for CUDA, off on CPU)")
-    g.add_argument("--recompute", choices=RECOMPUTE_GRANULARITIES, help=f"activation recomputation {d('recompute')}")
-    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, help=f"for full recompute {d('recompute_method')}")
-    g.add_argument("--recompute-layers", type=int, help=f"layers per full-recompute group {d('recompute_layers')}")
-    g.add_argument("--offload-modules", type=_names, metavar="M1,M2",
-                   help=f"activation offloading: what these modules save goes to host memory until their backward, "
-                        f"any of {','.join(OFFLOAD_MODULES)} (default none; compile off)")
+    for name in ("--tp", "--pp", "--cp", "--cp-comm-type", "--cp-a2a-size", "--dp", "--ep", "--sp", "--interleave",
+                 "--distributed-optimizer", "--fsdp", "--reshard-after-forward", "--fsdp-shard-size",
+                 "--overlap-grad-reduce", "--compile", "--recompute", "--recompute-method", "--recompute-layers",
+                 "--offload-modules"):
+        setting(g, name)
     g = p.add_argument_group("model")
-    g.add_argument("--model", metavar="PRESET",
-                   help="a planner preset's shape (seqpar plan's --model: 22b, gpt2-xl, llama3-8b, ...); other model "
-                        "flags override it, e.g. --vocab 256 for byte data (default: none)")
-    g.add_argument("--arch", choices=sorted(ARCH_FIELDS),
-                   help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: gpt, or "
-                        "the preset's)")
-    g.add_argument("--layers", type=int, help=f"L {d('layers')}")
-    g.add_argument("--hidden", type=int, help=f"h {d('hidden')}")
-    g.add_argument("--heads", type=int, help=f"a {d('heads')}")
-    g.add_argument("--kv-heads", type=int, help="grouped-query attention (default: = heads)")
-    g.add_argument("--ffn", type=int, help="FFN width (default 4h)")
-    g.add_argument("--experts", type=int, help=f"routed experts E in place of the MLP, 0: dense {d('experts')}")
-    g.add_argument("--top-k", type=int, help=f"experts per token {d('top_k')}")
-    g.add_argument("--moe-every", type=int, help=f"every k-th layer is MoE {d('moe_every')}")
-    g.add_argument("--vocab", type=int, help=f"v {d('vocab')}")
-    g.add_argument("--seq", type=int, help=f"s {d('seq')}")
-    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help=f"compute dtype {d('dtype')}")
-    g.add_argument("--attention", choices=ATTENTIONS, help=f"s² scores or fused sdpa {d('attention')}")
+    add(g, "--model", help="a planner preset's shape (seqpar plan's --model: 22b, gpt2-xl, llama3-8b, ...); other "
+        "model flags override it, e.g. --vocab 256 for byte data (default: none)")
+    add(g, "--arch", help="llama = rmsnorm + swiglu + rope + no biases + untied output + dropout 0 (default: gpt, or "
+        "the preset's)")
+    for name in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--experts", "--top-k", "--moe-every",
+                 "--vocab", "--seq", "--dtype", "--attention"):
+        setting(g, name)
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, help=f"optimizer steps {d('steps')}")
-    g.add_argument("--stop-at", type=int,
-                   help="stop after this step (checkpoint), keeping the --steps schedule (default: 0, off)")
-    g.add_argument("--lr", type=float, help=f"peak learning rate {d('lr')}")
-    g.add_argument("--min-lr", type=float, help=f"where linear, cosine and wsd end {d('min_lr')}")
-    g.add_argument("--schedule", choices=SCHEDULES,
-                   help=f"after the linear warmup; wsd decays over the last train.decay_fraction {d('schedule')}")
-    g.add_argument("--warmup", type=int, help=f"linear warmup steps {d('warmup')}")
-    g.add_argument("--micro-batch", type=int, help=f"sequences per microbatch per dp rank {d('micro_batch')}")
-    g.add_argument("--global-batch", type=int, help=f"sequences per step over all dp ranks {d('global_batch')}")
-    g.add_argument("--seed", type=int, help=f"seeds the weights, the batch order and dropout {d('seed')}")
-    g.add_argument("--data", help="text file or folder, or a pre-tokenized .bin (default: the stdlib sources)")
-    g.add_argument("--document-mask", action=argparse.BooleanOptionalAction, default=None,
-                   help="packed documents of a prepared folder attend only to themselves, positions restarting in "
-                        f"each {d('document_mask')}")
-    g.add_argument("--verify-data", action=argparse.BooleanOptionalAction, default=None,
-                   help="check a prepared folder's shard files against its manifest's SHA-256s before training "
-                        f"(sizes, index and id range are checked always) {d('verify_data')}")
-    g.add_argument("--tokenizer", help="a tokenizers JSON file for text data; sets --vocab unless given (default: "
-                   "a prepared folder's, else none: bytes)")
-    g.add_argument("--out", help=f"output folder: metrics, checkpoints, plots {d('out')}")
-    g.add_argument("--eval-every", type=int, help=f"validation every N steps, 0: only at the end {d('eval_every')}")
-    g.add_argument("--log-every", type=int, help=f"a metrics record and progress line every N steps {d('log_every')}")
-    g.add_argument("--save-every", type=int, help=f"checkpoint every N steps, 0: only at the end {d('save_every')}")
-    g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: spec sheet on GPUs, "
-                   "a cached GEMM probe on CPU)")
-    g.add_argument("--nonfinite", choices=["skip", "stop"], help=f"on a non-finite loss or gradient {d('nonfinite')}")
-    g.add_argument("--sample-tokens", type=int,
-                   help=f"print a sample of this many tokens at the end {d('sample_tokens')}")
-    g.add_argument("--sample-prompt", help="the sample's prompt (default: empty, start as after a newline, the "
-                   "separator between texts: neutral to the corpus)")
-    g.add_argument("--wandb", choices=["off", "online", "offline"],
-                   help=f"Weights & Biases logging beside TensorBoard; offline needs no network {d('wandb')}")
-    g.add_argument("--wandb-project", help=f"the W&B project {d('wandb_project')}")
+    for name in ("--steps", "--stop-at", "--lr", "--min-lr"):
+        setting(g, name)
+    setting(g, "--schedule", choices=SCHEDULES)
+    for name in ("--warmup", "--micro-batch", "--global-batch", "--seed", "--data", "--document-mask",
+                 "--verify-data", "--tokenizer", "--out", "--eval-every", "--log-every", "--save-every",
+                 "--peak-tflops", "--nonfinite", "--sample-tokens", "--sample-prompt", "--wandb", "--wandb-project"):
+        setting(g, name)
     g = p.add_argument_group("fault tolerance")
-    g.add_argument("--max-restarts", type=int, help="after a rank fails, restart every rank from the last checkpoint "
-                   f"up to N times (--nproc; under torchrun give torchrun --max-restarts) {d('max_restarts')}")
-    g.add_argument("--hang-timeout", type=float, metavar="S", help="a rank with no progress for S seconds stops the "
-                   f"job, named in one line (then restarted with --max-restarts); 0: off {d('hang_timeout')}")
-    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=None,
-                   help="write periodic checkpoints in a background thread: training waits only for the copy "
-                   f"to CPU memory {d('async_save')}")
-    g.add_argument("--straggler-factor", type=float, metavar="F", help="name a rank whose CPU time per step "
-                   f"exceeds F × the median over the ranks, at every log record; 0: off {d('straggler_factor')}")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar and no per-step lines (default: a "
-                   "bar when stderr is a terminal, else a plain line every --log-every steps)")
+    for name in ("--max-restarts", "--hang-timeout", "--async-save", "--straggler-factor"):
+        setting(g, name)
+    add(g, "--no-progress", help="no progress bar and no per-step lines (default: a "
+        "bar when stderr is a terminal, else a plain line every --log-every steps)")
+    g = p.add_argument_group("dry run")
+    add(g, "--gpu-memory", help="GB per GPU that --dry-run checks each rank's predicted memory against (default: this "
+        "machine's GPU; none: not checked for GPUs)")
     add_megatron_aliases(p)
 
 
 def add_megatron_aliases(p: argparse.ArgumentParser) -> None:
-    """Each ``MEGATRON_ALIASES`` name as a hidden twin of the seqpar flag (same destination, type and
-    choices; Megatron's on/off switches only switch on), and one epilog line listing them."""
-    actions = {o: a for a in p._actions for o in a.option_strings}
-    for alias, flag in MEGATRON_ALIASES.items():
-        action = actions[flag]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            p.add_argument(alias, dest=action.dest, action="store_const", const=True, help=argparse.SUPPRESS)
-        else:
-            p.add_argument(alias, dest=action.dest, type=action.type, choices=action.choices, help=argparse.SUPPRESS)
+    """Each Megatron name of a flag (``seqpar.settings``) as a hidden twin of the seqpar flag, and one epilog
+    line listing them."""
+    aliases = add_aliases(p)
     import textwrap
 
     def fill(text: str, indent: str = "") -> str:  # never inside a flag's name
@@ -235,8 +102,7 @@ def add_megatron_aliases(p: argparse.ArgumentParser) -> None:
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's lines as written here
     p.description = fill(p.description or "")
-    p.epilog = "Megatron-LM's flag names work too:\n" + fill(", ".join(f"{a} = {f}" for a, f in
-                                                                     MEGATRON_ALIASES.items()), "  ")
+    p.epilog = "Megatron-LM's flag names work too:\n" + fill(", ".join(f"{a} = {f}" for a, f in aliases), "  ")
 
 
 def base_sections(args) -> dict[str, dict]:
@@ -306,7 +172,10 @@ def job_from_args(args, world_size: int) -> JobConfig:
             par["dp"] = world_size // (tp * pp * cp)
     changed = _preset_changes(args, base_model, overrides.get("model", {}))
     if args.resume and not args.config:
-        changed += fit_inherited(sections, overrides)
+        changed += fit_layout(sections, overrides, "checkpoint")
+        changed += fit_inherited(sections, overrides, world_size)
+    else:  # a config's layout settings that the tp / pp asked on the command line cannot use
+        changed += fit_layout(sections, overrides, "config")
     return dataclasses.replace(build_job(sections).validate(world_size), changed=tuple(changed))
 
 
@@ -319,62 +188,85 @@ def _preset_changes(args, base: dict, given: dict) -> list[str]:
             ] if changes else []
 
 
-def fit_inherited(sections: dict[str, dict], given: dict[str, dict]) -> list[str]:
-    """A resume takes the layout asked: the checkpoint's parallel settings (not given again) that this layout
-    cannot use are dropped, one line each (the checkpoint loads at any layout)."""
-    par, train = sections["parallel"], sections.setdefault("train", {})
-    asked = given.get("parallel", {})
-    notes = []
+def _dropper(sections: dict[str, dict], given: dict[str, dict], source: str, notes: list[str]):
+    """``drop(section, key, why)``: ``key`` removed from ``section`` with a note, unless it was given again."""
+    par = sections["parallel"]
 
     def drop(section: dict, key: str, why: str) -> None:
-        if key in section and key not in (asked if section is par else given.get("train", {})):
-            notes.append(f"the checkpoint's {key} = {str(section.pop(key)).lower()} is dropped: {why}")
+        if key in section and key not in given.get("parallel" if section is par else "train", {}):
+            notes.append(f"the {source}'s {key} = {str(section.pop(key)).lower()} is dropped: {why}")
 
-    dp, cp, pp = par.get("dp", 1), par.get("cp", 1), par.get("pp", 1)
-    if par.get("fsdp") and "fsdp" not in asked:
-        if dp * cp == 1:
-            drop(par, "fsdp", f"dp {dp} × cp {cp} has nothing to shard over (--fsdp with dp × cp > 1 keeps it)")
-        elif given.get("train", {}).get("distributed_optimizer") or given.get("train", {}).get("overlap_grad_reduce"):
-            drop(par, "fsdp", "--distributed-optimizer / --overlap-grad-reduce asked instead")
-    shard = par.get("fsdp_shard_size", 0)
-    if shard and not par.get("fsdp"):
-        drop(par, "fsdp_shard_size", "fsdp is off")
-    elif shard and (dp * cp) % shard:
-        drop(par, "fsdp_shard_size", f"it does not divide dp {dp} × cp {cp} (the default 0 shards over all of them)")
-    for key, why in (("distributed_optimizer", "fsdp shards the optimizer state itself"),
-                     ("overlap_grad_reduce", "fsdp reduce-scatters the gradients itself")):
-        if par.get("fsdp") and train.get(key):
-            drop(train, key, why)
-    if (dp * cp) % par.get("ep", 1):
-        drop(par, "ep", f"it does not divide dp {dp} × cp {cp}")
-    exchange = _exchange_problem(sections.get("model", {}), par)
-    if exchange and "cp_comm_type" not in asked:
-        drop(par, "cp_comm_type", exchange)
-        if par.get("cp_a2a_size"):
-            drop(par, "cp_a2a_size", "the exchange is the ring")
-    if par.get("interleave", 1) > 1 and pp == 1:
+    return drop
+
+
+def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -> list[str]:
+    """The ``source``'s (checkpoint's, config's) SP, interleave and layer split that the tp / pp asked on the
+    command line cannot use, dropped with a note each (a config's only where the flags changed that tp / pp)."""
+    par, asked, notes = sections.setdefault("parallel", {}), given.get("parallel", {}), []
+    drop = _dropper(sections, given, source, notes)
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    inherited = source == "checkpoint"
+    if par.get("sp") and tp == 1 and (inherited or "tp" in asked):
+        drop(par, "sp", "tp is 1 (sequence parallelism splits the sequence over the tp ranks)")
+    if par.get("interleave", 1) > 1 and pp == 1 and (inherited or "pp" in asked):
         drop(par, "interleave", "pp is 1")
-    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1):
+    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1) and \
+            (inherited or "pp" in asked or "interleave" in asked):
         drop(par, "layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
              f"pp {pp} × interleave {par.get('interleave', 1)}")
     return notes
 
 
-def _exchange_problem(model: dict, par: dict) -> str:
-    """Why this layout cannot use the (checkpoint's) all-to-all exchange: ``ParallelConfig``'s rule, or ""."""
-    from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 
-    kind = par.get("cp_comm_type", "ring")
-    if kind == "ring":
-        return ""
-    layout = ParallelConfig(tp=par.get("tp", 1), cp=par.get("cp", 1), cp_comm_type=kind,
-                            cp_a2a_size=par.get("cp_a2a_size", 0))
-    try:
-        layout._validate_cp_comm()
-        layout._validate_a2a_heads(ModelConfig(**model))
-    except (ConfigError, TypeError) as err:  # TypeError: no whole model section (its own check reports that)
-        return str(err) if isinstance(err, ConfigError) else ""
-    return ""
+# what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
+INHERITED_DROPPABLE = ("parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep", "parallel.interleave",
+                       "parallel.layer_split", "parallel.cp_comm_type", "train.distributed_optimizer",
+                       "train.overlap_grad_reduce")  # cp_a2a_size goes with cp_comm_type (fit_inherited)
+
+
+def fit_inherited(sections: dict[str, dict], given: dict[str, dict], world_size: int | None = None) -> list[str]:
+    """A resume takes the layout asked: validate, and while the error names a setting the checkpoint set (not
+    given again, not its default) that may go, drop it with one line saying the error (the checkpoint loads at any
+    layout); any other error is left to the build that follows."""
+    notes: list[str] = []
+    while True:
+        try:
+            build_job(sections).validate(world_size)
+            return notes
+        except ConfigError as err:
+            key = _named_inherited(str(err), sections, given)
+            if key is None:
+                return notes
+            section, name = key.split(".")
+            value = sections[section].pop(name)
+            notes.append(f"the checkpoint's {name} = {str(value).lower()} is dropped: {err}")
+            if name == "cp_comm_type" and sections[section].get("cp_a2a_size") and \
+                    "cp_a2a_size" not in given.get(section, {}):  # K is the dropped exchange's all-to-all group
+                k = sections[section].pop("cp_a2a_size")
+                notes.append(f"the checkpoint's cp_a2a_size = {k} is dropped with it (the all-to-all group of "
+                             f"{value})")
+
+
+def _named_inherited(message: str, sections: dict[str, dict], given: dict[str, dict]) -> str | None:
+    """The droppable setting ``message`` names first (by its key or its plan label, ``split`` for layer_split),
+    among those the checkpoint set to other than the default and this run did not give."""
+    import re
+
+    from seqpar.settings import BY_KEY
+    from seqpar.train.config import SECTIONS
+
+    found = []
+    for key in INHERITED_DROPPABLE:
+        section, name = key.split(".")
+        values = sections.get(section, {})
+        default = SECTIONS[section].__dataclass_fields__[name].default
+        if name not in values or name in given.get(section, {}) or values[name] in (default, [], ()):
+            continue
+        words = {name} | {label for label in BY_KEY[key].labels if len(label) > 2}
+        spots = [m.start() for w in words for m in [re.search(rf"\b{w}\b", message)] if m]
+        if spots:
+            found.append((min(spots), key))
+    return min(found)[1] if found else None
 
 
 def run(args) -> int:
@@ -382,4 +274,4 @@ def run(args) -> int:
 
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else []  # what --nproc re-runs
     return start(lambda world: job_from_args(args, world), nproc=args.nproc, resume=args.resume,
-                 overwrite=args.overwrite, dry_run=args.dry_run, argv=argv)
+                 overwrite=args.overwrite, dry_run=args.dry_run, argv=argv, gpu_memory=args.gpu_memory)

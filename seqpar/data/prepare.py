@@ -34,7 +34,7 @@ from pathlib import Path
 
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.encode import ENCODING, Encoder
-from seqpar.data.errors import DataError
+from seqpar.data.errors import DataError, Interrupted
 from seqpar.data.prepared import (
     DIGEST,
     FORMAT,
@@ -45,7 +45,7 @@ from seqpar.data.prepared import (
     read_manifest,
     shard_name,
 )
-from seqpar.data.sources import documents, input_files, plan_units
+from seqpar.data.sources import Blank, documents, input_files, plan_units
 from seqpar.fileio import sha256_file, write_atomic
 from seqpar.out_path import check_not_input, check_out_folder, remove_own
 from seqpar.processes import die_with_parent
@@ -59,6 +59,21 @@ ARRAY_CODES = {"uint16": "H", "uint32": "I"}
 ENCODE_BATCH = 256  # documents per encode_batch call
 
 
+def _worker_init(parent: int) -> None:
+    """A worker dies with the prepare, and leaves Ctrl-C to it (no traceback from every worker)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+
+
+def _stop(pool) -> None:
+    """Ctrl-C: the workers end now, their units unfinished (a shard is written atomically, its record last)."""
+    for proc in list((pool._processes or {}).values()):  # noqa: SLF001 -- no public kill before Python 3.14
+        proc.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _write_json(path: Path, data: dict) -> None:
     write_atomic(path, json.dumps(data, indent=1) + "\n")
 
@@ -69,7 +84,7 @@ def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str,
     writing) a unit whose documents hold the end-of-document id themselves: it would split them."""
     out_dir = Path(out)
     enc = Encoder(tokenizer_file, threads)
-    ids, ends, skipped = array(ARRAY_CODES[dtype]), array("q"), []
+    ids, ends, skipped, blank = array(ARRAY_CODES[dtype]), array("q"), [], Blank()
     inside = [0, ""]  # occurrences of eos inside documents, and where the first is
     batch: list = []
 
@@ -83,7 +98,7 @@ def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str,
             ends.append(len(ids))
         batch.clear()
 
-    for doc in documents(unit, field, skipped):
+    for doc in documents(unit, field, skipped, blank):
         batch.append(doc)
         if len(batch) >= ENCODE_BATCH:
             flush()
@@ -101,7 +116,7 @@ def tokenize_unit(out: str, k: int, unit: dict, field: str, tokenizer_file: str,
         write_atomic(final, arr.tobytes())
         files[final.name] = {"bytes": final.stat().st_size, "sha256": sha256_file(final)}
     record = {"shard": k, "documents": len(ends), "tokens": len(ids), "input_bytes": unit["bytes"],
-              "files": files, "skipped": skipped}
+              "files": files, "skipped": skipped, **blank.record()}
     _write_json(out_dir / shard_name(k, "json"), record)
     return record
 
@@ -211,6 +226,14 @@ def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
         old = json.loads((out / PLAN).read_text())
         if old == plan:
             return True
+        if not (out / MANIFEST).is_file() and not overwrite:  # it never finished: nothing a user relies on yet
+            what = [k for k in plan if old.get(k) != plan[k]]
+            done = len(list(out.glob("shard_*.json")))
+            print(f"seqpar prepare: {out} holds an unfinished prepare whose {', '.join(what)} "
+                  f"{'differs' if len(what) == 1 else 'differ'}: starting "
+                  f"again with these ({done} finished shard(s) of it removed)", file=sys.stderr)
+            remove_own(out, own_file)
+            return False
         if not overwrite:
             what = [k for k in plan if old.get(k) != plan[k]]
             raise DataError(f"{out} holds a prepare of other inputs or options ({', '.join(what)} differ); "
@@ -235,7 +258,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
     check_not_input(out, inputs, "--out")
     if unit_mb <= 0 or workers < 0:
         raise DataError(f"--shard-mb {unit_mb} must be positive and --workers {workers} >= 0")
-    files = input_files(inputs)
+    unknown: list[str] = []  # files of a kind that holds no documents (records.SKIPPED)
+    files = input_files(inputs, unknown)
     units = plan_units(files, int(unit_mb * (1 << 20)))
     staged = Path(tempfile.mkdtemp(prefix="seqpar-prepare-"))  # the tokenizer, before the folder is claimed
     try:
@@ -267,6 +291,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
         if done is not None:
             records[k] = done
     pending = [k for k in range(len(units)) if k not in records]
+    if records:
+        print(f"seqpar prepare: {out}: reusing {len(records)} of {len(units)} finished shard(s); tokenizing "
+              f"{len(pending)}", file=sys.stderr)
     total = sum(u["bytes"] for u in units)
     bar = _Rate(Progress(len(units), len(records), progress, unit="shard"), len(records))
     tok_path = str(out / tokfile.FILE) if tok_record else ""
@@ -278,8 +305,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
                 records[k] = tokenize_unit(*args, k, units[k], field, tok_path, eos, dtype, threads=True)
                 bar.add(records[k])
         else:
-            with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=die_with_parent,
-                                     initargs=(os.getpid(),)) as pool:  # a killed prepare leaves no worker
+            pool = ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=_worker_init,
+                                       initargs=(os.getpid(),))  # a killed prepare leaves no worker
+            try:
                 running = set()
                 queue = list(pending)
                 while queue or running:
@@ -291,18 +319,30 @@ def prepare(inputs: list[str], out: str | Path, tokenizer: str = "", field: str 
                         record = fut.result()
                         records[record["shard"]] = record
                         bar.add(record)
+            except BaseException:
+                _stop(pool)
+                raise
+            pool.shutdown()
+    except KeyboardInterrupt:
+        bar.close()
+        raise Interrupted(out, len(list(out.glob("shard_*.json"))), len(units)) from None
     finally:
         bar.close()
     shards = [records[k] for k in range(len(units))]
+    blank = Blank()
+    for r in shards:
+        blank.add(r)
     if not any(r["documents"] for r in shards):  # no manifest: the folder is not one train can read
-        skipped = sum(len(r["skipped"]) for r in shards)
+        skipped = sum(len(r["skipped"]) for r in shards) + len(unknown)
         raise DataError(f"the inputs hold no document ({len(files)} file(s), {total:,} bytes"
-                        + (f", {skipped} skipped as not text" if skipped else "") + "): nothing to train on")
+                        + (f", {skipped} skipped as not text" if skipped else "")
+                        + (f", {blank.null + blank.empty} null or empty text(s)" if blank.null + blank.empty else "")
+                        + "): nothing to train on")
     manifest = {"format": FORMAT, "tokenizer": tok_record, "eos_id": eos, "vocab_size": vocab, "dtype": dtype,
                 "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                 "input_bytes": total, "field": field,
                 "inputs": [str(i) for i in inputs],
-                "skipped": [name for s in shards for name in s["skipped"]],
+                "skipped": unknown + [name for s in shards for name in s["skipped"]], **blank.record(),
                 "shards": [{k: s[k] for k in ("documents", "tokens", "files")} for s in shards]}
     manifest[DIGEST] = manifest_digest(manifest)  # a hand edit of the manifest is found (issue 56)
     _write_json(out / MANIFEST, manifest)

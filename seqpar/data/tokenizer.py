@@ -160,8 +160,10 @@ def _byte_symbols() -> dict[int, str]:
 
 def hf_config(meta_model: dict, eos: int | None, tok=None) -> dict:
     """``tokenizer_config.json`` for ``AutoTokenizer``: the fast tokenizer class and the context length,
-    with the end-of-document token named when there is one."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(meta_model["seq_len"])}
+    with the end-of-document token named when there is one; text that spells a special token is encoded as
+    text (``split_special_tokens``), as ``seqpar prepare`` and ``seqpar sample`` read it."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(meta_model["seq_len"]),
+              "split_special_tokens": True}
     if eos is not None and tok is not None:
         config["eos_token"] = tok.id_to_token(eos)
     return config

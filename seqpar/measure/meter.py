@@ -6,8 +6,9 @@ What counts:
 
 * a **storage**, not a tensor: views and reshapes of one storage (Q, K, V of one QKV output; a linear's
   input reshaped to 2-D) count once; a DTensor counts by its local tensor's storage;
-* storages are told apart by identity (``_cdata``), not address, and each is held until the forward that
-  saved it ends, so an address released and reused inside a forward is not taken for the earlier storage;
+* storages are told apart by identity (``_cdata``: ``seqpar.storages``, offloading's rule too), not address,
+  and each is held until the forward that saved it ends, so an address released and reused inside a forward is
+  not taken for the earlier storage;
 * its size is read when that forward ends: a storage released after it was saved (a recomputed norm output,
   resized to 0) counts 0;
 * **parameters and buffers** of the metered modules never count, FSDP's gathered parameters included
@@ -31,8 +32,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from seqpar.storages import module_storages, storage_key, storage_of
 
 
 @dataclass
@@ -46,25 +48,18 @@ class SavedTensor:
         return asdict(self)
 
 
-def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
-    """The storage a tensor keeps alive (a DTensor's: its local tensor's)."""
-    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
-
-
 def parameter_storages(modules) -> set[int]:
-    """The storages (``_cdata``) of ``modules``' parameters and buffers, FSDP's gathered parameters
+    """The storages (``storages.storage_key``) of ``modules``' parameters and buffers, FSDP's gathered parameters
     included (each unit gathered once to find them; FSDP reuses their storages for every gather)."""
     keys: set[int] = set()
     for module in modules:
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.unshard()
-        for t in [*module.parameters(), *module.buffers()]:
-            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
+        keys |= module_storages([module])
         for unit in units:
             unit.reshard()
-        for t in module.parameters():
-            keys.add((t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata)
+        keys |= module_storages([module])
     return keys
 
 
@@ -90,7 +85,7 @@ class SavedTensorMeter:
 
     def exclude(self, tensors) -> None:
         """Never count these tensors' storages (data, not activations)."""
-        self._exclude.update(storage_of(t)._cdata for t in tensors)
+        self._exclude.update(storage_key(t) for t in tensors)
 
     def keep(self, t: torch.Tensor):
         """Count ``t``'s storage as saved by the running forward (autograd's hook, and callers')."""

@@ -22,12 +22,12 @@ from torch import nn
 from seqpar import documents
 from seqpar.parallel.all_to_all import head_rows, heads_to_seq, local_heads, seq_to_heads
 from seqpar.parallel.dims import GroupContext, group_rank, group_size
-from seqpar.parallel.dropout import AttentionMask, attention_mask
+from seqpar.parallel.dropout import HeadsDropout
 from seqpar.parallel.ring_attention import ring_attention_grouped
 from seqpar.parallel.rng import RNGTracker
 
 
-class RingCoreAttention(nn.Module):
+class RingCoreAttention(HeadsDropout, nn.Module):
     """Attention of this rank's heads and tokens: ``[s/cp, b, groups·(g+2)·d]`` → ``[s/cp, b, groups·g·d]``."""
 
     def __init__(self, groups: int, g: int, head_dim: int, attn_dropout: float, tracker: RNGTracker,
@@ -38,13 +38,6 @@ class RingCoreAttention(nn.Module):
         self.kind = "sdpa" if fused else "materialized"
         self.p, self.tracker, self.cp_group = attn_dropout, tracker, cp.group
         self.layer, self.first_head = layer, first_head
-
-    def mask(self, b: int) -> AttentionMask | None:
-        """The dropout mask of the microbatch in flight over this rank's heads (the ring slices its blocks)."""
-        if not self.training or self.p == 0.0:
-            return None
-        return attention_mask(self.tracker, self.p, self.layer, b, ((self.first_head,
-                                                                      self.first_head + self.groups * self.g),))
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         s, b, _ = qkv.shape

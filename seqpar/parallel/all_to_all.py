@@ -41,7 +41,7 @@ def local_heads(groups: int, g: int, k: int) -> tuple[int, int]:
 
 def head_rows(groups: int, g: int, k: int, j: int, packed: bool = False) -> list[int]:
     """The QKV head rows (of ``groups·(g+2)``, order (group, [q…, k, v])) rank j of K gets; ``packed``: in
-    the fused core's packed order (every query head, then every k, then every v: ``model.attention.qkv_views``)."""
+    the fused core's packed order (every query head, then every k, then every v: ``model.qkv.qkv_views``)."""
     n, gq = local_heads(groups, g, k)
     if groups % k == 0:
         first = [(j * n + i) * (g + 2) for i in range(n)]  # the first row of each of my groups

@@ -116,3 +116,16 @@ class AttentionMask:
 def attention_mask(tracker: RNGTracker, p: float, layer: int, b: int, heads: Ranges) -> AttentionMask:
     """The mask of the microbatch in flight (``b`` samples) over this rank's query ``heads``."""
     return AttentionMask(tracker.key(layer, "attention"), p, tracker.samples(b), heads)
+
+
+class HeadsDropout:
+    """The attention dropout of a core holding ``groups·g`` query heads from ``first_head`` on, at global ``layer``
+    (its attributes, with ``p``, ``tracker`` and nn.Module's ``training``): the one ``mask`` every core asks."""
+
+    def mask(self, b: int) -> AttentionMask | None:
+        """The dropout mask of the microbatch in flight over this rank's query heads (Python integers; a ring
+        slices its blocks), None without dropout."""
+        if not self.training or self.p == 0.0:
+            return None
+        return attention_mask(self.tracker, self.p, self.layer, b, ((self.first_head,
+                                                                      self.first_head + self.groups * self.g),))

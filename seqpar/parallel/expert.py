@@ -153,11 +153,3 @@ def average_expert_gradients(params: list[torch.Tensor], dims: ParallelDims) -> 
             if grad is not None:
                 grad.div_(dims.ep)
 
-
-def gather_experts(local: torch.Tensor, ep: EPContext) -> torch.Tensor:
-    """The full expert stack ``[E, ...]`` from every ep rank's ``[E/ep, ...]`` (collective over ep)."""
-    if ep.size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(ep.size)]
-    all_gather_list(parts, local.contiguous(), group=ep.group)
-    return torch.cat(parts)

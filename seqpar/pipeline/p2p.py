@@ -7,7 +7,7 @@ order -- sends before receives, activations (tag 0) before gradients (tag 1) -- 
 p = 2, where the previous and the next rank are the same process, messages still pair up.
 
 Under sequence parallelism the activations crossing a stage boundary are the sequence shards
-``[s/t, b, h]``; without it ``[s, b, h]``.
+``[s/t, b, h]``; without it ``[s, b, h]`` (``boundary_shape``, the one rule every schedule sizes them by).
 """
 
 from __future__ import annotations
@@ -23,12 +23,20 @@ from seqpar.parallel.dims import ParallelDims
 ACTIVATION, GRADIENT = 0, 1
 
 
+def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
+    """Shape of the activation crossing a stage boundary for a microbatch of ``tokens`` ``[b, s]``: ``[s/t, b, h]``
+    under SP, else ``[s, b, h]``; under context parallelism the rank's s/cp tokens (``[s/(cp·t), b, h]`` with SP)."""
+    b, s = tokens.shape
+    t = dist.get_world_size(chunk.group) if chunk.sp else 1
+    return (s // chunk.cp.size // t, b, chunk.cfg.hidden_size)
+
+
 @dataclass
 class PipeComm:
     """This rank's pipeline neighbours and the shape/dtype/device of boundary tensors."""
 
     dims: ParallelDims
-    shape: tuple[int, ...]  # [s(/t), b, h]
+    shape: tuple[int, ...] | None  # [s(/t), b, h]; None: each receive names its own (forward-only)
     dtype: torch.dtype
     device: torch.device
 
@@ -40,8 +48,8 @@ class PipeComm:
     def prev_rank(self) -> int:
         return self.dims.pp_ranks[(self.dims.pp_rank - 1) % self.dims.pp]
 
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def _empty(self, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return torch.empty(shape or self.shape, dtype=self.dtype, device=self.device)
 
     def init_communicator(self) -> None:
         """NCCL: ``batch_isend_irecv`` needs every rank of the group in the group's first call, but a
@@ -51,10 +59,11 @@ class PipeComm:
             all_reduce(torch.zeros(1, device=self.device), group=self.dims.pp_group)
 
     def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                 recv_prev: bool = False, recv_next: bool = False
+                 recv_prev: bool = False, recv_next: bool = False, shape: tuple[int, ...] | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Send an activation forward and/or a gradient backward; receive an activation from the
-        previous rank and/or a gradient from the next. Returns ``(from_prev, from_next)``."""
+        previous rank (of ``shape``, default ``self.shape``) and/or a gradient from the next. Returns
+        ``(from_prev, from_next)``."""
         group = self.dims.pp_group
         ops, from_prev, from_next = [], None, None
         if send_next is not None:
@@ -62,7 +71,7 @@ class PipeComm:
         if send_prev is not None:
             ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev_rank, group, GRADIENT))
         if recv_prev:
-            from_prev = self._empty()  # [s(/t), b, h]
+            from_prev = self._empty(shape)  # [s(/t), b, h]
             ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, group, ACTIVATION))
         if recv_next:
             from_next = self._empty()  # [s(/t), b, h]

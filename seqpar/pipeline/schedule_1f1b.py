@@ -3,12 +3,13 @@
 1F1B on pipeline rank S of p with n microbatches: min(p - S - 1, n) warm-up forwards, then
 alternately one forward and one backward, then the remaining backwards. Rank S therefore holds at
 most p - S microbatches of its L/p layers; the first rank holds p of them, L layers' worth (Eq. 5).
+Forward-only (evaluation, ``run_1f1b_forward``): every microbatch a warm-up forward, as Megatron's ``forward_only``.
 """
 
 from __future__ import annotations
 
 from seqpar.pipeline.p2p import PipeComm
-from seqpar.pipeline.step import StepRunner, as_input
+from seqpar.pipeline.step import ScoreRunner, StepRunner, as_input
 
 
 def run_no_pipelining(runner: StepRunner) -> None:
@@ -16,6 +17,18 @@ def run_no_pipelining(runner: StepRunner) -> None:
     for mb in range(runner.num_microbatches):
         out = runner.forward(0, mb, None)
         runner.backward(0, mb, None, out, None)
+
+
+def run_1f1b_forward(runner: ScoreRunner, comm: PipeComm | None) -> None:
+    """Forward-only, one chunk per rank (``comm`` None: p = 1): receive, forward, send, for each microbatch in
+    turn; each received activation sized by its own microbatch (evaluation's may differ)."""
+    first = comm is None or comm.dims.pp_rank == 0
+    last = comm is None or comm.dims.pp_rank == comm.dims.pp - 1
+    for mb in range(runner.num_microbatches):
+        x = None if first else comm.exchange(recv_prev=True, shape=runner.boundary_shape(mb))[0]
+        out = runner.forward(0, mb, x)
+        if not last:
+            comm.exchange(send_next=out)
 
 
 def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:

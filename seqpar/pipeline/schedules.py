@@ -1,36 +1,31 @@
-"""``forward_backward``: run every microbatch of a step with the configured schedule.
+"""``forward_backward``: run every microbatch of a step with the configured schedule; ``forward_only``: the
+same schedules' forward-only mode (evaluation).
 
 No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3). The step's
 objective is the mean loss per counted token of the whole global batch (``pipeline.objective``): each
 microbatch's loss sum is scaled by ``Objective.weight`` (dp / the step's counted tokens), so that once
 ``finalize_grads`` averages over dp × cp the gradients are those of that mean, at any micro-batch size
-and layout. The returned loss is this dp rank's weighted sum (its average over dp is the step's loss;
-``broadcast_from_last_stage`` takes it); every pipeline rank returns it (broadcast from the last stage).
+and layout. The returned loss is this dp rank's weighted sum (its average over dp is the step's loss:
+``last_stage.dp_mean``); every pipeline rank returns it (``last_stage.from_last_stage``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 
 from seqpar.config import ConfigError, ParallelConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
-from seqpar.parallel.comm import all_reduce, broadcast
+from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
+from seqpar.pipeline.last_stage import from_last_stage
 from seqpar.pipeline.objective import Objective
-from seqpar.pipeline.p2p import PipeComm
-from seqpar.pipeline.schedule_1f1b import run_1f1b, run_no_pipelining
-from seqpar.pipeline.schedule_interleaved import run_interleaved
-from seqpar.pipeline.step import StepRunner
-
-
-def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
-    """Shape of the activation crossing a stage boundary: ``[s/t, b, h]`` under SP, else ``[s, b, h]``;
-    under context parallelism the rank's s/cp tokens (``[s/(cp·t), b, h]`` with SP)."""
-    b, s = tokens.shape
-    t = dist.get_world_size(chunk.group) if chunk.sp else 1
-    return (s // chunk.cp.size // t, b, chunk.cfg.hidden_size)
+from seqpar.pipeline.p2p import PipeComm, boundary_shape
+from seqpar.pipeline.schedule_1f1b import run_1f1b, run_1f1b_forward, run_no_pipelining
+from seqpar.pipeline.schedule_interleaved import run_interleaved, run_interleaved_forward
+from seqpar.pipeline.step import ScoreRunner, StepRunner
 
 
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
@@ -90,6 +85,28 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     return loss if as_tensor else float(loss)
 
 
+@torch.no_grad()
+def forward_only(chunks, microbatches, dims: ParallelDims, counted: int | None = None,
+                 done: Callable[[int], None] | None = None) -> tuple[torch.Tensor | None, int]:
+    """Forward of every microbatch through this rank's ``chunks`` (in eval mode) with the schedule
+    ``forward_backward`` runs, nothing kept for backward: 1F1B, or interleaved 1F1B with ``len(chunks)`` > 1,
+    in their forward-only mode. Any number of microbatches, of any shapes (each boundary tensor sized by its
+    own). Returns the last virtual stage's ``[cross entropy, objective]`` sums ``[2]`` float64 over the first
+    ``counted`` microbatches (default all; the rest run unscored: lockstep padding) and the tokens they count;
+    ``(None, 0)`` on the other ranks. ``done(windows)``: after each counted microbatch is scored."""
+    n = len(microbatches)
+    runner = ScoreRunner(chunks, list(microbatches), n if counted is None else counted, done)
+    comm = None
+    if dims.pp > 1:
+        comm = PipeComm(dims, None, torch_dtype(chunks[0].cfg.dtype), next(chunks[0].parameters()).device)
+        comm.init_communicator()
+    if len(chunks) > 1:
+        run_interleaved_forward(runner, comm, len(chunks))
+    else:
+        run_1f1b_forward(runner, comm)
+    return runner.totals, runner.tokens
+
+
 def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> torch.Tensor | None:
     """The MoE layers' load-balancing losses of this step, mean over microbatches, summed over the
     layers of every pipeline stage (None without MoE), 0-dim float64 on the device; each value is
@@ -110,6 +127,4 @@ def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> torch.Ten
 def broadcast_loss(loss: torch.Tensor | None, dims: ParallelDims, device) -> torch.Tensor:
     """The last pipeline rank's loss (0-dim float64, None elsewhere) on every rank of the pipeline."""
     value = torch.zeros(1, dtype=torch.float64, device=device) if loss is None else loss.reshape(1).clone()
-    if dims.pp > 1:
-        broadcast(value, src=dims.pp_ranks[-1], group=dims.pp_group)
-    return value[0]
+    return from_last_stage(value, dims)[0]

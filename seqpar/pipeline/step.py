@@ -11,18 +11,23 @@ App. B: once a non-last chunk's output has been sent, ``release_output`` frees i
 tensor keeps only its autograd node, a 1-element placeholder holds its place); ``backward`` then
 starts from the output's gradient edge, whose recorded shape is the original one.
 App. C: ``keep`` decides per microbatch whether its activations are all stored (recompute off).
+
+``ScoreRunner.forward`` is the forward-only unit (evaluation, the schedules' forward-only mode): nothing kept for
+backward, the last virtual stage's loss sums ``[cross entropy, objective]`` added up over the counted microbatches.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from seqpar.pipeline.keep import KeepPolicy
-from seqpar.pipeline.objective import Objective
+from seqpar.pipeline.objective import Objective, counted
+from seqpar.pipeline.p2p import boundary_shape
 
 
 @dataclass
@@ -94,3 +99,48 @@ class StepRunner:
 def as_input(received: torch.Tensor | None) -> torch.Tensor | None:
     """A received activation becomes a leaf that collects its gradient."""
     return None if received is None else received.requires_grad_(True)
+
+
+@dataclass
+class ScoreRunner:
+    """Forward-only chunk-microbatches (evaluation): on the last virtual stage, the loss sums ``[cross entropy,
+    objective]`` of the first ``counted`` microbatches (the rest are lockstep padding: run, not scored) and their
+    counted tokens; ``done(windows)`` after each of them is scored."""
+
+    chunks: list  # this rank's GPTStage chunks, in chunk order, in eval mode
+    microbatches: list  # [(tokens [b, s], labels [b, s][, Documents])]; shapes may differ
+    counted: int
+    done: Callable[[int], None] | None = None
+    totals: torch.Tensor | None = field(init=False)  # [2] float64 [cross entropy, objective]; None off the last stage
+    tokens: int = 0  # the counted tokens they sum over
+
+    def __post_init__(self):
+        last = any(c.last for c in self.chunks)
+        device = StepRunner._device(self.chunks[0])
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device) if last else None
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    def boundary_shape(self, mb: int) -> tuple[int, int, int]:
+        """The shape of microbatch ``mb``'s activation crossing a stage boundary (``p2p.boundary_shape``)."""
+        return boundary_shape(self.chunks[0], self.microbatches[mb][0])
+
+    def forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state, or None on the last virtual
+        stage (its scores added up)."""
+        chunk = self.chunks[chunk_id]
+        tokens, labels, *docs = self.microbatches[mb]  # docs: packed documents (seqpar.documents), if any
+        docs = docs[0] if docs else None
+        device = StepRunner._device(chunk)
+        x = tokens.to(device) if chunk.first else input_tensor
+        if not chunk.last:
+            return chunk(x, docs=docs)  # [s(/t), b, h]
+        scores = chunk(x, labels.to(device), docs=docs, reduction="scores").double()  # [2]
+        if mb < self.counted:  # not a lockstep padding forward
+            self.totals += scores
+            self.tokens += counted(labels)
+            if self.done is not None:
+                self.done(tokens.shape[0])
+        return None

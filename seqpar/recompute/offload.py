@@ -7,7 +7,7 @@ an offloaded module runs -- or the layer's input where ``layer_input`` offloads 
 once per layer, into a host buffer, and autograd keeps only a handle: the device storage is freed as soon as the
 forward drops its last reference. The first backward that unpacks one of a layer's handles brings the whole layer
 back and starts bringing back the layer before it (its backward comes next). Parameters and buffers are never
-offloaded, nor a norm output that norm recomputation releases (``sparing``).
+offloaded (``seqpar.storages``, the meter's rule), nor a norm output that norm recomputation releases (``sparing``).
 
 Composition with a meter (``seqpar.measure``): the hooks found active when a layer starts (a meter's) still see
 every tensor the layer keeps on the device; offloaded tensors do not reach them, and ``Offloader.host_tensors``
@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqpar import documents
 from seqpar.analysis.memory import pinned_block_bytes
+from seqpar.storages import module_storages, storage_key, storage_of
 
 
 class HostPool:
@@ -84,7 +85,7 @@ def _document_storages() -> set[int]:
     """The storages of the microbatch's packed documents (their shared masks): data every layer reads, kept
     once on the device, never offloaded per layer (as the meter leaves them out)."""
     docs = documents.current()
-    return set() if docs is None else {t.untyped_storage()._cdata for t in docs.held()}
+    return set() if docs is None else {storage_key(t) for t in docs.held()}
 
 
 class _LayerRecord:
@@ -106,8 +107,7 @@ class _LayerRecord:
         """The storages of the unit's parameters and buffers, read at its first save (after FSDP's pre-forward
         gather has put the unsharded parameters in place)."""
         if self._excluded is None:
-            tensors = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
-            self._excluded = {getattr(t, "_local_tensor", t).untyped_storage()._cdata for t in tensors}
+            self._excluded = module_storages(self.modules)
         return self._excluded
 
     def __del__(self):  # a forward whose backward never came (its graph dropped): its host bytes are gone
@@ -162,7 +162,7 @@ class Offloader:
 
     @contextlib.contextmanager
     def spared(self, t: torch.Tensor):
-        key = t.untyped_storage()._cdata
+        key = storage_key(t)
         self._spared.add(key)
         try:
             yield
@@ -206,7 +206,7 @@ class Offloader:
         if not torch.is_grad_enabled() or _in_backward():  # a checkpoint's forward, or its recomputation
             return block(x)
         prev = None if first or self._last is None else self._last()
-        record = _LayerRecord(prev, x.untyped_storage()._cdata, modules)
+        record = _LayerRecord(prev, storage_key(x), modules)
         record.ledger = self.ledger
         self._records.add(record)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -224,7 +224,7 @@ class Offloader:
         return module if module in self.modules else None
 
     def _pack(self, record: _LayerRecord, outer, t: torch.Tensor):
-        storage = t.untyped_storage()
+        storage = storage_of(t)
         key = storage._cdata
         module = self._owner(record, key)
         if module is None or storage.nbytes() == 0:

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seqpar.analysis.states import stage_parameters
 from seqpar.config import (
     BYTE_VOCAB,
     ConfigError,
@@ -23,6 +24,8 @@ from seqpar.config import (
     did_you_mean,
     validate_microbatches,
 )
+from seqpar.data.prepared import checked_manifest, is_prepared
+from seqpar.settings import hint_for_key, table_of, toml_aliases
 from seqpar.train.lr_schedule import SCHEDULES
 from seqpar.train.wandb_sink import require_wandb
 
@@ -237,7 +240,6 @@ def default_lr_on_large_model(job: JobConfig) -> int:
     (which suits the small models of configs/), else 0."""
     if job.train.lr != TrainConfig.lr:
         return 0
-    from seqpar.analysis.states import stage_parameters
 
     params = stage_parameters(job.model, ParallelConfig(), 0)  # the whole model: one rank, one stage
     return params if params >= 1e9 else 0
@@ -246,8 +248,6 @@ def default_lr_on_large_model(job: JobConfig) -> int:
 def _bytes_note(m: ModelConfig, t: TrainConfig) -> list[str]:
     """The note for data read as bytes (256 symbols) by a model of a larger vocabulary: text without a
     tokenizer, or a folder prepared without one (a prepared folder's own tokenizer is the run's)."""
-    from seqpar.data.prepared import checked_manifest, is_prepared
-
     if t.tokenizer or t.data.endswith(".bin") or m.vocab_size <= BYTE_VOCAB:
         return []
     unused = f"{m.vocab_size - BYTE_VOCAB:,} rows of the embedding and output layer are never trained"
@@ -313,18 +313,19 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
     """A JobConfig from ``{"model": {...}, "train": {...}}``; unknown sections or keys are errors."""
     built = {}
     for name, values in sections.items():
+        table = table_of(name)
+        if name not in SECTIONS and not isinstance(values, dict) and table:  # Megatron's flat files
+            raise ConfigError(f"{name} is outside a table: put it under {table}")
         if name not in SECTIONS:
             raise ConfigError(f"unknown config section [{name}]{did_you_mean(name, SECTIONS)}; known: "
                               f"{sorted(SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table, got {values!r}")
+    sections = canonical(sections)
+    _check_keys(sections)
     for name, cls in SECTIONS.items():
         values = sections.get(name, {})
         hints = typing.get_type_hints(cls)
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in values:
-            if key not in known:
-                raise ConfigError(f"unknown key {name}.{key}{did_you_mean(key, known)}; known: {sorted(known)}")
         obj = cls(**{k: _coerce(v, hints[k]) for k, v in values.items()})
         _check_types(obj)
         built[name] = obj
@@ -332,11 +333,46 @@ def build_job(sections: dict[str, dict]) -> JobConfig:
     return JobConfig(run, built["train"], built["data"])
 
 
+def canonical(sections: dict) -> dict:
+    """Each table's aliases renamed to their keys (``_canonical``); anything else as it is."""
+    return {name: _canonical(name, values) if isinstance(values, dict) else values
+            for name, values in sections.items()}
+
+
+def _canonical(section: str, values: dict) -> dict:
+    """``values`` with each alias of a key (Megatron's ``seq_length``, the flag's ``seq``; ``seqpar.settings``)
+    renamed to the key; an alias beside its key is an error naming both."""
+    aliases = toml_aliases(section)
+    out = {}
+    for key, value in values.items():
+        name = aliases.get(key, key)
+        if name in out:
+            given = [k for k in values if aliases.get(k, k) == name]
+            raise ConfigError(f"[{section}] {' and '.join(given)} are the same setting: give one")
+        out[name] = value
+    return out
+
+
+def _check_keys(sections: dict[str, dict]) -> None:
+    """Every unknown key at once, each with its hint (the key of the same meaning, or none)."""
+    unknown = []
+    for name, values in sections.items():
+        known = {f.name for f in dataclasses.fields(SECTIONS[name])}
+        unknown += [(name, key, known) for key in values if key not in known]
+    if len(unknown) == 1:
+        name, key, known = unknown[0]
+        raise ConfigError(f"unknown key {name}.{key}{hint_for_key(name, key, known)}; known: {sorted(known)}")
+    if unknown:
+        raise ConfigError(f"{len(unknown)} unknown keys: " + ", ".join(
+            f"{name}.{key}{hint_for_key(name, key, known)}" for name, key, known in unknown)
+)
+
+
 def load_toml(path: str | Path) -> dict[str, dict]:
     path = Path(path)
     try:
         with path.open("rb") as fh:
-            return tomllib.load(fh)
+            return canonical(tomllib.load(fh))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as err:
@@ -356,6 +392,7 @@ def parse_assignment(text: str) -> tuple[str, str, object]:
         raise ConfigError(f"--set expects section.key=value, got {text!r}")
     lhs, raw = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
+    key = toml_aliases(section).get(key, key)
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

@@ -21,6 +21,7 @@ fixed set of windows whatever the layout (``seqpar.data.windows``).
 
 from __future__ import annotations
 
+import copy
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from seqpar.data.errors import DataError
 from seqpar.data.files import names, not_text, text_files
 from seqpar.data.idfile import load_ids
 from seqpar.data.prepared import Prepared, is_prepared
+from seqpar.data.records import kind_of
 from seqpar.data.windows import Spans, held_out, probe_offsets, split_for_rank, train_offsets, validation_offsets
 from seqpar.documents import Documents, label_mask
 
@@ -91,6 +93,10 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
         path = Path(data)
         if path.suffix == ".bin":
             tokens, source = load_ids(path, token_dtype)
+        elif path.is_file() and kind_of(path) not in ("text", "skip"):
+            raise DataError(f"data {path} is a records file ({kind_of(path)}): its records are documents, not "
+                            f"one text; prepare it first (seqpar prepare {path} --field FIELD --out DIR), then "
+                            "--data DIR")
         else:
             files, hidden = text_files(path)
             texts, binary = _read_texts(files, path)
@@ -303,8 +309,6 @@ class DocumentData(Windows):
 
     def with_validation(self, spans: Spans) -> DocumentData:
         """A copy validating on ``spans`` (``seqpar eval --split all``: every token)."""
-        import copy
-
         other = copy.copy(self)
         other._val = spans
         return other

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,15 +75,19 @@ class StopFlag:
         return bool(flag.item())
 
 
+RESUME_HINT_ENV = "SEQPAR_RESUME_HINT"  # set by a batch script seqpar plan wrote: "sbatch job.sbatch"
+
+
 def resume_hint(out_dir: str, world: int) -> str:
-    """The command that continues a run in ``out_dir`` (its configuration comes from the checkpoint)."""
+    """The command that continues a run in ``out_dir`` (its configuration comes from the checkpoint); in a
+    batch job ``seqpar plan --emit-slurm`` wrote, submitting that script again."""
+    if os.environ.get(RESUME_HINT_ENV) and os.environ.get("SLURM_JOB_ID"):
+        return f"{os.environ[RESUME_HINT_ENV]} (it resumes from {out_dir}'s latest checkpoint)"
     return f"seqpar train --resume {out_dir}" + (f" --nproc {world}" if world > 1 else "")
 
 
 def abort_line(out_dir: str) -> str:
     """What a second signal leaves behind: the save it cut short (if any) and the last complete checkpoint."""
-    from pathlib import Path
-
     root = Path(out_dir) / "checkpoints"
     pending = sorted((p.name[: -len(".tmp")] for p in root.glob("step_*.tmp")), key=lambda n: (len(n), n)) \
         if root.is_dir() else []  # by step: step_1000000 after step_999999
@@ -119,8 +124,6 @@ def stopped_line(out_dir: str, step: int, world: int) -> str:
     """The line of a rank stopped at once by a signal outside the training loop: before the first step
     (``step`` 0), or at ``step`` after training ended on an error (a peer's failure): the run's last
     complete checkpoint, which it did not add to."""
-    from pathlib import Path
-
     if not step:
         return "interrupted before the first step; nothing was saved"
     latest = Path(out_dir) / "checkpoints" / "latest"

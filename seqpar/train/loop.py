@@ -26,13 +26,14 @@ from seqpar.parallel.fsdp import apply_fsdp
 from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
 from seqpar.parallel.rng import SCHEME
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.pipeline.last_stage import dp_mean
 from seqpar.pipeline.objective import Objective
 from seqpar.progress import Progress
 from seqpar.train import checkpoint as ckpt
 from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
-from seqpar.train.data import TokenData
-from seqpar.train.evaluate import broadcast_from_last_stage, evaluate, validation_windows
+from seqpar.train.data import TokenData, validation_windows
+from seqpar.train.evaluate import evaluate
 from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, format_record, plot_losses
 from seqpar.train.optimizers import build_optimizer
@@ -185,8 +186,8 @@ class Trainer:
         lines = [f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
                  f"vocab {m.vocab_size}, {m.dtype}; {params:,} parameters on rank 0",
                  f"  layout {p.describe_world()}{extras}, sequence parallel "
-                 f"{'on' if p.sp else 'off'}, recompute {r.granularity}; {n} microbatch{'es' if n != 1 else ''} of "
-                 f"{t.micro_batch} per step",
+                 f"{'on' if p.sp and p.tp > 1 else 'off'}, recompute {r.granularity}; "
+                 f"{n} microbatch{'es' if n != 1 else ''} of {t.micro_batch} per step",
                  f"  data {self.data.source}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} validation "
                  "tokens" + self._small_validation(),
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
@@ -245,9 +246,9 @@ class Trainer:
                                       keep_microbatches=self.job.recompute.keep_microbatches, aux=aux,
                                       as_tensor=True, objective=objective)  # App. C
         self._finalize(self.chunks, dims, opt.buffers, opt.dp_reduced)  # fp32 reductions of the (scaled) gradients
-        loss = broadcast_from_last_stage(loss, dims, self.device)  # 0-dim float64 on the device
+        loss = dp_mean(loss, dims, self.device)  # on every pp rank already (forward_backward); 0-dim float64
         if aux:  # logged apart: the cross entropy is what validation and seqpar eval report
-            balance = broadcast_from_last_stage(aux[0], dims, self.device)
+            balance = dp_mean(aux[0], dims, self.device)
             loss = loss - balance
         opt.unscale()
         # the step's one read of the device: the non-finite policy decides on the host, every rank alike

@@ -41,7 +41,7 @@ class MetricsLog:
             self.records = [r for r in read_records(self.path) if r.get("step", 0) <= start_step]
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional extra, imported where used
             # a resumed run's TensorBoard hides what an earlier attempt logged after start_step (steps it
             # repeats now), as the JSONL above drops it: without it both copies of those steps are drawn
             self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"),
@@ -85,7 +85,7 @@ def read_records(path: str | Path) -> list[dict]:
 def plot_losses(records: list[dict], out: str | Path) -> Path | None:
     """Train and validation loss against step as a PNG; None when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # optional extra, imported where used
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

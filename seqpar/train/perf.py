@@ -1,4 +1,5 @@
-"""Throughput, MFU/HFU (Sec. 6.3) and activation memory (``seqpar.measure.activations``), predicted next to measured.
+"""Throughput and MFU/HFU (Sec. 6.3) of a measured step against the peak FLOP/s (``mfu_peak``); activation
+memory is measured apart (``seqpar.measure.activations``).
 
 The peak FLOP/s is the user's ``peak_tflops``; else the accelerator's from the analysis table; else
 (CPU) a short fp32 GEMM probe, measured once per machine and cached (``cached_gemm_probe``) -- so a
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from seqpar.analysis.flops import training_flops
+from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
 from seqpar.dtypes import torch_dtype
 from seqpar.fileio import write_atomic
 
@@ -38,8 +40,6 @@ def spec_sheet_key(device_name: str) -> str | None:
     """The peak table's entry for a device name, matched on whole words: "NVIDIA H100 80GB HBM3" is
     h100, "NVIDIA H100 PCIe" h100-pcie, "NVIDIA A100-SXM4-80GB" a100; "NVIDIA L40S" is not l4 (a
     substring match took it for one, at a third of its peak). None when the table has no entry."""
-    from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
-
     words = re.findall(r"[a-z0-9]+", device_name.lower())
     for key in sorted(PEAK_DENSE_16BIT_TFLOPS, key=len, reverse=True):
         parts = key.split("-")
@@ -59,13 +59,30 @@ def device_name(device: torch.device) -> str:
     return module.get_device_name(device) if hasattr(module, "get_device_name") else ""
 
 
-def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 natively: a GPU, or a CPU with AVX512-BF16 or AMX (x86); a CPU whose
+    kind torch cannot tell counts as native (no warning)."""
+    if device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None) or all(probe is None for probe in probes)
+
+
+def slow_dtype_note(job, device: torch.device) -> list[str]:
+    """The warning for bf16 on a CPU that emulates it (the issue-57 user's run was 8x slower than fp32)."""
+    if job.model.dtype != "bf16" or native_bf16(device):
+        return []
+    return ["bf16 on this CPU is emulated (no AVX512-BF16 or AMX instructions): its matmuls run several times "
+            "slower than fp32; --dtype fp32 trains faster here"]
+
+
+def mfu_peak(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The peak FLOP/s a rank's MFU divides by, and where it came from: the user's ``peak_tflops``, else the spec
+    sheet's (``analysis.hardware``, whose ``peak_flops`` names a GPU's), else the GEMM probe's (module doc)."""
     if peak_tflops > 0:
         return peak_tflops * 1e12, "given"
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
     if key is not None:
-        from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
-
         return PEAK_DENSE_16BIT_TFLOPS[key] * 1e12, f"spec sheet ({key})"
     return cached_gemm_probe(device, dtype)
 
@@ -120,7 +137,8 @@ class Throughput:
 
     def __init__(self, job, device: torch.device):
         self.job = job
-        self.peak, self.peak_source = peak_flops(job.train.peak_tflops, device, torch_dtype(job.model.dtype))
+        self.peak, self.peak_source = mfu_peak(job.train.peak_tflops, device, torch_dtype(job.model.dtype))
+        self.probed = self.peak_source.startswith("GEMM probe")  # an estimate the run's GEMMs may beat
         m, t = job.model, job.train
         self.tokens = t.global_batch * m.seq_len
         self.model_flops, self.hardware_flops = step_flops(job)
@@ -130,7 +148,12 @@ class Throughput:
                 "model_flops_per_step": self.model_flops, "world": self.job.parallel.world_size}
 
     def rates(self, step_seconds: float) -> dict:
+        """Tokens/s, MFU and HFU; a probed peak the run beat is raised to the run's rate (HFU 100%): a fraction
+        of a peak is never over 1."""
         world = self.job.parallel.world_size
+        peak = self.peak
+        if self.probed:
+            peak = max(peak, self.hardware_flops / (step_seconds * world))
         return {"step_time": step_seconds, "tokens_per_s": self.tokens / step_seconds,
-                "mfu": self.model_flops / (step_seconds * world * self.peak),
-                "hfu": self.hardware_flops / (step_seconds * world * self.peak)}
+                "mfu": self.model_flops / (step_seconds * world * peak),
+                "hfu": self.hardware_flops / (step_seconds * world * peak)}

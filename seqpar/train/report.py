@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from seqpar.analysis.text import human_bytes
+from seqpar.config import ConfigError
 from seqpar.train.config import JobConfig
 
 
@@ -16,7 +17,7 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
     print(f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s {m.seq_len}, "
           f"vocab {m.vocab_size}, {m.dtype}{moe}")
     ep = f" (ep {p.ep} inside dp × cp)" if p.ep > 1 else ""
-    print(f"  layout {p.describe_world()}{ep}, sequence parallel {'on' if p.sp else 'off'}, "
+    print(f"  layout {p.describe_world()}{ep}, sequence parallel {'on' if p.sp and p.tp > 1 else 'off'}, "
           f"recompute {r.granularity}")
     done = summary.get("step", t.steps)
     of = f" of {t.steps} (stopped at --stop-at {done}; resume continues the schedule)" if done < t.steps else ""
@@ -71,8 +72,7 @@ def activation_line(act: dict, sp: bool, granularity: str) -> str | None:
 
 def print_sample(checkpoint: str, prompt: str, tokens: int, tokenizer: str, seed: int) -> None:
     """A sample from the saved checkpoint (temperature 0.8, top-k ``TOP_K``): bytes, or the run's tokenizer."""
-    from seqpar.config import ConfigError
-    from seqpar.train.sample import TOP_K, sample_text
+    from seqpar.train.sample import TOP_K, sample_text  # torch and the model: this module stays torch-free
 
     try:
         text = sample_text(checkpoint, prompt, tokens, temperature=0.8, top_k=TOP_K, seed=seed, tokenizer=tokenizer)

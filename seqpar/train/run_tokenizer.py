@@ -12,13 +12,12 @@ from pathlib import Path
 
 from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
+from seqpar.data.prepared import checked_manifest, is_prepared
 from seqpar.train.config import TrainConfig
 
 
 def prepared_tokenizer(data: str) -> str:
     """A prepared folder's tokenizer copy ('' for byte data or anything else)."""
-    from seqpar.data.prepared import checked_manifest, is_prepared
-
     if not data or not is_prepared(data):
         return ""
     manifest = checked_manifest(data)
@@ -31,7 +30,7 @@ def resolve(train: TrainConfig, resume: str | Path | None = None) -> str:
     or not the one the checkpoint or the prepared data was made with."""
     given = train.tokenizer
     if resume:
-        from seqpar.train import checkpoint as ckpt
+        from seqpar.train import checkpoint as ckpt  # torch: this module stays torch-free
 
         folder = ckpt.resolve(resume)
         rec = ckpt.read_meta(folder).get("tokenizer")
@@ -60,9 +59,6 @@ def vocab_of(train: dict) -> int | None:
     if train.get("tokenizer"):
         return tokfile.record(train["tokenizer"])["vocab_size"]
     data = train.get("data", "")
-    if isinstance(data, str) and data:
-        from seqpar.data.prepared import checked_manifest, is_prepared
-
-        if is_prepared(data):
-            return int(checked_manifest(data)["vocab_size"])
+    if isinstance(data, str) and data and is_prepared(data):
+        return int(checked_manifest(data)["vocab_size"])
     return None

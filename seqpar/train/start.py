@@ -15,14 +15,22 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from seqpar.config import ConfigError, WorldSizeError
-from seqpar.parallel.launch import under_torchrun
-from seqpar.train import supervise
+from seqpar.data import tokenizer as tokfile
+from seqpar.data.prepared import Prepared, is_prepared
+from seqpar.out_path import check_not_input
+from seqpar.parallel.launch import default_device, under_torchrun
+from seqpar.parallel.rng import compiler_problem
+from seqpar.train import fault, run_tokenizer, supervise
 from seqpar.train.config import JobConfig, inert_settings
+from seqpar.train.heartbeat import Heartbeat
 from seqpar.train.interrupt import Reached, abort_line, stopped_line
+from seqpar.train.perf import slow_dtype_note
+from seqpar.train.report import print_summary
 from seqpar.train.supervise import EXIT_INTERRUPTED
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id",
@@ -75,28 +83,43 @@ def resume_path(resume: str, job: JobConfig) -> str:
     return job.train.out_dir if resume == "auto" else resume
 
 
+PAD_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by, times tp: the padding a vocabulary may take
+PAD_FRACTION = 0.01  # or up to 1% more rows (published models pad further: Qwen2's 151,665 tokens in 152,064 rows)
+
+
+def padded_vocab(size: int, tp: int) -> int:
+    """The largest model vocabulary that is ``size`` tokens padded, not another tokenizer's vocabulary: up to the
+    next multiple of 128 × tp, or 1% more rows."""
+    multiple = PAD_MULTIPLE * tp
+    return max(-(-size // multiple) * multiple, int(size * (1 + PAD_FRACTION)))
+
+
 def check_tokenizer(job: JobConfig, resume: str = "") -> None:
     """The run's tokenizer (``--tokenizer``, a prepared folder's, or a resumed checkpoint's copy): it
-    exists, parses, and its vocabulary fits the model, checked before launch."""
-    from seqpar.data import tokenizer as tokfile
-    from seqpar.train import run_tokenizer
-
+    exists, parses, and the model's vocabulary is its size, or that padded (``padded_vocab``: said in a note);
+    checked before launch."""
     path = run_tokenizer.resolve(job.train, resume_path(resume, job) or None)
     if not path:
         return
-    size = tokfile.record(path)["vocab_size"]
-    if size > job.model.vocab_size:
-        raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {job.model.vocab_size} "
+    size, vocab = tokfile.record(path)["vocab_size"], job.model.vocab_size
+    if size > vocab:
+        raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {vocab} "
                           f"(--vocab {size} or more)")
+    limit = padded_vocab(size, job.parallel.tp)
+    source = f"{job.train.data} (prepared with tokenizer {path})" if job.train.data and path != job.train.tokenizer \
+        else f"tokenizer {path}"
+    if vocab > limit:
+        raise ConfigError(f"the model's vocab_size {vocab:,} disagrees with {source}: {size:,} tokens (padded at most "
+                          f"to {limit:,}); leave vocab_size out to take the data's, or --vocab {size}")
+    if vocab > size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"seqpar train: note: vocab_size {vocab:,} pads the {size:,} tokens of {source}: "
+              f"{vocab - size:,} rows no token reaches", file=sys.stderr)
 
 
 def check_data(job: JobConfig) -> None:
     """The run folder apart from the data it reads (``out_path``'s rule: a run inside its data folder would be
     read as data by the next run); with ``data.verify``: the prepared folder's files against their SHA-256s
     (and what opening checks), once, before any rank starts."""
-    from seqpar.data.prepared import Prepared, is_prepared
-    from seqpar.out_path import check_not_input
-
     if job.train.data and Path(job.train.data).is_dir():
         check_not_input(job.train.out_dir, [job.train.data], "--out")
     if not job.data.verify:
@@ -110,9 +133,6 @@ def check_data(job: JobConfig) -> None:
 def check_compiler(job: JobConfig) -> None:
     """``train.compile`` on a CPU needs the C++ compiler Inductor builds its kernels with: without one the first
     step would fail deep inside torch.compile, after the run folder was claimed."""
-    from seqpar.parallel.launch import default_device
-    from seqpar.parallel.rng import compiler_problem
-
     if job.train.compile and default_device().type == "cpu" and compiler_problem():
         raise ConfigError(f"train.compile needs a C++ compiler on the CPU, and torch.compile found none "
                           f"({compiler_problem()}): install one (Debian: apt install g++) or train without --compile")
@@ -121,7 +141,7 @@ def check_compiler(job: JobConfig) -> None:
 def check_resume(job: JobConfig, resume: str) -> None:
     """A checkpoint of this run's model with steps left to train, its files matching their checksums and its
     tensors the model: checked once, before anything starts (the ranks then read it without checking again)."""
-    from seqpar.train import checkpoint as ckpt
+    from seqpar.train import checkpoint as ckpt  # heavy (torch.distributed.checkpoint): only to resume
 
     if resume:
         path = ckpt.check_resume(resume_path(resume, job), job.model)
@@ -130,30 +150,32 @@ def check_resume(job: JobConfig, resume: str) -> None:
 
 
 def warn_inert(job: JobConfig) -> None:
-    for note in inert_settings(job):
+    for note in inert_settings(job) + slow_dtype_note(job, default_device()):
         print(f"seqpar train: warning: {note}", file=sys.stderr)
 
 
 def start(make_job: Callable[[int], JobConfig], nproc: int | None = None, resume: str = "", overwrite: bool = False,
-          dry_run: bool = False, argv: list[str] | None = None) -> int:
+          dry_run: bool = False, argv: list[str] | None = None, gpu_memory: float | None = None) -> int:
     """The exit status of one ``seqpar train``. ``make_job(world size)``: the validated job;
-    ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks."""
+    ``argv``: the command's arguments, re-run on each of ``nproc`` local ranks; ``gpu_memory``: GB per GPU
+    the dry run checks the ranks against (default: this machine's GPU)."""
     if under_torchrun():
-        return _as_rank(make_job, resume, overwrite, dry_run)
+        return _as_rank(make_job, resume, overwrite, dry_run, gpu_memory)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     job = _job(make_job, nproc)  # every rule, before any process starts
-    if dry_run:
+    if dry_run:  # what a real run refuses before launch, refused here too
         check_tokenizer(job, resume)
-        return _dry_run(job, resume)
+        check_compiler(job)
+        check_data(job)
+        return _dry_run(job, resume, gpu_memory)
     try:
         check_tokenizer(job, resume)
         check_compiler(job)
         check_data(job)
         claim_out(job.train.out_dir, resume, overwrite)
         if nproc:  # the ranks would each find bad data only after launch
-            from seqpar.train import run_tokenizer
-            from seqpar.train.data import TokenData
+            from seqpar.train.data import TokenData  # heavy (the data readers): only under --nproc
 
             TokenData.for_job(job, tokenizer=run_tokenizer.resolve(job.train, resume_path(resume, job) or None))
         check_resume(job, resume)
@@ -180,7 +202,8 @@ def _job(make_job: Callable[[int], JobConfig], nproc: int | None) -> JobConfig:
                              f"(torchrun --nproc-per-node {n} -m seqpar train ...)", n, err.world) from None
 
 
-def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool) -> int:
+def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool, dry_run: bool,
+             gpu_memory: float | None = None) -> int:
     """One torchrun rank. Started by ``--nproc``, whose launcher checked, warned and reports; under
     plain torchrun rank 0 checks the folder (and clears it with ``overwrite``) and warns."""
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -196,7 +219,9 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         run_resume = restart_resume(job, resume) if restart else resume
         check_tokenizer(job, run_resume)
         if dry_run:
-            return _dry_run(job, run_resume) if rank0 else 0
+            check_compiler(job)
+            check_data(job)
+            return _dry_run(job, run_resume, gpu_memory) if rank0 else 0
         if not ours and not restart:
             check_compiler(job)
             check_data(job)
@@ -208,24 +233,32 @@ def _as_rank(make_job: Callable[[int], JobConfig], resume: str, overwrite: bool,
         # relaunch's launcher checked the checkpoint the first attempt resumes
         return train_and_report(job, run_resume, verified=ours and not restart)
 
+    def shown(err: BaseException) -> str:
+        """This rank's failure in one line, printed here (a bad input by rank 0 only) and in the launcher's report,
+        which then holds no traceback: a crash's is kept in OUT/tracebacks (``_failed_line``)."""
+        if isinstance(err, ConfigError):  # a bad input: one line, once (the --nproc launcher prints it), exit 2
+            if rank0 and not ours:
+                print(f"seqpar train: error: {err}", file=sys.stderr, flush=True)
+            return f"seqpar train: error: {err}"
+        if not out:  # before the run folder is known: nowhere to keep the traceback
+            return "".join(traceback.format_exception(err))
+        line = f"seqpar train: {_failed_line(out, err)}"
+        print(line, file=sys.stderr, flush=True)
+        return line
+
     try:
-        return supervise.as_rank(main)
-    except ConfigError as err:  # a bad input: one line, once (the --nproc launcher prints it), exit 2
-        if rank0 and not ours:
-            print(f"seqpar train: error: {err}", file=sys.stderr)
+        return supervise.as_rank(main, shown)
+    except ConfigError:
         raise SystemExit(2) from None
-    except Exception as err:  # recorded for the launcher's report (as_rank); here one line, the traceback kept
+    except Exception:
         if not out:
             raise
-        print(f"seqpar train: {_failed_line(out, err)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 
 def _failed_line(out: str, err: BaseException) -> str:
     """This rank's failure in one line; its traceback kept in ``OUT/tracebacks/a{attempt}_r{rank}.txt``
     (a hundred lines per rank on the console hid the one that said what failed)."""
-    import traceback
-
     rank = int(os.environ.get("RANK", "0"))
     text = "".join(traceback.format_exception(err))
     what = supervise.clip(f"{type(err).__name__}: {err}".splitlines()[0])
@@ -276,10 +309,10 @@ def restart_event(job: JobConfig, world: int) -> dict | None:
             **cause, "checkpoint": latest, "line": f"{cause['line']}; restart {number} of {limit}, {source}"}
 
 
-def _dry_run(job: JobConfig, resume: str) -> int:
-    from seqpar.train.dry_run import print_dry_run
+def _dry_run(job: JobConfig, resume: str, gpu_memory: float | None = None) -> int:
+    from seqpar.train.dry_run import print_dry_run  # heavy (the measuring code): only for --dry-run
 
-    print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir))
+    print_dry_run(job, existing="" if resume else existing_run(job.train.out_dir), gpu_memory=gpu_memory)
     return 0
 
 
@@ -291,10 +324,8 @@ def _one_line(err: Exception) -> int:
 def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int:
     """Train (this rank of) ``job``; rank 0 prints the summary. A signal before the first step exits
     130 at once (nothing to save yet); after it the trainer's own handlers take over."""
-    from seqpar.train import fault
-    from seqpar.train.heartbeat import Heartbeat
+    # heavy (the model, the pipeline, compile): a launcher process never trains, so never loads them
     from seqpar.train.loop import train
-    from seqpar.train.report import print_summary
     from seqpar.train.stragglers import StepTimes
 
     t0 = time.perf_counter()

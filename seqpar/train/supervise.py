@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
 import time
+import traceback
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 from seqpar.processes import die_with_parent
+from seqpar.train import heartbeat
+from seqpar.train.heartbeat import JOB_ENV
 
 PROG = "seqpar train"  # the command relaunch() re-runs, and the prefix of the launcher's lines
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, the shell's status for a Ctrl-C'd command
@@ -46,11 +51,11 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
     ``abort_message()``: the line a second Ctrl-C prints after killing the ranks; ``out_dir``: the run's
     folder (its heartbeats and checkpoints name the step and checkpoint of a restart).
     """
+    # torch (seconds to import) and the checkpoint code: this module stays torch-free
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     from seqpar.train.checkpoint import CheckpointError
-    from seqpar.train.heartbeat import JOB_ENV
 
     rest, skip = [], False
     for a in argv:
@@ -108,8 +113,6 @@ def _restartable(failures: dict, interrupted: bool) -> bool:
 def _restart_cause(failures: dict, number: int, max_restarts: int, out_dir: str, nproc: int,
                    started: float) -> dict:
     """What ended attempt ``number`` and where the next one starts: the restart's line and metrics record."""
-    from seqpar.train import heartbeat
-
     first, failure = _first_failure(failures)
     hang = heartbeat.hang_of(out_dir, number, nproc, since=started)
     step, at = heartbeat.where(out_dir, number, first, since=started)
@@ -129,8 +132,6 @@ def failure_of(out_dir: str, attempt: int, world: int) -> dict:
     """What ended ``attempt``, as far as its ranks' files tell (under a user's torchrun, whose launcher saw
     the exits): a hang, the exception a rank recorded, or the one rank that recorded nothing while the
     others only lost it (killed by a signal); the ``restart`` metrics record's fields."""
-    from seqpar.train import heartbeat
-
     beats = heartbeat.read(out_dir, attempt, world)
     step = max((b["done"] + 1 for b in beats.values()), default=1)
     hang = heartbeat.hang_of(out_dir, attempt, world)
@@ -158,7 +159,7 @@ def restart_source(out_dir: str) -> tuple[str, str]:
     words that say so: a damaged newer one is named and passed over, never silently. Raises
     CheckpointError when the run has checkpoints and none verifies (a restart from step 0 would train
     over them)."""
-    from seqpar.train.checkpoint import CheckpointError, newest_verified
+    from seqpar.train.checkpoint import CheckpointError, newest_verified  # torch: this module stays torch-free
 
     latest = latest_checkpoint(out_dir)
     if not latest:
@@ -174,8 +175,6 @@ def restart_source(out_dir: str) -> tuple[str, str]:
 
 def latest_checkpoint(out_dir: str) -> str:
     """The run's last complete checkpoint (``OUT/checkpoints/step_N``), '' when it has none."""
-    from pathlib import Path
-
     latest = Path(out_dir, "checkpoints", "latest")
     return str(latest.parent / latest.read_text().strip()) if out_dir and latest.is_file() else ""
 
@@ -185,14 +184,32 @@ def started_by_relaunch() -> bool:
     return LAUNCHER_ENV in os.environ
 
 
-def as_rank(main: Callable[[], int]) -> int:
-    """Run a torchrun rank's ``main()``: the rank dies with a ``relaunch`` launcher, and an
-    exception it raises is recorded in torch.distributed.elastic's error file, which the
-    launcher's report names."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+def as_rank(main: Callable[[], int], shown: Callable[[BaseException], str] | None = None) -> int:
+    """Run a torchrun rank's ``main()``: the rank dies with a ``relaunch`` launcher, and an exception it
+    raises is recorded in torch.distributed.elastic's error file, which the launcher's report prints:
+    ``shown(err)`` is what it prints (one line; the traceback kept elsewhere), by default the traceback
+    (as torch's ``record`` writes it). The file's message stays ``Type: text`` (what ``_cause`` reads)."""
+    # torch: this module stays torch-free
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     _die_with_launcher()
-    return record(main)()
+    get_error_handler().initialize()  # a fault handler that writes into the same file
+    try:
+        return main()
+    except Exception as err:
+        _error_file(err, shown(err) if shown else traceback.format_exc())
+        raise
+
+
+def _error_file(err: BaseException, shown: str) -> None:
+    """The error file torchrun names in ``TORCHELASTIC_ERROR_FILE``, in the form of torch's ``record``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(err).__name__}: {err}",
+                        "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w") as fh:
+        json.dump(data, fh)
 
 
 def _report(failures: dict, interrupted: bool, restarts: int = 0) -> int:
@@ -220,8 +237,6 @@ def _report(failures: dict, interrupted: bool, restarts: int = 0) -> int:
 def _quiet_elastic_logs() -> None:
     """torch.distributed.elastic's own warnings (``Sending process N closing signal``, ``failed
     (exitcode: 2)``) repeat what the launcher's one line says."""
-    import logging
-
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.run"):
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from seqpar.config import ConfigError, ModelConfig
+from seqpar.train.config import build_job
 
 META = "meta.json"
 LATEST = "latest"
@@ -35,8 +36,6 @@ class CheckpointError(ConfigError):
 
 def recorded_model(path: Path, meta: dict) -> ModelConfig:
     """The validated model config ``meta.json`` records."""
-    from seqpar.train.config import build_job
-
     config = meta.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"checkpoint {path}: {META} records no [model] config")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from seqpar.config import ModelConfig
 from seqpar.fileio import sha256_bytes, sha256_file
+from seqpar.model.gpt import build_model
 from seqpar.parallel.comm import all_gather_object
 from seqpar.train.checkpoint.format import (
     LATEST,
@@ -117,8 +118,6 @@ def config_problem(path: Path, meta: dict) -> str:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name → full shape of every tensor of the single-process model ``cfg`` (built on the meta device)."""
-    from seqpar.model.gpt import build_model
-
     return {name: tuple(p.shape) for name, p in build_model(cfg, device="meta").named_parameters()}
 
 

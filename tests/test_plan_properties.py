@@ -1,0 +1,126 @@
+"""Properties every plan the search returns satisfies, over generated models x GPU counts x flags x profiles
+(issue 59 item 2): no collective hides under more work than runs, MFU below the profile's bound
+(``costmodel.mfu_bound``), more data-parallel GPUs at a fixed per-rank layout never more memory per rank, a bigger
+micro-batch never less, and the search answers fast for any GPU count. Seeded draws: CI runs SEQPAR_PLAN_DRAWS=10
+(default: 10 searches of small models, 100 evaluated layouts of Llama 3 8B-405B, 3 GPU counts timed);
+SEQPAR_PLAN_DRAWS=N draws N, 10 N and N / 3."""
+
+import os
+import time
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqpar.analysis.costmodel import mfu_bound
+from seqpar.analysis.planner import Plan, Request, evaluate, num_microbatches, search
+from seqpar.analysis.presets import preset_shape
+from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
+from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, model_config
+from seqpar.config import ParallelConfig, RecomputeConfig
+
+DRAWS = int(os.environ.get("SEQPAR_PLAN_DRAWS", "10"))
+LARGE_DRAWS = 10 * DRAWS  # one evaluation each, no search: ~10 ms a draw
+MODELS = {
+    "gpt": model_config(layers=4, hidden=128, heads=4, seq=256, vocab=512),
+    "llama-gqa": model_config(layers=6, hidden=128, heads=8, seq=512, vocab=512, kv_heads=2, arch="llama"),
+    "gpt-wide": model_config(layers=2, hidden=256, heads=8, seq=128, vocab=1024, ffn=768),
+}
+CHECKED = []  # draws that returned plans (a sweep where none did would prove nothing)
+
+
+@st.composite
+def requests(draw) -> Request:
+    shape = MODELS[draw(st.sampled_from(sorted(MODELS)))]
+    hw = builtin_profile(draw(st.sampled_from(sorted(BUILTIN_PROFILES))))
+    # a small card now and then, so that memory binds and recompute is chosen
+    hw = replace(hw, gpus_per_node=draw(st.sampled_from([2, 8])),
+                 memory_bytes=draw(st.sampled_from([hw.memory_bytes, 2e7, 6e7])))
+    fused = draw(st.booleans())
+    overlap = draw(st.booleans())
+    return Request(shape, draw(st.sampled_from([1, 2, 4, 8, 12, 16])), draw(st.sampled_from([16, 32, 48])), hw=hw,
+                   opts=ActivationOptions(fused_attention=fused, dropout=not fused),
+                   opt=OptimizerOptions(overlap_grad_reduce=overlap, overlap_param_gather=overlap),
+                   try_fsdp=draw(st.booleans()), try_distributed_optimizer=draw(st.booleans()),
+                   max_micro_batch=4, max_interleave=2, max_cp=4)
+
+
+RUN_TERMS = ("compute", "elementwise", "overhead", "recompute", "tp_comm", "cp_comm", "ep_comm")
+
+
+def _hides_no_more_than_runs(req: Request, ev) -> None:
+    """The hidden dp / FSDP seconds fit under the work the iteration's own terms say runs (FSDP: every
+    microbatch's; dp: one microbatch's), whatever ``pass_windows_s`` computes."""
+    n = num_microbatches(req, ev.plan)
+    runs = sum(ev.time.terms.get(k, 0.0) for k in RUN_TERMS)  # n microbatches of the slowest rank
+    under = runs if ev.plan.par.fsdp else runs / n
+    hidden = ev.time.hidden.get("dp_allreduce", 0.0)
+    assert hidden <= under * (1 + 1e-9), (ev.plan.label, hidden, under)
+
+
+@settings(max_examples=DRAWS, deadline=None, derandomize=True)
+@given(requests())
+def test_every_plan_hides_no_more_than_runs_and_stays_below_the_mfu_bound(req):
+    ranked = search(req)
+    if not ranked:
+        return
+    CHECKED.append(req)
+    bound = mfu_bound(req.hw)
+    for ev in ranked:
+        _hides_no_more_than_runs(req, ev)
+        assert 0 < ev.mfu <= bound, (ev.plan.label, ev.mfu, bound)
+    best = ranked[0]
+    par, mb = best.plan.par, best.plan.micro_batch
+    if req.global_batch % (2 * par.dp * mb) == 0:  # twice the data-parallel GPUs, each rank's layout the same
+        wider = evaluate(replace(req, gpus=2 * req.gpus), replace(best.plan, par=replace(par, dp=2 * par.dp)))
+        assert wider.error or wider.memory_bytes <= best.memory_bytes * (1 + 1e-12), (best.plan.label,)
+    if req.global_batch % (par.dp * 2 * mb) == 0 and par.interleave == 1:  # twice the micro-batch
+        bigger = evaluate(req, replace(best.plan, micro_batch=2 * mb))
+        assert bigger.error or bigger.memory_bytes >= best.memory_bytes * (1 - 1e-12), (best.plan.label,)
+
+
+@st.composite
+def large_plans(draw) -> tuple[Request, Plan]:
+    """A layout of a published-size model (Llama 3 8B / 70B / 405B) on up to 16,384 GPUs, evaluated without a
+    search: the regime where the dp and FSDP traffic is seconds and the windows matter."""
+    name = draw(st.sampled_from(["llama3-8b", "llama3-70b", "llama3-405b"]))
+    shape = preset_shape(name)
+    tp, cp, pp = draw(st.sampled_from([1, 2, 8])), draw(st.sampled_from([1, 2, 8, 16])), draw(st.sampled_from([1, 2]))
+    dp, mb = draw(st.sampled_from([2, 8, 64, 512])), draw(st.sampled_from([1, 2, 4]))
+    fsdp = draw(st.booleans())
+    par = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, sp=tp > 1, fsdp=fsdp,
+                         cp_comm_type=draw(st.sampled_from(["ring", "a2a"])) if cp > 1 else "ring")
+    rc = draw(st.sampled_from([RecomputeConfig("none"), RecomputeConfig("full"),
+                               RecomputeConfig("full", "block", draw(st.integers(1, 8)))]))
+    overlap = draw(st.booleans())
+    req = Request(shape, par.world_size, dp * mb * draw(st.sampled_from([1, 4])),
+                  hw=builtin_profile(draw(st.sampled_from(sorted(BUILTIN_PROFILES)))),
+                  opts=ActivationOptions(fused_attention=True, dropout=False),
+                  opt=OptimizerOptions(overlap_grad_reduce=overlap, overlap_param_gather=overlap))
+    return req, Plan(par, rc, mb, distributed_optimizer=not fsdp and draw(st.booleans()))
+
+
+@settings(max_examples=LARGE_DRAWS, deadline=None, derandomize=True)
+@given(large_plans())
+def test_a_large_plan_hides_no_more_than_runs_and_stays_below_the_mfu_bound(case):
+    req, plan = case
+    ev = evaluate(req, plan)
+    if ev.error:  # a layout the rules refuse (heads, layers, sequence): nothing to time
+        return
+    _hides_no_more_than_runs(req, ev)
+    assert 0 < ev.mfu <= mfu_bound(req.hw), (plan.label, ev.mfu)
+
+
+def test_the_sweep_checked_plans():
+    """Run after the sweep (file order): a sweep where no draw returned a plan would prove nothing."""
+    assert CHECKED
+
+
+@settings(max_examples=max(3, DRAWS // 3), deadline=None, derandomize=True)
+@given(st.integers(1, 2**31 - 1), st.sampled_from([1, 7, 2048, 2**31 - 1]))
+def test_the_search_answers_fast_for_any_gpu_count(gpus, batch):
+    req = Request(MODELS["gpt"], gpus, batch, hw=builtin_profile("a100-80gb"), max_micro_batch=2, max_interleave=1,
+                  max_cp=2)
+    start = time.perf_counter()
+    search(req)
+    assert time.perf_counter() - start < 5, (gpus, batch)

@@ -266,8 +266,9 @@ def test_a_plan_fits_only_with_fsdp_and_is_emitted_with_it(tmp_path, capsys):
     fits, FSDP does; the report's alternatives show the same plan without it not fitting; the emitted job has it."""
     from seqpar.cli import main
     from seqpar.train.config import load_toml
-    main([*PLAN, "--json"])
-    assert json.loads(capsys.readouterr().out)["best"] is None
+    with pytest.raises(SystemExit) as refused:  # without FSDP nothing fits: one line naming why, exit 2
+        main([*PLAN, "--json"])
+    assert refused.value.code == 2 and "the model states alone" in capsys.readouterr().err
     out = tmp_path / "plan.toml"
     main([*PLAN, "--fsdp", "--json", "--emit-config", str(out)])
     best = json.loads(capsys.readouterr().out)["best"]

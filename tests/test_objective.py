@@ -18,6 +18,7 @@ import torch
 from _helpers import Launches, prepared_documents, run_cli, step_records, validation_documents, word_documents
 
 from seqpar.commands.eval import evaluate_checkpoint
+from seqpar.data import tokenizer as tokfile
 
 STEPS = 3
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 32, "dtype": "fp32",
@@ -95,8 +96,9 @@ def test_a_validation_split_that_counts_no_token_is_refused(tmp_path):
     empty = validation_documents(4000)
     bad, tokenizer = word_documents(tmp_path / "bad", [" " if i in empty else "a b c d" for i in range(4000)])
     good, _ = word_documents(tmp_path / "good", ["a b c d"] * 4000)
+    vocab = tokfile.record(tokenizer)["vocab_size"]  # tiny.toml's 256 would be refused against the data's
     base = ["train", "--config", Path(__file__).parent.parent / "configs" / "tiny.toml", "--seq", "8", "--steps", "1",
-            "--warmup", "0", "--document-mask", "--tokenizer", tokenizer, "--no-progress"]
+            "--warmup", "0", "--document-mask", "--tokenizer", tokenizer, "--vocab", vocab, "--no-progress"]
     code, out, err = run_cli([*base, "--data", bad, "--out", tmp_path / "bad-run"])
     assert code == 2 and "the 8 validation windows of" in err and "count none of their 64 labels" in err, (out, err)
     assert not (tmp_path / "bad-run" / "checkpoints").exists()

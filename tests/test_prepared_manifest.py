@@ -7,6 +7,7 @@ a listed file removed, counts changed, the vocabulary changed up or down, any ot
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -156,7 +157,11 @@ def test_re_running_the_same_prepare_mends_the_folder(folder, tmp_path, capsys, 
     code, _, err = seqpar(capsys, "prepare", folder.parent / "src.jsonl", "--out", copy, "--no-progress",
                           "--workers", 1, "--shard-mb", 0.002)
     assert code == 0 and f"{copy / 'manifest.json'} does not match the folder (" in err, err
-    assert "writing it again from the shards' records" in err and len(err.splitlines()) == 1, err
+    first, *rest = err.splitlines()  # the mend, then how much of the folder the rerun kept
+    assert "writing it again from the shards' records" in first and len(rest) == 1, err
+    kept = re.fullmatch(rf"seqpar prepare: {re.escape(str(copy))}: reusing (\d+) of (\d+) finished shard\(s\); "
+                        r"tokenizing (\d+)", rest[0])
+    assert kept and int(kept[1]) + int(kept[3]) == int(kept[2]), err
     code, out, err = seqpar(capsys, "verify", copy)
     assert code == 0 and "matches the folder and its SHA-256" in out, err
     assert (copy / "manifest.json").read_text() == (folder / "manifest.json").read_text()

@@ -1,5 +1,5 @@
 """Peak memory of the global gradient norm on a 64k-vocabulary model: the rule before issue 53 (a float64 copy
-of every gradient, squared and summed) against ``seqpar.train.adam.global_grad_norm`` (per-tensor norms, their
+of every gradient, squared and summed) against ``seqpar.train.optim.adam.global_grad_norm`` (per-tensor norms, their
 squares summed in float64).
 
 Run from the repository root: ``PYTHONPATH=. python benchmarks/grad_norm_memory.py``. Prints, per rule, the
@@ -19,7 +19,7 @@ from _helpers import LargestAllocation  # noqa: E402
 from seqpar.config import ModelConfig  # noqa: E402
 from seqpar.model import build_model  # noqa: E402
 from seqpar.parallel.dims import ParallelDims  # noqa: E402
-from seqpar.train.adam import global_grad_norm  # noqa: E402
+from seqpar.train.optim.adam import global_grad_norm  # noqa: E402
 
 
 def before(pieces, device) -> torch.Tensor:

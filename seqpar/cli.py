@@ -111,7 +111,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.analysis.formulas.shapes import AnalysisError
     from seqpar.config import ConfigError
 
     argv = sys.argv[1:] if argv is None else argv

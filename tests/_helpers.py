@@ -182,7 +182,7 @@ def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[st
     distributed optimizer summed over the dp × cp ranks that shard it (the padding holds none); the
     activation peak equal to the planned activations less the transients (``stage.TRANSIENT_TERMS``) plus the
     implementation's small tensors (``seqpar.measure.stages.implementation_terms``)."""
-    from seqpar.analysis.stage import STATE_TERMS, TRANSIENT_TERMS
+    from seqpar.analysis.formulas.stage import STATE_TERMS, TRANSIENT_TERMS
     from seqpar.measure.stages import implementation_terms
 
     p, t, bad, held = job.parallel, job.train, [], {}

@@ -1,4 +1,4 @@
-"""AdamW's implementation per device (``seqpar.train.adam.adam_implementation``): the per-parameter loop on CPU,
+"""AdamW's implementation per device (``seqpar.train.optim.adam.adam_implementation``): the per-parameter loop on CPU,
 whose bits the parity tests compare with ``torch.optim.AdamW``; the fused kernel elsewhere, whose step count
 lives on the masters' device as fp32 from creation through a checkpoint load. The fused branch runs here on
 CPU (torch has a CPU fused AdamW): the same update to rounding."""
@@ -11,10 +11,9 @@ from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.testing import parity_batch, relative_error
-from seqpar.train import adam
-from seqpar.train.adam import adam_implementation, adam_step, set_adam_step
 from seqpar.train.config import TrainConfig
-from seqpar.train.optim import MasterOptimizer
+from seqpar.train.optim.adam import adam_implementation, adam_step, set_adam_step
+from seqpar.train.optim.replicated import MasterOptimizer, adam
 
 
 def test_the_loop_on_cpu_fused_on_an_accelerator():

@@ -4,7 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from seqpar.analysis.costmodel import (
+from seqpar.analysis.formulas.flops import layer_forward_flops, model_flops
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
+from seqpar.analysis.formulas.states import stage_parameters
+from seqpar.analysis.planning.costmodel import (
     Hardware,
     iteration_time,
     layer_elementwise_bytes,
@@ -16,9 +19,6 @@ from seqpar.analysis.costmodel import (
     ring_allreduce_s,
     ring_gather_s,
 )
-from seqpar.analysis.flops import layer_forward_flops, model_flops
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, model_config
-from seqpar.analysis.states import stage_parameters
 from seqpar.config import ParallelConfig, RecomputeConfig
 
 # L=4, h=8, a=2, s=4, v=16: one layer forward for b=1 is 24*4*64 + 4*16*8 = 6656 FLOPs

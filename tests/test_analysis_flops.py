@@ -2,7 +2,7 @@
 
 import pytest
 
-from seqpar.analysis.flops import (
+from seqpar.analysis.formulas.flops import (
     flops_utilization,
     hardware_flops,
     layer_forward_flops,
@@ -11,8 +11,8 @@ from seqpar.analysis.flops import (
     model_flops_from_gemms,
     recompute_extra_flops,
 )
-from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS, peak_flops
-from seqpar.analysis.shapes import AnalysisError
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS, peak_flops
 
 B, L, S, H, V = 2, 3, 16, 8, 32
 

@@ -4,11 +4,11 @@ import json
 import subprocess
 import sys
 
-from seqpar.analysis.flops import layer_forward_flops, model_flops, model_flops_from_gemms
-from seqpar.analysis.memory import layer_activation_terms
-from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.shapes import model_config
-from seqpar.analysis.states import model_parameters
+from seqpar.analysis.formulas.flops import layer_forward_flops, model_flops, model_flops_from_gemms
+from seqpar.analysis.formulas.memory import layer_activation_terms
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import model_config
+from seqpar.analysis.formulas.states import model_parameters
 
 
 def test_llama_parameter_counts_match_the_released_models():
@@ -48,7 +48,7 @@ def test_plan_takes_llama_presets_and_fused_attention():
 
 
 def test_which_recompute_pays_off_with_fused_attention():
-    from seqpar.analysis.paper import beyond_the_paper
+    from seqpar.analysis.reports.paper import beyond_the_paper
 
     rows = beyond_the_paper()
     for name in ("llama2-7b", "llama3-70b"):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from seqpar.analysis.memory import (
+from seqpar.analysis.formulas.memory import (
     TABLE2_ROWS,
     attention_core_terms,
     layer_activation_bytes,
@@ -10,7 +10,7 @@ from seqpar.analysis.memory import (
     table2_bytes,
     table2_config,
 )
-from seqpar.analysis.shapes import AnalysisError
+from seqpar.analysis.formulas.shapes import AnalysisError
 
 # s=4, b=2, h=8, a=2, t=2: sbh = 64, as^2b = 64
 S, B, H, A, T = 4, 2, 8, 2, 2

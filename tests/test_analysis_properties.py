@@ -3,12 +3,12 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.costmodel import Hardware, iteration_time
-from seqpar.analysis.flops import hardware_flops, model_flops
-from seqpar.analysis.in_flight import in_flight_chunks
-from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_bytes, table2_bytes, table2_config
-from seqpar.analysis.shapes import model_config
-from seqpar.analysis.stage import stage_memory
+from seqpar.analysis.formulas.flops import hardware_flops, model_flops
+from seqpar.analysis.formulas.in_flight import in_flight_chunks
+from seqpar.analysis.formulas.memory import TABLE2_ROWS, layer_activation_bytes, table2_bytes, table2_config
+from seqpar.analysis.formulas.shapes import model_config
+from seqpar.analysis.formulas.stage import stage_memory
+from seqpar.analysis.planning.costmodel import Hardware, iteration_time
 from seqpar.config import ParallelConfig, RecomputeConfig
 
 dims = st.fixed_dictionaries({

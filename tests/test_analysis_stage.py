@@ -4,12 +4,12 @@ from dataclasses import replace
 
 import pytest
 
-from seqpar.analysis.in_flight import in_flight_chunks, interleaving_factor, outstanding_backwards
-from seqpar.analysis.memory import layer_activation_bytes
-from seqpar.analysis.presets import TABLE3
-from seqpar.analysis.shapes import ActivationOptions, AnalysisError, OptimizerOptions, model_config
-from seqpar.analysis.stage import all_stages, sec43_extra_bytes_paper, stage_memory
-from seqpar.analysis.states import (
+from seqpar.analysis.formulas.in_flight import in_flight_chunks, interleaving_factor, outstanding_backwards
+from seqpar.analysis.formulas.memory import layer_activation_bytes
+from seqpar.analysis.formulas.presets import TABLE3
+from seqpar.analysis.formulas.shapes import ActivationOptions, AnalysisError, OptimizerOptions, model_config
+from seqpar.analysis.formulas.stage import all_stages, sec43_extra_bytes_paper, stage_memory
+from seqpar.analysis.formulas.states import (
     bytes_per_parameter,
     layer_parameters,
     model_parameters,

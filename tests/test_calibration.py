@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from seqpar.analysis.calibration import DataPoint, calibrate, fit, paper_calibration, paper_points
-from seqpar.analysis.costmodel import FIT_PARAMETERS, Hardware, layer_time_s, ties_with_best
-from seqpar.analysis.hardware import datasheet_hardware
-from seqpar.analysis.presets import TABLE3, TABLE5_ITERATION_S
-from seqpar.analysis.profiles import (
+from seqpar.analysis.formulas.presets import TABLE3, TABLE5_ITERATION_S
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.analysis.planning.calibration import DataPoint, calibrate, fit, paper_calibration, paper_points
+from seqpar.analysis.planning.costmodel import FIT_PARAMETERS, Hardware, layer_time_s, ties_with_best
+from seqpar.analysis.planning.hardware import datasheet_hardware
+from seqpar.analysis.planning.profiles import (
     HOPPER_22B_LAYER_MS,
     HOPPER_MEASURED_GEMM_TFLOPS,
     builtin_profile,
@@ -23,7 +24,6 @@ from seqpar.analysis.profiles import (
     profile_from_json,
     profile_to_json,
 )
-from seqpar.analysis.shapes import AnalysisError
 from seqpar.cli import main
 from seqpar.config import ParallelConfig, RecomputeConfig
 
@@ -273,7 +273,7 @@ def test_interleaved_rotates_the_order_and_the_paired_difference_ignores_one_rou
 def _measurements_of(truth: Hardware, step_seconds=None) -> dict:
     """What `seqpar calibrate` would measure on 2 ranks of a machine that runs exactly as ``truth``
     (the micro-benchmarks' GEMMs faster than the steps' ones, as on a CPU)."""
-    from seqpar.analysis.costmodel import gemm_s
+    from seqpar.analysis.planning.costmodel import gemm_s
     from seqpar.bench.calibrate import SIZES, step_configs, step_points
 
     shape = SIZES["full"]["step_shape"]

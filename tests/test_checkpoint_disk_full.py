@@ -50,7 +50,7 @@ def test_another_runtime_error_is_not_called_a_full_disk(tmp_path, monkeypatch):
 @settings(max_examples=50, derandomize=True)
 @given(st.lists(st.text("abcdefgh.:[]0123456789", min_size=1, max_size=30), min_size=1, max_size=40))
 def test_a_relayed_message_is_cut_between_words(words):
-    from seqpar.train.supervise import clip
+    from seqpar.train.reliability.supervise import clip
 
     line = " ".join(words)
     cut = clip(line, 80)

@@ -75,7 +75,7 @@ def test_memory_takes_a_preset_and_llama3_rotates_with_theta_500000():
     assert code == 0 and "s=8192 b=1 h=4096 a=32 f=14336" in out and "kv heads 8" in out, err
     code, out, _ = run_cli(["memory", "--model", "llama3-8b", "--hidden", "1024", "--heads", "8"])
     assert code == 0 and "h=1024 a=8 f=14336" in out  # flags override the preset
-    from seqpar.analysis.presets import preset_shape
+    from seqpar.analysis.formulas.presets import preset_shape
     from seqpar.commands import train as train_cmd
 
     for name in ("llama3-8b", "llama3-70b", "llama3-405b"):

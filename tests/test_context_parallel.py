@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from seqpar.analysis.costmodel import Hardware, layer_gemms, ring_exposed_s
-from seqpar.analysis.memory import layer_activation_terms
-from seqpar.analysis.plan_report import context_parallel_line
-from seqpar.analysis.planner import Request, check_plan, parse_plan, search
-from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.shapes import ActivationOptions, model_config
+from seqpar.analysis.formulas.memory import layer_activation_terms
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import ActivationOptions, model_config
+from seqpar.analysis.planning.costmodel import Hardware, layer_gemms, ring_exposed_s
+from seqpar.analysis.planning.planner import Request, check_plan, parse_plan, search
+from seqpar.analysis.reports.plan_report import context_parallel_line
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.table2 import measure_rows, plan_rows
 from seqpar.parallel.dims import ParallelDims

@@ -184,9 +184,9 @@ def test_exchange_priced_on_the_link_its_group_spans():
     exchange."""
     from dataclasses import replace
 
-    from seqpar.analysis.costmodel import Hardware, a2a_exchange_s, ring_exposed_s
-    from seqpar.analysis.presets import preset_shape
-    from seqpar.analysis.shapes import ActivationOptions
+    from seqpar.analysis.formulas.presets import preset_shape
+    from seqpar.analysis.formulas.shapes import ActivationOptions
+    from seqpar.analysis.planning.costmodel import Hardware, a2a_exchange_s, ring_exposed_s
 
     shape, opts = replace(preset_shape("llama3-8b"), seq_len=32768), ActivationOptions(fused_attention=True)
     par = ParallelConfig(cp=16, dp=4, cp_comm_type="a2a")

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from seqpar.analysis.costmodel import RING_HOP_S, Hardware, fsdp_collectives_s, grad_group_steps_s
-from seqpar.analysis.shapes import OptimizerOptions, model_config
+from seqpar.analysis.formulas.shapes import OptimizerOptions, model_config
+from seqpar.analysis.planning.costmodel import RING_HOP_S, Hardware, fsdp_collectives_s, grad_group_steps_s
 from seqpar.config import ParallelConfig
 
 HW = Hardware(gpus_per_node=8)

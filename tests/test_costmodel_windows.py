@@ -4,14 +4,14 @@ than the gradient group's."""
 
 import pytest
 
-from seqpar.analysis.costmodel import (
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
+from seqpar.analysis.planning.costmodel import (
     Hardware,
     exchanges_beside_grad_group,
     iteration_time,
     layer_pass_s,
     pass_windows_s,
 )
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, model_config
 from seqpar.config import ParallelConfig, RecomputeConfig
 
 SHAPE = model_config(layers=8, hidden=64, heads=4, seq=32, vocab=128)

@@ -169,7 +169,7 @@ def test_memory_states_of_a_preset_counts_its_layers(capsys):
 
 
 def test_plan_lists_every_preset_and_plans_shared_expert_moe(capsys):
-    from seqpar.analysis.presets import preset_names
+    from seqpar.analysis.formulas.presets import preset_names
 
     code, text, _ = seqpar(capsys, "plan", "--help")
     assert code == 0 and all(name in " ".join(text.split()) for name in preset_names())
@@ -185,7 +185,7 @@ def test_plan_lists_every_preset_and_plans_shared_expert_moe(capsys):
 
 
 def test_an_emitted_config_carries_the_published_lr_or_says_to_set_it(tmp_path, capsys):
-    from seqpar.analysis.presets import published_lr
+    from seqpar.analysis.formulas.presets import published_lr
 
     code, _, err = seqpar(capsys, "plan", "--model", "llama2-7b", "--gpus", 8, "--global-batch", 8,
                           "--emit-config", tmp_path / "l2.toml", "--top", 1)

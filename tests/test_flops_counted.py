@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from seqpar.analysis.flops import layer_forward_flops, model_flops, selective_recompute_flops
+from seqpar.analysis.formulas.flops import layer_forward_flops, model_flops, selective_recompute_flops
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.model import build_model
 from seqpar.model.init import init_parameters

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from seqpar.parallel import layout as layout_module
 from seqpar.parallel.layout import GroupedQKVLayout, ParamLayout
-from seqpar.train.sharded import FragmentView, flat_boxes
+from seqpar.train.optim.sharded import FragmentView, flat_boxes
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

@@ -238,8 +238,8 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
 def test_stage_tensors_are_the_model_tensors(arch, tp, pp, kv):
     """The tensors the fsdp formula shards: at tp 1 exactly the built model's (rows, row) shapes; at any
     layout as many elements as the state formula counts (where it models kv heads: llama, or kv = heads)."""
-    from seqpar.analysis.fsdp_states import stage_tensors
-    from seqpar.analysis.states import stage_parameters
+    from seqpar.analysis.formulas.fsdp_states import stage_tensors
+    from seqpar.analysis.formulas.states import stage_parameters
     from seqpar.config import ARCH_FIELDS, ModelConfig, ParallelConfig
     from seqpar.model.gpt import build_model
     fields = {k: v for k, v in ARCH_FIELDS[arch].items() if not k.endswith("dropout")}

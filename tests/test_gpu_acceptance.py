@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from seqpar.analysis.profiles import FUSED_ATTENTION_EFFICIENCY
+from seqpar.analysis.planning.profiles import FUSED_ATTENTION_EFFICIENCY
 from seqpar.bench.acceptance import SMOKE_ENV, error_line, part_steps
 
 ROOT = Path(__file__).resolve().parents[1]

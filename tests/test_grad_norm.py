@@ -1,4 +1,4 @@
-"""The global gradient norm (``seqpar.train.adam.global_grad_norm``): per-tensor fp32 norms, squares summed in
+"""The global gradient norm (``seqpar.train.optim.adam.global_grad_norm``): per-tensor fp32 norms, squares summed in
 float64 -- the float64-per-element sum it replaced to rounding, non-finite where a gradient is, and no copy of a
 gradient on the way (the float64 one was 8 bytes an element: 4.2 GB for Llama-3.2-1B's embedding)."""
 
@@ -10,7 +10,7 @@ import torch
 from _helpers import LargestAllocation
 
 from seqpar.parallel.dims import ParallelDims
-from seqpar.train.adam import NORM_CHUNK, global_grad_norm, squared_norm
+from seqpar.train.optim.adam import NORM_CHUNK, global_grad_norm, squared_norm
 
 CPU = torch.device("cpu")
 

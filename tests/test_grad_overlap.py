@@ -18,7 +18,7 @@ from seqpar.parallel.main_grad import grad_of
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.testing import parity_batch
 from seqpar.train.config import TrainConfig
-from seqpar.train.optim import MasterOptimizer
+from seqpar.train.optim.replicated import MasterOptimizer
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, embd_dropout=0.0,
                   attn_dropout=0.0, hidden_dropout=0.0)

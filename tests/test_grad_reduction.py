@@ -14,7 +14,7 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.testing import parity_batch
 from seqpar.train.config import TrainConfig
-from seqpar.train.optim import MasterOptimizer
+from seqpar.train.optim.replicated import MasterOptimizer
 
 LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False,
          "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0}

@@ -1,5 +1,5 @@
 """Host bytes as the allocator holds them: torch's caching host allocator rounds a pinned buffer up to a power of
-two (``seqpar.analysis.memory.pinned_block_bytes``), so the offload pool takes whole blocks, reuses a block for
+two (``seqpar.analysis.formulas.memory.pinned_block_bytes``), so the offload pool takes whole blocks, reuses a block for
 every size that rounds to it and reports the pinned RAM it holds; the async-save staging reports its own. And the
 offloader's side stream is made on the tensor's device. Pinning is real only on CUDA: here it is faked where the
 pool asks for it, the rule itself is a pure function."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqpar.analysis.memory import pinned_block_bytes
+from seqpar.analysis.formulas.memory import pinned_block_bytes
 from seqpar.recompute.offload import HostPool, Offloader
 from seqpar.train.checkpoint.background import BackgroundSave
 

@@ -6,8 +6,8 @@ import math
 import pytest
 from _helpers import seqpar
 
-from seqpar.analysis import job_time as jt
-from seqpar.analysis.shapes import AnalysisError
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.analysis.reports import job_time as jt
 
 
 @pytest.mark.parametrize("text,seconds", [("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-2", 93600),

@@ -15,8 +15,8 @@ from seqpar.testing import parity_batch
 from seqpar.train.checkpoint import read_meta, resolve
 from seqpar.train.config import TrainConfig
 from seqpar.train.loop import train_local
-from seqpar.train.loss_scale import DynamicLossScaler
-from seqpar.train.optim import MasterOptimizer
+from seqpar.train.optim.loss_scale import DynamicLossScaler
+from seqpar.train.optim.replicated import MasterOptimizer
 
 
 def test_scaler_backs_off_grows_and_round_trips():

@@ -1,4 +1,4 @@
-"""An MoE layer's saved bytes equal the exact formula (seqpar/analysis/moe.py) for the routing the rank saw,
+"""An MoE layer's saved bytes equal the exact formula (seqpar/analysis/formulas/moe.py) for the routing the rank saw,
 in every row: tp, SP, recompute modules, ep 1 and 2, dropless and capacity, SwiGLU with a gated shared
 expert and GeLU; the balanced-routing formula is reported beside it."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from seqpar.analysis.moe import Routing, balanced_routing, moe_terms
-from seqpar.analysis.shapes import AnalysisError
-from seqpar.analysis.stage import stage_memory
+from seqpar.analysis.formulas.moe import Routing, balanced_routing, moe_terms
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.analysis.formulas.stage import stage_memory
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.table2 import measure_rows, plan_rows
 

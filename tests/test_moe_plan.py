@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from seqpar.analysis.costmodel import layer_pass_s
-from seqpar.analysis.emit import plan_toml
-from seqpar.analysis.planner import Request, search
-from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.profiles import hardware_for
-from seqpar.analysis.shapes import ActivationOptions
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import ActivationOptions
+from seqpar.analysis.planning.costmodel import layer_pass_s
+from seqpar.analysis.planning.planner import Request, search
+from seqpar.analysis.planning.profiles import hardware_for
+from seqpar.analysis.reports.emit import plan_toml
 from seqpar.config import ParallelConfig
 from seqpar.train.config import build_job
 
@@ -46,9 +46,9 @@ def test_cost_model_has_the_moe_terms():
 def test_dp_reduction_counts_the_experts_over_their_own_ranks():
     """The routed experts' gradients are reduced over the dp·cp/ep ranks holding the same experts, the rest over
     dp × cp: at ep = dp the experts need no reduction at all, and the time is the dense part's alone."""
-    from seqpar.analysis.costmodel import dp_allreduce_s, grad_group_steps_s, grad_groups, optimizer_s
-    from seqpar.analysis.shapes import OptimizerOptions
-    from seqpar.analysis.states import stage_parameters
+    from seqpar.analysis.formulas.shapes import OptimizerOptions
+    from seqpar.analysis.formulas.states import stage_parameters
+    from seqpar.analysis.planning.costmodel import dp_allreduce_s, grad_group_steps_s, grad_groups, optimizer_s
 
     shape = preset_shape("mixtral-8x7b")
     hw = hardware_for("a100-80gb")
@@ -63,13 +63,13 @@ def test_dp_reduction_counts_the_experts_over_their_own_ranks():
                                        dense_only_bandwidth(hw, par), rel=1e-12)
     half = ParallelConfig(tp=2, sp=True, pp=4, dp=8, ep=4)  # experts now reduced over 2 ranks
     assert dp_allreduce_s(shape, half, hw, opt) > dense_only
-    from seqpar.analysis.costmodel import optimizer_bytes_per_parameter
+    from seqpar.analysis.planning.costmodel import optimizer_bytes_per_parameter
     assert optimizer_s(shape, par, hw, opt) == (dense * optimizer_bytes_per_parameter(opt, 8)  # experts unsharded
                                                 + experts * optimizer_bytes_per_parameter(opt, 1)) / hw.memory_bw
 
 
 def dense_only_bandwidth(hw, par):
-    from seqpar.analysis.costmodel import grad_group_bw
+    from seqpar.analysis.planning.costmodel import grad_group_bw
     return grad_group_bw(hw, par)
 
 
@@ -79,8 +79,8 @@ def test_fsdp_is_for_dense_models_one_rule_everywhere():
     ``memory --states`` prints no fsdp row for it."""
     import pytest
 
-    from seqpar.analysis.fsdp_states import compare_states
-    from seqpar.analysis.planner import layouts
+    from seqpar.analysis.formulas.fsdp_states import compare_states
+    from seqpar.analysis.planning.planner import layouts
     from seqpar.config import ConfigError
 
     shape = preset_shape("mixtral-8x7b")

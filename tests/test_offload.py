@@ -14,8 +14,8 @@ import pytest
 import torch
 from _helpers import Launches, random_tokens, run_cli
 
-from seqpar.analysis.shapes import ActivationOptions
-from seqpar.analysis.stage import chunk_bytes, stage_memory
+from seqpar.analysis.formulas.shapes import ActivationOptions
+from seqpar.analysis.formulas.stage import chunk_bytes, stage_memory
 from seqpar.config import ARCH_FIELDS, DTYPE_BYTES, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.table2 import measure_rows, plan_rows
 from seqpar.model.init import init_parameters
@@ -243,7 +243,7 @@ def _request(*extra):
 def test_offloading_makes_a_plan_fit_and_beats_full_recompute():
     """Llama-3-70B, tp 8 × pp 4, micro-batch 2: keeping everything does not fit, offloading the MLPs fits and is
     predicted faster than recomputing whole layers; the transfer time the passes do not hide is charged."""
-    from seqpar.analysis import planner
+    from seqpar.analysis.planning import planner
 
     req = _request("--offload")
     layout = "tp=8,pp=4,sp=on,mb=2,recompute="

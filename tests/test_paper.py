@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from seqpar.analysis import paper
-from seqpar.analysis.memory import TABLE2_ROWS
-from seqpar.analysis.presets import TABLE5_PAPER_PERCENT
-from seqpar.analysis.shapes import AnalysisError
+from seqpar.analysis.formulas.memory import TABLE2_ROWS
+from seqpar.analysis.formulas.presets import TABLE5_PAPER_PERCENT
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.analysis.reports import paper
 from seqpar.cli import main
 
 MODELS = ["22B", "175B", "530B", "1T"]
@@ -81,7 +81,7 @@ def test_plots_are_written(tmp_path):
 def test_plot_without_matplotlib_gives_a_clear_error(monkeypatch, tmp_path):
     import sys
 
-    from seqpar.analysis import plots
+    from seqpar.analysis.reports import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError, as when not installed
     with pytest.raises(AnalysisError, match=r"pip install 'seqpar\[plots\]'"):
@@ -90,7 +90,8 @@ def test_plot_without_matplotlib_gives_a_clear_error(monkeypatch, tmp_path):
 
 def test_analysis_package_needs_no_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import seqpar.analysis.paper, seqpar.analysis.planner, seqpar.analysis.paper_report, "
-            "seqpar.analysis.plan_report, seqpar.commands.plan, seqpar.commands.paper\n"
-            "from seqpar.analysis import paper_report; paper_report.render()")
+            "import seqpar.analysis.reports.paper, seqpar.analysis.planning.planner, "
+            "seqpar.analysis.reports.paper_report, seqpar.analysis.reports.plan_report, seqpar.commands.plan, "
+            "seqpar.commands.paper\n"
+            "from seqpar.analysis.reports import paper_report; paper_report.render()")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from seqpar.analysis.memory import layer_activation_bytes
+from seqpar.analysis.formulas.memory import layer_activation_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.stages import measure_jobs_here, report, validate_jobs
 from seqpar.model import build_model

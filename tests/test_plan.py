@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from seqpar.analysis.costmodel import Hardware
-from seqpar.analysis.planner import (
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import AnalysisError, model_config
+from seqpar.analysis.planning.costmodel import Hardware
+from seqpar.analysis.planning.planner import (
     Request,
     evaluate,
     parse_plan,
@@ -14,8 +16,6 @@ from seqpar.analysis.planner import (
     rank_plans,
     search,
 )
-from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.shapes import AnalysisError, model_config
 from seqpar.cli import main
 from seqpar.config import RecomputeConfig
 
@@ -53,7 +53,7 @@ def test_rank_plans_breaks_near_ties_by_memory():
     on either side of the tie (the 530B search's top two, which this once read, need not tie)."""
     from types import SimpleNamespace
 
-    from seqpar.analysis.planner import TIE_FRACTION
+    from seqpar.analysis.planning.planner import TIE_FRACTION
 
     def plan(seconds: float, memory: float, offloaded: float = 0.0):
         return SimpleNamespace(time=SimpleNamespace(total=seconds), memory_bytes=memory,

@@ -10,9 +10,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.planner import Request, check_plan, evaluate, layouts, parse_plan, search
-from seqpar.analysis.shapes import AnalysisError, OptimizerOptions, default_dropout, model_config
-from seqpar.analysis.states import bytes_per_parameter, stage_parameters
+from seqpar.analysis.formulas.shapes import AnalysisError, OptimizerOptions, default_dropout, model_config
+from seqpar.analysis.formulas.states import bytes_per_parameter, stage_parameters
+from seqpar.analysis.planning.planner import Request, check_plan, evaluate, layouts, parse_plan, search
 from seqpar.cli import build_parser, main
 
 KV_CASE = ["plan", "--layers", "4", "--hidden", "768", "--heads", "24", "--kv-heads", "3", "--seq", "512",
@@ -135,7 +135,7 @@ def test_fp32_training_is_16_bytes_per_parameter_and_mixed_precision_18():
         assert data["settings"]["activation_bytes"] == act
         best = data["best"]
         states = sum(best["memory_terms"][k] for k in ("parameters", "gradients", "optimizer_states"))
-        from seqpar.analysis.presets import preset_shape
+        from seqpar.analysis.formulas.presets import preset_shape
         from seqpar.config import ParallelConfig
 
         par = ParallelConfig(tp=best["tp"], pp=best["pp"], dp=best["dp"], sp=best["sp"], interleave=best["interleave"])
@@ -151,7 +151,7 @@ def _parsed(argv):
 
 
 def test_dropout_default_is_one_value_per_architecture_everywhere():
-    from seqpar.analysis.paper import beyond_the_paper
+    from seqpar.analysis.reports.paper import beyond_the_paper
     from seqpar.commands.memory import model_from_args
     from seqpar.commands.plan import request_from_args
 
@@ -169,8 +169,8 @@ def test_dropout_default_is_one_value_per_architecture_everywhere():
     assert default_dropout("llama") == 0.0 and default_dropout("gpt") == 0.1
     # the paper's Llama table is computed without masks, as the default says
     table = beyond_the_paper()
-    from seqpar.analysis.memory import layer_activation_bytes
-    from seqpar.analysis.presets import preset_shape
+    from seqpar.analysis.formulas.memory import layer_activation_bytes
+    from seqpar.analysis.formulas.presets import preset_shape
 
     sh = preset_shape("llama2-7b")
     kw = dict(ffn=sh.ffn, dropout=False, kv_heads=sh.kv_heads, norm=sh.norm, activation=sh.activation)

@@ -7,7 +7,7 @@ Two plans: the best, and one ``--explain`` emits with tp 2 × pp 2 + SP (stages 
 States: parameters exactly; gradients and the distributed optimizer's shards exactly but for the fp32
 buckets' padding to a multiple of dp (< dp elements a bucket: 4 B each, 12/dp B of optimizer state).
 Activations: the plan (``--device cpu``: the kernels and norm statistics of the CPU ranks it trains on;
-``seqpar.analysis.stage``) differs from the exact per-tensor derivation by two things, each computed here
+``seqpar.analysis.formulas.stage``) differs from the exact per-tensor derivation by two things, each computed here
 and none fitted: the small tensors of
 ``seqpar.measure.stages.implementation_terms`` (an output in transit, loss indices, final-norm
 statistics), and the plan's ``recompute_working`` (transient, rebuilt inside a backward; the meter
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, device_kernels
-from seqpar.analysis.stage import STATE_TERMS, TRANSIENT_TERMS, stage_memory
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, device_kernels
+from seqpar.analysis.formulas.stage import STATE_TERMS, TRANSIENT_TERMS, stage_memory
 from seqpar.cli import main
 from seqpar.measure.stages import implementation_terms
 from seqpar.train.config import build_job, load_toml

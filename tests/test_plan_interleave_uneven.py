@@ -5,11 +5,11 @@ such a split and the measured peaks meet the formula."""
 
 import pytest
 
-from seqpar.analysis.costmodel import Hardware, iteration_time
-from seqpar.analysis.in_flight import in_flight_chunks, peak_in_flight
-from seqpar.analysis.planner import Request, _interleavings, evaluate, parse_plan, split_text
-from seqpar.analysis.shapes import ActivationOptions
-from seqpar.analysis.stage import rank_chunk_layers
+from seqpar.analysis.formulas.in_flight import in_flight_chunks, peak_in_flight
+from seqpar.analysis.formulas.shapes import ActivationOptions
+from seqpar.analysis.formulas.stage import rank_chunk_layers
+from seqpar.analysis.planning.costmodel import Hardware, iteration_time
+from seqpar.analysis.planning.planner import Request, _interleavings, evaluate, parse_plan, split_text
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.stages import measure_schedules
 

@@ -11,8 +11,8 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.costmodel import Hardware, iteration_time
-from seqpar.analysis.presets import preset_shape
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.planning.costmodel import Hardware, iteration_time
 from seqpar.config import ParallelConfig, RecomputeConfig
 from seqpar.parallel.dims import ParallelDims
 
@@ -40,7 +40,7 @@ def _spans(groups: list[list[int]], per_node: int) -> bool:
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.sampled_from([1, 2, 3, 4, 6, 8]))
 def test_spans_nodes_is_the_layout_of_parallel_dims(tp, cp, pp, dp, per_node):
-    from seqpar.analysis.placement import grad_group_spans_nodes, spans_nodes
+    from seqpar.analysis.planning.placement import grad_group_spans_nodes, spans_nodes
 
     par = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp)
     for dim, letter in (("tp", "t"), ("cp", "c"), ("pp", "p"), ("dp", "d")):
@@ -76,7 +76,7 @@ def _ep_groups(par: ParallelConfig) -> list[list[int]]:
 @given(st.integers(1, 2), st.integers(1, 2), st.integers(1, 4), st.integers(1, 4), st.integers(1, 8),
        st.sampled_from([2, 4, 8]))
 def test_the_ep_group_spans_nodes_as_placed(tp, cp, pp, dp, ep, per_node):
-    from seqpar.analysis.placement import expert_groups, spans_nodes
+    from seqpar.analysis.planning.placement import expert_groups, spans_nodes
 
     if (dp * cp) % ep:
         return
@@ -88,8 +88,8 @@ def test_the_ep_group_spans_nodes_as_placed(tp, cp, pp, dp, ep, per_node):
 def test_the_issue_48_ep_group_pays_the_inter_node_rate():
     """tp 2, pp 4, dp 2, ep 2 on 8-GPU nodes: the ep groups are ranks {r, r + 8}, two nodes, though tp·cp·ep = 4
     fits one: the all-to-all costs what it costs with every link at the inter-node rate."""
-    from seqpar.analysis.costmodel import layer_pass_s
-    from seqpar.analysis.shapes import ActivationOptions
+    from seqpar.analysis.formulas.shapes import ActivationOptions
+    from seqpar.analysis.planning.costmodel import layer_pass_s
 
     shape, par, hw = preset_shape("mixtral-8x7b"), ParallelConfig(tp=2, sp=True, pp=4, dp=2, ep=2), Hardware()
     ep_comm = {name: layer_pass_s(shape, par, 1, h, ActivationOptions())["forward"]["ep_comm"]

@@ -12,11 +12,11 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.costmodel import mfu_bound
-from seqpar.analysis.planner import Plan, Request, evaluate, num_microbatches, search
-from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.profiles import BUILTIN_PROFILES, builtin_profile
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions, model_config
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
+from seqpar.analysis.planning.costmodel import mfu_bound
+from seqpar.analysis.planning.planner import Plan, Request, evaluate, num_microbatches, search
+from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
 from seqpar.config import ParallelConfig, RecomputeConfig
 
 DRAWS = int(os.environ.get("SEQPAR_PLAN_DRAWS", "10"))

@@ -6,7 +6,7 @@ import time
 
 from _helpers import run_cli
 
-from seqpar.analysis.planner import _divisors
+from seqpar.analysis.planning.planner import _divisors
 
 TINY = ["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "128"]
 

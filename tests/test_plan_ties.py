@@ -9,7 +9,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.costmodel import ties_with_best
+from seqpar.analysis.planning.costmodel import ties_with_best
 from seqpar.cli import main
 
 

@@ -14,10 +14,10 @@ from _helpers import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.planner import Request, parse_plan, rejection_lines, search
-from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.profiles import builtin_profile
-from seqpar.analysis.shapes import model_config
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import model_config
+from seqpar.analysis.planning.planner import Request, parse_plan, rejection_lines, search
+from seqpar.analysis.planning.profiles import builtin_profile
 from seqpar.analysis.text import human_bytes
 from seqpar.config import ParallelConfig
 
@@ -78,7 +78,7 @@ def split_cases(draw):
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(split_cases())
 def test_the_lighter_ends_split_is_as_balanced_as_any_split_train_accepts(case):
-    from seqpar.analysis.uneven import end_weights, lighter_ends_split
+    from seqpar.analysis.planning.uneven import end_weights, lighter_ends_split
 
     shape, pp, tp = case
     split = lighter_ends_split(shape, pp, tp)

@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.profiles import (
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.analysis.planning.profiles import (
     builtin_profile,
     hardware_for,
     load_profile,
     profile_from_json,
     profile_to_json,
 )
-from seqpar.analysis.shapes import AnalysisError
 from seqpar.cli import main
 
 GOOD = profile_to_json(builtin_profile("h100-80gb"))

@@ -1,4 +1,4 @@
-"""The cost model against published training runs (seqpar.analysis.published, `seqpar bench published`):
+"""The cost model against published training runs (seqpar.analysis.reports.published, `seqpar bench published`):
 every row inside the regression band, the published figures turned into seconds by each source's own formula,
 and the overlap and rail terms that the H100 rows need."""
 
@@ -6,7 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from seqpar.analysis.costmodel import (
+from seqpar.analysis.formulas.flops import model_flops
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions
+from seqpar.analysis.planning.costmodel import (
     fsdp_collectives_s,
     gemm_s,
     iteration_time,
@@ -14,11 +16,10 @@ from seqpar.analysis.costmodel import (
     layer_pass_s,
     pass_windows_s,
 )
-from seqpar.analysis.flops import model_flops
-from seqpar.analysis.placement import group_ranks_per_node
-from seqpar.analysis.planner import parse_plan
-from seqpar.analysis.profiles import FSDP_OVERLAP, FUSED_ATTENTION_EFFICIENCY, builtin_profile
-from seqpar.analysis.published import (
+from seqpar.analysis.planning.placement import group_ranks_per_node
+from seqpar.analysis.planning.planner import parse_plan
+from seqpar.analysis.planning.profiles import FSDP_OVERLAP, FUSED_ATTENTION_EFFICIENCY, builtin_profile
+from seqpar.analysis.reports.published import (
     REGRESSION_BAND,
     compare,
     error_stats,
@@ -27,7 +28,6 @@ from seqpar.analysis.published import (
     published_runs,
     published_seconds,
 )
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.config import ParallelConfig, RecomputeConfig
 
 

@@ -15,7 +15,8 @@ from test_reliability_ranks import BOUND_S, TINY, Job
 
 from seqpar.cli import main
 from seqpar.train import checkpoint as ckpt
-from seqpar.train import fault, start, supervise
+from seqpar.train import start
+from seqpar.train.reliability import fault, supervise
 
 RUN = ["--no-progress", "--set", "train.plot=false", "--log-every", "1", "--save-every", "2"]
 

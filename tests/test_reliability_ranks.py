@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from seqpar.config import ConfigError
-from seqpar.train import fault, supervise
+from seqpar.train.reliability import fault, supervise
 
 TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
 TAG = "SEQPAR_TEST_JOB"

@@ -30,7 +30,8 @@ import pytest
 import torch
 from test_reliability_ranks import TAG, TINY, tagged_processes
 
-from seqpar.train import checkpoint, fault, heartbeat, stragglers, supervise
+from seqpar.train import checkpoint
+from seqpar.train.reliability import fault, heartbeat, stragglers, supervise
 
 ARGS = ["--config", TINY, "--tp", "2", "--steps", "8", "--save-every", "2", "--log-every", "1", "--no-progress",
         "--set", "train.plot=false"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from _helpers import random_tokens, seqpar
 
-from seqpar.train import supervise
 from seqpar.train.checkpoint import integrity, resolve
+from seqpar.train.reliability import supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")

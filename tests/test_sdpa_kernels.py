@@ -1,4 +1,4 @@
-"""Which fused kernel runs, one rule for the formula and the core (``seqpar.analysis.shapes.sdpa_kernel_of``):
+"""Which fused kernel runs, one rule for the formula and the core (``seqpar.analysis.formulas.shapes.sdpa_kernel_of``):
 the core pins it (never the math fallback, which keeps s² tensors), refuses in one line where it cannot run, and
 each kernel's output layout -- whether out-proj keeps a second copy of it -- is what torch's meta kernels give,
 so the CUDA rows of ``SDPA_KERNELS`` are checked here without a GPU."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seqpar.analysis.memory import SDPA_KERNELS, sdpa_lse_rows, sdpa_output_is_out_proj_input
-from seqpar.analysis.shapes import device_kernels, sdpa_kernel_of
+from seqpar.analysis.formulas.memory import SDPA_KERNELS, sdpa_lse_rows, sdpa_output_is_out_proj_input
+from seqpar.analysis.formulas.shapes import device_kernels, sdpa_kernel_of
 from seqpar.model import attention
 from seqpar.model.attention import SDPA_BACKENDS, CoreAttention, qkv_views
 from seqpar.parallel.rng import RNGTracker

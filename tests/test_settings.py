@@ -104,7 +104,7 @@ def test_a_toml_takes_the_flags_aliases_and_names_every_unknown_key_at_once():
 
 
 def test_plan_labels_read_back_with_the_tables_keys():
-    from seqpar.analysis.planner import parse_plan
+    from seqpar.analysis.planning.planner import parse_plan
 
     keys = label_keys()
     assert keys["m"] == keys["interleave"] == "m" and keys["micro_batch"] == "mb"

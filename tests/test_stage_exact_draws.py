@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import _axes
 
-from seqpar.analysis.states import stage_parameters
+from seqpar.analysis.formulas.states import stage_parameters
 from seqpar.commands.memory import LLAMA
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.stages import measure_jobs_here, report, validate_jobs

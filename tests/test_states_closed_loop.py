@@ -1,7 +1,7 @@
 """Issue 32's closed loop: random configurations over every architecture option × layout (tp, sp, cp, pp
 with uneven splits, dp, the distributed optimizer, overlapped buckets) × recompute × dtype, each trained
 one step by the Trainer; in the ``start`` record every rank's measured parameter, gradient and optimizer
-bytes equal the prediction (``seqpar.analysis.states.rank_state_bytes``) and its measured activation peak
+bytes equal the prediction (``seqpar.analysis.formulas.states.rank_state_bytes``) and its measured activation peak
 equals its stage's exact formula (``seqpar.measure.stages``), to the byte.
 
 The draws are seeded (the same every run, an invalid one drawn again); every draw runs on one spawn of 4

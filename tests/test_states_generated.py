@@ -1,4 +1,4 @@
-"""Item 1 of issue 32: the parameter formula (``seqpar.analysis.states``) against the model itself.
+"""Item 1 of issue 32: the parameter formula (``seqpar.analysis.formulas.states``) against the model itself.
 
 Generated draws over every architecture option that changes a parameter --
 norm, activation, position, kv heads, bias, tied embeddings, FFN width, vocabulary -- built at tp 1, 2
@@ -14,13 +14,13 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqpar.analysis.states import layer_parameters, model_parameters, stage_parameter_sizes, stage_parameters
+from seqpar.analysis.formulas.states import layer_parameters, model_parameters, stage_parameter_sizes, stage_parameters
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.model.gpt import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline.build import build_stages
-from seqpar.train.adam import named_parameters
+from seqpar.train.optim.adam import named_parameters
 
 WORLD = 4
 DRAWS = int(os.environ.get("SEQPAR_DRAWS", "6"))

@@ -7,8 +7,8 @@ import pytest
 
 from seqpar.cli import main
 from seqpar.config import ConfigError
-from seqpar.train.adam import lr_at
 from seqpar.train.config import TrainConfig, build_job, load_toml, parse_assignment
+from seqpar.train.optim.adam import lr_at
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

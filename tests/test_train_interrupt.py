@@ -1,4 +1,5 @@
-"""Ctrl-C and SIGTERM (seqpar/train/interrupt.py): the first signal finishes the step, saves, prints one line and
+"""Ctrl-C and SIGTERM (seqpar/train/reliability/interrupt.py): the first signal finishes the step, saves, prints one
+line and
 exits 130 -- on every rank of `seqpar train --nproc 2` alike --, `--resume` continues, and a second
 signal aborts at once without a traceback, keeping the last complete checkpoint."""
 
@@ -99,7 +100,7 @@ def test_second_sigint_during_a_save_aborts_at_once_and_keeps_the_last_checkpoin
 
 SECOND_SIGNAL = """
 import os, signal, time
-from seqpar.train.interrupt import StopFlag
+from seqpar.train.reliability.interrupt import StopFlag
 flag = StopFlag(lambda: "second signal: stopped at once").install()
 os.kill(os.getpid(), signal.SIGINT)
 os.kill(os.getpid(), signal.SIGTERM)  # within REPEAT_S of the first: the same interruption (SLURM + launcher)
@@ -121,7 +122,7 @@ def test_rank_flag_first_signal_sets_it_second_exits_130_with_one_line():
 
 NO_RANKS_YET = """
 import os, signal
-from seqpar.train.supervise import LauncherSignals
+from seqpar.train.reliability.supervise import LauncherSignals
 LauncherSignals("unused").install()
 os.kill(os.getpid(), signal.SIGINT)
 print("not reached")

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from seqpar.analysis.flops import hardware_flops, model_flops
+from seqpar.analysis.formulas.flops import hardware_flops, model_flops
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig, RunConfig
 from seqpar.measure.activations import predicted_activation_bytes
 from seqpar.train.config import JobConfig, TrainConfig

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from seqpar.cli import build_parser, main
 from seqpar.commands import train as train_cmd
 from seqpar.config import ConfigError
-from seqpar.train import supervise
 from seqpar.train.config import TrainConfig, build_job, inert_settings, load_toml
 from seqpar.train.metrics import MetricsLog, format_record, read_records
+from seqpar.train.reliability import supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -377,7 +377,7 @@ schedules = st.sampled_from(["constant", "linear", "cosine", "wsd"])
 @given(schedule=schedules, steps=st.integers(1, 400), warmup=st.integers(0, 60),
        lr=st.floats(1e-5, 1.0), ratio=st.floats(0.0, 1.0), fraction=st.floats(0.01, 1.0))
 def test_lr_schedules_warm_up_then_fall_from_lr_to_min_lr(schedule, steps, warmup, lr, ratio, fraction):
-    from seqpar.train.adam import lr_at
+    from seqpar.train.optim.adam import lr_at
 
     cfg = TrainConfig(steps=steps, warmup=warmup, lr=lr, min_lr=lr * ratio, schedule=schedule,
                       decay_fraction=fraction).validate()

@@ -2,7 +2,7 @@
 # Issue 49's GPU check (not yet run: no GPU was lent while it was written). `seqpar calibrate` on one GPU in bf16:
 # its profile's attention_efficiency is the fused causal kernel seqpar trains with (scaled_dot_product_attention,
 # fwd + bwd), set beside the built-in profile's, which is fitted to llm-foundry's flash-attn 2 runs
-# (seqpar/analysis/profiles.py FUSED_ATTENTION_EFFICIENCY: 0.18 on H100); and its gemm_efficiency beside the
+# (seqpar/analysis/planning/profiles.py FUSED_ATTENTION_EFFICIENCY: 0.18 on H100); and its gemm_efficiency beside the
 # built-in 0.60. Bounded (< 5 min); results land in $OUT (the device tool's output folder) or ./calibrate-gpu.
 # Runs from the checkout (PYTHONPATH), installing nothing; $PYTHON (default python3) with torch.
 #   bash benchmarks/gpu/attention_efficiency.sh     # from anywhere; torch with CUDA installed
@@ -21,7 +21,7 @@ echo "calibrate rc $rc" | tee -a "$out/status.txt"
 cat "$out/calibrate.txt"
 "$py" - "$out/profile.json" <<'PY' || tail -5 "$out/calibrate.err"
 import json, sys
-from seqpar.analysis.profiles import builtin_profile
+from seqpar.analysis.planning.profiles import builtin_profile
 p = json.load(open(sys.argv[1]))
 h100 = builtin_profile("h100-80gb")
 for row in p["measurements"]["attention"]:

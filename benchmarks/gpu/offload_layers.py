@@ -3,7 +3,7 @@
 For each layer and offload set, a stack of ``--layers`` layers (bf16, one rank, eager) runs forward + backward:
 * device bytes saved: what the stack holds on the device after its forward (``torch.cuda.memory_allocated``;
   on CPU the saved-tensor meter's device bytes) without offloading minus with it, next to the model's prediction
-  (``analysis.stage.layer_split_terms``: the host terms, less a copy the device keeps);
+  (``analysis.formulas.stage.layer_split_terms``: the host terms, less a copy the device keeps);
 * step time with and without offloading at equal recomputation, and the share of the copy time hidden under
   the passes (overlap = 1 - extra time / copy time at the measured host-link rate).
 
@@ -30,9 +30,9 @@ import torch
 if __package__ in (None, "") and str(Path(__file__).resolve().parents[2]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout: seqpar is two levels up
 
-from seqpar.analysis.presets import preset_shape
-from seqpar.analysis.shapes import activation_options
-from seqpar.analysis.stage import layer_split_terms
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import activation_options
+from seqpar.analysis.formulas.stage import layer_split_terms
 from seqpar.analysis.text import human_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.measure.saved import SavedTensorMeter, layernorm_stat_bytes, sdpa_kernel_for

@@ -232,7 +232,7 @@ def _llama_layer(ctx: Context, compile_flag: str, timeout: float) -> dict:
 
 
 def attention_efficiency(ctx: Context, timeout: float) -> dict:
-    from seqpar.analysis.profiles import builtin_profile
+    from seqpar.analysis.planning.profiles import builtin_profile
 
     size = ["--dtype", "bf16"] if ctx.real else ["--quick", "--dtype", "fp32"]
     r = ctx.json(["calibrate", "--nproc", "1", *size, "--json"], timeout)

@@ -1,5 +1,5 @@
 """`seqpar calibrate`: micro-benchmarks on the local devices, fitted into a hardware profile for
-``seqpar plan --hardware profile.json`` (``seqpar.analysis.costmodel.Hardware``; docs/analysis.md).
+``seqpar plan --hardware profile.json`` (``seqpar.analysis.planning.costmodel.Hardware``; docs/analysis.md).
 
 Every local rank runs each benchmark at the same time (on a CPU each rank gets cores / ranks threads,
 as ``seqpar train --nproc`` gives them); a benchmark's time is the median over repeats on the slowest
@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.analysis.calibration import CLOSED_LOOP_TARGET, DataPoint, fit
-from seqpar.analysis.costmodel import (
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions
+from seqpar.analysis.planning.calibration import CLOSED_LOOP_TARGET, DataPoint, fit
+from seqpar.analysis.planning.costmodel import (
     Hardware,
     fused_attention_s,
     gemm_s,
@@ -53,7 +54,6 @@ from seqpar.analysis.costmodel import (
     ring_allreduce_s,
     ring_gather_s,
 )
-from seqpar.analysis.shapes import ActivationOptions, OptimizerOptions
 from seqpar.bench import common
 from seqpar.config import DTYPE_BYTES, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
@@ -119,7 +119,7 @@ def attention_sweep(shapes, dtype, device, repeats: int, block: float = 0.0) -> 
 def attention_points(rows: list[dict], dtype: str) -> list[DataPoint]:
     """The timed attention calls as data points: the cost model's fused core, forward (QK^T, attention x V) and
     backward (twice that, and QK^T rebuilt from the log-sum-exp: ``costmodel.layer_pass_s``)."""
-    from seqpar.analysis.shapes import model_config
+    from seqpar.analysis.formulas.shapes import model_config
 
     opts = ActivationOptions(act_bytes=DTYPE_BYTES[dtype], fused_attention=True, dropout=False)
     points = []
@@ -405,7 +405,7 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
 
 def step_points(meas: dict, dtype: str = "fp32") -> list[DataPoint]:
     """The timed training steps (``framework``) as data points the cost model predicts."""
-    from seqpar.analysis.shapes import model_config
+    from seqpar.analysis.formulas.shapes import model_config
 
     opt, opts = optimizer_options(dtype), act_options(dtype)
     points = []
@@ -435,7 +435,7 @@ def _memory_bytes() -> float:
 def calibrate(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
     """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine).
     ``shape``: the model whose training steps are timed (``step_shape``; seqpar bench planner passes its own)."""
-    from seqpar.analysis.profiles import profile_to_json
+    from seqpar.analysis.planning.profiles import profile_to_json
 
     info = common.machine()
     meas = measure(nproc, dtype, size, shape)

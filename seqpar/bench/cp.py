@@ -6,7 +6,7 @@ changes the function) and runs forward + backward of one microbatch per repeat, 
 change in the machine's load hits each. Reported per kind: the median time of the slowest rank, the
 cost model's exposed exchange for the same layer (``costmodel.layer_pass_s``'s cp_comm, on the default
 profile: a prediction for a GPU node, not for this machine), and the bytes the layer keeps for backward
-(``analysis.stage.layer_terms``). On CPU the ranks share the cores: compare the kinds with each other,
+(``analysis.formulas.stage.layer_terms``). On CPU the ranks share the cores: compare the kinds with each other,
 not with a GPU. ``--device cuda`` runs one rank per GPU.
 """
 
@@ -102,9 +102,9 @@ def _rank(rank: int, world: int, args) -> dict:
 def predicted(args, cp: int, kind: dict) -> dict:
     """The analysis package's numbers for the same layer: exposed exchange seconds per layer (forward +
     backward, default hardware profile) and the bytes the layer keeps on one rank."""
-    from seqpar.analysis.costmodel import Hardware, layer_pass_s
-    from seqpar.analysis.shapes import activation_options
-    from seqpar.analysis.stage import layer_terms
+    from seqpar.analysis.formulas.shapes import activation_options
+    from seqpar.analysis.formulas.stage import layer_terms
+    from seqpar.analysis.planning.costmodel import Hardware, layer_pass_s
     from seqpar.config import ParallelConfig, RecomputeConfig
 
     cfg, par = model_config(args), ParallelConfig(cp=cp, **kind)

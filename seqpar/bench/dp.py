@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, args) -> dict:
     from seqpar.parallel.dims import ParallelDims
     from seqpar.pipeline import build_stages, finalize_grads, forward_backward
     from seqpar.train.config import TrainConfig
-    from seqpar.train.optimizers import build_optimizer
+    from seqpar.train.optim.optimizers import build_optimizer
 
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
                       seq_len=args.seq, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0,

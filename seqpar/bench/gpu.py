@@ -10,7 +10,7 @@
 (c) the same layer and model written plainly (``seqpar.bench.plain_llama``), eager and ``torch.compile``d,
     in the same run (the model with a fused AdamW step, as the trainer's includes its optimizer).
 
-FLOPs: the layer's GEMMs (``analysis.flops.layer_forward_flops``) × 3, the model's Eq. 7 GEMM by GEMM
+FLOPs: the layer's GEMMs (``analysis.formulas.flops.layer_forward_flops``) × 3, the model's Eq. 7 GEMM by GEMM
 (``training_flops``); causal masking is not discounted (the paper's convention). On a CPU the shapes are
 small (``SMALL``), fp32, eager only unless ``--compile``: a smoke test, not a result.
 """
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from seqpar.analysis.flops import layer_forward_flops, training_flops
+from seqpar.analysis.formulas.flops import layer_forward_flops, training_flops
 from seqpar.bench import common
 from seqpar.bench.plain_llama import Block, PlainLlama, rope_angles
 from seqpar.config import ARCH_FIELDS, ModelConfig
@@ -203,7 +203,7 @@ def run(args) -> dict:
     repeats = args.repeats or (10 if gpu else 2)
     steps = max(args.steps or (8 if gpu else 3), 3)
     key = spec_sheet_key(device_name(device)) if gpu else None
-    from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
+    from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     peaks = {"sheet": PEAK_DENSE_16BIT_TFLOPS[key] * 1e12 if key and dtype == "bf16" else None,

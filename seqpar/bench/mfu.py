@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from seqpar.analysis.flops import model_flops
+from seqpar.analysis.formulas.flops import model_flops
 from seqpar.bench import common
 from seqpar.bench.single import batch, step
 from seqpar.dtypes import torch_dtype

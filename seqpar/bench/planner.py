@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from seqpar.analysis.calibration import CLOSED_LOOP_TARGET
+from seqpar.analysis.planning.calibration import CLOSED_LOOP_TARGET
 from seqpar.bench import common
 from seqpar.settings import add
 
@@ -120,15 +120,15 @@ def _descendants_cpu_s(tick: int) -> float:
 
 
 def _shape(args):
-    from seqpar.analysis.shapes import model_config
+    from seqpar.analysis.formulas.shapes import model_config
 
     return model_config(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=256).validate()
 
 
 def predict(args, hw, label: str) -> dict:
     """The cost model's step time of ``label`` for the benchmark's model on ``hw``."""
-    from seqpar.analysis.costmodel import iteration_time
-    from seqpar.analysis.planner import parse_plan
+    from seqpar.analysis.planning.costmodel import iteration_time
+    from seqpar.analysis.planning.planner import parse_plan
     from seqpar.bench.calibrate import act_options, optimizer_options
 
     plan = parse_plan(f"{label},mb={args.micro_batch}", args.nproc)
@@ -255,7 +255,7 @@ def summarize(label: str, rounds: list[dict], each: list[float], refs: list[floa
 
 
 def run(args) -> dict:
-    from seqpar.analysis.profiles import load_profile, profile_from_json
+    from seqpar.analysis.planning.profiles import load_profile, profile_from_json
     from seqpar.bench.calibrate import reference_step
 
     before = common.machine()

@@ -1,4 +1,4 @@
-"""``published``: the cost model against published training runs (``seqpar.analysis.published``).
+"""``published``: the cost model against published training runs (``seqpar.analysis.reports.published``).
 
 Each run's published layout is predicted on its GPU's built-in profile and set beside the seconds per
 iteration the authors measured; the error statistics are split by GPU kind (and the paper's in-sample rows).
@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import argparse
 
-from seqpar.analysis.published import LONG_SEQ, REGRESSION_BAND, compare, error_stats, fit_report, published_runs
+from seqpar.analysis.reports.published import (
+    LONG_SEQ,
+    REGRESSION_BAND,
+    compare,
+    error_stats,
+    fit_report,
+    published_runs,
+)
 from seqpar.analysis.text import gb, table
 
 QUICK: dict = {}

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "--seq", default=256, help=None)
     add(p, "--dp", default=1, help="data-parallel ranks (2 × dp ranks in all)")
     add(p, "--distributed-optimizer", action="store_true",
-        help="shard the fp32 masters and Adam moments over the dp ranks (seqpar/train/dist_optim.py)")
+        help="shard the fp32 masters and Adam moments over the dp ranks (seqpar/train/optim/dist_optim.py)")
     p.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint")
 
@@ -100,7 +100,7 @@ def saved_masters(opt) -> list[tuple[str, tuple[int, ...], int, torch.Tensor, ob
     [first, first + n) of the flattened local shard, layout): whole parameters with the replicated
     optimizer, each fragment with the distributed one."""
     from seqpar.parallel.layout import layout_of
-    from seqpar.train.dist_optim import DistributedOptimizer
+    from seqpar.train.optim.dist_optim import DistributedOptimizer
 
     if isinstance(opt, DistributedOptimizer):
         return [(opt.named[f.index][0], tuple(f.param.shape), f.start, f.master.detach(), layout_of(f.param))
@@ -113,7 +113,7 @@ def _build(job):
     """Process groups, model chunks and the optimizer ``build_optimizer`` chooses, on the CPU."""
     from seqpar.parallel.dims import ParallelDims
     from seqpar.pipeline import build_stages
-    from seqpar.train.optimizers import build_optimizer
+    from seqpar.train.optim.optimizers import build_optimizer
 
     dims = ParallelDims.build(job.parallel)
     chunks = build_stages(job.model, job.parallel, job.recompute, dims, job.train.seed, device=torch.device("cpu"))

@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, args) -> dict:
     from seqpar.parallel.dims import ParallelDims
     from seqpar.parallel.fsdp import apply_fsdp
     from seqpar.pipeline import build_stages, finalize_grads, forward_backward
-    from seqpar.train.optimizers import build_optimizer
+    from seqpar.train.optim.optimizers import build_optimizer
     from seqpar.train.states import state_record
 
     gen = torch.Generator().manual_seed(rank)

@@ -67,7 +67,7 @@ ALLOWED: dict[str, tuple[str, str]] = {
         "over experts splits by them)"),
     "torch/optim/optimizer.py _get_value": (
         "host", "torch.optim.AdamW's per-parameter step counts: CPU tensors in every run (not capturable)"),
-    "seqpar/train/adam.py set_lr_and_clip_scale": (
+    "seqpar/train/optim/adam.py set_lr_and_clip_scale": (
         "host", "the gradient norm the step already read, handed back as a CPU tensor"),
     "seqpar/train/data.py _windows": ("host", "the data pipeline's window offsets (CPU tensors)"),
     "seqpar/data/windows.py __init__": ("host", "the data pipeline's spans (CPU tensors)"),

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from seqpar.analysis.flops import layer_forward_flops, recompute_extra_flops
+from seqpar.analysis.formulas.flops import layer_forward_flops, recompute_extra_flops
 from seqpar.bench import common
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype

@@ -68,7 +68,7 @@ def shape_from_args(args) -> dict:
     """hidden, heads, seq, vocab, ffn, kv_heads, arch: each flag given, else ``--model``'s, else ``SHAPE_DEFAULTS``."""
     base = dict(SHAPE_DEFAULTS)
     if getattr(args, "model", None):
-        from seqpar.analysis.presets import preset_shape
+        from seqpar.analysis.formulas.presets import preset_shape
 
         m = preset_shape(args.model)
         base = {"hidden": m.hidden_size, "heads": m.num_heads, "seq": m.seq_len, "vocab": m.vocab_size,
@@ -77,7 +77,7 @@ def shape_from_args(args) -> dict:
 
 
 def model_from_args(args) -> ModelConfig:
-    from seqpar.analysis.shapes import default_dropout
+    from seqpar.analysis.formulas.shapes import default_dropout
 
     shape = shape_from_args(args)
     arch = LLAMA if shape["arch"] == "llama" else {}
@@ -262,15 +262,15 @@ def preset_layers(args) -> int | None:
     """``--model``'s layer count (its model states are the whole model's), None without a preset."""
     if not getattr(args, "model", None):
         return None
-    from seqpar.analysis.presets import preset_shape
+    from seqpar.analysis.formulas.presets import preset_shape
 
     return preset_shape(args.model).num_layers
 
 
 def run_states(args) -> int:
     """``--states``: each pipeline rank's model states (most loaded dp rank) under plain DP, the
-    distributed optimizer and FSDP or HSDP over dp × cp (``seqpar.analysis.fsdp_states.compare_states``)."""
-    from seqpar.analysis.fsdp_states import compare_states
+    distributed optimizer and FSDP or HSDP over dp × cp (``seqpar.analysis.formulas.fsdp_states.compare_states``)."""
+    from seqpar.analysis.formulas.fsdp_states import compare_states
     from seqpar.config import ParallelConfig
 
     if args.layers is None:  # a preset's whole model, else one layer per pipeline chunk

@@ -19,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.analysis import paper, paper_report
-    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.analysis.formulas.shapes import AnalysisError
+    from seqpar.analysis.reports import paper, paper_report
     from seqpar.optional import require
 
     if args.plot:
@@ -34,7 +34,7 @@ def run(args) -> int:
         print(paper_report.render())
     if args.plot:
         try:
-            from seqpar.analysis import plots
+            from seqpar.analysis.reports import plots
 
             args.plot.mkdir(parents=True, exist_ok=True)
             for path in (plots.figure1(args.plot / FIGURES[0]), plots.figure7(args.plot / FIGURES[1])):

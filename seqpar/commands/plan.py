@@ -14,7 +14,7 @@ from seqpar.settings import add
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model: a preset, or dimensions (which also override a preset's)")
-    from seqpar.analysis.presets import TABLE3, preset_names
+    from seqpar.analysis.formulas.presets import TABLE3, preset_names
 
     paper = [k.lower() for k in TABLE3]
     add(g, "--model", metavar=None, help=f"preset: {', '.join(paper)} (Table 3), "
@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fused-attention", action="store_true", help="same as --attention sdpa")
     g.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="the device kind the ranks run on: which fused attention kernel and norm-statistic width "
-                        "the memory counts (seqpar.analysis.shapes.device_kernels; `train --dry-run` prints both) "
+                        "the memory counts (seqpar.analysis.formulas.shapes.device_kernels; "
+                        "`train --dry-run` prints both) "
                         "(default %(default)s)")
     g.add_argument("--keep-pipeline-outputs", action="store_true",
                    help="do not free sent stage outputs (App. B off)")
@@ -123,8 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _shape(args):
     """The model of ``--model`` and the dimension flags, and its name for the reports."""
-    from seqpar.analysis.presets import preset_name, preset_shape
-    from seqpar.analysis.shapes import AnalysisError, model_config
+    from seqpar.analysis.formulas.presets import preset_name, preset_shape
+    from seqpar.analysis.formulas.shapes import AnalysisError, model_config
 
     dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "arch")}
     if args.model:
@@ -162,16 +163,16 @@ def _moe_flags(args) -> dict:
 
 
 def request_from_args(args):
-    from seqpar.analysis.planner import Request
-    from seqpar.analysis.presets import preset_setup
-    from seqpar.analysis.profiles import hardware_for
-    from seqpar.analysis.shapes import (
+    from seqpar.analysis.formulas.presets import preset_setup
+    from seqpar.analysis.formulas.shapes import (
         ActivationOptions,
         AnalysisError,
         OptimizerOptions,
         default_dropout,
         device_kernels,
     )
+    from seqpar.analysis.planning.planner import Request
+    from seqpar.analysis.planning.profiles import hardware_for
 
     shape, model_name = _shape(args)
     batch = args.global_batch
@@ -211,7 +212,7 @@ def request_from_args(args):
 
 def _overlap(args, opt):
     """``opt`` with the dp overlap the flags ask for, its buckets the trainer's (``train.grad_bucket_mb``)."""
-    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.analysis.formulas.shapes import AnalysisError
     from seqpar.train.config import TrainConfig
 
     mb = TrainConfig.grad_bucket_mb if args.grad_bucket_mb is None else args.grad_bucket_mb
@@ -223,11 +224,11 @@ def _overlap(args, opt):
 
 def _emit(args, req, plan) -> None:
     """``--emit-config``: ``plan`` as the train job's TOML, ``--emit-slurm`` the batch script that runs it
-    (``seqpar.analysis.emit``)."""
+    (``seqpar.analysis.reports.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.emit import SCHEDULE_KEYS, cadence, launch_command, nodes_of, plan_toml, slurm_script
-    from seqpar.analysis.job_time import DEFAULT_WRITE_GBPS, parse_time
+    from seqpar.analysis.reports.emit import SCHEDULE_KEYS, cadence, launch_command, nodes_of, plan_toml, slurm_script
+    from seqpar.analysis.reports.job_time import DEFAULT_WRITE_GBPS, parse_time
     from seqpar.train.config import TrainConfig
 
     defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
@@ -236,7 +237,7 @@ def _emit(args, req, plan) -> None:
     script = None if args.emit_slurm is None else \
         slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}", saves,
                      None if args.time is None else parse_time(args.time), str(args.emit_slurm))
-    from seqpar.analysis.presets import published_lr
+    from seqpar.analysis.formulas.presets import published_lr
 
     args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None,
                                           saves, gbps))
@@ -253,7 +254,7 @@ def _emit(args, req, plan) -> None:
 def _slurm_script(path) -> bool:
     """A file ``--emit-slurm`` may replace: a batch script whose second line (after the shebang) is an
     emitted plan's header."""
-    from seqpar.analysis.emit import HEADER
+    from seqpar.analysis.reports.emit import HEADER
 
     lines = path.read_text(encoding="utf-8").splitlines()
     return len(lines) > 1 and lines[1].startswith(HEADER)
@@ -261,14 +262,14 @@ def _slurm_script(path) -> bool:
 
 def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
-    from seqpar.analysis.emit import HEADER
-    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.analysis.formulas.shapes import AnalysisError
+    from seqpar.analysis.reports.emit import HEADER
     from seqpar.out_path import check_out_file, check_plot_folder, text_starting
 
     if args.emit_slurm is not None and args.emit_config is None:
         raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
     if args.time is not None:
-        from seqpar.analysis.job_time import parse_time
+        from seqpar.analysis.reports.job_time import parse_time
 
         if args.emit_slurm is None:
             raise AnalysisError("--time is the batch script's limit: give it with --emit-slurm FILE")
@@ -285,8 +286,9 @@ def _check_outputs(args) -> None:
 
 
 def run(args) -> int:
-    from seqpar.analysis import plan_report, planner
-    from seqpar.analysis.shapes import AnalysisError
+    from seqpar.analysis.formulas.shapes import AnalysisError
+    from seqpar.analysis.planning import planner
+    from seqpar.analysis.reports import plan_report
 
     try:
         _check_outputs(args)
@@ -311,7 +313,7 @@ def run(args) -> int:
             else:
                 print(plan_report.render_explain(req, ev, ranked))
             if args.plot and ev.stages:
-                from seqpar.analysis.plots import stages_memory
+                from seqpar.analysis.reports.plots import stages_memory
 
                 args.plot.mkdir(parents=True, exist_ok=True)
                 path = stages_memory(args.plot / "plan_stages.png", ev.stages, req.hw.usable_bytes,
@@ -322,8 +324,8 @@ def run(args) -> int:
         if ranked:
             _emit(args, req, ranked[0].plan)
         if args.json:
-            from seqpar.analysis.costmodel import ties_with_best
-            from seqpar.analysis.profiles import profile_to_json
+            from seqpar.analysis.planning.costmodel import ties_with_best
+            from seqpar.analysis.planning.profiles import profile_to_json
 
             ties = ties_with_best([ev.time.total for ev in ranked], req.hw.error_band)
             plans = [ev.to_json() | {"tie_with_best": tie} for ev, tie in zip(ranked, ties, strict=True)]
@@ -337,7 +339,7 @@ def run(args) -> int:
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
         if args.plot and ranked:
-            from seqpar.analysis.plots import plan_memory
+            from seqpar.analysis.reports.plots import plan_memory
 
             args.plot.mkdir(parents=True, exist_ok=True)
             path = plan_memory(args.plot / "plan_memory.png", ranked[:args.top], req.hw.usable_bytes,

@@ -37,7 +37,7 @@ def _default(section: str, key: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from seqpar.train.lr_schedule import SCHEDULES
+    from seqpar.train.optim.lr_schedule import SCHEDULES
 
     def setting(group, flag: str, **override) -> None:  # the table's flag, its help saying the config's default
         s = BY_FLAG[flag]
@@ -126,8 +126,8 @@ def model_overrides(args) -> dict:
     """``--model PRESET`` (a planner preset's shape, its architecture) and then ``--arch``."""
     out: dict = {}
     if getattr(args, "model", None):
-        from seqpar.analysis.presets import preset_shape
-        from seqpar.analysis.shapes import AnalysisError
+        from seqpar.analysis.formulas.presets import preset_shape
+        from seqpar.analysis.formulas.shapes import AnalysisError
 
         try:
             shape = preset_shape(args.model)

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import torch
 
-from seqpar.analysis.shapes import activation_options
-from seqpar.analysis.stage import layers_bytes
+from seqpar.analysis.formulas.shapes import activation_options
+from seqpar.analysis.formulas.stage import layers_bytes
 from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype

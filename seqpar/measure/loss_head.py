@@ -2,7 +2,7 @@
 
 One rank's logits ``[s, b, v/t]`` through ``vocab_parallel_cross_entropy`` (no tp group: the collectives
 are no-ops, the passes are the same), forward and backward, under torch's ``MemTracker`` (a dispatch-mode
-meter of every storage created inside, on any device). Printed next to ``seqpar.analysis.stage``'s
+meter of every storage created inside, on any device). Printed next to ``seqpar.analysis.formulas.stage``'s
 ``loss_head_terms`` (kept) and ``loss_working_bytes`` (one fp32 chunk), and next to the fp32 copy of the
 whole logits an unbounded cross entropy would write (4·s·b·v/t).
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from seqpar.analysis.shapes import ActivationOptions
-from seqpar.analysis.stage import loss_head_terms, loss_working_bytes
+from seqpar.analysis.formulas.shapes import ActivationOptions
+from seqpar.analysis.formulas.stage import loss_head_terms, loss_working_bytes
 from seqpar.measure.meter import SavedTensorMeter
 from seqpar.parallel.cross_entropy import CHUNK_BYTES, _Eager, chunk_rows, vocab_parallel_cross_entropy
 

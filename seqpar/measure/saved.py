@@ -2,14 +2,14 @@
 
 The layer runs under the saved-activation meter (``seqpar.measure.meter``, which states what counts: distinct
 storages, parameters and buffers excluded). This is the measurement the formulas of
-``seqpar.analysis.memory`` are checked against.
+``seqpar.analysis.formulas.memory`` are checked against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from seqpar.analysis.shapes import device_kernels, device_kind
+from seqpar.analysis.formulas.shapes import device_kernels, device_kind
 from seqpar.config import ModelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensor, SavedTensorMeter
@@ -24,13 +24,13 @@ from seqpar.recompute import RecomputePlan
 
 
 def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
-    """Bytes of one LayerNorm mean/rstd element on ``device`` (``seqpar.analysis.shapes.device_kernels``)."""
+    """Bytes of one LayerNorm mean/rstd element on ``device`` (``seqpar.analysis.formulas.shapes.device_kernels``)."""
     return device_kernels(device_kind(device.type), torch.empty((), dtype=dtype).element_size())[1]
 
 
 def sdpa_kernel_for(device: torch.device, dtype: torch.dtype = torch.bfloat16, masked: bool = False) -> str:
     """The fused attention kernel the core pins on ``device`` for ``dtype`` activations, with a document mask or
-    not (``seqpar.analysis.shapes.sdpa_kernel_of``, which ``CoreAttention`` asks too)."""
+    not (``seqpar.analysis.formulas.shapes.sdpa_kernel_of``, which ``CoreAttention`` asks too)."""
     return device_kernels(device_kind(device.type), torch.empty((), dtype=dtype).element_size(), masked)[0]
 
 

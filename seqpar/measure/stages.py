@@ -2,7 +2,7 @@
 
 Runs one training step of the configured schedule on p × t local gloo ranks, recording with
 ``SavedTensorMeter`` the peak of the activation bytes each rank holds, and computes the formula of
-``seqpar.analysis.stage`` for the same stage: Eq. 5 (Eq. 6 with selective recompute) on the first
+``seqpar.analysis.formulas.stage`` for the same stage: Eq. 5 (Eq. 6 with selective recompute) on the first
 stage, the interleaving factor (1 + (p-1)/(pm)), the Sec. 4.3 terms outside the layers, App. B's
 kept outputs when freeing is off and App. C's kept microbatches. The formula is the *exact* one:
 LayerNorm mean/rstd included (the paper drops them), the activation byte width of the model's
@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from seqpar.analysis.in_flight import first_chunk_in_flight
-from seqpar.analysis.memory import norm_stat_bytes
-from seqpar.analysis.shapes import activation_options
-from seqpar.analysis.stage import stage_memory
+from seqpar.analysis.formulas.in_flight import first_chunk_in_flight
+from seqpar.analysis.formulas.memory import norm_stat_bytes
+from seqpar.analysis.formulas.shapes import activation_options
+from seqpar.analysis.formulas.stage import stage_memory
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensorMeter
@@ -35,7 +35,7 @@ from seqpar.pipeline.schedules import forward_backward
 class StagePeak:
     stage: int  # pipeline rank
     measured_peak_bytes: int | None  # max over the rank's tp ranks (None: not measured)
-    formula_bytes: float  # the analytic model (seqpar.analysis.stage), LayerNorm statistics included
+    formula_bytes: float  # the analytic model (seqpar.analysis.formulas.stage), LayerNorm statistics included
     exact_bytes: float  # formula + implementation_terms: what this code should measure to the byte
     terms: dict  # every term of exact_bytes
     loss: float | None = None  # the step's mean loss (the same on every rank)

@@ -6,10 +6,10 @@ from dataclasses import astuple, dataclass, field, replace
 
 import torch
 
-from seqpar.analysis.memory import TABLE2_ROWS, layer_activation_terms, table2_bytes, table2_config
-from seqpar.analysis.moe import Routing, balanced_routing
-from seqpar.analysis.shapes import activation_options
-from seqpar.analysis.stage import kept_terms, layer_split_terms, layer_terms
+from seqpar.analysis.formulas.memory import TABLE2_ROWS, layer_activation_terms, table2_bytes, table2_config
+from seqpar.analysis.formulas.moe import Routing, balanced_routing
+from seqpar.analysis.formulas.shapes import activation_options
+from seqpar.analysis.formulas.stage import kept_terms, layer_split_terms, layer_terms
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.saved import layernorm_stat_bytes, measure_layer, sdpa_kernel_for

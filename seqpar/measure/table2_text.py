@@ -89,9 +89,9 @@ def render_rows(cfg: ModelConfig, rows: list, micro_batch: int, *, cp: int = 1, 
 
 
 def fused_core_note(micro_batch: int, device: str = "cpu") -> str:
-    """What a fused core keeps, and that selective recompute leaves it alone (``analysis.memory.rebuilt``)."""
-    from seqpar.analysis.memory import sdpa_output_is_out_proj_input
-    from seqpar.analysis.shapes import device_kernels
+    """What a fused core keeps, and that selective recompute leaves it alone (``analysis.formulas.memory.rebuilt``)."""
+    from seqpar.analysis.formulas.memory import sdpa_output_is_out_proj_input
+    from seqpar.analysis.formulas.shapes import device_kernels
 
     shared = sdpa_output_is_out_proj_input(micro_batch, device_kernels(device, 2)[0])
     out = "its output is the out-proj input's storage" if shared else "its output (2sbh/t)"

@@ -26,8 +26,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seqpar import documents
-from seqpar.analysis.memory import sdpa_expands_kv
-from seqpar.analysis.shapes import device_kind, sdpa_kernel_of
+from seqpar.analysis.formulas.memory import sdpa_expands_kv
+from seqpar.analysis.formulas.shapes import device_kind, sdpa_kernel_of
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.context_attention import A2ACoreAttention, RingCoreAttention
@@ -42,8 +42,8 @@ from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan
 
-# The torch backend of each kernel the formula knows (``seqpar.analysis.memory.SDPA_KERNELS``); the CPU's is its
-# flash kernel. MATH is none of them: it keeps the s² probabilities.
+# The torch backend of each kernel the formula knows (``seqpar.analysis.formulas.memory.SDPA_KERNELS``); the CPU's
+# is its flash kernel. MATH is none of them: it keeps the s² probabilities.
 SDPA_BACKENDS = {"cpu": SDPBackend.FLASH_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -53,7 +53,7 @@ def _no_kernel(kernel: str, q: torch.Tensor, kv_heads: int, mask: torch.Tensor |
     b, heads, s, d = q.shape
     what = "a document mask" if mask is not None else "causal"
     return (f"fused attention: the {kernel} kernel (the one the memory formula counts, "
-            f"seqpar.analysis.shapes.sdpa_kernel_of) cannot run {str(q.dtype).removeprefix('torch.')} q on "
+            f"seqpar.analysis.formulas.shapes.sdpa_kernel_of) cannot run {str(q.dtype).removeprefix('torch.')} q on "
             f"{q.device.type} with head dim {d}, {heads} query heads on {kv_heads} kv heads, {what}, s {s}, b {b}; "
             f"seqpar does not fall back to the math kernel (it keeps s² tensors): use the paper's core "
             f"(--attention materialized; TOML [model] attention) or a dtype / head dim the {kernel} kernel takes")
@@ -77,7 +77,7 @@ class CoreAttention(HeadsDropout, nn.Module):
     again in backward instead of kept when ``regenerate()`` (recompute module ``dropout_mask``).
     ``sdpa`` (``fused``): one ``scaled_dot_product_attention`` call over every query head, grouped-query
     attention inside the kernel (``enable_gqa``); it keeps Q, K, V, its output and one fp32 log-sum-exp per
-    row (``seqpar.analysis.memory.SDPA_KERNELS``; K and V expanded to every query head first, and kept so, on
+    row (``seqpar.analysis.formulas.memory.SDPA_KERNELS``; K and V expanded to every query head first, and kept so, on
     a kernel that takes no grouped kv heads: CUDA's memory-efficient one). With g > 1 it reads the packed QKV
     layout (``packed``, ``qkv_views``), which the rotary embedding writes directly (or ``pack`` copies into,
     without rope).

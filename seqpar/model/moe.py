@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seqpar.analysis.moe import Routing
+from seqpar.analysis.formulas.moe import Routing
 from seqpar.config import ModelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.mlp import MLP, activation

@@ -18,7 +18,7 @@ group's k and v, replicated over the K/groups ranks that share it (their gradien
 Rank j's query heads are always ``[j·A, (j+1)·A)`` of its tp rank's, A = a/(t·K).
 
 Neither function keeps a tensor for backward: the send and receive buffers live only while the
-exchange runs (``seqpar.analysis.stage``: the all-to-all buffers in flight).
+exchange runs (``seqpar.analysis.formulas.stage``: the all-to-all buffers in flight).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Bounded: no fp32 copy of the whole ``[s·b, v/t]`` logits is ever made. The pass
 tokens (``chunk_rows``: as many rows as fit ``CHUNK_BYTES`` of fp32), so the head's transient memory is one
 fp32 chunk ``[rows, v/t]``; what backward keeps is the logits themselves (their own dtype, the output
 layer's output, alive anyway until the loss is taken) and one fp32 log-sum-exp per token, from which the
-backward rebuilds each chunk's softmax (``seqpar.analysis.stage``: the ``logits`` and ``loss_lse`` terms,
+backward rebuilds each chunk's softmax (``seqpar.analysis.formulas.stage``: the ``logits`` and ``loss_lse`` terms,
 ``loss_working`` the chunk). Megatron-LM keeps the fp32 softmax instead (the paper's 4sbv/t).
 
 Forward: a chunked pass for the local max (exact, on the input dtype), its all-reduce, a chunked pass for

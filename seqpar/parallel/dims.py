@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from seqpar.analysis.placement import expert_groups
+from seqpar.analysis.planning.placement import expert_groups
 from seqpar.config import ConfigError, ParallelConfig
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from seqpar.analysis.fsdp_states import chunk_rows
+from seqpar.analysis.formulas.fsdp_states import chunk_rows
 from seqpar.config import ParallelConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.dims import ParallelDims

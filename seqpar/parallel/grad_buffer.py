@@ -16,7 +16,7 @@ the gradient norm and clipping. Without ``overlap`` every bucket starts in ``fin
 The reduction sums in fp32 and divides by the group size, as ``data_parallel.average_gradients``
 does. ``shard``: a reduce-scatter instead of an all-reduce -- each rank receives the sum of its
 1/N of every bucket only (the buffer is padded to a multiple of N), which is all the distributed
-optimizer (``seqpar.train.dist_optim``) reads; the rest of the buffer keeps this rank's partial sums.
+optimizer (``seqpar.train.optim.dist_optim``) reads; the rest of the buffer keeps this rank's partial sums.
 
 Routed experts (``seqpar.parallel.expert``) get buckets of their own, reduced over ``expert_group`` (the
 ranks holding the same experts) and divided by the dense group's size (dp × cp): each bucket carries its

@@ -9,7 +9,7 @@
   one way every entry point ends it (a barrier, then destroy).
 
 ``seqpar train --nproc N`` re-runs the command through torchrun's own runner; that supervisor (signals,
-exit statuses, which rank failed first) is the train command's policy: ``seqpar.train.supervise``.
+exit statuses, which rank failed first) is the train command's policy: ``seqpar.train.reliability.supervise``.
 Multi-node jobs use ``torchrun`` itself.
 """
 

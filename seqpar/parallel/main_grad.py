@@ -1,6 +1,6 @@
 """Where a parameter's gradient lives for the cross-rank reductions, the norm and the update.
 
-A low-precision (bf16/fp16) parameter trained by ``seqpar.train.optim.MasterOptimizer`` carries an
+A low-precision (bf16/fp16) parameter trained by ``seqpar.train.optim.replicated.MasterOptimizer`` carries an
 fp32 ``main_grad`` buffer (Megatron-LM's name): each microbatch's gradient is added into it and
 ``.grad`` is freed, so the sequence-parallel, tied-weight and data-parallel reductions, the global
 norm and the update all read fp32 sums. Any other parameter uses its ``.grad``.

@@ -31,7 +31,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from seqpar import documents
-from seqpar.analysis.memory import pinned_block_bytes
+from seqpar.analysis.formulas.memory import pinned_block_bytes
 from seqpar.storages import module_storages, storage_key, storage_of
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from seqpar.analysis.flops import layer_forward_flops, recompute_extra_flops
+from seqpar.analysis.formulas.flops import layer_forward_flops, recompute_extra_flops
 from seqpar.config import RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
@@ -115,7 +115,7 @@ def table4(ctx) -> tuple[bool, dict, str]:
 
 def gemm_peaks(device: torch.device, n: int, seconds: float) -> tuple[float, float | None, str | None]:
     """(measured bf16 GEMM FLOP/s, the data-sheet dense bf16 FLOP/s or None, its table key)."""
-    from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
+    from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS
 
     measured = gemm_probe(device, torch.bfloat16, n=n, seconds=seconds)
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqpar.analysis.states import stage_parameters
+from seqpar.analysis.formulas.states import stage_parameters
 from seqpar.config import (
     BYTE_VOCAB,
     ConfigError,
@@ -26,7 +26,7 @@ from seqpar.config import (
 )
 from seqpar.data.prepared import checked_manifest, is_prepared
 from seqpar.settings import hint_for_key, table_of, toml_aliases
-from seqpar.train.lr_schedule import SCHEDULES
+from seqpar.train.optim.lr_schedule import SCHEDULES
 from seqpar.train.wandb_sink import require_wandb
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -40,7 +40,7 @@ class TrainConfig:
     stop_at: int = 0  # stop (checkpoint and exit) after this step, keeping the schedule of ``steps``; 0: off
     lr: float = 3e-3  # peak learning rate, reached after ``warmup`` steps
     min_lr: float = 3e-4  # where the linear, cosine and WSD schedules end
-    schedule: str = "cosine"  # after warmup: constant | linear | cosine | wsd (seqpar/train/lr_schedule.py)
+    schedule: str = "cosine"  # after warmup: constant | linear | cosine | wsd (seqpar/train/optim/lr_schedule.py)
     decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays to min_lr
     warmup: int = 20
     weight_decay: float = 0.1  # on matrices only (not biases, LayerNorm)
@@ -48,7 +48,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
-    distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over dp (seqpar/train/dist_optim.py)
+    distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over dp (train/optim/dist_optim.py)
     overlap_grad_reduce: bool = False  # reduce gradient buckets during the backward (seqpar/parallel/grad_buffer.py)
     grad_bucket_mb: float = 25.0  # MiB of fp32 gradients per bucket (those two options)
     # torch.compile each layer as one fused region (seqpar/model/compile.py; docs/training.md); None: CUDA only
@@ -75,7 +75,7 @@ class TrainConfig:
     peak_tflops: float = 0.0  # per device; 0: look it up on GPU, probe a GEMM on CPU
     nonfinite: str = "skip"  # skip | stop
     max_skipped: int = 20  # stop when this many steps in a row were skipped
-    # fp16 only: dynamic loss scaling (torch.amp.GradScaler's semantics; see seqpar/train/loss_scale.py)
+    # fp16 only: dynamic loss scaling (torch.amp.GradScaler's semantics; see seqpar/train/optim/loss_scale.py)
     loss_scale_init: float = 65536.0  # the first scale
     loss_scale_window: int = 2000  # good steps in a row before the scale doubles
     sample_tokens: int = 0  # print a sample of this many tokens at the end (0: none)

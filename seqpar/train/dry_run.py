@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from seqpar.analysis.shapes import OptimizerOptions, activation_options, device_kind
-from seqpar.analysis.stage import all_stages
+from seqpar.analysis.formulas.shapes import OptimizerOptions, activation_options, device_kind
+from seqpar.analysis.formulas.stage import all_stages
 from seqpar.analysis.text import exact_bytes, human_bytes
 from seqpar.config import ConfigError
 from seqpar.config_toml import config_toml
@@ -34,7 +34,7 @@ def predicted_memory(job, device: torch.device | None = None) -> list:
 
 def prediction_devices() -> list[str]:
     """The device kinds the dry run predicts for: CUDA (what `seqpar plan` plans for), and this host's kind
-    when it differs (a launch here runs the CPU kernels; ``seqpar.analysis.shapes.device_kernels``)."""
+    when it differs (a launch here runs the CPU kernels; ``seqpar.analysis.formulas.shapes.device_kernels``)."""
     here = device_kind(default_device().type)
     return ["cuda"] + ([here] if here != "cuda" else [])
 

@@ -34,11 +34,11 @@ from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, build_job
 from seqpar.train.data import TokenData, validation_windows
 from seqpar.train.evaluate import evaluate
-from seqpar.train.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.metrics import MetricsLog, format_record, plot_losses
-from seqpar.train.optimizers import build_optimizer
+from seqpar.train.optim.optimizers import build_optimizer
 from seqpar.train.perf import Throughput
 from seqpar.train.ranks import gather_ranks, rank_entry
+from seqpar.train.reliability.interrupt import StopFlag, abort_line, resume_hint
 from seqpar.train.states import state_record
 from seqpar.train.wandb_sink import WandbSink
 
@@ -50,19 +50,20 @@ class NonFiniteError(RuntimeError):
 
 
 class StepHook(Protocol):
-    """Called at fixed points of training (the reliability tests' fault injection, seqpar/train/fault.py)."""
+    """Called at fixed points of training (the reliability tests' fault injection, train/reliability/fault.py)."""
 
     def before_step(self, rank: int, step: int) -> None:
         """Before step ``step`` (1-based, as logged) runs."""
 
     def after_step(self, rank: int, step: int, seconds: float) -> None:
-        """Once step ``step`` is done on this rank, ``seconds`` after it began (seqpar/train/heartbeat.py)."""
+        """Once step ``step`` is done on this rank, ``seconds`` after it began (train/reliability/heartbeat.py)."""
 
     def checkpoint_written(self, rank: int, step: int) -> None:
         """Once this rank's part of checkpoint ``step`` is written, before the checkpoint is committed."""
 
     def window(self, rank: int, step: int) -> dict:
-        """At each metrics record (every rank, the same steps): fields to add to it (seqpar/train/stragglers.py)."""
+        """At each metrics record (every rank, the same steps): fields to add to it
+        (train/reliability/stragglers.py)."""
 
 
 @dataclass

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from seqpar.analysis.flops import training_flops
-from seqpar.analysis.hardware import PEAK_DENSE_16BIT_TFLOPS
+from seqpar.analysis.formulas.flops import training_flops
+from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS
 from seqpar.dtypes import torch_dtype
 from seqpar.fileio import write_atomic
 
@@ -78,7 +78,7 @@ def slow_dtype_note(job, device: torch.device) -> list[str]:
 
 def mfu_peak(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """The peak FLOP/s a rank's MFU divides by, and where it came from: the user's ``peak_tflops``, else the spec
-    sheet's (``analysis.hardware``, whose ``peak_flops`` names a GPU's), else the GEMM probe's (module doc)."""
+    sheet's (``analysis.planning.hardware``, whose ``peak_flops`` names a GPU's), else the GEMM probe's (module doc)."""
     if peak_tflops > 0:
         return peak_tflops * 1e12, "given"
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
@@ -128,7 +128,7 @@ def cached_gemm_probe(device: torch.device, dtype: torch.dtype) -> tuple[float, 
 
 
 def step_flops(job) -> tuple[float, float]:
-    """Model and hardware FLOPs of one step (``seqpar.analysis.flops.training_flops``)."""
+    """Model and hardware FLOPs of one step (``seqpar.analysis.formulas.flops.training_flops``)."""
     return training_flops(job.model, job.parallel, job.recompute, job.train.global_batch)
 
 

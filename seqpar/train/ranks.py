@@ -1,7 +1,7 @@
 """The ``ranks`` list of the ``start`` record: every rank's coordinates, its model-state bytes and its
 activation peak over one step, measured next to the trainer's prediction, gathered once over the world.
 
-Model states: ``seqpar.train.states`` (measured from the tensors; predicted by ``seqpar.analysis.states``).
+Model states: ``seqpar.train.states`` (measured from the tensors; predicted by ``seqpar.analysis.formulas.states``).
 ``grad_padding`` is the fp32 gradient buckets' padding to a multiple of the dp × cp ranks, in elements
 (``seqpar.parallel.grad_buffer``): every rank's gradients hold 4 bytes per padded element; the padding
 lies in the last shard of each bucket, so with the distributed optimizer the rank that owns it holds

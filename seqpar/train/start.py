@@ -1,5 +1,5 @@
 """Start a ``seqpar train`` run: check everything, claim the output folder, then train here, on
-``--nproc`` local ranks (``seqpar.train.supervise.relaunch``), or as one rank of torchrun's.
+``--nproc`` local ranks (``seqpar.train.reliability.supervise.relaunch``), or as one rank of torchrun's.
 
 What the ranks would find only after launch is found once before it: the configuration (every
 rule), the tokenizer, the data (with ``--nproc``) and the checkpoint to resume. A bad input is one
@@ -25,13 +25,14 @@ from seqpar.data.prepared import Prepared, is_prepared
 from seqpar.out_path import check_not_input
 from seqpar.parallel.launch import default_device, under_torchrun
 from seqpar.parallel.rng import compiler_problem
-from seqpar.train import fault, run_tokenizer, supervise
+from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, inert_settings
-from seqpar.train.heartbeat import Heartbeat
-from seqpar.train.interrupt import Reached, abort_line, stopped_line
 from seqpar.train.perf import slow_dtype_note
+from seqpar.train.reliability import fault, supervise
+from seqpar.train.reliability.heartbeat import Heartbeat
+from seqpar.train.reliability.interrupt import Reached, abort_line, stopped_line
+from seqpar.train.reliability.supervise import EXIT_INTERRUPTED
 from seqpar.train.report import print_summary
-from seqpar.train.supervise import EXIT_INTERRUPTED
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", "tensorboard", "tokenizer.json", "wandb", "wandb_id",
              "heartbeat", "tracebacks")
@@ -326,7 +327,7 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
     130 at once (nothing to save yet); after it the trainer's own handlers take over."""
     # heavy (the model, the pipeline, compile): a launcher process never trains, so never loads them
     from seqpar.train.loop import train
-    from seqpar.train.stragglers import StepTimes
+    from seqpar.train.reliability.stragglers import StepTimes
 
     t0 = time.perf_counter()
     rank0 = int(os.environ.get("RANK", "0")) == 0

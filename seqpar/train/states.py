@@ -1,19 +1,19 @@
 """The model states a rank holds -- parameters, gradients, optimizer state -- measured next to the
-formula (``seqpar.analysis.states``), for the ``start`` record of metrics.jsonl.
+formula (``seqpar.analysis.formulas.states``), for the ``start`` record of metrics.jsonl.
 
 Measured: the bytes of the tensors themselves (``AdamOnMasters.state_bytes``; the fp32 gradient buckets
 include their padding to a multiple of dp × cp). Predicted: ``rank_state_bytes``, this rank's exact count
 from the configuration -- its pipeline stage's parameters (the layer split, uneven or not), the buckets
 and their padding, and with the distributed optimizer this rank's shard of each bucket. Under fsdp:
-the padded fp32 shards of every tensor and Adam's moments of this rank's rows (``seqpar.analysis.fsdp_states``;
+the padded fp32 shards of every tensor and Adam's moments of this rank's rows (``seqpar.analysis.formulas.fsdp_states``;
 the rank's shard is its place in the grad group modulo the FSDP shard group's size).
 """
 
 from __future__ import annotations
 
-from seqpar.analysis.fsdp_states import stage_fsdp_state_bytes
-from seqpar.analysis.shapes import OptimizerOptions
-from seqpar.analysis.states import rank_state_bytes
+from seqpar.analysis.formulas.fsdp_states import stage_fsdp_state_bytes
+from seqpar.analysis.formulas.shapes import OptimizerOptions
+from seqpar.analysis.formulas.states import rank_state_bytes
 
 
 def predicted_state_bytes(job, pp_rank: int = 0, grad_rank: int = 0) -> dict[str, float]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from seqpar.analysis.memory import pinned_block_bytes
+from seqpar.analysis.formulas.memory import pinned_block_bytes
 from seqpar.parallel.comm import side_group
 from seqpar.train.checkpoint.store import save
 
@@ -62,7 +62,8 @@ class BackgroundSave:
     @property
     def host_bytes(self) -> int:
         """Host RAM the staging copies hold between saves: a pinned one as torch's caching host allocator reserves
-        it (``seqpar.analysis.memory.pinned_block_bytes``: a power of two, up to 2x its bytes), others exactly."""
+        it (``seqpar.analysis.formulas.memory.pinned_block_bytes``: a power of two, up to 2x its bytes), others
+        exactly."""
         return sum(pinned_block_bytes(b.nbytes) if b.is_pinned() else b.nbytes for b in self._buffers.values())
 
     def start(self, root: str | Path, step: int, tensors: dict, meta: dict, keep: int, written=None,

@@ -7,7 +7,7 @@ Layout on disk::
 
 Every tensor is described at its *full* (single-process) shape under its single-process name --
 ``model.<name>``, ``optim.<name>.exp_avg``, ``optim.<name>.exp_avg_sq`` -- so a checkpoint written
-with one tp/pp/dp loads with any other (``seqpar.train.sharded``).
+with one tp/pp/dp loads with any other (``seqpar.train.optim.sharded``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Atomic write and read of checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Each rank writes only the chunks it holds, with their offsets in the full tensor, and reads into its
-own shards in place (``seqpar.train.sharded``): no rank builds a full tensor of a split parameter or
+own shards in place (``seqpar.train.optim.sharded``): no rank builds a full tensor of a split parameter or
 of its optimizer state. Chunks several ranks hold are written once. Checkpoints of the previous format
 (``seqpar-dcp-1``: whole tensors) load the same way.
 
@@ -49,7 +49,7 @@ from seqpar.train.checkpoint.integrity import (
     over_ranks,
 )
 from seqpar.train.checkpoint.resume import resolve
-from seqpar.train.sharded import LoadPlanner, SavePlanner, ShardedView
+from seqpar.train.optim.sharded import LoadPlanner, SavePlanner, ShardedView
 
 
 def _barrier(group=None) -> None:

@@ -12,8 +12,9 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.testing import parity_batch, relative_error
 from seqpar.train.config import TrainConfig
+from seqpar.train.optim import adam
 from seqpar.train.optim.adam import adam_implementation, adam_step, set_adam_step
-from seqpar.train.optim.replicated import MasterOptimizer, adam
+from seqpar.train.optim.replicated import MasterOptimizer
 
 
 def test_the_loop_on_cpu_fused_on_an_accelerator():

@@ -63,3 +63,43 @@ def test_the_cycle_check_finds_a_cycle():
     """The check itself can fail: a two-module cycle of the same shape as the ones it guards against."""
     with pytest.raises(graphlib.CycleError):
         graphlib.TopologicalSorter({"seqpar.a": {"seqpar.b"}, "seqpar.b": {"seqpar.a"}}).prepare()
+
+
+# analysis's rooms, lowest first: a module imports from its own room or one below it (docs/architecture.md)
+ANALYSIS_ROOMS = ("seqpar.analysis.text", "seqpar.analysis.formulas", "seqpar.analysis.planning",
+                  "seqpar.analysis.reports")
+
+
+def room_of(module: str) -> int | None:
+    return next((i for i, room in enumerate(ANALYSIS_ROOMS) if module == room or module.startswith(room + ".")), None)
+
+
+def back_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point up analysis's rooms, and imports between train's optim/ and reliability/ rooms or from
+    either up to the loop that uses them."""
+    bad = []
+    for name, targets in graph.items():
+        for target in targets:
+            here, there = room_of(name), room_of(target)
+            if here is not None and there is not None and there > here:
+                bad.append(f"{name} -> {target}")
+            for room in ("seqpar.train.optim", "seqpar.train.reliability"):
+                above = ("seqpar.train.optim", "seqpar.train.reliability", "seqpar.train.loop", "seqpar.train.start")
+                if name.startswith(room + ".") and target.startswith(above) and not target.startswith(room):
+                    bad.append(f"{name} -> {target}")
+    return bad
+
+
+def test_the_rooms_import_downwards():
+    known = module_files()
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    assert {room_of(n) for n in graph} >= {0, 1, 2, 3}  # every room was read
+    assert back_arrows(graph) == []
+
+
+def test_the_room_check_finds_a_back_arrow():
+    """The check itself can fail: a formula importing the planner, an optimizer importing the supervisor."""
+    graph = {"seqpar.analysis.formulas.memory": {"seqpar.analysis.planning.planner"},
+             "seqpar.train.optim.adam": {"seqpar.train.reliability.supervise"}}
+    assert back_arrows(graph) == ["seqpar.analysis.formulas.memory -> seqpar.analysis.planning.planner",
+                                  "seqpar.train.optim.adam -> seqpar.train.reliability.supervise"]

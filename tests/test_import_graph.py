@@ -9,6 +9,7 @@ library) finds a cycle.
 from __future__ import annotations
 
 import ast
+import functools
 import graphlib
 from pathlib import Path
 
@@ -49,9 +50,15 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-def test_the_import_graph_has_no_cycle():
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    """Every seqpar module and the seqpar modules it imports (read once for the tests below)."""
     known = module_files()
-    graph = {name: imported(name, path, known) for name, path in known.items()}
+    return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
     assert len(graph) > 100 and sum(map(len, graph.values())) > 300  # the graph was really read
     try:
         graphlib.TopologicalSorter(graph).prepare()
@@ -91,8 +98,7 @@ def back_arrows(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_rooms_import_downwards():
-    known = module_files()
-    graph = {name: imported(name, path, known) for name, path in known.items()}
+    graph = import_graph()
     assert {room_of(n) for n in graph} >= {0, 1, 2, 3}  # every room was read
     assert back_arrows(graph) == []
 

@@ -206,3 +206,19 @@ def test_the_report_names_the_cause_not_the_peer_that_saw_it_vanish():
         assert supervise._first_failure(failures)[0] == expected, failures
     assert supervise._cause(_failure(1, "RuntimeError: injected\nmore")) == ": RuntimeError: injected"
     assert supervise._cause(_failure(-9)) == ""
+
+
+def test_a_rank_that_raised_then_waited_in_teardown_is_named_not_its_peers():
+    """Found by the drawn faults (tests/test_fault_draws.py, SEQPAR_FAULT_WORLD=2,4 draw 2: pp 2 × dp 2, rank 0
+    raising before step 8): rank 0 raised, then waited in a collective's teardown until the launcher stopped it
+    (exit 130); its peers' lost-peer errors came first, and the restart line named rank 1. The ranks' own
+    heartbeat notes (``_noted``) name rank 0 and its exception."""
+    peer_lost = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:46760"
+    failures = {0: _failure(130, timestamp=101), 1: _failure(1, peer_lost), 2: _failure(1, peer_lost),
+                3: _failure(1, peer_lost)}
+    noted = {0: "RuntimeError: SEQPAR_FAULT: injected failure on rank 0 at step 8", 1: peer_lost.split(": ", 1)[1]}
+    assert supervise._first_failure(failures)[0] == 1  # the launcher's exits alone
+    first, failure = supervise._first_failure(failures, noted)
+    assert first == 0 and supervise._how(first, failure, noted) == noted[0]
+    assert supervise._how(1, failures[1], noted) == f"exit code 1: {peer_lost}"  # its exit already says it
+    assert supervise._restartable(failures, interrupted=False, noted=noted)

@@ -222,3 +222,12 @@ def test_a_rank_that_raised_then_waited_in_teardown_is_named_not_its_peers():
     assert first == 0 and supervise._how(first, failure, noted) == noted[0]
     assert supervise._how(1, failures[1], noted) == f"exit code 1: {peer_lost}"  # its exit already says it
     assert supervise._restartable(failures, interrupted=False, noted=noted)
+
+
+def test_the_drawn_faults_hook_actions_parse_and_know_the_run(monkeypatch, tmp_path):
+    """``do=term`` and ``do=damage`` (tests/test_fault_draws.py's SIGTERM and damaged-latest kinds): parsed, and
+    the hooks carry the run folder a damage needs."""
+    monkeypatch.setenv(fault.ENV, "rank=0,step=5,do=damage,attempt=0;rank=1,step=3,do=term")
+    damage, term = fault.hooks_from_env(str(tmp_path))
+    assert damage == fault.Fault(0, 5, "step", "damage", 0) and term == fault.Fault(1, 3, "step", "term")
+    assert damage.out_dir == term.out_dir == str(tmp_path)

@@ -14,7 +14,13 @@ failure, SIGTERM reaching one rank). What the product promises, checked on every
   the final weights.
 
 Draws: ``SEQPAR_FAULT_DRAWS`` (default 1: CI), at world sizes ``SEQPAR_FAULT_WORLD`` (default ``2``; e.g.
-``2,4``). Each draw is one job of one or two attempts (~20 s on 2 cores at world 2).
+``2,4``). Each draw is one job of two attempts (SIGTERM: a job and its resume): ~20-25 s on 2 busy cores at
+world 2.
+
+Measured (``SEQPAR_FAULT_DRAWS=12 SEQPAR_FAULT_WORLD=2,4``, 2026-12-06, 2 shared cores: 12 of 12 in 5 min 36 s,
+every kind drawn): worst relative error in fp32 loss 1.1e-07, grad norm 1.9e-07, weights 3.6e-07; in bf16 loss
+4.5e-05, grad norm 6.8e-04, weights 1.4e-02. Found: draw 2 (pp 2 × dp 2, rank 0 raising before step 8) once named
+rank 1's lost peer as the failed rank (``supervise._first_failure``, fixed: the ranks' own heartbeat notes).
 """
 
 from __future__ import annotations

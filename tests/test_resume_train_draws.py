@@ -10,8 +10,12 @@ stream (``tests/test_fault_draws.py``'s ``sections_at``). What a resume keeps is
 smoothing, data, steps and global batch (raised to a multiple of both layouts' micro-batch × dp), recorded as
 B's narrowings.
 
-Draws: ``SEQPAR_RESUME_TRAIN_DRAWS`` (default 1: CI). A's world from ``SEQPAR_RESUME_TRAIN_WORLD`` (default
-``2``; e.g. ``2,4``), B's from those and 1.
+Draws: ``SEQPAR_RESUME_TRAIN_DRAWS`` (default 1: CI, ~15 s on 2 busy cores). A's world from
+``SEQPAR_RESUME_TRAIN_WORLD`` (default ``2``; e.g. ``2,4``), B's from those and 1.
+
+Measured (``SEQPAR_RESUME_TRAIN_DRAWS=12 SEQPAR_RESUME_TRAIN_WORLD=2,4``, 2026-12-06, 2 shared cores: 12 of 12 in
+5 min 21 s): worst relative error in fp32 loss 8.6e-08, grad norm 2.8e-07, weights 3.3e-07; in bf16 loss 5.8e-05,
+grad norm 9.8e-04, weights 1.3e-02.
 """
 
 from __future__ import annotations

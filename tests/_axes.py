@@ -4,15 +4,22 @@ apply to says so in its report.
 
 Checks: ``equivalence`` and ``equivalence_moe`` (trained against the single process), ``stages`` (measured ==
 exact stage peaks and host bytes), ``plan_loop`` (plan == dry run == measured), ``resume`` (a checkpoint's
-parallel settings resumed at another layout, ``tests/test_resume_layout.py``: no ranks started). The trained
-resume checks (``tests/test_checkpoint_resume.py``) and fault injection (``tests/test_reliability_*.py``) are
-fixed cases and draw nothing.
+parallel settings resumed at another layout, ``tests/test_resume_layout.py``: no ranks started), ``faults``
+(a drawn fault in a ``seqpar train --nproc --max-restarts`` job, ``tests/test_fault_draws.py``) and
+``resume_train`` (trained at one drawn layout, stopped, resumed at another, ``tests/test_resume_train_draws.py``).
+The fixed cases of ``tests/test_reliability_*.py`` and ``tests/test_checkpoint_resume.py`` draw nothing.
 
 A check draws with ``draw(check, key)`` (each axis from its own stream seeded by ``"{axis} {key}"``, so adding an
 axis moves no other axis' draws), then fits the draw to its layout with the rules below (``fit_*``): a value
 that does not apply, or that the rules exclude, is replaced and the replacement recorded in ``Draw.narrowed``
 (``report`` puts it in the test report: a printed line under ``-rA`` and a ``narrowed`` property). ``compile``
 is drawn only with ``SEQPAR_AXES_COMPILE=1`` (or when ``SEQPAR_EQUIV_ONLY`` names it): it is slow on CPU.
+An axis of ``ONLY`` is drawn for the checks it names and left at its default, unrecorded, for the rest (a fault
+means nothing to a check that injects none): ``fault`` (the fault check).
+
+Switches (draw counts): ``SEQPAR_EQUIV_DRAWS`` (equivalence, default 10), ``SEQPAR_RESUME_DRAWS`` (resume, 300),
+``SEQPAR_FAULT_DRAWS`` (faults, 1), ``SEQPAR_RESUME_TRAIN_DRAWS`` (resume_train, 1); ``SEQPAR_FAULT_WORLD`` and
+``SEQPAR_RESUME_TRAIN_WORLD`` (the world sizes those two draw from, default ``2``, e.g. ``2,4``).
 
 Why here (``tests/``) and not ``seqpar/testing.py``: these are the test suite's sampling rules, read with its
 environment switches; ``seqpar.testing`` holds the parity helpers a user's own check may import."""
@@ -38,7 +45,11 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "reshard_after_forward": (True, False),  # under fsdp: ZeRO-3 or ZeRO-2
     "ep": (1, 2, 4),  # expert parallelism (MoE checks)
     "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
+    # the fault check: a rank raising or SIGKILLed before a drawn step, SIGKILLed while saving, the latest
+    # checkpoint damaged on disk before a failure, SIGTERM reaching one rank (fit_fault: where each applies)
+    "fault": ("none", "raise", "kill", "kill_in_save", "damaged_latest", "sigterm"),
 }
+ONLY = {"fault": ("faults",)}  # axes drawn for these checks only (the rest keep the default, unrecorded)
 COMPILE_SWITCH = "SEQPAR_AXES_COMPILE"
 TOLERANCE = 1e-5  # relative, fp32: every step's loss and grad norm, every final weight
 # relative, bf16 (one bf16 ulp is 7.8e-3), measured over the bf16 draws of the CI samples and the SEQPAR_EQUIV_ONLY
@@ -82,7 +93,8 @@ def compile_drawn(env=os.environ) -> bool:
 
 def draw(check: str, key, env=os.environ) -> Draw:
     """Every axis' value for ``key`` of ``check`` (each from its own seeded stream)."""
-    values = {axis: random.Random(f"{axis} {key}").choice(options) for axis, options in AXES.items()}
+    values = {axis: random.Random(f"{axis} {key}").choice(options) if check in ONLY.get(axis, (check,))
+              else options[0] for axis, options in AXES.items()}
     if not compile_drawn(env):
         values["compile"] = False
     return Draw(check, key, values)
@@ -169,3 +181,38 @@ def fit_compile(d: Draw, offload: tuple[str, ...]) -> bool:
     if d["compile"] and offload:
         d.narrow("compile", False, "offloading runs eager (TrainJob refuses compile with offload modules)")
     return d["compile"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A drawn fault fitted to a run: what ``SEQPAR_FAULT`` says (``seqpar/train/reliability/fault.py``), the rank
+    and step it hits, and the checkpoint step a restart must resume (0: none)."""
+    kind: str
+    rank: int
+    step: int
+    spec: str
+    resumes: int
+
+
+def fit_fault(d: Draw, world: int, steps: int, save_every: int) -> Fault:
+    """The drawn fault at a rank and step drawn from its own streams: a failure before step K > save_every (a
+    checkpoint kept), a kill in the save of step K (a save step after the first: one kept before it), a damaged
+    latest checkpoint (two saved before K: the restart passes over the newer), SIGTERM (any step; the job
+    saves and exits 130, the test resumes it). A drawn ``none`` is narrowed to ``raise`` (the check injects one)."""
+    if d["fault"] == "none":
+        d.narrow("fault", "raise", "the fault check injects a fault")
+    kind = d["fault"]
+    if kind == "damaged_latest" and steps <= 2 * save_every:
+        d.narrow("fault", "raise", f"two checkpoints before the fault need steps > {2 * save_every}, got {steps}")
+        kind = d["fault"]
+    rank = random.Random(f"fault rank {d.key}").randrange(world)
+    pick = random.Random(f"fault step {d.key}")
+    if kind == "kill_in_save":
+        step = pick.choice([s for s in range(2 * save_every, steps, save_every)])
+        return Fault(kind, rank, step, f"rank={rank},step={step},at=save,do=kill,attempt=0", step - save_every)
+    low = 2 * save_every + 1 if kind == "damaged_latest" else save_every + 1
+    step = pick.randint(low, steps)
+    kept = (step - 1) // save_every * save_every
+    do = {"raise": "raise", "kill": "kill", "damaged_latest": "damage", "sigterm": "term"}[kind]
+    return Fault(kind, rank, step, f"rank={rank},step={step},do={do},attempt=0",
+                 kept - save_every if kind == "damaged_latest" else kept)

@@ -70,10 +70,16 @@ def test_equivalence_ci_sample_takes_every_value_that_applies():
     """A new axis value joins the CI sample by itself (else it is narrowed everywhere and this fails)."""
     taken = set().union(*(test_equivalence.values_of(i, c) for i, c in test_equivalence.sample(10)))
     for axis, values in _axes.AXES.items():
-        if axis in test_equivalence.DENSE or axis == "compile" and not _axes.compile_drawn():
+        if axis in test_equivalence.DENSE or axis == "compile" and not _axes.compile_drawn() or \
+                "equivalence" not in _axes.ONLY.get(axis, ("equivalence",)):
             continue
         missing = {_axes.shown(v) for v in values} - {v for a, v in taken if a == axis}
         assert not missing, (axis, missing)
+
+
+def test_a_check_only_axis_is_drawn_for_its_checks_alone():
+    assert {_axes.draw("equivalence", k)["fault"] for k in range(50)} == {"none"}  # unrecorded: no narrowing
+    assert {_axes.draw("faults", k)["fault"] for k in range(50)} == set(_axes.AXES["fault"])
 
 
 def test_compile_is_drawn_only_with_its_switch():

@@ -341,8 +341,8 @@ def train_and_report(job: JobConfig, resume: str, verified: bool = False) -> int
                      t.save_every, t.stop_at or t.steps)
     times = StepTimes(int(os.environ.get("RANK", "0")), t.straggler_factor)  # each rank's step time, gathered
     reached = Reached()  # the step a signal outside the loop names (the loop's own handlers save and say)
-    hooks = (*fault.hooks_from_env(), beat, times, reached) if under_torchrun() else (*fault.hooks_from_env(),
-                                                                                      reached)
+    faults = fault.hooks_from_env(t.out_dir)
+    hooks = (*faults, beat, times, reached) if under_torchrun() else (*faults, reached)
 
     def outside_the_loop(signum, frame):  # before the first step (nothing to save yet), or after an error ended it
         if rank0:

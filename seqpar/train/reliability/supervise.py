@@ -83,12 +83,13 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
                 run(launcher)
                 return 0
             except ChildFailedError as err:
-                if number == max_restarts or not _restartable(err.failures, guard.interrupted):
-                    return _report(err.failures, guard.interrupted, restarts=max_restarts)
+                noted = _noted(out_dir, number, nproc, started)
+                if number == max_restarts or not _restartable(err.failures, guard.interrupted, noted):
+                    return _report(err.failures, guard.interrupted, restarts=max_restarts, noted=noted)
                 try:
-                    cause = _restart_cause(err.failures, number, max_restarts, out_dir, nproc, started)
+                    cause = _restart_cause(err.failures, number, max_restarts, out_dir, nproc, started, noted)
                 except CheckpointError as damaged:  # checkpoints, none of them whole: stop, never start over
-                    code = _report(err.failures, guard.interrupted)
+                    code = _report(err.failures, guard.interrupted, noted=noted)
                     print(f"{PROG}: error: {damaged}", file=sys.stderr, flush=True)
                     return code
                 print(f"{PROG}: {cause['line']}", file=sys.stderr, flush=True)
@@ -100,26 +101,34 @@ def relaunch(nproc: int, argv: list[str], abort_message: Callable[[], str] | Non
     return 0
 
 
-def _restartable(failures: dict, interrupted: bool) -> bool:
+def _noted(out_dir: str, attempt: int, world: int, since: float) -> dict[int, str]:
+    """rank -> the exception it recorded in its heartbeat in ``attempt`` (ranks that recorded none left out)."""
+    if not out_dir:
+        return {}
+    beats = heartbeat.read(out_dir, attempt, world, since=since)
+    return {rank: beat["error"] for rank, beat in beats.items() if beat.get("phase") == "failed" and beat.get("error")}
+
+
+def _restartable(failures: dict, interrupted: bool, noted: dict[int, str] | None = None) -> bool:
     """A failure a restart can mend: not an interruption, a bad input (exit 2) or non-finite values
     (which the same steps would meet again)."""
     codes = {f.exitcode for f in failures.values()}
-    if interrupted or codes <= {EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT}:
+    if interrupted or codes <= {EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT} and not _caused(noted or {}):
         return False
-    _, failure = _first_failure(failures)
+    _, failure = _first_failure(failures, noted)
     return failure.exitcode != 2 and not _cause(failure).startswith(": NonFiniteError")
 
 
 def _restart_cause(failures: dict, number: int, max_restarts: int, out_dir: str, nproc: int,
-                   started: float) -> dict:
+                   started: float, noted: dict[int, str] | None = None) -> dict:
     """What ended attempt ``number`` and where the next one starts: the restart's line and metrics record."""
-    first, failure = _first_failure(failures)
+    first, failure = _first_failure(failures, noted)
     hang = heartbeat.hang_of(out_dir, number, nproc, since=started)
     step, at = heartbeat.where(out_dir, number, first, since=started)
     if hang:  # the watchdog stopped every rank: the line names the step and the ranks that did not arrive
         how, what, step = "hang", hang["hang"], hang["hang_step"]
     else:
-        how = f"{_describe_exit(failure.exitcode)}{_cause(failure)}"
+        how = _how(first, failure, noted)
         what = f"rank {first} failed ({how}) {at}"
     latest, source = restart_source(out_dir)
     return {"event": "restart", "restart": number + 1, "max_restarts": max_restarts,
@@ -212,13 +221,14 @@ def _error_file(err: BaseException, shown: str) -> None:
         json.dump(data, fh)
 
 
-def _report(failures: dict, interrupted: bool, restarts: int = 0) -> int:
+def _report(failures: dict, interrupted: bool, restarts: int = 0, noted: dict[int, str] | None = None) -> int:
     """One line (or none, when rank 0 said it already) and the exit status for ranks that did not end well
     (``restarts``: how many restarts the job had, all used when it fails after them)."""
     codes = {f.exitcode for f in failures.values()}
-    if EXIT_INTERRUPTED in codes and codes <= {EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT}:
+    if EXIT_INTERRUPTED in codes and codes <= {EXIT_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT} and \
+            not _caused(noted or {}):
         return EXIT_INTERRUPTED  # rank 0 printed "interrupted at step N; saved ...; resume with ..."
-    first, failure = _first_failure(failures)
+    first, failure = _first_failure(failures, noted)
     if failure.exitcode == 2:  # a bad input a rank found after launch: the message, once
         print(f"{PROG}: error: {_message(failure)}", file=sys.stderr)
         return 2
@@ -227,7 +237,7 @@ def _report(failures: dict, interrupted: bool, restarts: int = 0) -> int:
         print(f"{PROG}: interrupted; rank {first} ended with {_describe_exit(failure.exitcode)}"
               f"{_cause(failure)}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"{PROG}: rank {first} failed first ({_describe_exit(failure.exitcode)}{_cause(failure)})"
+    print(f"{PROG}: rank {first} failed first ({_how(first, failure, noted)})"
           + (f"; the launcher then stopped {others}" if others else "")
           + (f"; no restarts left (max_restarts {restarts})" if restarts and _restartable(failures, False) else ""),
           file=sys.stderr)
@@ -305,17 +315,39 @@ PEER_LOST = ("by peer", "Connection closed", "Connection reset", "Broken pipe", 
              "DistBackendError")
 
 
-def _first_failure(failures: dict) -> tuple[int, object]:
+def _caused(noted: dict[int, str]) -> dict[int, str]:
+    """The ranks whose recorded exception is their own (not a collective that lost its peer)."""
+    return {rank: error for rank, error in noted.items() if not any(s in error for s in PEER_LOST)}
+
+
+def _first_failure(failures: dict, noted: dict[int, str] | None = None) -> tuple[int, object]:
     """The rank that failed first. The launcher's own pick (earliest timestamp, in whole seconds)
     can name a rank that only saw its peer vanish; consequences -- stopped by the launcher
-    (SIGTERM) or a collective error about a lost peer -- rank after every real cause."""
+    (SIGTERM) or a collective error about a lost peer -- rank after every real cause. ``noted``: the
+    exceptions the ranks recorded (``_noted``): a rank that raised its own is a cause whatever its exit (one
+    that raised, then waited in a collective's teardown, is stopped by the launcher: exit 130 or SIGTERM,
+    found by the drawn faults at pp 2 × dp 2, tests/test_fault_draws.py)."""
+    own = _caused(noted or {})
+
     def key(item):
-        failure = item[1]
-        consequence = (failure.exitcode in (-signal.SIGTERM, 130)
-                       or any(s in _cause(failure) for s in PEER_LOST))
-        return consequence, failure.timestamp
+        rank, failure = item
+        return rank not in own and _consequence(failure), failure.timestamp
 
     return min(failures.items(), key=key)
+
+
+def _consequence(failure) -> bool:
+    """Stopped by the launcher (SIGTERM, or its handler's exit 130), or a collective error about a lost peer."""
+    return failure.exitcode in (-signal.SIGTERM, EXIT_INTERRUPTED) or any(s in _cause(failure) for s in PEER_LOST)
+
+
+def _how(rank: int, failure, noted: dict[int, str] | None) -> str:
+    """How ``rank`` failed: its exit and the launcher's error file, or, when those tell only a consequence,
+    the exception it recorded itself."""
+    own = _caused(noted or {})
+    if rank in own and _consequence(failure):
+        return own[rank]
+    return f"{_describe_exit(failure.exitcode)}{_cause(failure)}"
 
 
 def _cause(failure) -> str:

@@ -34,7 +34,7 @@ def test_the_demo_config_keeps_less_with_sp_and_selective_recompute_and_warns_of
     assert job.parallel.sp and job.recompute.granularity == "selective" and not job.model.fused_attention
     layers = list(range(job.model.num_layers))
     kept = predicted_activation_bytes(job, layers, torch.device("cpu"))
-    others = without_paper_bytes(job, layers, torch.device("cpu"))
+    others = without_paper_bytes(job, [layers], torch.device("cpu"))
     assert set(others) == {"act_bytes_without_sp", "act_bytes_without_recompute", "act_bytes_without_both"}
     assert kept < others["act_bytes_without_sp"] < others["act_bytes_without_both"]
     assert kept < others["act_bytes_without_recompute"] < others["act_bytes_without_both"]

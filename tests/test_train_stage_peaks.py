@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from seqpar.train.loop import train_local
 
 
@@ -54,3 +56,21 @@ def test_start_record_is_exact_under_a2a_cp4_with_the_core_offloaded(tmp_path):
     assert start["stage_act_peak_measured"] == start["stage_act_peak_exact"]
     assert all(x["act_peak_measured"] == x["act_peak_exact"] > 0 for x in start["ranks"])
     assert start["act_host_bytes_measured"] == start["act_host_bytes_predicted"] > 0
+
+
+@pytest.mark.parametrize("recompute", [{"granularity": "full", "method": "uniform", "num_layers": 1},
+                                       {"granularity": "full", "method": "uniform", "num_layers": 2},
+                                       {"granularity": "full", "method": "block", "num_layers": 1}],
+                         ids=["full-uniform-1", "full-uniform-2", "full-block-1"])
+def test_start_record_is_exact_under_full_recompute(tmp_path, recompute):
+    """Full recompute: a group's input is saved by its checkpoint, outside any layer module; the one-microbatch
+    check measured 0 B against a formula of 16,384 (it counted only tensors saved inside ``layers.*``), found by
+    the drawn faults; and its formula counted every layer as a group of one (uniform N 2 and block were wrong).
+    Now the layers run alone under the meter, the formula is the chunk's (``chunk_layers_bytes``): measured ==
+    formula, and at pp 2 every stage's peak is the exact stage formula."""
+    one = _start_record(tmp_path / "pp1", layers=2, parallel={}, recompute=recompute, world=1)
+    assert one["act_bytes_measured"] == one["act_bytes_predicted"] > 0, one
+    two = _start_record(tmp_path / "pp2", layers=4, parallel={"pp": 2}, recompute=recompute)
+    print(f"\n{recompute['method']}: pp 1 {one['act_bytes_measured']} measured; pp 2 stage peaks measured "
+          f"{two['stage_act_peak_measured']}, exact {two['stage_act_peak_exact']}")
+    assert two["stage_act_peak_measured"] == two["stage_act_peak_exact"]

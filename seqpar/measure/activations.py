@@ -5,12 +5,14 @@ with the same meter over the schedule as ``seqpar memory --pp`` does, next to th
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
 
+from seqpar import documents
 from seqpar.analysis.formulas.shapes import activation_options
-from seqpar.analysis.formulas.stage import layers_bytes
+from seqpar.analysis.formulas.stage import chunk_layers_bytes
 from seqpar.config import ConfigError
 from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
@@ -20,20 +22,27 @@ from seqpar.parallel.comm import all_reduce
 
 
 def predicted_activation_bytes(job, layers: list[int], device: torch.device, host: bool = False) -> float | None:
-    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for the global ``layers`` of one
+    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for the global ``layers`` of one chunk and
     microbatch (each MoE or dense as the model makes it); None where the formula has no closed form. ``host``: the
     bytes offloading moves to host memory instead."""
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
         opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
                                   sdpa_kernel=sdpa_kernel_for(device, torch_dtype(m.dtype), job.data.document_mask))
-        return layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.train.micro_batch, opts, job.recompute,
-                            list(layers), host)
+        return chunk_layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.recompute, job.train.micro_batch, opts,
+                                  list(layers), host)
     except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
         return None
 
 
-def without_paper_bytes(job, layers: list[int], device: torch.device) -> dict:
+def rank_activation_bytes(job, chunks: list[list[int]], device: torch.device, host: bool = False) -> float | None:
+    """``predicted_activation_bytes`` of each of the rank's ``chunks`` (their global layer ids; each chunk has its
+    own full-recompute groups), one microbatch each, summed; None where a chunk has no closed form."""
+    each = [predicted_activation_bytes(job, ids, device, host) for ids in chunks if ids]
+    return None if any(x is None for x in each) else float(sum(each))
+
+
+def without_paper_bytes(job, chunks: list[list[int]], device: torch.device) -> dict:
     """What the same layers would keep per microbatch without what the paper adds (the exact per-tensor
     formula that ``act_bytes_predicted`` checks against the measurement): ``act_bytes_without_sp`` (tp
     alone), ``act_bytes_without_recompute`` (nothing recomputed), ``act_bytes_without_both``; only the
@@ -47,7 +56,7 @@ def without_paper_bytes(job, layers: list[int], device: torch.device) -> dict:
         if (par.sp and par.tp > 1, rc.granularity) not in seen:
             seen.add((par.sp and par.tp > 1, rc.granularity))
             variant = replace(job, run=replace(job.run, parallel=par, recompute=rc))
-            out[f"act_bytes_{name}"] = predicted_activation_bytes(variant, layers, device)
+            out[f"act_bytes_{name}"] = rank_activation_bytes(variant, chunks, device)
     return out
 
 
@@ -55,22 +64,26 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
     """``act_bytes_predicted`` for the model's layers (and ``without_paper_bytes``) and, with one pipeline
     stage, ``act_bytes_measured``: what one validation microbatch's forward keeps in the layers; then
     ``stage_peaks`` (collective)."""
-    layers = [i for c in chunks for i in c.layer_ids]
-    out = {"act_bytes_predicted": predicted_activation_bytes(job, layers, device)} | \
+    layers = [list(c.layer_ids) for c in chunks]
+    out = {"act_bytes_predicted": rank_activation_bytes(job, layers, device)} | \
         without_paper_bytes(job, layers, device)
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
-        tokens, labels, *docs = data.probe_batches(job.train.micro_batch, job.train.micro_batch)[0]
+        tokens, _, *docs = data.probe_batches(job.train.micro_batch, job.train.micro_batch)[0]
         docs = docs[0].to(device) if docs else None
-        with SavedTensorMeter(chunk) as meter:
-            if docs is not None:
-                meter.exclude(docs.tensors(torch_dtype(job.model.dtype)))  # data, like the tokens
-            kept = chunk(tokens.to(device), labels.to(device), docs=docs)  # its graph holds what is offloaded
-        out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.startswith("layers."))
+        with documents.using(docs) if docs is not None else contextlib.nullcontext():
+            hidden = chunk.embedding(tokens.to(device))  # [s(/t), b, h]: the layers' input, made before the meter
+            # only the layers run under the meter: what a full-recompute group keeps (its input, saved by the
+            # checkpoint, which is no module of its own) is theirs as much as what a layer saves itself
+            with SavedTensorMeter(chunk) as meter:
+                if docs is not None:
+                    meter.exclude(docs.tensors(torch_dtype(job.model.dtype)))  # data, like the tokens
+                kept = chunk.run_layers(hidden)  # its graph holds what is offloaded
+        out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors)
         if job.recompute.offload_modules:  # on the host: the offloader's, next to the formula's
             out["act_host_bytes_measured"] = sum(chunk.recompute.offloader.host_bytes().values())
             out["act_host_reserved_bytes"] = chunk.recompute.offloader.reserved_host_bytes  # pinned: rounded up
-            out["act_host_bytes_predicted"] = predicted_activation_bytes(job, layers, device, host=True)
+            out["act_host_bytes_predicted"] = rank_activation_bytes(job, layers, device, host=True)
         del kept
     return out | stage_peaks(job, chunks, data, dims, device)
 

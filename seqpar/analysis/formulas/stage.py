@@ -192,14 +192,15 @@ def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
         raise AnalysisError(f"pipeline rank {rank}'s chunks hold {rank_chunk_layers(shape, par, rank)} layers: "
                             "each keeps its own bytes (chunk_bytes_each)")
     if mixed_layers(shape):
-        per_chunk = {_chunk_bytes(shape, par, rc, b, opts, ids, host) for ids in chunk_layer_ids(shape, par, rank)}
+        per_chunk = {chunk_layers_bytes(shape, par, rc, b, opts, ids, host)
+                     for ids in chunk_layer_ids(shape, par, rank)}
         if len(per_chunk) > 1:
             raise AnalysisError(f"pipeline rank {rank}'s {par.interleave} chunks hold different numbers of MoE "
                                 f"layers (one every {shape.moe_every}), so they keep different bytes: the stage "
                                 "formula takes chunks alike (choose layers, interleave or moe_every so each "
                                 "chunk holds as many MoE layers)")
         return per_chunk.pop()
-    return _chunk_bytes(shape, par, rc, b, opts, list(range(n_layers)), host)
+    return chunk_layers_bytes(shape, par, rc, b, opts, list(range(n_layers)), host)
 
 
 def chunk_bytes_each(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
@@ -208,11 +209,14 @@ def chunk_bytes_each(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
     every chunk when they are alike)."""
     if not uneven_chunks(par, shape):
         return [chunk_bytes(shape, par, rc, b, opts, rank)] * par.interleave
-    return [_chunk_bytes(shape, par, rc, b, opts, ids) if ids else 0.0 for ids in chunk_layer_ids(shape, par, rank)]
+    return [chunk_layers_bytes(shape, par, rc, b, opts, ids) if ids else 0.0
+            for ids in chunk_layer_ids(shape, par, rank)]
 
 
-def _chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                 opts: ActivationOptions, layers: list[int], host: bool = False) -> float:
+def chunk_layers_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                       opts: ActivationOptions, layers: list[int], host: bool = False) -> float:
+    """Bytes one chunk-microbatch of the global ``layers`` keeps under ``rc`` (full recompute: a uniform group's
+    input per N layers, or the first N layers' inputs and the rest whole under block)."""
     if rc.granularity in ("none", "selective"):
         return layers_bytes(shape, par, b, opts, rc, layers, host)
     full, none = (replace(c, offload_modules=rc.offload_modules) for c in (FULL, NONE))  # "layer_input" only

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from seqpar.analysis.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
@@ -173,6 +174,7 @@ def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
     return sorted(ranks)
 
 
+@lru_cache(maxsize=16384)  # the planner's memory, time and offload terms each ask it of the same plan
 def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                 opts: ActivationOptions, rank: int = 0, host: bool = False) -> float:
     """Bytes one chunk-microbatch of pipeline rank ``rank`` (L/(pm) layers, or its uneven share) keeps

@@ -54,7 +54,7 @@ def stage_tensors(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[Te
     return list(_stage_tensors(shape, par, rank))
 
 
-@lru_cache(maxsize=4096)  # per (shape, layout, rank): the planner asks it of every plan of a layout
+@lru_cache(maxsize=1024)  # per (shape, layout, rank): the planner asks it of every plan of a layout
 def _stage_tensors(shape: ModelConfig, par: ParallelConfig, rank: int) -> tuple[Tensor, ...]:
     return tuple(as_tensor(shape, name, n) for name, n in named_stage_parameters(shape, par, rank))
 
@@ -85,7 +85,7 @@ def _stage_fsdp_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, 
     return tuple(fsdp_state_bytes(_stage_tensors(shape, par, rank), par.fsdp_shards, index).items())
 
 
-@lru_cache(maxsize=4096)  # per (shape, layout, rank): the planner asks it of every plan of a layout
+@lru_cache(maxsize=1024)  # per (shape, layout, rank): the planner asks it of every plan of a layout
 def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int, prefetch: int = 1,
                     rank: int = 0) -> int:
     """Transient bytes of one step on pipeline rank ``rank`` beyond the states, in the model's compute

@@ -117,7 +117,7 @@ def stage_parameter_sizes(shape: ModelConfig, par: ParallelConfig, rank: int) ->
     return list(named_stage_parameters(shape, par, rank))
 
 
-@lru_cache(maxsize=4096)  # the planner asks it of every plan of a layout: its microbatches, recomputes, ranks
+@lru_cache(maxsize=1024)  # the planner asks it of every plan of a layout: its microbatches, recomputes, ranks
 def named_stage_parameters(shape: ModelConfig, par: ParallelConfig, rank: int) -> tuple[tuple[str, int], ...]:
     """``stage_parameter_sizes`` as a tuple, computed once per (shape, layout, rank)."""
     p, m = par.pp, par.interleave

@@ -183,6 +183,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("--field", "", "the text field of JSON Lines records, CSV/TSV and Parquet rows; a dotted path into nested "
       "objects: content.body (default %(default)s)"),
     S("--gpu-memory", "", "GB per GPU", float, metavar="GB"),
+    S("--offload", "", "offload modules' activations to host memory (plan: searched beside keeping and recomputing "
+      "them)", switch=True),
     S("--plot", "", "write the figures into DIR", Path, metavar="DIR"),
     S("--repeats", "", "timed repetitions", int),  # the benchmarks'
     S("--threads", "", "torch threads per rank", int),

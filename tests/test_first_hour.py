@@ -21,6 +21,8 @@ from seqpar.train.config import build_job, inert_settings, load_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "configs" / "default.toml"
+# plans narrowed to replicated states kept on the GPU where the emitted files, not the search's breadth, are under test
+NARROW = ("--no-fsdp", "--no-distributed-optimizer", "--no-offload")
 
 
 # ---------------------------------------------------------------- 1. the demo shows what the paper buys
@@ -88,7 +90,7 @@ def test_a_multi_node_plan_prints_torchrun_and_its_slurm_script_saves_requeues_a
     monkeypatch.chdir(tmp_path)
     code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 64, "--gpus-per-node", 8, "--hardware",
                           "h100-80gb", "--global-batch", 512, "--emit-config", "p.toml", "--emit-slurm", "job.sbatch",
-                          "--time", "2:00:00", "--top", 1)
+                          "--time", "2:00:00", "--top", 1, *NARROW)
     assert code == 0, err
     assert ("torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m seqpar "
             "train --config p.toml") in err
@@ -145,17 +147,17 @@ def test_emit_slurm_needs_the_config_and_whole_nodes(tmp_path, capsys):
     code, _, err = seqpar(capsys, "plan", "--model", "gpt2-medium", "--gpus", 8, "--emit-slurm", tmp_path / "j")
     assert code == 2 and "--emit-slurm needs --emit-config" in err
     code, _, err = seqpar(capsys, "plan", "--model", "gpt2-medium", "--gpus", 12, "--global-batch", 24,
-                          "--emit-config", tmp_path / "c.toml", "--emit-slurm", tmp_path / "j", "--top", 1)
+                          "--emit-config", tmp_path / "c.toml", "--emit-slurm", tmp_path / "j", "--top", 1, *NARROW)
     assert code == 2 and "12 GPUs are not a whole number of nodes of 8" in err
     code, _, err = seqpar(capsys, "plan", "--model", "gpt2-medium", "--gpus", 4, "--global-batch", 8,
-                          "--emit-config", tmp_path / "c.toml", "--top", 1)
+                          "--emit-config", tmp_path / "c.toml", "--top", 1, *NARROW)
     assert code == 0 and f"seqpar train --config {tmp_path / 'c.toml'} --nproc 4" in err
 
 
 # ---------------------------------------------------------------- 4. presets that say what they name
 def test_an_emitted_llama3_config_rotates_with_theta_500000(tmp_path, capsys):
     code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 8, "--global-batch", 8,
-                          "--emit-config", tmp_path / "p.toml", "--top", 1)
+                          "--emit-config", tmp_path / "p.toml", "--top", 1, *NARROW)
     assert code == 0, err
     assert tomllib.loads((tmp_path / "p.toml").read_text())["model"]["rope_theta"] == 500000.0
 
@@ -175,11 +177,11 @@ def test_plan_lists_every_preset_and_plans_shared_expert_moe(capsys):
     assert code == 0 and all(name in " ".join(text.split()) for name in preset_names())
     code, out, err = seqpar(capsys, "plan", "--layers", 4, "--hidden", 256, "--heads", 4, "--seq", 256, "--vocab",
                             1024, "--experts", 8, "--top-k", 2, "--moe-every", 2, "--shared-expert-ffn", 512,
-                            "--shared-expert-gate", "--gpus", 4, "--global-batch", 8, "--top", 1, "--json")
+                            "--shared-expert-gate", "--gpus", 4, "--global-batch", 8, "--top", 1, *NARROW, "--json")
     assert code == 0, err
     code, out, err = seqpar(capsys, "plan", "--layers", 4, "--hidden", 256, "--heads", 4, "--seq", 256, "--vocab",
                             1024, "--experts", 8, "--top-k", 2, "--moe-every", 2, "--shared-expert-ffn", 512,
-                            "--gpus", 4, "--global-batch", 8, "--top", 1)
+                            "--gpus", 4, "--global-batch", 8, "--top", 1, *NARROW)
     assert code == 0, err
     assert "E=8 K=2 (MoE every 2 layers) shared=512" in out.splitlines()[0]
 
@@ -188,12 +190,12 @@ def test_an_emitted_config_carries_the_published_lr_or_says_to_set_it(tmp_path, 
     from seqpar.analysis.formulas.presets import published_lr
 
     code, _, err = seqpar(capsys, "plan", "--model", "llama2-7b", "--gpus", 8, "--global-batch", 8,
-                          "--emit-config", tmp_path / "l2.toml", "--top", 1)
+                          "--emit-config", tmp_path / "l2.toml", "--top", 1, *NARROW)
     assert code == 0, err
     train = tomllib.loads((tmp_path / "l2.toml").read_text())["train"]
     assert train["lr"] == published_lr("llama2-7b") and train["min_lr"] < train["lr"]
     code, _, err = seqpar(capsys, "plan", "--model", "llama3-8b", "--gpus", 8, "--global-batch", 8,
-                          "--emit-config", tmp_path / "l3.toml", "--top", 1)
+                          "--emit-config", tmp_path / "l3.toml", "--top", 1, *NARROW)
     assert code == 0, err
     assert "# set lr: no published learning rate for llama3-8b" in (tmp_path / "l3.toml").read_text()
     code, out, err = seqpar(capsys, "train", "--config", tmp_path / "l3.toml", "--dry-run", "--nproc", 8)
@@ -233,10 +235,11 @@ def test_megatron_flag_names_are_aliases_listed_once_and_offered_for_typos(capsy
 # ---------------------------------------------------------------- 6. where the best FSDP plan stands
 def test_plan_with_fsdp_says_where_the_best_fsdp_plan_stands(capsys):
     code, out, err = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--fsdp",
-                            "--gpu-memory", 24, "--top", 1)
+                            "--no-offload", "--gpu-memory", 24, "--top", 1)
     assert code == 0, err
     line = out.splitlines()[-1]  # chosen or not (FSDP traffic is overlapped: issue 49), it says where it stands
     assert (line.startswith("fsdp: not chosen; the best plan with it, ") and ",fsdp=on (#" in line) or \
         (line.startswith("fsdp: chosen; the best plan without it, ") and "fsdp=on" not in line), line
-    code, out, _ = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--top", 1)
-    assert "fsdp:" not in out
+    code, out, _ = seqpar(capsys, "plan", "--model", "gpt3-13b", "--gpus", 16, "--global-batch", 64, "--no-fsdp",
+                          "--no-offload", "--top", 1)
+    assert code == 0 and "fsdp:" not in out  # FSDP left out of the search: nothing said of it

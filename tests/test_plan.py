@@ -20,7 +20,9 @@ from seqpar.cli import main
 from seqpar.config import RecomputeConfig
 
 PAPER_530B = "tp=8,pp=35,dp=1,m=3,sp=on,recompute=selective,mb=1"
-ARGS_530B = ["plan", "--model", "530b", "--gpus", "280", "--gpus-per-node", "8", "--gpu-memory", "80"]
+# the paper's search (Megatron: no FSDP, distributed optimizer or offloading), which its Table 3 plan leads
+ARGS_530B = ["plan", "--model", "530b", "--gpus", "280", "--gpus-per-node", "8", "--gpu-memory", "80", "--no-fsdp",
+             "--no-distributed-optimizer", "--no-offload"]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from seqpar.cli import build_parser, main
 
 KV_CASE = ["plan", "--layers", "4", "--hidden", "768", "--heads", "24", "--kv-heads", "3", "--seq", "512",
            "--vocab", "1000", "--arch", "llama", "--gpus", "8", "--global-batch", "8"]
+# the search narrowed to replicated states without offloading where the breadth of the search is not under test
+NARROW = ["--no-fsdp", "--no-distributed-optimizer", "--no-offload"]
 
 
 def _run(argv):
@@ -114,7 +116,7 @@ def test_explain_parser_fuzz_plan_or_analysis_error(text):
 @given(PLAN_TEXT)
 def test_explain_cli_fuzz_exit_0_or_one_error_line(text):
     code, out, err = _run(["plan", "--layers", "8", "--hidden", "64", "--heads", "8", "--kv-heads", "2", "--seq",
-                           "32", "--vocab", "100", "--arch", "llama", "--gpus", "8", "--global-batch", "16",
+                           "32", "--vocab", "100", "--arch", "llama", "--gpus", "8", "--global-batch", "16", *NARROW,
                            "--explain", text])
     if code == 2:
         _error_line(err)
@@ -127,7 +129,8 @@ def test_fp32_training_is_16_bytes_per_parameter_and_mixed_precision_18():
     assert bytes_per_parameter(OptimizerOptions.for_precision("fp32")) == 16  # 4 weights + 4 grads + 8 Adam
     assert bytes_per_parameter(OptimizerOptions.for_precision("bf16")) == 18
     assert bytes_per_parameter(OptimizerOptions.for_precision("fp32", distributed=True), dp=4) == 8 + 8 / 4
-    args = ["plan", "--model", "gpt2-medium", "--gpus", "8", "--global-batch", "8", "--json"]
+    # states replicated over dp: the search narrowed to plans without FSDP or the distributed optimizer
+    args = ["plan", "--model", "gpt2-medium", "--gpus", "8", "--global-batch", "8", *NARROW, "--json"]
     for dtype, per_param, act in (("fp32", 16, 4), ("bf16", 18, 2)):
         code, out, _ = _run(args + ["--dtype", dtype])
         data = json.loads(out)
@@ -163,7 +166,7 @@ def test_dropout_default_is_one_value_per_architecture_everywhere():
         assert cfg.hidden_dropout == cfg.embd_dropout == p
         req = request_from_args(_parsed(["plan", "--model", preset, "--gpus", "8", "--global-batch", "8"]))
         assert req.opts.dropout == (p > 0) and req.dropout == p
-        code, out, _ = _run(["plan", "--model", preset, "--gpus", "8", "--global-batch", "8", "--json"])
+        code, out, _ = _run(["plan", "--model", preset, "--gpus", "8", "--global-batch", "8", *NARROW, "--json"])
         assert json.loads(out)["settings"]["dropout"] == p
         assert ("embedding_dropout_mask" in json.loads(out)["best"]["memory_terms"]) == (p > 0)
     assert default_dropout("llama") == 0.0 and default_dropout("gpt") == 0.1

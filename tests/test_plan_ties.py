@@ -23,7 +23,9 @@ def test_a_tie_is_a_time_within_the_band_of_the_best(times, band):
 
 
 def test_the_22b_report_marks_no_plan_beyond_its_stated_band(capsys):
-    assert main(["plan", "--model", "22b", "--gpus", "64", "--json"]) == 0
+    # the search narrowed to the paper's options: the band's marks, not the search's breadth, are under test
+    assert main(["plan", "--model", "22b", "--gpus", "64", "--no-fsdp", "--no-distributed-optimizer", "--no-offload",
+                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     band, best = out["hardware"]["error_band"], out["best"]["predicted_iteration_s"]
     tied = [p["predicted_iteration_s"] / best - 1 for p in out["plans"] if p["tie_with_best"]]

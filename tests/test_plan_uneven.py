@@ -21,8 +21,9 @@ from seqpar.analysis.planning.profiles import builtin_profile
 from seqpar.analysis.text import human_bytes
 from seqpar.config import ParallelConfig
 
+# the search narrowed to replicated states without offloading: these tests are about layer splits and refusals
 LLAMA405 = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--global-batch", "2048", "--fused-attention",
-            "--gpu", "h100"]
+            "--gpu", "h100", "--no-fsdp", "--no-distributed-optimizer", "--no-offload"]
 LLAMA405_SHAPE = preset_shape("llama3-405b")
 
 

@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     add(g, "--global-batch", help="samples per iteration (default: the preset's Table 3 batch)")
     g.add_argument("--max-micro-batch", type=int, default=16, help="(default %(default)s)")
-    add(g, "--distributed-optimizer", action="store_true", help="also try sharding optimizer state over dp")
+    add(g, "--distributed-optimizer", help="search sharding the optimizer state over dp × cp (default: on; "
+        "--no-distributed-optimizer leaves it out)")
     add(g, "--overlap-grad-reduce", action="store_true",
         help="reduce gradient buckets during the last microbatch's backward (train.overlap_grad_reduce): "
         "the cost model charges only what that backward does not cover, plus the last bucket")
@@ -71,12 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model the distributed optimizer's weight all-gather under the next forward (Megatron's "
                         "--overlap-param-gather; seqpar's trainer gathers after the step, so a plan for it leaves "
                         "this off)")
-    add(g, "--fsdp", action="store_true",
-        help="also try FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N B/param)")
-    g.add_argument("--offload", action="store_true",
-                   help="also try offloading modules' activations to host memory (keep / recompute / offload per "
-                        "module: mlp, norm, core_attention, the layer input), charged the host-link time the compute "
-                        "does not hide and limited by the node's host memory")
+    add(g, "--fsdp", help="search FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N "
+        "B/param) (default: on; --no-fsdp leaves it out)")
+    add(g, "--offload", help="search offloading modules' activations to host memory (keep / recompute / offload per "
+        "module: mlp, norm, core_attention, the layer input), charged the host-link time the compute does not hide "
+        "and limited by the node's host memory (default: on, off with --device cpu, whose memory is the host's; "
+        "--no-offload leaves it out)")
     add(g, "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
         help="training precision: bf16/fp16 mixed precision (18 B/param model states, default) or "
         "fp32 throughout (16 B/param, 4-byte activations)")
@@ -205,9 +206,15 @@ def request_from_args(args):
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype,
                    dropout=dropout,
-                   try_distributed_optimizer=args.distributed_optimizer, try_fsdp=args.fsdp,
-                   try_offload=args.offload,
+                   try_distributed_optimizer=args.distributed_optimizer is not False,  # the whole search by default
+                   try_fsdp=args.fsdp is not False, try_offload=offload_searched(args),
                    max_micro_batch=args.max_micro_batch, name=model_name)
+
+
+def offload_searched(args) -> bool:
+    """Whether the search offloads activations: as ``--offload`` / ``--no-offload`` say, else where the host is not
+    the device (``--device cpu`` offloads to the memory it runs in: nothing freed)."""
+    return args.offload if args.offload is not None else args.device != "cpu"
 
 
 def _overlap(args, opt):

@@ -21,8 +21,9 @@ pipeline rank's layers, embeddings and final norm), so their element count is ``
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
-from seqpar.analysis.formulas.states import chunk_layer_ids, layer_parameter_sizes, stage_parameter_sizes
+from seqpar.analysis.formulas.states import chunk_layer_ids, layer_parameter_sizes, named_stage_parameters
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 
 # (rows, elements per row) of one tp-local tensor: dim 0 and the product of the others
@@ -50,7 +51,12 @@ def layer_tensors(shape: ModelConfig, t: int) -> list[Tensor]:
 def stage_tensors(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[Tensor]:
     """Every tensor one tp rank of pipeline rank ``rank`` holds (all its chunks, the layer split of
     ``par``), as ``states.stage_parameter_sizes`` lists them."""
-    return [as_tensor(shape, name, n) for name, n in stage_parameter_sizes(shape, par, rank)]
+    return list(_stage_tensors(shape, par, rank))
+
+
+@lru_cache(maxsize=1024)  # per (shape, layout, rank): the planner asks it of every plan of a layout
+def _stage_tensors(shape: ModelConfig, par: ParallelConfig, rank: int) -> tuple[Tensor, ...]:
+    return tuple(as_tensor(shape, name, n) for name, n in named_stage_parameters(shape, par, rank))
 
 
 def chunk_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
@@ -71,9 +77,15 @@ def fsdp_state_bytes(tensors: list[Tensor], n: int, index: int = 0) -> dict[str,
 
 def stage_fsdp_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, index: int = 0) -> dict[str, int]:
     """``fsdp_state_bytes`` of pipeline rank ``rank``'s tensors, shard ``index`` of ``par.fsdp_shards``."""
-    return fsdp_state_bytes(stage_tensors(shape, par, rank), par.fsdp_shards, index)
+    return dict(_stage_fsdp_state_bytes(shape, par, rank, index))
 
 
+@lru_cache(maxsize=4096)
+def _stage_fsdp_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, index: int) -> tuple:
+    return tuple(fsdp_state_bytes(_stage_tensors(shape, par, rank), par.fsdp_shards, index).items())
+
+
+@lru_cache(maxsize=1024)  # per (shape, layout, rank): the planner asks it of every plan of a layout
 def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int, prefetch: int = 1,
                     rank: int = 0) -> int:
     """Transient bytes of one step on pipeline rank ``rank`` beyond the states, in the model's compute
@@ -84,8 +96,9 @@ def in_flight_bytes(shape: ModelConfig, par: ParallelConfig, compute_bytes: int,
     n = par.fsdp_shards
     layer = layer_tensors(shape, par.tp)
     layers = sum(len(ids) for ids in chunk_layer_ids(shape, par, rank))  # every chunk's
-    names = [name for name, _ in stage_parameter_sizes(shape, par, rank)]
-    root = [x for name, x in zip(names, stage_tensors(shape, par, rank), strict=True) if not name.startswith("layers.")]
+    names = [name for name, _ in named_stage_parameters(shape, par, rank)]
+    root = [x for name, x in zip(names, _stage_tensors(shape, par, rank), strict=True)
+            if not name.startswith("layers.")]
 
     def gathered(tensors: list[Tensor]) -> int:
         return sum(rows * row for rows, row in tensors)

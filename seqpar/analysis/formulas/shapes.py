@@ -10,6 +10,7 @@ Every error names the rule and the numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from seqpar.config import ARCH_FIELDS, ConfigError, ModelConfig, ParallelConfig
 
@@ -50,6 +51,7 @@ def layers_per_chunk(model: ModelConfig, par: ParallelConfig) -> int:
     return model.num_layers // chunks
 
 
+@lru_cache(maxsize=4096)  # the planner asks it of every plan of a layout (a refusal raises again: not cached)
 def validate_layout(model: ModelConfig, par: ParallelConfig) -> int:
     """The model's and the layout's rules (those of ``ParallelConfig.validate``, every one but the layer
     split), then the analytic model's even split; returns the layers per chunk, L/(pm). An uneven

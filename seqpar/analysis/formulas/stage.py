@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from seqpar.analysis.formulas.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.formulas.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
@@ -158,27 +159,39 @@ def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
 def rank_chunk_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[int]:
     """Layers of each of pipeline rank ``rank``'s m chunks: virtual stage c·p + rank is its chunk c."""
     if par.layer_split:
-        counts = par.layer_counts(shape.num_layers)
+        counts = stage_layer_counts(shape, par)
         return [counts[c * par.pp + rank] for c in range(par.interleave)]
     return [layers_per_chunk(shape, par)] * par.interleave
 
 
+@lru_cache(maxsize=4096)  # validated once per layout: the planner asks each rank's chunks of every plan
+def stage_layer_counts(shape: ModelConfig, par: ParallelConfig) -> tuple[int, ...]:
+    """Layers of each virtual stage (``ParallelConfig.layer_counts``)."""
+    return tuple(par.layer_counts(shape.num_layers))
+
+
 def uneven_chunks(par: ParallelConfig, shape: ModelConfig) -> bool:
     """Whether some rank's chunks differ in layers (an uneven interleaved split)."""
-    return par.interleave > 1 and bool(par.layer_split) and len(set(par.layer_counts(shape.num_layers))) > 1
+    return par.interleave > 1 and bool(par.layer_split) and len(set(stage_layer_counts(shape, par))) > 1
 
 
 def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
     """The pipeline ranks that bound the others' memory and time: rank 0 (the most in flight, the embedding),
     the last (the output layer) and, under an uneven split, the first rank of each layer count (the in-flight
     count and the recomputed share fall with the rank, so later ranks of a count hold and run less)."""
+    return list(_examined_ranks(shape, par))
+
+
+@lru_cache(maxsize=4096)  # per layout: every plan of it asks
+def _examined_ranks(shape: ModelConfig, par: ParallelConfig) -> tuple[int, ...]:
     ranks = {0, par.pp - 1}
     if par.layer_split:  # the first rank of each set of chunk sizes
         chunks = [tuple(rank_chunk_layers(shape, par, r)) for r in range(par.pp)]
         ranks |= {chunks.index(c) for c in set(chunks)}
-    return sorted(ranks)
+    return tuple(sorted(ranks))
 
 
+@lru_cache(maxsize=16384)  # the planner's memory, time and offload terms each ask it of the same plan
 def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                 opts: ActivationOptions, rank: int = 0, host: bool = False) -> float:
     """Bytes one chunk-microbatch of pipeline rank ``rank`` (L/(pm) layers, or its uneven share) keeps

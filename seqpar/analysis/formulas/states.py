@@ -27,6 +27,8 @@ real elements of a rank's shard of each bucket, so the rank whose shard holds th
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from seqpar.analysis.formulas.moe import is_routed_expert, moe_parameter_sizes
 from seqpar.analysis.formulas.shapes import OptimizerOptions
 from seqpar.config import ModelConfig, ParallelConfig
@@ -112,18 +114,29 @@ def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[
 def stage_parameter_sizes(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[tuple[str, int]]:
     """(name, elements) of every parameter one tp rank of pipeline rank ``rank`` holds (all its interleaved
     chunks, the layer split ``par.layer_split`` or even), in the order the optimizer lists them."""
+    return list(named_stage_parameters(shape, par, rank))
+
+
+@lru_cache(maxsize=1024)  # the planner asks it of every plan of a layout: its microbatches, recomputes, ranks
+def named_stage_parameters(shape: ModelConfig, par: ParallelConfig, rank: int) -> tuple[tuple[str, int], ...]:
+    """``stage_parameter_sizes`` as a tuple, computed once per (shape, layout, rank)."""
     p, m = par.pp, par.interleave
     out: list[tuple[str, int]] = []
     for c, ids in enumerate(chunk_layer_ids(shape, par, rank)):
         v = c * p + rank  # the virtual stage (seqpar.pipeline.split.virtual_stage)
         out += chunk_parameter_sizes(shape, par.tp, ids, first=v == 0, last=v == p * m - 1, one_stage=p * m == 1,
                                      ep=par.ep)
-    return out
+    return tuple(out)
 
 
 def stage_parameters(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
     """Parameters held by one tp rank of pipeline rank ``rank`` (a tied copy on the last stage included)."""
-    return sum(n for _, n in stage_parameter_sizes(shape, par, rank))
+    return _stage_parameters(shape, par, rank)
+
+
+@lru_cache(maxsize=4096)
+def _stage_parameters(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
+    return sum(n for _, n in named_stage_parameters(shape, par, rank))
 
 
 def model_parameters(shape: ModelConfig) -> int:
@@ -153,13 +166,19 @@ def stage_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, opt: O
     """``state_bytes`` of one tp rank of pipeline rank ``rank``: the distributed optimizer shards over dp × cp,
     an MoE model's routed experts over the dp·cp/ep ranks holding the same experts
     (``seqpar.analysis.formulas.moe``)."""
-    sizes = stage_parameter_sizes(shape, par, rank)
+    return dict(_stage_state_bytes(shape, par, rank, opt))
+
+
+@lru_cache(maxsize=4096)
+def _stage_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int,
+                       opt: OptimizerOptions) -> tuple[tuple[str, float], ...]:
+    sizes = named_stage_parameters(shape, par, rank)
     experts = sum(n for name, n in sizes if is_routed_expert(name))
     out = state_bytes(sum(n for _, n in sizes) - experts, opt, par.dp * par.cp)
     if experts:
         for k, v in state_bytes(experts, opt, par.dp * par.cp // par.ep).items():
             out[k] += v
-    return out
+    return tuple(out.items())
 
 
 def bucket_layout(sizes: list[tuple[str, int]], bucket_bytes: int = BUCKET_BYTES,

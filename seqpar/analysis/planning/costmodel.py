@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from seqpar.analysis.formulas.flops import model_flops_from_gemms
 from seqpar.analysis.formulas.in_flight import in_flight_chunks
@@ -79,7 +80,7 @@ from seqpar.analysis.formulas.memory import a2a_kv_heads, kv_heads_per_rank
 from seqpar.analysis.formulas.moe import dispatch_bytes, moe_gemms, moe_training_flops
 from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions
 from seqpar.analysis.formulas.stage import chunk_bytes, examined_ranks, rank_chunk_layers
-from seqpar.analysis.formulas.states import stage_parameter_sizes, stage_parameters
+from seqpar.analysis.formulas.states import named_stage_parameters, stage_parameters
 from seqpar.analysis.planning.placement import (
     a2a_spans_nodes,
     grad_group_spans_nodes,
@@ -303,6 +304,12 @@ def layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
                  opts: ActivationOptions) -> dict[str, dict[str, float]]:
     """Seconds of one layer's forward, backward and attention-core forward (what selective recompute
     runs again) on one tp rank, each per term (compute, elementwise, tp_comm, overhead)."""
+    return {k: dict(v) for k, v in _layer_pass_s(shape, par, b, hw, opts).items()}
+
+
+@lru_cache(maxsize=4096)  # per (layout, micro batch): every recompute option and rank of it asks the same
+def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
+                  opts: ActivationOptions) -> dict[str, dict[str, float]]:
     t = par.tp
     core = ("qk", "attention_v") if opts.fused_attention else ()
     g = {k: (fused_attention_s if k in core else gemm_s)(f, nb, hw)
@@ -513,12 +520,17 @@ def largest_stage_parameters(shape: ModelConfig, par: ParallelConfig) -> float:
 def grad_groups(shape: ModelConfig, par: ParallelConfig) -> list[tuple[float, int]]:
     """(parameters, ranks reducing them) of the pipeline rank that holds the most: the dense parameters over
     dp × cp, the routed experts over the dp·cp/ep ranks holding the same experts (``seqpar.parallel.expert``)."""
-    sizes = max((stage_parameter_sizes(shape, par, r) for r in examined_ranks(shape, par)),
+    return list(_grad_groups(shape, par))
+
+
+@lru_cache(maxsize=4096)  # per (shape, layout): every microbatch and recompute of a layout asks it
+def _grad_groups(shape: ModelConfig, par: ParallelConfig) -> tuple[tuple[float, int], ...]:
+    sizes = max((named_stage_parameters(shape, par, r) for r in examined_ranks(shape, par)),
                 key=lambda named: sum(n for _, n in named))
     experts = sum(n for name, n in sizes if ".mlp.experts." in f".{name}")
     dense = sum(n for _, n in sizes) - experts
     ranks = par.dp * par.cp
-    return [(dense, ranks)] + ([(experts, ranks // par.ep)] if experts else [])
+    return ((dense, ranks),) + (((experts, ranks // par.ep),) if experts else ())
 
 
 def dp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware,

@@ -84,6 +84,7 @@ def group_ranks_per_node(par: ParallelConfig, dims: tuple[str, ...], gpus_per_no
     whose group spans nodes runs one ring per such rank, each through that GPU's own adapter (rail-optimized
     nodes: one adapter per GPU), so it moves this many times one adapter's bandwidth across nodes."""
     members = [0]
-    for dim in dims:  # rank 0's group: every combination of the dims' coordinates, at their strides
-        members = [m + k * stride(par, dim) for m in members for k in range(getattr(par, dim))]
-    return max(1, sum(m < gpus_per_node for m in members))
+    for dim in dims:  # rank 0's group: every combination of the dims' coordinates, at their strides; a member
+        step = stride(par, dim)  # past the first node stays past it (the strides add), so it is left out early
+        members = [m + k * step for m in members for k in range(getattr(par, dim)) if m + k * step < gpus_per_node]
+    return max(1, len(members))

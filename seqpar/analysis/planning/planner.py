@@ -23,6 +23,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from seqpar.analysis.formulas.shapes import ActivationOptions, AnalysisError, OptimizerOptions, validate_layout
 from seqpar.analysis.formulas.stage import (
@@ -295,7 +296,13 @@ def stages_of(req: Request, plan: Plan, every_rank: bool = False) -> list[StageM
     args = (req.shape, plan.par, plan.rc, plan.micro_batch, n, req.opts, _opt(req, plan))
     if every_rank:
         return all_stages(*args)
-    return [stage_memory(*args, rank=r) for r in examined_ranks(req.shape, plan.par)]
+    return list(_examined_stages(*args))
+
+
+@lru_cache(maxsize=4096)  # the search asks it of a plan for its fit (recompute_options), then for its evaluation
+def _examined_stages(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int,
+                     opts: ActivationOptions, opt: OptimizerOptions) -> tuple[StageMemory, ...]:
+    return tuple(stage_memory(shape, par, rc, b, n, opts, opt, rank=r) for r in examined_ranks(shape, par))
 
 
 def fits(req: Request, plan: Plan) -> bool:
@@ -326,8 +333,9 @@ def offload_options(req: Request, options: list[RecomputeConfig]) -> list[Recomp
     return out
 
 
-def evaluate(req: Request, plan: Plan, every_rank: bool = False) -> Evaluation:
-    """Memory, fit, predicted time and MFU of one plan (``error`` set when it cannot run)."""
+def evaluate(req: Request, plan: Plan, every_rank: bool = False, timed: bool = True) -> Evaluation:
+    """Memory, fit, predicted time and MFU of one plan (``error`` set when it cannot run; without ``timed``
+    the time only where it fits: the search ranks nothing else)."""
     ev = Evaluation(plan=plan, usable_bytes=req.hw.usable_bytes)
     try:
         check_plan(req, plan)
@@ -336,6 +344,8 @@ def evaluate(req: Request, plan: Plan, every_rank: bool = False) -> Evaluation:
         ev.error = str(err)
         return ev
     ev.fits = ev.memory_bytes <= req.hw.usable_bytes and ev.host_bytes <= req.hw.host_usable_bytes
+    if not timed and not ev.fits:
+        return ev
     if plan.rc.offload_modules:
         ev.offload_bytes_per_step = offload_bytes_per_step(req, plan)
     ev.time = iteration_time(req.shape, plan.par, plan.rc, plan.micro_batch, req.global_batch, req.hw,
@@ -537,17 +547,16 @@ def refusal(req: Request, stats: dict) -> str:
 def undominated(found: list[Evaluation]) -> list[Evaluation]:
     """``found`` without the plans another plan of the same layout beats on memory and on time (no worse on
     both, better on one) without moving more bytes over the host link."""
-    by_layout: dict[ParallelConfig, list[Evaluation]] = {}
-    for ev in found:
-        by_layout.setdefault(ev.plan.par, []).append(ev)
+    by_layout: dict[ParallelConfig, list[tuple[float, float, float]]] = {}
+    costs = [(ev.memory_bytes, ev.time.total, ev.offload_bytes_per_step) for ev in found]  # each summed once
+    for ev, cost in zip(found, costs, strict=True):
+        by_layout.setdefault(ev.plan.par, []).append(cost)
 
-    def beaten(ev: Evaluation) -> bool:
-        return any(o.memory_bytes <= ev.memory_bytes and o.time.total <= ev.time.total
-                   and o.offload_bytes_per_step <= ev.offload_bytes_per_step  # host traffic is a cost too
-                   and (o.memory_bytes < ev.memory_bytes or o.time.total < ev.time.total)
-                   for o in by_layout[ev.plan.par])
+    def beaten(par: ParallelConfig, memory: float, time: float, offload: float) -> bool:
+        return any(m <= memory and t <= time and o <= offload  # host traffic is a cost too
+                   and (m < memory or t < time) for m, t, o in by_layout[par])
 
-    return [ev for ev in found if not beaten(ev)]
+    return [ev for ev, cost in zip(found, costs, strict=True) if not beaten(ev.plan.par, *cost)]
 
 
 def rank_plans(found: list[Evaluation], tie: float = TIE_FRACTION) -> list[Evaluation]:
@@ -572,9 +581,7 @@ def search(req: Request, stats: dict | None = None) -> list[Evaluation]:
     stats.update(examined=0, states_too_big=0, activations=0, rejected=rejected)
     found: list[Evaluation] = []
     for base in layouts(req, rejected):
-        states = max(stage_memory(req.shape, base.par, RecomputeConfig("full"), base.micro_batch,
-                                  num_microbatches(req, base), req.opts, _opt(req, base), rank).states
-                     for rank in examined_ranks(req.shape, base.par))
+        states = max(s.states for s in stages_of(req, replace(base, rc=RecomputeConfig("full"))))
         stats["least_states"] = min(stats.get("least_states", states), states)
         if states > req.hw.usable_bytes:
             stats["states_too_big"] += 1  # parameters + optimizer alone do not fit
@@ -582,11 +589,11 @@ def search(req: Request, stats: dict | None = None) -> list[Evaluation]:
         fitting = 0
         for rc in recompute_options(req, base):
             stats["examined"] += 1
-            ev = evaluate(req, replace(base, rc=rc))
+            ev = evaluate(req, replace(base, rc=rc), timed=False)
             if ev.fits:
                 found.append(ev)
                 fitting += 1
-            elif ev.time is not None and ev.memory_bytes < stats.get("least_memory", (float("inf"), ""))[0]:
+            elif ev.error is None and ev.memory_bytes < stats.get("least_memory", (float("inf"), ""))[0]:
                 stats["least_memory"] = (ev.memory_bytes, ev.plan.label)
         stats["activations"] += not fitting
     kept = undominated(found)

@@ -87,6 +87,27 @@ class Launches:
         return train_local_many(sections, world, timeout=self.timeout(len(keys), world))
 
 
+@contextlib.contextmanager
+def ctrl_c_at_unit(n: int):
+    """Inside the block, ``seqpar prepare``'s n-th unit raises KeyboardInterrupt (a Ctrl-C mid-prepare, in the
+    process: with ``workers=1`` the units are tokenized here)."""
+    from seqpar.data import prepare as prep
+
+    real, calls = prep.tokenize_unit, []
+
+    def dies(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    prep.tokenize_unit = dies
+    try:
+        yield
+    finally:
+        prep.tokenize_unit = real
+
+
 def run_cli(argv) -> tuple[int, str, str]:
     """``seqpar ARGV`` in this process: (exit code, stdout, stderr)."""
     from seqpar.cli import main

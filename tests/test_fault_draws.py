@@ -25,27 +25,22 @@ rank 1's lost peer as the failed rank (``supervise._first_failure``, fixed: the 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import _axes
 import pytest
 import test_equivalence as eq
 from _helpers import prepared_documents, random_tokens, step_records
-from test_reliability_ranks import TAG, tagged_processes
+from test_reliability_ranks import run_tagged
 
 from seqpar.config import RecomputeConfig
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local
-from seqpar.train.reliability import fault
 
 SAVE_EVERY = 2
 JOB_S = 600.0  # a generous bound for one job on a loaded machine (never a speed check)
@@ -120,23 +115,8 @@ def run_cli_job(out: Path, sections: dict, world: int, *args: str, fault_spec: s
     out.mkdir(parents=True, exist_ok=True)
     config = out.with_name(out.name + ".toml")
     config.write_text(toml_of(sections))
-    tag = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k != fault.ENV}
-    env.update({TAG: tag, "OMP_NUM_THREADS": "1", **({fault.ENV: fault_spec} if fault_spec else {})})
-    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "train", "--config", str(config), "--nproc", str(world),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=JOB_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        left = tagged_processes(tag)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    return proc.returncode, text, left
+    command = [sys.executable, "-m", "seqpar", "train", "--config", str(config), "--nproc", str(world), *args]
+    return run_tagged(command, fault_spec, timeout=JOB_S)
 
 
 def errors_against_reference(out: Path, sections: dict, data: Path, checkpoint: str) -> dict[str, float]:

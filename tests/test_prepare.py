@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import seqpar
+from _helpers import ctrl_c_at_unit, seqpar
 
 from seqpar.cli import main
 from seqpar.data import prepare as prep
@@ -92,25 +92,15 @@ def test_bytes_prepare_ends_documents_with_nul(corpus, tmp_path):
     assert bytes(data.read(0, len(docs[0]) + 1).tolist()) == docs[0].encode() + b"\0"
 
 
-def test_an_interrupted_prepare_resumes_to_identical_files(corpus, tmp_path, monkeypatch):
+def test_an_interrupted_prepare_resumes_to_identical_files(corpus, tmp_path):
     _, folder, jsonl, _, tok = corpus
     whole = tmp_path / "whole"
     prep.prepare([str(folder), str(jsonl)], whole, str(tok), unit_mb=0.0005, workers=1, progress=False)
-    real, calls = prep.tokenize_unit, []
-
-    def dies_at_third(*args, **kwargs):
-        calls.append(args[1])
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(prep, "tokenize_unit", dies_at_third)
     part = tmp_path / "part"
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_at_unit(3), pytest.raises(KeyboardInterrupt):
         prep.prepare([str(folder), str(jsonl)], part, str(tok), unit_mb=0.0005, workers=1, progress=False)
     assert not (part / "manifest.json").exists() and (part / "shard_00001.json").exists()
     (part / "shard_00002.tokens.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
-    monkeypatch.setattr(prep, "tokenize_unit", real)
     with pytest.raises(DataError, match="incomplete"):
         Prepared(part)
     prep.prepare([str(folder), str(jsonl)], part, str(tok), unit_mb=0.0005, workers=1, progress=False)

@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from _helpers import seqpar
+from _helpers import ctrl_c_at_unit, seqpar
 
 from seqpar.data import bpe
-from seqpar.data import prepare as prep
 from seqpar.data.prepared import Prepared
 
 BODIES = [None if i % 10 == 0 else "" if i % 5 == 0 else f'Body {i}, "quoted"\nline two\tγ {"x" * i}'
@@ -88,25 +87,15 @@ def test_tokenizer_train_reads_the_records_field(records, name, field):
     assert list(bpe.corpus([str(records / name)], field)) == TEXTS
 
 
-def test_ctrl_c_keeps_the_finished_shards_in_one_line_and_the_rerun_reuses_them(records, tmp_path, capsys,
-                                                                                monkeypatch):
-    real, calls = prep.tokenize_unit, []
-
-    def dies_at_third(*args, **kwargs):
-        calls.append(args[1])
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(prep, "tokenize_unit", dies_at_third)
+def test_ctrl_c_keeps_the_finished_shards_in_one_line_and_the_rerun_reuses_them(records, tmp_path, capsys):
     argv = ("prepare", records / "r.jsonl", "--field", "content.body", "--out", tmp_path / "p", "--no-progress",
             "--shard-mb", 0.0002, "--workers", 1)
-    code, _, err = seqpar(capsys, *argv)
+    with ctrl_c_at_unit(3):
+        code, _, err = seqpar(capsys, *argv)
     units = len(json.loads((tmp_path / "p" / "plan.json").read_text())["units"])
     assert code == 130 and "Traceback" not in err
     assert err.strip() == (f"seqpar prepare: interrupted; 2 of {units} shard(s) are finished and kept in "
                            f"{tmp_path / 'p'}; run the same command again to continue (it reuses them)")
-    monkeypatch.setattr(prep, "tokenize_unit", real)
     code, out, err = seqpar(capsys, *argv)
     assert code == 0 and f"reusing 2 of {units} finished shard(s); tokenizing {units - 2}" in err
     assert _documents(tmp_path / "p") == TEXTS

@@ -42,6 +42,29 @@ def tagged_processes(tag: str) -> dict[int, dict[str, str]]:
     return found
 
 
+def run_tagged(command: list[str], fault_spec: str = "", env: dict | None = None,
+               timeout: float = 600.0) -> tuple[int, str, dict]:
+    """Run ``command`` to its end in its own session, tagged, with ``SEQPAR_FAULT=fault_spec`` (else none) and
+    ``env`` on top: (exit status, output, the processes of it still alive afterwards, which are then killed)."""
+    tag = uuid.uuid4().hex
+    environ = {k: v for k, v in os.environ.items() if k != fault.ENV}
+    environ.update({TAG: tag, "OMP_NUM_THREADS": "1", **({fault.ENV: fault_spec} if fault_spec else {}),
+                    **(env or {})})
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        left = tagged_processes(tag)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return proc.returncode, text, left
+
+
 class Job:
     """``python -m seqpar train --config tiny.toml --nproc 2 --out OUT ARGS`` in its own session, tagged."""
 

@@ -14,21 +14,16 @@ test_reliability_ranks.py so that "no process outlives the job" is checked over 
 Kill and raise at a step without restarts: test_reliability_ranks.py.
 """
 
-import contextlib
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import threading
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_reliability_ranks import TAG, TINY, tagged_processes
+from test_reliability_ranks import TINY, run_tagged
 
 from seqpar.train import checkpoint
 from seqpar.train.reliability import fault, heartbeat, stragglers, supervise
@@ -41,29 +36,14 @@ JOB_S = 600.0  # a generous bound for a whole job on a loaded machine (never a s
 def run_job(out: Path, *args: str, fault_spec: str = "", torchrun: bool = False, env: dict | None = None):
     """Run one tagged ``seqpar train`` job to its end; its exit status, output, metrics records and the
     processes of it still alive afterwards."""
-    tag = uuid.uuid4().hex
-    environ = {k: v for k, v in os.environ.items() if k != fault.ENV}
-    environ.update({TAG: tag, "OMP_NUM_THREADS": "1", **({fault.ENV: fault_spec} if fault_spec else {}),
-                    **(env or {})})
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"] \
         if torchrun else []
     command = [sys.executable, *launcher, "-m", "seqpar", "train", *ARGS, "--out", str(out), *args,
                *([] if torchrun else ["--nproc", "2"])]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ,
-                            start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=JOB_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        left = tagged_processes(tag)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    rc, text, left = run_tagged(command, fault_spec, env, JOB_S)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").is_file() else []
-    return SimpleNamespace(rc=proc.returncode, text=text, records=records, left=left)
+    return SimpleNamespace(rc=rc, text=text, records=records, left=left)
 
 
 def losses(records: list[dict]) -> dict[int, float]:

@@ -30,4 +30,4 @@ def test_the_cases_seen():
 
 def test_the_plan_and_paper_reports_use_it():
     for name in ("plan_report.py", "paper_report.py"):
-        assert ":+.1f}%" not in (ROOT / "seqpar" / "analysis" / name).read_text(), name
+        assert ":+.1f}%" not in (ROOT / "seqpar" / "analysis" / "reports" / name).read_text(), name

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import torch
 
-from seqpar import documents
 from seqpar.analysis.formulas.shapes import activation_options
 from seqpar.analysis.formulas.stage import chunk_layers_bytes
 from seqpar.config import ConfigError
@@ -69,23 +68,36 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
         without_paper_bytes(job, layers, device)
     if dims.pp == 1 and len(chunks) == 1:
         chunk = chunks[0]
-        tokens, _, *docs = data.probe_batches(job.train.micro_batch, job.train.micro_batch)[0]
+        tokens, labels, *docs = data.probe_batches(job.train.micro_batch, job.train.micro_batch)[0]
         docs = docs[0].to(device) if docs else None
-        with documents.using(docs) if docs is not None else contextlib.nullcontext():
-            hidden = chunk.embedding(tokens.to(device))  # [s(/t), b, h]: the layers' input, made before the meter
-            # only the layers run under the meter: what a full-recompute group keeps (its input, saved by the
-            # checkpoint, which is no module of its own) is theirs as much as what a layer saves itself
-            with SavedTensorMeter(chunk) as meter:
-                if docs is not None:
-                    meter.exclude(docs.tensors(torch_dtype(job.model.dtype)))  # data, like the tokens
-                kept = chunk.run_layers(hidden)  # its graph holds what is offloaded
-        out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors)
+        with SavedTensorMeter(chunk) as meter, _layers_named(chunk, meter):
+            if docs is not None:
+                meter.exclude(docs.tensors(torch_dtype(job.model.dtype)))  # data, like the tokens
+            kept = chunk(tokens.to(device), labels.to(device), docs=docs)  # its graph holds what is offloaded
+        out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.partition(".")[0] == "layers")
         if job.recompute.offload_modules:  # on the host: the offloader's, next to the formula's
             out["act_host_bytes_measured"] = sum(chunk.recompute.offloader.host_bytes().values())
             out["act_host_reserved_bytes"] = chunk.recompute.offloader.reserved_host_bytes  # pinned: rounded up
             out["act_host_bytes_predicted"] = rank_activation_bytes(job, layers, device, host=True)
         del kept
     return out | stage_peaks(job, chunks, data, dims, device)
+
+
+@contextlib.contextmanager
+def _layers_named(chunk, meter: SavedTensorMeter):
+    """For this block ``chunk``'s layers run inside ``meter.scope("layers")``: what a full-recompute group keeps
+    (its input, saved by its checkpoint in no layer module) is counted with what the layers save themselves."""
+    run_layers = chunk.run_layers
+
+    def named(x):
+        with meter.scope("layers"):
+            return run_layers(x)
+
+    chunk.run_layers = named  # this instance only, for one forward; the stage's own forward calls it
+    try:
+        yield
+    finally:
+        del chunk.run_layers
 
 
 def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:

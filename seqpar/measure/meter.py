@@ -108,6 +108,16 @@ class SavedTensorMeter:
             yield
         self._settle()
 
+    @contextlib.contextmanager
+    def scope(self, name: str):
+        """Name what is saved inside this block ``name`` (where no module of its own saves it: a full-recompute
+        group's input, saved by its checkpoint in the stage's forward); modules inside still name their own."""
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
     def live_bytes(self) -> int:
         """Bytes counted and still alive."""
         self._prune()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 
 from seqpar.config import ARCH_FIELDS, ConfigError
-from seqpar.settings import BY_FLAG, SETTINGS, add, add_aliases, flag_keys
-from seqpar.train.config import JobConfig, build_job, load_toml, merge, parse_assignment
+from seqpar.settings import BY_FLAG, BY_KEY, SETTINGS, add, add_aliases, flag_keys
+from seqpar.train.config import SECTIONS, JobConfig, build_job, load_toml, merge, parse_assignment
 
 # flag dest -> (section, key), and Megatron-LM's names of the flags (its pretrain_gpt.py arguments: accepted as
 # aliases, listed once at the end of --help, offered by "did you mean"): both from the table of settings
@@ -188,34 +189,26 @@ def _preset_changes(args, base: dict, given: dict) -> list[str]:
             ] if changes else []
 
 
-def _dropper(sections: dict[str, dict], given: dict[str, dict], source: str, notes: list[str]):
-    """``drop(section, key, why)``: ``key`` removed from ``section`` with a note, unless it was given again."""
-    par = sections["parallel"]
-
-    def drop(section: dict, key: str, why: str) -> None:
-        if key in section and key not in given.get("parallel" if section is par else "train", {}):
-            notes.append(f"the {source}'s {key} = {str(section.pop(key)).lower()} is dropped: {why}")
-
-    return drop
-
-
 def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -> list[str]:
     """The ``source``'s (checkpoint's, config's) SP, interleave and layer split that the tp / pp asked on the
     command line cannot use, dropped with a note each (a config's only where the flags changed that tp / pp)."""
     par, asked, notes = sections.setdefault("parallel", {}), given.get("parallel", {}), []
-    drop = _dropper(sections, given, source, notes)
+
+    def drop(key: str, why: str) -> None:
+        if key not in asked:
+            notes.append(f"the {source}'s {key} = {str(par.pop(key)).lower()} is dropped: {why}")
+
     tp, pp = par.get("tp", 1), par.get("pp", 1)
     inherited = source == "checkpoint"
     if par.get("sp") and tp == 1 and (inherited or "tp" in asked):
-        drop(par, "sp", "tp is 1 (sequence parallelism splits the sequence over the tp ranks)")
+        drop("sp", "tp is 1 (sequence parallelism splits the sequence over the tp ranks)")
     if par.get("interleave", 1) > 1 and pp == 1 and (inherited or "pp" in asked):
-        drop(par, "interleave", "pp is 1")
+        drop("interleave", "pp is 1")
     if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1) and \
             (inherited or "pp" in asked or "interleave" in asked):
-        drop(par, "layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
+        drop("layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
              f"pp {pp} × interleave {par.get('interleave', 1)}")
     return notes
-
 
 
 # what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
@@ -250,11 +243,6 @@ def fit_inherited(sections: dict[str, dict], given: dict[str, dict], world_size:
 def _named_inherited(message: str, sections: dict[str, dict], given: dict[str, dict]) -> str | None:
     """The droppable setting ``message`` names first (by its key or its plan label, ``split`` for layer_split),
     among those the checkpoint set to other than the default and this run did not give."""
-    import re
-
-    from seqpar.settings import BY_KEY
-    from seqpar.train.config import SECTIONS
-
     found = []
     for key in INHERITED_DROPPABLE:
         section, name = key.split(".")

@@ -14,7 +14,7 @@ from seqpar.data.encode import Encoder
 from seqpar.model.gpt import build_model
 from seqpar.train.config import build_job
 from seqpar.train.sample import codec, generate, model_tokenizer
-from seqpar.train.start import check_tokenizer, padded_vocab
+from seqpar.train.start import check_tokenizer, largest_padded_vocab
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +33,21 @@ def prepared(tmp_path_factory):
 
 def test_a_vocabulary_not_the_datas_is_refused_and_a_padded_one_noted(prepared, capsys):
     size = tokfile.record(prepared / "tok.json")["vocab_size"]
-    assert padded_vocab(size, 1) == max(-(-size // 128) * 128, int(size * 1.01))
+    assert largest_padded_vocab(size, 1) == max(-(-size // 128) * 128, int(size * 1.01))
 
     def job(vocab, tp=1):
         return build_job({"model": {"vocab_size": vocab}, "parallel": {"tp": tp},
                           "train": {"data": str(prepared / "p")}})
 
     with pytest.raises(ConfigError, match=f"vocab_size 128,256 disagrees with .*{size:,} tokens \\(padded at most "
-                                          f"to {padded_vocab(size, 1):,}\\); leave vocab_size out"):
+                                          f"to {largest_padded_vocab(size, 1):,}\\); leave vocab_size out"):
         check_tokenizer(job(128256))
     check_tokenizer(job(size))
     assert capsys.readouterr().err == ""
-    check_tokenizer(job(padded_vocab(size, 1)))
-    assert f"note: vocab_size {padded_vocab(size, 1):,} pads the {size:,} tokens" in capsys.readouterr().err
+    check_tokenizer(job(largest_padded_vocab(size, 1)))
+    assert f"note: vocab_size {largest_padded_vocab(size, 1):,} pads the {size:,} tokens" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="disagrees"):
-        check_tokenizer(job(padded_vocab(size, 1) + 1))
+        check_tokenizer(job(largest_padded_vocab(size, 1) + 1))
 
 
 def test_generation_stops_at_the_end_of_document_id():

@@ -24,6 +24,7 @@ from seqpar.data import tokenizer as tokfile
 from seqpar.data.prepared import Prepared, is_prepared
 from seqpar.out_path import check_not_input
 from seqpar.parallel.launch import default_device, under_torchrun
+from seqpar.parallel.layers import padded_vocab
 from seqpar.parallel.rng import compiler_problem
 from seqpar.train import run_tokenizer
 from seqpar.train.config import JobConfig, inert_settings
@@ -88,17 +89,16 @@ PAD_MULTIPLE = 128  # Megatron's make-vocab-size-divisible-by, times tp: the pad
 PAD_FRACTION = 0.01  # or up to 1% more rows (published models pad further: Qwen2's 151,665 tokens in 152,064 rows)
 
 
-def padded_vocab(size: int, tp: int) -> int:
+def largest_padded_vocab(size: int, tp: int) -> int:
     """The largest model vocabulary that is ``size`` tokens padded, not another tokenizer's vocabulary: up to the
-    next multiple of 128 × tp, or 1% more rows."""
-    multiple = PAD_MULTIPLE * tp
-    return max(-(-size // multiple) * multiple, int(size * (1 + PAD_FRACTION)))
+    next multiple of 128 × tp (``padded_vocab``, the rounding the output layer's shards take), or 1% more rows."""
+    return max(padded_vocab(size, tp, PAD_MULTIPLE), int(size * (1 + PAD_FRACTION)))
 
 
 def check_tokenizer(job: JobConfig, resume: str = "") -> None:
     """The run's tokenizer (``--tokenizer``, a prepared folder's, or a resumed checkpoint's copy): it
-    exists, parses, and the model's vocabulary is its size, or that padded (``padded_vocab``: said in a note);
-    checked before launch."""
+    exists, parses, and the model's vocabulary is its size, or that padded (``largest_padded_vocab``: said in a
+    note); checked before launch."""
     path = run_tokenizer.resolve(job.train, resume_path(resume, job) or None)
     if not path:
         return
@@ -106,7 +106,7 @@ def check_tokenizer(job: JobConfig, resume: str = "") -> None:
     if size > vocab:
         raise ConfigError(f"tokenizer {path} has {size} tokens but the model's vocab_size is {vocab} "
                           f"(--vocab {size} or more)")
-    limit = padded_vocab(size, job.parallel.tp)
+    limit = largest_padded_vocab(size, job.parallel.tp)
     source = f"{job.train.data} (prepared with tokenizer {path})" if job.train.data and path != job.train.tokenizer \
         else f"tokenizer {path}"
     if vocab > limit:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _plain_models import rel
 
 from seqpar.bench.plain_gpt import GPT, packed_documents
 from seqpar.documents import Documents
@@ -51,11 +52,6 @@ def plain_step(plain: GPT, rows: torch.Tensor, masks) -> tuple[float, dict[str, 
     loss = plain(rows[:, :-1], labels, positions=positions, allowed=allowed, masks=lambda layer: masks[layer])
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in plain.named_parameters()}
-
-
-def rel(a, b) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 def test_seqpar_dropout_is_the_plain_mask_times_x_over_1_minus_p():

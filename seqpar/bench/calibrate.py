@@ -136,7 +136,7 @@ def elementwise(sizes, dtype, device, repeats: int, block: float = 0.0, dropout:
     """Forward + backward of the element-wise ops the cost model counts; ``bytes`` is its count
     (3x the forward's: backward moves twice the forward's bytes)."""
     s, b, h, a = sizes
-    e = torch.empty((), dtype=dtype).element_size()
+    e = dtype.itemsize
     gen = torch.Generator().manual_seed(1)
 
     def leaf(*shape):
@@ -178,7 +178,7 @@ def collectives(sizes: list[int], dtype, device, repeats: int, block: float = 0.
     n = dist.get_world_size() if dist.is_initialized() else 1
     if n == 1:
         return []
-    e = torch.empty((), dtype=dtype).element_size()
+    e = dtype.itemsize
     gemm = _beside(gemm_shape, dtype, device)
     rows = []
     for nbytes in sizes:

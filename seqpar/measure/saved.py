@@ -25,13 +25,13 @@ from seqpar.recompute import RecomputePlan
 
 def layernorm_stat_bytes(device: torch.device, dtype: torch.dtype) -> int:
     """Bytes of one LayerNorm mean/rstd element on ``device`` (``seqpar.analysis.formulas.shapes.device_kernels``)."""
-    return device_kernels(device_kind(device.type), torch.empty((), dtype=dtype).element_size())[1]
+    return device_kernels(device_kind(device.type), dtype.itemsize)[1]
 
 
 def sdpa_kernel_for(device: torch.device, dtype: torch.dtype = torch.bfloat16, masked: bool = False) -> str:
     """The fused attention kernel the core pins on ``device`` for ``dtype`` activations, with a document mask or
     not (``seqpar.analysis.formulas.shapes.sdpa_kernel_of``, which ``CoreAttention`` asks too)."""
-    return device_kernels(device_kind(device.type), torch.empty((), dtype=dtype).element_size(), masked)[0]
+    return device_kernels(device_kind(device.type), dtype.itemsize, masked)[0]
 
 
 def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,

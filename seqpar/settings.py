@@ -98,7 +98,7 @@ SETTINGS: tuple[Setting, ...] = (
       switch=True),
     S("--overlap-param-gather", "train.overlap_param_gather", "with the distributed optimizer: all-gather the "
       "updated weight buckets under the next forward, each waited for at its first use, instead of after the step "
-      "{default}", switch=True),
+      "{default}", switch=True, labels=("pgather", "overlap_param_gather")),
     S("--compile", "train.compile", "torch.compile each layer as one fused region (norms, rotary, activation, "
       "residual adds between the GEMMs); drawing dropouts stay eager, compile time is reported once, before the "
       "timed steps (default: on for CUDA, off on CPU)", switch=True),

@@ -90,3 +90,22 @@ def test_refusals_say_why_in_one_line(train, parallel, words):
     with pytest.raises(ConfigError, match=words) as err:
         build_job(sections).validate(2)
     assert "\n" not in str(err.value)
+
+
+def test_the_plans_peak_takes_the_larger_of_the_gathers_and_the_activations():
+    """The gathers live from the step to the first forward, the activations after it: a stage's total is its states
+    plus the larger of the two (``stage.param_gather_excess``), and without the overlap the gathers add nothing."""
+    from seqpar.analysis.formulas.presets import preset_shape
+    from seqpar.analysis.formulas.shapes import ActivationOptions
+    from seqpar.analysis.formulas.stage import stage_memory
+
+    shape, par = preset_shape("175b"), ParallelConfig(tp=8, pp=8, dp=8, sp=True)
+    for rc in (RecomputeConfig("full"), RecomputeConfig("selective")):
+        for rank in (0, 7):
+            off, on = (stage_memory(shape, par, rc, 1, 64, ActivationOptions(),
+                                    OptimizerOptions(distributed=True, overlap_param_gather=g), rank=rank)
+                       for g in (False, True))
+            gather = param_gather_bytes(shape, par, rank, OptimizerOptions(distributed=True, overlap_param_gather=True))
+            assert "param_gather_excess" not in off.terms
+            assert on.total == pytest.approx(off.states + max(off.activations, gather), rel=1e-12)
+    assert on.terms["param_gather_excess"] > 0  # the last stage under full recompute: the gathers set its peak

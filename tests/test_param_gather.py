@@ -4,7 +4,8 @@ On 2 dp ranks at pp 2 (a tied embedding copy in a bucket of its own, the loss he
 bucket's gather in flight, its buffers' bytes exactly ``param_gather_bytes``; the first layer's forward waits
 for that layer's buckets only; after the microbatch's forward nothing is left in flight, and every weight
 equals, bit for bit, the weight the gather after the step wrote (the same optimizer without the overlap,
-stepped on the same gradients). The trained runs (every step's loss and grad norm, the checkpoint) are
+stepped on the same gradients); a checkpoint's views taken after the next step, before any forward, wait for
+them first. The trained runs (every step's loss and grad norm, the checkpoint) are
 bit-identical with and without it (``tests/test_dist_optim.py``); the equivalence draws draw it as an axis.
 """
 
@@ -28,16 +29,20 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=4, seq_
 BUCKET_MB = 0.01
 
 
-def _stepped(parallel: ParallelConfig, dims: ParallelDims, overlap: bool):
-    chunks = build_stages(CFG, parallel, RecomputeConfig("none"), dims, seed=3)
-    cfg = TrainConfig(distributed_optimizer=True, overlap_param_gather=overlap, grad_bucket_mb=BUCKET_MB)
-    opt = DistributedOptimizer(chunks, cfg, dims)
-    tokens, labels = parity_batch(CFG, batch=4, seed=dims.dp_rank)
+def _step(chunks, opt, parallel: ParallelConfig, dims: ParallelDims, step: int) -> None:
+    tokens, labels = parity_batch(CFG, batch=4, seed=dims.dp_rank + 2 * step)
     mbs = [(tokens[i:i + 2], labels[i:i + 2]) for i in (0, 2)]
     opt.zero_grad(len(mbs))
     forward_backward(chunks, mbs, dims, parallel)
     finalize_grads(chunks, dims, opt.buffers)
-    opt.step(0, opt.grad_norm())
+    opt.step(step, opt.grad_norm())
+
+
+def _stepped(parallel: ParallelConfig, dims: ParallelDims, overlap: bool):
+    chunks = build_stages(CFG, parallel, RecomputeConfig("none"), dims, seed=3)
+    cfg = TrainConfig(distributed_optimizer=True, overlap_param_gather=overlap, grad_bucket_mb=BUCKET_MB)
+    opt = DistributedOptimizer(chunks, cfg, dims)
+    _step(chunks, opt, parallel, dims, 0)
     return chunks, opt
 
 
@@ -65,7 +70,14 @@ def _rank(rank: int, world: int):
             chunk(torch.zeros(CFG.seq_len, 2, CFG.hidden_size, dtype=torch.bfloat16), labels)
     left = len(opt.gathers.inflight)
     same = all(torch.equal(p, q) for p, q in zip(chunk.parameters(), plain[0].parameters(), strict=True))
-    return {"buckets": len(opt.buffers.buckets), "inflight": inflight, "nbytes": nbytes, "predicted": predicted,
+    for model, optimizer in ((chunks, opt), (plain, plain_opt)):  # a second step, then a save before any forward
+        _step(model, optimizer, parallel, dims, 1)
+    saved_inflight = len(opt.gathers.inflight)
+    opt.checkpoint_views()
+    same_at_save = not opt.gathers.inflight and all(
+        torch.equal(p, q) for p, q in zip(chunk.parameters(), plain[0].parameters(), strict=True))
+    return {"saved_inflight": saved_inflight, "same_at_save": same_at_save,
+            "buckets": len(opt.buffers.buckets), "inflight": inflight, "nbytes": nbytes, "predicted": predicted,
             "mine": mine, "after_layer": after_layer, "left": left, "same": same}
 
 
@@ -77,6 +89,7 @@ def test_gathers_wait_at_first_use_and_write_the_same_weights():
         assert r["mine"] and not r["mine"] & r["after_layer"], "the layer's forward waits for its buckets"
         assert r["after_layer"], "the other buckets stay in flight past the first layer"
         assert r["left"] == 0 and r["same"]
+        assert r["saved_inflight"] == r["buckets"] and r["same_at_save"], "a save waits for the gathers first"
 
 
 @pytest.mark.parametrize("train, parallel, words", [

@@ -96,6 +96,9 @@ SETTINGS: tuple[Setting, ...] = (
       "replicate across them (default 0: shard over all)", int),
     S("--overlap-grad-reduce", "train.overlap_grad_reduce", "reduce gradient buckets during the backward {default}",
       switch=True),
+    S("--overlap-param-gather", "train.overlap_param_gather", "with the distributed optimizer: all-gather the "
+      "updated weight buckets under the next forward, each waited for at its first use, instead of after the step "
+      "{default}", switch=True, labels=("pgather", "overlap_param_gather")),
     S("--compile", "train.compile", "torch.compile each layer as one fused region (norms, rotary, activation, "
       "residual adds between the GEMMs); drawing dropouts stay eager, compile time is reported once, before the "
       "timed steps (default: on for CUDA, off on CPU)", switch=True),
@@ -299,7 +302,7 @@ MEGATRON_HINTS: dict[str, Hint | None] = {
     "--moe-shared-expert-intermediate-size": Hint("model.shared_expert_ffn"),
     "--moe-layer-freq": Hint("model.moe_every"),
     "--initial-loss-scale": Hint("train.loss_scale_init"), "--loss-scale-window": Hint("train.loss_scale_window"),
-    "--overlap-param-gather": None, "--num-layers-per-virtual-pipeline-stage": None,
+    "--num-layers-per-virtual-pipeline-stage": None,
     "--max-position-embeddings": None, "--make-vocab-size-divisible-by": None, "--kv-channels": None,
     "--lr-decay-iters": None, "--lr-warmup-fraction": None, "--train-samples": None, "--exit-duration-in-mins": None,
     "--tensorboard-dir": None, "--tokenizer-type": None, "--merge-file": None, "--num-workers": None,

@@ -45,6 +45,8 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "reshard_after_forward": (True, False),  # under fsdp: ZeRO-3 or ZeRO-2
     "ep": (1, 2, 4),  # expert parallelism (MoE checks)
     "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
+    # the distributed optimizer's weight all-gather under the next forward (train.overlap_param_gather)
+    "overlap_param_gather": (False, True),
     # the fault check: a rank raising or SIGKILLed before a drawn step, SIGKILLed while saving, the latest
     # checkpoint damaged on disk before a failure, SIGTERM reaching one rank (fit_fault: where each applies)
     "fault": ("none", "raise", "kill", "kill_in_save", "damaged_latest", "sigterm"),
@@ -175,6 +177,16 @@ def fit_ep(d: Draw, dp: int, cp: int) -> int:
     ep = max(e for e in AXES["ep"] if e <= d["ep"] and (dp * cp) % e == 0)
     d.narrow("ep", ep, f"ep divides dp {dp} × cp {cp}")
     return ep
+
+
+def fit_param_gather(d: Draw, distributed_optimizer: bool, dp: int, cp: int) -> bool:
+    """The drawn weight gather under the forward: it needs the distributed optimizer (``JobConfig.validate``
+    refuses it otherwise) and dp × cp > 1 (nothing to gather)."""
+    if not distributed_optimizer:
+        d.narrow("overlap_param_gather", False, "the replicated optimizer gathers nothing (needs the distributed one)")
+    elif dp * cp < 2:
+        d.narrow("overlap_param_gather", False, f"dp {dp} × cp {cp} = {dp * cp}: nothing to gather")
+    return d["overlap_param_gather"]
 
 
 def fit_compile(d: Draw, offload: tuple[str, ...]) -> bool:

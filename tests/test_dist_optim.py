@@ -1,6 +1,7 @@
 """The distributed optimizer and the overlapped, bucketed dp reduction train the dp = 1 trajectory.
 
-dp = 2 with and without the distributed optimizer, with and without overlap, equals the dp = 1 run
+dp = 2 with and without the distributed optimizer, with and without overlap (the gradients' reduction, the
+weights' gather: bit-identical to gathering after the step), equals the dp = 1 run
 to 1e-5 in fp32 (every step's loss and grad norm, every final weight) with clipping binding at
 every step; so do pp = 2 (tied embedding copies in buckets of their own) and tp = 2 with SP
 (partial sums over tp after the reduce-scatter) at dp = 2. Checkpoints stay layout-free: saved at
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from _helpers import random_tokens, step_records
 
 from seqpar.train.checkpoint import load_model_state
@@ -24,7 +26,9 @@ STEPS, CLIP = 4, 0.01
 MODEL = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
          "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": "fp32"}
 VARIANTS = {"plain": {}, "dist": {"distributed_optimizer": True}, "overlap": {"overlap_grad_reduce": True},
-            "dist+overlap": {"distributed_optimizer": True, "overlap_grad_reduce": True}}
+            "dist+overlap": {"distributed_optimizer": True, "overlap_grad_reduce": True},
+            "dist+overlap+gather": {"distributed_optimizer": True, "overlap_grad_reduce": True,
+                                    "overlap_param_gather": True}}
 BUCKET_MB = 0.01  # ~10 KB of fp32 gradients per bucket: several buckets in this tiny model
 
 
@@ -77,7 +81,7 @@ def runs(tmp_path_factory):
     summaries["resume-dp2-dist"] = train_local(job(root / "save-dp1", data, {"dp": 2}, distributed_optimizer=True),
                                                world=2, resume=saved["checkpoint"])
     wide = {"pp2-dist+overlap": job(root / "pp2", data, {"dp": 2, "pp": 2}, distributed_optimizer=True,
-                                    overlap_grad_reduce=True),
+                                    overlap_grad_reduce=True, overlap_param_gather=True),
             "tp2-sp-dist+overlap": job(root / "tp2", data, {"dp": 2, "tp": 2, "sp": True}, distributed_optimizer=True,
                                        overlap_grad_reduce=True)}
     summaries.update(zip(wide, train_local_many(list(wide.values()), 4), strict=True))
@@ -94,6 +98,17 @@ def test_matches_dp1(runs, name):
     err = errors(dirs[name], dirs["ref"], summaries[name]["checkpoint"], summaries["ref"]["checkpoint"])
     print(f"\n{name} vs dp=1: " + ", ".join(f"{k} {v:.1e}" for k, v in err.items()))
     assert all(v <= 1e-5 for v in err.values()), err
+
+
+def test_weight_gather_under_the_forward_is_bit_identical(runs):
+    """``overlap_param_gather`` gathers the same bytes into the same weights, only later: every step's loss and
+    grad norm and every weight of the checkpoint equal, bit for bit, the run that gathers after the step."""
+    summaries, dirs = runs
+    got, want = step_records(dirs["dist+overlap+gather"]), step_records(dirs["dist+overlap"])
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
+    w = load_model_state(summaries["dist+overlap+gather"]["checkpoint"])[0]
+    ref = load_model_state(summaries["dist+overlap"]["checkpoint"])[0]
+    assert w.keys() == ref.keys() and all(torch.equal(w[k], ref[k]) for k in ref)
 
 
 def test_optimizer_bytes_halved(runs):

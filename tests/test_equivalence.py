@@ -164,6 +164,7 @@ def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
     if fsdp:  # FSDP2 over dp × cp instead
         parallel |= fsdp
         reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
+    reduction["overlap_param_gather"] = _axes.fit_param_gather(axes, reduction["distributed_optimizer"], c.dp, c.cp)
     reduction |= {"micro_batch": axes["micro_batch"], "global_batch": _axes.fit_batch(axes, c.dp, pp, interleave),
                   "steps": axes["steps"]}
     recompute = dict(RECOMPUTE[c.recompute])

@@ -92,6 +92,7 @@ def drawn(index: int, combo: tuple) -> tuple[dict, _axes.Draw]:
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01,
                  "micro_batch": axes["micro_batch"], "global_batch": _axes.fit_batch(axes, dp, pp, interleave),
                  "steps": axes["steps"]}
+    reduction["overlap_param_gather"] = _axes.fit_param_gather(axes, reduction["distributed_optimizer"], dp, cp)
     recompute = dict(RECOMPUTE[rc])
     recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))

@@ -73,6 +73,7 @@ def sections_at(axes: _axes.Draw, rng: random.Random, layout: tuple[int, int, in
     if fsdp:
         parallel |= fsdp
         train["distributed_optimizer"] = False
+    train["overlap_param_gather"] = _axes.fit_param_gather(axes, train["distributed_optimizer"], dp, cp)
     recompute = dict(eq.RECOMPUTE[rng.choice(RECOMPUTE)])
     recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))

@@ -46,6 +46,8 @@ PLAN_LOOP = {  # the shared axes (tests/_axes.py) the loop does not take, and wh
     "reshard_after_forward": "fsdp is not drawn here",
     "ep": "dense models",
     "compile": "eager",
+    "overlap_param_gather": "one step measures states and activations; the gathers' buffers are freed in the next "
+                            "forward (tests/test_param_gather.py measures them)",
 }
 RECOMPUTE_CONFIGS = {"none": RecomputeConfig("none"), "selective": RecomputeConfig("selective"),
                      "full": RecomputeConfig("full"), "full-block-1": RecomputeConfig("full", "block", 1)}

@@ -39,9 +39,11 @@ def requests(draw) -> Request:
     fused = draw(st.booleans())
     overlap = draw(st.booleans())
     return Request(shape, draw(st.sampled_from([1, 2, 4, 8, 12, 16])), draw(st.sampled_from([16, 32, 48])), hw=hw,
-                   opts=ActivationOptions(fused_attention=fused, dropout=not fused),
+                   opts=ActivationOptions(fused_attention=fused, dropout=not fused,
+                                          tp_comm_overlap=draw(st.booleans())),
                    opt=OptimizerOptions(overlap_grad_reduce=overlap, overlap_param_gather=overlap),
                    try_fsdp=draw(st.booleans()), try_distributed_optimizer=draw(st.booleans()),
+                   try_overlap_param_gather=draw(st.booleans()),
                    max_micro_batch=4, max_interleave=2, max_cp=4)
 
 
@@ -95,9 +97,10 @@ def large_plans(draw) -> tuple[Request, Plan]:
     overlap = draw(st.booleans())
     req = Request(shape, par.world_size, dp * mb * draw(st.sampled_from([1, 4])),
                   hw=builtin_profile(draw(st.sampled_from(sorted(BUILTIN_PROFILES)))),
-                  opts=ActivationOptions(fused_attention=True, dropout=False),
-                  opt=OptimizerOptions(overlap_grad_reduce=overlap, overlap_param_gather=overlap))
-    return req, Plan(par, rc, mb, distributed_optimizer=not fsdp and draw(st.booleans()))
+                  opts=ActivationOptions(fused_attention=True, dropout=False, tp_comm_overlap=draw(st.booleans())),
+                  opt=OptimizerOptions(overlap_grad_reduce=overlap))
+    dist = not fsdp and draw(st.booleans())
+    return req, Plan(par, rc, mb, distributed_optimizer=dist, overlap_param_gather=dist and draw(st.booleans()))
 
 
 @settings(max_examples=LARGE_DRAWS, deadline=None, derandomize=True)
@@ -124,3 +127,20 @@ def test_the_search_answers_fast_for_any_gpu_count(gpus, batch):
     start = time.perf_counter()
     search(req)
     assert time.perf_counter() - start < 5, (gpus, batch)
+
+
+@settings(max_examples=DRAWS, deadline=None, derandomize=True)
+@given(st.sampled_from([2, 4, 8]), st.floats(1e-6, 1e-2), st.floats(1e-6, 1e-2))
+def test_the_tp_ring_hides_what_its_partial_gemms_cover_and_nothing_without_overlap(t, volume, gemm):
+    """``tp_ring_exposed_s``: with ``comm_overlap`` 0 the ring shows the whole collective plus its t - 2 later hops;
+    with 1 and partial GEMMs longer than every exchange nothing; in between no more than the first and no less than
+    the second, and never more than the collective beside no GEMM."""
+    from seqpar.analysis.planning.costmodel import RING_HOP_S, tp_ring_exposed_s
+
+    hw = builtin_profile("h100-80gb")
+    comm = hw.comm_latency + volume
+    hops = (t - 2) * RING_HOP_S["nvlink"]
+    blind = tp_ring_exposed_s(comm, gemm, t, replace(hw, comm_overlap=0.0))
+    assert abs(blind - (comm + hops)) <= 1e-12 * (comm + hops)
+    assert tp_ring_exposed_s(comm, t * (comm + RING_HOP_S["nvlink"]), t, replace(hw, comm_overlap=1.0)) == 0.0
+    assert 0.0 <= tp_ring_exposed_s(comm, gemm, t, hw) <= blind

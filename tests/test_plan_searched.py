@@ -6,6 +6,8 @@ import json
 
 from _helpers import run_cli
 
+from seqpar.analysis.formulas.shapes import trainer_tp_comm_overlap
+
 TINY = ["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "128", "--gpus", "4",
         "--global-batch", "8"]
 LLAMA8_H100 = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "64", "--json"]
@@ -27,9 +29,32 @@ def test_the_header_says_what_was_searched_and_the_flags_narrow_it():
     assert code == 0 and "FSDP no (--fsdp adds it)" in line and "distributed optimizer no (--distributed-optimizer " \
         "adds it)" in line and "activation offloading no (--offload adds it)" in line
     code, out, _ = run_cli([*TINY, "--no-fsdp", "--device", "cpu", "--json"])  # a CPU's memory is the host's
-    assert code == 0 and json.loads(out)["searched"] == {"fsdp": False, "distributed_optimizer": True, "offload": False}
+    assert code == 0 and json.loads(out)["searched"] == {"fsdp": False, "distributed_optimizer": True, "offload": False,
+                                                         "overlap_param_gather": True,
+                                                         "tp_comm_overlap": trainer_tp_comm_overlap()}
     code, out, _ = run_cli([*TINY, "--no-fsdp", "--device", "cpu", "--offload", "--json"])  # asked for: searched
     assert code == 0 and json.loads(out)["searched"]["offload"] is True
+
+
+def test_the_weight_gather_under_the_forward_is_searched_priced_and_emitted(tmp_path):
+    """Issue 54: a plan with the distributed optimizer gathers its weights under the forward unless
+    ``--no-overlap-param-gather`` (the header says which), the exposed gather is what it saves, and the emitted
+    config asks the trainer for it; ``--tp-comm-overlap`` is refused in one line where the trainer lacks it."""
+    layout = "tp=1,pp=1,dp=8,sp=off,recompute=none,mb=1,distopt=on"
+    big = ["plan", "--model", "gpt2-xl", "--gpus", "8", "--global-batch", "64", "--json", "--explain"]
+    code, out, _ = run_cli([*big, layout + ",pgather=on", "--emit-config", str(tmp_path / "on.toml")])
+    code_off, out_off, _ = run_cli([*big, layout])
+    on, off = json.loads(out)["plan"], json.loads(out_off)["plan"]
+    assert code == code_off == 0 and on["overlap_param_gather"] and not off["overlap_param_gather"]
+    assert on["time_terms"]["dp_allreduce"] < off["time_terms"]["dp_allreduce"]
+    assert "overlap_param_gather = true" in (tmp_path / "on.toml").read_text()
+    code, _, err = run_cli([*big, "tp=1,pp=1,dp=8,mb=1,pgather=on"])
+    assert code == 2 and "pgather=on gathers the distributed optimizer's weights: it needs distopt=on" in err
+    line = _searched_line(run_cli([*TINY, "--no-overlap-param-gather"])[1])
+    assert "weight gather under the forward no (--overlap-param-gather adds it)" in line
+    if not trainer_tp_comm_overlap():
+        code, _, err = run_cli([*TINY, "--tp-comm-overlap"])
+        assert code == 2 and "no parallel.tp_comm_overlap" in err.splitlines()[0]
 
 
 def test_the_default_search_finds_torchtitans_fsdp_plan_for_llama3_8b_and_no_fsdp_narrows_it():
@@ -39,7 +64,8 @@ def test_the_default_search_finds_torchtitans_fsdp_plan_for_llama3_8b_and_no_fsd
     code, out, err = run_cli(LLAMA8_H100)
     assert code == 0, err
     found = json.loads(out)
-    assert found["searched"] == {"fsdp": True, "distributed_optimizer": True, "offload": True}
+    assert found["searched"] == {"fsdp": True, "distributed_optimizer": True, "offload": True,
+                                 "overlap_param_gather": True, "tp_comm_overlap": trainer_tp_comm_overlap()}
     titan = [p for p in found["plans"] if (p["tp"], p["pp"], p["cp"], p["dp"], p["fsdp"]) == (1, 1, 1, 8, True)]
     assert titan and titan[0]["tie_with_best"], [p["predicted_iteration_s"] for p in found["plans"][:3]]
     code, out, err = run_cli([*LLAMA8_H100, "--no-fsdp", "--no-offload"])

@@ -88,7 +88,8 @@ def test_a_preset_says_what_it_changed_of_the_toml(tmp_path):
 
 RESUME = {  # the shared axes (tests/_axes.py) a resume's layout does not take: fit_inherited reads parallel settings
     axis: "not a parallel setting (a resume keeps the checkpoint's or takes the flag)"
-    for axis in ("micro_batch", "global_batch", "steps", "dtype", "label_smoothing", "data", "offload", "compile")}
+    for axis in ("micro_batch", "global_batch", "steps", "dtype", "label_smoothing", "data", "offload", "compile",
+                 "overlap_param_gather")}
 LAYOUTS = [(tp, pp, dp, cp) for tp in (1, 2, 4) for pp in (1, 2) for dp in (1, 2, 4) for cp in (1, 2, 4)
            if tp * pp * dp * cp <= 8]
 RESUME_DRAWS = int(os.environ.get("SEQPAR_RESUME_DRAWS", "300"))

@@ -35,6 +35,7 @@ STAGES = {  # the shared axes (tests/_axes.py) the stage measure does not take, 
     "reshard_after_forward": "fsdp is not drawn here",
     "ep": "dense models",
     "compile": "eager",
+    "overlap_param_gather": "no optimizer step (its buffers: tests/test_param_gather.py, measured == formula)",
 }
 
 

@@ -45,20 +45,23 @@ def render(result: dict) -> str:
              "{:+.1f}%..{:+.1f}%".format(*(100 * e for e in r["error_range"])) if r["free_parameters"] else "",
              "-" if r["published_mfu"] is None else f"{100 * r['published_mfu']:.1f}%",
              f"{100 * r['published_mfu'] * r['published_s'] / r['predicted_s']:.1f}%" if r["published_mfu"] else "-",
-             f"{gb(r['memory_bytes'])}/{gb(r['usable_bytes'])}" + ("" if r["fits"] else " OVER")]
+             f"{gb(r['memory_bytes'])}/{gb(r['usable_bytes'])}" + ("" if r["fits"] else " OVER"),
+             f"{r['seqpar_s']:.3g}", f"{100 * r['seqpar_error']:+.1f}%"]
             for r in result["rows"]]
     rows = table(["source", "run", "gpu", "n", "layout (published; unprinted mb and m at 1)", "published s",
-                  "predicted s", "error", "range (mb, m free)", "MFU pub", "MFU pred", "GB / usable"], body,
+                  "predicted s", "error", "range (mb, m free)", "MFU pub", "MFU pred", "GB / usable", "seqpar s",
+                  "seqpar vs pub"], body,
                  left=(0, 1, 2, 4))
     stats = [[k, v["rows"], f"{100 * v['median_abs_error']:.1f}%", f"{100 * v['worst_abs_error']:.1f}%",
-              f"{100 * v['mean_error']:+.1f}%", _target(result["targets"].get(k))]
-             for k, v in result["stats"].items()]
+              f"{100 * v['mean_error']:+.1f}%", _target(result["targets"].get(k)),
+              f"{100 * v['seqpar_median_abs_error']:.1f}%"] for k, v in result["stats"].items()]
     fits = [[f["gpu"], f"{f['attention_efficiency']:.2f}", f"{f['fsdp_overlap']:.2f}",
              f"{f['rows']} llm-foundry runs outside the set, s {f['seq'][0]}..{f['seq'][1]} ({f['long_rows']} above "
              f"{LONG_SEQ})", f"{100 * f['median_abs_error']:.1f}%",
              f"{f['without_long_rows']['attention_efficiency']:.2f} / {f['without_long_rows']['fsdp_overlap']:.2f}"]
             for f in result["fits"]]
-    return (rows + "\n\n" + table(["rows", "n", "median |error|", "worst |error|", "mean error", "target"], stats)
+    return (rows + "\n\n" + table(["rows", "n", "median |error|", "worst |error|", "mean error", "target",
+                                    "seqpar's own: median |vs published|"], stats)
             + "\n\nfitted on rows outside the set (published.fit_foundry):\n"
             + table(["gpu", "attention_efficiency", "fsdp_overlap", "fitted on", "median |error|",
                      f"fit without s > {LONG_SEQ}: attention / overlap"], fits, left=(0, 3)))

@@ -68,10 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the cost model charges only what that backward does not cover, plus the last bucket")
     g.add_argument("--grad-bucket-mb", type=float, default=None,
                    help="MiB of fp32 gradients per bucket (train.grad_bucket_mb; default: the trainer's)")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="model the distributed optimizer's weight all-gather under the next forward (Megatron's "
-                        "--overlap-param-gather; seqpar's trainer gathers after the step, so a plan for it leaves "
-                        "this off)")
+    add(g, "--overlap-param-gather", help="with the distributed optimizer, its weight all-gather under the first "
+        "microbatch's forward, each bucket waited for at its first use (train.overlap_param_gather): the cost model "
+        "charges what that forward does not cover, plus the last bucket, one call per bucket (default: on, each "
+        "plan with the distributed optimizer searched with and without it, pgather=on in its label; "
+        "--no-overlap-param-gather leaves it out)")
+    g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="under SP, each tensor-parallel all-gather and reduce-scatter a ring of tp chunks pipelined "
+                        "with its GEMM, forward and backward (parallel.tp_comm_overlap) (default: on where seqpar's "
+                        "trainer has it, for every plan with SP; --no-tp-comm-overlap leaves it out)")
     add(g, "--fsdp", help="search FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N "
         "B/param) (default: on; --no-fsdp leaves it out)")
     add(g, "--offload", help="search offloading modules' activations to host memory (keep / recompute / offload per "
@@ -203,10 +208,12 @@ def request_from_args(args):
     opts = ActivationOptions(act_bytes=act_bytes, logits_bytes=act_bytes, bounded_loss=True, dropout=dropout > 0,
                              fused_attention=fused, sdpa_kernel=kernel, ln_stats_bytes=stats,
                              free_pipeline_outputs=not args.keep_pipeline_outputs)
+    opts = dataclasses.replace(opts, tp_comm_overlap=tp_comm_overlap_searched(args))
     return Request(shape=shape, gpus=args.gpus, global_batch=batch, hw=hw, opts=opts,
                    opt=_overlap(args, OptimizerOptions.for_precision(args.dtype)), precision=args.dtype,
                    dropout=dropout,
                    try_distributed_optimizer=args.distributed_optimizer is not False,  # the whole search by default
+                   try_overlap_param_gather=args.overlap_param_gather is not False,
                    try_fsdp=args.fsdp is not False, try_offload=offload_searched(args),
                    max_micro_batch=args.max_micro_batch, name=model_name)
 
@@ -215,6 +222,16 @@ def offload_searched(args) -> bool:
     """Whether the search offloads activations: as ``--offload`` / ``--no-offload`` say, else where the host is not
     the device (``--device cpu`` offloads to the memory it runs in: nothing freed)."""
     return args.offload if args.offload is not None else args.device != "cpu"
+
+
+def tp_comm_overlap_searched(args) -> bool:
+    """Whether the plans pipeline the SP collectives with their GEMMs: as ``--tp-comm-overlap`` /
+    ``--no-tp-comm-overlap`` say, else where the trainer has it; asked of a trainer without it: refused."""
+    from seqpar.analysis.formulas.shapes import AnalysisError, trainer_tp_comm_overlap
+
+    if args.tp_comm_overlap and not trainer_tp_comm_overlap():
+        raise AnalysisError("--tp-comm-overlap: this seqpar's trainer has no parallel.tp_comm_overlap to run it")
+    return trainer_tp_comm_overlap() if args.tp_comm_overlap is None else args.tp_comm_overlap
 
 
 def _overlap(args, opt):
@@ -226,7 +243,7 @@ def _overlap(args, opt):
     if not 0 < mb < float("inf"):
         raise AnalysisError(f"--grad-bucket-mb must be a positive number, got {mb}")
     return dataclasses.replace(opt, overlap_grad_reduce=args.overlap_grad_reduce,
-                               overlap_param_gather=args.overlap_param_gather, bucket_bytes=mb * 2**20)
+                               bucket_bytes=mb * 2**20)
 
 
 def _emit(args, req, plan) -> None:
@@ -341,7 +358,9 @@ def run(args) -> int:
             print(json.dumps({"best": plans[0] if plans else None, "plans": plans,
                               "settings": planner.settings(req), "hardware": profile_to_json(req.hw),
                               "searched": {"fsdp": req.try_fsdp, "distributed_optimizer": req.try_distributed_optimizer,
-                                           "offload": req.try_offload},
+                                           "offload": req.try_offload,
+                                           "overlap_param_gather": req.try_overlap_param_gather,
+                                           "tp_comm_overlap": req.opts.tp_comm_overlap},
                               "ruled_out": planner.rejection_lines(req, stats)}))
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))

@@ -51,6 +51,9 @@ class TrainConfig:
     distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over dp (train/optim/dist_optim.py)
     overlap_grad_reduce: bool = False  # reduce gradient buckets during the backward (seqpar/parallel/grad_buffer.py)
     grad_bucket_mb: float = 25.0  # MiB of fp32 gradients per bucket (those two options)
+    # the distributed optimizer's weight all-gathers issued after the step, each bucket waited for at the first
+    # forward use of its parameters (seqpar/train/optim/param_gather.py)
+    overlap_param_gather: bool = False
     # torch.compile each layer as one fused region (seqpar/model/compile.py; docs/training.md); None: CUDA only
     compile: bool | None = None
     micro_batch: int = 8  # sequences per microbatch per data-parallel rank
@@ -178,9 +181,14 @@ class JobConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"recompute num_layers must be a positive integer, got {n!r}")
         self.train.validate(self.parallel.dp)
-        if self.parallel.fsdp and (self.train.distributed_optimizer or self.train.overlap_grad_reduce):
-            raise ConfigError("fsdp shards the optimizer state and reduce-scatters the gradients during the backward "
-                              "itself: turn off distributed_optimizer and overlap_grad_reduce")
+        t = self.train
+        if self.parallel.fsdp and (t.distributed_optimizer or t.overlap_grad_reduce or t.overlap_param_gather):
+            raise ConfigError("fsdp shards the optimizer state, gathers each layer's weights in the forward and "
+                              "reduce-scatters the gradients during the backward itself: turn off "
+                              "distributed_optimizer, overlap_grad_reduce and overlap_param_gather")
+        if t.overlap_param_gather and not t.distributed_optimizer:
+            raise ConfigError("overlap_param_gather overlaps the distributed optimizer's weight all-gather with the "
+                              "next forward: it needs distributed_optimizer (the replicated optimizer gathers nothing)")
         if self.train.compile and self.recompute.offload_modules:
             raise ConfigError(f"offload modules {list(self.recompute.offload_modules)} need compile off (the offload "
                               "hooks see an eager layer's saved tensors; a compiled region saves its own)")
@@ -222,9 +230,9 @@ def inert_settings(job: JobConfig) -> list[str]:
         notes.append(f"tokenizer {t.tokenizer} does not read {t.data} (a .bin holds token ids already); it is "
                      "recorded for sample and export-hf only")
     notes += _bytes_note(m, t)
-    if (t.distributed_optimizer or t.overlap_grad_reduce) and p.dp * p.cp == 1:
-        notes.append("the distributed optimizer and the overlapped gradient reduction do nothing at dp × cp 1 "
-                     "(they shard over, and overlap the reduction across, the data-parallel ranks)")
+    if (t.distributed_optimizer or t.overlap_grad_reduce or t.overlap_param_gather) and p.dp * p.cp == 1:
+        notes.append("the distributed optimizer and the overlapped gradient reduction and weight gather do nothing "
+                     "at dp × cp 1 (they shard over, and overlap the exchanges across, the data-parallel ranks)")
     params = default_lr_on_large_model(job)
     if params:
         notes.append(f"lr {t.lr:g} is the trainer's default, set for the small models of configs/; this model has "

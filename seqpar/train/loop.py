@@ -194,7 +194,8 @@ class Trainer:
                  f"  peak {info['peak_tflops_per_rank']:.3g} TFLOP/s per rank ({info['peak_source']})"]
         if "optimizer_bytes" in info:
             opt = ("distributed optimizer" if t.distributed_optimizer else "optimizer") + \
-                (", gradients reduced during the backward" if t.overlap_grad_reduce else "")
+                (", gradients reduced during the backward" if t.overlap_grad_reduce else "") + \
+                (", weights gathered under the next forward" if t.overlap_param_gather else "")
             if p.fsdp:
                 opt = (f"FSDP2 over {p.fsdp_shards} ranks" + (" (HSDP)" if p.fsdp_shards < p.dp * p.cp else "")
                        + (", ZeRO-3" if p.reshard_after_forward else ", ZeRO-2") + ": fp32 shards")

@@ -86,9 +86,9 @@ class ActivationOptions:
     # dtype (logits_bytes) and an fp32 log-sum-exp per token instead of an fp32 softmax (the paper's Sec. 4.3)
     bounded_loss: bool = False
     free_pipeline_outputs: bool = True
-    # Megatron's --tp-comm-overlap (TransformerEngine userbuffers): every tensor-parallel collective of a layer
-    # pipelined with the GEMM it feeds or follows, forward and backward (seqpar's trainer overlaps the backward's
-    # SP re-gather and reduce-scatter only; costmodel.layer_pass_s). For modelling published runs.
+    # parallel.tp_comm_overlap (Megatron's --tp-comm-overlap): every SP all-gather and reduce-scatter of a layer a
+    # ring of t chunks pipelined with the GEMM it feeds or follows, forward and backward
+    # (costmodel.tp_ring_exposed_s); without it the backward's re-gather and reduce-scatter run beside whole GEMMs
     tp_comm_overlap: bool = False
 
 
@@ -110,8 +110,8 @@ class OptimizerOptions:
     distributed: bool = False
     # overlap (costmodel.dp_allreduce_s): gradient buckets of ``bucket_bytes`` fp32 reduced during the last
     # microbatch's backward (train.overlap_grad_reduce, train.grad_bucket_mb); the distributed optimizer's
-    # weights all-gathered during the first microbatch's forward (Megatron's --overlap-param-gather; seqpar's
-    # trainer gathers them after the step)
+    # weights all-gathered during the first microbatch's forward (train.overlap_param_gather, Megatron's
+    # --overlap-param-gather)
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     bucket_bytes: float = 25 * 2**20
@@ -187,3 +187,9 @@ def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: 
                              ln_stats_bytes=ln_stats_bytes,
                              dropout=uses_dropout(cfg, embedding), fused_attention=cfg.fused_attention,
                              sdpa_kernel=sdpa_kernel, free_pipeline_outputs=free_pipeline_outputs)
+
+
+def trainer_tp_comm_overlap() -> bool:
+    """Whether seqpar's trainer runs ``tp_comm_overlap`` (``parallel.tp_comm_overlap``, issue 54 item 1): the planner
+    searches it and ``bench published`` prices seqpar's own rows with it only then (no option the trainer lacks)."""
+    return "tp_comm_overlap" in ParallelConfig.__dataclass_fields__

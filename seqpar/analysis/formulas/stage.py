@@ -30,14 +30,16 @@ from seqpar.analysis.formulas.shapes import (
     layers_per_chunk,
     validate_layout,
 )
-from seqpar.analysis.formulas.states import chunk_layer_ids, stage_state_bytes
+from seqpar.analysis.formulas.states import chunk_layer_ids, param_gather_bytes, stage_state_bytes
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
 # Working sets alive only inside one pass, never across the schedule: what a recomputation rebuilds, the reloads
 # ahead of a backward, an all-to-all's send and receive buffers. The device total counts them (a plan must fit
-# them); what the schedule holds between passes -- what ``seqpar.measure.meter`` measures -- does not.
-TRANSIENT_TERMS = ("recompute_working", "offload_reload_working", "a2a_buffers")
+# them); what the schedule holds between passes -- what ``seqpar.measure.meter`` measures -- does not. And the
+# distributed optimizer's overlapped weight gathers (``param_gather_excess``): live from the step to the first
+# forward, when no activation is, so only what they hold beyond the activations' peak adds to the total.
+TRANSIENT_TERMS = ("recompute_working", "offload_reload_working", "a2a_buffers", "param_gather_excess")
 NONE, FULL = RecomputeConfig("none"), RecomputeConfig("full")
 
 
@@ -371,7 +373,21 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     if rc.offload_modules and r:
         host = offload_host_terms(shape, par, rc, b, opts, rank, r - kept, kept)
         terms["offload_reload_working"] = offload_reload_bytes(shape, par, rc, b, opts, rank)
+    excess = param_gather_excess(shape, par, opt, rank, sum(v for k, v in terms.items() if k not in STATE_TERMS))
+    if excess > 0:
+        terms["param_gather_excess"] = excess
     return StageMemory(rank=rank, in_flight=r, terms=terms, host=host)
+
+
+def param_gather_excess(shape: ModelConfig, par: ParallelConfig, opt: OptimizerOptions, rank: int,
+                        activations: float) -> float:
+    """What the overlapped weight gathers (``opt.overlap_param_gather`` with the distributed optimizer:
+    ``states.param_gather_bytes``) hold beyond ``activations``, the rank's peak above its states: they are live
+    from the step to the first microbatch's forward, the activations after it, so the peak is the states plus the
+    larger of the two."""
+    if not (opt.overlap_param_gather and opt.distributed) or par.fsdp or par.dp * par.cp == 1:
+        return 0.0
+    return max(0.0, param_gather_bytes(shape, par, rank, opt, int(opt.bucket_bytes)) - activations)
 
 
 def offload_host_terms(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,

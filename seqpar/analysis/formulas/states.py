@@ -223,3 +223,22 @@ def rank_state_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, opt: Op
     held = sum(shard_elements(k, *world[e]) for k, e in per_bucket) if opt.distributed else n
     return {"params_bytes": n * opt.param_bytes, "grads_bytes": grads * opt.grad_bytes,
             "optimizer_bytes": held * (opt.master_bytes + opt.adam_bytes)}
+
+
+def param_gather_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, opt: OptimizerOptions,
+                       bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Bytes the distributed optimizer's overlapped weight gathers hold on pipeline rank ``rank`` from the step to
+    the first microbatch's forward (``train.overlap_param_gather``, ``seqpar.train.optim.param_gather``): per
+    bucket gathered over more than one rank, the bucket padded to a multiple of its group in the parameters' dtype
+    and this rank's shard of it (the collective's input). The forward frees each at its first use, before the
+    activations build up; after the step without the overlap one bucket's at a time."""
+    sizes = stage_parameter_sizes(shape, par, rank)
+    tied = shape.tie_embeddings and par.pp > 1
+    worlds = {False: par.dp * par.cp, True: par.dp * par.cp // par.ep}
+    total = 0
+    for k, expert in bucket_layout(sizes, bucket_bytes, (TIED,) if tied else ()):
+        world = worlds[expert]
+        if world > 1:
+            padded = -(-k // world) * world
+            total += (padded + padded // world) * opt.param_bytes
+    return total

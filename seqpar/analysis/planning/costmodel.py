@@ -33,7 +33,9 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 layer's (TP: f's all-reduce beside the logits' weight-gradient GEMM; SP: as a column-
                 parallel GEMM above) and the vocab-parallel cross entropy's 3 all-reduces of s b fp32
                 values; once per step the gradient norm's all-reduce over tp (and over pp), and under
-                SP the all-reduce of the replicated parameters' partial gradients
+                SP the all-reduce of the replicated parameters' partial gradients. With ``tp_comm_overlap``
+                every SP collective of a layer, forward and backward, is a ring of t chunks pipelined with
+                its GEMM cut in t (``tp_ring_exposed_s``): each of the t - 1 exchanges beside one partial GEMM
     recompute   selective: the attention core's forward again (QK^T, softmax, dropout, attention*V);
                 full: each recomputed layer's whole forward (GEMMs, element-wise, collectives, overhead);
                 App. C kept chunk-microbatches are not recomputed
@@ -222,6 +224,21 @@ def fsdp_beside_s(comm: float, window: float, hw: Hardware) -> float:
     return comm - hw.fsdp_overlap * min(comm, window)
 
 
+def tp_ring_exposed_s(collective: float, gemm: float, t: int, hw: Hardware) -> float:
+    """Exposed seconds of one SP all-gather or reduce-scatter (``collective``: one call's ``comm_latency`` + its ring
+    volume) run as ``parallel.tp_comm_overlap`` runs it: a ring of t chunks, one per tp rank, pipelined with the
+    GEMM it feeds (or follows) cut into t partial GEMMs of ``gemm`` / t. Each of the t - 1 exchanges (1/(t-1) of the
+    volume; the first carries the call's ``comm_latency``, each later one a ring step's hop, ``RING_HOP_S``, as a
+    ring collective's steps are priced) runs beside one partial GEMM and shows what ``comm_overlap`` of it does not
+    hide; the remaining partial GEMM -- a gather's first (the rank's own chunk: nothing to wait for), a
+    reduce-scatter's last (its result sent by the step after it) -- runs beside no exchange and hides nothing."""
+    if t == 1:
+        return 0.0
+    chunk = (collective - hw.comm_latency) / (t - 1)
+    first = beside_gemm_s(hw.comm_latency + chunk, gemm / t, hw)
+    return first + (t - 2) * beside_gemm_s(RING_HOP_S["nvlink"] + chunk, gemm / t, hw)
+
+
 def tp_collectives_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
                      opts: ActivationOptions) -> tuple[float, float]:
     """(all-reduce, all-gather or reduce-scatter) seconds of the e [s/cp, b, h] activation over the tp group,
@@ -320,10 +337,12 @@ def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         g |= {k: moe * gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shape, par, b, opts.act_bytes).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
-    if par.sp and opts.tp_comm_overlap:  # each collective pipelined with the GEMM it feeds or follows
-        fwd_comm = sum(beside_gemm_s(gather, g[k], hw) for k in ("qkv", "out_proj", "fc1", "fc2"))
-        bwd_comm = sum(2 * beside_gemm_s(gather, g[k], hw) for k in ("qkv", "fc1")) + sum(
-            beside_gemm_s(gather, g[k], hw) for k in ("out_proj", "fc2"))
+    if par.sp and opts.tp_comm_overlap:  # each collective a ring pipelined with the GEMM it feeds or follows
+        ring = {k: tp_ring_exposed_s(gather, g[k], t, hw) for k in ("qkv", "out_proj", "fc1", "fc2")}
+        fwd_comm = sum(ring.values())  # g's gathers into QKV and fc1, g-bar's reduce-scatters after out-proj and fc2
+        # backward: per column-parallel GEMM the stored input's re-gather (beside the input gradient's partial GEMMs)
+        # and the input gradient's reduce-scatter; per row-parallel GEMM g-bar's gather of the output gradient
+        bwd_comm = 2 * (ring["qkv"] + ring["fc1"]) + ring["out_proj"] + ring["fc2"]
     elif par.sp:  # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
         # and per column-parallel GEMM the re-gather beside dgrad, the reduce-scatter beside wgrad
         fwd_comm = 4 * gather

@@ -57,6 +57,7 @@ class Plan:
     rc: RecomputeConfig
     micro_batch: int
     distributed_optimizer: bool = False
+    overlap_param_gather: bool = False  # the distributed optimizer's weight gather under the next forward
 
     @property
     def label(self) -> str:
@@ -74,6 +75,7 @@ class Plan:
                 f"{k('recompute.granularity')}={replace(self.rc, offload_modules=()).label}{offload},"
                 f"{k('train.micro_batch')}={self.micro_batch}")
         return (text + (f",{k('train.distributed_optimizer')}=on" if self.distributed_optimizer else "")
+                + (f",{k('train.overlap_param_gather')}=on" if self.overlap_param_gather else "")
                 + (f",{k('parallel.fsdp')}=on" if p.fsdp else ""))
 
 
@@ -173,7 +175,11 @@ def parse_plan(text: str, gpus: int) -> Plan:
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         if "offload" in values:  # offload=mlp/norm
             rc = replace(rc, offload_modules=tuple(m for m in values["offload"][1].split("/") if m)).validate()
-        return Plan(par, rc, _count(values, "mb", 1), _flag(values.get("distopt", ("", "off"))[1]))
+        dist, gather = (_flag(values.get(key, ("", "off"))[1]) for key in ("distopt", "pgather"))
+        if gather and not dist:
+            raise AnalysisError(f"{values['pgather'][0]}=on gathers the distributed optimizer's weights: it needs "
+                                "distopt=on")
+        return Plan(par, rc, _count(values, "mb", 1), dist, gather)
     except ValueError as err:  # AnalysisError is one
         raise AnalysisError(f"plan {text!r}: {err}") from err
 
@@ -189,6 +195,8 @@ class Request:
     opts: ActivationOptions = field(default_factory=ActivationOptions)
     opt: OptimizerOptions = field(default_factory=OptimizerOptions)
     try_distributed_optimizer: bool = False
+    # also the distributed optimizer's plans with the weight gather under the forward (train.overlap_param_gather)
+    try_overlap_param_gather: bool = False
     try_fsdp: bool = False  # also plans with FSDP over dp × cp (parameters, gradients, optimizer sharded)
     try_offload: bool = False  # also plans that offload modules' activations to host memory (OFFLOAD_CHOICES)
     max_micro_batch: int = 16
@@ -237,7 +245,8 @@ class Evaluation:
         out = {"tp": p.tp, "cp": p.cp, "cp_comm_type": p.cp_comm_type, "cp_a2a_size": p.a2a_size,
                "pp": p.pp, "dp": p.dp, "ep": p.ep, "interleave": p.interleave, "sp": p.sp,
                "recompute": self.plan.rc.label, "micro_batch": self.plan.micro_batch,
-               "distributed_optimizer": self.plan.distributed_optimizer, "fsdp": p.fsdp,
+               "distributed_optimizer": self.plan.distributed_optimizer,
+               "overlap_param_gather": self.plan.overlap_param_gather, "fsdp": p.fsdp,
                "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes, "fits": self.fits,
                "predicted_iteration_s": self.time.total if self.time else None,
                "predicted_mfu": self.mfu if self.time else None}
@@ -267,7 +276,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _opt(req: Request, plan: Plan) -> OptimizerOptions:
-    return replace(req.opt, distributed=plan.distributed_optimizer)
+    """The plan's optimizer options: ``req.opt`` (what a published run used, or the plan command's flags) with the
+    plan's distributed optimizer and weight gather under the forward."""
+    return replace(req.opt, distributed=plan.distributed_optimizer,
+                   overlap_param_gather=req.opt.overlap_param_gather or plan.overlap_param_gather)
 
 
 def num_microbatches(req: Request, plan: Plan) -> int:
@@ -445,8 +457,9 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
             if req.shape.experts:  # ep values the experts do not divide (the refusal names them)
                 rejected["ep_experts"] += sum(1 for ep in _divisors(group) if req.shape.experts % ep)
             for dist in (False, True) if req.try_distributed_optimizer and group > 1 else (False,):
-                for ep in eps:
-                    yield Plan(replace(par, ep=ep), RecomputeConfig(), mb, dist)
+                for gather in (False, True) if dist and req.try_overlap_param_gather else (False,):
+                    for ep in eps:
+                        yield Plan(replace(par, ep=ep), RecomputeConfig(), mb, dist, gather)
             if req.try_fsdp and not _refused(req, replace(par, fsdp=True)):
                 yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
 

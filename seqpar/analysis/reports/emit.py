@@ -47,7 +47,11 @@ def train_sections(req: Request, plan: Plan, schedule: dict | None = None) -> di
              "distributed_optimizer": plan.distributed_optimizer} | (schedule or {})
     if req.opt.overlap_grad_reduce and not plan.par.fsdp and plan.par.dp * plan.par.cp > 1:  # what the time assumed
         train |= {"overlap_grad_reduce": True, "grad_bucket_mb": req.opt.bucket_bytes / 2**20}
-    return {"model": model, "parallel": dataclasses.asdict(plan.par), "recompute": dataclasses.asdict(plan.rc),
+    if plan.overlap_param_gather and plan.par.dp * plan.par.cp > 1:
+        train |= {"overlap_param_gather": True, "grad_bucket_mb": req.opt.bucket_bytes / 2**20}
+    parallel = dataclasses.asdict(plan.par) | (
+        {"tp_comm_overlap": True} if req.opts.tp_comm_overlap and plan.par.sp and plan.par.tp > 1 else {})
+    return {"model": model, "parallel": parallel, "recompute": dataclasses.asdict(plan.rc),
             "train": train | {"data": None, "tokenizer": None}}
 
 

@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.formulas.flops import hardware_flops, model_flops
-from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config, trainer_tp_comm_overlap
 from seqpar.config import ModelConfig
 
 MEGATRON_README = "https://github.com/NVIDIA/Megatron-LM/blob/main/README.md"
@@ -77,6 +77,14 @@ class PublishedRun:
     def optimizer(self) -> OptimizerOptions:
         return OptimizerOptions(overlap_grad_reduce=self.overlap_grad_reduce,
                                 overlap_param_gather=self.overlap_param_gather)
+
+    def seqpar_options(self) -> tuple[ActivationOptions, OptimizerOptions]:
+        """What seqpar's own trainer runs the layout with (its prediction beside the published one): the dp
+        reduction and the distributed optimizer's weight gather overlapped (``train.overlap_grad_reduce``,
+        ``train.overlap_param_gather``), the SP collectives pipelined with their GEMMs where the trainer has it
+        (``parallel.tp_comm_overlap``); no option the trainer lacks."""
+        return (replace(self.opts(), tp_comm_overlap=trainer_tp_comm_overlap()),
+                OptimizerOptions(overlap_grad_reduce=True, overlap_param_gather=True))
 
 
 def published_seconds(run: PublishedRun) -> float:
@@ -314,10 +322,16 @@ class Comparison:
     usable_bytes: float
     terms: dict[str, float] = field(default_factory=dict)
     range_s: tuple[float, float] = (0.0, 0.0)
+    seqpar_s: float = 0.0  # the same layout (free settings at their defaults) with seqpar's own options
 
     @property
     def error(self) -> float:
         return self.predicted_s / self.published_s - 1
+
+    @property
+    def seqpar_error(self) -> float:
+        """seqpar's own predicted time against the published one (+: seqpar slower)."""
+        return self.seqpar_s / self.published_s - 1
 
     @property
     def error_range(self) -> tuple[float, float]:
@@ -331,7 +345,8 @@ class Comparison:
                 "free_parameters": {k: FREE_DEFAULTS[k] for k in r.choose}, "predicted_range_s": list(self.range_s),
                 "error_range": list(self.error_range),
                 "fits": self.fits, "memory_bytes": self.memory_bytes, "usable_bytes": self.usable_bytes,
-                "assumed": r.assumed, "time_terms": self.terms}
+                "assumed": r.assumed, "time_terms": self.terms, "seqpar_s": self.seqpar_s,
+                "seqpar_error": self.seqpar_error}
 
 
 def compare(run: PublishedRun, hw=None) -> Comparison:
@@ -349,8 +364,10 @@ def compare(run: PublishedRun, hw=None) -> Comparison:
         raise ValueError(f"{run.name}: {evs[0].error}")
     spread = [e.time.total for e in runnable if e.fits] or [e.time.total for e in runnable]
     ev = next((e for e in runnable if _at_defaults(run, e.plan)), runnable[0])
+    opts, opt = run.seqpar_options()
+    own = evaluate(replace(req, opts=opts, opt=opt), ev.plan)
     return Comparison(run, ev.plan.label, published_seconds(run), ev.time.total, ev.fits, ev.memory_bytes,
-                      ev.usable_bytes, dict(ev.time.terms), (min(spread), max(spread)))
+                      ev.usable_bytes, dict(ev.time.terms), (min(spread), max(spread)), own.time.total)
 
 
 def _at_defaults(run: PublishedRun, plan) -> bool:
@@ -385,7 +402,9 @@ def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
               "A100 outside the fit": [r for r in rows if r.run.kind == "A100" and r.run.source != "paper"]}
     return {k: {"rows": len(v), "median_abs_error": statistics.median(abs(r.error) for r in v),
                 "worst_abs_error": max(abs(r.error) for r in v),
-                "mean_error": statistics.fmean(r.error for r in v)} for k, v in groups.items() if v}
+                "mean_error": statistics.fmean(r.error for r in v),
+                "seqpar_median_abs_error": statistics.median(abs(r.seqpar_error) for r in v)}
+            for k, v in groups.items() if v}
 
 
 # The band CI keeps (tests/test_published.py) and ``seqpar bench published`` prints as its target, one owner:
@@ -399,4 +418,7 @@ def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
 # reduce-scatter and all-gather under one microbatch's backward and forward, at micro batch 1 a quarter of micro
 # batch 4's (32B: 0.42 s exposed at mb 1, none at mb 4; ``compare``'s range, +1%..+53%, says which the run was).
 REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.25), "H100 without free parameters": (0.08, 0.20),
-                   "H100 free, at mb 1 m 1": (0.22, 0.53)}
+                   "H100 free, at mb 1 m 1": (0.22, 0.54)}
+# (worst 0.53 -> 0.54, issue 54: --tp-comm-overlap is priced as the trainer's ring, t - 1 exchanges each beside a
+# partial GEMM (costmodel.tp_ring_exposed_s), no longer the whole collective beside the whole GEMM: GPT 32B at mb 1
+# +52.5% -> +53.9%)

@@ -201,6 +201,10 @@ class AdamOnMasters:
         return {"params_bytes": sum(params.values()), "grads_bytes": grads,
                 "optimizer_bytes": sum(masters.values()) + moments}
 
+    def wait_params(self) -> None:
+        """The weights as the last step left them, before anything reads them between steps: nothing to wait for
+        but the distributed optimizer's gathers overlapped with the forward (``overlap_param_gather``)."""
+
     def unscale(self) -> None:
         """Divide the (reduced) fp32 gradients by the loss scale (fp16 only)."""
         raise NotImplementedError

@@ -8,7 +8,9 @@ bucket covers pieces of one or more parameters (*fragments*); each fragment has 
 (for an fp32 parameter a view of the parameter itself, as ``MasterOptimizer`` uses the parameter
 as its own master), and torch.optim.AdamW updates the fragments -- Adam is elementwise, so the
 update equals the unsharded one. The updated weights are then all-gathered, bucket by bucket, into
-every rank's parameters. Per parameter and rank: 2 + 4 + 12/N bytes in bf16 (4 + 4 + 8/N in fp32).
+every rank's parameters: after the step, or with ``overlap_param_gather`` issued after the step and each
+bucket waited for at the first forward use of its parameters (``seqpar.train.optim.param_gather``). Per
+parameter and rank: 2 + 4 + 12/N bytes in bf16 (4 + 4 + 8/N in fp32).
 
 Clipping and the non-finite skip stay global and exact: each rank adds the squares of the
 fragments it owns (the one counting rule, ``adam.counted_elements``: a tied copy never, a replicated
@@ -39,6 +41,7 @@ from seqpar.parallel.comm import all_gather_into
 from seqpar.parallel.expert import is_expert
 from seqpar.parallel.grad_buffer import Bucket
 from seqpar.train.optim.adam import AdamOnMasters, set_adam_step, set_lr_and_clip_scale
+from seqpar.train.optim.param_gather import ParamGathers
 from seqpar.train.optim.sharded import KINDS, FragmentView, master_views
 
 
@@ -82,6 +85,8 @@ class DistributedOptimizer(AdamOnMasters):
                 i = index[id(p)]
                 self.fragments.append(Fragment(i, p, bucket, offset, start, end, self.counted[i], master))
         self.start_adam([(f.param, f.master) for f in self.fragments])
+        # overlap_param_gather: the weights' all-gathers issued by the step, waited for by the next forward
+        self.gathers = ParamGathers(chunks, self.buffers.buckets) if cfg.overlap_param_gather else None
 
     @property
     def mixed(self) -> bool:
@@ -103,6 +108,7 @@ class DistributedOptimizer(AdamOnMasters):
                 yield f.grad()[:end - f.start], is_expert(f.param)
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
+        self.wait_params()  # a parameter no forward used: its last gather still in flight
         lr, scale = set_lr_and_clip_scale(self.opt, step, self.cfg, grad_norm)
         for f in self.fragments:
             grad = f.grad()
@@ -113,30 +119,35 @@ class DistributedOptimizer(AdamOnMasters):
         self.updates += 1
         for f in self.fragments:
             f.master.grad = None
-        self._gather_params()
+        self._gather_params(overlap=self.gathers is not None)
         return lr
 
-    @torch.no_grad()
-    def _gather_params(self) -> None:
-        """Every rank's updated shard of every bucket into every rank's parameters."""
-        self._all_gather(lambda f: f.master, lambda p, full: p.copy_(full), dtype_of=lambda b: b.params[0].dtype)
+    def wait_params(self) -> None:
+        """Every weight gather still in flight (``overlap_param_gather``) waited for and copied into the
+        parameters: what reads the weights between steps calls it first."""
+        if self.gathers is not None:
+            self.gathers.wait_all()
 
-    def _all_gather(self, piece, put, dtype_of) -> None:
-        """For each bucket: this rank's shard filled from ``piece(fragment)``, all-gathered into the
-        whole bucket, each parameter's part handed to ``put(param, full [param.shape])``."""
-        buffers = self.buffers
+    @torch.no_grad()
+    def _gather_params(self, overlap: bool = False) -> None:
+        """Every rank's updated shard of every bucket into every rank's parameters; ``overlap``: each bucket's
+        all-gather issued only, waited for by the forward pre-hooks of ``gathers`` (a bucket no other rank
+        holds is copied at once: nothing to hide)."""
         by_bucket: dict[int, list[Fragment]] = {}
         for f in self.fragments:
             by_bucket.setdefault(id(f.bucket), []).append(f)
-        for bucket in buffers.buckets:
+        for i, bucket in enumerate(self.buffers.buckets):
             lo, hi = bucket.shard_range(bucket.rank, bucket.world)
-            flat = torch.zeros(bucket.buffer.numel(), dtype=dtype_of(bucket), device=bucket.buffer.device)
+            flat = torch.zeros(bucket.buffer.numel(), dtype=bucket.params[0].dtype, device=bucket.buffer.device)
             for f in by_bucket.get(id(bucket), []):
-                flat[f.offset + f.start:f.offset + f.end].copy_(piece(f))
+                flat[f.offset + f.start:f.offset + f.end].copy_(f.master)
+            if bucket.world > 1 and overlap:
+                self.gathers.start(i, flat, flat[lo:hi].clone())
+                continue
             if bucket.world > 1:
                 all_gather_into(flat, flat[lo:hi].clone(), bucket.group)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                put(p, flat[offset:offset + p.numel()].view_as(p))  # [p.shape]
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))  # [p.shape]
 
     # ---------------------------------------------------------------- state for checkpoints
     def checkpoint_views(self, with_optimizer: bool = True, saving: bool = True) -> dict[str, FragmentView]:
@@ -145,6 +156,7 @@ class DistributedOptimizer(AdamOnMasters):
         element once, from the rank whose norm counts it (``Fragment.counted``: a replicated
         parameter from tp rank 0, shared k/v rows from the first rank of their group, a tied copy
         never); a load reads every element of this rank's fragments."""
+        self.wait_params()  # a fp32 parameter is its own master: written by its gather
         kinds = KINDS if with_optimizer else KINDS[:1]
         out = {}
         for f in self.fragments:
@@ -157,6 +169,7 @@ class DistributedOptimizer(AdamOnMasters):
     def loaded(self, opt_step: int) -> None:
         """After a checkpoint was read into ``checkpoint_views(saving=False)``, i.e. into this rank's
         masters and moments: the step count, and every rank's masters all-gathered into the model."""
+        self.wait_params()
         for f in self.fragments:
             set_adam_step(self.opt.state[f.master], opt_step)
         self.updates = opt_step

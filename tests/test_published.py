@@ -16,9 +16,10 @@ from seqpar.analysis.planning.costmodel import (
     layer_pass_s,
     pass_windows_s,
 )
+from seqpar.analysis.planning.hardware import ACCELERATORS
 from seqpar.analysis.planning.placement import group_ranks_per_node
 from seqpar.analysis.planning.planner import parse_plan
-from seqpar.analysis.planning.profiles import FSDP_OVERLAP, FUSED_ATTENTION_EFFICIENCY, builtin_profile
+from seqpar.analysis.planning.profiles import builtin_profile
 from seqpar.analysis.reports.published import (
     REGRESSION_BAND,
     compare,
@@ -101,9 +102,10 @@ def test_the_attention_efficiency_is_the_fit_of_runs_outside_the_regression_set(
     fit_rows = {(r.name, r.gpu) for r in foundry_fit_runs(gpu)}
     assert len(fit_rows) >= 20 and not fit_rows & {(r.name, r.gpu) for r in published_runs()}
     attention, overlap = fit_foundry(gpu)
-    assert (round(attention, 2), round(overlap, 2)) == (FUSED_ATTENTION_EFFICIENCY[gpu], FSDP_OVERLAP[gpu])
+    fit = ACCELERATORS[gpu].fitted
+    assert fit.on == gpu and (round(attention, 2), round(overlap, 2)) == (fit.attention_efficiency, fit.fsdp_overlap)
     hw = builtin_profile(f"{gpu}-80gb")
-    assert (hw.attention_efficiency, hw.fsdp_overlap) == (FUSED_ATTENTION_EFFICIENCY[gpu], FSDP_OVERLAP[gpu])
+    assert (hw.attention_efficiency, hw.fsdp_overlap) == (fit.attention_efficiency, fit.fsdp_overlap)
     assert overlap < 0.9  # issue 59: FSDP's traffic is not free beside the layers' work (1 had 70B at 67.8% MFU)
 
 

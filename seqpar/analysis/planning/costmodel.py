@@ -116,7 +116,7 @@ class Hardware:
     comm_overlap: float = 1.0  # share of a collective a GEMM run beside it hides (1: GPUs, NCCL on its own stream)
     # share of an FSDP gather / reduce-scatter a layer's work beside it hides: below 1 where the collectives' kernels
     # take SMs and HBM from that work and the link is busy most of the step (``fsdp_beside_s``; the built-in
-    # profiles fit it to FSDP runs, ``profiles.FSDP_OVERLAP``)
+    # profiles fit it to FSDP runs, ``hardware.Fitted``)
     fsdp_overlap: float = 1.0
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)

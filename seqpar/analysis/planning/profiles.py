@@ -5,7 +5,8 @@
 fitted to seqpar's own measured 22B layer on an H200, ``hopper_gemm_efficiency``; the other efficiencies the A100
 fit's achieved fractions of its data sheet, applied to theirs; data sheets in ``hardware.py``). Built-in
 profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs; a profile file
-must say it, ``REQUIRED_FIELDS``) and FSDP's collectives with a layer's work by a fitted share (``FSDP_OVERLAP``).
+must say it, ``REQUIRED_FIELDS``) and FSDP's collectives with a layer's work by a fitted share (the accelerator
+record's ``fitted.fsdp_overlap``, ``hardware.ACCELERATORS``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from seqpar.analysis.formulas.presets import TABLE3
 from seqpar.analysis.formulas.shapes import AnalysisError
 from seqpar.analysis.planning.calibration import paper_calibration
 from seqpar.analysis.planning.costmodel import Hardware, layer_time_s
-from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS, TFLOPS, datasheet_hardware, known_gpu
+from seqpar.analysis.planning.hardware import ACCELERATORS, TFLOPS, accelerator, datasheet_hardware, known_gpu
 from seqpar.config import ParallelConfig, RecomputeConfig, did_you_mean
 
-BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
+# profile name -> accelerator, from the records that name one (``hardware.Accelerator.profile``)
+BUILTIN_PROFILES = {a.profile: a.name for a in ACCELERATORS.values() if a.profile}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
                   "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
                   "step_overhead", "comm_overlap", "fsdp_overlap", "gemm_operand_bw", "attention_efficiency",
@@ -42,20 +44,6 @@ HOPPER_22B_LAYER_MS = (23.3, 29.9)
 HOPPER_MEASURED_GEMM_TFLOPS = 692.0
 HOPPER = ("h100", "h200")
 
-# The fused (flash) attention kernel's efficiency on the FLOPs it does (``costmodel.fused_attention_s``), fitted to
-# llm-foundry's flash-attn 2 runs outside the regression set (``published.fit_foundry``; the test fits
-# it again): on Hopper flash-attn 2 reaches far less of the peak than a GEMM does (FlashAttention-3, arXiv
-# 2407.08608, abstract: 35% utilization). The H200 takes the H100's (the same tensor cores); every other
-# GPU the A100's, as it takes the A100's other fractions.
-FUSED_ATTENTION_EFFICIENCY = {"a100": 0.33, "h100": 0.19}
-# The share of an FSDP gather / reduce-scatter a layer's work beside it hides (``costmodel.fsdp_beside_s``), fitted
-# with the attention efficiency to the same llm-foundry FSDP runs (``published.fit_foundry``; issue 59: 1 had
-# Llama-3-70B on 64 A100s at 67.8% MFU, hiding 57 s of FSDP traffic under 70 s of compute). dp's bucketed
-# overlap (Megatron's --overlap-grad-reduce / --overlap-param-gather) keeps ``comm_overlap``: no run outside the
-# regression set measures it.
-FSDP_OVERLAP = {"a100": 0.64, "h100": 0.65}
-
-
 @lru_cache(maxsize=1)
 def hopper_gemm_efficiency() -> float:
     """The GEMM efficiency at which the cost model times the 22B layer on the H200 profile as measured
@@ -72,25 +60,18 @@ def hopper_gemm_efficiency() -> float:
     return (lo + hi) / 2
 
 
-def attention_kind(gpu: str) -> str:
-    """The GPU whose fitted ``FUSED_ATTENTION_EFFICIENCY`` ``gpu``'s built-in profile takes: Hopper the H100's, every
-    other the A100's."""
-    return "h100" if gpu in HOPPER else "a100"
-
-
 def attention_source(gpu: str) -> str:
-    """Where ``gpu``'s built-in ``attention_efficiency`` comes from (``FUSED_ATTENTION_EFFICIENCY``)."""
-    kind = attention_kind(gpu)
-    return (f"attention_efficiency {FUSED_ATTENTION_EFFICIENCY[kind]:.2f} (the fused flash kernel, on the causal half "
-            f"of the scores) fitted to llm-foundry's flash-attn 2 runs on {kind.upper()} outside the published "
+    """Where ``gpu``'s built-in ``attention_efficiency`` comes from (its record's ``fitted``)."""
+    fit = accelerator(gpu).fitted
+    return (f"attention_efficiency {fit.attention_efficiency:.2f} (the fused flash kernel, on the causal half "
+            f"of the scores) fitted to llm-foundry's flash-attn 2 runs on {fit.on.upper()} outside the published "
             "regression set (seqpar bench published)")
 
 
 def fsdp_source(gpu: str) -> str:
-    """Where ``gpu``'s built-in ``fsdp_overlap`` comes from (``FSDP_OVERLAP``)."""
-    kind = attention_kind(gpu)
-    return (f"fsdp_overlap {FSDP_OVERLAP[kind]:.2f} (the share of an FSDP collective a layer's work hides) fitted "
-            f"with it to the same runs")
+    """Where ``gpu``'s built-in ``fsdp_overlap`` comes from (its record's ``fitted``)."""
+    return (f"fsdp_overlap {accelerator(gpu).fitted.fsdp_overlap:.2f} (the share of an FSDP collective a layer's "
+            f"work hides) fitted with it to the same runs")
 
 
 def efficiency_sources(gpu: str, fitted_from: str) -> str:
@@ -98,7 +79,7 @@ def efficiency_sources(gpu: str, fitted_from: str) -> str:
     attention = "; " + attention_source(gpu) + "; " + fsdp_source(gpu)
     if gpu not in HOPPER:
         return f"every other efficiency {fitted_from}{attention}"
-    peak = PEAK_DENSE_16BIT_TFLOPS[gpu]
+    peak = accelerator(gpu).peak_tflops
     return (f"gemm_efficiency {hopper_gemm_efficiency():.2f} fitted to seqpar's measured 22B layer on one H200 "
             f"({HOPPER_22B_LAYER_MS[0]} + {HOPPER_22B_LAYER_MS[1]} ms, t=1, b=4; its lone bf16 GEMM reached "
             f"{HOPPER_MEASURED_GEMM_TFLOPS:.0f} of {peak:.0f} TFLOP/s; docs/gpu.md); memory_bw, intra/inter-node bw: "
@@ -132,11 +113,9 @@ def scaled_from_a100(gpu: str):
     hw = _sheet_scaled(gpu)
     if gpu in HOPPER:
         hw = replace(hw, gemm_efficiency=hopper_gemm_efficiency())
-    kind = attention_kind(gpu)
-    hw = replace(hw, attention_efficiency=FUSED_ATTENTION_EFFICIENCY[kind], fsdp_overlap=FSDP_OVERLAP[kind])
-    return replace(hw, error_band=band, source=source,
-                   name=next(k for k, v in BUILTIN_PROFILES.items() if v == gpu) if gpu in BUILTIN_PROFILES.values()
-                   else gpu)
+    acc = accelerator(gpu)
+    hw = replace(hw, attention_efficiency=acc.fitted.attention_efficiency, fsdp_overlap=acc.fitted.fsdp_overlap)
+    return replace(hw, error_band=band, source=source, name=acc.profile or gpu)
 
 
 def builtin_profile(name: str):

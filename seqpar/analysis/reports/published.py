@@ -47,7 +47,7 @@ class PublishedRun:
     name: str
     source: str  # paper | megatron-2021 | megatron-2024 | llm-foundry
     link: str
-    gpu: str  # hardware.DATASHEET key: a100 | h100
+    gpu: str  # hardware.ACCELERATORS key: a100 | h100
     shape: ModelConfig
     gpus: int
     layout: str  # planner.parse_plan text
@@ -216,8 +216,8 @@ def foundry_fit_runs(gpu: str) -> list[PublishedRun]:
 def fit_foundry(gpu: str, max_seq: int | None = None) -> tuple[float, float]:
     """(attention_efficiency, fsdp_overlap) at which the cost model, on ``gpu``'s built-in profile, best times
     llm-foundry's flash-attention FSDP runs outside the regression set (``foundry_fit_runs``): least squares of
-    log(predicted / published) (``fit.least_squares``, each share through a logistic). ``profiles.
-    FUSED_ATTENTION_EFFICIENCY`` and ``profiles.FSDP_OVERLAP`` hold the result (tests/test_published.py fits it
+    log(predicted / published) (``fit.least_squares``, each share through a logistic). The
+    accelerator records' ``hardware.Fitted`` hold the result (tests/test_published.py fits it
     again). ``max_seq``: only the runs of sequences up to it (``fit_report``'s check of the long rows)."""
     from seqpar.analysis.planning.fit import least_squares
     from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile

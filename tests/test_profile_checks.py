@@ -113,6 +113,6 @@ def test_a_built_in_profile_reads_its_accelerator_record():
         hw = builtin_profile(acc.profile)
         assert (hw.name, hw.memory_bytes, hw.peak_flops) == (acc.profile, acc.memory_gb * GIB, acc.peak_tflops * 1e12)
         assert hw.host_bw == acc.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY / acc.gpus_per_uplink
-        assert (hw.attention_efficiency, hw.fsdp_overlap) == (acc.fitted.attention_efficiency,
-                                                              acc.fitted.fsdp_overlap)
+        assert (hw.attention_efficiency, hw.fsdp_overlap, hw.dp_overlap) == (
+            acc.fitted.attention_efficiency, acc.fitted.fsdp_overlap, acc.fitted.dp_overlap)
     assert ACCELERATORS["h200"].fitted is ACCELERATORS["h100"].fitted  # the same tensor cores: the H100's fit

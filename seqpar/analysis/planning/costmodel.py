@@ -118,6 +118,10 @@ class Hardware:
     # take SMs and HBM from that work and the link is busy most of the step (``fsdp_beside_s``; the built-in
     # profiles fit it to FSDP runs, ``hardware.Fitted``)
     fsdp_overlap: float = 1.0
+    # share of a dp gradient bucket's reduce (or the distributed optimizer's weight all-gather) the last microbatch's
+    # backward (the first one's forward) beside it hides under --overlap-grad-reduce / --overlap-param-gather
+    # (``dp_beside_s``; the built-in profiles take their accelerator record's, ``hardware.Fitted``)
+    dp_overlap: float = 1.0
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
     # fraction of peak a fused (flash-style) attention kernel reaches on the FLOPs it does: under the causal mask it
@@ -564,11 +568,32 @@ def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: O
     return reduce + gather
 
 
+def dp_beside_s(comm: float, window: float, hw: Hardware) -> float:
+    """dp's bucketed collectives beside ``window`` seconds of a pass: what ``dp_overlap`` of the window does not
+    hide."""
+    return comm - hw.dp_overlap * min(comm, window)
+
+
+def one_in_flight_overlap(fsdp_overlap: float, param_bytes: int = OptimizerOptions.param_bytes) -> float:
+    """The share of one collective in flight a pass beside it hides, derived from FSDP's fitted ``fsdp_overlap`` by
+    link occupancy (a derivation, not a fit: no published run outside the regression set measures dp's bucketed
+    overlap). FSDP (full shard) keeps one collective on the link beside a layer's forward (the next unit's
+    weights, ``param_bytes`` a parameter) and two beside its backward (the weights again and the fp32 gradients'
+    reduce-scatter: ``param_bytes`` + 4, sharing the link, so both run for the pair's whole time). If each kernel in
+    flight slows the work beside it by the same share, FSDP's fitted loss, 1 - fsdp_overlap per second of traffic
+    over p + (p + 4) seconds, was spread over p + 2 (p + 4) kernel-seconds; one collective alone (dp's buckets under
+    --overlap-grad-reduce / --overlap-param-gather) loses (1 - fsdp_overlap) (2p + 4) / (3p + 8) of its time and
+    hides the rest."""
+    p = param_bytes
+    return 1 - (1 - fsdp_overlap) * (2 * p + 4) / (3 * p + 8)
+
+
 def exposed_s(comm: float, last: float, window: float, hw: Hardware) -> float:
     """A collective cut in buckets, each started when its data is ready, beside ``window`` seconds of compute:
-    all but the ``last`` bucket run under the window (what does not fit is exposed), the last one after it."""
+    all but the ``last`` bucket run under the window (what does not fit is exposed, ``dp_beside_s``), the last one
+    after it."""
     last = min(last, comm)
-    return beside_gemm_s(comm - last, window, hw) + last
+    return dp_beside_s(comm - last, window, hw) + last
 
 
 def dp_exposed_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from seqpar.analysis.formulas.shapes import AnalysisError
-from seqpar.analysis.planning.costmodel import Hardware
+from seqpar.analysis.planning.costmodel import Hardware, one_in_flight_overlap
 
 TFLOPS = 1e12
 GIB = 2**30  # a data sheet's memory "GB" are the HBM/GDDR stacks' binary gigabytes: an "80 GB" A100 holds 80 GiB
@@ -30,11 +30,19 @@ class Fitted:
     ``fsdp_overlap``: the share of an FSDP gather / reduce-scatter a layer's work beside it hides
     (``costmodel.fsdp_beside_s``), fitted with it to the same llm-foundry FSDP runs (issue 59: 1 had Llama-3-70B on
     64 A100s at 67.8% MFU, hiding 57 s of FSDP traffic under 70 s of compute).
+    ``dp_overlap``: the share of dp's bucketed collectives (Megatron's --overlap-grad-reduce / --overlap-param-gather)
+    the pass beside them hides, derived from ``fsdp_overlap`` by link occupancy (``costmodel.one_in_flight_overlap``:
+    one collective in flight where FSDP's backward keeps two), not fitted: no published run outside the regression
+    set measures it (docs/analysis.md says which were read).
     """
 
     on: str
     attention_efficiency: float
     fsdp_overlap: float
+
+    @property
+    def dp_overlap(self) -> float:
+        return round(one_in_flight_overlap(self.fsdp_overlap), 2)
 
 
 A100_FIT = Fitted("a100", attention_efficiency=0.33, fsdp_overlap=0.64)

@@ -5,8 +5,10 @@
 fitted to seqpar's own measured 22B layer on an H200, ``hopper_gemm_efficiency``; the other efficiencies the A100
 fit's achieved fractions of its data sheet, applied to theirs; data sheets in ``hardware.py``). Built-in
 profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs; a profile file
-must say it, ``REQUIRED_FIELDS``) and FSDP's collectives with a layer's work by a fitted share (the accelerator
-record's ``fitted.fsdp_overlap``, ``hardware.ACCELERATORS``).
+must say it, ``REQUIRED_FIELDS``), FSDP's collectives with a layer's work by a fitted share (the accelerator
+record's ``fitted.fsdp_overlap``, ``hardware.ACCELERATORS``) and dp's bucketed collectives with the pass by a share
+derived from it (``fitted.dp_overlap``). A profile file without ``fsdp_overlap`` / ``dp_overlap`` takes its
+``comm_overlap`` for both (the share it measured beside a GEMM).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from seqpar.config import ParallelConfig, RecomputeConfig, did_you_mean
 BUILTIN_PROFILES = {a.profile: a.name for a in ACCELERATORS.values() if a.profile}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
                   "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
-                  "step_overhead", "comm_overlap", "fsdp_overlap", "gemm_operand_bw", "attention_efficiency",
-                  "reserve_fraction", "error_band", "host_bw", "host_memory_bytes", "host_reserve_fraction")
+                  "step_overhead", "comm_overlap", "fsdp_overlap", "dp_overlap", "gemm_operand_bw",
+                  "attention_efficiency", "reserve_fraction", "error_band", "host_bw", "host_memory_bytes",
+                  "host_reserve_fraction")
 REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
 
 
@@ -70,8 +73,10 @@ def attention_source(gpu: str) -> str:
 
 def fsdp_source(gpu: str) -> str:
     """Where ``gpu``'s built-in ``fsdp_overlap`` comes from (its record's ``fitted``)."""
-    return (f"fsdp_overlap {accelerator(gpu).fitted.fsdp_overlap:.2f} (the share of an FSDP collective a layer's "
-            f"work hides) fitted with it to the same runs")
+    fit = accelerator(gpu).fitted
+    return (f"fsdp_overlap {fit.fsdp_overlap:.2f} (the share of an FSDP collective a layer's work hides) fitted with "
+            f"it to the same runs; dp_overlap {fit.dp_overlap:.2f} (dp's bucketed overlap, one collective in flight) "
+            "derived from it by link occupancy, not fitted")
 
 
 def efficiency_sources(gpu: str, fitted_from: str) -> str:
@@ -114,7 +119,8 @@ def scaled_from_a100(gpu: str):
     if gpu in HOPPER:
         hw = replace(hw, gemm_efficiency=hopper_gemm_efficiency())
     acc = accelerator(gpu)
-    hw = replace(hw, attention_efficiency=acc.fitted.attention_efficiency, fsdp_overlap=acc.fitted.fsdp_overlap)
+    hw = replace(hw, attention_efficiency=acc.fitted.attention_efficiency, fsdp_overlap=acc.fitted.fsdp_overlap,
+                 dp_overlap=acc.fitted.dp_overlap)
     return replace(hw, error_band=band, source=source, name=acc.profile or gpu)
 
 
@@ -142,6 +148,8 @@ FIELD_RULES = {
     "comm_overlap": ("in [0, 1] (the share of a collective a GEMM beside it hides)", lambda v: 0 <= v <= 1),
     "fsdp_overlap": ("in [0, 1] (the share of an FSDP collective a layer's work beside it hides)",
                      lambda v: 0 <= v <= 1),
+    "dp_overlap": ("in [0, 1] (the share of a dp gradient bucket's collective the backward beside it hides)",
+                   lambda v: 0 <= v <= 1),
     "comm_latency": _NON_NEGATIVE, "layer_overhead": _NON_NEGATIVE, "step_overhead": _NON_NEGATIVE,
     "reserve_fraction": _FRACTION_OPEN,
     "host_bw": _POSITIVE, "host_memory_bytes": _POSITIVE, "host_reserve_fraction": _FRACTION_OPEN,
@@ -195,9 +203,10 @@ def profile_from_json(data: dict, where: str = "profile", name: str = "custom pr
                 "seqpar calibrate measures it)" if "comm_overlap" in missing else "")
         raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}{hint}")
     # fields left out take the A100 sheet's values, except those whose absence means "as another field"
-    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency; fsdp_overlap: comm_overlap, the share a
-    # file measured beside a GEMM)
+    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency; fsdp_overlap and dp_overlap: comm_overlap,
+    # the share a file measured beside a GEMM)
     values.setdefault("fsdp_overlap", values["comm_overlap"])
+    values.setdefault("dp_overlap", values["comm_overlap"])
     defaulted = [n for n in PROFILE_FIELDS if n not in values and n not in ("name", "source")
                  and getattr(Hardware(), n) is not None]
     values.setdefault("name", name)

@@ -57,11 +57,12 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the exposed part of
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather`` what the last
-microbatch's backward / the first one's forward does not cover plus the last bucket; FSDP: per microbatch,
-each layer's prefetched gathers and reduce-scatters beside the layers' compute: ``dp_exposed_s``,
-``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``; a window holds only what runs: the layers
-recompute re-runs, and the exchanges on another link than the gradient group's, ``pass_windows_s``) + the
-optimizer step (memory-bound: bytes of the mixed-precision Adam update / memory_bw) + ``step_overhead``.
+microbatch's backward / the first one's forward does not hide, ``dp_overlap`` of what it covers, plus the last
+bucket; FSDP: per microbatch, each layer's prefetched gathers and reduce-scatters beside the layers' compute:
+``dp_exposed_s``, ``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``; a window holds only what
+runs: the layers recompute re-runs, and the exchanges on another link than the gradient group's,
+``pass_windows_s``) + the optimizer step (memory-bound: bytes of the mixed-precision Adam update / memory_bw) +
+``step_overhead``.
 Every collective and p2p is priced at ``intra_node_bw`` when its group stays in a node and at
 ``inter_node_bw`` when it spans nodes, with the ranks placed as ``ParallelDims`` places them (tp
 innermost, then cp, pp, dp outermost: ``placement.py``); the gradient group across nodes at ``inter_node_bw``

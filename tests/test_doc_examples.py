@@ -124,3 +124,33 @@ def test_the_documented_slurm_script_and_checkpoint_comment_are_emitted(tmp_path
     assert (tmp_path / "job.sbatch").read_text() == script
     comment = next(b for b in blocks if b.startswith("# [train] save_every"))
     assert comment in (tmp_path / "p.toml").read_text()
+
+
+CP_DOC = ROOT / "docs" / "context_parallel.md"
+CP_ROW = re.compile(r"^\| (\d+) \| tp=(\d+),cp=(\d+) \(([^)]*)\) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", re.M)
+CP_KINDS = ("cp_comm_type=ring", "cp_comm_type=a2a", "cp_comm_type=a2a+ring,cp_a2a_size=2")  # the table's columns
+
+
+def cp_cell(seq: int, tp: int, cp: int, kind: str) -> str:
+    """One cell of docs/context_parallel.md's "when each kind wins" table: ``cp_comm`` seconds / iteration seconds of
+    the layout as ``seqpar plan --explain`` evaluates it (llama3-8b, 64 A100s in nodes of 8, global batch 64, full
+    recompute): the command's own request and evaluation, without the search --explain also runs to rank it."""
+    from seqpar.analysis.planning.planner import evaluate, parse_plan
+    from seqpar.cli import build_parser
+    from seqpar.commands.plan import request_from_args
+
+    label = f"tp={tp},cp={cp},{kind},pp=1,dp={64 // (tp * cp)},sp={'on' if tp > 1 else 'off'},recompute=full,mb=1"
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "a100", "--seq", str(seq), "--global-batch", "64",
+            "--explain", label]
+    args = build_parser("plan").parse_args(argv)
+    ev = evaluate(request_from_args(args), parse_plan(label, 64), every_rank=True)
+    return f"{ev.time.terms['cp_comm']:.2f} / {ev.time.total:.1f}"
+
+
+def test_the_context_parallel_table_is_the_cost_models():
+    """docs/context_parallel.md's table of the three kinds, every cell (18 evaluations, no search: ~2 s)."""
+    rows = CP_ROW.findall(CP_DOC.read_text())
+    assert len(rows) == 6
+    for seq, tp, cp, _where, *cells in rows:
+        got = [cp_cell(int(seq), int(tp), int(cp), kind) for kind in CP_KINDS]
+        assert [c.strip() for c in cells] == got, (seq, tp, cp)

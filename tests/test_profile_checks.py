@@ -116,3 +116,7 @@ def test_a_built_in_profile_reads_its_accelerator_record():
         assert (hw.attention_efficiency, hw.fsdp_overlap, hw.dp_overlap) == (
             acc.fitted.attention_efficiency, acc.fitted.fsdp_overlap, acc.fitted.dp_overlap)
     assert ACCELERATORS["h200"].fitted is ACCELERATORS["h100"].fitted  # the same tensor cores: the H100's fit
+    from seqpar.analysis.planning.profiles import hopper_gemm_efficiency
+
+    hopper = [a.name for a in ACCELERATORS.values() if a.fitted and a.fitted.gemm_measured_on == "h200"]
+    assert hopper == ["h100", "h200"] and builtin_profile("h100-80gb").gemm_efficiency == hopper_gemm_efficiency()

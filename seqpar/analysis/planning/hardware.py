@@ -39,6 +39,9 @@ class Fitted:
     on: str
     attention_efficiency: float
     fsdp_overlap: float
+    # where the GEMM efficiency comes from: None, the A100 fit to the paper's times; "h200", seqpar's own measured
+    # 22B layer on one H200 (``profiles.hopper_gemm_efficiency``)
+    gemm_measured_on: str | None = None
 
     @property
     def dp_overlap(self) -> float:
@@ -47,7 +50,7 @@ class Fitted:
 
 A100_FIT = Fitted("a100", attention_efficiency=0.33, fsdp_overlap=0.64)
 # the H200 takes the H100's (the same tensor cores and clocks; it differs in HBM only)
-HOPPER_FIT = Fitted("h100", attention_efficiency=0.19, fsdp_overlap=0.65)
+HOPPER_FIT = Fitted("h100", attention_efficiency=0.19, fsdp_overlap=0.65, gemm_measured_on="h200")
 
 
 @dataclass(frozen=True)

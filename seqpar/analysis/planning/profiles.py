@@ -36,16 +36,16 @@ PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops
 REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
 
 
-
 # seqpar's own measurements on Hopper (docs/gpu.md, `seqpar selftest --device cuda --quick` on one H200,
 # 2026-12-04): the paper's 22B layer (h 6144, a 64, s 2048, b 4, bf16, dropout 0.1, t = 1, materialized core,
 # no recompute) ran 23.3 ms forward + 29.9 ms backward, and a bf16 GEMM of n = 8192 reached 692 of 989 TFLOP/s.
 # ``gemm_efficiency`` is fitted to the layer, as the A100's is fitted to the paper's layer and iteration times
 # (the lone GEMM's 0.70 is its upper bound). The H100 SXM has the same GH100 tensor cores and clocks (the H200
-# differs in HBM only), so both Hopper profiles take the efficiency fitted on the H200.
+# differs in HBM only), so both Hopper profiles take the efficiency fitted on the H200 (their records'
+# ``Fitted.gemm_measured_on``).
 HOPPER_22B_LAYER_MS = (23.3, 29.9)
 HOPPER_MEASURED_GEMM_TFLOPS = 692.0
-HOPPER = ("h100", "h200")
+
 
 @lru_cache(maxsize=1)
 def hopper_gemm_efficiency() -> float:
@@ -82,7 +82,7 @@ def fsdp_source(gpu: str) -> str:
 def efficiency_sources(gpu: str, fitted_from: str) -> str:
     """Where each efficiency of ``gpu``'s built-in profile comes from, one clause each (``seqpar plan`` prints it)."""
     attention = "; " + attention_source(gpu) + "; " + fsdp_source(gpu)
-    if gpu not in HOPPER:
+    if accelerator(gpu).fitted.gemm_measured_on is None:
         return f"every other efficiency {fitted_from}{attention}"
     peak = accelerator(gpu).peak_tflops
     return (f"gemm_efficiency {hopper_gemm_efficiency():.2f} fitted to seqpar's measured 22B layer on one H200 "
@@ -116,7 +116,7 @@ def scaled_from_a100(gpu: str):
         source = f"{gpu} data sheet; " + efficiency_sources(gpu, "from the A100 fit to the paper (not measured on a "
                                                            f"{gpu}; run seqpar calibrate there)")
     hw = _sheet_scaled(gpu)
-    if gpu in HOPPER:
+    if accelerator(gpu).fitted.gemm_measured_on == "h200":
         hw = replace(hw, gemm_efficiency=hopper_gemm_efficiency())
     acc = accelerator(gpu)
     hw = replace(hw, attention_efficiency=acc.fitted.attention_efficiency, fsdp_overlap=acc.fitted.fsdp_overlap,

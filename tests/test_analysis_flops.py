@@ -12,7 +12,7 @@ from seqpar.analysis.formulas.flops import (
     recompute_extra_flops,
 )
 from seqpar.analysis.formulas.shapes import AnalysisError
-from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS, peak_flops
+from seqpar.analysis.planning.hardware import ACCELERATORS, peak_flops
 
 B, L, S, H, V = 2, 3, 16, 8, 32
 
@@ -58,6 +58,6 @@ def test_utilization_and_errors():
 
 def test_peak_table_is_dense_16_bit():
     assert peak_flops("A100") == 312e12 and peak_flops("h100") == 989e12 == peak_flops("h200")
-    assert all(v < 3000 for v in PEAK_DENSE_16BIT_TFLOPS.values())
+    assert all(a.peak_tflops < 3000 for a in ACCELERATORS.values())
     with pytest.raises(AnalysisError, match="unknown accelerator 'tpu'; known: v100"):
         peak_flops("tpu")

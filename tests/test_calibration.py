@@ -120,8 +120,10 @@ def test_profile_json_round_trip_and_validation(tmp_path):
     with pytest.raises(AnalysisError, match="missing field.s. comm_overlap .*seqpar calibrate measures it"):
         profile_from_json(no_overlap)
     assert builtin_profile("a100-80gb").comm_overlap == 1.0  # GPUs overlap, as the paper's fit assumes
-    older = {k: v for k, v in good.items() if k != "fsdp_overlap"} | {"comm_overlap": 0.4}  # a file before issue 59
+    older = {k: v for k, v in good.items() if k not in ("fsdp_overlap", "dp_overlap")} | {"comm_overlap": 0.4}
+    # ^ a file from before issue 59
     assert profile_from_json(older).fsdp_overlap == 0.4  # the share it measured beside a GEMM, not the default 1
+    assert profile_from_json(older).dp_overlap == 0.4  # a file without dp_overlap: dp's buckets hide as before
     path.write_text("{not json")
     with pytest.raises(AnalysisError, match="not readable JSON"):
         load_profile(str(path))
@@ -160,7 +162,7 @@ def test_calibrated_profile_changes_the_plan(capsys, tmp_path):
     hw = load_profile(str(path))
     assert hw.peak_flops == max(r["flops"] / r["seconds"] for r in printed["measurements"]["gemm"])
     assert 0 <= hw.comm_overlap <= 1 and printed["comm_overlap"] == hw.comm_overlap
-    assert hw.fsdp_overlap == hw.comm_overlap  # an FSDP gather beside a layer: the share measured beside a GEMM
+    assert hw.fsdp_overlap == hw.comm_overlap == hw.dp_overlap  # beside a layer: the share measured beside a GEMM
     assert "seqpar calibrate" in hw.source
     assert main(PLAN) == 0
     default = json.loads(capsys.readouterr().out)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from seqpar.analysis.planning.profiles import FUSED_ATTENTION_EFFICIENCY
+from seqpar.analysis.planning.hardware import ACCELERATORS
 from seqpar.bench.acceptance import SMOKE_ENV, error_line, part_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_part2_figures(out):
     assert {"baseline", "full", "selective"} <= set(f["table4"]["rows"])
     assert f["llama_layer_eager"]["layer"]["seqpar"]["ms"] > 0 and f["llama_layer_eager"]["vs_plain"] > 0
     assert f["attention_efficiency"]["attention_efficiency"] > 0 and f["attention_efficiency"][
-        "builtin_attention_efficiency"] == FUSED_ATTENTION_EFFICIENCY["h100"]
+        "builtin_attention_efficiency"] == ACCELERATORS["h100"].fitted.attention_efficiency
 
 
 def test_a_failing_child_is_one_line():

@@ -1,5 +1,6 @@
 """Properties every plan the search returns satisfies, over generated models x GPU counts x flags x profiles
-(issue 59 item 2): no collective hides under more work than runs, MFU below the profile's bound
+(issue 59 item 2): no collective hides under more work than runs (dp's buckets at most ``dp_overlap`` of it,
+and a smaller share never faster), MFU below the profile's bound
 (``costmodel.mfu_bound``), more data-parallel GPUs at a fixed per-rank layout never more memory per rank, a bigger
 micro-batch never less, and the search answers fast for any GPU count. Seeded draws: CI runs SEQPAR_PLAN_DRAWS=10
 (default: 10 searches of small models, 100 evaluated layouts of Llama 3 8B-405B, 3 GPU counts timed);
@@ -112,6 +113,20 @@ def test_a_large_plan_hides_no_more_than_runs_and_stays_below_the_mfu_bound(case
         return
     _hides_no_more_than_runs(req, ev)
     assert 0 < ev.mfu <= mfu_bound(req.hw), (plan.label, ev.mfu)
+    _dp_hides_at_most_its_share(req, ev)
+
+
+def _dp_hides_at_most_its_share(req: Request, ev) -> None:
+    """dp's bucketed collectives (not FSDP's) hide at most ``dp_overlap`` of the one microbatch's work they run
+    beside, and a smaller share never makes the plan faster (none: every second of them exposed)."""
+    if ev.plan.par.fsdp:
+        return
+    n = num_microbatches(req, ev.plan)
+    under = sum(ev.time.terms.get(k, 0.0) for k in RUN_TERMS) / n
+    assert ev.time.hidden.get("dp_allreduce", 0.0) <= req.hw.dp_overlap * under * (1 + 1e-9), ev.plan.label
+    none = evaluate(replace(req, hw=replace(req.hw, dp_overlap=0.0)), ev.plan)
+    hidden = none.time.hidden.get("dp_allreduce", 0.0)  # rounding's residue of full - exposed at most
+    assert none.time.total >= ev.time.total * (1 - 1e-12) and hidden <= 1e-12 * none.time.total, ev.plan.label
 
 
 def test_the_sweep_checked_plans():

@@ -97,3 +97,26 @@ def _full(tmp_path) -> str:
     path = tmp_path / "full.json"
     path.write_text(json.dumps(GOOD))
     return str(path)
+
+
+def test_a_built_in_profile_reads_its_accelerator_record():
+    """One record per accelerator (issue 58): a built-in profile's memory, peak, host and fitted fractions are its
+    record's fields, and only the records that name a profile carry fitted fractions."""
+    from seqpar.analysis.planning.hardware import ACCELERATORS, GIB, HOST_LINK_EFFICIENCY
+    from seqpar.analysis.planning.profiles import BUILTIN_PROFILES
+
+    assert BUILTIN_PROFILES == {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
+    for acc in ACCELERATORS.values():
+        assert (acc.profile is None) == (acc.fitted is None), acc.name
+        if acc.profile is None:
+            continue
+        hw = builtin_profile(acc.profile)
+        assert (hw.name, hw.memory_bytes, hw.peak_flops) == (acc.profile, acc.memory_gb * GIB, acc.peak_tflops * 1e12)
+        assert hw.host_bw == acc.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY / acc.gpus_per_uplink
+        assert (hw.attention_efficiency, hw.fsdp_overlap, hw.dp_overlap) == (
+            acc.fitted.attention_efficiency, acc.fitted.fsdp_overlap, acc.fitted.dp_overlap)
+    assert ACCELERATORS["h200"].fitted is ACCELERATORS["h100"].fitted  # the same tensor cores: the H100's fit
+    from seqpar.analysis.planning.profiles import hopper_gemm_efficiency
+
+    hopper = [a.name for a in ACCELERATORS.values() if a.fitted and a.fitted.gemm_measured_on == "h200"]
+    assert hopper == ["h100", "h200"] and builtin_profile("h100-80gb").gemm_efficiency == hopper_gemm_efficiency()

@@ -14,17 +14,20 @@ from seqpar.analysis.planning.costmodel import (
     iteration_time,
     layer_gemms,
     layer_pass_s,
+    one_in_flight_overlap,
     pass_windows_s,
 )
+from seqpar.analysis.planning.hardware import ACCELERATORS
 from seqpar.analysis.planning.placement import group_ranks_per_node
 from seqpar.analysis.planning.planner import parse_plan
-from seqpar.analysis.planning.profiles import FSDP_OVERLAP, FUSED_ATTENTION_EFFICIENCY, builtin_profile
+from seqpar.analysis.planning.profiles import builtin_profile
 from seqpar.analysis.reports.published import (
     REGRESSION_BAND,
     compare,
     error_stats,
     fit_foundry,
     foundry_fit_runs,
+    free_row_reasons,
     published_runs,
     published_seconds,
 )
@@ -101,10 +104,51 @@ def test_the_attention_efficiency_is_the_fit_of_runs_outside_the_regression_set(
     fit_rows = {(r.name, r.gpu) for r in foundry_fit_runs(gpu)}
     assert len(fit_rows) >= 20 and not fit_rows & {(r.name, r.gpu) for r in published_runs()}
     attention, overlap = fit_foundry(gpu)
-    assert (round(attention, 2), round(overlap, 2)) == (FUSED_ATTENTION_EFFICIENCY[gpu], FSDP_OVERLAP[gpu])
+    fit = ACCELERATORS[gpu].fitted
+    assert fit.on == gpu and (round(attention, 2), round(overlap, 2)) == (fit.attention_efficiency, fit.fsdp_overlap)
     hw = builtin_profile(f"{gpu}-80gb")
-    assert (hw.attention_efficiency, hw.fsdp_overlap) == (FUSED_ATTENTION_EFFICIENCY[gpu], FSDP_OVERLAP[gpu])
+    assert (hw.attention_efficiency, hw.fsdp_overlap) == (fit.attention_efficiency, fit.fsdp_overlap)
     assert overlap < 0.9  # issue 59: FSDP's traffic is not free beside the layers' work (1 had 70B at 67.8% MFU)
+    # dp's bucketed overlap: derived from it (one collective in flight where FSDP's backward keeps two), between
+    # FSDP's share and 1, and the profile's
+    assert fit.fsdp_overlap < fit.dp_overlap < 1 and hw.dp_overlap == fit.dp_overlap
+    assert fit.dp_overlap == round(one_in_flight_overlap(overlap), 2)
+
+
+def test_one_in_flight_overlap_spreads_fsdps_loss_over_its_kernels():
+    """FSDP's fitted loss, 1 - f per second of traffic, over forward (p bytes a parameter, one kernel) and backward
+    (p + 4, two kernels sharing the link): per kernel-second (1 - f)(2p + 4)/(3p + 8), at both ends of f exact."""
+    assert one_in_flight_overlap(1.0) == 1.0 and one_in_flight_overlap(0.0) == pytest.approx(1 - 8 / 14)
+    assert one_in_flight_overlap(0.3, param_bytes=4) == pytest.approx(1 - 0.7 * 12 / 20)
+
+
+def test_the_free_rows_err_at_their_defaults_by_the_exposed_dp_seconds(rows):
+    """Issue 59: the Megatron 2024 rows at micro batch 1 without interleaving err slow by a median above 10%; the
+    measured reason is the dp collectives a one-sample microbatch's pass cannot hide: without those seconds the
+    median is under 10%, and every row has a candidate that fits within 20% (``free_row_reasons``)."""
+    reasons = free_row_reasons(rows)
+    assert len(reasons["rows"]) == 9 and reasons["median"]["error"] > 0.10
+    assert reasons["median"]["error_without_dp"] <= 0.10
+    assert all(p["dp_exposed_s"] > 0 for p in reasons["rows"])
+    assert all(abs(p["best_candidate_error"]) <= 0.20 for p in reasons["rows"])
+
+
+def test_llama3_70b_on_64_a100s_is_in_the_range_published_runs_without_recompute_reach(rows):
+    """Issue 59: the planner's best layout for Llama-3-70B on 64 A100s (global batch 256, FSDP, distributed optimizer,
+    overlapped dp) recomputes nothing (App. C keeps every chunk-microbatch in flight), and its predicted MFU lies in
+    the range the published A100 runs without recompute reach (llm-foundry, MPT-1B..13B), not above it."""
+    from seqpar.analysis.formulas.presets import preset_shape
+    from seqpar.analysis.planning.planner import Request, evaluate
+
+    no_recompute = [r.run.published_mfu for r in rows if r.run.kind == "A100" and r.run.published_mfu
+                    and "recompute=none" in r.run.layout]
+    req = Request(preset_shape("llama3-70b"), 64, 256, hw=builtin_profile("a100-80gb"),
+                  opts=ActivationOptions(fused_attention=True, dropout=False),
+                  opt=OptimizerOptions(overlap_grad_reduce=True, overlap_param_gather=True))
+    ev = evaluate(req, parse_plan("tp=4,pp=4,split=19/21/21/19,dp=4,m=1,sp=on,recompute=full-uniform-1+keep3,mb=1,"
+                                  "distopt=on", 64))
+    assert ev.time.terms["recompute"] == 0 and ev.time.hidden["dp_allreduce"] > 0
+    assert len(no_recompute) >= 5 and min(no_recompute) <= ev.mfu <= max(no_recompute), (ev.mfu, no_recompute)
 
 
 def test_a_fused_core_counts_half_its_scores_at_the_attention_efficiency():

@@ -2,8 +2,8 @@
 # Issue 49's GPU check (not yet run: no GPU was lent while it was written). `seqpar calibrate` on one GPU in bf16:
 # its profile's attention_efficiency is the fused causal kernel seqpar trains with (scaled_dot_product_attention,
 # fwd + bwd), set beside the built-in profile's, which is fitted to llm-foundry's flash-attn 2 runs
-# (seqpar/analysis/planning/profiles.py FUSED_ATTENTION_EFFICIENCY: 0.18 on H100); and its gemm_efficiency beside the
-# built-in 0.60. Bounded (< 5 min); results land in $OUT (the device tool's output folder) or ./calibrate-gpu.
+# (seqpar/analysis/planning/hardware.py, the H100 record's fitted attention_efficiency); and its
+# gemm_efficiency beside the built-in 0.60. Bounded (< 5 min); results land in $OUT (the device tool's output folder) or ./calibrate-gpu.
 # Runs from the checkout (PYTHONPATH), installing nothing; $PYTHON (default python3) with torch.
 #   bash benchmarks/gpu/attention_efficiency.sh     # from anywhere; torch with CUDA installed
 # benchmarks/gpu/acceptance.sh --part 2 measures the same fit among its other figures.

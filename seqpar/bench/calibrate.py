@@ -372,7 +372,8 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
                   inter_node_bw=memory_bw, comm_latency=1e-5, layer_overhead=0.0, step_overhead=0.0,
                   gemm_efficiency=0.9, name=name, memory_bytes=_memory_bytes(), reserve_fraction=0.10,
                   comm_overlap=0.0 if default_device().type == "cpu" else 1.0)  # not measured on one rank
-    hw = replace(hw, fsdp_overlap=hw.comm_overlap)  # an FSDP gather beside a layer: the measured share, as any other
+    # an FSDP gather or a dp bucket beside a layer: the measured share, as any other collective
+    hw = replace(hw, fsdp_overlap=hw.comm_overlap, dp_overlap=hw.comm_overlap)
     if meas["collectives"]:  # bus bandwidth and latency as the cost model uses them: latency + volume / bw
         ring = {"all_reduce": ring_allreduce_s, "all_gather": ring_gather_s, "reduce_scatter": ring_gather_s}
         points = [DataPoint("collective", "", f"{r['op']} {r['bytes']} B", r["seconds"],
@@ -382,7 +383,8 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
                              lambda h, r=r: h.comm_latency + r["bytes"] / h.intra_node_bw) for r in meas["p2p"]]
         hw = fit(points, hw, names=("intra_node_bw", "comm_latency"), prior_weight=1e-3)
         shared = overlap(meas["collectives"])
-        hw = replace(hw, inter_node_bw=hw.intra_node_bw, comm_overlap=shared, fsdp_overlap=shared)  # one machine
+        hw = replace(hw, inter_node_bw=hw.intra_node_bw, comm_overlap=shared, fsdp_overlap=shared,
+                     dp_overlap=shared)  # one machine
     points = [DataPoint("gemm", "", f"{r['m']}x{r['k']}x{r['n']}", r["seconds"],
                         lambda h, r=r: gemm_s(r["flops"], r["bytes"], h)) for r in meas["gemm"]]
     hw = fit(points, replace(hw, gemm_operand_bw=memory_bw), names=("gemm_efficiency", "gemm_operand_bw"),

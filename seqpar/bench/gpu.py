@@ -203,10 +203,10 @@ def run(args) -> dict:
     repeats = args.repeats or (10 if gpu else 2)
     steps = max(args.steps or (8 if gpu else 3), 3)
     key = spec_sheet_key(device_name(device)) if gpu else None
-    from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS
+    from seqpar.analysis.planning.hardware import peak_flops
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    peaks = {"sheet": PEAK_DENSE_16BIT_TFLOPS[key] * 1e12 if key and dtype == "bf16" else None,
+    peaks = {"sheet": peak_flops(key) if key and dtype == "bf16" else None,
              "gemm": gemm_probe(device, torch_dtype, n=8192 if gpu else 512, seconds=2.0 if gpu else 0.3)}
     layer_cfg = _llama(SMALL["layer"] if small else LAYER, dtype)
     model_cfg = _llama(SMALL["model"] if small else MODEL, dtype)

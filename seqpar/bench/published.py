@@ -19,6 +19,7 @@ from seqpar.analysis.reports.published import (
     compare,
     error_stats,
     fit_report,
+    free_row_reasons,
     published_runs,
 )
 from seqpar.analysis.text import gb, table
@@ -36,7 +37,7 @@ def run(args) -> dict:
     rows = [compare(r) for r in runs]
     return {"rows": [r.to_json() for r in rows], "stats": error_stats(rows),
             "targets": {k: {"median": m, "worst": w} for k, (m, w) in REGRESSION_BAND.items()},
-            "fits": [fit_report(gpu) for gpu in ("a100", "h100")]}
+            "fits": [fit_report(gpu) for gpu in ("a100", "h100")], "free_rows": free_row_reasons(rows)}
 
 
 def render(result: dict) -> str:
@@ -55,16 +56,32 @@ def render(result: dict) -> str:
     stats = [[k, v["rows"], f"{100 * v['median_abs_error']:.1f}%", f"{100 * v['worst_abs_error']:.1f}%",
               f"{100 * v['mean_error']:+.1f}%", _target(result["targets"].get(k)),
               f"{100 * v['seqpar_median_abs_error']:.1f}%"] for k, v in result["stats"].items()]
-    fits = [[f["gpu"], f"{f['attention_efficiency']:.2f}", f"{f['fsdp_overlap']:.2f}",
+    fits = [[f["gpu"], f"{f['attention_efficiency']:.2f}", f"{f['fsdp_overlap']:.2f}", f"{f['dp_overlap']:.2f}",
              f"{f['rows']} llm-foundry runs outside the set, s {f['seq'][0]}..{f['seq'][1]} ({f['long_rows']} above "
              f"{LONG_SEQ})", f"{100 * f['median_abs_error']:.1f}%",
              f"{f['without_long_rows']['attention_efficiency']:.2f} / {f['without_long_rows']['fsdp_overlap']:.2f}"]
             for f in result["fits"]]
     return (rows + "\n\n" + table(["rows", "n", "median |error|", "worst |error|", "mean error", "target",
                                     "seqpar's own: median |vs published|"], stats)
-            + "\n\nfitted on rows outside the set (published.fit_foundry):\n"
-            + table(["gpu", "attention_efficiency", "fsdp_overlap", "fitted on", "median |error|",
-                     f"fit without s > {LONG_SEQ}: attention / overlap"], fits, left=(0, 3)))
+            + _free_rows(result["free_rows"])
+            + "\n\nfitted on rows outside the set (published.fit_foundry; dp_overlap derived from fsdp_overlap, "
+              "costmodel.one_in_flight_overlap):\n"
+            + table(["gpu", "attention_efficiency", "fsdp_overlap", "dp_overlap", "fitted on", "median |error|",
+                     f"fit without s > {LONG_SEQ}: attention / overlap"], fits, left=(0, 4)))
+
+
+def _free_rows(free: dict) -> str:
+    """The rows with free parameters at their defaults: what the error is made of (``published.free_row_reasons``)."""
+    if not free["rows"]:
+        return ""
+    body = [[p["name"], f"{100 * p['error']:+.1f}%", f"{p['dp_exposed_s']:.3g}", f"{p['bubble_s']:.3g}",
+             f"{100 * p['error_without_dp']:+.1f}%", f"{100 * p['best_candidate_error']:+.1f}%"] for p in free["rows"]]
+    m = free["median"]
+    body.append(["median", f"{100 * m['error']:+.1f}%", "", "", f"{100 * m['error_without_dp']:+.1f}%",
+                 f"{100 * m['best_candidate_error']:+.1f}%"])
+    return ("\n\nrows with free parameters at mb 1 m 1: what the error is made of (published.free_row_reasons)\n"
+            + table(["run", "error", "dp exposed s", "bubble s", "error without dp", "best candidate"], body,
+                    left=(0,)))
 
 
 def _target(t: dict | None) -> str:

@@ -115,11 +115,11 @@ def table4(ctx) -> tuple[bool, dict, str]:
 
 def gemm_peaks(device: torch.device, n: int, seconds: float) -> tuple[float, float | None, str | None]:
     """(measured bf16 GEMM FLOP/s, the data-sheet dense bf16 FLOP/s or None, its table key)."""
-    from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS
+    from seqpar.analysis.planning.hardware import peak_flops
 
     measured = gemm_probe(device, torch.bfloat16, n=n, seconds=seconds)
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
-    return measured, (PEAK_DENSE_16BIT_TFLOPS[key] * 1e12 if key else None), key
+    return measured, (peak_flops(key) if key else None), key
 
 
 def _trainer(ctx, model: dict, parallel: dict, recompute: dict, micro_batch: int, steps: int,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from seqpar.analysis.formulas.flops import training_flops
-from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS
+from seqpar.analysis.planning.hardware import ACCELERATORS, peak_flops
 from seqpar.dtypes import torch_dtype
 from seqpar.fileio import write_atomic
 
@@ -41,7 +41,7 @@ def spec_sheet_key(device_name: str) -> str | None:
     h100, "NVIDIA H100 PCIe" h100-pcie, "NVIDIA A100-SXM4-80GB" a100; "NVIDIA L40S" is not l4 (a
     substring match took it for one, at a third of its peak). None when the table has no entry."""
     words = re.findall(r"[a-z0-9]+", device_name.lower())
-    for key in sorted(PEAK_DENSE_16BIT_TFLOPS, key=len, reverse=True):
+    for key in sorted(ACCELERATORS, key=len, reverse=True):
         parts = key.split("-")
         if any(words[i:i + len(parts)] == parts for i in range(len(words))):
             return key
@@ -83,7 +83,7 @@ def mfu_peak(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tu
         return peak_tflops * 1e12, "given"
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
     if key is not None:
-        return PEAK_DENSE_16BIT_TFLOPS[key] * 1e12, f"spec sheet ({key})"
+        return peak_flops(key), f"spec sheet ({key})"
     return cached_gemm_probe(device, dtype)
 
 

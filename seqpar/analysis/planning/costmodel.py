@@ -59,11 +59,12 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the exposed part of
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather`` what the last
-microbatch's backward / the first one's forward does not cover plus the last bucket; FSDP: per microbatch,
-each layer's prefetched gathers and reduce-scatters beside the layers' compute: ``dp_exposed_s``,
-``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``; a window holds only what runs: the layers
-recompute re-runs, and the exchanges on another link than the gradient group's, ``pass_windows_s``) + the
-optimizer step (memory-bound: bytes of the mixed-precision Adam update / memory_bw) + ``step_overhead``.
+microbatch's backward / the first one's forward does not hide, ``dp_overlap`` of what it covers, plus the last
+bucket; FSDP: per microbatch, each layer's prefetched gathers and reduce-scatters beside the layers' compute:
+``dp_exposed_s``, ``fsdp_collectives_s``; the hidden part is ``IterationTime.hidden``; a window holds only what
+runs: the layers recompute re-runs, and the exchanges on another link than the gradient group's,
+``pass_windows_s``) + the optimizer step (memory-bound: bytes of the mixed-precision Adam update / memory_bw) +
+``step_overhead``.
 Every collective and p2p is priced at ``intra_node_bw`` when its group stays in a node and at
 ``inter_node_bw`` when it spans nodes, with the ranks placed as ``ParallelDims`` places them (tp
 innermost, then cp, pp, dp outermost: ``placement.py``); the gradient group across nodes at ``inter_node_bw``
@@ -118,8 +119,12 @@ class Hardware:
     comm_overlap: float = 1.0  # share of a collective a GEMM run beside it hides (1: GPUs, NCCL on its own stream)
     # share of an FSDP gather / reduce-scatter a layer's work beside it hides: below 1 where the collectives' kernels
     # take SMs and HBM from that work and the link is busy most of the step (``fsdp_beside_s``; the built-in
-    # profiles fit it to FSDP runs, ``profiles.FSDP_OVERLAP``)
+    # profiles fit it to FSDP runs, ``hardware.Fitted``)
     fsdp_overlap: float = 1.0
+    # share of a dp gradient bucket's reduce (or the distributed optimizer's weight all-gather) the last microbatch's
+    # backward (the first one's forward) beside it hides under --overlap-grad-reduce / --overlap-param-gather
+    # (``dp_beside_s``; the built-in profiles take their accelerator record's, ``hardware.Fitted``)
+    dp_overlap: float = 1.0
     step_overhead: float = 0.0  # host-side work once per iteration: data, loss, gradient norm, launches
     gemm_operand_bw: float | None = None  # None: GEMM operands move at memory_bw (GPUs)
     # fraction of peak a fused (flash-style) attention kernel reaches on the FLOPs it does: under the causal mask it
@@ -583,11 +588,32 @@ def dp_allreduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: O
     return reduce + gather
 
 
+def dp_beside_s(comm: float, window: float, hw: Hardware) -> float:
+    """dp's bucketed collectives beside ``window`` seconds of a pass: what ``dp_overlap`` of the window does not
+    hide."""
+    return comm - hw.dp_overlap * min(comm, window)
+
+
+def one_in_flight_overlap(fsdp_overlap: float, param_bytes: int = OptimizerOptions.param_bytes) -> float:
+    """The share of one collective in flight a pass beside it hides, derived from FSDP's fitted ``fsdp_overlap`` by
+    link occupancy (a derivation, not a fit: no published run outside the regression set measures dp's bucketed
+    overlap). FSDP (full shard) keeps one collective on the link beside a layer's forward (the next unit's
+    weights, ``param_bytes`` a parameter) and two beside its backward (the weights again and the fp32 gradients'
+    reduce-scatter: ``param_bytes`` + 4, sharing the link, so both run for the pair's whole time). If each kernel in
+    flight slows the work beside it by the same share, FSDP's fitted loss, 1 - fsdp_overlap per second of traffic
+    over p + (p + 4) seconds, was spread over p + 2 (p + 4) kernel-seconds; one collective alone (dp's buckets under
+    --overlap-grad-reduce / --overlap-param-gather) loses (1 - fsdp_overlap) (2p + 4) / (3p + 8) of its time and
+    hides the rest."""
+    p = param_bytes
+    return 1 - (1 - fsdp_overlap) * (2 * p + 4) / (3 * p + 8)
+
+
 def exposed_s(comm: float, last: float, window: float, hw: Hardware) -> float:
     """A collective cut in buckets, each started when its data is ready, beside ``window`` seconds of compute:
-    all but the ``last`` bucket run under the window (what does not fit is exposed), the last one after it."""
+    all but the ``last`` bucket run under the window (what does not fit is exposed, ``dp_beside_s``), the last one
+    after it."""
     last = min(last, comm)
-    return beside_gemm_s(comm - last, window, hw) + last
+    return dp_beside_s(comm - last, window, hw) + last
 
 
 def dp_exposed_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, opt: OptimizerOptions,

@@ -5,7 +5,10 @@
 fitted to seqpar's own measured 22B layer on an H200, ``hopper_gemm_efficiency``; the other efficiencies the A100
 fit's achieved fractions of its data sheet, applied to theirs; data sheets in ``hardware.py``). Built-in
 profiles overlap collectives with GEMMs (``comm_overlap`` 1, as Megatron does on GPUs; a profile file
-must say it, ``REQUIRED_FIELDS``) and FSDP's collectives with a layer's work by a fitted share (``FSDP_OVERLAP``).
+must say it, ``REQUIRED_FIELDS``), FSDP's collectives with a layer's work by a fitted share (the accelerator
+record's ``fitted.fsdp_overlap``, ``hardware.ACCELERATORS``) and dp's bucketed collectives with the pass by a share
+derived from it (``fitted.dp_overlap``). A profile file without ``fsdp_overlap`` / ``dp_overlap`` takes its
+``comm_overlap`` for both (the share it measured beside a GEMM).
 """
 
 from __future__ import annotations
@@ -20,16 +23,17 @@ from seqpar.analysis.formulas.presets import TABLE3
 from seqpar.analysis.formulas.shapes import AnalysisError
 from seqpar.analysis.planning.calibration import paper_calibration
 from seqpar.analysis.planning.costmodel import Hardware, layer_time_s
-from seqpar.analysis.planning.hardware import PEAK_DENSE_16BIT_TFLOPS, TFLOPS, datasheet_hardware, known_gpu
+from seqpar.analysis.planning.hardware import ACCELERATORS, TFLOPS, accelerator, datasheet_hardware, known_gpu
 from seqpar.config import ParallelConfig, RecomputeConfig, did_you_mean
 
-BUILTIN_PROFILES = {"a100-80gb": "a100", "h100-80gb": "h100", "h200-141gb": "h200"}
+# profile name -> accelerator, from the records that name one (``hardware.Accelerator.profile``)
+BUILTIN_PROFILES = {a.profile: a.name for a in ACCELERATORS.values() if a.profile}
 PROFILE_FIELDS = ("name", "source", "gpus_per_node", "memory_bytes", "peak_flops", "gemm_efficiency",
                   "memory_bw", "intra_node_bw", "inter_node_bw", "comm_latency", "layer_overhead",
-                  "step_overhead", "comm_overlap", "fsdp_overlap", "gemm_operand_bw", "attention_efficiency",
-                  "reserve_fraction", "error_band", "host_bw", "host_memory_bytes", "host_reserve_fraction")
+                  "step_overhead", "comm_overlap", "fsdp_overlap", "dp_overlap", "gemm_operand_bw",
+                  "attention_efficiency", "reserve_fraction", "error_band", "host_bw", "host_memory_bytes",
+                  "host_reserve_fraction")
 REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap: GPUs and CPUs differ, no default
-
 
 
 # seqpar's own measurements on Hopper (docs/gpu.md, `seqpar selftest --device cuda --quick` on one H200,
@@ -37,23 +41,10 @@ REQUIRED_FIELDS = ("peak_flops", "memory_bytes", "comm_overlap")  # comm_overlap
 # no recompute) ran 23.3 ms forward + 29.9 ms backward, and a bf16 GEMM of n = 8192 reached 692 of 989 TFLOP/s.
 # ``gemm_efficiency`` is fitted to the layer, as the A100's is fitted to the paper's layer and iteration times
 # (the lone GEMM's 0.70 is its upper bound). The H100 SXM has the same GH100 tensor cores and clocks (the H200
-# differs in HBM only), so both Hopper profiles take the efficiency fitted on the H200.
+# differs in HBM only), so both Hopper profiles take the efficiency fitted on the H200 (their records'
+# ``Fitted.gemm_measured_on``).
 HOPPER_22B_LAYER_MS = (23.3, 29.9)
 HOPPER_MEASURED_GEMM_TFLOPS = 692.0
-HOPPER = ("h100", "h200")
-
-# The fused (flash) attention kernel's efficiency on the FLOPs it does (``costmodel.fused_attention_s``), fitted to
-# llm-foundry's flash-attn 2 runs outside the regression set (``published.fit_foundry``; the test fits
-# it again): on Hopper flash-attn 2 reaches far less of the peak than a GEMM does (FlashAttention-3, arXiv
-# 2407.08608, abstract: 35% utilization). The H200 takes the H100's (the same tensor cores); every other
-# GPU the A100's, as it takes the A100's other fractions.
-FUSED_ATTENTION_EFFICIENCY = {"a100": 0.33, "h100": 0.19}
-# The share of an FSDP gather / reduce-scatter a layer's work beside it hides (``costmodel.fsdp_beside_s``), fitted
-# with the attention efficiency to the same llm-foundry FSDP runs (``published.fit_foundry``; issue 59: 1 had
-# Llama-3-70B on 64 A100s at 67.8% MFU, hiding 57 s of FSDP traffic under 70 s of compute). dp's bucketed
-# overlap (Megatron's --overlap-grad-reduce / --overlap-param-gather) keeps ``comm_overlap``: no run outside the
-# regression set measures it.
-FSDP_OVERLAP = {"a100": 0.64, "h100": 0.65}
 
 
 @lru_cache(maxsize=1)
@@ -72,33 +63,28 @@ def hopper_gemm_efficiency() -> float:
     return (lo + hi) / 2
 
 
-def attention_kind(gpu: str) -> str:
-    """The GPU whose fitted ``FUSED_ATTENTION_EFFICIENCY`` ``gpu``'s built-in profile takes: Hopper the H100's, every
-    other the A100's."""
-    return "h100" if gpu in HOPPER else "a100"
-
-
 def attention_source(gpu: str) -> str:
-    """Where ``gpu``'s built-in ``attention_efficiency`` comes from (``FUSED_ATTENTION_EFFICIENCY``)."""
-    kind = attention_kind(gpu)
-    return (f"attention_efficiency {FUSED_ATTENTION_EFFICIENCY[kind]:.2f} (the fused flash kernel, on the causal half "
-            f"of the scores) fitted to llm-foundry's flash-attn 2 runs on {kind.upper()} outside the published "
+    """Where ``gpu``'s built-in ``attention_efficiency`` comes from (its record's ``fitted``)."""
+    fit = accelerator(gpu).fitted
+    return (f"attention_efficiency {fit.attention_efficiency:.2f} (the fused flash kernel, on the causal half "
+            f"of the scores) fitted to llm-foundry's flash-attn 2 runs on {fit.on.upper()} outside the published "
             "regression set (seqpar bench published)")
 
 
 def fsdp_source(gpu: str) -> str:
-    """Where ``gpu``'s built-in ``fsdp_overlap`` comes from (``FSDP_OVERLAP``)."""
-    kind = attention_kind(gpu)
-    return (f"fsdp_overlap {FSDP_OVERLAP[kind]:.2f} (the share of an FSDP collective a layer's work hides) fitted "
-            f"with it to the same runs")
+    """Where ``gpu``'s built-in ``fsdp_overlap`` comes from (its record's ``fitted``)."""
+    fit = accelerator(gpu).fitted
+    return (f"fsdp_overlap {fit.fsdp_overlap:.2f} (the share of an FSDP collective a layer's work hides) fitted with "
+            f"it to the same runs; dp_overlap {fit.dp_overlap:.2f} (dp's bucketed overlap, one collective in flight) "
+            "derived from it by link occupancy, not fitted")
 
 
 def efficiency_sources(gpu: str, fitted_from: str) -> str:
     """Where each efficiency of ``gpu``'s built-in profile comes from, one clause each (``seqpar plan`` prints it)."""
     attention = "; " + attention_source(gpu) + "; " + fsdp_source(gpu)
-    if gpu not in HOPPER:
+    if accelerator(gpu).fitted.gemm_measured_on is None:
         return f"every other efficiency {fitted_from}{attention}"
-    peak = PEAK_DENSE_16BIT_TFLOPS[gpu]
+    peak = accelerator(gpu).peak_tflops
     return (f"gemm_efficiency {hopper_gemm_efficiency():.2f} fitted to seqpar's measured 22B layer on one H200 "
             f"({HOPPER_22B_LAYER_MS[0]} + {HOPPER_22B_LAYER_MS[1]} ms, t=1, b=4; its lone bf16 GEMM reached "
             f"{HOPPER_MEASURED_GEMM_TFLOPS:.0f} of {peak:.0f} TFLOP/s; docs/gpu.md); memory_bw, intra/inter-node bw: "
@@ -130,13 +116,12 @@ def scaled_from_a100(gpu: str):
         source = f"{gpu} data sheet; " + efficiency_sources(gpu, "from the A100 fit to the paper (not measured on a "
                                                            f"{gpu}; run seqpar calibrate there)")
     hw = _sheet_scaled(gpu)
-    if gpu in HOPPER:
+    if accelerator(gpu).fitted.gemm_measured_on == "h200":
         hw = replace(hw, gemm_efficiency=hopper_gemm_efficiency())
-    kind = attention_kind(gpu)
-    hw = replace(hw, attention_efficiency=FUSED_ATTENTION_EFFICIENCY[kind], fsdp_overlap=FSDP_OVERLAP[kind])
-    return replace(hw, error_band=band, source=source,
-                   name=next(k for k, v in BUILTIN_PROFILES.items() if v == gpu) if gpu in BUILTIN_PROFILES.values()
-                   else gpu)
+    acc = accelerator(gpu)
+    hw = replace(hw, attention_efficiency=acc.fitted.attention_efficiency, fsdp_overlap=acc.fitted.fsdp_overlap,
+                 dp_overlap=acc.fitted.dp_overlap)
+    return replace(hw, error_band=band, source=source, name=acc.profile or gpu)
 
 
 def builtin_profile(name: str):
@@ -163,6 +148,8 @@ FIELD_RULES = {
     "comm_overlap": ("in [0, 1] (the share of a collective a GEMM beside it hides)", lambda v: 0 <= v <= 1),
     "fsdp_overlap": ("in [0, 1] (the share of an FSDP collective a layer's work beside it hides)",
                      lambda v: 0 <= v <= 1),
+    "dp_overlap": ("in [0, 1] (the share of a dp gradient bucket's collective the backward beside it hides)",
+                   lambda v: 0 <= v <= 1),
     "comm_latency": _NON_NEGATIVE, "layer_overhead": _NON_NEGATIVE, "step_overhead": _NON_NEGATIVE,
     "reserve_fraction": _FRACTION_OPEN,
     "host_bw": _POSITIVE, "host_memory_bytes": _POSITIVE, "host_reserve_fraction": _FRACTION_OPEN,
@@ -216,9 +203,10 @@ def profile_from_json(data: dict, where: str = "profile", name: str = "custom pr
                 "seqpar calibrate measures it)" if "comm_overlap" in missing else "")
         raise AnalysisError(f"{where}: missing field(s) {', '.join(missing)}{hint}")
     # fields left out take the A100 sheet's values, except those whose absence means "as another field"
-    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency; fsdp_overlap: comm_overlap, the share a
-    # file measured beside a GEMM)
+    # (gemm_operand_bw: memory_bw; attention_efficiency: gemm_efficiency; fsdp_overlap and dp_overlap: comm_overlap,
+    # the share a file measured beside a GEMM)
     values.setdefault("fsdp_overlap", values["comm_overlap"])
+    values.setdefault("dp_overlap", values["comm_overlap"])
     defaulted = [n for n in PROFILE_FIELDS if n not in values and n not in ("name", "source")
                  and getattr(Hardware(), n) is not None]
     values.setdefault("name", name)

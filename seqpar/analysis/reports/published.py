@@ -47,7 +47,7 @@ class PublishedRun:
     name: str
     source: str  # paper | megatron-2021 | megatron-2024 | llm-foundry
     link: str
-    gpu: str  # hardware.DATASHEET key: a100 | h100
+    gpu: str  # hardware.ACCELERATORS key: a100 | h100
     shape: ModelConfig
     gpus: int
     layout: str  # planner.parse_plan text
@@ -224,8 +224,8 @@ def foundry_fit_runs(gpu: str) -> list[PublishedRun]:
 def fit_foundry(gpu: str, max_seq: int | None = None) -> tuple[float, float]:
     """(attention_efficiency, fsdp_overlap) at which the cost model, on ``gpu``'s built-in profile, best times
     llm-foundry's flash-attention FSDP runs outside the regression set (``foundry_fit_runs``): least squares of
-    log(predicted / published) (``fit.least_squares``, each share through a logistic). ``profiles.
-    FUSED_ATTENTION_EFFICIENCY`` and ``profiles.FSDP_OVERLAP`` hold the result (tests/test_published.py fits it
+    log(predicted / published) (``fit.least_squares``, each share through a logistic). The
+    accelerator records' ``hardware.Fitted`` hold the result (tests/test_published.py fits it
     again). ``max_seq``: only the runs of sequences up to it (``fit_report``'s check of the long rows)."""
     from seqpar.analysis.planning.fit import least_squares
     from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
@@ -257,6 +257,7 @@ def fit_report(gpu: str) -> dict:
     runs = foundry_fit_runs(gpu)
     short = fit_foundry(gpu, max_seq=LONG_SEQ)
     return {"gpu": gpu, "attention_efficiency": hw.attention_efficiency, "fsdp_overlap": hw.fsdp_overlap,
+            "dp_overlap": hw.dp_overlap,
             "rows": len(runs), "long_rows": sum(r.shape.seq_len > LONG_SEQ for r in runs),
             "seq": [min(r.shape.seq_len for r in runs), max(r.shape.seq_len for r in runs)],
             "median_abs_error": statistics.median(abs(compare(r, hw).error) for r in runs),
@@ -407,18 +408,38 @@ def error_stats(rows: list[Comparison]) -> dict[str, dict[str, float]]:
             for k, v in groups.items() if v}
 
 
+def free_row_reasons(rows: list[Comparison]) -> dict:
+    """Why the rows with free parameters err at their stated defaults (micro batch 1, no interleaving), measured on
+    the cost model's own terms: per row the error, the seconds of dp collectives the one-sample microbatch's pass does
+    not hide (``dp_allreduce``: under --overlap-grad-reduce / --overlap-param-gather only the last microbatch's
+    backward and the first one's forward cover them), the 1F1B bubble without interleaving, the error with the
+    exposed dp seconds taken out, and the error at the most favourable candidate that fits (``compare``'s range)."""
+    free = [r for r in rows if r.run.choose]
+    per = [{"name": r.run.name, "error": r.error, "dp_exposed_s": r.terms.get("dp_allreduce", 0.0),
+            "bubble_s": r.terms.get("bubble", 0.0),
+            "error_without_dp": (r.predicted_s - r.terms.get("dp_allreduce", 0.0)) / r.published_s - 1,
+            "best_candidate_error": r.error_range[0]} for r in free]
+    keys = ("error", "error_without_dp", "best_candidate_error")
+    return {"rows": per, "median": {k: statistics.median(p[k] for p in per) for k in keys} if per else {}}
+
+
 # The band CI keeps (tests/test_published.py) and ``seqpar bench published`` prints as its target, one owner:
 # (median, worst) |error| per group of ``error_stats``. The issue's targets (issue 49: H100 median <= 8%, worst
 # <= 20%; A100 median <= 8%, paper rows <= 5%) judge the rows without free parameters (issue 59: a row whose micro
 # batch and interleave are chosen "fastest that fits" is also chosen least wrong, as the model errs slow). The
 # others are where the model stands, so a change that makes them worse fails: the A100 worst is MPT-30B at s 8192,
 # 24% fast on A100 (15% on H100), a run the next-larger and next-smaller sequences of the same model (-4%, +1%) do not
-# explain; Megatron's 2024 H100 rows at micro batch 1 without interleaving err slow by a median 22%, worst 53%
+# explain; Megatron's 2024 H100 rows at micro batch 1 without interleaving err slow by a median 22%, worst 58%
 # (GPT 32B): with --overlap-grad-reduce / --overlap-param-gather the model hides the distributed optimizer's
 # reduce-scatter and all-gather under one microbatch's backward and forward, at micro batch 1 a quarter of micro
-# batch 4's (32B: 0.42 s exposed at mb 1, none at mb 4; ``compare``'s range, +1%..+53%, says which the run was).
+# batch 4's, and of that window the share ``dp_overlap`` (0.80 on H100, derived from FSDP's fitted share; 1 before,
+# at 22% / 53%): 32B has 0.46 s exposed at mb 1, 0.13 s at mb 4 (``compare``'s range, +15%..+58%, says which the
+# run was). Without the exposed dp seconds the same rows err by a median of 8% (``free_row_reasons``; the test
+# keeps it under 10%), 314B and 462B still 18% with the bubble of no interleaving: what keeps these rows above 10% is
+# the window their stated default gives (one sample per microbatch, no interleave), which the range says they did
+# not run at (every row has a fitting candidate within 20%).
 REGRESSION_BAND = {"A100 paper": (0.05, 0.05), "A100": (0.08, 0.25), "H100 without free parameters": (0.08, 0.20),
-                   "H100 free, at mb 1 m 1": (0.22, 0.54)}
-# (worst 0.53 -> 0.54, issue 54: --tp-comm-overlap is priced as the trainer's ring, t - 1 exchanges each beside a
+                   "H100 free, at mb 1 m 1": (0.23, 0.60)}
+# (worst 0.58 -> 0.60, issue 54: --tp-comm-overlap is priced as the trainer's ring, t - 1 exchanges each beside a
 # partial GEMM (costmodel.tp_ring_exposed_s), no longer the whole collective beside the whole GEMM: GPT 32B at mb 1
-# +52.5% -> +53.9%)
+# +57.5% -> +59.0%)

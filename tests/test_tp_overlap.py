@@ -1,0 +1,84 @@
+"""The tensor-parallel communication overlap (``seqpar/parallel/tp_overlap.py``) against the collectives it
+replaces, on gloo ranks: the gather side bit-identical (the column-parallel output and weight gradient, the
+row-parallel input and weight gradients), the scatter side (the row-parallel output, the column-parallel input
+gradient) the same sum in ring order, measured against the equivalence tolerance; and the switch's rules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seqpar.config import ConfigError, ParallelConfig
+from seqpar.parallel import comm, tp_overlap
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.parallel.layers import LinearWithGatheredInput
+from seqpar.parallel.tp_context import TPContext
+
+S, B, H, OUT = 16, 3, 24, 40  # [s, b, h]; the GEMM's output features per rank
+TOLERANCE = 1e-5  # tests/_axes.py's fp32 equivalence tolerance (relative)
+
+
+def _randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _grads(fn, *tensors, grad):
+    """``fn(*tensors)`` and the gradients of its inputs for the upstream ``grad``."""
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    y = fn(*leaves)
+    y.backward(grad)
+    return [y.detach(), *(leaf.grad for leaf in leaves)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def _compare(rank, world, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    group = ParallelDims.build(ParallelConfig(tp=world)).tp_group
+    rows = S // world
+    out = {}
+    # column-parallel: [s/t, b, h] shard -> [s, b, out/t]
+    x, w, b = _randn(rows, B, H, seed=rank, dtype=dtype), _randn(OUT, H, seed=10 + rank, dtype=dtype), \
+        _randn(OUT, seed=20 + rank, dtype=dtype)
+    g = _randn(S, B, OUT, seed=30 + rank, dtype=dtype)
+    want = _grads(lambda *a: LinearWithGatheredInput.apply(*a, group), x, w, b, grad=g)
+    got = _grads(lambda *a: tp_overlap.gathered_linear(*a, group), x, w, b, grad=g)
+    out["column"] = {name: (torch.equal(a, c), _rel(a, c)) for name, a, c in zip(("y", "x", "w", "b"), got, want)}
+    # row-parallel: [s, b, in/t] -> [s/t, b, h], plain and with the activation recomputed in backward
+    z, w2 = _randn(S, B, OUT, seed=40 + rank, dtype=dtype), _randn(H, OUT, seed=50 + rank, dtype=dtype)
+    g2 = _randn(rows, B, H, seed=60 + rank, dtype=dtype)
+    for name, act in (("row", None), ("row_gelu", F.gelu)):
+        want = _grads(lambda a, c: comm.g_bar(F.linear(a if act is None else act(a), c), group), z, w2, grad=g2)
+        got = _grads(lambda a, c: tp_overlap.scattered_linear(a, c, group, act), z, w2, grad=g2)
+        out[name] = {k: (torch.equal(a, c), _rel(a, c)) for k, a, c in zip(("y", "x", "w"), got, want)}
+    return out
+
+
+GATHER_SIDE = {"column": ("y", "w", "b"), "row": ("x", "w"), "row_gelu": ("x", "w")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_chunks_match_the_collectives(world):
+    """fp32, one thread per rank: the gather side exact, the scatter side within the fp32 tolerance (the ring
+    sums a chunk's t partial products in ring order, the collective in its own)."""
+    worst = 0.0
+    for rank, result in enumerate(run_ranks(_compare, world, "float32")):
+        for op, quantities in result.items():
+            for name, (equal, rel) in quantities.items():
+                if name in GATHER_SIDE[op]:
+                    assert equal, (rank, op, name, rel)
+                else:
+                    assert rel <= TOLERANCE, (rank, op, name, rel)
+                    worst = max(worst, rel)
+    print(f"\ntp overlap, world {world}: scatter side worst relative error {worst:.1e} (tolerance {TOLERANCE})")
+
+
+def test_switch_rules():
+    assert not TPContext(None, True, comm_overlap=True).comm_overlap  # one rank: nothing to pipeline
+    ParallelConfig(tp=2, sp=True, tp_comm_overlap=True).validate()
+    for par, said in ((ParallelConfig(tp=2, tp_comm_overlap=True), "tp 2, sp off"),
+                      (ParallelConfig(tp=1, sp=True, tp_comm_overlap=True), "tp 1, sp on")):
+        with pytest.raises(ConfigError, match=f"tp_comm_overlap needs sequence parallelism at tp > 1, got {said}"):
+            par.validate()

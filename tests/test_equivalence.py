@@ -153,7 +153,7 @@ def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
               "attn_dropout": DROPOUT if model["attention"] == "materialized" else 0.0}
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
-    parallel |= _axes.fit_cp_comm(axes, model, c.tp, c.cp)
+    parallel |= _axes.fit_cp_comm(axes, model, c.tp, c.cp) | _axes.fit_tp_comm_overlap(axes, c.tp, c.sp)
     data = {}
     if axes["data"] == "documents":  # byte-level prepared folder: vocabulary 256, end-of-document id 0
         model["vocab_size"], data = 256, {"document_mask": True}
@@ -313,6 +313,7 @@ def _draw_id(index: int, c: Combo) -> str:
                                                                 f"gb{train['global_batch']}", f"{train['steps']}steps"]
     extra += ["docs"] * (axes["data"] == "documents") + ["bf16"] * (axes["dtype"] == "bf16")
     extra += [f"ls{axes['label_smoothing']}"] * bool(axes["label_smoothing"]) + ["compile"] * axes["compile"]
+    extra += ["tpoverlap"] * axes["tp_comm_overlap"]
     offload = sections["recompute"]["offload_modules"]
     extra += [f"offload({','.join(offload)})"] if offload else []
     extra += [f"narrowed{len(axes.narrowed)}"] * bool(axes.narrowed)

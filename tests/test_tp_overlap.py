@@ -45,14 +45,15 @@ def _compare(rank, world, dtype_name):
     g = _randn(S, B, OUT, seed=30 + rank, dtype=dtype)
     want = _grads(lambda *a: LinearWithGatheredInput.apply(*a, group), x, w, b, grad=g)
     got = _grads(lambda *a: tp_overlap.gathered_linear(*a, group), x, w, b, grad=g)
-    out["column"] = {name: (torch.equal(a, c), _rel(a, c)) for name, a, c in zip(("y", "x", "w", "b"), got, want)}
+    out["column"] = {name: (torch.equal(a, c), _rel(a, c)) for name, a, c in zip(("y", "x", "w", "b"), got, want,
+                                                                                      strict=True)}
     # row-parallel: [s, b, in/t] -> [s/t, b, h], plain and with the activation recomputed in backward
     z, w2 = _randn(S, B, OUT, seed=40 + rank, dtype=dtype), _randn(H, OUT, seed=50 + rank, dtype=dtype)
     g2 = _randn(rows, B, H, seed=60 + rank, dtype=dtype)
     for name, act in (("row", None), ("row_gelu", F.gelu)):
-        want = _grads(lambda a, c: comm.g_bar(F.linear(a if act is None else act(a), c), group), z, w2, grad=g2)
-        got = _grads(lambda a, c: tp_overlap.scattered_linear(a, c, group, act), z, w2, grad=g2)
-        out[name] = {k: (torch.equal(a, c), _rel(a, c)) for k, a, c in zip(("y", "x", "w"), got, want)}
+        want = _grads(lambda a, c, f=act: comm.g_bar(F.linear(a if f is None else f(a), c), group), z, w2, grad=g2)
+        got = _grads(lambda a, c, f=act: tp_overlap.scattered_linear(a, c, group, f), z, w2, grad=g2)
+        out[name] = {k: (torch.equal(a, c), _rel(a, c)) for k, a, c in zip(("y", "x", "w"), got, want, strict=True)}
     return out
 
 

@@ -31,10 +31,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from seqpar.parallel.dims import group_rank, group_size
 
 GATHER_TAG, SCATTER_TAG = 81, 82  # gloo matches messages by tag; the backward runs both rings at once
+RING_NAMES = {GATHER_TAG: "gather", SCATTER_TAG: "scatter"}  # a profile's "ring gather issue 0" .. "wait 0"
 
 
 class Ring:
@@ -45,16 +47,29 @@ class Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+    def shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Transfer:
         """Start sending ``send`` to the next rank and receiving into ``recv`` from the previous one."""
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
-        return dist.batch_isend_irecv(ops)
+        with record_function(f"ring {RING_NAMES[tag]} issue"):  # a profile's timeline pairs it with its wait
+            return Transfer(dist.batch_isend_irecv(ops), RING_NAMES[tag])
 
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+class Transfer:
+    """One ``shift`` in flight: its works and its ring's name."""
+
+    def __init__(self, works: list, name: str):
+        self.works, self.name = works, name
+
+    def wait(self) -> None:
+        with record_function(f"ring {self.name} wait"):  # in a profile: what the GEMMs did not hide
+            for work in self.works:
+                work.wait()
+
+
+def _wait(transfer: Transfer | None) -> None:
+    if transfer is not None:
+        transfer.wait()
 
 
 def _ring_gather(shard: torch.Tensor, ring: Ring, on_chunk, out: torch.Tensor | None = None):
@@ -67,7 +82,7 @@ def _ring_gather(shard: torch.Tensor, ring: Ring, on_chunk, out: torch.Tensor | 
     spares = [torch.empty_like(here) for _ in range(min(2, t - 1))] if out is None else []  # never the shard
     for k in range(t):
         j = (r - k) % t
-        nxt, works = None, []
+        nxt, works = None, None
         if k < t - 1:  # rank j - 1's shard in flight beside on_chunk
             nxt = spares[k % 2] if out is None else _rows(out, (j - 1) % t, rows)
             works = ring.shift(here, nxt, GATHER_TAG)
@@ -81,7 +96,7 @@ def _ring_scatter(partial_of, rows: int, ring: Ring) -> torch.Tensor:
     """Reduce-scatter along s of the t partial products ``partial_of(c)`` (chunk c, ``[s/t, ...]``): each
     computed while the running sum of the chunk before travels; returns this rank's ``[s/t, ...]`` sum."""
     t, r = ring.size, ring.rank
-    acc, works, recv = None, [], None
+    acc, works, recv = None, None, None
     for k in range(t):
         c = (r - k - 1) % t
         part = partial_of(c)  # the GEMM of chunk c: beside the send of chunk c + 1's running sum
@@ -153,14 +168,14 @@ class _RegatherSteps:
     """The stored shard's re-gather around the ring, advanced one step at a time (between B's chunks)."""
 
     def __init__(self, shard: torch.Tensor, ring: Ring, out: torch.Tensor):
-        self.ring, self.rows, self.out, self.k, self.works = ring, shard.shape[0], out, 0, []
+        self.ring, self.rows, self.out, self.k, self.works = ring, shard.shape[0], out, 0, None
         _rows(out, ring.rank, self.rows).copy_(shard)
 
     def step(self) -> None:
         """Wait for the chunk in flight, start the next one (t - 1 steps in all)."""
         _wait(self.works)
         t, r, k = self.ring.size, self.ring.rank, self.k
-        self.works = []
+        self.works = None
         if k < t - 1:
             j = (r - k) % t
             self.works = self.ring.shift(_rows(self.out, j, self.rows), _rows(self.out, (j - 1) % t, self.rows),
@@ -171,7 +186,7 @@ class _RegatherSteps:
         while self.k < self.ring.size:
             self.step()
         _wait(self.works)
-        self.works = []
+        self.works = None
 
 
 # ---------------------------------------------------------------- row-parallel: reduce-scattered output

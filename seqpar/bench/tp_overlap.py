@@ -16,6 +16,7 @@ on this machine, in two parts:
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 from seqpar.bench import common
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     common.add_shape_arguments(p, hidden=0, heads=0, seq=0, micro_batch=0)
     p.set_defaults(hidden=None, heads=None, seq=None, micro_batch=None)  # per device: SHAPES
     add(p, "--dtype", choices=["bf16", "fp32"], default=None, help="default fp32 on cpu, bf16 on an accelerator")
-    common.add_timing_arguments(p, repeats=7, warmup=1)
+    common.add_timing_arguments(p, repeats=9, warmup=1)
     add(p, "--plot", help="write the timeline picture (SVG, matplotlib) into DIR")
 
 
@@ -85,10 +86,38 @@ def gemm_efficiency(cfg: ModelConfig, b: int, t: int, device: torch.device, repe
             for rows in a.chunk(t):  # [M/t, K]: one rank's sequence shard
                 torch.mm(rows, w)
 
-    times = common.interleaved({"whole": whole, "chunked": chunked}, repeats, device, MIN_BLOCK_S)
+    fns = {"whole": whole, "chunked": chunked}
+    times = common.interleaved(fns, repeats, device, MIN_BLOCK_S) if device.type != "cpu" else cpu_blocks(fns, repeats)
     w, c = common.median(times["whole"]), common.median(times["chunked"])
     return {"chunks": t, "whole_ms": 1e3 * w, "chunked_ms": 1e3 * c, "efficiency": w / c,
             "loss_pct": 100 * (1 - w / c)}
+
+
+def cpu_blocks(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """CPU seconds per call of each of ``fns`` (one torch thread, as each rank of the step runs), blocks of at
+    least ``MIN_BLOCK_S`` alternating: on a machine other processes share, the time a core was taken away is
+    not counted (``common.timed_cpu``'s reasoning)."""
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calls = {}
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            calls[name] = max(1, int(MIN_BLOCK_S / max(time.process_time() - start, 1e-6)))
+        out = {name: [] for name in fns}
+        names = list(fns)
+        for r in range(max(1, repeats)):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                start = time.process_time()
+                for _ in range(calls[name]):
+                    fns[name]()
+                out[name].append((time.process_time() - start) / calls[name])
+        return out
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- part 2: the layer step, with and without
@@ -140,7 +169,9 @@ def _step_worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, 
 
 def profiled_spans(fn, device: torch.device) -> dict[str, list[tuple[float, float]]]:
     """One call of ``fn`` under torch.profiler: ``{"compute": [...], "gather": [...], "scatter": [...],
-    "collective": [...]}`` spans in ms from its start (see the module's docstring for what counts)."""
+    "collective": [...], "busy": [...]}`` spans in ms from its start: GEMMs (compute kernels on an accelerator),
+    the ring's chunks from issue to wait, gloo's collectives on its threads (NCCL kernels), and every op of the
+    rank's main thread (what keeps a CPU rank busy while a transfer is in flight)."""
     from torch.profiler import ProfilerActivity, profile
 
     common.barrier()
@@ -150,7 +181,7 @@ def profiled_spans(fn, device: torch.device) -> dict[str, list[tuple[float, floa
         if device.type != "cpu":
             torch.accelerator.synchronize()
     events = list(prof.events())
-    spans = {"compute": [], "gather": [], "scatter": [], "collective": []}
+    spans = {"compute": [], "gather": [], "scatter": [], "collective": [], "busy": []}
     if device.type == "cuda":
         for e in events:
             if e.device_type.name == "CUDA":
@@ -161,6 +192,8 @@ def profiled_spans(fn, device: torch.device) -> dict[str, list[tuple[float, floa
         issued = {"gather": [], "scatter": []}
         for e in sorted(events, key=lambda e: e.time_range.start):
             start, end = e.time_range.start, e.time_range.end
+            if e.thread == main and e.name.startswith("aten::"):
+                spans["busy"].append((start, end))
             if e.thread == main and e.name in GEMMS:
                 spans["compute"].append((start, end))
             elif e.thread != main and e.name.startswith("gloo:"):
@@ -186,9 +219,10 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def exposed_ms(spans: dict[str, list[tuple[float, float]]]) -> float:
-    """Milliseconds communication was in flight while no GEMM (compute kernel) ran."""
+    """Milliseconds communication was in flight while the rank did nothing else: no op on a CPU rank's main
+    thread, no compute kernel on an accelerator."""
     comm = _union(spans["gather"] + spans["scatter"] + spans["collective"])
-    compute = _union(spans["compute"])
+    compute = _union(spans["busy"] or spans["compute"])
     hidden = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in comm for cs, ce in compute)
     return sum(e - s for s, e in comm) - hidden
 
@@ -220,8 +254,9 @@ def run(args) -> dict:
     times = ranks[0]["times_s"]  # already the slowest rank's, block by block
     plain, overlap = common.median(times["plain"]), common.median(times["overlap"])
     result["step"] = {"plain_ms": 1e3 * plain, "overlap_ms": 1e3 * overlap, "speedup": plain / overlap,
-                      "faster": overlap < plain,
-                      "exposed_comm_ms": {name: [r["exposed_ms"][name] for r in ranks] for name in ("plain", "overlap")},
+                      "faster": overlap < plain, "speedup_min": min(times["plain"]) / min(times["overlap"]),
+                      "exposed_comm_ms": {name: [r["exposed_ms"][name] for r in ranks]
+                                          for name in ("plain", "overlap")},
                       "blocks_ms": {k: [1e3 * v for v in vs] for k, vs in times.items()}}
     result["timeline"] = [r["timeline"] for r in ranks]
     if getattr(args, "plot", None):
@@ -301,7 +336,7 @@ def render(result: dict) -> str:
     exposed = step["exposed_comm_ms"]
     out.append(f"one layer fwd+bwd, tp {c['tp']} + SP, in one run: without the overlap {step['plain_ms']:.1f} ms, "
                f"with it {step['overlap_ms']:.1f} ms: {step['speedup']:.3f}x ("
-               + ("faster)" if step["faster"] else "NOT faster)"))
+               + ("faster" if step["faster"] else "NOT faster") + f"; fastest blocks {step['speedup_min']:.3f}x)")
     out.append("exposed TP communication per rank (in flight, no GEMM running), ms: without "
                + ", ".join(f"{v:.1f}" for v in exposed["plain"]) + "; with "
                + ", ".join(f"{v:.1f}" for v in exposed["overlap"]))

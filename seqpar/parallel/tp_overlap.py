@@ -113,6 +113,16 @@ def _rows(x: torch.Tensor, j: int, rows: int) -> torch.Tensor:
     return x[j * rows:(j + 1) * rows]
 
 
+def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
+    """``out = F.linear(x, weight, bias)`` written in place: the GEMM ``F.linear`` runs on the flattened rows
+    (addmm with a bias, mm without), so the numbers are its own."""
+    x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows·b, in], [rows·b, out]
+    if bias is None:
+        torch.mm(x2, weight.t(), out=out2)
+    else:
+        torch.addmm(bias, x2, weight.t(), out=out2)
+
+
 # ---------------------------------------------------------------- column-parallel: gathered input
 def column_weight_grad(x_shard: torch.Tensor, grad_out: torch.Tensor, group, has_bias: bool,
                        x: torch.Tensor | None = None):
@@ -144,7 +154,7 @@ class _GatheredLinear(torch.autograd.Function):
                         device=x_shard.device)  # [s, b, out/t]
 
         def multiply(j: int, chunk: torch.Tensor) -> None:  # rank j's rows, beside the next shard's transfer
-            _rows(y, j, rows).copy_(F.linear(chunk, weight, bias))  # [s/t, b, out/t]
+            _linear_into(_rows(y, j, rows), chunk, weight, bias)  # [s/t, b, out/t]
 
         _ring_gather(x_shard, ring, multiply)
         return y
@@ -222,10 +232,10 @@ class _ScatteredLinear(torch.autograd.Function):
         z = x if act is None else torch.empty_like(x)  # the recomputed activation, for W
 
         def input_grad(j: int, chunk: torch.Tensor) -> None:  # B of chunk j, beside the next chunk's transfer
-            grad_z = chunk.matmul(weight)  # [s/t, b, in/t]
             if act is None:
-                _rows(grad_x, j, rows).copy_(grad_z)
+                torch.matmul(chunk, weight, out=_rows(grad_x, j, rows))  # [s/t, b, in/t]
                 return
+            grad_z = chunk.matmul(weight)  # [s/t, b, in/t]
             with torch.enable_grad():
                 xj = _rows(x, j, rows).detach().requires_grad_(True)
                 zj = act(xj)

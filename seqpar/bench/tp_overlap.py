@@ -10,7 +10,7 @@ on this machine, in two parts:
   communication of each (torch.profiler: the time communication was in flight and no compute ran on the rank --
   gloo's collectives on its own threads, the ring's chunks from issue to wait, NCCL kernels beside compute
   kernels on an accelerator); a per-rank timeline of one layer (the GEMMs and the chunks' transfers), drawn with
-  matplotlib into ``--plot DIR`` (SVG) when it is installed, and as text in the output always.
+  matplotlib into ``--plot DIR`` (PNG) when it is installed, and as text in the output always.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(hidden=None, heads=None, seq=None, micro_batch=None)  # per device: SHAPES
     add(p, "--dtype", choices=["bf16", "fp32"], default=None, help="default fp32 on cpu, bf16 on an accelerator")
     common.add_timing_arguments(p, repeats=9, warmup=1)
-    add(p, "--plot", help="write the timeline picture (SVG, matplotlib) into DIR")
+    add(p, "--plot", help="write the timeline picture (PNG, matplotlib) into DIR")
 
 
 def chunk_counts() -> tuple[int, ...]:
@@ -270,7 +270,7 @@ ROWS = (("compute", "GEMM", "#4c72b0"), ("gather", "ring gather", "#dd8452"), ("
 
 
 def plot_timeline(timeline: list[dict], folder, config: dict) -> str:
-    """The per-rank timeline of one layer's fwd+bwd, without and with the overlap, as ``tp_overlap_timeline.svg``
+    """The per-rank timeline of one layer's fwd+bwd, without and with the overlap, as ``tp_overlap_timeline.png``
     in ``folder`` (matplotlib); without matplotlib, the same as text in ``tp_overlap_timeline.txt``."""
     from pathlib import Path
 
@@ -297,8 +297,8 @@ def plot_timeline(timeline: list[dict], folder, config: dict) -> str:
     axes[0].set_title(f"one layer fwd+bwd, tp {config['tp']} + SP on {config['device']}: s={config['s']} "
                       f"b={config['b']} h={config['h']} {config['dtype']}", fontsize=9)
     fig.tight_layout()
-    path = folder / "tp_overlap_timeline.svg"
-    fig.savefig(path)
+    path = folder / "tp_overlap_timeline.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
 
@@ -337,7 +337,7 @@ def render(result: dict) -> str:
     out.append(f"one layer fwd+bwd, tp {c['tp']} + SP, in one run: without the overlap {step['plain_ms']:.1f} ms, "
                f"with it {step['overlap_ms']:.1f} ms: {step['speedup']:.3f}x ("
                + ("faster" if step["faster"] else "NOT faster") + f"; fastest blocks {step['speedup_min']:.3f}x)")
-    out.append("exposed TP communication per rank (in flight, no GEMM running), ms: without "
+    out.append("exposed TP communication per rank (in flight while the rank ran no op), ms: without "
                + ", ".join(f"{v:.1f}" for v in exposed["plain"]) + "; with "
                + ", ".join(f"{v:.1f}" for v in exposed["overlap"]))
     out.append(text_timeline(result["timeline"]))

@@ -1,12 +1,14 @@
 """The tensor-parallel communication overlap (``seqpar/parallel/tp_overlap.py``) against the collectives it
 replaces, on gloo ranks: the gather side bit-identical (the column-parallel output and weight gradient, the
 row-parallel input and weight gradients), the scatter side (the row-parallel output, the column-parallel input
-gradient) the same sum in ring order, measured against the equivalence tolerance; and the switch's rules."""
+gradient) the same sum in ring order, measured against the equivalence tolerance; the ring's transient bytes
+(the CPU allocator's, from torch.profiler) equal to their term; and the switch's rules."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from seqpar.analysis.formulas.memory import tp_ring_buffer_bytes
 from seqpar.config import ConfigError, ParallelConfig
 from seqpar.parallel import comm, tp_overlap
 from seqpar.parallel.dims import ParallelDims
@@ -34,6 +36,38 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
+def _peak_bytes(fn) -> int:
+    """The most bytes the CPU allocator held at once during ``fn()`` beyond what was held before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _ring_bytes(world):
+    """The row-parallel forward's and the column-parallel backward's transient peaks with the overlap: the
+    former is the ring alone (its result one of its chunks), the latter the re-gathered input [s, b, h] (which
+    the collective path holds too) beside the ring, or, later, the gradients beside the result."""
+    group = ParallelDims.build(ParallelConfig(tp=world)).tp_group
+    rows, e = S // world, 4
+    z, w2 = _randn(S, B, OUT, seed=1), _randn(H, OUT, seed=2)
+    row = _peak_bytes(lambda: tp_overlap.scattered_linear(z, w2, group))
+    x = _randn(rows, B, H, seed=3).requires_grad_(True)
+    w, b = _randn(OUT, H, seed=4).requires_grad_(True), _randn(OUT, seed=5).requires_grad_(True)
+    y = tp_overlap.gathered_linear(x, w, b, group)
+    g = _randn(S, B, OUT, seed=6)
+    column = _peak_bytes(lambda: y.backward(g))
+    ring = tp_ring_buffer_bytes(S, B, H, world, e)
+    later = rows * B * H * e + (OUT * H + OUT) * e  # the input gradient's shard, the weight and bias gradients
+    return {"row": (row, ring), "column": (column, S * B * H * e + max(ring, later))}
+
+
 def _compare(rank, world, dtype_name):
     dtype = getattr(torch, dtype_name)
     group = ParallelDims.build(ParallelConfig(tp=world)).tp_group
@@ -54,7 +88,7 @@ def _compare(rank, world, dtype_name):
         want = _grads(lambda a, c, f=act: comm.g_bar(F.linear(a if f is None else f(a), c), group), z, w2, grad=g2)
         got = _grads(lambda a, c, f=act: tp_overlap.scattered_linear(a, c, group, f), z, w2, grad=g2)
         out[name] = {k: (torch.equal(a, c), _rel(a, c)) for k, a, c in zip(("y", "x", "w"), got, want, strict=True)}
-    return out
+    return out, _ring_bytes(world)
 
 
 GATHER_SIDE = {"column": ("y", "w", "b"), "row": ("x", "w"), "row_gelu": ("x", "w")}
@@ -63,9 +97,10 @@ GATHER_SIDE = {"column": ("y", "w", "b"), "row": ("x", "w"), "row_gelu": ("x", "
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_chunks_match_the_collectives(world):
     """fp32, one thread per rank: the gather side exact, the scatter side within the fp32 tolerance (the ring
-    sums a chunk's t partial products in ring order, the collective in its own)."""
+    sums a chunk's t partial products in ring order, the collective in its own); the ring's bytes its term."""
     worst = 0.0
-    for rank, result in enumerate(run_ranks(_compare, world, "float32")):
+    for rank, (result, memory) in enumerate(run_ranks(_compare, world, "float32")):
+        assert all(measured == term for measured, term in memory.values()), (rank, memory)
         for op, quantities in result.items():
             for name, (equal, rel) in quantities.items():
                 if name in GATHER_SIDE[op]:

@@ -101,7 +101,9 @@ def _ring_scatter(partial_of, rows: int, ring: Ring) -> torch.Tensor:
         c = (r - k - 1) % t
         part = partial_of(c)  # the GEMM of chunk c: beside the send of chunk c + 1's running sum
         _wait(works)
+        works = None  # the sum sent is free: three chunks at most (the partial, the sum sent, the one received)
         acc = part if recv is None else recv.add_(part)
+        del part
         if k == t - 1:
             return acc
         recv = torch.empty_like(acc)

@@ -81,6 +81,10 @@ def _compare(rank, world, dtype_name):
     got = _grads(lambda *a: tp_overlap.gathered_linear(*a, group), x, w, b, grad=g)
     out["column"] = {name: (torch.equal(a, c), _rel(a, c)) for name, a, c in zip(("y", "x", "w", "b"), got, want,
                                                                                       strict=True)}
+    for overlap in (True, False):  # W deferred (a zero-bubble W pass): the shard gathered again, then one GEMM
+        grad_w, grad_b = tp_overlap.column_weight_grad(x, g, group, True, overlap=overlap)
+        out["column"][f"w_deferred_{overlap}"] = (torch.equal(grad_w, want[2]) and torch.equal(grad_b, want[3]),
+                                                  _rel(grad_w, want[2]))
     # row-parallel: [s, b, in/t] -> [s/t, b, h], plain and with the activation recomputed in backward
     z, w2 = _randn(S, B, OUT, seed=40 + rank, dtype=dtype), _randn(H, OUT, seed=50 + rank, dtype=dtype)
     g2 = _randn(rows, B, H, seed=60 + rank, dtype=dtype)
@@ -91,7 +95,8 @@ def _compare(rank, world, dtype_name):
     return out, _ring_bytes(world)
 
 
-GATHER_SIDE = {"column": ("y", "w", "b"), "row": ("x", "w"), "row_gelu": ("x", "w")}
+GATHER_SIDE = {"column": ("y", "w", "b", "w_deferred_True", "w_deferred_False"), "row": ("x", "w"),
+               "row_gelu": ("x", "w")}
 
 
 @pytest.mark.parametrize("world", [2, 4])

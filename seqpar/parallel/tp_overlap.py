@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from seqpar.parallel import comm
 from seqpar.parallel.dims import group_rank, group_size
 
 GATHER_TAG, SCATTER_TAG = 81, 82  # gloo matches messages by tag; the backward runs both rings at once
@@ -127,12 +128,15 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias)
 
 # ---------------------------------------------------------------- column-parallel: gathered input
 def column_weight_grad(x_shard: torch.Tensor, grad_out: torch.Tensor, group, has_bias: bool,
-                       x: torch.Tensor | None = None):
-    """W of the column-parallel linear: ``(grad_w [out/t, h], grad_b)`` from the stored shard ``[s/t, b, h]``
-    (re-gathered around the ring unless ``x``, the gathered input, is given) and ``grad_out`` ``[s, b, out/t]``.
-    The same function runs now or deferred (a zero-bubble W pass)."""
-    if x is None:
+                       x: torch.Tensor | None = None, overlap: bool = True):
+    """W of the column-parallel linear under SP: ``(grad_w [out/t, h], grad_b)`` from the stored shard
+    ``[s/t, b, h]`` and ``grad_out`` ``[s, b, out/t]``; ``x``: the gathered input when the caller has it, else the
+    shard is gathered again, around the ring (``overlap``) or by the collective. The same function runs now or
+    deferred (a zero-bubble W pass)."""
+    if x is None and overlap:
         x = _ring_gather(x_shard, Ring(group), lambda j, chunk: None, _gathered_like(x_shard, group_size(group)))
+    elif x is None:
+        x = comm.all_gather_seq(x_shard, group)  # [s, b, h]
     out_features = grad_out.shape[-1]
     g2 = grad_out.reshape(-1, out_features)  # [s·b, out/t]
     grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # [out/t, h]

@@ -123,3 +123,23 @@ def test_switch_rules():
                       (ParallelConfig(tp=1, sp=True, tp_comm_overlap=True), "tp 1, sp on")):
         with pytest.raises(ConfigError, match=f"tp_comm_overlap needs sequence parallelism at tp > 1, got {said}"):
             par.validate()
+
+
+def test_bench_exposure_and_timeline(tmp_path):
+    """``bench tp-overlap``'s reading of a profile: communication counts as exposed only where the rank ran
+    nothing; the timeline is drawn (PNG) and written as text (the verb itself runs in the acceptance test)."""
+    from seqpar.bench.tp_overlap import exposed_ms, plot_timeline, render, text_timeline
+
+    spans = {"compute": [(0.0, 4.0)], "busy": [(0.0, 4.0), (9.0, 10.0)], "gather": [(1.0, 6.0)],
+             "scatter": [(5.0, 11.0)], "collective": []}
+    assert exposed_ms(spans) == (11.0 - 1.0) - 3.0 - 1.0  # in flight 1..11 ms; busy 1..4 and 9..10
+    timeline = [{"plain": spans, "overlap": spans}] * 2
+    text = text_timeline(timeline, width=12)
+    assert "overlap r1 ring reduce-scatter|" in text and text.count("\n") == 2 * 2 * 3  # header + 3 lanes × 2 × 2
+    assert plot_timeline(timeline, tmp_path, {"tp": 2, "device": "cpu", "s": 8, "b": 1, "h": 4, "dtype": "fp32"}
+                         ).endswith("tp_overlap_timeline.png") and (tmp_path / "tp_overlap_timeline.png").stat().st_size
+    result = {"config": {"device": "cpu", "s": 8, "b": 1, "h": 4, "a": 2, "f": 16, "dtype": "fp32", "repeats": 1,
+                         "tp": 2}, "gemm": [{"chunks": 2, "whole_ms": 1.0, "chunked_ms": 1.02, "efficiency": 0.98,
+                                             "loss_pct": 2.0}], "gemm_worst_loss_pct": 2.0, "step": None,
+              "step_skipped": "only 1 cuda device visible: ... (not measured)"}
+    assert "target <= 5%: met" in render(result) and "only 1 cuda device visible" in render(result)

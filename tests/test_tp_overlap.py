@@ -86,7 +86,8 @@ def _compare(rank, world, dtype_name):
         out["column"][f"w_deferred_{overlap}"] = (torch.equal(grad_w, want[2]) and torch.equal(grad_b, want[3]),
                                                   _rel(grad_w, want[2]))
     # row-parallel: [s, b, in/t] -> [s/t, b, h], plain and with the activation recomputed in backward
-    z, w2 = _randn(S, B, OUT, seed=40 + rank, dtype=dtype), _randn(H, OUT, seed=50 + rank, dtype=dtype)
+    z = _randn(B, S, OUT, seed=40 + rank, dtype=dtype).transpose(0, 1)  # [s, b, in/t], strided as a permuted core
+    w2 = _randn(H, OUT, seed=50 + rank, dtype=dtype)
     g2 = _randn(rows, B, H, seed=60 + rank, dtype=dtype)
     for name, act in (("row", None), ("row_gelu", F.gelu)):
         want = _grads(lambda a, c, f=act: comm.g_bar(F.linear(a if f is None else f(a), c), group), z, w2, grad=g2)

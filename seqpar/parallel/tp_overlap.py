@@ -172,9 +172,12 @@ class _GatheredLinear(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         x = _gathered_like(x_shard, ring.size)  # [s, b, h]: re-gathered chunk by chunk beside B
         gather = _RegatherSteps(x_shard, ring, x)
-        # B: the input gradient's partial GEMM of each chunk beside its reduce-scatter and the re-gather
-        grad_x_shard = _ring_scatter(lambda c: gather.step() or _rows(grad_out, c, rows).matmul(weight),
-                                     rows, ring)  # [s/t, b, h]
+
+        def input_grad(c: int) -> torch.Tensor:  # B of chunk c, beside its ring's transfer and the re-gather's
+            gather.step()
+            return _rows(grad_out, c, rows).matmul(weight)  # [s/t, b, h] partial sum
+
+        grad_x_shard = _ring_scatter(input_grad, rows, ring)  # [s/t, b, h]
         gather.finish()
         grad_w, grad_b = column_weight_grad(x_shard, grad_out, ctx.group, ctx.has_bias, x)  # W
         return grad_x_shard, grad_w, grad_b, None
@@ -234,8 +237,8 @@ class _ScatteredLinear(torch.autograd.Function):
         ring, act = Ring(ctx.group), ctx.act
         rows = grad_shard.shape[0]
         grad = _gathered_like(grad_shard, ring.size)  # [s, b, h]
-        grad_x = torch.empty_like(x)  # [s, b, in/t]
-        z = x if act is None else torch.empty_like(x)  # the recomputed activation, for W
+        grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)  # [s, b, in/t]: rows written in place
+        z = x if act is None else torch.empty_like(grad_x)  # the recomputed activation, for W
 
         def input_grad(j: int, chunk: torch.Tensor) -> None:  # B of chunk j, beside the next chunk's transfer
             if act is None:

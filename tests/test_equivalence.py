@@ -22,8 +22,9 @@ interleaved; the reference runs micro-batch 1), steps, fp32 or bf16, label smoot
 windows, or a prepared folder of short documents with document masks, so microbatches count different numbers of
 tokens: ``pipeline.objective``), offloaded modules (those the recomputation does not rebuild), the cp exchange
 (ring, a2a, a2a+ring K 2 at cp 4; ring where the heads do not split), FSDP2 off, over dp × cp, or HSDP in groups
-of 2 (where dp × cp > 1, >= 4), reshard-after-forward on/off under FSDP2, compile (``SEQPAR_AXES_COMPILE=1``
-only: slow on CPU). ep does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
+of 2 (where dp × cp > 1, >= 4), reshard-after-forward on/off under FSDP2, the TP-communication overlap on/off
+(where SP is on at tp > 1: ``--tp-comm-overlap``), compile (``SEQPAR_AXES_COMPILE=1`` only: slow on CPU). ep
+does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
 replaced by a rule) is printed as ``narrowed (equivalence N): ...`` and recorded as the test's ``narrowed``
 property; the test id ends ``-narrowedK``; ``test_summary`` counts them per axis.
 

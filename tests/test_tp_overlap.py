@@ -12,7 +12,6 @@ from seqpar.analysis.formulas.memory import tp_ring_buffer_bytes
 from seqpar.config import ConfigError, ParallelConfig
 from seqpar.parallel import comm, tp_overlap
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.layers import LinearWithGatheredInput
 from seqpar.parallel.tp_context import TPContext
 
@@ -68,7 +67,9 @@ def _ring_bytes(world):
     return {"row": (row, ring), "column": (column, S * B * H * e + max(ring, later))}
 
 
-def _compare(rank, world, dtype_name):
+def ring_checks(rank, world, dtype_name="float32"):
+    """One rank's comparisons (quantity: (bit-identical, relative error)) and transient peaks (measured, term);
+    run inside ``tests/test_comm.py``'s launch of the conjugate operators (the same ranks: no launch of its own)."""
     dtype = getattr(torch, dtype_name)
     group = ParallelDims.build(ParallelConfig(tp=world)).tp_group
     rows = S // world
@@ -100,12 +101,13 @@ GATHER_SIDE = {"column": ("y", "w", "b", "w_deferred_True", "w_deferred_False"),
                "row_gelu": ("x", "w")}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_chunks_match_the_collectives(world):
-    """fp32, one thread per rank: the gather side exact, the scatter side within the fp32 tolerance (the ring
-    sums a chunk's t partial products in ring order, the collective in its own); the ring's bytes its term."""
+def check_ring(results: list, world: int) -> None:
+    """Every rank's ``ring_checks`` (fp32, one thread per rank): the gather side exact, the scatter side within
+    the fp32 tolerance (the ring sums a chunk's t partial products in ring order, the collective in its own); the
+    ring's transient bytes its term. Called by ``tests/test_comm.py::test_conjugate_operators_match_their_definitions``
+    at tp 2 and 4."""
     worst = 0.0
-    for rank, (result, memory) in enumerate(run_ranks(_compare, world, "float32")):
+    for rank, (result, memory) in enumerate(results):
         assert all(measured == term for measured, term in memory.values()), (rank, memory)
         for op, quantities in result.items():
             for name, (equal, rel) in quantities.items():

@@ -131,7 +131,8 @@ def test_switch_rules():
 def test_bench_exposure_and_timeline(tmp_path):
     """``bench tp-overlap``'s reading of a profile: communication counts as exposed only where the rank ran
     nothing; the timeline is drawn (PNG) and written as text (the verb itself runs in the acceptance test)."""
-    from seqpar.bench.tp_overlap import exposed_ms, plot_timeline, render, text_timeline
+    from seqpar.bench.comm_timeline import exposed_ms, plot_timeline, text_timeline
+    from seqpar.bench.tp_overlap import render
 
     spans = {"compute": [(0.0, 4.0)], "busy": [(0.0, 4.0), (9.0, 10.0)], "gather": [(1.0, 6.0)],
              "scatter": [(5.0, 11.0)], "collective": []}

@@ -147,3 +147,22 @@ def test_bench_exposure_and_timeline(tmp_path):
                                              "loss_pct": 2.0}], "gemm_worst_loss_pct": 2.0, "step": None,
               "step_skipped": "only 1 cuda device visible: ... (not measured)"}
     assert "target <= 5%: met" in render(result) and "only 1 cuda device visible" in render(result)
+
+
+def test_a_layout_without_sp_drops_the_overlap_with_a_note():
+    """A config's or a checkpoint's overlap goes with its SP where the tp asked is 1 (``fit_layout``), and a
+    resume drops it where SP is off (``fit_inherited``: its one-line refusal names it); asked again, it stays
+    and is refused."""
+    from seqpar.commands.train import fit_inherited, fit_layout
+
+    sections = {"parallel": {"tp": 1, "sp": True, "tp_comm_overlap": True}}
+    notes = fit_layout(sections, {"parallel": {"tp": 1}}, "config")
+    assert sections["parallel"] == {"tp": 1} and [n.split(" = ")[0] for n in notes] == [
+        "the config's sp", "the config's tp_comm_overlap"]
+    model = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16}
+    sections = {"model": model, "parallel": {"tp": 2, "sp": False, "tp_comm_overlap": True}, "train": {}}
+    notes = fit_inherited(sections, {"parallel": {"sp": False}})
+    assert "tp_comm_overlap" not in sections["parallel"] and notes[0].startswith(
+        "the checkpoint's tp_comm_overlap = true is dropped: tp_comm_overlap needs sequence parallelism")
+    sections = {"model": model, "parallel": {"tp": 2, "sp": False, "tp_comm_overlap": True}, "train": {}}
+    assert fit_inherited(sections, {"parallel": {"tp_comm_overlap": True}}) == []

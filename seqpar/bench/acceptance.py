@@ -9,11 +9,11 @@ share a storage; ``selftest --quick`` (parity, memory: measured == exact, traini
 (``bench syncs``, when the verb exists); a mixture-of-experts training step; offloading's device bytes saved
 against the prediction and its time overhead (benchmarks/gpu/offload_layers.py); a training step eager against
 compiled. Part 2: versions; the paper's Table 4 layer (``bench table4``); a Llama-3-8B layer against plain
-PyTorch, eager and compiled (``bench gpu --parts layer``); the tensor-parallel communication overlap (``bench
-tp-overlap``: the chunked GEMM's efficiency against one GEMM at the planner's chunk counts on one device, and a
-tp 2 + SP layer with and without the overlap -- exposed communication, ratio -- where two devices are visible,
-said plainly where only one is); the fused attention efficiency fitted by ``seqpar calibrate`` against the
-built-in profile's.
+PyTorch, eager and compiled (``bench gpu --parts layer``); the fused attention efficiency fitted by ``seqpar
+calibrate`` against the built-in profile's; the tensor-parallel communication overlap (``bench tp-overlap``: the
+chunked GEMM's efficiency against one GEMM at the planner's chunk counts on one device, and a tp 2 + SP layer with
+and without the overlap -- exposed communication, ratio -- where two devices are visible, said plainly where only
+one is).
 
 Writes ``OUT/acceptance-partN.json`` (every figure, each verb's full result under ``result``) and
 ``OUT/acceptance-partN.txt`` (the summary, also printed). Shapes: real on an accelerator, tiny on a CPU;
@@ -118,7 +118,7 @@ def part_steps(part: int) -> list[Step]:
                 Step("syncs", 45, syncs), Step("moe", 45, moe), Step("offload", 60, offload),
                 Step("compile", 150, compile_vs_eager, compiled=True)]
     return [Step("versions", 30, versions), Step("table4", 75, table4), Step("llama_layer_eager", 45, llama_eager),
-            Step("tp_overlap", 50, tp_overlap), Step("attention_efficiency", 100, attention_efficiency),
+            Step("attention_efficiency", 100, attention_efficiency), Step("tp_overlap", 50, tp_overlap),
             Step("llama_layer_compiled", 150, llama_compiled, compiled=True)]
 
 
@@ -221,7 +221,7 @@ def tp_overlap(ctx: Context, timeout: float) -> dict:
     """``bench tp-overlap``: the chunked GEMM on this device at the planner's chunk counts; the tp 2 step with and
     without the overlap where two devices are (a CPU: two gloo ranks), else the verb's line saying so."""
     size = [] if ctx.real else ["--hidden", "64", "--heads", "4", "--seq", "64", "--micro-batch", "2",
-                                "--repeats", "3", "--warmup", "1"]
+                                "--repeats", "2", "--warmup", "1"]
     r = ctx.json(["bench", "tp-overlap", "--device", ctx.device, *size, "--json"], timeout)
     r.pop("timeline", None)  # per-event spans: the verb's --plot draws them
     step = r["step"]

@@ -305,6 +305,9 @@ class ParallelConfig:
     cp_comm_type: str = "ring"
     cp_a2a_size: int = 0  # K of a2a+ring (divides cp); 0: cp for a2a (1 for ring)
     sp: bool = False  # sequence parallelism over the tp group (Sec. 4.2.2)
+    # SP's all-gathers and reduce-scatters cut into tp ring chunks pipelined with the GEMMs they feed or follow
+    # (seqpar/parallel/tp_overlap.py); needs sp at tp > 1
+    tp_comm_overlap: bool = False
     # expert parallelism: the routed experts split over ep ranks taken inside the dp × cp ranks (same
     # tp and pp coordinates); tokens reach their experts by all-to-all (seqpar/parallel/expert.py)
     ep: int = 1
@@ -365,6 +368,9 @@ class ParallelConfig:
             raise ConfigError(f"interleave {self.interleave} needs pipeline parallelism (pp > 1)")
         self._validate_fsdp()
         self._validate_cp_comm()
+        if self.tp_comm_overlap and not (self.sp and self.tp > 1):
+            raise ConfigError(f"tp_comm_overlap needs sequence parallelism at tp > 1, got tp {self.tp}, sp "
+                              f"{'on' if self.sp else 'off'} (it pipelines SP's all-gathers and reduce-scatters)")
         if model is not None:
             if model.num_heads % self.tp:
                 raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")

@@ -82,6 +82,9 @@ SETTINGS: tuple[Setting, ...] = (
       "exchanged by all-to-all {default}", int, aliases=("--expert-model-parallel-size",), labels=("ep",)),
     S("--sp", "parallel.sp", "sequence parallelism over the tp ranks {default}", switch=True,
       aliases=("--sequence-parallel",), labels=("sp",)),
+    S("--tp-comm-overlap", "parallel.tp_comm_overlap", "with --sp at tp > 1: each all-gather before and "
+      "reduce-scatter after a tensor-parallel GEMM cut into tp chunks passed around the tp ranks while the chunk "
+      "already there multiplies, forward and backward (docs/tp_overlap.md) {default}", switch=True),
     S("--interleave", "parallel.interleave", "virtual pipeline chunks per rank m {default}", int,
       aliases=("--virtual-pipeline-model-parallel-size",), labels=("m", "interleave")),
     S("", "parallel.layer_split", labels=("split", "layer_split")),
@@ -312,7 +315,7 @@ MEGATRON_HINTS: dict[str, Hint | None] = {
     "--qk-layernorm": None, "--apply-query-key-layer-scaling": None, "--fp32-residual-connection": None,
     "--loss-scale": None, "--hysteresis": None, "--dataloader-type": None, "--mock-data": None,
     "--log-throughput": None, "--timing-log-level": None, "--wandb-exp-name": None, "--moe-router-load-balancing-type":
-    None, "--moe-grouped-gemm": None, "--moe-token-dispatcher-type": None, "--tp-comm-overlap": None,
+    None, "--moe-grouped-gemm": None, "--moe-token-dispatcher-type": None,
     "--lr-decay-samples": None, "--lr-warmup-samples": None, "--micro-batch-size-per-gpu": None,
     "--start-weight-decay": None, "--end-weight-decay": None, "--weight-decay-incr-style": None,
 }

@@ -47,6 +47,8 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
     # the distributed optimizer's weight all-gather under the next forward (train.overlap_param_gather)
     "overlap_param_gather": (False, True),
+    # SP's collectives in tp ring chunks pipelined with the GEMMs (seqpar/parallel/tp_overlap.py): needs sp at tp > 1
+    "tp_comm_overlap": (False, True),
     # the fault check: a rank raising or SIGKILLed before a drawn step, SIGKILLed while saving, the latest
     # checkpoint damaged on disk before a failure, SIGTERM reaching one rank (fit_fault: where each applies)
     "fault": ("none", "raise", "kill", "kill_in_save", "damaged_latest", "sigterm"),
@@ -187,6 +189,15 @@ def fit_param_gather(d: Draw, distributed_optimizer: bool, dp: int, cp: int) -> 
     elif dp * cp < 2:
         d.narrow("overlap_param_gather", False, f"dp {dp} × cp {cp} = {dp * cp}: nothing to gather")
     return d["overlap_param_gather"]
+
+
+def fit_tp_comm_overlap(d: Draw, tp: int, sp: bool) -> dict:
+    """The ``parallel`` key of the drawn TP-communication overlap: it pipelines sequence parallelism's
+    collectives, so it needs sp at tp > 1 (``ParallelConfig.validate``'s rule)."""
+    if d["tp_comm_overlap"] and not (sp and tp > 1):
+        d.narrow("tp_comm_overlap", False, f"needs sequence parallelism at tp > 1, got tp {tp}, "
+                 f"sp {'on' if sp else 'off'}")
+    return {"tp_comm_overlap": True} if d["tp_comm_overlap"] else {}
 
 
 def fit_compile(d: Draw, offload: tuple[str, ...]) -> bool:

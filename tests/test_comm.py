@@ -1,6 +1,8 @@
-"""f, f̄, g, ḡ: forward and backward against their definitions, on gloo ranks."""
+"""f, f̄, g, ḡ: forward and backward against their definitions, on gloo ranks; in the same launch, their ring-chunked
+versions with the GEMMs (``--tp-comm-overlap``) against them (``tests/test_tp_overlap.py``)."""
 
 import pytest
+import test_tp_overlap
 import torch
 
 from seqpar.parallel import comm
@@ -44,13 +46,15 @@ def _check_operators(rank, world):
     y, gx = run(comm.g_bar, xs[rank], grad_shards[rank])
     out["g_bar"] = (torch.allclose(y, sum(xs)[rank * chunk:(rank + 1) * chunk])
                     and torch.equal(gx, torch.cat(grad_shards)))
-    return out
+    return out, test_tp_overlap.ring_checks(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_conjugate_operators_match_their_definitions(world):
-    for rank, result in enumerate(run_ranks(_check_operators, world)):
+    results = run_ranks(_check_operators, world)
+    for rank, (result, _) in enumerate(results):
         assert result == {"f": True, "f_bar": True, "g": True, "g_bar": True}, (rank, result)
+    test_tp_overlap.check_ring([ring for _, ring in results], world)
 
 
 def test_operators_are_identity_without_a_group():

@@ -22,8 +22,9 @@ interleaved; the reference runs micro-batch 1), steps, fp32 or bf16, label smoot
 windows, or a prepared folder of short documents with document masks, so microbatches count different numbers of
 tokens: ``pipeline.objective``), offloaded modules (those the recomputation does not rebuild), the cp exchange
 (ring, a2a, a2a+ring K 2 at cp 4; ring where the heads do not split), FSDP2 off, over dp × cp, or HSDP in groups
-of 2 (where dp × cp > 1, >= 4), reshard-after-forward on/off under FSDP2, compile (``SEQPAR_AXES_COMPILE=1``
-only: slow on CPU). ep does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
+of 2 (where dp × cp > 1, >= 4), reshard-after-forward on/off under FSDP2, the TP-communication overlap on/off
+(where SP is on at tp > 1: ``--tp-comm-overlap``), compile (``SEQPAR_AXES_COMPILE=1`` only: slow on CPU). ep
+does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
 replaced by a rule) is printed as ``narrowed (equivalence N): ...`` and recorded as the test's ``narrowed``
 property; the test id ends ``-narrowedK``; ``test_summary`` counts them per axis.
 
@@ -153,7 +154,7 @@ def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
               "attn_dropout": DROPOUT if model["attention"] == "materialized" else 0.0}
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
-    parallel |= _axes.fit_cp_comm(axes, model, c.tp, c.cp)
+    parallel |= _axes.fit_cp_comm(axes, model, c.tp, c.cp) | _axes.fit_tp_comm_overlap(axes, c.tp, c.sp)
     data = {}
     if axes["data"] == "documents":  # byte-level prepared folder: vocabulary 256, end-of-document id 0
         model["vocab_size"], data = 256, {"document_mask": True}
@@ -314,6 +315,7 @@ def _draw_id(index: int, c: Combo) -> str:
                                                                 f"gb{train['global_batch']}", f"{train['steps']}steps"]
     extra += ["docs"] * (axes["data"] == "documents") + ["bf16"] * (axes["dtype"] == "bf16")
     extra += [f"ls{axes['label_smoothing']}"] * bool(axes["label_smoothing"]) + ["compile"] * axes["compile"]
+    extra += ["tpoverlap"] * axes["tp_comm_overlap"]
     offload = sections["recompute"]["offload_modules"]
     extra += [f"offload({','.join(offload)})"] if offload else []
     extra += [f"narrowed{len(axes.narrowed)}"] * bool(axes.narrowed)

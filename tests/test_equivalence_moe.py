@@ -87,6 +87,7 @@ def drawn(index: int, combo: tuple) -> tuple[dict, _axes.Draw]:
     }
     parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "interleave": interleave}
     parallel |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, experts)
+    parallel |= _axes.fit_tp_comm_overlap(axes, tp, sp)
     grads = random.Random(f"moe grads {index}")
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01,

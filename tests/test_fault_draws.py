@@ -66,7 +66,7 @@ def sections_at(axes: _axes.Draw, rng: random.Random, layout: tuple[int, int, in
     layout's)."""
     tp, pp, dp, cp = layout
     parallel = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "sp": tp > 1 and rng.random() < 0.5}
-    parallel |= _axes.fit_cp_comm(axes, model, tp, cp)
+    parallel |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_tp_comm_overlap(axes, tp, parallel["sp"])
     train = {"distributed_optimizer": dp > 1 and rng.random() < 0.5, "micro_batch": axes["micro_batch"],
              "global_batch": _axes.fit_batch(axes, batch_dp or dp, pp, 1), "steps": axes["steps"]}
     fsdp = _axes.fit_fsdp(axes, dp, cp)

@@ -12,6 +12,7 @@ import pytest
 
 from seqpar.analysis.planning.hardware import ACCELERATORS
 from seqpar.bench.acceptance import SMOKE_ENV, error_line, part_steps
+from seqpar.bench.tp_overlap import chunk_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "acceptance.sh"
@@ -73,6 +74,11 @@ def test_part2_figures(out):
     assert f["llama_layer_eager"]["layer"]["seqpar"]["ms"] > 0 and f["llama_layer_eager"]["vs_plain"] > 0
     assert f["attention_efficiency"]["attention_efficiency"] > 0 and f["attention_efficiency"][
         "builtin_attention_efficiency"] == ACCELERATORS["h100"].fitted.attention_efficiency
+    tpo = f["tp_overlap"]  # the planner's chunk counts, each GEMM timed whole and chunked; the cpu step on 2 ranks
+    assert set(tpo["gemm_efficiency"]) == {str(t) for t in chunk_counts()} and all(
+        e > 0 for e in tpo["gemm_efficiency"].values())
+    assert tpo["step"]["plain_ms"] > 0 and tpo["step"]["overlap_ms"] > 0
+    assert all(len(v) == 2 and min(v) >= 0 for v in tpo["step"]["exposed_comm_ms"].values())
 
 
 def test_a_failing_child_is_one_line():

@@ -48,6 +48,7 @@ PLAN_LOOP = {  # the shared axes (tests/_axes.py) the loop does not take, and wh
     "compile": "eager",
     "overlap_param_gather": "one step measures states and activations; the gathers' buffers are freed in the next "
                             "forward (tests/test_param_gather.py measures them)",
+    "tp_comm_overlap": "the plan's layouts run without it (plan prices the overlap, issue 54 item 3)",
 }
 RECOMPUTE_CONFIGS = {"none": RecomputeConfig("none"), "selective": RecomputeConfig("selective"),
                      "full": RecomputeConfig("full"), "full-block-1": RecomputeConfig("full", "block", 1)}

@@ -104,8 +104,10 @@ def resumed(i: int) -> tuple[dict, dict, list[str], _axes.Draw]:
     ep = _axes.fit_ep(axes, dp, cp)
     model = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 4, "seq_len": 16,
              "kv_heads": rng.choice((1, 2, 4)), "experts": 4 if ep > 1 else 0}
-    par = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    sp = tp > 1 and random.Random(f"resume sp {i}").random() < 0.5  # its own stream: the draws above stay
+    par = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "sp": sp}
     par |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, model["experts"])
+    par |= _axes.fit_tp_comm_overlap(axes, tp, par["sp"])
     ParallelConfig(**par).validate(ModelConfig(**model))  # the checkpoint's layout ran
     asked = dict(zip(("tp", "pp", "dp", "cp"), rng.choice(LAYOUTS), strict=True))
     sections = {"model": model, "parallel": par | asked, "train": {}}

@@ -32,6 +32,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "memory), and when the background write is committed"),
     "syncs": ("seqpar.bench.syncs", "host-device synchronisations per training step, counted where seqpar makes "
               "them: GPT, Llama, sdpa, packed documents, MoE (ep 2), cp a2a, tp 2 + SP"),
+    "tp-overlap": ("seqpar.bench.tp_overlap", "--tp-comm-overlap: a layer's GEMMs whole vs in tp row chunks at the "
+                   "planner's chunk counts, and one tp 2 + SP layer's fwd+bwd with and without the overlap: ratio, "
+                   "exposed communication, a per-rank timeline"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
     "acceptance": ("seqpar.bench.acceptance", "the GPU acceptance run, part 1 or 2 (each under 4 min on one H100; "

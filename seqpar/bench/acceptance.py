@@ -9,8 +9,11 @@ share a storage; ``selftest --quick`` (parity, memory: measured == exact, traini
 (``bench syncs``, when the verb exists); a mixture-of-experts training step; offloading's device bytes saved
 against the prediction and its time overhead (benchmarks/gpu/offload_layers.py); a training step eager against
 compiled. Part 2: versions; the paper's Table 4 layer (``bench table4``); a Llama-3-8B layer against plain
-PyTorch, eager and compiled (``bench gpu --parts layer``); the fused attention efficiency fitted by
-``seqpar calibrate`` against the built-in profile's.
+PyTorch, eager and compiled (``bench gpu --parts layer``); the fused attention efficiency fitted by ``seqpar
+calibrate`` against the built-in profile's; the tensor-parallel communication overlap (``bench tp-overlap``: the
+chunked GEMM's efficiency against one GEMM at the planner's chunk counts on one device, and a tp 2 + SP layer with
+and without the overlap -- exposed communication, ratio -- where two devices are visible, said plainly where only
+one is).
 
 Writes ``OUT/acceptance-partN.json`` (every figure, each verb's full result under ``result``) and
 ``OUT/acceptance-partN.txt`` (the summary, also printed). Shapes: real on an accelerator, tiny on a CPU;
@@ -115,7 +118,7 @@ def part_steps(part: int) -> list[Step]:
                 Step("syncs", 45, syncs), Step("moe", 45, moe), Step("offload", 60, offload),
                 Step("compile", 150, compile_vs_eager, compiled=True)]
     return [Step("versions", 30, versions), Step("table4", 75, table4), Step("llama_layer_eager", 45, llama_eager),
-            Step("attention_efficiency", 100, attention_efficiency),
+            Step("attention_efficiency", 100, attention_efficiency), Step("tp_overlap", 50, tp_overlap),
             Step("llama_layer_compiled", 150, llama_compiled, compiled=True)]
 
 
@@ -212,6 +215,21 @@ def table4(ctx: Context, timeout: float) -> dict:
                           "tflops_per_s": row["tflops_per_s"]} for row in r["rows"]}
     return {"config": r["config"], "rows": rows, "selective_share_of_full": r["target"]["share_of_full"],
             "result": r}
+
+
+def tp_overlap(ctx: Context, timeout: float) -> dict:
+    """``bench tp-overlap``: the chunked GEMM on this device at the planner's chunk counts; the tp 2 step with and
+    without the overlap where two devices are (a CPU: two gloo ranks), else the verb's line saying so."""
+    size = [] if ctx.real else ["--hidden", "64", "--heads", "4", "--seq", "64", "--micro-batch", "2",
+                                "--repeats", "2", "--warmup", "1"]
+    r = ctx.json(["bench", "tp-overlap", "--device", ctx.device, *size, "--json"], timeout)
+    r.pop("timeline", None)  # per-event spans: the verb's --plot draws them
+    step = r["step"]
+    return {"gemm_efficiency": {g["chunks"]: g["efficiency"] for g in r["gemm"]},
+            "gemm_worst_loss_pct": r["gemm_worst_loss_pct"],
+            "step": None if step is None else {k: step[k] for k in ("plain_ms", "overlap_ms", "speedup",
+                                                                    "exposed_comm_ms")},
+            "step_skipped": r.get("step_skipped"), "result": r}
 
 
 def llama_eager(ctx: Context, timeout: float) -> dict:
@@ -448,6 +466,17 @@ def _llama_line(f: dict) -> str:
             f"{f['layer'][f['against']]['ms']:.2f} ms: {f['vs_plain']:.2f}x")
 
 
+def _tp_overlap_line(f: dict) -> str:
+    gemm = ", ".join(f"t={t} {e:.3f}" for t, e in f["gemm_efficiency"].items())
+    step = f["step"]
+    if step is None:
+        return f"chunked GEMM efficiency {gemm}; {f['step_skipped']}"
+    exposed = step["exposed_comm_ms"]
+    return (f"chunked GEMM efficiency {gemm}; tp 2 layer {step['plain_ms']:.1f} -> {step['overlap_ms']:.1f} ms "
+            f"({step['speedup']:.2f}x), exposed comm rank 0 {exposed['plain'][0]:.1f} -> "
+            f"{exposed['overlap'][0]:.1f} ms")
+
+
 def _attention_line(f: dict) -> str:
     return (f"attention_efficiency {f['attention_efficiency']:.3f} (built-in {f['builtin_attention_efficiency']:.2f}:"
             f" {f['vs_builtin']:.2f}x), gemm_efficiency {f['gemm_efficiency']:.3f}, peak {f['peak_tflops']:.3g} "
@@ -456,5 +485,5 @@ def _attention_line(f: dict) -> str:
 
 SUMMARY = {"versions": _versions_line, "sdpa": _sdpa_line, "selftest": _selftest_line, "syncs": _syncs_line,
            "moe": _train_line, "offload": _offload_line, "compile": _compile_line, "table4": _table4_line,
-           "llama_layer_eager": _llama_line, "llama_layer_compiled": _llama_line,
+           "llama_layer_eager": _llama_line, "llama_layer_compiled": _llama_line, "tp_overlap": _tp_overlap_line,
            "attention_efficiency": _attention_line}

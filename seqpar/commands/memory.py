@@ -107,6 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add(p, "--cp-a2a-size", default=0, help="a2a+ring: the all-to-all group K (divides cp)")
     add(p, "--sp", action="store_true", help="sequence parallelism")
+    add(p, "--tp-comm-overlap", action="store_true", help="with --sp at tp > 1: SP's collectives in ring chunks "
+        "pipelined with the GEMMs (with --all: the SP rows); the chunks are transient, the bytes kept the same")
     add(p, "--ep", default=1,
         help="expert-parallel size (MoE): the layer runs on ep × tp ranks (default %(default)s)")
     add(p, "--recompute", default="none",
@@ -177,7 +179,8 @@ def run(args) -> int:
     modules = tuple(m for m in args.recompute_modules.split(",") if m)
     offload = tuple(m for m in args.offload_modules.split(",") if m)
     rows = plan_rows(cfg, args.micro_batch, args.tp, args.sp, args.recompute, args.all, modules=modules, cp=args.cp,
-                     ep=args.ep, offload=offload, cp_comm_type=args.cp_comm_type, cp_a2a_size=args.cp_a2a_size)
+                     ep=args.ep, offload=offload, cp_comm_type=args.cp_comm_type, cp_a2a_size=args.cp_a2a_size,
+                     tp_comm_overlap=args.tp_comm_overlap)
     loss = None
     if args.measure:
         from seqpar.dtypes import torch_dtype

@@ -60,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="any config value, e.g. --set train.weight_decay=0 (repeatable; default: none)")
     g = p.add_argument_group("parallelism")
-    for name in ("--tp", "--pp", "--cp", "--cp-comm-type", "--cp-a2a-size", "--dp", "--ep", "--sp", "--interleave",
-                 "--distributed-optimizer", "--fsdp", "--reshard-after-forward", "--fsdp-shard-size",
+    for name in ("--tp", "--pp", "--cp", "--cp-comm-type", "--cp-a2a-size", "--dp", "--ep", "--sp", "--tp-comm-overlap",
+                 "--interleave", "--distributed-optimizer", "--fsdp", "--reshard-after-forward", "--fsdp-shard-size",
                  "--overlap-grad-reduce", "--overlap-param-gather", "--compile", "--recompute", "--recompute-method",
                  "--recompute-layers", "--offload-modules"):
         setting(g, name)
@@ -202,6 +202,8 @@ def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -
     inherited = source == "checkpoint"
     if par.get("sp") and tp == 1 and (inherited or "tp" in asked):
         drop("sp", "tp is 1 (sequence parallelism splits the sequence over the tp ranks)")
+        if par.get("tp_comm_overlap"):
+            drop("tp_comm_overlap", "sequence parallelism is off (the overlap pipelines its collectives)")
     if par.get("interleave", 1) > 1 and pp == 1 and (inherited or "pp" in asked):
         drop("interleave", "pp is 1")
     if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1) and \
@@ -213,8 +215,8 @@ def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -
 
 # what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
 INHERITED_DROPPABLE = ("parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep", "parallel.interleave",
-                       "parallel.layer_split", "parallel.cp_comm_type", "train.distributed_optimizer",
-                       "train.overlap_grad_reduce", "train.overlap_param_gather")
+                       "parallel.layer_split", "parallel.cp_comm_type", "parallel.tp_comm_overlap",
+                       "train.distributed_optimizer", "train.overlap_grad_reduce", "train.overlap_param_gather")
 # (cp_a2a_size goes with cp_comm_type: fit_inherited)
 
 

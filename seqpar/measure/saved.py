@@ -38,7 +38,7 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
                   recompute: str | RecomputeConfig = "none",
                   micro_batch: int = 1, device: str | torch.device = "cpu", seed: int = 0,
                   backward: bool = True, cp_group=None, ep_group=None, input_seed: int | None = None,
-                  cp: CPContext | None = None) -> SavedTensorMeter:
+                  cp: CPContext | None = None, comm_overlap: bool = False) -> SavedTensorMeter:
     """Run one layer forward (and backward) on this rank and return what its forward kept.
 
     The layer input ``[s/cp(/t), b, h]`` requires grad, as the output of a previous layer would.
@@ -46,11 +46,12 @@ def measure_layer(cfg: ModelConfig, group=None, sequence_parallel: bool = False,
     cp = 1, else the layer holds this rank's s/cp tokens, docs/context_parallel.md); ``ep_group``: the
     expert-parallel group of an MoE layer; collective over all three. ``input_seed``: the layer input's
     seed (default ``seed``; ep ranks route different tokens with different ones). ``cp``: the cp groups with
-    their ``cp_comm_type`` (``CPContext.of``), in place of ``cp_group`` (the ring).
+    their ``cp_comm_type`` (``CPContext.of``), in place of ``cp_group`` (the ring). ``comm_overlap``: SP's
+    collectives in ring chunks pipelined with the GEMMs (``seqpar.parallel.tp_overlap``).
     """
     device = torch.device(device)
     cp = cp or CPContext(cp_group)
-    tp = TPContext(group, sequence_parallel, RNGTracker(seed))
+    tp = TPContext(group, sequence_parallel, RNGTracker(seed), comm_overlap)
     t, sp, tracker = tp.size, tp.sequence_parallel, tp.tracker
     rc = recompute if isinstance(recompute, RecomputeConfig) else RecomputeConfig(recompute)
     layer = TransformerLayer(cfg, tp, RecomputePlan(rc, tracker), device=device, cp=cp, ep=EPContext(ep_group))

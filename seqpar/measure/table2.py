@@ -42,6 +42,7 @@ class Row:
     host_measured_bytes: int | None = None
     host_tensors: list[dict] = field(default_factory=list)
     recomputed_not_offloaded: tuple[str, ...] = ()  # asked offload modules this row's recomputation rebuilds
+    tp_comm_overlap: bool = False  # SP's collectives in ring chunks (seqpar.parallel.tp_overlap): keeps the same
 
     @property
     def recompute_config(self) -> RecomputeConfig:
@@ -63,6 +64,8 @@ class Row:
                     "host_exact_bytes": self.host_exact_bytes}
         if self.recomputed_not_offloaded:
             out["recomputed_not_offloaded"] = list(self.recomputed_not_offloaded)
+        if self.tp_comm_overlap:
+            out["tp_comm_overlap"] = True
         return out
 
 
@@ -81,7 +84,8 @@ def is_paper_gpt(cfg: ModelConfig) -> bool:
 
 def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str, all_rows: bool,
               device: str = "cpu", modules: tuple[str, ...] = (), cp: int = 1, ep: int = 1,
-              offload: tuple[str, ...] = (), cp_comm_type: str = "ring", cp_a2a_size: int = 0) -> list[Row]:
+              offload: tuple[str, ...] = (), cp_comm_type: str = "ring", cp_a2a_size: int = 0,
+              tp_comm_overlap: bool = False) -> list[Row]:
     """The rows to report, with their exact and formula bytes; validated before any rank starts.
 
     ``formula_bytes`` is Table 2's closed form for the paper's GPT, and the per-tensor derivation
@@ -93,6 +97,8 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     ``offload``: modules offloaded (``RecomputeConfig.offload_modules``) in every row: exact and formula bytes
     are the device's, ``host_exact_bytes`` what went to host memory (each row's recomputation leaves a module
     it rebuilds on the device: ``offloadable``; the row names them, ``recomputed_not_offloaded``).
+    ``tp_comm_overlap``: SP's collectives in ring chunks (with ``all_rows``, the rows with SP at tp > 1): the
+    chunks are transient, so the exact bytes are the same as without (the measurement says so).
     """
     cfg.validate()
     RecomputeConfig(recompute, modules=modules, offload_modules=offload).validate()
@@ -112,8 +118,9 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
     paper = is_paper_gpt(cfg)
     rows = []
     for name, t, row_sp, rc, mods in configs:
+        overlap = tp_comm_overlap and (row_sp and t > 1 or not all_rows)
         par = ParallelConfig(tp=t, cp=cp, sp=row_sp and t > 1, dp=ep, ep=ep, cp_comm_type=cp_comm_type,
-                             cp_a2a_size=cp_a2a_size).validate(replace(cfg, num_layers=1))
+                             cp_a2a_size=cp_a2a_size, tp_comm_overlap=overlap).validate(replace(cfg, num_layers=1))
         recompute = RecomputeConfig(rc, modules=mods, offload_modules=offloadable(rc, mods, offload))
         device_terms, host_terms = layer_split_terms(cfg, par, b, exact_opts, recompute)
         exact = sum(device_terms.values())
@@ -126,7 +133,8 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
                         cp_a2a_size=cp_a2a_size,
                         vanished=sorted(reference.keys() - kept.keys()), added=sorted(kept.keys() - reference.keys()),
                         offload=recompute.offload_modules, host_exact_bytes=sum(host_terms.values()),
-                        recomputed_not_offloaded=tuple(m for m in offload if m not in recompute.offload_modules)))
+                        recomputed_not_offloaded=tuple(m for m in offload if m not in recompute.offload_modules),
+                        tp_comm_overlap=overlap))
         if cfg.experts:
             tokens = s // cp * b // (t if par.sp else 1)
             rows[-1].routing = {"balanced": list(astuple(balanced_routing(cfg, tokens)))}
@@ -173,7 +181,8 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, r
             results.append(None)
             continue
         meter = measure_layer(cfg, dims.tp_group if row.tp > 1 else None, row.sp, row.recompute_config, micro_batch,
-                              backward=False, cp=CPContext.of(dims), ep_group=dims.ep_group, input_seed=dims.ep_rank)
+                              backward=False, cp=CPContext.of(dims), ep_group=dims.ep_group, input_seed=dims.ep_rank,
+                              comm_overlap=row.tp_comm_overlap)
         mlp = meter.layer.mlp
         routing = (mlp.routing, mlp.rows_per_expert) if isinstance(mlp, MoE) else None
         results.append((meter.total_bytes, [t.as_dict() for t in meter.tensors], routing,

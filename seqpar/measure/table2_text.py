@@ -60,6 +60,9 @@ def render_rows(cfg: ModelConfig, rows: list, micro_batch: int, *, cp: int = 1, 
         out("offloaded (seqpar.recompute.offload): the rows' bytes are the device's; 'host' is what went to host "
             "memory after the forward (a row's recomputation keeps what it rebuilds off the host).")
     out("exact = formula + the norm statistics (LayerNorm mean/rstd, RMSNorm rstd), which the paper drops.")
+    if any(r.tp_comm_overlap for r in rows):
+        out("tp comm overlap (rows with SP): the collectives ran in ring chunks beside the GEMMs; the chunks are "
+            "transient, so what the layer keeps is the same as without.")
     if cfg.experts:
         out(f"MoE (E={cfg.experts}, K={cfg.top_k}, ep={ep}): formula = balanced routing; exact = the routing "
             "rank 0 saw (T tokens routed, N assignments kept, R rows its experts ran):")

@@ -25,7 +25,7 @@ from seqpar.parallel.context import CPContext
 from seqpar.parallel.cross_entropy import VocabParallelCrossEntropy
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.expert import EPContext
-from seqpar.parallel.layers import LinearWithGatheredInput, mark, padded_vocab
+from seqpar.parallel.layers import gathered_linear, mark, padded_vocab
 from seqpar.parallel.layout import relayout
 from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tied import NAME as TIED_NAME
@@ -87,7 +87,7 @@ class GPTStage(nn.Module):
         x = self.final_ln(x)
         weight = self.word_weight()
         if self.sp:
-            return LinearWithGatheredInput.apply(x, weight, None, self.group)  # [s, b, v/t]
+            return gathered_linear(x, weight, None, self.tp)  # [s, b, v/t]
         return F.linear(comm.f(x, self.group), weight)  # [s, b, v/t]
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
@@ -145,11 +145,12 @@ class GPTStage(nn.Module):
 def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_parallel: bool = False,
                 seed: int = 1234, layer_ids: list[int] | None = None, first: bool = True, last: bool = True,
                 device=None, tied: TiedEmbedding | None = None,
-                recompute: RecomputeConfig | None = None) -> GPTStage:
+                recompute: RecomputeConfig | None = None, tp_comm_overlap: bool = False) -> GPTStage:
     """Build (one stage of) the GPT for this rank, keeping for backward what ``recompute`` says
     (default: everything), and initialise it from ``seed``.
 
-    ``tied``: the tied word embedding's group when its copies live on two stages.
+    ``tied``: the tied word embedding's group when its copies live on two stages. ``tp_comm_overlap``: SP's
+    collectives in ring chunks pipelined with the GEMMs (``seqpar.parallel.tp_overlap``).
 
     The initialisation is independent of the parallel layout: every parameter is drawn whole from a
     generator seeded by ``seed`` and its name, then sharded, so any tp/pp split computes the same
@@ -159,7 +160,8 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     dims = dims or ParallelDims.single()
     tracker = RNGTracker(seed)  # masks keyed by global layer and position: the same under every layout
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
-    model = GPTStage(cfg, TPContext(dims.tp_group, sequence_parallel, tracker), ids, first, last, device, tied,
-                     RecomputePlan(recompute, tracker), CPContext.of(dims), EPContext(dims.ep_group))
+    tp = TPContext(dims.tp_group, sequence_parallel, tracker, tp_comm_overlap)
+    model = GPTStage(cfg, tp, ids, first, last, device, tied, RecomputePlan(recompute, tracker), CPContext.of(dims),
+                     EPContext(dims.ep_group))
     init_parameters(model, seed, dims.tp_rank, dims.tp)
     return model

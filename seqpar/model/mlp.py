@@ -93,4 +93,6 @@ class MLP(nn.Module):
 
     def _recomputed_act_fc2(self, y: torch.Tensor) -> torch.Tensor:
         # keeps only the fc1 output; the activation output is rebuilt in backward
+        if self.fc2.comm_overlap:
+            return self.fc2.overlapped(y, self.act)  # [s/t, b, h]
         return self.fc2.reduce(_RecomputedActivationLinear.apply(y, self.fc2.weight, self.act))

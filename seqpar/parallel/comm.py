@@ -23,7 +23,7 @@ from seqpar.parallel.dims import group_size
 
 # ---------------------------------------------------------------- raw collectives (device from tensor)
 # Every collective seqpar runs goes through this section (point-to-point transfers, which are not
-# collectives, stay with their schedules: pipeline/p2p.py, parallel/ring_attention.py).
+# collectives, stay with their schedules: pipeline/p2p.py, parallel/ring_attention.py, parallel/tp_overlap.py).
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 # The one torch-version rule of the package: torch 2.13 names the single-tensor collectives

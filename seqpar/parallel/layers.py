@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seqpar.parallel import comm
+from seqpar.parallel import comm, tp_overlap
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layout import ParamLayout
 from seqpar.parallel.tp_context import TPContext
@@ -71,6 +71,14 @@ class LinearWithGatheredInput(torch.autograd.Function):
         return grad_x_shard, grad_w, grad_b, None
 
 
+def gathered_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias, tp: TPContext) -> torch.Tensor:
+    """``g(x_shard) W^T + b`` under SP: the stored-input linear, its collectives in ring chunks pipelined with
+    the GEMM when ``tp.comm_overlap`` (``seqpar.parallel.tp_overlap``)."""
+    if tp.comm_overlap:
+        return tp_overlap.gathered_linear(x_shard, weight, bias, tp.group)
+    return LinearWithGatheredInput.apply(x_shard, weight, bias, tp.group)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y_i = X A_i``: the weight's output dimension is split over the TP group.
 
@@ -81,14 +89,14 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = True,
                  init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
-        self.group, self.sequence_parallel = tp.group, tp.sequence_parallel
+        self.tp, self.group, self.sequence_parallel = tp, tp.group, tp.sequence_parallel
         out = _per_rank(out_features, tp.size, "output")
         self.weight = mark(_param((out, in_features), dtype, device), split_dim=0, init_std=init_std)
         self.bias = mark(_param((out,), dtype, device), split_dim=0, init="zeros") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return LinearWithGatheredInput.apply(x, self.weight, self.bias, self.group)
+            return gathered_linear(x, self.weight, self.bias, self.tp)
         return F.linear(comm.f(x, self.group), self.weight, self.bias)
 
 
@@ -100,14 +108,22 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = True,
                  init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
-        self.group, self.sequence_parallel = tp.group, tp.sequence_parallel
+        self.group, self.sequence_parallel, self.comm_overlap = tp.group, tp.sequence_parallel, tp.comm_overlap
         self.weight = mark(_param((out_features, _per_rank(in_features, tp.size, "input")), dtype, device),
                            split_dim=1, init_std=init_std)
         self.bias = (mark(_param((out_features,), dtype, device), sequence_parallel=self.sequence_parallel,
                           init="zeros") if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm_overlap:
+            return self.overlapped(x)
         return self.reduce(F.linear(x, self.weight))  # [s, b, out] partial sum, reduced
+
+    def overlapped(self, x: torch.Tensor, act=None) -> torch.Tensor:
+        """``ḡ(act(x) W^T) + b`` with the reduce-scatter in ring chunks pipelined with the GEMM
+        (``seqpar.parallel.tp_overlap``; ``act`` applied per chunk, recomputed in backward)."""
+        y = tp_overlap.scattered_linear(x, self.weight, self.group, act)  # [s/t, b, out]
+        return y if self.bias is None else y + self.bias
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial products (f̄, or ḡ under SP), then add the bias."""

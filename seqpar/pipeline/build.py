@@ -40,7 +40,7 @@ def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
         # dropout masks are keyed by global layer ids (seqpar.parallel.dropout): no per-stage seeds
         chunks.append(build_model(cfg, dims, sequence_parallel=parallel.sp, seed=seed, layer_ids=ids, first=first,
                                   last=last, device=device, tied=tied,
-                                  recompute=recompute))
+                                  recompute=recompute, tp_comm_overlap=parallel.tp_comm_overlap))
     for chunk in chunks[1:]:  # one host pool and one count of offloaded bytes per rank
         chunk.recompute.offloader.share(chunks[0].recompute.offloader)
     return chunks

@@ -219,6 +219,14 @@ def a2a_buffer_bytes(s, b, h, a, t, k, kv_local, act_bytes) -> float:
     return 2 * act_bytes * k * s * b * (h / a) * (a / (t * k) + 2 * a2a_kv_heads(kv_local, k))
 
 
+def tp_ring_buffer_bytes(s, b, h, t, act_bytes) -> float:
+    """The TP-communication overlap's ring buffers in flight (transient, ``seqpar.parallel.tp_overlap``): a
+    reduce-scatter ring holds three ``[s/t, b, h]`` chunks -- this rank's partial product, the running sum being
+    sent, the one being received -- the most of its rings (the forward's gather holds two, one at t = 2); they
+    replace the ``[s, b, h]`` tensors the collectives take (``s`` the rank's s/cp tokens)."""
+    return 3 * act_bytes * s / t * b * h
+
+
 def attention_terms(s, b, h, a, t, rep, *, act_bytes, mask_bytes, dropout, fused_attention,
                     kv_heads, cp=1, sdpa_kernel="flash", a2a=1) -> dict[str, float]:
     """Sec. 4.1, the attention block (11sbh + 5as^2b with LN1's input): LN1 input 2sbh, QKV input 2sbh (both

@@ -21,6 +21,7 @@ from seqpar.analysis.formulas.memory import (
     kv_heads_per_rank,
     layer_activation_terms,
     offload_split,
+    tp_ring_buffer_bytes,
 )
 from seqpar.analysis.formulas.moe import Routing, balanced_routing, moe_terms
 from seqpar.analysis.formulas.shapes import (
@@ -35,11 +36,13 @@ from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
 # Working sets alive only inside one pass, never across the schedule: what a recomputation rebuilds, the reloads
-# ahead of a backward, an all-to-all's send and receive buffers. The device total counts them (a plan must fit
-# them); what the schedule holds between passes -- what ``seqpar.measure.meter`` measures -- does not. And the
-# distributed optimizer's overlapped weight gathers (``param_gather_excess``): live from the step to the first
-# forward, when no activation is, so only what they hold beyond the activations' peak adds to the total.
-TRANSIENT_TERMS = ("recompute_working", "offload_reload_working", "a2a_buffers", "param_gather_excess")
+# ahead of a backward, an all-to-all's send and receive buffers, the TP-communication overlap's ring chunks. The
+# device total counts them (a plan must fit them); what the schedule holds between passes -- what
+# ``seqpar.measure.meter`` measures -- does not. And the distributed optimizer's overlapped weight gathers
+# (``param_gather_excess``): live from the step to the first forward, when no activation is, so only what they hold
+# beyond the activations' peak adds to the total.
+TRANSIENT_TERMS = ("recompute_working", "offload_reload_working", "a2a_buffers", "tp_ring_buffers",
+                   "param_gather_excess")
 NONE, FULL = RecomputeConfig("none"), RecomputeConfig("full")
 
 
@@ -369,6 +372,9 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
     if par.a2a_size > 1 and rank_layers(shape, par, rank):
         terms["a2a_buffers"] = a2a_buffers(shape, par, b, opts)
+    if par.tp_comm_overlap and rank_layers(shape, par, rank):
+        terms["tp_ring_buffers"] = tp_ring_buffer_bytes(shape.seq_len // par.cp, b, shape.hidden_size, par.tp,
+                                                        opts.act_bytes)
     host = {}
     if rc.offload_modules and r:
         host = offload_host_terms(shape, par, rc, b, opts, rank, r - kept, kept)

@@ -6,8 +6,6 @@ import json
 
 from _helpers import run_cli
 
-from seqpar.analysis.formulas.shapes import trainer_tp_comm_overlap
-
 TINY = ["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64", "--vocab", "128", "--gpus", "4",
         "--global-batch", "8"]
 LLAMA8_H100 = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "64", "--json"]
@@ -31,7 +29,7 @@ def test_the_header_says_what_was_searched_and_the_flags_narrow_it():
     code, out, _ = run_cli([*TINY, "--no-fsdp", "--device", "cpu", "--json"])  # a CPU's memory is the host's
     assert code == 0 and json.loads(out)["searched"] == {"fsdp": False, "distributed_optimizer": True, "offload": False,
                                                          "overlap_param_gather": True,
-                                                         "tp_comm_overlap": trainer_tp_comm_overlap()}
+                                                         "tp_comm_overlap": True}
     code, out, _ = run_cli([*TINY, "--no-fsdp", "--device", "cpu", "--offload", "--json"])  # asked for: searched
     assert code == 0 and json.loads(out)["searched"]["offload"] is True
 
@@ -39,7 +37,7 @@ def test_the_header_says_what_was_searched_and_the_flags_narrow_it():
 def test_the_weight_gather_under_the_forward_is_searched_priced_and_emitted(tmp_path):
     """Issue 54: a plan with the distributed optimizer gathers its weights under the forward unless
     ``--no-overlap-param-gather`` (the header says which), the exposed gather is what it saves, and the emitted
-    config asks the trainer for it; ``--tp-comm-overlap`` is refused in one line where the trainer lacks it."""
+    config asks the trainer for it; ``--no-tp-comm-overlap`` leaves the TP ring out (the header says so)."""
     layout = "tp=1,pp=1,dp=8,sp=off,recompute=none,mb=1,distopt=on"
     big = ["plan", "--model", "gpt2-xl", "--gpus", "8", "--global-batch", "64", "--json", "--explain"]
     code, out, _ = run_cli([*big, layout + ",pgather=on", "--emit-config", str(tmp_path / "on.toml")])
@@ -52,9 +50,8 @@ def test_the_weight_gather_under_the_forward_is_searched_priced_and_emitted(tmp_
     assert code == 2 and "pgather=on gathers the distributed optimizer's weights: it needs distopt=on" in err
     line = _searched_line(run_cli([*TINY, "--no-overlap-param-gather"])[1])
     assert "weight gather under the forward no (--overlap-param-gather adds it)" in line
-    if not trainer_tp_comm_overlap():
-        code, _, err = run_cli([*TINY, "--tp-comm-overlap"])
-        assert code == 2 and "no parallel.tp_comm_overlap" in err.splitlines()[0]
+    line = _searched_line(run_cli([*TINY, "--no-tp-comm-overlap"])[1])
+    assert "TP communication overlap no (--tp-comm-overlap adds it)" in line
 
 
 def test_the_default_search_finds_torchtitans_fsdp_plan_for_llama3_8b_and_no_fsdp_narrows_it():
@@ -65,7 +62,7 @@ def test_the_default_search_finds_torchtitans_fsdp_plan_for_llama3_8b_and_no_fsd
     assert code == 0, err
     found = json.loads(out)
     assert found["searched"] == {"fsdp": True, "distributed_optimizer": True, "offload": True,
-                                 "overlap_param_gather": True, "tp_comm_overlap": trainer_tp_comm_overlap()}
+                                 "overlap_param_gather": True, "tp_comm_overlap": True}
     titan = [p for p in found["plans"] if (p["tp"], p["pp"], p["cp"], p["dp"], p["fsdp"]) == (1, 1, 1, 8, True)]
     assert titan and titan[0]["tie_with_best"], [p["predicted_iteration_s"] for p in found["plans"][:3]]
     code, out, err = run_cli([*LLAMA8_H100, "--no-fsdp", "--no-offload"])

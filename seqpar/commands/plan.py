@@ -73,10 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "charges what that forward does not cover, plus the last bucket, one call per bucket (default: on, each "
         "plan with the distributed optimizer searched with and without it, pgather=on in its label; "
         "--no-overlap-param-gather leaves it out)")
-    g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="under SP, each tensor-parallel all-gather and reduce-scatter a ring of tp chunks pipelined "
-                        "with its GEMM, forward and backward (parallel.tp_comm_overlap) (default: on where seqpar's "
-                        "trainer has it, for every plan with SP; --no-tp-comm-overlap leaves it out)")
+    add(g, "--tp-comm-overlap", help="under SP, each tensor-parallel all-gather and reduce-scatter a ring of tp "
+        "chunks pipelined with its GEMM, forward and backward (parallel.tp_comm_overlap) (default: on for every "
+        "plan with SP; --no-tp-comm-overlap leaves it out)")
     add(g, "--fsdp", help="search FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N "
         "B/param) (default: on; --no-fsdp leaves it out)")
     add(g, "--offload", help="search offloading modules' activations to host memory (keep / recompute / offload per "
@@ -226,12 +225,8 @@ def offload_searched(args) -> bool:
 
 def tp_comm_overlap_searched(args) -> bool:
     """Whether the plans pipeline the SP collectives with their GEMMs: as ``--tp-comm-overlap`` /
-    ``--no-tp-comm-overlap`` say, else where the trainer has it; asked of a trainer without it: refused."""
-    from seqpar.analysis.formulas.shapes import AnalysisError, trainer_tp_comm_overlap
-
-    if args.tp_comm_overlap and not trainer_tp_comm_overlap():
-        raise AnalysisError("--tp-comm-overlap: this seqpar's trainer has no parallel.tp_comm_overlap to run it")
-    return trainer_tp_comm_overlap() if args.tp_comm_overlap is None else args.tp_comm_overlap
+    ``--no-tp-comm-overlap`` say, else on (``parallel.tp_comm_overlap``, every plan with SP)."""
+    return True if args.tp_comm_overlap is None else args.tp_comm_overlap
 
 
 def _overlap(args, opt):

@@ -189,7 +189,3 @@ def activation_options(cfg: ModelConfig, ln_stats_bytes: int = 0, *, embedding: 
                              sdpa_kernel=sdpa_kernel, free_pipeline_outputs=free_pipeline_outputs)
 
 
-def trainer_tp_comm_overlap() -> bool:
-    """Whether seqpar's trainer runs ``tp_comm_overlap`` (``parallel.tp_comm_overlap``, issue 54 item 1): the planner
-    searches it and ``bench published`` prices seqpar's own rows with it only then (no option the trainer lacks)."""
-    return "tp_comm_overlap" in ParallelConfig.__dataclass_fields__

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from seqpar.analysis.formulas.shapes import trainer_tp_comm_overlap
 from seqpar.analysis.formulas.stage import STATE_TERMS, StageMemory
 from seqpar.analysis.planning.costmodel import ties_with_best
 from seqpar.analysis.planning.planner import (
@@ -42,9 +41,7 @@ def searched(req: Request) -> str:
         said(req.try_distributed_optimizer, "distributed optimizer", "distributed-optimizer"),
         said(req.try_offload, "activation offloading", "offload"),
         said(req.try_overlap_param_gather, "weight gather under the forward", "overlap-param-gather"),
-        said(req.opts.tp_comm_overlap, "TP communication overlap", "tp-comm-overlap")
-        if req.opts.tp_comm_overlap or trainer_tp_comm_overlap() else "TP communication overlap no (not in this "
-        "trainer)"])
+        said(req.opts.tp_comm_overlap, "TP communication overlap", "tp-comm-overlap")])
         + f"; micro batch <= {req.max_micro_batch}, interleave <= {req.max_interleave}, cp <= {req.max_cp} (pp 1)")
 
 

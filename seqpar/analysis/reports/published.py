@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.formulas.flops import hardware_flops, model_flops
-from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config, trainer_tp_comm_overlap
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
 from seqpar.config import ModelConfig
 
 MEGATRON_README = "https://github.com/NVIDIA/Megatron-LM/blob/main/README.md"
@@ -81,9 +81,9 @@ class PublishedRun:
     def seqpar_options(self) -> tuple[ActivationOptions, OptimizerOptions]:
         """What seqpar's own trainer runs the layout with (its prediction beside the published one): the dp
         reduction and the distributed optimizer's weight gather overlapped (``train.overlap_grad_reduce``,
-        ``train.overlap_param_gather``), the SP collectives pipelined with their GEMMs where the trainer has it
-        (``parallel.tp_comm_overlap``); no option the trainer lacks."""
-        return (replace(self.opts(), tp_comm_overlap=trainer_tp_comm_overlap()),
+        ``train.overlap_param_gather``), the SP collectives pipelined with their GEMMs (``parallel.tp_comm_overlap``);
+        no option the trainer lacks."""
+        return (replace(self.opts(), tp_comm_overlap=True),
                 OptimizerOptions(overlap_grad_reduce=True, overlap_param_gather=True))
 
 

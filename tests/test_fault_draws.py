@@ -73,6 +73,7 @@ def sections_at(axes: _axes.Draw, rng: random.Random, layout: tuple[int, int, in
     if fsdp:
         parallel |= fsdp
         train["distributed_optimizer"] = False
+    parallel |= _axes.fit_pp_schedule(axes, pp, 1, bool(fsdp))
     recompute = dict(eq.RECOMPUTE[rng.choice(RECOMPUTE)])
     recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))

@@ -12,6 +12,8 @@ byte to ``exact`` (formula + the implementation's small terms); the first stage'
 layers' worth (× (1 + (p-1)/(pm)) interleaved). App. B: with freeing off every sent output counts,
 with it on none does. App. C: the peak lies between the all-recomputed and all-stored figures, grows
 with K, and the loss is bit-identical.
+
+ZB-H1 (``pp_schedule`` zb-h1) on the one-chunk parity layouts: loss and every gradient bit-identical to 1F1B's.
 """
 
 import functools
@@ -83,6 +85,28 @@ def parity_here(cases):
     return out
 
 
+def zero_bubble_here(cases):
+    """ZB-H1 against 1F1B on the one-chunk parity layouts: the same loss and every gradient, bit for bit (the W
+    order moves no sum inside a microbatch, and microbatches accumulate in the same order)."""
+    out = {}
+    for dp, pp, tp, m, *split in cases:
+        if pp == 1 or m > 1:
+            continue
+        runs = []
+        for schedule in ("1f1b", "zb-h1"):
+            parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, pp_schedule=schedule)
+            dims = ParallelDims.build(parallel)
+            chunks = build_stages(PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None)
+            mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
+            loss = forward_backward(chunks, global_batch(dp)[mine], dims, parallel)
+            finalize_grads(chunks, dims)
+            runs.append((loss, {n: p.grad for c in chunks for n, p in c.named_parameters()}))
+        (loss_a, grads_a), (loss_b, grads_b) = runs
+        out[(dp, pp, tp, *split)] = loss_a == loss_b and grads_a.keys() == grads_b.keys() and all(
+            torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    return out
+
+
 # ----------------------------------------------------------------------------- memory
 MEM_CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=8, seq_len=32, dtype="bf16")
 B = 1
@@ -101,7 +125,7 @@ def memory_jobs(world):
 
 
 def _worker(rank, world):
-    return parity_here(PARITY[world]), measure_jobs_here(MEM_CFG, memory_jobs(world))
+    return parity_here(PARITY[world]), measure_jobs_here(MEM_CFG, memory_jobs(world)), zero_bubble_here(PARITY[world])
 
 
 @functools.cache
@@ -109,7 +133,8 @@ def _spawn(world):
     """One launch of ``world`` ranks runs every parity case and memory job of that world size."""
     assert validate_jobs(MEM_CFG, memory_jobs(world)) == world
     results = run_ranks(_worker, world)
-    return world, [r[0] for r in results], report(MEM_CFG, memory_jobs(world), [r[1] for r in results])
+    return world, [r[0] for r in results], report(MEM_CFG, memory_jobs(world), [r[1] for r in results]), \
+        [r[2] for r in results]
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8])
@@ -118,7 +143,7 @@ def spawned(request):
 
 
 def test_parity_with_single_process_model(spawned):
-    world, parity, _ = spawned
+    world, parity, *_ = spawned
     for case in PARITY[world]:
         names = set()
         for rank, res in enumerate(parity):
@@ -130,8 +155,14 @@ def test_parity_with_single_process_model(spawned):
         assert names == set(ref_keys), case  # every parameter is held by some rank and checked
 
 
+def test_zero_bubble_h1_is_bit_identical_to_1f1b(spawned):
+    world, *_, zero_bubble = spawned
+    for rank, same in enumerate(zero_bubble):
+        assert same and all(same.values()), (world, rank, same)
+
+
 def test_peak_matches_formula_per_stage(spawned):
-    world, _, measured = spawned
+    world, _, measured, _ = spawned
     for (parallel, runs), (free_on, free_off, *_) in zip(memory_jobs(world), measured, strict=True):
         if runs is APP_C:
             continue

@@ -46,6 +46,7 @@ PLAN_LOOP = {  # the shared axes (tests/_axes.py) the loop does not take, and wh
     "reshard_after_forward": "fsdp is not drawn here",
     "ep": "dense models",
     "compile": "eager",
+    "pp_schedule": "1F1B: the exact memory formula does not count ZB-H1's deferred W inputs yet (issue 55)",
 }
 RECOMPUTE_CONFIGS = {"none": RecomputeConfig("none"), "selective": RecomputeConfig("selective"),
                      "full": RecomputeConfig("full"), "full-block-1": RecomputeConfig("full", "block", 1)}

@@ -105,6 +105,7 @@ def resumed(i: int) -> tuple[dict, dict, list[str], _axes.Draw]:
              "kv_heads": rng.choice((1, 2, 4)), "experts": 4 if ep > 1 else 0}
     par = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
     par |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, model["experts"])
+    par |= _axes.fit_pp_schedule(axes, pp, 1, bool(par.get("fsdp")))
     ParallelConfig(**par).validate(ModelConfig(**model))  # the checkpoint's layout ran
     asked = dict(zip(("tp", "pp", "dp", "cp"), rng.choice(LAYOUTS), strict=True))
     sections = {"model": model, "parallel": par | asked, "train": {}}

@@ -35,6 +35,7 @@ STAGES = {  # the shared axes (tests/_axes.py) the stage measure does not take, 
     "reshard_after_forward": "fsdp is not drawn here",
     "ep": "dense models",
     "compile": "eager",
+    "pp_schedule": "1F1B: the exact memory formula does not count ZB-H1's deferred W inputs yet (issue 55)",
 }
 
 

@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="any config value, e.g. --set train.weight_decay=0 (repeatable; default: none)")
     g = p.add_argument_group("parallelism")
     for name in ("--tp", "--pp", "--cp", "--cp-comm-type", "--cp-a2a-size", "--dp", "--ep", "--sp", "--interleave",
-                 "--distributed-optimizer", "--fsdp", "--reshard-after-forward", "--fsdp-shard-size",
+                 "--pp-schedule", "--distributed-optimizer", "--fsdp", "--reshard-after-forward", "--fsdp-shard-size",
                  "--overlap-grad-reduce", "--compile", "--recompute", "--recompute-method", "--recompute-layers",
                  "--offload-modules"):
         setting(g, name)
@@ -214,7 +214,8 @@ def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -
 # what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
 INHERITED_DROPPABLE = ("parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep", "parallel.interleave",
                        "parallel.layer_split", "parallel.cp_comm_type", "train.distributed_optimizer",
-                       "train.overlap_grad_reduce")  # cp_a2a_size goes with cp_comm_type (fit_inherited)
+                       "train.overlap_grad_reduce",
+                       "parallel.pp_schedule")  # cp_a2a_size goes with cp_comm_type (fit_inherited)
 
 
 def fit_inherited(sections: dict[str, dict], given: dict[str, dict], world_size: int | None = None) -> list[str]:

@@ -1,7 +1,8 @@
 """``forward_backward``: run every microbatch of a step with the configured schedule; ``forward_only``: the
 same schedules' forward-only mode (evaluation).
 
-No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3). The step's
+No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3), ZB-H1 with
+``pp_schedule`` zb-h1 (``pipeline.schedule_zero_bubble``). The step's
 objective is the mean loss per counted token of the whole global batch (``pipeline.objective``): each
 microbatch's loss sum is scaled by ``Objective.weight`` (dp / the step's counted tokens), so that once
 ``finalize_grads`` averages over dp × cp the gradients are those of that mean, at any micro-batch size
@@ -11,6 +12,7 @@ and layout. The returned loss is this dp rank's weighted sum (its average over d
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -25,6 +27,7 @@ from seqpar.pipeline.objective import Objective
 from seqpar.pipeline.p2p import PipeComm, boundary_shape
 from seqpar.pipeline.schedule_1f1b import run_1f1b, run_1f1b_forward, run_no_pipelining
 from seqpar.pipeline.schedule_interleaved import run_interleaved, run_interleaved_forward
+from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 from seqpar.pipeline.step import ScoreRunner, StepRunner
 
 
@@ -72,10 +75,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     else:
         comm = PipeComm(dims, boundary_shape(chunks[0], microbatches[0][0]), torch_dtype(chunks[0].cfg.dtype), device)
         comm.init_communicator()
-        if m == 1:
-            run_1f1b(runner, comm)
-        else:
-            run_interleaved(runner, comm, m)
+        run_schedule(runner, comm, parallel)
     balance = aux_loss(chunks, len(microbatches), dims, device)
     loss = broadcast_loss(runner.mean_loss(), dims, device)
     if balance is not None:
@@ -83,6 +83,21 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         if aux is not None:
             aux.append(balance if as_tensor else float(balance))
     return loss if as_tensor else float(loss)
+
+
+def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -> None:
+    """p > 1: the configured schedule (``parallel.pp_schedule``); a zero-bubble one with every chunk's linears
+    deferring their weight gradients for the step (each has run when it returns)."""
+    if parallel.pp_schedule == "1f1b":
+        if parallel.interleave == 1:
+            run_1f1b(runner, comm)
+        else:
+            run_interleaved(runner, comm, parallel.interleave)
+        return
+    with contextlib.ExitStack() as stack:
+        for chunk in runner.chunks:
+            stack.enter_context(chunk.tp.weight_grads.deferred())
+        run_zb_h1(runner, comm)
 
 
 @torch.no_grad()

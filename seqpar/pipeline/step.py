@@ -5,7 +5,8 @@ received hidden state elsewhere); on the last virtual stage it returns the micro
 times the step's ``Objective.weight`` (and the fp16 loss scale), so that the gradients accumulated
 over microbatches and averaged over dp × cp are those of the global batch's mean loss per counted
 token (``seqpar.pipeline.objective``). ``StepRunner.backward`` back-propagates a chunk
-output and returns the gradient of the chunk input, to be sent to the previous stage.
+output and returns the gradient of the chunk input, to be sent to the previous stage; under a zero-bubble
+schedule that is B alone, and ``weight_grads`` runs a deferred W (``seqpar.parallel.weight_grad``).
 
 App. B: once a non-last chunk's output has been sent, ``release_output`` frees its data (the
 tensor keeps only its autograd node, a 1-element placeholder holds its place); ``backward`` then
@@ -82,7 +83,18 @@ class StepRunner:
             torch.autograd.backward(get_gradient_edge(output), output_grad)
         if self.keep is not None:
             self.keep.finish(chunk_id, mb)
+        store = self.chunks[chunk_id].tp.weight_grads
+        if store.deferring:  # zero bubble: this backward was B; its W steps become one unit
+            store.seal()
         return None if input_tensor is None else input_tensor.grad
+
+    def deferred_w(self, chunk_id: int) -> int:
+        """Chunk-microbatches of chunk ``chunk_id`` whose W has not run (``seqpar.parallel.weight_grad``)."""
+        return len(self.chunks[chunk_id].tp.weight_grads)
+
+    def weight_grads(self, chunk_id: int) -> None:
+        """W: the oldest deferred chunk-microbatch's weight gradients of chunk ``chunk_id``."""
+        self.chunks[chunk_id].tp.weight_grads.run_next()
 
     @staticmethod
     def _device(chunk) -> torch.device:

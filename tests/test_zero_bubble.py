@@ -1,0 +1,113 @@
+"""ZB-H1's order (``seqpar.pipeline.schedule_zero_bubble``), read from the schedule itself run on recording fakes,
+then timed by a unit-cost simulator: its bubble is (p - 1)(T_F + T_B - T_W) per rank, a third of 1F1B's at
+T_F = T_B = T_W, its W units deferred at most rank + 1 at a time, and every microbatch's F, B and W run once.
+(Bit-identity with 1F1B on gloo ranks: ``tests/test_pipeline.py``.)"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from seqpar.config import ConfigError, ParallelConfig
+from seqpar.pipeline.schedule_1f1b import run_1f1b
+from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
+
+
+class _Runner:
+    """Records F, B and W per microbatch; W units queue as ``WeightGradStore`` does (``split``: B and W apart;
+    else B is the whole backward, W inside it before dX is sent)."""
+
+    def __init__(self, n: int, split: bool):
+        self.num_microbatches, self.split = n, split
+        self.ops, self.deferred, self.most = [], [], 0
+
+    def forward(self, chunk, mb, x):
+        self.ops.append(("F", mb))
+        return object()
+
+    def release_output(self, chunk, out):
+        pass
+
+    def backward(self, chunk, mb, x, out, grad):
+        self.ops.append(("B", mb))
+        if self.split:
+            self.deferred.append(mb)
+            self.most = max(self.most, len(self.deferred))
+        return object()
+
+    def deferred_w(self, chunk):
+        return len(self.deferred)
+
+    def weight_grads(self, chunk):
+        self.ops.append(("W", self.deferred.pop(0)))
+
+
+class _Tensor:
+    def requires_grad_(self, flag):
+        return self
+
+
+class _Comm:
+    def __init__(self, rank: int, p: int):
+        self.dims = SimpleNamespace(pp_rank=rank, pp=p)
+
+    def exchange(self, **kwargs):
+        return _Tensor(), _Tensor()
+
+    def post(self, **kwargs):
+        return SimpleNamespace(wait=lambda: (_Tensor(), _Tensor()))
+
+
+def orders(schedule, p: int, n: int) -> list[_Runner]:
+    runners = []
+    for rank in range(p):
+        runner = _Runner(n, split=schedule is run_zb_h1)
+        schedule(runner, _Comm(rank, p))
+        runners.append(runner)
+    return runners
+
+
+def simulate(ops: list[list[tuple[str, int]]], cost: dict[str, float]) -> tuple[float, list[float]]:
+    """Each rank runs its ops in order; F(S, i) waits for F(S - 1, i), B(S, i) for B(S + 1, i) (the last rank's
+    for its own F), W for its B. Returns the makespan and each rank's idle time."""
+    p, done, clock, idle, at = len(ops), {}, [0.0] * len(ops), [0.0] * len(ops), [0] * len(ops)
+    while any(at[r] < len(ops[r]) for r in range(p)):
+        ready = []
+        for r in range(p):
+            if at[r] == len(ops[r]):
+                continue
+            kind, mb = ops[r][at[r]]
+            dep = {"F": (r - 1, "F", mb) if r else None, "W": (r, "B", mb),
+                   "B": (r + 1, "B", mb) if r < p - 1 else (r, "F", mb)}[kind]
+            if dep is None or dep in done:
+                ready.append((max(clock[r], done.get(dep, 0.0)), r))
+        assert ready, "the order deadlocks"
+        start, r = min(ready)
+        kind, mb = ops[r][at[r]]
+        idle[r] += start - clock[r]
+        clock[r] = done[(r, kind, mb)] = start + cost[kind]
+        at[r] += 1
+    end = max(clock)
+    return end, [idle[r] + end - clock[r] for r in range(p)]
+
+
+@pytest.mark.parametrize("p,n", [(2, 4), (4, 8), (4, 4), (8, 16)])
+def test_zb_h1_bubble_is_a_third_of_1f1bs(p, n):
+    unit = {"F": 1.0, "B": 1.0, "W": 1.0}
+    zb = orders(run_zb_h1, p, n)
+    for rank, runner in enumerate(zb):
+        assert sorted(runner.ops) == sorted((k, i) for k in "FBW" for i in range(n)), rank
+        assert runner.most <= rank + 1, (rank, runner.most)  # deferred W units: rank + 1 just after a B
+    end_zb, idle_zb = simulate([r.ops for r in zb], unit)
+    end_1f1b, idle_1f1b = simulate([r.ops for r in orders(run_1f1b, p, n)], unit | {"B": 2.0})  # B with its W
+    assert idle_1f1b == [3.0 * (p - 1)] * p  # (p - 1)(T_F + T_B + T_W)
+    assert idle_zb == [1.0 * (p - 1)] * p  # (p - 1)(T_F + T_B - T_W)
+    assert end_1f1b - end_zb == 2.0 * (p - 1)
+
+
+def test_zero_bubble_refusals_name_the_rule():
+    for keys, words in [({"pp": 1}, "needs pipeline parallelism (pp > 1)"),
+                        ({"pp": 2, "interleave": 2}, "runs one chunk per rank, got interleave 2"),
+                        ({"pp": 2, "dp": 2, "fsdp": True}, "with fsdp is not supported"),
+                        ({"pp": 2, "pp_schedule": "zb-h2"}, "is not one of")]:
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            ParallelConfig(**({"pp_schedule": "zb-h1"} | keys)).validate()

@@ -29,10 +29,12 @@ class _Runner:
 
     def backward(self, chunk, mb, x, out, grad):
         self.ops.append(("B", mb))
-        if self.split:
-            self.deferred.append(mb)
-            self.most = max(self.most, len(self.deferred))
+        self.last_b = mb
         return object()
+
+    def seal_w(self, chunk):
+        self.deferred.append(self.last_b)
+        self.most = max(self.most, len(self.deferred))
 
     def deferred_w(self, chunk):
         return len(self.deferred)

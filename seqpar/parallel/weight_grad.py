@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +78,8 @@ class WeightGradStore:
 
     def __init__(self):
         self.deferring = False  # set by a zero-bubble schedule for its step
-        self.pending: list[Callable[[], None]] = []  # the W steps of the backward in progress
-        self.units: deque[list[Callable[[], None]]] = deque()  # sealed chunk-microbatches
-        self.held_bytes = 0  # what the queued W steps keep (X, dY): the W-deferral memory
+        self.pending: list[tuple[SavedForW, torch.Tensor]] = []  # the W steps of the backward in progress
+        self.units: deque[list[tuple[SavedForW, torch.Tensor]]] = deque()  # sealed chunk-microbatches
 
     @contextlib.contextmanager
     def deferred(self):
@@ -95,20 +93,25 @@ class WeightGradStore:
             raise RuntimeError(f"{len(self.units)} weight-gradient units left unrun at the end of the step")
 
     def put(self, saved: SavedForW, grad_out: torch.Tensor) -> None:
-        """Queue W for the backward in progress (``seal`` closes its chunk-microbatch)."""
-        nbytes = _bytes(saved.x) + _bytes(grad_out)
-        self.held_bytes += nbytes
+        """Queue W for the backward in progress (``seal`` closes its chunk-microbatch). The input is kept
+        detached: an unpacked saved output carries its autograd node, which would keep the graph behind it (a
+        stage's received input among it) alive until W."""
+        saved.x = saved.x.detach()
+        self.pending.append((saved, grad_out))
 
-        def run() -> None:
-            accumulate(saved, *weight_grad(saved, grad_out))
-            self.held_bytes -= nbytes
+    def seal(self) -> list[torch.Tensor]:
+        """The B of one chunk-microbatch is done: its queued W steps become one unit. Returns the tensors the
+        unit keeps until its W (each linear's stored input and output gradient): the W-deferral memory."""
+        unit, self.pending = self.pending, []
+        self.units.append(unit)
+        return [t for saved, grad_out in unit for t in (saved.x, grad_out)]
 
-        self.pending.append(run)
-
-    def seal(self) -> None:
-        """The B of one chunk-microbatch is done: its queued W steps become one unit."""
-        self.units.append(self.pending)
-        self.pending = []
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the distinct storages the queued W steps keep."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for unit in (*self.units, self.pending) for saved, grad_out in unit for t in (saved.x, grad_out)}
+        return sum(storages.values())
 
     def __len__(self) -> int:
         return len(self.units)
@@ -116,16 +119,12 @@ class WeightGradStore:
     @torch.no_grad()
     def run_next(self) -> None:
         """Run the oldest sealed unit's W steps (in the order its backward queued them)."""
-        for run in self.units.popleft():
-            run()
+        for saved, grad_out in self.units.popleft():
+            accumulate(saved, *weight_grad(saved, grad_out))
 
     def flush(self) -> None:
         while self.units:
             self.run_next()
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass(frozen=True)

@@ -59,20 +59,23 @@ def run_zb_h1(runner: StepRunner, comm: PipeComm) -> None:
         outputs.append(out)
         x = out = None  # a local reference would keep the finished microbatch's graph alive
         dx = runner.backward(0, bwd_mb, inputs.pop(0), outputs.pop(0), grad)  # B only
+        runner.seal_w(0)
         bwd_mb += 1
         more = i < steady - 1
         posted = comm.post(send_prev=None if first else dx, recv_prev=more and not first)
         while runner.deferred_w(0) > limit:
             runner.weight_grads(0)  # W under the exchange
         x = as_input(posted.wait()[0]) if more else None
+        posted = None  # it holds the received input too: that dies with its microbatch's backward
 
     for _ in range(warmup):
         grad = None if last else comm.exchange(recv_next=True)[1]
         dx = runner.backward(0, bwd_mb, inputs.pop(0), outputs.pop(0), grad)
+        runner.seal_w(0)
         bwd_mb += 1
         posted = comm.post(send_prev=None if first else dx)
         runner.weight_grads(0)  # W fills the cool-down's wait for the next gradient
-        posted.wait()
+        posted = posted.wait()
 
     while runner.deferred_w(0):
         runner.weight_grads(0)

@@ -83,10 +83,14 @@ class StepRunner:
             torch.autograd.backward(get_gradient_edge(output), output_grad)
         if self.keep is not None:
             self.keep.finish(chunk_id, mb)
-        store = self.chunks[chunk_id].tp.weight_grads
-        if store.deferring:  # zero bubble: this backward was B; its W steps become one unit
-            store.seal()
         return None if input_tensor is None else input_tensor.grad
+
+    def seal_w(self, chunk_id: int) -> None:
+        """Zero bubble, once a B has returned (its input and output dropped): the W steps it queued become one
+        unit, whose stored inputs and output gradients the meter counts until the W runs."""
+        for t in self.chunks[chunk_id].tp.weight_grads.seal():
+            if self.meter is not None:
+                self.meter.hold(t)
 
     def deferred_w(self, chunk_id: int) -> int:
         """Chunk-microbatches of chunk ``chunk_id`` whose W has not run (``seqpar.parallel.weight_grad``)."""

@@ -113,3 +113,30 @@ def test_zero_bubble_refusals_name_the_rule():
                         ({"pp": 2, "pp_schedule": "zb-h2"}, "is not one of")]:
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
             ParallelConfig(**({"pp_schedule": "zb-h1"} | keys)).validate()
+
+
+def test_planner_prices_the_zb_h1_bubble_and_searches_it():
+    """The cost model's ZB-H1 bubble is (p - 1)(T_mb - 2 T_W) (T_W: the deferred weight-gradient GEMMs), below
+    1F1B's (p - 1) T_mb at the same layout, at the memory of its W units; the planner writes and reads the
+    schedule in a plan's label, searches it and weighs the other schedule in ``--explain``'s alternatives."""
+    from dataclasses import replace
+
+    from seqpar.analysis.formulas.presets import preset_shape
+    from seqpar.analysis.planning.costmodel import deferred_w_s
+    from seqpar.analysis.planning.planner import Request, alternatives, evaluate, layouts, parse_plan
+
+    req = Request(preset_shape("22b"), 64, 64)
+    one = parse_plan("tp=8,pp=4,dp=2,m=1,sp=on,recompute=selective,mb=1", 64)
+    zb = replace(one, par=replace(one.par, pp_schedule="zb-h1"))
+    assert parse_plan(zb.label, 64) == zb and zb.label.endswith(",sched=zb-h1")
+    a, b = evaluate(req, one), evaluate(req, zb)
+    t_mb = a.time.microbatch_s
+    t_w = deferred_w_s(req.shape, zb.par, zb.rc, 1, req.hw, req.opts, a.time.slowest_rank)
+    assert a.time.terms["bubble"] == pytest.approx(3 * t_mb)
+    assert b.time.terms["bubble"] == pytest.approx(3 * (t_mb - 2 * t_w)) and 0 < t_w < t_mb / 3
+    assert b.memory_bytes > a.memory_bytes  # its W units' inputs
+    assert "pp_schedule 1f1b, selective" in alternatives(req, zb)
+    searched = {p.par.pp_schedule for p in layouts(req) if p.par.pp > 1 and p.par.interleave == 1}
+    assert searched == {"1f1b", "zb-h1"}
+    only = {p.par.pp_schedule for p in layouts(replace(req, schedules=("1f1b",)))}
+    assert only == {"1f1b"}

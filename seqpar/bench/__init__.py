@@ -32,6 +32,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "memory), and when the background write is committed"),
     "syncs": ("seqpar.bench.syncs", "host-device synchronisations per training step, counted where seqpar makes "
               "them: GPT, Llama, sdpa, packed documents, MoE (ep 2), cp a2a, tp 2 + SP"),
+    "schedule": ("seqpar.bench.schedule", "one training step's per-rank timeline on pp 4 local ranks under 1F1B and "
+                 "ZB-H1 (zero bubble): each rank's idle time and ZB-H1's over 1F1B's, drawn with --plot"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
     "acceptance": ("seqpar.bench.acceptance", "the GPU acceptance run, part 1 or 2 (each under 4 min on one H100; "

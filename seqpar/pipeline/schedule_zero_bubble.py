@@ -65,8 +65,9 @@ def run_zb_h1(runner: StepRunner, comm: PipeComm) -> None:
         posted = comm.post(send_prev=None if first else dx, recv_prev=more and not first)
         while runner.deferred_w(0) > limit:
             runner.weight_grads(0)  # W under the exchange
-        x = as_input(posted.wait()[0]) if more else None
-        posted = None  # it holds the received input too: that dies with its microbatch's backward
+        received = posted.wait()[0]  # always waited for: a send dropped unwaited may never leave (gloo)
+        x = as_input(received) if more else None
+        posted = received = None  # they hold the received input too: that dies with its microbatch's backward
 
     for _ in range(warmup):
         grad = None if last else comm.exchange(recv_next=True)[1]

@@ -29,12 +29,14 @@ from seqpar.pipeline.schedule_1f1b import run_1f1b, run_1f1b_forward, run_no_pip
 from seqpar.pipeline.schedule_interleaved import run_interleaved, run_interleaved_forward
 from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 from seqpar.pipeline.step import ScoreRunner, StepRunner
+from seqpar.pipeline.timeline import Timeline
 
 
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
                      free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
                      meter=None, loss_scale: float = 1.0, aux: list | None = None,
-                     as_tensor: bool = False, objective: Objective | None = None) -> float | torch.Tensor:
+                     as_tensor: bool = False, objective: Objective | None = None,
+                     timeline: Timeline | None = None) -> float | torch.Tensor:
     """Forward and backward of every microbatch; returns this dp rank's share of the step's loss (every
     pp rank; its average over dp is the mean loss per counted token of every dp rank's microbatches).
 
@@ -51,6 +53,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     host (the trainer reads it once per step, with the gradient norm); else a Python float.
     ``objective``: the step's ``Objective`` when the caller counted it already (the trainer, which skips a
     step that counts no token); else counted here.
+    ``timeline``: records each forward, backward and deferred W of this rank (``seqpar.pipeline.timeline``).
     """
     m = parallel.interleave
     if len(chunks) != m:
@@ -66,7 +69,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         objective = Objective.of_step(microbatches, dims.dp, dims.dp_group, device)  # one all-reduce over dp
     runner = StepRunner(chunks, list(microbatches), objective, free_outputs=free_outputs,
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
-                        loss_scale=loss_scale)
+                        loss_scale=loss_scale, timeline=timeline)
     for chunk in chunks:
         if chunk.aux is not None:
             chunk.aux.forget()  # values of forwards outside this step (evaluation)

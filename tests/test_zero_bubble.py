@@ -1,7 +1,8 @@
 """ZB-H1's order (``seqpar.pipeline.schedule_zero_bubble``), read from the schedule itself run on recording fakes,
 then timed by a unit-cost simulator: its bubble is (p - 1)(T_F + T_B - T_W) per rank, a third of 1F1B's at
-T_F = T_B = T_W, its W units deferred at most rank + 1 at a time, and every microbatch's F, B and W run once.
-(Bit-identity with 1F1B on gloo ranks: ``tests/test_pipeline.py``.)"""
+T_F = T_B = T_W, its W units deferred at most rank + 1 at a time, and every microbatch's F, B and W run once;
+the refusals; the planner's bubble term and search; ``bench schedule``'s timelines. (Bit-identity with 1F1B and
+measured == exact memory on gloo ranks: ``tests/test_pipeline.py``.)"""
 
 from types import SimpleNamespace
 
@@ -140,3 +141,28 @@ def test_planner_prices_the_zb_h1_bubble_and_searches_it():
     assert searched == {"1f1b", "zb-h1"}
     only = {p.par.pp_schedule for p in layouts(replace(req, schedules=("1f1b",)))}
     assert only == {"1f1b"}
+
+
+def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
+    """``seqpar bench schedule`` on 2 ranks (--quick): every rank's F and B of every microbatch in its timeline,
+    ZB-H1's W units too (none under 1F1B, whose W is inside B), the idle times and their ratio, the picture."""
+    import argparse
+
+    from seqpar.bench import add_arguments
+    from seqpar.bench import run as run_benchmark
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    r = run_benchmark(parser.parse_args(["schedule", "--quick", "--json", "--pp", "2", "--plot", str(tmp_path)]))
+    capsys.readouterr()
+    n = r["config"]["microbatches"]
+    for sched in ("1f1b", "zb-h1"):
+        for events in r[sched]["events"]:
+            kinds = sorted((k, mb) for k, mb, *_ in events if k != "W")
+            assert kinds == sorted((k, mb) for k in "FB" for mb in range(n)), sched
+            assert sum(k == "W" for k, *_ in events) == (n if sched == "zb-h1" else 0)
+            assert all(0 <= start <= end for *_, start, end in events)
+        assert all(0 <= idle < r[sched]["step_s"] for idle in r[sched]["idle_s"])
+    ratios = [z / o for z, o in zip(r["zb-h1"]["idle_s"], r["1f1b"]["idle_s"], strict=True)]
+    assert r["zb-h1"]["idle_ratio"] == pytest.approx(ratios)
+    assert (tmp_path / "schedule_timeline.png").stat().st_size > 0

@@ -35,7 +35,6 @@ STAGES = {  # the shared axes (tests/_axes.py) the stage measure does not take, 
     "reshard_after_forward": "fsdp is not drawn here",
     "ep": "dense models",
     "compile": "eager",
-    "pp_schedule": "1F1B: the exact memory formula does not count ZB-H1's deferred W inputs yet (issue 55)",
 }
 
 
@@ -52,7 +51,8 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, ParallelCon
                       num_layers=2 * pp, seq_len=rng.choice([8, 16]), dtype=dtype, embd_dropout=dropout,
                       attn_dropout=0.0 if attention == "sdpa" else dropout, hidden_dropout=dropout,
                       kv_heads=kv, attention=attention, **(LLAMA if arch == "llama" else {}))
-    parallel = ParallelConfig(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.5)
+    parallel = ParallelConfig(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.5,
+                              **_axes.fit_pp_schedule(axes, pp, 1, fsdp=False))
     recompute = RecomputeConfig(rng.choice(["none", "selective", "full"]))
     recompute = replace(recompute, offload_modules=_axes.fit_offload(axes, recompute))
     run = (recompute, axes["micro_batch"], pp * rng.choice([1, 2]), True, 0)
@@ -66,6 +66,7 @@ def cp_draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, Parallel
     cp, pp = (4, 1) if axes["cp_comm_type"] == "a2a+ring" else rng.choice([(4, 1), (2, 2)])
     cfg = replace(cfg, num_layers=2 * pp, seq_len=16)
     comm = _axes.fit_cp_comm(axes, dataclasses.asdict(cfg), 1, cp)
+    axes.narrow("pp_schedule", "1f1b", "a cp draw runs 1F1B")
     parallel = ParallelConfig(pp=pp, cp=cp, **comm)
     return cfg.validate(), parallel.validate(cfg), (recompute, b, pp * rng.choice([1, 2]), free, keep)
 

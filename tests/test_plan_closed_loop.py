@@ -46,7 +46,6 @@ PLAN_LOOP = {  # the shared axes (tests/_axes.py) the loop does not take, and wh
     "reshard_after_forward": "fsdp is not drawn here",
     "ep": "dense models",
     "compile": "eager",
-    "pp_schedule": "1F1B: the exact memory formula does not count ZB-H1's deferred W inputs yet (issue 55)",
 }
 RECOMPUTE_CONFIGS = {"none": RecomputeConfig("none"), "selective": RecomputeConfig("selective"),
                      "full": RecomputeConfig("full"), "full-block-1": RecomputeConfig("full", "block", 1)}
@@ -75,7 +74,8 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[list, str, dict]:
     offload = _axes.fit_offload(axes, RECOMPUTE_CONFIGS[recompute])
     explain = (f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if tp > 1 and rng.random() < 0.5 else 'off'}"
                f",recompute={recompute},mb={micro},distopt={'on' if distopt else 'off'}"
-               + "".join(f",{k}={v}" for k, v in comm.items()) + (f",offload={'/'.join(offload)}" if offload else ""))
+               + "".join(f",{k}={v}" for k, v in comm.items()) + (f",offload={'/'.join(offload)}" if offload else "")
+               + "".join(f",sched={v}" for v in _axes.fit_pp_schedule(axes, pp, interleave, fsdp=False).values()))
     return argv, explain, {"label_smoothing": axes["label_smoothing"]}
 
 

@@ -8,10 +8,13 @@ places the W units where a rank would wait: pipeline rank S of p runs a W after 
 are deferred (the steady phase), one W after each B of the cool-down, and the rest at the end. A W runs while the
 exchange after its B is in flight (``PipeComm.post``): the send of dX and the receive of the next input go on
 under it. With T_F = T_B = T_W the bubble per rank shrinks from 1F1B's (p - 1)(T_F + T_B + T_W) to
-(p - 1)(T_F + T_B - T_W), a third (``w_order`` is the order, ``tests/test_zero_bubble.py`` simulates it).
+(p - 1)(T_F + T_B - T_W), a third (``tests/test_zero_bubble.py`` runs this function on recording fakes and times
+the order it takes with a unit-cost simulator).
 
 Memory: rank S holds 1F1B's p - S in-flight microbatches, plus the stored inputs and output gradients of at most
-S deferred W units (``WeightGradStore.held_bytes``): below rank 0's p microbatches, 1F1B's peak.
+S deferred W units (S + 1 just after a B): ``seqpar.analysis.formulas.deferred_w``. Where a microbatch's
+activations outweigh a unit, the most any rank holds is rank 0's, 1F1B's peak; under full recompute or SP a unit
+can outweigh a microbatch, and the later ranks then hold more than 1F1B's (docs/zero_bubble.md).
 """
 
 from __future__ import annotations

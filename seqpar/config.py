@@ -38,6 +38,9 @@ ROPE_SCALINGS = ("none", "linear", "llama3")  # how rotary frequencies are stret
 # Context parallelism's attention exchange (docs/context_parallel.md): K/V around a ring, q/k/v re-sharded
 # from sequence to heads by all-to-all (Ulysses), or all-to-all inside groups of cp_a2a_size and a ring across.
 CP_COMM_TYPES = ("ring", "a2a", "a2a+ring")
+# Pipeline schedules: 1f1b (Sec. 4.2.3; interleaved when interleave > 1) and the zero-bubble ones of Qi et al.
+# 2024, which defer the linears' weight gradients (W) into the bubble (seqpar/pipeline/schedule_zero_bubble.py).
+PP_SCHEDULES = ("1f1b", "zb-h1")
 
 
 class ConfigError(ValueError):
@@ -322,6 +325,7 @@ class ParallelConfig:
     fsdp: bool = False
     reshard_after_forward: bool = True
     fsdp_shard_size: int = 0
+    pp_schedule: str = "1f1b"  # PP_SCHEDULES: 1f1b (interleaved when interleave > 1), zb-h1
 
     @property
     def world_size(self) -> int:
@@ -371,6 +375,7 @@ class ParallelConfig:
         if self.tp_comm_overlap and not (self.sp and self.tp > 1):
             raise ConfigError(f"tp_comm_overlap needs sequence parallelism at tp > 1, got tp {self.tp}, sp "
                               f"{'on' if self.sp else 'off'} (it pipelines SP's all-gathers and reduce-scatters)")
+        self._validate_pp_schedule()
         if model is not None:
             if model.num_heads % self.tp:
                 raise ConfigError(f"heads {model.num_heads} is not divisible by tp {self.tp}")
@@ -430,6 +435,25 @@ class ParallelConfig:
         if groups % k and k % groups:
             raise ConfigError(f"kv heads per tp rank {groups} and cp_a2a_size {k}: one must divide the other "
                               "(kv heads are split over the all-to-all group, or replicated when fewer)")
+
+    def _validate_pp_schedule(self) -> None:
+        kind = self.pp_schedule
+        if kind not in PP_SCHEDULES:
+            raise ConfigError(f"pp_schedule {kind!r} is not one of {list(PP_SCHEDULES)}"
+                              f"{did_you_mean(kind, PP_SCHEDULES)}")
+        if kind == "1f1b":
+            return
+        if self.pp == 1:
+            raise ConfigError(f"pp_schedule {kind} needs pipeline parallelism (pp > 1)")
+        if self.interleave > 1:
+            raise ConfigError(f"pp_schedule {kind} runs one chunk per rank, got interleave {self.interleave} "
+                              "(interleaved 1F1B is pp_schedule 1f1b)")
+        if self.fsdp:
+            raise ConfigError(f"pp_schedule {kind} with fsdp is not supported: FSDP2 reduce-scatters a layer's "
+                              "gradients when its backward ends, before the deferred weight gradients run")
+        if self.tp_comm_overlap:
+            raise ConfigError(f"pp_schedule {kind} with tp_comm_overlap is not supported: the TP ring's linears "
+                              "compute their weight gradients inside the backward, so none would be deferred")
 
     def _validate_fsdp(self) -> None:
         group = self.dp * self.cp

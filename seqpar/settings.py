@@ -23,6 +23,7 @@ from seqpar.config import (
     ATTENTIONS,
     CP_COMM_TYPES,
     OFFLOAD_MODULES,
+    PP_SCHEDULES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
 )
@@ -87,6 +88,9 @@ SETTINGS: tuple[Setting, ...] = (
       "already there multiplies, forward and backward (docs/tp_overlap.md) {default}", switch=True),
     S("--interleave", "parallel.interleave", "virtual pipeline chunks per rank m {default}", int,
       aliases=("--virtual-pipeline-model-parallel-size",), labels=("m", "interleave")),
+    S("--pp-schedule", "parallel.pp_schedule", "pipeline schedule: 1f1b (interleaved with --interleave > 1), or "
+      "zb-h1, zero bubble at 1F1B's activation memory: the linears' weight gradients deferred into the bubble "
+      "(docs/zero_bubble.md) {default}", choices=PP_SCHEDULES, labels=("sched", "pp_schedule")),
     S("", "parallel.layer_split", labels=("split", "layer_split")),
     S("--distributed-optimizer", "train.distributed_optimizer", "shard the fp32 master weights and Adam moments "
       "over dp {default}", switch=True, aliases=("--use-distributed-optimizer",),

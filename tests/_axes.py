@@ -44,6 +44,7 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "fsdp": ("off", "fsdp", "hsdp"),  # hsdp: FSDP2 sharded over groups of 2 of the dp × cp ranks
     "reshard_after_forward": (True, False),  # under fsdp: ZeRO-3 or ZeRO-2
     "ep": (1, 2, 4),  # expert parallelism (MoE checks)
+    "pp_schedule": ("1f1b", "zb-h1"),  # zb-h1: the linears' W deferred into the bubble (needs pp > 1, one chunk)
     "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
     # the distributed optimizer's weight all-gather under the next forward (train.overlap_param_gather)
     "overlap_param_gather": (False, True),
@@ -162,6 +163,20 @@ def fit_fsdp(d: Draw, dp: int, cp: int, experts: int = 0) -> dict:
         return {}
     return {"fsdp": True, "reshard_after_forward": d["reshard_after_forward"]} | \
         ({"fsdp_shard_size": 2} if d["fsdp"] == "hsdp" else {})
+
+
+def fit_pp_schedule(d: Draw, pp: int, interleave: int, fsdp: bool, tp_comm_overlap: bool = False) -> dict:
+    """The ``parallel`` keys of the drawn pipeline schedule: a zero-bubble one needs pp > 1, one chunk per rank,
+    no FSDP and no TP-communication overlap (``ParallelConfig`` refuses the rest); 1f1b is the default, no key."""
+    if d["pp_schedule"] != "1f1b":
+        why = ("pp 1 has no pipeline schedule" if pp == 1 else
+               f"interleave {interleave} runs interleaved 1F1B" if interleave > 1 else
+               "zero bubble with fsdp is refused (ParallelConfig)" if fsdp else
+               "zero bubble with tp_comm_overlap is refused (ParallelConfig: the ring computes W in the backward)"
+               if tp_comm_overlap else "")
+        if why:
+            d.narrow("pp_schedule", "1f1b", why)
+    return {} if d["pp_schedule"] == "1f1b" else {"pp_schedule": d["pp_schedule"]}
 
 
 def fit_batch(d: Draw, dp: int, pp: int, interleave: int) -> int:

@@ -23,7 +23,8 @@ windows, or a prepared folder of short documents with document masks, so microba
 tokens: ``pipeline.objective``), offloaded modules (those the recomputation does not rebuild), the cp exchange
 (ring, a2a, a2a+ring K 2 at cp 4; ring where the heads do not split), FSDP2 off, over dp × cp, or HSDP in groups
 of 2 (where dp × cp > 1, >= 4), reshard-after-forward on/off under FSDP2, the TP-communication overlap on/off
-(where SP is on at tp > 1: ``--tp-comm-overlap``), compile (``SEQPAR_AXES_COMPILE=1`` only: slow on CPU). ep
+(where SP is on at tp > 1: ``--tp-comm-overlap``), the pipeline schedule (1F1B or ZB-H1 where pp > 1 with one chunk
+per rank, no FSDP2 and no TP-communication overlap), compile (``SEQPAR_AXES_COMPILE=1`` only: slow on CPU). ep
 does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
 replaced by a rule) is printed as ``narrowed (equivalence N): ...`` and recorded as the test's ``narrowed``
 property; the test id ends ``-narrowedK``; ``test_summary`` counts them per axis.
@@ -166,6 +167,7 @@ def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
         parallel |= fsdp
         reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
     reduction["overlap_param_gather"] = _axes.fit_param_gather(axes, reduction["distributed_optimizer"], c.dp, c.cp)
+    parallel |= _axes.fit_pp_schedule(axes, pp, interleave, bool(fsdp), bool(parallel.get("tp_comm_overlap")))
     reduction |= {"micro_batch": axes["micro_batch"], "global_batch": _axes.fit_batch(axes, c.dp, pp, interleave),
                   "steps": axes["steps"]}
     recompute = dict(RECOMPUTE[c.recompute])
@@ -311,6 +313,7 @@ def _draw_id(index: int, c: Combo) -> str:
     parallel, train = sections["parallel"], sections["train"]
     extra = [{"fsdp": "fsdp", "hsdp": "hsdp"}.get(axes["fsdp"], "")] + ["zero2"] * (not parallel.get(
         "reshard_after_forward", True))
+    extra += [parallel.get("pp_schedule", "")]
     extra += [parallel.get("cp_comm_type", "")] * (c.cp > 1) + [f"mb{train['micro_batch']}",
                                                                 f"gb{train['global_batch']}", f"{train['steps']}steps"]
     extra += ["docs"] * (axes["data"] == "documents") + ["bf16"] * (axes["dtype"] == "bf16")

@@ -88,6 +88,8 @@ def drawn(index: int, combo: tuple) -> tuple[dict, _axes.Draw]:
     parallel = {"tp": tp, "sp": sp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "interleave": interleave}
     parallel |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, experts)
     parallel |= _axes.fit_tp_comm_overlap(axes, tp, sp)
+    parallel |= _axes.fit_pp_schedule(axes, pp, interleave, bool(parallel.get("fsdp")),
+                                      bool(parallel.get("tp_comm_overlap")))
     grads = random.Random(f"moe grads {index}")
     reduction = {"distributed_optimizer": grads.choice((True, False)),
                  "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01,
@@ -148,7 +150,8 @@ def results(tmp_path_factory):
 def _draw_id(index: int, c: tuple) -> str:
     sections, axes = drawn(index, c)
     train, kind = sections["train"], sections["parallel"].get("cp_comm_type", "")
-    extra = [kind, f"mb{train['micro_batch']}", f"gb{train['global_batch']}", f"{train['steps']}steps"]
+    extra = [sections["parallel"].get("pp_schedule", ""), kind, f"mb{train['micro_batch']}",
+             f"gb{train['global_batch']}", f"{train['steps']}steps"]
     extra += ["bf16"] * (axes["dtype"] == "bf16") + [f"ls{axes['label_smoothing']}"] * bool(axes["label_smoothing"])
     extra += [f"offload({','.join(o)})" for o in [sections["recompute"]["offload_modules"]] if o]
     extra += ["compile"] * axes["compile"] + [f"narrowed{len(axes.narrowed)}"] * bool(axes.narrowed)

@@ -74,6 +74,7 @@ def sections_at(axes: _axes.Draw, rng: random.Random, layout: tuple[int, int, in
         parallel |= fsdp
         train["distributed_optimizer"] = False
     train["overlap_param_gather"] = _axes.fit_param_gather(axes, train["distributed_optimizer"], dp, cp)
+    parallel |= _axes.fit_pp_schedule(axes, pp, 1, bool(fsdp), bool(parallel.get("tp_comm_overlap")))
     recompute = dict(eq.RECOMPUTE[rng.choice(RECOMPUTE)])
     recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))

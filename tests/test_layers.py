@@ -1,4 +1,4 @@
-"""Parallel layers: the stored-input trick's overlap order, vocab-parallel cross entropy."""
+"""Parallel layers: the stored-input trick's overlap order (and its W deferred), vocab-parallel cross entropy."""
 
 import pytest
 import torch
@@ -58,7 +58,23 @@ def _overlap_order(rank, world):
             y.backward(torch.ones_like(y))
     finally:
         comm.all_gather_seq, comm.reduce_scatter_seq = gather, scatter
-    return events
+    return events, _deferred_sp(layer, x)
+
+
+def _deferred_sp(layer, x):
+    """The SP linear's W deferred (``parallel.weight_grad``): B gives the same input gradient and no weight
+    gradient; W (the shard gathered again) then gives the same weight and bias gradients, bit for bit."""
+    now = [t.grad.clone() for t in (x, layer.weight, layer.bias)]
+    for t in (x, layer.weight, layer.bias):
+        t.grad = None
+    store = layer.store
+    with store.deferred():
+        y = layer(x)  # [s, b, 12/t]
+        y.backward(torch.ones_like(y))
+        store.seal()
+        after_b = [x.grad is not None and torch.equal(x.grad, now[0]), layer.weight.grad is None]
+        store.flush()
+    return after_b + [torch.equal(layer.weight.grad, now[1]), torch.equal(layer.bias.grad, now[2])]
 
 
 def _cross_entropy(rank, world):
@@ -98,7 +114,8 @@ class _VocabParam:
 
 
 def test_stored_input_trick_overlaps_collectives_with_gemms():
-    events = run_ranks(_overlap_order, 2)[0]
+    events, deferred = run_ranks(_overlap_order, 2)[0]
+    assert all(deferred), deferred  # B: dX equal, no dW yet; W: dW and db equal
     assert events == ["all-gather started", "gemm", "all-gather waited",
                       "reduce-scatter started", "gemm", "reduce-scatter waited"], events
 

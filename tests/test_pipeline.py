@@ -12,9 +12,12 @@ byte to ``exact`` (formula + the implementation's small terms); the first stage'
 layers' worth (× (1 + (p-1)/(pm)) interleaved). App. B: with freeing off every sent output counts,
 with it on none does. App. C: the peak lies between the all-recomputed and all-stored figures, grows
 with K, and the loss is bit-identical.
+
+ZB-H1 (``pp_schedule`` zb-h1) on the one-chunk parity layouts: loss and every gradient bit-identical to 1F1B's.
 """
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,6 +86,28 @@ def parity_here(cases):
     return out
 
 
+def zero_bubble_here(cases):
+    """ZB-H1 against 1F1B on the one-chunk parity layouts: the same loss and every gradient, bit for bit (the W
+    order moves no sum inside a microbatch, and microbatches accumulate in the same order)."""
+    out = {}
+    for dp, pp, tp, m, *split in cases:
+        if pp == 1 or m > 1:
+            continue
+        runs = []
+        for schedule in ("1f1b", "zb-h1"):
+            parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, pp_schedule=schedule)
+            dims = ParallelDims.build(parallel)
+            chunks = build_stages(PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None)
+            mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
+            loss = forward_backward(chunks, global_batch(dp)[mine], dims, parallel)
+            finalize_grads(chunks, dims)
+            runs.append((loss, {n: p.grad for c in chunks for n, p in c.named_parameters()}))
+        (loss_a, grads_a), (loss_b, grads_b) = runs
+        out[(dp, pp, tp, *split)] = loss_a == loss_b and grads_a.keys() == grads_b.keys() and all(
+            torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    return out
+
+
 # ----------------------------------------------------------------------------- memory
 MEM_CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=8, seq_len=32, dtype="bf16")
 B = 1
@@ -100,16 +125,34 @@ def memory_jobs(world):
     return jobs
 
 
+ZB_RUNS = [(SEL, B, 8, True, 0), (RecomputeConfig("none"), 2, 6, True, 0), (FULL, B, 8, True, 0),
+           (RecomputeConfig("selective", modules=("core_attention", "activation")), B, 8, False, 0)]
+
+
+def zb_memory_jobs(world):
+    """ZB-H1 at 1F1B's memory layouts of one chunk on 2 and 4 ranks (8 or 6 microbatches: every rank holds its
+    deferred W units; selective and full recompute where the peak is at a B's end)."""
+    if world > 4:
+        return []
+    runs = ZB_RUNS if world == 2 else ZB_RUNS[::2]
+    return [(replace(parallel, pp_schedule="zb-h1"), runs) for parallel, _ in memory_jobs(world)
+            if parallel.interleave == 1]
+
+
 def _worker(rank, world):
-    return parity_here(PARITY[world]), measure_jobs_here(MEM_CFG, memory_jobs(world))
+    return (parity_here(PARITY[world]), measure_jobs_here(MEM_CFG, memory_jobs(world) + zb_memory_jobs(world)),
+            zero_bubble_here(PARITY[world]))
 
 
 @functools.cache
 def _spawn(world):
     """One launch of ``world`` ranks runs every parity case and memory job of that world size."""
-    assert validate_jobs(MEM_CFG, memory_jobs(world)) == world
+    jobs = memory_jobs(world) + zb_memory_jobs(world)
+    assert validate_jobs(MEM_CFG, jobs) == world
     results = run_ranks(_worker, world)
-    return world, [r[0] for r in results], report(MEM_CFG, memory_jobs(world), [r[1] for r in results])
+    measured = report(MEM_CFG, jobs, [r[1] for r in results])
+    return world, [r[0] for r in results], measured[:len(memory_jobs(world))], [r[2] for r in results], \
+        measured[len(memory_jobs(world)):]
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8])
@@ -118,7 +161,7 @@ def spawned(request):
 
 
 def test_parity_with_single_process_model(spawned):
-    world, parity, _ = spawned
+    world, parity, *_ = spawned
     for case in PARITY[world]:
         names = set()
         for rank, res in enumerate(parity):
@@ -130,8 +173,28 @@ def test_parity_with_single_process_model(spawned):
         assert names == set(ref_keys), case  # every parameter is held by some rank and checked
 
 
+def test_zero_bubble_h1_is_bit_identical_to_1f1b(spawned):
+    world, _, _, zero_bubble, _ = spawned
+    for rank, same in enumerate(zero_bubble):
+        assert same and all(same.values()), (world, rank, same)
+
+
+def test_zero_bubble_h1_peak_matches_exact_per_stage(spawned):
+    """ZB-H1's measured peak per stage == exact (its ``deferred_w`` term: rank S's W units at the peak), and the
+    same loss as 1F1B's run of the layout (dropout on)."""
+    world, _, _, _, measured = spawned
+    for (parallel, runs), results in zip(zb_memory_jobs(world), measured, strict=True):
+        for (rc, b, n, free, _), stages in zip(runs, results, strict=True):
+            for st in stages:
+                print(f"zb-h1 p={parallel.pp} t={parallel.tp} {rc.label} b={b} n={n} free={free} stage {st.stage}: "
+                      f"measured {st.measured_peak_bytes} exact {st.exact_bytes:.0f} "
+                      f"deferred_w {st.terms['deferred_w']:.0f}")
+                assert st.measured_peak_bytes == st.exact_bytes, (parallel, rc, b, n, free, st)
+                assert st.terms["deferred_w"] > 0 or st.stage == 0, st  # rank S > 0 holds units at its peak
+
+
 def test_peak_matches_formula_per_stage(spawned):
-    world, _, measured = spawned
+    world, _, measured, *_ = spawned
     for (parallel, runs), (free_on, free_off, *_) in zip(memory_jobs(world), measured, strict=True):
         if runs is APP_C:
             continue
@@ -158,7 +221,7 @@ def test_peak_matches_formula_per_stage(spawned):
 
 
 def test_app_c_keeps_some_microbatches():
-    _, _, measured = _spawn(2)  # the App. C jobs run in the 2-rank launch
+    _, _, measured, *_ = _spawn(2)  # the App. C jobs run in the 2-rank launch
     runs = measured[-1]
     for granularity in ("selective", "full"):
         peaks = {k: stages for (rc, _, _, _, k), stages in zip(APP_C, runs, strict=True)

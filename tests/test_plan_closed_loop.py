@@ -77,7 +77,8 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[list, str, dict]:
     offload = _axes.fit_offload(axes, RECOMPUTE_CONFIGS[recompute])
     explain = (f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if tp > 1 and rng.random() < 0.5 else 'off'}"
                f",recompute={recompute},mb={micro},distopt={'on' if distopt else 'off'}"
-               + "".join(f",{k}={v}" for k, v in comm.items()) + (f",offload={'/'.join(offload)}" if offload else ""))
+               + "".join(f",{k}={v}" for k, v in comm.items()) + (f",offload={'/'.join(offload)}" if offload else "")
+               + "".join(f",sched={v}" for v in _axes.fit_pp_schedule(axes, pp, interleave, fsdp=False).values()))
     return argv, explain, {"label_smoothing": axes["label_smoothing"]}
 
 

@@ -53,7 +53,9 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, ParallelCon
                       attn_dropout=0.0 if attention == "sdpa" else dropout, hidden_dropout=dropout,
                       kv_heads=kv, attention=attention, **(LLAMA if arch == "llama" else {}))
     sp = tp > 1 and rng.random() < 0.5
-    parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, **_axes.fit_tp_comm_overlap(axes, tp, sp))
+    overlap = _axes.fit_tp_comm_overlap(axes, tp, sp)
+    parallel = ParallelConfig(tp=tp, pp=pp, sp=sp, **overlap,
+                              **_axes.fit_pp_schedule(axes, pp, 1, fsdp=False, tp_comm_overlap=bool(overlap)))
     recompute = RecomputeConfig(rng.choice(["none", "selective", "full"]))
     recompute = replace(recompute, offload_modules=_axes.fit_offload(axes, recompute))
     run = (recompute, axes["micro_batch"], pp * rng.choice([1, 2]), True, 0)
@@ -68,6 +70,7 @@ def cp_draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, Parallel
     cfg = replace(cfg, num_layers=2 * pp, seq_len=16)
     comm = _axes.fit_cp_comm(axes, dataclasses.asdict(cfg), 1, cp)
     axes.narrow("tp_comm_overlap", False, "a cp draw runs at tp 1")
+    axes.narrow("pp_schedule", "1f1b", "a cp draw runs 1F1B")
     parallel = ParallelConfig(pp=pp, cp=cp, **comm)
     return cfg.validate(), parallel.validate(cfg), (recompute, b, pp * rng.choice([1, 2]), free, keep)
 

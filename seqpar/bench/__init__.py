@@ -35,6 +35,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tp-overlap": ("seqpar.bench.tp_overlap", "--tp-comm-overlap: a layer's GEMMs whole vs in tp row chunks at the "
                    "planner's chunk counts, and one tp 2 + SP layer's fwd+bwd with and without the overlap: ratio, "
                    "exposed communication, a per-rank timeline"),
+    "schedule": ("seqpar.bench.schedule", "one training step's per-rank timeline on pp 4 local ranks under 1F1B and "
+                 "ZB-H1 (zero bubble): each rank's idle time and ZB-H1's over 1F1B's, drawn with --plot"),
     "planner": ("seqpar.bench.planner",
                 "calibrate, predict small layouts' step time, train them: predicted vs measured"),
     "acceptance": ("seqpar.bench.acceptance", "the GPU acceptance run, part 1 or 2 (each under 4 min on one H100; "

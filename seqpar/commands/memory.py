@@ -143,6 +143,8 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     add(g, "--pp", default=1, help="pipeline-parallel size p (default %(default)s)")
     add(g, "--microbatches", default=None, help="microbatches per step (default: pp)")
     add(g, "--interleave", default=1, help="m, chunks per pipeline rank (default %(default)s)")
+    add(g, "--pp-schedule", default="1f1b", help="1f1b (interleaved with --interleave > 1) or zb-h1: the linears' "
+        "weight gradients deferred into the bubble, their inputs held until then (default %(default)s)")
     g.add_argument("--keep-outputs", action="store_true",
                    help="do not free a stage's output once sent (App. B off)")
     g.add_argument("--keep-microbatches", type=int, default=0,
@@ -205,7 +207,7 @@ def run_schedule(args) -> int:
     P × T gloo ranks; per stage the measured peak next to the formula (Eq. 5/6, interleave factor,
     Sec. 4.3 terms; ``seqpar.measure.stages``)."""
     from seqpar.config import ConfigError, ParallelConfig, RecomputeConfig
-    from seqpar.measure.stages import formula_stage_bytes, implementation_terms, measure_schedules
+    from seqpar.measure.stages import formula_stage_memory, implementation_terms, measure_schedules
 
     if args.cp > 1:
         raise ConfigError(f"--cp {args.cp}: the schedule mode (--pp/--microbatches) measures cp = 1 only; "
@@ -215,7 +217,8 @@ def run_schedule(args) -> int:
     if args.microbatches is None:
         raise ConfigError(f"the schedule mode needs --microbatches (pp {args.pp})")
     cfg = model_from_args(args)
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, interleave=args.interleave).validate(cfg)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, interleave=args.interleave,
+                              pp_schedule=args.pp_schedule).validate(cfg)
     offload = tuple(m for m in args.offload_modules.split(",") if m)
     recompute = RecomputeConfig(args.recompute, offload_modules=offload).validate()
     free, keep = not args.keep_outputs, args.keep_microbatches
@@ -229,16 +232,18 @@ def run_schedule(args) -> int:
         validate_microbatches(args.microbatches, args.pp, args.interleave)
         stages = []
         for r in range(args.pp):
-            formula, terms = formula_stage_bytes(cfg, parallel, recompute, args.micro_batch, args.microbatches,
-                                                 r, free, keep)
-            extra = implementation_terms(cfg, parallel, args.micro_batch, args.microbatches, r, free)
+            memory = formula_stage_memory(cfg, parallel, recompute, args.micro_batch, args.microbatches, r, free, keep)
+            terms = memory.held_terms
+            formula = sum(terms.values())
+            extra = implementation_terms(cfg, parallel, args.micro_batch, args.microbatches, r, free,
+                                         after_backward=memory.in_flight if memory.after_backward else None)
             host = formula_host_bytes(cfg, parallel, recompute, args.micro_batch, args.microbatches, r, keep)
             stages.append(StagePeak(r, None, formula, formula + sum(extra.values()), terms | extra, host_bytes=host))
     if args.json:
         print(json.dumps({"stages": [st.as_json() for st in stages]}))
         return 0
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
-    print(f"one step, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} m={args.interleave} "
+    print(f"one step, {args.pp_schedule}, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} m={args.interleave} "
           f"n={args.microbatches} recompute={args.recompute} App.B={'on' if free else 'off'} App.C K={keep}: "
           f"L={cfg.num_layers} s={s} b={b} h={h} a={a} v={cfg.vocab_size} {cfg.dtype}, {dropouts(cfg)}")
     print(f"{'stage':>5}{'measured peak':>16}{'formula':>14}{'exact':>14}{'meas/formula':>14}{'meas-exact':>12}")
@@ -258,6 +263,9 @@ def run_schedule(args) -> int:
           "of the padded vocabulary shard ⌈v/t⌉) + norm statistics (LayerNorm mean/rstd, RMSNorm fp32 rstd); exact "
           "adds the final norm's statistics, the output being sent (App. B) and index/int64 bookkeeping.")
     print("The recompute working set rebuilt during a backward is transient and left out of both.")
+    if parallel.pp_schedule != "1f1b":
+        print(f"{parallel.pp_schedule}: + deferred_w, the W units each rank holds at its peak (each deferred linear's "
+              "stored input and output gradient), at a forward's end or a backward's end, whichever holds more.")
     return 0
 
 

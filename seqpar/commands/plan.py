@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "plan with SP; --no-tp-comm-overlap leaves it out)")
     add(g, "--fsdp", help="search FSDP over dp × cp: parameters, gradients and optimizer state sharded (16/N "
         "B/param) (default: on; --no-fsdp leaves it out)")
+    add(g, "--pp-schedule", default=None, help="search only this pipeline schedule: 1f1b (interleaved with m > 1) or "
+        "zb-h1, the linears' weight gradients deferred into the bubble (default: both, zb-h1 where pp > 1 with one "
+        "chunk per rank and no fsdp)")
     add(g, "--offload", help="search offloading modules' activations to host memory (keep / recompute / offload per "
         "module: mlp, norm, core_attention, the layer input), charged the host-link time the compute does not hide "
         "and limited by the node's host memory (default: on, off with --device cpu, whose memory is the host's; "
@@ -178,6 +181,7 @@ def request_from_args(args):
     )
     from seqpar.analysis.planning.planner import Request
     from seqpar.analysis.planning.profiles import hardware_for
+    from seqpar.config import PP_SCHEDULES
 
     shape, model_name = _shape(args)
     batch = args.global_batch
@@ -214,7 +218,8 @@ def request_from_args(args):
                    try_distributed_optimizer=args.distributed_optimizer is not False,  # the whole search by default
                    try_overlap_param_gather=args.overlap_param_gather is not False,
                    try_fsdp=args.fsdp is not False, try_offload=offload_searched(args),
-                   max_micro_batch=args.max_micro_batch, name=model_name)
+                   max_micro_batch=args.max_micro_batch, name=model_name,
+                   schedules=(args.pp_schedule,) if args.pp_schedule else PP_SCHEDULES)
 
 
 def offload_searched(args) -> bool:

@@ -61,9 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="any config value, e.g. --set train.weight_decay=0 (repeatable; default: none)")
     g = p.add_argument_group("parallelism")
     for name in ("--tp", "--pp", "--cp", "--cp-comm-type", "--cp-a2a-size", "--dp", "--ep", "--sp", "--tp-comm-overlap",
-                 "--interleave", "--distributed-optimizer", "--fsdp", "--reshard-after-forward", "--fsdp-shard-size",
-                 "--overlap-grad-reduce", "--overlap-param-gather", "--compile", "--recompute", "--recompute-method",
-                 "--recompute-layers", "--offload-modules"):
+                 "--interleave", "--pp-schedule", "--distributed-optimizer", "--fsdp", "--reshard-after-forward",
+                 "--fsdp-shard-size", "--overlap-grad-reduce", "--overlap-param-gather", "--compile", "--recompute",
+                 "--recompute-method", "--recompute-layers", "--offload-modules"):
         setting(g, name)
     g = p.add_argument_group("model")
     add(g, "--model", help="a planner preset's shape (seqpar plan's --model: 22b, gpt2-xl, llama3-8b, ...); other "
@@ -216,7 +216,8 @@ def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -
 # what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
 INHERITED_DROPPABLE = ("parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep", "parallel.interleave",
                        "parallel.layer_split", "parallel.cp_comm_type", "parallel.tp_comm_overlap",
-                       "train.distributed_optimizer", "train.overlap_grad_reduce", "train.overlap_param_gather")
+                       "parallel.pp_schedule", "train.distributed_optimizer", "train.overlap_grad_reduce",
+                       "train.overlap_param_gather")
 # (cp_a2a_size goes with cp_comm_type: fit_inherited)
 
 

@@ -19,7 +19,7 @@ import torch
 from seqpar.analysis.formulas.in_flight import first_chunk_in_flight
 from seqpar.analysis.formulas.memory import norm_stat_bytes
 from seqpar.analysis.formulas.shapes import activation_options
-from seqpar.analysis.formulas.stage import stage_memory
+from seqpar.analysis.formulas.stage import StageMemory, stage_memory
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensorMeter
@@ -62,15 +62,23 @@ def formula_stage_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: R
                         micro_batch: int, microbatches: int, rank: int, free_outputs: bool = True,
                         keep: int = 0, device: str = "cpu") -> tuple[float, dict]:
     """Exact activation bytes pipeline rank ``rank`` holds at its peak (one of its tp ranks)."""
+    memory = formula_stage_memory(cfg, parallel, recompute, micro_batch, microbatches, rank, free_outputs, keep,
+                                  device)
+    terms = memory.held_terms  # the transients (an a2a exchange's buffers among them) are not held at the peak
+    return sum(terms.values()), terms
+
+
+def formula_stage_memory(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig,
+                         micro_batch: int, microbatches: int, rank: int, free_outputs: bool = True,
+                         keep: int = 0, device: str = "cpu") -> StageMemory:
+    """``stage_memory`` of pipeline rank ``rank`` with this device's byte widths (its peak's moment with it)."""
     dev, dtype = torch.device(device), torch_dtype(cfg.dtype)
     opts = activation_options(cfg, layernorm_stat_bytes(dev, dtype), free_pipeline_outputs=free_outputs,
                               sdpa_kernel=sdpa_kernel_for(dev, dtype))
     # the states do not matter here (no activation term depends on dp; ep's ranks are taken inside dp × cp)
     activations_only = replace(parallel, fsdp=False, fsdp_shard_size=0)
-    memory = stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
-                          microbatches, opts, rank=rank)
-    terms = memory.held_terms  # the transients (an a2a exchange's buffers among them) are not held at the peak
-    return sum(terms.values()), terms
+    return stage_memory(cfg, activations_only, replace(recompute, keep_microbatches=keep), micro_batch,
+                        microbatches, opts, rank=rank)
 
 
 def formula_host_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, micro_batch: int,
@@ -86,7 +94,8 @@ def formula_host_bytes(cfg: ModelConfig, parallel: ParallelConfig, recompute: Re
 
 
 def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch: int, microbatches: int,
-                         rank: int, free_outputs: bool = True, device: str = "cpu") -> dict[str, float]:
+                         rank: int, free_outputs: bool = True, device: str = "cpu",
+                         after_backward: int | None = None) -> dict[str, float]:
     """Small bytes this implementation keeps that the analytic model leaves out (all O(sb) or O(sbh)).
 
     * ``output_in_transit``: with App. B on, a non-last rank's peak comes right after a forward,
@@ -99,20 +108,23 @@ def implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, micro_batch
       masks and the padded-vocabulary mask (the step's loss is a sum scaled by a Python float,
       ``pipeline.objective``: no token count is kept).
 
-    Under context parallelism each holds the rank's s/cp tokens.
+    Under context parallelism each holds the rank's s/cp tokens. ``after_backward``: the peak is a B's end under a
+    zero-bubble schedule (``StageMemory.after_backward``), with that many microbatches in flight: no output in
+    transit, and the last rank's microbatch gone with its loss head.
     """
     s, b, h, t, p = cfg.seq_len // parallel.cp, micro_batch, cfg.hidden_size, parallel.tp, parallel.pp  # s/cp tokens
     rep = t if parallel.sp and t > 1 else 1
     act = cfg.dtype_bytes
     terms: dict[str, float] = {}
-    if free_outputs and rank < p - 1:
+    if free_outputs and rank < p - 1 and after_backward is None:
         terms["output_in_transit"] = act * s * b * h / rep
+    in_flight = first_chunk_in_flight(p, microbatches, parallel.interleave) if after_backward is None \
+        else after_backward
     if rank == 0 and t > 1:
-        in_flight = first_chunk_in_flight(p, microbatches, parallel.interleave)
         terms["embedding_indices"] = (8 + 1) * s * b * in_flight
     elif rank == 0 and parallel.cp > 1:  # the embedding keeps its input: the cp split's copy of the tokens
-        terms["embedding_indices"] = 8 * s * b * first_chunk_in_flight(p, microbatches, parallel.interleave)
-    if rank == p - 1:
+        terms["embedding_indices"] = 8 * s * b * in_flight
+    if rank == p - 1 and after_backward != 0:
         stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
         terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
         v_pad = -(-cfg.vocab_size // t) * t
@@ -185,8 +197,11 @@ def report(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]], res
             for r in range(parallel.pp):
                 mine = [res[j][i] for res in results if res[j][i]["stage"] == r]
                 kept = keep_for_rank(keep, r, parallel.pp)
-                formula, terms = formula_stage_bytes(cfg, parallel, recompute, micro_batch, n, r, free, kept)
-                extra = implementation_terms(cfg, parallel, micro_batch, n, r, free)
+                memory = formula_stage_memory(cfg, parallel, recompute, micro_batch, n, r, free, kept)
+                terms = memory.held_terms
+                formula = sum(terms.values())
+                extra = implementation_terms(cfg, parallel, micro_batch, n, r, free,
+                                             after_backward=memory.in_flight if memory.after_backward else None)
                 host = formula_host_bytes(cfg, parallel, recompute, micro_batch, n, r, kept)
                 stages.append(StagePeak(r, max(x["peak"] for x in mine), formula, formula + sum(extra.values()),
                                         terms | extra, mine[0]["loss"], host, max(x["host"] for x in mine)))

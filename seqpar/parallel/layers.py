@@ -15,6 +15,7 @@ from seqpar.parallel import comm, tp_overlap
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layout import ParamLayout
 from seqpar.parallel.tp_context import TPContext
+from seqpar.parallel.weight_grad import SavedForW, deferral, linear, weight_grad
 
 
 def mark(param: nn.Parameter, split_dim: int | None = None, sequence_parallel: bool = False,
@@ -46,12 +47,13 @@ class LinearWithGatheredInput(torch.autograd.Function):
     Forward: all-gather the ``[s/t, b, h]`` shard to ``[s, b, h]`` and multiply; save the shard.
     Backward: start the all-gather of the saved shard again, compute the input gradient (which
     does not need X) while it runs, wait; start the reduce-scatter of the input gradient, compute
-    the weight gradient while it runs, wait.
+    the weight gradient while it runs, wait. ``deferred`` (``parallel.weight_grad.deferral``): B is
+    the input gradient and its reduce-scatter; W (the gather again, the weight gradient) is queued.
     """
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x_shard, weight, bias, group, deferred=None):
+        ctx.group, ctx.bias, ctx.deferred = group, bias, deferred  # bias: a parameter, not an activation
         x = comm.all_gather_seq(x_shard, group)  # [s, b, h]
         ctx.save_for_backward(x_shard, weight)  # only [s/t, b, h] is kept
         return F.linear(x, weight, bias)  # [s, b, out/t]
@@ -60,15 +62,17 @@ class LinearWithGatheredInput(torch.autograd.Function):
     def backward(ctx, grad_out):  # grad_out: [s, b, out/t]
         x_shard, weight = ctx.saved_tensors
         group = ctx.group
+        if ctx.deferred is not None:  # B now, W at the schedule's W slot
+            ctx.deferred.put(x_shard, grad_out, group, sequence_parallel=True)
+            return comm.reduce_scatter_seq(grad_out.matmul(weight), group), None, None, None, None  # [s/t, b, h]
         x, gather = comm.all_gather_seq(x_shard, group, async_op=True)  # [s, b, h], in flight
         grad_x = grad_out.matmul(weight)  # [s, b, h]: overlaps the gather
         gather.wait()
         grad_x_shard, scatter = comm.reduce_scatter_seq(grad_x, group, async_op=True)  # [s/t, b, h]
-        out_features = grad_out.shape[-1]
-        grad_w = grad_out.reshape(-1, out_features).t().matmul(x.reshape(-1, x.shape[-1]))  # overlaps
-        grad_b = grad_out.reshape(-1, out_features).sum(0) if ctx.has_bias else None
+        saved = SavedForW(x_shard, weight, ctx.bias, group, sequence_parallel=True)
+        grad_w, grad_b = weight_grad(saved, grad_out, gathered=x)  # overlaps the reduce-scatter
         scatter.wait()
-        return grad_x_shard, grad_w, grad_b, None
+        return grad_x_shard, grad_w, grad_b, None, None
 
 
 def gathered_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias, tp: TPContext) -> torch.Tensor:
@@ -90,14 +94,18 @@ class ColumnParallelLinear(nn.Module):
                  init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
         self.tp, self.group, self.sequence_parallel = tp, tp.group, tp.sequence_parallel
+        self.store = tp.weight_grads
         out = _per_rank(out_features, tp.size, "output")
         self.weight = mark(_param((out, in_features), dtype, device), split_dim=0, init_std=init_std)
         self.bias = mark(_param((out,), dtype, device), split_dim=0, init="zeros") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.tp.comm_overlap:  # W in the backward: zb-h1 refuses the overlap
             return gathered_linear(x, self.weight, self.bias, self.tp)
-        return F.linear(comm.f(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:  # the store decides when W runs (parallel.weight_grad)
+            weight, bias, deferred = deferral(self.store, self.weight, self.bias)
+            return LinearWithGatheredInput.apply(x, weight, bias, self.group, deferred)
+        return linear(comm.f(x, self.group), self.weight, self.bias, self.store)
 
 
 class RowParallelLinear(nn.Module):
@@ -109,6 +117,7 @@ class RowParallelLinear(nn.Module):
                  init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
         self.group, self.sequence_parallel, self.comm_overlap = tp.group, tp.sequence_parallel, tp.comm_overlap
+        self.store = tp.weight_grads
         self.weight = mark(_param((out_features, _per_rank(in_features, tp.size, "input")), dtype, device),
                            split_dim=1, init_std=init_std)
         self.bias = (mark(_param((out_features,), dtype, device), sequence_parallel=self.sequence_parallel,
@@ -117,7 +126,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
             return self.overlapped(x)
-        return self.reduce(F.linear(x, self.weight))  # [s, b, out] partial sum, reduced
+        return self.reduce(linear(x, self.weight, None, self.store))  # [s, b, out] partial sum, reduced
 
     def overlapped(self, x: torch.Tensor, act=None) -> torch.Tensor:
         """``ḡ(act(x) W^T) + b`` with the reduce-scatter in ring chunks pipelined with the GEMM

@@ -35,6 +35,7 @@ from torch.profiler import record_function
 
 from seqpar.parallel import comm
 from seqpar.parallel.dims import group_rank, group_size
+from seqpar.parallel.weight_grad import gemm_grads
 
 GATHER_TAG, SCATTER_TAG = 81, 82  # gloo matches messages by tag; the backward runs both rings at once
 RING_NAMES = {GATHER_TAG: "gather", SCATTER_TAG: "scatter"}  # a profile's "ring gather issue 0" .. "wait 0"
@@ -137,10 +138,7 @@ def column_weight_grad(x_shard: torch.Tensor, grad_out: torch.Tensor, group, has
         x = _ring_gather(x_shard, Ring(group), lambda j, chunk: None, _gathered_like(x_shard, group_size(group)))
     elif x is None:
         x = comm.all_gather_seq(x_shard, group)  # [s, b, h]
-    out_features = grad_out.shape[-1]
-    g2 = grad_out.reshape(-1, out_features)  # [s·b, out/t]
-    grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))  # [out/t, h]
-    return grad_w, (g2.sum(0) if has_bias else None)
+    return gemm_grads(x, grad_out, has_bias)  # [out/t, h], [out/t]
 
 
 def _gathered_like(shard: torch.Tensor, t: int) -> torch.Tensor:
@@ -212,8 +210,7 @@ class _RegatherSteps:
 def row_weight_grad(z: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """W of the row-parallel linear: ``grad_w [h, in/t]`` from its input ``z`` ``[s, b, in/t]`` and the
     gathered output gradient ``[s, b, h]``."""
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [s·b, h]
-    return g2.t().matmul(z.reshape(-1, z.shape[-1]))
+    return gemm_grads(z, grad_out, has_bias=False)[0]
 
 
 class _ScatteredLinear(torch.autograd.Function):

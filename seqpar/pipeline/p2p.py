@@ -64,6 +64,12 @@ class PipeComm:
         """Send an activation forward and/or a gradient backward; receive an activation from the
         previous rank (of ``shape``, default ``self.shape``) and/or a gradient from the next. Returns
         ``(from_prev, from_next)``."""
+        return self.post(send_next, send_prev, recv_prev, recv_next, shape).wait()
+
+    def post(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+             recv_prev: bool = False, recv_next: bool = False, shape: tuple[int, ...] | None = None) -> Posted:
+        """``exchange`` started, not waited for: compute may run while it is in flight (the zero-bubble
+        schedules' W steps); ``.wait()`` returns what ``exchange`` returns."""
         group = self.dims.pp_group
         ops, from_prev, from_next = [], None, None
         if send_next is not None:
@@ -76,7 +82,19 @@ class PipeComm:
         if recv_next:
             from_next = self._empty()  # [s(/t), b, h]
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, group, GRADIENT))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        return from_prev, from_next
+        return Posted(dist.batch_isend_irecv(ops) if ops else [], from_prev, from_next)
+
+
+@dataclass
+class Posted:
+    """An exchange in flight: its requests and the buffers its receives fill."""
+
+    requests: list
+    from_prev: torch.Tensor | None
+    from_next: torch.Tensor | None
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Wait for every operation, sends included (a sent tensor may be freed afterwards, App. B)."""
+        for req in self.requests:
+            req.wait()
+        return self.from_prev, self.from_next

@@ -1,7 +1,8 @@
 """``forward_backward``: run every microbatch of a step with the configured schedule; ``forward_only``: the
 same schedules' forward-only mode (evaluation).
 
-No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3). The step's
+No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3), ZB-H1 with
+``pp_schedule`` zb-h1 (``pipeline.schedule_zero_bubble``). The step's
 objective is the mean loss per counted token of the whole global batch (``pipeline.objective``): each
 microbatch's loss sum is scaled by ``Objective.weight`` (dp / the step's counted tokens), so that once
 ``finalize_grads`` averages over dp × cp the gradients are those of that mean, at any micro-batch size
@@ -11,6 +12,7 @@ and layout. The returned loss is this dp rank's weighted sum (its average over d
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -25,13 +27,16 @@ from seqpar.pipeline.objective import Objective
 from seqpar.pipeline.p2p import PipeComm, boundary_shape
 from seqpar.pipeline.schedule_1f1b import run_1f1b, run_1f1b_forward, run_no_pipelining
 from seqpar.pipeline.schedule_interleaved import run_interleaved, run_interleaved_forward
+from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 from seqpar.pipeline.step import ScoreRunner, StepRunner
+from seqpar.pipeline.timeline import Timeline
 
 
 def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: ParallelConfig, *,
                      free_outputs: bool = True, keep_microbatches: int | list[int] = 0,
                      meter=None, loss_scale: float = 1.0, aux: list | None = None,
-                     as_tensor: bool = False, objective: Objective | None = None) -> float | torch.Tensor:
+                     as_tensor: bool = False, objective: Objective | None = None,
+                     timeline: Timeline | None = None) -> float | torch.Tensor:
     """Forward and backward of every microbatch; returns this dp rank's share of the step's loss (every
     pp rank; its average over dp is the mean loss per counted token of every dp rank's microbatches).
 
@@ -48,6 +53,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     host (the trainer reads it once per step, with the gradient norm); else a Python float.
     ``objective``: the step's ``Objective`` when the caller counted it already (the trainer, which skips a
     step that counts no token); else counted here.
+    ``timeline``: records each forward, backward and deferred W of this rank (``seqpar.pipeline.timeline``).
     """
     m = parallel.interleave
     if len(chunks) != m:
@@ -63,7 +69,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         objective = Objective.of_step(microbatches, dims.dp, dims.dp_group, device)  # one all-reduce over dp
     runner = StepRunner(chunks, list(microbatches), objective, free_outputs=free_outputs,
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
-                        loss_scale=loss_scale)
+                        loss_scale=loss_scale, timeline=timeline)
     for chunk in chunks:
         if chunk.aux is not None:
             chunk.aux.forget()  # values of forwards outside this step (evaluation)
@@ -72,10 +78,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     else:
         comm = PipeComm(dims, boundary_shape(chunks[0], microbatches[0][0]), torch_dtype(chunks[0].cfg.dtype), device)
         comm.init_communicator()
-        if m == 1:
-            run_1f1b(runner, comm)
-        else:
-            run_interleaved(runner, comm, m)
+        run_schedule(runner, comm, parallel)
     balance = aux_loss(chunks, len(microbatches), dims, device)
     loss = broadcast_loss(runner.mean_loss(), dims, device)
     if balance is not None:
@@ -83,6 +86,21 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         if aux is not None:
             aux.append(balance if as_tensor else float(balance))
     return loss if as_tensor else float(loss)
+
+
+def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -> None:
+    """p > 1: the configured schedule (``parallel.pp_schedule``); a zero-bubble one with every chunk's linears
+    deferring their weight gradients for the step (each has run when it returns)."""
+    if parallel.pp_schedule == "1f1b":
+        if parallel.interleave == 1:
+            run_1f1b(runner, comm)
+        else:
+            run_interleaved(runner, comm, parallel.interleave)
+        return
+    with contextlib.ExitStack() as stack:
+        for chunk in runner.chunks:
+            stack.enter_context(chunk.tp.weight_grads.deferred())
+        run_zb_h1(runner, comm)
 
 
 @torch.no_grad()

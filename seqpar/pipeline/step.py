@@ -5,7 +5,8 @@ received hidden state elsewhere); on the last virtual stage it returns the micro
 times the step's ``Objective.weight`` (and the fp16 loss scale), so that the gradients accumulated
 over microbatches and averaged over dp × cp are those of the global batch's mean loss per counted
 token (``seqpar.pipeline.objective``). ``StepRunner.backward`` back-propagates a chunk
-output and returns the gradient of the chunk input, to be sent to the previous stage.
+output and returns the gradient of the chunk input, to be sent to the previous stage; under a zero-bubble
+schedule that is B alone, and ``weight_grads`` runs a deferred W (``seqpar.parallel.weight_grad``).
 
 App. B: once a non-last chunk's output has been sent, ``release_output`` frees its data (the
 tensor keeps only its autograd node, a 1-element placeholder holds its place); ``backward`` then
@@ -28,6 +29,7 @@ from torch.autograd.graph import get_gradient_edge
 from seqpar.pipeline.keep import KeepPolicy
 from seqpar.pipeline.objective import Objective, counted
 from seqpar.pipeline.p2p import boundary_shape
+from seqpar.pipeline.timeline import Timeline
 
 
 @dataclass
@@ -40,6 +42,10 @@ class StepRunner:
     meter: object = None  # seqpar.measure.meter.SavedTensorMeter or None
     loss_scale: float = 1.0  # fp16 dynamic loss scaling: backward starts from loss · scale
     losses: list = field(default_factory=list)  # unscaled microbatch loss sums (last virtual stage)
+    timeline: Timeline | None = None  # records each F, B and W (seqpar.pipeline.timeline)
+
+    def _span(self, kind: str, chunk_id: int, mb: int):
+        return self.timeline.span(kind, chunk_id, mb) if self.timeline is not None else contextlib.nullcontext()
 
     @property
     def num_microbatches(self) -> int:
@@ -47,6 +53,10 @@ class StepRunner:
 
     def forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
         """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state or the scaled loss."""
+        with self._span("F", chunk_id, mb):
+            return self._forward(chunk_id, mb, input_tensor)
+
+    def _forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
         chunk = self.chunks[chunk_id]
         tokens, labels, *docs = self.microbatches[mb]  # docs: packed documents (seqpar.documents), if any
         docs = docs[0] if docs else None
@@ -76,13 +86,30 @@ class StepRunner:
     def backward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None, output: torch.Tensor,
                  output_grad: torch.Tensor | None) -> torch.Tensor | None:
         """Back-propagate one chunk-microbatch; returns d(loss)/d(input) (None on the first stage)."""
-        if output_grad is None:  # the scaled loss of the last virtual stage
-            torch.autograd.backward(output)
-        else:
-            torch.autograd.backward(get_gradient_edge(output), output_grad)
+        with self._span("B", chunk_id, mb):
+            if output_grad is None:  # the scaled loss of the last virtual stage
+                torch.autograd.backward(output)
+            else:
+                torch.autograd.backward(get_gradient_edge(output), output_grad)
         if self.keep is not None:
             self.keep.finish(chunk_id, mb)
         return None if input_tensor is None else input_tensor.grad
+
+    def seal_w(self, chunk_id: int) -> None:
+        """Zero bubble, once a B has returned (its input and output dropped): the W steps it queued become one
+        unit, whose stored inputs and output gradients the meter counts until the W runs."""
+        for t in self.chunks[chunk_id].tp.weight_grads.seal():
+            if self.meter is not None:
+                self.meter.hold(t)
+
+    def deferred_w(self, chunk_id: int) -> int:
+        """Chunk-microbatches of chunk ``chunk_id`` whose W has not run (``seqpar.parallel.weight_grad``)."""
+        return len(self.chunks[chunk_id].tp.weight_grads)
+
+    def weight_grads(self, chunk_id: int) -> None:
+        """W: the oldest deferred chunk-microbatch's weight gradients of chunk ``chunk_id``."""
+        with self._span("W", chunk_id, -1):
+            self.chunks[chunk_id].tp.weight_grads.run_next()
 
     @staticmethod
     def _device(chunk) -> torch.device:

@@ -2,9 +2,9 @@
 
 Activations: the rank's in-flight chunk-microbatches (``schedule.in_flight_chunks``) times the
 bytes one chunk keeps under the recompute plan (Table 2 per layer, Sec. 5 for full uniform/block),
-App. C kept microbatches, the Sec. 4.3 terms outside the layers, App. B pipeline outputs, and the
-transient working set that recomputation rebuilds during backward. On rank 0 with n >= p and
-m = 1 the layer term is Eq. 5 (Eq. 6 with selective recompute).
+App. C kept microbatches, the Sec. 4.3 terms outside the layers, App. B pipeline outputs, ZB-H1's deferred
+weight-gradient inputs (``deferred_w``), and the transient working set that recomputation rebuilds during
+backward. On rank 0 with n >= p and m = 1 the layer term is Eq. 5 (Eq. 6 with selective recompute).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from seqpar.analysis.formulas.deferred_w import unit_bytes, zb_h1_moments
 from seqpar.analysis.formulas.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.formulas.in_flight import first_chunk_in_flight, in_flight_chunks, peak_in_flight
 from seqpar.analysis.formulas.memory import (
@@ -54,6 +55,7 @@ class StageMemory:
     in_flight: int  # chunk-microbatches alive at the peak
     terms: dict[str, float] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)  # offloaded activations in host memory (not in total)
+    after_backward: bool = False  # zero bubble: the peak comes at the end of a B, not of a forward
 
     @property
     def host_total(self) -> float:
@@ -379,10 +381,43 @@ def stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     if rc.offload_modules and r:
         host = offload_host_terms(shape, par, rc, b, opts, rank, r - kept, kept)
         terms["offload_reload_working"] = offload_reload_bytes(shape, par, rc, b, opts, rank)
+    after = False
+    if par.pp_schedule != "1f1b":  # zero bubble: the W units' stored inputs and output gradients
+        terms, r, after = zero_bubble_peak(shape, par, rc, b, n, opts, rank, terms)
     excess = param_gather_excess(shape, par, opt, rank, sum(v for k, v in terms.items() if k not in STATE_TERMS))
     if excess > 0:
         terms["param_gather_excess"] = excess
-    return StageMemory(rank=rank, in_flight=r, terms=terms, host=host)
+    return StageMemory(rank=rank, in_flight=r, terms=terms, host=host, after_backward=after)
+
+
+HEAD_TERMS = ("final_ln_input", "output_layer_input", "logits", "loss_lse")  # the last stage's microbatch in flight
+
+
+def zero_bubble_peak(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, n: int | None,
+                     opts: ActivationOptions, rank: int, terms: dict[str, float]
+                     ) -> tuple[dict[str, float], int, bool]:
+    """ZB-H1's peak on pipeline rank ``rank`` (``deferred_w.zb_h1_moments``): at its fullest forward end, 1F1B's
+    terms plus its W units (``deferred_w``), or at a B end, before the W runs, where one microbatch fewer is in
+    flight (its layers, embedding mask, App. B output; on the last rank its head) and one unit more is kept,
+    whichever holds more. Returns the terms, the microbatches in flight and whether a B end is the peak."""
+    unit = unit_bytes(shape, par, rc, b, opts, chunk_layer_ids(shape, par, rank)[0])
+    (r, units), backs = zb_h1_moments(rank, par.pp, n)
+    per_mb = chunk_bytes(shape, par, rc, b, opts, rank)
+    best, best_k, after = terms | {"deferred_w": units * unit}, r, False
+
+    def held(t: dict[str, float]) -> float:
+        return sum(v for k, v in t.items() if k not in STATE_TERMS + TRANSIENT_TERMS)
+
+    for k, u in backs:
+        t = {name: v for name, v in terms.items() if not (name in HEAD_TERMS and k == 0)}
+        t |= {"layer_activations": k * per_mb, "deferred_w": u * unit}
+        if "embedding_dropout_mask" in t:
+            t["embedding_dropout_mask"] *= k / r
+        if "pipeline_outputs" in t:
+            t["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, k)
+        if held(t) > held(best):
+            best, best_k, after = t, k, True
+    return best, best_k, after
 
 
 def param_gather_excess(shape: ModelConfig, par: ParallelConfig, opt: OptimizerOptions, rank: int,

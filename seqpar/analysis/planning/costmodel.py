@@ -57,7 +57,8 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
     Fused attention and ring attention backward (flash style) also recompute QK^T from the saved
     log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
-microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble) + the exposed part of
+microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble; ZB-H1's (p-1)(T_mb - 2 T_W),
+T_W its deferred weight-gradient GEMMs: ``bubble_s``) + the exposed part of
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather`` what the last
 microbatch's backward / the first one's forward does not hide, ``dp_overlap`` of what it covers, plus the last
 bucket; FSDP: per microbatch, each layer's prefetched gathers and reduce-scatters beside the layers' compute:
@@ -687,7 +688,7 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     mb = per_rank[slowest]
     t_mb = sum(mb.values())
     terms = {k: n * v for k, v in mb.items()}
-    terms["bubble"] = (par.pp - 1) / par.interleave * t_mb
+    terms["bubble"] = bubble_s(shape, par, rc, b, hw, opts, slowest, t_mb)
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
     windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest, n)
@@ -701,6 +702,31 @@ def iteration_time(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     terms["step_overhead"] = hw.step_overhead
     return IterationTime(terms=terms, microbatch_s=t_mb, slowest_rank=slowest,
                          hidden={"dp_allreduce": hidden} if hidden else {})
+
+
+def bubble_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
+             opts: ActivationOptions, rank: int, t_mb: float) -> float:
+    """The pipeline's idle time per iteration for the slowest rank's microbatch time ``t_mb``: 1F1B's
+    (p - 1)/m T_mb (Sec. 4.2.3), or ZB-H1's (p - 1)(T_F + T_B - T_W) = (p - 1)(T_mb - 2 T_W) (Qi et al. 2024,
+    Sec. 3.1), its weight-gradient GEMMs T_W (``deferred_w_s``) filling the rest."""
+    if par.pp_schedule == "1f1b":
+        return (par.pp - 1) / par.interleave * t_mb
+    return (par.pp - 1) * max(0.0, t_mb - 2 * deferred_w_s(shape, par, rc, b, hw, opts, rank))
+
+
+DEFERRED_GEMMS = ("qkv", "out_proj", "fc1", "fc2")  # the TP linears whose W a zero-bubble schedule defers
+
+
+def deferred_w_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
+                 opts: ActivationOptions, rank: int) -> float:
+    """Seconds of one microbatch's deferred weight-gradient GEMMs on pipeline rank ``rank`` (each as long as its
+    forward GEMM): the layers' qkv, out_proj and dense fc1/fc2 (fc2 not when the activation is recomputed: that GEMM
+    keeps its W in B; the experts' GEMMs and the output layer neither; ``seqpar.parallel.weight_grad``)."""
+    dense = 1 - shape.moe_layers / shape.num_layers
+    share = {"fc1": dense, "fc2": 0.0 if "activation" in rc.selective_modules else dense}
+    per_layer = sum(share.get(k, 1.0) * gemm_s(f, nb, hw)
+                    for k, (f, nb) in layer_gemms(shape, par.tp, b, opts, par.cp).items() if k in DEFERRED_GEMMS)
+    return sum(rank_chunk_layers(shape, par, rank)) * per_layer
 
 
 COMM_TERMS = ("tp_comm", "cp_comm", "ep_comm")  # a pass's exchanges: each on its group's link

@@ -39,7 +39,7 @@ from seqpar.analysis.formulas.states import bytes_per_parameter
 from seqpar.analysis.planning.costmodel import Hardware, IterationTime, iteration_time, predicted_mfu
 from seqpar.analysis.planning.uneven import lighter_ends_split
 from seqpar.analysis.text import human_bytes
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
+from seqpar.config import PP_SCHEDULES, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
 from seqpar.settings import label_keys, label_of
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
@@ -76,7 +76,8 @@ class Plan:
                 f"{k('train.micro_batch')}={self.micro_batch}")
         return (text + (f",{k('train.distributed_optimizer')}=on" if self.distributed_optimizer else "")
                 + (f",{k('train.overlap_param_gather')}=on" if self.overlap_param_gather else "")
-                + (f",{k('parallel.fsdp')}=on" if p.fsdp else ""))
+                + (f",{k('parallel.fsdp')}=on" if p.fsdp else "")
+                + (f",{k('parallel.pp_schedule')}={p.pp_schedule}" if p.pp_schedule != "1f1b" else ""))
 
 
 # ---------------------------------------------------------------- a plan as text: ``Plan.label`` writes it,
@@ -171,7 +172,8 @@ def parse_plan(text: str, gpus: int) -> Plan:
                              interleave=_count(values, "m", 1), layer_split=_split(values),
                              ep=_count(values, "ep", 1), fsdp=_flag(values.get("fsdp", ("", "off"))[1]),
                              cp_comm_type=values.get("cp_comm_type", ("", "ring"))[1],
-                             cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0))
+                             cp_a2a_size=_count(values, "cp_a2a_size", 0, least=0),
+                             pp_schedule=values.get("sched", ("", "1f1b"))[1])
         rc = parse_recompute(values.get("recompute", ("", "none"))[1], _count(values, "keep", 0, least=0))
         if "offload" in values:  # offload=mlp/norm
             rc = replace(rc, offload_modules=tuple(m for m in values["offload"][1].split("/") if m)).validate()
@@ -202,6 +204,7 @@ class Request:
     max_micro_batch: int = 16
     max_interleave: int = 8
     max_cp: int = 16
+    schedules: tuple[str, ...] = PP_SCHEDULES  # the pipeline schedules searched (where pp > 1, one chunk per rank)
     precision: str = "bf16"  # what ``opt`` and ``opts.act_bytes`` stand for (reported, not re-derived)
     dropout: float = 0.1  # the probability behind ``opts.dropout`` (reported)
     name: str = "custom"  # the model preset's name, as the reports print it
@@ -397,8 +400,8 @@ def recompute_options(req: Request, base: Plan) -> list[RecomputeConfig]:
     n = num_microbatches(req, base)
     in_flight = stage_memory(req.shape, base.par, RecomputeConfig(), base.micro_batch, n, req.opts,
                              _opt(req, base)).in_flight
-    if uneven_chunks(base.par, req.shape):  # App. C over chunks of different sizes is not modelled
-        return options
+    if uneven_chunks(base.par, req.shape) or base.par.pp_schedule != "1f1b":  # App. C is not modelled over chunks
+        return options  # of different sizes, nor beside deferred weight gradients
     for granularity in granularities:
         if fits_with(RecomputeConfig(granularity, keep_microbatches=in_flight)):
             continue  # keeping everything fits: plain "none" covers it
@@ -459,9 +462,16 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
             for dist in (False, True) if req.try_distributed_optimizer and group > 1 else (False,):
                 for gather in (False, True) if dist and req.try_overlap_param_gather else (False,):
                     for ep in eps:
-                        yield Plan(replace(par, ep=ep), RecomputeConfig(), mb, dist, gather)
+                        for sched in _schedules(req, replace(par, ep=ep)):
+                            yield Plan(replace(par, ep=ep, pp_schedule=sched), RecomputeConfig(), mb, dist, gather)
             if req.try_fsdp and not _refused(req, replace(par, fsdp=True)):
                 yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
+
+
+def _schedules(req: Request, par: ParallelConfig) -> list[str]:
+    """The pipeline schedules ``req`` searches that ``par`` can run: 1f1b always (there is no other without a
+    pipeline, or interleaved), a zero-bubble one where ``ParallelConfig.validate`` allows it."""
+    return [s for s in req.schedules if s == "1f1b" or not _refused(req, replace(par, pp_schedule=s))]
 
 
 def _interleavings(req: Request, pp: int, tp: int, split: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
@@ -647,6 +657,9 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     elif p.pp == 1 and p.dp % 2 == 0 and req.shape.seq_len % 4 == 0:  # why not context parallelism
         deeper = replace(p, cp=2, dp=p.dp // 2)
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
+    if p.pp > 1 and p.interleave == 1 and not p.fsdp:  # the other pipeline schedule: its bubble and its memory
+        other = "1f1b" if p.pp_schedule != "1f1b" else "zb-h1"
+        out[f"pp_schedule {other}, {plan.rc.label}"] = evaluate(req, replace(plan, par=replace(p, pp_schedule=other)))
     if p.fsdp:  # why shard everything: the same plan with the states replicated, or only the optimizer's sharded
         plain = replace(p, fsdp=False, fsdp_shard_size=0)
         out[f"no fsdp, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain))

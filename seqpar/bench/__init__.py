@@ -10,6 +10,8 @@ import argparse
 import importlib
 import json
 
+from seqpar.config import ConfigError
+from seqpar.out_path import check_out_file, json_with
 from seqpar.settings import add
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -55,8 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     module = importlib.import_module(args._bench)
     if getattr(args, "out", None):
-        from seqpar.out_path import check_out_file, json_with
-
         check_out_file(args.out, "--out", json_with("machine"), "a benchmark result")  # before the benchmark
     if args.quick:
         for key, value in module.QUICK.items():
@@ -77,7 +77,6 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seqpar.bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    from seqpar.config import ConfigError
 
     try:
         run(parser.parse_args(argv))

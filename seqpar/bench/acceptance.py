@@ -32,6 +32,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seqpar import __version__
+from seqpar.analysis.planning.profiles import builtin_profile
+from seqpar.bench import BENCHMARKS
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) holding seqpar/
 PART_BUDGET_S = {"cpu": 160.0, "accelerator": 205.0}  # < 3 min on a CPU, < 4 on a GPU with ~15 s of start-up
 MIN_STEP_S = 8.0  # a step with less left than this is skipped, not started
@@ -138,8 +142,6 @@ def selftest(ctx: Context, timeout: float) -> dict:
 
 
 def syncs(ctx: Context, timeout: float) -> dict:
-    from seqpar.bench import BENCHMARKS
-
     if "syncs" not in BENCHMARKS:
         return {"syncs": "unavailable"}
     return {"result": ctx.json(["bench", "syncs", "--device", ctx.device, "--json"], timeout)}
@@ -232,8 +234,6 @@ def _llama_layer(ctx: Context, compile_flag: str, timeout: float) -> dict:
 
 
 def attention_efficiency(ctx: Context, timeout: float) -> dict:
-    from seqpar.analysis.planning.profiles import builtin_profile
-
     size = ["--dtype", "bf16"] if ctx.real else ["--quick", "--dtype", "fp32"]
     r = ctx.json(["calibrate", "--nproc", "1", *size, "--json"], timeout)
     builtin = builtin_profile("h100-80gb")
@@ -249,7 +249,6 @@ def attention_efficiency(ctx: Context, timeout: float) -> dict:
 def child_versions(device) -> dict:
     import torch
 
-    from seqpar import __version__
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "seqpar": __version__, "device": str(device)}

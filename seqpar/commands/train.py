@@ -12,10 +12,15 @@ import argparse
 import dataclasses
 import re
 import sys
+import textwrap
 
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import AnalysisError
 from seqpar.config import ARCH_FIELDS, ConfigError
 from seqpar.settings import BY_FLAG, BY_KEY, SETTINGS, add, add_aliases, flag_keys
-from seqpar.train.config import SECTIONS, JobConfig, build_job, load_toml, merge, parse_assignment
+from seqpar.train.config import SECTIONS, JobConfig, TrainConfig, build_job, load_toml, merge, parse_assignment
+from seqpar.train.optim.lr_schedule import SCHEDULES
+from seqpar.train.run_tokenizer import vocab_of
 
 # flag dest -> (section, key), and Megatron-LM's names of the flags (its pretrain_gpt.py arguments: accepted as
 # aliases, listed once at the end of --help, offered by "did you mean"): both from the table of settings
@@ -25,9 +30,6 @@ MEGATRON_ALIASES = {alias: s.flag for s in SETTINGS for alias in s.aliases}
 
 def _default(section: str, key: str) -> str:
     """The built-in default of a config key, for --help."""
-    import dataclasses
-
-    from seqpar.train.config import SECTIONS
 
     for f in dataclasses.fields(SECTIONS[section]):
         if f.name == key:
@@ -38,8 +40,6 @@ def _default(section: str, key: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from seqpar.train.optim.lr_schedule import SCHEDULES
-
     def setting(group, flag: str, **override) -> None:  # the table's flag, its help saying the config's default
         s = BY_FLAG[flag]
         add(group, flag, help=s.help.format(default=f"(default {_default(s.section, s.name)})"), **override)
@@ -96,7 +96,6 @@ def add_megatron_aliases(p: argparse.ArgumentParser) -> None:
     """Each Megatron name of a flag (``seqpar.settings``) as a hidden twin of the seqpar flag, and one epilog
     line listing them."""
     aliases = add_aliases(p)
-    import textwrap
 
     def fill(text: str, indent: str = "") -> str:  # never inside a flag's name
         return textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
@@ -114,7 +113,6 @@ def base_sections(args) -> dict[str, dict]:
     if not args.resume:
         return {}
     from seqpar.train import checkpoint as ckpt
-    from seqpar.train.config import TrainConfig
 
     path = args.resume if args.resume != "auto" else (args.out or TrainConfig().out_dir)
     sections = ckpt.read_meta(ckpt.resolve(path))["config"]
@@ -127,9 +125,6 @@ def model_overrides(args) -> dict:
     """``--model PRESET`` (a planner preset's shape, its architecture) and then ``--arch``."""
     out: dict = {}
     if getattr(args, "model", None):
-        from seqpar.analysis.formulas.presets import preset_shape
-        from seqpar.analysis.formulas.shapes import AnalysisError
-
         try:
             shape = preset_shape(args.model)
         except AnalysisError as err:
@@ -161,8 +156,6 @@ def job_from_args(args, world_size: int) -> JobConfig:
     sections = merge(sections, overrides)
     model = sections.setdefault("model", {})
     if "vocab_size" not in model and isinstance(sections.get("train"), dict):  # --vocab from the data unless given
-        from seqpar.train.run_tokenizer import vocab_of
-
         vocab = vocab_of(sections["train"])
         if vocab is not None:
             model["vocab_size"] = vocab

@@ -23,10 +23,12 @@ DIR``) and ``Prepared(..., hashes=True)`` (``seqpar train --verify-data``) check
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from pathlib import Path
 
+from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
 from seqpar.fileio import sha256_bytes, sha256_file
 
@@ -301,8 +303,6 @@ class Prepared:
 
     def read(self, start: int, count: int):
         """Ids ``[start, start + count)`` of the whole stream, as int64 ``[count]``."""
-        import bisect
-
         import torch
 
         k = bisect.bisect_right(self.bases, start) - 1
@@ -351,8 +351,6 @@ def verify(path: str | Path) -> tuple[list[str], list[str]]:
 def _tokenizer_problem(path: Path, manifest: dict) -> str:
     """'' when the folder's tokenizer copy (if it was prepared with one) is the recorded file, of the manifest's
     vocabulary: ``verify``'s check (train checks the copy's SHA-256 when it reads it)."""
-    from seqpar.data import tokenizer as tokfile
-
     record = manifest["tokenizer"]
     if not record:
         return ""

@@ -39,8 +39,8 @@ VERBS: dict[str, tuple[str, str]] = {
 
 def version_line() -> str:
     """``seqpar 0.1.0 (torch 2.13.0, python 3.11.2)``."""
+    # torch (seconds): only --version names its version; `seqpar --help` stays torch-free
     import torch
-
 
     return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
 

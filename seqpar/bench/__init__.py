@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> dict:
             setattr(args, key, value)
     dtypes = getattr(args, "dtype", None) or []
     if "bf16" in ([dtypes] if isinstance(dtypes, str) else dtypes) and not args.quick:
+        # torch: seqpar.bench's parser and dispatch import without it
         from seqpar.bench import common
 
         common.require_fast_bf16()  # a CPU without native bf16: refused in one line, not hours of emulation

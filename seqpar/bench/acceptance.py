@@ -247,12 +247,13 @@ def attention_efficiency(ctx: Context, timeout: float) -> dict:
 
 
 def child_versions(device) -> dict:
+    # torch: only the child steps need it; the driver stays torch-free
     import torch
-
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "seqpar": __version__, "device": str(device)}
     if device.type == "cpu":
+        # torch: only the child steps need it; the driver stays torch-free
         from seqpar.bench.common import machine
 
         return out | {"device_name": machine()["cpu"]}
@@ -266,6 +267,7 @@ def child_versions(device) -> dict:
 def child_sdpa(device) -> dict:
     """The fused core (``CoreAttention``, sdpa) forward + backward with and without a document mask, with and
     without grouped-query attention: the attention ops it ran (``sdpa_probe``)."""
+    # torch: only the child steps need it; the driver stays torch-free
     from seqpar.bench.sdpa_probe import probe_core
 
     real = device.type != "cpu"
@@ -288,11 +290,12 @@ CHILD_STEPS = {"versions": child_versions, "sdpa": child_sdpa}
 
 
 def resolve_device(name: str):
+    # torch: only the child steps resolve a device; the driver stays torch-free
     import torch
 
     if name != "auto":
         return torch.device(name)
-    from seqpar.parallel.launch import default_device
+    from seqpar.parallel.launch import default_device  # torch, as above
 
     return default_device()
 

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _default_nproc() -> int:
+    # torch: imported to run, not to parse (`seqpar calibrate --help` stays torch-free)
     import torch
 
     if hasattr(torch, "accelerator") and torch.accelerator.is_available():
@@ -52,6 +53,7 @@ def render(profile: dict) -> str:
 
 
 def run(args) -> int:
+    # torch: imported to run, not to parse (`seqpar calibrate --help` stays torch-free)
     from seqpar.bench.calibrate import calibrate
 
     nproc = args.nproc if args.nproc is not None else _default_nproc()

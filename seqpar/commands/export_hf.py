@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # torch: imported to run, not to parse (`seqpar export-hf --help` stays torch-free)
     from seqpar.interop.checkpoints import write_tokenizer
     from seqpar.interop.hf import EXPORT_FILES, family_of, is_export, write_hf_folder
     from seqpar.train import checkpoint as ckpt

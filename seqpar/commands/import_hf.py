@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # torch: imported to run, not to parse (`seqpar import-hf --help` stays torch-free)
     from seqpar.interop.checkpoints import import_hf
     from seqpar.train import checkpoint as ckpt
 

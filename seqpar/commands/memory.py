@@ -156,6 +156,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # torch: only --measure runs the model; the formula table stays torch-free
     from seqpar.measure.table2 import measure_rows, plan_rows
 
     for flag in ("pp", "interleave", "microbatches", "tp", "cp", "ep", "micro_batch", "dp"):
@@ -181,10 +182,12 @@ def run(args) -> int:
                      ep=args.ep, offload=offload, cp_comm_type=args.cp_comm_type, cp_a2a_size=args.cp_a2a_size)
     loss = None
     if args.measure:
+        # torch: only --measure runs the model; the formula table stays torch-free
         from seqpar.dtypes import torch_dtype
         from seqpar.measure.loss_head import measure_loss_head
 
         measure_rows(cfg, args.micro_batch, rows)
+        # torch: only --measure runs the model
         from seqpar.parallel.cross_entropy import CHUNK_BYTES
 
         chunk = CHUNK_BYTES if args.loss_chunk_kib is None else 1024 * args.loss_chunk_kib
@@ -202,6 +205,7 @@ def run_schedule(args) -> int:
     """``--pp P --microbatches M [--interleave m]``: one training step of the pipeline schedule on
     P × T gloo ranks; per stage the measured peak next to the formula (Eq. 5/6, interleave factor,
     Sec. 4.3 terms; ``seqpar.measure.stages``)."""
+    # torch: the stage table measures; the formula table stays torch-free
     from seqpar.measure.stages import formula_stage_bytes, implementation_terms, measure_schedules
 
     if args.cp > 1:
@@ -220,6 +224,7 @@ def run_schedule(args) -> int:
     if args.measure:
         stages = measure_schedules(cfg, parallel, [run])[0]
     else:
+        # torch: the stage table measures; the formula table stays torch-free
         from seqpar.measure.stages import StagePeak, formula_host_bytes
 
         validate_microbatches(args.microbatches, args.pp, args.interleave)

@@ -30,7 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-
     try:
         from seqpar.data.prepare import prepare  # torch: seconds a Ctrl-C may land in
 

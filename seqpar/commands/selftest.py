@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # torch: imported to run, not to parse (`seqpar selftest --help` stays torch-free)
     from seqpar.selftest.runner import CHECKS, render, run_selftest
 
     only = tuple(c for c in args.only.split(",") if c)

@@ -112,6 +112,7 @@ def base_sections(args) -> dict[str, dict]:
         return load_toml(args.config)
     if not args.resume:
         return {}
+    # torch: only a resume reads a checkpoint (`seqpar train --help` stays torch-free)
     from seqpar.train import checkpoint as ckpt
 
     path = args.resume if args.resume != "auto" else (args.out or TrainConfig().out_dir)

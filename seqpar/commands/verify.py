@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # torch: imported to run, not to parse (`seqpar verify --help` stays torch-free)
     from seqpar.train.checkpoint import verify
 
     check = prepared.verify if prepared.is_prepared(args.checkpoint) else verify

@@ -166,6 +166,7 @@ def parquet(path: Path):
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a network call
 
     datasets = require("datasets", f"{path}: Parquet input", DataError)
+    # optional extra (data): imported where used, after require() named the extra
     import pyarrow.parquet as pq
 
     try:

@@ -166,11 +166,8 @@ def job_from_args(args, world_size: int) -> JobConfig:
         if all(isinstance(n, int) and n > 0 for n in (tp, pp, cp)) and world_size % (tp * pp * cp) == 0:
             par["dp"] = world_size // (tp * pp * cp)
     changed = _preset_changes(args, base_model, overrides.get("model", {}))
-    if args.resume and not args.config:
-        changed += fit_layout(sections, overrides, "checkpoint")
-        changed += fit_inherited(sections, overrides, world_size)
-    else:  # a config's layout settings that the tp / pp asked on the command line cannot use
-        changed += fit_layout(sections, overrides, "config")
+    changed += fit_layout(sections, overrides, "checkpoint" if args.resume and not args.config else "config",
+                          world_size)
     return dataclasses.replace(build_job(sections).validate(world_size), changed=tuple(changed))
 
 
@@ -183,62 +180,62 @@ def _preset_changes(args, base: dict, given: dict) -> list[str]:
             ] if changes else []
 
 
-def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -> list[str]:
-    """The ``source``'s (checkpoint's, config's) SP, interleave and layer split that the tp / pp asked on the
-    command line cannot use, dropped with a note each (a config's only where the flags changed that tp / pp)."""
-    par, asked, notes = sections.setdefault("parallel", {}), given.get("parallel", {}), []
-
-    def drop(key: str, why: str) -> None:
-        if key not in asked:
-            notes.append(f"the {source}'s {key} = {str(par.pop(key)).lower()} is dropped: {why}")
-
-    tp, pp = par.get("tp", 1), par.get("pp", 1)
-    inherited = source == "checkpoint"
-    if par.get("sp") and tp == 1 and (inherited or "tp" in asked):
-        drop("sp", "tp is 1 (sequence parallelism splits the sequence over the tp ranks)")
-    if par.get("interleave", 1) > 1 and pp == 1 and (inherited or "pp" in asked):
-        drop("interleave", "pp is 1")
-    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1) and \
-            (inherited or "pp" in asked or "interleave" in asked):
-        drop("layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
-             f"pp {pp} × interleave {par.get('interleave', 1)}")
-    return notes
+def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str,
+               world_size: int | None = None) -> list[str]:
+    """The layout asked on the command line, kept: what the ``source`` (a resumed checkpoint, a config) set that
+    this layout cannot use is dropped, one note each (``drop_named``). A checkpoint's settings go wherever they
+    must (it loads at any layout); a config's SP, interleave and layer split only where the flags changed the tp
+    or pp they go with (a config inconsistent on its own is refused, not rewritten)."""
+    if source == "checkpoint":
+        return drop_named(sections, given, source, INHERITED_DROPPABLE, world_size)
+    asked = given.get("parallel", {})
+    droppable = [key for key, flags in CONFIG_DROPPABLE.items() if asked.keys() & flags]
+    return drop_named(sections, given, source, droppable, world_size) if droppable else []
 
 
 # what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
-INHERITED_DROPPABLE = ("parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep", "parallel.interleave",
-                       "parallel.layer_split", "parallel.cp_comm_type", "train.distributed_optimizer",
-                       "train.overlap_grad_reduce")  # cp_a2a_size goes with cp_comm_type (fit_inherited)
+INHERITED_DROPPABLE = ("parallel.sp", "parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep",
+                       "parallel.interleave", "parallel.layer_split", "parallel.cp_comm_type",
+                       "train.distributed_optimizer", "train.overlap_grad_reduce")  # cp_a2a_size: with cp_comm_type
+# what a config's layout may lose, and the flags whose change alone lets it go
+CONFIG_DROPPABLE = {"parallel.sp": {"tp"}, "parallel.interleave": {"pp"}, "parallel.layer_split": {"pp", "interleave"}}
 
 
-def fit_inherited(sections: dict[str, dict], given: dict[str, dict], world_size: int | None = None) -> list[str]:
-    """A resume takes the layout asked: validate, and while the error names a setting the checkpoint set (not
-    given again, not its default) that may go, drop it with one line saying the error (the checkpoint loads at any
-    layout); any other error is left to the build that follows."""
+def drop_named(sections: dict[str, dict], given: dict[str, dict], source: str, droppable,
+               world_size: int | None = None) -> list[str]:
+    """Validate, and while the problem names a ``droppable`` setting the source set (not given again, not its
+    default), drop it with one line saying the problem; any other problem is left to the build that follows."""
     notes: list[str] = []
-    while True:
-        try:
-            build_job(sections).validate(world_size)
-            return notes
-        except ConfigError as err:
-            key = _named_inherited(str(err), sections, given)
-            if key is None:
-                return notes
-            section, name = key.split(".")
-            value = sections[section].pop(name)
-            notes.append(f"the checkpoint's {name} = {str(value).lower()} is dropped: {err}")
-            if name == "cp_comm_type" and sections[section].get("cp_a2a_size") and \
-                    "cp_a2a_size" not in given.get(section, {}):  # K is the dropped exchange's all-to-all group
-                k = sections[section].pop("cp_a2a_size")
-                notes.append(f"the checkpoint's cp_a2a_size = {k} is dropped with it (the all-to-all group of "
-                             f"{value})")
+    while (problem := layout_problem(sections, world_size)) is not None:
+        key = _named_setting(problem, sections, given, droppable)
+        if key is None:
+            break
+        section, name = key.split(".")
+        value = sections[section].pop(name)
+        notes.append(f"the {source}'s {name} = {str(value).lower()} is dropped: {problem}")
+        if name == "cp_comm_type" and sections[section].get("cp_a2a_size") and \
+                "cp_a2a_size" not in given.get(section, {}):  # K is the dropped exchange's all-to-all group
+            k = sections[section].pop("cp_a2a_size")
+            notes.append(f"the {source}'s cp_a2a_size = {k} is dropped with it (the all-to-all group of {value})")
+    return notes
 
 
-def _named_inherited(message: str, sections: dict[str, dict], given: dict[str, dict]) -> str | None:
+def layout_problem(sections: dict[str, dict], world_size: int | None = None) -> str | None:
+    """The job's validation error; or, valid, SP at tp 1 (inert there, ``inert_settings``: the one setting a
+    layout change leaves valid but idle); None when neither."""
+    try:
+        par = build_job(sections).validate(world_size).parallel
+    except ConfigError as err:
+        return str(err)
+    return "sp needs tp > 1 (sequence parallelism splits the sequence over the tp ranks)" \
+        if par.sp and par.tp == 1 else None
+
+
+def _named_setting(message: str, sections: dict[str, dict], given: dict[str, dict], droppable) -> str | None:
     """The droppable setting ``message`` names first (by its key or its plan label, ``split`` for layer_split),
-    among those the checkpoint set to other than the default and this run did not give."""
+    among those the source set to other than the default and this run did not give."""
     found = []
-    for key in INHERITED_DROPPABLE:
+    for key in droppable:
         section, name = key.split(".")
         values = sections.get(section, {})
         default = SECTIONS[section].__dataclass_fields__[name].default

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import platform
 import re
 import sys
 
-from seqpar.config import did_you_mean
+from seqpar import __version__
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.config import ConfigError, did_you_mean
 from seqpar.settings import hint_for_flag
 
 # verb -> (module, one-line help)
@@ -36,11 +39,8 @@ VERBS: dict[str, tuple[str, str]] = {
 
 def version_line() -> str:
     """``seqpar 0.1.0 (torch 2.13.0, python 3.11.2)``."""
-    import platform
-
+    # torch (seconds): only --version names its version; `seqpar --help` stays torch-free
     import torch
-
-    from seqpar import __version__
 
     return f"seqpar {__version__} (torch {torch.__version__}, python {platform.python_version()})"
 
@@ -111,9 +111,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from seqpar.analysis.formulas.shapes import AnalysisError
-    from seqpar.config import ConfigError
-
     argv = sys.argv[1:] if argv is None else argv
     # only the verb named is built (its module imported); `seqpar --help` lists the verbs and builds none
     parser = build_parser(argv[0] if argv and argv[0] in VERBS else "")

@@ -8,6 +8,7 @@ is looked up in ``seqpar.dtypes`` where a tensor is made.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, replace
 
 # Bytes per element of each dtype name (the torch dtype is looked up in seqpar.dtypes, where tensors are made).
@@ -57,8 +58,6 @@ class WorldSizeError(ConfigError):
 
 def did_you_mean(word: str, known) -> str:
     """``" (did you mean 'x'?)"`` for the known name closest to a misspelled ``word`` (difflib), else ""."""
-    import difflib
-
     close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

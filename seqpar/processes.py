@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -19,8 +20,6 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGKILL) -> Non
     only the second part holds: the process outlives a parent killed later."""
     parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before the call above: its signal will never come
         os._exit(1)

@@ -20,6 +20,7 @@ class Progress:
         if not enabled or not sys.stderr.isatty():
             return
         try:
+            # optional extra (progress): imported where used, tqdm or a plain line without it
             from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
             self._bar = RichProgress(TextColumn(unit + " {task.completed}/{task.total}"), BarColumn(),
@@ -31,6 +32,7 @@ class Progress:
         except ImportError:
             pass
         try:
+            # optional: imported where used, a plain line without it
             from tqdm import tqdm
             self._bar = tqdm(total=total, initial=start, unit=unit, dynamic_ncols=True)
             self.kind = "tqdm"

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.config import ModelConfig, RecomputeConfig
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.interop.hf import read_hf_folder
 from seqpar.model import build_model
 from seqpar.parallel.data_parallel import average_gradients
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
+from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict, load_full_state_dict
 
 
 def parity_batch(cfg: ModelConfig, batch: int = 2, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +44,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def hf_folder_logits(rank: int, world: int, folder, tokens: torch.Tensor) -> torch.Tensor:
     """Logits ``[b, s, v]`` of a Hugging Face folder imported into seqpar at tp = ``world`` (SP when
     ``world`` > 1); a ``run_ranks`` worker (collective over the ranks)."""
-    from seqpar.config import ParallelConfig
-    from seqpar.interop.hf import read_hf_folder
-    from seqpar.parallel.sharding import load_full_state_dict
-
     cfg, state = read_hf_folder(folder)
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=world > 1)) if world > 1 else ParallelDims.single()
     model = build_model(cfg, dims, sequence_parallel=world > 1)

@@ -40,8 +40,8 @@ def test_a_configs_sp_and_interleave_are_dropped_for_the_layout_asked(capsys, tm
     code, out, err = seqpar(capsys, "train", "--config", config, "--tp", 1, "--pp", 1, "--nproc", 1, "--dry-run",
                             "--out", tmp_path / "o")
     assert code == 0, err
-    assert "the config's sp = true is dropped: tp is 1" in out
-    assert "the config's interleave = 2 is dropped: pp is 1" in out
+    assert "the config's sp = true is dropped: sp needs tp > 1" in out
+    assert "the config's interleave = 2 is dropped: interleave 2 needs pipeline parallelism" in out
     assert "sequence parallelism does nothing" not in out
 
 

@@ -109,3 +109,43 @@ def test_the_room_check_finds_a_back_arrow():
              "seqpar.train.optim.adam": {"seqpar.train.reliability.supervise"}}
     assert back_arrows(graph) == ["seqpar.analysis.formulas.memory -> seqpar.analysis.planning.planner",
                                   "seqpar.train.optim.adam -> seqpar.train.reliability.supervise"]
+
+
+def unexplained_imports(source: str) -> list[int]:
+    """The lines of imports inside functions that say no reason: a comment on the import's own lines, or on
+    the line above the run of imports it belongs to (docs/design.md: an import inside a function only where it
+    avoids a heavy import or a cycle, said in a comment)."""
+    lines = source.splitlines()
+    bad = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            body = getattr(node, field, None)
+            for i, stmt in enumerate(body if isinstance(body, list) else []):
+                if in_function and isinstance(stmt, ast.Import | ast.ImportFrom):
+                    first = i
+                    while first and isinstance(body[first - 1], ast.Import | ast.ImportFrom):
+                        first -= 1
+                    own = any("#" in lines[n - 1] for n in range(stmt.lineno, stmt.end_lineno + 1))
+                    if not own and not lines[body[first].lineno - 2].lstrip().startswith("#"):
+                        bad.append(stmt.lineno)
+                visit(stmt, in_function or isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef))
+
+    visit(ast.parse(source), False)
+    return bad
+
+
+def test_every_import_inside_a_function_says_why():
+    found = {path: unexplained_imports(path.read_text(encoding="utf-8")) for path in module_files().values()}
+    bad = [f"{path.relative_to(ROOT.parent)}:{n}" for path, lines in sorted(found.items()) for n in lines]
+    assert bad == [], "imports inside functions with no reason (move them to the top, or say why):\n" + "\n".join(bad)
+
+
+def test_the_reason_check_finds_an_unexplained_import():
+    """The check itself can fail: a bare import in a function (and in a method, under an ``if``) is found; one
+    with a comment on its line, or above its run of imports, is not; a module-level import is not asked."""
+    source = ("import os\n\ndef f():\n    import json\n    return json\n\n"
+              "class C:\n    def m(self):\n        if os:\n            import sys\n"
+              "        # torch: kept out of the parser\n        import torch\n        import math\n"
+              "        import time  # time: a reason\n")
+    assert unexplained_imports(source) == [4, 10]

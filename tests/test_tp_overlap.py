@@ -150,19 +150,18 @@ def test_bench_exposure_and_timeline(tmp_path):
 
 
 def test_a_layout_without_sp_drops_the_overlap_with_a_note():
-    """A config's or a checkpoint's overlap goes with its SP where the tp asked is 1 (``fit_layout``), and a
-    resume drops it where SP is off (``fit_inherited``: its one-line refusal names it); asked again, it stays
-    and is refused."""
-    from seqpar.commands.train import fit_inherited, fit_layout
+    """A config's or a checkpoint's overlap goes with its SP where the tp asked is 1, and a resume drops it where
+    SP is off (``fit_layout``: validate, drop what the problem names); asked again, it stays and is refused."""
+    from seqpar.commands.train import fit_layout
 
-    sections = {"parallel": {"tp": 1, "sp": True, "tp_comm_overlap": True}}
-    notes = fit_layout(sections, {"parallel": {"tp": 1}}, "config")
-    assert sections["parallel"] == {"tp": 1} and [n.split(" = ")[0] for n in notes] == [
-        "the config's sp", "the config's tp_comm_overlap"]
     model = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16}
+    sections = {"model": model, "parallel": {"tp": 1, "sp": True, "tp_comm_overlap": True}, "train": {}}
+    notes = fit_layout(sections, {"parallel": {"tp": 1}}, "config")
+    assert sections["parallel"] == {"tp": 1} and sorted(n.split(" = ")[0] for n in notes) == [
+        "the config's sp", "the config's tp_comm_overlap"]
     sections = {"model": model, "parallel": {"tp": 2, "sp": False, "tp_comm_overlap": True}, "train": {}}
-    notes = fit_inherited(sections, {"parallel": {"sp": False}})
+    notes = fit_layout(sections, {"parallel": {"sp": False}}, "checkpoint")
     assert "tp_comm_overlap" not in sections["parallel"] and notes[0].startswith(
         "the checkpoint's tp_comm_overlap = true is dropped: tp_comm_overlap needs sequence parallelism")
     sections = {"model": model, "parallel": {"tp": 2, "sp": False, "tp_comm_overlap": True}, "train": {}}
-    assert fit_inherited(sections, {"parallel": {"tp_comm_overlap": True}}) == []
+    assert fit_layout(sections, {"parallel": {"tp_comm_overlap": True}}, "checkpoint") == []

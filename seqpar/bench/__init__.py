@@ -10,6 +10,8 @@ import argparse
 import importlib
 import json
 
+from seqpar.config import ConfigError
+from seqpar.out_path import check_out_file, json_with
 from seqpar.settings import add
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -60,14 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     module = importlib.import_module(args._bench)
     if getattr(args, "out", None):
-        from seqpar.out_path import check_out_file, json_with
-
         check_out_file(args.out, "--out", json_with("machine"), "a benchmark result")  # before the benchmark
     if args.quick:
         for key, value in module.QUICK.items():
             setattr(args, key, value)
     dtypes = getattr(args, "dtype", None) or []
     if "bf16" in ([dtypes] if isinstance(dtypes, str) else dtypes) and not args.quick:
+        # torch: seqpar.bench's parser and dispatch import without it
         from seqpar.bench import common
 
         common.require_fast_bf16()  # a CPU without native bf16: refused in one line, not hours of emulation
@@ -82,7 +83,6 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seqpar.bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    from seqpar.config import ConfigError
 
     try:
         run(parser.parse_args(argv))

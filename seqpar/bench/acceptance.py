@@ -35,6 +35,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from seqpar import __version__
+from seqpar.analysis.planning.profiles import builtin_profile
+from seqpar.bench import BENCHMARKS
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages) holding seqpar/
 PART_BUDGET_S = {"cpu": 160.0, "accelerator": 205.0}  # < 3 min on a CPU, < 4 on a GPU with ~15 s of start-up
 MIN_STEP_S = 8.0  # a step with less left than this is skipped, not started
@@ -141,8 +145,6 @@ def selftest(ctx: Context, timeout: float) -> dict:
 
 
 def syncs(ctx: Context, timeout: float) -> dict:
-    from seqpar.bench import BENCHMARKS
-
     if "syncs" not in BENCHMARKS:
         return {"syncs": "unavailable"}
     return {"result": ctx.json(["bench", "syncs", "--device", ctx.device, "--json"], timeout)}
@@ -250,8 +252,6 @@ def _llama_layer(ctx: Context, compile_flag: str, timeout: float) -> dict:
 
 
 def attention_efficiency(ctx: Context, timeout: float) -> dict:
-    from seqpar.analysis.planning.profiles import builtin_profile
-
     size = ["--dtype", "bf16"] if ctx.real else ["--quick", "--dtype", "fp32"]
     r = ctx.json(["calibrate", "--nproc", "1", *size, "--json"], timeout)
     builtin = builtin_profile("h100-80gb")
@@ -265,13 +265,13 @@ def attention_efficiency(ctx: Context, timeout: float) -> dict:
 
 
 def child_versions(device) -> dict:
+    # torch: only the child steps need it; the driver stays torch-free
     import torch
-
-    from seqpar import __version__
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "seqpar": __version__, "device": str(device)}
     if device.type == "cpu":
+        # torch: only the child steps need it; the driver stays torch-free
         from seqpar.bench.common import machine
 
         return out | {"device_name": machine()["cpu"]}
@@ -285,6 +285,7 @@ def child_versions(device) -> dict:
 def child_sdpa(device) -> dict:
     """The fused core (``CoreAttention``, sdpa) forward + backward with and without a document mask, with and
     without grouped-query attention: the attention ops it ran (``sdpa_probe``)."""
+    # torch: only the child steps need it; the driver stays torch-free
     from seqpar.bench.sdpa_probe import probe_core
 
     real = device.type != "cpu"
@@ -307,11 +308,12 @@ CHILD_STEPS = {"versions": child_versions, "sdpa": child_sdpa}
 
 
 def resolve_device(name: str):
+    # torch: only the child steps resolve a device; the driver stays torch-free
     import torch
 
     if name != "auto":
         return torch.device(name)
-    from seqpar.parallel.launch import default_device
+    from seqpar.parallel.launch import default_device  # torch, as above
 
     return default_device()
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions
+from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
 from seqpar.analysis.planning.calibration import CLOSED_LOOP_TARGET, DataPoint, fit
 from seqpar.analysis.planning.costmodel import (
     Hardware,
@@ -54,11 +54,14 @@ from seqpar.analysis.planning.costmodel import (
     ring_allreduce_s,
     ring_gather_s,
 )
+from seqpar.analysis.planning.profiles import profile_to_json
 from seqpar.bench import common
 from seqpar.config import DTYPE_BYTES, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import all_gather_into, all_reduce, reduce_scatter_into
 from seqpar.parallel.launch import default_device, run_ranks
+from seqpar.train.config import build_job
+from seqpar.train.loop import Trainer
 
 SIZES = {  # quick: tiny sizes for tests (seconds); full: what seqpar calibrate runs
     "quick": {"gemm": [(64, 64, 64), (128, 128, 128), (128, 256, 128)], "elementwise": (64, 2, 64, 2),
@@ -119,8 +122,6 @@ def attention_sweep(shapes, dtype, device, repeats: int, block: float = 0.0) -> 
 def attention_points(rows: list[dict], dtype: str) -> list[DataPoint]:
     """The timed attention calls as data points: the cost model's fused core, forward (QK^T, attention x V) and
     backward (twice that, and QK^T rebuilt from the log-sum-exp: ``costmodel.layer_pass_s``)."""
-    from seqpar.analysis.formulas.shapes import model_config
-
     opts = ActivationOptions(act_bytes=DTYPE_BYTES[dtype], fused_attention=True, dropout=False)
     points = []
     for r in rows:
@@ -259,8 +260,6 @@ def step_configs(world: int, shape: dict) -> list[dict]:
 
 
 def _step_job(cfg: dict, dtype: str, out_dir: str):
-    from seqpar.train.config import build_job
-
     return build_job({"model": {"vocab_size": cfg["vocab"], "hidden_size": cfg["hidden"],
                                 "num_heads": cfg["heads"], "num_layers": cfg["layers"], "seq_len": cfg["seq"],
                                 "dtype": dtype},
@@ -282,8 +281,6 @@ def framework(dtype: str, device, repeats: int, block: float, shape: dict,
     of ``configs`` (default ``step_configs``): what the micro-benchmarks miss of a real step (operands out
     of cache, fresh allocations, per-layer and per-step framework work, collectives between uneven ranks)
     is fitted to these (``fit_profile``)."""
-    from seqpar.train.loop import Trainer
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     rows = []
     with tempfile.TemporaryDirectory() as out:
@@ -407,8 +404,6 @@ def fit_profile(meas: dict, nproc: int, dtype: str = "fp32", name: str = "local"
 
 def step_points(meas: dict, dtype: str = "fp32") -> list[DataPoint]:
     """The timed training steps (``framework``) as data points the cost model predicts."""
-    from seqpar.analysis.formulas.shapes import model_config
-
     opt, opts = optimizer_options(dtype), act_options(dtype)
     points = []
     for r in meas["framework"]:
@@ -437,8 +432,6 @@ def _memory_bytes() -> float:
 def calibrate(nproc: int, dtype: str = "fp32", size: str = "full", shape: dict | None = None) -> dict:
     """Measure and fit; returns the profile object (``hardware.profile_to_json`` + measurements, machine).
     ``shape``: the model whose training steps are timed (``step_shape``; seqpar bench planner passes its own)."""
-    from seqpar.analysis.planning.profiles import profile_to_json
-
     info = common.machine()
     meas = measure(nproc, dtype, size, shape)
     label = f"{info['device_name']} x{nproc}"

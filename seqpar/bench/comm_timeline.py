@@ -5,7 +5,10 @@ timeline as a picture (matplotlib, PNG) or text. Used by ``bench tp-overlap``.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from seqpar.bench import common
 
@@ -17,7 +20,6 @@ def profiled_spans(fn, device: torch.device) -> dict[str, list[tuple[float, floa
     "collective": [...], "busy": [...]}`` spans in ms from its start: GEMMs (compute kernels on an accelerator),
     the ring's chunks from issue to wait, gloo's collectives on its threads (NCCL kernels), and every op of the
     rank's main thread (what keeps a CPU rank busy while a transfer is in flight)."""
-    from torch.profiler import ProfilerActivity, profile
 
     common.barrier()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -79,15 +81,14 @@ ROWS = (("compute", "GEMM", "#4c72b0"), ("gather", "ring gather", "#dd8452"), ("
 def plot_timeline(timeline: list[dict], folder, config: dict) -> str:
     """The per-rank timeline of one layer's fwd+bwd, without and with the overlap, as ``tp_overlap_timeline.png``
     in ``folder`` (matplotlib); without matplotlib, the same as text in ``tp_overlap_timeline.txt``."""
-    from pathlib import Path
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        import matplotlib
+        import matplotlib  # an optional extra, imported only to draw
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
         path = folder / "tp_overlap_timeline.txt"
         path.write_text(text_timeline(timeline) + "\n")

@@ -12,9 +12,14 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
+from seqpar.bench.torch_native import KeptInputs
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.measure.meter import SavedTensorMeter
+from seqpar.model.compile import PER_MODULE, compile_model
+from seqpar.model.gpt import GPTStage
+from seqpar.model.layer import TransformerLayer
 from seqpar.parallel import comm
 from seqpar.parallel.comm import MAX, all_reduce
 from seqpar.parallel.launch import default_device
@@ -48,10 +53,6 @@ def add_compile_argument(p) -> None:
 def compile_regions(model: torch.nn.Module) -> None:
     """Compile a model's attention cores and MLPs: ``seqpar.model.compile`` for seqpar's, the same two
     regions (modules named ``*.core`` and ``*.mlp``) for the plain and PyTorch-native GPTs: like with like."""
-    from seqpar.model.compile import PER_MODULE, compile_model
-    from seqpar.model.gpt import GPTStage
-    from seqpar.model.layer import TransformerLayer
-
     if isinstance(model, GPTStage | TransformerLayer):
         compile_model(model, PER_MODULE)  # the same regions as the plain models' (not the fused layer)
         return
@@ -179,8 +180,6 @@ def metered(model: torch.nn.Module) -> Iterator[SavedTensorMeter]:
     """The saved-activation meter (``seqpar.measure.meter``) over ``model``'s forward, also counting the inputs
     a non-reentrant ``torch.utils.checkpoint`` keeps alive outside autograd's saved tensors (reported through
     ``seqpar.bench.torch_native.KeptInputs``)."""
-    from seqpar.bench.torch_native import KeptInputs
-
     meter = SavedTensorMeter(model, names=False)
     KeptInputs.sink = meter.keep
     try:
@@ -252,8 +251,6 @@ def table(headers: list[str], rows: list[list], widths: list[int] | None = None)
 
 def profile_table(fn, rows: int = 15) -> str:
     """torch.profiler's per-op table (self CPU time) of one call of ``fn``."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)

@@ -17,7 +17,20 @@ import time
 
 import torch
 
+from seqpar.analysis.formulas.shapes import activation_options
+from seqpar.analysis.formulas.stage import layer_terms
+from seqpar.analysis.planning.costmodel import Hardware, layer_pass_s
 from seqpar.bench.common import machine, max_over_ranks, median
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.dtypes import torch_dtype
+from seqpar.model.init import init_parameters
+from seqpar.model.layer import TransformerLayer
+from seqpar.parallel.context import CPContext
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.parallel.rng import RNGTracker
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan
 from seqpar.settings import add
 
 QUICK = {"hidden": 64, "heads": 4, "kv_heads": 2, "seq": 32, "micro_batch": 1, "repeats": 1, "warmup": 0,
@@ -50,8 +63,6 @@ def label(kind: dict) -> str:
 
 
 def model_config(args):
-    from seqpar.config import ModelConfig
-
     return ModelConfig(vocab_size=256, hidden_size=args.hidden, num_heads=args.heads, kv_heads=args.kv_heads,
                        num_layers=1, seq_len=args.seq, norm="rmsnorm", activation="swiglu", position="rope",
                        bias=False, tie_embeddings=False, dtype=args.dtype, attention=args.attention,
@@ -59,16 +70,6 @@ def model_config(args):
 
 
 def _rank(rank: int, world: int, args) -> dict:
-    from seqpar.config import ParallelConfig
-    from seqpar.dtypes import torch_dtype
-    from seqpar.model.init import init_parameters
-    from seqpar.model.layer import TransformerLayer
-    from seqpar.parallel.context import CPContext
-    from seqpar.parallel.dims import ParallelDims
-    from seqpar.parallel.rng import RNGTracker
-    from seqpar.parallel.tp_context import TPContext
-    from seqpar.recompute import RecomputePlan
-
     cfg = model_config(args)
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     layers = {}
@@ -102,11 +103,6 @@ def _rank(rank: int, world: int, args) -> dict:
 def predicted(args, cp: int, kind: dict) -> dict:
     """The analysis package's numbers for the same layer: exposed exchange seconds per layer (forward +
     backward, default hardware profile) and the bytes the layer keeps on one rank."""
-    from seqpar.analysis.formulas.shapes import activation_options
-    from seqpar.analysis.formulas.stage import layer_terms
-    from seqpar.analysis.planning.costmodel import Hardware, layer_pass_s
-    from seqpar.config import ParallelConfig, RecomputeConfig
-
     cfg, par = model_config(args), ParallelConfig(cp=cp, **kind)
     opts = activation_options(cfg, 0, embedding=False)
     p = layer_pass_s(cfg, par, args.micro_batch, Hardware(), opts)
@@ -115,8 +111,6 @@ def predicted(args, cp: int, kind: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from seqpar.parallel.launch import run_ranks
-
     out = {"benchmark": "cp", "machine": machine(), "device": args.device, "layer": {
         "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads, "seq": args.seq,
         "micro_batch": args.micro_batch, "attention": args.attention, "dtype": args.dtype}, "cp": {}}

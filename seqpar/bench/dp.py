@@ -22,7 +22,13 @@ import torch
 
 from seqpar.bench.common import add_shape_arguments, add_timing_arguments, machine, max_over_ranks, median
 from seqpar.bench.sharding import render_sharding, run_sharding
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.settings import add
+from seqpar.train.config import TrainConfig
+from seqpar.train.optim.optimizers import build_optimizer
 
 QUICK = {"hidden": 32, "heads": 4, "seq": 16, "micro_batch": 1, "layers": 2, "vocab": 64, "repeats": 1,
          "warmup": 1, "bucket_mb": 0.01}
@@ -42,12 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rank(rank: int, world: int, args) -> dict:
-    from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
-    from seqpar.parallel.dims import ParallelDims
-    from seqpar.pipeline import build_stages, finalize_grads, forward_backward
-    from seqpar.train.config import TrainConfig
-    from seqpar.train.optim.optimizers import build_optimizer
-
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
                       seq_len=args.seq, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0,
                       dtype=args.dtype).validate()
@@ -88,8 +88,6 @@ def _rank(rank: int, world: int, args) -> dict:
 
 
 def run(args) -> dict:
-    from seqpar.parallel.launch import run_ranks
-
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                   if isinstance(v, int | float | str | bool | None)})  # picklable
     out = run_ranks(_rank, 2, plain, threads=args.threads)[0]

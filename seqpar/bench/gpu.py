@@ -25,12 +25,22 @@ import time
 import torch
 
 from seqpar.analysis.formulas.flops import layer_forward_flops, training_flops
+from seqpar.analysis.planning.hardware import peak_flops
 from seqpar.bench import common
 from seqpar.bench.plain_llama import Block, PlainLlama, rope_angles
 from seqpar.config import ARCH_FIELDS, ModelConfig
+from seqpar.model.compile import compile_model
+from seqpar.model.init import init_parameters
+from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.launch import default_device
+from seqpar.parallel.rng import RNGTracker
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan
 from seqpar.selftest.correctness import sync
 from seqpar.settings import add
+from seqpar.train.config import build_job
+from seqpar.train.dry_run import predicted_memory
+from seqpar.train.loop import Trainer
 from seqpar.train.perf import device_name, gemm_probe, spec_sheet_key
 
 LAYER = {"hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "seq": 8192}  # Llama-3-8B, b = 1
@@ -78,13 +88,6 @@ def _rates(seconds: float, flops: float, peaks: dict) -> dict:
 
 
 def _seqpar_layer(cfg: ModelConfig, device, compiled: bool):
-    from seqpar.model.compile import compile_model
-    from seqpar.model.init import init_parameters
-    from seqpar.model.layer import TransformerLayer
-    from seqpar.parallel.rng import RNGTracker
-    from seqpar.parallel.tp_context import TPContext
-    from seqpar.recompute import RecomputePlan
-
     tracker = RNGTracker(0)
     layer = TransformerLayer(cfg, TPContext(None, False, tracker), RecomputePlan(None, tracker), device).train()
     init_parameters(layer, 0)
@@ -119,8 +122,6 @@ def layer_bench(cfg: ModelConfig, device, compiled: bool, repeats: int, peaks: d
 
 
 def _trainer_job(cfg: ModelConfig, steps: int, compiled: bool, out_dir: str):
-    from seqpar.train.config import build_job
-
     model = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_heads", "kv_heads", "ffn_hidden_size",
                                           "seq_len", "num_layers", "dtype", "rope_theta")} | ARCH_FIELDS["llama"]
     return build_job({"model": model, "train": {
@@ -130,9 +131,6 @@ def _trainer_job(cfg: ModelConfig, steps: int, compiled: bool, out_dir: str):
 
 
 def seqpar_model(cfg: ModelConfig, device, compiled: bool, steps: int, peaks: dict) -> dict:
-    from seqpar.train.dry_run import predicted_memory
-    from seqpar.train.loop import Trainer
-
     with tempfile.TemporaryDirectory() as out:
         job = _trainer_job(cfg, steps, compiled, out)
         trainer = Trainer(job, device=device, quiet=True)
@@ -203,7 +201,6 @@ def run(args) -> dict:
     repeats = args.repeats or (10 if gpu else 2)
     steps = max(args.steps or (8 if gpu else 3), 3)
     key = spec_sheet_key(device_name(device)) if gpu else None
-    from seqpar.analysis.planning.hardware import peak_flops
 
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     peaks = {"sheet": peak_flops(key) if key and dtype == "bf16" else None,

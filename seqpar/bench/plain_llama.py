@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar.dtypes import torch_dtype
+
 
 def rope_angles(s: int, d: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / theta ** (torch.arange(0, d, 2, device=device).float() / d)  # [d/2]
@@ -87,8 +89,6 @@ class PlainLlama(nn.Module):
     @classmethod
     def from_config(cls, cfg, device=None) -> PlainLlama:
         """From a ``seqpar.config.ModelConfig`` of the Llama architecture (only its fields are read)."""
-        from seqpar.dtypes import torch_dtype
-
         return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.ffn, cfg.num_layers,
                    cfg.seq_len, dtype=torch_dtype(cfg.dtype), device=device, theta=cfg.rope_theta,
                    eps=cfg.layernorm_eps)

@@ -34,8 +34,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from seqpar.analysis.formulas.shapes import model_config
 from seqpar.analysis.planning.calibration import CLOSED_LOOP_TARGET
+from seqpar.analysis.planning.costmodel import iteration_time
+from seqpar.analysis.planning.planner import parse_plan
+from seqpar.analysis.planning.profiles import load_profile, profile_from_json
 from seqpar.bench import common
+from seqpar.bench.calibrate import (
+    act_options,
+    calibrate,
+    optimizer_options,
+    reference_config,
+    reference_step,
+    step_shape,
+)
 from seqpar.settings import add
 
 LAYOUTS = ["tp=2,sp=off,recompute=none", "tp=2,sp=on,recompute=selective", "tp=2,sp=on,recompute=full",
@@ -120,17 +132,11 @@ def _descendants_cpu_s(tick: int) -> float:
 
 
 def _shape(args):
-    from seqpar.analysis.formulas.shapes import model_config
-
     return model_config(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=256).validate()
 
 
 def predict(args, hw, label: str) -> dict:
     """The cost model's step time of ``label`` for the benchmark's model on ``hw``."""
-    from seqpar.analysis.planning.costmodel import iteration_time
-    from seqpar.analysis.planning.planner import parse_plan
-    from seqpar.bench.calibrate import act_options, optimizer_options
-
     plan = parse_plan(f"{label},mb={args.micro_batch}", args.nproc)
     it = iteration_time(_shape(args), plan.par, plan.rc, plan.micro_batch, args.global_batch, hw,
                         optimizer_options(args.dtype), act_options(args.dtype))
@@ -179,16 +185,12 @@ def _step_shape(args) -> dict:  # the steps the calibration times are this bench
 
 
 def _calibrate(args) -> dict:
-    from seqpar.bench.calibrate import calibrate
-
     return calibrate(args.nproc, args.dtype, args.size, _step_shape(args))
 
 
 def calibration_reference(args, profile: dict) -> float | None:
     """The calibration's own time of the reference step (``calibrate.reference_config``), or None when
     the profile does not hold its measurements (a profile file)."""
-    from seqpar.bench.calibrate import reference_config, step_shape
-
     ref = reference_config(args.nproc, step_shape(args.size, _step_shape(args)))
     keys = ("role", "layers", "tp", "sp", "micro_batch", "hidden")
     rows = profile.get("measurements", {}).get("framework", [])
@@ -255,9 +257,6 @@ def summarize(label: str, rounds: list[dict], each: list[float], refs: list[floa
 
 
 def run(args) -> dict:
-    from seqpar.analysis.planning.profiles import load_profile, profile_from_json
-    from seqpar.bench.calibrate import reference_step
-
     before = common.machine()
     share, foreign = CpuShare(), {}
     profiles, hws, refs = [], [], []

@@ -33,7 +33,16 @@ from pathlib import Path
 import torch
 
 from seqpar.bench.common import machine
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.parallel.layout import layout_of
+from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.settings import add
+from seqpar.train import checkpoint as ckpt
+from seqpar.train.config import build_job
+from seqpar.train.optim.dist_optim import DistributedOptimizer
+from seqpar.train.optim.optimizers import build_optimizer
+from seqpar.train.states import state_record
 
 QUICK = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 160, "vocab": 250, "seq": 16}
 TARGET_STATE, TARGET_PEAK = 0.02, 0.25
@@ -99,9 +108,6 @@ def saved_masters(opt) -> list[tuple[str, tuple[int, ...], int, torch.Tensor, ob
     """This rank's fp32 masters as (name, the parameter's tp-local shape, first element, the elements
     [first, first + n) of the flattened local shard, layout): whole parameters with the replicated
     optimizer, each fragment with the distributed one."""
-    from seqpar.parallel.layout import layout_of
-    from seqpar.train.optim.dist_optim import DistributedOptimizer
-
     if isinstance(opt, DistributedOptimizer):
         return [(opt.named[f.index][0], tuple(f.param.shape), f.start, f.master.detach(), layout_of(f.param))
                 for f in opt.fragments]
@@ -111,21 +117,12 @@ def saved_masters(opt) -> list[tuple[str, tuple[int, ...], int, torch.Tensor, ob
 
 def _build(job):
     """Process groups, model chunks and the optimizer ``build_optimizer`` chooses, on the CPU."""
-    from seqpar.parallel.dims import ParallelDims
-    from seqpar.pipeline import build_stages
-    from seqpar.train.optim.optimizers import build_optimizer
-
     dims = ParallelDims.build(job.parallel)
     chunks = build_stages(job.model, job.parallel, job.recompute, dims, job.train.seed, device=torch.device("cpu"))
     return dims, chunks, build_optimizer(chunks, job.train, dims)
 
 
 def _train_and_save(rank: int, world: int, args, out: str, ref: str) -> dict:
-    from seqpar.pipeline import finalize_grads, forward_backward
-    from seqpar.train import checkpoint as ckpt
-    from seqpar.train.config import build_job
-    from seqpar.train.states import state_record
-
     job = build_job(sections(args, out))
     m, par = job.model, job.parallel
     rss = ResidentPeak()
@@ -148,9 +145,6 @@ def _train_and_save(rank: int, world: int, args, out: str, ref: str) -> dict:
 
 def _load(rank: int, world: int, args, out: str) -> int:
     """A fresh rank: build, read the checkpoint into its zeroed state, ``opt.loaded``; the load's peak extra."""
-    from seqpar.train import checkpoint as ckpt
-    from seqpar.train.config import build_job
-
     _, _, opt = _build(build_job(sections(args, out)))
     views = opt.checkpoint_views(saving=False)
     path = ckpt.resolve(Path(out) / "checkpoints")
@@ -167,8 +161,6 @@ def reload_at_tp1(path: str, ref: str, ranks: list[tuple[int, int]], tp: int) ->
     """In this (fresh) process: each fp32 weight of the checkpoint read whole, as tp=1 holds it, against
     the masters the ranks (``ranks``: (rank, its tp rank)) held when they saved, each placed in the full
     tensor by its layout; the largest absolute difference."""
-    from seqpar.train import checkpoint as ckpt
-
     folder = ckpt.resolve(path)
     stored = ckpt.stored_keys(folder)
     by_name: dict[str, list] = {}
@@ -192,8 +184,6 @@ def _reload_main(argv: list[str]) -> None:
 
 
 def run(args) -> dict:
-    from seqpar.parallel.launch import run_ranks
-
     args = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                  if isinstance(v, int | float | str | bool | None)})  # picklable for the ranks
     world = TP * args.dp

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from seqpar.bench.common import add_shape_arguments, add_timing_arguments, machine, median
+from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.optional import require
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.pipeline import build_stages, forward_backward
+from seqpar.pipeline.timeline import Timeline
 from seqpar.settings import add
 
 QUICK = {"hidden": 32, "heads": 4, "seq": 16, "micro_batch": 1, "layers": 4, "vocab": 64, "repeats": 1,
@@ -32,10 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rank(rank: int, world: int, args) -> dict:
-    from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
-    from seqpar.parallel.dims import ParallelDims
-    from seqpar.pipeline import build_stages, forward_backward
-    from seqpar.pipeline.timeline import Timeline
 
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
                       seq_len=args.seq, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0).validate()
@@ -65,7 +68,6 @@ def _rank(rank: int, world: int, args) -> dict:
 
 
 def run(args) -> dict:
-    from seqpar.parallel.launch import run_ranks
 
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                   if isinstance(v, int | float | str | bool | None)})  # picklable
@@ -98,9 +100,6 @@ def text_timeline(events: list, span: float, width: int = 100) -> str:
 
 def plot(r: dict, folder: str) -> str:
     """``schedule_timeline.png`` in ``folder``: per schedule, a row per rank, F / B / W as coloured bars."""
-    from pathlib import Path
-
-    from seqpar.optional import require
 
     plt = require("matplotlib.pyplot", "bench schedule --plot")
     colors = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}

@@ -11,8 +11,15 @@ merge: one more tensor kept). On an accelerator the profiler's kernel names are 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from seqpar import documents
+from seqpar.model.attention import CoreAttention
+from seqpar.parallel.rng import RNGTracker
 
 KERNEL_WORDS = ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")
 
@@ -34,15 +41,10 @@ class SDPAOps(TorchDispatchMode):
 
 
 def _core(heads: int, kv: int, d: int, device):
-    from seqpar.model.attention import CoreAttention
-    from seqpar.parallel.rng import RNGTracker
-
     return CoreAttention(kv, heads // kv, d, 0.0, RNGTracker(0), fused=True).to(device).train()
 
 
 def _documents(b: int, s: int, device):
-    from seqpar import documents
-
     gen = torch.Generator().manual_seed(0)
     starts = torch.rand(b, s, generator=gen) < 4.0 / s  # [b, s]: about four documents a row
     return documents.Documents.from_starts(starts).to(device)
@@ -52,8 +54,6 @@ def probe_core(device, b: int, s: int, heads: int, kv: int, d: int, docs: bool) 
     """One forward + backward of the fused core (bf16) with ``kv`` key/value heads of ``heads``, with or without
     a document mask: the sdpa ops it ran, whether its result shares the kernel output's storage, and (on an
     accelerator) the attention kernels' names."""
-    from seqpar import documents
-
     core = _core(heads, kv, d, device)
     qkv = torch.randn(s, b, kv * (heads // kv + 2) * d, device=device, dtype=torch.bfloat16, requires_grad=True)
     mask = _documents(b, s, device) if docs else None
@@ -70,11 +70,8 @@ def probe_core(device, b: int, s: int, heads: int, kv: int, d: int, docs: bool) 
 
 def _profiler(device):
     """The profiler with the device's activity, or a do-nothing context on a CPU."""
-    import contextlib
-
     if device.type == "cpu":
         return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile
 
     wanted = {ProfilerActivity.CPU, getattr(ProfilerActivity, device.type.upper(), ProfilerActivity.CPU)}
     return profile(activities=sorted(wanted & set(torch.profiler.supported_activities()), key=str))

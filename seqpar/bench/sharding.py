@@ -16,13 +16,19 @@ import time
 import torch
 
 from seqpar.bench.common import max_over_ranks, median
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.fsdp import apply_fsdp
+from seqpar.parallel.launch import run_ranks
+from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.train.config import build_job
+from seqpar.train.optim.optimizers import build_optimizer
+from seqpar.train.states import state_record
 
 MODES = ("dp", "distributed_optimizer", "fsdp")
 KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 
 
 def _job(args, dp: int, mode: str):
-    from seqpar.train.config import build_job
     model = {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_heads": args.heads, "num_layers": args.layers,
              "seq_len": args.seq, "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": args.dtype}
     train = {"micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.microbatches * dp,
@@ -32,12 +38,6 @@ def _job(args, dp: int, mode: str):
 
 
 def _rank(rank: int, world: int, args) -> dict:
-    from seqpar.parallel.dims import ParallelDims
-    from seqpar.parallel.fsdp import apply_fsdp
-    from seqpar.pipeline import build_stages, finalize_grads, forward_backward
-    from seqpar.train.optim.optimizers import build_optimizer
-    from seqpar.train.states import state_record
-
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen)
     mbs = [(t[:, :-1], t[:, 1:]) for t in tokens]
@@ -74,8 +74,6 @@ def _rank(rank: int, world: int, args) -> dict:
 def run_sharding(args, dps: tuple[int, ...] = (2, 4)) -> dict:
     """``{dp: {mode: {step_s, state_bytes, state_bytes_predicted, vs_dp, ...}}}`` (state bytes: the most
     loaded rank's)."""
-    from seqpar.parallel.launch import run_ranks
-
     out = {}
     for dp in dps:
         ranks = run_ranks(_rank, dp, args, threads=args.threads)

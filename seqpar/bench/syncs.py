@@ -22,13 +22,21 @@ Configurations of one rank run in this process; those of 2 ranks in one launch o
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import tempfile
 from pathlib import Path
 
 import torch
 
 from seqpar.bench.common import machine
+from seqpar.config import ConfigError
+from seqpar.data.prepare import prepare
+from seqpar.measure.syncs import DevicelessFactories, SyncCounter, allowed_by
+from seqpar.parallel.launch import run_ranks
+from seqpar.train.config import build_job
+from seqpar.train.loop import Trainer
 
 QUICK: dict = {}
 
@@ -95,10 +103,6 @@ def sections(name: str, out: Path, data: dict[str, Path]) -> dict:
 
 def make_data(root: Path) -> dict[str, Path]:
     """A token file (uniform ids < 256) and a prepared folder of short documents (byte-level) under ``root``."""
-    import json
-    import random
-
-    from seqpar.data.prepare import prepare
 
     rng = random.Random(0)
     tokens = root / "tokens.bin"
@@ -113,8 +117,6 @@ def make_data(root: Path) -> dict[str, Path]:
 
 def count_step(trainer, step: int = 1) -> list:
     """The syncs of ``trainer``'s step ``step`` (after one step to warm its caches)."""
-    from seqpar.measure.syncs import SyncCounter
-
     trainer.train_step(step - 1)
     with SyncCounter(trainer.device) as counter:
         trainer.train_step(step)
@@ -125,8 +127,6 @@ def placed_step(trainer, step: int) -> list[str]:
     """Run step ``step`` with its forward, backward and reductions inside ``DevicelessFactories`` (the data and
     the optimizer outside: host work): the seqpar sites that made a tensor without naming its device (on
     ``meta``), and, where one met the device's tensors, the error it raised (as a CPU tensor would on a GPU)."""
-    from seqpar.measure.syncs import DevicelessFactories
-
     net = DevicelessFactories()
 
     def netted(fn):
@@ -148,8 +148,6 @@ def placed_step(trainer, step: int) -> list[str]:
 
 def summary(syncs: list) -> dict:
     """Counts by category (``ALLOWED``) and by site."""
-    from seqpar.measure.syncs import allowed_by
-
     out = {"total": len(syncs), "kept": 0, "host": 0, "unexpected": 0, "sites": {}}
     for s in syncs:
         key = allowed_by(s, ALLOWED)
@@ -163,9 +161,6 @@ def summary(syncs: list) -> dict:
 
 def run_config(name: str, root: Path, data: dict[str, Path], device: torch.device) -> dict:
     """Build configuration ``name``'s trainer on ``device`` (this rank of the process group, if any) and count."""
-    from seqpar.train.config import build_job
-    from seqpar.train.loop import Trainer
-
     job = build_job(sections(name, root / name, data))
     trainer = Trainer(job, device=device, quiet=True)
     syncs = count_step(trainer)
@@ -193,8 +188,6 @@ def _rank(rank: int, world: int, names: list[str], root: str, device_type: str) 
 
 def measure(names: list[str], device_type: str, root: Path) -> dict:
     """{name: rank 0's summary, with ``ranks``: every rank's total} for configurations ``names``."""
-    from seqpar.parallel.launch import run_ranks
-
     data, out = make_data(root), {}
     for name in (n for n in names if CONFIGS[n][0] == 1):
         result = run_config(name, root, data, rank_device(device_type))
@@ -216,8 +209,6 @@ def run(args: argparse.Namespace) -> dict:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        from seqpar.config import ConfigError
-
         raise ConfigError(f"unknown configuration {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
     with tempfile.TemporaryDirectory(prefix="seqpar-syncs-") as root:
         configs = measure(names, args.device, Path(root))

@@ -18,12 +18,22 @@ on this machine, in two parts:
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
+from seqpar.analysis.planning.costmodel import Hardware
 from seqpar.bench import common
 from seqpar.bench.comm_timeline import exposed_ms, plot_timeline, profiled_spans, text_timeline
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig
+from seqpar.dtypes import torch_dtype
+from seqpar.model.init import init_parameters
+from seqpar.model.layer import TransformerLayer
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
+from seqpar.parallel.rng import RNGTracker
+from seqpar.parallel.tp_context import TPContext
+from seqpar.recompute import RecomputePlan
 from seqpar.settings import add
 
 QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "repeats": 2, "warmup": 1}
@@ -45,7 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def chunk_counts() -> tuple[int, ...]:
     """The tp sizes (chunk counts) the planner searches on a node: the divisors of its GPUs per node above 1."""
-    from seqpar.analysis.planning.costmodel import Hardware
 
     n = Hardware().gpus_per_node
     return tuple(t for t in range(2, n + 1) if n % t == 0)
@@ -99,7 +108,6 @@ def cpu_blocks(fns: dict, repeats: int) -> dict[str, list[float]]:
     """CPU seconds per call of each of ``fns`` (one torch thread, as each rank of the step runs), blocks of at
     least ``MIN_BLOCK_S`` alternating: on a machine other processes share, the time a core was taken away is
     not counted (``common.timed_cpu``'s reasoning)."""
-    import time
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -124,11 +132,6 @@ def cpu_blocks(fns: dict, repeats: int) -> dict[str, list[float]]:
 
 # ---------------------------------------------------------------- part 2: the layer step, with and without
 def _layer(cfg: ModelConfig, dims, overlap: bool, device):
-    from seqpar.model.init import init_parameters
-    from seqpar.model.layer import TransformerLayer
-    from seqpar.parallel.rng import RNGTracker
-    from seqpar.parallel.tp_context import TPContext
-    from seqpar.recompute import RecomputePlan
 
     tracker = RNGTracker(0)
     layer = TransformerLayer(cfg, TPContext(dims.tp_group, True, tracker, overlap), RecomputePlan(None, tracker),
@@ -138,8 +141,6 @@ def _layer(cfg: ModelConfig, dims, overlap: bool, device):
 
 
 def _step_worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, warmup: int, device: str) -> dict:
-    from seqpar.dtypes import torch_dtype
-    from seqpar.parallel.dims import ParallelDims
 
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=True, tp_comm_overlap=True))
     device = torch.device(device)
@@ -171,7 +172,6 @@ def _step_worker(rank: int, world: int, cfg: ModelConfig, b: int, repeats: int, 
 
 # ---------------------------------------------------------------- the run
 def run(args) -> dict:
-    from seqpar.parallel.launch import run_ranks
 
     args = resolve(args)
     cfg = ModelConfig(vocab_size=128, hidden_size=args.hidden, num_heads=args.heads, num_layers=1,

@@ -13,11 +13,13 @@ masks, and at dropout 0 their losses must agree (checked before timing).
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from seqpar.bench import common
-from seqpar.bench.torch_native import reduce_partial_grads
+from seqpar.bench.torch_native import Layers, block_from_config, parallelize_layers, reduce_partial_grads
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
@@ -41,9 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
     """seqpar's layers and the same weights in the plain GPT's blocks under DTensor TP+SP."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from seqpar.bench.torch_native import Layers, block_from_config, parallelize_layers
 
     ours = build_model(cfg, dims, sequence_parallel=True, first=False, last=False,
                        recompute=RecomputeConfig(recompute))
@@ -66,8 +65,6 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute: str, repeats: int,
             warmup: int, compiled: bool = False) -> dict:
-    import time
-
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
     group = dims.tp_group
     ours, theirs = build_pair(cfg, recompute, dims)

@@ -1,6 +1,7 @@
 """One module per CLI verb: ``add_arguments(parser)`` and ``run(args) -> int``.
 
-A verb imports what it runs inside its functions, so that building one verb's parser (``seqpar`` builds only the
-named verb's), its ``--help`` and the analytic verbs (``plan``, ``paper``: ``tests/test_cli_imports.py``) do not
-load torch or the training code: that is the reason for the imports inside functions here.
+A verb imports at its top what imports without torch; what would bring torch in (the training code, the
+measuring code) it imports inside the function that runs it, with a comment saying so, so that building one
+verb's parser (``seqpar`` builds only the named verb's), its ``--help`` and the analytic verbs (``plan``,
+``paper``) do not load torch (``tests/test_cli_imports.py``; eval and bench import torch at their top).
 """

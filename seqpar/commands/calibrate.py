@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from seqpar.analysis.text import table
+from seqpar.config import ConfigError
+from seqpar.out_path import check_out_file, json_with
 from seqpar.settings import add
 
 PROFILE_KEYS = ("name", "source", "layer_overhead", "step_overhead")  # a profile's: what --out may replace
@@ -24,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _default_nproc() -> int:
+    # torch: imported to run, not to parse (`seqpar calibrate --help` stays torch-free)
     import torch
 
     if hasattr(torch, "accelerator") and torch.accelerator.is_available():
@@ -32,8 +36,6 @@ def _default_nproc() -> int:
 
 
 def render(profile: dict) -> str:
-    from seqpar.analysis.text import table
-
     rows = [["peak (best GEMM)", f"{profile['peak_flops'] / 1e12:.4g} TFLOP/s"],
             ["GEMM efficiency", f"{100 * profile['gemm_efficiency']:.1f}%"],
             ["GEMM operand bandwidth", "= memory" if profile["gemm_operand_bw"] is None
@@ -51,15 +53,13 @@ def render(profile: dict) -> str:
 
 
 def run(args) -> int:
+    # torch: imported to run, not to parse (`seqpar calibrate --help` stays torch-free)
     from seqpar.bench.calibrate import calibrate
-    from seqpar.config import ConfigError
 
     nproc = args.nproc if args.nproc is not None else _default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     if args.out:
-        from seqpar.out_path import check_out_file, json_with
-
         check_out_file(args.out, "--out", json_with(*PROFILE_KEYS), "a calibrated profile")  # before the benchmarks
     profile = calibrate(nproc, args.dtype, "quick" if args.quick else "full")
     if args.out:

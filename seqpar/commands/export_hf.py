@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 
 from seqpar.commands.checkpoint_arg import add_checkpoint_argument, checkpoint_of
+from seqpar.data.tokenizer import of_checkpoint
+from seqpar.out_path import claim_folder
 from seqpar.settings import add
+from seqpar.train.config import build_job
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,12 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.data.tokenizer import of_checkpoint
+    # torch: imported to run, not to parse (`seqpar export-hf --help` stays torch-free)
     from seqpar.interop.checkpoints import write_tokenizer
     from seqpar.interop.hf import EXPORT_FILES, family_of, is_export, write_hf_folder
-    from seqpar.out_path import claim_folder
     from seqpar.train import checkpoint as ckpt
-    from seqpar.train.config import build_job
 
     args.checkpoint = checkpoint_of(args)
     folder = ckpt.resolve(args.checkpoint)

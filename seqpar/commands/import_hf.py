@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from seqpar.out_path import check_empty_folder
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", help="a GPT-2, Llama, StableLM, GPT-NeoX, Mixtral or Qwen2-MoE folder: config.json and "
@@ -18,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    # torch: imported to run, not to parse (`seqpar import-hf --help` stays torch-free)
     from seqpar.interop.checkpoints import import_hf
-    from seqpar.out_path import check_empty_folder
     from seqpar.train import checkpoint as ckpt
 
     check_empty_folder(args.out, "--out", inputs=[args.folder])

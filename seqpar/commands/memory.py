@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from seqpar.analysis.formulas.fsdp_states import compare_states
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import default_dropout
 from seqpar.config import (
     ACTIVATIONS,
     ARCH_FIELDS,
@@ -16,6 +19,9 @@ from seqpar.config import (
     RECOMPUTE_MODULES,
     ConfigError,
     ModelConfig,
+    ParallelConfig,
+    RecomputeConfig,
+    validate_microbatches,
 )
 from seqpar.measure.table2_text import bytes_or_dash as _human
 from seqpar.measure.table2_text import dropouts, render_rows
@@ -68,8 +74,6 @@ def shape_from_args(args) -> dict:
     """hidden, heads, seq, vocab, ffn, kv_heads, arch: each flag given, else ``--model``'s, else ``SHAPE_DEFAULTS``."""
     base = dict(SHAPE_DEFAULTS)
     if getattr(args, "model", None):
-        from seqpar.analysis.formulas.presets import preset_shape
-
         m = preset_shape(args.model)
         base = {"hidden": m.hidden_size, "heads": m.num_heads, "seq": m.seq_len, "vocab": m.vocab_size,
                 "ffn": m.ffn_hidden_size, "kv_heads": m.kv_heads, "arch": m.arch}
@@ -77,8 +81,6 @@ def shape_from_args(args) -> dict:
 
 
 def model_from_args(args) -> ModelConfig:
-    from seqpar.analysis.formulas.shapes import default_dropout
-
     shape = shape_from_args(args)
     arch = LLAMA if shape["arch"] == "llama" else {}
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
@@ -158,7 +160,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.config import ConfigError
+    # torch: only --measure runs the model; the formula table stays torch-free
     from seqpar.measure.table2 import measure_rows, plan_rows
 
     for flag in ("pp", "interleave", "microbatches", "tp", "cp", "ep", "micro_batch", "dp"):
@@ -185,10 +187,12 @@ def run(args) -> int:
                      tp_comm_overlap=args.tp_comm_overlap)
     loss = None
     if args.measure:
+        # torch: only --measure runs the model; the formula table stays torch-free
         from seqpar.dtypes import torch_dtype
         from seqpar.measure.loss_head import measure_loss_head
 
         measure_rows(cfg, args.micro_batch, rows)
+        # torch: only --measure runs the model
         from seqpar.parallel.cross_entropy import CHUNK_BYTES
 
         chunk = CHUNK_BYTES if args.loss_chunk_kib is None else 1024 * args.loss_chunk_kib
@@ -206,7 +210,7 @@ def run_schedule(args) -> int:
     """``--pp P --microbatches M [--interleave m]``: one training step of the pipeline schedule on
     P × T gloo ranks; per stage the measured peak next to the formula (Eq. 5/6, interleave factor,
     Sec. 4.3 terms; ``seqpar.measure.stages``)."""
-    from seqpar.config import ConfigError, ParallelConfig, RecomputeConfig
+    # torch: the stage table measures; the formula table stays torch-free
     from seqpar.measure.stages import formula_stage_memory, implementation_terms, measure_schedules
 
     if args.cp > 1:
@@ -226,7 +230,7 @@ def run_schedule(args) -> int:
     if args.measure:
         stages = measure_schedules(cfg, parallel, [run])[0]
     else:
-        from seqpar.config import validate_microbatches
+        # torch: the stage table measures; the formula table stays torch-free
         from seqpar.measure.stages import StagePeak, formula_host_bytes
 
         validate_microbatches(args.microbatches, args.pp, args.interleave)
@@ -273,7 +277,6 @@ def preset_layers(args) -> int | None:
     """``--model``'s layer count (its model states are the whole model's), None without a preset."""
     if not getattr(args, "model", None):
         return None
-    from seqpar.analysis.formulas.presets import preset_shape
 
     return preset_shape(args.model).num_layers
 
@@ -281,9 +284,6 @@ def preset_layers(args) -> int | None:
 def run_states(args) -> int:
     """``--states``: each pipeline rank's model states (most loaded dp rank) under plain DP, the
     distributed optimizer and FSDP or HSDP over dp × cp (``seqpar.analysis.formulas.fsdp_states.compare_states``)."""
-    from seqpar.analysis.formulas.fsdp_states import compare_states
-    from seqpar.config import ParallelConfig
-
     if args.layers is None:  # a preset's whole model, else one layer per pipeline chunk
         args.layers = preset_layers(args) or args.pp * args.interleave
     cfg = model_from_args(args)

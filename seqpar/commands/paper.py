@@ -7,6 +7,10 @@ import argparse
 import json
 import sys
 
+from seqpar.analysis.formulas.shapes import AnalysisError
+from seqpar.analysis.reports import paper, paper_report, plots
+from seqpar.optional import require
+from seqpar.out_path import check_plot_folder
 from seqpar.settings import add
 
 FIGURES = ("figure1.png", "figure7.png")
@@ -19,13 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.analysis.formulas.shapes import AnalysisError
-    from seqpar.analysis.reports import paper, paper_report
-    from seqpar.optional import require
-
     if args.plot:
-        from seqpar.out_path import check_plot_folder
-
         check_plot_folder(args.plot, FIGURES, "--plot")  # a user's figure1.png is not replaced
         require("matplotlib", "--plot", AnalysisError)  # refused before the tables, not after
     if args.json:
@@ -34,8 +32,6 @@ def run(args) -> int:
         print(paper_report.render())
     if args.plot:
         try:
-            from seqpar.analysis.reports import plots
-
             args.plot.mkdir(parents=True, exist_ok=True)
             for path in (plots.figure1(args.plot / FIGURES[0]), plots.figure7(args.plot / FIGURES[1])):
                 print(f"wrote {path}", file=sys.stderr)

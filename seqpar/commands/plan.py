@@ -9,12 +9,40 @@ import json
 import sys
 from pathlib import Path
 
+from seqpar.analysis.formulas.presets import TABLE3, preset_name, preset_names, preset_setup, preset_shape, published_lr
+from seqpar.analysis.formulas.shapes import (
+    ActivationOptions,
+    AnalysisError,
+    OptimizerOptions,
+    default_dropout,
+    device_kernels,
+    model_config,
+)
+from seqpar.analysis.planning import planner
+from seqpar.analysis.planning.costmodel import ties_with_best
+from seqpar.analysis.planning.planner import Request
+from seqpar.analysis.planning.profiles import hardware_for, profile_to_json
+from seqpar.analysis.reports import plan_report
+from seqpar.analysis.reports.emit import (
+    HEADER,
+    SCHEDULE_KEYS,
+    cadence,
+    launch_command,
+    nodes_of,
+    plan_toml,
+    slurm_script,
+)
+from seqpar.analysis.reports.job_time import DEFAULT_WRITE_GBPS, parse_time
+from seqpar.analysis.reports.plots import plan_memory, stages_memory
+from seqpar.config import PP_SCHEDULES
+from seqpar.optional import require
+from seqpar.out_path import check_out_file, check_plot_folder, text_starting
 from seqpar.settings import add
+from seqpar.train.config import TrainConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model: a preset, or dimensions (which also override a preset's)")
-    from seqpar.analysis.formulas.presets import TABLE3, preset_names
 
     paper = [k.lower() for k in TABLE3]
     add(g, "--model", metavar=None, help=f"preset: {', '.join(paper)} (Table 3), "
@@ -132,9 +160,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _shape(args):
     """The model of ``--model`` and the dimension flags, and its name for the reports."""
-    from seqpar.analysis.formulas.presets import preset_name, preset_shape
-    from seqpar.analysis.formulas.shapes import AnalysisError, model_config
-
     dims = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn", "kv_heads", "arch")}
     if args.model:
         base = preset_shape(args.model)
@@ -171,18 +196,6 @@ def _moe_flags(args) -> dict:
 
 
 def request_from_args(args):
-    from seqpar.analysis.formulas.presets import preset_setup
-    from seqpar.analysis.formulas.shapes import (
-        ActivationOptions,
-        AnalysisError,
-        OptimizerOptions,
-        default_dropout,
-        device_kernels,
-    )
-    from seqpar.analysis.planning.planner import Request
-    from seqpar.analysis.planning.profiles import hardware_for
-    from seqpar.config import PP_SCHEDULES
-
     shape, model_name = _shape(args)
     batch = args.global_batch
     if batch is None:
@@ -236,9 +249,6 @@ def tp_comm_overlap_searched(args) -> bool:
 
 def _overlap(args, opt):
     """``opt`` with the dp overlap the flags ask for, its buckets the trainer's (``train.grad_bucket_mb``)."""
-    from seqpar.analysis.formulas.shapes import AnalysisError
-    from seqpar.train.config import TrainConfig
-
     mb = TrainConfig.grad_bucket_mb if args.grad_bucket_mb is None else args.grad_bucket_mb
     if not 0 < mb < float("inf"):
         raise AnalysisError(f"--grad-bucket-mb must be a positive number, got {mb}")
@@ -251,17 +261,12 @@ def _emit(args, req, plan) -> None:
     (``seqpar.analysis.reports.emit``)."""
     if args.emit_config is None:
         return
-    from seqpar.analysis.reports.emit import SCHEDULE_KEYS, cadence, launch_command, nodes_of, plan_toml, slurm_script
-    from seqpar.analysis.reports.job_time import DEFAULT_WRITE_GBPS, parse_time
-    from seqpar.train.config import TrainConfig
-
     defaults = {k: getattr(TrainConfig, k) for k in SCHEDULE_KEYS}
     gbps = DEFAULT_WRITE_GBPS if args.checkpoint_gbps is None else args.checkpoint_gbps
     saves = cadence(req, plan, gbps)
     script = None if args.emit_slurm is None else \
         slurm_script(req, plan, str(args.emit_config), f"runs/{args.emit_config.stem}", saves,
                      None if args.time is None else parse_time(args.time), str(args.emit_slurm))
-    from seqpar.analysis.formulas.presets import published_lr
 
     args.emit_config.write_text(plan_toml(req, plan, defaults, published_lr(args.model) if args.model else None,
                                           saves, gbps))
@@ -278,23 +283,15 @@ def _emit(args, req, plan) -> None:
 def _slurm_script(path) -> bool:
     """A file ``--emit-slurm`` may replace: a batch script whose second line (after the shebang) is an
     emitted plan's header."""
-    from seqpar.analysis.reports.emit import HEADER
-
     lines = path.read_text(encoding="utf-8").splitlines()
     return len(lines) > 1 and lines[1].startswith(HEADER)
 
 
 def _check_outputs(args) -> None:
     """--emit-config and --plot: where the results go, checked before the search."""
-    from seqpar.analysis.formulas.shapes import AnalysisError
-    from seqpar.analysis.reports.emit import HEADER
-    from seqpar.out_path import check_out_file, check_plot_folder, text_starting
-
     if args.emit_slurm is not None and args.emit_config is None:
         raise AnalysisError("--emit-slurm needs --emit-config FILE: the script trains that file")
     if args.time is not None:
-        from seqpar.analysis.reports.job_time import parse_time
-
         if args.emit_slurm is None:
             raise AnalysisError("--time is the batch script's limit: give it with --emit-slurm FILE")
         parse_time(args.time)  # refused before the search
@@ -304,16 +301,11 @@ def _check_outputs(args) -> None:
         check_out_file(args.emit_slurm, "--emit-slurm", _slurm_script, "a batch script seqpar plan wrote")
     if args.plot is not None:
         check_plot_folder(args.plot, ["plan_stages.png" if args.explain is not None else "plan_memory.png"], "--plot")
-        from seqpar.optional import require
 
         require("matplotlib", "--plot", AnalysisError)  # refused before the search, not after
 
 
 def run(args) -> int:
-    from seqpar.analysis.formulas.shapes import AnalysisError
-    from seqpar.analysis.planning import planner
-    from seqpar.analysis.reports import plan_report
-
     try:
         _check_outputs(args)
         req = request_from_args(args)
@@ -337,8 +329,6 @@ def run(args) -> int:
             else:
                 print(plan_report.render_explain(req, ev, ranked))
             if args.plot and ev.stages:
-                from seqpar.analysis.reports.plots import stages_memory
-
                 args.plot.mkdir(parents=True, exist_ok=True)
                 path = stages_memory(args.plot / "plan_stages.png", ev.stages, req.hw.usable_bytes,
                                      req.hw.memory_bytes,
@@ -348,9 +338,6 @@ def run(args) -> int:
         if ranked:
             _emit(args, req, ranked[0].plan)
         if args.json:
-            from seqpar.analysis.planning.costmodel import ties_with_best
-            from seqpar.analysis.planning.profiles import profile_to_json
-
             ties = ties_with_best([ev.time.total for ev in ranked], req.hw.error_band)
             plans = [ev.to_json() | {"tie_with_best": tie} for ev, tie in zip(ranked, ties, strict=True)]
             if plans:  # the chosen plan's every pipeline rank, as --explain gives them
@@ -365,8 +352,6 @@ def run(args) -> int:
         else:
             print(plan_report.render_plan(req, ranked, stats, args.top))
         if args.plot and ranked:
-            from seqpar.analysis.reports.plots import plan_memory
-
             args.plot.mkdir(parents=True, exist_ok=True)
             path = plan_memory(args.plot / "plan_memory.png", ranked[:args.top], req.hw.usable_bytes,
                                req.hw.memory_bytes)

@@ -5,7 +5,10 @@ files, a document index and a manifest that `seqpar train --data DIR` reads by m
 from __future__ import annotations
 
 import argparse
+import sys
 
+from seqpar.data.errors import Interrupted
+from seqpar.data.files import names
 from seqpar.settings import add
 
 
@@ -27,11 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import sys
-
-    from seqpar.data.errors import Interrupted
-    from seqpar.data.files import names
-
     try:
         from seqpar.data.prepare import prepare  # torch: seconds a Ctrl-C may land in
 

@@ -33,6 +33,7 @@ def run(args) -> int:
     if args.tokens < 0 or args.temperature < 0 or args.top_k < 0 or args.seed < 0:
         raise ConfigError(f"--tokens {args.tokens}, --temperature {args.temperature}, --top-k {args.top_k} and "
                           f"--seed {args.seed} must be >= 0")
+    # torch: imported to run, not to parse (`seqpar sample --help` stays torch-free)
     from seqpar.train.sample import sample_text
 
     print(sample_text(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,

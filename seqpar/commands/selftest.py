@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from seqpar.config import ConfigError
+from seqpar.out_path import check_out_file, check_out_folder, json_with
 from seqpar.settings import add
 
 CHECK_NAMES = ("parity", "memory", "table4", "mfu", "training")
@@ -33,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.config import ConfigError
+    # torch: imported to run, not to parse (`seqpar selftest --help` stays torch-free)
     from seqpar.selftest.runner import CHECKS, render, run_selftest
 
     only = tuple(c for c in args.only.split(",") if c)
@@ -42,8 +44,6 @@ def run(args) -> int:
         raise ConfigError(f"--only {','.join(unknown)}: not a check; the checks are {','.join(CHECKS)}")
     out = Path(args.out) if args.out else None
     if out is not None:
-        from seqpar.out_path import check_out_file, check_out_folder, json_with
-
         check_out_folder(out, "--out")
         if out.is_dir():  # only selftest.json is written there: replaced when it is an earlier report
             check_out_file(out / "selftest.json", "--out", json_with("checks"), "a selftest report")

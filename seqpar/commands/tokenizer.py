@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from seqpar.data.bpe import train_bpe
+from seqpar.out_path import check_out_file, json_with
 from seqpar.settings import add
 
 
@@ -24,9 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.data.bpe import train_bpe
-    from seqpar.out_path import check_out_file, json_with
-
     check_out_file(args.out, "--out", json_with("model", "added_tokens"), "a tokenizers JSON file",
                    inputs=args.inputs)
     record = train_bpe(args.inputs, args.out, args.vocab, args.field, args.min_frequency)

@@ -12,10 +12,15 @@ import argparse
 import dataclasses
 import re
 import sys
+import textwrap
 
+from seqpar.analysis.formulas.presets import preset_shape
+from seqpar.analysis.formulas.shapes import AnalysisError
 from seqpar.config import ARCH_FIELDS, ConfigError
 from seqpar.settings import BY_FLAG, BY_KEY, SETTINGS, add, add_aliases, flag_keys
-from seqpar.train.config import SECTIONS, JobConfig, build_job, load_toml, merge, parse_assignment
+from seqpar.train.config import SECTIONS, JobConfig, TrainConfig, build_job, load_toml, merge, parse_assignment
+from seqpar.train.optim.lr_schedule import SCHEDULES
+from seqpar.train.run_tokenizer import vocab_of
 
 # flag dest -> (section, key), and Megatron-LM's names of the flags (its pretrain_gpt.py arguments: accepted as
 # aliases, listed once at the end of --help, offered by "did you mean"): both from the table of settings
@@ -25,9 +30,6 @@ MEGATRON_ALIASES = {alias: s.flag for s in SETTINGS for alias in s.aliases}
 
 def _default(section: str, key: str) -> str:
     """The built-in default of a config key, for --help."""
-    import dataclasses
-
-    from seqpar.train.config import SECTIONS
 
     for f in dataclasses.fields(SECTIONS[section]):
         if f.name == key:
@@ -38,8 +40,6 @@ def _default(section: str, key: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from seqpar.train.optim.lr_schedule import SCHEDULES
-
     def setting(group, flag: str, **override) -> None:  # the table's flag, its help saying the config's default
         s = BY_FLAG[flag]
         add(group, flag, help=s.help.format(default=f"(default {_default(s.section, s.name)})"), **override)
@@ -96,7 +96,6 @@ def add_megatron_aliases(p: argparse.ArgumentParser) -> None:
     """Each Megatron name of a flag (``seqpar.settings``) as a hidden twin of the seqpar flag, and one epilog
     line listing them."""
     aliases = add_aliases(p)
-    import textwrap
 
     def fill(text: str, indent: str = "") -> str:  # never inside a flag's name
         return textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
@@ -113,8 +112,8 @@ def base_sections(args) -> dict[str, dict]:
         return load_toml(args.config)
     if not args.resume:
         return {}
+    # torch: only a resume reads a checkpoint (`seqpar train --help` stays torch-free)
     from seqpar.train import checkpoint as ckpt
-    from seqpar.train.config import TrainConfig
 
     path = args.resume if args.resume != "auto" else (args.out or TrainConfig().out_dir)
     sections = ckpt.read_meta(ckpt.resolve(path))["config"]
@@ -127,9 +126,6 @@ def model_overrides(args) -> dict:
     """``--model PRESET`` (a planner preset's shape, its architecture) and then ``--arch``."""
     out: dict = {}
     if getattr(args, "model", None):
-        from seqpar.analysis.formulas.presets import preset_shape
-        from seqpar.analysis.formulas.shapes import AnalysisError
-
         try:
             shape = preset_shape(args.model)
         except AnalysisError as err:
@@ -161,8 +157,6 @@ def job_from_args(args, world_size: int) -> JobConfig:
     sections = merge(sections, overrides)
     model = sections.setdefault("model", {})
     if "vocab_size" not in model and isinstance(sections.get("train"), dict):  # --vocab from the data unless given
-        from seqpar.train.run_tokenizer import vocab_of
-
         vocab = vocab_of(sections["train"])
         if vocab is not None:
             model["vocab_size"] = vocab
@@ -172,11 +166,8 @@ def job_from_args(args, world_size: int) -> JobConfig:
         if all(isinstance(n, int) and n > 0 for n in (tp, pp, cp)) and world_size % (tp * pp * cp) == 0:
             par["dp"] = world_size // (tp * pp * cp)
     changed = _preset_changes(args, base_model, overrides.get("model", {}))
-    if args.resume and not args.config:
-        changed += fit_layout(sections, overrides, "checkpoint")
-        changed += fit_inherited(sections, overrides, world_size)
-    else:  # a config's layout settings that the tp / pp asked on the command line cannot use
-        changed += fit_layout(sections, overrides, "config")
+    changed += fit_layout(sections, overrides, "checkpoint" if args.resume and not args.config else "config",
+                          world_size)
     return dataclasses.replace(build_job(sections).validate(world_size), changed=tuple(changed))
 
 
@@ -189,66 +180,64 @@ def _preset_changes(args, base: dict, given: dict) -> list[str]:
             ] if changes else []
 
 
-def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str) -> list[str]:
-    """The ``source``'s (checkpoint's, config's) SP, interleave and layer split that the tp / pp asked on the
-    command line cannot use, dropped with a note each (a config's only where the flags changed that tp / pp)."""
-    par, asked, notes = sections.setdefault("parallel", {}), given.get("parallel", {}), []
-
-    def drop(key: str, why: str) -> None:
-        if key not in asked:
-            notes.append(f"the {source}'s {key} = {str(par.pop(key)).lower()} is dropped: {why}")
-
-    tp, pp = par.get("tp", 1), par.get("pp", 1)
-    inherited = source == "checkpoint"
-    if par.get("sp") and tp == 1 and (inherited or "tp" in asked):
-        drop("sp", "tp is 1 (sequence parallelism splits the sequence over the tp ranks)")
-        if par.get("tp_comm_overlap"):
-            drop("tp_comm_overlap", "sequence parallelism is off (the overlap pipelines its collectives)")
-    if par.get("interleave", 1) > 1 and pp == 1 and (inherited or "pp" in asked):
-        drop("interleave", "pp is 1")
-    if par.get("layer_split") and len(par["layer_split"]) != pp * par.get("interleave", 1) and \
-            (inherited or "pp" in asked or "interleave" in asked):
-        drop("layer_split", f"it splits {len(par['layer_split'])} virtual stages, this layout has "
-             f"pp {pp} × interleave {par.get('interleave', 1)}")
-    return notes
+def fit_layout(sections: dict[str, dict], given: dict[str, dict], source: str,
+               world_size: int | None = None) -> list[str]:
+    """The layout asked on the command line, kept: what the ``source`` (a resumed checkpoint, a config) set that
+    this layout cannot use is dropped, one note each (``drop_named``). A checkpoint's settings go wherever they
+    must (it loads at any layout); a config's SP, interleave and layer split only where the flags changed the tp
+    or pp they go with (a config inconsistent on its own is refused, not rewritten)."""
+    if source == "checkpoint":
+        return drop_named(sections, given, source, INHERITED_DROPPABLE, world_size)
+    asked = given.get("parallel", {})
+    droppable = [key for key, flags in CONFIG_DROPPABLE.items() if asked.keys() & flags]
+    return drop_named(sections, given, source, droppable, world_size) if droppable else []
 
 
 # what a resume may drop of the checkpoint's configuration when the layout asked cannot use it
-INHERITED_DROPPABLE = ("parallel.fsdp", "parallel.fsdp_shard_size", "parallel.ep", "parallel.interleave",
-                       "parallel.layer_split", "parallel.cp_comm_type", "parallel.tp_comm_overlap",
-                       "parallel.pp_schedule", "train.distributed_optimizer", "train.overlap_grad_reduce",
-                       "train.overlap_param_gather")
-# (cp_a2a_size goes with cp_comm_type: fit_inherited)
+INHERITED_DROPPABLE = ("parallel.sp", "parallel.tp_comm_overlap", "parallel.fsdp", "parallel.fsdp_shard_size",
+                       "parallel.ep", "parallel.interleave", "parallel.layer_split", "parallel.pp_schedule",
+                       "parallel.cp_comm_type", "train.distributed_optimizer", "train.overlap_grad_reduce",
+                       "train.overlap_param_gather")  # cp_a2a_size: with cp_comm_type
+# what a config's layout may lose, and the flags whose change alone lets it go
+CONFIG_DROPPABLE = {"parallel.sp": {"tp"}, "parallel.tp_comm_overlap": {"tp"}, "parallel.interleave": {"pp"},
+                    "parallel.layer_split": {"pp", "interleave"}, "parallel.pp_schedule": {"pp", "interleave"}}
 
 
-def fit_inherited(sections: dict[str, dict], given: dict[str, dict], world_size: int | None = None) -> list[str]:
-    """A resume takes the layout asked: validate, and while the error names a setting the checkpoint set (not
-    given again, not its default) that may go, drop it with one line saying the error (the checkpoint loads at any
-    layout); any other error is left to the build that follows."""
+def drop_named(sections: dict[str, dict], given: dict[str, dict], source: str, droppable,
+               world_size: int | None = None) -> list[str]:
+    """Validate, and while the problem names a ``droppable`` setting the source set (not given again, not its
+    default), drop it with one line saying the problem; any other problem is left to the build that follows."""
     notes: list[str] = []
-    while True:
-        try:
-            build_job(sections).validate(world_size)
-            return notes
-        except ConfigError as err:
-            key = _named_inherited(str(err), sections, given)
-            if key is None:
-                return notes
-            section, name = key.split(".")
-            value = sections[section].pop(name)
-            notes.append(f"the checkpoint's {name} = {str(value).lower()} is dropped: {err}")
-            if name == "cp_comm_type" and sections[section].get("cp_a2a_size") and \
-                    "cp_a2a_size" not in given.get(section, {}):  # K is the dropped exchange's all-to-all group
-                k = sections[section].pop("cp_a2a_size")
-                notes.append(f"the checkpoint's cp_a2a_size = {k} is dropped with it (the all-to-all group of "
-                             f"{value})")
+    while (problem := layout_problem(sections, world_size)) is not None:
+        key = _named_setting(problem, sections, given, droppable)
+        if key is None:
+            break
+        section, name = key.split(".")
+        value = sections[section].pop(name)
+        notes.append(f"the {source}'s {name} = {str(value).lower()} is dropped: {problem}")
+        if name == "cp_comm_type" and sections[section].get("cp_a2a_size") and \
+                "cp_a2a_size" not in given.get(section, {}):  # K is the dropped exchange's all-to-all group
+            k = sections[section].pop("cp_a2a_size")
+            notes.append(f"the {source}'s cp_a2a_size = {k} is dropped with it (the all-to-all group of {value})")
+    return notes
 
 
-def _named_inherited(message: str, sections: dict[str, dict], given: dict[str, dict]) -> str | None:
+def layout_problem(sections: dict[str, dict], world_size: int | None = None) -> str | None:
+    """The job's validation error; or, valid, SP at tp 1 (inert there, ``inert_settings``: the one setting a
+    layout change leaves valid but idle); None when neither."""
+    try:
+        par = build_job(sections).validate(world_size).parallel
+    except ConfigError as err:
+        return str(err)
+    return "sp needs tp > 1 (sequence parallelism splits the sequence over the tp ranks)" \
+        if par.sp and par.tp == 1 else None
+
+
+def _named_setting(message: str, sections: dict[str, dict], given: dict[str, dict], droppable) -> str | None:
     """The droppable setting ``message`` names first (by its key or its plan label, ``split`` for layer_split),
-    among those the checkpoint set to other than the default and this run did not give."""
+    among those the source set to other than the default and this run did not give."""
     found = []
-    for key in INHERITED_DROPPABLE:
+    for key in droppable:
         section, name = key.split(".")
         values = sections.get(section, {})
         default = SECTIONS[section].__dataclass_fields__[name].default

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from seqpar.data import prepared
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="PATH", help="a checkpoint folder (step_N, a run's --out folder, or its "
@@ -23,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from seqpar.data import prepared
+    # torch: imported to run, not to parse (`seqpar verify --help` stays torch-free)
     from seqpar.train.checkpoint import verify
 
     check = prepared.verify if prepared.is_prepared(args.checkpoint) else verify

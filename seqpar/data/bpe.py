@@ -9,8 +9,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
 from seqpar.data.sources import documents, input_files, plan_units
+from seqpar.optional import require
 
 EOS = "<|endoftext|>"
 
@@ -37,11 +39,8 @@ def _say(text: str) -> None:
 
 def train_bpe(inputs: list[str], out: str | Path, vocab_size: int, field: str = "text", min_frequency: int = 2) -> dict:
     """Train and save the tokenizer at ``out``; returns its record (``seqpar.data.tokenizer.record``)."""
-    from seqpar.data import tokenizer as tokfile
-
     if vocab_size < 257 + 1:
         raise DataError(f"--vocab {vocab_size} must exceed 257 (the 256 bytes and {EOS}) to learn any merge")
-    from seqpar.optional import require
 
     tk = require("tokenizers", "tokenizer train", DataError)
     Tokenizer, decoders, models, pre_tokenizers, trainers = (tk.Tokenizer, tk.decoders, tk.models, tk.pre_tokenizers,

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -41,6 +42,7 @@ from seqpar.data.prepared import (
     MANIFEST,
     disagreement,
     file_problems,
+    is_prepared,
     manifest_digest,
     read_manifest,
     shard_name,
@@ -61,8 +63,6 @@ ENCODE_BATCH = 256  # documents per encode_batch call
 
 def _worker_init(parent: int) -> None:
     """A worker dies with the prepare, and leaves Ctrl-C to it (no traceback from every worker)."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)
 
@@ -220,8 +220,6 @@ def own_file(name: str) -> bool:
 def _claim(out: Path, plan: dict, overwrite: bool) -> bool:
     """True when ``out`` holds this very plan (resume); with ``overwrite``, a prepared folder of another plan
     loses its own files (only: a user's file beside them stays); any other non-empty folder is refused."""
-    from seqpar.data.prepared import is_prepared
-
     if (out / PLAN).is_file():
         old = json.loads((out / PLAN).read_text())
         if old == plan:

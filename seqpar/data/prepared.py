@@ -23,10 +23,12 @@ DIR``) and ``Prepared(..., hashes=True)`` (``seqpar train --verify-data``) check
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from pathlib import Path
 
+from seqpar.data import tokenizer as tokfile
 from seqpar.data.errors import DataError
 from seqpar.fileio import sha256_bytes, sha256_file
 
@@ -180,6 +182,7 @@ def checked_manifest(path: str | Path) -> dict:
 
 def _map(path: Path, count: int, dtype):
     """``count`` items of ``path``, memory-mapped copy-on-write (the file is never written)."""
+    # torch (seconds to import): preparing and checking a folder never need it
     import torch
 
     return torch.from_file(str(path), shared=False, size=count, dtype=dtype) if count else torch.zeros(0, dtype=dtype)
@@ -221,6 +224,7 @@ def _index_problem(k: int, tokens: int, ends) -> str:
 
 def _id_problem(k: int, ids, vocab: int) -> str:
     """'' when shard ``k``'s ids (``[n]``) are all below ``vocab``, else the first that is not and its offset."""
+    # torch (seconds to import): preparing and checking a folder never need it
     import torch
 
     for at in range(0, len(ids), CHUNK):
@@ -239,6 +243,7 @@ class Prepared:
     def __init__(self, path: str | Path, hashes: bool = False):
         """Opening checks what is cheap (``check_manifest``, ``check_files``' sizes, then ``problem``: the index
         and the ids in range); ``hashes``: every file's SHA-256 too (``seqpar train --verify-data``)."""
+        # torch (seconds to import): preparing and checking a folder never need it
         import torch
 
         self.path = Path(path)
@@ -277,6 +282,7 @@ class Prepared:
 
     def max_id(self) -> int:
         """The largest id of every shard (-1 when none): one pass over the ids."""
+        # torch (seconds to import): preparing and checking a folder never need it
         import torch
 
         top = -1
@@ -291,6 +297,7 @@ class Prepared:
     def starts(self, offsets, count: int):
         """``[b, count]`` bool: whether stream position ``offsets[i] + j`` starts a document, by the index
         (a document ends, and the next starts, at each of ``doc_ends``)."""
+        # torch (seconds to import): preparing and checking a folder never need it
         import torch
 
         where = offsets.reshape(-1, 1) + torch.arange(count)  # [b, count]
@@ -301,8 +308,7 @@ class Prepared:
 
     def read(self, start: int, count: int):
         """Ids ``[start, start + count)`` of the whole stream, as int64 ``[count]``."""
-        import bisect
-
+        # torch (seconds to import): preparing and checking a folder never need it
         import torch
 
         k = bisect.bisect_right(self.bases, start) - 1
@@ -351,8 +357,6 @@ def verify(path: str | Path) -> tuple[list[str], list[str]]:
 def _tokenizer_problem(path: Path, manifest: dict) -> str:
     """'' when the folder's tokenizer copy (if it was prepared with one) is the recorded file, of the manifest's
     vocabulary: ``verify``'s check (train checks the copy's SHA-256 when it reads it)."""
-    from seqpar.data import tokenizer as tokfile
-
     record = manifest["tokenizer"]
     if not record:
         return ""

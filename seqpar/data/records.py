@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seqpar.data.errors import DataError
+from seqpar.optional import require
 
 KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
 DELIMITER = {"csv": ",", "tsv": "\t"}
@@ -163,9 +164,9 @@ def parquet(path: Path):
     """The Parquet file as a ``datasets.Dataset`` (memory-mapped, local only); its footer read by pyarrow first,
     so a file that is not Parquet, or holds no rows, is one clear error (and ``datasets`` logs nothing)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a network call
-    from seqpar.optional import require
 
     datasets = require("datasets", f"{path}: Parquet input", DataError)
+    # optional extra (data): imported where used, after require() named the extra
     import pyarrow.parquet as pq
 
     try:

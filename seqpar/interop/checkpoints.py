@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -31,8 +32,6 @@ def save_model(out: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]
 def import_hf(folder: str | Path, out: str | Path) -> Path:
     """Write a step-0 seqpar checkpoint (no optimizer state) at ``out`` from a GPT-2, Llama, StableLM or
     GPT-NeoX folder, carrying the folder's tokenizer (its meta.json ``tokenizer`` record) when it has one."""
-    import tempfile
-
     cfg, state = read_hf_folder(folder)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = tokfile.folder_tokenizer(folder, Path(scratch))

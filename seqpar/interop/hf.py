@@ -14,6 +14,7 @@ import torch
 
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.interop import gpt2, llama, moe, neox
+from seqpar.optional import require
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "stablelm": llama, "gpt_neox": neox, "mixtral": moe, "qwen2_moe": moe}
 
@@ -32,8 +33,6 @@ def family_of(cfg: ModelConfig):
 
 
 def _safetensors():
-    from seqpar.optional import require
-
     st = require("safetensors.torch", "Hugging Face interop")
     return st.load_file, st.save_file
 
@@ -70,7 +69,6 @@ def is_export(folder: str | Path) -> bool:
     weights = Path(folder) / "model.safetensors"
     if not weights.is_file():
         return False
-    from seqpar.optional import require
 
     safe_open = require("safetensors", "Hugging Face interop").safe_open
     try:

@@ -17,7 +17,10 @@ from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensorMeter
 from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
+from seqpar.measure.stages import formula_stage_bytes, implementation_terms
 from seqpar.parallel.comm import all_reduce
+from seqpar.pipeline import forward_backward
+from seqpar.pipeline.keep import keep_for_rank
 
 
 def predicted_activation_bytes(job, layers: list[int], device: torch.device, host: bool = False) -> float | None:
@@ -108,10 +111,6 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list). With
     experts both assume balanced routing (``act_peak_routing``): a rank whose experts get more tokens keeps
     more than its "exact" value."""
-
-    from seqpar.measure.stages import formula_stage_bytes, implementation_terms
-    from seqpar.pipeline import forward_backward
-    from seqpar.pipeline.keep import keep_for_rank
 
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     n = t.microbatches(p.dp)

@@ -10,10 +10,13 @@ from seqpar.analysis.formulas.memory import TABLE2_ROWS, layer_activation_terms,
 from seqpar.analysis.formulas.moe import Routing, balanced_routing
 from seqpar.analysis.formulas.shapes import activation_options
 from seqpar.analysis.formulas.stage import kept_terms, layer_split_terms, layer_terms
-from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.config import OFFLOAD_INSIDE, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.saved import layernorm_stat_bytes, measure_layer, sdpa_kernel_for
 from seqpar.model.moe import MoE
+from seqpar.parallel.context import CPContext
+from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import run_ranks
 
 PAPER_GPT = ModelConfig()  # the architecture options Table 2 assumes (the defaults)
 PAPER_FIELDS = ("norm", "activation", "position", "kv_heads", "bias", "tie_embeddings", "attention_core")
@@ -143,8 +146,6 @@ def plan_rows(cfg: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: 
 
 def offloadable(recompute: str, modules: tuple[str, ...], offload: tuple[str, ...]) -> tuple[str, ...]:
     """The ``offload`` modules a row's recomputation does not rebuild (``--all``: full keeps only the layer input)."""
-    from seqpar.config import OFFLOAD_INSIDE
-
     rebuilt = set(RecomputeConfig(recompute, modules=modules).recomputed_modules)
     return tuple(m for m in offload if not rebuilt & {m, *OFFLOAD_INSIDE.get(m, ())})
 
@@ -169,9 +170,6 @@ def exact_for_routing(cfg: ModelConfig, micro_batch: int, row: Row, routing: Rou
 
 
 def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, rows: list[Row]):
-    from seqpar.parallel.context import CPContext
-    from seqpar.parallel.dims import ParallelDims
-
     cp, ep = rows[0].cp, rows[0].ep
     dims = ParallelDims.build(ParallelConfig(tp=world // cp // ep, cp=cp, dp=ep, ep=ep,
                                              cp_comm_type=rows[0].cp_comm_type, cp_a2a_size=rows[0].cp_a2a_size))
@@ -192,8 +190,6 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, r
 
 def measure_rows(cfg: ModelConfig, micro_batch: int, rows: list[Row]) -> list[Row]:
     """Fill ``measured_bytes`` (rank 0's) by running the rows on ``cp × max(tp)`` local gloo ranks."""
-    from seqpar.parallel.launch import run_ranks
-
     world = rows[0].cp * rows[0].ep * max(row.tp for row in rows)
     measured = run_ranks(_measure_worker, world, cfg, micro_batch, rows)[0]
     for row, (total, tensors, routing, host) in zip(rows, measured, strict=True):

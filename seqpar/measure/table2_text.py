@@ -3,6 +3,8 @@ say which terms this architecture keeps (``seqpar memory``; the rows come from `
 
 from __future__ import annotations
 
+from seqpar.analysis.formulas.memory import sdpa_output_is_out_proj_input
+from seqpar.analysis.formulas.shapes import device_kernels
 from seqpar.analysis.text import human_bytes
 from seqpar.config import ModelConfig
 
@@ -93,9 +95,6 @@ def render_rows(cfg: ModelConfig, rows: list, micro_batch: int, *, cp: int = 1, 
 
 def fused_core_note(micro_batch: int, device: str = "cpu") -> str:
     """What a fused core keeps, and that selective recompute leaves it alone (``analysis.formulas.memory.rebuilt``)."""
-    from seqpar.analysis.formulas.memory import sdpa_output_is_out_proj_input
-    from seqpar.analysis.formulas.shapes import device_kernels
-
     shared = sdpa_output_is_out_proj_input(micro_batch, device_kernels(device, 2)[0])
     out = "its output is the out-proj input's storage" if shared else "its output (2sbh/t)"
     return (f"fused attention (sdpa): no s² terms; it keeps Q, K, V, an fp32 log-sum-exp per row and head, {out}"

@@ -122,6 +122,7 @@ def compiler_problem() -> str:
     """Why Inductor finds no C++ compiler on CPU (asked once), or "" when it finds one."""
     global _compiler_problem
     if _compiler_problem is None:
+        # torch._inductor: about a second to import, asked only when compiling
         from torch._inductor import cpp_builder, exc
 
         try:

@@ -18,11 +18,14 @@ from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensorMeter
 from seqpar.measure.table2 import plan_rows
+from seqpar.model import build_model
 from seqpar.model.init import init_parameters
 from seqpar.model.layer import TransformerLayer
 from seqpar.parallel.dims import ParallelDims, group_rank, group_size
 from seqpar.parallel.rng import RNGTracker
+from seqpar.parallel.tied import canonical_name
 from seqpar.parallel.tp_context import TPContext
+from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.recompute import RecomputePlan, checkpoint
 from seqpar.testing import parity_batch, parity_step, relative_error
 
@@ -130,10 +133,6 @@ def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: in
     """One 1F1B step at pp = N (one layer per stage, two microbatches; p2p on this device's backend)
     against the single-process model on the CPU: relative errors of the loss and of the worst
     gradient of this rank's stage (the tied embedding/output weight after its two copies are summed)."""
-    from seqpar.model import build_model
-    from seqpar.parallel.tied import canonical_name
-    from seqpar.pipeline import build_stages, finalize_grads, forward_backward
-
     cfg = replace(cfg, num_layers=world)
     parallel = ParallelConfig(pp=world)
     dims = ParallelDims.build(parallel)  # collective: every rank builds every group

@@ -21,8 +21,10 @@ import torch.distributed as dist
 from seqpar.config import ConfigError, ParallelConfig
 from seqpar.parallel.comm import MIN, all_reduce
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.launch import end_distributed, init_distributed, run_ranks
 from seqpar.selftest import correctness, speed
 from seqpar.selftest.sizes import Sizes, resolve_device, resolve_nproc, sizes_for, under_torchrun
+from seqpar.train.perf import device_name
 
 CHECKS = {"parity": correctness.parity, "memory": correctness.memory, "table4": speed.table4,
           "mfu": speed.mfu, "training": speed.training}
@@ -90,8 +92,6 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
 
 def _device_name(device: torch.device) -> str:
     """The accelerator's name, or the CPU's model name."""
-    from seqpar.train.perf import device_name
-
     if device.type != "cpu":
         return device_name(device)
     try:
@@ -117,8 +117,6 @@ def run_selftest(device: str = "auto", nproc: int | None = None, quick: bool = F
             if world == 1:
                 result = rank_main(0, 1, opts)
             else:
-                from seqpar.parallel.launch import run_ranks
-
                 threads = max(1, (os.cpu_count() or 1) // world)
                 result = run_ranks(rank_main, world, opts, threads=threads, device_type=dev.type)[0]
             rank0 = True
@@ -128,8 +126,6 @@ def run_selftest(device: str = "auto", nproc: int | None = None, quick: bool = F
 
 
 def _under_torchrun(dev: torch.device, nproc: int | None, opts: dict) -> tuple[dict, bool, str]:
-    from seqpar.parallel.launch import end_distributed, init_distributed
-
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if nproc is not None and nproc != world:
         raise ConfigError(f"--nproc {nproc} under torchrun: the launcher started {world} ranks "

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.analysis.formulas.flops import layer_forward_flops, recompute_extra_flops
+from seqpar.analysis.planning.hardware import peak_flops
 from seqpar.config import RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model.init import init_parameters
@@ -25,6 +26,8 @@ from seqpar.parallel.rng import RNGTracker
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan, checkpoint
 from seqpar.selftest.correctness import sync
+from seqpar.train.config import build_job
+from seqpar.train.loop import Trainer
 from seqpar.train.perf import device_name, gemm_probe, spec_sheet_key
 
 # Table 4's rows: (name, sequence parallel, recompute); the SP rows need t > 1
@@ -115,8 +118,6 @@ def table4(ctx) -> tuple[bool, dict, str]:
 
 def gemm_peaks(device: torch.device, n: int, seconds: float) -> tuple[float, float | None, str | None]:
     """(measured bf16 GEMM FLOP/s, the data-sheet dense bf16 FLOP/s or None, its table key)."""
-    from seqpar.analysis.planning.hardware import peak_flops
-
     measured = gemm_probe(device, torch.bfloat16, n=n, seconds=seconds)
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
     return measured, (peak_flops(key) if key else None), key
@@ -124,9 +125,6 @@ def gemm_peaks(device: torch.device, n: int, seconds: float) -> tuple[float, flo
 
 def _trainer(ctx, model: dict, parallel: dict, recompute: dict, micro_batch: int, steps: int,
              peak_flops: float, lr: float = 3e-3, compile: bool = False):
-    from seqpar.train.config import build_job
-    from seqpar.train.loop import Trainer
-
     dp = parallel.get("dp", 1)
     sections = {"model": model, "parallel": parallel, "recompute": recompute,
                 "train": {"steps": steps, "lr": lr, "min_lr": lr / 10, "warmup": 2, "micro_batch": micro_batch,

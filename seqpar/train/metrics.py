@@ -87,6 +87,7 @@ def plot_losses(records: list[dict], out: str | Path) -> Path | None:
     try:
         import matplotlib  # optional extra, imported where used
         matplotlib.use("Agg")
+        # after the backend is chosen (matplotlib.use)
         import matplotlib.pyplot as plt
     except ImportError:
         return None

@@ -21,9 +21,16 @@ pipeline rank's layers, embeddings and final norm), so their element count is ``
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import lru_cache
 
-from seqpar.analysis.formulas.states import chunk_layer_ids, layer_parameter_sizes, named_stage_parameters
+from seqpar.analysis.formulas.shapes import OptimizerOptions
+from seqpar.analysis.formulas.states import (
+    chunk_layer_ids,
+    layer_parameter_sizes,
+    named_stage_parameters,
+    stage_state_bytes,
+)
 from seqpar.config import ConfigError, ModelConfig, ParallelConfig
 
 # (rows, elements per row) of one tp-local tensor: dim 0 and the product of the others
@@ -116,10 +123,6 @@ def compare_states(shape: ModelConfig, par: ParallelConfig) -> list[dict]:
     distributed optimizer and FSDP (``par.fsdp_shard_size`` for HSDP) over ``par``'s dp × cp ranks, in
     the precision of ``shape.dtype``: [{"rank", "mode", "parameters", "gradients", "optimizer_states",
     "total", "in_flight"}] (``seqpar memory --states``)."""
-    from dataclasses import replace
-
-    from seqpar.analysis.formulas.shapes import OptimizerOptions
-    from seqpar.analysis.formulas.states import stage_state_bytes
 
     dp = par.dp * par.cp
     out = []

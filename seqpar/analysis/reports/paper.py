@@ -7,7 +7,7 @@ computed by ``memory``, ``stage`` and ``flops``.
 
 from __future__ import annotations
 
-from seqpar.analysis.formulas.flops import hardware_flops, mfu, model_flops
+from seqpar.analysis.formulas.flops import hardware_flops, layer_forward_flops, mfu, model_flops
 from seqpar.analysis.formulas.memory import TABLE2_ROWS, layer_activation_bytes, table2_config, table2_row_bytes
 from seqpar.analysis.formulas.presets import (
     DP8_GPUS,
@@ -18,7 +18,9 @@ from seqpar.analysis.formulas.presets import (
     TABLE4_22B_LAYER_MS,
     TABLE5_ITERATION_S,
     PaperSetup,
+    preset_shape,
 )
+from seqpar.analysis.formulas.shapes import default_dropout
 from seqpar.analysis.formulas.stage import StageMemory, stage_memory
 from seqpar.analysis.planning.calibration import paper_calibration
 from seqpar.analysis.planning.hardware import peak_flops
@@ -144,10 +146,6 @@ def beyond_the_paper(t: int = 8) -> dict[str, dict[str, dict[str, float]]]:
     attention. Per layer per
     tp rank, each technique as % of TP alone, and the GEMM FLOPs each recompute choice adds as % of the
     layer's training FLOPs -- which recompute still pays off when attention is fused."""
-    from seqpar.analysis.formulas.flops import layer_forward_flops
-    from seqpar.analysis.formulas.presets import preset_shape
-    from seqpar.analysis.formulas.shapes import default_dropout
-
     out = {}
     for name in LLAMA_PRESETS:
         sh = preset_shape(name)

@@ -14,7 +14,7 @@ from seqpar.analysis.planning.planner import (
     settings,
 )
 from seqpar.analysis.text import exact_bytes, gib, human_bytes, pct_change, table
-from seqpar.config import CP_COMM_TYPES
+from seqpar.config import CP_COMM_TYPES, OFFLOAD_INSIDE, OFFLOAD_MODULES
 
 
 def header(req: Request) -> str:
@@ -85,8 +85,6 @@ def memory_terms(stage: StageMemory) -> str:
 def module_choices(req: Request, ev: Evaluation) -> str:
     """What each module's saved tensors do in this plan: kept on the device, recomputed or offloaded, and what
     offloading costs (host bytes, bytes over the host link, the transfer time the compute does not hide)."""
-    from seqpar.config import OFFLOAD_INSIDE, OFFLOAD_MODULES
-
     rc = ev.plan.rc
     recomputed, offloaded = set(rc.recomputed_modules), set(rc.offload_modules)
 

@@ -17,6 +17,7 @@ LABELS = {"tp": "TP", "tp_sp": "TP+SP", "tp_selective": "TP+selective", "tp_sp_s
 def _pyplot():
     matplotlib = require("matplotlib", "plotting", AnalysisError)
     matplotlib.use("Agg")
+    # optional extra (plots): imported where used, after require() named the extra
     import matplotlib.pyplot as plt
     return plt
 

@@ -29,7 +29,11 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from seqpar.analysis.formulas.flops import hardware_flops, model_flops
+from seqpar.analysis.formulas.presets import DP8_GPUS, DP8_ITERATION_S, TABLE3, TABLE5_ITERATION_S
 from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
+from seqpar.analysis.planning.fit import least_squares
+from seqpar.analysis.planning.planner import Request, evaluate, parse_plan
+from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
 from seqpar.config import ModelConfig
 
 MEGATRON_README = "https://github.com/NVIDIA/Megatron-LM/blob/main/README.md"
@@ -106,8 +110,6 @@ def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int, untied: boo
 
 def paper_runs() -> list[PublishedRun]:
     """Table 5 (full recompute; SP + selective) and Sec. 6.3 (530B, dp 8), from ``presets``."""
-    from seqpar.analysis.formulas.presets import DP8_GPUS, DP8_ITERATION_S, TABLE3, TABLE5_ITERATION_S
-
     out = []
     for name, (full, selective) in TABLE5_ITERATION_S.items():
         s = TABLE3[name]
@@ -227,9 +229,6 @@ def fit_foundry(gpu: str, max_seq: int | None = None) -> tuple[float, float]:
     log(predicted / published) (``fit.least_squares``, each share through a logistic). The
     accelerator records' ``hardware.Fitted`` hold the result (tests/test_published.py fits it
     again). ``max_seq``: only the runs of sequences up to it (``fit_report``'s check of the long rows)."""
-    from seqpar.analysis.planning.fit import least_squares
-    from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
-
     base = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == gpu))
     runs = [r for r in foundry_fit_runs(gpu) if max_seq is None or r.shape.seq_len <= max_seq]
 
@@ -251,8 +250,6 @@ def fit_report(gpu: str) -> dict:
     """The fitted efficiencies of ``gpu``'s built-in profile with the rows they were fitted on (``fit_foundry``):
     their count, sequences and median |error| after the fit, and the fit again without the rows above ``LONG_SEQ``,
     so that a reader sees whether the long-sequence rows are what the attention efficiency absorbs."""
-    from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
-
     hw = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == gpu))
     runs = foundry_fit_runs(gpu)
     short = fit_foundry(gpu, max_seq=LONG_SEQ)
@@ -353,9 +350,6 @@ class Comparison:
 def compare(run: PublishedRun, hw=None) -> Comparison:
     """The cost model's seconds for the published layout on the GPU's built-in profile (or ``hw``): its free
     settings at their defaults, and the range over the candidates that fit (else over all that run)."""
-    from seqpar.analysis.planning.planner import Request, evaluate, parse_plan
-    from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
-
     hw = hw or builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == run.gpu))
     req = Request(run.shape, run.gpus, run.global_batch, hw=hw, opts=run.opts(), opt=run.optimizer())
     plan = parse_plan(run.layout, run.gpus)
@@ -379,8 +373,6 @@ def _at_defaults(run: PublishedRun, plan) -> bool:
 
 def candidates(run: PublishedRun, plan):
     """``plan``, or with the settings ``run.choose`` names varied over the values the planner searches."""
-    from seqpar.analysis.planning.planner import Request
-
     p, sh = plan.par, run.shape
     per_rank = run.global_batch // (p.dp * p.cp)
     mbs = [d for d in range(1, min(per_rank, Request.max_micro_batch) + 1) if per_rank % d == 0] \

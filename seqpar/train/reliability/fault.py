@@ -75,6 +75,7 @@ class Fault:
 
     def damage_latest(self) -> None:
         """Flip one byte in the middle of the first ``.distcp`` file of the run's latest checkpoint."""
+        # torch: the supervisor imports this module, which stays torch-free
         from seqpar.train.checkpoint import resolve
 
         shard = sorted(resolve(Path(self.out_dir)).glob("*.distcp"))[0]

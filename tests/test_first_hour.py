@@ -66,7 +66,8 @@ def _free_port() -> int:
 
 SHRINK = ["--set", "model.num_layers=2", "--set", "model.hidden_size=64", "--set", "model.num_heads=4", "--set",
           "model.kv_heads=2", "--set", "model.ffn_hidden_size=128", "--set", "model.seq_len=32", "--set",
-          "model.vocab_size=256", "--set", "model.dtype=fp32", "--set", "parallel.pp=1", "--set", "parallel.dp=1",
+          "model.vocab_size=256", "--set", "model.dtype=fp32", "--set", "parallel.tp=2", "--set", "parallel.cp=1",
+          "--set", "parallel.pp=1", "--set", "parallel.dp=1",
           "--set", "parallel.interleave=1", "--set", "train.global_batch=2", "--set", "train.steps=2", "--set",
           "train.warmup=1", "--set", "train.log_every=1", "--set", "train.sample_tokens=0", "--set",
           "train.eval_batches=1", "--no-progress"]

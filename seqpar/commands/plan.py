@@ -310,6 +310,7 @@ def run(args) -> int:
         _check_outputs(args)
         req = request_from_args(args)
         explain = planner.parse_plan(args.explain, args.gpus) if args.explain is not None else None
+        explain = explain and planner.with_tp_ring(req, explain)
         if explain is not None:  # a layout that cannot run this model is bad input: one line, exit 2
             try:
                 planner.check_plan(req, explain)

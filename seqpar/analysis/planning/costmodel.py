@@ -343,7 +343,8 @@ def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         g |= {k: moe * gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shape, par, b, opts.act_bytes).items()}
     el = {k: v / hw.memory_bw for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()}
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
-    if par.sp and opts.tp_comm_overlap:  # each collective a ring pipelined with the GEMM it feeds or follows
+    # each collective a ring pipelined with the GEMM it feeds or follows (1F1B: zb-h1 is refused with it)
+    if par.sp and (par.tp_comm_overlap or opts.tp_comm_overlap) and par.pp_schedule == "1f1b":
         ring = {k: tp_ring_exposed_s(gather, g[k], t, hw) for k in ("qkv", "out_proj", "fc1", "fc2")}
         fwd_comm = sum(ring.values())  # g's gathers into QKV and fc1, g-bar's reduce-scatters after out-proj and fc2
         # backward: per column-parallel GEMM the stored input's re-gather (beside the input gradient's partial GEMMs)

@@ -463,9 +463,19 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
                 for gather in (False, True) if dist and req.try_overlap_param_gather else (False,):
                     for ep in eps:
                         for sched in _schedules(req, replace(par, ep=ep)):
-                            yield Plan(replace(par, ep=ep, pp_schedule=sched), RecomputeConfig(), mb, dist, gather)
+                            yield with_tp_ring(req, Plan(replace(par, ep=ep, pp_schedule=sched), RecomputeConfig(),
+                                                         mb, dist, gather))
             if req.try_fsdp and not _refused(req, replace(par, fsdp=True)):
-                yield Plan(replace(par, fsdp=True), RecomputeConfig(), mb)
+                yield with_tp_ring(req, Plan(replace(par, fsdp=True), RecomputeConfig(), mb))
+
+
+def with_tp_ring(req: Request, plan: Plan) -> Plan:
+    """``plan`` with the TP ring on (``parallel.tp_comm_overlap``) where ``req`` searches it and the plan can run
+    it: SP at tp > 1 under 1F1B (a zero-bubble schedule defers W, which the ring's linears compute in the
+    backward: ``ParallelConfig`` refuses the two together). Its buffers then count in the plan's memory."""
+    p = plan.par
+    ring = req.opts.tp_comm_overlap and p.sp and p.tp > 1 and p.pp_schedule == "1f1b"
+    return replace(plan, par=replace(p, tp_comm_overlap=True)) if ring and not p.tp_comm_overlap else plan
 
 
 def _schedules(req: Request, par: ParallelConfig) -> list[str]:

@@ -49,8 +49,7 @@ def train_sections(req: Request, plan: Plan, schedule: dict | None = None) -> di
         train |= {"overlap_grad_reduce": True, "grad_bucket_mb": req.opt.bucket_bytes / 2**20}
     if plan.overlap_param_gather and plan.par.dp * plan.par.cp > 1:
         train |= {"overlap_param_gather": True, "grad_bucket_mb": req.opt.bucket_bytes / 2**20}
-    parallel = dataclasses.asdict(plan.par) | (
-        {"tp_comm_overlap": True} if req.opts.tp_comm_overlap and plan.par.sp and plan.par.tp > 1 else {})
+    parallel = dataclasses.asdict(plan.par)  # the TP ring where the plan runs it (planner.with_tp_ring)
     return {"model": model, "parallel": parallel, "recompute": dataclasses.asdict(plan.rc),
             "train": train | {"data": None, "tokenizer": None}}
 

@@ -228,6 +228,7 @@ class Evaluation:
     fits: bool = False
     error: str | None = None
     usable_bytes: float = 0.0
+    host_usable_bytes: float = 0.0  # a node's host memory for offloaded activations, per GPU
     offload_bytes_per_step: float = 0.0  # over the host link, both directions, the rank that moves the most
 
     @property
@@ -351,7 +352,7 @@ def offload_options(req: Request, options: list[RecomputeConfig]) -> list[Recomp
 def evaluate(req: Request, plan: Plan, every_rank: bool = False, timed: bool = True) -> Evaluation:
     """Memory, fit, predicted time and MFU of one plan (``error`` set when it cannot run; without ``timed``
     the time only where it fits: the search ranks nothing else)."""
-    ev = Evaluation(plan=plan, usable_bytes=req.hw.usable_bytes)
+    ev = Evaluation(plan=plan, usable_bytes=req.hw.usable_bytes, host_usable_bytes=req.hw.host_usable_bytes)
     try:
         check_plan(req, plan)
         ev.stages = stages_of(req, plan, every_rank)  # refuses chunks that differ in MoE layers

@@ -129,6 +129,9 @@ def _verdict(ev: Evaluation, best: Evaluation | None) -> str:
     if ev.error:
         return f"invalid: {ev.error}"
     peak = ev.peak
+    if not ev.fits and ev.memory_bytes <= ev.usable_bytes:  # the device holds it; the host does not
+        return (f"does not fit: the offloaded activations need {human_bytes(ev.host_bytes)} of host memory per GPU > "
+                f"{human_bytes(ev.host_usable_bytes)} usable")
     if not ev.fits:
         return (f"does not fit: rank {peak.rank} needs {human_bytes(peak.total)} > {human_bytes(ev.usable_bytes)} "
                 "usable "

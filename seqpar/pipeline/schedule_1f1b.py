@@ -31,6 +31,32 @@ def run_1f1b_forward(runner: ScoreRunner, comm: PipeComm | None) -> None:
             comm.exchange(send_next=out)
 
 
+def warm_up(runner: StepRunner, comm: PipeComm, warmup: int, inputs: list, outputs: list) -> None:
+    """1F1B's warm-up on one chunk (ZB-H1's too): ``warmup`` forwards of microbatches 0.., each received from the
+    previous rank and sent to the next, its input and output appended to ``inputs``/``outputs`` (oldest first)."""
+    first, last = comm.dims.pp_rank == 0, comm.dims.pp_rank == comm.dims.pp - 1
+    for mb in range(warmup):
+        x = None if first else as_input(comm.exchange(recv_prev=True)[0])
+        out = runner.forward(0, mb, x)
+        if not last:
+            comm.exchange(send_next=out)
+        runner.release_output(0, out)
+        inputs.append(x)
+        outputs.append(out)
+        x = out = None  # only the lists keep them, so they die with their backward
+
+
+def steady_forward(runner: StepRunner, comm: PipeComm, mb: int, x, inputs: list, outputs: list):
+    """The steady phase's forward of microbatch ``mb`` (1F1B's and ZB-H1's): run it, send its output while the
+    gradient of the oldest in flight is received (returned; None on the last rank), keep its input and output."""
+    out = runner.forward(0, mb, x)
+    grad = None if comm.dims.pp_rank == comm.dims.pp - 1 else comm.exchange(send_next=out, recv_next=True)[1]
+    runner.release_output(0, out)
+    inputs.append(x)
+    outputs.append(out)
+    return grad  # x and out die with this frame: only the lists keep the microbatch's graph alive
+
+
 def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
     """One chunk per rank, p > 1."""
     dims, n = comm.dims, runner.num_microbatches
@@ -38,34 +64,14 @@ def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
     warmup = min(dims.pp - dims.pp_rank - 1, n)
     steady = n - warmup
     inputs, outputs = [], []  # per in-flight microbatch, oldest first
-    fwd_mb = bwd_mb = 0
+    warm_up(runner, comm, warmup, inputs, outputs)
+    fwd_mb, bwd_mb = warmup, 0
 
-    def recv_forward():
-        return None if first else as_input(comm.exchange(recv_prev=True)[0])
-
-    def send_forward(out):
-        if not last:
-            comm.exchange(send_next=out)
-
-    for _ in range(warmup):
-        x = recv_forward()
-        out = runner.forward(0, fwd_mb, x)
-        send_forward(out)
-        runner.release_output(0, out)
-        inputs.append(x)
-        outputs.append(out)
-        x = out = None  # only the lists keep them, so they die with their backward
-        fwd_mb += 1
-
-    x = recv_forward() if steady > 0 else None
+    x = None if first or steady == 0 else as_input(comm.exchange(recv_prev=True)[0])
     for i in range(steady):
-        out = runner.forward(0, fwd_mb, x)
+        grad = steady_forward(runner, comm, fwd_mb, x, inputs, outputs)
         fwd_mb += 1
-        grad = None if last else comm.exchange(send_next=out, recv_next=True)[1]
-        runner.release_output(0, out)
-        inputs.append(x)
-        outputs.append(out)
-        x = out = None  # a local reference would keep the finished microbatch's graph alive
+        x = None  # a local reference would keep the finished microbatch's graph alive
         dx = runner.backward(0, bwd_mb, inputs.pop(0), outputs.pop(0), grad)  # drops them once done
         bwd_mb += 1
         if i == steady - 1:

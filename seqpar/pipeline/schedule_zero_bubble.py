@@ -20,6 +20,7 @@ can outweigh a microbatch, and the later ranks then hold more than 1F1B's (docs/
 from __future__ import annotations
 
 from seqpar.pipeline.p2p import PipeComm
+from seqpar.pipeline.schedule_1f1b import steady_forward, warm_up
 from seqpar.pipeline.step import StepRunner, as_input
 
 
@@ -36,31 +37,14 @@ def run_zb_h1(runner: StepRunner, comm: PipeComm) -> None:
     steady = n - warmup
     limit = deferred_limit(dims.pp_rank)
     inputs, outputs = [], []  # per in-flight microbatch, oldest first
-    fwd_mb = bwd_mb = 0
+    warm_up(runner, comm, warmup, inputs, outputs)
+    fwd_mb, bwd_mb = warmup, 0
 
-    def recv_forward():
-        return None if first else as_input(comm.exchange(recv_prev=True)[0])
-
-    for _ in range(warmup):
-        x = recv_forward()
-        out = runner.forward(0, fwd_mb, x)
-        if not last:
-            comm.exchange(send_next=out)
-        runner.release_output(0, out)
-        inputs.append(x)
-        outputs.append(out)
-        x = out = None  # only the lists keep them, so they die with their backward
-        fwd_mb += 1
-
-    x = recv_forward() if steady > 0 else None
+    x = None if first or steady == 0 else as_input(comm.exchange(recv_prev=True)[0])
     for i in range(steady):
-        out = runner.forward(0, fwd_mb, x)
+        grad = steady_forward(runner, comm, fwd_mb, x, inputs, outputs)
         fwd_mb += 1
-        grad = None if last else comm.exchange(send_next=out, recv_next=True)[1]
-        runner.release_output(0, out)
-        inputs.append(x)
-        outputs.append(out)
-        x = out = None  # a local reference would keep the finished microbatch's graph alive
+        x = None  # a local reference would keep the finished microbatch's graph alive
         dx = runner.backward(0, bwd_mb, inputs.pop(0), outputs.pop(0), grad)  # B only
         runner.seal_w(0)
         bwd_mb += 1

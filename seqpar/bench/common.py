@@ -259,3 +259,16 @@ def profile_table(fn, rows: int = 15) -> str:
     lines += [f"{e.key[:43]:<44}{e.self_cpu_time_total / 1e3:>10.1f}{100 * e.self_cpu_time_total / total:>7.1f}%"
               f"{e.count:>7}" for e in events[:rows]]
     return "\n".join([*lines, f"{'total':<44}{total / 1e3:>10.1f}"])
+
+
+def device_with_shapes(args, shapes: dict) -> torch.device:
+    """The ``--device`` asked (refused in one line where this machine has none), the shape flags left unset
+    filled with its defaults (``shapes["cpu"]``, else ``shapes["cuda"]``)."""
+    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    if device.type != "cpu" and not getattr(torch, device.type).is_available():
+        raise ConfigError(f"--device {device}: no {device.type} device here (torch.{device.type}.is_available() "
+                          "is False)")
+    for key, value in shapes["cpu" if device.type == "cpu" else "cuda"].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return device

@@ -60,13 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve(args) -> argparse.Namespace:
     """Fill the shape flags left unset with the device's defaults (``SHAPES``); refuse a missing device."""
-    device = torch.device(getattr(args, "device", "cpu") or "cpu")
-    if device.type != "cpu" and not getattr(torch, device.type).is_available():
-        raise ConfigError(f"--device {device}: no {device.type} device here (torch.{device.type}.is_available() "
-                          "is False)")
-    for key, value in SHAPES["cpu" if device.type == "cpu" else "cuda"].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    device = common.device_with_shapes(args, SHAPES)
     if device.type != "cpu" and args.tp != 1:
         raise ConfigError(f"--device {device} runs t = 1 in this process, got --tp {args.tp}")
     args.device = str(device)

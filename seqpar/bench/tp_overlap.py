@@ -61,13 +61,7 @@ def chunk_counts() -> tuple[int, ...]:
 
 
 def resolve(args) -> argparse.Namespace:
-    device = torch.device(getattr(args, "device", "cpu") or "cpu")
-    if device.type != "cpu" and not getattr(torch, device.type).is_available():
-        raise ConfigError(f"--device {device}: no {device.type} device here (torch.{device.type}.is_available() "
-                          "is False)")
-    for key, value in SHAPES["cpu" if device.type == "cpu" else "cuda"].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    device = common.device_with_shapes(args, SHAPES)
     if args.tp < 2:
         raise ConfigError(f"--tp {args.tp}: the overlap pipelines sequence parallelism's collectives, which need "
                           "tp >= 2")

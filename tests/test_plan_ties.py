@@ -27,7 +27,8 @@ def test_the_22b_report_marks_no_plan_beyond_its_stated_band(capsys):
     assert main(["plan", "--model", "22b", "--gpus", "64", "--no-fsdp", "--no-distributed-optimizer", "--no-offload",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    band, best = out["hardware"]["error_band"], out["best"]["predicted_iteration_s"]
+    # within the band of the fastest (``ties_with_best``): the plan ranked first may be a tie that holds less memory
+    band, best = out["hardware"]["error_band"], min(p["predicted_iteration_s"] for p in out["plans"])
     tied = [p["predicted_iteration_s"] / best - 1 for p in out["plans"] if p["tie_with_best"]]
     untied = [p["predicted_iteration_s"] / best - 1 for p in out["plans"] if not p["tie_with_best"]]
     assert tied and max(tied) <= band < min(untied)

@@ -646,6 +646,12 @@ def rank_of(ev: Evaluation, ranked: list[Evaluation]) -> int | None:
     return rank_plans(others + [ev]).index(ev) + 1
 
 
+def _ringed(req: Request, plan: Plan) -> Plan:
+    """A variant of a plan with the TP ring as the search would give it (``with_tp_ring``): off where the
+    variant has no SP or runs zb-h1, on where it can run it."""
+    return with_tp_ring(req, replace(plan, par=replace(plan.par, tp_comm_overlap=False)))
+
+
 def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     """The paper's techniques at ``plan``'s layout: why TP alone (or no recompute) is not chosen."""
     variants = {
@@ -659,7 +665,7 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     for name, (sp, rc) in variants.items():
         if sp and plan.par.tp == 1:
             continue
-        out[name] = evaluate(req, replace(plan, par=replace(plan.par, sp=sp), rc=rc))
+        out[name] = evaluate(req, _ringed(req, replace(plan, par=replace(plan.par, sp=sp), rc=rc)))
     p = plan.par
     if p.cp > 1:  # the same GPUs without context parallelism: cp folded into dp
         flat = replace(p, cp=1, dp=p.dp * p.cp)
@@ -670,7 +676,8 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
     if p.pp > 1 and p.interleave == 1 and not p.fsdp:  # the other pipeline schedule: its bubble and its memory
         other = "1f1b" if p.pp_schedule != "1f1b" else "zb-h1"
-        out[f"pp_schedule {other}, {plan.rc.label}"] = evaluate(req, replace(plan, par=replace(p, pp_schedule=other)))
+        out[f"pp_schedule {other}, {plan.rc.label}"] = evaluate(req, _ringed(req, replace(
+            plan, par=replace(p, pp_schedule=other))))
     if p.fsdp:  # why shard everything: the same plan with the states replicated, or only the optimizer's sharded
         plain = replace(p, fsdp=False, fsdp_shard_size=0)
         out[f"no fsdp, {plan.rc.label}"] = evaluate(req, replace(plan, par=plain))

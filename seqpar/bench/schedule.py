@@ -18,6 +18,7 @@ import torch
 from seqpar.bench.common import add_shape_arguments, add_timing_arguments, machine, median
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.optional import require
+from seqpar.parallel import comm
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.pipeline import build_stages, forward_backward
@@ -53,15 +54,16 @@ def _rank(rank: int, world: int, args) -> dict:
         steps = []
         for i in range(args.warmup + args.repeats):
             timeline = Timeline()
-            torch.distributed.barrier()
+            comm.barrier()
             start = time.perf_counter()
             forward_backward(chunks, mbs, dims, parallel, timeline=timeline)
-            end = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            torch.distributed.all_reduce(end, op=torch.distributed.ReduceOp.MAX)  # the step ends with its last rank
+            span = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            comm.all_reduce(span, op=comm.MAX)  # the step ends with its last rank
+            span_s = span.item()
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             if i >= args.warmup:
-                steps.append({"span_s": end.item(), "idle_s": timeline.idle_s(start, start + end.item()),
+                steps.append({"span_s": span_s, "idle_s": timeline.idle_s(start, start + span_s),
                               "events": [(k, mb, s - start, e - start) for k, _, mb, s, e in timeline.events]})
         out[sched] = steps
     return out

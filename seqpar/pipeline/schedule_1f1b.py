@@ -31,10 +31,15 @@ def run_1f1b_forward(runner: ScoreRunner, comm: PipeComm | None) -> None:
             comm.exchange(send_next=out)
 
 
-def warm_up(runner: StepRunner, comm: PipeComm, warmup: int, inputs: list, outputs: list) -> None:
-    """1F1B's warm-up on one chunk (ZB-H1's too): ``warmup`` forwards of microbatches 0.., each received from the
-    previous rank and sent to the next, its input and output appended to ``inputs``/``outputs`` (oldest first)."""
-    first, last = comm.dims.pp_rank == 0, comm.dims.pp_rank == comm.dims.pp - 1
+def warm_up(runner: StepRunner, comm: PipeComm) -> tuple[int, list, list, object]:
+    """1F1B's warm-up on one chunk (ZB-H1's too): min(p - S - 1, n) forwards of microbatches 0.., each received
+    from the previous rank and sent to the next; then the steady phase's first input received. Returns the
+    warm-up count, the in-flight inputs and outputs (oldest first) and that first steady input (None on the first
+    rank or with no steady phase)."""
+    dims, n = comm.dims, runner.num_microbatches
+    first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
+    warmup = min(dims.pp - dims.pp_rank - 1, n)
+    inputs, outputs = [], []
     for mb in range(warmup):
         x = None if first else as_input(comm.exchange(recv_prev=True)[0])
         out = runner.forward(0, mb, x)
@@ -44,6 +49,8 @@ def warm_up(runner: StepRunner, comm: PipeComm, warmup: int, inputs: list, outpu
         inputs.append(x)
         outputs.append(out)
         x = out = None  # only the lists keep them, so they die with their backward
+    x = None if first or warmup == n else as_input(comm.exchange(recv_prev=True)[0])
+    return warmup, inputs, outputs, x
 
 
 def steady_forward(runner: StepRunner, comm: PipeComm, mb: int, x, inputs: list, outputs: list):
@@ -61,13 +68,9 @@ def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
     """One chunk per rank, p > 1."""
     dims, n = comm.dims, runner.num_microbatches
     first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
-    warmup = min(dims.pp - dims.pp_rank - 1, n)
+    warmup, inputs, outputs, x = warm_up(runner, comm)  # inputs/outputs: per in-flight microbatch, oldest first
     steady = n - warmup
-    inputs, outputs = [], []  # per in-flight microbatch, oldest first
-    warm_up(runner, comm, warmup, inputs, outputs)
     fwd_mb, bwd_mb = warmup, 0
-
-    x = None if first or steady == 0 else as_input(comm.exchange(recv_prev=True)[0])
     for i in range(steady):
         grad = steady_forward(runner, comm, fwd_mb, x, inputs, outputs)
         fwd_mb += 1

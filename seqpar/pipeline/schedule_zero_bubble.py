@@ -33,14 +33,10 @@ def run_zb_h1(runner: StepRunner, comm: PipeComm) -> None:
     """One chunk per rank, p > 1; every W unit has run when it returns."""
     dims, n = comm.dims, runner.num_microbatches
     first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
-    warmup = min(dims.pp - dims.pp_rank - 1, n)
+    warmup, inputs, outputs, x = warm_up(runner, comm)  # inputs/outputs: per in-flight microbatch, oldest first
     steady = n - warmup
     limit = deferred_limit(dims.pp_rank)
-    inputs, outputs = [], []  # per in-flight microbatch, oldest first
-    warm_up(runner, comm, warmup, inputs, outputs)
     fwd_mb, bwd_mb = warmup, 0
-
-    x = None if first or steady == 0 else as_input(comm.exchange(recv_prev=True)[0])
     for i in range(steady):
         grad = steady_forward(runner, comm, fwd_mb, x, inputs, outputs)
         fwd_mb += 1

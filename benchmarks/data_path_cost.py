@@ -43,8 +43,11 @@ def main() -> None:
             data_s.append(t1 - t0)
             step_s.append(t2 - t1)
     d, s = statistics.median(data_s), statistics.median(step_s)
-    print(f"data {d * 1e3:.2f} ms, step {s * 1e3:.1f} ms (medians of {ours.bench_steps}): data = {100 * d / s:.2f}% "
-          f"of a step ({t.global_batch} x {job.model.seq_len} tokens, document_mask {job.data.document_mask})")
+    print(
+        f"data {d * 1e3:.2f} ms, step {s * 1e3:.1f} ms (medians of {ours.bench_steps}): data = "
+        f"{100 * d / s:.2f}% of a step ({t.global_batch} x {job.model.seq_len} tokens, "
+        f"document_mask {job.data.document_mask})"
+    )
 
 
 if __name__ == "__main__":

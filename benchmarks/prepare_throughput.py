@@ -57,8 +57,10 @@ def main() -> None:
         shutil.rmtree(out.parent)
         assert manifest["tokens"] == n_base, (manifest["tokens"], n_base)
     b, q = statistics.median(base_t), statistics.median(prep_t)
-    print(f"{n_base:,} tokens; plain encode_batch loop {n_base / b:,.0f} tokens/s (median of {args.rounds}), "
-          f"seqpar prepare {n_base / q:,.0f} tokens/s; ratio {b / q:.2f}")
+    print(
+        f"{n_base:,} tokens; plain encode_batch loop {n_base / b:,.0f} tokens/s (median of "
+        f"{args.rounds}), seqpar prepare {n_base / q:,.0f} tokens/s; ratio {b / q:.2f}"
+    )
     print("  rounds (s): baseline " + ", ".join(f"{t:.2f}" for t in base_t) + "; prepare "
           + ", ".join(f"{t:.2f}" for t in prep_t))
 

@@ -18,22 +18,56 @@ from seqpar.settings import hint_for_flag
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "memory": ("seqpar.commands.memory", "activation bytes per layer: formula and measurement"),
-    "plan": ("seqpar.commands.plan", "which parallel layout, recompute and microbatch fits and runs fastest"),
-    "paper": ("seqpar.commands.paper", "the paper's tables and figures recomputed from seqpar's model"),
-    "train": ("seqpar.commands.train", "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics"),
-    "prepare": ("seqpar.commands.prepare",
-                "text, JSON Lines, CSV/TSV or Parquet -> sharded token files + document index"),
-    "tokenizer": ("seqpar.commands.tokenizer", "train a BPE tokenizer on a corpus (tokenizer train)"),
-    "eval": ("seqpar.commands.eval", "the loss of a checkpoint on given data (its own validation split by default)"),
-    "sample": ("seqpar.commands.sample", "generate text from a checkpoint (temperature, top-k; 0 is greedy)"),
-    "import-hf": ("seqpar.commands.import_hf",
-                  "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX/Mixtral/Qwen2-MoE folder -> a checkpoint"),
-    "export-hf": ("seqpar.commands.export_hf", "a checkpoint -> a Hugging Face folder of the same model, or a refusal"),
+    "plan": (
+        "seqpar.commands.plan",
+        "which parallel layout, recompute and microbatch fits and runs fastest",
+    ),
+    "paper": (
+        "seqpar.commands.paper",
+        "the paper's tables and figures recomputed from seqpar's model",
+    ),
+    "train": (
+        "seqpar.commands.train",
+        "train a GPT (tp/sp/pp/dp, recompute) with checkpoints and metrics",
+    ),
+    "prepare": (
+        "seqpar.commands.prepare",
+        "text, JSON Lines, CSV/TSV or Parquet -> sharded token files + document index",
+    ),
+    "tokenizer": (
+        "seqpar.commands.tokenizer",
+        "train a BPE tokenizer on a corpus (tokenizer train)",
+    ),
+    "eval": (
+        "seqpar.commands.eval",
+        "the loss of a checkpoint on given data (its own validation split by default)",
+    ),
+    "sample": (
+        "seqpar.commands.sample",
+        "generate text from a checkpoint (temperature, top-k; 0 is greedy)",
+    ),
+    "import-hf": (
+        "seqpar.commands.import_hf",
+        "a Hugging Face GPT-2/Llama/StableLM/GPT-NeoX/Mixtral/Qwen2-MoE folder -> a checkpoint",
+    ),
+    "export-hf": (
+        "seqpar.commands.export_hf",
+        "a checkpoint -> a Hugging Face folder of the same model, or a refusal",
+    ),
     "bench": ("seqpar.commands.bench", "benchmarks: table4, vs-torch, single, mfu, planner"),
-    "calibrate": ("seqpar.commands.calibrate", "micro-benchmarks of this machine -> a hardware profile for plan"),
-    "verify": ("seqpar.commands.verify", "check a checkpoint (file checksums, config vs tensors, every tensor read) "
-               "or a prepared folder (checksums, index, ids)"),
-    "selftest": ("seqpar.commands.selftest", "check this device end to end: parity, memory, Table 4, MFU, training"),
+    "calibrate": (
+        "seqpar.commands.calibrate",
+        "micro-benchmarks of this machine -> a hardware profile for plan",
+    ),
+    "verify": (
+        "seqpar.commands.verify",
+        "check a checkpoint (file checksums, config vs tensors, every tensor read) "
+        "or a prepared folder (checksums, index, ids)",
+    ),
+    "selftest": (
+        "seqpar.commands.selftest",
+        "check this device end to end: parity, memory, Table 4, MFU, training",
+    ),
 }
 
 
@@ -46,8 +80,8 @@ def version_line() -> str:
 
 
 class _Version(argparse.Action):
-    """``--version``, whose line is made only when asked for: it imports torch (seconds), which a verb such
-    as ``plan`` or ``paper`` never needs."""
+    """``--version``, whose line is made only when asked for: it imports torch (seconds), which a
+    verb such as ``plan`` or ``paper`` never needs."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         print(version_line())
@@ -55,15 +89,17 @@ class _Version(argparse.Action):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is the one line that names it, a "did you mean" for a misspelled flag or a
-    Megatron-LM name (``seqpar.settings.hint_for_flag``), and where to read more, not the whole usage block
-    (``seqpar VERB --help`` prints that)."""
+    """argparse, but a usage error is the one line that names it, a "did you mean" for a misspelled
+    flag or a Megatron-LM name (``seqpar.settings.hint_for_flag``), and where to read more, not the
+    whole usage block (``seqpar VERB --help`` prints that)."""
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
             flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             words = message.split(": ", 1)[1].split()
-            close = {w: hint_for_flag(w.split("=", 1)[0], flags) for w in words if w.startswith("--")}
+            close = {
+                w: hint_for_flag(w.split("=", 1)[0], flags) for w in words if w.startswith("--")
+            }
             close = [f"{match} for {w}" for w, match in close.items() if match]
             message += f" (did you mean {', '.join(close)}?)" if close else ""
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
@@ -73,32 +109,46 @@ class Parser(argparse.ArgumentParser):
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every option's help says its default: ``(default: X)`` is added where the text does not already
-    (any verb's, nested ones included), so no flag's default is left for the user to guess."""
+    """Every option's help says its default: ``(default: X)`` is added where the text does not
+    already (any verb's, nested ones included), so no flag's default is left for the user to
+    guess."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 show_defaults(sub)
             continue
-        if action.option_strings and action.help is None:  # a flag nobody described: at least its name
+        # a flag nobody described: at least its name
+        if action.option_strings and action.help is None:
             action.help = action.dest.replace("_", " ")
-        if (not action.option_strings or action.required or action.help in (None, argparse.SUPPRESS)
-                or isinstance(action, argparse._StoreConstAction | argparse._HelpAction | argparse._VersionAction)
-                or "default" in action.help):
+        if (
+            not action.option_strings
+            or action.required
+            or action.help in (None, argparse.SUPPRESS)
+            or isinstance(
+                action, argparse._StoreConstAction | argparse._HelpAction | argparse._VersionAction
+            )
+            or "default" in action.help
+        ):
             continue
         value = "none" if action.default in (None, "", []) else "%(default)s"
         action.help = f"{action.help} (default: {value})"
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """Every verb's parser, or with ``only`` just that verb's arguments (the others are listed, not built;
-    ``only=""`` builds none):
-    building a verb imports its module, and some import torch, which ``plan`` or ``paper`` never need."""
+    """Every verb's parser, or with ``only`` just that verb's arguments (the others are listed, not
+    built; ``only=""`` builds none):
+    building a verb imports its module, and some import torch, which ``plan`` or ``paper`` never
+    need."""
     parser = Parser(
-        prog="seqpar", description="Tensor, sequence and pipeline parallel transformer training with selective "
-        "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs model as tools.",
-        epilog="`seqpar VERB --help` describes each verb.")
-    parser.add_argument("--version", action=_Version, nargs=0, help="show the seqpar, torch and python versions")
+        prog="seqpar",
+        description="Tensor, sequence and pipeline parallel transformer training with selective "
+        "activation recomputation (Korthikanti et al., 2022), and the paper's memory and FLOPs "
+        "model as tools.",
+        epilog="`seqpar VERB --help` describes each verb.",
+    )
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="show the seqpar, torch and python versions"
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     for verb, (module, help_text) in VERBS.items():
@@ -112,15 +162,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # only the verb named is built (its module imported); `seqpar --help` lists the verbs and builds none
+    # only the verb named is built (its module imported); `seqpar --help` lists the verbs and builds
+    # none
     parser = build_parser(argv[0] if argv and argv[0] in VERBS else "")
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the verb's parser, whose flags a "did you mean" is drawn from
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (ConfigError, AnalysisError) as err:  # bad input: a usage error naming the rule, no traceback
+    # bad input: a usage error naming the rule, no traceback
+    except (ConfigError, AnalysisError) as err:
         args._parser.error(str(err))  # one line naming the rule, exits 2
-    except BrokenPipeError:  # `seqpar paper | head`: the reader left; quiet, as a Unix tool killed by SIGPIPE
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+    # `seqpar paper | head`: the reader left; quiet, as a Unix tool killed by SIGPIPE
+    except BrokenPipeError:
+        # the interpreter's final flush goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13

@@ -17,7 +17,8 @@ def _toml_value(value) -> str:
 
 
 def config_toml(sections: dict[str, dict]) -> str:
-    """The configuration as a TOML file ``--config`` reads back (unset optional values as comments)."""
+    """The configuration as a TOML file ``--config`` reads back (unset optional values as
+    comments)."""
     lines = []
     for name, values in sections.items():
         lines.append(f"[{name}]")

@@ -1,11 +1,11 @@
 """The two file primitives every writer and checker shares: a file's SHA-256, and an atomic write.
 
 ``write_atomic`` writes a temporary file beside the target (its name ends in ``.tmp`` and holds the
-writer's process and thread ids, so two writers of the same target never share one), flushes it to disk
-(``fsync``, unless ``durable`` is off) and renames it over the target: a reader, or a crash at any point,
-sees the old file or the new one, never half of one. Prepared folders, checkpoints' markers, tokenizer
-copies, the metrics log and the GEMM-probe cache all write this way; the ranks' heartbeats too, without
-the ``fsync`` (a heartbeat lost in a crash is rewritten by the next one).
+writer's process and thread ids, so two writers of the same target never share one), flushes it to
+disk (``fsync``, unless ``durable`` is off) and renames it over the target: a reader, or a crash at
+any point, sees the old file or the new one, never half of one. Prepared folders, checkpoints'
+markers, tokenizer copies, the metrics log and the GEMM-probe cache all write this way; the ranks'
+heartbeats too, without the ``fsync`` (a heartbeat lost in a crash is rewritten by the next one).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def write_atomic(path: str | Path, data: str | bytes, durable: bool = True) -> None:
-    """``path`` holds ``data`` (text is written as UTF-8), atomically and (``durable``) on disk (see the module
-    docstring)."""
+    """``path`` holds ``data`` (text is written as UTF-8), atomically and (``durable``) on disk (see
+    the module docstring)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:

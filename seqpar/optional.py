@@ -1,8 +1,8 @@
-"""The optional packages, one owner: which extra of ``pyproject.toml`` installs each, and the one-line refusal
-when a feature needs one that is missing (``require``). seqpar itself needs only torch: every other package
-is imported where it is used, so ``PYTHONPATH=. python3 -m seqpar ...`` runs from a checkout with torch
-alone (docs/gpu.md, "From a checkout"). A nice-to-have (a progress bar, the loss plot, TensorBoard) falls
-back quietly instead of calling ``require``.
+"""The optional packages, one owner: which extra of ``pyproject.toml`` installs each, and the
+one-line refusal when a feature needs one that is missing (``require``). seqpar itself needs only
+torch: every other package is imported where it is used, so ``PYTHONPATH=. python3 -m seqpar ...``
+runs from a checkout with torch alone (docs/gpu.md, "From a checkout"). A nice-to-have (a progress
+bar, the loss plot, TensorBoard) falls back quietly instead of calling ``require``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,16 @@ import importlib.util
 from seqpar.config import ConfigError
 
 # package -> the extra that installs it (pip install 'seqpar[EXTRA]')
-EXTRAS = {"matplotlib": "plots", "rich": "progress", "safetensors": "interop", "transformers": "interop",
-          "tokenizers": "tokenizers", "datasets": "data", "tensorboard": "tensorboard", "wandb": "wandb"}
+EXTRAS = {
+    "matplotlib": "plots",
+    "rich": "progress",
+    "safetensors": "interop",
+    "transformers": "interop",
+    "tokenizers": "tokenizers",
+    "datasets": "data",
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+}
 
 
 def install_hint(package: str) -> str:
@@ -32,8 +40,8 @@ def available(package: str) -> bool:
 
 
 def require(module: str, purpose: str, error: type[ConfigError] = ConfigError):
-    """``module`` imported, or ``error`` (a ConfigError: seqpar's CLI prints it as one line, exit 2) saying
-    that ``purpose`` needs its package and how to install it."""
+    """``module`` imported, or ``error`` (a ConfigError: seqpar's CLI prints it as one line, exit 2)
+    saying that ``purpose`` needs its package and how to install it."""
     package = module.split(".")[0]
     try:
         return importlib.import_module(module)

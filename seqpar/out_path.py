@@ -1,8 +1,9 @@
-"""Where a verb writes its result, checked before the work starts (a benchmark's measured profile or a
-plan is not lost to a missing folder at the end), and the one rule of every verb that writes: it touches
-only what it made. An ``--out`` that is, holds or lies inside an input is refused; an existing file is
-replaced only when it is one this verb writes; a folder holding files the verb did not write is refused
-(``--overwrite`` too), and replacing the verb's own earlier result removes only the verb's own files."""
+"""Where a verb writes its result, checked before the work starts (a benchmark's measured profile or
+a plan is not lost to a missing folder at the end), and the one rule of every verb that writes: it
+touches only what it made. An ``--out`` that is, holds or lies inside an input is refused; an
+existing file is replaced only when it is one this verb writes; a folder holding files the verb did
+not write is refused (``--overwrite`` too), and replacing the verb's own earlier result removes only
+the verb's own files."""
 
 from __future__ import annotations
 
@@ -23,24 +24,34 @@ def _names(names: list[str]) -> str:
 
 
 def check_not_input(path: Path | str, inputs: Iterable[str | Path], flag: str) -> None:
-    """Refuse an output that is an input, holds one, or lies inside an input folder (it would be read
-    back as input, or overwrite what it reads)."""
+    """Refuse an output that is an input, holds one, or lies inside an input folder (it would be
+    read back as input, or overwrite what it reads)."""
     out = Path(path).resolve()
     for given in inputs:
         source = Path(given).resolve()
         if out == source:
             raise ConfigError(f"{flag} {path} is the input {given}; write somewhere else")
         if source.is_relative_to(out):
-            raise ConfigError(f"{flag} {path} holds the input {given}; write to a folder apart from the inputs")
+            raise ConfigError(
+                f"{flag} {path} holds the input {given}; write to a folder apart from the inputs"
+            )
         if out.is_relative_to(source):
-            raise ConfigError(f"{flag} {path} lies inside the input folder {given} (it would be read as input); "
-                              "write to a folder apart from the inputs")
+            raise ConfigError(
+                f"{flag} {path} lies inside the input folder {given} (it would be read as input); "
+                "write to a folder apart from the inputs"
+            )
 
 
-def check_out_file(path: Path | str, flag: str, ours: Callable[[Path], bool] | None = None, what: str = "",
-                   inputs: Iterable[str | Path] = ()) -> Path:
-    """``path`` when a file can be written there: not a folder, in an existing writable folder, not an
-    input, and (with ``ours``) new or a file of this verb's kind (``what``), which it replaces."""
+def check_out_file(
+    path: Path | str,
+    flag: str,
+    ours: Callable[[Path], bool] | None = None,
+    what: str = "",
+    inputs: Iterable[str | Path] = (),
+) -> Path:
+    """``path`` when a file can be written there: not a folder, in an existing writable folder, not
+    an input, and (with ``ours``) new or a file of this verb's kind (``what``), which it
+    replaces."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a folder; name a file in it, e.g. {path / 'out.json'}")
@@ -52,8 +63,10 @@ def check_out_file(path: Path | str, flag: str, ours: Callable[[Path], bool] | N
         raise ConfigError(f"{flag} {path}: not writable here")
     check_not_input(path, inputs, flag)
     if ours is not None and (path.exists() or path.is_symlink()) and not _is_ours(ours, path):
-        raise ConfigError(f"{flag} {path} exists and is not {what}; seqpar replaces only its own files: "
-                          "name a new file, or move this one away")
+        raise ConfigError(
+            f"{flag} {path} exists and is not {what}; seqpar replaces only its own files: "
+            "name a new file, or move this one away"
+        )
     return path
 
 
@@ -80,7 +93,8 @@ def png(path: Path) -> bool:
 
 
 def check_plot_folder(path: Path | str, names: Iterable[str], flag: str) -> Path:
-    """A folder a verb draws ``names`` into: it may be made, and each of those files is new or an image."""
+    """A folder a verb draws ``names`` into: it may be made, and each of those files is new or an
+    image."""
     path = check_out_folder(path, flag)
     for name in names:
         if path.is_dir():
@@ -96,7 +110,8 @@ def _is_ours(ours: Callable[[Path], bool], path: Path) -> bool:
 
 
 def check_out_folder(path: Path | str, flag: str) -> Path:
-    """``path`` when it is a folder, or one that can be made: its nearest existing ancestor is a writable folder."""
+    """``path`` when it is a folder, or one that can be made: its nearest existing ancestor is a
+    writable folder."""
     path = Path(path)
     if path.exists():
         if not path.is_dir():
@@ -119,11 +134,18 @@ def foreign(path: Path | str, own: Callable[[str], bool]) -> list[str]:
     return sorted(p.name for p in path.iterdir() if not own(p.name))
 
 
-def claim_folder(path: Path | str, flag: str, what: str, own: Callable[[str], bool], overwrite: bool,
-                 earlier: Callable[[Path], bool] | None = None, inputs: Iterable[str | Path] = ()) -> None:
-    """A folder a verb writes: new or empty; or, with ``overwrite``, the verb's earlier result (``what``:
-    every name in it claimed by ``own``, and ``earlier`` true of it), whose own files are removed first.
-    Anything else is refused, before any work, with one line naming what is there."""
+def claim_folder(
+    path: Path | str,
+    flag: str,
+    what: str,
+    own: Callable[[str], bool],
+    overwrite: bool,
+    earlier: Callable[[Path], bool] | None = None,
+    inputs: Iterable[str | Path] = (),
+) -> None:
+    """A folder a verb writes: new or empty; or, with ``overwrite``, the verb's earlier result
+    (``what``: every name in it claimed by ``own``, and ``earlier`` true of it), whose own files are
+    removed first. Anything else is refused, before any work, with one line naming what is there."""
     path = Path(check_out_folder(path, flag))
     check_not_input(path, inputs, flag)
     names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
@@ -131,20 +153,27 @@ def claim_folder(path: Path | str, flag: str, what: str, own: Callable[[str], bo
         return
     others = foreign(path, own)
     if others or (earlier is not None and not earlier(path)):
-        raise ConfigError(f"{flag} {path} is not empty ({_names(others or names)}) and is not {what}; seqpar "
-                          "replaces only its own: give an empty or new folder")
+        raise ConfigError(
+            f"{flag} {path} is not empty ({_names(others or names)}) and is not {what}; seqpar "
+            "replaces only its own: give an empty or new folder"
+        )
     if not overwrite:
-        raise ConfigError(f"{flag} {path} holds {what}; replace it with --overwrite, or give another folder")
+        raise ConfigError(
+            f"{flag} {path} holds {what}; replace it with --overwrite, or give another folder"
+        )
     remove_own(path, own)
 
 
 def check_empty_folder(path: Path | str, flag: str, inputs: Iterable[str | Path] = ()) -> Path:
-    """``path`` when it is a new or empty folder a verb may write (one that never replaces anything)."""
+    """``path`` when it is a new or empty folder a verb may write (one that never replaces
+    anything)."""
     path = Path(check_out_folder(path, flag))
     check_not_input(path, inputs, flag)
     names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     if names:
-        raise ConfigError(f"{flag} {path} is not empty ({_names(names)}); give an empty or new folder")
+        raise ConfigError(
+            f"{flag} {path} is not empty ({_names(names)}); give an empty or new folder"
+        )
     return path
 
 

@@ -1,5 +1,5 @@
-"""Process lifetime: every process seqpar starts dies with its parent (issue 43), however the parent dies --
-``kill -9`` included, which leaves no chance to stop the children."""
+"""Process lifetime: every process seqpar starts dies with its parent (issue 43), however the parent
+dies -- ``kill -9`` included, which leaves no chance to stop the children."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def die_with_parent(parent: int | None = None, sig: int = signal.SIGKILL) -> None:
     """This process gets ``sig`` when ``parent`` (default: its parent now) dies (Linux
-    ``PR_SET_PDEATHSIG``, set in the child itself); exits at once if ``parent`` is already gone. Elsewhere
-    only the second part holds: the process outlives a parent killed later."""
+    ``PR_SET_PDEATHSIG``, set in the child itself); exits at once if ``parent`` is already gone.
+    Elsewhere only the second part holds: the process outlives a parent killed later."""
     parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
@@ -26,16 +26,19 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGKILL) -> Non
 
 
 def die_with(pid: int) -> None:
-    """This process is killed when process ``pid`` (any, not only its parent) ends: a daemon thread waits on
-    the process's pidfd (Linux 5.3+; elsewhere it polls once a second). For a process started by a
-    server, the multiprocessing forkserver, which outlives its caller as long as one of its children lives."""
+    """This process is killed when process ``pid`` (any, not only its parent) ends: a daemon thread
+    waits on the process's pidfd (Linux 5.3+; elsewhere it polls once a second). For a process
+    started by a server, the multiprocessing forkserver, which outlives its caller as long as one of
+    its children lives."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:  # gone already
         os._exit(1)
     except (AttributeError, OSError):
         fd = None
-    threading.Thread(target=_kill_self_after, args=(pid, fd), daemon=True, name=f"die-with-{pid}").start()
+    threading.Thread(
+        target=_kill_self_after, args=(pid, fd), daemon=True, name=f"die-with-{pid}"
+    ).start()
 
 
 def _kill_self_after(pid: int, fd: int | None) -> None:

@@ -1,7 +1,7 @@
-"""The progress display of every long command (``seqpar train``'s steps, ``seqpar prepare``'s shards): a bar
-with ETA through ``rich`` when installed, else ``tqdm``, else a plain line per ``update``; nothing when
-stderr is not a terminal but those lines. ``CountMeter``: a count with its rate and ETA on stderr
-(``seqpar eval``'s windows), whose stdout carries the result.
+"""The progress display of every long command (``seqpar train``'s steps, ``seqpar prepare``'s
+shards): a bar with ETA through ``rich`` when installed, else ``tqdm``, else a plain line per
+``update``; nothing when stderr is not a terminal but those lines. ``CountMeter``: a count with its
+rate and ETA on stderr (``seqpar eval``'s windows), whose stdout carries the result.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import time
 
 
 class Progress:
-    """A bar over ``total`` steps (or other ``unit``s: ``seqpar prepare``'s shards); ``update(step, text)``."""
+    """A bar over ``total`` steps (or other ``unit``s: ``seqpar prepare``'s shards);
+    ``update(step, text)``."""
 
     def __init__(self, total: int, start: int = 0, enabled: bool = True, unit: str = "step"):
         self.total, self.start, self.t0, self.unit = total, start, time.perf_counter(), unit
@@ -23,8 +24,13 @@ class Progress:
             # optional extra (progress): imported where used, tqdm or a plain line without it
             from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
-            self._bar = RichProgress(TextColumn(unit + " {task.completed}/{task.total}"), BarColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.description}"), transient=False)
+            self._bar = RichProgress(
+                TextColumn(unit + " {task.completed}/{task.total}"),
+                BarColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                transient=False,
+            )
             self._task = self._bar.add_task("", total=total, completed=start)
             self._bar.start()
             self.kind = "rich"
@@ -41,12 +47,18 @@ class Progress:
 
     def eta(self, step: int) -> float:
         done = step - self.start
-        return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else float("nan")
+        return (
+            (time.perf_counter() - self.t0) / done * (self.total - step)
+            if done > 0
+            else float("nan")
+        )
 
     def update(self, step: int, text: str) -> None:
         """Advance the bar and print ``text`` as a line that stays above it."""
         eta = self.eta(step)
-        line = f"{self.unit} {step}/{self.total} {text}" + (f" eta {eta:.0f}s" if math.isfinite(eta) else "")
+        line = f"{self.unit} {step}/{self.total} {text}" + (
+            f" eta {eta:.0f}s" if math.isfinite(eta) else ""
+        )
         if self.kind == "rich":
             self._bar.update(self._task, completed=step)
             self._bar.console.print(line, highlight=False)
@@ -71,11 +83,19 @@ class Progress:
 
 
 class CountMeter:
-    """``{label}: done/total {unit}, rate {per[1]}/s, ETA`` on stderr: in place on a terminal, else a line every
-    ``every`` seconds, and the last state once closed. ``per``: (how many of them one unit is, their name)."""
+    """``{label}: done/total {unit}, rate {per[1]}/s, ETA`` on stderr: in place on a terminal, else
+    a line every ``every`` seconds, and the last state once closed. ``per``: (how many of them one
+    unit is, their name)."""
 
-    def __init__(self, label: str, total: int, unit: str, per: tuple[int, str], enabled: bool = True,
-                 every: float = 5.0):
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        unit: str,
+        per: tuple[int, str],
+        enabled: bool = True,
+        every: float = 5.0,
+    ):
         self.label, self.total, self.unit, self.per, self.every = label, total, unit, per, every
         self.done, self.enabled, self.tty = 0, enabled, enabled and sys.stderr.isatty()
         self.t0 = self.last = time.perf_counter()
@@ -84,8 +104,10 @@ class CountMeter:
         dt = max(time.perf_counter() - self.t0, 1e-9)
         rate = self.done / dt
         eta = (self.total - self.done) / rate if rate else float("inf")
-        return (f"{self.label}: {self.done:,}/{self.total:,} {self.unit}, {rate * self.per[0]:,.0f} {self.per[1]}/s, "
-                f"ETA {eta:.0f} s")
+        return (
+            f"{self.label}: {self.done:,}/{self.total:,} {self.unit}, {rate * self.per[0]:,.0f} "
+            f"{self.per[1]}/s, ETA {eta:.0f} s"
+        )
 
     def add(self, n: int) -> None:
         self.done += n

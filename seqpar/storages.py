@@ -1,7 +1,7 @@
-"""Storage identity, the one rule the saved-activation meter (``measure.meter``) and activation offloading
-(``recompute.offload``) both count by: a tensor is its storage (views and reshapes of one storage are one; a
-DTensor is its local tensor's), told apart by identity (``_cdata``), not address; a module's parameters and
-buffers are storages that never count as activations.
+"""Storage identity, the one rule the saved-activation meter (``measure.meter``) and activation
+offloading (``recompute.offload``) both count by: a tensor is its storage (views and reshapes of one
+storage are one; a DTensor is its local tensor's), told apart by identity (``_cdata``), not address;
+a module's parameters and buffers are storages that never count as activations.
 """
 
 from __future__ import annotations

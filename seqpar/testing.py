@@ -10,10 +10,16 @@ from seqpar.interop.hf import read_hf_folder
 from seqpar.model import build_model
 from seqpar.parallel.data_parallel import average_gradients
 from seqpar.parallel.dims import ParallelDims
-from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict, load_full_state_dict
+from seqpar.parallel.sharding import (
+    allreduce_sequence_parallel_grads,
+    full_state_dict,
+    load_full_state_dict,
+)
 
 
-def parity_batch(cfg: ModelConfig, batch: int = 2, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+def parity_batch(
+    cfg: ModelConfig, batch: int = 2, seed: int = 7
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and labels ``[b, s]``, a few labels ignored (-100)."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
@@ -27,7 +33,9 @@ def parity_step(cfg: ModelConfig, dims: ParallelDims, sp: bool, recompute: Recom
     """Loss and full-size gradients (collective over the tp group) of one step on ``parity_batch``,
     on ``device`` (default: the CPU); the results stay on that device. Under cp the gradients are
     averaged over the dp × cp group, as the trainer does."""
-    model = build_model(cfg, dims, sequence_parallel=sp, seed=seed, device=device, recompute=recompute)
+    model = build_model(
+        cfg, dims, sequence_parallel=sp, seed=seed, device=device, recompute=recompute
+    )
     tokens, labels = parity_batch(cfg)
     loss = model(tokens.to(device), labels.to(device))
     loss.backward()
@@ -45,7 +53,11 @@ def hf_folder_logits(rank: int, world: int, folder, tokens: torch.Tensor) -> tor
     """Logits ``[b, s, v]`` of a Hugging Face folder imported into seqpar at tp = ``world`` (SP when
     ``world`` > 1); a ``run_ranks`` worker (collective over the ranks)."""
     cfg, state = read_hf_folder(folder)
-    dims = ParallelDims.build(ParallelConfig(tp=world, sp=world > 1)) if world > 1 else ParallelDims.single()
+    dims = (
+        ParallelDims.build(ParallelConfig(tp=world, sp=world > 1))
+        if world > 1
+        else ParallelDims.single()
+    )
     model = build_model(cfg, dims, sequence_parallel=world > 1)
     load_full_state_dict(model, state, dims.tp_rank, dims.tp)
     with torch.no_grad():

@@ -1,28 +1,33 @@
-"""The axes every generated check draws (issue 56), in one place: each axis' values, and the rules that join
-them to a check's layout. A new option is one entry in ``AXES``: every check draws it, and a check it does not
-apply to says so in its report.
+"""The axes every generated check draws (issue 56), in one place: each axis' values, and the rules
+that join them to a check's layout. A new option is one entry in ``AXES``: every check draws it, and
+a check it does not apply to says so in its report.
 
-Checks: ``equivalence`` and ``equivalence_moe`` (trained against the single process), ``stages`` (measured ==
-exact stage peaks and host bytes), ``plan_loop`` (plan == dry run == measured), ``resume`` (a checkpoint's
-parallel settings resumed at another layout, ``tests/test_resume_layout.py``: no ranks started), ``faults``
-(a drawn fault in a ``seqpar train --nproc --max-restarts`` job, ``tests/test_fault_draws.py``) and
-``resume_train`` (trained at one drawn layout, stopped, resumed at another, ``tests/test_resume_train_draws.py``).
-The fixed cases of ``tests/test_reliability_*.py`` and ``tests/test_checkpoint_resume.py`` draw nothing.
+Checks: ``equivalence`` and ``equivalence_moe`` (trained against the single process), ``stages``
+(measured == exact stage peaks and host bytes), ``plan_loop`` (plan == dry run == measured),
+``resume`` (a checkpoint's parallel settings resumed at another layout,
+``tests/test_resume_layout.py``: no ranks started), ``faults`` (a drawn fault in a
+``seqpar train --nproc --max-restarts`` job, ``tests/test_fault_draws.py``) and ``resume_train``
+(trained at one drawn layout, stopped, resumed at another, ``tests/test_resume_train_draws.py``).
+The fixed cases of ``tests/test_reliability_*.py`` and ``tests/test_checkpoint_resume.py`` draw
+nothing.
 
-A check draws with ``draw(check, key)`` (each axis from its own stream seeded by ``"{axis} {key}"``, so adding an
-axis moves no other axis' draws), then fits the draw to its layout with the rules below (``fit_*``): a value
-that does not apply, or that the rules exclude, is replaced and the replacement recorded in ``Draw.narrowed``
-(``report`` puts it in the test report: a printed line under ``-rA`` and a ``narrowed`` property). ``compile``
-is drawn only with ``SEQPAR_AXES_COMPILE=1`` (or when ``SEQPAR_EQUIV_ONLY`` names it): it is slow on CPU.
-An axis of ``ONLY`` is drawn for the checks it names and left at its default, unrecorded, for the rest (a fault
-means nothing to a check that injects none): ``fault`` (the fault check).
+A check draws with ``draw(check, key)`` (each axis from its own stream seeded by ``"{axis} {key}"``,
+so adding an axis moves no other axis' draws), then fits the draw to its layout with the rules below
+(``fit_*``): a value that does not apply, or that the rules exclude, is replaced and the replacement
+recorded in ``Draw.narrowed`` (``report`` puts it in the test report: a printed line under ``-rA``
+and a ``narrowed`` property). ``compile`` is drawn only with ``SEQPAR_AXES_COMPILE=1`` (or when
+``SEQPAR_EQUIV_ONLY`` names it): it is slow on CPU. An axis of ``ONLY`` is drawn for the checks it
+names and left at its default, unrecorded, for the rest (a fault means nothing to a check that
+injects none): ``fault`` (the fault check).
 
-Switches (draw counts): ``SEQPAR_EQUIV_DRAWS`` (equivalence, default 10), ``SEQPAR_RESUME_DRAWS`` (resume, 300),
-``SEQPAR_FAULT_DRAWS`` (faults, 1), ``SEQPAR_RESUME_TRAIN_DRAWS`` (resume_train, 1); ``SEQPAR_FAULT_WORLD`` and
-``SEQPAR_RESUME_TRAIN_WORLD`` (the world sizes those two draw from, default ``2``, e.g. ``2,4``).
+Switches (draw counts): ``SEQPAR_EQUIV_DRAWS`` (equivalence, default 10), ``SEQPAR_RESUME_DRAWS``
+(resume, 300), ``SEQPAR_FAULT_DRAWS`` (faults, 1), ``SEQPAR_RESUME_TRAIN_DRAWS`` (resume_train, 1);
+``SEQPAR_FAULT_WORLD`` and ``SEQPAR_RESUME_TRAIN_WORLD`` (the world sizes those two draw from,
+default ``2``, e.g. ``2,4``).
 
-Why here (``tests/``) and not ``seqpar/testing.py``: these are the test suite's sampling rules, read with its
-environment switches; ``seqpar.testing`` holds the parity helpers a user's own check may import."""
+Why here (``tests/``) and not ``seqpar/testing.py``: these are the test suite's sampling rules, read
+with its environment switches; ``seqpar.testing`` holds the parity helpers a user's own check may
+import."""
 
 from __future__ import annotations
 
@@ -33,33 +38,41 @@ from dataclasses import dataclass, field
 from seqpar.config import OFFLOAD_INSIDE, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 
 AXES = {  # axis: the values a draw takes (the first is the default a narrowed draw falls back to)
-    "micro_batch": (1, 2, 4),  # at a fixed global batch (the dense reference runs 1, the MoE one the same)
-    "global_batch": (4, 8, 12),  # raised to a multiple of micro-batch × dp (× pp interleaved) by fit_batch
+    # at a fixed global batch (the dense reference runs 1, the MoE one the same)
+    "micro_batch": (1, 2, 4),
+    # raised to a multiple of micro-batch × dp (× pp interleaved) by fit_batch
+    "global_batch": (4, 8, 12),
     "steps": (5, 8),
     "dtype": ("fp32", "bf16"),  # bf16: BF16_TOLERANCE
     "label_smoothing": (0.0, 0.1),
-    "data": ("windows", "documents"),  # random ids, or a prepared folder of short documents with masks
+    # random ids, or a prepared folder of short documents with masks
+    "data": ("windows", "documents"),
     "offload": ((), ("mlp",), ("norm", "core_attention"), ("activation", "layer_input")),
     "cp_comm_type": ("ring", "a2a", "a2a+ring"),  # a2a+ring: K 2 (needs cp 4)
     "fsdp": ("off", "fsdp", "hsdp"),  # hsdp: FSDP2 sharded over groups of 2 of the dp × cp ranks
     "reshard_after_forward": (True, False),  # under fsdp: ZeRO-3 or ZeRO-2
     "ep": (1, 2, 4),  # expert parallelism (MoE checks)
-    "pp_schedule": ("1f1b", "zb-h1"),  # zb-h1: the linears' W deferred into the bubble (needs pp > 1, one chunk)
+    # zb-h1: the linears' W deferred into the bubble (needs pp > 1, one chunk)
+    "pp_schedule": ("1f1b", "zb-h1"),
     "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
-    # the distributed optimizer's weight all-gather under the next forward (train.overlap_param_gather)
+    # the distributed optimizer's weight all-gather under the next forward
+    # (train.overlap_param_gather)
     "overlap_param_gather": (False, True),
-    # SP's collectives in tp ring chunks pipelined with the GEMMs (seqpar/parallel/tp_overlap.py): needs sp at tp > 1
+    # SP's collectives in tp ring chunks pipelined with the GEMMs (seqpar/parallel/tp_overlap.py):
+    # needs sp at tp > 1
     "tp_comm_overlap": (False, True),
-    # the fault check: a rank raising or SIGKILLed before a drawn step, SIGKILLed while saving, the latest
-    # checkpoint damaged on disk before a failure, SIGTERM reaching one rank (fit_fault: where each applies)
+    # the fault check: a rank raising or SIGKILLed before a drawn step, SIGKILLed while saving, the
+    # latest checkpoint damaged on disk before a failure, SIGTERM reaching one rank (fit_fault:
+    # where each applies)
     "fault": ("none", "raise", "kill", "kill_in_save", "damaged_latest", "sigterm"),
 }
-ONLY = {"fault": ("faults",)}  # axes drawn for these checks only (the rest keep the default, unrecorded)
+# axes drawn for these checks only (the rest keep the default, unrecorded)
+ONLY = {"fault": ("faults",)}
 COMPILE_SWITCH = "SEQPAR_AXES_COMPILE"
 TOLERANCE = 1e-5  # relative, fp32: every step's loss and grad norm, every final weight
-# relative, bf16 (one bf16 ulp is 7.8e-3), measured over the bf16 draws of the CI samples and the SEQPAR_EQUIV_ONLY
-# slices, 5 and 8 steps): worst loss 1.5e-4, grad_norm 6.8e-3, weights 3.8e-2 (a zero-initialised LayerNorm bias
-# of an MoE draw after 8 Adam steps; dense 1.7e-2)
+# relative, bf16 (one bf16 ulp is 7.8e-3), measured over the bf16 draws of the CI samples and the
+# SEQPAR_EQUIV_ONLY slices, 5 and 8 steps): worst loss 1.5e-4, grad_norm 6.8e-3, weights 3.8e-2 (a
+# zero-initialised LayerNorm bias of an MoE draw after 8 Adam steps; dense 1.7e-2)
 BF16_TOLERANCE = {"loss": 1e-2, "grad_norm": 3e-2, "weights": 1e-1}
 
 
@@ -81,14 +94,16 @@ class Draw:
             self.values[axis] = value
 
     def fixed(self, reasons: dict[str, str]) -> Draw:
-        """Axes this check does not draw, each back to its default with the reason (``{axis: why}``)."""
+        """Axes this check does not draw, each back to its default with the reason
+        (``{axis: why}``)."""
         for axis, why in reasons.items():
             self.narrow(axis, AXES[axis][0], why)
         return self
 
 
 def shown(value) -> str:
-    """A value as a report and ``SEQPAR_EQUIV_ONLY`` write it: a tuple's items joined by ``+``, ``()`` as none."""
+    """A value as a report and ``SEQPAR_EQUIV_ONLY`` write it: a tuple's items joined by ``+``,
+    ``()`` as none."""
     return "+".join(value) or "none" if isinstance(value, tuple) else str(value)
 
 
@@ -98,20 +113,26 @@ def compile_drawn(env=os.environ) -> bool:
 
 def draw(check: str, key, env=os.environ) -> Draw:
     """Every axis' value for ``key`` of ``check`` (each from its own seeded stream)."""
-    values = {axis: random.Random(f"{axis} {key}").choice(options) if check in ONLY.get(axis, (check,))
-              else options[0] for axis, options in AXES.items()}
+    values = {
+        axis: random.Random(f"{axis} {key}").choice(options)
+        if check in ONLY.get(axis, (check,))
+        else options[0]
+        for axis, options in AXES.items()
+    }
     if not compile_drawn(env):
         values["compile"] = False
     return Draw(check, key, values)
 
 
 def tolerance(d: Draw, quantity: str) -> float:
-    """The relative error ``quantity`` (loss, grad_norm, weights) may have against the single process."""
+    """The relative error ``quantity`` (loss, grad_norm, weights) may have against the single
+    process."""
     return BF16_TOLERANCE[quantity] if d["dtype"] == "bf16" else TOLERANCE
 
 
 def report(d: Draw, record_property=None) -> str:
-    """The draw's narrowings as one line (printed, and a ``narrowed`` property of the test when given)."""
+    """The draw's narrowings as one line (printed, and a ``narrowed`` property of the test when
+    given)."""
     line = f"narrowed ({d.check} {d.key}): " + ("; ".join(d.narrowed) or "nothing")
     if record_property is not None:
         record_property("narrowed", "; ".join(d.narrowed))
@@ -122,8 +143,8 @@ def report(d: Draw, record_property=None) -> str:
 # The rules that join the axes to a layout: each narrows what the layout cannot take, saying why.
 
 def fit_cp_comm(d: Draw, model: dict, tp: int, cp: int) -> dict:
-    """The ``parallel`` keys of the drawn exchange: a2a needs cp > 1 and the heads split over tp × K (K 2 for
-    a2a+ring, which needs cp 4); ``ParallelConfig.validate`` decides."""
+    """The ``parallel`` keys of the drawn exchange: a2a needs cp > 1 and the heads split over tp × K
+    (K 2 for a2a+ring, which needs cp 4); ``ParallelConfig.validate`` decides."""
     if cp < 2:
         d.narrow("cp_comm_type", "ring", "cp 1 has no exchange")
     elif d["cp_comm_type"] == "a2a+ring" and cp < 4:
@@ -136,12 +157,16 @@ def fit_cp_comm(d: Draw, model: dict, tp: int, cp: int) -> dict:
         except ConfigError as e:
             d.narrow("cp_comm_type", "ring", str(e))
     kind = d["cp_comm_type"]
-    return {} if kind == "ring" else {"cp_comm_type": kind} | ({"cp_a2a_size": 2} if kind == "a2a+ring" else {})
+    return (
+        {}
+        if kind == "ring"
+        else {"cp_comm_type": kind} | ({"cp_a2a_size": 2} if kind == "a2a+ring" else {})
+    )
 
 
 def fit_offload(d: Draw, recompute: RecomputeConfig) -> tuple[str, ...]:
-    """The drawn offload modules the recomputation does not rebuild (a module is kept, recomputed or offloaded:
-    ``RecomputeConfig.validate``'s rule)."""
+    """The drawn offload modules the recomputation does not rebuild (a module is kept, recomputed or
+    offloaded: ``RecomputeConfig.validate``'s rule)."""
     rebuilt = set(recompute.recomputed_modules)
     kept = tuple(m for m in d["offload"] if not rebuilt & {m, *OFFLOAD_INSIDE.get(m, ())})
     d.narrow("offload", kept, f"recompute {recompute.label} rebuilds the rest")
@@ -149,8 +174,8 @@ def fit_offload(d: Draw, recompute: RecomputeConfig) -> tuple[str, ...]:
 
 
 def fit_fsdp(d: Draw, dp: int, cp: int, experts: int = 0) -> dict:
-    """The ``parallel`` keys of the drawn FSDP2 mode: it needs dp × cp > 1 and no experts; hsdp (groups of 2)
-    needs dp × cp >= 4; reshard_after_forward means something under fsdp only."""
+    """The ``parallel`` keys of the drawn FSDP2 mode: it needs dp × cp > 1 and no experts; hsdp
+    (groups of 2) needs dp × cp >= 4; reshard_after_forward means something under fsdp only."""
     mode, group = d["fsdp"], dp * cp
     if mode != "off" and experts:
         d.narrow("fsdp", "off", f"fsdp with {experts} experts is refused (ParallelConfig)")
@@ -165,23 +190,33 @@ def fit_fsdp(d: Draw, dp: int, cp: int, experts: int = 0) -> dict:
         ({"fsdp_shard_size": 2} if d["fsdp"] == "hsdp" else {})
 
 
-def fit_pp_schedule(d: Draw, pp: int, interleave: int, fsdp: bool, tp_comm_overlap: bool = False) -> dict:
-    """The ``parallel`` keys of the drawn pipeline schedule: a zero-bubble one needs pp > 1, one chunk per rank,
-    no FSDP and no TP-communication overlap (``ParallelConfig`` refuses the rest); 1f1b is the default, no key."""
+def fit_pp_schedule(
+    d: Draw, pp: int, interleave: int, fsdp: bool, tp_comm_overlap: bool = False
+) -> dict:
+    """The ``parallel`` keys of the drawn pipeline schedule: a zero-bubble one needs pp > 1, one
+    chunk per rank, no FSDP and no TP-communication overlap (``ParallelConfig`` refuses the rest);
+    1f1b is the default, no key."""
     if d["pp_schedule"] != "1f1b":
-        why = ("pp 1 has no pipeline schedule" if pp == 1 else
-               f"interleave {interleave} runs interleaved 1F1B" if interleave > 1 else
-               "zero bubble with fsdp is refused (ParallelConfig)" if fsdp else
-               "zero bubble with tp_comm_overlap is refused (ParallelConfig: the ring computes W in the backward)"
-               if tp_comm_overlap else "")
+        why = (
+            "pp 1 has no pipeline schedule"
+            if pp == 1
+            else f"interleave {interleave} runs interleaved 1F1B"
+            if interleave > 1
+            else "zero bubble with fsdp is refused (ParallelConfig)"
+            if fsdp
+            else "zero bubble with tp_comm_overlap is refused (ParallelConfig: the ring computes W "
+                 "in the backward)"
+            if tp_comm_overlap
+            else ""
+        )
         if why:
             d.narrow("pp_schedule", "1f1b", why)
     return {} if d["pp_schedule"] == "1f1b" else {"pp_schedule": d["pp_schedule"]}
 
 
 def fit_batch(d: Draw, dp: int, pp: int, interleave: int) -> int:
-    """The drawn global batch, raised to a multiple of micro-batch × dp (× pp under interleaving: the schedule
-    takes microbatches in groups of pp)."""
+    """The drawn global batch, raised to a multiple of micro-batch × dp (× pp under interleaving:
+    the schedule takes microbatches in groups of pp)."""
     unit = d["micro_batch"] * dp * (pp if interleave > 1 else 1)
     batch = -(-d["global_batch"] // unit) * unit
     d.narrow("global_batch", batch, f"a multiple of micro-batch {d['micro_batch']} × dp {dp}"
@@ -197,18 +232,22 @@ def fit_ep(d: Draw, dp: int, cp: int) -> int:
 
 
 def fit_param_gather(d: Draw, distributed_optimizer: bool, dp: int, cp: int) -> bool:
-    """The drawn weight gather under the forward: it needs the distributed optimizer (``JobConfig.validate``
-    refuses it otherwise) and dp × cp > 1 (nothing to gather)."""
+    """The drawn weight gather under the forward: it needs the distributed optimizer
+    (``JobConfig.validate`` refuses it otherwise) and dp × cp > 1 (nothing to gather)."""
     if not distributed_optimizer:
-        d.narrow("overlap_param_gather", False, "the replicated optimizer gathers nothing (needs the distributed one)")
+        d.narrow(
+            "overlap_param_gather",
+            False,
+            "the replicated optimizer gathers nothing (needs the distributed one)",
+        )
     elif dp * cp < 2:
         d.narrow("overlap_param_gather", False, f"dp {dp} × cp {cp} = {dp * cp}: nothing to gather")
     return d["overlap_param_gather"]
 
 
 def fit_tp_comm_overlap(d: Draw, tp: int, sp: bool) -> dict:
-    """The ``parallel`` key of the drawn TP-communication overlap: it pipelines sequence parallelism's
-    collectives, so it needs sp at tp > 1 (``ParallelConfig.validate``'s rule)."""
+    """The ``parallel`` key of the drawn TP-communication overlap: it pipelines sequence
+    parallelism's collectives, so it needs sp at tp > 1 (``ParallelConfig.validate``'s rule)."""
     if d["tp_comm_overlap"] and not (sp and tp > 1):
         d.narrow("tp_comm_overlap", False, f"needs sequence parallelism at tp > 1, got tp {tp}, "
                  f"sp {'on' if sp else 'off'}")
@@ -217,14 +256,19 @@ def fit_tp_comm_overlap(d: Draw, tp: int, sp: bool) -> dict:
 
 def fit_compile(d: Draw, offload: tuple[str, ...]) -> bool:
     if d["compile"] and offload:
-        d.narrow("compile", False, "offloading runs eager (TrainJob refuses compile with offload modules)")
+        d.narrow(
+            "compile",
+            False,
+            "offloading runs eager (TrainJob refuses compile with offload modules)",
+        )
     return d["compile"]
 
 
 @dataclass(frozen=True)
 class Fault:
-    """A drawn fault fitted to a run: what ``SEQPAR_FAULT`` says (``seqpar/train/reliability/fault.py``), the rank
-    and step it hits, and the checkpoint step a restart must resume (0: none)."""
+    """A drawn fault fitted to a run: what ``SEQPAR_FAULT`` says
+    (``seqpar/train/reliability/fault.py``), the rank and step it hits, and the checkpoint step a
+    restart must resume (0: none)."""
     kind: str
     rank: int
     step: int
@@ -233,21 +277,32 @@ class Fault:
 
 
 def fit_fault(d: Draw, world: int, steps: int, save_every: int) -> Fault:
-    """The drawn fault at a rank and step drawn from its own streams: a failure before step K > save_every (a
-    checkpoint kept), a kill in the save of step K (a save step after the first: one kept before it), a damaged
-    latest checkpoint (two saved before K: the restart passes over the newer), SIGTERM (any step; the job
-    saves and exits 130, the test resumes it). A drawn ``none`` is narrowed to ``raise`` (the check injects one)."""
+    """The drawn fault at a rank and step drawn from its own streams: a failure before step K >
+    save_every (a checkpoint kept), a kill in the save of step K (a save step after the first: one
+    kept before it), a damaged latest checkpoint (two saved before K: the restart passes over the
+    newer), SIGTERM (any step; the job saves and exits 130, the test resumes it). A drawn ``none``
+    is narrowed to ``raise`` (the check injects one)."""
     if d["fault"] == "none":
         d.narrow("fault", "raise", "the fault check injects a fault")
     kind = d["fault"]
     if kind == "damaged_latest" and steps <= 2 * save_every:
-        d.narrow("fault", "raise", f"two checkpoints before the fault need steps > {2 * save_every}, got {steps}")
+        d.narrow(
+            "fault",
+            "raise",
+            f"two checkpoints before the fault need steps > {2 * save_every}, got {steps}",
+        )
         kind = d["fault"]
     rank = random.Random(f"fault rank {d.key}").randrange(world)
     pick = random.Random(f"fault step {d.key}")
     if kind == "kill_in_save":
         step = pick.choice([s for s in range(2 * save_every, steps, save_every)])
-        return Fault(kind, rank, step, f"rank={rank},step={step},at=save,do=kill,attempt=0", step - save_every)
+        return Fault(
+            kind,
+            rank,
+            step,
+            f"rank={rank},step={step},at=save,do=kill,attempt=0",
+            step - save_every,
+        )
     low = 2 * save_every + 1 if kind == "damaged_latest" else save_every + 1
     step = pick.randint(low, steps)
     kept = (step - 1) // save_every * save_every

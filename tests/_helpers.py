@@ -24,7 +24,8 @@ class LargestAllocation(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
-        if func.is_view or (returns and returns[0].alias_info is not None):  # a view, or an in-place op
+        # a view, or an in-place op
+        if func.is_view or (returns and returns[0].alias_info is not None):
             return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and self.counts(t) and t.numel() > self.largest:
@@ -74,7 +75,9 @@ class Launches:
             for key in keys:  # which of them fails: each alone
                 self._run([key])
             if not any(isinstance(self.outcome[key], BaseException) for key in keys):
-                together = RuntimeError(f"jobs {keys} fail in one launch and pass one at a time: {exc!r}")
+                together = RuntimeError(
+                    f"jobs {keys} fail in one launch and pass one at a time: {exc!r}"
+                )
                 self.outcome.update((key, together) for key in keys)
 
     def _launch(self, keys: list[Hashable]) -> list[dict]:
@@ -89,8 +92,8 @@ class Launches:
 
 @contextlib.contextmanager
 def ctrl_c_at_unit(n: int):
-    """Inside the block, ``seqpar prepare``'s n-th unit raises KeyboardInterrupt (a Ctrl-C mid-prepare, in the
-    process: with ``workers=1`` the units are tokenized here)."""
+    """Inside the block, ``seqpar prepare``'s n-th unit raises KeyboardInterrupt (a Ctrl-C
+    mid-prepare, in the process: with ``workers=1`` the units are tokenized here)."""
     from seqpar.data import prepare as prep
 
     real, calls = prep.tokenize_unit, []
@@ -122,8 +125,8 @@ def run_cli(argv) -> tuple[int, str, str]:
 
 
 def seqpar(capsys, *args) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of a verb run in this process, read through pytest's ``capsys`` (what
-    was printed before is dropped first)."""
+    """(exit status, stdout, stderr) of a verb run in this process, read through pytest's ``capsys``
+    (what was printed before is dropped first)."""
     from seqpar.cli import main
 
     capsys.readouterr()
@@ -136,17 +139,19 @@ def seqpar(capsys, *args) -> tuple[int, str, str]:
 
 
 def random_tokens(path, vocab: int, n: int = 20_000, seed: int = 0):
-    """``path`` filled with ``n`` uniform token ids in [0, vocab) as uint16 (a small data file: the default
-    data, the standard library's sources, takes seconds to read); returns ``path``."""
-    torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(torch.uint16).numpy().tofile(path)
+    """``path`` filled with ``n`` uniform token ids in [0, vocab) as uint16 (a small data file: the
+    default data, the standard library's sources, takes seconds to read); returns ``path``."""
+    torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(
+        torch.uint16
+    ).numpy().tofile(path)
     return path
 
 
 def prepared_documents(folder, documents: int = 1500, seed: int = 0, longest: int = 24):
     """A prepared folder (``seqpar prepare``, byte-level, vocabulary 256, end-of-document id 0) of
-    ``documents`` JSON Lines documents of 1 to ``longest`` random letters: short enough that every window
-    of a small test model holds several document ends, so microbatches count different numbers of tokens.
-    Made in this process; returns ``folder``."""
+    ``documents`` JSON Lines documents of 1 to ``longest`` random letters: short enough that every
+    window of a small test model holds several document ends, so microbatches count different
+    numbers of tokens. Made in this process; returns ``folder``."""
     import json
     import random
     from pathlib import Path
@@ -157,16 +162,18 @@ def prepared_documents(folder, documents: int = 1500, seed: int = 0, longest: in
     lines = ("".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(1, longest)))
              for _ in range(documents))
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
-    code, out, err = run_cli(["prepare", source, "--out", folder, "--workers", "1", "--no-progress"])
+    code, out, err = run_cli(
+        ["prepare", source, "--out", folder, "--workers", "1", "--no-progress"]
+    )
     assert code == 0, err
     return folder
 
 
 def word_documents(folder, texts: list[str]):
-    """A prepared folder of ``texts`` (one document each), tokenized by a word-level tokenizer of the words
-    ``a`` to ``j`` (end-of-document ``<|endoftext|>`` id 0, vocabulary 12) that splits on whitespace: a text of
-    spaces is a document of one token, its end, whose label is never counted under document masks. Needs
-    the ``tokenizers`` package; returns ``(folder, tokenizer file)``."""
+    """A prepared folder of ``texts`` (one document each), tokenized by a word-level tokenizer of
+    the words ``a`` to ``j`` (end-of-document ``<|endoftext|>`` id 0, vocabulary 12) that splits on
+    whitespace: a text of spaces is a document of one token, its end, whose label is never counted
+    under document masks. Needs the ``tokenizers`` package; returns ``(folder, tokenizer file)``."""
     import json
     from pathlib import Path
 
@@ -180,14 +187,26 @@ def word_documents(folder, texts: list[str]):
     tok.save(str(tokenizer))
     source = folder.with_name(folder.name + "-source.jsonl")
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    code, out, err = run_cli(["prepare", source, "--out", folder, "--tokenizer", tokenizer, "--workers", "1",
-                              "--no-progress"])
+    code, out, err = run_cli(
+        [
+            "prepare",
+            source,
+            "--out",
+            folder,
+            "--tokenizer",
+            tokenizer,
+            "--workers",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert code == 0, err
     return folder, tokenizer
 
 
 def validation_documents(documents: int, val_fraction: float = 0.05) -> set[int]:
-    """Which of ``documents`` documents a prepared folder holds out for validation (``held_out``)."""
+    """Which of ``documents`` documents a prepared folder holds out for validation
+    (``held_out``)."""
     import torch
 
     from seqpar.data.windows import held_out
@@ -197,12 +216,13 @@ def validation_documents(documents: int, val_fraction: float = 0.05) -> set[int]
 
 
 def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[str]:
-    """Where the trained ranks (a ``start`` record's ``ranks``) differ from their pipeline ranks' planned terms
-    (``stages``: pp rank -> `seqpar plan` terms for the device they ran on): parameters exactly; gradients
-    exactly but 4 B per element of the fp32 buckets' padding; optimizer state exactly per rank, or with the
-    distributed optimizer summed over the dp × cp ranks that shard it (the padding holds none); the
-    activation peak equal to the planned activations less the transients (``stage.TRANSIENT_TERMS``) plus the
-    implementation's small tensors (``seqpar.measure.stages.implementation_terms``)."""
+    """Where the trained ranks (a ``start`` record's ``ranks``) differ from their pipeline ranks'
+    planned terms (``stages``: pp rank -> `seqpar plan` terms for the device they ran on):
+    parameters exactly; gradients exactly but 4 B per element of the fp32 buckets' padding;
+    optimizer state exactly per rank, or with the distributed optimizer summed over the dp × cp
+    ranks that shard it (the padding holds none); the activation peak equal to the planned
+    activations less the transients (``stage.TRANSIENT_TERMS``) plus the implementation's small
+    tensors (``seqpar.measure.stages.implementation_terms``)."""
     from seqpar.analysis.formulas.stage import STATE_TERMS, TRANSIENT_TERMS
     from seqpar.measure.stages import implementation_terms
 
@@ -210,16 +230,26 @@ def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[st
     for x in ranks:
         plan, who = stages[x["pp_rank"]], f"rank {x['rank']} (pp {x['pp_rank']})"
         acts = sum(v for k, v in plan.items() if k not in STATE_TERMS + TRANSIENT_TERMS)
-        impl = sum(implementation_terms(job.model, p, t.micro_batch, t.microbatches(p.dp), x["pp_rank"]).values())
-        for name, got, want in (("parameters", x["params_bytes"], plan["parameters"]),
-                                ("gradients", x["grads_bytes"], plan["gradients"] + 4 * x["grad_padding"]),
-                                ("activations", x["act_peak_measured"], acts + impl)):
+        impl = sum(
+            implementation_terms(
+                job.model, p, t.micro_batch, t.microbatches(p.dp), x["pp_rank"]
+            ).values()
+        )
+        for name, got, want in (
+            ("parameters", x["params_bytes"], plan["parameters"]),
+            ("gradients", x["grads_bytes"], plan["gradients"] + 4 * x["grad_padding"]),
+            ("activations", x["act_peak_measured"], acts + impl),
+        ):
             if got != want:
                 bad.append(f"{who} {name}: measured {got:,} != planned {want:,.0f}")
         held.setdefault((x["pp_rank"], x["tp_rank"]), []).append(x["optimizer_bytes"])
     for (pp, tp), values in held.items():
         planned = stages[pp]["optimizer_states"]
-        pairs = [(sum(values), len(values) * planned)] if t.distributed_optimizer else [(v, planned) for v in values]
+        pairs = (
+            [(sum(values), len(values) * planned)]
+            if t.distributed_optimizer
+            else [(v, planned) for v in values]
+        )
         bad += [f"pp {pp} tp {tp} optimizer: measured {got:,} != planned {want:,.0f}"
                 for got, want in pairs if abs(got - want) > 1e-3]
     return bad
@@ -231,4 +261,7 @@ def step_records(out) -> list[dict]:
     from pathlib import Path
 
     lines = Path(out, "metrics.jsonl").read_text().splitlines()
-    return sorted((r for r in map(json.loads, lines) if "event" not in r and "step" in r), key=lambda r: r["step"])
+    return sorted(
+        (r for r in map(json.loads, lines) if "event" not in r and "step" in r),
+        key=lambda r: r["step"],
+    )

@@ -1,7 +1,7 @@
 """The plain-PyTorch references' side of ``tests/test_plain_reference*.py``: the plain GPT or Llama
-(``seqpar.bench.plain_gpt``, ``seqpar.bench.plain_llama``) holding seqpar's initial weights, and both sides'
-weights under one set of names (seqpar's for the GPT, the Hugging Face names ``seqpar.interop.llama`` writes
-for the Llama), and the relative error the comparisons use."""
+(``seqpar.bench.plain_gpt``, ``seqpar.bench.plain_llama``) holding seqpar's initial weights, and
+both sides' weights under one set of names (seqpar's for the GPT, the Hugging Face names
+``seqpar.interop.llama`` writes for the Llama), and the relative error the comparisons use."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ from seqpar.train.checkpoint import load_model_state
 
 
 def plain_model(job) -> GPT | PlainLlama:
-    """The plain model of ``job``'s architecture, holding seqpar's initial weights (the single process's)."""
+    """The plain model of ``job``'s architecture, holding seqpar's initial weights (the single
+    process's)."""
     cfg = job.model
-    chunks = build_stages(cfg, job.parallel, job.recompute, ParallelDims.build(job.parallel), job.train.seed)
+    chunks = build_stages(
+        cfg, job.parallel, job.recompute, ParallelDims.build(job.parallel), job.train.seed
+    )
     initial = full_state_dict(chunks[0], None)
     if cfg.arch == "llama":
         model = PlainLlama.from_config(cfg)
@@ -31,7 +34,8 @@ def plain_model(job) -> GPT | PlainLlama:
 
 
 def plain_weights(model: GPT | PlainLlama) -> dict[str, torch.Tensor]:
-    """The plain model's weights under the names the comparison uses (seqpar's, or Hugging Face's)."""
+    """The plain model's weights under the names the comparison uses (seqpar's, or Hugging
+    Face's)."""
     return model.hf_state() if isinstance(model, PlainLlama) else dict(model.state_dict())
 
 

@@ -26,19 +26,25 @@ def test_layer_gemms_by_hand():
 
 
 def test_eq7_is_the_sum_of_the_gemms():
-    assert model_flops(B, L, S, H, V) == pytest.approx(model_flops_from_gemms(B, L, S, H, V), rel=1e-12)
+    assert model_flops(B, L, S, H, V) == pytest.approx(
+        model_flops_from_gemms(B, L, S, H, V), rel=1e-12
+    )
 
 
 def test_selective_corrected_adds_the_forward_attention_core():
     extra = L * 4 * B * S * S * H  # QK^T and attention*V again, per layer
-    assert hardware_flops(B, L, S, H, V, "selective") == pytest.approx(model_flops(B, L, S, H, V) + extra)
+    assert hardware_flops(B, L, S, H, V, "selective") == pytest.approx(
+        model_flops(B, L, S, H, V) + extra
+    )
     assert recompute_extra_flops(B, L, S, H, "selective") == extra
 
 
 def test_selective_as_printed_is_larger_by_s_over_18h():
     printed = hardware_flops(B, L, S, H, V, "selective", as_printed=True)
     corrected = hardware_flops(B, L, S, H, V, "selective")
-    assert printed - corrected == pytest.approx(72 * B * L * S * H * H * (S / (3 * H) - 2 * S / (9 * H)))
+    assert printed - corrected == pytest.approx(
+        72 * B * L * S * H * H * (S / (3 * H) - 2 * S / (9 * H))
+    )
 
 
 def test_full_recompute_adds_one_forward_of_every_layer():

@@ -7,7 +7,11 @@ forwards, then alternates one forward and one backward, then drains.
 
 import pytest
 
-from seqpar.analysis.formulas.in_flight import first_chunk_in_flight, in_flight_chunks, pipeline_bubble_fraction
+from seqpar.analysis.formulas.in_flight import (
+    first_chunk_in_flight,
+    in_flight_chunks,
+    pipeline_bubble_fraction,
+)
 
 
 def replay(p: int, m: int, n: int, rank: int) -> tuple[int, list[int]]:

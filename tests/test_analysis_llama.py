@@ -24,7 +24,10 @@ def test_gqa_and_swiglu_flops():
     assert gqa["qkv"] == 2 * B * s * h * (h + 2 * h // 4)  # Q h×h, K and V h×h/4 each
     assert gqa["mlp"] == 2 * B * s * h * 3 * f and mha["mlp"] == 2 * B * s * h * 2 * f
     gpt = model_config(layers=4, hidden=64, heads=4, seq=128, vocab=256)
-    assert abs(model_flops_from_gemms(2, 4, 128, 64, 256) / model_flops(2, 4, 128, 64, 256) - 1) < 1e-12  # Eq. 7
+    assert (
+        abs(model_flops_from_gemms(2, 4, 128, 64, 256) / model_flops(2, 4, 128, 64, 256) - 1)
+        < 1e-12
+    )  # Eq. 7
     assert gpt.kv_ratio == 1.0
 
 
@@ -39,9 +42,26 @@ def test_gqa_with_fewer_kv_heads_than_ranks_keeps_one_replicated_kv_head():
 
 
 def test_plan_takes_llama_presets_and_fused_attention():
-    out = subprocess.run([sys.executable, "-m", "seqpar", "plan", "--model", "llama2-70b", "--gpus", "64",
-                          "--global-batch", "64", "--fused-attention", "--no-dropout", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "seqpar",
+            "plan",
+            "--model",
+            "llama2-70b",
+            "--gpus",
+            "64",
+            "--global-batch",
+            "64",
+            "--fused-attention",
+            "--no-dropout",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     best = json.loads(out.stdout)["best"]
     assert best["fits"] and best["tp"] * best["pp"] * best["dp"] == 64
@@ -56,6 +76,7 @@ def test_which_recompute_pays_off_with_fused_attention():
         # materialised scores: the paper's selective recompute is the big saving
         assert materialized["tp_sp_selective"] < materialized["tp_sp_norm_activation"]
         # fused attention: no s² terms, so norm + activation recompute saves more, without GEMMs
-        assert fused["tp_sp_norm_activation"] < fused["tp_sp_selective"] == fused["tp_sp"]  # core never checkpointed
+        # core never checkpointed
+        assert fused["tp_sp_norm_activation"] < fused["tp_sp_selective"] == fused["tp_sp"]
         assert fused["norm_activation_extra_flops_pct"] == 0 == fused["selective_extra_flops_pct"]
         assert materialized["selective_extra_flops_pct"] > 0

@@ -19,16 +19,34 @@ S, B, H, A, T = 4, 2, 8, 2, 2
 def test_every_stored_tensor_by_hand_no_parallelism():
     terms = layer_activation_terms(S, B, H, A)
     assert terms == {
-        "ln1_input": 128, "qkv_input": 128, "qk": 256, "softmax_output": 128, "softmax_dropout_mask": 64,
-        "softmax_dropout_output": 128, "v": 128, "out_proj_input": 128, "attn_dropout_mask": 64,
-        "ln2_input": 128, "fc1_input": 128, "gelu_input": 512, "fc2_input": 512, "mlp_dropout_mask": 64,
+        "ln1_input": 128,
+        "qkv_input": 128,
+        "qk": 256,
+        "softmax_output": 128,
+        "softmax_dropout_mask": 64,
+        "softmax_dropout_output": 128,
+        "v": 128,
+        "out_proj_input": 128,
+        "attn_dropout_mask": 64,
+        "ln2_input": 128,
+        "fc1_input": 128,
+        "gelu_input": 512,
+        "fc2_input": 512,
+        "mlp_dropout_mask": 64,
     }
     assert sum(terms.values()) == 64 * 34 + 5 * 64  # sbh(34 + 5as/h)
 
 
 def test_tp_keeps_the_ten_replicated_units_whole():
     terms = layer_activation_terms(S, B, H, A, T)
-    replicated = ("ln1_input", "qkv_input", "ln2_input", "fc1_input", "attn_dropout_mask", "mlp_dropout_mask")
+    replicated = (
+        "ln1_input",
+        "qkv_input",
+        "ln2_input",
+        "fc1_input",
+        "attn_dropout_mask",
+        "mlp_dropout_mask",
+    )
     assert sum(terms[k] for k in replicated) == 10 * 64
     assert terms["qk"] == 128 and terms["softmax_output"] == 64 and terms["gelu_input"] == 256
 
@@ -42,7 +60,11 @@ def test_sp_splits_everything_over_t():
 def test_selective_drops_exactly_the_s_squared_terms():
     none = layer_activation_terms(S, B, H, A, T, sp=True)
     sel = layer_activation_terms(S, B, H, A, T, sp=True, recompute="selective")
-    assert set(none) - set(sel) == {"softmax_output", "softmax_dropout_mask", "softmax_dropout_output"}
+    assert set(none) - set(sel) == {
+        "softmax_output",
+        "softmax_dropout_mask",
+        "softmax_dropout_output",
+    }
     assert sel["qk"] == none["qk"] and sel["v"] == none["v"]  # Q, K, V are kept
     assert sum(sel.values()) == 34 * 64 / T
 
@@ -53,12 +75,22 @@ def test_full_keeps_only_the_layer_input():
         "layer_input": 64}
 
 
-@pytest.mark.parametrize("s,b,h,a,t", [(4, 2, 8, 2, 2), (2048, 1, 12288, 96, 8), (2048, 4, 6144, 64, 8),
-                                       (128, 2, 256, 8, 4), (64, 3, 96, 6, 3)])
+@pytest.mark.parametrize(
+    "s,b,h,a,t",
+    [
+        (4, 2, 8, 2, 2),
+        (2048, 1, 12288, 96, 8),
+        (2048, 4, 6144, 64, 8),
+        (128, 2, 256, 8, 4),
+        (64, 3, 96, 6, 3),
+    ],
+)
 def test_derivation_equals_table2_for_every_row(s, b, h, a, t):
     for row in TABLE2_ROWS:
         row_t, sp, recompute = table2_config(row)
-        derived = layer_activation_bytes(s, b, h, a, t if row_t is None else row_t, sp=sp, recompute=recompute)
+        derived = layer_activation_bytes(
+            s, b, h, a, t if row_t is None else row_t, sp=sp, recompute=recompute
+        )
         assert derived == pytest.approx(table2_bytes(row, s, b, h, a, t), rel=1e-12), row
     full_sp = layer_activation_bytes(s, b, h, a, t, sp=True, recompute="full")
     assert full_sp == pytest.approx(table2_bytes("full", s, b, h, a, t, sp=True), rel=1e-12)
@@ -90,30 +122,64 @@ def test_layernorm_statistics():
     base = layer_activation_bytes(S, B, H, A)
     with_stats = layer_activation_terms(S, B, H, A, ln_stats_bytes=2)
     assert with_stats["ln_stats"] == 2 * 2 * S * B * 2  # 2 LNs x (mean, rstd) x sb x 2 bytes
-    assert layer_activation_terms(S, B, H, A, T, sp=True, ln_stats_bytes=4)["ln_stats"] == 2 * 2 * S * B / T * 4
+    assert (
+        layer_activation_terms(S, B, H, A, T, sp=True, ln_stats_bytes=4)["ln_stats"]
+        == 2 * 2 * S * B / T * 4
+    )
     assert sum(with_stats.values()) == base + 64
 
 
 def test_fused_attention_has_no_s_squared_terms():
-    terms = layer_activation_terms(S, B, H, A, T, fused_attention=True)  # the GPU default: the flash kernel
+    # the GPU default: the flash kernel
+    terms = layer_activation_terms(S, B, H, A, T, fused_attention=True)
     assert "softmax_output" not in terms and terms["softmax_lse"] == 4 * A * S * B / T
-    assert "attention_output" not in terms  # flash writes the query's [s, b, heads, d]: the out-proj input
+    # flash writes the query's [s, b, heads, d]: the out-proj input
+    assert "attention_output" not in terms
     assert terms["sdpa_rng_state"] == 16  # seed and offset, uint64 [2]
     sel = layer_activation_terms(S, B, H, A, T, fused_attention=True, recompute="selective")
     assert sel == terms  # selective checkpoints nothing in a fused core
 
 
-@pytest.mark.parametrize("kernel, rows, rng, output", [("cpu", 100, 0, False), ("flash", 100, 16, False),
-                                                       ("efficient", 128, 16, True), ("cudnn", 100, 16, False)])
+@pytest.mark.parametrize(
+    "kernel, rows, rng, output",
+    [
+        ("cpu", 100, 0, False),
+        ("flash", 100, 16, False),
+        ("efficient", 128, 16, True),
+        ("cudnn", 100, 16, False),
+    ],
+)
 def test_fused_core_per_kernel(kernel, rows, rng, output):
-    """Each kernel's log-sum-exp rows (padded to 32 on the memory-efficient one), RNG state and output."""
-    terms = attention_core_terms(100, 2, 64, 4, 2, act_bytes=2, mask_bytes=1, dropout=False, fused_attention=True,
-                                 sdpa_kernel=kernel)
+    """Each kernel's log-sum-exp rows (padded to 32 on the memory-efficient one), RNG state and
+    output."""
+    terms = attention_core_terms(
+        100,
+        2,
+        64,
+        4,
+        2,
+        act_bytes=2,
+        mask_bytes=1,
+        dropout=False,
+        fused_attention=True,
+        sdpa_kernel=kernel,
+    )
     assert terms["softmax_lse"] == 4 * 2 * 2 * rows and terms.get("sdpa_rng_state", 0) == rng
     assert ("attention_output" in terms) == output
-    one = attention_core_terms(100, 1, 64, 4, 2, act_bytes=2, mask_bytes=1, dropout=False, fused_attention=True,
-                               sdpa_kernel=kernel)
-    assert "attention_output" not in one  # b = 1: [1, s, heads, d] is the [s, 1, h/t] out-proj input
+    one = attention_core_terms(
+        100,
+        1,
+        64,
+        4,
+        2,
+        act_bytes=2,
+        mask_bytes=1,
+        dropout=False,
+        fused_attention=True,
+        sdpa_kernel=kernel,
+    )
+    # b = 1: [1, s, heads, d] is the [s, 1, h/t] out-proj input
+    assert "attention_output" not in one
 
 
 def test_bad_input_names_the_numbers():

@@ -5,7 +5,12 @@ from hypothesis import strategies as st
 
 from seqpar.analysis.formulas.flops import hardware_flops, model_flops
 from seqpar.analysis.formulas.in_flight import in_flight_chunks
-from seqpar.analysis.formulas.memory import TABLE2_ROWS, layer_activation_bytes, table2_bytes, table2_config
+from seqpar.analysis.formulas.memory import (
+    TABLE2_ROWS,
+    layer_activation_bytes,
+    table2_bytes,
+    table2_config,
+)
 from seqpar.analysis.formulas.shapes import model_config
 from seqpar.analysis.formulas.stage import stage_memory
 from seqpar.analysis.planning.costmodel import Hardware, iteration_time
@@ -15,20 +20,38 @@ dims = st.fixed_dictionaries({
     "s": st.integers(1, 4096), "b": st.integers(1, 16), "heads": st.integers(1, 128),
     "head_dim": st.integers(1, 256), "t": st.sampled_from([1, 2, 4, 8]),
 })
-switches = st.fixed_dictionaries({"dropout": st.booleans(), "ln_stats_bytes": st.sampled_from([0, 2, 4]),
-                                  "fused_attention": st.booleans(), "ffn_mult": st.sampled_from([None, 2, 3])})
+switches = st.fixed_dictionaries(
+    {
+        "dropout": st.booleans(),
+        "ln_stats_bytes": st.sampled_from([0, 2, 4]),
+        "fused_attention": st.booleans(),
+        "ffn_mult": st.sampled_from([None, 2, 3]),
+    }
+)
 
 
 def _layer(d, sw, **kw):
     h = d["heads"] * d["head_dim"]
     ffn = None if sw["ffn_mult"] is None else sw["ffn_mult"] * h
-    return layer_activation_bytes(d["s"], d["b"], h, d["heads"], d["t"], ffn=ffn, dropout=sw["dropout"],
-                                  ln_stats_bytes=sw["ln_stats_bytes"], fused_attention=sw["fused_attention"], **kw)
+    return layer_activation_bytes(
+        d["s"],
+        d["b"],
+        h,
+        d["heads"],
+        d["t"],
+        ffn=ffn,
+        dropout=sw["dropout"],
+        ln_stats_bytes=sw["ln_stats_bytes"],
+        fused_attention=sw["fused_attention"],
+        **kw,
+    )
 
 
 @given(dims, switches, st.sampled_from(["none", "selective", "full"]))
 def test_sp_never_increases_activation_bytes(d, sw, recompute):
-    assert _layer(d, sw, sp=True, recompute=recompute) <= _layer(d, sw, sp=False, recompute=recompute)
+    assert _layer(d, sw, sp=True, recompute=recompute) <= _layer(
+        d, sw, sp=False, recompute=recompute
+    )
 
 
 @given(dims, switches, st.booleans())
@@ -51,7 +74,9 @@ def test_derivation_matches_table2(d):
     for row in TABLE2_ROWS:
         row_t, sp, recompute = table2_config(row)
         t = d["t"] if row_t is None else row_t
-        derived = layer_activation_bytes(d["s"], d["b"], h, d["heads"], t, sp=sp, recompute=recompute)
+        derived = layer_activation_bytes(
+            d["s"], d["b"], h, d["heads"], t, sp=sp, recompute=recompute
+        )
         closed = table2_bytes(row, d["s"], d["b"], h, d["heads"], d["t"])
         assert abs(derived - closed) <= 1e-9 * closed
 

@@ -1,5 +1,5 @@
-"""seqpar.analysis and seqpar.config import without torch: the formula package sits at the bottom of the
-import graph beside the configuration (measurement, which runs the model, is seqpar.measure)."""
+"""seqpar.analysis and seqpar.config import without torch: the formula package sits at the bottom of
+the import graph beside the configuration (measurement, which runs the model, is seqpar.measure)."""
 
 import pkgutil
 import subprocess
@@ -32,7 +32,9 @@ def test_analysis_and_config_import_with_torch_blocked():
 
 def test_the_block_is_real():
     """The same subprocess fails on a module that needs torch, so the test above can fail."""
-    out = subprocess.run([sys.executable, "-c", BLOCKED, "seqpar.measure.saved"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCKED, "seqpar.measure.saved"], capture_output=True, text=True
+    )
     assert out.returncode != 0 and "torch" in out.stderr
 
 

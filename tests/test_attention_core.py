@@ -1,11 +1,12 @@
 """The materialized attention core (``seqpar.model.materialized``) against plain autograd math.
 
-Output and the gradient of the fused QKV input match ``softmax(QKᵀ/√d + causal mask) · V`` in float64
-(multi-head and grouped-query layouts, b > 1); with dropout, the reference applies the position-keyed
-mask of the same ``AttentionMask`` and the scale 1/(1 − p): the core keeps that mask, its fraction of
-kept elements is 1 − p, and the core keeps exactly the softmax output, the mask and the dropout output
-besides its input. Each case runs eagerly and with the element-wise passes compiled (``fuse``), keeping
-the mask or regenerating it in backward: the same masks, outputs and gradients.
+Output and the gradient of the fused QKV input match ``softmax(QKᵀ/√d + causal mask) · V`` in
+float64 (multi-head and grouped-query layouts, b > 1); with dropout, the reference applies the
+position-keyed mask of the same ``AttentionMask`` and the scale 1/(1 − p): the core keeps that mask,
+its fraction of kept elements is 1 − p, and the core keeps exactly the softmax output, the mask and
+the dropout output besides its input. Each case runs eagerly and with the element-wise passes
+compiled (``fuse``), keeping the mask or regenerating it in backward: the same masks, outputs and
+gradients.
 """
 
 import math
@@ -27,7 +28,8 @@ def _reference(qkv, keep, p):
     x = qkv.double().requires_grad_(True)
     s, b, n, g2, d = x.shape
     q = x[:, :, :, : g2 - 2].permute(1, 2, 3, 0, 4)  # [b, n, g, s, d]
-    k, v = x[:, :, :, g2 - 2].permute(1, 2, 0, 3), x[:, :, :, g2 - 1].permute(1, 2, 0, 3)  # [b, n, s, d]
+    # [b, n, s, d]
+    k, v = x[:, :, :, g2 - 2].permute(1, 2, 0, 3), x[:, :, :, g2 - 1].permute(1, 2, 0, 3)
     scores = torch.einsum("bngqd,bnkd->bngqk", q, k) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [b, n, g, s, s]
@@ -47,7 +49,12 @@ def _keep(mask, b, n, g, s):
     return None if mask is None else mask.keep(((0, s),), ((0, s),), "cpu").view(b * n, g, s, s)
 
 
-SHAPES = [(16, 2, 3, 1, 8, 0.0), (12, 2, 2, 3, 4, 0.0), (16, 2, 3, 1, 8, 0.3), (10, 1, 2, 2, 4, 0.25)]
+SHAPES = [
+    (16, 2, 3, 1, 8, 0.0),
+    (12, 2, 2, 3, 4, 0.0),
+    (16, 2, 3, 1, 8, 0.3),
+    (10, 1, 2, 2, 4, 0.25),
+]
 MODES = [(False, False), (False, True), (True, False), (True, True)]  # (fuse, regenerate)
 # eager: every shape and mode; compiled (each shape a compile): one shape without dropout, one with
 CASES = [(*shape, *mode) for shape in SHAPES for mode in MODES
@@ -79,7 +86,11 @@ def test_dropout_keeps_mask_rate_and_the_papers_tensors(fuse):
     assert kept_qkv.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
     elements = b * n * g * s * s
     assert (probs.dtype, keep.dtype, dropped.dtype) == (torch.bfloat16, torch.bool, torch.bfloat16)
-    assert [t.untyped_storage().nbytes() for t in (probs, keep, dropped)] == [2 * elements, elements, 2 * elements]
+    assert [t.untyped_storage().nbytes() for t in (probs, keep, dropped)] == [
+        2 * elements,
+        elements,
+        2 * elements,
+    ]
     assert torch.equal(keep, _keep(mask, b, n, g, s))
     assert torch.equal(dropped, torch.where(keep, probs, 0))
     rate = keep.float().mean().item()  # 1 − p within 5 standard deviations
@@ -93,7 +104,8 @@ def test_dropout_keeps_mask_rate_and_the_papers_tensors(fuse):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_regenerated_mask_is_not_kept(fuse):
-    """Recompute module ``dropout_mask``: the softmax output and the dropout output only (4 of 5 bytes)."""
+    """Recompute module ``dropout_mask``: the softmax output and the dropout output only (4 of 5
+    bytes)."""
     s, b, n, g, d, p = 32, 2, 2, 1, 8, 0.1
     qkv = _qkv(s, b, n, g, d, torch.bfloat16).requires_grad_(True)
     saved = []

@@ -1,7 +1,7 @@
-"""A full disk during a save reads as one: "no space left on device", the folder, and that the last good
-checkpoint is kept (issue 32, "the words a user reads"), whether the writer raises ENOSPC or torch's zip
-writer only notices the short write ("unexpected pos N vs M"); a rank's message relayed by ``--nproc``'s
-supervisor is never cut mid-word."""
+"""A full disk during a save reads as one: "no space left on device", the folder, and that the last
+good checkpoint is kept (issue 32, "the words a user reads"), whether the writer raises ENOSPC or
+torch's zip writer only notices the short write ("unexpected pos N vs M"); a rank's message relayed
+by ``--nproc``'s supervisor is never cut mid-word."""
 
 import errno
 import os
@@ -15,8 +15,12 @@ from hypothesis import strategies as st
 from seqpar.train import checkpoint as ckpt
 
 TENSORS = {"model.w": torch.arange(4.0)}
-SYMPTOMS = {"enospc": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
-            "zip writer": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")}
+SYMPTOMS = {
+    "enospc": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    "zip writer": RuntimeError(
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    ),
+}
 
 
 @pytest.mark.parametrize("symptom", SYMPTOMS)
@@ -31,8 +35,10 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_kept(tmp_path, monkeypatch
     monkeypatch.setattr(dcp_fs, "_write_item", disk_full)
     with pytest.raises(ckpt.CheckpointError) as info:
         ckpt.save(root, 4, TENSORS, {"step": 4})
-    assert str(info.value) == (f"could not write checkpoint {root / 'step_000004'}: no space left on device in "
-                               f"{root}; the last good checkpoint step_000002 is kept ({root / 'latest'} names it)")
+    assert str(info.value) == (
+        f"could not write checkpoint {root / 'step_000004'}: no space left on device in "
+        f"{root}; the last good checkpoint step_000002 is kept ({root / 'latest'} names it)"
+    )
     monkeypatch.setattr(dcp_fs, "_write_item", write_item)
     assert ckpt.resolve(root).name == "step_000002" and not list(root.glob("*.tmp"))
 

@@ -1,4 +1,5 @@
-"""Checkpoints: atomic (an interrupted save leaves the previous one), damaged ones give a clear error."""
+"""Checkpoints: atomic (an interrupted save leaves the previous one), damaged ones give a clear
+error."""
 
 import json
 import shutil
@@ -10,8 +11,18 @@ from seqpar.train.loop import train_local
 
 SECTIONS = {
     "model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16},
-    "train": {"steps": 4, "save_every": 2, "warmup": 1, "micro_batch": 2, "global_batch": 2, "eval_batches": 1,
-              "peak_tflops": 1.0, "progress": False, "plot": False, "keep_checkpoints": 3},
+    "train": {
+        "steps": 4,
+        "save_every": 2,
+        "warmup": 1,
+        "micro_batch": 2,
+        "global_batch": 2,
+        "eval_batches": 1,
+        "peak_tflops": 1.0,
+        "progress": False,
+        "plot": False,
+        "keep_checkpoints": 3,
+    },
 }
 
 
@@ -52,15 +63,27 @@ def _forget_checksums(folder):
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("damage, message, without_checksums", [
-    (lambda d: (d / ".metadata").write_bytes(b"garbage"), r".metadata has 7 bytes, the save wrote \d+",
-     "metadata file is damaged"),
-    (lambda d: (d / ".metadata").unlink(), "metadata file is missing", None),  # found before any check
-    (lambda d: (d / "meta.json").write_text("{"), "meta.json is unreadable", None),
-    (lambda d: [f.write_bytes(f.read_bytes()[:100]) for f in d.glob("*.distcp")],
-     r"__0_0.distcp has 100 bytes, the save wrote \d+ \(truncated", "could not be read"),
-])
-def test_damaged_checkpoint_is_a_clear_error(run_dir, tmp_path, damage, message, without_checksums, capsys):
+@pytest.mark.parametrize(
+    "damage, message, without_checksums",
+    [
+        (
+            lambda d: (d / ".metadata").write_bytes(b"garbage"),
+            r".metadata has 7 bytes, the save wrote \d+",
+            "metadata file is damaged",
+        ),
+        # found before any check
+        (lambda d: (d / ".metadata").unlink(), "metadata file is missing", None),
+        (lambda d: (d / "meta.json").write_text("{"), "meta.json is unreadable", None),
+        (
+            lambda d: [f.write_bytes(f.read_bytes()[:100]) for f in d.glob("*.distcp")],
+            r"__0_0.distcp has 100 bytes, the save wrote \d+ \(truncated",
+            "could not be read",
+        ),
+    ],
+)
+def test_damaged_checkpoint_is_a_clear_error(
+    run_dir, tmp_path, damage, message, without_checksums, capsys
+):
     root = _copy(run_dir, tmp_path)
     damage(root / "step_000004")
     with pytest.raises(ckpt.CheckpointError, match=message):
@@ -78,6 +101,8 @@ def test_damaged_checkpoint_is_a_clear_error(run_dir, tmp_path, damage, message,
 def test_resume_checks_shapes(run_dir, tmp_path):
     sections = {"model": {**SECTIONS["model"], "hidden_size": 64},
                 "train": {**SECTIONS["train"], "out_dir": str(tmp_path), "steps": 6}}
-    with pytest.raises(ckpt.CheckpointError, match="a different model .hidden_size 32 in the checkpoint, 64 in "
-                                                   "this run"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match="a different model .hidden_size 32 in the checkpoint, 64 in this run",
+    ):
         train_local(sections, resume=str(run_dir))

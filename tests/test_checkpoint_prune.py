@@ -1,6 +1,7 @@
-"""Pruning keeps the newest checkpoints by step number (issue 32, item 5): past step 999,999 the folder
-names grow a digit, and a text sort would delete every new checkpoint as soon as it is written, leaving
-``latest`` naming a folder that no longer exists. Generated runs of increasing steps across 10^6 and 10^7."""
+"""Pruning keeps the newest checkpoints by step number (issue 32, item 5): past step 999,999 the
+folder names grow a digit, and a text sort would delete every new checkpoint as soon as it is
+written, leaving ``latest`` naming a folder that no longer exists. Generated runs of increasing
+steps across 10^6 and 10^7."""
 
 import torch
 from hypothesis import given, settings

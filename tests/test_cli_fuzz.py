@@ -10,7 +10,9 @@ import signal
 from seqpar.cli import VERBS, build_parser, main
 
 CASES = 220
-SUBPARSERS = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+SUBPARSERS = next(
+    a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+).choices
 # Arguments that make a verb valid enough to reach its own validation (required flags, positionals).
 BASE = {"plan": ["--gpus", "8", "--model", "22b"], "sample": ["--checkpoint", "/nonexistent-ckpt"],
         "import-hf": ["/nonexistent-hf", "--out", "/tmp/seqpar-fuzz-out"],
@@ -35,7 +37,9 @@ def bad_command(rng: random.Random) -> tuple[str, list[str]]:
     options = _options(verb)
     mode = rng.choice(["unknown", "type", "range"] if options else ["unknown"])
     if mode == "unknown":
-        flag = "--" + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10)))
+        flag = "--" + "".join(
+            rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10))
+        )
         return mode, argv + [flag + "-x", rng.choice(["1", "abc", "-5"])]
     flag, kind = rng.choice(options)
     if kind == "choice":
@@ -79,5 +83,7 @@ def test_bad_arguments_exit_2_with_one_line_and_a_help_hint_never_a_traceback():
         if code != 2 or "--help` lists the options" not in err or "Traceback" in err:
             failures.append((mode, argv, code, err[-300:]))
     print(f"{CASES} cases: {modes}")
-    assert not failures, f"{len(failures)} of {CASES} bad commands were not usage errors: {failures[:10]}"
+    assert not failures, (
+        f"{len(failures)} of {CASES} bad commands were not usage errors: {failures[:10]}"
+    )
     assert sum(modes.values()) == CASES and min(modes.values()) > 20

@@ -6,15 +6,30 @@ import sys
 
 
 def _seqpar(*args):
-    return subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_memory_measure_all_json():
-    """Every Table 2 row measured == exact, its SP rows with the TP-communication overlap (the ring's chunks are
-    transient: the same bytes kept; the SP rows without it are measured in tests/test_offload.py and
-    tests/test_pipeline_llama.py)."""
-    out = _seqpar("memory", "--measure", "--all", "--tp", "2", "--json", "--hidden", "128", "--heads", "4",
-                  "--seq", "64", "--tp-comm-overlap")
+    """Every Table 2 row measured == exact, its SP rows with the TP-communication overlap (the
+    ring's chunks are transient: the same bytes kept; the SP rows without it are measured in
+    tests/test_offload.py and tests/test_pipeline_llama.py)."""
+    out = _seqpar(
+        "memory",
+        "--measure",
+        "--all",
+        "--tp",
+        "2",
+        "--json",
+        "--hidden",
+        "128",
+        "--heads",
+        "4",
+        "--seq",
+        "64",
+        "--tp-comm-overlap",
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert [(r["tp"], r["sp"], r["recompute"]) for r in rows] == [

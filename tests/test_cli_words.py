@@ -1,9 +1,10 @@
-"""The words a user reads (issue 32): a usage error is one line and a --help hint (no usage block), a
-misspelled flag, choice or TOML key gets a "did you mean"; `seqpar --help` and `seqpar train --help` import
-no torch (they took 5-7 s); `seqpar memory --model PRESET`; the Llama 3 presets rotate with theta 500000;
-`sample --top-k` defaults to the 20 the docs show; the end-of-training sample's prompt is corpus-neutral;
-an exported model.safetensors has the umask's permissions, as config.json beside it; output paths are
-checked before the work (`calibrate --out`, `plan --emit-config`)."""
+"""The words a user reads (issue 32): a usage error is one line and a --help hint (no usage block),
+a misspelled flag, choice or TOML key gets a "did you mean"; `seqpar --help` and `seqpar train
+--help` import no torch (they took 5-7 s); `seqpar memory --model PRESET`; the Llama 3 presets
+rotate with theta 500000; `sample --top-k` defaults to the 20 the docs show; the end-of-training
+sample's prompt is corpus-neutral; an exported model.safetensors has the umask's permissions, as
+config.json beside it; output paths are checked before the work (`calibrate --out`, `plan
+--emit-config`)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,21 @@ from seqpar.cli import VERBS, build_parser
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.train.config import build_job
 
-PROBE = ("import sys; from seqpar.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-         "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+PROBE = (
+    "import sys; from seqpar.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n   "
+    " pass\nprint('torch imported' if 'torch' in sys.modules else 'no torch')"
+)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
 def test_help_imports_no_torch(argv):
-    out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, check=True,
-                         env=os.environ | {"PYTHONPATH": os.getcwd()}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=os.environ | {"PYTHONPATH": os.getcwd()},
+    ).stdout
     assert out.rstrip().endswith("no torch") and ("VERB" in out or "--config" in out)
 
 
@@ -62,16 +70,23 @@ def test_a_validation_error_is_one_line_and_a_misspelled_choice_or_verb_is_named
     assert set(VERBS) >= {"train", "plan"}
 
 
-@pytest.mark.parametrize("sections,hint", [({"train": {"stpes": 3}}, "did you mean 'steps'"),
-                                           ({"model": {"hiden_size": 8}}, "did you mean 'hidden_size'"),
-                                           ({"parralel": {"tp": 1}}, "did you mean 'parallel'")])
+@pytest.mark.parametrize(
+    "sections,hint",
+    [
+        ({"train": {"stpes": 3}}, "did you mean 'steps'"),
+        ({"model": {"hiden_size": 8}}, "did you mean 'hidden_size'"),
+        ({"parralel": {"tp": 1}}, "did you mean 'parallel'"),
+    ],
+)
 def test_an_unknown_toml_key_gets_a_did_you_mean(sections, hint):
     with pytest.raises(ConfigError, match=hint):
         build_job(sections)
 
 
 def test_memory_takes_a_preset_and_llama3_rotates_with_theta_500000():
-    code, out, err = run_cli(["memory", "--model", "llama3-8b", "--tp", "8", "--sp", "--micro-batch", "1"])
+    code, out, err = run_cli(
+        ["memory", "--model", "llama3-8b", "--tp", "8", "--sp", "--micro-batch", "1"]
+    )
     assert code == 0 and "s=8192 b=1 h=4096 a=32 f=14336" in out and "kv heads 8" in out, err
     code, out, _ = run_cli(["memory", "--model", "llama3-8b", "--hidden", "1024", "--heads", "8"])
     assert code == 0 and "h=1024 a=8 f=14336" in out  # flags override the preset
@@ -81,8 +96,25 @@ def test_memory_takes_a_preset_and_llama3_rotates_with_theta_500000():
     for name in ("llama3-8b", "llama3-70b", "llama3-405b"):
         assert preset_shape(name).rope_theta == 500000.0
     assert preset_shape("llama2-7b").rope_theta == 10000.0
-    args = build_parser("train").parse_args(["train", "--model", "llama3-8b", "--layers", "2", "--hidden", "64",
-                                             "--heads", "4", "--kv-heads", "2", "--seq", "32", "--vocab", "256"])
+    args = build_parser("train").parse_args(
+        [
+            "train",
+            "--model",
+            "llama3-8b",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--seq",
+            "32",
+            "--vocab",
+            "256",
+        ]
+    )
     assert train_cmd.job_from_args(args, 1).model.rope_theta == 500000.0
 
 
@@ -98,7 +130,9 @@ def test_exported_weights_have_the_umask_permissions(tmp_path):
     from seqpar.interop.hf import write_hf_folder
     from seqpar.model.gpt import build_model
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=1, seq_len=16, activation="gelu_tanh")
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_heads=2, num_layers=1, seq_len=16, activation="gelu_tanh"
+    )
     old = os.umask(0o022)
     try:
         folder = write_hf_folder(tmp_path / "hf", cfg, build_model(cfg).state_dict())
@@ -108,10 +142,15 @@ def test_exported_weights_have_the_umask_permissions(tmp_path):
     assert stat.S_IMODE(weights.stat().st_mode) == stat.S_IMODE(config.stat().st_mode) == 0o644
 
 
-@pytest.mark.parametrize("argv", [["calibrate", "--quick", "--nproc", "1", "--out", "{tmp}/missing/dir/p.json"],
-                                  ["calibrate", "--quick", "--nproc", "1", "--out", "{tmp}"],
-                                  ["plan", "--model", "22b", "--gpus", "64", "--emit-config", "/nonexistent/x.toml"],
-                                  ["plan", "--model", "22b", "--gpus", "64", "--emit-config", "{tmp}"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["calibrate", "--quick", "--nproc", "1", "--out", "{tmp}/missing/dir/p.json"],
+        ["calibrate", "--quick", "--nproc", "1", "--out", "{tmp}"],
+        ["plan", "--model", "22b", "--gpus", "64", "--emit-config", "/nonexistent/x.toml"],
+        ["plan", "--model", "22b", "--gpus", "64", "--emit-config", "{tmp}"],
+    ],
+)
 def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_path, argv):
     code, out, err = run_cli([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert code == 2 and out == "" and "Traceback" not in err, err
@@ -119,9 +158,9 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_work(tmp_pa
 
 
 def test_compile_without_a_cxx_compiler_is_one_line_before_anything_is_written(tmp_path):
-    """A machine without a C++ compiler: ``--compile`` on the CPU is refused in one line, exit 2, no run folder
-    (it used to fail at the first step inside torch.compile, after claiming the folder); without --compile
-    the same machine trains (masks fall back to the eager hash)."""
+    """A machine without a C++ compiler: ``--compile`` on the CPU is refused in one line, exit 2, no
+    run folder (it used to fail at the first step inside torch.compile, after claiming the folder);
+    without --compile the same machine trains (masks fall back to the eager hash)."""
     out = tmp_path / "run"
     env = {**os.environ, "CXX": str(tmp_path / "no-such-g++")}
     cmd = [sys.executable, "-m", "seqpar", "train", "--compile", "--steps", "1", "--out", str(out)]
@@ -130,22 +169,33 @@ def test_compile_without_a_cxx_compiler_is_one_line_before_anything_is_written(t
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "train.compile needs a C++ compiler" in lines[0] and "without --compile" in lines[0]
     assert not out.exists()
-    eager = subprocess.run(cmd[:4] + ["--steps", "1", "--eval-every", "0", "--out", str(out)], env=env,
-                           capture_output=True, text=True, timeout=300)
+    eager = subprocess.run(
+        cmd[:4] + ["--steps", "1", "--eval-every", "0", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert eager.returncode == 0, eager.stderr
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
-    """`seqpar paper | head -1`: the verb stops quietly with 141 (128 + SIGPIPE), as a Unix tool would. The pipe
-    is shrunk below the report's size, so the verb is still writing when the reader leaves."""
+    """`seqpar paper | head -1`: the verb stops quietly with 141 (128 + SIGPIPE), as a Unix tool
+    would. The pipe is shrunk below the report's size, so the verb is still writing when the reader
+    leaves."""
     import fcntl
 
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
-    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "paper"], stdout=write_end, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "seqpar", "paper"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     os.close(write_end)
-    assert os.read(read_end, 64).startswith(b"Table 2")  # 64 bytes: the verb has thousands more to write
+    # 64 bytes: the verb has thousands more to write
+    assert os.read(read_end, 64).startswith(b"Table 2")
     os.close(read_end)
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

@@ -1,5 +1,6 @@
-"""f, f̄, g, ḡ: forward and backward against their definitions, on gloo ranks; in the same launch, their ring-chunked
-versions with the GEMMs (``--tp-comm-overlap``) against them (``tests/test_tp_overlap.py``)."""
+"""f, f̄, g, ḡ: forward and backward against their definitions, on gloo ranks; in the same launch,
+their ring-chunked versions with the GEMMs (``--tp-comm-overlap``) against them
+(``tests/test_tp_overlap.py``)."""
 
 import pytest
 import test_tp_overlap
@@ -11,7 +12,8 @@ from seqpar.parallel.launch import run_ranks
 
 
 def _data(rank: int, seed: int) -> torch.Tensor:
-    return torch.randn(8, 3, 5, generator=torch.Generator().manual_seed(seed * 100 + rank))  # [s, b, h]
+    # [s, b, h]
+    return torch.randn(8, 3, 5, generator=torch.Generator().manual_seed(seed * 100 + rank))
 
 
 def _check_operators(rank, world):
@@ -37,7 +39,8 @@ def _check_operators(rank, world):
     out["f_bar"] = torch.allclose(y, sum(xs)) and torch.equal(gx, gs[rank])
     # g: all-gather along s forward, reduce-scatter backward
     shards = [x[:chunk] for x in xs]
-    full_grads = [torch.cat([g[:chunk]] * world) + r for r, g in enumerate(gs)]  # [s, b, h] per rank
+    # [s, b, h] per rank
+    full_grads = [torch.cat([g[:chunk]] * world) + r for r, g in enumerate(gs)]
     y, gx = run(comm.g, shards[rank], full_grads[rank])
     expect_grad = sum(full_grads)[rank * chunk:(rank + 1) * chunk]
     out["g"] = torch.equal(y, torch.cat(shards)) and torch.allclose(gx, expect_grad)

@@ -1,16 +1,16 @@
-"""``train.compile``: the compiled regions (``seqpar.model.compile``, by default each layer one fused region)
-compute what eager does.
+"""``train.compile``: the compiled regions (``seqpar.model.compile``, by default each layer one
+fused region) compute what eager does.
 
 One tiny fp32 shape for every test, so each region compiles once per process (dynamo's cache is
 per code object and shape): compiled vs eager loss and gradients within 1e-5 at dropout 0 for every
 recompute mode (tp 1 here, tp 2 + SP on gloo ranks) on a Llama-style layer (RMSNorm, rotary, SwiGLU,
-grouped-query fused attention, with biases to fuse too); with dropout (the paper's GPT: LayerNorm, GeLU,
-the materialized core), selective and full recompute under compile give the bit-identical loss of no
-recompute under compile, and its gradients within fp32 rounding (the masks are position-keyed:
+grouped-query fused attention, with biases to fuse too); with dropout (the paper's GPT: LayerNorm,
+GeLU, the materialized core), selective and full recompute under compile give the bit-identical loss
+of no recompute under compile, and its gradients within fp32 rounding (the masks are position-keyed:
 recomputation computes them again from the restored step and sample; a checkpoint splits the fused
 layer's graph differently); bytes kept for
-backward equal eager's; the compiled loss head equals eager at tp 2 (padding, label smoothing, large logits);
-``seqpar train --compile`` trains.
+backward equal eager's; the compiled loss head equals eager at tp 2 (padding, label smoothing, large
+logits); ``seqpar train --compile`` trains.
 """
 
 import pytest
@@ -24,11 +24,29 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
 from seqpar.testing import parity_batch
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, embd_dropout=0.0,
-                  attn_dropout=0.0, hidden_dropout=0.0, dtype="fp32", norm="rmsnorm", activation="swiglu",
-                  position="rope", kv_heads=2)  # attention "auto": the fused core
-DROPOUT = ModelConfig(vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, dtype="fp32")
-RECOMPUTES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 2)]
+CFG = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    num_heads=4,
+    num_layers=2,
+    seq_len=32,
+    embd_dropout=0.0,
+    attn_dropout=0.0,
+    hidden_dropout=0.0,
+    dtype="fp32",
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    kv_heads=2,
+)  # attention "auto": the fused core
+DROPOUT = ModelConfig(
+    vocab_size=128, hidden_size=64, num_heads=4, num_layers=2, seq_len=32, dtype="fp32"
+)
+RECOMPUTES = [
+    RecomputeConfig("none"),
+    RecomputeConfig("selective"),
+    RecomputeConfig("full", "uniform", 2),
+]
 
 
 def _step(cfg, recompute, compiled, dims=None, sp=False):
@@ -59,12 +77,18 @@ def eager_and_compiled():
 
 def test_compiled_regions_are_the_layers_and_loss_head(eager_and_compiled):
     runs, _ = eager_and_compiled
-    assert runs["none"][1][2] == ["layers.0", "layers.1", "loss_head"]  # the fused layer: nothing inside twice
+    # the fused layer: nothing inside twice
+    assert runs["none"][1][2] == ["layers.0", "layers.1", "loss_head"]
     from seqpar.model.compile import PER_MODULE, compiled_regions
 
     model = build_model(CFG)
-    assert compiled_regions(model, PER_MODULE) == ["layers.0.attention.core", "layers.0.mlp",
-                                                   "layers.1.attention.core", "layers.1.mlp", "loss_head"]
+    assert compiled_regions(model, PER_MODULE) == [
+        "layers.0.attention.core",
+        "layers.0.mlp",
+        "layers.1.attention.core",
+        "layers.1.mlp",
+        "loss_head",
+    ]
 
 
 @pytest.mark.parametrize("granularity", [rc.granularity for rc in RECOMPUTES])
@@ -80,8 +104,9 @@ def test_recompute_under_compile_redraws_the_masks(eager_and_compiled, granulari
     base_loss, base_grads, _ = dropout["none"]
     loss, grads, _ = dropout[granularity]
     assert torch.equal(loss, base_loss)  # the same masks, redrawn from the restored RNG state
-    # the fused layer's graphs differ where a checkpoint breaks them (other fusions, other rounding): gradients
-    # within fp32 rounding (a redrawn mask that differed would move them by ~1e-2)
+    # the fused layer's graphs differ where a checkpoint breaks them (other fusions, other
+    # rounding): gradients within fp32 rounding (a redrawn mask that differed would move them by
+    # ~1e-2)
     assert _max_diff(grads, base_grads) <= 1e-6
     # the masks act: dropout changes the loss
     assert not torch.equal(base_loss, eager_and_compiled[0]["none"][1][0])
@@ -106,8 +131,9 @@ def test_compiled_keeps_the_bytes_eager_keeps():
 
 
 def test_new_steps_and_microbatches_do_not_recompile():
-    """With dropout and selective recompute under compile, the graphs of the first step serve the next steps and
-    microbatches: the checkpoint's state (the tracker's step and sample, Python ints) stays outside them."""
+    """With dropout and selective recompute under compile, the graphs of the first step serve the
+    next steps and microbatches: the checkpoint's state (the tracker's step and sample, Python ints)
+    stays outside them."""
     import torch._dynamo
 
     model = build_model(DROPOUT, seed=3, recompute=RecomputeConfig("selective")).train()
@@ -129,10 +155,11 @@ def test_new_steps_and_microbatches_do_not_recompile():
 
 
 def _loss_head_cases(dims: ParallelDims) -> list:
-    """Eager and compiled loss head (vocabulary 3 split as 4 + 4 columns at tp 2: rank 0 holds a padded
-    column, rank 1 only padding; label smoothing 0.1; ignored tokens), ordinary and large logits
-    (|x| ~ 1e4, where an unshifted exp overflows), next to torch's unsplit cross entropy. The second
-    batch must not recompile: nothing rank- or value-dependent is a Python value in the graphs."""
+    """Eager and compiled loss head (vocabulary 3 split as 4 + 4 columns at tp 2: rank 0 holds a
+    padded column, rank 1 only padding; label smoothing 0.1; ignored tokens), ordinary and large
+    logits (|x| ~ 1e4, where an unshifted exp overflows), next to torch's unsplit cross entropy. The
+    second batch must not recompile: nothing rank- or value-dependent is a Python value in the
+    graphs."""
     import torch._dynamo
     import torch.nn.functional as F
 
@@ -173,11 +200,16 @@ def _tp2_worker(rank, world):
     dims = ParallelDims.build(ParallelConfig(tp=world, sp=True))
     out = {}
     for rc in RECOMPUTES[:1]:
-        for sp in (True, False):  # g / g-bar under SP, f / f-bar without (torch 2.11 traced both wrong)
+        # g / g-bar under SP, f / f-bar without (torch 2.11 traced both wrong)
+        for sp in (True, False):
             eager_loss, eager_grads, _ = _step(CFG, rc, False, dims, sp=sp)
             loss, grads, _ = _step(CFG, rc, True, dims, sp=sp)
-            out[rc.granularity, sp] = (abs(loss.item() - eager_loss.item()), _max_diff(grads, eager_grads))
-    return out, _loss_head_cases(dims)  # in the same ranks: one process start-up and inductor import
+            out[rc.granularity, sp] = (
+                abs(loss.item() - eager_loss.item()),
+                _max_diff(grads, eager_grads),
+            )
+    # in the same ranks: one process start-up and inductor import
+    return out, _loss_head_cases(dims)
 
 
 @pytest.fixture(scope="module")
@@ -207,8 +239,9 @@ def test_compiled_loss_head_equals_eager_at_tp2(tp2):
 
 
 def test_seqpar_train_compile_runs_and_reports_compile_time(tmp_path):
-    """``seqpar train --compile`` / ``--no-compile``: the flag reaches ``train.compile`` (unset: CUDA only); 3 steps
-    train as eager's do (same masks), and the start record says the compile time once."""
+    """``seqpar train --compile`` / ``--no-compile``: the flag reaches ``train.compile`` (unset:
+    CUDA only); 3 steps train as eager's do (same masks), and the start record says the compile time
+    once."""
     import argparse
     import json
 
@@ -217,15 +250,49 @@ def test_seqpar_train_compile_runs_and_reports_compile_time(tmp_path):
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    flags = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--dtype", "fp32",
-             "--steps", "3", "--micro-batch", "2", "--global-batch", "2", "--log-every", "1", "--eval-every", "0",
-             "--peak-tflops", "1", "--no-progress", "--set", "model.embd_dropout=0.1",
-             "--set", "model.attn_dropout=0.1", "--set", "model.hidden_dropout=0.1", "--set", "train.plot=false",
-             "--set", "train.eval_batches=1"]
+    flags = [
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--seq",
+        "32",
+        "--vocab",
+        "256",
+        "--dtype",
+        "fp32",
+        "--steps",
+        "3",
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--peak-tflops",
+        "1",
+        "--no-progress",
+        "--set",
+        "model.embd_dropout=0.1",
+        "--set",
+        "model.attn_dropout=0.1",
+        "--set",
+        "model.hidden_dropout=0.1",
+        "--set",
+        "train.plot=false",
+        "--set",
+        "train.eval_batches=1",
+    ]
     losses = {}
     for compiled in (False, True):
         out = tmp_path / str(compiled)
-        args = p.parse_args([*flags, "--out", str(out), "--compile" if compiled else "--no-compile"])
+        args = p.parse_args(
+            [*flags, "--out", str(out), "--compile" if compiled else "--no-compile"]
+        )
         job = job_from_args(args, 1)
         assert job.train.compile is compiled
         losses[compiled] = train(job, quiet=True)["losses"]

@@ -12,16 +12,35 @@ from seqpar.model import build_model
 
 CASES = 300
 # Each field: valid values first, then one or two that break a rule (drawn 1 time in 8).
-MODEL = {"vocab_size": ([37, 64], [0]), "hidden_size": ([16, 32], [0, 24]), "num_heads": ([1, 2, 4], [0, 3]),
-         "num_layers": ([1, 2, 4], [0]), "seq_len": ([8, 16], [0, 12]), "ffn_hidden_size": ([None, 48], [0, 30]),
-         "kv_heads": ([None, 1, 2], [3]), "attn_dropout": ([0.0, 0.1], [1.0]),
-         "hidden_dropout": ([0.0, 0.1], [-0.1]), "dtype": (["fp32", "bf16"], ["fp8"]),
-         "norm": (["layernorm", "rmsnorm"], ["batchnorm"]), "activation": (["gelu", "swiglu"], []),
-         "position": (["learned", "rope"], []), "attention": (["materialized", "sdpa"], [])}
-PARALLEL = {"tp": ([1, 2, 4], [0, 3]), "pp": ([1, 2], [3]), "dp": ([1, 2], []), "sp": ([False, True], []),
-            "interleave": ([1, 2], [])}
-RECOMPUTE = {"granularity": (["none", "selective", "full"], ["partial"]), "method": (["uniform", "block"], []),
-             "num_layers": ([1, 2], [0, 5]), "modules": ([(), ("norm",), ("mlp", "activation")], [("attention",)])}
+MODEL = {
+    "vocab_size": ([37, 64], [0]),
+    "hidden_size": ([16, 32], [0, 24]),
+    "num_heads": ([1, 2, 4], [0, 3]),
+    "num_layers": ([1, 2, 4], [0]),
+    "seq_len": ([8, 16], [0, 12]),
+    "ffn_hidden_size": ([None, 48], [0, 30]),
+    "kv_heads": ([None, 1, 2], [3]),
+    "attn_dropout": ([0.0, 0.1], [1.0]),
+    "hidden_dropout": ([0.0, 0.1], [-0.1]),
+    "dtype": (["fp32", "bf16"], ["fp8"]),
+    "norm": (["layernorm", "rmsnorm"], ["batchnorm"]),
+    "activation": (["gelu", "swiglu"], []),
+    "position": (["learned", "rope"], []),
+    "attention": (["materialized", "sdpa"], []),
+}
+PARALLEL = {
+    "tp": ([1, 2, 4], [0, 3]),
+    "pp": ([1, 2], [3]),
+    "dp": ([1, 2], []),
+    "sp": ([False, True], []),
+    "interleave": ([1, 2], []),
+}
+RECOMPUTE = {
+    "granularity": (["none", "selective", "full"], ["partial"]),
+    "method": (["uniform", "block"], []),
+    "num_layers": ([1, 2], [0, 5]),
+    "modules": ([(), ("norm",), ("mlp", "activation")], [("attention",)]),
+}
 
 
 def _draw(rng, fields):
@@ -33,11 +52,20 @@ def _draw(rng, fields):
 
 
 def broken_rules(m: dict, p: dict, r: dict) -> list[str]:
-    """The rules a configuration breaks, written from docs/training.md independently of seqpar.config."""
+    """The rules a configuration breaks, written from docs/training.md independently of
+    seqpar.config."""
     f = 4 * m["hidden_size"] if m["ffn_hidden_size"] is None else m["ffn_hidden_size"]
     kv = m["num_heads"] if m["kv_heads"] is None else m["kv_heads"]
-    sizes = [m["vocab_size"], m["hidden_size"], m["num_heads"], m["num_layers"], m["seq_len"], f, kv,
-             p["tp"]]
+    sizes = [
+        m["vocab_size"],
+        m["hidden_size"],
+        m["num_heads"],
+        m["num_layers"],
+        m["seq_len"],
+        f,
+        kv,
+        p["tp"],
+    ]
     if min(sizes) < 1:
         return ["sizes are positive"]
     broken = []
@@ -92,7 +120,8 @@ def test_random_configurations_are_rejected_with_numbers_or_build_and_step():
         except ConfigError as err:  # any other exception fails the test
             counts["invalid"] += 1
             assert expected, (m, p, r, f"valid configuration rejected: {err}")
-            assert any(ch.isdigit() for ch in str(err)) or "'" in str(err), str(err)  # names numbers/values
+            # names numbers/values
+            assert any(ch.isdigit() for ch in str(err)) or "'" in str(err), str(err)
             continue
         counts["valid"] += 1
         assert not expected, (m, p, r, f"broken rules {expected} accepted")

@@ -1,13 +1,19 @@
-"""A dp / FSDP collective's latency grows with its group as NCCL's algorithms walk it (issue 59 item 1): ring steps
-(NVLink hops in a node, network hops between nodes), a tree's log2 levels for an all-reduce where fewer, PAT's log2
-steps with one rank per node; 20 us per call whatever the ranks was the hole."""
+"""A dp / FSDP collective's latency grows with its group as NCCL's algorithms walk it (issue 59 item
+1): ring steps (NVLink hops in a node, network hops between nodes), a tree's log2 levels for an
+all-reduce where fewer, PAT's log2 steps with one rank per node; 20 us per call whatever the ranks
+was the hole."""
 
 import math
 
 import pytest
 
 from seqpar.analysis.formulas.shapes import OptimizerOptions, model_config
-from seqpar.analysis.planning.costmodel import RING_HOP_S, Hardware, fsdp_collectives_s, grad_group_steps_s
+from seqpar.analysis.planning.costmodel import (
+    RING_HOP_S,
+    Hardware,
+    fsdp_collectives_s,
+    grad_group_steps_s,
+)
 from seqpar.config import ParallelConfig
 
 HW = Hardware(gpus_per_node=8)
@@ -30,12 +36,21 @@ def test_across_nodes_the_ring_crosses_the_network_between_nodes():
 def test_one_rank_per_node_gathers_in_log_steps_and_latency_grows_with_the_group():
     par = ParallelConfig(tp=8, dp=2048)
     assert grad_group_steps_s(HW, par, 2048) == pytest.approx(11 * NET)  # PAT: log2(2048) steps
-    small, large = (fsdp_collectives_s(model_config(layers=4, hidden=64, heads=4, seq=64, vocab=128),
-                                       ParallelConfig(tp=2, dp=d, fsdp=True), HW, OptimizerOptions())[0]
-                    for d in (8, 512))
+    small, large = (
+        fsdp_collectives_s(
+            model_config(layers=4, hidden=64, heads=4, seq=64, vocab=128),
+            ParallelConfig(tp=2, dp=d, fsdp=True),
+            HW,
+            OptimizerOptions(),
+        )[0]
+        for d in (8, 512)
+    )
     units = 4 + 1
-    # the same per-rank bytes (nearly): the difference is the 512-rank rings' steps, per unit, 3 collectives
-    steps = grad_group_steps_s(HW, ParallelConfig(tp=2, dp=512), 512) - grad_group_steps_s(HW, ParallelConfig(tp=2,
-                                                                                                             dp=8), 8)
+    # the same per-rank bytes (nearly): the difference is the 512-rank rings' steps, per unit, 3
+    # collectives
+    steps = grad_group_steps_s(HW, ParallelConfig(tp=2, dp=512), 512) - grad_group_steps_s(
+        HW, ParallelConfig(tp=2, dp=8), 8
+    )
     assert large - small >= units * 3 * steps * 0.99 and steps > 100 * NV
-    assert math.isclose(steps, ((512 - 128) - (8 - 2)) * NV + (127 - 1) * NET, rel_tol=1e-9)  # 4 ranks a node
+    # 4 ranks a node
+    assert math.isclose(steps, ((512 - 128) - (8 - 2)) * NV + (127 - 1) * NET, rel_tol=1e-9)

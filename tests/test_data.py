@@ -1,4 +1,5 @@
-"""Data: the stdlib corpus, fixed split, step-keyed batches that do not depend on dp, clear errors."""
+"""Data: the stdlib corpus, fixed split, step-keyed batches that do not depend on dp, clear
+errors."""
 
 import pytest
 import torch
@@ -35,12 +36,15 @@ def test_dp_ranks_split_the_same_global_batch(data):
     assert torch.equal(whole, torch.cat(parts))
     v0, v1 = (torch.cat([t for t, _ in data.validation_batches(8, 2, r, 2)]) for r in range(2))
     assert not torch.equal(v0, v1)
-    assert torch.equal(torch.cat([v0, v1]), torch.cat([t for t, _ in data.validation_batches(8, 2)]))
+    assert torch.equal(
+        torch.cat([v0, v1]), torch.cat([t for t, _ in data.validation_batches(8, 2)])
+    )
 
 
 def test_user_text_file_and_folder(tmp_path):
     (tmp_path / "a.txt").write_text("hello world " * 50)
-    (tmp_path / "b.txt").write_bytes(bytes(range(1, 256)) * 2)  # any bytes but NUL are text at byte level
+    # any bytes but NUL are text at byte level
+    (tmp_path / "b.txt").write_bytes(bytes(range(1, 256)) * 2)
     d = TokenData.build(16, 256, data=str(tmp_path))
     assert "2 files" in d.source
 
@@ -53,13 +57,25 @@ def test_pretokenized_bin(tmp_path):
     assert torch.equal(labels, tokens + 1)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: str(p / "missing.txt"), "does not exist"),
-    (lambda p: (p / "empty.txt").write_text("") and None or str(p / "empty.txt"), "is empty"),
-    (lambda p: (p / "short.txt").write_text("abc") and None or str(p / "short.txt"), "fewer than seq_len"),
-    (lambda p: (p / "odd.bin").write_bytes(b"abc") and None or str(p / "odd.bin"), "whole number of uint16"),
-    (lambda p: (p / "big.bin").write_bytes(b"\xff\xff" * 100) and None or str(p / "big.bin"), ">= vocab_size 256"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: str(p / "missing.txt"), "does not exist"),
+        (lambda p: (p / "empty.txt").write_text("") and None or str(p / "empty.txt"), "is empty"),
+        (
+            lambda p: (p / "short.txt").write_text("abc") and None or str(p / "short.txt"),
+            "fewer than seq_len",
+        ),
+        (
+            lambda p: (p / "odd.bin").write_bytes(b"abc") and None or str(p / "odd.bin"),
+            "whole number of uint16",
+        ),
+        (
+            lambda p: (p / "big.bin").write_bytes(b"\xff\xff" * 100) and None or str(p / "big.bin"),
+            ">= vocab_size 256",
+        ),
+    ],
+)
 def test_bad_data_is_a_clear_error(tmp_path, make, message):
     with pytest.raises(DataError, match=message):
         TokenData.build(16, 256, data=make(tmp_path))

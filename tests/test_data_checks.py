@@ -1,7 +1,7 @@
 """What the data loader refuses or skips, and says so (docs/training.md, data):
-uint32 ids >= 2^31 are checked against the vocabulary without wrapping; hidden folders are skipped like
-hidden files; files that are not text are skipped in text mode; .bin files are checked (llm.c header,
-.npy, compressed, text, uint32 ids read as uint16, size) and the error names the file."""
+uint32 ids >= 2^31 are checked against the vocabulary without wrapping; hidden folders are skipped
+like hidden files; files that are not text are skipped in text mode; .bin files are checked (llm.c
+header, .npy, compressed, text, uint32 ids read as uint16, size) and the error names the file."""
 
 import bz2
 import gzip
@@ -31,7 +31,9 @@ def _bin(path, ids, dtype):
 def test_uint32_ids_at_or_above_2_31_are_refused_not_wrapped(tmp_path, bad):
     ids = list(range(200)) + [bad] + list(range(200))
     with pytest.raises(DataError, match=f"holds token id {bad} >= vocab_size 256"):
-        TokenData.build(16, 256, data=_bin(tmp_path / "t.bin", ids, np.uint32), token_dtype="uint32")
+        TokenData.build(
+            16, 256, data=_bin(tmp_path / "t.bin", ids, np.uint32), token_dtype="uint32"
+        )
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -85,8 +87,14 @@ NOT_TEXT = {  # name -> (bytes, reason)
     "log.xz": (lzma.compress(TEXT.encode()), "xz-compressed"),
     "log.zip": (_zip(TEXT.encode()), "zip-compressed"),
     "log.zst": (b"\x28\xb5\x2f\xfd" + b"\x01" * 300, "zstd-compressed"),
-    "random.dat": (bytes(torch.randint(0, 256, (200_000,), generator=torch.Generator().manual_seed(0))
-                         .to(torch.uint8).tolist()), "binary (a NUL byte at offset"),
+    "random.dat": (
+        bytes(
+            torch.randint(0, 256, (200_000,), generator=torch.Generator().manual_seed(0))
+            .to(torch.uint8)
+            .tolist()
+        ),
+        "binary (a NUL byte at offset",
+    ),
 }
 
 
@@ -104,13 +112,17 @@ def test_text_mode_skips_files_that_are_not_text_and_reports_them(tmp_path):
 def test_a_single_file_that_is_not_text_is_refused_by_name(tmp_path, name):
     raw, reason = NOT_TEXT[name]
     (tmp_path / name).write_bytes(raw)
-    with pytest.raises(DataError, match=re.escape(f"data file {tmp_path / name} is not text ({reason}")):
+    with pytest.raises(
+        DataError, match=re.escape(f"data file {tmp_path / name} is not text ({reason}")
+    ):
         TokenData.build(16, 256, data=str(tmp_path / name))
 
 
 def test_a_folder_with_no_text_file_is_refused(tmp_path):
     (tmp_path / "a.gz").write_bytes(NOT_TEXT["log.gz"][0])
-    with pytest.raises(DataError, match=r"holds no text files \(1 skipped as not text: a.gz: gzip-compressed\)"):
+    with pytest.raises(
+        DataError, match=r"holds no text files \(1 skipped as not text: a.gz: gzip-compressed\)"
+    ):
         TokenData.build(16, 256, data=str(tmp_path))
 
 
@@ -123,7 +135,10 @@ def test_text_with_a_tokenizer_skips_the_same_files(tmp_path):
     (tmp_path / "data" / "a.gz").write_bytes(NOT_TEXT["log.gz"][0])
     tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train([str(tmp_path / "data" / "a.txt")], trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.train(
+        [str(tmp_path / "data" / "a.txt")],
+        trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]),
+    )
     tok.save(str(tmp_path / "tok.json"))
     d = TokenData.build(4, 64, data=str(tmp_path / "data"), tokenizer=str(tmp_path / "tok.json"))
     assert torch.cat([d.train, d.val]).tolist() == tok.encode(TEXT).ids
@@ -131,7 +146,9 @@ def test_text_with_a_tokenizer_skips_the_same_files(tmp_path):
 
 
 def _llmc(path, ids, magic, version, dtype, count=None):
-    header = struct.pack("<3i", magic, version, len(ids) if count is None else count) + b"\0" * (1024 - 12)
+    header = struct.pack("<3i", magic, version, len(ids) if count is None else count) + b"\0" * (
+        1024 - 12
+    )
     path.write_bytes(header + np.asarray(ids, dtype=dtype).tobytes())
     return str(path)
 
@@ -141,12 +158,21 @@ def test_llmc_header_is_read_and_checked(tmp_path):
     d = TokenData.build(16, 256, data=_llmc(tmp_path / "a.bin", ids, 20240520, 1, np.uint16))
     assert torch.cat([d.train, d.val]).to(torch.int64).tolist() == ids  # the header is not data
     assert "llm.c file of uint16 tokens" in d.source
-    d = TokenData.build(16, 256, data=_llmc(tmp_path / "b.bin", ids, 20240801, 7, np.uint32), token_dtype="uint32")
+    d = TokenData.build(
+        16, 256, data=_llmc(tmp_path / "b.bin", ids, 20240801, 7, np.uint32), token_dtype="uint32"
+    )
     assert torch.cat([d.train, d.val]).to(torch.int64).tolist() == ids
-    with pytest.raises(DataError, match=r"c.bin: its llm.c header says 500 uint16 tokens \(2024 bytes\), the file "
-                                        r"has 1824 bytes"):
-        TokenData.build(16, 256, data=_llmc(tmp_path / "c.bin", ids, 20240520, 1, np.uint16, count=500))
-    with pytest.raises(DataError, match=r"d.bin is an llm.c file of uint32 tokens; set train.token_dtype"):
+    with pytest.raises(
+        DataError,
+        match=r"c.bin: its llm.c header says 500 uint16 tokens \(2024 bytes\), the file "
+        r"has 1824 bytes",
+    ):
+        TokenData.build(
+            16, 256, data=_llmc(tmp_path / "c.bin", ids, 20240520, 1, np.uint16, count=500)
+        )
+    with pytest.raises(
+        DataError, match=r"d.bin is an llm.c file of uint32 tokens; set train.token_dtype"
+    ):
         TokenData.build(16, 256, data=_llmc(tmp_path / "d.bin", ids, 20240801, 7, np.uint32))
 
 
@@ -156,15 +182,33 @@ def _npy(array) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("name, write, message", [
-    ("a.bin", lambda p: p.write_bytes(_npy(np.arange(300, dtype=np.uint16))), "a.bin is a NumPy .npy file"),
-    ("b.bin", lambda p: p.write_bytes(gzip.compress(np.arange(300, dtype=np.uint16).tobytes())),
-     "b.bin is gzip-compressed, not raw token ids"),
-    ("c.bin", lambda p: p.write_text(TEXT), "c.bin looks like text, not uint16 token ids"),
-    ("d.bin", lambda p: p.write_text("héllo wörld, ünïcode " * 20), "d.bin looks like text"),
-    ("e.bin", lambda p: np.arange(300, dtype=np.uint32).tofile(p), "e.bin: every second uint16 id is 0"),
-    ("f.bin", lambda p: p.write_bytes(b"\1\2\3" * 101), r"f.bin: 303 bytes is not a whole number of uint16"),
-])
+@pytest.mark.parametrize(
+    "name, write, message",
+    [
+        (
+            "a.bin",
+            lambda p: p.write_bytes(_npy(np.arange(300, dtype=np.uint16))),
+            "a.bin is a NumPy .npy file",
+        ),
+        (
+            "b.bin",
+            lambda p: p.write_bytes(gzip.compress(np.arange(300, dtype=np.uint16).tobytes())),
+            "b.bin is gzip-compressed, not raw token ids",
+        ),
+        ("c.bin", lambda p: p.write_text(TEXT), "c.bin looks like text, not uint16 token ids"),
+        ("d.bin", lambda p: p.write_text("héllo wörld, ünïcode " * 20), "d.bin looks like text"),
+        (
+            "e.bin",
+            lambda p: np.arange(300, dtype=np.uint32).tofile(p),
+            "e.bin: every second uint16 id is 0",
+        ),
+        (
+            "f.bin",
+            lambda p: p.write_bytes(b"\1\2\3" * 101),
+            r"f.bin: 303 bytes is not a whole number of uint16",
+        ),
+    ],
+)
 def test_bin_files_are_checked_and_named(tmp_path, name, write, message):
     write(tmp_path / name)
     with pytest.raises(DataError, match=message):

@@ -1,8 +1,8 @@
-"""Packed documents (issue 36, ``[data] document_mask``): a packed row where each document attends only
-to itself and positions restart per document gives the loss and gradients of its documents run one by
-one -- materialized and sdpa cores, RoPE and learned positions, single process, tp 2 + SP and cp 2 -- and the
-data path marks the documents from the end-of-document token. Drawn boundaries × core × positions ×
-recompute: 3 draws in CI, SEQPAR_DOCS_FULL=1 for 60."""
+"""Packed documents (issue 36, ``[data] document_mask``): a packed row where each document attends
+only to itself and positions restart per document gives the loss and gradients of its documents run
+one by one -- materialized and sdpa cores, RoPE and learned positions, single process, tp 2 + SP and
+cp 2 -- and the data path marks the documents from the end-of-document token. Drawn boundaries ×
+core × positions × recompute: 3 draws in CI, SEQPAR_DOCS_FULL=1 for 60."""
 
 import os
 from dataclasses import replace
@@ -21,9 +21,21 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
 
 EOS = 0
-BASE = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=32, embd_dropout=0.0,
-                   attn_dropout=0.0, hidden_dropout=0.0)
-CASES = [(attention, position) for attention in ("materialized", "sdpa") for position in ("rope", "learned")]
+BASE = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_heads=4,
+    num_layers=2,
+    seq_len=32,
+    embd_dropout=0.0,
+    attn_dropout=0.0,
+    hidden_dropout=0.0,
+)
+CASES = [
+    (attention, position)
+    for attention in ("materialized", "sdpa")
+    for position in ("rope", "learned")
+]
 
 
 def packed_batch(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +59,8 @@ def segments(tokens: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def one_by_one(cfg: ModelConfig) -> tuple[torch.Tensor, dict]:
-    """The documents run alone (single process): the loss over every counted token, its gradients."""
+    """The documents run alone (single process): the loss over every counted token, its
+    gradients."""
     model = build_model(cfg, seed=3)
     tokens, labels = packed_batch()
     total = sum((labels != -100).sum() for _ in [0])
@@ -61,13 +74,16 @@ def one_by_one(cfg: ModelConfig) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def packed(cfg: ModelConfig, dims: ParallelDims, sp: bool, docs: bool = True) -> tuple[torch.Tensor, dict]:
+def packed(
+    cfg: ModelConfig, dims: ParallelDims, sp: bool, docs: bool = True
+) -> tuple[torch.Tensor, dict]:
     model = build_model(cfg, dims, sequence_parallel=sp, seed=3)
     tokens, labels = packed_batch()
     loss = model(tokens, labels, docs=Documents.from_tokens(tokens, EOS) if docs else None)
     loss.backward()
     allreduce_sequence_parallel_grads(model, dims.tp_group)
-    average_gradients(list(model.parameters()), dims.grad_group)  # cp: each rank holds cp × its share
+    # cp: each rank holds cp × its share
+    average_gradients(list(model.parameters()), dims.grad_group)
     return loss.detach(), full_state_dict(model, dims.tp_group, grads=True)
 
 
@@ -87,7 +103,9 @@ def test_a_packed_batch_equals_its_documents_one_by_one(attention, position):
     for k, g in grads.items():
         torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-6, msg=k)
     _, unmasked = packed(cfg, ParallelDims.single(), sp=False, docs=False)
-    worst = max(float((unmasked[k] - want[k]).norm() / want[k].norm().clamp(min=1e-12)) for k in want)
+    worst = max(
+        float((unmasked[k] - want[k]).norm() / want[k].norm().clamp(min=1e-12)) for k in want
+    )
     assert worst > 1e-2  # the mask (and the restarting positions) is what makes them equal
 
 
@@ -107,15 +125,21 @@ def two_rank_results():
 
 @pytest.mark.parametrize("layout", ["tp 2 + SP", "cp 2"])
 def test_a_packed_batch_equals_its_documents_one_by_one_at_tp2_sp_and_cp2(layout, two_rank_results):
-    results = two_rank_results[:len(CASES)] if layout == "tp 2 + SP" else two_rank_results[len(CASES):]
+    results = (
+        two_rank_results[: len(CASES)] if layout == "tp 2 + SP" else two_rank_results[len(CASES) :]
+    )
     for (attention, position), (loss, grads) in zip(CASES, results, strict=True):
         want_loss, want = one_by_one(replace(BASE, attention=attention, position=position))
         assert loss == pytest.approx(float(want_loss), rel=1e-5), (attention, position)
         for k, g in grads.items():
-            torch.testing.assert_close(g, want[k], rtol=1e-4, atol=1e-6, msg=f"{layout} {attention} {position} {k}")
+            torch.testing.assert_close(
+                g, want[k], rtol=1e-4, atol=1e-6, msg=f"{layout} {attention} {position} {k}"
+            )
 
 
-def test_training_with_document_mask_reads_a_prepared_folder_and_keeps_the_formulas_bytes(tmp_path, capsys):
+def test_training_with_document_mask_reads_a_prepared_folder_and_keeps_the_formulas_bytes(
+    tmp_path, capsys
+):
     from pathlib import Path
 
     from seqpar.cli import main
@@ -128,15 +152,43 @@ def test_training_with_document_mask_reads_a_prepared_folder_and_keeps_the_formu
     prepare([str(texts)], tmp_path / "p", progress=False)  # bytes: documents end with NUL
     tiny = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
     capsys.readouterr()
-    code = main(["train", "--config", str(tiny), "--data", str(tmp_path / "p"), "--document-mask", "--attention",
-                 "sdpa", "--steps", "2", "--out", str(tmp_path / "run"), "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(tiny),
+            "--data",
+            str(tmp_path / "p"),
+            "--document-mask",
+            "--attention",
+            "sdpa",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     line = next(x for x in out.splitlines() if "activations kept by the layers" in x)
-    measured, formula = (int(part.split()[-2].replace(",", "")) for part in line.split(": ")[1].split(", formula"))
+    measured, formula = (
+        int(part.split()[-2].replace(",", "")) for part in line.split(": ")[1].split(", formula")
+    )
     assert measured == formula  # the shared mask is data, not a layer's activation
     try:
-        main(["train", "--config", str(tiny), "--document-mask", "--steps", "1", "--out", str(tmp_path / "r2")])
+        main(
+            [
+                "train",
+                "--config",
+                str(tiny),
+                "--document-mask",
+                "--steps",
+                "1",
+                "--out",
+                str(tmp_path / "r2"),
+            ]
+        )
     except SystemExit as exc:
         assert exc.code == 2
     assert "document_mask needs a prepared folder" in capsys.readouterr().err
@@ -146,12 +198,17 @@ DRAWS = 60 if os.environ.get("SEQPAR_DOCS_FULL") else 3  # SEQPAR_DOCS_FULL=1: t
 
 
 @settings(max_examples=DRAWS, deadline=None)
-@given(ends=st.lists(st.integers(0, BASE.seq_len), min_size=0, max_size=8),
-       attention=st.sampled_from(["materialized", "sdpa"]), position=st.sampled_from(["rope", "learned"]),
-       recompute=st.sampled_from(["none", "selective", "full"]))
-def test_drawn_document_boundaries_equal_their_documents_one_by_one(ends, attention, position, recompute):
-    """Any end-of-document positions (none, adjacent, at the window's edges), any core, positions and
-    recompute granularity (the checkpoints restore the documents for the recomputation)."""
+@given(
+    ends=st.lists(st.integers(0, BASE.seq_len), min_size=0, max_size=8),
+    attention=st.sampled_from(["materialized", "sdpa"]),
+    position=st.sampled_from(["rope", "learned"]),
+    recompute=st.sampled_from(["none", "selective", "full"]),
+)
+def test_drawn_document_boundaries_equal_their_documents_one_by_one(
+    ends, attention, position, recompute
+):
+    """Any end-of-document positions (none, adjacent, at the window's edges), any core, positions
+    and recompute granularity (the checkpoints restore the documents for the recomputation)."""
     from seqpar.config import RecomputeConfig
 
     cfg = replace(BASE, attention=attention, position=position)

@@ -1,14 +1,16 @@
-"""Position-keyed dropout masks (``seqpar.parallel.rng``, ``seqpar.parallel.dropout``): quality and layout.
+"""Position-keyed dropout masks (``seqpar.parallel.rng``, ``seqpar.parallel.dropout``): quality and
+layout.
 
 Quality, at p = 0.1 over ~0.5M elements (eager; the same bits as compiled, checked once here and in
 tests/test_attention_core.py). Tolerances, stated:
-  * keep count of every row, column, head, layer, step, sample: inside the exact binomial's two-sided
-    tails at a family-wise level of 10⁻⁶ (each group's tail probability ≥ 10⁻⁶ / 2·groups: an ideal mask
-    fails one in a million times; a normal 5.5σ bound fails one in a thousand for 128-element rows, whose
-    count of drops has a long upper tail), and the groups' dispersion (χ² / groups) within
-    1 ± 5·√(2/groups): neither too spread nor too even;
+  * keep count of every row, column, head, layer, step, sample: inside the exact binomial's
+    two-sided tails at a family-wise level of 10⁻⁶ (each group's tail probability ≥ 10⁻⁶ / 2·groups:
+    an ideal mask fails one in a million times; a normal 5.5σ bound fails one in a thousand for
+    128-element rows, whose count of drops has a long upper tail), and the groups' dispersion (χ² /
+    groups) within 1 ± 5·√(2/groups): neither too spread nor too even;
   * correlation between neighbouring elements (along a row, a column), heads, layers, microbatches
-    (samples), steps and seeds: |ρ| ≤ 5/√N for N paired elements (independent masks give |ρ| ~ 1/√N);
+    (samples), steps and seeds: |ρ| ≤ 5/√N for N paired elements (independent masks give |ρ| ~
+    1/√N);
   * p is resolved to 2⁻³² (finer than 2⁻¹⁶): p and p + 2⁻¹⁷ give different thresholds.
 Layout: a tp shard (heads), an sp slice, cp chunks (with and without SP), a dp rank's sample and a
 microbatch compute exactly the matching slice of the single process's mask.
@@ -32,15 +34,20 @@ SEQ, H = 64, 32  # hidden masks [s, b, h]
 
 @pytest.fixture(autouse=True)
 def _eager_masks(monkeypatch):
-    """Every mask here eagerly (no compile per shape); ``test_compiled_mask_has_the_eager_bits`` compiles one."""
+    """Every mask here eagerly (no compile per shape); ``test_compiled_mask_has_the_eager_bits``
+    compiles one."""
     monkeypatch.setenv("SEQPAR_COMPILE_MASKS", "0")
 
 
-def _attention(key=11, samples=((0, B),), heads=((0, HEADS),), rows=((0, S),), cols=((0, S),)) -> torch.Tensor:
+def _attention(
+    key=11, samples=((0, B),), heads=((0, HEADS),), rows=((0, S),), cols=((0, S),)
+) -> torch.Tensor:
     return AttentionMask(key, P, samples, heads).keep(rows, cols, "cpu")  # [b, heads, sq, sk]
 
 
-def _hidden(tracker: RNGTracker, layer=0, site="mlp_output", placement=None, b=B, s=SEQ) -> torch.Tensor:
+def _hidden(
+    tracker: RNGTracker, layer=0, site="mlp_output", placement=None, b=B, s=SEQ
+) -> torch.Tensor:
     drop = Dropout(P, tracker, layer, site, placement)
     return drop.keep(torch.empty(s, b, H))  # [s, b, h]
 
@@ -55,8 +62,8 @@ def _tails(n: int, q: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _binomial_ok(keep: torch.Tensor, dims: tuple[int, ...]) -> tuple[float, float, float]:
-    """(worst |z|, smallest tail probability of a group's keep count, χ²/groups) over the groups left after
-    summing ``dims``."""
+    """(worst |z|, smallest tail probability of a group's keep count, χ²/groups) over the groups
+    left after summing ``dims``."""
     n = math.prod(keep.shape[d] for d in dims)
     counts = keep.sum(dims).flatten()
     z = (counts.double() - n * (1 - P)) / math.sqrt(n * P * (1 - P))
@@ -68,9 +75,12 @@ def _binomial_ok(keep: torch.Tensor, dims: tuple[int, ...]) -> tuple[float, floa
 def _assert_binomial(keep: torch.Tensor, dims: tuple[int, ...]) -> None:
     worst, tail, dispersion = _binomial_ok(keep, dims)
     groups = keep.numel() // math.prod(keep.shape[d] for d in dims)
-    print(f"keep rate of {groups} groups of {keep.numel() // groups} (shape {tuple(keep.shape)}, summed over "
-          f"{dims}): worst |z| {worst:.2f}, smallest tail {tail:.1e} (bound {1e-6 / (2 * groups):.1e}), "
-          f"chi2/groups {dispersion:.3f} (bound 1 ± {5 * math.sqrt(2 / groups):.3f})")
+    print(
+        f"keep rate of {groups} groups of {keep.numel() // groups} (shape {tuple(keep.shape)}, "
+        f"summed over {dims}): worst |z| {worst:.2f}, smallest tail {tail:.1e} (bound "
+        f"{1e-6 / (2 * groups):.1e}), chi2/groups {dispersion:.3f} (bound 1 ± "
+        f"{5 * math.sqrt(2 / groups):.3f})"
+    )
     assert tail >= 1e-6 / (2 * groups), (dims, worst, tail)
     assert abs(dispersion - 1) <= 5 * math.sqrt(2 / groups) or groups < 8, (dims, dispersion)
 
@@ -83,7 +93,10 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _assert_uncorrelated(a: torch.Tensor, b: torch.Tensor) -> None:
     rho = _corr(a, b)
-    print(f"correlation of {a.numel()} pairs {tuple(a.shape)}: {rho:+.5f} (bound ±{5 / math.sqrt(a.numel()):.5f})")
+    print(
+        f"correlation of {a.numel()} pairs {tuple(a.shape)}: {rho:+.5f} (bound "
+        f"±{5 / math.sqrt(a.numel()):.5f})"
+    )
     assert abs(rho) <= 5 / math.sqrt(a.numel()), (rho, a.shape)
 
 
@@ -119,7 +132,8 @@ def test_no_correlation_between_neighbours():
     _assert_uncorrelated(hidden[..., :-1], hidden[..., 1:])  # neighbouring channels
     _assert_uncorrelated(hidden[:-1], hidden[1:])  # neighbouring positions
     _assert_uncorrelated(hidden, _hidden(tracker, layer=1))  # neighbouring layers
-    _assert_uncorrelated(hidden, _hidden(tracker, site="attention_output"))  # the other site of a layer
+    # the other site of a layer
+    _assert_uncorrelated(hidden, _hidden(tracker, site="attention_output"))
     tracker.microbatch(1, B)
     _assert_uncorrelated(hidden, _hidden(tracker))  # the next microbatch
     tracker.start_step(1)
@@ -133,7 +147,9 @@ def test_p_is_resolved_finer_than_2_to_the_minus_16():
     assert threshold(0.0) == 0 and threshold(2**-16) == 2**16
     for p in (0.5, 0.9):
         keep = AttentionMask(3, p, ((0, B),), ((0, HEADS),)).keep(((0, S),), ((0, S),), "cpu")
-        assert abs(keep.double().mean().item() - (1 - p)) <= 5.5 * math.sqrt(p * (1 - p) / keep.numel())
+        assert abs(keep.double().mean().item() - (1 - p)) <= 5.5 * math.sqrt(
+            p * (1 - p) / keep.numel()
+        )
 
 
 def test_a_tp_shard_and_a_cp_chunk_compute_their_slice_of_the_full_mask():
@@ -154,7 +170,10 @@ def test_sp_slices_cp_chunks_and_samples_are_slices_of_the_full_mask():
     tracker.start_step(3)
     full = _hidden(tracker)  # [s, b, h], one process
     for t in (2, 4):
-        parts = [_hidden(tracker, placement=Placement(sp_size=t, sp_rank=r), s=SEQ // t) for r in range(t)]
+        parts = [
+            _hidden(tracker, placement=Placement(sp_size=t, sp_rank=r), s=SEQ // t)
+            for r in range(t)
+        ]
         assert torch.equal(torch.cat(parts), full)  # sp: the sequence slices
     for cp, t in ((2, 1), (2, 2), (4, 2)):
         for rank in range(cp):
@@ -170,26 +189,32 @@ def test_sp_slices_cp_chunks_and_samples_are_slices_of_the_full_mask():
 
 
 def test_compiled_mask_has_the_eager_bits():
-    """Inductor (C++ on CPU; Triton where CUDA is: the same test) computes the eager bits, for keys with and without
-    the sign bit (int64 holds the 64-bit words: wrapping products, masked shifts)."""
+    """Inductor (C++ on CPU; Triton where CUDA is: the same test) computes the eager bits, for keys
+    with and without the sign bit (int64 holds the 64-bit words: wrapping products, masked
+    shifts)."""
     axes = [((0, 2),), ((3, 7),), ((0, 24),), ((8, 40),)]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for key in (77, -(2**63) + 5, site_key(1234, 99, 5, "attention")):
             eager = keep_mask(key, P, axes, "cpu", compiled=False)
-            assert torch.equal(keep_mask(key, P, axes, device, compiled=True).cpu(), eager), (device, key)
+            assert torch.equal(keep_mask(key, P, axes, device, compiled=True).cpu(), eager), (
+                device,
+                key,
+            )
 
 
 def _splitmix_finaliser(x: int) -> int:
-    """splitmix64's finaliser on Python's unbounded integers (Steele, Lea and Flood 2014), spelled out here."""
+    """splitmix64's finaliser on Python's unbounded integers (Steele, Lea and Flood 2014), spelled
+    out here."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
     return x ^ (x >> 31)
 
 
 def test_the_tensor_hash_is_unsigned_64_bit_arithmetic():
-    """Every bit of a mask equals the scheme computed on unsigned 64-bit words in plain Python: the int64 tensor
-    ops (signed, wrapping) lose nothing, and 64 bits reach the last step (docs/dropout.md)."""
+    """Every bit of a mask equals the scheme computed on unsigned 64-bit words in plain Python: the
+    int64 tensor ops (signed, wrapping) lose nothing, and 64 bits reach the last step
+    (docs/dropout.md)."""
     key = site_key(1234, 3, 1, "attention")
     axes = [((5, 7),), ((30, 32),), ((4090, 4094),), ((2**31 - 16, 2**31),)]
     got = keep_mask(key, P, axes, "cpu", compiled=False)  # [2, 2, 4, 16]
@@ -197,22 +222,33 @@ def test_the_tensor_hash_is_unsigned_64_bit_arithmetic():
         point = torch.unravel_index(torch.tensor(index), got.shape)
         h = key % 2**64
         for (start, _), i in zip((r[0] for r in axes), point, strict=True):
-            h = _splitmix_finaliser(h ^ _splitmix_finaliser((start + int(i) + 0x9E3779B97F4A7C15) % 2**64))
+            h = _splitmix_finaliser(
+                h ^ _splitmix_finaliser((start + int(i) + 0x9E3779B97F4A7C15) % 2**64)
+            )
         assert bool(got[point]) == ((h >> 32) >= threshold(P)), point
 
 
 def test_without_a_cpp_compiler_large_masks_are_hashed_eagerly_with_one_warning():
-    """``CXX=false`` (no C++ compiler for Inductor): a mask large enough to be compiled is hashed eagerly instead,
-    the same bits, and one line says so however many masks follow (issue 42.6)."""
+    """``CXX=false`` (no C++ compiler for Inductor): a mask large enough to be compiled is hashed
+    eagerly instead, the same bits, and one line says so however many masks follow (issue 42.6)."""
     script = ("import torch; from seqpar.parallel.rng import keep_mask\n"
               "axes = [((0, 1024),), ((0, 1024),)]\n"
               "masks = [keep_mask(5, 0.1, axes, 'cpu') for _ in range(3)]\n"
               "eager = keep_mask(5, 0.1, axes, 'cpu', compiled=False)\n"
               "print(*[int(m.sum()) for m in masks], torch.equal(masks[0], eager))")
-    env = {**os.environ, "CXX": "false", "SEQPAR_COMPILE_MASKS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "CXX": "false",
+        "SEQPAR_COMPILE_MASKS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     eager = int(keep_mask(5, 0.1, [((0, 1024),), ((0, 1024),)], "cpu", compiled=False).sum())
     assert run.stdout.split() == [str(eager)] * 3 + ["True"]
-    assert run.stderr.splitlines() == ["seqpar: warning: no C++ compiler for torch.compile (InvalidCxxCompiler): "
-                                       "dropout masks are hashed eagerly (the same bits, slower)"]
+    assert run.stderr.splitlines() == [
+        "seqpar: warning: no C++ compiler for torch.compile (InvalidCxxCompiler): "
+        "dropout masks are hashed eagerly (the same bits, slower)"
+    ]

@@ -1,44 +1,46 @@
-"""Generated equivalence: architecture × layout × recompute × the shared axes, each trained against the single
-process.
+"""Generated equivalence: architecture × layout × recompute × the shared axes, each trained against
+the single process.
 
-Every draw trains 5 or 8 steps (the ``steps`` axis; every dropout 0.1 -- attention dropout 0 with the sdpa core
---, ``grad_clip`` small enough that clipping binds every step, Adam's eps large enough that the clip factor
-moves the update) with ``seqpar``'s own trainer, and must match the same model trained in one process: every
-step's loss and global grad norm, and every final weight (‖a − b‖ / ‖b‖ per tensor), within 1e-5 relative in
-fp32; in bf16 loss within 1e-2, grad norm 3e-2, weights 1e-1 (``tests/_axes.py`` ``BF16_TOLERANCE``; measured
-over the CI samples and ``SEQPAR_EQUIV_ONLY`` slices, 5 and 8 steps: worst loss 1.5e-4, grad_norm 6.8e-3, weights
-1.7e-2 here, 3.8e-2 in the MoE draws -- a zero-initialised LayerNorm bias after 8 Adam steps; one bf16 ulp is
-7.8e-3 relative).
+Every draw trains 5 or 8 steps (the ``steps`` axis; every dropout 0.1 -- attention dropout 0 with
+the sdpa core --, ``grad_clip`` small enough that clipping binds every step, Adam's eps large enough
+that the clip factor moves the update) with ``seqpar``'s own trainer, and must match the same model
+trained in one process: every step's loss and global grad norm, and every final weight (‖a − b‖ /
+‖b‖ per tensor), within 1e-5 relative in fp32; in bf16 loss within 1e-2, grad norm 3e-2, weights
+1e-1 (``tests/_axes.py`` ``BF16_TOLERANCE``; measured over the CI samples and ``SEQPAR_EQUIV_ONLY``
+slices, 5 and 8 steps: worst loss 1.5e-4, grad_norm 6.8e-3, weights 1.7e-2 here, 3.8e-2 in the MoE
+draws -- a zero-initialised LayerNorm bias after 8 Adam steps; one bf16 ulp is 7.8e-3 relative).
 
 The space (``draw``): architecture -- norm, activation, position, attention core, biases, tied or
 untied output layer, kv heads ∈ {1, 2, heads}, a vocabulary that can leave a tp rank holding only
-padding -- × layout (enumerated, ``AXES``) -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven with an empty
-first or last stage, interleaved: even, uneven, and with both ends empty as the planner splits), dp ∈ {1, 2},
-context parallelism cp ∈ {1, 2, 4} -- × recompute (none, selective, full uniform/block, the finer modules) × the
-gradient path (distributed optimizer on/off, overlapped dp reduction on/off) × the axes every generated check
-shares (``tests/_axes.py``, drawn per combination from streams seeded by its index, then fitted to the layout by
-its rules): micro-batch 1, 2, 4 at global batch 4, 8, 12 (raised to a multiple of micro-batch × dp, × pp when
-interleaved; the reference runs micro-batch 1), steps, fp32 or bf16, label smoothing 0 or 0.1, the data (random-id
-windows, or a prepared folder of short documents with document masks, so microbatches count different numbers of
-tokens: ``pipeline.objective``), offloaded modules (those the recomputation does not rebuild), the cp exchange
-(ring, a2a, a2a+ring K 2 at cp 4; ring where the heads do not split), FSDP2 off, over dp × cp, or HSDP in groups
-of 2 (where dp × cp > 1, >= 4), reshard-after-forward on/off under FSDP2, the TP-communication overlap on/off
-(where SP is on at tp > 1: ``--tp-comm-overlap``), the pipeline schedule (1F1B or ZB-H1 where pp > 1 with one chunk
-per rank, no FSDP2 and no TP-communication overlap), compile (``SEQPAR_AXES_COMPILE=1`` only: slow on CPU). ep
-does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
-replaced by a rule) is printed as ``narrowed (equivalence N): ...`` and recorded as the test's ``narrowed``
-property; the test id ends ``-narrowedK``; ``test_summary`` counts them per axis.
+padding -- × layout (enumerated, ``AXES``) -- tp ∈ {1, 2, 4}, SP on/off, pp ∈ {1, 2} (even, uneven
+with an empty first or last stage, interleaved: even, uneven, and with both ends empty as the
+planner splits), dp ∈ {1, 2}, context parallelism cp ∈ {1, 2, 4} -- × recompute (none, selective,
+full uniform/block, the finer modules) × the gradient path (distributed optimizer on/off, overlapped
+dp reduction on/off) × the axes every generated check shares (``tests/_axes.py``, drawn per
+combination from streams seeded by its index, then fitted to the layout by its rules): micro-batch
+1, 2, 4 at global batch 4, 8, 12 (raised to a multiple of micro-batch × dp, × pp when interleaved;
+the reference runs micro-batch 1), steps, fp32 or bf16, label smoothing 0 or 0.1, the data
+(random-id windows, or a prepared folder of short documents with document masks, so microbatches
+count different numbers of tokens: ``pipeline.objective``), offloaded modules (those the
+recomputation does not rebuild), the cp exchange (ring, a2a, a2a+ring K 2 at cp 4; ring where the
+heads do not split), FSDP2 off, over dp × cp, or HSDP in groups of 2 (where dp × cp > 1, >= 4),
+reshard-after-forward on/off under FSDP2, the TP-communication overlap on/off (where SP is on at tp
+> 1: ``--tp-comm-overlap``), the pipeline schedule (1F1B or ZB-H1 where pp > 1 with one chunk per
+rank, no FSDP2 and no TP-communication overlap), compile (``SEQPAR_AXES_COMPILE=1`` only: slow on
+CPU). ep does not apply (dense; ``tests/test_equivalence_moe.py``). Each narrowing (a drawn value
+replaced by a rule) is printed as ``narrowed (equivalence N): ...`` and recorded as the test's
+``narrowed`` property; the test id ends ``-narrowedK``; ``test_summary`` counts them per axis.
 
 Which draws run (environment):
 
-* default (CI): a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤ 4), chosen
-  greedily to take every axis value (enumerated or shared, as fitted) at least once;
+* default (CI): a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤
+  4), chosen greedily to take every axis value (enumerated or shared, as fitted) at least once;
 * ``SEQPAR_EQUIV_FULL=1``: every combination (600, world sizes ≤ 8);
 * ``SEQPAR_EQUIV_WORLD=8`` (or a list, ``1,2,4``): every combination of those world sizes (342 at 8,
   258 at ≤ 4);
-* ``SEQPAR_EQUIV_ONLY=cp=4`` (``axis=value``, comma-separated, any enumerated or shared axis as fitted, e.g.
-  ``dtype=bf16``, ``fsdp=hsdp``, ``offload=norm+core_attention``): every combination with those values, e.g. to
-  check a new axis value alone;
+* ``SEQPAR_EQUIV_ONLY=cp=4`` (``axis=value``, comma-separated, any enumerated or shared axis as
+  fitted, e.g. ``dtype=bf16``, ``fsdp=hsdp``, ``offload=norm+core_attention``): every combination
+  with those values, e.g. to check a new axis value alone;
 * ``SEQPAR_EQUIV_SHARD=k/n`` (1 ≤ k ≤ n), with any of the above: every n-th of those draws from the
   k-th, so n runs one after another (or on n machines) cover the selection, each with its share of
   every world size.
@@ -49,21 +51,22 @@ its first test runs, under a timeout that grows with its work (``_helpers.Launch
 launch that fails is rerun one draw at a time, so a failure or a timeout is reported against its own
 draw, and the launch's other draws still pass or fail on their own results.
 
-Last sweep (issue 49, 2026-12-06, AMD EPYC, 2 cores, quiet but for small edits): ``SEQPAR_EQUIV_FULL=1 pytest
-tests/test_equivalence.py`` at daca6f4, **600 of 600 combinations passed in one run, 21 min 20 s** (603 tests): 60
-at cp 4, 22 of them the hybrid a2a+ring (worst grad_norm 7.5e-08, weights 6.3e-07), 78 with both interleaved end
-chunks empty; worst relative error over all grad_norm 1.77e-06, loss 1.67e-07, weights 2.34e-06 (540 of 540 at
-70e9e27, before cp 4). The sweep before it (issues 42, 45,
-46, 2026-12-05, Intel Xeon with AMX, 2 cores, quiet): ``SEQPAR_EQUIV_FULL=1
-pytest tests/test_equivalence.py`` on a clean clone of 0524bf6, **468 of 468 combinations passed in one run,
-11 min 0 s** (471 tests); 246 at world 8, 241 at micro-batch 2, 234 on a prepared folder with document
-masks, 239 offloading modules, 78 with all-to-all CP, 151 with FSDP2, 240 with attention dropout 0.1 in the
-materialized core; worst relative error grad_norm 7.64e-07, loss 1.42e-07, weights 1.09e-06. (The same
-sweep on e887eb5, the objective with the micro-batch and data axes alone: 468 of 468, worst grad_norm
-7.35e-07, loss 1.43e-07, weights 1.14e-06.) Since then cp 4 is an axis value: the hybrid a2a+ring (K 2) is
-drawn there (SEQPAR_EQUIV_ONLY=cp=4 runs those 60 combinations). Those sweeps predate the shared axes of
-``tests/_axes.py`` (issue 56: bf16, label smoothing, micro-batch 4, global batch 12, 8 steps, HSDP, ZeRO-2):
-since then each combination draws different values, and no full sweep has run.
+Last sweep (issue 49, 2026-12-06, AMD EPYC, 2 cores, quiet but for small edits):
+``SEQPAR_EQUIV_FULL=1 pytest tests/test_equivalence.py`` at daca6f4, **600 of 600 combinations
+passed in one run, 21 min 20 s** (603 tests): 60 at cp 4, 22 of them the hybrid a2a+ring (worst
+grad_norm 7.5e-08, weights 6.3e-07), 78 with both interleaved end chunks empty; worst relative error
+over all grad_norm 1.77e-06, loss 1.67e-07, weights 2.34e-06 (540 of 540 at 70e9e27, before cp 4).
+The sweep before it (issues 42, 45, 46, 2026-12-05, Intel Xeon with AMX, 2 cores, quiet):
+``SEQPAR_EQUIV_FULL=1 pytest tests/test_equivalence.py`` on a clean clone of 0524bf6, **468 of 468
+combinations passed in one run, 11 min 0 s** (471 tests); 246 at world 8, 241 at micro-batch 2, 234
+on a prepared folder with document masks, 239 offloading modules, 78 with all-to-all CP, 151 with
+FSDP2, 240 with attention dropout 0.1 in the materialized core; worst relative error grad_norm
+7.64e-07, loss 1.42e-07, weights 1.09e-06. (The same sweep on e887eb5, the objective with the
+micro-batch and data axes alone: 468 of 468, worst grad_norm 7.35e-07, loss 1.43e-07, weights
+1.14e-06.) Since then cp 4 is an axis value: the hybrid a2a+ring (K 2) is drawn there
+(SEQPAR_EQUIV_ONLY=cp=4 runs those 60 combinations). Those sweeps predate the shared axes of
+``tests/_axes.py`` (issue 56: bf16, label smoothing, micro-batch 4, global batch 12, 8 steps, HSDP,
+ZeRO-2): since then each combination draws different values, and no full sweep has run.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ PIPELINES = {  # name: (pp, interleave, layers, split)
     "pp2-empty-last": (2, 1, 2, (2, 0)),
     "pp2-interleave": (2, 2, 4, ()),
     "pp2-interleave-uneven": (2, 2, 5, (2, 1, 1, 1)),
-    "pp2-interleave-empty-ends": (2, 2, 4, (0, 2, 2, 0)),  # the planner's lighter ends (issue 49): no end layer
+    # the planner's lighter ends (issue 49): no end layer
+    "pp2-interleave-empty-ends": (2, 2, 4, (0, 2, 2, 0)),
 }
 
 
@@ -133,13 +137,14 @@ def draw(index: int, c: Combo) -> dict:
 
 @functools.cache
 def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
-    """The job sections of one combination and its draw of the shared axes (``tests/_axes.py``), fitted to
-    the layout (what it narrowed recorded in the draw)."""
+    """The job sections of one combination and its draw of the shared axes (``tests/_axes.py``),
+    fitted to the layout (what it narrowed recorded in the draw)."""
     rng = random.Random(index)
     axes = _axes.draw("equivalence", index).fixed(DENSE)
     pp, interleave, layers, split = PIPELINES[c.pipeline]
     model = {
-        "vocab_size": rng.choice((5, 9, 37, 64)),  # 5 and 9 at tp=4: the last rank holds only padding
+        # 5 and 9 at tp=4: the last rank holds only padding
+        "vocab_size": rng.choice((5, 9, 37, 64)),
         "hidden_size": 32, "num_heads": HEADS, "num_layers": layers, "seq_len": SEQ,
         "kv_heads": rng.choice((1, 2, HEADS)),
         "norm": rng.choice(("layernorm", "rmsnorm")),
@@ -150,47 +155,89 @@ def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
         "tie_embeddings": rng.choice((True, False)),
         "dtype": axes["dtype"], "label_smoothing": axes["label_smoothing"],
     }
-    # every dropout on: position-keyed masks are the same under every layout (sdpa takes no attention dropout)
+    # every dropout on: position-keyed masks are the same under every layout (sdpa takes no
+    # attention dropout)
     model |= {"embd_dropout": DROPOUT, "hidden_dropout": DROPOUT,
               "attn_dropout": DROPOUT if model["attention"] == "materialized" else 0.0}
     parallel = {"tp": c.tp, "sp": c.sp, "pp": pp, "dp": c.dp, "cp": c.cp, "interleave": interleave,
                 "layer_split": list(split)}
-    parallel |= _axes.fit_cp_comm(axes, model, c.tp, c.cp) | _axes.fit_tp_comm_overlap(axes, c.tp, c.sp)
+    parallel |= _axes.fit_cp_comm(axes, model, c.tp, c.cp) | _axes.fit_tp_comm_overlap(
+        axes, c.tp, c.sp
+    )
     data = {}
-    if axes["data"] == "documents":  # byte-level prepared folder: vocabulary 256, end-of-document id 0
+    # byte-level prepared folder: vocabulary 256, end-of-document id 0
+    if axes["data"] == "documents":
         model["vocab_size"], data = 256, {"document_mask": True}
-    grads = random.Random(f"grads {index}")  # its own stream: the architecture draws above stay as they were
+    # its own stream: the architecture draws above stay as they were
+    grads = random.Random(f"grads {index}")
     reduction = {"distributed_optimizer": grads.choice((True, False)),
-                 "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}  # ~10 KB buckets
+                 # ~10 KB buckets
+                 "overlap_grad_reduce": grads.choice((True, False)), "grad_bucket_mb": 0.01}
     fsdp = _axes.fit_fsdp(axes, c.dp, c.cp)
     if fsdp:  # FSDP2 over dp × cp instead
         parallel |= fsdp
         reduction.update(distributed_optimizer=False, overlap_grad_reduce=False)
-    reduction["overlap_param_gather"] = _axes.fit_param_gather(axes, reduction["distributed_optimizer"], c.dp, c.cp)
-    parallel |= _axes.fit_pp_schedule(axes, pp, interleave, bool(fsdp), bool(parallel.get("tp_comm_overlap")))
-    reduction |= {"micro_batch": axes["micro_batch"], "global_batch": _axes.fit_batch(axes, c.dp, pp, interleave),
-                  "steps": axes["steps"]}
+    reduction["overlap_param_gather"] = _axes.fit_param_gather(
+        axes, reduction["distributed_optimizer"], c.dp, c.cp
+    )
+    parallel |= _axes.fit_pp_schedule(
+        axes, pp, interleave, bool(fsdp), bool(parallel.get("tp_comm_overlap"))
+    )
+    reduction |= {
+        "micro_batch": axes["micro_batch"],
+        "global_batch": _axes.fit_batch(axes, c.dp, pp, interleave),
+        "steps": axes["steps"],
+    }
     recompute = dict(RECOMPUTE[c.recompute])
     recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))
     if _axes.fit_compile(axes, tuple(recompute["offload_modules"])):
         reduction["compile"] = True
-    return {"model": model, "parallel": parallel, "recompute": recompute, "train": reduction, "data": data}, axes
+    return {
+        "model": model,
+        "parallel": parallel,
+        "recompute": recompute,
+        "train": reduction,
+        "data": data,
+    }, axes
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
-    train = {"steps": STEPS, "lr": 1e-2, "min_lr": 1e-3, "warmup": 0, "eps": 1e-4, "grad_clip": CLIP,
-             "micro_batch": 1, "global_batch": GLOBAL_BATCH, "eval_every": 0, "eval_batches": 1, "log_every": 1,
-             "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
+    train = {
+        "steps": STEPS,
+        "lr": 1e-2,
+        "min_lr": 1e-3,
+        "warmup": 0,
+        "eps": 1e-4,
+        "grad_clip": CLIP,
+        "micro_batch": 1,
+        "global_batch": GLOBAL_BATCH,
+        "eval_every": 0,
+        "eval_batches": 1,
+        "log_every": 1,
+        "peak_tflops": 1.0,
+        "progress": False,
+        "plot": False,
+        "data": str(data),
+        "out_dir": str(out),
+    }
     return {**sections, "train": {**train, **sections.get("train", {})}}
 
 
 def reference_of(sections: dict) -> dict:
-    """One process, micro-batch 1, the replicated optimizer without overlap; the same model, data, global
-    batch and steps."""
+    """One process, micro-batch 1, the replicated optimizer without overlap; the same model, data,
+    global batch and steps."""
     train = sections.get("train", {})
-    return {"model": sections["model"], "parallel": {}, "recompute": {}, "data": sections.get("data", {}),
-            "train": {"global_batch": train.get("global_batch", GLOBAL_BATCH), "steps": train.get("steps", STEPS)}}
+    return {
+        "model": sections["model"],
+        "parallel": {},
+        "recompute": {},
+        "data": sections.get("data", {}),
+        "train": {
+            "global_batch": train.get("global_batch", GLOBAL_BATCH),
+            "steps": train.get("steps", STEPS),
+        },
+    }
 
 
 def rel(a: float, b: float) -> float:
@@ -198,18 +245,24 @@ def rel(a: float, b: float) -> float:
 
 
 def values_of(index: int, c: Combo) -> set:
-    """The (axis, value) pairs a combination takes: its enumerated layout and its fitted draw of the shared axes."""
-    return set(c._asdict().items()) | {(axis, _axes.shown(v)) for axis, v in drawn(index, c)[1].values.items()}
+    """The (axis, value) pairs a combination takes: its enumerated layout and its fitted draw of the
+    shared axes."""
+    return set(c._asdict().items()) | {
+        (axis, _axes.shown(v)) for axis, v in drawn(index, c)[1].values.items()
+    }
 
 
 def sample(n: int) -> list[tuple[int, Combo]]:
-    """CI's ``n`` combinations of world size ≤ 4: greedily the one taking the most axis values (enumerated or
-    drawn) not yet taken, until every value is, then the next ones in a seeded shuffle."""
+    """CI's ``n`` combinations of world size ≤ 4: greedily the one taking the most axis values
+    (enumerated or drawn) not yet taken, until every value is, then the next ones in a seeded
+    shuffle."""
     every = list(enumerate(combinations(4)))
     random.Random(2205_05198).shuffle(every)
     chosen, seen = [], set()
     while len(chosen) < n:
-        best = max(every, key=lambda item: len(values_of(*item) - seen) if item not in chosen else -1)
+        best = max(
+            every, key=lambda item: len(values_of(*item) - seen) if item not in chosen else -1
+        )
         if not values_of(*best) - seen:
             break
         chosen.append(best)
@@ -229,8 +282,8 @@ def shard(items: list, spec: str) -> list:
 
 def matches(index: int, c: Combo, spec: str) -> bool:
     """Whether combination ``index`` takes every ``axis=value`` of ``spec`` (comma-separated, e.g.
-    ``cp=4,dtype=bf16``; an enumerated axis or a shared one of ``tests/_axes.py`` after fitting; a tuple's
-    values joined by ``+``, e.g. ``offload=norm+core_attention``, ``()`` as ``none``)."""
+    ``cp=4,dtype=bf16``; an enumerated axis or a shared one of ``tests/_axes.py`` after fitting; a
+    tuple's values joined by ``+``, e.g. ``offload=norm+core_attention``, ``()`` as ``none``)."""
     pairs = [item.partition("=") for item in spec.split(",")]
     if any(not sep or axis not in {*AXES, *_axes.AXES} for axis, sep, _ in pairs):
         raise ValueError(f"SEQPAR_EQUIV_ONLY={spec!r}: expected axis=value[,axis=value] over "
@@ -271,7 +324,8 @@ def results(tmp_path_factory):
         data = root / (f"tokens{vocab}.bin" if not sections["data"] else "prepared")
         if sections["data"] and not data.exists():
             prepared_documents(data)
-        if not data.exists():  # random ids in [0, vocab): the byte-level default data needs vocab ≥ 256
+        # random ids in [0, vocab): the byte-level default data needs vocab ≥ 256
+        if not data.exists():
             random_tokens(data, vocab, seed=vocab)
         jobs[index] = (job(sections, root / f"d{index}", data), world_of(combo))
         dirs[index] = (root / f"d{index}", job(reference_of(sections), root / f"r{index}", data))
@@ -282,22 +336,37 @@ def result_of(results, index: int) -> dict:
     launches, dirs = results
     run = launches.result(index)
     ref = train_local(dirs[index][1])
-    return {"run": run, "ref": ref, "dirs": (str(dirs[index][0]), dirs[index][1]["train"]["out_dir"]),
-            "steps": dirs[index][1]["train"]["steps"]}
+    return {
+        "run": run,
+        "ref": ref,
+        "dirs": (str(dirs[index][0]), dirs[index][1]["train"]["out_dir"]),
+        "steps": dirs[index][1]["train"]["steps"],
+    }
 
 
 def compare(result: dict) -> dict[str, float]:
     run, ref = result["run"], result["ref"]
     got, want = (step_records(d) for d in result["dirs"])
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, result.get("steps", STEPS) + 1))
+    assert (
+        [r["step"] for r in got]
+        == [r["step"] for r in want]
+        == list(range(1, result.get("steps", STEPS) + 1))
+    )
     assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
-    weights, ref_weights = load_model_state(run["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
+    weights, ref_weights = (
+        load_model_state(run["checkpoint"])[0],
+        load_model_state(ref["checkpoint"])[0],
+    )
     assert weights.keys() == ref_weights.keys()
     return {
         "loss": max(rel(a["loss"], b["loss"]) for a, b in zip(got, want, strict=True)),
-        "grad_norm": max(rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(got, want, strict=True)),
-        "weights": max(((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm().clamp(min=1e-30)).item()
-                       for k in ref_weights),
+        "grad_norm": max(
+            rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(got, want, strict=True)
+        ),
+        "weights": max(
+            ((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm().clamp(min=1e-30)).item()
+            for k in ref_weights
+        ),
     }
 
 
@@ -307,23 +376,37 @@ CHECKED: list[int] = []
 
 def _draw_id(index: int, c: Combo) -> str:
     def label(axis, value):
-        return (axis if value else "") if isinstance(value, bool) else value if isinstance(value, str) \
+        return (
+            (axis if value else "")
+            if isinstance(value, bool)
+            else value
+            if isinstance(value, str)
             else f"{axis}{value}"
+        )
     sections, axes = drawn(index, c)
     parallel, train = sections["parallel"], sections["train"]
-    extra = [{"fsdp": "fsdp", "hsdp": "hsdp"}.get(axes["fsdp"], "")] + ["zero2"] * (not parallel.get(
-        "reshard_after_forward", True))
+    extra = [{"fsdp": "fsdp", "hsdp": "hsdp"}.get(axes["fsdp"], "")] + ["zero2"] * (
+        not parallel.get("reshard_after_forward", True)
+    )
     extra += [parallel.get("pp_schedule", "")]
-    extra += [parallel.get("cp_comm_type", "")] * (c.cp > 1) + [f"mb{train['micro_batch']}",
-                                                                f"gb{train['global_batch']}", f"{train['steps']}steps"]
+    extra += [parallel.get("cp_comm_type", "")] * (c.cp > 1) + [
+        f"mb{train['micro_batch']}",
+        f"gb{train['global_batch']}",
+        f"{train['steps']}steps",
+    ]
     extra += ["docs"] * (axes["data"] == "documents") + ["bf16"] * (axes["dtype"] == "bf16")
-    extra += [f"ls{axes['label_smoothing']}"] * bool(axes["label_smoothing"]) + ["compile"] * axes["compile"]
+    extra += [f"ls{axes['label_smoothing']}"] * bool(axes["label_smoothing"]) + ["compile"] * axes[
+        "compile"
+    ]
     extra += ["tpoverlap"] * axes["tp_comm_overlap"]
     offload = sections["recompute"]["offload_modules"]
     extra += [f"offload({','.join(offload)})"] if offload else []
     extra += [f"narrowed{len(axes.narrowed)}"] * bool(axes.narrowed)
-    return "-".join([str(index)] + [x for axis, value in c._asdict().items() if (x := label(axis, value))]
-                    + [x for x in extra if x])
+    return "-".join(
+        [str(index)]
+        + [x for axis, value in c._asdict().items() if (x := label(axis, value))]
+        + [x for x in extra if x]
+    )
 
 
 @pytest.mark.parametrize(("index", "combo"), DRAWS, ids=[_draw_id(i, c) for i, c in DRAWS])
@@ -336,34 +419,60 @@ def test_draw_matches_single_process(index, combo, results, record_property):
     CHECKED.append(index)
     print(f"{index} {tuple(combo)} {sections['model']} {sections['train']}: "
           + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    assert all(math.isfinite(v) and v <= _axes.tolerance(axes, k) for k, v in errors.items()), errors
+    assert all(math.isfinite(v) and v <= _axes.tolerance(axes, k) for k, v in errors.items()), (
+        errors
+    )
 
 
 def test_summary():
-    """The suite's summary line (draws compared, worst relative error per quantity); runs after the draws."""
-    narrowed = collections.Counter(n.split(" ")[0] for i, c in DRAWS for n in drawn(i, c)[1].narrowed)
-    print(f"\nequivalence: {len(CHECKED)} of {len(DRAWS)} draws compared ({len(combinations(8))} combinations); "
-          "worst relative error: " + ", ".join(f"{d} {k} {v:.2e}" for (d, k), v in sorted(WORST.items()))
-          + "; narrowed: " + (", ".join(f"{k} ×{n}" for k, n in narrowed.most_common()) or "nothing")
-          + ("" if _axes.compile_drawn() else f"; compile not drawn (switch {_axes.COMPILE_SWITCH}=1)"))
+    """The suite's summary line (draws compared, worst relative error per quantity); runs after the
+    draws."""
+    narrowed = collections.Counter(
+        n.split(" ")[0] for i, c in DRAWS for n in drawn(i, c)[1].narrowed
+    )
+    print(
+        f"\nequivalence: {len(CHECKED)} of {len(DRAWS)} draws compared ({len(combinations(8))} "
+        f"combinations); "
+        "worst relative error: "
+        + ", ".join(f"{d} {k} {v:.2e}" for (d, k), v in sorted(WORST.items()))
+        + "; narrowed: "
+        + (", ".join(f"{k} ×{n}" for k, n in narrowed.most_common()) or "nothing")
+        + (
+            ""
+            if _axes.compile_drawn()
+            else f"; compile not drawn (switch {_axes.COMPILE_SWITCH}=1)"
+        )
+    )
     assert CHECKED
 
 
 def test_selection_slices():
-    """World and shard slices: shards are disjoint and cover their selection; bad specs are refused."""
+    """World and shard slices: shards are disjoint and cover their selection; bad specs are
+    refused."""
     eight = selected({"SEQPAR_EQUIV_WORLD": "8"})
     assert len(eight) == 342 and {world_of(c) for _, c in eight} == {8}
     small = selected({"SEQPAR_EQUIV_WORLD": "1,2,4"})
     assert len(small) == len(combinations(4)) == 258
-    assert sorted(selected({"SEQPAR_EQUIV_FULL": "1"})) == sorted(small + eight) == list(enumerate(combinations(8)))
-    parts = [selected({"SEQPAR_EQUIV_WORLD": "8", "SEQPAR_EQUIV_SHARD": f"{k}/5"}) for k in range(1, 6)]
+    assert (
+        sorted(selected({"SEQPAR_EQUIV_FULL": "1"}))
+        == sorted(small + eight)
+        == list(enumerate(combinations(8)))
+    )
+    parts = [
+        selected({"SEQPAR_EQUIV_WORLD": "8", "SEQPAR_EQUIV_SHARD": f"{k}/5"}) for k in range(1, 6)
+    ]
     assert sorted(sum(parts, [])) == sorted(eight) and {len(p) for p in parts} == {68, 69}
     assert {c.cp for _, c in selected({"SEQPAR_EQUIV_ONLY": "cp=4"})} == {4}
-    bf16 = selected({"SEQPAR_EQUIV_ONLY": "dtype=bf16,micro_batch=4"})  # the shared axes select too (tests/_axes.py)
-    assert bf16 and all(draw(i, c)["model"]["dtype"] == "bf16" and draw(i, c)["train"]["micro_batch"] == 4
-                        for i, c in bf16)
+    # the shared axes select too (tests/_axes.py)
+    bf16 = selected({"SEQPAR_EQUIV_ONLY": "dtype=bf16,micro_batch=4"})
+    assert bf16 and all(
+        draw(i, c)["model"]["dtype"] == "bf16" and draw(i, c)["train"]["micro_batch"] == 4
+        for i, c in bf16
+    )
     hsdp = selected({"SEQPAR_EQUIV_ONLY": "fsdp=hsdp"})  # as fitted: hsdp only where dp × cp >= 4
-    assert hsdp and all(draw(i, c)["parallel"]["fsdp_shard_size"] == 2 and c.dp * c.cp >= 4 for i, c in hsdp)
+    assert hsdp and all(
+        draw(i, c)["parallel"]["fsdp_shard_size"] == 2 and c.dp * c.cp >= 4 for i, c in hsdp
+    )
     with pytest.raises(ValueError, match="SEQPAR_EQUIV_ONLY"):
         selected({"SEQPAR_EQUIV_ONLY": "cpp=4"})
     for spec in ("0/3", "4/3", "3", "a/b"):
@@ -373,7 +482,8 @@ def test_selection_slices():
 
 def test_launch_failure_is_its_own_draws():
     """A launch that fails is rerun one draw at a time: the failing draw gets its own error, its
-    launch-mates their results, other launches are untouched; draws that fail only together all fail."""
+    launch-mates their results, other launches are untouched; draws that fail only together all
+    fail."""
     calls = []
 
     class Fake(Launches):
@@ -384,11 +494,17 @@ def test_launch_failure_is_its_own_draws():
             return [{"job": key} for key in keys]
 
     together = False
-    fake = Fake({key: ({}, 8) for key in ("a", "bad", "c", "d")} | {"e": ({}, 2)}, size=3, job_s=60.0)
+    fake = Fake(
+        {key: ({}, 8) for key in ("a", "bad", "c", "d")} | {"e": ({}, 2)}, size=3, job_s=60.0
+    )
     assert fake.result("a") == {"job": "a"} and calls == [["a", "bad", "c"], ["a"], ["bad"], ["c"]]
     with pytest.raises(TimeoutError, match=r"launch \['bad'\]"):
         fake.result("bad")
-    assert fake.result("c") == {"job": "c"} and fake.result("d") == {"job": "d"} and fake.result("e") == {"job": "e"}
+    assert (
+        fake.result("c") == {"job": "c"}
+        and fake.result("d") == {"job": "d"}
+        and fake.result("e") == {"job": "e"}
+    )
     assert calls[4:] == [["d"], ["e"]]
     cores = os.cpu_count() or 1
     assert fake.timeout(3, 8) == Launches.START_S + 3 * 60.0 * math.ceil(8 / cores)

@@ -1,10 +1,15 @@
-"""FLOPs counted by FlopCounterMode on real ranks against App. A / Eq. 7 (per rank: divided by t)."""
+"""FLOPs counted by FlopCounterMode on real ranks against App. A / Eq. 7 (per rank: divided by
+t)."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from seqpar.analysis.formulas.flops import layer_forward_flops, model_flops, selective_recompute_flops
+from seqpar.analysis.formulas.flops import (
+    layer_forward_flops,
+    model_flops,
+    selective_recompute_flops,
+)
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.model import build_model
 from seqpar.model.init import init_parameters
@@ -45,7 +50,9 @@ def _flops_worker(rank, world):
         for rc in ("none", "selective"):
             stage = build_model(CFG, dims, sequence_parallel=sp, recompute=RecomputeConfig(rc))
             tokens = torch.randint(0, CFG.vocab_size, (B, CFG.seq_len))
-            model[(sp, rc)] = _count(lambda stage=stage, tokens=tokens: stage(tokens, tokens).backward())
+            model[(sp, rc)] = _count(
+                lambda stage=stage, tokens=tokens: stage(tokens, tokens).backward()
+            )
     return layer, model
 
 
@@ -58,10 +65,14 @@ def test_recompute_adds_exactly_its_flops_and_the_step_equals_eq7(t):
         for sp in (False, True):
             none = layer[(sp, "none")]
             assert none == 3 * forward  # backward = 2 × forward
-            assert layer[(sp, "selective")] - none == selective_recompute_flops(B, s, h) / t  # 4bs²h/t
+            # 4bs²h/t
+            assert layer[(sp, "selective")] - none == selective_recompute_flops(B, s, h) / t
             assert layer[(sp, "full")] - none == forward  # one more forward of the layer
             assert model[(sp, "none")] == model_flops(B, L, s, h, v) / t  # Eq. 7 per rank
-            assert model[(sp, "selective")] - model[(sp, "none")] == L * selective_recompute_flops(B, s, h) / t
+            assert (
+                model[(sp, "selective")] - model[(sp, "none")]
+                == L * selective_recompute_flops(B, s, h) / t
+            )
 
 
 def _modules_worker(rank, world):
@@ -70,13 +81,26 @@ def _modules_worker(rank, world):
     dims = ParallelDims.build(ParallelConfig(tp=world))
     out = {}
     for activation in ("gelu", "swiglu"):
-        cfg = replace(CFG, activation=activation, ffn_hidden_size=96, embd_dropout=0.0, attn_dropout=0.0,
-                      hidden_dropout=0.0, attention="materialized")
+        cfg = replace(
+            CFG,
+            activation=activation,
+            ffn_hidden_size=96,
+            embd_dropout=0.0,
+            attn_dropout=0.0,
+            hidden_dropout=0.0,
+            attention="materialized",
+        )
         for modules in ((), ("norm",), ("activation",), ("mlp",)):
-            rc = RecomputeConfig("selective", modules=modules) if modules else RecomputeConfig("none")
+            rc = (
+                RecomputeConfig("selective", modules=modules)
+                if modules
+                else RecomputeConfig("none")
+            )
             stage = build_model(cfg, dims, sequence_parallel=world > 1, recompute=rc)
             tokens = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len))
-            out[(activation, modules)] = _count(lambda stage=stage, tokens=tokens: stage(tokens, tokens).backward())
+            out[(activation, modules)] = _count(
+                lambda stage=stage, tokens=tokens: stage(tokens, tokens).backward()
+            )
     return out
 
 
@@ -86,7 +110,8 @@ def test_finer_recompute_modules_add_no_gemm_flops_except_the_mlp(t):
     for counts in run_ranks(_modules_worker, t):
         for activation, fc1_width in (("gelu", f), ("swiglu", 2 * f)):
             base = counts[(activation, ())]
-            assert counts[(activation, ("norm",))] == base  # norms and activations: elementwise only
+            # norms and activations: elementwise only
+            assert counts[(activation, ("norm",))] == base
             assert counts[(activation, ("activation",))] == base
             mlp_forward = 2 * B * s * h * (fc1_width + f) / t  # fc1 and fc2 run again
             assert counts[(activation, ("mlp",))] - base == L * mlp_forward

@@ -1,6 +1,7 @@
-"""A distributed optimizer's fragment (a flat range of a parameter's tp-local shard) described to DCP as
-boxes of the full tensor: the boxes cover the range exactly, each box is the right view of the fragment's
-own tensor, and it lands where that element lies in the full tensor, for every layout and block grid."""
+"""A distributed optimizer's fragment (a flat range of a parameter's tp-local shard) described to
+DCP as boxes of the full tensor: the boxes cover the range exactly, each box is the right view of
+the fragment's own tensor, and it lands where that element lies in the full tensor, for every layout
+and block grid."""
 
 import math
 from unittest import mock
@@ -36,7 +37,10 @@ LAYOUTS = {  # name -> (layout, local shape at tp=2)
     "columns": (ParamLayout(split_dim=1), (5, 3)),
     "padded vocabulary": (ParamLayout(split_dim=0, full_size=7), (4, 3)),
     "gate;up parts": (ParamLayout(split_dim=0, parts=2), (6, 4)),
-    "grouped qkv": (ParamLayout(split_dim=0, grouped=GroupedQKVLayout(heads=4, kv=1, d=2, tp=2)), (8, 3)),
+    "grouped qkv": (
+        ParamLayout(split_dim=0, grouped=GroupedQKVLayout(heads=4, kv=1, d=2, tp=2)),
+        (8, 3),
+    ),
     "vector": (ParamLayout(split_dim=0), (9,)),
 }
 

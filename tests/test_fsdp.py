@@ -1,11 +1,12 @@
 """FSDP2 (``parallel.fsdp``) against the single process: dp 2 and 4, alone and with tp 2 + SP, pp 2
-(1F1B on an uneven split, and interleaved), cp 2 and HSDP; every recompute mode, tied and untied embeddings, grouped kv.
+(1F1B on an uneven split, and interleaved), cp 2 and HSDP; every recompute mode, tied and untied
+embeddings, grouped kv.
 
 Each case trains 5 fp32 steps with clipping binding at every step (the equivalence suite's job,
-``tests/test_equivalence.py``) and must match the single process within 1e-5 relative in every step's
-loss and grad norm and every final weight. The cases of one world size share one launch of ranks.
-Checkpoints are layout-free: a run saved with fsdp at dp 4 resumes without it at dp 1 and the reverse,
-and fsdp dp 2 resumes at fsdp dp 4, on the uninterrupted trajectory.
+``tests/test_equivalence.py``) and must match the single process within 1e-5 relative in every
+step's loss and grad norm and every final weight. The cases of one world size share one launch of
+ranks. Checkpoints are layout-free: a run saved with fsdp at dp 4 resumes without it at dp 1 and the
+reverse, and fsdp dp 2 resumes at fsdp dp 4, on the uninterrupted trajectory.
 """
 
 from __future__ import annotations
@@ -21,14 +22,31 @@ from _helpers import random_tokens, step_records
 from seqpar.train.checkpoint import load_model_state
 from seqpar.train.loop import train_local, train_local_many
 
-STEPS, CLIP = 5, 0.01  # as the equivalence suite (tests/test_equivalence.py): clipping binds at every step
+# as the equivalence suite (tests/test_equivalence.py): clipping binds at every step
+STEPS, CLIP = 5, 0.01
 
 
 def job(sections: dict, out: Path, data: Path) -> dict:
-    """5 fp32 steps, Adam's eps large enough that the clip factor moves the update, logged every step."""
-    train = {"steps": STEPS, "lr": 1e-2, "min_lr": 1e-3, "warmup": 0, "eps": 1e-4, "grad_clip": CLIP,
-             "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1, "log_every": 1,
-             "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data), "out_dir": str(out)}
+    """5 fp32 steps, Adam's eps large enough that the clip factor moves the update, logged every
+    step."""
+    train = {
+        "steps": STEPS,
+        "lr": 1e-2,
+        "min_lr": 1e-3,
+        "warmup": 0,
+        "eps": 1e-4,
+        "grad_clip": CLIP,
+        "micro_batch": 1,
+        "global_batch": 4,
+        "eval_every": 0,
+        "eval_batches": 1,
+        "log_every": 1,
+        "peak_tflops": 1.0,
+        "progress": False,
+        "plot": False,
+        "data": str(data),
+        "out_dir": str(out),
+    }
     return {**sections, "train": {**train, **sections.get("train", {})}}
 
 
@@ -37,21 +55,46 @@ def rel(a: float, b: float) -> float:
 
 
 VOCAB = 37
-MODEL = {"vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16, "kv_heads": 4,
-         "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": "fp32"}
-LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False}
+MODEL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "num_heads": 4,
+    "num_layers": 2,
+    "seq_len": 16,
+    "kv_heads": 4,
+    "embd_dropout": 0.0,
+    "attn_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "dtype": "fp32",
+}
+LLAMA = {
+    "norm": "rmsnorm",
+    "activation": "swiglu",
+    "position": "rope",
+    "bias": False,
+    "tie_embeddings": False,
+}
 FULL = {"granularity": "full", "method": "uniform", "num_layers": 1}
 # name: (parallel, recompute, model changes)
 CASES = {
     "dp2": ({"dp": 2}, {}, {}),
     "dp2-zero2-full": ({"dp": 2, "reshard_after_forward": False}, FULL, {}),
     "dp4": ({"dp": 4}, {"granularity": "selective"}, {}),
-    "dp4-hsdp2": ({"dp": 4, "fsdp_shard_size": 2}, {"granularity": "selective", "modules": ["norm", "activation"]},
-                  LLAMA),
-    "dp2-tp2-sp": ({"dp": 2, "tp": 2, "sp": True}, {"granularity": "selective", "modules": ["core_attention", "mlp"]},
-                   {**LLAMA, "kv_heads": 1}),
-    "dp2-pp2-uneven": ({"dp": 2, "pp": 2, "layer_split": [1, 2]}, {"granularity": "full", "method": "block",
-                                                                    "num_layers": 1}, {"num_layers": 3}),
+    "dp4-hsdp2": (
+        {"dp": 4, "fsdp_shard_size": 2},
+        {"granularity": "selective", "modules": ["norm", "activation"]},
+        LLAMA,
+    ),
+    "dp2-tp2-sp": (
+        {"dp": 2, "tp": 2, "sp": True},
+        {"granularity": "selective", "modules": ["core_attention", "mlp"]},
+        {**LLAMA, "kv_heads": 1},
+    ),
+    "dp2-pp2-uneven": (
+        {"dp": 2, "pp": 2, "layer_split": [1, 2]},
+        {"granularity": "full", "method": "block", "num_layers": 1},
+        {"num_layers": 3},
+    ),
     "dp2-pp2-interleave": ({"dp": 2, "pp": 2, "interleave": 2}, {}, {"num_layers": 4}),
     "dp2-cp2": ({"dp": 2, "cp": 2}, FULL, {"attention": "sdpa", "position": "rope"}),
 }
@@ -59,7 +102,11 @@ CASES = {
 
 def sections(name: str) -> dict:
     parallel, recompute, model = CASES[name]
-    return {"model": {**MODEL, **model}, "parallel": {**parallel, "fsdp": True}, "recompute": dict(recompute)}
+    return {
+        "model": {**MODEL, **model},
+        "parallel": {**parallel, "fsdp": True},
+        "recompute": dict(recompute),
+    }
 
 
 def world(name: str) -> int:
@@ -81,12 +128,22 @@ def results(tmp_path_factory, data) -> dict:
     out = {}
     for size in sorted({world(n) for n in CASES}):
         names = [n for n in CASES if world(n) == size]
-        for name, summary in zip(names, train_local_many([jobs[n] for n in names], size), strict=True):
+        for name, summary in zip(
+            names, train_local_many([jobs[n] for n in names], size), strict=True
+        ):
             key = repr(sorted(jobs[name]["model"].items()))
             if key not in refs:
                 ref_dir = root / f"ref{len(refs)}"
-                refs[key] = (train_local(job({"model": jobs[name]["model"], "parallel": {}, "recompute": {}},
-                                             ref_dir, data)), ref_dir)
+                refs[key] = (
+                    train_local(
+                        job(
+                            {"model": jobs[name]["model"], "parallel": {}, "recompute": {}},
+                            ref_dir,
+                            data,
+                        )
+                    ),
+                    ref_dir,
+                )
             out[name] = (summary, refs[key][0], root / name, refs[key][1])
     return out
 
@@ -95,12 +152,21 @@ def errors(run: dict, ref: dict, run_dir: Path, ref_dir: Path) -> dict[str, floa
     got, want = step_records(str(run_dir)), step_records(str(ref_dir))
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert all(r["grad_norm"] > CLIP for r in want), "clipping must bind at every step"
-    weights, ref_weights = load_model_state(run["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
+    weights, ref_weights = (
+        load_model_state(run["checkpoint"])[0],
+        load_model_state(ref["checkpoint"])[0],
+    )
     assert weights.keys() == ref_weights.keys()
-    return {"loss": max(rel(a["loss"], b["loss"]) for a, b in zip(got, want, strict=True)),
-            "grad_norm": max(rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(got, want, strict=True)),
-            "weights": max(((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm().clamp(min=1e-30)).item()
-                           for k in ref_weights)}
+    return {
+        "loss": max(rel(a["loss"], b["loss"]) for a, b in zip(got, want, strict=True)),
+        "grad_norm": max(
+            rel(a["grad_norm"], b["grad_norm"]) for a, b in zip(got, want, strict=True)
+        ),
+        "weights": max(
+            ((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm().clamp(min=1e-30)).item()
+            for k in ref_weights
+        ),
+    }
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -112,8 +178,9 @@ def test_fsdp_matches_single_process(name, results):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_start_record_states_and_activations_per_rank(name, results):
-    """Every rank of every case: the model states it holds equal the fsdp formula (padded shards, own
-    rows), and its activation peak the stage's exact value (FSDP's gathered weights are not activations)."""
+    """Every rank of every case: the model states it holds equal the fsdp formula (padded shards,
+    own rows), and its activation peak the stage's exact value (FSDP's gathered weights are not
+    activations)."""
     lines = (results[name][2] / "metrics.jsonl").read_text().splitlines()
     start = next(r for r in map(json.loads, lines) if r.get("event") == "start")
     assert len(start["ranks"]) == world(name)
@@ -154,7 +221,9 @@ def resumed(tmp_path_factory, data) -> dict:
 
     def part(name: str, half: int) -> dict:
         parallel = RESUMES[name][half]
-        s = job({"model": MODEL, "parallel": parallel, "recompute": {}}, root / f"{name}-{half}", data)
+        s = job(
+            {"model": MODEL, "parallel": parallel, "recompute": {}}, root / f"{name}-{half}", data
+        )
         if half == 0:
             s["train"]["stop_at"] = STOP
         return s
@@ -166,9 +235,15 @@ def resumed(tmp_path_factory, data) -> dict:
         by_size: dict[int, list] = {}
         for name, half in jobs:
             resume = str(root / f"{name}-0") if half else ""
-            by_size.setdefault(size(RESUMES[name][half]), []).append((name, half, (part(name, half), resume)))
+            by_size.setdefault(size(RESUMES[name][half]), []).append(
+                (name, half, (part(name, half), resume))
+            )
         for n, items in sorted(by_size.items()):
-            outs = [train_local(r[2][0], resume=r[2][1]) for r in items] if n == 1 else _many([r[2] for r in items], n)
+            outs = (
+                [train_local(r[2][0], resume=r[2][1]) for r in items]
+                if n == 1
+                else _many([r[2] for r in items], n)
+            )
             for (name, half, _), summary in zip(items, outs, strict=True):
                 results[(name, half)] = summary
 
@@ -186,16 +261,21 @@ def test_checkpoint_resumes_across_fsdp(name, resumed):
     losses = first["losses"] + second["losses"]
     assert len(losses) == STEPS
     loss_err = max(rel(a, b) for a, b in zip(losses, ref["losses"], strict=True))
-    weights, ref_weights = load_model_state(second["checkpoint"])[0], load_model_state(ref["checkpoint"])[0]
-    weight_err = max(((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm()).item() for k in ref_weights)
+    weights, ref_weights = (
+        load_model_state(second["checkpoint"])[0],
+        load_model_state(ref["checkpoint"])[0],
+    )
+    weight_err = max(
+        ((weights[k] - ref_weights[k]).norm() / ref_weights[k].norm()).item() for k in ref_weights
+    )
     print(f"\nresume {name} at step {STOP}: loss {loss_err:.1e}, final weights {weight_err:.1e}")
     assert loss_err <= 1e-5 and weight_err <= 1e-5
 
 
 # ---------------------------------------------------------------------- model states per rank
 def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
-    """Each job's start-record figures on this rank after one step (FSDP's gradients exist after a backward:
-    measured then, not copied from the parameters' bytes before any exists, issue 43)."""
+    """Each job's start-record figures on this rank after one step (FSDP's gradients exist after a
+    backward: measured then, not copied from the parameters' bytes before any exists, issue 43)."""
     from seqpar.train.config import build_job
     from seqpar.train.loop import Trainer
     from seqpar.train.states import state_record
@@ -203,21 +283,42 @@ def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
     for sections in runs:
         trainer = Trainer(build_job(sections), quiet=True)
         trainer.train_step(0)
-        out.append(state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank))
+        out.append(
+            state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank)
+        )
     return out
 
 
 def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
-    """dp 4, bf16, a vocabulary and widths that leave uneven shards: every rank's fp32 shards, gradients
-    (FSDP's reduce-scatter outputs after a step) and Adam moments equal the formula, and the states are
-    at most 0.30 of plain data parallelism's (16 / 4 of 18 bytes per parameter, plus padding)."""
+    """dp 4, bf16, a vocabulary and widths that leave uneven shards: every rank's fp32 shards,
+    gradients (FSDP's reduce-scatter outputs after a step) and Adam moments equal the formula, and
+    the states are at most 0.30 of plain data parallelism's (16 / 4 of 18 bytes per parameter, plus
+    padding)."""
     from seqpar.parallel.launch import run_ranks
     model = {**MODEL, "dtype": "bf16", "hidden_size": 40, "num_heads": 4, "ffn_hidden_size": 52}
-    train = {"steps": 1, "micro_batch": 1, "global_batch": 4, "eval_every": 0, "progress": False, "plot": False,
-             "data": str(data), "peak_tflops": 1.0}
-    jobs = [{"model": model, "parallel": {"dp": 4, **extra}, "recompute": {},
-             "train": {**train, "out_dir": str(tmp_path / k)}}
-            for k, extra in (("dp", {}), ("fsdp", {"fsdp": True}), ("hsdp", {"fsdp": True, "fsdp_shard_size": 2}))]
+    train = {
+        "steps": 1,
+        "micro_batch": 1,
+        "global_batch": 4,
+        "eval_every": 0,
+        "progress": False,
+        "plot": False,
+        "data": str(data),
+        "peak_tflops": 1.0,
+    }
+    jobs = [
+        {
+            "model": model,
+            "parallel": {"dp": 4, **extra},
+            "recompute": {},
+            "train": {**train, "out_dir": str(tmp_path / k)},
+        }
+        for k, extra in (
+            ("dp", {}),
+            ("fsdp", {"fsdp": True}),
+            ("hsdp", {"fsdp": True, "fsdp_shard_size": 2}),
+        )
+    ]
     ranks = run_ranks(_states, 4, jobs, timeout=600)
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes")
     for j, name in enumerate(("dp", "fsdp", "hsdp")):
@@ -234,16 +335,21 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
 
 # ---------------------------------------------------------------------- analysis, memory, planner
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-@pytest.mark.parametrize(("tp", "pp", "kv"), [(1, 1, 4), (2, 1, 1), (4, 2, 2), (2, 2, 4), (1, 1, 2)])
+@pytest.mark.parametrize(
+    ("tp", "pp", "kv"), [(1, 1, 4), (2, 1, 1), (4, 2, 2), (2, 2, 4), (1, 1, 2)]
+)
 def test_stage_tensors_are_the_model_tensors(arch, tp, pp, kv):
-    """The tensors the fsdp formula shards: at tp 1 exactly the built model's (rows, row) shapes; at any
-    layout as many elements as the state formula counts (where it models kv heads: llama, or kv = heads)."""
+    """The tensors the fsdp formula shards: at tp 1 exactly the built model's (rows, row) shapes; at
+    any layout as many elements as the state formula counts (where it models kv heads: llama, or kv
+    = heads)."""
     from seqpar.analysis.formulas.fsdp_states import stage_tensors
     from seqpar.analysis.formulas.states import stage_parameters
     from seqpar.config import ARCH_FIELDS, ModelConfig, ParallelConfig
     from seqpar.model.gpt import build_model
     fields = {k: v for k, v in ARCH_FIELDS[arch].items() if not k.endswith("dropout")}
-    shape = ModelConfig(vocab_size=37, hidden_size=32, num_heads=4, kv_heads=kv, num_layers=4, seq_len=16, **fields)
+    shape = ModelConfig(
+        vocab_size=37, hidden_size=32, num_heads=4, kv_heads=kv, num_layers=4, seq_len=16, **fields
+    )
     par = ParallelConfig(tp=tp, pp=pp)
     if tp == 1 and pp == 1:
         model = build_model(shape)
@@ -251,23 +357,48 @@ def test_stage_tensors_are_the_model_tensors(arch, tp, pp, kv):
         assert sorted(stage_tensors(shape, par, 0)) == built
     if arch == "llama" or kv == 4:
         for rank in range(pp):
-            assert sum(r * n for r, n in stage_tensors(shape, par, rank)) == stage_parameters(shape, par, rank)
+            assert sum(r * n for r, n in stage_tensors(shape, par, rank)) == stage_parameters(
+                shape, par, rank
+            )
 
 
-# 64 layers of 4096 with a small vocabulary and short sequences: model states dominate. Without FSDP the
-# least is pp 4's 18 B/param on a quarter of the layers (about 59 GB); FSDP over dp holds 16 B/param on a
-# quarter plus the gathered layers in flight (about 55 GB); 63 GB leaves 56.7 GB usable.
-PLAN = ["plan", "--layers", "64", "--hidden", "4096", "--heads", "32", "--seq", "512", "--vocab", "1000",
-        "--gpus", "4", "--gpus-per-node", "1", "--gpu-memory", "63", "--global-batch", "16", "--distributed-optimizer",
-        "--no-offload"]  # offloading activations frees no model states: left out of the search
+# 64 layers of 4096 with a small vocabulary and short sequences: model states dominate. Without FSDP
+# the least is pp 4's 18 B/param on a quarter of the layers (about 59 GB); FSDP over dp holds 16
+# B/param on a quarter plus the gathered layers in flight (about 55 GB); 63 GB leaves 56.7 GB
+# usable.
+PLAN = [
+    "plan",
+    "--layers",
+    "64",
+    "--hidden",
+    "4096",
+    "--heads",
+    "32",
+    "--seq",
+    "512",
+    "--vocab",
+    "1000",
+    "--gpus",
+    "4",
+    "--gpus-per-node",
+    "1",
+    "--gpu-memory",
+    "63",
+    "--global-batch",
+    "16",
+    "--distributed-optimizer",
+    "--no-offload",
+]  # offloading activations frees no model states: left out of the search
 
 
 def test_a_plan_fits_only_with_fsdp_and_is_emitted_with_it(tmp_path, capsys):
-    """A 13B-parameter model on 4 GPUs of 63 GB, one per node (no tp): no split with the distributed optimizer
-    fits, FSDP does; the report's alternatives show the same plan without it not fitting; the emitted job has it."""
+    """A 13B-parameter model on 4 GPUs of 63 GB, one per node (no tp): no split with the distributed
+    optimizer fits, FSDP does; the report's alternatives show the same plan without it not fitting;
+    the emitted job has it."""
     from seqpar.cli import main
     from seqpar.train.config import load_toml
-    with pytest.raises(SystemExit) as refused:  # without FSDP nothing fits: one line naming why, exit 2
+    # without FSDP nothing fits: one line naming why, exit 2
+    with pytest.raises(SystemExit) as refused:
         main([*PLAN, "--no-fsdp", "--json"])
     assert refused.value.code == 2 and "the model states alone" in capsys.readouterr().err
     out = tmp_path / "plan.toml"
@@ -282,8 +413,27 @@ def test_a_plan_fits_only_with_fsdp_and_is_emitted_with_it(tmp_path, capsys):
 
 def test_memory_states_compares_dp_zero1_and_fsdp(capsys):
     from seqpar.cli import main
-    main(["memory", "--states", "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "99", "--dp", "4",
-          "--tp", "2", "--pp", "2", "--json"])
+    main(
+        [
+            "memory",
+            "--states",
+            "--layers",
+            "4",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--vocab",
+            "99",
+            "--dp",
+            "4",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--json",
+        ]
+    )
     rows = json.loads(capsys.readouterr().out)["states"]
     assert {r["mode"] for r in rows} == {"dp", "distributed optimizer", "fsdp"}
     for rank in (0, 1):
@@ -294,18 +444,39 @@ def test_memory_states_compares_dp_zero1_and_fsdp(capsys):
 
 # ---------------------------------------------------------------------- mixed precision
 def test_bf16_and_fp16_loss_scaling_track_plain_data_parallelism(tmp_path, data):
-    """bf16 / fp16 compute, fp32 shards and fp32 reduce-scatter: the losses follow plain DP's (fp32 masters,
-    fp32 main_grad) to rounding; fp16 starting at a scale of 2^40 overflows, skips and halves the scale at
-    the same steps as plain DP (the non-finite check reads the global norm of the sharded gradients)."""
-    base = {"steps": 6, "warmup": 0, "micro_batch": 1, "global_batch": 4, "eval_every": 0, "eval_batches": 1,
-            "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False, "data": str(data)}
+    """bf16 / fp16 compute, fp32 shards and fp32 reduce-scatter: the losses follow plain DP's (fp32
+    masters, fp32 main_grad) to rounding; fp16 starting at a scale of 2^40 overflows, skips and
+    halves the scale at the same steps as plain DP (the non-finite check reads the global norm of
+    the sharded gradients)."""
+    base = {
+        "steps": 6,
+        "warmup": 0,
+        "micro_batch": 1,
+        "global_batch": 4,
+        "eval_every": 0,
+        "eval_batches": 1,
+        "log_every": 1,
+        "peak_tflops": 1.0,
+        "progress": False,
+        "plot": False,
+        "data": str(data),
+    }
     jobs, names = [], []
     for dtype in ("bf16", "fp16"):
         for fsdp in (False, True):
             names.append(f"{dtype}-{'fsdp' if fsdp else 'dp'}")
-            jobs.append({"model": {**MODEL, "dtype": dtype}, "parallel": {"dp": 2, "fsdp": fsdp}, "recompute": {},
-                         "train": {**base, "out_dir": str(tmp_path / names[-1]),
-                                   **({"loss_scale_init": 2.0 ** 40} if dtype == "fp16" else {})}})
+            jobs.append(
+                {
+                    "model": {**MODEL, "dtype": dtype},
+                    "parallel": {"dp": 2, "fsdp": fsdp},
+                    "recompute": {},
+                    "train": {
+                        **base,
+                        "out_dir": str(tmp_path / names[-1]),
+                        **({"loss_scale_init": 2.0**40} if dtype == "fp16" else {}),
+                    },
+                }
+            )
     runs = dict(zip(names, train_local_many(jobs, 2), strict=True))
 
     def overflows(name: str) -> list[int]:
@@ -315,35 +486,52 @@ def test_bf16_and_fp16_loss_scaling_track_plain_data_parallelism(tmp_path, data)
     for dtype in ("bf16", "fp16"):
         a, b = runs[f"{dtype}-fsdp"]["losses"], runs[f"{dtype}-dp"]["losses"]
         worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
-        fsdp, dp = ({r["step"]: r["grad_norm"] for r in step_records(str(tmp_path / f"{dtype}-{mode}"))
-                     if math.isfinite(r["grad_norm"])} for mode in ("fsdp", "dp"))
+        fsdp, dp = (
+            {
+                r["step"]: r["grad_norm"]
+                for r in step_records(str(tmp_path / f"{dtype}-{mode}"))
+                if math.isfinite(r["grad_norm"])
+            }
+            for mode in ("fsdp", "dp")
+        )
         # the steps whose gradients were finite (fp16 from a scale of 2^40 overflows at all 6)
         assert fsdp.keys() == dp.keys() and (fsdp or dtype == "fp16")
         norms = max((rel(fsdp[k], dp[k]) for k in dp), default=0.0)
-        print(f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}; grad norms {norms:.1e} relative")
-        # the same bf16 weights and gradients, reduced in fp32 by both: equal to fp32 rounding (a bf16
-        # reduce-scatter moved the bf16 losses by 2.4e-4 and the grad norms by 8.6e-4)
+        print(
+            f"\n{dtype}: fsdp vs plain dp losses, worst difference {worst:.1e}; grad norms "
+            f"{norms:.1e} relative"
+        )
+        # the same bf16 weights and gradients, reduced in fp32 by both: equal to fp32 rounding (a
+        # bf16 reduce-scatter moved the bf16 losses by 2.4e-4 and the grad norms by 8.6e-4)
         assert worst < 1e-5 and norms < 1e-6, (a, b, fsdp, dp)
-    assert overflows("fp16-fsdp") == overflows("fp16-dp") and overflows("fp16-dp"), overflows("fp16-dp")
+    assert overflows("fp16-fsdp") == overflows("fp16-dp") and overflows("fp16-dp"), overflows(
+        "fp16-dp"
+    )
 
 
 def test_grouped_kv_sum_on_row_windows_equals_the_whole(monkeypatch):
-    """The k/v rows shared by tp ranks are summed the same when each rank holds only a window of its rows
-    (FSDP's shard, a boundary inside the k/v rows included) as when it holds them all."""
+    """The k/v rows shared by tp ranks are summed the same when each rank holds only a window of its
+    rows (FSDP's shard, a boundary inside the k/v rows included) as when it holds them all."""
     from seqpar.parallel import layout as layout_module
     from seqpar.parallel.layout import GroupedQKVLayout
 
-    grouped = GroupedQKVLayout(heads=4, kv=2, d=2, tp=4)  # each rank: 2 query rows, then its group's 4 k/v rows
+    # each rank: 2 query rows, then its group's 4 k/v rows
+    grouped = GroupedQKVLayout(heads=4, kv=2, d=2, tp=4)
     grads = [torch.randn(6, 3, generator=torch.Generator().manual_seed(r)) for r in range(4)]
 
     def run(row0: int, rows: int) -> list[torch.Tensor]:
-        """Every rank's rows [row0, row0 + rows) after the sum (the all-reduce played over the 4 ranks)."""
+        """Every rank's rows [row0, row0 + rows) after the sum (the all-reduce played over the 4
+        ranks)."""
         seen: list[torch.Tensor] = []
-        monkeypatch.setattr(layout_module, "all_reduce", lambda buffer, group=None: seen.append(buffer.clone()))
+        monkeypatch.setattr(
+            layout_module, "all_reduce", lambda buffer, group=None: seen.append(buffer.clone())
+        )
         for r in range(4):
             grouped.reduce_partial_grad(grads[r][row0:row0 + rows].clone(), r, None, row0)
         total = sum(seen)
-        monkeypatch.setattr(layout_module, "all_reduce", lambda buffer, group=None: buffer.copy_(total))
+        monkeypatch.setattr(
+            layout_module, "all_reduce", lambda buffer, group=None: buffer.copy_(total)
+        )
         out = []
         for r in range(4):
             window = grads[r][row0:row0 + rows].clone()

@@ -1,6 +1,7 @@
-"""``benchmarks/gpu/acceptance.sh --device cpu``: both parts end to end on tiny shapes (the smoke run: compiled steps
-skipped), from the checkout with ``$PYTHON``; every step's figures are in the JSON, at most 4 files are written, and
-the figures that are exact on any device are exact (measured == predicted activation and offload bytes)."""
+"""``benchmarks/gpu/acceptance.sh --device cpu``: both parts end to end on tiny shapes (the smoke
+run: compiled steps skipped), from the checkout with ``$PYTHON``; every step's figures are in the
+JSON, at most 4 files are written, and the figures that are exact on any device are exact (measured
+== predicted activation and offload bytes)."""
 
 import json
 import os
@@ -23,8 +24,14 @@ def out(tmp_path_factory):
     folder = tmp_path_factory.mktemp("acceptance")
     env = {**os.environ, "PYTHON": sys.executable, SMOKE_ENV: "1"}
     for part in ("1", "2"):
-        p = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--part", part, str(folder)], capture_output=True,
-                           text=True, env=env, cwd=tmp_path_factory.mktemp("cwd"), timeout=400)
+        p = subprocess.run(
+            ["bash", str(SCRIPT), "--device", "cpu", "--part", part, str(folder)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path_factory.mktemp("cwd"),
+            timeout=400,
+        )
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
         assert f"[acceptance part {part}]" in p.stderr  # progress lines
     return folder
@@ -35,8 +42,12 @@ def _part(out, n) -> dict:
 
 
 def test_at_most_four_files(out):
-    assert sorted(p.name for p in out.iterdir()) == ["acceptance-part1.json", "acceptance-part1.txt",
-                                                    "acceptance-part2.json", "acceptance-part2.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "acceptance-part1.json",
+        "acceptance-part1.txt",
+        "acceptance-part2.json",
+        "acceptance-part2.txt",
+    ]
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -45,7 +56,8 @@ def test_every_step_has_its_figures(out, n):
     assert [s["name"] for s in r["steps"]] == [s.name for s in part_steps(n)]
     for step in r["steps"]:
         if step.get("skipped"):
-            assert step["name"] in {s.name for s in part_steps(n) if s.compiled}  # only the compiled ones
+            # only the compiled ones
+            assert step["name"] in {s.name for s in part_steps(n) if s.compiled}
             continue
         assert step["ok"], step
         assert r["figures"][step["name"]]
@@ -58,23 +70,37 @@ def test_part1_figures(out):
     f = _part(out, 1)["figures"]
     assert f["versions"]["torch"] and f["versions"]["python"]
     assert set(f["sdpa"]["cases"]) == {"mha", "mha+documents", "gqa", "gqa+documents"}
-    assert all(c["forward_op"].startswith("_scaled_dot_product") and isinstance(c["shares_storage"], bool)
-               for c in f["sdpa"]["cases"].values())
+    assert all(
+        c["forward_op"].startswith("_scaled_dot_product") and isinstance(c["shares_storage"], bool)
+        for c in f["sdpa"]["cases"].values()
+    )
     assert f["selftest"]["checks"]["memory"]["ok"]  # measured == exact
-    configs = f["syncs"]["result"]["configs"]  # bench syncs: per configuration, what a device would see
-    assert configs and all(c["unexpected"] == 0 for c in configs.values() if "skipped" not in c), configs
-    assert f["moe"]["act_bytes_measured"] == f["moe"]["act_bytes_predicted"] and f["moe"]["aux_loss"] is not None
-    assert f["offload"]["rows"] and all(r["saved_vs_predicted"] == 1.0 for r in f["offload"]["rows"])
+    # bench syncs: per configuration, what a device would see
+    configs = f["syncs"]["result"]["configs"]
+    assert configs and all(c["unexpected"] == 0 for c in configs.values() if "skipped" not in c), (
+        configs
+    )
+    assert (
+        f["moe"]["act_bytes_measured"] == f["moe"]["act_bytes_predicted"]
+        and f["moe"]["aux_loss"] is not None
+    )
+    assert f["offload"]["rows"] and all(
+        r["saved_vs_predicted"] == 1.0 for r in f["offload"]["rows"]
+    )
     assert f["compile"] == {"skipped": "smoke run: compiled steps skipped"}
 
 
 def test_part2_figures(out):
     f = _part(out, 2)["figures"]
     assert {"baseline", "full", "selective"} <= set(f["table4"]["rows"])
-    assert f["llama_layer_eager"]["layer"]["seqpar"]["ms"] > 0 and f["llama_layer_eager"]["vs_plain"] > 0
+    assert (
+        f["llama_layer_eager"]["layer"]["seqpar"]["ms"] > 0
+        and f["llama_layer_eager"]["vs_plain"] > 0
+    )
     assert f["attention_efficiency"]["attention_efficiency"] > 0 and f["attention_efficiency"][
         "builtin_attention_efficiency"] == ACCELERATORS["h100"].fitted.attention_efficiency
-    tpo = f["tp_overlap"]  # the planner's chunk counts, each GEMM timed whole and chunked; the cpu step on 2 ranks
+    # the planner's chunk counts, each GEMM timed whole and chunked; the cpu step on 2 ranks
+    tpo = f["tp_overlap"]
     assert set(tpo["gemm_efficiency"]) == {str(t) for t in chunk_counts()} and all(
         e > 0 for e in tpo["gemm_efficiency"].values())
     assert tpo["step"]["plain_ms"] > 0 and tpo["step"]["overlap_ms"] > 0
@@ -82,7 +108,11 @@ def test_part2_figures(out):
 
 
 def test_a_failing_child_is_one_line():
-    err = "Traceback (most recent call last):\n  File x\nRuntimeError: CUDA error: out of memory\n\n"
+    err = (
+        "Traceback (most recent call last):\n  File x\nRuntimeError: CUDA error: out of memory\n\n"
+    )
     assert error_line(err) == "RuntimeError: CUDA error: out of memory"
-    assert error_line("seqpar train: error: bad key\n(`seqpar train --help` lists the options)\n") == \
-        "seqpar train: error: bad key"
+    assert (
+        error_line("seqpar train: error: bad key\n(`seqpar train --help` lists the options)\n")
+        == "seqpar train: error: bad key"
+    )

@@ -20,15 +20,25 @@ from seqpar.testing import parity_batch
 from seqpar.train.config import TrainConfig
 from seqpar.train.optim.replicated import MasterOptimizer
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, embd_dropout=0.0,
-                  attn_dropout=0.0, hidden_dropout=0.0)
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_heads=4,
+    num_layers=2,
+    seq_len=16,
+    embd_dropout=0.0,
+    attn_dropout=0.0,
+    hidden_dropout=0.0,
+)
 
 
 def _grads(overlap: bool, events: list | None):
     parallel = ParallelConfig(dp=2)
     dims = ParallelDims.build(parallel)
     chunks = build_stages(CFG, parallel, RecomputeConfig("none"), dims, seed=3)
-    opt = MasterOptimizer(chunks, TrainConfig(overlap_grad_reduce=overlap, grad_bucket_mb=0.01), dims)
+    opt = MasterOptimizer(
+        chunks, TrainConfig(overlap_grad_reduce=overlap, grad_bucket_mb=0.01), dims
+    )
     tokens, labels = parity_batch(CFG, batch=4, seed=dims.dp_rank)
     mbs = [(tokens[i:i + 2], labels[i:i + 2]) for i in (0, 2)]
     backward, all_reduce = torch.autograd.backward, dist.all_reduce
@@ -75,5 +85,7 @@ def test_reduction_starts_inside_the_last_backward():
         print(f"\nevents: {events}")
         assert min(reduces) > starts[-1], "a bucket was reduced before its gradients were final"
         inside = [i for i in reduces if i < ends[-1]]
-        assert len(inside) >= buckets - 1, f"only {len(inside)} of {buckets} reductions started during the backward"
+        assert len(inside) >= buckets - 1, (
+            f"only {len(inside)} of {buckets} reductions started during the backward"
+        )
         assert same, "the overlapped reduction differs from the reduction after the backward"

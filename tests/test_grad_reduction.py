@@ -16,16 +16,33 @@ from seqpar.testing import parity_batch
 from seqpar.train.config import TrainConfig
 from seqpar.train.optim.replicated import MasterOptimizer
 
-LLAMA = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "bias": False, "tie_embeddings": False,
-         "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0}
+LLAMA = {
+    "norm": "rmsnorm",
+    "activation": "swiglu",
+    "position": "rope",
+    "bias": False,
+    "tie_embeddings": False,
+    "embd_dropout": 0.0,
+    "attn_dropout": 0.0,
+    "hidden_dropout": 0.0,
+}
 
 
 def cfg_of(**kw) -> ModelConfig:
-    base = {"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16, **LLAMA}
+    base = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_heads": 4,
+        "num_layers": 2,
+        "seq_len": 16,
+        **LLAMA,
+    }
     return ModelConfig(**{**base, **kw})
 
 
-def step_norm(cfg: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, record_dtypes: bool = False):
+def step_norm(
+    cfg: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, record_dtypes: bool = False
+):
     """One forward/backward/finalize on ``parity_batch``; the optimizer's grad norm (and the dtypes
     every collective saw during ``finalize_grads``)."""
     chunks = build_stages(cfg, parallel, RecomputeConfig("selective"), dims, seed=3)
@@ -53,7 +70,9 @@ def step_norm(cfg: ModelConfig, parallel: ParallelConfig, dims: ParallelDims, re
 
 def true_norm(chunks) -> float:
     """sqrt(Σ grad²) over every parameter of a single-process model (no sharing to undo)."""
-    return sum(float(p.grad.double().pow(2).sum()) for c in chunks for p in c.parameters()).__pow__(0.5)
+    return sum(float(p.grad.double().pow(2).sum()) for c in chunks for p in c.parameters()).__pow__(
+        0.5
+    )
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -61,7 +80,8 @@ def test_single_process_norm_counts_every_parameter(tie):
     """Untied: the output layer's own weight is a parameter, not a tied copy (it was skipped)."""
     cfg = cfg_of(tie_embeddings=tie)
     norm, opt, chunks, _, _ = step_norm(cfg, ParallelConfig(), ParallelDims.single())
-    # per-tensor norms in fp32 (no float64 copy of a gradient), their squares summed in float64: fp32's rounding;
+    # per-tensor norms in fp32 (no float64 copy of a gradient), their squares summed in float64:
+    # fp32's rounding;
     # a parameter left out moves it by orders more
     assert norm == pytest.approx(true_norm(chunks), rel=1e-7)
     assert opt.num_parameters() == sum(p.numel() for c in chunks for p in c.parameters())
@@ -80,7 +100,11 @@ def test_norm_with_kv_heads_fewer_than_tp_equals_single_process(kv_heads):
     for parallel in (ParallelConfig(tp=2, sp=True), ParallelConfig(tp=4, sp=True),
                      ParallelConfig(tp=2, pp=2, sp=True)):
         norms = run_ranks(_norm_at, parallel.world_size, cfg, parallel)
-        assert max(abs(n - reference) / reference for n in norms) < 1e-6, (parallel, norms, reference)
+        assert max(abs(n - reference) / reference for n in norms) < 1e-6, (
+            parallel,
+            norms,
+            reference,
+        )
 
 
 def _bf16_reductions(rank, world):

@@ -1,8 +1,9 @@
-"""Host bytes as the allocator holds them: torch's caching host allocator rounds a pinned buffer up to a power of
-two (``seqpar.analysis.formulas.memory.pinned_block_bytes``), so the offload pool takes whole blocks, reuses a block for
-every size that rounds to it and reports the pinned RAM it holds; the async-save staging reports its own. And the
-offloader's side stream is made on the tensor's device. Pinning is real only on CUDA: here it is faked where the
-pool asks for it, the rule itself is a pure function."""
+"""Host bytes as the allocator holds them: torch's caching host allocator rounds a pinned buffer up
+to a power of two (``seqpar.analysis.formulas.memory.pinned_block_bytes``), so the offload pool
+takes whole blocks, reuses a block for every size that rounds to it and reports the pinned RAM it
+holds; the async-save staging reports its own. And the offloader's side stream is made on the
+tensor's device. Pinning is real only on CUDA: here it is faked where the pool asks for it, the rule
+itself is a pure function."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def fake_pinning(monkeypatch):
 def test_the_pool_takes_whole_pinned_blocks_and_reuses_them_by_size_class(fake_pinning):
     pool = HostPool()
     a = pool.take(3000, pin=True)
-    assert a.numel() == 3000 and pool.allocated_bytes == 4096  # what the allocator reserves for 3000 bytes
+    # what the allocator reserves for 3000 bytes
+    assert a.numel() == 3000 and pool.allocated_bytes == 4096
     pool.give(a)
     b = pool.take(2500, pin=True)  # rounds to the same block: no new one
     assert b.numel() == 2500 and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()

@@ -1,9 +1,9 @@
 """seqpar's modules import one another without a cycle (docs/architecture.md: data flows one way).
 
-Read from the source, nothing imported: every ``import`` and ``from ... import`` of a seqpar module counts,
-at module level or inside a function -- an import deferred into a function avoids the cycle at run time
-but still ties the two files together, which is what this test guards against. ``graphlib`` (standard
-library) finds a cycle.
+Read from the source, nothing imported: every ``import`` and ``from ... import`` of a seqpar module
+counts, at module level or inside a function -- an import deferred into a function avoids the cycle
+at run time but still ties the two files together, which is what this test guards against.
+``graphlib`` (standard library) finds a cycle.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def module_files() -> dict[str, Path]:
 
 
 def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The seqpar modules ``name`` imports (a name imported from a package counts as its submodule when
-    it is one, else as the package)."""
+    """The seqpar modules ``name`` imports (a name imported from a package counts as its submodule
+    when it is one, else as the package)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -39,11 +39,14 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         for target in targets:
-            while target and target not in known:  # `import seqpar.a.b` ties to the deepest module there is
+            # `import seqpar.a.b` ties to the deepest module there is
+            while target and target not in known:
                 target = target.rpartition(".")[0]
             if target and target != name:
                 found.add(target)
@@ -67,23 +70,32 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_the_cycle_check_finds_a_cycle():
-    """The check itself can fail: a two-module cycle of the same shape as the ones it guards against."""
+    """The check itself can fail: a two-module cycle of the same shape as the ones it guards
+    against."""
     with pytest.raises(graphlib.CycleError):
         graphlib.TopologicalSorter({"seqpar.a": {"seqpar.b"}, "seqpar.b": {"seqpar.a"}}).prepare()
 
 
-# analysis's rooms, lowest first: a module imports from its own room or one below it (docs/architecture.md)
+# analysis's rooms, lowest first: a module imports from its own room or one below it
+# (docs/architecture.md)
 ANALYSIS_ROOMS = ("seqpar.analysis.text", "seqpar.analysis.formulas", "seqpar.analysis.planning",
                   "seqpar.analysis.reports")
 
 
 def room_of(module: str) -> int | None:
-    return next((i for i, room in enumerate(ANALYSIS_ROOMS) if module == room or module.startswith(room + ".")), None)
+    return next(
+        (
+            i
+            for i, room in enumerate(ANALYSIS_ROOMS)
+            if module == room or module.startswith(room + ".")
+        ),
+        None,
+    )
 
 
 def back_arrows(graph: dict[str, set[str]]) -> list[str]:
-    """Imports that point up analysis's rooms, and imports between train's optim/ and reliability/ rooms or from
-    either up to the loop that uses them."""
+    """Imports that point up analysis's rooms, and imports between train's optim/ and reliability/
+    rooms or from either up to the loop that uses them."""
     bad = []
     for name, targets in graph.items():
         for target in targets:
@@ -91,8 +103,17 @@ def back_arrows(graph: dict[str, set[str]]) -> list[str]:
             if here is not None and there is not None and there > here:
                 bad.append(f"{name} -> {target}")
             for room in ("seqpar.train.optim", "seqpar.train.reliability"):
-                above = ("seqpar.train.optim", "seqpar.train.reliability", "seqpar.train.loop", "seqpar.train.start")
-                if name.startswith(room + ".") and target.startswith(above) and not target.startswith(room):
+                above = (
+                    "seqpar.train.optim",
+                    "seqpar.train.reliability",
+                    "seqpar.train.loop",
+                    "seqpar.train.start",
+                )
+                if (
+                    name.startswith(room + ".")
+                    and target.startswith(above)
+                    and not target.startswith(room)
+                ):
                     bad.append(f"{name} -> {target}")
     return bad
 
@@ -104,17 +125,20 @@ def test_the_rooms_import_downwards():
 
 
 def test_the_room_check_finds_a_back_arrow():
-    """The check itself can fail: a formula importing the planner, an optimizer importing the supervisor."""
+    """The check itself can fail: a formula importing the planner, an optimizer importing the
+    supervisor."""
     graph = {"seqpar.analysis.formulas.memory": {"seqpar.analysis.planning.planner"},
              "seqpar.train.optim.adam": {"seqpar.train.reliability.supervise"}}
-    assert back_arrows(graph) == ["seqpar.analysis.formulas.memory -> seqpar.analysis.planning.planner",
-                                  "seqpar.train.optim.adam -> seqpar.train.reliability.supervise"]
+    assert back_arrows(graph) == [
+        "seqpar.analysis.formulas.memory -> seqpar.analysis.planning.planner",
+        "seqpar.train.optim.adam -> seqpar.train.reliability.supervise",
+    ]
 
 
 def unexplained_imports(source: str) -> list[int]:
-    """The lines of imports inside functions that say no reason: a comment on the import's own lines, or on
-    the line above the run of imports it belongs to (docs/design.md: an import inside a function only where it
-    avoids a heavy import or a cycle, said in a comment)."""
+    """The lines of imports inside functions that say no reason: a comment on the import's own
+    lines, or on the line above the run of imports it belongs to (docs/design.md: an import inside a
+    function only where it avoids a heavy import or a cycle, said in a comment)."""
     lines = source.splitlines()
     bad = []
 
@@ -136,14 +160,25 @@ def unexplained_imports(source: str) -> list[int]:
 
 
 def test_every_import_inside_a_function_says_why():
-    found = {path: unexplained_imports(path.read_text(encoding="utf-8")) for path in module_files().values()}
-    bad = [f"{path.relative_to(ROOT.parent)}:{n}" for path, lines in sorted(found.items()) for n in lines]
-    assert bad == [], "imports inside functions with no reason (move them to the top, or say why):\n" + "\n".join(bad)
+    found = {
+        path: unexplained_imports(path.read_text(encoding="utf-8"))
+        for path in module_files().values()
+    }
+    bad = [
+        f"{path.relative_to(ROOT.parent)}:{n}"
+        for path, lines in sorted(found.items())
+        for n in lines
+    ]
+    assert bad == [], (
+        "imports inside functions with no reason (move them to the top, or say why):\n"
+        + "\n".join(bad)
+    )
 
 
 def test_the_reason_check_finds_an_unexplained_import():
-    """The check itself can fail: a bare import in a function (and in a method, under an ``if``) is found; one
-    with a comment on its line, or above its run of imports, is not; a module-level import is not asked."""
+    """The check itself can fail: a bare import in a function (and in a method, under an ``if``) is
+    found; one with a comment on its line, or above its run of imports, is not; a module-level
+    import is not asked."""
     source = ("import os\n\ndef f():\n    import json\n    return json\n\n"
               "class C:\n    def m(self):\n        if os:\n            import sys\n"
               "        # torch: kept out of the parser\n        import torch\n        import math\n"

@@ -2,10 +2,10 @@
 or refuses by name (exit 2), never a different model.
 
 seqpar models are drawn over the architecture fields (norm, activation, position, biases, kv heads,
-tied head, rope theta and scaling, attention kernel, sizes). Each exportable one is exported with random
-weights (non-trivial norms and biases), loaded by transformers (the expected class), and gives seqpar's
-logits within 1e-5 (fp32); imported back it is the same config and bit-identical weights. Every other
-combination is refused before anything is written.
+tied head, rope theta and scaling, attention kernel, sizes). Each exportable one is exported with
+random weights (non-trivial norms and biases), loaded by transformers (the expected class), and
+gives seqpar's logits within 1e-5 (fp32); imported back it is the same config and bit-identical
+weights. Every other combination is refused before anything is written.
 """
 
 import pytest
@@ -21,8 +21,23 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 transformers.logging.set_verbosity_error()
 
-ARCH_FIELDS = ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "num_layers", "seq_len", "ffn", "norm",
-               "activation", "position", "bias", "tie_embeddings", "layernorm_eps", "rope_theta", "rope_scaling_params")
+ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "num_layers",
+    "seq_len",
+    "ffn",
+    "norm",
+    "activation",
+    "position",
+    "bias",
+    "tie_embeddings",
+    "layernorm_eps",
+    "rope_theta",
+    "rope_scaling_params",
+)
 
 
 def expected_class(cfg: ModelConfig) -> str | None:
@@ -40,7 +55,8 @@ def expected_class(cfg: ModelConfig) -> str | None:
     return None
 
 
-EXPORTABLE = [  # (norm, activation, position, bias or None for either, full multi-head attention only)
+# (norm, activation, position, bias or None for either, full multi-head attention only)
+EXPORTABLE = [
     ("layernorm", "gelu", "learned", True, True), ("layernorm", "gelu_tanh", "learned", True, True),
     ("rmsnorm", "swiglu", "rope", None, False), ("layernorm", "swiglu", "rope", False, False),
     ("layernorm", "gelu", "rope", True, True), ("layernorm", "gelu_tanh", "rope", True, True),
@@ -57,22 +73,38 @@ def rope_fields(draw, position):
         out |= {"rope_scaling": kind, "rope_factor": draw(st.floats(1.0, 16.0))}
     if kind == "llama3":
         low = draw(st.floats(0.5, 2.0))
-        out |= {"rope_low_freq_factor": low, "rope_high_freq_factor": low + draw(st.floats(0.5, 4.0)),
-                "rope_original_max_len": draw(st.sampled_from([None, 8, 64, 4096]))}
+        out |= {
+            "rope_low_freq_factor": low,
+            "rope_high_freq_factor": low + draw(st.floats(0.5, 4.0)),
+            "rope_original_max_len": draw(st.sampled_from([None, 8, 64, 4096])),
+        }
     return out
 
 
 @st.composite
 def exportable_configs(draw):
     norm, act, position, bias, mha_only = draw(st.sampled_from(EXPORTABLE))
-    return ModelConfig(vocab_size=draw(st.integers(40, 90)), hidden_size=32, num_heads=4,
-                       kv_heads=4 if mha_only else draw(st.sampled_from([4, 2, 1])),
-                       num_layers=draw(st.integers(1, 2)), seq_len=16,
-                       ffn_hidden_size=draw(st.sampled_from([None, 40])), norm=norm, activation=act, position=position,
-                       bias=draw(st.booleans()) if bias is None else bias, tie_embeddings=draw(st.booleans()),
-                       attention=draw(st.sampled_from(["materialized", "sdpa"])), init_std=0.3,
-                       layernorm_eps=draw(st.sampled_from([1e-5, 1e-6])), embd_dropout=0.0, attn_dropout=0.0,
-                       hidden_dropout=0.0, **draw(rope_fields(position))).validate()
+    return ModelConfig(
+        vocab_size=draw(st.integers(40, 90)),
+        hidden_size=32,
+        num_heads=4,
+        kv_heads=4 if mha_only else draw(st.sampled_from([4, 2, 1])),
+        num_layers=draw(st.integers(1, 2)),
+        seq_len=16,
+        ffn_hidden_size=draw(st.sampled_from([None, 40])),
+        norm=norm,
+        activation=act,
+        position=position,
+        bias=draw(st.booleans()) if bias is None else bias,
+        tie_embeddings=draw(st.booleans()),
+        attention=draw(st.sampled_from(["materialized", "sdpa"])),
+        init_std=0.3,
+        layernorm_eps=draw(st.sampled_from([1e-5, 1e-6])),
+        embd_dropout=0.0,
+        attn_dropout=0.0,
+        hidden_dropout=0.0,
+        **draw(rope_fields(position)),
+    ).validate()
 
 
 def _seqpar_model(cfg: ModelConfig, seed: int):
@@ -85,9 +117,23 @@ def _seqpar_model(cfg: ModelConfig, seed: int):
     return model
 
 
-LLAMA3 = dict(position="rope", activation="swiglu", kv_heads=2, rope_theta=5e5, rope_scaling="llama3",
-              rope_factor=8.0, rope_original_max_len=8, hidden_size=32, num_heads=4, seq_len=16, vocab_size=61,
-              init_std=0.3, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
+LLAMA3 = dict(
+    position="rope",
+    activation="swiglu",
+    kv_heads=2,
+    rope_theta=5e5,
+    rope_scaling="llama3",
+    rope_factor=8.0,
+    rope_original_max_len=8,
+    hidden_size=32,
+    num_heads=4,
+    seq_len=16,
+    vocab_size=61,
+    init_std=0.3,
+    embd_dropout=0.0,
+    attn_dropout=0.0,
+    hidden_dropout=0.0,
+)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -133,8 +179,17 @@ def test_cli_refuses_in_one_line_with_exit_2(tmp_path, capsys):
     from seqpar.cli import main
     from seqpar.interop.checkpoints import save_model
 
-    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=4, num_layers=1, seq_len=8, norm="rmsnorm",
-                      activation="gelu", position="rope", bias=False).validate()
+    cfg = ModelConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_heads=4,
+        num_layers=1,
+        seq_len=8,
+        norm="rmsnorm",
+        activation="gelu",
+        position="rope",
+        bias=False,
+    ).validate()
     ckpt = save_model(tmp_path / "ckpt", cfg, build_model(cfg).state_dict())
     with pytest.raises(SystemExit) as exit_info:
         main(["export-hf", str(ckpt), "--out", str(tmp_path / "hf")])
@@ -145,12 +200,22 @@ def test_cli_refuses_in_one_line_with_exit_2(tmp_path, capsys):
 
 
 def test_cli_exports_an_untied_gpt2_with_its_own_head(tmp_path, capsys):
-    """A reported case: tie_embeddings=false used to exit 0 with a tied GPT-2 (the trained head dropped)."""
+    """A reported case: tie_embeddings=false used to exit 0 with a tied GPT-2 (the trained head
+    dropped)."""
     from seqpar.cli import main
     from seqpar.interop.checkpoints import save_model
 
-    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_heads=4, num_layers=1, seq_len=8, tie_embeddings=False,
-                      embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0).validate()
+    cfg = ModelConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_heads=4,
+        num_layers=1,
+        seq_len=8,
+        tie_embeddings=False,
+        embd_dropout=0.0,
+        attn_dropout=0.0,
+        hidden_dropout=0.0,
+    ).validate()
     model = _seqpar_model(cfg, 1)
     ckpt = save_model(tmp_path / "ckpt", cfg, model.state_dict())
     assert main(["export-hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 0

@@ -1,6 +1,6 @@
 """A random-weight transformers.GPT2LMHeadModel (no download), saved locally, imported
-at tp=1 and tp=2 + SP gives the same logits within 1e-4 (fp32); exported back, transformers reloads it
-and gives identical logits."""
+at tp=1 and tp=2 + SP gives the same logits within 1e-4 (fp32); exported back, transformers reloads
+it and gives identical logits."""
 
 import pytest
 import torch
@@ -21,9 +21,19 @@ def _tokens(vocab, seq):
 def hf_folder(tmp_path_factory):
     torch.manual_seed(0)
     # vocab 101 is padded at tp = 2; gelu_new (the tanh GeLU) as in the released GPT-2 checkpoints.
-    config = transformers.GPT2Config(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=None, eos_token_id=None)
+    config = transformers.GPT2Config(
+        vocab_size=101,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # non-trivial biases and norms, so a layout slip cannot hide
         for name, p in model.named_parameters():
@@ -63,7 +73,9 @@ def test_import_export_round_trip(hf_folder, tmp_path):
     out = export_hf(ckpt, tmp_path / "exported")
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     original = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
-    for (name, a), (_, b) in zip(original.state_dict().items(), reloaded.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        original.state_dict().items(), reloaded.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     with torch.no_grad():
         logits = reloaded(_tokens(101, 16)).logits

@@ -1,6 +1,6 @@
-"""transformers.LlamaForCausalLM from a random config (GQA, no download), saved locally: imported at tp=1
-and tp=2 + SP (kv heads split, and one replicated kv head) gives its logits within 1e-4 (fp32); exported
-back, transformers reloads identical weights and logits."""
+"""transformers.LlamaForCausalLM from a random config (GQA, no download), saved locally: imported at
+tp=1 and tp=2 + SP (kv heads split, and one replicated kv head) gives its logits within 1e-4 (fp32);
+exported back, transformers reloads identical weights and logits."""
 
 import pytest
 import torch
@@ -18,10 +18,19 @@ def _tokens(vocab, seq):
 
 def _llama(folder, kv_heads):
     torch.manual_seed(kv_heads)
-    config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=16,
-                                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                                      pad_token_id=None)
+    config = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # non-trivial norms, so a layout slip cannot hide
         for name, p in model.named_parameters():
@@ -73,7 +82,9 @@ def test_import_export_round_trip(folders, tmp_path):
     out = export_hf(import_hf(folder, tmp_path / "ckpt"), tmp_path / "exported")
     reloaded = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     original = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
-    for (name, a), (_, b) in zip(original.state_dict().items(), reloaded.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        original.state_dict().items(), reloaded.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     with torch.no_grad():
         assert torch.equal(reloaded(_tokens(101, 16)).logits, reference)

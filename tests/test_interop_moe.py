@@ -1,6 +1,7 @@
-"""transformers' MixtralForCausalLM and Qwen2MoeForCausalLM built at random (no download), saved locally:
-imported into seqpar (tp 1, and tp 2 + SP with ep 2) their logits agree within 1e-4 (fp32); exported back,
-transformers reloads the same weights, gives the same logits and generates the same greedy tokens as seqpar."""
+"""transformers' MixtralForCausalLM and Qwen2MoeForCausalLM built at random (no download), saved
+locally: imported into seqpar (tp 1, and tp 2 + SP with ep 2) their logits agree within 1e-4 (fp32);
+exported back, transformers reloads the same weights, gives the same logits and generates the same
+greedy tokens as seqpar."""
 
 import pytest
 import torch
@@ -21,15 +22,35 @@ def _tokens():
 
 
 def _models():
-    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=S, num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=None,
-                  eos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=S,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return {
-        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            intermediate_size=24, num_local_experts=4, **common)),
-        "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-            intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=4,
-            decoder_sparse_step=2, norm_topk_prob=False, **common)),  # layer 0 dense, layer 1 sparse; qkv biases
+        "mixtral": lambda: transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, **common)
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(
+            transformers.Qwen2MoeConfig(
+                intermediate_size=40,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=32,
+                num_experts=4,
+                # layer 0 dense, layer 1 sparse; qkv biases
+                decoder_sparse_step=2,
+                norm_topk_prob=False,
+                **common,
+            )
+        ),
     }
 
 
@@ -58,7 +79,8 @@ def _logits(rank, world, folder):
     if world > 1:
         dims = ParallelDims.build(ParallelConfig(tp=2, sp=True, dp=world // 2, ep=world // 2))
     model = build_model(cfg, dims, sequence_parallel=world > 1)
-    load_full_state_dict(model, state, dims.tp_rank, dims.tp)  # each ep rank takes its experts (their layout)
+    # each ep rank takes its experts (their layout)
+    load_full_state_dict(model, state, dims.tp_rank, dims.tp)
     with torch.no_grad():
         local = model.eval()(_tokens())  # [s, b, v_pad/t]
     if dims.tp > 1:
@@ -85,11 +107,15 @@ def test_import_logits_and_export_round_trip(name, folders, tmp_path):
     assert worst < 1e-4
     if name == "qwen2_moe":  # one 4-rank launch: dense and MoE layers, shared expert, qkv biases
         worst_parallel = (run_ranks(_logits, 4, folder)[0] - hf_logits).abs().max().item()
-        print(f"{name}: max |Δlogits| seqpar at tp 2 + SP, ep 2 vs transformers {worst_parallel:.2e}")
+        print(
+            f"{name}: max |Δlogits| seqpar at tp 2 + SP, ep 2 vs transformers {worst_parallel:.2e}"
+        )
         assert worst_parallel < 1e-4
     cfg, state = read_hf_folder(folder)
     out = write_hf_folder(tmp_path / "export", cfg, state)
-    back = getattr(transformers, f"{'Mixtral' if name == 'mixtral' else 'Qwen2Moe'}ForCausalLM").from_pretrained(out)
+    back = getattr(
+        transformers, f"{'Mixtral' if name == 'mixtral' else 'Qwen2Moe'}ForCausalLM"
+    ).from_pretrained(out)
     back = back.eval()
     with torch.no_grad():
         exported = back(_tokens()).logits
@@ -100,5 +126,8 @@ def test_import_logits_and_export_round_trip(name, folders, tmp_path):
     prompt = _tokens()[:, :6]
     ours = _greedy(model.eval(), prompt, 6)
     theirs = back.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
-    print(f"{name}: greedy generation, seqpar {ours[0, 6:].tolist()}, exported transformers {theirs[0, 6:].tolist()}")
+    print(
+        f"{name}: greedy generation, seqpar {ours[0, 6:].tolist()}, exported transformers "
+        f"{theirs[0, 6:].tolist()}"
+    )
     assert torch.equal(ours, theirs)

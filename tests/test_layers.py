@@ -1,4 +1,5 @@
-"""Parallel layers: the stored-input trick's overlap order (and its W deferred), vocab-parallel cross entropy."""
+"""Parallel layers: the stored-input trick's overlap order (and its W deferred), vocab-parallel
+cross entropy."""
 
 import pytest
 import torch
@@ -62,8 +63,9 @@ def _overlap_order(rank, world):
 
 
 def _deferred_sp(layer, x):
-    """The SP linear's W deferred (``parallel.weight_grad``): B gives the same input gradient and no weight
-    gradient; W (the shard gathered again) then gives the same weight and bias gradients, bit for bit."""
+    """The SP linear's W deferred (``parallel.weight_grad``): B gives the same input gradient and no
+    weight gradient; W (the shard gathered again) then gives the same weight and bias gradients, bit
+    for bit."""
     now = [t.grad.clone() for t in (x, layer.weight, layer.bias)]
     for t in (x, layer.weight, layer.bias):
         t.grad = None
@@ -90,7 +92,9 @@ def _cross_entropy(rank, world):
                               label_smoothing=eps, ignore_index=-100).reshape(6, 3)
         weights = torch.rand(6, 3, generator=gen)
         (ref * weights).sum().backward()
-        padded = torch.cat([logits, torch.full((6, 3, padded_vocab(vocab, world) - vocab), 9.0)], dim=-1)
+        padded = torch.cat(
+            [logits, torch.full((6, 3, padded_vocab(vocab, world) - vocab), 9.0)], dim=-1
+        )
         local = padded.chunk(world, dim=-1)[rank].clone().requires_grad_(True)  # [s, b, v_pad/t]
         before = local.detach().clone()
         loss = vocab_parallel_cross_entropy(local, target, group, vocab, eps)

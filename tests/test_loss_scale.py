@@ -29,14 +29,24 @@ def test_scaler_backs_off_grows_and_round_trips():
     other = DynamicLossScaler()
     other.load_state_dict(state)
     assert other == scaler
-    assert not DynamicLossScaler(scale=1.0).update(False)  # nothing left to back off: a real non-finite
+    # nothing left to back off: a real non-finite
+    assert not DynamicLossScaler(scale=1.0).update(False)
 
 
 def fp16_grads(dtype: str, scale: float | None) -> dict[str, torch.Tensor]:
     """The fp32 gradients the optimizer would apply after one step (4 microbatches of 4 × 64 tokens)
     of an h=256 layer: each microbatch's loss is divided by 4, its fp16 gradients are small."""
-    cfg = ModelConfig(vocab_size=256, hidden_size=256, num_heads=4, num_layers=1, seq_len=64, dtype=dtype,
-                      embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=256,
+        num_heads=4,
+        num_layers=1,
+        seq_len=64,
+        dtype=dtype,
+        embd_dropout=0.0,
+        attn_dropout=0.0,
+        hidden_dropout=0.0,
+    )
     dims, parallel = ParallelDims.single(), ParallelConfig()
     chunks = build_stages(cfg, parallel, RecomputeConfig(), dims, seed=5)
     opt = MasterOptimizer(chunks, TrainConfig(), dims)
@@ -44,8 +54,13 @@ def fp16_grads(dtype: str, scale: float | None) -> dict[str, torch.Tensor]:
         opt.scaler.scale = scale
     tokens, labels = parity_batch(cfg, batch=16)
     opt.zero_grad()
-    forward_backward(chunks, [(tokens[i:i + 4], labels[i:i + 4]) for i in range(0, 16, 4)], dims, parallel,
-                     loss_scale=opt.loss_scale)
+    forward_backward(
+        chunks,
+        [(tokens[i : i + 4], labels[i : i + 4]) for i in range(0, 16, 4)],
+        dims,
+        parallel,
+        loss_scale=opt.loss_scale,
+    )
     finalize_grads(chunks, dims)
     opt.unscale()
     return {name: grad_of(p).float().clone() for name, p in opt.named}
@@ -54,7 +69,9 @@ def fp16_grads(dtype: str, scale: float | None) -> dict[str, torch.Tensor]:
 def damaged(grads: dict, reference: dict) -> float:
     """Fraction of the reference's nonzero gradient elements off by more than 10% (flushed to zero,
     or rounded to few bits in fp16's subnormal range)."""
-    bad = sum(int(((grads[k] - g).abs() > 0.1 * g.abs())[g != 0].sum()) for k, g in reference.items())
+    bad = sum(
+        int(((grads[k] - g).abs() > 0.1 * g.abs())[g != 0].sum()) for k, g in reference.items()
+    )
     return bad / sum(int((g != 0).sum()) for g in reference.values())
 
 
@@ -72,16 +89,41 @@ def test_overflow_skips_the_step_backs_off_and_is_not_a_nonfinite_stop(tmp_path)
     """Start at 2^26: the first steps overflow in fp16; each is skipped with the scale halved, none
     counts against the non-finite policy (stop), and the scaler's state is in the checkpoint."""
     sections = {
-        "model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
-                  "dtype": "fp16", "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
-        "train": {"steps": 16, "micro_batch": 2, "global_batch": 4, "warmup": 0, "eval_every": 0, "eval_batches": 1,
-                  "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False, "nonfinite": "stop",
-                  "loss_scale_init": float(2 ** 26), "out_dir": str(tmp_path / "run")},
+        "model": {
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "num_heads": 4,
+            "num_layers": 2,
+            "seq_len": 16,
+            "dtype": "fp16",
+            "embd_dropout": 0.0,
+            "attn_dropout": 0.0,
+            "hidden_dropout": 0.0,
+        },
+        "train": {
+            "steps": 16,
+            "micro_batch": 2,
+            "global_batch": 4,
+            "warmup": 0,
+            "eval_every": 0,
+            "eval_batches": 1,
+            "log_every": 1,
+            "peak_tflops": 1.0,
+            "progress": False,
+            "plot": False,
+            "nonfinite": "stop",
+            "loss_scale_init": float(2**26),
+            "out_dir": str(tmp_path / "run"),
+        },
     }
     summary = train_local(sections)
-    events = [json.loads(line) for line in Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line)
+        for line in Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     overflows = [e for e in events if e.get("event") == "overflow"]
-    logged = [e for e in events if "event" not in e and "loss" in e]  # every step, skipped ones too (issue 32)
+    # every step, skipped ones too (issue 32)
+    logged = [e for e in events if "event" not in e and "loss" in e]
     assert len(overflows) >= 3 and summary["skipped"] == 0
     assert [e["loss_scale"] for e in overflows] == [2.0 ** (25 - i) for i in range(len(overflows))]
     assert [e["step"] for e in logged] == list(range(1, 17)) and len(overflows) < 16

@@ -19,7 +19,10 @@ def _grid(t):
 
 def _grid_worker(rank, world):
     """Every grid point's six Table 2 rows, measured on this rank."""
-    return [(shape, rows, _measure_worker(rank, world, cfg, b, rows)) for shape, cfg, b, rows in _grid(world)]
+    return [
+        (shape, rows, _measure_worker(rank, world, cfg, b, rows))
+        for shape, cfg, b, rows in _grid(world)
+    ]
 
 
 @pytest.mark.parametrize("t", [1, 2, 4])
@@ -27,7 +30,14 @@ def test_measured_equals_exact_and_within_1pct_of_table2(t):
     results = run_ranks(_grid_worker, t)
     checked = 0
     for shape, rows, measured in results[0]:
-        assert [r.row for r in rows] == ["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
+        assert [r.row for r in rows] == [
+            "none",
+            "tp",
+            "tp_sp",
+            "tp_selective",
+            "tp_sp_selective",
+            "full",
+        ]
         for r, (total, *_) in zip(rows, measured, strict=True):  # (total, tensors, routing)
             assert total == r.exact_bytes, (shape, r.row, total, r.exact_bytes)
             assert abs(total / r.formula_bytes - 1) < 0.01, (shape, r.row, total, r.formula_bytes)
@@ -54,17 +64,60 @@ def test_sp_keeps_no_gathered_activation():
 
 
 ARCHS = [  # (name, config changes): each measured under every Table 2 row and the finer modules
-    ("llama kv2 sdpa", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=2,
-                            attention="sdpa", tie_embeddings=False, embd_dropout=0.0, attn_dropout=0.0,
-                            hidden_dropout=0.0, ffn_hidden_size=176)),
-    ("llama kv2 materialized", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=2,
-                                    attention="materialized", embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
-    ("llama kv1 materialized", dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, kv_heads=1,
-                                    attention="materialized", embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)),
+    (
+        "llama kv2 sdpa",
+        dict(
+            norm="rmsnorm",
+            activation="swiglu",
+            position="rope",
+            bias=False,
+            kv_heads=2,
+            attention="sdpa",
+            tie_embeddings=False,
+            embd_dropout=0.0,
+            attn_dropout=0.0,
+            hidden_dropout=0.0,
+            ffn_hidden_size=176,
+        ),
+    ),
+    (
+        "llama kv2 materialized",
+        dict(
+            norm="rmsnorm",
+            activation="swiglu",
+            position="rope",
+            bias=False,
+            kv_heads=2,
+            attention="materialized",
+            embd_dropout=0.0,
+            attn_dropout=0.0,
+            hidden_dropout=0.0,
+        ),
+    ),
+    (
+        "llama kv1 materialized",
+        dict(
+            norm="rmsnorm",
+            activation="swiglu",
+            position="rope",
+            bias=False,
+            kv_heads=1,
+            attention="materialized",
+            embd_dropout=0.0,
+            attn_dropout=0.0,
+            hidden_dropout=0.0,
+        ),
+    ),
     ("gpt gqa dropout", dict(kv_heads=2)),
     ("gpt-2 tanh gelu", dict(activation="gelu_tanh")),
 ]
-MODULES = [("norm",), ("activation",), ("mlp",), ("core_attention", "norm", "activation"), ("norm", "mlp")]
+MODULES = [
+    ("norm",),
+    ("activation",),
+    ("mlp",),
+    ("core_attention", "norm", "activation"),
+    ("norm", "mlp"),
+]
 
 
 def _arch_rows(t):
@@ -81,7 +134,10 @@ def _arch_rows(t):
 
 
 def _arch_worker(rank, world):
-    return [(name, rows, _measure_worker(rank, world, cfg, 2, rows)) for name, cfg, rows in _arch_rows(world)]
+    return [
+        (name, rows, _measure_worker(rank, world, cfg, 2, rows))
+        for name, cfg, rows in _arch_rows(world)
+    ]
 
 
 @pytest.mark.parametrize("t", [1, 2, 4])
@@ -89,6 +145,14 @@ def test_architectures_and_recompute_modules_measured_equals_exact(t):
     checked = 0
     for name, rows, measured in run_ranks(_arch_worker, t)[0]:
         for r, (total, *_) in zip(rows, measured, strict=True):  # (total, tensors, routing)
-            assert total == r.exact_bytes, (name, r.row, r.sp, r.recompute, r.modules, total, r.exact_bytes)
+            assert total == r.exact_bytes, (
+                name,
+                r.row,
+                r.sp,
+                r.recompute,
+                r.modules,
+                total,
+                r.exact_bytes,
+            )
             checked += 1
     assert checked == len(ARCHS) * (6 + len(MODULES) * (2 if t > 1 else 1))

@@ -1,6 +1,7 @@
-"""The MoE layer (seqpar/model/moe.py) against a plain single-process reference written here: a loop over
-experts (as Hugging Face's Mixtral / Qwen2-MoE blocks compute it) and the Switch load-balancing loss
-written out, for the output, the loss and every gradient; grouped GEMMs against the loop; recompute modes."""
+"""The MoE layer (seqpar/model/moe.py) against a plain single-process reference written here: a loop
+over experts (as Hugging Face's Mixtral / Qwen2-MoE blocks compute it) and the Switch load-balancing
+loss written out, for the output, the loss and every gradient; grouped GEMMs against the loop;
+recompute modes."""
 
 import dataclasses
 import math
@@ -15,20 +16,41 @@ from seqpar.model.moe import MoE, grouped_mm, grouped_wgrad
 from seqpar.parallel.tp_context import TPContext
 from seqpar.recompute import RecomputePlan
 
-BASE = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, embd_dropout=0.0,
-                   attn_dropout=0.0, hidden_dropout=0.0, norm="rmsnorm", activation="swiglu", position="rope",
-                   bias=False, tie_embeddings=False, experts=4, top_k=2, moe_ffn_hidden_size=16, moe_aux_coef=0.1)
+BASE = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_heads=4,
+    num_layers=2,
+    seq_len=16,
+    embd_dropout=0.0,
+    attn_dropout=0.0,
+    hidden_dropout=0.0,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+    experts=4,
+    top_k=2,
+    moe_ffn_hidden_size=16,
+    moe_aux_coef=0.1,
+)
 VARIANTS = {
     "mixtral": {},
     "gelu-k1": {"activation": "gelu", "top_k": 1},
-    "qwen-shared-gate": {"moe_norm_topk": False, "shared_expert_ffn": 24, "shared_expert_gate": True},
+    "qwen-shared-gate": {
+        "moe_norm_topk": False,
+        "shared_expert_ffn": 24,
+        "shared_expert_gate": True,
+    },
     "capacity": {"moe_capacity": 1.0},
 }
 
 
 def reference_moe(x, moe: MoE, cfg: ModelConfig):
-    """Plain PyTorch: per expert, the tokens that chose it, through its MLP, times their weights; the
-    capacity keeps an expert's first tokens (token order, then slot order); + the shared expert."""
+    """Plain PyTorch: per expert, the tokens that chose it, through its MLP, times their weights;
+    the capacity keeps an expert's first tokens (token order, then slot order); + the shared
+    expert."""
     tokens = x.reshape(-1, x.shape[-1])  # [T, h]
     probs = F.linear(tokens, moe.router.weight).float().softmax(-1)  # [T, E]
     weights, chosen = probs.topk(cfg.top_k, dim=-1)
@@ -78,11 +100,17 @@ def test_moe_layer_equals_plain_reference(name):
     assert torch.allclose(out, ref_out, atol=1e-6), (out - ref_out).abs().max()
     assert abs(aux - ref_aux.item()) < 1e-7
     for k in ref:
-        assert torch.allclose(got[k], ref[k], atol=1e-6, rtol=1e-5), (k, (got[k] - ref[k]).abs().max())
+        assert torch.allclose(got[k], ref[k], atol=1e-6, rtol=1e-5), (
+            k,
+            (got[k] - ref[k]).abs().max(),
+        )
     assert ref["router.weight"].abs().sum() > 0
-    if name == "capacity":  # some assignment was dropped, so the capacity case is not the dropless one
+    # some assignment was dropped, so the capacity case is not the dropless one
+    if name == "capacity":
         flat = torch.zeros(cfg.experts)
-        chosen = F.linear(x.reshape(-1, cfg.hidden_size), moe.router.weight).topk(cfg.top_k, -1).indices
+        chosen = (
+            F.linear(x.reshape(-1, cfg.hidden_size), moe.router.weight).topk(cfg.top_k, -1).indices
+        )
         flat.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel()))
         assert flat.max() > math.ceil(chosen.numel() / cfg.experts)
 
@@ -95,13 +123,17 @@ def test_grouped_gemm_equals_loop():
         ref = torch.cat([rows @ w[e] for e, rows in enumerate(x.split(counts))])
         assert torch.allclose(grouped_mm(x, w, counts), ref, atol=1e-6)
         g = torch.randn(16, n)
-        ref_w = torch.stack([ge.t() @ xe for ge, xe in zip(g.split(counts), x.split(counts), strict=True)])
+        ref_w = torch.stack(
+            [ge.t() @ xe for ge, xe in zip(g.split(counts), x.split(counts), strict=True)]
+        )
         assert torch.allclose(grouped_wgrad(g, x, counts), ref_w, atol=1e-6)
 
 
 def _step(cfg, recompute):
     model = build_model(cfg, recompute=recompute, seed=5)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(2)
+    )
     loss = model(tokens, tokens)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model.aux.take()
@@ -111,11 +143,16 @@ def test_recompute_modes_equal_plain_run():
     cfg = dataclasses.replace(BASE, moe_every=2, num_layers=4, shared_expert_ffn=16).validate()
     base_loss, base, base_aux = _step(cfg, RecomputeConfig())
     assert base_aux > 0 and cfg.moe_layers == 2
-    for rc in (RecomputeConfig("selective", modules=("activation",)), RecomputeConfig("selective", modules=("moe",)),
-               RecomputeConfig("selective", modules=("norm", "activation")),
-               RecomputeConfig("selective", modules=("norm", "moe", "core_attention")), RecomputeConfig("full")):
+    for rc in (
+        RecomputeConfig("selective", modules=("activation",)),
+        RecomputeConfig("selective", modules=("moe",)),
+        RecomputeConfig("selective", modules=("norm", "activation")),
+        RecomputeConfig("selective", modules=("norm", "moe", "core_attention")),
+        RecomputeConfig("full"),
+    ):
         loss, grads, aux = _step(cfg, rc)
-        assert torch.equal(loss, base_loss) and aux == base_aux, rc.label  # values recorded once per forward
+        # values recorded once per forward
+        assert torch.equal(loss, base_loss) and aux == base_aux, rc.label
         for k in base:
             assert torch.allclose(grads[k], base[k], atol=1e-7, rtol=1e-6), (rc.label, k)
 

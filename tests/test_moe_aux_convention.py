@@ -1,8 +1,9 @@
-"""MoE load-balancing conventions (issue 43): Hugging Face's ``router_aux_loss_coef`` weighs one loss over
-every MoE layer's tokens pooled (f summing to K); seqpar's ``moe_aux_coef`` one loss per layer (f summing to
-1, Megatron's). import-hf converts (coefficient × K / L) and export-hf converts back, checked against
-transformers' own ``load_balancing_loss_func``: exactly when every layer routes alike, and on a whole
-imported Mixtral (L 4, K 2) within the difference its layers' routing makes."""
+"""MoE load-balancing conventions (issue 43): Hugging Face's ``router_aux_loss_coef`` weighs one
+loss over every MoE layer's tokens pooled (f summing to K); seqpar's ``moe_aux_coef`` one loss per
+layer (f summing to 1, Megatron's). import-hf converts (coefficient × K / L) and export-hf converts
+back, checked against transformers' own ``load_balancing_loss_func``: exactly when every layer
+routes alike, and on a whole imported Mixtral (L 4, K 2) within the difference its layers' routing
+makes."""
 
 import pytest
 import torch
@@ -21,11 +22,23 @@ L, K, E, V, S, COEF = 4, 2, 4, 101, 16, 0.02
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=V, hidden_size=32, num_hidden_layers=L, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=24, num_local_experts=E,
-                                        num_experts_per_tok=K, max_position_embeddings=S, router_aux_loss_coef=COEF,
-                                        output_router_logits=True, tie_word_embeddings=False, bos_token_id=None,
-                                        eos_token_id=None, pad_token_id=None)
+    config = transformers.MixtralConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=24,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        max_position_embeddings=S,
+        router_aux_loss_coef=COEF,
+        output_router_logits=True,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = transformers.MixtralForCausalLM(config).eval()
     folder = tmp_path_factory.mktemp("mixtral")
     model.save_pretrained(folder)
@@ -50,7 +63,8 @@ def test_import_converts_the_coefficient_and_export_converts_it_back(mixtral):
 
 
 def test_equal_to_hf_when_every_layer_routes_alike(mixtral):
-    """L layers routing the same tokens with the same router: seqpar's L per-layer losses add up to HF's one."""
+    """L layers routing the same tokens with the same router: seqpar's L per-layer losses add up to
+    HF's one."""
     cfg, state = read_hf_folder(mixtral[0])
     model = _seqpar(cfg, state)
     router = model.layers["0"].mlp.router
@@ -64,8 +78,8 @@ def test_equal_to_hf_when_every_layer_routes_alike(mixtral):
 
 
 def test_an_imported_mixtral_trains_with_hfs_penalty(mixtral):
-    """Whole models on the same tokens: HF's penalty (COEF × its aux_loss) next to the sum of seqpar's layers'.
-    Copied unconverted, seqpar's would be L / K = 2 times larger."""
+    """Whole models on the same tokens: HF's penalty (COEF × its aux_loss) next to the sum of
+    seqpar's layers'. Copied unconverted, seqpar's would be L / K = 2 times larger."""
     cfg, state = read_hf_folder(mixtral[0])
     model = _seqpar(cfg, state)
     with torch.no_grad():

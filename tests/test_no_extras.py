@@ -1,6 +1,7 @@
-"""seqpar runs from a checkout with torch alone (``PYTHONPATH=. python3 -m seqpar ...``, as on a lent GPU machine
-where nothing can be installed): every optional package blocked, the verbs that need none run and exit 0 without
-a traceback, and a feature that needs one is refused in one line naming the extra to install."""
+"""seqpar runs from a checkout with torch alone (``PYTHONPATH=. python3 -m seqpar ...``, as on a
+lent GPU machine where nothing can be installed): every optional package blocked, the verbs that
+need none run and exit 0 without a traceback, and a feature that needs one is refused in one line
+naming the extra to install."""
 
 import os
 import subprocess
@@ -13,8 +14,8 @@ from seqpar.optional import EXTRAS, install_hint
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = sorted({*EXTRAS, "numpy", "hypothesis", "tqdm", "pytest"})
-# a sitecustomize on PYTHONPATH: the path finder no longer finds an optional package, as if it were not installed
-# (find_spec gives None, import raises ModuleNotFoundError)
+# a sitecustomize on PYTHONPATH: the path finder no longer finds an optional package, as if it were
+# not installed (find_spec gives None, import raises ModuleNotFoundError)
 BLOCKER = f"""import importlib.machinery
 BLOCKED = {BLOCKED!r}
 _find = importlib.machinery.PathFinder.find_spec
@@ -26,16 +27,22 @@ importlib.machinery.PathFinder.find_spec = staticmethod(_find_spec)
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory):
-    """``run(*argv) -> (rc, stdout, stderr)``: ``python -m seqpar ARGV`` from the checkout, extras blocked,
-    in a scratch working directory."""
+    """``run(*argv) -> (rc, stdout, stderr)``: ``python -m seqpar ARGV`` from the checkout, extras
+    blocked, in a scratch working directory."""
     scratch = tmp_path_factory.mktemp("bare")
     (scratch / "sitecustomize.py").write_text(BLOCKER)
     env = {**os.environ, "PYTHONPATH": f"{scratch}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
     env.pop("SEQPAR_TIMEOUT", None)
 
     def run(*argv):
-        p = subprocess.run([sys.executable, "-m", "seqpar", *argv], capture_output=True, text=True, env=env,
-                           cwd=scratch, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "seqpar", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=scratch,
+            timeout=300,
+        )
         return p.returncode, p.stdout, p.stderr
 
     run.scratch, run.env = scratch, env
@@ -43,12 +50,21 @@ def bare(tmp_path_factory):
 
 
 def test_the_blocker_blocks(bare):
-    p = subprocess.run([sys.executable, "-c", "import rich"], capture_output=True, text=True, env=bare.env)
+    p = subprocess.run(
+        [sys.executable, "-c", "import rich"], capture_output=True, text=True, env=bare.env
+    )
     assert p.returncode != 0 and "No module named 'rich'" in p.stderr
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["plan", "--gpus", "8", "--model", "22B", "--top", "1"], ["paper"],
-                                  ["selftest", "--device", "cpu", "--nproc", "1", "--quick", "--only", "training"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--version"],
+        ["plan", "--gpus", "8", "--model", "22B", "--top", "1"],
+        ["paper"],
+        ["selftest", "--device", "cpu", "--nproc", "1", "--quick", "--only", "training"],
+    ],
+)
 def test_verbs_run_with_torch_alone(bare, argv):
     rc, out, err = bare(*argv)
     assert rc == 0 and "Traceback" not in err, err[-2000:]
@@ -60,13 +76,29 @@ def test_train_two_steps_with_torch_alone(bare):
     rc, out, err = bare("train", "--config", str(ROOT / "configs" / "tiny.toml"), "--steps", "2",
                         "--set", f"train.out_dir={out_dir}", "--overwrite")
     assert rc == 0 and "Traceback" not in err, err[-2000:]
-    assert (out_dir / "metrics.jsonl").is_file() and not (out_dir / "loss.png").exists()  # no matplotlib: no plot
+    # no matplotlib: no plot
+    assert (out_dir / "metrics.jsonl").is_file() and not (out_dir / "loss.png").exists()
     assert "pip install tensorboard" in out or "pip install 'seqpar[tensorboard]'" in out
 
 
-@pytest.mark.parametrize("argv, extra", [(["paper", "--plot", "{scratch}/plots"], "plots"),
-                                         (["tokenizer", "train", "--vocab", "300", "--out", "{scratch}/tok.json",
-                                           "{scratch}/corpus.txt"], "tokenizers")])
+@pytest.mark.parametrize(
+    "argv, extra",
+    [
+        (["paper", "--plot", "{scratch}/plots"], "plots"),
+        (
+            [
+                "tokenizer",
+                "train",
+                "--vocab",
+                "300",
+                "--out",
+                "{scratch}/tok.json",
+                "{scratch}/corpus.txt",
+            ],
+            "tokenizers",
+        ),
+    ],
+)
 def test_a_feature_needing_a_missing_package_is_one_line(bare, argv, extra):
     (bare.scratch / "corpus.txt").write_text("hello world\n")
     rc, out, err = bare(*[a.format(scratch=bare.scratch) for a in argv])

@@ -23,7 +23,14 @@ def data():
 def test_json_shape(data):
     assert list(data) == ["table2", "figure7", "figure1", "table5", "cost_model"]
     for row in data["cost_model"]["rows"]:
-        assert set(row) == {"source", "model", "config", "measured_s", "predicted_s", "heldout_predicted_s"}
+        assert set(row) == {
+            "source",
+            "model",
+            "config",
+            "measured_s",
+            "predicted_s",
+            "heldout_predicted_s",
+        }
     for model in MODELS:
         assert list(data["table2"][model]) == list(TABLE2_ROWS)
         assert list(data["figure7"][model]) == ["tp_sp", "tp_selective", "tp_sp_selective", "full"]
@@ -55,7 +62,10 @@ def test_figure1_message(data):
 
 def test_sec5_selective_numbers():
     got = paper.selective_savings()
-    assert round(got["GPT-3"]["memory_saved_pct"]) == 70 and round(got["MT-NLG"]["memory_saved_pct"]) == 65
+    assert (
+        round(got["GPT-3"]["memory_saved_pct"]) == 70
+        and round(got["MT-NLG"]["memory_saved_pct"]) == 65
+    )
     assert round(got["GPT-3"]["extra_flops_as_printed_pct"], 1) == 2.7
     assert round(got["MT-NLG"]["extra_flops_as_printed_pct"], 1) == 1.6
     assert got["GPT-3"]["extra_flops_pct"] < got["GPT-3"]["extra_flops_as_printed_pct"]
@@ -68,7 +78,13 @@ def test_cli_json_and_text(capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(paper.reproduce()))
     assert main(["paper"]) == 0
     out = capsys.readouterr().out
-    assert "Table 2" in out and "Figure 7" in out and "Figure 1" in out and "Table 5" in out and "Cost model" in out
+    assert (
+        "Table 2" in out
+        and "Figure 7" in out
+        and "Figure 1" in out
+        and "Table 5" in out
+        and "Cost model" in out
+    )
 
 
 def test_plots_are_written(tmp_path):
@@ -83,15 +99,17 @@ def test_plot_without_matplotlib_gives_a_clear_error(monkeypatch, tmp_path):
 
     from seqpar.analysis.reports import plots
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError, as when not installed
+    # import raises ImportError, as when not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(AnalysisError, match=r"pip install 'seqpar\[plots\]'"):
         plots.figure7(tmp_path / "x.png")
 
 
 def test_analysis_package_needs_no_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import seqpar.analysis.reports.paper, seqpar.analysis.planning.planner, "
-            "seqpar.analysis.reports.paper_report, seqpar.analysis.reports.plan_report, seqpar.commands.plan, "
-            "seqpar.commands.paper\n"
-            "from seqpar.analysis.reports import paper_report; paper_report.render()")
+    code = (
+        "import sys; sys.modules['torch'] = None\nimport seqpar.analysis.reports.paper, "
+        "seqpar.analysis.planning.planner, seqpar.analysis.reports.paper_report, "
+        "seqpar.analysis.reports.plan_report, seqpar.commands.plan, seqpar.commands.paper\nfrom "
+        "seqpar.analysis.reports import paper_report; paper_report.render()"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,8 +14,12 @@ from seqpar.testing import parity_step, relative_error
 CFG = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=2, seq_len=16,
                   embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0, label_smoothing=0.1)
 DROPOUT_CFG = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=2, seq_len=16)
-RECOMPUTES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 2),
-              RecomputeConfig("full", "block", 1)]
+RECOMPUTES = [
+    RecomputeConfig("none"),
+    RecomputeConfig("selective"),
+    RecomputeConfig("full", "uniform", 2),
+    RecomputeConfig("full", "block", 1),
+]
 
 
 _step, _rel = parity_step, relative_error
@@ -36,9 +40,12 @@ def _parity_worker(rank, world):
         base_loss, base_grads = _step(DROPOUT_CFG, dims, sp, RECOMPUTES[0])
         for rc in RECOMPUTES[1:]:
             loss, grads = _step(DROPOUT_CFG, dims, sp, rc)
-            identical[(sp, rc.granularity, rc.method)] = (torch.equal(loss, base_loss)
-                                                          and all(torch.equal(grads[k], base_grads[k]) for k in grads))
-        identical[(sp, "dropout changes the loss")] = not torch.equal(base_loss, _step(CFG, dims, sp, RECOMPUTES[0])[0])
+            identical[(sp, rc.granularity, rc.method)] = torch.equal(loss, base_loss) and all(
+                torch.equal(grads[k], base_grads[k]) for k in grads
+            )
+        identical[(sp, "dropout changes the loss")] = not torch.equal(
+            base_loss, _step(CFG, dims, sp, RECOMPUTES[0])[0]
+        )
     return errors, identical
 
 

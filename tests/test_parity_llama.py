@@ -12,13 +12,30 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.testing import parity_step as _step
 from seqpar.testing import relative_error as _rel
 
-LLAMA = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, ffn_hidden_size=48,
-                    norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False,
-                    embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
-RECOMPUTES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 2),
-              RecomputeConfig("full", "block", 1),
-              RecomputeConfig("selective", modules=("core_attention", "norm", "activation")),
-              RecomputeConfig("selective", modules=("mlp",))]
+LLAMA = ModelConfig(
+    vocab_size=101,
+    hidden_size=32,
+    num_heads=4,
+    num_layers=2,
+    seq_len=16,
+    ffn_hidden_size=48,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+    embd_dropout=0.0,
+    attn_dropout=0.0,
+    hidden_dropout=0.0,
+)
+RECOMPUTES = [
+    RecomputeConfig("none"),
+    RecomputeConfig("selective"),
+    RecomputeConfig("full", "uniform", 2),
+    RecomputeConfig("full", "block", 1),
+    RecomputeConfig("selective", modules=("core_attention", "norm", "activation")),
+    RecomputeConfig("selective", modules=("mlp",)),
+]
 
 
 def _llama_worker(rank, world):
@@ -31,7 +48,10 @@ def _llama_worker(rank, world):
             loss, grads = _step(cfg, dims, sp, rc)
             assert grads.keys() == ref_grads.keys()
             worst = max((_rel(grads[k], ref_grads[k]), k) for k in grads)
-            errors[(kv, attention, sp, rc.granularity, rc.method, rc.modules)] = (_rel(loss, ref_loss), worst)
+            errors[(kv, attention, sp, rc.granularity, rc.method, rc.modules)] = (
+                _rel(loss, ref_loss),
+                worst,
+            )
     return errors
 
 

@@ -1,8 +1,8 @@
 """Pipelining against the single-process model, one spawn of gloo ranks per world size (2, 4, 8).
 
-Parity: (dp, pp, tp) ∈ {(1,2,1), (1,4,1), (1,2,2), (2,2,1), (2,1,2), (2,2,2)}, SP when t > 1, selective
-recompute, 1F1B and interleaved (m = 2), plus uneven splits (an embedding-only first stage), fp32 and
-dropout 0: loss and every gradient (after
+Parity: (dp, pp, tp) ∈ {(1,2,1), (1,4,1), (1,2,2), (2,2,1), (2,1,2), (2,2,2)}, SP when t > 1,
+selective recompute, 1F1B and interleaved (m = 2), plus uneven splits (an embedding-only first
+stage), fp32 and dropout 0: loss and every gradient (after
 ``finalize_grads``) within 1e-5 relative of the single-process model's gradient of the mean over all
 microbatches of the global batch.
 
@@ -13,7 +13,8 @@ layers' worth (× (1 + (p-1)/(pm)) interleaved). App. B: with freeing off every 
 with it on none does. App. C: the peak lies between the all-recomputed and all-stored figures, grows
 with K, and the loss is bit-identical.
 
-ZB-H1 (``pp_schedule`` zb-h1) on the one-chunk parity layouts: loss and every gradient bit-identical to 1F1B's.
+ZB-H1 (``pp_schedule`` zb-h1) on the one-chunk parity layouts: loss and every gradient bit-identical
+to 1F1B's.
 """
 
 import functools
@@ -38,9 +39,20 @@ SEL, FULL = RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)
 PARITY_CFG = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, num_layers=8, seq_len=16,
                          embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
 MICRO, PER_DP = 2, 4  # microbatch size, microbatches per dp rank
-PARITY = {2: [(1, 2, 1, 1), (1, 2, 1, 2), (1, 2, 1, 1, (0, 8)), (1, 2, 1, 2, (1, 3, 2, 2))],  # (dp, pp, tp, m[, split])
-          4: [(1, 4, 1, 1), (1, 4, 1, 2), (1, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 1), (2, 2, 1, 2), (2, 1, 2, 1)],
-          8: [(2, 2, 2, 1), (2, 2, 2, 2)]}
+# (dp, pp, tp, m[, split])
+PARITY = {
+    2: [(1, 2, 1, 1), (1, 2, 1, 2), (1, 2, 1, 1, (0, 8)), (1, 2, 1, 2, (1, 3, 2, 2))],
+    4: [
+        (1, 4, 1, 1),
+        (1, 4, 1, 2),
+        (1, 2, 2, 1),
+        (1, 2, 2, 2),
+        (2, 2, 1, 1),
+        (2, 2, 1, 2),
+        (2, 1, 2, 1),
+    ],
+    8: [(2, 2, 2, 1), (2, 2, 2, 2)],
+}
 
 
 def global_batch(dp):
@@ -72,7 +84,9 @@ def parity_here(cases):
             refs[dp] = reference(batches)
         ref_losses, ref_grads = refs[dp]
         dims = ParallelDims.build(parallel)
-        chunks = build_stages(PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None)
+        chunks = build_stages(
+            PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None
+        )
         mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
         loss = forward_backward(chunks, batches[mine], dims, parallel)
         finalize_grads(chunks, dims)
@@ -81,14 +95,19 @@ def parity_here(cases):
             for name, g in full_state_dict(chunk, dims.tp_group, grads=True).items():
                 grads["embedding.word.weight" if name == "output_weight" else name] = g
         local = ref_losses[mine].mean().item()  # the documented return value: this dp rank's mean
-        out[case] = (abs(loss - local) / abs(local), max(_rel(g, ref_grads[k]) for k, g in grads.items()),
-                                sorted(grads), sorted(ref_grads))
+        out[case] = (
+            abs(loss - local) / abs(local),
+            max(_rel(g, ref_grads[k]) for k, g in grads.items()),
+            sorted(grads),
+            sorted(ref_grads),
+        )
     return out
 
 
 def zero_bubble_here(cases):
-    """ZB-H1 against 1F1B on the one-chunk parity layouts: the same loss and every gradient, bit for bit (the W
-    order moves no sum inside a microbatch, and microbatches accumulate in the same order)."""
+    """ZB-H1 against 1F1B on the one-chunk parity layouts: the same loss and every gradient, bit for
+    bit (the W order moves no sum inside a microbatch, and microbatches accumulate in the same
+    order)."""
     out = {}
     for dp, pp, tp, m, *split in cases:
         if pp == 1 or m > 1:
@@ -97,7 +116,9 @@ def zero_bubble_here(cases):
         for schedule in ("1f1b", "zb-h1"):
             parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, pp_schedule=schedule)
             dims = ParallelDims.build(parallel)
-            chunks = build_stages(PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None)
+            chunks = build_stages(
+                PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None
+            )
             mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
             loss = forward_backward(chunks, global_batch(dp)[mine], dims, parallel)
             finalize_grads(chunks, dims)
@@ -109,9 +130,15 @@ def zero_bubble_here(cases):
 
 
 # ----------------------------------------------------------------------------- memory
-MEM_CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_layers=8, seq_len=32, dtype="bf16")
+MEM_CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, num_heads=2, num_layers=8, seq_len=32, dtype="bf16"
+)
 B = 1
-LAYOUTS = {2: [(2, 1, 1), (2, 1, 2)], 4: [(2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2)], 8: [(4, 2, 1), (4, 2, 2)]}
+LAYOUTS = {
+    2: [(2, 1, 1), (2, 1, 2)],
+    4: [(2, 2, 1), (2, 2, 2), (4, 1, 1), (4, 1, 2)],
+    8: [(4, 2, 1), (4, 2, 2)],
+}
 APP_C = [(rc, B, 2, True, k) for rc in (SEL, FULL) for k in (0, 1, 2)]  # p = 2, t = 1, 1F1B
 
 
@@ -119,7 +146,12 @@ def memory_jobs(world):
     jobs = []
     for p, t, m in LAYOUTS[world]:
         n = p if m == 1 else 2 * p  # enough microbatches for every rank to reach its steady state
-        jobs.append((ParallelConfig(tp=t, pp=p, sp=t > 1, interleave=m), [(SEL, B, n, True, 0), (SEL, B, n, False, 0)]))
+        jobs.append(
+            (
+                ParallelConfig(tp=t, pp=p, sp=t > 1, interleave=m),
+                [(SEL, B, n, True, 0), (SEL, B, n, False, 0)],
+            )
+        )
     if world == 2:
         jobs.append((ParallelConfig(pp=2), APP_C))
     return jobs
@@ -130,8 +162,8 @@ ZB_RUNS = [(SEL, B, 8, True, 0), (RecomputeConfig("none"), 2, 6, True, 0), (FULL
 
 
 def zb_memory_jobs(world):
-    """ZB-H1 at 1F1B's memory layouts of one chunk on 2 and 4 ranks (8 or 6 microbatches: every rank holds its
-    deferred W units; selective and full recompute where the peak is at a B's end)."""
+    """ZB-H1 at 1F1B's memory layouts of one chunk on 2 and 4 ranks (8 or 6 microbatches: every rank
+    holds its deferred W units; selective and full recompute where the peak is at a B's end)."""
     if world > 4:
         return []
     runs = ZB_RUNS if world == 2 else ZB_RUNS[::2]
@@ -140,8 +172,11 @@ def zb_memory_jobs(world):
 
 
 def _worker(rank, world):
-    return (parity_here(PARITY[world]), measure_jobs_here(MEM_CFG, memory_jobs(world) + zb_memory_jobs(world)),
-            zero_bubble_here(PARITY[world]))
+    return (
+        parity_here(PARITY[world]),
+        measure_jobs_here(MEM_CFG, memory_jobs(world) + zb_memory_jobs(world)),
+        zero_bubble_here(PARITY[world]),
+    )
 
 
 @functools.cache
@@ -151,8 +186,13 @@ def _spawn(world):
     assert validate_jobs(MEM_CFG, jobs) == world
     results = run_ranks(_worker, world)
     measured = report(MEM_CFG, jobs, [r[1] for r in results])
-    return world, [r[0] for r in results], measured[:len(memory_jobs(world))], [r[2] for r in results], \
-        measured[len(memory_jobs(world)):]
+    return (
+        world,
+        [r[0] for r in results],
+        measured[: len(memory_jobs(world))],
+        [r[2] for r in results],
+        measured[len(memory_jobs(world)) :],
+    )
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8])
@@ -180,17 +220,20 @@ def test_zero_bubble_h1_is_bit_identical_to_1f1b(spawned):
 
 
 def test_zero_bubble_h1_peak_matches_exact_per_stage(spawned):
-    """ZB-H1's measured peak per stage == exact (its ``deferred_w`` term: rank S's W units at the peak), and the
-    same loss as 1F1B's run of the layout (dropout on)."""
+    """ZB-H1's measured peak per stage == exact (its ``deferred_w`` term: rank S's W units at the
+    peak), and the same loss as 1F1B's run of the layout (dropout on)."""
     world, _, _, _, measured = spawned
     for (parallel, runs), results in zip(zb_memory_jobs(world), measured, strict=True):
         for (rc, b, n, free, _), stages in zip(runs, results, strict=True):
             for st in stages:
-                print(f"zb-h1 p={parallel.pp} t={parallel.tp} {rc.label} b={b} n={n} free={free} stage {st.stage}: "
-                      f"measured {st.measured_peak_bytes} exact {st.exact_bytes:.0f} "
-                      f"deferred_w {st.terms['deferred_w']:.0f}")
+                print(
+                    f"zb-h1 p={parallel.pp} t={parallel.tp} {rc.label} b={b} n={n} free={free} "
+                    f"stage {st.stage}: measured {st.measured_peak_bytes} exact "
+                    f"{st.exact_bytes:.0f} deferred_w {st.terms['deferred_w']:.0f}"
+                )
                 assert st.measured_peak_bytes == st.exact_bytes, (parallel, rc, b, n, free, st)
-                assert st.terms["deferred_w"] > 0 or st.stage == 0, st  # rank S > 0 holds units at its peak
+                # rank S > 0 holds units at its peak
+                assert st.terms["deferred_w"] > 0 or st.stage == 0, st
 
 
 def test_peak_matches_formula_per_stage(spawned):
@@ -201,23 +244,38 @@ def test_peak_matches_formula_per_stage(spawned):
         p, t, m = parallel.pp, parallel.tp, parallel.interleave
         for label, stages in (("App.B on ", free_on), ("App.B off", free_off)):
             for st in stages:
-                print(f"p={p} t={t} m={m} {label} stage {st.stage}: measured {st.measured_peak_bytes} "
-                      f"formula {st.formula_bytes:.0f} ratio {st.ratio:.4f} exact {st.exact_bytes:.0f}")
+                print(
+                    f"p={p} t={t} m={m} {label} stage {st.stage}: measured "
+                    f"{st.measured_peak_bytes} formula {st.formula_bytes:.0f} ratio {st.ratio:.4f} "
+                    f"exact {st.exact_bytes:.0f}"
+                )
                 assert abs(st.ratio - 1) < 0.02, (p, t, m, st)
                 assert st.measured_peak_bytes == st.exact_bytes, (p, t, m, st)
         # The first stage holds L layers' worth, times (1 + (p-1)/(pm)) when interleaved (Eq. 6).
-        per_layer = layer_activation_bytes(MEM_CFG.seq_len, B, MEM_CFG.hidden_size, MEM_CFG.num_heads, t, sp=t > 1,
-                                           recompute="selective", ln_stats_bytes=2)
+        per_layer = layer_activation_bytes(
+            MEM_CFG.seq_len,
+            B,
+            MEM_CFG.hidden_size,
+            MEM_CFG.num_heads,
+            t,
+            sp=t > 1,
+            recompute="selective",
+            ln_stats_bytes=2,
+        )
         factor = 1 + (p - 1) / (p * m) if m > 1 else 1
-        assert free_on[0].terms["layer_activations"] == pytest.approx(MEM_CFG.num_layers * factor * per_layer)
-        # App. B: without freeing each sent output still counts ([s/t, b, h] each); with it, only the
-        # one being sent at the peak.
+        assert free_on[0].terms["layer_activations"] == pytest.approx(
+            MEM_CFG.num_layers * factor * per_layer
+        )
+        # App. B: without freeing each sent output still counts ([s/t, b, h] each); with it, only
+        # the one being sent at the peak.
         boundary = 2 * MEM_CFG.seq_len * B * MEM_CFG.hidden_size // t
         for on, off in zip(free_on, free_off, strict=True):
             sent = off.terms.get("pipeline_outputs", 0) / boundary
             in_transit = 1 if on.stage < p - 1 else 0
             assert sent >= in_transit
-            assert off.measured_peak_bytes - on.measured_peak_bytes == (sent - in_transit) * boundary, (on, off)
+            assert (
+                off.measured_peak_bytes - on.measured_peak_bytes == (sent - in_transit) * boundary
+            ), (on, off)
 
 
 def test_app_c_keeps_some_microbatches():
@@ -229,8 +287,11 @@ def test_app_c_keeps_some_microbatches():
         for r in range(2):
             by_k = [peaks[k][r].measured_peak_bytes for k in (0, 1, 2)]
             print(f"App. C {granularity} stage {r}: peak for K = 0, 1, 2: {by_k}")
-            assert all(peaks[k][r].measured_peak_bytes == peaks[k][r].exact_bytes for k in (0, 1, 2))
+            assert all(
+                peaks[k][r].measured_peak_bytes == peaks[k][r].exact_bytes for k in (0, 1, 2)
+            )
             in_flight = 2 - r  # outstanding backward passes max(0, p - S)
             assert by_k == sorted(by_k) and by_k[0] < by_k[in_flight] == by_k[-1]
     losses = {stages[0].loss for stages in runs}
-    assert len(losses) == 1 and losses == {measured[0][0][0].loss}, losses  # dropout on: bit-identical
+    # dropout on: bit-identical
+    assert len(losses) == 1 and losses == {measured[0][0][0].loss}, losses

@@ -27,10 +27,17 @@ def test_schedule_json_measured_per_stage(capsys):
 def test_schedule_formula_only_and_errors(capsys):
     stages = _json(capsys, "--pp", "4", "--microbatches", "8")["stages"]
     assert len(stages) == 4 and all(s["measured_peak_bytes"] is None for s in stages)
-    assert [s["formula_bytes"] for s in stages[:3]] == sorted((s["formula_bytes"] for s in stages[:3]), reverse=True)
+    assert [s["formula_bytes"] for s in stages[:3]] == sorted(
+        (s["formula_bytes"] for s in stages[:3]), reverse=True
+    )
     assert "rows" in _json(capsys)  # the one-layer path is unchanged
-    for args, message in ((["--interleave", "2", "--microbatches", "3"], "microbatch count 3 to be a multiple of pp 2"),
-                          (["--layers", "3", "--microbatches", "2"], "layers 3 are not divisible by pp 2")):
+    for args, message in (
+        (
+            ["--interleave", "2", "--microbatches", "3"],
+            "microbatch count 3 to be a multiple of pp 2",
+        ),
+        (["--layers", "3", "--microbatches", "2"], "layers 3 are not divisible by pp 2"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             main(["memory", "--pp", "2", *args, *TINY])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -14,9 +14,24 @@ from seqpar.parallel.sharding import full_state_dict
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.testing import relative_error
 
-CFG = ModelConfig(vocab_size=101, hidden_size=32, num_heads=4, kv_heads=1, num_layers=4, seq_len=16,
-                  ffn_hidden_size=48, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                  tie_embeddings=False, attention="sdpa", embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0)
+CFG = ModelConfig(
+    vocab_size=101,
+    hidden_size=32,
+    num_heads=4,
+    kv_heads=1,
+    num_layers=4,
+    seq_len=16,
+    ffn_hidden_size=48,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+    attention="sdpa",
+    embd_dropout=0.0,
+    attn_dropout=0.0,
+    hidden_dropout=0.0,
+)
 CASES = [  # (dp, pp, tp, interleave, config changes, recompute)
     (1, 2, 2, 1, {}, RecomputeConfig("selective", modules=("norm", "activation"))),
     (1, 2, 2, 2, {"attention": "materialized"}, RecomputeConfig("selective")),
@@ -27,8 +42,13 @@ MICRO, PER_DP = 2, 4
 
 def _batches(cfg, dp):
     gen = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=gen),
-             torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=gen)) for _ in range(dp * PER_DP)]
+    return [
+        (
+            torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=gen),
+            torch.randint(0, cfg.vocab_size, (MICRO, cfg.seq_len), generator=gen),
+        )
+        for _ in range(dp * PER_DP)
+    ]
 
 
 def _worker(rank, world):
@@ -42,12 +62,18 @@ def _worker(rank, world):
         parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, interleave=m)
         dims = ParallelDims.build(parallel)
         chunks = build_stages(cfg, parallel, rc, dims, seed=9)
-        forward_backward(chunks, batches[dims.dp_rank * PER_DP:(dims.dp_rank + 1) * PER_DP], dims, parallel)
+        forward_backward(
+            chunks, batches[dims.dp_rank * PER_DP : (dims.dp_rank + 1) * PER_DP], dims, parallel
+        )
         finalize_grads(chunks, dims)
         worst = 0.0
         for chunk in chunks:
             for name, grad in full_state_dict(chunk, dims.tp_group, grads=True).items():
-                key = "embedding.word.weight" if name == "output_weight" and cfg.tie_embeddings else name
+                key = (
+                    "embedding.word.weight"
+                    if name == "output_weight" and cfg.tie_embeddings
+                    else name
+                )
                 worst = max(worst, relative_error(grad, ref_grads[key]))
         out.append(worst)
     return out
@@ -64,10 +90,38 @@ def test_llama_stage_memory_measured_equals_exact():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "seqpar", "memory", "--measure", "--pp", "2", "--tp", "2", "--sp",
-                          "--microbatches", "4", "--arch", "llama", "--kv-heads", "2", "--attention", "sdpa",
-                          "--hidden", "128", "--heads", "8", "--seq", "64", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "seqpar",
+            "memory",
+            "--measure",
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--sp",
+            "--microbatches",
+            "4",
+            "--arch",
+            "llama",
+            "--kv-heads",
+            "2",
+            "--attention",
+            "sdpa",
+            "--hidden",
+            "128",
+            "--heads",
+            "8",
+            "--seq",
+            "64",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     for stage in json.loads(out.stdout)["stages"]:
         assert stage["measured_peak_bytes"] == stage["exact_bytes"], stage

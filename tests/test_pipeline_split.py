@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from seqpar.config import ConfigError, ModelConfig, ParallelConfig, RecomputeConfig, validate_microbatches
+from seqpar.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RecomputeConfig,
+    validate_microbatches,
+)
 from seqpar.measure.meter import SavedTensorMeter
 from seqpar.model import build_model
 from seqpar.parallel.data_parallel import buckets
@@ -51,16 +57,26 @@ def test_microbatch_and_keep_errors():
 def test_build_stages_validates_before_any_group():
     bad = ModelConfig(vocab_size=50, hidden_size=16, num_heads=2, num_layers=6, seq_len=8)
     with pytest.raises(ConfigError, match="layers 6 are not divisible by pp 2 × interleave 2 = 4"):
-        build_stages(bad, ParallelConfig(pp=2, interleave=2), RecomputeConfig(), ParallelDims.single(), 0)
+        build_stages(
+            bad, ParallelConfig(pp=2, interleave=2), RecomputeConfig(), ParallelDims.single(), 0
+        )
     with pytest.raises(ConfigError, match="recompute num_layers 2 exceeds the 1 layers"):
-        build_stages(CFG, ParallelConfig(pp=2), RecomputeConfig("full", "uniform", 2), ParallelDims.single(), 0,
-                     layer_split=[1, 3])
+        build_stages(
+            CFG,
+            ParallelConfig(pp=2),
+            RecomputeConfig("full", "uniform", 2),
+            ParallelDims.single(),
+            0,
+            layer_split=[1, 3],
+        )
 
 
 def _batches(n):
     gen = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, 50, (2, 8), generator=gen), torch.randint(0, 50, (2, 8), generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, 50, (2, 8), generator=gen), torch.randint(0, 50, (2, 8), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def test_no_pipelining_accumulates_the_mean_gradient():
@@ -76,7 +92,9 @@ def test_no_pipelining_accumulates_the_mean_gradient():
         chunks = build_stages(CFG, parallel, RecomputeConfig("selective"), dims, seed=2)
         meter = SavedTensorMeter(*chunks, names=False)
         meter.exclude([t for b in batches for t in b])
-        loss = forward_backward(chunks, batches, dims, parallel, keep_microbatches=keep, meter=meter)
+        loss = forward_backward(
+            chunks, batches, dims, parallel, keep_microbatches=keep, meter=meter
+        )
         finalize_grads(chunks, dims)
         grads = full_state_dict(chunks[0], None, grads=True)
         assert loss == pytest.approx(losses.mean().item(), rel=1e-6)
@@ -99,13 +117,29 @@ def test_an_empty_middle_chunk_is_refused_at_validation():
     'connection reset' on the others; now the configuration is refused before any process starts."""
     from seqpar.train.config import build_job
 
-    sections = {"model": {"vocab_size": 64, "hidden_size": 16, "num_heads": 2, "num_layers": 4, "seq_len": 8},
-                "parallel": {"pp": 2, "interleave": 2, "layer_split": [1, 0, 1, 2]},
-                "train": {"micro_batch": 1, "global_batch": 2}}
+    sections = {
+        "model": {
+            "vocab_size": 64,
+            "hidden_size": 16,
+            "num_heads": 2,
+            "num_layers": 4,
+            "seq_len": 8,
+        },
+        "parallel": {"pp": 2, "interleave": 2, "layer_split": [1, 0, 1, 2]},
+        "train": {"micro_batch": 1, "global_batch": 2},
+    }
     with pytest.raises(ConfigError, match=r"virtual stage 1 \(pp rank 1, chunk 0\) has 0 layers"):
         build_job(sections).validate(2)
     with pytest.raises(ConfigError, match="has 0 layers"):
-        build_stages(CFG, ParallelConfig(pp=2, interleave=2), RecomputeConfig(), ParallelDims.single(), 0,
-                     layer_split=[2, 2, 0, 0])
+        build_stages(
+            CFG,
+            ParallelConfig(pp=2, interleave=2),
+            RecomputeConfig(),
+            ParallelDims.single(),
+            0,
+            layer_split=[2, 2, 0, 0],
+        )
     # the first and the last virtual stage may be empty (embedding / output layer only)
-    assert build_job({**sections, "parallel": {"pp": 2, "interleave": 2, "layer_split": [0, 2, 2, 0]}}).validate(2)
+    assert build_job(
+        {**sections, "parallel": {"pp": 2, "interleave": 2, "layer_split": [0, 2, 2, 0]}}
+    ).validate(2)

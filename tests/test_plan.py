@@ -20,9 +20,22 @@ from seqpar.cli import main
 from seqpar.config import RecomputeConfig
 
 PAPER_530B = "tp=8,pp=35,dp=1,m=3,sp=on,recompute=selective,mb=1"
-# the paper's search (Megatron: no FSDP, distributed optimizer or offloading), which its Table 3 plan leads
-ARGS_530B = ["plan", "--model", "530b", "--gpus", "280", "--gpus-per-node", "8", "--gpu-memory", "80", "--no-fsdp",
-             "--no-distributed-optimizer", "--no-offload"]
+# the paper's search (Megatron: no FSDP, distributed optimizer or offloading), which its Table 3
+# plan leads
+ARGS_530B = [
+    "plan",
+    "--model",
+    "530b",
+    "--gpus",
+    "280",
+    "--gpus-per-node",
+    "8",
+    "--gpu-memory",
+    "80",
+    "--no-fsdp",
+    "--no-distributed-optimizer",
+    "--no-offload",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +64,9 @@ def test_tp_only_does_not_fit():
 
 
 def test_rank_plans_breaks_near_ties_by_memory():
-    """Plans within TIE_FRACTION of the fastest are ordered by memory, others by time: built here with times
-    on either side of the tie (the 530B search's top two, which this once read, need not tie)."""
+    """Plans within TIE_FRACTION of the fastest are ordered by memory, others by time: built here
+    with times on either side of the tie (the 530B search's top two, which this once read, need not
+    tie)."""
     from types import SimpleNamespace
 
     from seqpar.analysis.planning.planner import TIE_FRACTION
@@ -61,11 +75,17 @@ def test_rank_plans_breaks_near_ties_by_memory():
         return SimpleNamespace(time=SimpleNamespace(total=seconds), memory_bytes=memory,
                                offload_bytes_per_step=offloaded)
 
-    fast, tied_smaller, slow_smallest = plan(10.0, 3e9), plan(10.0 * (1 + TIE_FRACTION / 2), 2e9), plan(11.0, 1e9)
+    fast, tied_smaller, slow_smallest = (
+        plan(10.0, 3e9),
+        plan(10.0 * (1 + TIE_FRACTION / 2), 2e9),
+        plan(11.0, 1e9),
+    )
     assert rank_plans([fast, slow_smallest, tied_smaller]) == [tied_smaller, fast, slow_smallest]
-    offloading = plan(10.0, 1e9, offloaded=1e9)  # tied and smaller, but it moves bytes over the host link
+    # tied and smaller, but it moves bytes over the host link
+    offloading = plan(10.0, 1e9, offloaded=1e9)
     assert rank_plans([offloading, fast]) == [fast, offloading]
-    outside = plan(10.0 * (1 + 2 * TIE_FRACTION), 2e9)  # not a tie: the faster first, whatever its memory
+    # not a tie: the faster first, whatever its memory
+    outside = plan(10.0 * (1 + 2 * TIE_FRACTION), 2e9)
     assert rank_plans([outside, fast]) == [fast, outside]
 
 
@@ -73,7 +93,9 @@ def test_invalid_plans_say_why():
     req = Request(preset_shape("530b"), gpus=280, global_batch=280)
     assert "not divisible by pp 34" in evaluate(req, parse_plan("tp=8,pp=34", 280)).error
     wide = Request(preset_shape("530b"), gpus=560, global_batch=280)
-    assert "exceeds the 8 GPUs of a node" in evaluate(wide, parse_plan("tp=16,pp=35,dp=1", 560)).error
+    assert (
+        "exceeds the 8 GPUs of a node" in evaluate(wide, parse_plan("tp=16,pp=35,dp=1", 560)).error
+    )
     assert "!= gpus 280" in evaluate(req, parse_plan("tp=8,pp=35,dp=2", 280)).error
     with pytest.raises(AnalysisError, match="plan item 'foo=1'"):
         parse_plan("foo=1", 8)
@@ -89,10 +111,12 @@ def test_parse_recompute():
 def test_small_model_on_one_gpu_prefers_no_recompute():
     shape = model_config(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
     ranked = search(Request(shape, gpus=1, global_batch=8))
-    # no GEMM recomputed: none, or regenerating the attention dropout mask (a mask pass, within the tie
-    # band of none's time and less memory, so ranked first among the ties)
+    # no GEMM recomputed: none, or regenerating the attention dropout mask (a mask pass, within the
+    # tie band of none's time and less memory, so ranked first among the ties)
     assert ranked[0].plan.rc.label in ("none", "selective(dropout_mask)")
-    by_label = {e.plan.rc.label: e for e in ranked if e.plan.micro_batch == ranked[0].plan.micro_batch}
+    by_label = {
+        e.plan.rc.label: e for e in ranked if e.plan.micro_batch == ranked[0].plan.micro_batch
+    }
     regen, none = by_label["selective(dropout_mask)"], by_label["none"]
     assert regen.time.total > none.time.total and regen.memory_bytes < none.memory_bytes
 
@@ -100,8 +124,19 @@ def test_small_model_on_one_gpu_prefers_no_recompute():
 def test_cli_json(capsys):
     assert main(ARGS_530B + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    keys = {"tp", "pp", "dp", "interleave", "sp", "recompute", "micro_batch", "memory_bytes", "fits",
-            "predicted_iteration_s", "predicted_mfu"}
+    keys = {
+        "tp",
+        "pp",
+        "dp",
+        "interleave",
+        "sp",
+        "recompute",
+        "micro_batch",
+        "memory_bytes",
+        "fits",
+        "predicted_iteration_s",
+        "predicted_mfu",
+    }
     assert keys <= set(out["best"]) and out["best"] == out["plans"][0]
     assert out["best"]["sp"] is True and out["best"]["recompute"].startswith("selective")
 
@@ -128,7 +163,11 @@ def _exit_code(argv):
 def test_cli_errors(capsys):
     assert _exit_code(["plan", "--model", "3b", "--gpus", "8"]) == 2
     err = capsys.readouterr().err
-    assert "known: 22b, 175b, 530b, 1t" in err and "usage:" not in err and "--help` lists the options" in err
+    assert (
+        "known: 22b, 175b, 530b, 1t" in err
+        and "usage:" not in err
+        and "--help` lists the options" in err
+    )
     assert _exit_code(["plan", "--layers", "4", "--gpus", "8"]) == 2
     assert "missing: --hidden" in capsys.readouterr().err
     assert _exit_code(["plan", "--model", "gpt2-xl", "--gpus", "8"]) == 2

@@ -1,19 +1,22 @@
-"""The planner's closed loop (issue 42, "close the net"): for seeded draws of model options (GPT or Llama,
-kv heads, the fused or the materialized core, dropout 0 or 0.1, fp32 or bf16) × layouts of 4 ranks (tp, SP,
-pp with interleaving, cp, dp, the distributed optimizer) × recompute × micro-batch:
+"""The planner's closed loop (issue 42, "close the net"): for seeded draws of model options (GPT or
+Llama, kv heads, the fused or the materialized core, dropout 0 or 0.1, fp32 or bf16) × layouts of 4
+ranks (tp, SP, pp with interleaving, cp, dp, the distributed optimizer) × recompute × micro-batch:
 
-* ``seqpar plan --explain LAYOUT --device cpu --json`` gives every pipeline rank's bytes, term by term;
-* the config it emits, read by ``seqpar train --dry-run``'s ``predicted_memory``, predicts the same terms for
-  every rank, and the dry run prints the planned most-loaded total (its cuda line, ``plan --device cuda``'s;
-  on a host without an accelerator also its cpu line, ``--device cpu``'s);
-* trained one step on 4 gloo ranks, every rank measures the plan (``_helpers.plan_vs_measured``: states
-  exactly up to the buckets' padding, the activation peak plus the implementation's small tensors).
+* ``seqpar plan --explain LAYOUT --device cpu --json`` gives every pipeline rank's bytes, term by
+  term;
+* the config it emits, read by ``seqpar train --dry-run``'s ``predicted_memory``, predicts the same
+  terms for every rank, and the dry run prints the planned most-loaded total (its cuda line,
+  ``plan --device cuda``'s; on a host without an accelerator also its cpu line, ``--device cpu``'s);
+* trained one step on 4 gloo ranks, every rank measures the plan (``_helpers.plan_vs_measured``:
+  states exactly up to the buckets' padding, the activation peak plus the implementation's small
+  tensors).
 
-Dtype, micro-batch (1, 2, 4), global batch, label smoothing (set in the emitted config: the plan has no flag for
-it), the cp exchange and offloaded modules come from the shared axes (``tests/_axes.py``), fitted to the layout;
-what they narrow is printed per draw (``narrowed (plan_loop ...)``) and recorded. The draws are seeded (an
-invalid one is drawn again); all of them train in one launch of 4 ranks. CI runs
-``SEQPAR_PLAN_LOOP_DRAWS`` (default 4); ``SEQPAR_PLAN_LOOP_FULL=1`` runs ``FULL_DRAWS``."""
+Dtype, micro-batch (1, 2, 4), global batch, label smoothing (set in the emitted config: the plan has
+no flag for it), the cp exchange and offloaded modules come from the shared axes
+(``tests/_axes.py``), fitted to the layout; what they narrow is printed per draw
+(``narrowed (plan_loop ...)``) and recorded. The draws are seeded (an invalid one is drawn again);
+all of them train in one launch of 4 ranks. CI runs ``SEQPAR_PLAN_LOOP_DRAWS`` (default 4);
+``SEQPAR_PLAN_LOOP_FULL=1`` runs ``FULL_DRAWS``."""
 
 from __future__ import annotations
 
@@ -33,8 +36,11 @@ from seqpar.train.dry_run import predicted_memory
 from seqpar.train.loop import train_local_many
 
 FULL_DRAWS = 150
-DRAWS = FULL_DRAWS if os.environ.get("SEQPAR_PLAN_LOOP_FULL") == "1" else int(os.environ.get("SEQPAR_PLAN_LOOP_DRAWS",
-                                                                                               "4"))
+DRAWS = (
+    FULL_DRAWS
+    if os.environ.get("SEQPAR_PLAN_LOOP_FULL") == "1"
+    else int(os.environ.get("SEQPAR_PLAN_LOOP_DRAWS", "4"))
+)
 VOCAB = 64
 RECOMPUTE = ("none", "selective", "full", "full-block-1")
 
@@ -42,48 +48,98 @@ RECOMPUTE = ("none", "selective", "full", "full-block-1")
 PLAN_LOOP = {  # the shared axes (tests/_axes.py) the loop does not take, and why
     "steps": "one step measures the plan",
     "data": "random ids",
-    "fsdp": "plan --explain has no hsdp, and its fsdp is checked in tests/test_states_closed_loop.py",
+    "fsdp": "plan --explain has no hsdp, and its fsdp is checked in "
+            "tests/test_states_closed_loop.py",
     "reshard_after_forward": "fsdp is not drawn here",
     "ep": "dense models",
     "compile": "eager",
-    "overlap_param_gather": "one step measures states and activations; the gathers' buffers are freed in the next "
-                            "forward (tests/test_param_gather.py measures them)",
-    "tp_comm_overlap": "the plan's layouts run without it (plan prices the overlap, issue 54 item 3)",
+    "overlap_param_gather": "one step measures states and activations; the gathers' buffers are "
+    "freed in the next forward (tests/test_param_gather.py measures them)",
+    "tp_comm_overlap": "the plan's layouts run without it (plan prices the overlap, issue 54 item "
+                       "3)",
 }
-RECOMPUTE_CONFIGS = {"none": RecomputeConfig("none"), "selective": RecomputeConfig("selective"),
-                     "full": RecomputeConfig("full"), "full-block-1": RecomputeConfig("full", "block", 1)}
+RECOMPUTE_CONFIGS = {
+    "none": RecomputeConfig("none"),
+    "selective": RecomputeConfig("selective"),
+    "full": RecomputeConfig("full"),
+    "full-block-1": RecomputeConfig("full", "block", 1),
+}
 
 
 def draw(rng: random.Random, axes: _axes.Draw) -> tuple[list, str, dict]:
-    """(plan argv without --explain, the --explain layout, the emitted config's model keys the plan has no flag
-    for) of one configuration: dtype, micro-batch, global batch, label smoothing, the cp exchange and the offloaded
-    modules from the shared ``axes``, fitted to the layout."""
+    """(plan argv without --explain, the --explain layout, the emitted config's model keys the plan
+    has no flag for) of one configuration: dtype, micro-batch, global batch, label smoothing, the cp
+    exchange and the offloaded modules from the shared ``axes``, fitted to the layout."""
     arch = rng.choice(["gpt", "llama"])
     tp, pp, cp, dp = rng.choice(LAYOUTS)
     interleave = 2 if pp > 1 and rng.random() < 0.3 else 1
     micro, distopt = axes["micro_batch"], dp * cp > 1 and rng.random() < 0.5
-    batch = _axes.fit_batch(axes, dp, pp, 2 if pp > 1 else 1)  # microbatches a multiple of pp (interleaving's rule)
-    layers, kv = pp * interleave * rng.choice([1, 2]), rng.choice([1, 2, 4]) if arch == "llama" else 4
-    model = {"vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_layers": layers, "seq_len": 16,
-             "kv_heads": kv}
+    # microbatches a multiple of pp (interleaving's rule)
+    batch = _axes.fit_batch(axes, dp, pp, 2 if pp > 1 else 1)
+    layers, kv = (
+        pp * interleave * rng.choice([1, 2]),
+        rng.choice([1, 2, 4]) if arch == "llama" else 4,
+    )
+    model = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_heads": 4,
+        "num_layers": layers,
+        "seq_len": 16,
+        "kv_heads": kv,
+    }
     comm = _axes.fit_cp_comm(axes, model, tp, cp)
-    argv = ["plan", "--arch", arch, "--layers", layers, "--hidden", 32, "--heads", 4, "--kv-heads", kv, "--seq", 16,
-            "--vocab", VOCAB, "--gpus", WORLD, "--gpus-per-node", WORLD, "--global-batch", batch,
-            "--max-micro-batch", max(_axes.AXES["micro_batch"]), "--dtype", axes["dtype"],
-            "--attention", rng.choice(["materialized", "sdpa"]), "--dropout", rng.choice([0.0, 0.1])]
-    # the search (its rank for the explained plan) narrowed as it was: the explained plan is under test
+    argv = [
+        "plan",
+        "--arch",
+        arch,
+        "--layers",
+        layers,
+        "--hidden",
+        32,
+        "--heads",
+        4,
+        "--kv-heads",
+        kv,
+        "--seq",
+        16,
+        "--vocab",
+        VOCAB,
+        "--gpus",
+        WORLD,
+        "--gpus-per-node",
+        WORLD,
+        "--global-batch",
+        batch,
+        "--max-micro-batch",
+        max(_axes.AXES["micro_batch"]),
+        "--dtype",
+        axes["dtype"],
+        "--attention",
+        rng.choice(["materialized", "sdpa"]),
+        "--dropout",
+        rng.choice([0.0, 0.1]),
+    ]
+    # the search (its rank for the explained plan) narrowed as it was: the explained plan is under
+    # test
     argv += ["--no-fsdp", "--no-offload"] + ["--no-distributed-optimizer"] * (not distopt)
     recompute = rng.choice(RECOMPUTE)
     offload = _axes.fit_offload(axes, RECOMPUTE_CONFIGS[recompute])
-    explain = (f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if tp > 1 and rng.random() < 0.5 else 'off'}"
-               f",recompute={recompute},mb={micro},distopt={'on' if distopt else 'off'}"
-               + "".join(f",{k}={v}" for k, v in comm.items()) + (f",offload={'/'.join(offload)}" if offload else "")
-               + "".join(f",sched={v}" for v in _axes.fit_pp_schedule(axes, pp, interleave, fsdp=False).values()))
+    explain = (
+        f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if tp > 1 and rng.random() < 0.5 else 'off'}"
+        f",recompute={recompute},mb={micro},distopt={'on' if distopt else 'off'}"
+        + "".join(f",{k}={v}" for k, v in comm.items())
+        + (f",offload={'/'.join(offload)}" if offload else "")
+        + "".join(
+            f",sched={v}" for v in _axes.fit_pp_schedule(axes, pp, interleave, fsdp=False).values()
+        )
+    )
     return argv, explain, {"label_smoothing": axes["label_smoothing"]}
 
 
 def planned(argv: list, explain: str, device: str, path=None) -> dict:
-    """``plan --explain --json`` on ``device`` (emitting the config to ``path``): {"plan", "stages", ...}."""
+    """``plan --explain --json`` on ``device`` (emitting the config to ``path``): {"plan", "stages",
+    ...}."""
     emit = ["--emit-config", path] if path is not None else []
     code, out, err = run_cli([*argv, "--device", device, "--explain", explain, "--json", *emit])
     if code != 0:
@@ -92,8 +148,8 @@ def planned(argv: list, explain: str, device: str, path=None) -> dict:
 
 
 def cases(tmp_path, n: int = DRAWS, seed: int = 42) -> list[dict]:
-    """``n`` valid draws, each planned for cpu and cuda and emitted as a 1-step job (a layout the model cannot
-    run is drawn again, with the next draw of the shared axes)."""
+    """``n`` valid draws, each planned for cpu and cuda and emitted as a 1-step job (a layout the
+    model cannot run is drawn again, with the next draw of the shared axes)."""
     rng, out, data = random.Random(seed), [], random_tokens(tmp_path / "tokens.bin", VOCAB)
     tries = 0
     while len(out) < n:
@@ -105,28 +161,58 @@ def cases(tmp_path, n: int = DRAWS, seed: int = 42) -> list[dict]:
             cpu, cuda = planned(argv, explain, "cpu", path), planned(argv, explain, "cuda")
             sections = load_toml(path)
             sections["model"] |= model
-            sections["train"] |= {"steps": 1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "peak_tflops": 1.0,
-                                  "progress": False, "plot": False, "data": str(data),
-                                  "out_dir": str(tmp_path / f"run{len(out)}")}
+            sections["train"] |= {
+                "steps": 1,
+                "eval_every": 0,
+                "eval_batches": 1,
+                "log_every": 1,
+                "peak_tflops": 1.0,
+                "progress": False,
+                "plot": False,
+                "data": str(data),
+                "out_dir": str(tmp_path / f"run{len(out)}"),
+            }
             job = build_job(sections).validate(WORLD)
         except ConfigError:  # a layout the model cannot run (AnalysisError is one)
             continue
-        out.append({"argv": argv, "explain": explain, "path": path, "cpu": cpu, "cuda": cuda, "sections": sections,
-                    "job": job, "axes": axes})
+        out.append(
+            {
+                "argv": argv,
+                "explain": explain,
+                "path": path,
+                "cpu": cpu,
+                "cuda": cuda,
+                "sections": sections,
+                "job": job,
+                "axes": axes,
+            }
+        )
     return out
 
 
 def dry_run_mismatches(case: dict) -> list[str]:
-    """Where ``train --dry-run`` (its predictions per rank, and its printed totals) differs from the plan."""
+    """Where ``train --dry-run`` (its predictions per rank, and its printed totals) differs from the
+    plan."""
     bad, job = [], case["job"]
     for device in ("cpu", "cuda"):
         stages = {s["rank"]: s["terms"] for s in case[device]["stages"]}
         predicted = {st.rank: st.terms for st in predicted_memory(job, torch.device(device))}
         bad += [f"{device} pp {r}: dry run {predicted[r]} != plan {stages[r]}"
                 for r in stages if predicted[r] != stages[r]]
-    code, out, err = run_cli(["train", "--config", case["path"], "--nproc", WORLD, "--dry-run",
-                              "--set", f"train.data={case['sections']['train']['data']}",
-                              "--set", f"model.label_smoothing={case['sections']['model']['label_smoothing']}"])
+    code, out, err = run_cli(
+        [
+            "train",
+            "--config",
+            case["path"],
+            "--nproc",
+            WORLD,
+            "--dry-run",
+            "--set",
+            f"train.data={case['sections']['train']['data']}",
+            "--set",
+            f"model.label_smoothing={case['sections']['model']['label_smoothing']}",
+        ]
+    )
     for device in ("cpu", "cuda"):
         plan = case[device]["plan"]
         line = f"most loaded on {device}"
@@ -143,8 +229,12 @@ def test_plan_dry_run_and_measured_bytes_agree(tmp_path, record_property):
         _axes.report(case["axes"])
     record_property("narrowed", " | ".join("; ".join(case["axes"].narrowed) for case in drawn))
     cores = {c["job"].model.attention_core for c in drawn}
-    assert cores == {"materialized", "sdpa"} and any(c["job"].train.micro_batch > 1 for c in drawn), cores
-    summaries = train_local_many([c["sections"] for c in drawn], WORLD, timeout=300.0 + 30.0 * len(drawn))
+    assert cores == {"materialized", "sdpa"} and any(
+        c["job"].train.micro_batch > 1 for c in drawn
+    ), cores
+    summaries = train_local_many(
+        [c["sections"] for c in drawn], WORLD, timeout=300.0 + 30.0 * len(drawn)
+    )
     assert len(summaries) == len(drawn)
     failures = {}
     for i, case in enumerate(drawn):
@@ -153,8 +243,14 @@ def test_plan_dry_run_and_measured_bytes_agree(tmp_path, record_property):
         bad = dry_run_mismatches(case) + plan_vs_measured(stages, case["job"], ranks)
         if bad:
             failures[f"{case['argv']} --explain {case['explain']}"] = bad
-    kinds = {(c["job"].model.arch, c["job"].model.attention_core, c["job"].model.hidden_dropout > 0) for c in drawn}
-    print(f"\nplanner closed loop: {len(drawn)} draws ({len(kinds)} of 8 arch × core × dropout kinds; plan --explain "
-          f"== train --dry-run == measured on {WORLD} ranks), {len(failures)} mismatched")
+    kinds = {
+        (c["job"].model.arch, c["job"].model.attention_core, c["job"].model.hidden_dropout > 0)
+        for c in drawn
+    }
+    print(
+        f"\nplanner closed loop: {len(drawn)} draws ({len(kinds)} of 8 arch × core × dropout "
+        f"kinds; plan --explain == train --dry-run == measured on {WORLD} ranks), {len(failures)} "
+        f"mismatched"
+    )
     assert not failures, failures
 

@@ -1,10 +1,10 @@
-"""Properties every plan the search returns satisfies, over generated models x GPU counts x flags x profiles
-(issue 59 item 2): no collective hides under more work than runs (dp's buckets at most ``dp_overlap`` of it,
-and a smaller share never faster), MFU below the profile's bound
-(``costmodel.mfu_bound``), more data-parallel GPUs at a fixed per-rank layout never more memory per rank, a bigger
-micro-batch never less, and the search answers fast for any GPU count. Seeded draws: CI runs SEQPAR_PLAN_DRAWS=10
-(default: 10 searches of small models, 100 evaluated layouts of Llama 3 8B-405B, 3 GPU counts timed);
-SEQPAR_PLAN_DRAWS=N draws N, 10 N and N / 3."""
+"""Properties every plan the search returns satisfies, over generated models x GPU counts x flags x
+profiles (issue 59 item 2): no collective hides under more work than runs (dp's buckets at most
+``dp_overlap`` of it, and a smaller share never faster), MFU below the profile's bound
+(``costmodel.mfu_bound``), more data-parallel GPUs at a fixed per-rank layout never more memory per
+rank, a bigger micro-batch never less, and the search answers fast for any GPU count. Seeded draws:
+CI runs SEQPAR_PLAN_DRAWS=10 (default: 10 searches of small models, 100 evaluated layouts of Llama 3
+8B-405B, 3 GPU counts timed); SEQPAR_PLAN_DRAWS=N draws N, 10 N and N / 3."""
 
 import os
 import time
@@ -24,7 +24,9 @@ DRAWS = int(os.environ.get("SEQPAR_PLAN_DRAWS", "10"))
 LARGE_DRAWS = 10 * DRAWS  # one evaluation each, no search: ~10 ms a draw
 MODELS = {
     "gpt": model_config(layers=4, hidden=128, heads=4, seq=256, vocab=512),
-    "llama-gqa": model_config(layers=6, hidden=128, heads=8, seq=512, vocab=512, kv_heads=2, arch="llama"),
+    "llama-gqa": model_config(
+        layers=6, hidden=128, heads=8, seq=512, vocab=512, kv_heads=2, arch="llama"
+    ),
     "gpt-wide": model_config(layers=2, hidden=256, heads=8, seq=128, vocab=1024, ffn=768),
 }
 CHECKED = []  # draws that returned plans (a sweep where none did would prove nothing)
@@ -39,21 +41,30 @@ def requests(draw) -> Request:
                  memory_bytes=draw(st.sampled_from([hw.memory_bytes, 2e7, 6e7])))
     fused = draw(st.booleans())
     overlap = draw(st.booleans())
-    return Request(shape, draw(st.sampled_from([1, 2, 4, 8, 12, 16])), draw(st.sampled_from([16, 32, 48])), hw=hw,
-                   opts=ActivationOptions(fused_attention=fused, dropout=not fused,
-                                          tp_comm_overlap=draw(st.booleans())),
-                   opt=OptimizerOptions(overlap_grad_reduce=overlap, overlap_param_gather=overlap),
-                   try_fsdp=draw(st.booleans()), try_distributed_optimizer=draw(st.booleans()),
-                   try_overlap_param_gather=draw(st.booleans()),
-                   max_micro_batch=4, max_interleave=2, max_cp=4)
+    return Request(
+        shape,
+        draw(st.sampled_from([1, 2, 4, 8, 12, 16])),
+        draw(st.sampled_from([16, 32, 48])),
+        hw=hw,
+        opts=ActivationOptions(
+            fused_attention=fused, dropout=not fused, tp_comm_overlap=draw(st.booleans())
+        ),
+        opt=OptimizerOptions(overlap_grad_reduce=overlap, overlap_param_gather=overlap),
+        try_fsdp=draw(st.booleans()),
+        try_distributed_optimizer=draw(st.booleans()),
+        try_overlap_param_gather=draw(st.booleans()),
+        max_micro_batch=4,
+        max_interleave=2,
+        max_cp=4,
+    )
 
 
 RUN_TERMS = ("compute", "elementwise", "overhead", "recompute", "tp_comm", "cp_comm", "ep_comm")
 
 
 def _hides_no_more_than_runs(req: Request, ev) -> None:
-    """The hidden dp / FSDP seconds fit under the work the iteration's own terms say runs (FSDP: every
-    microbatch's; dp: one microbatch's), whatever ``pass_windows_s`` computes."""
+    """The hidden dp / FSDP seconds fit under the work the iteration's own terms say runs (FSDP:
+    every microbatch's; dp: one microbatch's), whatever ``pass_windows_s`` computes."""
     n = num_microbatches(req, ev.plan)
     runs = sum(ev.time.terms.get(k, 0.0) for k in RUN_TERMS)  # n microbatches of the slowest rank
     under = runs if ev.plan.par.fsdp else runs / n
@@ -84,11 +95,15 @@ def test_every_plan_hides_no_more_than_runs_and_stays_below_the_mfu_bound(req):
 
 @st.composite
 def large_plans(draw) -> tuple[Request, Plan]:
-    """A layout of a published-size model (Llama 3 8B / 70B / 405B) on up to 16,384 GPUs, evaluated without a
-    search: the regime where the dp and FSDP traffic is seconds and the windows matter."""
+    """A layout of a published-size model (Llama 3 8B / 70B / 405B) on up to 16,384 GPUs, evaluated
+    without a search: the regime where the dp and FSDP traffic is seconds and the windows matter."""
     name = draw(st.sampled_from(["llama3-8b", "llama3-70b", "llama3-405b"]))
     shape = preset_shape(name)
-    tp, cp, pp = draw(st.sampled_from([1, 2, 8])), draw(st.sampled_from([1, 2, 8, 16])), draw(st.sampled_from([1, 2]))
+    tp, cp, pp = (
+        draw(st.sampled_from([1, 2, 8])),
+        draw(st.sampled_from([1, 2, 8, 16])),
+        draw(st.sampled_from([1, 2])),
+    )
     dp, mb = draw(st.sampled_from([2, 8, 64, 512])), draw(st.sampled_from([1, 2, 4]))
     fsdp = draw(st.booleans())
     par = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, sp=tp > 1, fsdp=fsdp,
@@ -96,12 +111,20 @@ def large_plans(draw) -> tuple[Request, Plan]:
     rc = draw(st.sampled_from([RecomputeConfig("none"), RecomputeConfig("full"),
                                RecomputeConfig("full", "block", draw(st.integers(1, 8)))]))
     overlap = draw(st.booleans())
-    req = Request(shape, par.world_size, dp * mb * draw(st.sampled_from([1, 4])),
-                  hw=builtin_profile(draw(st.sampled_from(sorted(BUILTIN_PROFILES)))),
-                  opts=ActivationOptions(fused_attention=True, dropout=False, tp_comm_overlap=draw(st.booleans())),
-                  opt=OptimizerOptions(overlap_grad_reduce=overlap))
+    req = Request(
+        shape,
+        par.world_size,
+        dp * mb * draw(st.sampled_from([1, 4])),
+        hw=builtin_profile(draw(st.sampled_from(sorted(BUILTIN_PROFILES)))),
+        opts=ActivationOptions(
+            fused_attention=True, dropout=False, tp_comm_overlap=draw(st.booleans())
+        ),
+        opt=OptimizerOptions(overlap_grad_reduce=overlap),
+    )
     dist = not fsdp and draw(st.booleans())
-    return req, Plan(par, rc, mb, distributed_optimizer=dist, overlap_param_gather=dist and draw(st.booleans()))
+    return req, Plan(
+        par, rc, mb, distributed_optimizer=dist, overlap_param_gather=dist and draw(st.booleans())
+    )
 
 
 @settings(max_examples=LARGE_DRAWS, deadline=None, derandomize=True)
@@ -117,20 +140,27 @@ def test_a_large_plan_hides_no_more_than_runs_and_stays_below_the_mfu_bound(case
 
 
 def _dp_hides_at_most_its_share(req: Request, ev) -> None:
-    """dp's bucketed collectives (not FSDP's) hide at most ``dp_overlap`` of the one microbatch's work they run
-    beside, and a smaller share never makes the plan faster (none: every second of them exposed)."""
+    """dp's bucketed collectives (not FSDP's) hide at most ``dp_overlap`` of the one microbatch's
+    work they run beside, and a smaller share never makes the plan faster (none: every second of
+    them exposed)."""
     if ev.plan.par.fsdp:
         return
     n = num_microbatches(req, ev.plan)
     under = sum(ev.time.terms.get(k, 0.0) for k in RUN_TERMS) / n
-    assert ev.time.hidden.get("dp_allreduce", 0.0) <= req.hw.dp_overlap * under * (1 + 1e-9), ev.plan.label
+    assert ev.time.hidden.get("dp_allreduce", 0.0) <= req.hw.dp_overlap * under * (1 + 1e-9), (
+        ev.plan.label
+    )
     none = evaluate(replace(req, hw=replace(req.hw, dp_overlap=0.0)), ev.plan)
-    hidden = none.time.hidden.get("dp_allreduce", 0.0)  # rounding's residue of full - exposed at most
-    assert none.time.total >= ev.time.total * (1 - 1e-12) and hidden <= 1e-12 * none.time.total, ev.plan.label
+    # rounding's residue of full - exposed at most
+    hidden = none.time.hidden.get("dp_allreduce", 0.0)
+    assert none.time.total >= ev.time.total * (1 - 1e-12) and hidden <= 1e-12 * none.time.total, (
+        ev.plan.label
+    )
 
 
 def test_the_sweep_checked_plans():
-    """Run after the sweep (file order): a sweep where no draw returned a plan would prove nothing."""
+    """Run after the sweep (file order): a sweep where no draw returned a plan would prove
+    nothing."""
     assert CHECKED
 
 

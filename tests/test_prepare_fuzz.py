@@ -1,8 +1,8 @@
-"""The data path under generated odd and corrupt inputs (issue 43): bad JSON Lines, lone surrogates, nulls,
-NULs, a BOM, CRLF line ends, empty files, symbolic links (to files, folders, nowhere) and Parquet variants,
-mixed at random, prepared with 1 or 2 workers. Each prepare either works (a manifest with documents) or
-exits 2 with one line and no traceback, and no input changes. Seeded; ``SEQPAR_PREPARE_FUZZ_FULL=1`` runs
-400 draws instead of 40."""
+"""The data path under generated odd and corrupt inputs (issue 43): bad JSON Lines, lone surrogates,
+nulls, NULs, a BOM, CRLF line ends, empty files, symbolic links (to files, folders, nowhere) and
+Parquet variants, mixed at random, prepared with 1 or 2 workers. Each prepare either works (a
+manifest with documents) or exits 2 with one line and no traceback, and no input changes. Seeded;
+``SEQPAR_PREPARE_FUZZ_FULL=1`` runs 400 draws instead of 40."""
 
 from __future__ import annotations
 
@@ -19,19 +19,35 @@ CASES = 400 if os.environ.get("SEQPAR_PREPARE_FUZZ_FULL") else 40
 
 
 def _text(rng):
-    body = " ".join(rng.choice(["alpha", "beta", "γάμμα", "δ", "end."]) for _ in range(rng.randint(1, 60)))
+    body = " ".join(
+        rng.choice(["alpha", "beta", "γάμμα", "δ", "end."]) for _ in range(rng.randint(1, 60))
+    )
     kind = rng.choice(["plain", "bom", "crlf", "nul", "empty"])
-    raw = {"plain": body.encode(), "bom": b"\xef\xbb\xbf" + body.encode(), "crlf": body.replace(" ", "\r\n").encode(),
-           "nul": body.encode() + b"\0tail", "empty": b""}[kind]
+    raw = {
+        "plain": body.encode(),
+        "bom": b"\xef\xbb\xbf" + body.encode(),
+        "crlf": body.replace(" ", "\r\n").encode(),
+        "nul": body.encode() + b"\0tail",
+        "empty": b"",
+    }[kind]
     return kind, raw
 
 
 def _jsonl_line(rng):
-    kind = rng.choice(["ok", "ok", "ok", "blank", "bad", "nofield", "null", "number", "surrogate", "crlf", "bom"])
-    line = {"ok": json.dumps({"text": "a document " * rng.randint(1, 9)}), "blank": "", "bad": "{not json",
-            "nofield": json.dumps({"body": "x"}), "null": json.dumps({"text": None}),
-            "number": json.dumps({"text": 7}), "surrogate": '{"text": "\\ud800 lone"}',
-            "crlf": json.dumps({"text": "windows"}) + "\r", "bom": "\ufeff" + json.dumps({"text": "bom"})}[kind]
+    kind = rng.choice(
+        ["ok", "ok", "ok", "blank", "bad", "nofield", "null", "number", "surrogate", "crlf", "bom"]
+    )
+    line = {
+        "ok": json.dumps({"text": "a document " * rng.randint(1, 9)}),
+        "blank": "",
+        "bad": "{not json",
+        "nofield": json.dumps({"body": "x"}),
+        "null": json.dumps({"text": None}),
+        "number": json.dumps({"text": 7}),
+        "surrogate": '{"text": "\\ud800 lone"}',
+        "crlf": json.dumps({"text": "windows"}) + "\r",
+        "bom": "\ufeff" + json.dumps({"text": "bom"}),
+    }[kind]
     return kind, line
 
 
@@ -63,7 +79,9 @@ def _inputs(rng, root):
             lines = [_jsonl_line(rng) for _ in range(rng.randint(0, 6))]
             kind = "+".join(sorted({k for k, _ in lines})) or "empty"
             path = path.with_suffix(".jsonl")
-            path.write_text("\n".join(line for _, line in lines), encoding="utf-8", errors="surrogatepass")
+            path.write_text(
+                "\n".join(line for _, line in lines), encoding="utf-8", errors="surrogatepass"
+            )
         elif shape == "parquet":
             path = path.with_suffix(".parquet")
             kind = _parquet(rng, path)
@@ -74,7 +92,11 @@ def _inputs(rng, root):
             target = rng.choice(["file", "folder", "nowhere", "none"])
             if target != "none":
                 link = path / "zlink"
-                targets = {"file": path / "f0.txt", "folder": root / "elsewhere", "nowhere": root / "gone"}
+                targets = {
+                    "file": path / "f0.txt",
+                    "folder": root / "elsewhere",
+                    "nowhere": root / "gone",
+                }
                 link.symlink_to(targets[target])
                 (root / "elsewhere").mkdir(exist_ok=True)
                 (root / "elsewhere" / "e.txt").write_text("elsewhere text")
@@ -98,7 +120,9 @@ def _reason(line: str) -> str:
 
 
 def _snapshot(root):
-    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()
+    }
 
 
 @pytest.mark.parametrize("chunk", range(CASES // 20))
@@ -111,7 +135,17 @@ def test_prepare_works_or_refuses_in_one_line(tmp_path, chunk):
         kinds, inputs = _inputs(rng, root)
         before = _snapshot(root)
         out = tmp_path / f"out{case}"
-        argv = ["prepare", *inputs, "--out", out, "--no-progress", "--workers", rng.choice([1, 2]), "--shard-mb", 0.001]
+        argv = [
+            "prepare",
+            *inputs,
+            "--out",
+            out,
+            "--no-progress",
+            "--workers",
+            rng.choice([1, 2]),
+            "--shard-mb",
+            0.001,
+        ]
         code, _, err = run_cli(argv)
         what = f"case {case} {kinds}: exit {code}: {err}"
         assert _snapshot(root) == before, what

@@ -1,7 +1,8 @@
-"""Every process seqpar starts dies with its parent (issue 43): a ``--workers 2`` prepare killed with
-SIGKILL (no chance to clean up) or SIGTERM (what ``timeout`` and schedulers send) leaves no worker alive
-5 s later (before, the workers lived on with parent 1, waiting on their queue or writing shards); and the
-ranks ``run_ranks`` starts for the tests die with a killed caller (before, they and the forkserver lived on)."""
+"""Every process seqpar starts dies with its parent (issue 43): a ``--workers 2`` prepare killed
+with SIGKILL (no chance to clean up) or SIGTERM (what ``timeout`` and schedulers send) leaves no
+worker alive 5 s later (before, the workers lived on with parent 1, waiting on their queue or
+writing shards); and the ranks ``run_ranks`` starts for the tests die with a killed caller (before,
+they and the forkserver lived on)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,12 @@ def corpus(tmp_path_factory):
         for i in range(40_000):
             fh.write(json.dumps({"text": f"word {i} " * 20}) + "\n")
     (root / "sample.txt").write_text("word 1 word 22 word 333 " * 200)
-    assert run_cli(["tokenizer", "train", root / "sample.txt", "--vocab", 300, "--out", root / "tok.json"])[0] == 0
+    assert (
+        run_cli(
+            ["tokenizer", "train", root / "sample.txt", "--vocab", 300, "--out", root / "tok.json"]
+        )[0]
+        == 0
+    )
     return root
 
 
@@ -54,17 +60,41 @@ def corpus(tmp_path_factory):
 def test_a_killed_prepare_leaves_no_worker(corpus, tmp_path, sig):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "seqpar", "prepare", corpus / "docs.jsonl", "--out", out,
-                             "--tokenizer", corpus / "tok.json", "--workers", "2", "--shard-mb", "0.05",
-                             "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "seqpar",
+            "prepare",
+            corpus / "docs.jsonl",
+            "--out",
+            out,
+            "--tokenizer",
+            corpus / "tok.json",
+            "--workers",
+            "2",
+            "--shard-mb",
+            "0.05",
+            "--no-progress",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while not any(out.glob("shard_*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        while (
+            not any(out.glob("shard_*.json"))
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             workers = _children(proc.pid) or workers
             time.sleep(0.02)
         workers = _children(proc.pid) or workers
-        assert proc.poll() is None and len(workers) == 2, "the prepare ended before its workers could be seen"
+        assert proc.poll() is None and len(workers) == 2, (
+            "the prepare ended before its workers could be seen"
+        )
         proc.send_signal(sig)
         proc.wait(timeout=30)
         end = time.monotonic() + GONE_S
@@ -85,10 +115,17 @@ def _sleeping_rank(rank: int, world: int, folder: str) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ranks_die_with_a_killed_caller(tmp_path):
-    code = ("import sys; from seqpar.parallel.launch import run_ranks; "
-            "from tests.test_process_lifetime import _sleeping_rank; run_ranks(_sleeping_rank, 2, sys.argv[1])")
-    proc = subprocess.Popen([sys.executable, "-c", code, tmp_path], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (
+        "import sys; from seqpar.parallel.launch import run_ranks; from "
+        "tests.test_process_lifetime import _sleeping_rank; run_ranks(_sleeping_rank, 2, "
+        "sys.argv[1])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, tmp_path],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 300

@@ -1,6 +1,7 @@
-"""Hardware profiles refuse what they cannot mean (issue 32, item 12): every numeric field of a profile file
-and every machine flag of `seqpar plan` is finite and in its range (generated draws over every field and
-every flag), a profile file is called by its own name, and the fields it leaves out are named as defaults."""
+"""Hardware profiles refuse what they cannot mean (issue 32, item 12): every numeric field of a
+profile file and every machine flag of `seqpar plan` is finite and in its range (generated draws
+over every field and every flag), a profile file is called by its own name, and the fields it leaves
+out are named as defaults."""
 
 from __future__ import annotations
 
@@ -26,10 +27,23 @@ from seqpar.cli import main
 
 GOOD = profile_to_json(builtin_profile("h100-80gb"))
 # field -> values its rule refuses (non-finite everywhere; and each range's far side)
-BAD_RANGE = {"gemm_efficiency": [0.0, 1.5, -0.1], "comm_overlap": [-0.1, 1.01], "reserve_fraction": [1.0, -0.5],
-             "error_band": [1.0, 40.0, -0.1], "comm_latency": [-1e-6], "layer_overhead": [-1.0],
-             "step_overhead": [-0.5]}
-POSITIVE = ["memory_bytes", "peak_flops", "memory_bw", "intra_node_bw", "inter_node_bw", "gemm_operand_bw"]
+BAD_RANGE = {
+    "gemm_efficiency": [0.0, 1.5, -0.1],
+    "comm_overlap": [-0.1, 1.01],
+    "reserve_fraction": [1.0, -0.5],
+    "error_band": [1.0, 40.0, -0.1],
+    "comm_latency": [-1e-6],
+    "layer_overhead": [-1.0],
+    "step_overhead": [-0.5],
+}
+POSITIVE = [
+    "memory_bytes",
+    "peak_flops",
+    "memory_bw",
+    "intra_node_bw",
+    "inter_node_bw",
+    "gemm_operand_bw",
+]
 NUMERIC = sorted(POSITIVE + list(BAD_RANGE))
 
 
@@ -71,10 +85,18 @@ def _plan(argv):
     return code, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("flag,value", [("--gpu-memory", "nan"), ("--peak-tflops", "inf"), ("--gpu-memory", "-5")])
+@pytest.mark.parametrize(
+    "flag,value", [("--gpu-memory", "nan"), ("--peak-tflops", "inf"), ("--gpu-memory", "-5")]
+)
 def test_plan_refuses_nan_and_inf_in_one_line(flag, value):
-    code, out, err = _plan(["plan", "--model", "gpt2-medium", "--gpus", "4", "--global-batch", "8", flag, value])
-    assert code == 2 and out == "" and f"seqpar plan: error: {flag} must be positive (finite), got" in err, err
+    code, out, err = _plan(
+        ["plan", "--model", "gpt2-medium", "--gpus", "4", "--global-batch", "8", flag, value]
+    )
+    assert (
+        code == 2
+        and out == ""
+        and f"seqpar plan: error: {flag} must be positive (finite), got" in err
+    ), err
     assert "usable nan" not in out + err and "Traceback" not in err
 
 
@@ -83,11 +105,17 @@ def test_a_profile_is_named_by_its_own_name_and_says_which_fields_are_defaults(t
     path.write_text(json.dumps({"peak_flops": 1e11, "memory_bytes": 4e9, "comm_overlap": 0.0}))
     hw = load_profile(str(path))
     assert hw.name == "mybox" and "a100" not in hw.name
-    assert "defaults for" in hw.source and "gemm_efficiency" in hw.source and "memory_bw" in hw.source
-    assert "peak_flops" not in hw.source.split("defaults for")[1]  # given fields are not called defaults
-    named = profile_from_json({"name": "lab", "peak_flops": 1e11, "memory_bytes": 4e9, "comm_overlap": 0.0})
+    assert (
+        "defaults for" in hw.source and "gemm_efficiency" in hw.source and "memory_bw" in hw.source
+    )
+    # given fields are not called defaults
+    assert "peak_flops" not in hw.source.split("defaults for")[1]
+    named = profile_from_json(
+        {"name": "lab", "peak_flops": 1e11, "memory_bytes": 4e9, "comm_overlap": 0.0}
+    )
     assert named.name == "lab"
-    assert "defaults" not in load_profile(_full(tmp_path)).source  # a complete profile names no default
+    # a complete profile names no default
+    assert "defaults" not in load_profile(_full(tmp_path)).source
     code, out, _ = _plan(["plan", "--model", "gpt2-medium", "--gpus", "4", "--global-batch", "8",
                           "--hardware", str(path)])
     assert code in (0, 1) and "cost model: mybox (" in out and "a100-80gb" not in out
@@ -100,8 +128,9 @@ def _full(tmp_path) -> str:
 
 
 def test_a_built_in_profile_reads_its_accelerator_record():
-    """One record per accelerator (issue 58): a built-in profile's memory, peak, host and fitted fractions are its
-    record's fields, and only the records that name a profile carry fitted fractions."""
+    """One record per accelerator (issue 58): a built-in profile's memory, peak, host and fitted
+    fractions are its record's fields, and only the records that name a profile carry fitted
+    fractions."""
     from seqpar.analysis.planning.hardware import ACCELERATORS, GIB, HOST_LINK_EFFICIENCY
     from seqpar.analysis.planning.profiles import BUILTIN_PROFILES
 
@@ -111,12 +140,22 @@ def test_a_built_in_profile_reads_its_accelerator_record():
         if acc.profile is None:
             continue
         hw = builtin_profile(acc.profile)
-        assert (hw.name, hw.memory_bytes, hw.peak_flops) == (acc.profile, acc.memory_gb * GIB, acc.peak_tflops * 1e12)
+        assert (hw.name, hw.memory_bytes, hw.peak_flops) == (
+            acc.profile,
+            acc.memory_gb * GIB,
+            acc.peak_tflops * 1e12,
+        )
         assert hw.host_bw == acc.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY / acc.gpus_per_uplink
         assert (hw.attention_efficiency, hw.fsdp_overlap, hw.dp_overlap) == (
             acc.fitted.attention_efficiency, acc.fitted.fsdp_overlap, acc.fitted.dp_overlap)
-    assert ACCELERATORS["h200"].fitted is ACCELERATORS["h100"].fitted  # the same tensor cores: the H100's fit
+    # the same tensor cores: the H100's fit
+    assert ACCELERATORS["h200"].fitted is ACCELERATORS["h100"].fitted
     from seqpar.analysis.planning.profiles import hopper_gemm_efficiency
 
-    hopper = [a.name for a in ACCELERATORS.values() if a.fitted and a.fitted.gemm_measured_on == "h200"]
-    assert hopper == ["h100", "h200"] and builtin_profile("h100-80gb").gemm_efficiency == hopper_gemm_efficiency()
+    hopper = [
+        a.name for a in ACCELERATORS.values() if a.fitted and a.fitted.gemm_measured_on == "h200"
+    ]
+    assert (
+        hopper == ["h100", "h200"]
+        and builtin_profile("h100-80gb").gemm_efficiency == hopper_gemm_efficiency()
+    )

@@ -1,4 +1,5 @@
-"""The recompute plan a model is built with, and App. C's ``keep_everything`` context (one process)."""
+"""The recompute plan a model is built with, and App. C's ``keep_everything`` context (one
+process)."""
 
 import pytest
 import torch
@@ -8,8 +9,12 @@ from seqpar.measure.meter import SavedTensorMeter
 from seqpar.model import build_model
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=16)
-PLANS = [RecomputeConfig("selective"), RecomputeConfig("selective", modules=("norm", "activation", "mlp")),
-         RecomputeConfig("full"), RecomputeConfig("full", "block", 1)]
+PLANS = [
+    RecomputeConfig("selective"),
+    RecomputeConfig("selective", modules=("norm", "activation", "mlp")),
+    RecomputeConfig("full"),
+    RecomputeConfig("full", "block", 1),
+]
 
 
 def _step(model, keep_everything: bool):
@@ -26,10 +31,16 @@ def _step(model, keep_everything: bool):
         else:
             loss = model(tokens, tokens)
     loss.backward()
-    return meter.total_bytes, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (
+        meter.total_bytes,
+        loss.detach(),
+        {n: p.grad.clone() for n, p in model.named_parameters()},
+    )
 
 
-@pytest.mark.parametrize("rc", PLANS, ids=lambda rc: f"{rc.granularity}-{rc.method}-{'+'.join(rc.modules)}")
+@pytest.mark.parametrize(
+    "rc", PLANS, ids=lambda rc: f"{rc.granularity}-{rc.method}-{'+'.join(rc.modules)}"
+)
 def test_keep_everything_keeps_what_none_keeps_and_changes_no_value(rc):
     none_bytes, none_loss, none_grads = _step(build_model(CFG, seed=1).train(), False)
     model = build_model(CFG, seed=1, recompute=rc).train()
@@ -39,6 +50,7 @@ def test_keep_everything_keeps_what_none_keeps_and_changes_no_value(rc):
     assert kept_bytes == none_bytes  # inside the context nothing is recomputed
     assert not model.recompute.keeping_everything  # and the context ends
     assert _step(model, False)[0] == planned_bytes
-    for loss, grads in ((planned_loss, planned_grads), (kept_loss, kept_grads)):  # dropout on: masks equal
+    # dropout on: masks equal
+    for loss, grads in ((planned_loss, planned_grads), (kept_loss, kept_grads)):
         assert torch.equal(loss, none_loss)
         assert all(torch.equal(grads[n], none_grads[n]) for n in none_grads)

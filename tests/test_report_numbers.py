@@ -1,5 +1,5 @@
-"""Signed percentages in the reports never read "-0.0%" (issue 32, "the words a user reads"): a change that
-rounds to zero is "±0.0%"; any other keeps its sign and its rounded value."""
+"""Signed percentages in the reports never read "-0.0%" (issue 32, "the words a user reads"): a
+change that rounds to zero is "±0.0%"; any other keeps its sign and its rounded value."""
 
 from pathlib import Path
 

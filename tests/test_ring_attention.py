@@ -1,6 +1,7 @@
 """Ring attention (seqpar.parallel.ring_attention) against single-process causal attention on gloo:
-output and dQ, dK, dV within 1e-5 relative in fp32, for both cores, GQA, dropout (each block's mask is its
-slice of the single process's position-keyed mask), and the order of exchanges and compute (overlap)."""
+output and dQ, dK, dV within 1e-5 relative in fp32, for both cores, GQA, dropout (each block's mask
+is its slice of the single process's position-keyed mask), and the order of exchanges and compute
+(overlap)."""
 
 import functools
 
@@ -17,20 +18,27 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.testing import relative_error
 
 B, D, P = 2, 8, 0.25
-CASES = [("materialized", 4, 4, 0.0), ("materialized", 4, 2, 0.0), ("sdpa", 4, 4, 0.0), ("sdpa", 6, 2, 0.0),
-         ("materialized", 4, 2, P)]  # (core, heads, kv heads, dropout)
+CASES = [
+    ("materialized", 4, 4, 0.0),
+    ("materialized", 4, 2, 0.0),
+    ("sdpa", 4, 4, 0.0),
+    ("sdpa", 6, 2, 0.0),
+    ("materialized", 4, 2, P),
+]  # (core, heads, kv heads, dropout)
 
 
 MASK_KEY = 987654321
 
 
 def _mask(heads: int) -> AttentionMask:
-    """The position-keyed attention mask over all heads and samples: the ring slices it block by block."""
+    """The position-keyed attention mask over all heads and samples: the ring slices it block by
+    block."""
     return AttentionMask(MASK_KEY, P, ((0, B),), ((0, heads),))
 
 
 def _full_keep(s: int, heads: int, kv: int) -> torch.Tensor:
-    """The single process's keep mask ``[b, kv, g, s, s]``: every cp layout must drop exactly these."""
+    """The single process's keep mask ``[b, kv, g, s, s]``: every cp layout must drop exactly
+    these."""
     return _mask(heads).keep(((0, s),), ((0, s),), "cpu").view(B, kv, heads // kv, s, s)
 
 
@@ -51,8 +59,12 @@ def _reference(q, k, v, dout, keep):
 class _Log(TorchDispatchMode):
     """Records compute (GEMMs, fused attention kernels) between the ring's exchange events."""
 
-    COMPUTE = {torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward}
+    COMPUTE = {
+        torch.ops.aten.bmm,
+        torch.ops.aten.mm,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    }
 
     def __init__(self, events):
         super().__init__()
@@ -93,12 +105,19 @@ def _ranks(rank, cp, s):
         k, v = (torch.randn(B, kv, s, D, generator=gen) for _ in range(2))  # [b, kv, s, d]
         dout = torch.randn(q.shape, generator=gen)
         ref = _reference(q, k, v, dout, _full_keep(s, heads, kv) if p else None)
-        local = [split_sequence(t, 2 if t.dim() == 4 else 3, cp, rank).requires_grad_(True) for t in (q, k, v)]
-        out = ring.ring_attention_grouped(*local, group, core=core, dropout=_mask(heads) if p else None)
+        local = [
+            split_sequence(t, 2 if t.dim() == 4 else 3, cp, rank).requires_grad_(True)
+            for t in (q, k, v)
+        ]
+        out = ring.ring_attention_grouped(
+            *local, group, core=core, dropout=_mask(heads) if p else None
+        )
         out.backward(split_sequence(dout, 3, cp, rank))
         got = [out.detach()] + [t.grad for t in local]
         want = [split_sequence(t, 2 if t.dim() == 4 else 3, cp, rank) for t in ref]
-        results[(core, heads, kv, p)] = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
+        results[(core, heads, kv, p)] = [
+            relative_error(a, b) for a, b in zip(got, want, strict=True)
+        ]
     # the order of exchanges and compute, materialized core, MHA
     events = []
     q, k, v = (torch.randn(B, 2, 1, s // cp, D, requires_grad=True) for _ in range(3))
@@ -124,7 +143,9 @@ def test_ring_attention_matches_single_process(cp):
     for rank, (results, _, sequence_first) in enumerate(_run(cp)):
         for case, errors in results.items():
             assert max(errors) < 1e-5, (cp, rank, case, "out dq dk dv", errors)
-        assert sequence_first, "the output's storage is [s/cp, b, kv, g, d]: the caller's [s/cp, b, h] is a view"
+        assert sequence_first, (
+            "the output's storage is [s/cp, b, kv, g, d]: the caller's [s/cp, b, h] is a view"
+        )
 
 
 def test_ring_exchange_overlaps_block_compute():
@@ -142,8 +163,11 @@ def test_ring_exchange_overlaps_block_compute():
 def test_sequence_layout_round_trip_and_balance():
     x = torch.arange(24).view(1, 24)
     parts = [split_sequence(x, 1, 3, r) for r in range(3)]
-    assert [p.tolist()[0] for p in parts] == [[0, 1, 2, 3, 20, 21, 22, 23], [4, 5, 6, 7, 16, 17, 18, 19],
-                                              [8, 9, 10, 11, 12, 13, 14, 15]]
+    assert [p.tolist()[0] for p in parts] == [
+        [0, 1, 2, 3, 20, 21, 22, 23],
+        [4, 5, 6, 7, 16, 17, 18, 19],
+        [8, 9, 10, 11, 12, 13, 14, 15],
+    ]
     assert torch.equal(gather_sequence(parts, 1), x)
     assert all(torch.equal(chunk_positions(24, 3, r), parts[r][0]) for r in range(3))
     # causal work (query-key pairs at or before the query) is the same on every rank

@@ -52,11 +52,16 @@ def test_tp_is_innermost():
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: ModelConfig(hidden_size=1000, num_heads=12).validate(), "hidden 1000 is not divisible by heads 12"),
-    (lambda: ParallelConfig(tp=4, pp=2, dp=2).validate(world_size=8), "dp 2 × pp 2 × tp 4 = 16 != world size 8"),
-    (lambda: ParallelConfig(tp=3).validate(ModelConfig(num_heads=4)), "heads 4 is not divisible by tp 3"),
-    (lambda: ParallelConfig(tp=2, sp=True).validate(ModelConfig(seq_len=63)), "sequence 63 is not divisible by tp 2"),
-    (lambda: ParallelConfig(pp=3).validate(ModelConfig(num_layers=4)), "layers 4 are not divisible by pp 3"),
+    (lambda: ModelConfig(hidden_size=1000, num_heads=12).validate(), "hidden 1000 is not divisible "
+                                                                     "by heads 12"),
+    (lambda: ParallelConfig(tp=4, pp=2, dp=2).validate(world_size=8), "dp 2 × pp 2 × tp 4 = 16 != "
+                                                                      "world size 8"),
+    (lambda: ParallelConfig(tp=3).validate(ModelConfig(num_heads=4)), "heads 4 is not divisible by "
+                                                                      "tp 3"),
+    (lambda: ParallelConfig(tp=2, sp=True).validate(ModelConfig(seq_len=63)), "sequence 63 is not "
+                                                                              "divisible by tp 2"),
+    (lambda: ParallelConfig(pp=3).validate(ModelConfig(num_layers=4)), "layers 4 are not divisible "
+                                                                       "by pp 3"),
     (lambda: ParallelConfig(interleave=2).validate(), "interleave 2 needs pipeline parallelism"),
     (lambda: RecomputeConfig("partial").validate(), "recompute 'partial' is not one of"),
     (lambda: RunConfig(ModelConfig(num_layers=4), ParallelConfig(pp=2), RecomputeConfig("full", "block", 3)).validate(),

@@ -18,9 +18,20 @@ def table_bytes() -> int:
 
 def test_generate_like_lengths_keep_one_table_of_the_longest_length():
     Rotary._tables.clear()
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=4, seq_len=256, position="rope",
-                      norm="rmsnorm", activation="swiglu", bias=False, embd_dropout=0.0, attn_dropout=0.0,
-                      hidden_dropout=0.0)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=4,
+        num_layers=4,
+        seq_len=256,
+        position="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+        embd_dropout=0.0,
+        attn_dropout=0.0,
+        hidden_dropout=0.0,
+    )
     model = build_model(cfg, ParallelDims.single()).eval()
     with torch.no_grad():
         for s in range(1, 257, 15):  # the lengths an incremental generate visits
@@ -28,7 +39,8 @@ def test_generate_like_lengths_keep_one_table_of_the_longest_length():
     assert len(Rotary._tables) == 1
     longest = next(iter(Rotary._tables.values()))[0].shape[0]
     assert longest == 256
-    assert table_bytes() == 2 * 256 * cfg.head_dim * 4  # cos + sin, fp32, one table for all 4 layers
+    # cos + sin, fp32, one table for all 4 layers
+    assert table_bytes() == 2 * 256 * cfg.head_dim * 4
 
 
 def test_shorter_lengths_are_views_with_the_same_values():

@@ -1,5 +1,5 @@
-"""``run_ranks``: each rank runs in the caller's current environment and working directory (ranks are
-forked from a server started earlier, so these must be handed over), results come back in rank
+"""``run_ranks``: each rank runs in the caller's current environment and working directory (ranks
+are forked from a server started earlier, so these must be handed over), results come back in rank
 order, and a failing rank's exception is raised in the caller."""
 
 import os

@@ -19,7 +19,8 @@ def test_greedy_is_argmax_and_deterministic(model):
     prompt = encode_bytes("def f")
     a = generate(model, prompt, 20, temperature=0.0)
     assert a == generate(model, prompt, 20, temperature=0.0, seed=99)
-    assert a[:len(prompt)] == prompt and len(a) == len(prompt) + 20  # also past the 16-token position table
+    # also past the 16-token position table
+    assert a[:len(prompt)] == prompt and len(a) == len(prompt) + 20
     with torch.no_grad():
         first = model(torch.tensor([prompt]))[-1, 0].argmax().item()
     assert a[len(prompt)] == first
@@ -60,7 +61,22 @@ def test_sample_command_with_an_empty_prompt_prints_no_nul(model, tmp_path, caps
 
     ckpt = save_model(tmp_path / "ckpt", CFG, model.state_dict())
     capsys.readouterr()
-    assert main(["sample", "--checkpoint", str(ckpt), "--prompt", "", "--tokens", "6", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--checkpoint",
+                str(ckpt),
+                "--prompt",
+                "",
+                "--tokens",
+                "6",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "\x00" not in text
     assert text == decode_bytes(generate(model, [], 6, temperature=0.0, start=[ord("\n")])) + "\n"

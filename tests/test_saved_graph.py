@@ -38,7 +38,8 @@ def graph_tensors(output: torch.Tensor) -> list[torch.Tensor]:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen[id(node)] = node  # held: a wrapper freed would give its id to the next one (torch 2.11 makes them anew)
+        # held: a wrapper freed would give its id to the next one (torch 2.11 makes them anew)
+        seen[id(node)] = node
         for name in dir(node):
             if name.startswith("_saved_"):
                 with contextlib.suppress(RuntimeError):  # a saved value already freed
@@ -60,7 +61,9 @@ def graph_bytes(output: torch.Tensor, exclude: set[int]) -> int:
     return sum(storages.values())
 
 
-def meter_and_walk(cfg: ModelConfig, recompute: RecomputeConfig, group=None, sp=False) -> tuple[int, int]:
+def meter_and_walk(
+    cfg: ModelConfig, recompute: RecomputeConfig, group=None, sp=False
+) -> tuple[int, int]:
     meter = measure_layer(cfg, group, sp, recompute, micro_batch=2, backward=False)
     exclude = meter._exclude  # the layer's parameters and buffers
     walked = graph_bytes(meter.output, exclude)
@@ -77,17 +80,32 @@ ARCH = st.fixed_dictionaries({
     "dtype": st.sampled_from(["fp32", "bf16"]),
     "dropout": st.sampled_from([0.0, 0.1]),
 })
-RECOMPUTE = st.sampled_from([RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full"),
-                             RecomputeConfig("selective", modules=("norm", "activation")),
-                             RecomputeConfig("selective", modules=("core_attention", "mlp"))])
+RECOMPUTE = st.sampled_from(
+    [
+        RecomputeConfig("none"),
+        RecomputeConfig("selective"),
+        RecomputeConfig("full"),
+        RecomputeConfig("selective", modules=("norm", "activation")),
+        RecomputeConfig("selective", modules=("core_attention", "mlp")),
+    ]
+)
 
 
 def model(arch: dict) -> ModelConfig:
     arch = dict(arch)
     p = arch.pop("dropout")
     attn = 0.0 if arch["attention"] == "sdpa" else p
-    return ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=1, seq_len=32, embd_dropout=p,
-                       attn_dropout=attn, hidden_dropout=p, **arch)
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=4,
+        num_layers=1,
+        seq_len=32,
+        embd_dropout=p,
+        attn_dropout=attn,
+        hidden_dropout=p,
+        **arch,
+    )
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -101,8 +119,18 @@ def test_meter_sees_every_tensor_the_graph_keeps(arch, recompute):
 def test_full_recompute_keeps_only_its_input_and_no_rng_state():
     """Full recompute with dropout at s=32, h=32: 2sbh bytes (fp32: 4sbh), nothing more -- the
     dropout generators' states (5,056 B each on CPU) used to ride along as ctx attributes."""
-    cfg = model({"norm": "layernorm", "activation": "gelu", "position": "learned", "attention": "materialized",
-                 "bias": True, "kv_heads": 4, "dtype": "bf16", "dropout": 0.1})
+    cfg = model(
+        {
+            "norm": "layernorm",
+            "activation": "gelu",
+            "position": "learned",
+            "attention": "materialized",
+            "bias": True,
+            "kv_heads": 4,
+            "dtype": "bf16",
+            "dropout": 0.1,
+        }
+    )
     measured, walked = meter_and_walk(cfg, RecomputeConfig("full"))
     assert measured == walked == 2 * cfg.seq_len * 2 * cfg.hidden_size
 
@@ -116,8 +144,16 @@ def _tp_walk(rank, world, arch, recompute):
 
 
 def test_meter_equals_graph_walk_at_tp2_with_sp():
-    arch = {"norm": "rmsnorm", "activation": "swiglu", "position": "rope", "attention": "materialized",
-            "bias": False, "kv_heads": 1, "dtype": "bf16", "dropout": 0.1}
+    arch = {
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "position": "rope",
+        "attention": "materialized",
+        "bias": False,
+        "kv_heads": 1,
+        "dtype": "bf16",
+        "dropout": 0.1,
+    }
     for recompute in (RecomputeConfig("selective"), RecomputeConfig("full"),
                       RecomputeConfig("selective", modules=("norm", "activation"))):
         for measured, walked in run_ranks(_tp_walk, 2, arch, recompute):

@@ -15,8 +15,22 @@ from seqpar.cli import main
 def cpu_report(tmp_path_factory):
     """The whole self-test as CI runs it: a fresh process, --device cpu --json, two gloo ranks."""
     out = tmp_path_factory.mktemp("selftest")
-    proc = subprocess.run([sys.executable, "-m", "seqpar", "selftest", "--device", "cpu", "--json", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "seqpar",
+            "selftest",
+            "--device",
+            "cpu",
+            "--json",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return proc, out
 
 
@@ -39,9 +53,22 @@ def test_cpu_selftest_passes_with_the_promised_json(cpu_report):
         assert all(layouts[name]["dropout_bit_identical_to_none_bf16"].values())
         assert layouts[name]["dropout_changes_loss"] and layouts[name]["worst_rel_error"] <= 1e-5
     rows = checks["memory"]["figures"]["rows"]
-    assert [r["row"] for r in rows] == ["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
+    assert [r["row"] for r in rows] == [
+        "none",
+        "tp",
+        "tp_sp",
+        "tp_selective",
+        "tp_sp_selective",
+        "full",
+    ]
     assert all(r["meter_bytes"] == r["exact_bytes"] for r in rows)
-    assert set(checks["table4"]["figures"]["rows"]) == {"baseline", "sp", "full", "selective", "selective_sp"}
+    assert set(checks["table4"]["figures"]["rows"]) == {
+        "baseline",
+        "sp",
+        "full",
+        "selective",
+        "selective_sp",
+    }
     mfu = checks["mfu"]["figures"]
     assert mfu["measured_bf16_peak_tflops"] > 0 and mfu["eager"]["mfu_vs_measured"] > 0
     assert mfu["sheet_bf16_peak_tflops"] is None  # a CPU has no data-sheet entry
@@ -60,7 +87,8 @@ def _selftest_in_process(capsys, *args):
 
 
 def test_parity_fails_when_recompute_restores_another_microbatch(monkeypatch, capsys):
-    """The check is not vacuous: a recompute computing another sample's masks is caught (exit status 1)."""
+    """The check is not vacuous: a recompute computing another sample's masks is caught (exit status
+    1)."""
     from seqpar.parallel.rng import RNGTracker
 
     def wrong(self, state):
@@ -70,7 +98,10 @@ def test_parity_fails_when_recompute_restores_another_microbatch(monkeypatch, ca
     code, report = _selftest_in_process(capsys, "--only", "parity")
     assert code == 1 and [c["ok"] for c in report["checks"]] == [False]
     layout = report["checks"][0]["figures"]["layouts"]["t1"]
-    for identical in (layout["dropout_bit_identical_to_none"], layout["dropout_bit_identical_to_none_bf16"]):
+    for identical in (
+        layout["dropout_bit_identical_to_none"],
+        layout["dropout_bit_identical_to_none_bf16"],
+    ):
         assert not identical["selective"] and not identical["full_uniform"]
 
 
@@ -105,10 +136,29 @@ def test_a_check_that_raises_is_reported_and_the_rest_still_run(monkeypatch, cap
 
 
 def test_under_torchrun_each_process_is_one_rank():
-    """The multi-GPU and multi-node command shape (docs/gpu.md), on two gloo ranks: rank 0 reports."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "seqpar", "selftest", "--device", "cpu", "--only", "memory", "--json"],
-                          capture_output=True, text=True, timeout=600)
+    """The multi-GPU and multi-node command shape (docs/gpu.md), on two gloo ranks: rank 0
+    reports."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "seqpar",
+            "selftest",
+            "--device",
+            "cpu",
+            "--only",
+            "memory",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)  # one report: the other rank prints nothing
     assert report["device"]["launcher"] == "torchrun" and report["device"]["ranks"] == 2
@@ -127,7 +177,11 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
         main(["selftest", *args])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert message in err[-2] and err[-1].endswith("--help` lists the options)") and "Traceback" not in "\n".join(err)
+    assert (
+        message in err[-2]
+        and err[-1].endswith("--help` lists the options)")
+        and "Traceback" not in "\n".join(err)
+    )
 
 
 def test_out_must_be_a_folder(tmp_path, capsys):
@@ -163,8 +217,13 @@ def test_mfu_peak_reads_the_accelerator_name(monkeypatch):
 
     monkeypatch.delattr(torch.accelerator, "get_device_name", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(perf, "gemm_probe", lambda *a, **k: pytest.fail("probed instead of the data sheet"))
-    assert perf.mfu_peak(0.0, torch.device("cuda", 0), torch.bfloat16) == (989e12, "spec sheet (h100)")
+    monkeypatch.setattr(
+        perf, "gemm_probe", lambda *a, **k: pytest.fail("probed instead of the data sheet")
+    )
+    assert perf.mfu_peak(0.0, torch.device("cuda", 0), torch.bfloat16) == (
+        989e12,
+        "spec sheet (h100)",
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -183,11 +242,23 @@ def test_every_shape_is_valid_at_t_equal_to_the_ranks(device, world):
         for cfg in (z.parity, z.memory, z.table4):
             ParallelConfig(tp=world, sp=True).validate(cfg.validate())
         ParallelConfig(pp=world).validate(replace(z.parity, num_layers=world))
-        build_job({"model": z.train, "parallel": {"tp": world, "sp": True},
-                   "train": {"micro_batch": z.train_micro_batch, "global_batch": z.train_micro_batch}}).validate(world)
-        build_job({"model": z.mfu, "parallel": {"dp": world},
-                   "train": {"micro_batch": z.mfu_micro_batch, "global_batch": z.mfu_micro_batch * world}}
-                  ).validate(world)
+        build_job(
+            {
+                "model": z.train,
+                "parallel": {"tp": world, "sp": True},
+                "train": {"micro_batch": z.train_micro_batch, "global_batch": z.train_micro_batch},
+            }
+        ).validate(world)
+        build_job(
+            {
+                "model": z.mfu,
+                "parallel": {"dp": world},
+                "train": {
+                    "micro_batch": z.mfu_micro_batch,
+                    "global_batch": z.mfu_micro_batch * world,
+                },
+            }
+        ).validate(world)
         if memory >= 70 * GiB and world in (1, 8):
             t4 = z.table4
             assert (t4.hidden_size, t4.num_heads, t4.seq_len, z.table4_batch) == (6144, 64, 2048, 4)

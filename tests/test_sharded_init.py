@@ -1,6 +1,7 @@
-"""Initialisation without the full model: each rank fills only its shard, block by block, with the numbers
-of the single-process model at every tp (split rows or columns, padded vocabulary, [gate; up] parts,
-grouped QKV with fewer kv heads than ranks), and nothing it allocates is larger than one block."""
+"""Initialisation without the full model: each rank fills only its shard, block by block, with the
+numbers of the single-process model at every tp (split rows or columns, padded vocabulary, [gate;
+up] parts, grouped QKV with fewer kv heads than ranks), and nothing it allocates is larger than one
+block."""
 
 import pytest
 import torch

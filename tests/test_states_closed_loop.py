@@ -1,11 +1,13 @@
-"""Issue 32's closed loop: random configurations over every architecture option × layout (tp, sp, cp, pp
-with uneven splits, dp, the distributed optimizer, overlapped buckets) × recompute × dtype, each trained
-one step by the Trainer; in the ``start`` record every rank's measured parameter, gradient and optimizer
-bytes equal the prediction (``seqpar.analysis.formulas.states.rank_state_bytes``) and its measured activation peak
-equals its stage's exact formula (``seqpar.measure.stages``), to the byte.
+"""Issue 32's closed loop: random configurations over every architecture option × layout (tp, sp,
+cp, pp with uneven splits, dp, the distributed optimizer, overlapped buckets) × recompute × dtype,
+each trained one step by the Trainer; in the ``start`` record every rank's measured parameter,
+gradient and optimizer bytes equal the prediction
+(``seqpar.analysis.formulas.states.rank_state_bytes``) and its measured activation peak equals its
+stage's exact formula (``seqpar.measure.stages``), to the byte.
 
-The draws are seeded (the same every run, an invalid one drawn again); every draw runs on one spawn of 4
-gloo ranks. CI runs SEQPAR_LOOP_DRAWS=4 (default) plus the issue's uneven split; SEQPAR_LOOP_DRAWS=N runs N."""
+The draws are seeded (the same every run, an invalid one drawn again); every draw runs on one spawn
+of 4 gloo ranks. CI runs SEQPAR_LOOP_DRAWS=4 (default) plus the issue's uneven split;
+SEQPAR_LOOP_DRAWS=N runs N."""
 
 from __future__ import annotations
 
@@ -25,8 +27,18 @@ DRAWS = int(os.environ.get("SEQPAR_LOOP_DRAWS", "4"))
 VOCAB = 64
 STATES = ("params_bytes", "grads_bytes", "optimizer_bytes")
 # (tp, pp, cp, dp) of 4 ranks
-LAYOUTS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (1, 2, 1, 2), (1, 2, 2, 1), (1, 4, 1, 1),
-           (1, 1, 2, 2), (1, 1, 1, 4), (1, 1, 4, 1)]
+LAYOUTS = [
+    (4, 1, 1, 1),
+    (2, 2, 1, 1),
+    (2, 1, 2, 1),
+    (2, 1, 1, 2),
+    (1, 2, 1, 2),
+    (1, 2, 2, 1),
+    (1, 4, 1, 1),
+    (1, 1, 2, 2),
+    (1, 1, 1, 4),
+    (1, 1, 4, 1),
+]
 
 
 def sections(rng: random.Random) -> dict:
@@ -48,9 +60,11 @@ def sections(rng: random.Random) -> dict:
              "attn_dropout": 0.0 if attention == "sdpa" else dropout}
     tp, pp, cp, dp = rng.choice(LAYOUTS)
     parallel = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "sp": tp > 1 and rng.random() < 0.5}
-    if pp > 1 and rng.random() < 0.3:  # interleaved, even (the formula refuses an uneven interleaved split)
+    # interleaved, even (the formula refuses an uneven interleaved split)
+    if pp > 1 and rng.random() < 0.3:
         parallel["interleave"], model["num_layers"] = 2, 2 * pp
-    elif pp > 1 and layers >= pp and rng.random() < 0.5:  # uneven: the first or the last stage lighter, maybe empty
+    # uneven: the first or the last stage lighter, maybe empty
+    elif pp > 1 and layers >= pp and rng.random() < 0.5:
         cut = rng.randint(0 if pp == 2 else 1, layers - (pp - 1))
         parallel["layer_split"] = [cut] + [1] * (pp - 2) + [layers - cut - (pp - 2)]
     granularity = rng.choice(["none", "selective", "full"])
@@ -64,10 +78,19 @@ def sections(rng: random.Random) -> dict:
         recompute["keep_microbatches"] = rng.choice([0, 0, 1])  # App. C
     micro = rng.choice([1, 2])
     n = rng.choice([1, 2]) * (pp if parallel.get("interleave", 1) > 1 else 1)
-    train = {"steps": 1, "micro_batch": micro, "global_batch": micro * dp * n,
-             "distributed_optimizer": dp * cp > 1 and rng.random() < 0.5,
-             "overlap_grad_reduce": rng.random() < 0.5, "grad_bucket_mb": rng.choice([25.0, 0.01]),
-             "eval_batches": 1, "log_every": 1, "peak_tflops": 1.0, "progress": False, "plot": False}
+    train = {
+        "steps": 1,
+        "micro_batch": micro,
+        "global_batch": micro * dp * n,
+        "distributed_optimizer": dp * cp > 1 and rng.random() < 0.5,
+        "overlap_grad_reduce": rng.random() < 0.5,
+        "grad_bucket_mb": rng.choice([25.0, 0.01]),
+        "eval_batches": 1,
+        "log_every": 1,
+        "peak_tflops": 1.0,
+        "progress": False,
+        "plot": False,
+    }
     return {"model": model, "parallel": parallel, "recompute": recompute, "train": train}
 
 
@@ -85,13 +108,32 @@ def drawn(n: int = DRAWS, seed: int = 32) -> list[dict]:
 
 
 def issue_case() -> dict:
-    """The issue's report: pp 2, split [1, 3] (the start record predicted an even split's states)."""
-    return {"model": {"vocab_size": VOCAB, "hidden_size": 32, "num_heads": 4, "num_layers": 4, "seq_len": 16,
-                      "dtype": "fp32"},
-            "parallel": {"pp": 2, "dp": 2, "layer_split": [1, 3]}, "recompute": {},
-            "train": {"steps": 1, "micro_batch": 1, "global_batch": 4, "eval_batches": 1, "log_every": 1,
-                      "distributed_optimizer": True, "grad_bucket_mb": 0.01, "peak_tflops": 1.0,
-                      "progress": False, "plot": False}}
+    """The issue's report: pp 2, split [1, 3] (the start record predicted an even split's
+    states)."""
+    return {
+        "model": {
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "num_heads": 4,
+            "num_layers": 4,
+            "seq_len": 16,
+            "dtype": "fp32",
+        },
+        "parallel": {"pp": 2, "dp": 2, "layer_split": [1, 3]},
+        "recompute": {},
+        "train": {
+            "steps": 1,
+            "micro_batch": 1,
+            "global_batch": 4,
+            "eval_batches": 1,
+            "log_every": 1,
+            "distributed_optimizer": True,
+            "grad_bucket_mb": 0.01,
+            "peak_tflops": 1.0,
+            "progress": False,
+            "plot": False,
+        },
+    }
 
 
 def start_record(out: Path) -> dict:
@@ -106,7 +148,9 @@ def mismatches(job: dict, record: dict) -> list[str]:
             if r[key] != r.get(f"{key}_predicted"):
                 bad.append(f"rank {r['rank']} {key} {r[key]} != {r.get(f'{key}_predicted')}")
         if r["act_peak_exact"] is None or r["act_peak_measured"] != r["act_peak_exact"]:
-            bad.append(f"rank {r['rank']} activations {r['act_peak_measured']} != {r['act_peak_exact']}")
+            bad.append(
+                f"rank {r['rank']} activations {r['act_peak_measured']} != {r['act_peak_exact']}"
+            )
     return bad
 
 
@@ -116,7 +160,15 @@ def test_every_rank_measures_its_prediction(tmp_path):
     jobs = [issue_case(), *drawn()]
     for i, job in enumerate(jobs):
         job["train"] |= {"data": str(data), "out_dir": str(tmp_path / f"run{i}")}
-    train_local_many(jobs, WORLD, timeout=300.0 + 30.0 * len(jobs))  # SEQPAR_LOOP_DRAWS=N: N one-step runs
-    failures = {i: bad for i, job in enumerate(jobs) if (bad := mismatches(job, start_record(tmp_path / f"run{i}")))}
-    print(f"closed loop: {len(jobs)} configurations trained one step on {WORLD} ranks, {len(failures)} mismatched")
+    # SEQPAR_LOOP_DRAWS=N: N one-step runs
+    train_local_many(jobs, WORLD, timeout=300.0 + 30.0 * len(jobs))
+    failures = {
+        i: bad
+        for i, job in enumerate(jobs)
+        if (bad := mismatches(job, start_record(tmp_path / f"run{i}")))
+    }
+    print(
+        f"closed loop: {len(jobs)} configurations trained one step on {WORLD} ranks, "
+        f"{len(failures)} mismatched"
+    )
     assert not failures, {i: (jobs[i], bad) for i, bad in failures.items()}

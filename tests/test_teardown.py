@@ -1,7 +1,8 @@
-"""One way to end a process group (issue 32, item 14): a barrier, then destroy. A rank that destroys its
-group while a gloo peer still completes the last collective can abort that peer (SIGABRT), and torchrun then
-reports a finished run as failed. Every entry point (trainer, self-test, ``run_ranks``) and the README's
-library example end through ``seqpar.parallel.launch.end_distributed``; nothing else destroys a group."""
+"""One way to end a process group (issue 32, item 14): a barrier, then destroy. A rank that destroys
+its group while a gloo peer still completes the last collective can abort that peer (SIGABRT), and
+torchrun then reports a finished run as failed. Every entry point (trainer, self-test,
+``run_ranks``) and the README's library example end through
+``seqpar.parallel.launch.end_distributed``; nothing else destroys a group."""
 
 import ast
 from pathlib import Path
@@ -20,10 +21,14 @@ def calls(path: Path) -> list[tuple[str, str]]:
 
     def visit(node, where):
         for child in ast.iter_child_nodes(node):
-            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else where
+            inner = (
+                child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else where
+            )
             if isinstance(child, ast.Call):
                 f = child.func
-                out.append((where, f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")))
+                out.append(
+                    (where, f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+                )
             visit(child, inner)
 
     visit(ast.parse(path.read_text()), "")
@@ -37,8 +42,16 @@ def test_only_end_distributed_destroys_a_group():
 
 
 def test_every_entry_point_that_starts_a_group_ends_it_the_same_way():
-    starters = {p for p in SOURCES for _, name in calls(p) if name in ("init_distributed", "init_process_group")}
-    assert {p.relative_to(ROOT).as_posix() for p in starters} >= {"seqpar/train/loop.py", "seqpar/selftest/runner.py"}
+    starters = {
+        p
+        for p in SOURCES
+        for _, name in calls(p)
+        if name in ("init_distributed", "init_process_group")
+    }
+    assert {p.relative_to(ROOT).as_posix() for p in starters} >= {
+        "seqpar/train/loop.py",
+        "seqpar/selftest/runner.py",
+    }
     for path in starters:
         assert any(name == "end_distributed" for _, name in calls(path)), path
 

@@ -1,5 +1,6 @@
 """The user's path end to end: `seqpar train --nproc 2` (torch.distributed.run) with tp=2 + SP +
-selective recompute, then `seqpar sample`, `seqpar export-hf` and `seqpar import-hf` on its checkpoint."""
+selective recompute, then `seqpar sample`, `seqpar export-hf` and `seqpar import-hf` on its
+checkpoint."""
 
 import json
 import subprocess
@@ -21,7 +22,9 @@ def seqpar_here(capsys, *args):
 
 
 def seqpar(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "seqpar", *args], capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -41,7 +44,11 @@ def test_train_nproc_2(run_dir):
     assert "validation loss" in stdout and "MFU" in stdout and "--- sample" in stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     start = records[0]
-    assert start["event"] == "start" and start["act_bytes_measured"] > 0 and start["act_bytes_predicted"] > 0
+    assert (
+        start["event"] == "start"
+        and start["act_bytes_measured"] > 0
+        and start["act_bytes_predicted"] > 0
+    )
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [4] and "val_loss" in steps[-1] and "mfu" in steps[-1]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000004"
@@ -49,8 +56,18 @@ def test_train_nproc_2(run_dir):
 
 def test_sample_command(run_dir, capsys):
     out, _ = run_dir
-    text = seqpar_here(capsys, "sample", "--checkpoint", str(out), "--prompt", "import ", "--tokens", "12",
-                  "--temperature", "0")
+    text = seqpar_here(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(out),
+        "--prompt",
+        "import ",
+        "--tokens",
+        "12",
+        "--temperature",
+        "0",
+    )
     assert text.startswith("import ")
 
 
@@ -62,15 +79,38 @@ def test_export_then_import_hf(run_dir, tmp_path, capsys):
     seqpar_here(capsys, "import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
     a = seqpar_here(capsys, "sample", "--checkpoint", str(out), "--prompt", "def", "--tokens", "8",
                     "--temperature", "0")
-    b = seqpar_here(capsys, "sample", "--checkpoint", str(tmp_path / "back"), "--prompt", "def", "--tokens", "8",
-                    "--temperature", "0")
+    b = seqpar_here(
+        capsys,
+        "sample",
+        "--checkpoint",
+        str(tmp_path / "back"),
+        "--prompt",
+        "def",
+        "--tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
     assert a == b
 
 
 def test_resume_without_config_uses_the_checkpoints(run_dir, tmp_path, capsys):
     """An imported (or any) checkpoint resumes with its own model shape; here at tp=1 after tp=2."""
     out, _ = run_dir
-    text = seqpar_here(capsys, "train", "--resume", str(out), "--tp", "1", "--steps", "6", "--out", str(tmp_path),
-                       "--no-progress", "--sample-tokens", "0")
+    text = seqpar_here(
+        capsys,
+        "train",
+        "--resume",
+        str(out),
+        "--tp",
+        "1",
+        "--steps",
+        "6",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--sample-tokens",
+        "0",
+    )
     assert "resumed from" in text and "written with tp 2" in text
     assert "layout dp 1 × pp 1 × tp 1" in text and "steps 6" in text

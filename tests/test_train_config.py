@@ -1,5 +1,5 @@
-"""TrainConfig and the TOML job file: every value checked before anything starts, errors name numbers;
-the CLI exits 2 with a message (no traceback) on bad values."""
+"""TrainConfig and the TOML job file: every value checked before anything starts, errors name
+numbers; the CLI exits 2 with a message (no traceback) on bad values."""
 
 from pathlib import Path
 
@@ -21,7 +21,8 @@ def test_presets_load_and_validate():
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"train": {"global_batch": 10, "micro_batch": 4}}, "global_batch 10 is not divisible by micro_batch 4"),
+    ({"train": {"global_batch": 10, "micro_batch": 4}}, "global_batch 10 is not divisible by "
+                                                        "micro_batch 4"),
     ({"train": {"steps": 0}}, "train.steps must be a positive integer, got 0"),
     ({"train": {"lr": -1.0}}, "train.lr must be a finite number >= 0"),
     ({"train": {"min_lr": 1.0, "lr": 0.1}}, "min_lr 1.0 exceeds train.lr 0.1"),

@@ -1,5 +1,5 @@
-"""Ctrl-C and SIGTERM (seqpar/train/reliability/interrupt.py): the first signal finishes the step, saves, prints one
-line and
+"""Ctrl-C and SIGTERM (seqpar/train/reliability/interrupt.py): the first signal finishes the step,
+saves, prints one line and
 exits 130 -- on every rank of `seqpar train --nproc 2` alike --, `--resume` continues, and a second
 signal aborts at once without a traceback, keeping the last complete checkpoint."""
 
@@ -19,8 +19,13 @@ TINY = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml")
 
 
 def start(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "seqpar", "train", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "seqpar", "train", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def wait_for(predicate, proc, timeout=180.0):
@@ -44,15 +49,35 @@ def logged_steps(out: Path) -> list[int]:
 
 def records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.is_file()
+        else []
+    )
 
 
 def test_sigint_under_nproc_2_saves_one_line_exit_130_and_resume_continues(tmp_path, capsys):
-    """Interrupted between two log lines (every 1000 steps), the steps since the last one get their record
-    before the save (issue 44.6): the history has the interrupted step, its loss the mean of all of them."""
+    """Interrupted between two log lines (every 1000 steps), the steps since the last one get their
+    record before the save (issue 44.6): the history has the interrupted step, its loss the mean of
+    all of them."""
     out = tmp_path / "run"
-    proc = start("--config", TINY, "--nproc", 2, "--tp", 2, "--steps", 5000, "--log-every", 1000, "--eval-every", 0,
-                 "--out", out, "--no-progress")
+    proc = start(
+        "--config",
+        TINY,
+        "--nproc",
+        2,
+        "--tp",
+        2,
+        "--steps",
+        5000,
+        "--log-every",
+        1000,
+        "--eval-every",
+        0,
+        "--out",
+        out,
+        "--no-progress",
+    )
     wait_for(lambda: any(r.get("event") == "start" for r in records(out)), proc)
     time.sleep(2.0)  # some steps, no log line yet
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher
@@ -68,20 +93,42 @@ def test_sigint_under_nproc_2_saves_one_line_exit_130_and_resume_continues(tmp_p
     assert 0 < step < 1000 and logged_steps(out) == [step]
     window = next(r for r in records(out) if r.get("step") == step and "loss" in r)
     assert window["loss_steps"] == step
-    assert len(window["rank_step_s"]) == len(window["rank_cpu_s"]) == 2  # the hooks' fields, as every window's
+    # the hooks' fields, as every window's
+    assert len(window["rank_step_s"]) == len(window["rank_cpu_s"]) == 2
 
-    # resumed in this process at tp 1 (checkpoints are layout-free; `--nproc 2` works the same, slower)
-    assert main(["train", "--resume", str(out), "--tp", "1", "--steps", str(step + 3), "--no-progress"]) == 0
-    assert f"resumed from {out}/checkpoints/step_{step:06d} at step {step}" in capsys.readouterr().out
+    # resumed in this process at tp 1 (checkpoints are layout-free; `--nproc 2` works the same,
+    # slower)
+    assert (
+        main(
+            ["train", "--resume", str(out), "--tp", "1", "--steps", str(step + 3), "--no-progress"]
+        )
+        == 0
+    )
+    assert (
+        f"resumed from {out}/checkpoints/step_{step:06d} at step {step}" in capsys.readouterr().out
+    )
     assert logged_steps(out) == [step, step + 3]  # the whole history, each step once
     assert (out / "loss.png").is_file()
 
 
 def test_second_sigint_during_a_save_aborts_at_once_and_keeps_the_last_checkpoint(tmp_path):
-    """Rank 0 stalls in the save of step 3 (test hook); the first SIGINT waits for it, the second does not."""
+    """Rank 0 stalls in the save of step 3 (test hook); the first SIGINT waits for it, the second
+    does not."""
     out = tmp_path / "run"
-    proc = start("--config", TINY, "--nproc", 2, "--steps", 50, "--save-every", 1, "--out", out, "--no-progress",
-                 env={"SEQPAR_FAULT": "rank=0,step=3,at=save,do=pause"})
+    proc = start(
+        "--config",
+        TINY,
+        "--nproc",
+        2,
+        "--steps",
+        50,
+        "--save-every",
+        1,
+        "--out",
+        out,
+        "--no-progress",
+        env={"SEQPAR_FAULT": "rank=0,step=3,at=save,do=pause"},
+    )
     root = out / "checkpoints"
     wait_for(lambda: (root / "step_000003.tmp").is_dir() and (root / "latest").is_file()
              and (root / "latest").read_text().strip() == "step_000002", proc)
@@ -93,8 +140,11 @@ def test_second_sigint_during_a_save_aborts_at_once_and_keeps_the_last_checkpoin
     text = stdout + stderr
     assert proc.returncode == 130, text
     assert "Traceback" not in text, text
-    assert ("interrupted again: stopped at once during the save of step_000003, which is abandoned; the last "
-            f"complete checkpoint {root / 'step_000002'} is kept") in stderr
+    assert (
+        "interrupted again: stopped at once during the save of step_000003, which is abandoned; "
+        "the last "
+        f"complete checkpoint {root / 'step_000002'} is kept"
+    ) in stderr
     assert (root / "latest").read_text().strip() == "step_000002"
 
 
@@ -114,7 +164,9 @@ print("not reached")
 
 
 def test_rank_flag_first_signal_sets_it_second_exits_130_with_one_line():
-    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 130, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "first signal: flag set"
     assert proc.stderr.strip() == "second signal: stopped at once"
@@ -130,27 +182,40 @@ print("not reached")
 
 
 def test_a_launcher_interrupted_before_its_ranks_start_exits_130_in_one_line():
-    proc = subprocess.run([sys.executable, "-c", NO_RANKS_YET], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_RANKS_YET], capture_output=True, text=True, timeout=120
+    )
     assert (proc.returncode, proc.stdout) == (130, "")
     assert proc.stderr == "seqpar train: interrupted before the ranks started; nothing was saved\n"
 
 
-def test_a_signal_after_a_peer_s_failure_ended_training_names_the_step_and_the_checkpoint_kept(tmp_path, capsys,
-                                                                                                monkeypatch):
-    """A peer failed at step 5 (step 3 saved): the launcher's SIGTERM reaches rank 0 after the loop ended on the
-    lost collective, where the handler of "before the first step" used to say "nothing was saved"."""
+def test_a_signal_after_a_peer_s_failure_ended_training_names_the_step_and_the_checkpoint_kept(
+    tmp_path, capsys, monkeypatch
+):
+    """A peer failed at step 5 (step 3 saved): the launcher's SIGTERM reaches rank 0 after the loop
+    ended on the lost collective, where the handler of "before the first step" used to say "nothing
+    was saved"."""
     import seqpar.train.loop
     from seqpar.train import start as train_start
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_000003\n")
-    job = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path), hang_timeout=0, save_every=3, stop_at=0,
-                                                steps=6, straggler_factor=0))
+    job = SimpleNamespace(
+        train=SimpleNamespace(
+            out_dir=str(tmp_path),
+            hang_timeout=0,
+            save_every=3,
+            stop_at=0,
+            steps=6,
+            straggler_factor=0,
+        )
+    )
 
     class Stopped(BaseException):
         pass
 
-    def lost_peer(job, resume, hooks, verified, events):  # steps 1-5 arrived at, then the collective lost its peer
+    # steps 1-5 arrived at, then the collective lost its peer
+    def lost_peer(job, resume, hooks, verified, events):
         for step in range(1, 6):
             for hook in hooks:
                 hook.before_step(0, step)
@@ -169,6 +234,8 @@ def test_a_signal_after_a_peer_s_failure_ended_training_names_the_step_and_the_c
     except Stopped as stopped:
         assert stopped.args == (130,)
     err = capsys.readouterr().err
-    assert err == (f"seqpar train: interrupted at step 5, after training stopped on an error; nothing new was saved; "
-                   f"the last complete checkpoint {tmp_path / 'checkpoints' / 'step_000003'} is kept (resume with: "
-                   f"seqpar train --resume {tmp_path})\n")
+    assert err == (
+        f"seqpar train: interrupted at step 5, after training stopped on an error; nothing new was "
+        f"saved; the last complete checkpoint {tmp_path / 'checkpoints' / 'step_000003'} is kept "
+        f"(resume with: seqpar train --resume {tmp_path})\n"
+    )

@@ -7,10 +7,30 @@ from seqpar.train.loop import Trainer
 
 
 def _sections(out, dtype):
-    return {"model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
-                      "dtype": dtype, "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
-            "train": {"steps": 4, "warmup": 2, "micro_batch": 2, "global_batch": 6, "eval_batches": 1,
-                      "peak_tflops": 1.0, "progress": False, "plot": False, "out_dir": str(out)}}
+    return {
+        "model": {
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "num_heads": 4,
+            "num_layers": 2,
+            "seq_len": 16,
+            "dtype": dtype,
+            "embd_dropout": 0.0,
+            "attn_dropout": 0.0,
+            "hidden_dropout": 0.0,
+        },
+        "train": {
+            "steps": 4,
+            "warmup": 2,
+            "micro_batch": 2,
+            "global_batch": 6,
+            "eval_batches": 1,
+            "peak_tflops": 1.0,
+            "progress": False,
+            "plot": False,
+            "out_dir": str(out),
+        },
+    }
 
 
 def test_bf16_masters_and_accumulation(tmp_path):

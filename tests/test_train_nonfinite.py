@@ -1,5 +1,5 @@
-"""A NaN/Inf loss or gradient never reaches the weights: policy ``skip`` counts and logs it, policy ``stop``
-raises with a checkpoint of the last good state, which resumes."""
+"""A NaN/Inf loss or gradient never reaches the weights: policy ``skip`` counts and logs it, policy
+``stop`` raises with a checkpoint of the last good state, which resumes."""
 
 import json
 import math
@@ -12,13 +12,24 @@ from seqpar.train.loop import NonFiniteError, Trainer
 
 SECTIONS = {
     "model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16},
-    "train": {"steps": 5, "warmup": 1, "micro_batch": 2, "global_batch": 4, "eval_batches": 1, "log_every": 1,
-              "peak_tflops": 1.0, "progress": False, "plot": False},
+    "train": {
+        "steps": 5,
+        "warmup": 1,
+        "micro_batch": 2,
+        "global_batch": 4,
+        "eval_batches": 1,
+        "log_every": 1,
+        "peak_tflops": 1.0,
+        "progress": False,
+        "plot": False,
+    },
 }
 
 
 def _trainer(tmp_path, poison_step, where, policy):
-    job = build_job({**SECTIONS, "train": {**SECTIONS["train"], "out_dir": str(tmp_path), "nonfinite": policy}})
+    job = build_job(
+        {**SECTIONS, "train": {**SECTIONS["train"], "out_dir": str(tmp_path), "nonfinite": policy}}
+    )
     trainer = Trainer(job, quiet=True)
     snapshots = {}
     fb, fin = trainer._forward_backward, trainer._finalize
@@ -58,5 +69,7 @@ def test_stop_policy_saves_last_good_state_and_resumes(tmp_path):
     job = build_job({**SECTIONS, "train": {**SECTIONS["train"], "out_dir": str(tmp_path)}})
     resumed = Trainer(job, resume=str(tmp_path), quiet=True)
     assert resumed.state.step == 2
-    assert all(torch.equal(a, b) for a, b in zip(snapshots[2], resumed.chunks[0].parameters(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(snapshots[2], resumed.chunks[0].parameters(), strict=True)
+    )
     assert math.isfinite(resumed.run()["loss"])

@@ -1,6 +1,7 @@
 """50 steps (fp32, dropout 0) give the same loss curve, within 1e-4 per step,
 under (tp, pp, dp, SP, recompute) = (1,1,1,off,none) (2,1,1,on,selective) (1,2,1,off,full)
-(2,2,1,on,selective) (1,1,2,off,none), and context parallelism cp = 2 (selective; with pp 2, full; with dp 2)."""
+(2,2,1,on,selective) (1,1,2,off,none), and context parallelism cp = 2 (selective; with pp 2, full;
+with dp 2)."""
 
 import math
 
@@ -9,11 +10,30 @@ import pytest
 from seqpar.train.loop import train_local, train_local_many
 
 TINY = {
-    "model": {"vocab_size": 256, "hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16,
-              "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0},
-    "train": {"steps": 50, "lr": 3e-3, "min_lr": 3e-4, "warmup": 5, "micro_batch": 2, "global_batch": 4,
-              "eval_every": 0, "eval_batches": 1, "log_every": 10, "peak_tflops": 1.0, "progress": False,
-              "plot": False},
+    "model": {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "num_heads": 4,
+        "num_layers": 2,
+        "seq_len": 16,
+        "embd_dropout": 0.0,
+        "attn_dropout": 0.0,
+        "hidden_dropout": 0.0,
+    },
+    "train": {
+        "steps": 50,
+        "lr": 3e-3,
+        "min_lr": 3e-4,
+        "warmup": 5,
+        "micro_batch": 2,
+        "global_batch": 4,
+        "eval_every": 0,
+        "eval_batches": 1,
+        "log_every": 10,
+        "peak_tflops": 1.0,
+        "progress": False,
+        "plot": False,
+    },
 }
 
 LAYOUTS = {
@@ -28,8 +48,12 @@ LAYOUTS = {
 
 
 def sections(out, parallel=None, recompute=None, **train):
-    return {"model": dict(TINY["model"]), "parallel": dict(parallel or {}), "recompute": dict(recompute or {}),
-            "train": {**TINY["train"], "out_dir": str(out), **train}}
+    return {
+        "model": dict(TINY["model"]),
+        "parallel": dict(parallel or {}),
+        "recompute": dict(recompute or {}),
+        "train": {**TINY["train"], "out_dir": str(out), **train},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +62,12 @@ def reference(tmp_path_factory):
 
 
 def _world(parallel):
-    return parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1)
+    return (
+        parallel.get("tp", 1)
+        * parallel.get("pp", 1)
+        * parallel.get("dp", 1)
+        * parallel.get("cp", 1)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +83,24 @@ def curves(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_curve_matches_single_process(name, reference, curves):
-    losses, ref_norm, norm = curves[name]["losses"], reference["grad_norm"], curves[name]["grad_norm"]
+    losses, ref_norm, norm = (
+        curves[name]["losses"],
+        reference["grad_norm"],
+        curves[name]["grad_norm"],
+    )
     reference = reference["losses"]
     assert len(losses) == len(reference) == 50
     worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
     shown = (0, 9, 19, 29, 39, 49)
-    print(f"\n{'reference (1,1,1)':<22} steps 1,10,..,50: " + " ".join(f"{reference[i]:.6f}" for i in shown))
+    print(
+        f"\n{'reference (1,1,1)':<22} steps 1,10,..,50: "
+        + " ".join(f"{reference[i]:.6f}" for i in shown)
+    )
     print(f"{name:<22} steps 1,10,..,50: " + " ".join(f"{losses[i]:.6f}" for i in shown))
     print(f"{name}: max |loss - reference| over 50 steps = {worst:.2e}")
     assert worst < 1e-4, (name, worst)
-    # the global grad norm counts every unique parameter once (tied copy, tp-replicated ones included)
+    # the global grad norm counts every unique parameter once (tied copy, tp-replicated ones
+    # included)
     print(f"{name}: grad norm at step 50 {norm:.6f}, reference {ref_norm:.6f}")
     assert abs(norm - ref_norm) < 1e-4 * ref_norm
     assert reference[-1] < reference[0] - 0.5  # it learns: the comparison is not between constants

@@ -1,5 +1,5 @@
-"""The trainer's MFU/HFU FLOPs: Eq. 7 / Eq. 8 (corrected) for the paper's GPT, GEMM by GEMM for others;
-its predicted activation bytes follow the architecture."""
+"""The trainer's MFU/HFU FLOPs: Eq. 7 / Eq. 8 (corrected) for the paper's GPT, GEMM by GEMM for
+others; its predicted activation bytes follow the architecture."""
 
 import math
 from dataclasses import replace
@@ -20,7 +20,9 @@ NONE = RecomputeConfig("none")
 
 
 def _job(model=GPT, recompute=NONE):
-    return JobConfig(RunConfig(model, ParallelConfig(), recompute), TrainConfig(global_batch=8, micro_batch=2))
+    return JobConfig(
+        RunConfig(model, ParallelConfig(), recompute), TrainConfig(global_batch=8, micro_batch=2)
+    )
 
 
 @pytest.mark.parametrize("granularity", ["none", "selective", "full"])
@@ -35,7 +37,9 @@ def test_llama_flops_and_finer_modules():
     llama = replace(GPT, activation="swiglu", norm="rmsnorm", kv_heads=1, ffn_hidden_size=96)
     base, _ = step_flops(_job(llama))
     assert base < model_flops(8, 4, 32, 64, 512) * 1.5  # GQA shrinks QKV, SwiGLU grows the MLP
-    _, norm_act = step_flops(_job(llama, RecomputeConfig("selective", modules=("norm", "activation"))))
+    _, norm_act = step_flops(
+        _job(llama, RecomputeConfig("selective", modules=("norm", "activation")))
+    )
     assert norm_act == base  # elementwise recompute: no GEMM runs again
     _, mlp = step_flops(_job(llama, RecomputeConfig("selective", modules=("mlp",))))
     assert mlp - base == 4 * 6 * 8 * 32 * 64 * 96  # L × the SwiGLU MLP forward, 6Bshf
@@ -44,6 +48,11 @@ def test_llama_flops_and_finer_modules():
 def test_predicted_bytes_follow_the_architecture():
     cpu = torch.device("cpu")
     gpt = predicted_activation_bytes(_job(), [0], cpu)
-    fused = predicted_activation_bytes(_job(replace(GPT, attention="sdpa", attn_dropout=0.0, hidden_dropout=0.0,
-                                                    embd_dropout=0.0)), [0], cpu)
+    fused = predicted_activation_bytes(
+        _job(
+            replace(GPT, attention="sdpa", attn_dropout=0.0, hidden_dropout=0.0, embd_dropout=0.0)
+        ),
+        [0],
+        cpu,
+    )
     assert fused < gpt  # no s² terms, no masks

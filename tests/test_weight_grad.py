@@ -1,5 +1,6 @@
-"""The B/W split of the tensor-parallel linears (``seqpar.parallel.weight_grad``): a model's gradients with
-every W deferred to after all the microbatches' B equal, bit for bit, those of the undeferred backward."""
+"""The B/W split of the tensor-parallel linears (``seqpar.parallel.weight_grad``): a model's
+gradients with every W deferred to after all the microbatches' B equal, bit for bit, those of the
+undeferred backward."""
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ def _run(cfg, recompute, defer: bool, main_grad: bool):
             p.register_post_accumulate_grad_hook(accumulate_into_main_grad)
     store = model.tp.weight_grads
     gen = torch.Generator().manual_seed(3)
-    batches = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen) for _ in range(3)]
+    batches = [
+        torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen) for _ in range(3)
+    ]
     fc1 = model.layers["0"].mlp.fc1.weight
     with store.deferred() if defer else torch.enable_grad():
         for tokens in batches:
@@ -38,9 +41,14 @@ def _run(cfg, recompute, defer: bool, main_grad: bool):
 @pytest.mark.parametrize("arch,recompute,dtype", [("gpt", "none", "fp32"), ("gpt", "full", "fp32"),
                                                    ("llama", "selective", "bf16")])
 def test_deferred_weight_gradients_equal_the_undeferred(arch, recompute, dtype):
-    llama = dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False) \
-        if arch == "llama" else {}
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, dtype=dtype, **llama)
+    llama = (
+        dict(norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+        if arch == "llama"
+        else {}
+    )
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_heads=4, num_layers=2, seq_len=16, dtype=dtype, **llama
+    )
     main_grad = dtype != "fp32"
     now, later = _run(cfg, recompute, False, main_grad), _run(cfg, recompute, True, main_grad)
     assert now.keys() == later.keys()

@@ -1,8 +1,9 @@
-"""ZB-H1's order (``seqpar.pipeline.schedule_zero_bubble``), read from the schedule itself run on recording fakes,
-then timed by a unit-cost simulator: its bubble is (p - 1)(T_F + T_B - T_W) per rank, a third of 1F1B's at
-T_F = T_B = T_W, its W units deferred at most rank + 1 at a time, and every microbatch's F, B and W run once;
-the refusals; the planner's bubble term and search; ``bench schedule``'s timelines. (Bit-identity with 1F1B and
-measured == exact memory on gloo ranks: ``tests/test_pipeline.py``.)"""
+"""ZB-H1's order (``seqpar.pipeline.schedule_zero_bubble``), read from the schedule itself run on
+recording fakes, then timed by a unit-cost simulator: its bubble is (p - 1)(T_F + T_B - T_W) per
+rank, a third of 1F1B's at T_F = T_B = T_W, its W units deferred at most rank + 1 at a time, and
+every microbatch's F, B and W run once; the refusals; the planner's bubble term and search;
+``bench schedule``'s timelines. (Bit-identity with 1F1B and measured == exact memory on gloo ranks:
+``tests/test_pipeline.py``.)"""
 
 from types import SimpleNamespace
 
@@ -14,8 +15,8 @@ from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 
 
 class _Runner:
-    """Records F, B and W per microbatch; W units queue as ``WeightGradStore`` does (``split``: B and W apart;
-    else B is the whole backward, W inside it before dX is sent)."""
+    """Records F, B and W per microbatch; W units queue as ``WeightGradStore`` does (``split``: B
+    and W apart; else B is the whole backward, W inside it before dX is sent)."""
 
     def __init__(self, n: int, split: bool):
         self.num_microbatches, self.split = n, split
@@ -70,8 +71,8 @@ def orders(schedule, p: int, n: int) -> list[_Runner]:
 
 
 def simulate(ops: list[list[tuple[str, int]]], cost: dict[str, float]) -> tuple[float, list[float]]:
-    """Each rank runs its ops in order; F(S, i) waits for F(S - 1, i), B(S, i) for B(S + 1, i) (the last rank's
-    for its own F), W for its B. Returns the makespan and each rank's idle time."""
+    """Each rank runs its ops in order; F(S, i) waits for F(S - 1, i), B(S, i) for B(S + 1, i) (the
+    last rank's for its own F), W for its B. Returns the makespan and each rank's idle time."""
     p, done, clock, idle, at = len(ops), {}, [0.0] * len(ops), [0.0] * len(ops), [0] * len(ops)
     while any(at[r] < len(ops[r]) for r in range(p)):
         ready = []
@@ -99,9 +100,11 @@ def test_zb_h1_bubble_is_a_third_of_1f1bs(p, n):
     zb = orders(run_zb_h1, p, n)
     for rank, runner in enumerate(zb):
         assert sorted(runner.ops) == sorted((k, i) for k in "FBW" for i in range(n)), rank
-        assert runner.most <= rank + 1, (rank, runner.most)  # deferred W units: rank + 1 just after a B
+        # deferred W units: rank + 1 just after a B
+        assert runner.most <= rank + 1, (rank, runner.most)
     end_zb, idle_zb = simulate([r.ops for r in zb], unit)
-    end_1f1b, idle_1f1b = simulate([r.ops for r in orders(run_1f1b, p, n)], unit | {"B": 2.0})  # B with its W
+    # B with its W
+    end_1f1b, idle_1f1b = simulate([r.ops for r in orders(run_1f1b, p, n)], unit | {"B": 2.0})
     assert idle_1f1b == [3.0 * (p - 1)] * p  # (p - 1)(T_F + T_B + T_W)
     assert idle_zb == [1.0 * (p - 1)] * p  # (p - 1)(T_F + T_B - T_W)
     assert end_1f1b - end_zb == 2.0 * (p - 1)
@@ -117,14 +120,21 @@ def test_zero_bubble_refusals_name_the_rule():
 
 
 def test_planner_prices_the_zb_h1_bubble_and_searches_it():
-    """The cost model's ZB-H1 bubble is (p - 1)(T_mb - 2 T_W) (T_W: the deferred weight-gradient GEMMs), below
-    1F1B's (p - 1) T_mb at the same layout, at the memory of its W units; the planner writes and reads the
-    schedule in a plan's label, searches it and weighs the other schedule in ``--explain``'s alternatives."""
+    """The cost model's ZB-H1 bubble is (p - 1)(T_mb - 2 T_W) (T_W: the deferred weight-gradient
+    GEMMs), below 1F1B's (p - 1) T_mb at the same layout, at the memory of its W units; the planner
+    writes and reads the schedule in a plan's label, searches it and weighs the other schedule in
+    ``--explain``'s alternatives."""
     from dataclasses import replace
 
     from seqpar.analysis.formulas.presets import preset_shape
     from seqpar.analysis.planning.costmodel import deferred_w_s
-    from seqpar.analysis.planning.planner import Request, alternatives, evaluate, layouts, parse_plan
+    from seqpar.analysis.planning.planner import (
+        Request,
+        alternatives,
+        evaluate,
+        layouts,
+        parse_plan,
+    )
 
     req = Request(preset_shape("22b"), 64, 64)
     one = parse_plan("tp=8,pp=4,dp=2,m=1,sp=on,recompute=selective,mb=1", 64)
@@ -144,8 +154,9 @@ def test_planner_prices_the_zb_h1_bubble_and_searches_it():
 
 
 def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
-    """``seqpar bench schedule`` on 2 ranks (--quick): every rank's F and B of every microbatch in its timeline,
-    ZB-H1's W units too (none under 1F1B, whose W is inside B), the idle times and their ratio, the picture."""
+    """``seqpar bench schedule`` on 2 ranks (--quick): every rank's F and B of every microbatch in
+    its timeline, ZB-H1's W units too (none under 1F1B, whose W is inside B), the idle times and
+    their ratio, the picture."""
     import argparse
 
     from seqpar.bench import add_arguments
@@ -153,7 +164,9 @@ def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    r = run_benchmark(parser.parse_args(["schedule", "--quick", "--json", "--pp", "2", "--plot", str(tmp_path)]))
+    r = run_benchmark(
+        parser.parse_args(["schedule", "--quick", "--json", "--pp", "2", "--plot", str(tmp_path)])
+    )
     capsys.readouterr()
     n = r["config"]["microbatches"]
     for sched in ("1f1b", "zb-h1"):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 GB = 1e9  # the paper's tables (`seqpar paper`) print decimal GB, as the paper does
-GiB = 2**30  # every other memory report (plan, train --dry-run, memory): binary units, ``human_bytes``
+# every other memory report (plan, train --dry-run, memory): binary units, ``human_bytes``
+GiB = 2**30
 
 
 def gb(nbytes: float, digits: int = 1) -> str:
@@ -16,8 +17,8 @@ def gib(nbytes: float, digits: int = 2) -> str:
 
 
 def human_bytes(nbytes: float) -> str:
-    """``nbytes`` in one binary unit, the same in every memory report: ``1,000 B``, ``1.50 KiB``, ``2.00 MiB``,
-    ``59.96 GiB``."""
+    """``nbytes`` in one binary unit, the same in every memory report: ``1,000 B``, ``1.50 KiB``,
+    ``2.00 MiB``, ``59.96 GiB``."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB"):
         if abs(value) < 1024:
@@ -27,20 +28,21 @@ def human_bytes(nbytes: float) -> str:
 
 
 def exact_bytes(nbytes: float) -> str:
-    """``nbytes`` exactly, then in ``human_bytes``: ``64,375,809,536 B (59.96 GiB)``; the form every report
-    gives a rank's total in."""
+    """``nbytes`` exactly, then in ``human_bytes``: ``64,375,809,536 B (59.96 GiB)``; the form every
+    report gives a rank's total in."""
     return f"{nbytes:,.0f} B" if abs(nbytes) < 1024 else f"{nbytes:,.0f} B ({human_bytes(nbytes)})"
 
 
 def pct_change(ratio: float, digits: int = 1) -> str:
-    """``ratio`` - 1 as a signed percentage (``+3.2%``, ``-1.5%``); ``±0.0%`` when it rounds to zero, never
-    ``-0.0%``."""
+    """``ratio`` - 1 as a signed percentage (``+3.2%``, ``-1.5%``); ``±0.0%`` when it rounds to
+    zero, never ``-0.0%``."""
     value = round(100 * (ratio - 1), digits)
     return f"±{0:.{digits}f}%" if value == 0 else f"{value:+.{digits}f}%"
 
 
 def table(headers: list[str], rows: list[list], left: tuple[int, ...] = (0,)) -> str:
-    """Columns padded to their widest cell; columns in ``left`` left-aligned, the rest right-aligned."""
+    """Columns padded to their widest cell; columns in ``left`` left-aligned, the rest
+    right-aligned."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 

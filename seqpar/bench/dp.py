@@ -9,8 +9,9 @@ is the difference of the two finalize times, ``step_saved_s`` that of the step t
 the collectives' own CPU work slows the backward, as gloo's does on a CPU that the backward keeps
 busy). ``--distributed-optimizer`` runs both modes with it (reduce-scatter instead of all-reduce).
 
-Then (``sharding``, ``seqpar.bench.sharding``): plain data parallelism, the distributed optimizer and FSDP2
-at dp 2 and 4 (``--sharding-dps``): step time and model-state bytes per rank, measured and predicted.
+Then (``sharding``, ``seqpar.bench.sharding``): plain data parallelism, the distributed optimizer
+and FSDP2 at dp 2 and 4 (``--sharding-dps``): step time and model-state bytes per rank, measured and
+predicted.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import time
 
 import torch
 
-from seqpar.bench.common import add_shape_arguments, add_timing_arguments, machine, max_over_ranks, median
+from seqpar.bench.common import (
+    add_shape_arguments,
+    add_timing_arguments,
+    machine,
+    max_over_ranks,
+    median,
+)
 from seqpar.bench.sharding import render_sharding, run_sharding
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.parallel.dims import ParallelDims
@@ -30,8 +37,17 @@ from seqpar.settings import add
 from seqpar.train.config import TrainConfig
 from seqpar.train.optim.optimizers import build_optimizer
 
-QUICK = {"hidden": 32, "heads": 4, "seq": 16, "micro_batch": 1, "layers": 2, "vocab": 64, "repeats": 1,
-         "warmup": 1, "bucket_mb": 0.01}
+QUICK = {
+    "hidden": 32,
+    "heads": 4,
+    "seq": 16,
+    "micro_batch": 1,
+    "layers": 2,
+    "vocab": 64,
+    "repeats": 1,
+    "warmup": 1,
+    "bucket_mb": 0.01,
+}
 MODES = ("after_backward", "overlapped")
 
 
@@ -43,18 +59,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(p, "--dtype", choices=["fp32", "bf16"], default="fp32", help=None)
     add(p, "--distributed-optimizer", action="store_true", help=None)
     add(p, "--threads", default=1, help="torch threads per rank")
-    p.add_argument("--sharding-dps", default="2,4",
-                   help="dp sizes of the plain DP / distributed optimizer / FSDP comparison ('' skips it)")
+    p.add_argument(
+        "--sharding-dps",
+        default="2,4",
+        help="dp sizes of the plain DP / distributed optimizer / FSDP comparison ('' skips it)",
+    )
 
 
 def _rank(rank: int, world: int, args) -> dict:
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                      seq_len=args.seq, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0,
-                      dtype=args.dtype).validate()
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        seq_len=args.seq,
+        embd_dropout=0.0,
+        attn_dropout=0.0,
+        hidden_dropout=0.0,
+        dtype=args.dtype,
+    ).validate()
     parallel = ParallelConfig(dp=world)
     dims = ParallelDims.build(parallel)
     gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen)
+    tokens = torch.randint(
+        0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen
+    )
     mbs = [(t[:, :-1], t[:, 1:]) for t in tokens]
     setups = {}
     for mode in MODES:
@@ -91,15 +120,35 @@ def run(args) -> dict:
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                   if isinstance(v, int | float | str | bool | None)})  # picklable
     out = run_ranks(_rank, 2, plain, threads=args.threads)[0]
-    result = {"benchmark": "dp", "dp": 2, "machine": machine(),
-              "config": {k: getattr(args, k) for k in ("hidden", "heads", "seq", "micro_batch", "layers", "vocab",
-                                                       "microbatches", "bucket_mb", "dtype", "distributed_optimizer",
-                                                       "repeats", "threads")},
-              "buckets": out["buckets"]}
+    result = {
+        "benchmark": "dp",
+        "dp": 2,
+        "machine": machine(),
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "hidden",
+                "heads",
+                "seq",
+                "micro_batch",
+                "layers",
+                "vocab",
+                "microbatches",
+                "bucket_mb",
+                "dtype",
+                "distributed_optimizer",
+                "repeats",
+                "threads",
+            )
+        },
+        "buckets": out["buckets"],
+    }
     for mode in MODES:
         result[mode] = {"step_s": median(out["times"][mode]["step"]),
                         "finalize_s": median(out["times"][mode]["finalize"])}
-    result["reduction_hidden_s"] = result["after_backward"]["finalize_s"] - result["overlapped"]["finalize_s"]
+    result["reduction_hidden_s"] = (
+        result["after_backward"]["finalize_s"] - result["overlapped"]["finalize_s"]
+    )
     result["step_saved_s"] = result["after_backward"]["step_s"] - result["overlapped"]["step_s"]
     dps = tuple(int(x) for x in str(args.sharding_dps).split(",") if x.strip())
     if dps:
@@ -109,17 +158,24 @@ def run(args) -> dict:
 
 def render(r: dict) -> str:
     c = r["config"]
-    lines = [f"bench dp: dp 2, {c['layers']} layers, h {c['hidden']}, s {c['seq']}, b {c['micro_batch']} × "
-             f"{c['microbatches']} microbatches, {c['dtype']}, {r['buckets']} buckets of ≤ {c['bucket_mb']} MiB"
-             + (", distributed optimizer" if c["distributed_optimizer"] else ""),
-             f"  {'reduction':<16}{'step (s)':>10}{'finalize (s)':>14}"]
+    lines = [
+        f"bench dp: dp 2, {c['layers']} layers, h {c['hidden']}, s {c['seq']}, b "
+        f"{c['micro_batch']} × {c['microbatches']} microbatches, {c['dtype']}, {r['buckets']} "
+        f"buckets of ≤ {c['bucket_mb']} MiB"
+        + (", distributed optimizer" if c["distributed_optimizer"] else ""),
+        f"  {'reduction':<16}{'step (s)':>10}{'finalize (s)':>14}",
+    ]
     for mode in MODES:
         lines.append(f"  {mode:<16}{r[mode]['step_s']:>10.4f}{r[mode]['finalize_s']:>14.4f}")
     lines.append(f"  reduction time hidden behind the backward: {r['reduction_hidden_s']:.4f} s; "
                  f"step time saved: {r['step_saved_s']:.4f} s")
-    lines.append(f"  (median of {c['repeats']} repeats, slowest rank; load {r['machine']['load_avg_1min']})")
+    lines.append(
+        f"  (median of {c['repeats']} repeats, slowest rank; load {r['machine']['load_avg_1min']})"
+    )
     if "sharding" in r:
-        lines.append("model states sharded over dp: plain DP, distributed optimizer (ZeRO-1), FSDP2 (most loaded rank,"
-                     " measured; the formula beside it)")
+        lines.append(
+            "model states sharded over dp: plain DP, distributed optimizer (ZeRO-1), FSDP2 (most "
+            "loaded rank, measured; the formula beside it)"
+        )
         lines += render_sharding(r["sharding"])
     return "\n".join(lines)

@@ -1,11 +1,13 @@
-"""bench schedule: one training step's per-rank timeline under each pipeline schedule (1F1B and ZB-H1), on p local
-gloo ranks (default 4, pp 4): what each rank did when (``seqpar.pipeline.timeline``: F, B, deferred W), and each
-rank's idle time -- the step's span, from a barrier to the last rank's end, less its F, B and W -- with ZB-H1's over
-1F1B's per rank, the ratio the zero-bubble schedule is after. ``--plot DIR`` draws the timelines (matplotlib) as
+"""bench schedule: one training step's per-rank timeline under each pipeline schedule (1F1B and
+ZB-H1), on p local gloo ranks (default 4, pp 4): what each rank did when
+(``seqpar.pipeline.timeline``: F, B, deferred W), and each rank's idle time -- the step's span, from
+a barrier to the last rank's end, less its F, B and W -- with ZB-H1's over 1F1B's per rank, the
+ratio the zero-bubble schedule is after. ``--plot DIR`` draws the timelines (matplotlib) as
 ``schedule_timeline.png``; the text timeline is printed either way.
 
-On CPU the ranks share the machine's cores: with fewer cores than ranks a waiting rank lends its core to a busy one,
-and the idle times measure that sharing as well as the schedule (the result records cores and load)."""
+On CPU the ranks share the machine's cores: with fewer cores than ranks a waiting rank lends its
+core to a busy one, and the idle times measure that sharing as well as the schedule (the result
+records cores and load)."""
 
 from __future__ import annotations
 
@@ -25,8 +27,17 @@ from seqpar.pipeline import build_stages, forward_backward
 from seqpar.pipeline.timeline import Timeline
 from seqpar.settings import add
 
-QUICK = {"hidden": 32, "heads": 4, "seq": 16, "micro_batch": 1, "layers": 4, "vocab": 64, "repeats": 1,
-         "warmup": 1, "microbatches": 8}
+QUICK = {
+    "hidden": 32,
+    "heads": 4,
+    "seq": 16,
+    "micro_batch": 1,
+    "layers": 4,
+    "vocab": 64,
+    "repeats": 1,
+    "warmup": 1,
+    "microbatches": 8,
+}
 SCHEDULES = ("1f1b", "zb-h1")
 
 
@@ -41,10 +52,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _rank(rank: int, world: int, args) -> dict:
 
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
-                      seq_len=args.seq, embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0).validate()
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        seq_len=args.seq,
+        embd_dropout=0.0,
+        attn_dropout=0.0,
+        hidden_dropout=0.0,
+    ).validate()
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen)
+    tokens = torch.randint(
+        0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen
+    )
     mbs = [(t[:, :-1], t[:, 1:]) for t in tokens]
     out = {}
     for sched in SCHEDULES:
@@ -63,8 +84,15 @@ def _rank(rank: int, world: int, args) -> dict:
             for chunk in chunks:
                 chunk.zero_grad(set_to_none=True)
             if i >= args.warmup:
-                steps.append({"span_s": span_s, "idle_s": timeline.idle_s(start, start + span_s),
-                              "events": [(k, mb, s - start, e - start) for k, _, mb, s, e in timeline.events]})
+                steps.append(
+                    {
+                        "span_s": span_s,
+                        "idle_s": timeline.idle_s(start, start + span_s),
+                        "events": [
+                            (k, mb, s - start, e - start) for k, _, mb, s, e in timeline.events
+                        ],
+                    }
+                )
         out[sched] = steps
     return out
 
@@ -74,16 +102,37 @@ def run(args) -> dict:
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                   if isinstance(v, int | float | str | bool | None)})  # picklable
     ranks = run_ranks(_rank, args.pp, plain, threads=args.threads)
-    result = {"benchmark": "schedule", "pp": args.pp, "machine": machine(),
-              "config": {k: getattr(args, k) for k in ("hidden", "heads", "seq", "micro_batch", "layers", "vocab",
-                                                       "microbatches", "repeats", "threads")}}
+    result = {
+        "benchmark": "schedule",
+        "pp": args.pp,
+        "machine": machine(),
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "hidden",
+                "heads",
+                "seq",
+                "micro_batch",
+                "layers",
+                "vocab",
+                "microbatches",
+                "repeats",
+                "threads",
+            )
+        },
+    }
     for sched in SCHEDULES:
-        result[sched] = {"step_s": median([ranks[0][sched][i]["span_s"] for i in range(args.repeats)]),
-                         "idle_s": [median([r[sched][i]["idle_s"] for i in range(args.repeats)]) for r in ranks],
-                         "events": [r[sched][-1]["events"] for r in ranks]}  # the last repeat's, per rank
+        result[sched] = {
+            "step_s": median([ranks[0][sched][i]["span_s"] for i in range(args.repeats)]),
+            "idle_s": [median([r[sched][i]["idle_s"] for i in range(args.repeats)]) for r in ranks],
+            # the last repeat's, per rank
+            "events": [r[sched][-1]["events"] for r in ranks],
+        }
     base = result["1f1b"]["idle_s"]
     for sched in SCHEDULES[1:]:
-        result[sched]["idle_ratio"] = [i / b for i, b in zip(result[sched]["idle_s"], base, strict=True)]
+        result[sched]["idle_ratio"] = [
+            i / b for i, b in zip(result[sched]["idle_s"], base, strict=True)
+        ]
         result[sched]["mean_idle_ratio"] = sum(result[sched]["idle_s"]) / sum(base)
     if args.plot:
         result["plot"] = plot(result, args.plot)
@@ -91,27 +140,51 @@ def run(args) -> dict:
 
 
 def text_timeline(events: list, span: float, width: int = 100) -> str:
-    """One rank's step as characters: F, B, W where they ran (the microbatch's last digit for F and B), '.' idle."""
+    """One rank's step as characters: F, B, W where they ran (the microbatch's last digit for F and
+    B), '.' idle."""
     row = ["."] * width
     for kind, mb, start, end in events:
-        for c in range(int(start / span * width), max(int(end / span * width), int(start / span * width) + 1)):
+        for c in range(
+            int(start / span * width), max(int(end / span * width), int(start / span * width) + 1)
+        ):
             if c < width:
-                row[c] = kind if kind == "W" else (str(mb % 10) if kind == "F" else "BCDEFGHIJK"[mb % 10].lower())
+                row[c] = (
+                    kind
+                    if kind == "W"
+                    else (str(mb % 10) if kind == "F" else "BCDEFGHIJK"[mb % 10].lower())
+                )
     return "".join(row)
 
 
 def plot(r: dict, folder: str) -> str:
-    """``schedule_timeline.png`` in ``folder``: per schedule, a row per rank, F / B / W as coloured bars."""
+    """``schedule_timeline.png`` in ``folder``: per schedule, a row per rank, F / B / W as coloured
+    bars."""
 
     plt = require("matplotlib.pyplot", "bench schedule --plot")
     colors = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
-    fig, axes = plt.subplots(len(SCHEDULES), 1, figsize=(12, 1.2 + 0.5 * r["pp"] * len(SCHEDULES)), sharex=True)
+    fig, axes = plt.subplots(
+        len(SCHEDULES), 1, figsize=(12, 1.2 + 0.5 * r["pp"] * len(SCHEDULES)), sharex=True
+    )
     for ax, sched in zip(axes, SCHEDULES, strict=True):
         for rank, events in enumerate(r[sched]["events"]):
             for kind, mb, start, end in events:
-                ax.barh(rank, end - start, left=start, color=colors[kind], edgecolor="black", linewidth=0.3)
+                ax.barh(
+                    rank,
+                    end - start,
+                    left=start,
+                    color=colors[kind],
+                    edgecolor="black",
+                    linewidth=0.3,
+                )
                 if kind != "W":
-                    ax.text(start + (end - start) / 2, rank, str(mb), ha="center", va="center", fontsize=6)
+                    ax.text(
+                        start + (end - start) / 2,
+                        rank,
+                        str(mb),
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                    )
         idle = ", ".join(f"{i * 1e3:.0f}" for i in r[sched]["idle_s"])
         ax.set_title(f"{sched}: idle per rank {idle} ms", fontsize=9)
         ax.set_yticks(range(r["pp"]))
@@ -127,18 +200,31 @@ def plot(r: dict, folder: str) -> str:
 
 def render(r: dict) -> str:
     c = r["config"]
-    lines = [f"bench schedule: pp {r['pp']} ranks, {c['layers']} layers, h {c['hidden']}, s {c['seq']}, "
-             f"b {c['micro_batch']} × {c['microbatches']} microbatches, fp32; median of {c['repeats']} steps; "
-             f"{r['machine'].get('cores', '?')} cores, load {r['machine']['load_avg_1min']}"]
+    lines = [
+        f"bench schedule: pp {r['pp']} ranks, {c['layers']} layers, h {c['hidden']}, s {c['seq']}, "
+        f"b {c['micro_batch']} × {c['microbatches']} microbatches, fp32; median of {c['repeats']} "
+        f"steps; {r['machine'].get('cores', '?')} cores, load {r['machine']['load_avg_1min']}"
+    ]
     span = max(r[s]["step_s"] for s in SCHEDULES)
     for sched in SCHEDULES:
-        lines.append(f"  {sched}: step {r[sched]['step_s']:.3f} s, idle per rank "
-                     + ", ".join(f"{i:.3f}" for i in r[sched]["idle_s"]) + " s"
-                     + ("; / 1F1B's: " + ", ".join(f"{x:.2f}" for x in r[sched]["idle_ratio"])
-                        + f" (all ranks {r[sched]['mean_idle_ratio']:.2f})" if "idle_ratio" in r[sched] else ""))
+        lines.append(
+            f"  {sched}: step {r[sched]['step_s']:.3f} s, idle per rank "
+            + ", ".join(f"{i:.3f}" for i in r[sched]["idle_s"])
+            + " s"
+            + (
+                "; / 1F1B's: "
+                + ", ".join(f"{x:.2f}" for x in r[sched]["idle_ratio"])
+                + f" (all ranks {r[sched]['mean_idle_ratio']:.2f})"
+                if "idle_ratio" in r[sched]
+                else ""
+            )
+        )
         for rank, events in enumerate(r[sched]["events"]):
             lines.append(f"    rank {rank} |{text_timeline(events, span)}|")
-    lines.append("  (digits: F of that microbatch, letters b..k: its B, W: a deferred weight-gradient unit, '.': idle)")
+    lines.append(
+        "  (digits: F of that microbatch, letters b..k: its B, W: a deferred weight-gradient unit, "
+        "'.': idle)"
+    )
     if "plot" in r:
         lines.append(f"  picture: {r['plot']}")
     return "\n".join(lines)

@@ -1,12 +1,14 @@
-"""Which ``scaled_dot_product_attention`` backend seqpar's fused core really runs, read from the ops it dispatches.
+"""Which ``scaled_dot_product_attention`` backend seqpar's fused core really runs, read from the ops
+it dispatches.
 
-``F.scaled_dot_product_attention`` picks its backend (flash, memory-efficient, cuDNN, the CPU flash kernel, or the
-math fallback) inside its composite kernel, so the op that reaches the dispatcher names it:
-``_scaled_dot_product_flash_attention``, ``..._efficient_attention``, ``..._cudnn_attention``,
-``..._flash_attention_for_cpu``; none of them means the math fallback (matmuls and a softmax). A
-``TorchDispatchMode`` records those ops and their first output, so the probe also tells whether the core's result
-``[s, b, h]`` is a view of the kernel's output (one storage) or a copy (``reshape`` of a layout whose strides do not
-merge: one more tensor kept). On an accelerator the profiler's kernel names are recorded beside them.
+``F.scaled_dot_product_attention`` picks its backend (flash, memory-efficient, cuDNN, the CPU flash
+kernel, or the math fallback) inside its composite kernel, so the op that reaches the dispatcher
+names it: ``_scaled_dot_product_flash_attention``, ``..._efficient_attention``,
+``..._cudnn_attention``, ``..._flash_attention_for_cpu``; none of them means the math fallback
+(matmuls and a softmax). A ``TorchDispatchMode`` records those ops and their first output, so the
+probe also tells whether the core's result ``[s, b, h]`` is a view of the kernel's output (one
+storage) or a copy (``reshape`` of a layout whose strides do not merge: one more tensor kept). On an
+accelerator the profiler's kernel names are recorded beside them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ KERNEL_WORDS = ("flash", "fmha", "attention", "cudnn", "sdpa", "softmax")
 
 
 class SDPAOps(TorchDispatchMode):
-    """Records ``(op name, data pointer of its first output's storage)`` of every sdpa op dispatched."""
+    """Records ``(op name, data pointer of its first output's storage)`` of every sdpa op
+    dispatched."""
 
     def __init__(self):
         super().__init__()
@@ -51,11 +54,13 @@ def _documents(b: int, s: int, device):
 
 
 def probe_core(device, b: int, s: int, heads: int, kv: int, d: int, docs: bool) -> dict:
-    """One forward + backward of the fused core (bf16) with ``kv`` key/value heads of ``heads``, with or without
-    a document mask: the sdpa ops it ran, whether its result shares the kernel output's storage, and (on an
-    accelerator) the attention kernels' names."""
+    """One forward + backward of the fused core (bf16) with ``kv`` key/value heads of ``heads``,
+    with or without a document mask: the sdpa ops it ran, whether its result shares the kernel
+    output's storage, and (on an accelerator) the attention kernels' names."""
     core = _core(heads, kv, d, device)
-    qkv = torch.randn(s, b, kv * (heads // kv + 2) * d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    qkv = torch.randn(
+        s, b, kv * (heads // kv + 2) * d, device=device, dtype=torch.bfloat16, requires_grad=True
+    )
     mask = _documents(b, s, device) if docs else None
     with documents.using(mask), _profiler(device) as prof, SDPAOps() as rec:
         out = core(qkv)  # [s, b, heads·d]
@@ -73,7 +78,10 @@ def _profiler(device):
     if device.type == "cpu":
         return contextlib.nullcontext()
 
-    wanted = {ProfilerActivity.CPU, getattr(ProfilerActivity, device.type.upper(), ProfilerActivity.CPU)}
+    wanted = {
+        ProfilerActivity.CPU,
+        getattr(ProfilerActivity, device.type.upper(), ProfilerActivity.CPU),
+    }
     return profile(activities=sorted(wanted & set(torch.profiler.supported_activities()), key=str))
 
 

@@ -1,12 +1,12 @@
-"""bench dp's sharding comparison: plain data parallelism, the distributed optimizer (ZeRO-1) and FSDP2
-(``parallel.fsdp``) at dp 2 and 4, on local ranks.
+"""bench dp's sharding comparison: plain data parallelism, the distributed optimizer (ZeRO-1) and
+FSDP2 (``parallel.fsdp``) at dp 2 and 4, on local ranks.
 
-For each dp, one launch of dp ranks builds the model once per mode and runs one step of each mode per
-repeat (alternating, so a change in the machine's load hits all three): zero_grad → forward_backward →
-finalize_grads → norm → AdamW. Reported per mode: the median step time of the slowest rank, and the
-model-state bytes of the most loaded rank -- measured from the tensors (``state_bytes`` of the
-optimizer) next to the formula the start record uses (``seqpar.train.states``) -- and their ratio to
-plain data parallelism's.
+For each dp, one launch of dp ranks builds the model once per mode and runs one step of each mode
+per repeat (alternating, so a change in the machine's load hits all three): zero_grad →
+forward_backward → finalize_grads → norm → AdamW. Reported per mode: the median step time of the
+slowest rank, and the model-state bytes of the most loaded rank -- measured from the tensors
+(``state_bytes`` of the optimizer) next to the formula the start record uses
+(``seqpar.train.states``) -- and their ratio to plain data parallelism's.
 """
 
 from __future__ import annotations
@@ -29,17 +29,37 @@ KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 
 
 def _job(args, dp: int, mode: str):
-    model = {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_heads": args.heads, "num_layers": args.layers,
-             "seq_len": args.seq, "embd_dropout": 0.0, "attn_dropout": 0.0, "hidden_dropout": 0.0, "dtype": args.dtype}
-    train = {"micro_batch": args.micro_batch, "global_batch": args.micro_batch * args.microbatches * dp,
-             "distributed_optimizer": mode == "distributed_optimizer"}
-    return build_job({"model": model, "parallel": {"dp": dp, "fsdp": mode == "fsdp"}, "recompute": {},
-                      "train": train})
+    model = {
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "num_heads": args.heads,
+        "num_layers": args.layers,
+        "seq_len": args.seq,
+        "embd_dropout": 0.0,
+        "attn_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        "dtype": args.dtype,
+    }
+    train = {
+        "micro_batch": args.micro_batch,
+        "global_batch": args.micro_batch * args.microbatches * dp,
+        "distributed_optimizer": mode == "distributed_optimizer",
+    }
+    return build_job(
+        {
+            "model": model,
+            "parallel": {"dp": dp, "fsdp": mode == "fsdp"},
+            "recompute": {},
+            "train": train,
+        }
+    )
 
 
 def _rank(rank: int, world: int, args) -> dict:
     gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen)
+    tokens = torch.randint(
+        0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen
+    )
     mbs = [(t[:, :-1], t[:, 1:]) for t in tokens]
     setups, states = {}, {}
     for mode in MODES:
@@ -66,14 +86,15 @@ def _rank(rank: int, world: int, args) -> dict:
             (total,) = max_over_ranks([step(mode)])
             if i >= args.warmup:
                 times[mode].append(total)
-    for mode, (job, dims, _, opt) in setups.items():  # after a backward: FSDP's gradients exist then
+    # after a backward: FSDP's gradients exist then
+    for mode, (job, dims, _, opt) in setups.items():
         states[mode] = state_record(job, opt, 0, dims.grad_rank)
     return {"times": times, "states": states}
 
 
 def run_sharding(args, dps: tuple[int, ...] = (2, 4)) -> dict:
-    """``{dp: {mode: {step_s, state_bytes, state_bytes_predicted, vs_dp, ...}}}`` (state bytes: the most
-    loaded rank's)."""
+    """``{dp: {mode: {step_s, state_bytes, state_bytes_predicted, vs_dp, ...}}}`` (state bytes: the
+    most loaded rank's)."""
     out = {}
     for dp in dps:
         ranks = run_ranks(_rank, dp, args, threads=args.threads)

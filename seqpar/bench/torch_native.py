@@ -28,17 +28,36 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from seqpar.bench.plain_gpt import Block
 from seqpar.dtypes import torch_dtype
 
 # The attention core's ops (Sec. 5's selective set and the views/masking between them).
 aten = torch.ops.aten
-CORE_OPS = {aten.bmm.default, aten.mul_.Tensor, aten.mul.Tensor, aten.masked_fill_.Scalar, aten._softmax.default,
-            aten.native_dropout.default, aten.view.default, aten.permute.default, aten.unbind.int,
-            aten.select.int, aten._unsafe_view.default, aten.clone.default, aten.reshape.default,
-            aten.slice.Tensor, aten.expand.default, aten.alias.default, aten.detach.default}
+CORE_OPS = {
+    aten.bmm.default,
+    aten.mul_.Tensor,
+    aten.mul.Tensor,
+    aten.masked_fill_.Scalar,
+    aten._softmax.default,
+    aten.native_dropout.default,
+    aten.view.default,
+    aten.permute.default,
+    aten.unbind.int,
+    aten.select.int,
+    aten._unsafe_view.default,
+    aten.clone.default,
+    aten.reshape.default,
+    aten.slice.Tensor,
+    aten.expand.default,
+    aten.alias.default,
+    aten.detach.default,
+}
 
 
 def _policy(ctx, op, *args, **kwargs):
@@ -47,8 +66,9 @@ def _policy(ctx, op, *args, **kwargs):
 
 
 class KeptInputs:
-    """Storages a non-reentrant checkpoint keeps alive outside autograd's saved tensors (its inputs):
-    a meter that is active registers ``sink``; selective recompute reports its input there."""
+    """Storages a non-reentrant checkpoint keeps alive outside autograd's saved tensors (its
+    inputs): a meter that is active registers ``sink``; selective recompute reports its input
+    there."""
 
     sink = None
 
@@ -61,8 +81,9 @@ def selective_checkpoint(core: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_partial_grads(model: nn.Module) -> None:
-    """Make every ``Partial`` gradient (the norms' weights and biases under SP) ``Replicate``: the all-reduce
-    DTensor defers until something (an optimizer step, a grad-norm) reads the gradient."""
+    """Make every ``Partial`` gradient (the norms' weights and biases under SP) ``Replicate``: the
+    all-reduce DTensor defers until something (an optimizer step, a grad-norm) reads the
+    gradient."""
     for p in model.parameters():
         grad = p.grad
         if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
@@ -73,21 +94,31 @@ def layer_plan() -> dict:
     """torchtitan's per-block plan with sequence dim 0."""
     return {
         "ln1": SequenceParallel(sequence_dim=0),
-        "attention": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
-                                        use_local_output=True),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
         "attention.qkv": ColwiseParallel(),
         "attention.out_proj": RowwiseParallel(output_layouts=Shard(0)),
         "ln2": SequenceParallel(sequence_dim=0),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
-                                  use_local_output=True),
+        "mlp": PrepareModuleInput(
+            input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
         "mlp.fc1": ColwiseParallel(),
         "mlp.fc2": RowwiseParallel(output_layouts=Shard(0)),
     }
 
 
 def block_from_config(cfg) -> Block:
-    return Block(cfg.hidden_size, cfg.num_heads, cfg.ffn, cfg.seq_len, cfg.attn_dropout, cfg.hidden_dropout,
-                 cfg.layernorm_eps, torch_dtype(cfg.dtype))
+    return Block(
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.ffn,
+        cfg.seq_len,
+        cfg.attn_dropout,
+        cfg.hidden_dropout,
+        cfg.layernorm_eps,
+        torch_dtype(cfg.dtype),
+    )
 
 
 class Layers(nn.Module):
@@ -107,7 +138,9 @@ def parallelize_layers(model: Layers, mesh: DeviceMesh, recompute: str = "none")
     """Apply TP + SP to each block (in place) and, for ``selective``, the attention-core checkpoint.
     Load full (unsharded) weights into ``model`` before: the plan shards them."""
     if recompute not in ("none", "selective"):
-        raise ValueError(f"recompute {recompute!r}: the PyTorch-native baseline has none | selective")
+        raise ValueError(
+            f"recompute {recompute!r}: the PyTorch-native baseline has none | selective"
+        )
     for block in model.layers:
         parallelize_module(block, mesh, layer_plan())
         block.attention.checkpoint = selective_checkpoint if recompute == "selective" else None

@@ -19,7 +19,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from seqpar.bench import common
-from seqpar.bench.torch_native import Layers, block_from_config, parallelize_layers, reduce_partial_grads
+from seqpar.bench.torch_native import (
+    Layers,
+    block_from_config,
+    parallelize_layers,
+    reduce_partial_grads,
+)
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.dtypes import torch_dtype
 from seqpar.model import build_model
@@ -29,7 +34,15 @@ from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import allreduce_sequence_parallel_grads, full_state_dict
 from seqpar.settings import add
 
-QUICK = {"hidden": 64, "heads": 4, "seq": 32, "micro_batch": 2, "layers": 2, "repeats": 1, "warmup": 0}
+QUICK = {
+    "hidden": 64,
+    "heads": 4,
+    "seq": 32,
+    "micro_batch": 2,
+    "layers": 2,
+    "repeats": 1,
+    "warmup": 0,
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +68,9 @@ def build_pair(cfg: ModelConfig, recompute: str, dims: ParallelDims):
 
 def _input(cfg: ModelConfig, micro_batch: int, group) -> torch.Tensor:
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(cfg.seq_len, micro_batch, cfg.hidden_size, generator=gen).to(torch_dtype(cfg.dtype))  # [s, b, h]
+    x = torch.randn(cfg.seq_len, micro_batch, cfg.hidden_size, generator=gen).to(
+        torch_dtype(cfg.dtype)
+    )  # [s, b, h]
     return split_seq(x, group).clone()  # [s/t, b, h], its own storage
 
 
@@ -113,17 +128,26 @@ def _worker(rank: int, world: int, cfg: ModelConfig, micro_batch: int, recompute
                 cpu[name].append(cpu_seconds)
     times = {k: common.max_over_ranks(v, group) for k, v in times.items()}
     cpu = {k: common.max_over_ranks(v, group) for k, v in cpu.items()}
-    return {"seqpar_ms": 1e3 * common.median(times["seqpar"]), "torch_ms": 1e3 * common.median(times["torch"]),
-            "seqpar_min_ms": 1e3 * min(times["seqpar"]), "torch_min_ms": 1e3 * min(times["torch"]),
-            "seqpar_cpu_ms": 1e3 * common.median(cpu["seqpar"]), "torch_cpu_ms": 1e3 * common.median(cpu["torch"]),
-            "seqpar_bytes": per_layer["seqpar"], "torch_bytes": per_layer["torch"],
-            "seqpar_loss": losses[0].item(), "torch_loss": losses[1].item(),
-            "seqpar_first_s": first_s[0], "torch_first_s": first_s[1]}
+    return {
+        "seqpar_ms": 1e3 * common.median(times["seqpar"]),
+        "torch_ms": 1e3 * common.median(times["torch"]),
+        "seqpar_min_ms": 1e3 * min(times["seqpar"]),
+        "torch_min_ms": 1e3 * min(times["torch"]),
+        "seqpar_cpu_ms": 1e3 * common.median(cpu["seqpar"]),
+        "torch_cpu_ms": 1e3 * common.median(cpu["torch"]),
+        "seqpar_bytes": per_layer["seqpar"],
+        "torch_bytes": per_layer["torch"],
+        "seqpar_loss": losses[0].item(),
+        "torch_loss": losses[1].item(),
+        "seqpar_first_s": first_s[0],
+        "torch_first_s": first_s[1],
+    }
 
 
 def formula_bytes(cfg: ModelConfig, b: int, t: int, recompute: str) -> dict:
-    """The paper's TP+SP bytes per layer (Table 2) at this dropout, the LN statistics seqpar keeps, and
-    the gathered linear inputs PyTorch-native SP keeps on top: 4sbh(1 - 1/t) bytes in 16 bits."""
+    """The paper's TP+SP bytes per layer (Table 2) at this dropout, the LN statistics seqpar keeps,
+    and the gathered linear inputs PyTorch-native SP keeps on top: 4sbh(1 - 1/t) bytes in 16
+    bits."""
     s, h, a = cfg.seq_len, cfg.hidden_size, cfg.num_heads
     e = cfg.dtype_bytes
     unit = s * b * h * e // 2  # "sbh" in the paper's 2-byte units
@@ -151,34 +175,65 @@ def run(args) -> dict:
                          "time_ratio": r["seqpar_ms"] / r["torch_ms"],
                          "time_ratio_min": r["seqpar_min_ms"] / r["torch_min_ms"],
                          "cpu_ratio": r["seqpar_cpu_ms"] / r["torch_cpu_ms"]})
-    return {"config": {"s": cfg.seq_len, "b": args.micro_batch, "h": cfg.hidden_size, "a": cfg.num_heads,
-                       "layers": cfg.num_layers, "dtype": cfg.dtype, "dropout": args.dropout,
-                       "compile": getattr(args, "compile", False)},
-            "machine": common.machine(), "rows": rows}
+    return {
+        "config": {
+            "s": cfg.seq_len,
+            "b": args.micro_batch,
+            "h": cfg.hidden_size,
+            "a": cfg.num_heads,
+            "layers": cfg.num_layers,
+            "dtype": cfg.dtype,
+            "dropout": args.dropout,
+            "compile": getattr(args, "compile", False),
+        },
+        "machine": common.machine(),
+        "rows": rows,
+    }
 
 
 def render(result: dict) -> str:
     c = result["config"]
-    out = [f"vs-torch: seqpar vs PyTorch-native DTensor TP+SP, {c['layers']} layers, s={c['s']} b={c['b']} "
-           f"h={c['h']} a={c['a']} {c['dtype']}, dropout {c['dropout']}; step = fwd+bwd, median, max over ranks"
-           + ("; both compiled (attention cores and MLPs)" if c.get("compile") else "")]
+    out = [
+        f"vs-torch: seqpar vs PyTorch-native DTensor TP+SP, {c['layers']} layers, s={c['s']} "
+        f"b={c['b']} h={c['h']} a={c['a']} {c['dtype']}, dropout {c['dropout']}; step = fwd+bwd, "
+        f"median, max over ranks"
+        + ("; both compiled (attention cores and MLPs)" if c.get("compile") else "")
+    ]
     rows = []
     for r in result["rows"]:
-        rows.append([r["tp"], r["recompute"], f"{r['seqpar_ms']:.1f}", f"{r['torch_ms']:.1f}", f"{r['time_ratio']:.3f}",
-                     f"{r['time_ratio_min']:.3f}", f"{r['cpu_ratio']:.3f}",
-                     common.fmt_bytes(r["seqpar_bytes"]), common.fmt_bytes(r["torch_bytes"]), f"{r['bytes_ratio']:.3f}",
-                     common.fmt_bytes(r["torch_bytes"] - r["seqpar_bytes"]),
-                     "yes" if r["seqpar_bytes"] == r["exact_bytes"] else "NO",
-                     "yes" if r["torch_bytes"] == r["torch_expected_bytes"] else "NO"])
+        rows.append(
+            [
+                r["tp"],
+                r["recompute"],
+                f"{r['seqpar_ms']:.1f}",
+                f"{r['torch_ms']:.1f}",
+                f"{r['time_ratio']:.3f}",
+                f"{r['time_ratio_min']:.3f}",
+                f"{r['cpu_ratio']:.3f}",
+                common.fmt_bytes(r["seqpar_bytes"]),
+                common.fmt_bytes(r["torch_bytes"]),
+                f"{r['bytes_ratio']:.3f}",
+                common.fmt_bytes(r["torch_bytes"] - r["seqpar_bytes"]),
+                "yes" if r["seqpar_bytes"] == r["exact_bytes"] else "NO",
+                "yes" if r["torch_bytes"] == r["torch_expected_bytes"] else "NO",
+            ]
+        )
     out.append(common.table(["t", "recompute", "seqpar ms", "torch ms", "time ×", "best ×", "CPU ×",
                              "seqpar B/layer",
                              "torch B/layer", "bytes ×", "torch excess", "seqpar=exact",
                              "torch=exact+4sbh(1-1/t)"], rows))
-    out.append("time ×: seqpar/torch of the median steps; best ×: of the fastest; CPU ×: of the median CPU "
-               "times. "
-               "bytes: per layer per rank; exact = Table 2 at this dropout + LayerNorm mean/rstd (4sb/t elements).")
+    out.append(
+        "time ×: seqpar/torch of the median steps; best ×: of the fastest; CPU ×: of the median "
+        "CPU times. bytes: per layer per rank; exact = Table 2 at this dropout + LayerNorm "
+        "mean/rstd (4sb/t elements)."
+    )
     if c.get("compile"):
-        out.append("compile (first step, untimed) s: " + ", ".join(
-            f"t={r['tp']} {r['recompute']}: seqpar {r['seqpar_first_s']:.1f} / torch {r['torch_first_s']:.1f}"
-            for r in result["rows"]))
+        out.append(
+            "compile (first step, untimed) s: "
+            + ", ".join(
+                f"t={r['tp']} {r['recompute']}: seqpar {r['seqpar_first_s']:.1f} / torch "
+                f"{r['torch_first_s']:.1f}"
+                for r in result["rows"]
+            )
+        )
     return "\n".join(out)

@@ -1,5 +1,6 @@
 """`seqpar bench NAME [--json]`: the benchmarks (table4, vs-torch, single, mfu, planner) of
-``seqpar.bench``; docs/benchmarks.md says what each measures, benchmarks/RESULTS.md what they gave."""
+``seqpar.bench``; docs/benchmarks.md says what each measures, benchmarks/RESULTS.md what they
+gave."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from seqpar.config import ConfigError
 from seqpar.out_path import check_out_file, json_with
 from seqpar.settings import add
 
-PROFILE_KEYS = ("name", "source", "layer_overhead", "step_overhead")  # a profile's: what --out may replace
+# a profile's: what --out may replace
+PROFILE_KEYS = ("name", "source", "layer_overhead", "step_overhead")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the training dtype of the GEMM sweep and element-wise ops (default %(default)s)")
     add(p, "--quick", help="tiny sizes, few repeats (a smoke test, not a profile)")
     add(p, "--json", help="print the profile (with its measurements) as JSON")
-    p.add_argument("--out", type=Path, metavar="FILE", help="write the profile to FILE (for plan --hardware; "
-                   "an existing file is replaced only when it is a profile)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="write the profile to FILE (for plan --hardware; "
+        "an existing file is replaced only when it is a profile)",
+    )
 
 
 def _default_nproc() -> int:
@@ -36,19 +42,29 @@ def _default_nproc() -> int:
 
 
 def render(profile: dict) -> str:
-    rows = [["peak (best GEMM)", f"{profile['peak_flops'] / 1e12:.4g} TFLOP/s"],
-            ["GEMM efficiency", f"{100 * profile['gemm_efficiency']:.1f}%"],
-            ["GEMM operand bandwidth", "= memory" if profile["gemm_operand_bw"] is None
-             else f"{profile['gemm_operand_bw'] / 1e9:.4g} GB/s"],
-            ["fused causal attention efficiency", "= GEMM" if profile.get("attention_efficiency") is None
-             else f"{100 * profile['attention_efficiency']:.1f}%"],
-            ["element-wise bytes/s (memory_bw)", f"{profile['memory_bw'] / 1e9:.4g} GB/s"],
-            ["collective bus bandwidth", f"{profile['intra_node_bw'] / 1e9:.4g} GB/s"],
-            ["latency per message", f"{1e6 * profile['comm_latency']:.1f} us"],
-            ["collective hidden beside a GEMM (comm_overlap)", f"{100 * profile['comm_overlap']:.0f}%"],
-            ["overhead per layer per pass", f"{1e3 * profile['layer_overhead']:.3f} ms"],
-            ["overhead per step", f"{1e3 * profile['step_overhead']:.3f} ms"],
-            ["memory", f"{profile['memory_bytes'] / 1e9:.1f} GB"]]
+    rows = [
+        ["peak (best GEMM)", f"{profile['peak_flops'] / 1e12:.4g} TFLOP/s"],
+        ["GEMM efficiency", f"{100 * profile['gemm_efficiency']:.1f}%"],
+        [
+            "GEMM operand bandwidth",
+            "= memory"
+            if profile["gemm_operand_bw"] is None
+            else f"{profile['gemm_operand_bw'] / 1e9:.4g} GB/s",
+        ],
+        [
+            "fused causal attention efficiency",
+            "= GEMM"
+            if profile.get("attention_efficiency") is None
+            else f"{100 * profile['attention_efficiency']:.1f}%",
+        ],
+        ["element-wise bytes/s (memory_bw)", f"{profile['memory_bw'] / 1e9:.4g} GB/s"],
+        ["collective bus bandwidth", f"{profile['intra_node_bw'] / 1e9:.4g} GB/s"],
+        ["latency per message", f"{1e6 * profile['comm_latency']:.1f} us"],
+        ["collective hidden beside a GEMM (comm_overlap)", f"{100 * profile['comm_overlap']:.0f}%"],
+        ["overhead per layer per pass", f"{1e3 * profile['layer_overhead']:.3f} ms"],
+        ["overhead per step", f"{1e3 * profile['step_overhead']:.3f} ms"],
+        ["memory", f"{profile['memory_bytes'] / 1e9:.1f} GB"],
+    ]
     return f"profile {profile['name']}: {profile['source']}\n" + table(["parameter", "value"], rows)
 
 
@@ -60,7 +76,8 @@ def run(args) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc must be a positive integer, got {nproc}")
     if args.out:
-        check_out_file(args.out, "--out", json_with(*PROFILE_KEYS), "a calibrated profile")  # before the benchmarks
+        # before the benchmarks
+        check_out_file(args.out, "--out", json_with(*PROFILE_KEYS), "a calibrated profile")
     profile = calibrate(nproc, args.dtype, "quick" if args.quick else "full")
     if args.out:
         args.out.write_text(json.dumps(profile, indent=1))

@@ -1,4 +1,5 @@
-"""One way to name a checkpoint in every verb that reads one: ``seqpar VERB DIR`` or ``--checkpoint DIR``."""
+"""One way to name a checkpoint in every verb that reads one: ``seqpar VERB DIR`` or
+``--checkpoint DIR``."""
 
 from __future__ import annotations
 
@@ -20,5 +21,7 @@ def checkpoint_of(args) -> str:
     if not given:
         raise ConfigError("name the checkpoint folder: CHECKPOINT or --checkpoint CHECKPOINT")
     if len(given) > 1:
-        raise ConfigError(f"two checkpoints named: {args.checkpoint} and --checkpoint {args.checkpoint_flag}")
+        raise ConfigError(
+            f"two checkpoints named: {args.checkpoint} and --checkpoint {args.checkpoint_flag}"
+        )
     return given.pop()

@@ -1,12 +1,13 @@
 """`seqpar eval CHECKPOINT [--data PATH]`: the loss of a checkpoint on given data (one process).
 
-The trainer's own evaluation (``train.evaluate``: the pipeline schedules' forward-only mode) on one rank.
+The trainer's own evaluation (``train.evaluate``: the pipeline schedules' forward-only mode) on one
+rank.
 
 By default the held-out split training validated on, and the trainer's own fixed validation windows
-(``eval_batches × global_batch`` of the run: the validation loss it logged, in seconds); ``--batches``
-scores that many forwards of ``--micro-batch`` windows, ``--full`` windows covering the split once.
-``--data`` names other data (read with the run's tokenizer unless ``--tokenizer``), ``--split all``
-every token of it. A progress line (windows, tokens/s, ETA) goes to stderr.
+(``eval_batches × global_batch`` of the run: the validation loss it logged, in seconds);
+``--batches`` scores that many forwards of ``--micro-batch`` windows, ``--full`` windows covering
+the split once. ``--data`` names other data (read with the run's tokenizer unless ``--tokenizer``),
+``--split all`` every token of it. A progress line (windows, tokens/s, ETA) goes to stderr.
 """
 
 from __future__ import annotations
@@ -37,15 +38,31 @@ from seqpar.train.sample import load_model, model_tokenizer
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_argument(p)
-    add(p, "--data", help="text file or folder, or a .bin of token ids (default: the run's own data)")
+    add(
+        p,
+        "--data",
+        help="text file or folder, or a .bin of token ids (default: the run's own data)",
+    )
     add(p, "--tokenizer", help="tokenizers JSON file (default: the run's; else bytes)")
-    p.add_argument("--split", choices=["val", "all"], default="val",
-                   help="val: the held-out tail training validated on; all: every token (default %(default)s)")
+    p.add_argument(
+        "--split",
+        choices=["val", "all"],
+        default="val",
+        help="val: the held-out tail training validated on; all: every token (default %(default)s)",
+    )
     add(p, "--micro-batch", default=8, help="windows per forward (default %(default)s)")
-    p.add_argument("--batches", type=int, default=0,
-                   help="this many forwards of --micro-batch windows; 0: the trainer's validation windows "
-                        "(default %(default)s)")
-    p.add_argument("--full", action="store_true", help="windows covering the whole split once (slow on big data)")
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=0,
+        help="this many forwards of --micro-batch windows; 0: the trainer's validation windows "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="windows covering the whole split once (slow on big data)",
+    )
     add(p, "--no-progress", help="no progress line")
     add(p, "--json", help="print one JSON object")
 
@@ -53,27 +70,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     path = checkpoint_of(args)
     if args.micro_batch < 1 or args.batches < 0:
-        raise ConfigError(f"--micro-batch {args.micro_batch} must be >= 1 and --batches {args.batches} >= 0")
+        raise ConfigError(
+            f"--micro-batch {args.micro_batch} must be >= 1 and --batches {args.batches} >= 0"
+        )
     if args.full and args.batches:
         raise ConfigError("--full and --batches both choose the windows: give one")
-    result = evaluate_checkpoint(path, args.data, args.tokenizer, args.split, args.micro_batch, args.batches,
-                                 full=args.full, progress=not args.no_progress and not args.json)
+    result = evaluate_checkpoint(
+        path,
+        args.data,
+        args.tokenizer,
+        args.split,
+        args.micro_batch,
+        args.batches,
+        full=args.full,
+        progress=not args.no_progress and not args.json,
+    )
     if args.json:
         print(json.dumps(result))
         return 0
     bits = f" ({result['bits_per_byte']:.3f} bits/byte)" if "bits_per_byte" in result else ""
-    print(f"seqpar eval: {path} (step {result['step']}) on {result['data']}, {args.split} split: "
-          f"loss {result['loss']:.4f} nats/token{bits}, perplexity {result['perplexity']:.2f}, over "
-          f"{result['tokens']:,} tokens ({result['windows']:,} windows of {result['seq_len']})"
-          + (f"; label-smoothed objective {result['objective']:.4f} nats/token (what training minimised)"
-             if "objective" in result else ""))
+    print(
+        f"seqpar eval: {path} (step {result['step']}) on {result['data']}, {args.split} split: "
+        f"loss {result['loss']:.4f} nats/token{bits}, perplexity {result['perplexity']:.2f}, over "
+        f"{result['tokens']:,} tokens ({result['windows']:,} windows of {result['seq_len']})"
+        + (
+            f"; label-smoothed objective {result['objective']:.4f} nats/token (what training "
+            f"minimised)"
+            if "objective" in result
+            else ""
+        )
+    )
     return 0
 
 
 @torch.no_grad()
-def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = None, split: str = "val",
-                        micro_batch: int = 8, batches: int = 0, full: bool = False,
-                        progress: bool = False) -> dict:
+def evaluate_checkpoint(
+    path,
+    data: str | None = None,
+    tokenizer: str | None = None,
+    split: str = "val",
+    micro_batch: int = 8,
+    batches: int = 0,
+    full: bool = False,
+    progress: bool = False,
+) -> dict:
     """``seqpar eval``: a checkpoint's mean loss per token, in one process on this rank's device.
 
     ``data``/``tokenizer`` default to the run's own (its tokenizer copy); ``split`` ``val`` is the
@@ -87,9 +127,15 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     tokenizer = model_tokenizer(path, meta, tokenizer)
     if tokenizer and data.endswith(".bin"):
         tokenizer = ""  # token ids already
-    tokens = TokenData.build(cfg.seq_len, cfg.vocab_size, data, tokenizer, train.get("token_dtype", "uint16"),
-                             train.get("val_fraction", 0.05),
-                             document_mask=_document_mask(meta, data))
+    tokens = TokenData.build(
+        cfg.seq_len,
+        cfg.vocab_size,
+        data,
+        tokenizer,
+        train.get("token_dtype", "uint16"),
+        train.get("val_fraction", 0.05),
+        document_mask=_document_mask(meta, data),
+    )
     _same_tokenizer(tokens, tokenizer)
     if split == "all":
         tokens = _whole(tokens)
@@ -104,29 +150,44 @@ def evaluate_checkpoint(path, data: str | None = None, tokenizer: str | None = N
     tokens.check_validation(windows)  # a set that counts no token: refused, not scored as loss 0
     batches = tokens.validation_batches(windows, micro_batch)
     meter = CountMeter("eval", windows, "windows", (cfg.seq_len, "tokens"), enabled=progress)
-    loss, objective = evaluate([model], batches, ParallelDims.single(), done=meter.add)  # the trainer's, one rank
+    # the trainer's, one rank
+    loss, objective = evaluate([model], batches, ParallelDims.single(), done=meter.add)
     meter.close()
-    result = {"checkpoint": str(path), "step": meta.get("step", 0), "data": tokens.source, "split": split,
-              "tokens": sum(counted_tokens(b[1]) for b in batches), "windows": windows, "seq_len": cfg.seq_len,
-              "loss": loss,
-              "perplexity": math.exp(min(loss, 700.0))}
+    result = {
+        "checkpoint": str(path),
+        "step": meta.get("step", 0),
+        "data": tokens.source,
+        "split": split,
+        "tokens": sum(counted_tokens(b[1]) for b in batches),
+        "windows": windows,
+        "seq_len": cfg.seq_len,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+    }
     if cfg.vocab_size == 256 and not tokenizer:
         result["bits_per_byte"] = loss / math.log(2)
-    if cfg.label_smoothing > 0:  # what training minimised, apart: loss, perplexity and bits are the plain ones
+    # what training minimised, apart: loss, perplexity and bits are the plain ones
+    if cfg.label_smoothing > 0:
         result["objective"] = objective
     return result
 
 
 def _same_tokenizer(data, tokenizer: str) -> None:
-    """A prepared folder's ids were made by the model's tokenizer (or both are bytes), or one line."""
+    """A prepared folder's ids were made by the model's tokenizer (or both are bytes), or one
+    line."""
     prepared = getattr(data, "prepared", None)
     if prepared is None:
         return
     record = prepared.manifest["tokenizer"]
-    theirs, mine = (record["sha256"] if record else None), (sha256_file(tokenizer) if tokenizer else None)
+    theirs, mine = (
+        (record["sha256"] if record else None),
+        (sha256_file(tokenizer) if tokenizer else None),
+    )
     if theirs != mine:
         what = lambda digest: f"tokenizer sha256 {digest[:12]}..." if digest else "bytes"  # noqa: E731
-        raise DataError(f"{prepared.path} was prepared with {what(theirs)}, the model reads {what(mine)}")
+        raise DataError(
+            f"{prepared.path} was prepared with {what(theirs)}, the model reads {what(mine)}"
+        )
 
 
 def _whole(data):
@@ -137,11 +198,15 @@ def _whole(data):
 
 
 def _document_mask(meta: dict, data: str) -> bool:
-    """The run's document masks where the data holds documents (a prepared folder); other data -- a held-out
-    text file -- is scored as one stream without them, which a line on stderr says."""
+    """The run's document masks where the data holds documents (a prepared folder); other data -- a
+    held-out text file -- is scored as one stream without them, which a line on stderr says."""
     masked = bool(meta["config"].get("data", {}).get("document_mask", False))
     if masked and not is_prepared(data):
-        print(f"seqpar eval: {data} is not a prepared folder: scored as one stream, without the run's document "
-              "masks (prepare it for them)", file=sys.stderr)
+        print(
+            f"seqpar eval: {data} is not a prepared folder: scored as one stream, without the "
+            f"run's document "
+            "masks (prepare it for them)",
+            file=sys.stderr,
+        )
         return False
     return masked

@@ -17,7 +17,11 @@ FIGURES = ("figure1.png", "figure7.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add(p, "--json", help='print one object {"table2", "figure7", "figure1", "table5", "cost_model"}')
+    add(
+        p,
+        "--json",
+        help='print one object {"table2", "figure7", "figure1", "table5", "cost_model"}',
+    )
     add(p, "--plot", help="write figure1.png and figure7.png into DIR "
         "(default: none)")
 
@@ -33,7 +37,10 @@ def run(args) -> int:
     if args.plot:
         try:
             args.plot.mkdir(parents=True, exist_ok=True)
-            for path in (plots.figure1(args.plot / FIGURES[0]), plots.figure7(args.plot / FIGURES[1])):
+            for path in (
+                plots.figure1(args.plot / FIGURES[0]),
+                plots.figure7(args.plot / FIGURES[1]),
+            ):
                 print(f"wrote {path}", file=sys.stderr)
         except AnalysisError:
             raise  # seqpar.cli turns it into a usage error (exit 2)

@@ -19,8 +19,10 @@ CHECK_NAMES = ("parity", "memory", "table4", "mfu", "training")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = ("Exit status 0 only if every check passes on every rank, 1 otherwise, 2 for bad arguments. "
-                "Several GPUs or nodes: torchrun ... -m seqpar selftest. See docs/gpu.md.")
+    p.epilog = (
+        "Exit status 0 only if every check passes on every rank, 1 otherwise, 2 for bad arguments. "
+        "Several GPUs or nodes: torchrun ... -m seqpar selftest. See docs/gpu.md."
+    )
     p.add_argument("--device", default="auto",
                    help="auto (the accelerator if there is one, else cpu), cpu, cuda, cuda:1, ... "
                         "(default %(default)s)")
@@ -28,7 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="local ranks, t = nproc (default: every local accelerator, or 2 gloo ranks on cpu; "
         "under torchrun the launcher decides)")
     add(p, "--quick", help="fewer repeats and smaller MFU shapes")
-    add(p, "--json", help='print one JSON object {"device", "torch", "checks": [{"name", "ok", "figures"}], "seconds"}')
+    add(
+        p,
+        "--json",
+        help='print one JSON object {"device", "torch", "checks": [{"name", "ok", "figures"}], '
+             '"seconds"}',
+    )
     p.add_argument("--out", metavar="DIR", help="also write DIR/selftest.json")
     p.add_argument("--only", default="", metavar="CHECK,...",
                    help=f"run only these checks, of {','.join(CHECK_NAMES)} (default: all)")
@@ -41,13 +48,18 @@ def run(args) -> int:
     only = tuple(c for c in args.only.split(",") if c)
     unknown = [c for c in only if c not in CHECKS]
     if unknown:
-        raise ConfigError(f"--only {','.join(unknown)}: not a check; the checks are {','.join(CHECKS)}")
+        raise ConfigError(
+            f"--only {','.join(unknown)}: not a check; the checks are {','.join(CHECKS)}"
+        )
     out = Path(args.out) if args.out else None
     if out is not None:
         check_out_folder(out, "--out")
-        if out.is_dir():  # only selftest.json is written there: replaced when it is an earlier report
+        # only selftest.json is written there: replaced when it is an earlier report
+        if out.is_dir():
             check_out_file(out / "selftest.json", "--out", json_with("checks"), "a selftest report")
-    report, rank0 = run_selftest(args.device, args.nproc, args.quick, only, str(out) if out else None)
+    report, rank0 = run_selftest(
+        args.device, args.nproc, args.quick, only, str(out) if out else None
+    )
     passed = all(c["ok"] for c in report["checks"])
     if rank0:
         print(json.dumps(report) if args.json else render(report), flush=True)

@@ -1,2 +1,3 @@
 """Data that training reads: tokenizers (a run's own copy, checked by hash), prepared token folders
-(``seqpar prepare``: sharded ids, a document index, a manifest) and the windows cut from documents."""
+(``seqpar prepare``: sharded ids, a document index, a manifest) and the windows cut from
+documents."""

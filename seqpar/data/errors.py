@@ -10,8 +10,11 @@ class DataError(ConfigError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a prepare's tokenization: the finished shards are kept, and the same command continues."""
+    """Ctrl-C during a prepare's tokenization: the finished shards are kept, and the same command
+    continues."""
 
     def __init__(self, out, done: int, total: int):
-        super().__init__(f"interrupted; {done} of {total} shard(s) are finished and kept in {out}; run the same "
-                         "command again to continue (it reuses them)")
+        super().__init__(
+            f"interrupted; {done} of {total} shard(s) are finished and kept in {out}; run the same "
+            "command again to continue (it reuses them)"
+        )

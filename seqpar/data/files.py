@@ -9,12 +9,18 @@ from pathlib import Path
 
 from seqpar.data.errors import DataError
 
-COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"PK\x03\x04", "zip"), (b"PK\x05\x06", "zip"),
-              (b"(\xb5/\xfd", "zstd"))
+COMPRESSED = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"PK\x03\x04", "zip"),
+    (b"PK\x05\x06", "zip"),
+    (b"(\xb5/\xfd", "zstd"),
+)
 
 
 def not_text(raw: bytes) -> str:
-    """Why ``raw`` is not text -- a compressed format's magic number or a NUL byte -- or '' (it may be)."""
+    """Why ``raw`` is not text -- a compressed format's magic number or a NUL byte -- or '' (it may
+    be)."""
     for magic, name in COMPRESSED:
         if raw.startswith(magic):
             return f"{name}-compressed"
@@ -38,18 +44,24 @@ def looks_like_text(head: bytes) -> bool:
 
 
 def names(items: list[str], shown: int = 3) -> str:
-    return ", ".join(items[:shown]) + (f", ... ({len(items) - shown} more)" if len(items) > shown else "")
+    return ", ".join(items[:shown]) + (
+        f", ... ({len(items) - shown} more)" if len(items) > shown else ""
+    )
 
 
 def check_file(path: Path, folder: bool = False) -> None:
-    """A clear DataError unless ``path`` is an existing regular file (or, with ``folder``, a folder)."""
+    """A clear DataError unless ``path`` is an existing regular file (or, with ``folder``, a
+    folder)."""
     if not path.exists():
         if path.is_symlink():
             raise DataError(f"data path {path} is a broken symbolic link (to {os.readlink(path)})")
         raise DataError(f"data path {path} does not exist")
     if not (path.is_file() or folder and path.is_dir()):
         kind = "a regular file or folder" if folder else "a regular file"
-        raise DataError(f"data path {path} is not {kind} (a FIFO, socket, device or folder cannot be read as data)")
+        raise DataError(
+            f"data path {path} is not {kind} (a FIFO, socket, device or folder cannot be read as "
+            f"data)"
+        )
 
 
 def text_files(path: Path) -> tuple[list[Path], list[str]]:
@@ -78,6 +90,8 @@ def text_files(path: Path) -> tuple[list[Path], list[str]]:
     for file in files:  # a FIFO would block reading and a broken link would vanish silently
         check_file(file)
     if not files:
-        raise DataError(f"data folder {path} holds no files"
-                        + (f" (skipped {len(hidden)} hidden: {names(sorted(hidden))})" if hidden else ""))
+        raise DataError(
+            f"data folder {path} holds no files"
+            + (f" (skipped {len(hidden)} hidden: {names(sorted(hidden))})" if hidden else "")
+        )
     return files, sorted(hidden)

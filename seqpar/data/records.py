@@ -1,11 +1,11 @@
-"""Records in: JSON Lines, CSV/TSV and Parquet files read as records (one document each) and the text of
-one field of a record, named by a dotted path (``--field content.body``).
+"""Records in: JSON Lines, CSV/TSV and Parquet files read as records (one document each) and the
+text of one field of a record, named by a dotted path (``--field content.body``).
 
-One reader for the three formats (``records``): JSON Lines by line (``json``), CSV and TSV by the standard
-library's ``csv`` (a header row names the columns; quoted fields may hold newlines), Parquet through the
-Hugging Face ``datasets`` library (local files only). One policy for a record's text (``text_of``): a
-missing field is an error listing the keys or columns there are; a null or empty text is no document and is
-counted (``Blank``); any other non-text value is an error.
+One reader for the three formats (``records``): JSON Lines by line (``json``), CSV and TSV by the
+standard library's ``csv`` (a header row names the columns; quoted fields may hold newlines),
+Parquet through the Hugging Face ``datasets`` library (local files only). One policy for a record's
+text (``text_of``): a missing field is an error listing the keys or columns there are; a null or
+empty text is no document and is counted (``Blank``); any other non-text value is an error.
 """
 
 from __future__ import annotations
@@ -65,20 +65,27 @@ def _listed(paths: list[str]) -> str:
 
 
 def lookup(record, field: str, where: Callable[[], str], what: str = "keys"):
-    """The value at ``field`` (a key, or a dotted path into nested objects); an error names the keys there are."""
+    """The value at ``field`` (a key, or a dotted path into nested objects); an error names the keys
+    there are."""
     if isinstance(record, dict) and field in record:
         return record[field]
     value = record
     for part in field.split("."):
         if not isinstance(value, dict) or part not in value:
             there = key_paths(record) if isinstance(record, dict) else []
-            listed = f"{what}: {_listed(there)}" if there else f"a JSON {type(record).__name__}, not an object"
+            listed = (
+                f"{what}: {_listed(there)}"
+                if there
+                else f"a JSON {type(record).__name__}, not an object"
+            )
             raise DataError(f"{where()} has no field {field!r} ({listed}); give --field")
         value = value[part]
     return value
 
 
-def text_of(record, field: str, where: Callable[[], str], blank: Blank, what: str = "keys") -> str | None:
+def text_of(
+    record, field: str, where: Callable[[], str], blank: Blank, what: str = "keys"
+) -> str | None:
     """The document of a record, or None (counted in ``blank``) when its text is null or empty."""
     text = lookup(record, field, where, what)
     if text is None or text == "":
@@ -90,8 +97,10 @@ def text_of(record, field: str, where: Callable[[], str], blank: Blank, what: st
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:  # valid JSON ("\ud800"), not Unicode text
-        raise DataError(f"{where()}: field {field!r} holds a lone surrogate {text[err.start]!r} at character "
-                        f"{err.start}, which is not Unicode text") from None
+        raise DataError(
+            f"{where()}: field {field!r} holds a lone surrogate {text[err.start]!r} at character "
+            f"{err.start}, which is not Unicode text"
+        ) from None
     return text
 
 
@@ -135,7 +144,8 @@ def csv_rows(path: Path, kind: str) -> int:
 
 
 def _open_csv(path: Path):
-    return path.open(encoding="utf-8-sig", newline="")  # a BOM (spreadsheets write one) is not the first column's
+    # a BOM (spreadsheets write one) is not the first column's
+    return path.open(encoding="utf-8-sig", newline="")
 
 
 def _rows(path: Path, reader) -> Iterator[dict]:
@@ -144,11 +154,16 @@ def _rows(path: Path, reader) -> Iterator[dict]:
     except csv.Error as err:
         raise DataError(f"{path}: line {reader.line_num} is not CSV ({err})") from None
     except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not UTF-8 text (near line {reader.line_num}: {err.reason})") from None
+        raise DataError(
+            f"{path} is not UTF-8 text (near line {reader.line_num}: {err.reason})"
+        ) from None
 
 
-def csv_records(path: Path, kind: str, start: int, end: int) -> Iterator[tuple[Callable[[], str], dict]]:
-    """Rows ``start``-``end`` (from 0, the header not counted) of a CSV/TSV file, each a dict by column."""
+def csv_records(
+    path: Path, kind: str, start: int, end: int
+) -> Iterator[tuple[Callable[[], str], dict]]:
+    """Rows ``start``-``end`` (from 0, the header not counted) of a CSV/TSV file, each a dict by
+    column."""
     with _open_csv(path) as fh:
         reader = _csv_reader(fh, kind)
         if not reader.fieldnames:
@@ -157,12 +172,20 @@ def csv_records(path: Path, kind: str, start: int, end: int) -> Iterator[tuple[C
             if row >= end:
                 return
             if row >= start:
-                yield (lambda row=row, line=reader.line_num: f"{path}: row {row} (from 0; line {line})"), record
+                yield (
+                    (
+                        lambda row=row, line=reader.line_num: (
+                            f"{path}: row {row} (from 0; line {line})"
+                        )
+                    ),
+                    record,
+                )
 
 
 def parquet(path: Path):
-    """The Parquet file as a ``datasets.Dataset`` (memory-mapped, local only); its footer read by pyarrow first,
-    so a file that is not Parquet, or holds no rows, is one clear error (and ``datasets`` logs nothing)."""
+    """The Parquet file as a ``datasets.Dataset`` (memory-mapped, local only); its footer read by
+    pyarrow first, so a file that is not Parquet, or holds no rows, is one clear error (and
+    ``datasets`` logs nothing)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never a network call
 
     datasets = require("datasets", f"{path}: Parquet input", DataError)
@@ -182,13 +205,17 @@ def parquet(path: Path):
         raise DataError(f"{path} cannot be read as Parquet: {str(err).splitlines()[0]}") from None
 
 
-def parquet_records(path: Path, start: int, end: int, field: str) -> Iterator[tuple[Callable[[], str], dict]]:
-    """Rows ``start``-``end`` of a Parquet file, each a dict holding the column ``field`` names (its first part
-    for a dotted path into a struct column)."""
+def parquet_records(
+    path: Path, start: int, end: int, field: str
+) -> Iterator[tuple[Callable[[], str], dict]]:
+    """Rows ``start``-``end`` of a Parquet file, each a dict holding the column ``field`` names (its
+    first part for a dotted path into a struct column)."""
     table = parquet(path)
     column = field if field in table.column_names else field.split(".")[0]
     if column not in table.column_names:
-        raise DataError(f"{path} has no column {field!r} (columns: {_listed(table.column_names)}); give --field")
+        raise DataError(
+            f"{path} has no column {field!r} (columns: {_listed(table.column_names)}); give --field"
+        )
     for row, value in enumerate(table.select(range(start, end))[column], start=start):
         yield (lambda row=row: f"{path}: row {row} (from 0)"), {column: value}
 
@@ -204,7 +231,8 @@ def unit_records(unit: dict, field: str) -> Iterator[tuple[Callable[[], str], ob
 
 
 def unit_texts(unit: dict, field: str, blank: Blank) -> Iterator[str]:
-    """The documents of a unit of records: each record's ``field``, null and empty ones counted in ``blank``."""
+    """The documents of a unit of records: each record's ``field``, null and empty ones counted in
+    ``blank``."""
     what = "columns" if unit["kind"] in DELIMITER else "keys"
     for where, record in unit_records(unit, field):
         text = text_of(record, field, where, blank, what)

@@ -1,12 +1,13 @@
 """The documents of ``seqpar prepare``'s inputs, cut into units of work that workers tokenize alone.
 
-An input is a text file (one document), a records file (``seqpar.data.records``: JSON Lines, one record
-a line; CSV or TSV, one record a row after the header; Parquet, one record a row; the document is the
-record's ``--field``, a dotted path into nested objects), or a folder of any of these (sorted; hidden
-entries skipped, and files of a kind that holds no documents, ``records.SKIPPED``, listed as skipped). A
-unit is a run of whole text files, a byte range of a JSON Lines file cut at line starts, or a row range
-of a CSV/TSV or Parquet file, each about ``unit_bytes`` of input, so the units -- and the shards written
-from them -- depend only on the inputs and that size: a resumed prepare cuts the same units.
+An input is a text file (one document), a records file (``seqpar.data.records``: JSON Lines, one
+record a line; CSV or TSV, one record a row after the header; Parquet, one record a row; the
+document is the record's ``--field``, a dotted path into nested objects), or a folder of any of
+these (sorted; hidden entries skipped, and files of a kind that holds no documents,
+``records.SKIPPED``, listed as skipped). A unit is a run of whole text files, a byte range of a JSON
+Lines file cut at line starts, or a row range of a CSV/TSV or Parquet file, each about
+``unit_bytes`` of input, so the units -- and the shards written from them -- depend only on the
+inputs and that size: a resumed prepare cuts the same units.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ __all__ = ["Blank", "documents", "input_files", "kind_of", "plan_units"]
 
 
 def input_files(inputs: list[str], skipped: list[str] | None = None) -> list[tuple[str, Path]]:
-    """Every input file as (kind, path), in the order given (a folder's files sorted); a file of a kind that
-    holds no documents is left out, ``skipped`` getting ``name: reason``."""
+    """Every input file as (kind, path), in the order given (a folder's files sorted); a file of a
+    kind that holds no documents is left out, ``skipped`` getting ``name: reason``."""
     if not inputs:
-        raise DataError("name at least one input: a text file, a folder, a .jsonl, .csv, .tsv or .parquet file")
+        raise DataError(
+            "name at least one input: a text file, a folder, a .jsonl, .csv, .tsv or .parquet file"
+        )
     out = []
     for given in inputs:
         path = Path(given)
@@ -84,16 +87,27 @@ def plan_units(files: list[tuple[str, Path]], unit_bytes: int) -> list[dict]:
             rows = _rows(kind, path)
             parts = max(1, -(-size // unit_bytes))
             edges = [rows * i // parts for i in range(parts + 1)]
-            units += [{"kind": kind, "path": str(path), "start": a, "end": b, "bytes": size * (b - a) // rows}
-                      for a, b in zip(edges, edges[1:], strict=False) if b > a]
+            units += [
+                {
+                    "kind": kind,
+                    "path": str(path),
+                    "start": a,
+                    "end": b,
+                    "bytes": size * (b - a) // rows,
+                }
+                for a, b in zip(edges, edges[1:], strict=False)
+                if b > a
+            ]
     if run:
         units.append({"kind": "text", "files": run, "bytes": run_bytes})
     return units
 
 
-def documents(unit: dict, field: str, skipped: list[str], blank: Blank | None = None) -> Iterator[bytes | str]:
-    """A unit's documents: bytes for text files (``skipped`` gets ``name: reason`` for each file that
-    is not text), strings for records (null and empty texts counted in ``blank``)."""
+def documents(
+    unit: dict, field: str, skipped: list[str], blank: Blank | None = None
+) -> Iterator[bytes | str]:
+    """A unit's documents: bytes for text files (``skipped`` gets ``name: reason`` for each file
+    that is not text), strings for records (null and empty texts counted in ``blank``)."""
     if unit["kind"] != "text":
         yield from records.unit_texts(unit, field, Blank() if blank is None else blank)
         return

@@ -3,15 +3,16 @@ the layout (tp, pp, dp, cp), so resuming, resharding and validating agree everyw
 
 * ``Spans``: token ranges a window of ``seq_len + 1`` ids must lie inside; window ``i`` of the
   ``total`` possible starts maps to one offset (the spans' starts laid end to end).
-* ``train_offsets``: the step's ``global_batch`` starts, drawn from a generator seeded by (seed, step);
-  dp rank ``r`` takes the ``r``-th contiguous slice.
-* ``validation_offsets``: the validation set, the one owner of which windows validation and ``seqpar eval``
-  score: ``windows`` starts evenly spaced over every possible one, each at most once (a split holding
-  fewer windows gives all of its own) -- the same fixed set at any layout; ``split_for_rank`` gives dp
-  rank ``r`` its contiguous share (uneven shares allowed: the loss is summed over windows and divided by
-  their number, not averaged over ranks).
+* ``train_offsets``: the step's ``global_batch`` starts, drawn from a generator seeded by (seed,
+  step); dp rank ``r`` takes the ``r``-th contiguous slice.
+* ``validation_offsets``: the validation set, the one owner of which windows validation and
+  ``seqpar eval`` score: ``windows`` starts evenly spaced over every possible one, each at most once
+  (a split holding fewer windows gives all of its own) -- the same fixed set at any layout;
+  ``split_for_rank`` gives dp rank ``r`` its contiguous share (uneven shares allowed: the loss is
+  summed over windows and divided by their number, not averaged over ranks).
 * ``probe_offsets``: ``windows`` starts to run a step's shapes on (compile warm-up, activation
-  measurement): evenly spaced over the same spans, repeated where the split holds fewer; never scored.
+  measurement): evenly spaced over the same spans, repeated where the split holds fewer; never
+  scored.
 * ``held_out``: a prepared folder's documents split into train and validation spans of whole
   documents: the validation documents are the last ``val_fraction`` of each of up to ``REGIONS``
   equal runs of documents, so validation samples the whole corpus rather than its tail.
@@ -25,7 +26,8 @@ REGIONS = 16
 
 
 class Spans:
-    """Token ranges ``[(start, end)]`` and the window starts they allow (``end - start - seq_len`` each)."""
+    """Token ranges ``[(start, end)]`` and the window starts they allow (``end - start - seq_len``
+    each)."""
 
     def __init__(self, spans: list[tuple[int, int]], seq_len: int):
         self.spans = [(a, b) for a, b in spans if b - a > seq_len]
@@ -54,8 +56,8 @@ def validation_offsets(spans: Spans, windows: int) -> torch.Tensor:
 
 
 def probe_offsets(spans: Spans, windows: int) -> torch.Tensor:
-    """``windows`` starts evenly spaced over ``spans`` (repeated when ``windows > spans.total``): not a set to
-    score, a step's worth of real windows to run (warm-up, measurement)."""
+    """``windows`` starts evenly spaced over ``spans`` (repeated when ``windows > spans.total``):
+    not a set to score, a step's worth of real windows to run (warm-up, measurement)."""
     return spans.offsets(torch.linspace(0, spans.total - 1, windows).long())  # [W]
 
 
@@ -65,7 +67,9 @@ def split_for_rank(offsets: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor
     return offsets[n * dp_rank // dp:n * (dp_rank + 1) // dp]
 
 
-def held_out(doc_ends: torch.Tensor, val_fraction: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def held_out(
+    doc_ends: torch.Tensor, val_fraction: float
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(train spans, validation spans) of whole documents (see the module docstring); ``doc_ends``
     ``[D]``: each document's end offset in the stream."""
     ends = [0, *doc_ends.tolist()]

@@ -17,21 +17,32 @@ import torch
 from seqpar.config import ConfigError, ModelConfig
 from seqpar.interop.weights import weight_reader
 
-GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # GPT-2 name -> seqpar
+# GPT-2 name -> seqpar
+GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 EXPORTS = "GPT-2: layernorm, gelu or gelu_tanh, learned positions, bias=true, kv_heads = heads"
 LAYER_MAP = {  # seqpar suffix -> (GPT-2 suffix, is a Conv1D weight to transpose)
-    "ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),
-    "attention.out_proj.weight": ("attn.c_proj.weight", True), "attention.out_proj.bias": ("attn.c_proj.bias", False),
-    "ln2.weight": ("ln_2.weight", False), "ln2.bias": ("ln_2.bias", False),
-    "mlp.fc1.weight": ("mlp.c_fc.weight", True), "mlp.fc1.bias": ("mlp.c_fc.bias", False),
-    "mlp.fc2.weight": ("mlp.c_proj.weight", True), "mlp.fc2.bias": ("mlp.c_proj.bias", False),
+    "ln1.weight": ("ln_1.weight", False),
+    "ln1.bias": ("ln_1.bias", False),
+    "attention.out_proj.weight": ("attn.c_proj.weight", True),
+    "attention.out_proj.bias": ("attn.c_proj.bias", False),
+    "ln2.weight": ("ln_2.weight", False),
+    "ln2.bias": ("ln_2.bias", False),
+    "mlp.fc1.weight": ("mlp.c_fc.weight", True),
+    "mlp.fc1.bias": ("mlp.c_fc.bias", False),
+    "mlp.fc2.weight": ("mlp.c_proj.weight", True),
+    "mlp.fc2.bias": ("mlp.c_proj.bias", False),
 }
 
 
 # ---------------------------------------------------------------- configs
 def architecture(cfg: ModelConfig) -> str | None:
     """"gpt2" when GPT2LMHeadModel represents ``cfg`` exactly, else None."""
-    plain = (cfg.norm, cfg.position, cfg.bias, cfg.num_kv_heads) == ("layernorm", "learned", True, cfg.num_heads)
+    plain = (cfg.norm, cfg.position, cfg.bias, cfg.num_kv_heads) == (
+        "layernorm",
+        "learned",
+        True,
+        cfg.num_heads,
+    )
     return "gpt2" if plain and cfg.activation in ("gelu", "gelu_tanh") else None
 
 
@@ -46,29 +57,53 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in GELUS:
         raise ConfigError(f"GPT-2 activation {act!r} is not one of {sorted(GELUS)}")
-    return ModelConfig(vocab_size=hf["vocab_size"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
-                       num_layers=hf["n_layer"], seq_len=hf["n_positions"], ffn_hidden_size=hf.get("n_inner"),
-                       embd_dropout=hf.get("embd_pdrop", 0.1), attn_dropout=hf.get("attn_pdrop", 0.1),
-                       hidden_dropout=hf.get("resid_pdrop", 0.1), layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       init_std=hf.get("initializer_range", 0.02), activation=GELUS[act],
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", True))).validate()
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["n_embd"],
+        num_heads=hf["n_head"],
+        num_layers=hf["n_layer"],
+        seq_len=hf["n_positions"],
+        ffn_hidden_size=hf.get("n_inner"),
+        embd_dropout=hf.get("embd_pdrop", 0.1),
+        attn_dropout=hf.get("attn_pdrop", 0.1),
+        hidden_dropout=hf.get("resid_pdrop", 0.1),
+        layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        init_std=hf.get("initializer_range", 0.02),
+        activation=GELUS[act],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    ).validate()
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     if architecture(cfg) is None:
         raise ConfigError(f"this model is not {EXPORTS}")
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.seq_len, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size,
-            "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
-            "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.embd_dropout, "attn_pdrop": cfg.attn_dropout,
-            "layer_norm_epsilon": cfg.layernorm_eps, "initializer_range": cfg.init_std,
-            "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True, "torch_dtype": "float32",
-            "bos_token_id": None, "eos_token_id": None}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_len,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "n_inner": cfg.ffn_hidden_size,
+        "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+        "resid_pdrop": cfg.hidden_dropout,
+        "embd_pdrop": cfg.embd_dropout,
+        "attn_pdrop": cfg.attn_dropout,
+        "layer_norm_epsilon": cfg.layernorm_eps,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "scale_attn_weights": True,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
 
 
 # ---------------------------------------------------------------- QKV layout
-def qkv_from_hf(weight: torch.Tensor, bias: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def qkv_from_hf(
+    weight: torch.Tensor, bias: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``c_attn`` (weight ``[h, 3h]``, columns (part, head, d)) → rows (head, part, d)."""
     h = weight.shape[0]
     d = h // heads
@@ -77,7 +112,9 @@ def qkv_from_hf(weight: torch.Tensor, bias: torch.Tensor, heads: int) -> tuple[t
     return w.contiguous(), b.contiguous()
 
 
-def qkv_to_hf(weight: torch.Tensor, bias: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def qkv_to_hf(
+    weight: torch.Tensor, bias: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of ``qkv_from_hf``."""
     h = weight.shape[1]
     d = h // heads
@@ -99,7 +136,9 @@ def state_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     out = {"embedding.word.weight": get("wte.weight"), "embedding.position": get("wpe.weight"),
            "final_ln.weight": get("ln_f.weight"), "final_ln.bias": get("ln_f.bias")}
     for i in range(cfg.num_layers):
-        w, b = qkv_from_hf(get(f"h.{i}.attn.c_attn.weight"), get(f"h.{i}.attn.c_attn.bias"), cfg.num_heads)
+        w, b = qkv_from_hf(
+            get(f"h.{i}.attn.c_attn.weight"), get(f"h.{i}.attn.c_attn.bias"), cfg.num_heads
+        )
         out[f"layers.{i}.attention.qkv.weight"], out[f"layers.{i}.attention.qkv.bias"] = w, b
         for ours, (theirs, conv) in LAYER_MAP.items():
             value = get(f"h.{i}.{theirs}")
@@ -110,12 +149,16 @@ def state_from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 
 def state_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """seqpar's full state dict → GPT-2 weights with the ``transformer.`` prefix (and ``lm_head.weight``
-    when untied)."""
+    """seqpar's full state dict → GPT-2 weights with the ``transformer.`` prefix (and
+    ``lm_head.weight`` when untied)."""
     out = {"wte.weight": sd["embedding.word.weight"], "wpe.weight": sd["embedding.position"],
            "ln_f.weight": sd["final_ln.weight"], "ln_f.bias": sd["final_ln.bias"]}
     for i in range(cfg.num_layers):
-        w, b = qkv_to_hf(sd[f"layers.{i}.attention.qkv.weight"], sd[f"layers.{i}.attention.qkv.bias"], cfg.num_heads)
+        w, b = qkv_to_hf(
+            sd[f"layers.{i}.attention.qkv.weight"],
+            sd[f"layers.{i}.attention.qkv.bias"],
+            cfg.num_heads,
+        )
         out[f"h.{i}.attn.c_attn.weight"], out[f"h.{i}.attn.c_attn.bias"] = w, b
         for ours, (theirs, conv) in LAYER_MAP.items():
             value = sd[f"layers.{i}.{ours}"]

@@ -1,7 +1,7 @@
 """Local Hugging Face folders (``config.json`` + safetensors) ⇄ seqpar full state dicts, for the
 model families in ``FAMILIES`` (GPT-2, Llama, StableLM, GPT-NeoX, Mixtral, Qwen2-MoE), chosen by
-``model_type`` on import and, on export, by the one architecture that represents the model exactly (else
-refused by name)."""
+``model_type`` on import and, on export, by the one architecture that represents the model exactly
+(else refused by name)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,22 @@ from seqpar.config import ConfigError, ModelConfig
 from seqpar.interop import gpt2, llama, moe, neox
 from seqpar.optional import require
 
-FAMILIES = {"gpt2": gpt2, "llama": llama, "stablelm": llama, "gpt_neox": neox, "mixtral": moe, "qwen2_moe": moe}
+FAMILIES = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "stablelm": llama,
+    "gpt_neox": neox,
+    "mixtral": moe,
+    "qwen2_moe": moe,
+}
 
 
 def family_of(cfg: ModelConfig):
-    """The interop module whose architecture represents ``cfg`` exactly; a one-line ConfigError naming
-    the model's architecture fields and what each exportable architecture needs when none does."""
-    for family in (moe,) if cfg.experts else (gpt2, llama, neox):  # a mixture of experts: Mixtral, Qwen2-MoE
+    """The interop module whose architecture represents ``cfg`` exactly; a one-line ConfigError
+    naming the model's architecture fields and what each exportable architecture needs when none
+    does."""
+    # a mixture of experts: Mixtral, Qwen2-MoE
+    for family in (moe,) if cfg.experts else (gpt2, llama, neox):
         if family.architecture(cfg) is not None:
             return family
     fields = (f"norm={cfg.norm}, activation={cfg.activation}, position={cfg.position}, "
@@ -38,10 +47,14 @@ def _safetensors():
 
 
 def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """``config.json`` + ``*.safetensors`` (or ``pytorch_model.bin``) → (ModelConfig, seqpar state)."""
+    """``config.json`` + ``*.safetensors`` (or ``pytorch_model.bin``) → (ModelConfig, seqpar
+    state)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise ConfigError(f"{folder} has no config.json (a Hugging Face {' / '.join(FAMILIES)} folder is expected)")
+        raise ConfigError(
+            f"{folder} has no config.json (a Hugging Face {' / '.join(FAMILIES)} folder is "
+            f"expected)"
+        )
     hf = json.loads((folder / "config.json").read_text())
     kind = hf.get("model_type", "gpt2")
     if kind not in FAMILIES:
@@ -59,7 +72,8 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     return cfg, family.state_from_hf(sd, cfg)
 
 
-EXPORT_MARK = {"written_by": "seqpar export-hf"}  # in model.safetensors' metadata: what --overwrite may replace
+# in model.safetensors' metadata: what --overwrite may replace
+EXPORT_MARK = {"written_by": "seqpar export-hf"}
 EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                 "generation_config.json", "special_tokens_map.json")
 
@@ -80,15 +94,18 @@ def is_export(folder: str | Path) -> bool:
 
 def write_hf_folder(folder: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Path:
     """A folder ``transformers`` loads with ``from_pretrained`` (GPT2LMHeadModel, LlamaForCausalLM,
-    StableLmForCausalLM or GPTNeoXForCausalLM); refused (ConfigError) before anything is written when
-    no architecture represents ``cfg`` exactly."""
+    StableLmForCausalLM or GPTNeoXForCausalLM); refused (ConfigError) before anything is written
+    when no architecture represents ``cfg`` exactly."""
     family = family_of(cfg)
     hf_config = family.hf_config_from_model(cfg)
     save_file = _safetensors()[1]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     weights, config = folder / "model.safetensors", folder / "config.json"
-    save_file(family.state_to_hf(state, cfg), str(weights), metadata={"format": "pt", **EXPORT_MARK})
+    save_file(
+        family.state_to_hf(state, cfg), str(weights), metadata={"format": "pt", **EXPORT_MARK}
+    )
     config.write_text(json.dumps(hf_config, indent=2))
-    os.chmod(weights, stat.S_IMODE(config.stat().st_mode))  # safetensors writes 0600; a file made here has the umask's
+    # safetensors writes 0600; a file made here has the umask's
+    os.chmod(weights, stat.S_IMODE(config.stat().st_mode))
     return folder

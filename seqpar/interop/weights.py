@@ -1,4 +1,5 @@
-"""Reading a Hugging Face state dict's tensors by name, for every architecture's ``state_from_hf``."""
+"""Reading a Hugging Face state dict's tensors by name, for every architecture's
+``state_from_hf``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 from seqpar.config import ConfigError
 
 
-def weight_reader(sd: dict[str, torch.Tensor], source: str = "the weights") -> Callable[[str], torch.Tensor]:
-    """``get(key)``: ``sd[key]`` in fp32; a missing key is one line naming it (``{source} have no {key}``)."""
+def weight_reader(
+    sd: dict[str, torch.Tensor], source: str = "the weights"
+) -> Callable[[str], torch.Tensor]:
+    """``get(key)``: ``sd[key]`` in fp32; a missing key is one line naming it
+    (``{source} have no {key}``)."""
 
     def get(key: str) -> torch.Tensor:
         if key not in sd:

@@ -1,7 +1,8 @@
-"""The trainer's activation check: the bytes one microbatch's forward keeps in the transformer layers,
-measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm statistics);
-and each pipeline stage's activation peak over one step of its schedule (pp = 1 included), measured
-with the same meter over the schedule as ``seqpar memory --pp`` does, next to the stage formula and its exact value."""
+"""The trainer's activation check: the bytes one microbatch's forward keeps in the transformer
+layers, measured with ``SavedTensorMeter``, next to the formula (Sec. 4, exact model incl. norm
+statistics); and each pipeline stage's activation peak over one step of its schedule (pp = 1
+included), measured with the same meter over the schedule as ``seqpar memory --pp`` does, next to
+the stage formula and its exact value."""
 
 from __future__ import annotations
 
@@ -23,32 +24,49 @@ from seqpar.pipeline import forward_backward
 from seqpar.pipeline.keep import keep_for_rank
 
 
-def predicted_activation_bytes(job, layers: list[int], device: torch.device, host: bool = False) -> float | None:
-    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for the global ``layers`` of one chunk and
-    microbatch (each MoE or dense as the model makes it); None where the formula has no closed form. ``host``: the
-    bytes offloading moves to host memory instead."""
+def predicted_activation_bytes(
+    job, layers: list[int], device: torch.device, host: bool = False
+) -> float | None:
+    """Formula bytes (Sec. 4, exact model incl. LayerNorm statistics) for the global ``layers`` of
+    one chunk and microbatch (each MoE or dense as the model makes it); None where the formula has
+    no closed form. ``host``: the bytes offloading moves to host memory instead."""
     m, p = job.model, job.parallel
     try:  # one layer's region: its attention and hidden dropouts
-        opts = activation_options(m, layernorm_stat_bytes(device, torch_dtype(m.dtype)), embedding=False,
-                                  sdpa_kernel=sdpa_kernel_for(device, torch_dtype(m.dtype), job.data.document_mask))
-        return chunk_layers_bytes(m, replace(p, sp=p.sp and p.tp > 1), job.recompute, job.train.micro_batch, opts,
-                                  list(layers), host)
+        opts = activation_options(
+            m,
+            layernorm_stat_bytes(device, torch_dtype(m.dtype)),
+            embedding=False,
+            sdpa_kernel=sdpa_kernel_for(device, torch_dtype(m.dtype), job.data.document_mask),
+        )
+        return chunk_layers_bytes(
+            m,
+            replace(p, sp=p.sp and p.tp > 1),
+            job.recompute,
+            job.train.micro_batch,
+            opts,
+            list(layers),
+            host,
+        )
     except ConfigError:  # e.g. attention dropout on, hidden dropout off: no closed form
         return None
 
 
-def rank_activation_bytes(job, chunks: list[list[int]], device: torch.device, host: bool = False) -> float | None:
-    """``predicted_activation_bytes`` of each of the rank's ``chunks`` (their global layer ids; each chunk has its
-    own full-recompute groups), one microbatch each, summed; None where a chunk has no closed form."""
+def rank_activation_bytes(
+    job, chunks: list[list[int]], device: torch.device, host: bool = False
+) -> float | None:
+    """``predicted_activation_bytes`` of each of the rank's ``chunks`` (their global layer ids; each
+    chunk has its own full-recompute groups), one microbatch each, summed; None where a chunk has no
+    closed form."""
     each = [predicted_activation_bytes(job, ids, device, host) for ids in chunks if ids]
     return None if any(x is None for x in each) else float(sum(each))
 
 
 def without_paper_bytes(job, chunks: list[list[int]], device: torch.device) -> dict:
-    """What the same layers would keep per microbatch without what the paper adds (the exact per-tensor
-    formula that ``act_bytes_predicted`` checks against the measurement): ``act_bytes_without_sp`` (tp
-    alone), ``act_bytes_without_recompute`` (nothing recomputed), ``act_bytes_without_both``; only the
-    ones that differ from this run's (a run with neither has none)."""
+    """What the same layers would keep per microbatch without what the paper adds (the exact
+    per-tensor formula that ``act_bytes_predicted`` checks against the measurement):
+    ``act_bytes_without_sp`` (tp alone), ``act_bytes_without_recompute`` (nothing recomputed),
+    ``act_bytes_without_both``; only the ones that differ from this run's (a run with neither has
+    none)."""
     p, r = job.parallel, job.recompute
     none = replace(r, granularity="none", modules=())
     variants = {"without_sp": (replace(p, sp=False), r), "without_recompute": (p, none),
@@ -63,9 +81,9 @@ def without_paper_bytes(job, chunks: list[list[int]], device: torch.device) -> d
 
 
 def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
-    """``act_bytes_predicted`` for the model's layers (and ``without_paper_bytes``) and, with one pipeline
-    stage, ``act_bytes_measured``: what one validation microbatch's forward keeps in the layers; then
-    ``stage_peaks`` (collective)."""
+    """``act_bytes_predicted`` for the model's layers (and ``without_paper_bytes``) and, with one
+    pipeline stage, ``act_bytes_measured``: what one validation microbatch's forward keeps in the
+    layers; then ``stage_peaks`` (collective)."""
     layers = [list(c.layer_ids) for c in chunks]
     out = {"act_bytes_predicted": rank_activation_bytes(job, layers, device)} | \
         without_paper_bytes(job, layers, device)
@@ -76,11 +94,15 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
         with SavedTensorMeter(chunk) as meter, _layers_named(chunk, meter):
             if docs is not None:
                 meter.exclude(docs.tensors(torch_dtype(job.model.dtype)))  # data, like the tokens
-            kept = chunk(tokens.to(device), labels.to(device), docs=docs)  # its graph holds what is offloaded
-        out["act_bytes_measured"] = sum(x.bytes for x in meter.tensors if x.name.partition(".")[0] == "layers")
+            # its graph holds what is offloaded
+            kept = chunk(tokens.to(device), labels.to(device), docs=docs)
+        out["act_bytes_measured"] = sum(
+            x.bytes for x in meter.tensors if x.name.partition(".")[0] == "layers"
+        )
         if job.recompute.offload_modules:  # on the host: the offloader's, next to the formula's
             out["act_host_bytes_measured"] = sum(chunk.recompute.offloader.host_bytes().values())
-            out["act_host_reserved_bytes"] = chunk.recompute.offloader.reserved_host_bytes  # pinned: rounded up
+            # pinned: rounded up
+            out["act_host_reserved_bytes"] = chunk.recompute.offloader.reserved_host_bytes
             out["act_host_bytes_predicted"] = rank_activation_bytes(job, layers, device, host=True)
         del kept
     return out | stage_peaks(job, chunks, data, dims, device)
@@ -88,15 +110,17 @@ def measure_activations(job, chunks, data, dims, device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def _layers_named(chunk, meter: SavedTensorMeter):
-    """For this block ``chunk``'s layers run inside ``meter.scope("layers")``: what a full-recompute group keeps
-    (its input, saved by its checkpoint in no layer module) is counted with what the layers save themselves."""
+    """For this block ``chunk``'s layers run inside ``meter.scope("layers")``: what a full-recompute
+    group keeps (its input, saved by its checkpoint in no layer module) is counted with what the
+    layers save themselves."""
     run_layers = chunk.run_layers
 
     def named(x):
         with meter.scope("layers"):
             return run_layers(x)
 
-    chunk.run_layers = named  # this instance only, for one forward; the stage's own forward calls it
+    # this instance only, for one forward; the stage's own forward calls it
+    chunk.run_layers = named
     try:
         yield
     finally:
@@ -104,21 +128,28 @@ def _layers_named(chunk, meter: SavedTensorMeter):
 
 
 def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
-    """Every pipeline stage's activation peak over one step of validation microbatches (collective over
-    the pipeline; gradients are left in place for the next ``zero_grad``): ``stage_act_peak_measured``
-    per pp rank (this rank's tp and dp coordinates), ``stage_act_peak_formula`` and ``_exact``
-    (``seqpar.measure.stages``; None where the formula refuses the layout); under ``"rank"`` this
-    rank's own peak next to its stage's formula and exact value (the start record's ``ranks`` list). With
-    experts both assume balanced routing (``act_peak_routing``): a rank whose experts get more tokens keeps
-    more than its "exact" value."""
+    """Every pipeline stage's activation peak over one step of validation microbatches (collective
+    over the pipeline; gradients are left in place for the next ``zero_grad``):
+    ``stage_act_peak_measured`` per pp rank (this rank's tp and dp coordinates),
+    ``stage_act_peak_formula`` and ``_exact`` (``seqpar.measure.stages``; None where the formula
+    refuses the layout); under ``"rank"`` this rank's own peak next to its stage's formula and exact
+    value (the start record's ``ranks`` list). With experts both assume balanced routing
+    (``act_peak_routing``): a rank whose experts get more tokens keeps more than its "exact"
+    value."""
 
     m, p, r, t = job.model, job.parallel, job.recompute, job.train
     n = t.microbatches(p.dp)
     batches = [(x, y, *(d.to(device) for d in docs)) for x, y, *docs in
                data.probe_batches(n * t.micro_batch, t.micro_batch)]
     meter = SavedTensorMeter(*chunks, names=False)
-    meter.exclude([x for batch in batches for item in batch  # the data (tokens, labels, documents)
-                   for x in (item.tensors(torch_dtype(m.dtype)) if isinstance(item, Documents) else [item])])
+    meter.exclude(
+        [
+            x
+            for batch in batches
+            for item in batch  # the data (tokens, labels, documents)
+            for x in (item.tensors(torch_dtype(m.dtype)) if isinstance(item, Documents) else [item])
+        ]
+    )
     forward_backward(chunks, batches, dims, p, keep_microbatches=r.keep_microbatches, meter=meter)
     peaks = torch.tensor([0] * p.pp, dtype=torch.int64, device=device)
     peaks[dims.pp_rank] = meter.peak_bytes
@@ -127,16 +158,37 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
     formula, exact = [], []
     for rank in range(p.pp):
         try:
-            f, _ = formula_stage_bytes(m, p, r, t.micro_batch, n, rank, keep=keep_for_rank(r.keep_microbatches,
-                                                                                          rank, p.pp),
-                                       device=device.type)
+            f, _ = formula_stage_bytes(
+                m,
+                p,
+                r,
+                t.micro_batch,
+                n,
+                rank,
+                keep=keep_for_rank(r.keep_microbatches, rank, p.pp),
+                device=device.type,
+            )
             formula.append(f)
-            exact.append(f + sum(implementation_terms(m, p, t.micro_batch, n, rank, device=device.type).values()))
+            exact.append(
+                f
+                + sum(
+                    implementation_terms(m, p, t.micro_batch, n, rank, device=device.type).values()
+                )
+            )
         except ConfigError:
             formula.append(None)
             exact.append(None)
-    routing = {"act_peak_routing": "balanced"} if m.experts else {}  # formula and exact: T·K/E per expert
-    return {"stage_act_peak_measured": peaks.tolist(), "stage_act_peak_formula": formula,
-            "stage_act_peak_exact": exact, **{f"stage_{k}": v for k, v in routing.items()},
-            "rank": {"act_peak_measured": meter.peak_bytes, "act_peak_formula": formula[dims.pp_rank],
-                     "act_peak_exact": exact[dims.pp_rank], **routing}}
+    # formula and exact: T·K/E per expert
+    routing = {"act_peak_routing": "balanced"} if m.experts else {}
+    return {
+        "stage_act_peak_measured": peaks.tolist(),
+        "stage_act_peak_formula": formula,
+        "stage_act_peak_exact": exact,
+        **{f"stage_{k}": v for k, v in routing.items()},
+        "rank": {
+            "act_peak_measured": meter.peak_bytes,
+            "act_peak_formula": formula[dims.pp_rank],
+            "act_peak_exact": exact[dims.pp_rank],
+            **routing,
+        },
+    }

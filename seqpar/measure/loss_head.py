@@ -1,10 +1,11 @@
 """The bounded cross entropy's memory, measured: what it keeps for backward and its transient peak.
 
-One rank's logits ``[s, b, v/t]`` through ``vocab_parallel_cross_entropy`` (no tp group: the collectives
-are no-ops, the passes are the same), forward and backward, under torch's ``MemTracker`` (a dispatch-mode
-meter of every storage created inside, on any device). Printed next to ``seqpar.analysis.formulas.stage``'s
-``loss_head_terms`` (kept) and ``loss_working_bytes`` (one fp32 chunk), and next to the fp32 copy of the
-whole logits an unbounded cross entropy would write (4·s·b·v/t).
+One rank's logits ``[s, b, v/t]`` through ``vocab_parallel_cross_entropy`` (no tp group: the
+collectives are no-ops, the passes are the same), forward and backward, under torch's ``MemTracker``
+(a dispatch-mode meter of every storage created inside, on any device). Printed next to
+``seqpar.analysis.formulas.stage``'s ``loss_head_terms`` (kept) and ``loss_working_bytes`` (one fp32
+chunk), and next to the fp32 copy of the whole logits an unbounded cross entropy would write
+(4·s·b·v/t).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from seqpar.analysis.formulas.shapes import ActivationOptions
 from seqpar.analysis.formulas.stage import loss_head_terms, loss_working_bytes
 from seqpar.measure.meter import SavedTensorMeter
-from seqpar.parallel.cross_entropy import CHUNK_BYTES, _Eager, chunk_rows, vocab_parallel_cross_entropy
+from seqpar.parallel.cross_entropy import (
+    CHUNK_BYTES,
+    _Eager,
+    chunk_rows,
+    vocab_parallel_cross_entropy,
+)
 
 
 @dataclass
@@ -27,7 +33,8 @@ class LossHeadMemory:
     kept_measured: int  # bytes autograd keeps, the logits included
     kept_term: float  # loss_head_terms (logits + loss_lse)
     transient_measured: int  # the peak of forward + backward beyond the logits and their gradient
-    working_term: float  # loss_working_bytes: one fp32 chunk and the per-token vectors (an upper bound)
+    # loss_working_bytes: one fp32 chunk and the per-token vectors (an upper bound)
+    working_term: float
     chunk_bytes: int  # the chunk alone, 4·rows·v/t
     unbounded_copy: int  # 4·s·b·v/t: one fp32 copy of the logits, what an unchunked pass writes
 
@@ -36,7 +43,8 @@ class LossHeadMemory:
 
 
 def _peak(fn) -> int:
-    """Peak bytes of the storages alive inside ``fn`` (the tensors it touches included: here the logits)."""
+    """Peak bytes of the storages alive inside ``fn`` (the tensors it touches included: here the
+    logits)."""
     tracker = MemTracker()
     with tracker:
         fn()
@@ -45,8 +53,8 @@ def _peak(fn) -> int:
 
 def measure_loss_head(s: int, b: int, columns: int, vocab: int | None = None, dtype=torch.bfloat16,
                       chunk_bytes: int = CHUNK_BYTES, device="cpu") -> LossHeadMemory:
-    """The bounded cross entropy on ``[s, b, columns]`` logits of one rank (``vocab`` <= columns: the real
-    vocabulary, the rest padding)."""
+    """The bounded cross entropy on ``[s, b, columns]`` logits of one rank (``vocab`` <= columns:
+    the real vocabulary, the rest padding)."""
     gen = torch.Generator().manual_seed(0)
     vocab = columns if vocab is None else vocab
     logits = torch.randn(s, b, columns, generator=gen).to(dtype).to(device).requires_grad_(True)
@@ -56,11 +64,28 @@ def measure_loss_head(s: int, b: int, columns: int, vocab: int | None = None, dt
         loss = vocab_parallel_cross_entropy(logits, target, None, vocab, passes=passes)  # [s, b]
     kept = meter.total_bytes
     del loss
-    peak = _peak(lambda: vocab_parallel_cross_entropy(logits, target, None, vocab, passes=passes).sum().backward())
-    opts = ActivationOptions(act_bytes=logits.element_size(), logits_bytes=logits.element_size(), bounded_loss=True)
-    # what the loss keeps besides: its target index (int64), two bool masks per token, the padding mask
+    peak = _peak(
+        lambda: (
+            vocab_parallel_cross_entropy(logits, target, None, vocab, passes=passes)
+            .sum()
+            .backward()
+        )
+    )
+    opts = ActivationOptions(
+        act_bytes=logits.element_size(), logits_bytes=logits.element_size(), bounded_loss=True
+    )
+    # what the loss keeps besides: its target index (int64), two bool masks per token, the padding
+    # mask
     kept_term = sum(loss_head_terms(s, b, columns, opts).values()) + (8 + 1 + 1) * s * b + columns
     size = logits.numel() * logits.element_size()  # the logits, and their gradient
     rows = min(s * b, chunk_rows(columns, chunk_bytes))
-    return LossHeadMemory(s * b, columns, kept, kept_term, peak - 2 * size,
-                          loss_working_bytes(s, b, columns, chunk_bytes), 4 * rows * columns, 4 * logits.numel())
+    return LossHeadMemory(
+        s * b,
+        columns,
+        kept,
+        kept_term,
+        peak - 2 * size,
+        loss_working_bytes(s, b, columns, chunk_bytes),
+        4 * rows * columns,
+        4 * logits.numel(),
+    )

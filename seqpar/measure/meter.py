@@ -1,27 +1,30 @@
-"""The saved-activation meter: the bytes autograd keeps for backward, measured -- one meter and one rule for
-what it counts, used by ``seqpar memory --measure`` (one layer's forward, ``saved.measure_layer``; a rank's peak
-over a pipeline step, ``stages``/``activations``), the trainer's start record and the benchmarks.
+"""The saved-activation meter: the bytes autograd keeps for backward, measured -- one meter and one
+rule for what it counts, used by ``seqpar memory --measure`` (one layer's forward,
+``saved.measure_layer``; a rank's peak over a pipeline step, ``stages``/``activations``), the
+trainer's start record and the benchmarks.
 
 What counts:
 
-* a **storage**, not a tensor: views and reshapes of one storage (Q, K, V of one QKV output; a linear's
-  input reshaped to 2-D) count once; a DTensor counts by its local tensor's storage;
-* storages are told apart by identity (``_cdata``: ``seqpar.storages``, offloading's rule too), not address,
-  and each is held until the forward that saved it ends, so an address released and reused inside a forward is
-  not taken for the earlier storage;
-* its size is read when that forward ends: a storage released after it was saved (a recomputed norm output,
-  resized to 0) counts 0;
+* a **storage**, not a tensor: views and reshapes of one storage (Q, K, V of one QKV output; a
+  linear's input reshaped to 2-D) count once; a DTensor counts by its local tensor's storage;
+* storages are told apart by identity (``_cdata``: ``seqpar.storages``, offloading's rule too), not
+  address, and each is held until the forward that saved it ends, so an address released and reused
+  inside a forward is not taken for the earlier storage;
+* its size is read when that forward ends: a storage released after it was saved (a recomputed norm
+  output, resized to 0) counts 0;
 * **parameters and buffers** of the metered modules never count, FSDP's gathered parameters included
-  (``parameter_storages``), nor tensors ``exclude``\\ d (data: tokens, labels, packed documents' masks);
-* only forward-time saves count, and what the caller adds (``keep``: a stage output the schedule holds, the
-  inputs a non-reentrant checkpoint keeps alive outside autograd's saved tensors): the transient working set
-  a recomputation rebuilds during a backward is not an activation held across the schedule (the paper's
-  Eq. 5/6 leave it out, and it is the same for any number of microbatches in flight).
+  (``parameter_storages``), nor tensors ``exclude``\\ d (data: tokens, labels, packed documents'
+  masks);
+* only forward-time saves count, and what the caller adds (``keep``: a stage output the schedule
+  holds, the inputs a non-reentrant checkpoint keeps alive outside autograd's saved tensors): the
+  transient working set a recomputation rebuilds during a backward is not an activation held across
+  the schedule (the paper's Eq. 5/6 leave it out, and it is the same for any number of microbatches
+  in flight).
 
-One forward: ``with meter:`` then ``total_bytes`` and ``tensors`` (each storage with the innermost module that
-saved it). A pipeline step: ``meter.forward()`` per chunk-microbatch and ``hold`` per kept output; a storage
-stops counting once freed, and since memory grows only during forwards and holds, ``peak_bytes`` read there
-is the exact peak.
+One forward: ``with meter:`` then ``total_bytes`` and ``tensors`` (each storage with the innermost
+module that saved it). A pipeline step: ``meter.forward()`` per chunk-microbatch and ``hold`` per
+kept output; a storage stops counting once freed, and since memory grows only during forwards and
+holds, ``peak_bytes`` read there is the exact peak.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ class SavedTensor:
 
 
 def parameter_storages(modules) -> set[int]:
-    """The storages (``storages.storage_key``) of ``modules``' parameters and buffers, FSDP's gathered parameters
-    included (each unit gathered once to find them; FSDP reuses their storages for every gather)."""
+    """The storages (``storages.storage_key``) of ``modules``' parameters and buffers, FSDP's
+    gathered parameters included (each unit gathered once to find them; FSDP reuses their storages
+    for every gather)."""
     keys: set[int] = set()
     for module in modules:
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -64,14 +68,16 @@ def parameter_storages(modules) -> set[int]:
 
 
 class SavedTensorMeter:
-    """Saved-activation bytes of ``modules`` on this rank (module doc): what one forward saved, and the live
-    bytes and their peak over a schedule. ``names``: record the innermost module that saved each storage."""
+    """Saved-activation bytes of ``modules`` on this rank (module doc): what one forward saved, and
+    the live bytes and their peak over a schedule. ``names``: record the innermost module that saved
+    each storage."""
 
     def __init__(self, *modules: nn.Module, names: bool = True):
         self.tensors: list[SavedTensor] = []  # every storage counted, in the order saved
         self.current_bytes = self.peak_bytes = 0
         self._exclude = parameter_storages(modules)
-        self._pending: dict[int, tuple[torch.UntypedStorage, SavedTensor]] = {}  # held until the forward ends
+        # held until the forward ends
+        self._pending: dict[int, tuple[torch.UntypedStorage, SavedTensor]] = {}
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._stack: list[str] = []
         self._handles = [h for m in modules if names for name, sub in m.named_modules()
@@ -93,7 +99,10 @@ class SavedTensorMeter:
         key = storage._cdata
         if key not in self._exclude and key not in self._pending and storage.nbytes() > 0:
             where = self._stack[-1] if self._stack else "<outside>"
-            self._pending[key] = (storage, SavedTensor(where, tuple(t.shape), str(t.dtype).removeprefix("torch."), 0))
+            self._pending[key] = (
+                storage,
+                SavedTensor(where, tuple(t.shape), str(t.dtype).removeprefix("torch."), 0),
+            )
         return t
 
     def hold(self, t: torch.Tensor) -> None:
@@ -110,8 +119,9 @@ class SavedTensorMeter:
 
     @contextlib.contextmanager
     def scope(self, name: str):
-        """Name what is saved inside this block ``name`` (where no module of its own saves it: a full-recompute
-        group's input, saved by its checkpoint in the stage's forward); modules inside still name their own."""
+        """Name what is saved inside this block ``name`` (where no module of its own saves it: a
+        full-recompute group's input, saved by its checkpoint in the stage's forward); modules
+        inside still name their own."""
         self._stack.append(name)
         try:
             yield
@@ -149,7 +159,8 @@ class SavedTensorMeter:
             self.current_bytes -= self._live.pop(key)[1]
 
     def _settle(self) -> None:
-        """Count what the last forward saved, at the size its storage has now that the forward is over."""
+        """Count what the last forward saved, at the size its storage has now that the forward is
+        over."""
         self._prune()  # a freed storage's identity may be reused: forget the dead ones first
         for key, (storage, record) in self._pending.items():
             record.bytes = storage.nbytes()

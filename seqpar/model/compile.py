@@ -3,35 +3,38 @@
 Applied after the model and its recompute plan are built (as torchtitan's ``apply_compile``), it
 leaves the modules' code untouched. Two plans:
 
-* the fused layer (``FUSED_LAYER``, the default): every ``TransformerLayer`` compiled as one region, so
-  Inductor fuses its element-wise work -- the norms, the rotary embedding, the activation (GeLU or
-  SwiGLU) and its backward, the biases, and each residual add (with the dropout before it where that
-  dropout is off: p = 0, or eval) -- between the GEMMs, which stay library calls, and the fused attention
-  kernel. The layers share one code object and one shape, so one graph serves them all (compiled once
-  per layer shape). Graph boundaries, where dynamo runs eager code between graphs: the conjugate
-  collectives (``f``, ``f̄``, ``g``, ``ḡ``, ``LinearWithGatheredInput``: autograd Functions of
-  ``seqpar.parallel`` calling ``parallel/comm.py``), every dropout with p > 0, the materialized and the
-  ring attention cores (below), and the checkpoints of ``seqpar.recompute`` (``torch.compiler.disable`` on
-  the call and on its autograd Function's forward: their state is Python ints, and a traced checkpoint
-  would recompile for every step and microbatch; what they run inside may be compiled);
-* the older regions (``REGIONS`` minus "layer"): each layer's attention core (``CoreAttention``) and MLP.
+* the fused layer (``FUSED_LAYER``, the default): every ``TransformerLayer`` compiled as one region,
+  so Inductor fuses its element-wise work -- the norms, the rotary embedding, the activation (GeLU
+  or SwiGLU) and its backward, the biases, and each residual add (with the dropout before it where
+  that dropout is off: p = 0, or eval) -- between the GEMMs, which stay library calls, and the fused
+  attention kernel. The layers share one code object and one shape, so one graph serves them all
+  (compiled once per layer shape). Graph boundaries, where dynamo runs eager code between graphs:
+  the conjugate collectives (``f``, ``f̄``, ``g``, ``ḡ``, ``LinearWithGatheredInput``: autograd
+  Functions of ``seqpar.parallel`` calling ``parallel/comm.py``), every dropout with p > 0, the
+  materialized and the ring attention cores (below), and the checkpoints of ``seqpar.recompute``
+  (``torch.compiler.disable`` on the call and on its autograd Function's forward: their state is
+  Python ints, and a traced checkpoint would recompile for every step and microbatch; what they run
+  inside may be compiled);
+* the older regions (``REGIONS`` minus "layer"): each layer's attention core (``CoreAttention``) and
+  MLP.
 
-In both, the loss head (``VocabParallelCrossEntropy.compile``) compiles its chunk passes, the all-reduces
-eager between them (``seqpar.parallel.cross_entropy``).
+In both, the loss head (``VocabParallelCrossEntropy.compile``) compiles its chunk passes, the
+all-reduces eager between them (``seqpar.parallel.cross_entropy``).
 
 Dropout is position-keyed (``seqpar.parallel.dropout``): a mask is a hash of the step's key and the
-elements' global coordinates. The key is the tracker's Python integers, which dynamo would guard on and
-recompile for at every step, so every ``Dropout`` with p > 0 runs its forward eagerly
+elements' global coordinates. The key is the tracker's Python integers, which dynamo would guard on
+and recompile for at every step, so every ``Dropout`` with p > 0 runs its forward eagerly
 (``torch.compiler.disable``); the mask itself is computed by a compiled function when large
-(``seqpar.parallel.rng.keep_mask``). The materialized attention core (the paper's, with its dropout) runs
-eagerly too, its element-wise passes compiled on their own (``fuse_passes``, ``seqpar.model.core_passes``):
-softmax + position-keyed dropout mask + ``where`` one kernel, mask + softmax backward one kernel, the key
-passed as tensors (no recompile per step). A checkpoint's recomputation, which restores the tracker,
-computes the same masks. Ring attention cores (cp > 1: p2p inside) and all-to-all cores run eagerly.
+(``seqpar.parallel.rng.keep_mask``). The materialized attention core (the paper's, with its dropout)
+runs eagerly too, its element-wise passes compiled on their own (``fuse_passes``,
+``seqpar.model.core_passes``): softmax + position-keyed dropout mask + ``where`` one kernel, mask +
+softmax backward one kernel, the key passed as tensors (no recompile per step). A checkpoint's
+recomputation, which restores the tracker, computes the same masks. Ring attention cores (cp > 1:
+p2p inside) and all-to-all cores run eagerly.
 
-Compilation happens at the first call of each region (``warm_up`` in the trainer and benchmarks does it
-before anything is timed). ``default_compile(device)``: the fused layer is on by default on CUDA, off on
-CPU, where it was measured no faster (docs/benchmarks.md, "fused layer").
+Compilation happens at the first call of each region (``warm_up`` in the trainer and benchmarks does
+it before anything is timed). ``default_compile(device)``: the fused layer is on by default on CUDA,
+off on CPU, where it was measured no faster (docs/benchmarks.md, "fused layer").
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ PER_MODULE = ("core_attention", "mlp", "loss_head")  # the plan before the fused
 
 
 def default_compile(device) -> bool:
-    """Whether ``train.compile`` unset (None) compiles: on CUDA yes, on CPU no (measured slower there)."""
+    """Whether ``train.compile`` unset (None) compiles: on CUDA yes, on CPU no (measured slower
+    there)."""
     return torch.device(device).type == "cuda"
 
 
@@ -67,18 +71,21 @@ def compiled_regions(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER) -
 
 
 def _eager(m: nn.Module) -> bool:
-    """Whether a module runs eagerly inside a compiled region: a dropout with p > 0 (its key is Python
-    integers), the materialized core (the same key; its passes compiled on their own), the ring core and the
-    all-to-all core (collectives and Python-integer head rows inside)."""
+    """Whether a module runs eagerly inside a compiled region: a dropout with p > 0 (its key is
+    Python integers), the materialized core (the same key; its passes compiled on their own), the
+    ring core and the all-to-all core (collectives and Python-integer head rows inside)."""
     if isinstance(m, Dropout):
         return m.p > 0
-    return isinstance(m, RingCoreAttention | A2ACoreAttention) or (isinstance(m, CoreAttention) and not m.fused)
+    return isinstance(m, RingCoreAttention | A2ACoreAttention) or (
+        isinstance(m, CoreAttention) and not m.fused
+    )
 
 
 def compile_model(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER, **options) -> list[str]:
-    """Compile ``model``'s regions in place (``nn.Module.compile``; a materialized core's element-wise
-    passes) and keep its dropouts and the cores that compute masks eager; returns the compiled submodules'
-    names. ``options`` go to ``torch.compile`` (not to the core's passes, compiled with the defaults)."""
+    """Compile ``model``'s regions in place (``nn.Module.compile``; a materialized core's
+    element-wise passes) and keep its dropouts and the cores that compute masks eager; returns the
+    compiled submodules' names. ``options`` go to ``torch.compile`` (not to the core's passes,
+    compiled with the defaults)."""
     unknown = set(regions) - set(REGIONS)
     if unknown:
         raise ValueError(f"compile regions {sorted(unknown)} are not among {list(REGIONS)}")
@@ -91,6 +98,7 @@ def compile_model(model: nn.Module, regions: tuple[str, ...] = FUSED_LAYER, **op
         if isinstance(m, CoreAttention) and not m.fused and id(m) in covered:
             m.fuse_passes = True  # seqpar.model.core_passes
     for name in names:
-        if not (isinstance(modules[name], CoreAttention) and not modules[name].fused):  # its passes, above
+        # its passes, above
+        if not (isinstance(modules[name], CoreAttention) and not modules[name].fused):
             modules[name].compile(**options)
     return names

@@ -19,8 +19,9 @@ from seqpar.parallel.rng import last_keep
 
 
 def softmax_dropout(scores, prefix, cols, limit):
-    """``scores [b·groups, g, s, s]`` → softmax P, keep, ``where(keep, P, 0)`` (the 1/(1 − p) is in the next GEMM).
-    ``prefix [b, heads, s, 1]``, ``cols [1, 1, 1, s]`` (key positions' words), ``limit``: ``AttentionMask.parts``."""
+    """``scores [b·groups, g, s, s]`` → softmax P, keep, ``where(keep, P, 0)`` (the 1/(1 − p) is in
+    the next GEMM). ``prefix [b, heads, s, 1]``, ``cols [1, 1, 1, s]`` (key positions' words),
+    ``limit``: ``AttentionMask.parts``."""
     probs = torch.softmax(scores, dim=-1)
     keep = last_keep(prefix, cols, limit).view(probs.shape)  # [b, heads, s, s] → like P
     return probs, keep, torch.where(keep, probs, 0.0)
@@ -31,13 +32,15 @@ def softmax_only(scores):
 
 
 def dropout_softmax_backward(dd, probs, keep):
-    """dS from dD (the dropout output's gradient, already × 1/(1 − p)): mask, then softmax backward."""
+    """dS from dD (the dropout output's gradient, already × 1/(1 − p)): mask, then softmax
+    backward."""
     dp = torch.where(keep, dd, 0.0)
     return torch.ops.aten._softmax_backward_data(dp, probs, -1, probs.dtype)
 
 
 def regenerated_backward(dd, probs, prefix, cols, limit):
-    """``dropout_softmax_backward`` with the mask computed again from its coordinates instead of kept."""
+    """``dropout_softmax_backward`` with the mask computed again from its coordinates instead of
+    kept."""
     keep = last_keep(prefix, cols, limit).view(probs.shape)
     return dropout_softmax_backward(dd, probs, keep)
 
@@ -46,13 +49,22 @@ def softmax_backward(dd, probs):
     return torch.ops.aten._softmax_backward_data(dd, probs, -1, probs.dtype)
 
 
-PASSES = {f.__name__: f for f in (softmax_dropout, softmax_only, dropout_softmax_backward, regenerated_backward,
-                                  softmax_backward)}
+PASSES = {
+    f.__name__: f
+    for f in (
+        softmax_dropout,
+        softmax_only,
+        dropout_softmax_backward,
+        regenerated_backward,
+        softmax_backward,
+    )
+}
 _compiled: dict[str, object] = {}
 
 
 def fused(name: str):
-    """The pass ``name`` compiled (once per process; Inductor's cache keeps the kernels across processes)."""
+    """The pass ``name`` compiled (once per process; Inductor's cache keeps the kernels across
+    processes)."""
     fn = _compiled.get(name)
     if fn is None:
         fn = _compiled[name] = torch.compile(PASSES[name])

@@ -30,18 +30,26 @@ class Embedding(nn.Module):
         self.group, self.sp, self.t = tp.group, tp.sequence_parallel, tp.size
         self.cp = cp or CPContext()
         dtype = torch_dtype(cfg.dtype)
-        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, cfg.init_std, dtype, device)
+        self.word = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, tp, cfg.init_std, dtype, device
+        )
         self.position = None  # rotary embeddings act inside attention instead
         if cfg.position == "learned":
-            self.position = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, dtype=dtype, device=device))
+            self.position = nn.Parameter(
+                torch.empty(cfg.seq_len, cfg.hidden_size, dtype=dtype, device=device)
+            )
             mark(self.position, sequence_parallel=self.sp, init_std=cfg.init_std)
         self.max_len = cfg.seq_len
-        self.dropout = Dropout(cfg.embd_dropout, tp.tracker, -1, "embedding", Placement.of(self.cp, tp, self.sp))
+        self.dropout = Dropout(
+            cfg.embd_dropout, tp.tracker, -1, "embedding", Placement.of(self.cp, tp, self.sp)
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         full = tokens.shape[1]
         if full > self.max_len:
-            raise ValueError(f"sequence {full} is longer than the model's sequence length {self.max_len}")
+            raise ValueError(
+                f"sequence {full} is longer than the model's sequence length {self.max_len}"
+            )
         tokens = self.cp.split(tokens, 1)  # [b, s/cp]: this cp rank's chunks (s below)
         s = tokens.shape[1]
         x = self.word(tokens.t())  # [s, b, h], a partial sum under TP
@@ -53,10 +61,12 @@ class Embedding(nn.Module):
         else:
             x = comm.f_bar(x, self.group)  # [s, b, h]
         docs = documents.current()
-        if self.position is not None and docs is not None:  # packed documents: positions restart in each
+        # packed documents: positions restart in each
+        if self.position is not None and docs is not None:
             rows = self.position[self.cp.split(docs.positions, 1).t()]  # [s, b, h]
             x = x + rows[start:stop]  # [s(/t), b, h]
         elif self.position is not None:
-            rows = self.cp.split(self.position[:full], 0)  # [s, h]: this cp rank's positions (slices, cat)
+            # [s, h]: this cp rank's positions (slices, cat)
+            rows = self.cp.split(self.position[:full], 0)
             x = x + rows[start:stop].unsqueeze(1)  # [s(/t), 1, h] broadcast over b
         return self.dropout(x)  # [s(/t), b, h]

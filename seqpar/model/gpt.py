@@ -41,35 +41,61 @@ class GPTStage(nn.Module):
     says what backward keeps; under full recomputation ``blocks`` groups the layers into units
     checkpointed as one (each keeps only its input)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, layer_ids: list[int], first: bool, last: bool,
-                 device=None, tied: TiedEmbedding | None = None, recompute: RecomputePlan | None = None,
-                 cp: CPContext | None = None, ep: EPContext | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPContext,
+        layer_ids: list[int],
+        first: bool,
+        last: bool,
+        device=None,
+        tied: TiedEmbedding | None = None,
+        recompute: RecomputePlan | None = None,
+        cp: CPContext | None = None,
+        ep: EPContext | None = None,
+    ):
         super().__init__()
         self.cp = cp or CPContext()  # context parallelism: this rank's chunks of the sequence
         self.ep = ep or EPContext()  # expert parallelism (MoE layers)
-        # the MoE layers' load-balancing losses (their gradient weight, their values); None: no MoE layer
+        # the MoE layers' load-balancing losses (their gradient weight, their values); None: no MoE
+        # layer
         self.aux = AuxLosses(self.cp.size) if any(cfg.is_moe(i) for i in layer_ids) else None
         self.recompute = recompute or RecomputePlan(tracker=tp.tracker)  # what backward keeps
         self.cfg, self.tp = cfg, tp
         self.group, self.sp, self.tracker = tp.group, tp.sequence_parallel, tp.tracker
-        self.tied = tied or TiedEmbedding()  # the shared word-embedding weight's copies (seqpar/parallel/tied.py)
+        # the shared word-embedding weight's copies (seqpar/parallel/tied.py)
+        self.tied = tied or TiedEmbedding()
         self.first, self.last = first, last
         self.layer_ids = list(layer_ids)
         self.embedding = Embedding(cfg, tp, device, self.cp) if first else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, self.recompute, device, self.cp, i, self.ep,
-                                                              self.aux) for i in self.layer_ids})
-        self.blocks = self.recompute.layer_blocks(list(self.layers.values()))  # layers or full-recompute groups
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    cfg, tp, self.recompute, device, self.cp, i, self.ep, self.aux
+                )
+                for i in self.layer_ids
+            }
+        )
+        # layers or full-recompute groups
+        self.blocks = self.recompute.layer_blocks(list(self.layers.values()))
         self.final_ln = make_norm(cfg, self.sp, device) if last else None
-        self.loss_head = (VocabParallelCrossEntropy(self.group, cfg.vocab_size, cfg.label_smoothing, IGNORE_INDEX)
-                          if last else None)
+        self.loss_head = (
+            VocabParallelCrossEntropy(self.group, cfg.vocab_size, cfg.label_smoothing, IGNORE_INDEX)
+            if last
+            else None
+        )
         self.output_weight = None
         if last and (not first or not cfg.tie_embeddings):
-            # Untied: the output layer's own weight. Tied across stages: the last stage's copy of the
-            # word embedding (same initial value); the two copies' gradients are summed.
+            # Untied: the output layer's own weight. Tied across stages: the last stage's copy of
+            # the word embedding (same initial value); the two copies' gradients are summed.
             t = tp.size
             shape = (padded_vocab(cfg.vocab_size, t) // t, cfg.hidden_size)
-            self.output_weight = mark(nn.Parameter(torch.empty(shape, dtype=torch_dtype(cfg.dtype), device=device)),
-                                      split_dim=0, full_size=cfg.vocab_size, init_std=cfg.init_std)
+            self.output_weight = mark(
+                nn.Parameter(torch.empty(shape, dtype=torch_dtype(cfg.dtype), device=device)),
+                split_dim=0,
+                full_size=cfg.vocab_size,
+                init_std=cfg.init_std,
+            )
             if holds_copy(cfg.tie_embeddings, first, last):
                 relayout(self.output_weight, init_key=TIED_NAME)
 
@@ -92,34 +118,41 @@ class GPTStage(nn.Module):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
              smoothed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of per-token losses (``smoothed`` False: the plain cross entropy, whatever the label smoothing) and
-        the number of counted tokens; labels ``[b, s]``."""
+        """Sum of per-token losses (``smoothed`` False: the plain cross entropy, whatever the label
+        smoothing) and the number of counted tokens; labels ``[b, s]``."""
         target = labels.t()  # [s, b]
         per_token = self.loss_head(logits, target, smoothed)  # [s, b]
         return per_token.sum(), (target != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, docs: Documents | None = None,
-                reduction: str = "mean"):
-        """``docs``: the microbatch's packed documents (``seqpar.documents``): each attends only to itself,
-        positions restart in each; held as the ambient documents while this stage runs."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        docs: Documents | None = None,
+        reduction: str = "mean",
+    ):
+        """``docs``: the microbatch's packed documents (``seqpar.documents``): each attends only to
+        itself, positions restart in each; held as the ambient documents while this stage runs."""
         if docs is None:
             return self._forward(x, labels, reduction)
         with documents.using(docs.to(x.device)):
             return self._forward(x, labels, reduction)
 
-    def _forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
+    def _forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+    ):
         """First stage: ``x`` = tokens ``[b, s]``; later stages: hidden ``[s(/t), b, h]``.
 
         Last stage with ``labels``: the loss over the non-ignored tokens, their mean (``reduction``
-        ``"mean"``) or their sum (``"sum"``: what a step's objective adds up, ``pipeline.objective``), or
-        (``"scores"``, evaluation) ``[2]``: the plain cross entropy's sum and the objective's (label smoothing
-        included; the same number without it); without labels the logits. Other stages: the hidden state to
-        send on.
+        ``"mean"``) or their sum (``"sum"``: what a step's objective adds up,
+        ``pipeline.objective``), or (``"scores"``, evaluation) ``[2]``: the plain cross entropy's
+        sum and the objective's (label smoothing included; the same number without it); without
+        labels the logits. Other stages: the hidden state to send on.
 
-        Under context parallelism tokens and labels are the whole ``[b, s]``; the rank keeps its chunks.
-        The sums of the losses and the counts are added over the cp ranks, so every cp rank returns the
-        whole sequence's loss, and its gradients are cp times its own tokens' share
+        Under context parallelism tokens and labels are the whole ``[b, s]``; the rank keeps its
+        chunks. The sums of the losses and the counts are added over the cp ranks, so every cp rank
+        returns the whole sequence's loss, and its gradients are cp times its own tokens' share
         (``CPContext.sum``); averaged over dp × cp they are the single-process gradients.
         """
         if self.first:
@@ -142,15 +175,25 @@ class GPTStage(nn.Module):
         return total / self.cp.sum(count).clamp(min=1)
 
 
-def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_parallel: bool = False,
-                seed: int = 1234, layer_ids: list[int] | None = None, first: bool = True, last: bool = True,
-                device=None, tied: TiedEmbedding | None = None,
-                recompute: RecomputeConfig | None = None, tp_comm_overlap: bool = False) -> GPTStage:
+def build_model(
+    cfg: ModelConfig,
+    dims: ParallelDims | None = None,
+    sequence_parallel: bool = False,
+    seed: int = 1234,
+    layer_ids: list[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+    device=None,
+    tied: TiedEmbedding | None = None,
+    recompute: RecomputeConfig | None = None,
+    tp_comm_overlap: bool = False,
+) -> GPTStage:
     """Build (one stage of) the GPT for this rank, keeping for backward what ``recompute`` says
     (default: everything), and initialise it from ``seed``.
 
-    ``tied``: the tied word embedding's group when its copies live on two stages. ``tp_comm_overlap``: SP's
-    collectives in ring chunks pipelined with the GEMMs (``seqpar.parallel.tp_overlap``).
+    ``tied``: the tied word embedding's group when its copies live on two stages.
+    ``tp_comm_overlap``: SP's collectives in ring chunks pipelined with the GEMMs
+    (``seqpar.parallel.tp_overlap``).
 
     The initialisation is independent of the parallel layout: every parameter is drawn whole from a
     generator seeded by ``seed`` and its name, then sharded, so any tp/pp split computes the same
@@ -158,10 +201,21 @@ def build_model(cfg: ModelConfig, dims: ParallelDims | None = None, sequence_par
     """
     cfg.validate()
     dims = dims or ParallelDims.single()
-    tracker = RNGTracker(seed)  # masks keyed by global layer and position: the same under every layout
+    # masks keyed by global layer and position: the same under every layout
+    tracker = RNGTracker(seed)
     ids = list(range(cfg.num_layers)) if layer_ids is None else layer_ids
     tp = TPContext(dims.tp_group, sequence_parallel, tracker, tp_comm_overlap)
-    model = GPTStage(cfg, tp, ids, first, last, device, tied, RecomputePlan(recompute, tracker), CPContext.of(dims),
-                     EPContext(dims.ep_group))
+    model = GPTStage(
+        cfg,
+        tp,
+        ids,
+        first,
+        last,
+        device,
+        tied,
+        RecomputePlan(recompute, tracker),
+        CPContext.of(dims),
+        EPContext(dims.ep_group),
+    )
     init_parameters(model, seed, dims.tp_rank, dims.tp)
     return model

@@ -1,12 +1,12 @@
 """Layout-independent initialisation, one block at a time.
 
-A parameter's full tensor is cut into blocks along its split dimension (``ParamLayout.blocks``: a grid
-fixed by the full shape, about ``BLOCK_ELEMENTS`` values each); block ``b`` of parameter ``name`` is
-drawn from a generator seeded by (seed, name, b). Each rank draws only the blocks its shard touches and
-copies their overlap in, so every tp layout holds the same numbers as the single-process model, no rank
-draws a full tensor, and the memory beyond the rank's own shards is one block. A parameter of one block
-(every parameter of up to ``BLOCK_ELEMENTS`` values) gets the same numbers it got when parameters were
-drawn whole.
+A parameter's full tensor is cut into blocks along its split dimension (``ParamLayout.blocks``: a
+grid fixed by the full shape, about ``BLOCK_ELEMENTS`` values each); block ``b`` of parameter
+``name`` is drawn from a generator seeded by (seed, name, b). Each rank draws only the blocks its
+shard touches and copies their overlap in, so every tp layout holds the same numbers as the
+single-process model, no rank draws a full tensor, and the memory beyond the rank's own shards is
+one block. A parameter of one block (every parameter of up to ``BLOCK_ELEMENTS`` values) gets the
+same numbers it got when parameters were drawn whole.
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ _GOLDEN = 0x9E3779B97F4A7C15  # spreads the block seeds of one parameter
 
 
 def block_seed(seed: int, name: str, block: int) -> int:
-    """The generator seed of block ``block`` of parameter ``name`` (block 0: the whole-parameter seed)."""
+    """The generator seed of block ``block`` of parameter ``name`` (block 0: the whole-parameter
+    seed)."""
     return (seed * 1_000_003 + zlib.crc32(name.encode()) + block * _GOLDEN) % (1 << 64)
 
 
-def init_block(name: str, layout: ParamLayout, full_shape: tuple[int, ...], block: int, seed: int) -> torch.Tensor:
+def init_block(
+    name: str, layout: ParamLayout, full_shape: tuple[int, ...], block: int, seed: int
+) -> torch.Tensor:
     """Block ``block`` of the full fp32 value of parameter ``name``: N(0, std²), zeros or ones."""
     step = block_length(full_shape, layout.dim)
     shape = list(full_shape)
@@ -40,7 +43,9 @@ def init_block(name: str, layout: ParamLayout, full_shape: tuple[int, ...], bloc
 
 
 @torch.no_grad()
-def init_parameter(param: torch.Tensor, name: str, seed: int, tp_rank: int = 0, tp: int = 1) -> None:
+def init_parameter(
+    param: torch.Tensor, name: str, seed: int, tp_rank: int = 0, tp: int = 1
+) -> None:
     """Fill this rank's shard of ``param`` (padding rows zero), one block at a time."""
     if param.device.type == "meta":  # a model built for its shapes holds no values
         return

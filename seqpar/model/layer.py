@@ -29,21 +29,35 @@ class TransformerLayer(nn.Module):
     What backward keeps is the ``plan``'s (``seqpar.recompute``), resolved here: selective
     recomputation checkpoints the attention core (inside ``SelfAttention``); the finer modules
     rebuild each norm's output ("norm"), the MLP activation ("activation", inside ``MLP``) or the
-    whole MLP from its input ("mlp"; "moe" for an MoE layer). Full recomputation wraps whole layers (``GPTStage``).
-    Layer ``layer`` (global index) holds a mixture of experts instead of the MLP when ``cfg.is_moe(layer)``.
+    whole MLP from its input ("mlp"; "moe" for an MoE layer). Full recomputation wraps whole layers
+    (``GPTStage``). Layer ``layer`` (global index) holds a mixture of experts instead of the MLP
+    when ``cfg.is_moe(layer)``.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan | None = None, device=None,
-                 cp: CPContext | None = None, layer: int = 0, ep: EPContext | None = None,
-                 aux: AuxLosses | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPContext,
+        plan: RecomputePlan | None = None,
+        device=None,
+        cp: CPContext | None = None,
+        layer: int = 0,
+        ep: EPContext | None = None,
+        aux: AuxLosses | None = None,
+    ):
         super().__init__()
         plan = plan or RecomputePlan(tracker=tp.tracker)
-        self.recompute_plan = plan  # what backward keeps (and offloads), resolved for this layer's stage
-        output_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)  # scaled init of the output projections
+        # what backward keeps (and offloads), resolved for this layer's stage
+        self.recompute_plan = plan
+        # scaled init of the output projections
+        output_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
         self.ln1 = make_norm(cfg, tp.sequence_parallel, device)
-        self.attention = SelfAttention(cfg, tp, plan, output_std, device, cp, layer)  # cp: ring attention
+        # cp: ring attention
+        self.attention = SelfAttention(cfg, tp, plan, output_std, device, cp, layer)
         placement = Placement.of(cp, tp, tp.sequence_parallel)
-        self.attn_dropout = Dropout(cfg.hidden_dropout, tp.tracker, layer, "attention_output", placement)
+        self.attn_dropout = Dropout(
+            cfg.hidden_dropout, tp.tracker, layer, "attention_output", placement
+        )
         self.ln2 = make_norm(cfg, tp.sequence_parallel, device)
         moe = cfg.is_moe(layer)  # experts in place of the MLP (seqpar/model/moe.py)
         self.mlp = MoE(cfg, tp, plan, output_std, device, cp, ep, aux) if moe else \

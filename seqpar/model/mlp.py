@@ -18,7 +18,8 @@ from seqpar.recompute import RecomputePlan
 
 
 class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) · up`` from ``[..., 2f/t]``, keeping only its input (silu recomputed in backward)."""
+    """``silu(gate) · up`` from ``[..., 2f/t]``, keeping only its input (silu recomputed in
+    backward)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -64,13 +65,17 @@ class _RecomputedActivationLinear(torch.autograd.Function):
             y = y.detach().requires_grad_(True)
             z = ctx.act(y)  # [s, b, f/t], recomputed
         grad_z = grad_out.matmul(weight)  # [s, b, f/t]
-        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(z.detach().reshape(-1, z.shape[-1]))
+        grad_w = (
+            grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(z.detach().reshape(-1, z.shape[-1]))
+        )
         z.backward(grad_z)
         return y.grad, grad_w, None
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan, output_std: float, device=None):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPContext, plan: RecomputePlan, output_std: float, device=None
+    ):
         super().__init__()
         h, f, dtype = cfg.hidden_size, cfg.ffn, torch_dtype(cfg.dtype)
         parts = 2 if cfg.activation == "swiglu" else 1
@@ -81,10 +86,13 @@ class MLP(nn.Module):
         self.act = activation(cfg)
         self.fc2 = RowParallelLinear(f, h, tp, bias=cfg.bias, init_std=output_std,
                                      dtype=dtype, device=device)
-        self.act_fc2 = plan.choose("activation", plan.offloaded("activation", self._act_fc2), self._recomputed_act_fc2)
+        self.act_fc2 = plan.choose(
+            "activation", plan.offloaded("activation", self._act_fc2), self._recomputed_act_fc2
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)  # [s, b, f/t] (2f/t for SwiGLU)   keeps its input (2sbh, or 2sbh/t under SP)
+        # [s, b, f/t] (2f/t for SwiGLU)   keeps its input (2sbh, or 2sbh/t under SP)
+        y = self.fc1(x)
         return self.act_fc2(y)  # [s(/t), b, h]
 
     def _act_fc2(self, y: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Normalisation layers: LayerNorm (the paper's) and RMSNorm (Llama-style).
 
 LayerNorm keeps its input and the mean/rstd statistics (s·b values each); RMSNorm keeps its input
-and one fp32 rstd per token. Under SP both see ``[s/t, b, h]`` and their weight gradients are partial
-sums over the TP group (the parameters are marked so).
+and one fp32 rstd per token. Under SP both see ``[s/t, b, h]`` and their weight gradients are
+partial sums over the TP group (the parameters are marked so).
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def make_norm(cfg: ModelConfig, sequence_parallel: bool, device=None) -> nn.Modu
     if cfg.norm == "rmsnorm":
         norm = RMSNorm(cfg.hidden_size, cfg.layernorm_eps, torch_dtype(cfg.dtype), device)
     else:
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps, dtype=torch_dtype(cfg.dtype), device=device)
+        norm = nn.LayerNorm(
+            cfg.hidden_size, eps=cfg.layernorm_eps, dtype=torch_dtype(cfg.dtype), device=device
+        )
         mark(norm.bias, sequence_parallel=sequence_parallel, init="zeros")
     mark(norm.weight, sequence_parallel=sequence_parallel, init="ones")
     return norm

@@ -21,34 +21,35 @@ import torch.distributed as dist
 
 from seqpar.parallel.dims import group_size
 
-# ---------------------------------------------------------------- raw collectives (device from tensor)
+# ------------------------------------------------------------- raw collectives (device from tensor)
 # Every collective seqpar runs goes through this section (point-to-point transfers, which are not
-# collectives, stay with their schedules: pipeline/p2p.py, parallel/ring_attention.py, parallel/tp_overlap.py).
+# collectives, stay with their schedules: pipeline/p2p.py, parallel/ring_attention.py,
+# parallel/tp_overlap.py).
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 # The one torch-version rule of the package: torch 2.13 names the single-tensor collectives
-# all_gather_single / reduce_scatter_single; the releases before it call the same collectives, with the
-# same arguments, all_gather_into_tensor / reduce_scatter_tensor. Looked up per call and by name, not by
-# version: a build that has either works, and a test can hide the new names. A torch without the new names
-# also traces collectives its own way: torch 2.11's dynamo rewrites them into functional collectives, and a
-# compiled tp 2 layer's gradients came out wrong through them (with SP and without: the layers' weight
-# gradients zero, tests/test_compile.py), while 2.13's rewrite is exact. So there every collective below runs
-# outside compiled graphs (a graph break around each).
+# all_gather_single / reduce_scatter_single; the releases before it call the same collectives, with
+# the same arguments, all_gather_into_tensor / reduce_scatter_tensor. Looked up per call and by
+# name, not by version: a build that has either works, and a test can hide the new names. A torch
+# without the new names also traces collectives its own way: torch 2.11's dynamo rewrites them into
+# functional collectives, and a compiled tp 2 layer's gradients came out wrong through them (with SP
+# and without: the layers' weight gradients zero, tests/test_compile.py), while 2.13's rewrite is
+# exact. So there every collective below runs outside compiled graphs (a graph break around each).
 _NAMES = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
 
 
 def collective(kind: str):
-    """This torch's single-tensor ``kind`` collective ("all_gather" or "reduce_scatter"): the 2.13 name where
-    it exists, else the older one, kept out of compiled graphs."""
+    """This torch's single-tensor ``kind`` collective ("all_gather" or "reduce_scatter"): the 2.13
+    name where it exists, else the older one, kept out of compiled graphs."""
     new, old = _NAMES[kind]
     fn = getattr(dist, new, None)
     return fn if fn is not None else _eager(getattr(dist, old))
 
 
 def _traced(fn):
-    """``fn`` (a ``torch.distributed`` collective) as compiled graphs may hold it: itself where this torch has
-    the 2.13 names, else kept out of them (the rule above)."""
+    """``fn`` (a ``torch.distributed`` collective) as compiled graphs may hold it: itself where this
+    torch has the 2.13 names, else kept out of them (the rule above)."""
     return fn if getattr(dist, _NAMES["all_gather"][0], None) is not None else _eager(fn)
 
 
@@ -59,12 +60,14 @@ def _eager(fn):
 
 
 def all_reduce(x: torch.Tensor, group=None, async_op: bool = False, op=SUM):
-    """Reduce ``x`` in place over ``group`` (None: every rank) with ``op``; the work handle when ``async_op``."""
+    """Reduce ``x`` in place over ``group`` (None: every rank) with ``op``; the work handle when
+    ``async_op``."""
     return _traced(dist.all_reduce)(x, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
-    """``out`` (N times ``x``'s size) = every rank's ``x`` concatenated along dim 0, in rank order."""
+    """``out`` (N times ``x``'s size) = every rank's ``x`` concatenated along dim 0, in rank
+    order."""
     return collective("all_gather")(out, x, group=group, async_op=async_op)
 
 
@@ -75,10 +78,13 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op
 
 def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int] | None = None,
                in_splits: list[int] | None = None, group=None) -> None:
-    """Rank r's ``out`` = the dim-0 slices every rank's ``x`` addressed to r, in rank order: ``x`` is cut
-    into ``in_splits`` rows (one slice per rank), ``out`` receives ``out_splits`` rows from each rank
-    (None: equal slices). Expert parallelism's dispatch and combine (``seqpar.parallel.expert``)."""
-    _traced(dist.all_to_all_single)(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    """Rank r's ``out`` = the dim-0 slices every rank's ``x`` addressed to r, in rank order: ``x``
+    is cut into ``in_splits`` rows (one slice per rank), ``out`` receives ``out_splits`` rows from
+    each rank (None: equal slices). Expert parallelism's dispatch and combine
+    (``seqpar.parallel.expert``)."""
+    _traced(dist.all_to_all_single)(
+        out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
+    )
 
 
 def all_gather_list(shards: list[torch.Tensor], x: torch.Tensor, group=None) -> None:
@@ -97,10 +103,14 @@ def broadcast(x: torch.Tensor, src: int, group=None) -> None:
 
 
 def side_group():
-    """A new gloo group over every rank, for collectives a background thread runs beside the step's on
-    connections of their own (a background checkpoint write); every rank calls this at the same point.
-    None for a process alone."""
-    return dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_world_size() > 1 else None
+    """A new gloo group over every rank, for collectives a background thread runs beside the step's
+    on connections of their own (a background checkpoint write); every rank calls this at the same
+    point. None for a process alone."""
+    return (
+        dist.new_group(backend="gloo")
+        if dist.is_initialized() and dist.get_world_size() > 1
+        else None
+    )
 
 
 def barrier(group=None) -> None:
@@ -144,7 +154,8 @@ class _F(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share `grad` with other nodes
+        # autograd may share `grad` with other nodes
+        grad = grad.clone(memory_format=torch.contiguous_format)
         all_reduce(grad, ctx.group)
         return grad, None
 

@@ -47,7 +47,8 @@ def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
 
 
 def split_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
-    """The tokens of cp rank ``rank`` along ``dim``: ``[.., s, ..]`` → ``[.., s/cp, ..]`` (a copy)."""
+    """The tokens of cp rank ``rank`` along ``dim``: ``[.., s, ..]`` → ``[.., s/cp, ..]`` (a
+    copy)."""
     if cp == 1:
         return x
     check_divisible(x.shape[dim], cp)
@@ -57,7 +58,8 @@ def split_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tenso
 
 
 def gather_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """Inverse of ``split_sequence`` over all cp ranks: ``cp × [.., s/cp, ..]`` → ``[.., s, ..]``."""
+    """Inverse of ``split_sequence`` over all cp ranks: ``cp × [.., s/cp, ..]`` →
+    ``[.., s, ..]``."""
     cp = len(parts)
     chunks: list = [None] * (2 * cp)
     for rank, part in enumerate(parts):
@@ -70,9 +72,9 @@ def gather_sequence(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 class CPContext(GroupContext):
     """The context-parallel group a model is built with (``None``: cp = 1, every call an identity).
 
-    ``comm_type`` (``ParallelConfig.cp_comm_type``) is how the attention core exchanges: ``ring`` over
-    ``group``; ``a2a``/``a2a+ring``: all-to-all over ``a2a_group`` (K consecutive cp ranks), the ring over
-    ``ring_group`` (the cp / K ranks K apart; None under a2a)."""
+    ``comm_type`` (``ParallelConfig.cp_comm_type``) is how the attention core exchanges: ``ring``
+    over ``group``; ``a2a``/``a2a+ring``: all-to-all over ``a2a_group`` (K consecutive cp ranks),
+    the ring over ``ring_group`` (the cp / K ranks K apart; None under a2a)."""
 
     comm_type: str = "ring"
     a2a_group: object = None
@@ -84,7 +86,8 @@ class CPContext(GroupContext):
         return cls(dims.cp_group, dims.cp_comm_type, dims.a2a_group, dims.ring_group)
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's tokens of a whole-sequence tensor (tokens, labels ``[b, s]`` → ``[b, s/cp]``)."""
+        """This rank's tokens of a whole-sequence tensor (tokens, labels ``[b, s]`` →
+        ``[b, s/cp]``)."""
         return split_sequence(x, dim, self.size, self.rank)
 
     def positions(self, seq_len: int, device=None) -> torch.Tensor:
@@ -92,14 +95,16 @@ class CPContext(GroupContext):
         return chunk_positions(seq_len, self.size, self.rank, device)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the cp ranks, differentiable: backward sums the gradients of the cp copies too (the
-        adjoint), so a loss summed here gives each rank cp times its own tokens' share of the gradient,
-        and the average over the cp ranks (``ParallelDims.grad_group``) is the whole sequence's."""
+        """Sum over the cp ranks, differentiable: backward sums the gradients of the cp copies too
+        (the adjoint), so a loss summed here gives each rank cp times its own tokens' share of the
+        gradient, and the average over the cp ranks (``ParallelDims.grad_group``) is the whole
+        sequence's."""
         return x if self.size == 1 else _SumOverRanks.apply(x, self.group)
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """Forward: all-reduce (sum) over ``group``; backward: all-reduce of the gradient (its adjoint)."""
+    """Forward: all-reduce (sum) over ``group``; backward: all-reduce of the gradient (its
+    adjoint)."""
 
     @staticmethod
     def forward(ctx, x, group):

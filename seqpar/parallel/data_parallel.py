@@ -18,7 +18,9 @@ from seqpar.parallel.main_grad import grad_or_zeros
 BUCKET_BYTES = 25 * 2**20
 
 
-def buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+def buckets(
+    tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES
+) -> list[list[torch.Tensor]]:
     """Consecutive tensors of one dtype and device, grouped up to ``bucket_bytes`` per bucket."""
     out: list[list[torch.Tensor]] = []
     size = 0
@@ -43,14 +45,17 @@ def all_reduce_mean(tensors: list[torch.Tensor], group, bucket_bytes: int = BUCK
         flat = torch._utils._flatten_dense_tensors(bucket)
         all_reduce(flat, group=group)
         flat.div_(world)
-        for t, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
+        for t, synced in zip(
+            bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True
+        ):
             t.copy_(synced)
 
 
 def average_gradients(params, group, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Average the gradients (``grad_of``: fp32 ``main_grad`` or ``.grad``) of ``params`` over the dp
-    group; a missing gradient counts as zero, so every rank all-reduces the same list."""
+    """Average the gradients (``grad_of``: fp32 ``main_grad`` or ``.grad``) of ``params`` over the
+    dp group; a missing gradient counts as zero, so every rank all-reduces the same list."""
     if group_size(group) == 1:
         return
-    grads = [grad_or_zeros(p) for p in params if p.requires_grad]  # fp32 main_grad when there is one
+    # fp32 main_grad when there is one
+    grads = [grad_or_zeros(p) for p in params if p.requires_grad]
     all_reduce_mean(grads, group, bucket_bytes)

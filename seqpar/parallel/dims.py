@@ -57,27 +57,32 @@ class ParallelDims:
     pp_group: object = field(default=None, repr=False)
     dp_group: object = field(default=None, repr=False)
     cp_group: object = field(default=None, repr=False)
-    # all-to-all CP (``ParallelConfig.cp_comm_type``): cp rank = ring rank · K + a2a rank; the a2a group is K
-    # consecutive cp ranks (the all-to-all), the ring group the cp / K ranks of one a2a rank (the ring)
+    # all-to-all CP (``ParallelConfig.cp_comm_type``): cp rank = ring rank · K + a2a rank; the a2a
+    # group is K consecutive cp ranks (the all-to-all), the ring group the cp / K ranks of one a2a
+    # rank (the ring)
     cp_comm_type: str = "ring"
     a2a_group: object = field(default=None, repr=False)
     ring_group: object = field(default=None, repr=False)
     # dp × cp: the ranks holding the same parameters (same pp and tp coordinates); gradients are
     # averaged over it (each cp rank's gradient is the whole sequence's, see GPTStage.forward)
     grad_group: object = field(default=None, repr=False)
-    # expert parallelism (ep consecutive ranks of the dp × cp index, same pp and tp coordinates): the
-    # ep group exchanges tokens by all-to-all; the expert grad group holds the same experts (dp·cp/ep
-    # ranks) and averages their gradients (divided by dp·cp: each ep rank's experts saw all ep ranks' tokens)
+    # expert parallelism (ep consecutive ranks of the dp × cp index, same pp and tp coordinates):
+    # the ep group exchanges tokens by all-to-all; the expert grad group holds the same experts
+    # (dp·cp/ep ranks) and averages their gradients (divided by dp·cp: each ep rank's experts saw
+    # all ep ranks' tokens)
     ep: int = 1
     ep_group: object = field(default=None, repr=False)
     expert_grad_group: object = field(default=None, repr=False)
-    # FSDP (``parallel.fsdp``) shards over the grad group; HSDP (``fsdp_shard_size`` < dp·cp) over shard
-    # groups of that many of its ranks (consecutive in grad-group order), replicated across them
+    # FSDP (``parallel.fsdp``) shards over the grad group; HSDP (``fsdp_shard_size`` < dp·cp) over
+    # shard groups of that many of its ranks (consecutive in grad-group order), replicated across
+    # them
     fsdp: bool = False
-    fsdp_shard_size: int = 0  # HSDP's shard group size (0: FSDP over the whole grad group, or no FSDP)
+    # HSDP's shard group size (0: FSDP over the whole grad group, or no FSDP)
+    fsdp_shard_size: int = 0
     hsdp_replicate_group: object = field(default=None, repr=False)
     hsdp_shard_group: object = field(default=None, repr=False)
-    pp_ranks: list[int] = field(default_factory=lambda: [0])  # global ranks of my pipeline, by stage
+    # global ranks of my pipeline, by stage
+    pp_ranks: list[int] = field(default_factory=lambda: [0])
     tp_ranks: list[int] = field(default_factory=lambda: [0])
 
     @property
@@ -102,7 +107,8 @@ class ParallelDims:
 
     @property
     def grad_rank(self) -> int:
-        """This rank's place in its grad group (dp × cp, cp running fastest), as the group numbers it."""
+        """This rank's place in its grad group (dp × cp, cp running fastest), as the group numbers
+        it."""
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
@@ -133,7 +139,9 @@ class ParallelDims:
         parallel.validate(world_size=dist.get_world_size())
         tp, pp, dp, cp = parallel.tp, parallel.pp, parallel.dp, parallel.cp
         dims = cls(tp=tp, pp=pp, dp=dp, cp=cp, rank=dist.get_rank())
-        coords = [(d, p, c, t) for d in range(dp) for p in range(pp) for c in range(cp) for t in range(tp)]
+        coords = [
+            (d, p, c, t) for d in range(dp) for p in range(pp) for c in range(cp) for t in range(tp)
+        ]
 
         def groups(vary: str) -> list[list[int]]:
             """One rank list per setting of the other coordinates, ``vary`` running fastest."""
@@ -151,7 +159,10 @@ class ParallelDims:
         dims.cp_comm_type = parallel.cp_comm_type
         if parallel.cp_comm_type != "ring":
             a2a, ring = a2a_group_lists(groups("c"), parallel.a2a_size)
-            dims.a2a_group, dims.ring_group = _my_group(a2a, dims.rank)[0], _my_group(ring, dims.rank)[0]
+            dims.a2a_group, dims.ring_group = (
+                _my_group(a2a, dims.rank)[0],
+                _my_group(ring, dims.rank)[0],
+            )
         dims.grad_group = dims.dp_group if cp == 1 else dims.cp_group if dp == 1 else \
             _my_group(groups("dc"), dims.rank)[0]
         dims.ep = parallel.ep
@@ -161,18 +172,26 @@ class ParallelDims:
             dims.fsdp_shard_size = parallel.fsdp_shard_size
             grad_lists = groups("dc")  # each in dp-then-cp order
             size = dims.fsdp_shard_size
-            dims.hsdp_shard_group = _my_group([g[i:i + size] for g in grad_lists for i in range(0, len(g), size)],
-                                              dims.rank)[0]
-            dims.hsdp_replicate_group = _my_group([g[j::size] for g in grad_lists for j in range(size)], dims.rank)[0]
+            dims.hsdp_shard_group = _my_group(
+                [g[i : i + size] for g in grad_lists for i in range(0, len(g), size)], dims.rank
+            )[0]
+            dims.hsdp_replicate_group = _my_group(
+                [g[j::size] for g in grad_lists for j in range(size)], dims.rank
+            )[0]
         return dims
 
     def grad_ranks(self) -> list[int]:
         """The global ranks of this rank's grad group (dp × cp, cp running fastest)."""
-        return [self.rank_of(d, self.pp_rank, c, self.tp_rank) for d in range(self.dp) for c in range(self.cp)]
+        return [
+            self.rank_of(d, self.pp_rank, c, self.tp_rank)
+            for d in range(self.dp)
+            for c in range(self.cp)
+        ]
 
 
 def _expert_groups(dims: ParallelDims, parallel: ParallelConfig) -> tuple[object, object]:
-    """(ep group, expert grad group) of this rank, of the rank lists ``placement.expert_groups`` owns."""
+    """(ep group, expert grad group) of this rank, of the rank lists ``placement.expert_groups``
+    owns."""
     if dims.ep == 1:
         return None, dims.grad_group
     ep_lists, grad_lists = expert_groups(parallel)
@@ -180,8 +199,8 @@ def _expert_groups(dims: ParallelDims, parallel: ParallelConfig) -> tuple[object
 
 
 def a2a_group_lists(cp_lists: list[list[int]], k: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(a2a groups, ring groups) as rank lists: inside each cp group (listed by cp rank), K consecutive ranks,
-    and the ranks K apart."""
+    """(a2a groups, ring groups) as rank lists: inside each cp group (listed by cp rank), K
+    consecutive ranks, and the ranks K apart."""
     a2a = [ranks[i:i + k] for ranks in cp_lists for i in range(0, len(ranks), k)]
     ring = [ranks[j::k] for ranks in cp_lists for j in range(k)]
     return a2a, ring

@@ -1,4 +1,5 @@
-"""Dropout whose masks are slices of the single process's (``seqpar.parallel.rng``: position-keyed bits).
+"""Dropout whose masks are slices of the single process's (``seqpar.parallel.rng``: position-keyed
+bits).
 
 A ``Dropout`` is built knowing its global layer, its site and where its rank's tensor lies in the
 whole one: ``Placement`` says which global sequence positions a rank's ``[s_local, b, h]`` holds
@@ -16,7 +17,16 @@ from torch import nn
 
 from seqpar.parallel.context import chunk_ids
 from seqpar.parallel.dims import GroupContext
-from seqpar.parallel.rng import Ranges, RNGTracker, coordinates, keep_mask, prefix_bits, slice_ranges, threshold, words
+from seqpar.parallel.rng import (
+    Ranges,
+    RNGTracker,
+    coordinates,
+    keep_mask,
+    prefix_bits,
+    slice_ranges,
+    threshold,
+    words,
+)
 
 
 def sequence_ranges(local_len: int, cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1,
@@ -34,7 +44,8 @@ def sequence_ranges(local_len: int, cp_size: int = 1, cp_rank: int = 0, sp_size:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a rank's sequence-first tensor lies in the whole: its cp rank and, under SP, its tp rank."""
+    """Where a rank's sequence-first tensor lies in the whole: its cp rank and, under SP, its tp
+    rank."""
 
     cp_size: int = 1
     cp_rank: int = 0
@@ -42,7 +53,9 @@ class Placement:
     sp_rank: int = 0
 
     @classmethod
-    def of(cls, cp: GroupContext | None, tp: GroupContext | None, sequence_parallel: bool) -> Placement:
+    def of(
+        cls, cp: GroupContext | None, tp: GroupContext | None, sequence_parallel: bool
+    ) -> Placement:
         cp_size, cp_rank = (cp.size, cp.rank) if cp is not None else (1, 0)
         sp = tp is not None and sequence_parallel
         return cls(cp_size, cp_rank, tp.size if sp else 1, tp.rank if sp else 0)
@@ -52,7 +65,8 @@ class Placement:
 
 
 class _Dropout(torch.autograd.Function):
-    """Inverted dropout ``where(keep, x, 0) / (1 − p)`` that keeps only the 1-byte bool mask for backward."""
+    """Inverted dropout ``where(keep, x, 0) / (1 − p)`` that keeps only the 1-byte bool mask for
+    backward."""
 
     @staticmethod
     def forward(ctx, x, keep, scale: float):
@@ -67,9 +81,17 @@ class _Dropout(torch.autograd.Function):
 
 
 class Dropout(nn.Module):
-    """Dropout of a sequence-first tensor ``[s_local, b, h]`` at ``site`` of global ``layer`` (−1: embedding)."""
+    """Dropout of a sequence-first tensor ``[s_local, b, h]`` at ``site`` of global ``layer`` (−1:
+    embedding)."""
 
-    def __init__(self, p: float, tracker: RNGTracker, layer: int, site: str, placement: Placement | None = None):
+    def __init__(
+        self,
+        p: float,
+        tracker: RNGTracker,
+        layer: int,
+        site: str,
+        placement: Placement | None = None,
+    ):
         super().__init__()
         self.p, self.tracker, self.layer, self.site = p, tracker, layer, site
         self.placement = placement or Placement()
@@ -77,7 +99,8 @@ class Dropout(nn.Module):
     def keep(self, x: torch.Tensor) -> torch.Tensor:
         """``[s_local, b, h]`` bool: this rank's slice of the single process's mask."""
         s, b, h = x.shape
-        axes = [self.tracker.samples(b), self.placement.positions(s), ((0, h),)]  # hashed in this order
+        # hashed in this order
+        axes = [self.tracker.samples(b), self.placement.positions(s), ((0, h),)]
         key = self.tracker.key(self.layer, self.site)
         return keep_mask(key, self.p, axes, x.device, dims=[1, 0, 2])  # [s, b, h], contiguous
 
@@ -100,12 +123,16 @@ class AttentionMask:
     samples: Ranges
     heads: Ranges
 
-    def parts(self, rows: Ranges, cols: Ranges, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What a fused pass needs to compute the mask ``[b, heads, sq, sk]``: the prefix hash of (sample, head,
-        query) ``[b, heads, sq, 1]`` (small, eager), the key positions' words ``[1, 1, 1, sk]`` and the threshold
-        (0-dim): ``seqpar.parallel.rng.last_keep`` of the three (tensors only: no recompile per step)."""
+    def parts(
+        self, rows: Ranges, cols: Ranges, device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a fused pass needs to compute the mask ``[b, heads, sq, sk]``: the prefix hash of
+        (sample, head, query) ``[b, heads, sq, 1]`` (small, eager), the key positions' words
+        ``[1, 1, 1, sk]`` and the threshold (0-dim): ``seqpar.parallel.rng.last_keep`` of the three
+        (tensors only: no recompile per step)."""
         coords = coordinates([self.samples, self.heads, rows, cols], device)
-        limit = torch.full((), threshold(self.p), dtype=torch.int64, device=device)  # a fill kernel: no copy
+        # a fill kernel: no copy
+        limit = torch.full((), threshold(self.p), dtype=torch.int64, device=device)
         return prefix_bits(self.key, *coords[:-1]), words(coords[-1]), limit
 
     def keep(self, rows: Ranges, cols: Ranges, device) -> torch.Tensor:
@@ -113,19 +140,27 @@ class AttentionMask:
         return keep_mask(self.key, self.p, [self.samples, self.heads, rows, cols], device)
 
 
-def attention_mask(tracker: RNGTracker, p: float, layer: int, b: int, heads: Ranges) -> AttentionMask:
+def attention_mask(
+    tracker: RNGTracker, p: float, layer: int, b: int, heads: Ranges
+) -> AttentionMask:
     """The mask of the microbatch in flight (``b`` samples) over this rank's query ``heads``."""
     return AttentionMask(tracker.key(layer, "attention"), p, tracker.samples(b), heads)
 
 
 class HeadsDropout:
-    """The attention dropout of a core holding ``groups·g`` query heads from ``first_head`` on, at global ``layer``
-    (its attributes, with ``p``, ``tracker`` and nn.Module's ``training``): the one ``mask`` every core asks."""
+    """The attention dropout of a core holding ``groups·g`` query heads from ``first_head`` on, at
+    global ``layer`` (its attributes, with ``p``, ``tracker`` and nn.Module's ``training``): the one
+    ``mask`` every core asks."""
 
     def mask(self, b: int) -> AttentionMask | None:
-        """The dropout mask of the microbatch in flight over this rank's query heads (Python integers; a ring
-        slices its blocks), None without dropout."""
+        """The dropout mask of the microbatch in flight over this rank's query heads (Python
+        integers; a ring slices its blocks), None without dropout."""
         if not self.training or self.p == 0.0:
             return None
-        return attention_mask(self.tracker, self.p, self.layer, b, ((self.first_head,
-                                                                      self.first_head + self.groups * self.g),))
+        return attention_mask(
+            self.tracker,
+            self.p,
+            self.layer,
+            b,
+            ((self.first_head, self.first_head + self.groups * self.g),),
+        )

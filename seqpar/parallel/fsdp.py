@@ -1,11 +1,11 @@
-"""FSDP2 over the data-parallel (× context-parallel) ranks: ``torch.distributed.fsdp.fully_shard`` applied
-to a built stage, whose parameters are already this rank's tensor-parallel shards.
+"""FSDP2 over the data-parallel (× context-parallel) ranks: ``torch.distributed.fsdp.fully_shard``
+applied to a built stage, whose parameters are already this rank's tensor-parallel shards.
 
 seqpar's tensor parallelism is written by hand: a parameter is a plain tensor holding this tp rank's
 shard (``ParamLayout`` says where it lies in the full tensor). ``fully_shard`` sees such a tensor as
-a whole parameter and shards it again, along dim 0, over a ``DeviceMesh`` built from seqpar's own grad
-group (the dp × cp ranks of one (pp, tp) coordinate): 1-D for FSDP, 2-D (replicate, shard) for HSDP.
-TP stays invisible to FSDP, and FSDP to TP -- a layer's forward sees plain gathered tensors.
+a whole parameter and shards it again, along dim 0, over a ``DeviceMesh`` built from seqpar's own
+grad group (the dp × cp ranks of one (pp, tp) coordinate): 1-D for FSDP, 2-D (replicate, shard) for
+HSDP. TP stays invisible to FSDP, and FSDP to TP -- a layer's forward sees plain gathered tensors.
 
 The plan, applied in this order (torchtitan's order of transforms): every transformer layer its own
 FSDP unit (its weights gathered for its forward, and again for its backward when resharded after the
@@ -15,15 +15,16 @@ on; backward: the previous layer's, implicit). Mixed precision is FSDP's: fp32 s
 (they are the master weights), gathered in bf16/fp16 for compute, gradients reduce-scattered in fp32
 and averaged over the mesh (the dp × cp average ``finalize_grads`` applies otherwise).
 
-Each sharded parameter's ``ParamLayout`` gains an ``FSDPShard`` (its ``fsdp`` field): which rows of the tp-local
-tensor this rank holds (``torch.chunk`` rows: ceil(rows / N) each, the last ones short or empty), so
-the norm's counting rules, the grouped-kv and sequence-parallel reductions over tp and the checkpoint
-views work on the local rows.
+Each sharded parameter's ``ParamLayout`` gains an ``FSDPShard`` (its ``fsdp`` field): which rows of
+the tp-local tensor this rank holds (``torch.chunk`` rows: ceil(rows / N) each, the last ones short
+or empty), so the norm's counting rules, the grouped-kv and sequence-parallel reductions over tp and
+the checkpoint views work on the local rows.
 
 Where FSDP2 does not reach: the full-recompute checkpoint is seqpar's own reentrant one
-(``recompute._Checkpoint``), so a layer inside a checkpointed group is gathered three times (forward,
-recomputation, backward) under ZeRO-3; and ``finalize_grads`` (sequence-parallel sums over tp, the tied
-embedding's copies over {first, last}) runs on the reduced shards after the backward, not inside FSDP.
+(``recompute._Checkpoint``), so a layer inside a checkpointed group is gathered three times
+(forward, recomputation, backward) under ZeRO-3; and ``finalize_grads`` (sequence-parallel sums over
+tp, the tied embedding's copies over {first, last}) runs on the reduced shards after the backward,
+not inside FSDP.
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ def shard_of(param: torch.Tensor) -> FSDPShard | None:
 
 def fsdp_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The mesh of this rank's grad group (dp × cp ranks, in dp-then-cp order) over the groups
-    ``ParallelDims.build`` made: 1-D (``shard``: the grad group), or 2-D (``replicate``, ``shard``) for HSDP."""
+    ``ParallelDims.build`` made: 1-D (``shard``: the grad group), or 2-D (``replicate``, ``shard``)
+    for HSDP."""
     ranks = torch.tensor(dims.grad_ranks())
     if not dims.fsdp_shard_size:
-        return DeviceMesh.from_group(dims.grad_group, device_type, mesh=ranks, mesh_dim_names=("shard",))
+        return DeviceMesh.from_group(
+            dims.grad_group, device_type, mesh=ranks, mesh_dim_names=("shard",)
+        )
     layout = ranks.view(-1, dims.fsdp_shard_size)  # [replicate, shard]
-    return DeviceMesh.from_group([dims.hsdp_replicate_group, dims.hsdp_shard_group], device_type, mesh=layout,
-                                 mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh.from_group(
+        [dims.hsdp_replicate_group, dims.hsdp_shard_group],
+        device_type,
+        mesh=layout,
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def mixed_precision(model_dtype: str) -> MixedPrecisionPolicy:
@@ -80,15 +88,25 @@ def apply_fsdp(chunks: list[nn.Module], dims: ParallelDims, parallel: ParallelCo
                 p.data = p.data.float()  # the fp32 master: the model's own (rounded) initial values
         layers = list(chunk.layers.values())
         for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=parallel.reshard_after_forward)
-        # the root is needed again first thing in the backward (loss, output layer): never resharded early
+            fully_shard(
+                layer,
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=parallel.reshard_after_forward,
+            )
+        # the root is needed again first thing in the backward (loss, output layer): never resharded
+        # early
         fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         for later, earlier in zip(layers[1:], layers[:-1], strict=True):
-            earlier.set_modules_to_forward_prefetch([later])  # gather the next layer while this one computes
+            # gather the next layer while this one computes
+            earlier.set_modules_to_forward_prefetch([later])
         for name, p in chunk.named_parameters():
             shape = tuple(p.shape)
             row0, rows = chunk_rows(shape[0], shards, shard_rank)
             if p.to_local().shape[0] != rows:
-                raise RuntimeError(f"{name}: FSDP holds {p.to_local().shape[0]} rows here, torch.chunk gives {rows}")
+                raise RuntimeError(
+                    f"{name}: FSDP holds {p.to_local().shape[0]} rows here, torch.chunk gives "
+                    f"{rows}"
+                )
             p.parallel_layout = replace(layouts[name], fsdp=FSDPShard(shape, row0, rows))
     return mesh

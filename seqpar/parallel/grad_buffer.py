@@ -16,11 +16,12 @@ the gradient norm and clipping. Without ``overlap`` every bucket starts in ``fin
 The reduction sums in fp32 and divides by the group size, as ``data_parallel.average_gradients``
 does. ``shard``: a reduce-scatter instead of an all-reduce -- each rank receives the sum of its
 1/N of every bucket only (the buffer is padded to a multiple of N), which is all the distributed
-optimizer (``seqpar.train.optim.dist_optim``) reads; the rest of the buffer keeps this rank's partial sums.
+optimizer (``seqpar.train.optim.dist_optim``) reads; the rest of the buffer keeps this rank's
+partial sums.
 
-Routed experts (``seqpar.parallel.expert``) get buckets of their own, reduced over ``expert_group`` (the
-ranks holding the same experts) and divided by the dense group's size (dp × cp): each bucket carries its
-group, this rank's place in it and its divisor.
+Routed experts (``seqpar.parallel.expert``) get buckets of their own, reduced over ``expert_group``
+(the ranks holding the same experts) and divided by the dense group's size (dp × cp): each bucket
+carries its group, this rank's place in it and its divisor.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Bucket:
     group: object = None  # the ranks it is reduced over
     rank: int = 0  # this rank in ``group``
     world: int = 1  # the size of ``group``
-    divisor: int = 1  # the sum over ``group`` is divided by it (its size; dp × cp for routed experts)
+    # the sum over ``group`` is divided by it (its size; dp × cp for routed experts)
+    divisor: int = 1
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
         """The slice of ``buffer`` rank ``rank`` of the group owns after a reduce-scatter."""
@@ -62,8 +64,17 @@ class Bucket:
 class GradBuffers:
     """The flat fp32 gradient buckets of ``params`` and their reduction over ``group``."""
 
-    def __init__(self, params: list[nn.Parameter], group, *, overlap: bool = False, shard: bool = False,
-                 bucket_bytes: int = BUCKET_BYTES, alone: tuple = (), expert_group=None):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group,
+        *,
+        overlap: bool = False,
+        shard: bool = False,
+        bucket_bytes: int = BUCKET_BYTES,
+        alone: tuple = (),
+        expert_group=None,
+    ):
         self.group, self.overlap, self.shard = group, overlap, shard
         self.world = group_size(group)
         self.rank = dist.get_rank(group) if self.world > 1 else 0
@@ -79,8 +90,12 @@ class GradBuffers:
         size = 0
         for p in reversed([p for p in params if p.requires_grad]):
             nbytes = p.numel() * 4
-            same = groups and groups[-1][0].dtype == p.dtype and id(groups[-1][0]) not in alone_ids \
+            same = (
+                groups
+                and groups[-1][0].dtype == p.dtype
+                and id(groups[-1][0]) not in alone_ids
                 and is_expert(groups[-1][0]) == is_expert(p)
+            )
             if not same or id(p) in alone_ids or size + nbytes > bucket_bytes:
                 groups.append([])
                 size = 0
@@ -130,15 +145,20 @@ class GradBuffers:
         bucket's reduction once the bucket's last gradient is final (overlap)."""
         bucket = self.bucket_of[id(param)]
         if bucket.work is not None:
-            raise RuntimeError("a gradient arrived after its bucket's reduction started: a parameter got more "
-                               f"gradients than the {self.microbatches} microbatches of this step")
+            raise RuntimeError(
+                "a gradient arrived after its bucket's reduction started: a parameter got more "
+                f"gradients than the {self.microbatches} microbatches of this step"
+            )
         param.main_grad.add_(param.grad)
         param.grad = None
         if self.microbatches:
             self.counts[id(param)] += 1
             if self.counts[id(param)] == self.microbatches:
                 bucket.pending.discard(id(param))
-                while self.next_start < len(self.buckets) and not self.buckets[self.next_start].pending:
+                while (
+                    self.next_start < len(self.buckets)
+                    and not self.buckets[self.next_start].pending
+                ):
                     self._start(self.buckets[self.next_start])
                     self.started_during_backward += 1
 
@@ -147,8 +167,9 @@ class GradBuffers:
             bucket.work = None
         elif self.shard:
             lo, hi = bucket.shard_range(bucket.rank, bucket.world)
-            bucket.work = reduce_scatter_into(bucket.buffer[lo:hi], bucket.buffer, group=bucket.group,
-                                              async_op=True)
+            bucket.work = reduce_scatter_into(
+                bucket.buffer[lo:hi], bucket.buffer, group=bucket.group, async_op=True
+            )
         else:
             bucket.work = all_reduce(bucket.buffer, group=bucket.group, async_op=True)
         self.next_start += 1
@@ -168,7 +189,11 @@ class GradBuffers:
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.work = None
-            lo, hi = bucket.shard_range(bucket.rank, bucket.world) if self.shard else (0, bucket.buffer.numel())
+            lo, hi = (
+                bucket.shard_range(bucket.rank, bucket.world)
+                if self.shard
+                else (0, bucket.buffer.numel())
+            )
             bucket.buffer[lo:hi].div_(bucket.divisor)
         self.microbatches = 0
 

@@ -18,15 +18,26 @@ from seqpar.parallel.tp_context import TPContext
 from seqpar.parallel.weight_grad import SavedForW, deferral, linear, weight_grad
 
 
-def mark(param: nn.Parameter, split_dim: int | None = None, sequence_parallel: bool = False,
-         full_size: int | None = None, init: str = "normal", init_std: float = 0.02) -> nn.Parameter:
+def mark(
+    param: nn.Parameter,
+    split_dim: int | None = None,
+    sequence_parallel: bool = False,
+    full_size: int | None = None,
+    init: str = "normal",
+    init_std: float = 0.02,
+) -> nn.Parameter:
     """Record a parameter's layout (``param.parallel_layout``, a ``ParamLayout``): split along
     ``split_dim`` over the TP group (None: replicated), ``sequence_parallel``: replicated but its
     gradient comes from sequence-sharded data, so it is a partial sum that must be all-reduced over
     the TP group; ``full_size``: the unpadded size of the split dimension (vocabulary padding);
     ``init``: normal | zeros | ones."""
-    param.parallel_layout = ParamLayout(split_dim=split_dim, full_size=full_size,
-                                        sequence_parallel=sequence_parallel, init=init, init_std=init_std)
+    param.parallel_layout = ParamLayout(
+        split_dim=split_dim,
+        full_size=full_size,
+        sequence_parallel=sequence_parallel,
+        init=init,
+        init_std=init_std,
+    )
     return param
 
 
@@ -53,7 +64,8 @@ class LinearWithGatheredInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group, deferred=None):
-        ctx.group, ctx.bias, ctx.deferred = group, bias, deferred  # bias: a parameter, not an activation
+        # bias: a parameter, not an activation
+        ctx.group, ctx.bias, ctx.deferred = group, bias, deferred
         x = comm.all_gather_seq(x_shard, group)  # [s, b, h]
         ctx.save_for_backward(x_shard, weight)  # only [s/t, b, h] is kept
         return F.linear(x, weight, bias)  # [s, b, out/t]
@@ -64,7 +76,8 @@ class LinearWithGatheredInput(torch.autograd.Function):
         group = ctx.group
         if ctx.deferred is not None:  # B now, W at the schedule's W slot
             ctx.deferred.put(x_shard, grad_out, group, sequence_parallel=True)
-            return comm.reduce_scatter_seq(grad_out.matmul(weight), group), None, None, None, None  # [s/t, b, h]
+            # [s/t, b, h]
+            return comm.reduce_scatter_seq(grad_out.matmul(weight), group), None, None, None, None
         x, gather = comm.all_gather_seq(x_shard, group, async_op=True)  # [s, b, h], in flight
         grad_x = grad_out.matmul(weight)  # [s, b, h]: overlaps the gather
         gather.wait()
@@ -75,9 +88,11 @@ class LinearWithGatheredInput(torch.autograd.Function):
         return grad_x_shard, grad_w, grad_b, None, None
 
 
-def gathered_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias, tp: TPContext) -> torch.Tensor:
-    """``g(x_shard) W^T + b`` under SP: the stored-input linear, its collectives in ring chunks pipelined with
-    the GEMM when ``tp.comm_overlap`` (``seqpar.parallel.tp_overlap``)."""
+def gathered_linear(
+    x_shard: torch.Tensor, weight: torch.Tensor, bias, tp: TPContext
+) -> torch.Tensor:
+    """``g(x_shard) W^T + b`` under SP: the stored-input linear, its collectives in ring chunks
+    pipelined with the GEMM when ``tp.comm_overlap`` (``seqpar.parallel.tp_overlap``)."""
     if tp.comm_overlap:
         return tp_overlap.gathered_linear(x_shard, weight, bias, tp.group)
     return LinearWithGatheredInput.apply(x_shard, weight, bias, tp.group)
@@ -96,11 +111,14 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.group, self.sequence_parallel = tp, tp.group, tp.sequence_parallel
         self.store = tp.weight_grads
         out = _per_rank(out_features, tp.size, "output")
-        self.weight = mark(_param((out, in_features), dtype, device), split_dim=0, init_std=init_std)
+        self.weight = mark(
+            _param((out, in_features), dtype, device), split_dim=0, init_std=init_std
+        )
         self.bias = mark(_param((out,), dtype, device), split_dim=0, init="zeros") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.tp.comm_overlap:  # W in the backward: zb-h1 refuses the overlap
+        # W in the backward: zb-h1 refuses the overlap
+        if self.sequence_parallel and self.tp.comm_overlap:
             return gathered_linear(x, self.weight, self.bias, self.tp)
         if self.sequence_parallel:  # the store decides when W runs (parallel.weight_grad)
             weight, bias, deferred = deferral(self.store, self.weight, self.bias)
@@ -116,17 +134,32 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = True,
                  init_std: float = 0.02, dtype=torch.float32, device=None):
         super().__init__()
-        self.group, self.sequence_parallel, self.comm_overlap = tp.group, tp.sequence_parallel, tp.comm_overlap
+        self.group, self.sequence_parallel, self.comm_overlap = (
+            tp.group,
+            tp.sequence_parallel,
+            tp.comm_overlap,
+        )
         self.store = tp.weight_grads
-        self.weight = mark(_param((out_features, _per_rank(in_features, tp.size, "input")), dtype, device),
-                           split_dim=1, init_std=init_std)
-        self.bias = (mark(_param((out_features,), dtype, device), sequence_parallel=self.sequence_parallel,
-                          init="zeros") if bias else None)
+        self.weight = mark(
+            _param((out_features, _per_rank(in_features, tp.size, "input")), dtype, device),
+            split_dim=1,
+            init_std=init_std,
+        )
+        self.bias = (
+            mark(
+                _param((out_features,), dtype, device),
+                sequence_parallel=self.sequence_parallel,
+                init="zeros",
+            )
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
             return self.overlapped(x)
-        return self.reduce(linear(x, self.weight, None, self.store))  # [s, b, out] partial sum, reduced
+        # [s, b, out] partial sum, reduced
+        return self.reduce(linear(x, self.weight, None, self.store))
 
     def overlapped(self, x: torch.Tensor, act=None) -> torch.Tensor:
         """``ḡ(act(x) W^T) + b`` with the reduce-scatter in ring chunks pipelined with the GEMM
@@ -136,7 +169,11 @@ class RowParallelLinear(nn.Module):
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial products (f̄, or ḡ under SP), then add the bias."""
-        y = comm.g_bar(partial, self.group) if self.sequence_parallel else comm.f_bar(partial, self.group)
+        y = (
+            comm.g_bar(partial, self.group)
+            if self.sequence_parallel
+            else comm.f_bar(partial, self.group)
+        )
         return y if self.bias is None else y + self.bias
 
 
@@ -161,8 +198,12 @@ class VocabParallelEmbedding(nn.Module):
         self.padded_size = padded_vocab(vocab_size, t)
         per_rank = self.padded_size // t
         self.vocab_start, self.vocab_end = r * per_rank, (r + 1) * per_rank
-        self.weight = mark(_param((per_rank, hidden), dtype, device), split_dim=0, full_size=vocab_size,
-                           init_std=init_std)
+        self.weight = mark(
+            _param((per_rank, hidden), dtype, device),
+            split_dim=0,
+            full_size=vocab_size,
+            init_std=init_std,
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens [s, b]
         if group_size(self.group) == 1:

@@ -1,18 +1,22 @@
-"""A parameter's tensor-parallel layout: one small dataclass, ``param.parallel_layout`` (set by ``layers.mark``).
+"""A parameter's tensor-parallel layout: one small dataclass, ``param.parallel_layout`` (set by
+``layers.mark``).
 
-A *full* tensor is the one the single-process model holds (vocabulary unpadded); a *local* tensor is this
-rank's shard. The layout answers every placement question from the local shape, the tp rank and tp:
+A *full* tensor is the one the single-process model holds (vocabulary unpadded); a *local* tensor is
+this rank's shard. The layout answers every placement question from the local shape, the tp rank and
+tp:
 
 * ``full_shape``: the full tensor's shape;
-* ``pieces``: where this rank's slices of the split dimension lie in the full tensor (one piece for a plain
-  split, one per part for ``parts`` > 1 -- SwiGLU's fc1 holds [gate; up] and each rank takes its slice of
-  both -- a query piece and a k/v piece for grouped QKV; a vocabulary shard past the end is clipped);
-* how it is initialised (``init``, ``init_std``; ``init_key``: the name whose values it takes, e.g. the last
-  stage's copy of a tied word embedding) and whether its gradient is a partial sum over the tp group
-  (``sequence_parallel``: replicated but fed by sequence-sharded data).
+* ``pieces``: where this rank's slices of the split dimension lie in the full tensor (one piece for
+  a plain split, one per part for ``parts`` > 1 -- SwiGLU's fc1 holds [gate; up] and each rank takes
+  its slice of both -- a query piece and a k/v piece for grouped QKV; a vocabulary shard past the
+  end is clipped);
+* how it is initialised (``init``, ``init_std``; ``init_key``: the name whose values it takes, e.g.
+  the last stage's copy of a tied word embedding) and whether its gradient is a partial sum over the
+  tp group (``sequence_parallel``: replicated but fed by sequence-sharded data).
 
-Sharding, gathering, checkpoint chunk offsets and block-wise initialisation are all built on ``pieces``;
-the last two cut them at a grid of blocks along the split dimension that depends on the full shape only.
+Sharding, gathering, checkpoint chunk offsets and block-wise initialisation are all built on
+``pieces``; the last two cut them at a grid of blocks along the split dimension that depends on the
+full shape only.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from seqpar.parallel.comm import all_reduce
 
 @dataclass(frozen=True)
 class Piece:
-    """``length`` entries of the split dimension: from ``local`` in the shard, from ``full`` in the full tensor."""
+    """``length`` entries of the split dimension: from ``local`` in the shard, from ``full`` in the
+    full tensor."""
 
     local: int
     full: int
@@ -37,9 +42,10 @@ class Piece:
 
 @dataclass(frozen=True)
 class GroupedQKVLayout:
-    """Fused QKV rows ordered (kv group, [q_0 … q_{g-1}, k, v], head_dim), g = heads / kv_heads, with
-    fewer kv groups than tp ranks: rank r holds heads/t query heads of group r // (t / kv_heads) and
-    that group's k and v, which are replicated on t / kv_heads ranks (their gradients are partial)."""
+    """Fused QKV rows ordered (kv group, [q_0 … q_{g-1}, k, v], head_dim), g = heads / kv_heads,
+    with fewer kv groups than tp ranks: rank r holds heads/t query heads of group r // (t /
+    kv_heads) and that group's k and v, which are replicated on t / kv_heads ranks (their gradients
+    are partial)."""
 
     heads: int
     kv: int
@@ -48,7 +54,9 @@ class GroupedQKVLayout:
 
     def __post_init__(self):
         if self.tp % self.kv or self.heads % self.tp:
-            raise ValueError(f"grouped QKV layout needs kv heads {self.kv} | tp {self.tp} | heads {self.heads}")
+            raise ValueError(
+                f"grouped QKV layout needs kv heads {self.kv} | tp {self.tp} | heads {self.heads}"
+            )
 
     @property
     def g(self) -> int:  # query heads per kv group
@@ -73,14 +81,15 @@ class GroupedQKVLayout:
         return [Piece(0, base + first * q, q), Piece(q, base + self.g * self.d, 2 * self.d)]
 
     def counted_rows(self, grad: torch.Tensor, rank: int) -> torch.Tensor:
-        """The rows of this rank's gradient that a global norm counts: its query rows always, the k, v
-        rows (equal on the ranks sharing them once reduced) only on the first rank of its group."""
+        """The rows of this rank's gradient that a global norm counts: its query rows always, the k,
+        v rows (equal on the ranks sharing them once reduced) only on the first rank of its
+        group."""
         return grad if rank % self.ranks_per_group == 0 else grad[: self.n * self.d]
 
     def reduce_partial_grad(self, grad: torch.Tensor, rank: int, group, row0: int = 0) -> None:
-        """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the group).
-        ``grad`` holds the rows from ``row0`` on of this rank's gradient (FSDP's shard of them; the
-        ranks of ``group`` hold the same rows)."""
+        """Sum the k, v gradient rows over the ranks that share them (one all-reduce over the
+        group). ``grad`` holds the rows from ``row0`` on of this rank's gradient (FSDP's shard of
+        them; the ranks of ``group`` hold the same rows)."""
         rows, q = 2 * self.d, self.n * self.d
         lo, hi = max(row0, q), min(row0 + grad.shape[0], q + rows)  # this shard's k, v rows
         buffer = grad.new_zeros((self.kv * rows, *grad.shape[1:]))
@@ -95,7 +104,8 @@ class GroupedQKVLayout:
 @dataclass(frozen=True)
 class ExpertSplit:
     """Routed experts stacked along dim 0 and split over the ep group (replicated over tp): ep rank
-    ``rank`` of ``size`` holds experts [rank·n, (rank + 1)·n) of the full stack, n its local count."""
+    ``rank`` of ``size`` holds experts [rank·n, (rank + 1)·n) of the full stack, n its local
+    count."""
 
     rank: int
     size: int
@@ -134,8 +144,10 @@ class ParamLayout:
     full_size: int | None = None  # the unpadded size of the split dimension (vocabulary padding)
     parts: int = 1  # equal parts of the split dimension, each split on its own ([gate; up])
     grouped: GroupedQKVLayout | None = None  # fused QKV with fewer kv heads than ranks
-    expert: ExpertSplit | None = None  # routed experts: dim 0 split over ep (split_dim None: replicated over tp)
-    fsdp: FSDPShard | None = None  # FSDP: the rows of the tp-local tensor this rank holds (``parallel/fsdp.py``)
+    # routed experts: dim 0 split over ep (split_dim None: replicated over tp)
+    expert: ExpertSplit | None = None
+    # FSDP: the rows of the tp-local tensor this rank holds (``parallel/fsdp.py``)
+    fsdp: FSDPShard | None = None
     sequence_parallel: bool = False  # replicated, gradient a partial sum over the tp group
     init: str = "normal"  # normal | zeros | ones
     init_std: float = 0.02
@@ -157,8 +169,8 @@ class ParamLayout:
         return tuple(shape)
 
     def pieces(self, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Piece]:
-        """This rank's slices of dimension ``dim``, in shard order; their lengths sum to the local size
-        less the padding."""
+        """This rank's slices of dimension ``dim``, in shard order; their lengths sum to the local
+        size less the padding."""
         local = local_shape[self.dim]
         if self.grouped is not None:
             return self.grouped.pieces(tp_rank)
@@ -168,14 +180,19 @@ class ParamLayout:
             return [Piece(0, 0, local)]
         if self.parts > 1:
             part = local // self.parts  # each part's slice on this rank
-            return [Piece(k * part, k * part * tp + tp_rank * part, part) for k in range(self.parts)]
+            return [
+                Piece(k * part, k * part * tp + tp_rank * part, part) for k in range(self.parts)
+            ]
         full = self.full_size or local * tp
         start = tp_rank * local
         return [Piece(0, min(start, full), max(0, min(local, full - start)))]
 
-    def blocks(self, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> list[tuple[int, Piece]]:
-        """``pieces`` cut at the block grid of dimension ``dim`` (``block_length`` entries each, fixed by
-        the full shape alone, so the same at every tp): (block index, the part of a piece inside it)."""
+    def blocks(
+        self, local_shape: tuple[int, ...], tp_rank: int, tp: int
+    ) -> list[tuple[int, Piece]]:
+        """``pieces`` cut at the block grid of dimension ``dim`` (``block_length`` entries each,
+        fixed by the full shape alone, so the same at every tp): (block index, the part of a piece
+        inside it)."""
         step = block_length(self.full_shape(local_shape, tp), self.dim)
         out = []
         for p in self.pieces(local_shape, tp_rank, tp):
@@ -187,7 +204,9 @@ class ParamLayout:
                 at = stop
         return out
 
-    def shard(self, full: torch.Tensor, local_shape: tuple[int, ...], tp_rank: int, tp: int) -> torch.Tensor:
+    def shard(
+        self, full: torch.Tensor, local_shape: tuple[int, ...], tp_rank: int, tp: int
+    ) -> torch.Tensor:
         """This rank's shard of ``full`` (padding rows zero)."""
         if self.split_dim is None and self.expert is None:
             return full
@@ -204,7 +223,9 @@ class ParamLayout:
         full = shards[0].new_empty(self.full_shape(local_shape, tp))
         for rank, shard in enumerate(shards):
             for p in self.pieces(local_shape, rank, tp):
-                full.narrow(self.dim, p.full, p.length).copy_(shard.narrow(self.dim, p.local, p.length))
+                full.narrow(self.dim, p.full, p.length).copy_(
+                    shard.narrow(self.dim, p.local, p.length)
+                )
         return full
 
 
@@ -212,8 +233,10 @@ BLOCK_ELEMENTS = 1 << 22  # the unit of initialisation and of checkpoint chunks 
 
 
 def block_length(full_shape: tuple[int, ...], dim: int) -> int:
-    """Entries of dimension ``dim`` per block: about ``BLOCK_ELEMENTS`` elements, at least one slice."""
-    per_slice = math.prod(full_shape[:dim] + full_shape[dim + 1:])  # elements of one entry of ``dim``
+    """Entries of dimension ``dim`` per block: about ``BLOCK_ELEMENTS`` elements, at least one
+    slice."""
+    # elements of one entry of ``dim``
+    per_slice = math.prod(full_shape[:dim] + full_shape[dim + 1:])
     return max(1, BLOCK_ELEMENTS // max(per_slice, 1))
 
 
@@ -226,6 +249,7 @@ def layout_of(param: torch.Tensor) -> ParamLayout:
 
 
 def relayout(param: torch.Tensor, **changes) -> torch.Tensor:
-    """Replace fields of ``param``'s layout (e.g. ``parts=2``, ``grouped=...``, ``init_key=...``)."""
+    """Replace fields of ``param``'s layout (e.g. ``parts=2``, ``grouped=...``,
+    ``init_key=...``)."""
     param.parallel_layout = dataclasses.replace(layout_of(param), **changes)
     return param

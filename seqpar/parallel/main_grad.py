@@ -1,9 +1,9 @@
 """Where a parameter's gradient lives for the cross-rank reductions, the norm and the update.
 
-A low-precision (bf16/fp16) parameter trained by ``seqpar.train.optim.replicated.MasterOptimizer`` carries an
-fp32 ``main_grad`` buffer (Megatron-LM's name): each microbatch's gradient is added into it and
-``.grad`` is freed, so the sequence-parallel, tied-weight and data-parallel reductions, the global
-norm and the update all read fp32 sums. Any other parameter uses its ``.grad``.
+A low-precision (bf16/fp16) parameter trained by ``seqpar.train.optim.replicated.MasterOptimizer``
+carries an fp32 ``main_grad`` buffer (Megatron-LM's name): each microbatch's gradient is added into
+it and ``.grad`` is freed, so the sequence-parallel, tied-weight and data-parallel reductions, the
+global norm and the update all read fp32 sums. Any other parameter uses its ``.grad``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient to reduce and apply: ``main_grad`` when the parameter has one, else ``.grad``."""
+    """The gradient to reduce and apply: ``main_grad`` when the parameter has one, else
+    ``.grad``."""
     if hasattr(param, "main_grad"):
         return param.main_grad
     grad = param.grad
@@ -21,7 +22,8 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
-    """``grad_of(param)``, created as zeros when the parameter got no gradient (every rank reduces alike)."""
+    """``grad_of(param)``, created as zeros when the parameter got no gradient (every rank reduces
+    alike)."""
     grad = grad_of(param)
     if grad is None:
         param.grad = grad = torch.zeros_like(param)

@@ -13,9 +13,10 @@ softmax over the whole row. With the chunk layout a step is one of three blocks:
 
 Every step after the first is half a local block, on every rank: the work is balanced.
 
-Backward, flash-attention style, keeps Q, K, V, the output and one log-sum-exp per row (no s² tensor):
-it rings K/V again, recomputes each block's probabilities from the saved log-sum-exp, and sends each
-block's dK/dV along with it, so they reach their owner after cp hops (each hop overlaps a block's compute).
+Backward, flash-attention style, keeps Q, K, V, the output and one log-sum-exp per row (no s²
+tensor): it rings K/V again, recomputes each block's probabilities from the saved log-sum-exp, and
+sends each block's dK/dV along with it, so they reach their owner after cp hops (each hop overlaps a
+block's compute).
 
 Cores (``CORES``):
   ``materialized``: a block is QK^T → masked softmax → dropout → ·V as explicit GEMMs (any device and
@@ -51,7 +52,8 @@ class Pending:
     """An exchange in flight; ``wait()`` returns the received tensors."""
 
     def __init__(self, received: list[torch.Tensor], works: list, sent: list[torch.Tensor]):
-        self.received, self.works, self.sent = received, works, sent  # ``sent`` lives until the wait
+        # ``sent`` lives until the wait
+        self.received, self.works, self.sent = received, works, sent
 
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
@@ -61,7 +63,8 @@ class Pending:
 
 
 def exchange(tensors: list[torch.Tensor], group, tag: int) -> Pending:
-    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's (async)."""
+    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's
+    (async)."""
     cp, rank = group_size(group), group_rank(group)
     send_to = dist.get_global_rank(group, (rank + 1) % cp)
     recv_from = dist.get_global_rank(group, (rank - 1) % cp)
@@ -73,12 +76,14 @@ def exchange(tensors: list[torch.Tensor], group, tag: int) -> Pending:
 
 
 def block(step: int, rank: int, cp: int, s: int) -> tuple[slice, slice, bool]:
-    """Rows (local queries), columns (keys of the block held at ``step``) and causality of one step."""
+    """Rows (local queries), columns (keys of the block held at ``step``) and causality of one
+    step."""
     if step == 0:
         return slice(None), slice(None), True
     if (rank - step) % cp < rank:
         return slice(None), slice(0, s // 2), False  # the source's first chunk, seen by all queries
-    return slice(s // 2, None), slice(None), False  # the late chunk of queries sees all the source's keys
+    # the late chunk of queries sees all the source's keys
+    return slice(s // 2, None), slice(None), False
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -93,7 +98,9 @@ def _scores(q, k, scale: float, causal: bool, allowed=None) -> torch.Tensor:
     scores = torch.matmul(q.reshape(b, n, g * sq, d), k.transpose(-1, -2))  # [b, kv, g·sq, sk]
     scores = scores.view(b, n, g, sq, sk).to(_acc(q.dtype)).mul_(scale)  # [b, kv, g, sq, sk]
     if causal:
-        scores.masked_fill_(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        scores.masked_fill_(
+            torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1), float("-inf")
+        )
     if allowed is not None:
         scores.masked_fill_(~allowed, float("-inf"))
     return scores
@@ -110,7 +117,8 @@ def _keep(shape, dropout, device) -> torch.Tensor | None:
 
 def _materialized_forward(q, k, v, scale, causal, dropout, allowed=None):
     scores = _scores(q, k, scale, causal, allowed)  # [b, kv, g, sq, sk]
-    lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, sq]; -inf where a row sees no key of this block
+    # [b, kv, g, sq]; -inf where a row sees no key of this block
+    lse = torch.logsumexp(scores, dim=-1)
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(scores - finite.unsqueeze(-1))  # [b, kv, g, sq, sk]; rows that see nothing: 0
     keep = _keep(probs.shape, dropout, probs.device)
@@ -123,7 +131,8 @@ def _materialized_forward(q, k, v, scale, causal, dropout, allowed=None):
 
 def _materialized_backward(dout, q, k, v, out, lse, delta, scale, causal, dropout, allowed=None):
     acc = _acc(q.dtype)
-    probs = torch.exp(_scores(q, k, scale, causal, allowed) - lse.unsqueeze(-1))  # [b, kv, g, sq, sk]
+    # [b, kv, g, sq, sk]
+    probs = torch.exp(_scores(q, k, scale, causal, allowed) - lse.unsqueeze(-1))
     b, n, g, sq, sk = probs.shape
     d = q.shape[-1]
     keep = _keep(probs.shape, dropout, probs.device)
@@ -133,7 +142,8 @@ def _materialized_backward(dout, q, k, v, out, lse, delta, scale, causal, dropou
     dp = torch.matmul(do, v.to(acc).transpose(-1, -2)).view(b, n, g, sq, sk)  # [b, kv, g, sq, sk]
     if keep is not None:
         dp = dp * keep
-    ds = (probs * (dp - delta.unsqueeze(-1))).mul_(scale).view(b, n, g * sq, sk)  # [b, kv, g·sq, sk]
+    # [b, kv, g·sq, sk]
+    ds = (probs * (dp - delta.unsqueeze(-1))).mul_(scale).view(b, n, g * sq, sk)
     dq = torch.matmul(ds, k.to(acc)).view(b, n, g, sq, d)  # [b, kv, g, sq, d]
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).reshape(b, n, g * sq, d))  # [b, kv, sk, d]
     return dq, dk, dv
@@ -150,11 +160,13 @@ def _sdpa_forward(q, k, v, scale, causal, dropout):
     b, n, g, sq, d = q.shape
     qh, kh, vh = _heads(q, k, v)
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, causal,
-                                                                              scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, causal, scale=scale
+        )
     else:  # CUDA: its log-sum-exp rows are padded to a multiple of 32
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(qh, kh, vh, None, True, 0.0,
-                                                                                causal, scale=scale)
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qh, kh, vh, None, True, 0.0, causal, scale=scale
+        )
     return out.view(b, n, g, sq, d), lse[..., :sq].reshape(b, n, g, sq).to(_acc(q.dtype))
 
 
@@ -171,7 +183,20 @@ def _sdpa_backward(dout, q, k, v, out, lse, delta, scale, causal, dropout):
         lse = F.pad(lse, (0, -sq % 32))  # [b, a, ⌈sq/32⌉·32], as the forward kernel returned it
         no_rng = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, qh, kh, vh, None, oh, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale)
+            do,
+            qh,
+            kh,
+            vh,
+            None,
+            oh,
+            lse,
+            no_rng,
+            no_rng,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
     if g > 1:
         dk, dv = (t.view(b, n, g, sk, d).sum(2) for t in (dk, dv))  # [b, kv, sk, d]
     return dq.view(b, n, g, sq, d), dk, dv
@@ -183,7 +208,8 @@ _BACKWARD = {"materialized": _materialized_backward, "sdpa": _sdpa_backward}
 
 # ---------------------------------------------------------------- the ring
 class RingAttention(torch.autograd.Function):
-    """Causal attention over the cp ring: ``q [b, kv, g, s/cp, d]``, ``k, v [b, kv, s/cp, d]`` → like q.
+    """Causal attention over the cp ring: ``q [b, kv, g, s/cp, d]``, ``k, v [b, kv, s/cp, d]`` →
+    like q.
 
     Keeps q, k, v (the inputs, no copy), the output and the log-sum-exp ``[b, kv, g, s/cp]``
     (fp32, or the input dtype when wider) for backward; the dropout mask is Python integers. The
@@ -191,10 +217,13 @@ class RingAttention(torch.autograd.Function):
     view of it (the next linear layer's saved input) is the same storage as the kept output."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, core: str, dropout: AttentionMask | None, masks=None):
+    def forward(
+        ctx, q, k, v, group, scale: float, core: str, dropout: AttentionMask | None, masks=None
+    ):
         cp, rank, s = group_size(group), group_rank(group), q.shape[3]
         b, n, g, _, d = q.shape
-        out = torch.empty((s, b, n, g, d), dtype=_acc(q.dtype), device=q.device)  # sequence-first storage
+        # sequence-first storage
+        out = torch.empty((s, b, n, g, d), dtype=_acc(q.dtype), device=q.device)
         out = out.permute(1, 2, 3, 0, 4)  # [b, kv, g, s/cp, d] (view)
         lse = torch.empty(q.shape[:-1], dtype=_acc(q.dtype), device=q.device)  # [b, kv, g, s/cp]
         kv = [k, v]
@@ -203,11 +232,25 @@ class RingAttention(torch.autograd.Function):
             rows, cols, causal = block(step, rank, cp, s)
             block_mask = _block_mask(dropout, step, rank, cp, s, rows, cols)
             if masks is None:
-                o, m = _FORWARD[core](q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal,
-                                      block_mask)
-            else:  # packed documents: explicit GEMMs for both cores (the fused CPU kernel takes no mask)
-                o, m = _materialized_forward(q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal,
-                                             block_mask, masks(step, rows, cols))
+                o, m = _FORWARD[core](
+                    q[:, :, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    scale,
+                    causal,
+                    block_mask,
+                )
+            # packed documents: explicit GEMMs for both cores (the fused CPU kernel takes no mask)
+            else:
+                o, m = _materialized_forward(
+                    q[:, :, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    scale,
+                    causal,
+                    block_mask,
+                    masks(step, rows, cols),
+                )
             if step == 0:
                 out.copy_(o)
                 lse.copy_(m)
@@ -232,9 +275,18 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp):
             pending = exchange(kv, group, KV_TAG) if step + 1 < cp else None
             rows, cols, causal = block(step, rank, cp, s)
-            args = (dout[:, :, :, rows], q[:, :, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, :, rows],
-                    lse[:, :, :, rows], delta[:, :, :, rows], ctx.scale, causal,
-                    _block_mask(ctx.dropout, step, rank, cp, s, rows, cols))
+            args = (
+                dout[:, :, :, rows],
+                q[:, :, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                out[:, :, :, rows],
+                lse[:, :, :, rows],
+                delta[:, :, :, rows],
+                ctx.scale,
+                causal,
+                _block_mask(ctx.dropout, step, rank, cp, s, rows, cols),
+            )
             if ctx.masks is None:
                 dq_b, dk_b, dv_b = _BACKWARD[core](*args)
             else:
@@ -253,30 +305,40 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def _block_mask(mask: AttentionMask | None, step: int, rank: int, cp: int, s: int, rows: slice, cols: slice):
+def _block_mask(
+    mask: AttentionMask | None, step: int, rank: int, cp: int, s: int, rows: slice, cols: slice
+):
     """(mask, global query positions, global key positions) of one ring step's block, or None."""
     if mask is None:
         return None
     source = (rank - step) % cp  # the rank whose K/V block this step holds
     mine, theirs = sequence_ranges(s, cp, rank), sequence_ranges(s, cp, source)
-    return (mask, slice_ranges(mine, *rows.indices(s)[:2]), slice_ranges(theirs, *cols.indices(s)[:2]))
+    return (
+        mask,
+        slice_ranges(mine, *rows.indices(s)[:2]),
+        slice_ranges(theirs, *cols.indices(s)[:2]),
+    )
 
 
 def _merge(out, lse, o, m) -> None:
     """Online softmax: fold a block's (output, log-sum-exp) into the running ones, in place."""
     new = torch.logaddexp(lse, m)  # [..., rows]
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(m - new).unsqueeze(-1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(
+        o.to(out.dtype) * torch.exp(m - new).unsqueeze(-1)
+    )
     lse.copy_(new)
 
 
 class DocumentBlocks:
     """Packed documents under the ring: the keys each query of a block may see (same document; the
-    blocks' causality is ``block``'s). ``doc [b, s]``: each token's document over the whole sequence."""
+    blocks' causality is ``block``'s). ``doc [b, s]``: each token's document over the whole
+    sequence."""
 
     def __init__(self, doc: torch.Tensor, group):
         self.doc, self.cp, self.rank = doc, group_size(group), group_rank(group)
         s = doc.shape[1]
-        self.positions = [chunk_positions(s, self.cp, r, doc.device) for r in range(self.cp)]  # [s/cp] each
+        # [s/cp] each
+        self.positions = [chunk_positions(s, self.cp, r, doc.device) for r in range(self.cp)]
 
     def __call__(self, step: int, rows: slice, cols: slice) -> torch.Tensor:
         """``[b, 1, 1, sq, sk]`` bool of step ``step``'s block (keys of rank ``rank - step``)."""
@@ -285,14 +347,24 @@ class DocumentBlocks:
         return (q.unsqueeze(2) == k.unsqueeze(1))[:, None, None]  # [b, 1, 1, sq, sk]
 
 
-def ring_attention_grouped(q, k, v, group, *, scale: float | None = None, core: str = "materialized",
-                           dropout: AttentionMask | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+def ring_attention_grouped(
+    q,
+    k,
+    v,
+    group,
+    *,
+    scale: float | None = None,
+    core: str = "materialized",
+    dropout: AttentionMask | None = None,
+    documents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Ring attention of grouped queries ``[b, kv, g, s/cp, d]`` with ``k, v [b, kv, s/cp, d]``.
 
     ``group`` is the cp group (``None``: cp = 1, plain causal attention); ``dropout``: the attention
-    probabilities' mask over this rank's heads (``seqpar.parallel.dropout.attention_mask``), None: none;
-    ``documents`` ``[b, s]`` (packed documents: each token's document over the whole sequence): a
-    query sees only its own document's keys (``DocumentBlocks``), a block row that sees none adds nothing."""
+    probabilities' mask over this rank's heads (``seqpar.parallel.dropout.attention_mask``), None:
+    none; ``documents`` ``[b, s]`` (packed documents: each token's document over the whole
+    sequence): a query sees only its own document's keys (``DocumentBlocks``), a block row that sees
+    none adds nothing."""
     if core not in CORES:
         raise ValueError(f"ring attention core {core!r} is not one of {CORES}")
     if core == "sdpa" and dropout is not None:
@@ -303,18 +375,22 @@ def ring_attention_grouped(q, k, v, group, *, scale: float | None = None, core: 
     if group_size(group) > 1 and q.shape[3] % 2:
         raise ValueError(f"local sequence {q.shape[3]} is not two equal chunks")
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[2:] != q.shape[3:]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit grouped q {tuple(q.shape)}")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit grouped q {tuple(q.shape)}"
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     masks = None if documents is None else DocumentBlocks(documents, group)
     return RingAttention.apply(q, k, v, group, scale, core, dropout, masks)
 
 
 def ring_attention(q, k, v, group, **kwargs) -> torch.Tensor:
-    """Ring attention in SDPA's layout: ``q [b, heads, s/cp, d]``, ``k, v [b, kv heads, s/cp, d]`` → like q.
+    """Ring attention in SDPA's layout: ``q [b, heads, s/cp, d]``, ``k, v [b, kv heads, s/cp, d]`` →
+    like q.
 
     Keyword arguments as ``ring_attention_grouped``."""
     heads, kv = q.shape[1], k.shape[1]
     if heads % kv:
         raise ValueError(f"heads {heads} are not a multiple of kv heads {kv}")
-    out = ring_attention_grouped(q.unflatten(1, (kv, heads // kv)), k, v, group, **kwargs)  # [b, kv, g, s/cp, d]
+    # [b, kv, g, s/cp, d]
+    out = ring_attention_grouped(q.unflatten(1, (kv, heads // kv)), k, v, group, **kwargs)
     return out.flatten(1, 2)  # [b, heads, s/cp, d]

@@ -1,4 +1,5 @@
-"""Position-keyed dropout bits (Sec. 4.2.2; docs/analysis.md, "Dropout that every layout agrees on").
+"""Position-keyed dropout bits (Sec. 4.2.2; docs/analysis.md, "Dropout that every layout agrees
+on").
 
 A dropout mask is a pure function of where an element lies in the single process's model:
 
@@ -39,12 +40,15 @@ import sys
 
 import torch
 
-SCHEME = "position-keyed-2"  # the mask scheme a checkpoint records (seqpar.train.loop); "-1": 32-bit state
+# the mask scheme a checkpoint records (seqpar.train.loop); "-1": 32-bit state
+SCHEME = "position-keyed-2"
 M32 = 0xFFFFFFFF
 _MASK64 = 2**64 - 1
 SITES = ("embedding", "attention", "attention_output", "mlp_output")  # one id per dropout site
-Ranges = tuple[tuple[int, int], ...]  # an axis's global coordinates: concatenated [start, stop) ranges
-COMPILE_FROM = 1 << 20  # masks with at least this many elements are computed by the compiled function
+# an axis's global coordinates: concatenated [start, stop) ranges
+Ranges = tuple[tuple[int, int], ...]
+# masks with at least this many elements are computed by the compiled function
+COMPILE_FROM = 1 << 20
 GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: word(c) = mix64(c + γ)
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser multipliers
 
@@ -63,7 +67,8 @@ def _mix_int(h: int) -> int:
 
 
 def mix(*values: int) -> int:
-    """A 64-bit word from integers, ``mix64`` folding each in: distinct inputs, unrelated outputs."""
+    """A 64-bit word from integers, ``mix64`` folding each in: distinct inputs, unrelated
+    outputs."""
     h = GAMMA
     for v in values:
         h = _mix_int(h ^ (v & _MASK64))
@@ -71,46 +76,53 @@ def mix(*values: int) -> int:
 
 
 def site_key(seed: int, step: int, layer: int, site: str) -> int:
-    """The seed scheme: the 64-bit key (an int64's value) of one dropout site of global ``layer`` (−1: the
-    embedding) at training ``step``. Checkpoints and resumed runs depend on it staying as it is (``SCHEME``)."""
+    """The seed scheme: the 64-bit key (an int64's value) of one dropout site of global ``layer``
+    (−1: the embedding) at training ``step``. Checkpoints and resumed runs depend on it staying as
+    it is (``SCHEME``)."""
     return signed64(mix(seed, step, layer + 1, SITES.index(site)))
 
 
 def threshold(p: float) -> int:
-    """An element is kept when the top 32 bits of its hash are ≥ this: probability 1 − p, p resolved to 2⁻³²."""
+    """An element is kept when the top 32 bits of its hash are ≥ this: probability 1 − p, p resolved
+    to 2⁻³²."""
     return round(p * 2**32)
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The logical right shift of int64 ``x`` by ``k`` (torch's ``>>`` is arithmetic: mask the sign's copies)."""
+    """The logical right shift of int64 ``x`` by ``k`` (torch's ``>>`` is arithmetic: mask the
+    sign's copies)."""
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser (a bijection of 64-bit words) on int64 tensors; products wrap modulo 2⁶⁴."""
+    """The splitmix64 finaliser (a bijection of 64-bit words) on int64 tensors; products wrap modulo
+    2⁶⁴."""
     x = (x ^ _shr(x, 30)) * signed64(_M1)
     x = (x ^ _shr(x, 27)) * signed64(_M2)
     return x ^ _shr(x, 31)
 
 
 def words(c: torch.Tensor) -> torch.Tensor:
-    """What a coordinate contributes: its own 64-bit hash, so no two coordinates differ by a small XOR."""
+    """What a coordinate contributes: its own 64-bit hash, so no two coordinates differ by a small
+    XOR."""
     return mix64(c + signed64(GAMMA))
 
 
 def prefix_bits(key: int, *coords: torch.Tensor) -> torch.Tensor:
-    """``mix64(… mix64(mix64(key ^ word(c₀)) ^ word(c₁)) … ^ word(cₙ₋₁))`` over broadcasting int64 coordinates:
-    the hash of every coordinate but the last, a small tensor computed eagerly."""
-    h = torch.full((), signed64(key), dtype=torch.int64, device=coords[0].device if coords else None)  # no copy
+    """``mix64(… mix64(mix64(key ^ word(c₀)) ^ word(c₁)) … ^ word(cₙ₋₁))`` over broadcasting int64
+    coordinates: the hash of every coordinate but the last, a small tensor computed eagerly."""
+    h = torch.full(
+        (), signed64(key), dtype=torch.int64, device=coords[0].device if coords else None
+    )  # no copy
     for c in coords:
         h = mix64(h ^ words(c))
     return h
 
 
 def last_keep(prefix: torch.Tensor, last: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """``top32(mix64(prefix ^ last)) ≥ limit``, ``last`` the last coordinate's ``words`` (``limit`` a 0-dim int64
-    tensor: no recompile per p). The one full-size step: one pass when compiled; prefix and words are read,
-    not recomputed, per element."""
+    """``top32(mix64(prefix ^ last)) ≥ limit``, ``last`` the last coordinate's ``words`` (``limit``
+    a 0-dim int64 tensor: no recompile per p). The one full-size step: one pass when compiled;
+    prefix and words are read, not recomputed, per element."""
     return _shr(mix64(prefix ^ last), 32) >= limit
 
 
@@ -129,7 +141,9 @@ def compiler_problem() -> str:
             cpp_builder.get_cpp_compiler()
             _compiler_problem = ""
         except (exc.InvalidCxxCompiler, OSError, RuntimeError) as e:
-            _compiler_problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'none found'}"
+            _compiler_problem = (
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'none found'}"
+            )
     return _compiler_problem
 
 
@@ -137,14 +151,19 @@ _warned = False
 
 
 def compiler_available() -> bool:
-    """Whether Inductor finds a C++ compiler on CPU; without one, compiled masks fall back to the eager hash -- the
-    same bits -- with one warning."""
+    """Whether Inductor finds a C++ compiler on CPU; without one, compiled masks fall back to the
+    eager hash -- the same bits -- with one warning."""
     global _warned
     problem = compiler_problem()
     if problem and not _warned:
         _warned = True
-        print(f"seqpar: warning: no C++ compiler for torch.compile ({problem.split(':')[0]}): dropout masks are "
-              "hashed eagerly (the same bits, slower)", file=sys.stderr, flush=True)
+        print(
+            f"seqpar: warning: no C++ compiler for torch.compile ({problem.split(':')[0]}): "
+            f"dropout masks are "
+            "hashed eagerly (the same bits, slower)",
+            file=sys.stderr,
+            flush=True,
+        )
     return not problem
 
 
@@ -156,8 +175,8 @@ def _compiled_last_keep():
 
 
 def compile_masks(device) -> bool:
-    """Whether large masks use the compiled function: not with ``SEQPAR_COMPILE_MASKS=0``, nor on CPU without a
-    C++ compiler."""
+    """Whether large masks use the compiled function: not with ``SEQPAR_COMPILE_MASKS=0``, nor on
+    CPU without a C++ compiler."""
     if os.environ.get("SEQPAR_COMPILE_MASKS", "1") == "0":
         return False
     return torch.device(device).type != "cpu" or compiler_available()
@@ -185,19 +204,25 @@ def slice_ranges(ranges: Ranges, start: int, stop: int) -> Ranges:
 
 
 def coordinates(axes: list[Ranges], device, dims: list[int] | None = None) -> list[torch.Tensor]:
-    """One int64 tensor per axis, shaped to broadcast: axis i along output dim ``dims[i]`` (default i)."""
+    """One int64 tensor per axis, shaped to broadcast: axis i along output dim ``dims[i]`` (default
+    i)."""
     dims = list(range(len(axes))) if dims is None else dims
-    return [axis(r, device).view([-1 if d == dims[i] else 1 for d in range(len(axes))]) for i, r in enumerate(axes)]
+    return [
+        axis(r, device).view([-1 if d == dims[i] else 1 for d in range(len(axes))])
+        for i, r in enumerate(axes)
+    ]
 
 
 def keep_mask(key: int, p: float, axes: list[Ranges], device, compiled: bool | None = None,
               dims: list[int] | None = None) -> torch.Tensor:
-    """The bool keep mask of the elements at ``axes``'s global coordinates, hashed in the order of ``axes``;
-    axis i lies along output dim ``dims[i]`` (default i: ``[len(axis₀), len(axis₁), …]``), contiguous.
+    """The bool keep mask of the elements at ``axes``'s global coordinates, hashed in the order of
+    ``axes``; axis i lies along output dim ``dims[i]`` (default i: ``[len(axis₀), len(axis₁), …]``),
+    contiguous.
 
     ``compiled`` None: the last step compiled from ``COMPILE_FROM`` elements on (when allowed)."""
     coords = coordinates(axes, device, dims)
-    limit = torch.full((), threshold(p), dtype=torch.int64, device=device)  # a fill kernel: no host-device copy
+    # a fill kernel: no host-device copy
+    limit = torch.full((), threshold(p), dtype=torch.int64, device=device)
     if compiled is None:
         compiled = math.prod(size(r) for r in axes) >= COMPILE_FROM and compile_masks(device)
     fn = _compiled_last_keep() if compiled and not torch.compiler.is_compiling() else last_keep
@@ -205,11 +230,13 @@ def keep_mask(key: int, p: float, axes: list[Ranges], device, compiled: bool | N
 
 
 class RNGTracker:
-    """The dropout state a rank's modules share: seed, step and the first sample of the microbatch in flight.
+    """The dropout state a rank's modules share: seed, step and the first sample of the microbatch
+    in flight.
 
-    ``start_step(step, first_sample)``: a training step, whose microbatches on this rank start at global
-    sample ``first_sample`` (dp rank × samples per dp rank); ``microbatch(index, size)``: the microbatch
-    about to run. ``get_state`` / ``set_state``: the (step, sample) a checkpoint's recomputation needs.
+    ``start_step(step, first_sample)``: a training step, whose microbatches on this rank start at
+    global sample ``first_sample`` (dp rank × samples per dp rank); ``microbatch(index, size)``: the
+    microbatch about to run. ``get_state`` / ``set_state``: the (step, sample) a checkpoint's
+    recomputation needs.
     """
 
     def __init__(self, seed: int = 1234):

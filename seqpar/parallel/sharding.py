@@ -42,7 +42,9 @@ def gather_tensor(local: torch.Tensor, param: torch.Tensor, group) -> torch.Tens
 
 
 @torch.no_grad()
-def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor], tp_rank: int, tp: int) -> None:
+def load_full_state_dict(
+    module: nn.Module, full: dict[str, torch.Tensor], tp_rank: int, tp: int
+) -> None:
     """Copy this rank's shards of a full (single-process) state dict into ``module``."""
     for name, param in module.named_parameters():
         key = (layout_of(param).init_key or name) if name not in full else name
@@ -76,7 +78,9 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group) -> None:
         grouped = layout_of(param).grouped
         if grouped is not None and grad_of(param) is not None:
             shard = shard_of(param)  # FSDP: this rank holds rows from row0 on
-            grouped.reduce_partial_grad(grad_of(param), dist.get_rank(group), group, 0 if shard is None else shard.row0)
+            grouped.reduce_partial_grad(
+                grad_of(param), dist.get_rank(group), group, 0 if shard is None else shard.row0
+            )
     grads = [grad_of(p) for p in module.parameters()
              if layout_of(p).sequence_parallel and grad_of(p) is not None]
     if not grads:

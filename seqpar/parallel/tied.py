@@ -29,14 +29,15 @@ COPY = "output_weight"  # the output layer's weight (the last stage's copy when 
 
 
 def holds_copy(tie_embeddings: bool, first: bool, last: bool) -> bool:
-    """Whether a stage's output layer is a copy of the word embedding (tied, embedding elsewhere)."""
+    """Whether a stage's output layer is a copy of the word embedding (tied, embedding
+    elsewhere)."""
     return tie_embeddings and last and not first
 
 
 @dataclass(frozen=True)
 class TiedEmbedding:
-    """This rank's view of the tied weight: the {first, last pipeline rank} group its copies sum over
-    (None when nothing is shared: p = 1, or an untied model)."""
+    """This rank's view of the tied weight: the {first, last pipeline rank} group its copies sum
+    over (None when nothing is shared: p = 1, or an untied model)."""
 
     group: object = None
 
@@ -59,7 +60,8 @@ class TiedEmbedding:
         return cls(mine)
 
     def weight(self, chunk) -> torch.nn.Parameter | None:
-        """The copy of the shared weight ``chunk`` holds, when copies are summed (None otherwise)."""
+        """The copy of the shared weight ``chunk`` holds, when copies are summed (None
+        otherwise)."""
         if self.group is None:
             return None
         if chunk.first:
@@ -67,11 +69,13 @@ class TiedEmbedding:
         return chunk.output_weight if chunk.last else None
 
     def is_copy(self, chunk, name: str) -> bool:
-        """``name`` in ``chunk`` is the last stage's copy, which the norm and the count leave out."""
+        """``name`` in ``chunk`` is the last stage's copy, which the norm and the count leave
+        out."""
         return self.group is not None and name == COPY and chunk.last and not chunk.first
 
     def sum_grads(self, chunks) -> None:
-        """Add the copies' gradients over {first, last}: every copy then holds the whole gradient."""
+        """Add the copies' gradients over {first, last}: every copy then holds the whole
+        gradient."""
         for chunk in chunks:
             weight = self.weight(chunk)
             if weight is not None:

@@ -2,10 +2,10 @@
 
 One small frozen value: the TP group, whether sequence parallelism is on, the dropout tracker (seed,
 step, microbatch in flight: ``seqpar.parallel.rng``), whether SP's collectives are pipelined with
-the GEMMs (``comm_overlap``: ``seqpar.parallel.tp_overlap``) and the store of deferred weight gradients
-(``weight_grads``: ``seqpar.parallel.weight_grad``). It is normalised once, here: sequence
-parallelism over a group of one rank is plain tensor parallelism (there is no sequence to split), and
-the overlap has nothing to pipeline without it, so modules read both as they are.
+the GEMMs (``comm_overlap``: ``seqpar.parallel.tp_overlap``) and the store of deferred weight
+gradients (``weight_grads``: ``seqpar.parallel.weight_grad``). It is normalised once, here: sequence
+parallelism over a group of one rank is plain tensor parallelism (there is no sequence to split),
+and the overlap has nothing to pipeline without it, so modules read both as they are.
 """
 
 from __future__ import annotations
@@ -21,10 +21,14 @@ from seqpar.parallel.weight_grad import WeightGradStore
 class TPContext(GroupContext):  # group: the tensor-parallel process group; None: one rank
     sequence_parallel: bool = False
     tracker: RNGTracker = field(default_factory=RNGTracker)
-    comm_overlap: bool = False  # parallel.tp_comm_overlap: SP's gathers and reduce-scatters in ring chunks
-    weight_grads: WeightGradStore = field(default_factory=WeightGradStore)  # when W runs (zero bubble)
+    # parallel.tp_comm_overlap: SP's gathers and reduce-scatters in ring chunks
+    comm_overlap: bool = False
+    # when W runs (zero bubble)
+    weight_grads: WeightGradStore = field(default_factory=WeightGradStore)
 
     def __post_init__(self):
-        object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)
+        object.__setattr__(
+            self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1
+        )
         object.__setattr__(self, "comm_overlap", bool(self.comm_overlap) and self.sequence_parallel)
 

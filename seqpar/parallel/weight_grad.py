@@ -1,29 +1,34 @@
-"""When a tensor-parallel linear's weight gradient runs: now, or at the schedule's W slot (zero bubble).
+"""When a tensor-parallel linear's weight gradient runs: now, or at the schedule's W slot (zero
+bubble).
 
 A linear layer's backward is two steps (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"):
-  * **B** -- the input gradient ``dX = dY W`` with its reduce-scatter (SP) or all-reduce (TP): on the pipeline's
-    critical path, the previous stage waits for it;
-  * **W** -- the weight (and bias) gradient ``dW = dY^T X`` from the stored input (under sequence parallelism the
-    stored ``[s/t, b, h]`` shard, gathered again, as the stored-input trick's backward already does) and ``dY``.
+  * **B** -- the input gradient ``dX = dY W`` with its reduce-scatter (SP) or all-reduce (TP): on
+    the pipeline's critical path, the previous stage waits for it;
+  * **W** -- the weight (and bias) gradient ``dW = dY^T X`` from the stored input (under sequence
+    parallelism the stored ``[s/t, b, h]`` shard, gathered again, as the stored-input trick's
+    backward already does) and ``dY``.
 
-``weight_grad`` is the W step, one plain function every caller shares (the layers' own backward, and a deferred
-W). ``WeightGradStore`` decides when it runs: while ``deferring`` (a zero-bubble schedule's step), a linear's
-backward queues its W (keeping ``X`` and ``dY`` until then) and returns no weight gradient; ``seal`` closes the
-chunk-microbatch whose B just ran into one W unit; ``run_next`` runs the oldest unit at the schedule's W slot.
+``weight_grad`` is the W step, one plain function every caller shares (the layers' own backward, and
+a deferred W). ``WeightGradStore`` decides when it runs: while ``deferring`` (a zero-bubble
+schedule's step), a linear's backward queues its W (keeping ``X`` and ``dY`` until then) and returns
+no weight gradient; ``seal`` closes the chunk-microbatch whose B just ran into one W unit;
+``run_next`` runs the oldest unit at the schedule's W slot.
 
-A deferred W accumulates through autograd itself (``torch.autograd.backward`` on the parameter leaf): the same
-``AccumulateGrad`` node adds into ``.grad`` and fires the same post-accumulate-grad hooks (the fp32 ``main_grad``
-of ``train.optim``, the gradient buckets of ``parallel.grad_buffer`` with their overlapped reduction), once per
-microbatch, in microbatch order -- as without deferral, so the sums are bit for bit the same.
+A deferred W accumulates through autograd itself (``torch.autograd.backward`` on the parameter
+leaf): the same ``AccumulateGrad`` node adds into ``.grad`` and fires the same post-accumulate-grad
+hooks (the fp32 ``main_grad`` of ``train.optim``, the gradient buckets of ``parallel.grad_buffer``
+with their overlapped reduction), once per microbatch, in microbatch order -- as without deferral,
+so the sums are bit for bit the same.
 
-What defers: the transformer layers' column- and row-parallel linears (``parallel.layers``). What runs its W in B,
-as before: the output layer (its weight may be the tied word embedding, whose two gradients must meet in one
-accumulation), the MoE experts' grouped GEMMs and router, the fc2 GEMM whose input the "activation" recompute
-rebuilds in backward. FSDP2 reduce-scatters a layer's gradients when its backward ends: a deferred W would come
-after it, so a zero-bubble schedule refuses fsdp (``config.ParallelConfig``).
+What defers: the transformer layers' column- and row-parallel linears (``parallel.layers``). What
+runs its W in B, as before: the output layer (its weight may be the tied word embedding, whose two
+gradients must meet in one accumulation), the MoE experts' grouped GEMMs and router, the fc2 GEMM
+whose input the "activation" recompute rebuilds in backward. FSDP2 reduce-scatters a layer's
+gradients when its backward ends: a deferred W would come after it, so a zero-bubble schedule
+refuses fsdp (``config.ParallelConfig``).
 
-One store per model chunk, held by its ``TPContext`` (decided per forward, read in backward: no thread-local
-state, so backward on an autograd device thread sees it).
+One store per model chunk, held by its ``TPContext`` (decided per forward, read in backward: no
+thread-local state, so backward on an autograd device thread sees it).
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from seqpar.parallel import comm
 
 @dataclass
 class SavedForW:
-    """What W needs, kept from the forward: the input (the ``[s/t, b, h]`` shard under SP, else ``[s, b, in]``),
-    the parameters it accumulates into, and the group the shard is gathered over."""
+    """What W needs, kept from the forward: the input (the ``[s/t, b, h]`` shard under SP, else
+    ``[s, b, in]``), the parameters it accumulates into, and the group the shard is gathered
+    over."""
 
     x: torch.Tensor
     weight: torch.Tensor
@@ -52,25 +58,30 @@ class SavedForW:
 
 def weight_grad(saved: SavedForW, grad_out: torch.Tensor, gathered: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """W: ``(dW, db)`` from ``grad_out`` ``[s, b, out]`` and the stored input; under SP the shard is gathered
-    again (``gathered``: already gathered by the caller, whose gather overlapped its input-gradient GEMM)."""
+    """W: ``(dW, db)`` from ``grad_out`` ``[s, b, out]`` and the stored input; under SP the shard is
+    gathered again (``gathered``: already gathered by the caller, whose gather overlapped its
+    input-gradient GEMM)."""
     x = saved.x
     if saved.sequence_parallel:
         x = comm.all_gather_seq(x, saved.group) if gathered is None else gathered  # [s, b, h]
     return gemm_grads(x, grad_out, saved.bias is not None)
 
 
-def gemm_grads(x: torch.Tensor, grad_out: torch.Tensor, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """W's arithmetic, the one place a TP linear's weight gradient is computed (now, deferred, or beside the TP
-    ring of ``seqpar.parallel.tp_overlap``): ``dW = dY^T X`` over the flattened ``[s·b]`` rows of the input ``x``
-    ``[s, b, in]`` and ``grad_out`` ``[s, b, out]``; ``db`` the rows' sum."""
+def gemm_grads(
+    x: torch.Tensor, grad_out: torch.Tensor, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W's arithmetic, the one place a TP linear's weight gradient is computed (now, deferred, or
+    beside the TP ring of ``seqpar.parallel.tp_overlap``): ``dW = dY^T X`` over the flattened
+    ``[s·b]`` rows of the input ``x`` ``[s, b, in]`` and ``grad_out`` ``[s, b, out]``; ``db`` the
+    rows' sum."""
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [s·b, out]
     grad_w = grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))  # [out, in]
     return grad_w, (grad_2d.sum(0) if has_bias else None)  # db: [out]
 
 
 def accumulate(saved: SavedForW, grad_w: torch.Tensor, grad_b: torch.Tensor | None) -> None:
-    """Add a deferred W's gradients into the parameters through their ``AccumulateGrad`` nodes (hooks fire)."""
+    """Add a deferred W's gradients into the parameters through their ``AccumulateGrad`` nodes
+    (hooks fire)."""
     params, grads = [saved.weight], [grad_w]
     if grad_b is not None:
         params.append(saved.bias)
@@ -83,30 +94,36 @@ class WeightGradStore:
 
     def __init__(self):
         self.deferring = False  # set by a zero-bubble schedule for its step
-        self.pending: list[tuple[SavedForW, torch.Tensor]] = []  # the W steps of the backward in progress
-        self.units: deque[list[tuple[SavedForW, torch.Tensor]]] = deque()  # sealed chunk-microbatches
+        # the W steps of the backward in progress
+        self.pending: list[tuple[SavedForW, torch.Tensor]] = []
+        # sealed chunk-microbatches
+        self.units: deque[list[tuple[SavedForW, torch.Tensor]]] = deque()
 
     @contextlib.contextmanager
     def deferred(self):
-        """A zero-bubble step: linears built with this store queue their W; every W has run when it ends."""
+        """A zero-bubble step: linears built with this store queue their W; every W has run when it
+        ends."""
         self.deferring = True
         try:
             yield self
         finally:
             self.deferring = False
         if self.pending or self.units:
-            raise RuntimeError(f"{len(self.units)} weight-gradient units left unrun at the end of the step")
+            raise RuntimeError(
+                f"{len(self.units)} weight-gradient units left unrun at the end of the step"
+            )
 
     def put(self, saved: SavedForW, grad_out: torch.Tensor) -> None:
-        """Queue W for the backward in progress (``seal`` closes its chunk-microbatch). The input is kept
-        detached: an unpacked saved output carries its autograd node, which would keep the graph behind it (a
-        stage's received input among it) alive until W."""
+        """Queue W for the backward in progress (``seal`` closes its chunk-microbatch). The input is
+        kept detached: an unpacked saved output carries its autograd node, which would keep the
+        graph behind it (a stage's received input among it) alive until W."""
         saved.x = saved.x.detach()
         self.pending.append((saved, grad_out))
 
     def seal(self) -> list[torch.Tensor]:
-        """The B of one chunk-microbatch is done: its queued W steps become one unit. Returns the tensors the
-        unit keeps until its W (each linear's stored input and output gradient): the W-deferral memory."""
+        """The B of one chunk-microbatch is done: its queued W steps become one unit. Returns the
+        tensors the unit keeps until its W (each linear's stored input and output gradient): the
+        W-deferral memory."""
         unit, self.pending = self.pending, []
         self.units.append(unit)
         return [t for saved, grad_out in unit for t in (saved.x, grad_out)]
@@ -114,8 +131,12 @@ class WeightGradStore:
     @property
     def held_bytes(self) -> int:
         """Bytes of the distinct storages the queued W steps keep."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for unit in (*self.units, self.pending) for saved, grad_out in unit for t in (saved.x, grad_out)}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for unit in (*self.units, self.pending)
+            for saved, grad_out in unit
+            for t in (saved.x, grad_out)
+        }
         return sum(storages.values())
 
     def __len__(self) -> int:
@@ -134,28 +155,32 @@ class WeightGradStore:
 
 @dataclass(frozen=True)
 class Deferral:
-    """A linear's W queued in ``store``, accumulating into ``weight`` and ``bias`` (the parameters themselves:
-    the layer's autograd Function sees them detached, so autograd neither accumulates nor fires their hooks in B)."""
+    """A linear's W queued in ``store``, accumulating into ``weight`` and ``bias`` (the parameters
+    themselves: the layer's autograd Function sees them detached, so autograd neither accumulates
+    nor fires their hooks in B)."""
 
     store: WeightGradStore
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def put(self, x: torch.Tensor, grad_out: torch.Tensor, group=None, sequence_parallel: bool = False) -> None:
+    def put(
+        self, x: torch.Tensor, grad_out: torch.Tensor, group=None, sequence_parallel: bool = False
+    ) -> None:
         self.store.put(SavedForW(x, self.weight, self.bias, group, sequence_parallel), grad_out)
 
 
 def deferral(store: WeightGradStore | None, weight: torch.Tensor, bias: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor | None, Deferral | None]:
-    """``(weight, bias, None)`` when W runs in B; while ``store`` defers (read at forward time) the two detached
-    and the ``Deferral`` that queues their W."""
+    """``(weight, bias, None)`` when W runs in B; while ``store`` defers (read at forward time) the
+    two detached and the ``Deferral`` that queues their W."""
     if store is None or not store.deferring:
         return weight, bias, None
     return weight.detach(), None if bias is None else bias.detach(), Deferral(store, weight, bias)
 
 
 class DeferredLinear(torch.autograd.Function):
-    """``Y = X W^T + b`` for a replicated (TP) input with its W deferred (``deferral``): B returns only ``dX``."""
+    """``Y = X W^T + b`` for a replicated (TP) input with its W deferred (``deferral``): B returns
+    only ``dX``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, deferred):
@@ -170,8 +195,9 @@ class DeferredLinear(torch.autograd.Function):
         return grad_out.matmul(weight), None, None, None  # B: [s, b, in]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None
-           ) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None
+) -> torch.Tensor:
     """``F.linear``, or ``DeferredLinear`` while ``store`` defers."""
     weight, bias, deferred = deferral(store, weight, bias)
     if deferred is None:

@@ -16,9 +16,17 @@ from seqpar.parallel.tied import TiedEmbedding
 from seqpar.pipeline.split import stage_layers
 
 
-def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, dims: ParallelDims,
-                 seed: int, device=None, layer_split: list[int] | None = None) -> list[GPTStage]:
-    """This rank's model chunks (one, or ``parallel.interleave``), each built with the ``recompute`` plan.
+def build_stages(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    recompute: RecomputeConfig,
+    dims: ParallelDims,
+    seed: int,
+    device=None,
+    layer_split: list[int] | None = None,
+) -> list[GPTStage]:
+    """This rank's model chunks (one, or ``parallel.interleave``), each built with the ``recompute``
+    plan.
 
     ``layer_split``: optional explicit layers per virtual stage (p·m entries, model order), for an
     uneven split; by default ``parallel.layer_split``, or L/(p·m) layers each. Every rank must call
@@ -31,16 +39,29 @@ def build_stages(cfg: ModelConfig, parallel: ParallelConfig, recompute: Recomput
     m, p = parallel.interleave, parallel.pp
     counts = parallel.layer_counts(cfg.num_layers)
     layers = stage_layers(cfg.num_layers, p, m, counts)[dims.pp_rank]
-    recompute.validate(min((len(ids) for ids in layers if ids), default=None))  # empty chunks checkpoint nothing
+    # empty chunks checkpoint nothing
+    recompute.validate(min((len(ids) for ids in layers if ids), default=None))
     tied = TiedEmbedding.build(cfg.tie_embeddings, dims)
     chunks = []
     for c, ids in enumerate(layers):
         first = dims.pp_rank == 0 and c == 0
         last = dims.pp_rank == p - 1 and c == m - 1
         # dropout masks are keyed by global layer ids (seqpar.parallel.dropout): no per-stage seeds
-        chunks.append(build_model(cfg, dims, sequence_parallel=parallel.sp, seed=seed, layer_ids=ids, first=first,
-                                  last=last, device=device, tied=tied,
-                                  recompute=recompute, tp_comm_overlap=parallel.tp_comm_overlap))
+        chunks.append(
+            build_model(
+                cfg,
+                dims,
+                sequence_parallel=parallel.sp,
+                seed=seed,
+                layer_ids=ids,
+                first=first,
+                last=last,
+                device=device,
+                tied=tied,
+                recompute=recompute,
+                tp_comm_overlap=parallel.tp_comm_overlap,
+            )
+        )
     for chunk in chunks[1:]:  # one host pool and one count of offloaded bytes per rank
         chunk.recompute.offloader.share(chunks[0].recompute.offloader)
     return chunks

@@ -3,11 +3,13 @@
 Three sums/averages, all linear, so their order does not matter; each reads ``grad_of(param)``,
 the fp32 ``main_grad`` of a bf16/fp16 parameter (so every reduction runs in fp32):
   * sequence parallelism: LayerNorm weights/biases (and other replicated parameters fed by sequence
-    shards) hold partial sums over the tp group: all-reduce them (Sec. 4.2.2, ``seqpar.parallel.sharding``);
+    shards) hold partial sums over the tp group: all-reduce them (Sec. 4.2.2,
+    ``seqpar.parallel.sharding``);
   * the tied word-embedding / output weight (Fig. 2): with p > 1 its two copies, on the first and
     the last pipeline rank, each hold part of the gradient: ``seqpar.parallel.tied`` sums them;
-  * data (and context) parallelism: average over the dp × cp group (``seqpar.parallel.data_parallel``;
-    a cp rank holds cp times its own tokens' share of the gradient, see ``GPTStage.forward``).
+  * data (and context) parallelism: average over the dp × cp group
+    (``seqpar.parallel.data_parallel``; a cp rank holds cp times its own tokens' share of the
+    gradient, see ``GPTStage.forward``).
 
 With flat gradient buckets (``seqpar.parallel.grad_buffer``: overlapped reduction, the distributed
 optimizer) the dp × cp reduction comes first -- it may have started during the backward -- and the
@@ -38,4 +40,5 @@ def finalize_grads(chunks, dims: ParallelDims, buffers=None, dp_reduced: bool = 
     if buffers is None and not dp_reduced:
         params = [p for chunk in chunks for p in chunk.parameters()]
         average_gradients([p for p in params if not is_expert(p)], dims.grad_group)
-        average_expert_gradients([p for p in params if is_expert(p)], dims)  # over the ranks holding them
+        # over the ranks holding them
+        average_expert_gradients([p for p in params if is_expert(p)], dims)

@@ -16,7 +16,8 @@ from seqpar.config import ConfigError
 
 
 class KeepPolicy:
-    """Which in-flight chunk-microbatches of this rank store everything (at most ``k`` at a time)."""
+    """Which in-flight chunk-microbatches of this rank store everything (at most ``k`` at a
+    time)."""
 
     def __init__(self, chunks: list, k: int):
         if not isinstance(k, int) or k < 0:

@@ -1,8 +1,9 @@
-"""The values every rank agrees on: a loss the last pipeline stage computed, on every rank of the pipeline
-(``from_last_stage``, the one broadcast of it), then averaged over the dp ranks (``dp_mean``).
+"""The values every rank agrees on: a loss the last pipeline stage computed, on every rank of the
+pipeline (``from_last_stage``, the one broadcast of it), then averaged over the dp ranks
+(``dp_mean``).
 
-The training step's loss is broadcast once, inside ``forward_backward``; evaluation's loss sums once, in
-``train.evaluate``; the trainer then only averages the step's loss over dp.
+The training step's loss is broadcast once, inside ``forward_backward``; evaluation's loss sums
+once, in ``train.evaluate``; the trainer then only averages the step's loss over dp.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from seqpar.parallel.dims import ParallelDims
 
 
 def from_last_stage(t: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """``t`` as the last pipeline stage holds it, on every rank of the pipeline (in place: each rank passes a
-    tensor of the same shape and dtype, whatever its values); returns ``t``."""
+    """``t`` as the last pipeline stage holds it, on every rank of the pipeline (in place: each rank
+    passes a tensor of the same shape and dtype, whatever its values); returns ``t``."""
     if dims.pp > 1:
         broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
     return t
 
 
 def dp_mean(value: float | torch.Tensor, dims: ParallelDims, device) -> torch.Tensor:
-    """The mean over the dp ranks of a 0-dim ``value`` every rank of a pipeline holds alike: 0-dim float64 on
-    ``device``, not read on the host (a Python value is filled in, not copied)."""
+    """The mean over the dp ranks of a 0-dim ``value`` every rank of a pipeline holds alike: 0-dim
+    float64 on ``device``, not read on the host (a Python value is filled in, not copied)."""
     if isinstance(value, torch.Tensor):
         t = value.detach().reshape(1).to(device=device, dtype=torch.float64, copy=True)  # [1]
     else:

@@ -7,7 +7,8 @@ order -- sends before receives, activations (tag 0) before gradients (tag 1) -- 
 p = 2, where the previous and the next rank are the same process, messages still pair up.
 
 Under sequence parallelism the activations crossing a stage boundary are the sequence shards
-``[s/t, b, h]``; without it ``[s, b, h]`` (``boundary_shape``, the one rule every schedule sizes them by).
+``[s/t, b, h]``; without it ``[s, b, h]`` (``boundary_shape``, the one rule every schedule sizes
+them by).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ ACTIVATION, GRADIENT = 0, 1
 
 
 def boundary_shape(chunk, tokens: torch.Tensor) -> tuple[int, int, int]:
-    """Shape of the activation crossing a stage boundary for a microbatch of ``tokens`` ``[b, s]``: ``[s/t, b, h]``
-    under SP, else ``[s, b, h]``; under context parallelism the rank's s/cp tokens (``[s/(cp·t), b, h]`` with SP)."""
+    """Shape of the activation crossing a stage boundary for a microbatch of ``tokens`` ``[b, s]``:
+    ``[s/t, b, h]`` under SP, else ``[s, b, h]``; under context parallelism the rank's s/cp tokens
+    (``[s/(cp·t), b, h]`` with SP)."""
     b, s = tokens.shape
     t = dist.get_world_size(chunk.group) if chunk.sp else 1
     return (s // chunk.cp.size // t, b, chunk.cfg.hidden_size)
@@ -52,30 +54,45 @@ class PipeComm:
         return torch.empty(shape or self.shape, dtype=self.dtype, device=self.device)
 
     def init_communicator(self) -> None:
-        """NCCL: ``batch_isend_irecv`` needs every rank of the group in the group's first call, but a
-        pipeline's first exchange involves two ranks only; a one-element all-reduce over the whole
+        """NCCL: ``batch_isend_irecv`` needs every rank of the group in the group's first call, but
+        a pipeline's first exchange involves two ranks only; a one-element all-reduce over the whole
         pipeline group first creates the communicator everywhere. Nothing to do on gloo."""
         if self.dims.pp > 1 and dist.get_backend(self.dims.pp_group) == "nccl":
             all_reduce(torch.zeros(1, device=self.device), group=self.dims.pp_group)
 
-    def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                 recv_prev: bool = False, recv_next: bool = False, shape: tuple[int, ...] | None = None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def exchange(
+        self,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        shape: tuple[int, ...] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Send an activation forward and/or a gradient backward; receive an activation from the
-        previous rank (of ``shape``, default ``self.shape``) and/or a gradient from the next. Returns
-        ``(from_prev, from_next)``."""
+        previous rank (of ``shape``, default ``self.shape``) and/or a gradient from the next.
+        Returns ``(from_prev, from_next)``."""
         return self.post(send_next, send_prev, recv_prev, recv_next, shape).wait()
 
-    def post(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-             recv_prev: bool = False, recv_next: bool = False, shape: tuple[int, ...] | None = None) -> Posted:
-        """``exchange`` started, not waited for: compute may run while it is in flight (the zero-bubble
-        schedules' W steps); ``.wait()`` returns what ``exchange`` returns."""
+    def post(
+        self,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        shape: tuple[int, ...] | None = None,
+    ) -> Posted:
+        """``exchange`` started, not waited for: compute may run while it is in flight (the
+        zero-bubble schedules' W steps); ``.wait()`` returns what ``exchange`` returns."""
         group = self.dims.pp_group
         ops, from_prev, from_next = [], None, None
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next_rank, group, ACTIVATION))
+            ops.append(
+                dist.P2POp(dist.isend, send_next.contiguous(), self.next_rank, group, ACTIVATION)
+            )
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev_rank, group, GRADIENT))
+            ops.append(
+                dist.P2POp(dist.isend, send_prev.contiguous(), self.prev_rank, group, GRADIENT)
+            )
         if recv_prev:
             from_prev = self._empty(shape)  # [s(/t), b, h]
             ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, group, ACTIVATION))
@@ -94,7 +111,8 @@ class Posted:
     from_next: torch.Tensor | None
 
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Wait for every operation, sends included (a sent tensor may be freed afterwards, App. B)."""
+        """Wait for every operation, sends included (a sent tensor may be freed afterwards, App.
+        B)."""
         for req in self.requests:
             req.wait()
         return self.from_prev, self.from_next

@@ -3,7 +3,8 @@
 1F1B on pipeline rank S of p with n microbatches: min(p - S - 1, n) warm-up forwards, then
 alternately one forward and one backward, then the remaining backwards. Rank S therefore holds at
 most p - S microbatches of its L/p layers; the first rank holds p of them, L layers' worth (Eq. 5).
-Forward-only (evaluation, ``run_1f1b_forward``): every microbatch a warm-up forward, as Megatron's ``forward_only``.
+Forward-only (evaluation, ``run_1f1b_forward``): every microbatch a warm-up forward, as Megatron's
+``forward_only``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ def run_no_pipelining(runner: StepRunner) -> None:
 
 
 def run_1f1b_forward(runner: ScoreRunner, comm: PipeComm | None) -> None:
-    """Forward-only, one chunk per rank (``comm`` None: p = 1): receive, forward, send, for each microbatch in
-    turn; each received activation sized by its own microbatch (evaluation's may differ)."""
+    """Forward-only, one chunk per rank (``comm`` None: p = 1): receive, forward, send, for each
+    microbatch in turn; each received activation sized by its own microbatch (evaluation's may
+    differ)."""
     first = comm is None or comm.dims.pp_rank == 0
     last = comm is None or comm.dims.pp_rank == comm.dims.pp - 1
     for mb in range(runner.num_microbatches):
@@ -32,10 +34,10 @@ def run_1f1b_forward(runner: ScoreRunner, comm: PipeComm | None) -> None:
 
 
 def warm_up(runner: StepRunner, comm: PipeComm) -> tuple[int, list, list, object]:
-    """1F1B's warm-up on one chunk (ZB-H1's too): min(p - S - 1, n) forwards of microbatches 0.., each received
-    from the previous rank and sent to the next; then the steady phase's first input received. Returns the
-    warm-up count, the in-flight inputs and outputs (oldest first) and that first steady input (None on the first
-    rank or with no steady phase)."""
+    """1F1B's warm-up on one chunk (ZB-H1's too): min(p - S - 1, n) forwards of microbatches 0..,
+    each received from the previous rank and sent to the next; then the steady phase's first input
+    received. Returns the warm-up count, the in-flight inputs and outputs (oldest first) and that
+    first steady input (None on the first rank or with no steady phase)."""
     dims, n = comm.dims, runner.num_microbatches
     first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
     warmup = min(dims.pp - dims.pp_rank - 1, n)
@@ -54,10 +56,15 @@ def warm_up(runner: StepRunner, comm: PipeComm) -> tuple[int, list, list, object
 
 
 def steady_forward(runner: StepRunner, comm: PipeComm, mb: int, x, inputs: list, outputs: list):
-    """The steady phase's forward of microbatch ``mb`` (1F1B's and ZB-H1's): run it, send its output while the
-    gradient of the oldest in flight is received (returned; None on the last rank), keep its input and output."""
+    """The steady phase's forward of microbatch ``mb`` (1F1B's and ZB-H1's): run it, send its output
+    while the gradient of the oldest in flight is received (returned; None on the last rank), keep
+    its input and output."""
     out = runner.forward(0, mb, x)
-    grad = None if comm.dims.pp_rank == comm.dims.pp - 1 else comm.exchange(send_next=out, recv_next=True)[1]
+    grad = (
+        None
+        if comm.dims.pp_rank == comm.dims.pp - 1
+        else comm.exchange(send_next=out, recv_next=True)[1]
+    )
     runner.release_output(0, out)
     inputs.append(x)
     outputs.append(out)
@@ -68,7 +75,8 @@ def run_1f1b(runner: StepRunner, comm: PipeComm) -> None:
     """One chunk per rank, p > 1."""
     dims, n = comm.dims, runner.num_microbatches
     first, last = dims.pp_rank == 0, dims.pp_rank == dims.pp - 1
-    warmup, inputs, outputs, x = warm_up(runner, comm)  # inputs/outputs: per in-flight microbatch, oldest first
+    # inputs/outputs: per in-flight microbatch, oldest first
+    warmup, inputs, outputs, x = warm_up(runner, comm)
     steady = n - warmup
     fwd_mb, bwd_mb = warmup, 0
     for i in range(steady):

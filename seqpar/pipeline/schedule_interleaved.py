@@ -9,8 +9,8 @@ rank's chunk c sends to the first rank's chunk c + 1.
 
 Every step runs this rank's next forward and/or next backward, then one exchange that sends their
 results on and receives the input of the next forward and the output gradient of the next
-backward; each chunk queues its inputs, outputs and gradients oldest first. Forward-only (evaluation,
-``run_interleaved_forward``): the same order with every step a warm-up forward.
+backward; each chunk queues its inputs, outputs and gradients oldest first. Forward-only
+(evaluation, ``run_interleaved_forward``): the same order with every step a warm-up forward.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from seqpar.pipeline.step import ScoreRunner, StepRunner, as_input
 
 @dataclass(frozen=True)
 class VirtualOrder:
-    """What virtual microbatch k of pipeline rank ``rank`` (of p, m chunks each, n microbatches) runs (module doc).
-    A training step's n is a multiple of p; a forward-only run's may not be: its last group of p is short, and the
-    missing places are holes (no forward, nothing sent or received), which keeps every exchange paired."""
+    """What virtual microbatch k of pipeline rank ``rank`` (of p, m chunks each, n microbatches)
+    runs (module doc). A training step's n is a multiple of p; a forward-only run's may not be: its
+    last group of p is short, and the missing places are holes (no forward, nothing sent or
+    received), which keeps every exchange paired."""
 
     p: int
     m: int
@@ -50,7 +51,9 @@ class VirtualOrder:
         return self.runs(k) and not (self.rank == 0 and self.chunk(k) == 0)
 
     def receives_grad(self, k: int) -> bool:  # from the next rank, except on the last virtual stage
-        return 0 <= k < self.total and not (self.rank == self.p - 1 and self.chunk(k, False) == self.m - 1)
+        return 0 <= k < self.total and not (
+            self.rank == self.p - 1 and self.chunk(k, False) == self.m - 1
+        )
 
 
 def run_interleaved(runner: StepRunner, comm: PipeComm, m: int) -> None:
@@ -63,7 +66,8 @@ def run_interleaved(runner: StepRunner, comm: PipeComm, m: int) -> None:
 
     inputs[0].append(as_input(comm.exchange(recv_prev=True)[0]) if receives_input(0) else None)
     for fk in range(total + warmup):  # warm-up forwards, then 1F1B pairs, then cool-down backwards
-        bk = fk - warmup  # this step's backward (none while negative), its forward fk (none from total)
+        # this step's backward (none while negative), its forward fk (none from total)
+        bk = fk - warmup
         out = dx = None
         if fk < total:
             fc = chunk(fk)
@@ -73,7 +77,9 @@ def run_interleaved(runner: StepRunner, comm: PipeComm, m: int) -> None:
                 out = None  # the loss: nothing to send on
         if bk >= 0:
             bc = chunk(bk, False)
-            dx = runner.backward(bc, microbatch(bk), inputs[bc].pop(0), outputs[bc].pop(0), grads[bc].pop(0))
+            dx = runner.backward(
+                bc, microbatch(bk), inputs[bc].pop(0), outputs[bc].pop(0), grads[bc].pop(0)
+            )
         x, g = comm.exchange(send_next=out, send_prev=dx, recv_prev=receives_input(fk + 1),
                              recv_next=receives_grad(bk + 1))
         if out is not None:
@@ -86,8 +92,9 @@ def run_interleaved(runner: StepRunner, comm: PipeComm, m: int) -> None:
 
 
 def run_interleaved_forward(runner: ScoreRunner, comm: PipeComm, m: int) -> None:
-    """Forward-only (evaluation): every virtual microbatch a warm-up forward (Megatron's ``forward_only``), one
-    exchange after each that sends its output on and receives the next forward's input, sized by its microbatch."""
+    """Forward-only (evaluation): every virtual microbatch a warm-up forward (Megatron's
+    ``forward_only``), one exchange after each that sends its output on and receives the next
+    forward's input, sized by its microbatch."""
     order = VirtualOrder(comm.dims.pp, m, comm.dims.pp_rank, runner.num_microbatches)
 
     def receive(k: int):
@@ -100,4 +107,5 @@ def run_interleaved_forward(runner: ScoreRunner, comm: PipeComm, m: int) -> None
         out = runner.forward(order.chunk(k), order.microbatch(k), x) if order.runs(k) else None
         nxt = order.receives_input(k + 1)
         shape = runner.boundary_shape(order.microbatch(k + 1)) if nxt else None
-        x = comm.exchange(send_next=out, recv_prev=nxt, shape=shape)[0]  # out None: the loss, or a hole
+        # out None: the loss, or a hole
+        x = comm.exchange(send_next=out, recv_prev=nxt, shape=shape)[0]

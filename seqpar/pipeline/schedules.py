@@ -1,13 +1,14 @@
-"""``forward_backward``: run every microbatch of a step with the configured schedule; ``forward_only``: the
-same schedules' forward-only mode (evaluation).
+"""``forward_backward``: run every microbatch of a step with the configured schedule;
+``forward_only``: the same schedules' forward-only mode (evaluation).
 
 No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3), ZB-H1 with
 ``pp_schedule`` zb-h1 (``pipeline.schedule_zero_bubble``). The step's
-objective is the mean loss per counted token of the whole global batch (``pipeline.objective``): each
-microbatch's loss sum is scaled by ``Objective.weight`` (dp / the step's counted tokens), so that once
-``finalize_grads`` averages over dp × cp the gradients are those of that mean, at any micro-batch size
-and layout. The returned loss is this dp rank's weighted sum (its average over dp is the step's loss:
-``last_stage.dp_mean``); every pipeline rank returns it (``last_stage.from_last_stage``).
+objective is the mean loss per counted token of the whole global batch (``pipeline.objective``):
+each microbatch's loss sum is scaled by ``Objective.weight`` (dp / the step's counted tokens), so
+that once ``finalize_grads`` averages over dp × cp the gradients are those of that mean, at any
+micro-batch size and layout. The returned loss is this dp rank's weighted sum (its average over dp
+is the step's loss: ``last_stage.dp_mean``); every pipeline rank returns it
+(``last_stage.from_last_stage``).
 """
 
 from __future__ import annotations
@@ -37,36 +38,42 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
                      meter=None, loss_scale: float = 1.0, aux: list | None = None,
                      as_tensor: bool = False, objective: Objective | None = None,
                      timeline: Timeline | None = None) -> float | torch.Tensor:
-    """Forward and backward of every microbatch; returns this dp rank's share of the step's loss (every
-    pp rank; its average over dp is the mean loss per counted token of every dp rank's microbatches).
+    """Forward and backward of every microbatch; returns this dp rank's share of the step's loss
+    (every pp rank; its average over dp is the mean loss per counted token of every dp rank's
+    microbatches).
 
     ``microbatches``: [(tokens [b, s], labels [b, s])], the same list on every pp/tp rank of a
-    pipeline (only the first stage reads tokens, only the last labels); with packed documents a third
-    item, their ``seqpar.documents.Documents``, which every stage reads.
-    ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank) in-flight
-    chunk-microbatches that store every activation instead of recomputing.
+    pipeline (only the first stage reads tokens, only the last labels); with packed documents a
+    third item, their ``seqpar.documents.Documents``, which every stage reads.
+    ``free_outputs``: App. B. ``keep_microbatches``: App. C, K (or one K per pipeline rank)
+    in-flight chunk-microbatches that store every activation instead of recomputing.
     ``meter``: an optional ``seqpar.measure.meter.SavedTensorMeter`` recording the activation peak.
     ``loss_scale``: backward starts from loss · loss_scale (fp16); the returned loss is unscaled.
-    ``aux``: a list that receives the step's MoE load-balancing losses (part of the returned loss), to be
-    logged apart from the cross entropy.
-    ``as_tensor``: the loss (and ``aux``'s value) as a 0-dim float64 tensor on the device, not read on the
-    host (the trainer reads it once per step, with the gradient norm); else a Python float.
-    ``objective``: the step's ``Objective`` when the caller counted it already (the trainer, which skips a
-    step that counts no token); else counted here.
-    ``timeline``: records each forward, backward and deferred W of this rank (``seqpar.pipeline.timeline``).
+    ``aux``: a list that receives the step's MoE load-balancing losses (part of the returned loss),
+    to be logged apart from the cross entropy.
+    ``as_tensor``: the loss (and ``aux``'s value) as a 0-dim float64 tensor on the device, not read
+    on the host (the trainer reads it once per step, with the gradient norm); else a Python float.
+    ``objective``: the step's ``Objective`` when the caller counted it already (the trainer, which
+    skips a step that counts no token); else counted here.
+    ``timeline``: records each forward, backward and deferred W of this rank
+    (``seqpar.pipeline.timeline``).
     """
     m = parallel.interleave
     if len(chunks) != m:
         raise ConfigError(f"{len(chunks)} model chunks on this rank, interleave {m} needs {m}")
     validate_microbatches(len(microbatches), parallel.pp, m)
-    shapes = {(tuple(mb[0].shape), tuple(mb[1].shape)) for mb in microbatches}  # (tokens, labels[, documents])
+    # (tokens, labels[, documents])
+    shapes = {(tuple(mb[0].shape), tuple(mb[1].shape)) for mb in microbatches}
     if len(shapes) != 1:
-        raise ConfigError(f"every microbatch must have one shape (the stage-boundary buffers are sized by it), "
-                          f"got tokens/labels shapes {sorted(shapes)}")
+        raise ConfigError(
+            f"every microbatch must have one shape (the stage-boundary buffers are sized by it), "
+            f"got tokens/labels shapes {sorted(shapes)}"
+        )
     k = keep_for_rank(keep_microbatches, dims.pp_rank, dims.pp)
     device = next(chunks[0].parameters()).device
     if objective is None:
-        objective = Objective.of_step(microbatches, dims.dp, dims.dp_group, device)  # one all-reduce over dp
+        # one all-reduce over dp
+        objective = Objective.of_step(microbatches, dims.dp, dims.dp_group, device)
     runner = StepRunner(chunks, list(microbatches), objective, free_outputs=free_outputs,
                         keep=KeepPolicy(chunks, k) if k > 0 else None, meter=meter,
                         loss_scale=loss_scale, timeline=timeline)
@@ -76,7 +83,12 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     if dims.pp == 1:
         run_no_pipelining(runner)
     else:
-        comm = PipeComm(dims, boundary_shape(chunks[0], microbatches[0][0]), torch_dtype(chunks[0].cfg.dtype), device)
+        comm = PipeComm(
+            dims,
+            boundary_shape(chunks[0], microbatches[0][0]),
+            torch_dtype(chunks[0].cfg.dtype),
+            device,
+        )
         comm.init_communicator()
         run_schedule(runner, comm, parallel)
     balance = aux_loss(chunks, len(microbatches), dims, device)
@@ -89,8 +101,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
 
 
 def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -> None:
-    """p > 1: the configured schedule (``parallel.pp_schedule``); a zero-bubble one with every chunk's linears
-    deferring their weight gradients for the step (each has run when it returns)."""
+    """p > 1: the configured schedule (``parallel.pp_schedule``); a zero-bubble one with every
+    chunk's linears deferring their weight gradients for the step (each has run when it returns)."""
     if parallel.pp_schedule == "1f1b":
         if parallel.interleave == 1:
             run_1f1b(runner, comm)
@@ -107,16 +119,19 @@ def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -
 def forward_only(chunks, microbatches, dims: ParallelDims, counted: int | None = None,
                  done: Callable[[int], None] | None = None) -> tuple[torch.Tensor | None, int]:
     """Forward of every microbatch through this rank's ``chunks`` (in eval mode) with the schedule
-    ``forward_backward`` runs, nothing kept for backward: 1F1B, or interleaved 1F1B with ``len(chunks)`` > 1,
-    in their forward-only mode. Any number of microbatches, of any shapes (each boundary tensor sized by its
-    own). Returns the last virtual stage's ``[cross entropy, objective]`` sums ``[2]`` float64 over the first
-    ``counted`` microbatches (default all; the rest run unscored: lockstep padding) and the tokens they count;
-    ``(None, 0)`` on the other ranks. ``done(windows)``: after each counted microbatch is scored."""
+    ``forward_backward`` runs, nothing kept for backward: 1F1B, or interleaved 1F1B with
+    ``len(chunks)`` > 1, in their forward-only mode. Any number of microbatches, of any shapes (each
+    boundary tensor sized by its own). Returns the last virtual stage's
+    ``[cross entropy, objective]`` sums ``[2]`` float64 over the first ``counted`` microbatches
+    (default all; the rest run unscored: lockstep padding) and the tokens they count; ``(None, 0)``
+    on the other ranks. ``done(windows)``: after each counted microbatch is scored."""
     n = len(microbatches)
     runner = ScoreRunner(chunks, list(microbatches), n if counted is None else counted, done)
     comm = None
     if dims.pp > 1:
-        comm = PipeComm(dims, None, torch_dtype(chunks[0].cfg.dtype), next(chunks[0].parameters()).device)
+        comm = PipeComm(
+            dims, None, torch_dtype(chunks[0].cfg.dtype), next(chunks[0].parameters()).device
+        )
         comm.init_communicator()
     if len(chunks) > 1:
         run_interleaved_forward(runner, comm, len(chunks))
@@ -143,6 +158,11 @@ def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> torch.Ten
 
 
 def broadcast_loss(loss: torch.Tensor | None, dims: ParallelDims, device) -> torch.Tensor:
-    """The last pipeline rank's loss (0-dim float64, None elsewhere) on every rank of the pipeline."""
-    value = torch.zeros(1, dtype=torch.float64, device=device) if loss is None else loss.reshape(1).clone()
+    """The last pipeline rank's loss (0-dim float64, None elsewhere) on every rank of the
+    pipeline."""
+    value = (
+        torch.zeros(1, dtype=torch.float64, device=device)
+        if loss is None
+        else loss.reshape(1).clone()
+    )
     return from_last_stage(value, dims)[0]

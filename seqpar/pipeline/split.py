@@ -23,5 +23,15 @@ def stage_layers(num_layers: int, pp: int, interleave: int = 1, counts: list[int
     """``result[rank][chunk]`` = the global layer indices of that chunk, in order."""
     sizes = layer_counts(num_layers, pp, interleave, counts)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [[list(range(starts[virtual_stage(r, c, pp)], starts[virtual_stage(r, c, pp)]
-                        + sizes[virtual_stage(r, c, pp)])) for c in range(interleave)] for r in range(pp)]
+    return [
+        [
+            list(
+                range(
+                    starts[virtual_stage(r, c, pp)],
+                    starts[virtual_stage(r, c, pp)] + sizes[virtual_stage(r, c, pp)],
+                )
+            )
+            for c in range(interleave)
+        ]
+        for r in range(pp)
+    ]

@@ -5,16 +5,18 @@ received hidden state elsewhere); on the last virtual stage it returns the micro
 times the step's ``Objective.weight`` (and the fp16 loss scale), so that the gradients accumulated
 over microbatches and averaged over dp × cp are those of the global batch's mean loss per counted
 token (``seqpar.pipeline.objective``). ``StepRunner.backward`` back-propagates a chunk
-output and returns the gradient of the chunk input, to be sent to the previous stage; under a zero-bubble
-schedule that is B alone, and ``weight_grads`` runs a deferred W (``seqpar.parallel.weight_grad``).
+output and returns the gradient of the chunk input, to be sent to the previous stage; under a
+zero-bubble schedule that is B alone, and ``weight_grads`` runs a deferred W
+(``seqpar.parallel.weight_grad``).
 
 App. B: once a non-last chunk's output has been sent, ``release_output`` frees its data (the
 tensor keeps only its autograd node, a 1-element placeholder holds its place); ``backward`` then
 starts from the output's gradient edge, whose recorded shape is the original one.
 App. C: ``keep`` decides per microbatch whether its activations are all stored (recompute off).
 
-``ScoreRunner.forward`` is the forward-only unit (evaluation, the schedules' forward-only mode): nothing kept for
-backward, the last virtual stage's loss sums ``[cross entropy, objective]`` added up over the counted microbatches.
+``ScoreRunner.forward`` is the forward-only unit (evaluation, the schedules' forward-only mode):
+nothing kept for backward, the last virtual stage's loss sums ``[cross entropy, objective]`` added
+up over the counted microbatches.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from seqpar.pipeline.timeline import Timeline
 class StepRunner:
     chunks: list  # this rank's GPTStage chunks, in chunk order
     microbatches: list  # [(tokens [b, s], labels [b, s][, Documents])]
-    objective: Objective  # the step's counted tokens: each microbatch's loss sum is scaled by its weight
+    # the step's counted tokens: each microbatch's loss sum is scaled by its weight
+    objective: Objective
     free_outputs: bool = True  # App. B
     keep: KeepPolicy | None = None  # App. C
     meter: object = None  # seqpar.measure.meter.SavedTensorMeter or None
@@ -45,26 +48,34 @@ class StepRunner:
     timeline: Timeline | None = None  # records each F, B and W (seqpar.pipeline.timeline)
 
     def _span(self, kind: str, chunk_id: int, mb: int):
-        return self.timeline.span(kind, chunk_id, mb) if self.timeline is not None else contextlib.nullcontext()
+        return (
+            self.timeline.span(kind, chunk_id, mb)
+            if self.timeline is not None
+            else contextlib.nullcontext()
+        )
 
     @property
     def num_microbatches(self) -> int:
         return len(self.microbatches)
 
     def forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state or the scaled loss."""
+        """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state or the scaled
+        loss."""
         with self._span("F", chunk_id, mb):
             return self._forward(chunk_id, mb, input_tensor)
 
     def _forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
         chunk = self.chunks[chunk_id]
-        tokens, labels, *docs = self.microbatches[mb]  # docs: packed documents (seqpar.documents), if any
+        # docs: packed documents (seqpar.documents), if any
+        tokens, labels, *docs = self.microbatches[mb]
         docs = docs[0] if docs else None
         x = tokens.to(self._device(chunk)) if chunk.first else input_tensor
-        chunk.tracker.microbatch(mb, tokens.shape[0])  # dropout: the global samples of this microbatch
+        # dropout: the global samples of this microbatch
+        chunk.tracker.microbatch(mb, tokens.shape[0])
         keep = self.keep.start(chunk_id, mb) if self.keep is not None else contextlib.nullcontext()
         record = self.meter.forward() if self.meter is not None else contextlib.nullcontext()
-        if getattr(chunk, "aux", None) is not None:  # MoE load-balancing losses weigh as the microbatch loss
+        # MoE load-balancing losses weigh as the microbatch loss
+        if getattr(chunk, "aux", None) is not None:
             chunk.aux.weight = self.loss_scale / self.num_microbatches
         with keep, record:
             if chunk.last:
@@ -78,14 +89,26 @@ class StepRunner:
 
     def release_output(self, chunk_id: int, out: torch.Tensor | None) -> None:
         """App. B: free the data of an output that has been sent (keep its autograd node)."""
-        if (not self.free_outputs or out is None or self.chunks[chunk_id].last or out.grad_fn is None
-                or out._base is not None):
+        if (
+            not self.free_outputs
+            or out is None
+            or self.chunks[chunk_id].last
+            or out.grad_fn is None
+            or out._base is not None
+        ):
             return
         out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
 
-    def backward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None, output: torch.Tensor,
-                 output_grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Back-propagate one chunk-microbatch; returns d(loss)/d(input) (None on the first stage)."""
+    def backward(
+        self,
+        chunk_id: int,
+        mb: int,
+        input_tensor: torch.Tensor | None,
+        output: torch.Tensor,
+        output_grad: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Back-propagate one chunk-microbatch; returns d(loss)/d(input) (None on the first
+        stage)."""
         with self._span("B", chunk_id, mb):
             if output_grad is None:  # the scaled loss of the last virtual stage
                 torch.autograd.backward(output)
@@ -96,14 +119,16 @@ class StepRunner:
         return None if input_tensor is None else input_tensor.grad
 
     def seal_w(self, chunk_id: int) -> None:
-        """Zero bubble, once a B has returned (its input and output dropped): the W steps it queued become one
-        unit, whose stored inputs and output gradients the meter counts until the W runs."""
+        """Zero bubble, once a B has returned (its input and output dropped): the W steps it queued
+        become one unit, whose stored inputs and output gradients the meter counts until the W
+        runs."""
         for t in self.chunks[chunk_id].tp.weight_grads.seal():
             if self.meter is not None:
                 self.meter.hold(t)
 
     def deferred_w(self, chunk_id: int) -> int:
-        """Chunk-microbatches of chunk ``chunk_id`` whose W has not run (``seqpar.parallel.weight_grad``)."""
+        """Chunk-microbatches of chunk ``chunk_id`` whose W has not run
+        (``seqpar.parallel.weight_grad``)."""
         return len(self.chunks[chunk_id].tp.weight_grads)
 
     def weight_grads(self, chunk_id: int) -> None:
@@ -116,8 +141,9 @@ class StepRunner:
         return next(chunk.parameters()).device
 
     def mean_loss(self) -> torch.Tensor | None:
-        """This dp rank's loss sums times the objective's weight (last virtual stage only), 0-dim float64 on the
-        device (not read on the host): averaged over the dp ranks, the step's mean loss per counted token."""
+        """This dp rank's loss sums times the objective's weight (last virtual stage only), 0-dim
+        float64 on the device (not read on the host): averaged over the dp ranks, the step's mean
+        loss per counted token."""
         if not self.losses:
             return None
         return torch.stack(self.losses).double().sum() * self.objective.weight
@@ -130,15 +156,17 @@ def as_input(received: torch.Tensor | None) -> torch.Tensor | None:
 
 @dataclass
 class ScoreRunner:
-    """Forward-only chunk-microbatches (evaluation): on the last virtual stage, the loss sums ``[cross entropy,
-    objective]`` of the first ``counted`` microbatches (the rest are lockstep padding: run, not scored) and their
-    counted tokens; ``done(windows)`` after each of them is scored."""
+    """Forward-only chunk-microbatches (evaluation): on the last virtual stage, the loss sums
+    ``[cross entropy, objective]`` of the first ``counted`` microbatches (the rest are lockstep
+    padding: run, not scored) and their counted tokens; ``done(windows)`` after each of them is
+    scored."""
 
     chunks: list  # this rank's GPTStage chunks, in chunk order, in eval mode
     microbatches: list  # [(tokens [b, s], labels [b, s][, Documents])]; shapes may differ
     counted: int
     done: Callable[[int], None] | None = None
-    totals: torch.Tensor | None = field(init=False)  # [2] float64 [cross entropy, objective]; None off the last stage
+    # [2] float64 [cross entropy, objective]; None off the last stage
+    totals: torch.Tensor | None = field(init=False)
     tokens: int = 0  # the counted tokens they sum over
 
     def __post_init__(self):
@@ -151,14 +179,18 @@ class ScoreRunner:
         return len(self.microbatches)
 
     def boundary_shape(self, mb: int) -> tuple[int, int, int]:
-        """The shape of microbatch ``mb``'s activation crossing a stage boundary (``p2p.boundary_shape``)."""
+        """The shape of microbatch ``mb``'s activation crossing a stage boundary
+        (``p2p.boundary_shape``)."""
         return boundary_shape(self.chunks[0], self.microbatches[mb][0])
 
-    def forward(self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None) -> torch.Tensor | None:
-        """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state, or None on the last virtual
-        stage (its scores added up)."""
+    def forward(
+        self, chunk_id: int, mb: int, input_tensor: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Run chunk ``chunk_id`` on microbatch ``mb``; returns the hidden state, or None on the
+        last virtual stage (its scores added up)."""
         chunk = self.chunks[chunk_id]
-        tokens, labels, *docs = self.microbatches[mb]  # docs: packed documents (seqpar.documents), if any
+        # docs: packed documents (seqpar.documents), if any
+        tokens, labels, *docs = self.microbatches[mb]
         docs = docs[0] if docs else None
         device = StepRunner._device(chunk)
         x = tokens.to(device) if chunk.first else input_tensor

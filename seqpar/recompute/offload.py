@@ -1,24 +1,29 @@
-"""Activation offloading, beside recomputation: a module's saved tensors go to host memory after it saves them and
-come back for its backward (``RecomputeConfig.offload_modules``, the names of ``config.OFFLOAD_MODULES``).
+"""Activation offloading, beside recomputation: a module's saved tensors go to host memory after it
+saves them and come back for its backward (``RecomputeConfig.offload_modules``, the names of
+``config.OFFLOAD_MODULES``).
 
 Each layer (or full-recompute group: ``RecomputePlan.layer_blocks``) runs inside one pair of
-``saved_tensors_hooks``; the modules that offload mark where they run (``Offloader.scope``). A tensor saved while
-an offloaded module runs -- or the layer's input where ``layer_input`` offloads -- is copied, its whole storage
-once per layer, into a host buffer, and autograd keeps only a handle: the device storage is freed as soon as the
-forward drops its last reference. The first backward that unpacks one of a layer's handles brings the whole layer
-back and starts bringing back the layer before it (its backward comes next). Parameters and buffers are never
-offloaded (``seqpar.storages``, the meter's rule), nor a norm output that norm recomputation releases (``sparing``).
+``saved_tensors_hooks``; the modules that offload mark where they run (``Offloader.scope``). A
+tensor saved while an offloaded module runs -- or the layer's input where ``layer_input`` offloads
+-- is copied, its whole storage once per layer, into a host buffer, and autograd keeps only a
+handle: the device storage is freed as soon as the forward drops its last reference. The first
+backward that unpacks one of a layer's handles brings the whole layer back and starts bringing back
+the layer before it (its backward comes next). Parameters and buffers are never offloaded
+(``seqpar.storages``, the meter's rule), nor a norm output that norm recomputation releases
+(``sparing``).
 
-Composition with a meter (``seqpar.measure``): the hooks found active when a layer starts (a meter's) still see
-every tensor the layer keeps on the device; offloaded tensors do not reach them, and ``Offloader.host_tensors``
-lists what is on the host, per module -- the meter counts device bytes, the offloader host bytes.
+Composition with a meter (``seqpar.measure``): the hooks found active when a layer starts (a
+meter's) still see every tensor the layer keeps on the device; offloaded tensors do not reach them,
+and ``Offloader.host_tensors`` lists what is on the host, per module -- the meter counts device
+bytes, the offloader host bytes.
 
-On CUDA: pinned host buffers from a pool reused across steps, copies on one side stream (device→host after the
-producer, host→device before the consumer, events between), so a layer's copies run under the next layer's
-forward and the previous layer's reload under this layer's backward; the stream and events are the tensor's
-device's. Pinned blocks are what torch's caching host allocator reserves, powers of two (``reserved_host_bytes``
-beside the exact ``peak_host_bytes``). On CPU the copies are real copies into the
-same kind of pool, synchronously: the code path and the accounting run in CI; time figures there mean nothing.
+On CUDA: pinned host buffers from a pool reused across steps, copies on one side stream (device→host
+after the producer, host→device before the consumer, events between), so a layer's copies run under
+the next layer's forward and the previous layer's reload under this layer's backward; the stream and
+events are the tensor's device's. Pinned blocks are what torch's caching host allocator reserves,
+powers of two (``reserved_host_bytes`` beside the exact ``peak_host_bytes``). On CPU the copies are
+real copies into the same kind of pool, synchronously: the code path and the accounting run in CI;
+time figures there mean nothing.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from seqpar.storages import module_storages, storage_key, storage_of
 
 
 class HostPool:
-    """Host byte buffers, reused across steps: ``take`` one, ``give`` it back. Pinned (on CUDA) a buffer is a view
-    of a whole block of ``pinned_block_bytes`` -- what torch's caching host allocator reserves for it anyway -- so
-    a block serves every size that rounds to it, and ``allocated_bytes`` is the pinned RAM really held."""
+    """Host byte buffers, reused across steps: ``take`` one, ``give`` it back. Pinned (on CUDA) a
+    buffer is a view of a whole block of ``pinned_block_bytes`` -- what torch's caching host
+    allocator reserves for it anyway -- so a block serves every size that rounds to it, and
+    ``allocated_bytes`` is the pinned RAM really held."""
 
     def __init__(self):
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)  # whole blocks by (bytes, pinned)
+        # whole blocks by (bytes, pinned)
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
         self.allocated_bytes = 0  # every block the pool ever made, as the allocator reserves them
 
     def take(self, nbytes: int, pin: bool) -> torch.Tensor:
@@ -60,7 +67,8 @@ class HostPool:
 
 
 class HostLedger:
-    """Offloaded bytes on the host now and at most, over every offloader that shares it (a rank's chunks)."""
+    """Offloaded bytes on the host now and at most, over every offloader that shares it (a rank's
+    chunks)."""
 
     def __init__(self):
         self.live_bytes = 0
@@ -82,21 +90,23 @@ class _Entry:
 
 
 def _document_storages() -> set[int]:
-    """The storages of the microbatch's packed documents (their shared masks): data every layer reads, kept
-    once on the device, never offloaded per layer (as the meter leaves them out)."""
+    """The storages of the microbatch's packed documents (their shared masks): data every layer
+    reads, kept once on the device, never offloaded per layer (as the meter leaves them out)."""
     docs = documents.current()
     return set() if docs is None else {storage_key(t) for t in docs.held()}
 
 
 class _LayerRecord:
-    """What one layer's forward offloaded (storage key → entry), and the record of the layer before it."""
+    """What one layer's forward offloaded (storage key → entry), and the record of the layer before
+    it."""
 
     def __init__(self, prev: _LayerRecord | None, input_key: int | None, modules: list):
-        self.prev = None if prev is None else weakref.ref(prev)  # weak: a finished layer's record may go
+        # weak: a finished layer's record may go
+        self.prev = None if prev is None else weakref.ref(prev)
         self.input_key, self.modules = input_key, modules
         self._excluded: set[int] | None = None
-        # storage key → (weak reference, entry): a storage freed during the forward may see its key reused by a
-        # later one, which the dead reference tells apart
+        # storage key → (weak reference, entry): a storage freed during the forward may see its key
+        # reused by a later one, which the dead reference tells apart
         self.entries: dict[int, tuple[StorageWeakRef, _Entry]] = {}
         self.reloaded = False
         self.ready: torch.cuda.Event | None = None  # the reload's copies are done (CUDA)
@@ -104,13 +114,14 @@ class _LayerRecord:
 
     @property
     def excluded(self) -> set[int]:
-        """The storages of the unit's parameters and buffers, read at its first save (after FSDP's pre-forward
-        gather has put the unsharded parameters in place)."""
+        """The storages of the unit's parameters and buffers, read at its first save (after FSDP's
+        pre-forward gather has put the unsharded parameters in place)."""
         if self._excluded is None:
             self._excluded = module_storages(self.modules)
         return self._excluded
 
-    def __del__(self):  # a forward whose backward never came (its graph dropped): its host bytes are gone
+    # a forward whose backward never came (its graph dropped): its host bytes are gone
+    def __del__(self):
         if not self.reloaded and self.ledger is not None:
             self.ledger.add(-sum(e.nbytes for _, e in self.entries.values()))
 
@@ -130,8 +141,9 @@ def _in_backward() -> bool:
 
 
 class Offloader:
-    """The offloading of one model stage: which modules, the scopes they run in, the host pool and the layers'
-    records (weakly held: a record lives as long as the graph that can still unpack it)."""
+    """The offloading of one model stage: which modules, the scopes they run in, the host pool and
+    the layers' records (weakly held: a record lives as long as the graph that can still unpack
+    it)."""
 
     def __init__(self, modules=()):
         self.modules = frozenset(modules)
@@ -141,7 +153,8 @@ class Offloader:
         self._spared: set[int] = set()
         self._records: weakref.WeakSet[_LayerRecord] = weakref.WeakSet()
         self._last = None  # weakref to the record of the last layer run
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # the side stream per device (CUDA)
+        # the side stream per device (CUDA)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # ------------------------------------------------------------------ where modules run
     def scope(self, module: str, run):
@@ -149,7 +162,8 @@ class Offloader:
         return _Scope(self, module, run)
 
     def sparing(self, consumer):
-        """``consumer(y)`` whose saves of ``y`` stay on the device (y is released and rebuilt by recomputation)."""
+        """``consumer(y)`` whose saves of ``y`` stay on the device (y is released and rebuilt by
+        recomputation)."""
         return _Sparing(self, consumer) if self.modules else consumer
 
     @contextlib.contextmanager
@@ -170,8 +184,8 @@ class Offloader:
             self._spared.discard(key)
 
     def layer(self, block, first: bool, modules: list):
-        """``block`` (a layer or a full-recompute group of ``modules``) run as one offloading unit; ``first``: the
-        stage's first block (its record starts a new chain)."""
+        """``block`` (a layer or a full-recompute group of ``modules``) run as one offloading unit;
+        ``first``: the stage's first block (its record starts a new chain)."""
         return _Layer(self, block, first, modules) if self.modules else block
 
     def share(self, other: Offloader) -> None:
@@ -181,17 +195,19 @@ class Offloader:
     # ------------------------------------------------------------------ accounting
     @property
     def peak_host_bytes(self) -> int:
-        """The most offloaded bytes on the host at once (exact: what the formula's host terms count)."""
+        """The most offloaded bytes on the host at once (exact: what the formula's host terms
+        count)."""
         return self.ledger.peak_bytes
 
     @property
     def reserved_host_bytes(self) -> int:
-        """Host RAM the pool holds for them: pinned blocks as the allocator rounds them (``pinned_block_bytes``),
-        up to 2x ``peak_host_bytes`` on CUDA; the same bytes on CPU."""
+        """Host RAM the pool holds for them: pinned blocks as the allocator rounds them
+        (``pinned_block_bytes``), up to 2x ``peak_host_bytes`` on CUDA; the same bytes on CPU."""
         return self.pool.allocated_bytes
 
     def host_tensors(self) -> list[_Entry]:
-        """What is on the host now (offloaded, not yet reloaded), every layer of every microbatch in flight."""
+        """What is on the host now (offloaded, not yet reloaded), every layer of every microbatch in
+        flight."""
         return [e for r in list(self._records) if not r.reloaded for _, e in r.entries.values()]
 
     def host_bytes(self) -> dict[str, int]:
@@ -203,14 +219,17 @@ class Offloader:
 
     # ------------------------------------------------------------------ the hooks
     def run_layer(self, block, first: bool, modules: list, x: torch.Tensor):
-        if not torch.is_grad_enabled() or _in_backward():  # a checkpoint's forward, or its recomputation
+        # a checkpoint's forward, or its recomputation
+        if not torch.is_grad_enabled() or _in_backward():
             return block(x)
         prev = None if first or self._last is None else self._last()
         record = _LayerRecord(prev, storage_key(x), modules)
         record.ledger = self.ledger
         self._records.add(record)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(record, outer, t), self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: self._pack(record, outer, t), self._unpack
+        ):
             y = block(x)
         self._last = weakref.ref(record)
         return y
@@ -232,7 +251,8 @@ class Offloader:
         ref, entry = record.entries.get(key, (None, None))
         if ref is None or ref.expired():
             entry = self._copy_out(module, t)
-            if ref is not None:  # the dead storage's entry stays (its handles still point at it) under a new key
+            # the dead storage's entry stays (its handles still point at it) under a new key
+            if ref is not None:
                 record.entries[object()] = record.entries[key]
             record.entries[key] = (StorageWeakRef(storage), entry)
             self.ledger.add(entry.nbytes)
@@ -255,16 +275,20 @@ class Offloader:
 
     # ------------------------------------------------------------------ copies
     def _side(self, device: torch.device) -> torch.cuda.Stream:
-        """The copies' side stream on ``device`` (the tensor's, which need not be the current device)."""
+        """The copies' side stream on ``device`` (the tensor's, which need not be the current
+        device)."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
     def _copy_out(self, module: str, t: torch.Tensor) -> _Entry:
         storage = t.untyped_storage()
-        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # [nbytes], the whole storage
+        # [nbytes], the whole storage
+        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         cuda = t.device.type == "cuda"
-        entry = _Entry(module, self.pool.take(storage.nbytes(), pin=cuda), t.device, t.shape, t.dtype)
+        entry = _Entry(
+            module, self.pool.take(storage.nbytes(), pin=cuda), t.device, t.shape, t.dtype
+        )
         if not cuda:
             entry.host.copy_(source)
             return entry
@@ -276,7 +300,8 @@ class Offloader:
         return entry
 
     def _reload(self, record: _LayerRecord) -> None:
-        """Bring ``record``'s storages back to the device (once); on CUDA on the side stream, ``ready`` when done."""
+        """Bring ``record``'s storages back to the device (once); on CUDA on the side stream,
+        ``ready`` when done."""
         if record.reloaded:
             return
         record.reloaded = True
@@ -286,18 +311,21 @@ class Offloader:
             return
         if entries[0].device.type != "cuda":
             for e in entries:
-                e.loaded = e.host.to(e.device, copy=True)  # a real copy: the buffer goes back to the pool
+                # a real copy: the buffer goes back to the pool
+                e.loaded = e.host.to(e.device, copy=True)
                 self.pool.give(e.host)
             return
         for e in entries:  # allocated on the compute stream, which frees them after their backward
             e.loaded = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
         device = entries[0].device
         side = self._side(device)
-        side.wait_stream(torch.cuda.current_stream(device))  # the fresh blocks' earlier users are done
+        # the fresh blocks' earlier users are done
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.device(device), torch.cuda.stream(side):
             for e in entries:
                 e.loaded.copy_(e.host, non_blocking=True)
-                self.pool.give(e.host)  # the next copy into it is queued on this stream after this one
+                # the next copy into it is queued on this stream after this one
+                self.pool.give(e.host)
             record.ready = torch.cuda.Event()
             record.ready.record(side)
 

@@ -55,7 +55,10 @@ def deterministic(device: torch.device):
     if device.type == "cpu":
         yield
         return
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     precision = torch.get_float32_matmul_precision()
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.set_float32_matmul_precision("highest")
@@ -86,53 +89,77 @@ def parity(ctx) -> tuple[bool, dict, str]:
     ref_loss, ref_grads = parity_step(cfg, single, False, RECOMPUTES["none"])  # the CPU reference
     layouts = [("t1", single, False)] + ([(f"t{world}_sp", ctx.dims, True)] if world > 1 else [])
     dropout_cfg = replace(cfg, embd_dropout=0.1, attn_dropout=0.1, hidden_dropout=0.1)
-    figures: dict = {"tolerance": tol, "reference": "single-process fp32 model on the CPU, dropout 0",
-                     "shape": _shape(cfg), "layouts": {}}
+    figures: dict = {
+        "tolerance": tol,
+        "reference": "single-process fp32 model on the CPU, dropout 0",
+        "shape": _shape(cfg),
+        "layouts": {},
+    }
     ok = True
     with deterministic(device):
         for name, dims, sp in layouts:
             errors, identical, identical_bf16 = {}, {}, {}
             for mode, rc in RECOMPUTES.items():
                 loss, grads = _on_cpu(*parity_step(cfg, dims, sp, rc, device=device))
-                errors[mode] = {"loss": relative_error(loss, ref_loss),
-                                "grad": max(relative_error(grads[k], ref_grads[k]) for k in ref_grads)}
+                errors[mode] = {
+                    "loss": relative_error(loss, ref_loss),
+                    "grad": max(relative_error(grads[k], ref_grads[k]) for k in ref_grads),
+                }
             nodrop_loss = parity_step(cfg, dims, sp, RECOMPUTES["none"], device=device)[0].cpu()
             base = _on_cpu(*parity_step(dropout_cfg, dims, sp, RECOMPUTES["none"], device=device))
             repeat = _on_cpu(*parity_step(dropout_cfg, dims, sp, RECOMPUTES["none"], device=device))
-            bf16_cfg = replace(dropout_cfg, dtype="bf16")  # the training dtype: its kernels recompute too
+            # the training dtype: its kernels recompute too
+            bf16_cfg = replace(dropout_cfg, dtype="bf16")
             base_bf16 = _on_cpu(*parity_step(bf16_cfg, dims, sp, RECOMPUTES["none"], device=device))
             for mode, rc in RECOMPUTES.items():
                 if mode != "none":
-                    identical[mode] = _identical(_on_cpu(*parity_step(dropout_cfg, dims, sp, rc, device=device)), base)
+                    identical[mode] = _identical(
+                        _on_cpu(*parity_step(dropout_cfg, dims, sp, rc, device=device)), base
+                    )
                     identical_bf16[mode] = _identical(
                         _on_cpu(*parity_step(bf16_cfg, dims, sp, rc, device=device)), base_bf16)
             worst = max(max(e.values()) for e in errors.values())
             layout_ok = (worst <= tol and all(identical.values()) and all(identical_bf16.values())
                          and not torch.equal(base[0], nodrop_loss))
             figures["layouts"][name] = {
-                "rel_error_vs_reference": errors, "worst_rel_error": worst,
-                "dropout_bit_identical_to_none": identical, "dropout_bit_identical_to_none_bf16": identical_bf16,
-                "dropout_repeat_bit_identical": _identical(repeat, base),  # False: the device is not deterministic
-                "dropout_changes_loss": not torch.equal(base[0], nodrop_loss), "ok": layout_ok}
+                "rel_error_vs_reference": errors,
+                "worst_rel_error": worst,
+                "dropout_bit_identical_to_none": identical,
+                "dropout_bit_identical_to_none_bf16": identical_bf16,
+                # False: the device is not deterministic
+                "dropout_repeat_bit_identical": _identical(repeat, base),
+                "dropout_changes_loss": not torch.equal(base[0], nodrop_loss),
+                "ok": layout_ok,
+            }
             ok = ok and layout_ok
         if world > 1:
             errors = pipeline_parity(cfg, world, device)
             worst = max(errors.values())
-            figures["layouts"][f"pp{world}"] = {"rel_error_vs_reference": errors, "worst_rel_error": worst,
-                                                 "ok": worst <= tol}
+            figures["layouts"][f"pp{world}"] = {
+                "rel_error_vs_reference": errors,
+                "worst_rel_error": worst,
+                "ok": worst <= tol,
+            }
             ok = ok and worst <= tol
     parts = [f"{n}: worst rel. error {f['worst_rel_error']:.1e}" + (
              "" if "dropout_bit_identical_to_none" not in f else ", dropout recompute (fp32, bf16) "
              + ("bit-identical" if all(f["dropout_bit_identical_to_none"].values())
                 and all(f["dropout_bit_identical_to_none_bf16"].values()) else "DIFFERS"))
              for n, f in figures["layouts"].items()]
-    return ok, figures, f"{len(RECOMPUTES)} recompute modes; " + "; ".join(parts) + f" (tolerance {tol:g})"
+    return (
+        ok,
+        figures,
+        f"{len(RECOMPUTES)} recompute modes; " + "; ".join(parts) + f" (tolerance {tol:g})",
+    )
 
 
-def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: int = 3) -> dict[str, float]:
+def pipeline_parity(
+    cfg: ModelConfig, world: int, device: torch.device, seed: int = 3
+) -> dict[str, float]:
     """One 1F1B step at pp = N (one layer per stage, two microbatches; p2p on this device's backend)
     against the single-process model on the CPU: relative errors of the loss and of the worst
-    gradient of this rank's stage (the tied embedding/output weight after its two copies are summed)."""
+    gradient of this rank's stage (the tied embedding/output weight after its two copies are
+    summed)."""
     cfg = replace(cfg, num_layers=world)
     parallel = ParallelConfig(pp=world)
     dims = ParallelDims.build(parallel)  # collective: every rank builds every group
@@ -144,7 +171,8 @@ def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: in
     reference = build_model(cfg, seed=seed)
     ref_loss = 0.0
     counted = int((labels != -100).sum())
-    for tok, lab in microbatches:  # the step's objective: the loss sum over the counted tokens of both, / their number
+    # the step's objective: the loss sum over the counted tokens of both, / their number
+    for tok, lab in microbatches:
         part = reference(tok, lab, reduction="sum") / counted
         part.backward()
         ref_loss += part.item()
@@ -158,8 +186,14 @@ def pipeline_parity(cfg: ModelConfig, world: int, device: torch.device, seed: in
 
 
 def _shape(cfg: ModelConfig, b: int | None = None) -> dict:
-    out = {"h": cfg.hidden_size, "a": cfg.num_heads, "s": cfg.seq_len, "L": cfg.num_layers, "v": cfg.vocab_size,
-           "dtype": cfg.dtype}
+    out = {
+        "h": cfg.hidden_size,
+        "a": cfg.num_heads,
+        "s": cfg.seq_len,
+        "L": cfg.num_layers,
+        "v": cfg.vocab_size,
+        "dtype": cfg.dtype,
+    }
     return out if b is None else {**out, "b": b}
 
 
@@ -173,8 +207,15 @@ def _settle(device: torch.device) -> None:
     sync(device)
 
 
-def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, device: torch.device,
-                seed: int = 0) -> dict:
+def measure_row(
+    cfg: ModelConfig,
+    group,
+    sp: bool,
+    rc: RecomputeConfig,
+    b: int,
+    device: torch.device,
+    seed: int = 0,
+) -> dict:
     """One layer's forward on ``device``: the saved-tensor meter, and on an accelerator the
     allocator -- ``memory_allocated`` around the forward, ``max_memory_allocated`` over forward and
     backward -- as ``seqpar.measure.saved.measure_layer`` builds it (collective over ``group``)."""
@@ -186,9 +227,11 @@ def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, 
     run = (lambda x: checkpoint(layer, x, tracker=tracker)) if rc.granularity == "full" else layer
     gen = torch.Generator(device=device).manual_seed(seed)
     s = cfg.seq_len // t if sp else cfg.seq_len
-    x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]
+    # [s(/t), b, h]
+    x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))
     x.requires_grad_(True)
-    run(x).float().square().mean().backward()  # warm-up: GEMM workspaces and communicators exist now
+    # warm-up: GEMM workspaces and communicators exist now
+    run(x).float().square().mean().backward()
     layer.zero_grad(set_to_none=True)
     x.grad = None
     acc = device.type != "cpu"
@@ -204,39 +247,65 @@ def measure_row(cfg: ModelConfig, group, sp: bool, rc: RecomputeConfig, b: int, 
         kept = torch.accelerator.memory_allocated(device) - base
         y.float().square().mean().backward()
         sync(device)
-        # new blocks live after the forward: what it saved, less its input (saved, allocated before),
-        # plus its output
+        # new blocks live after the forward: what it saved, less its input (saved, allocated
+        # before), plus its output
         x_bytes, y_bytes = x.untyped_storage().nbytes(), y.untyped_storage().nbytes()
-        out |= {"allocator_kept_bytes": kept, "allocator_expected_bytes": meter.total_bytes - x_bytes + y_bytes,
-                "allocator_step_peak_bytes": torch.accelerator.max_memory_allocated(device) - base,
-                "allocator_tolerance_bytes": ALLOCATOR_ROUNDING * (len(meter.tensors) + 2)}
+        out |= {
+            "allocator_kept_bytes": kept,
+            "allocator_expected_bytes": meter.total_bytes - x_bytes + y_bytes,
+            "allocator_step_peak_bytes": torch.accelerator.max_memory_allocated(device) - base,
+            "allocator_tolerance_bytes": ALLOCATOR_ROUNDING * (len(meter.tensors) + 2),
+        }
     return out
 
 
 def memory(ctx) -> tuple[bool, dict, str]:
-    """Each Table 2 row at t = N ranks: the saved-tensor meter == the exact formula; on an accelerator
-    the allocator's growth over one layer's forward == the meter's new bytes (to its block rounding)."""
+    """Each Table 2 row at t = N ranks: the saved-tensor meter == the exact formula; on an
+    accelerator the allocator's growth over one layer's forward == the meter's new bytes (to its
+    block rounding)."""
     device, cfg, b = ctx.device, ctx.sizes.memory, ctx.sizes.memory_batch
     rows = plan_rows(cfg, b, ctx.world, False, "none", all_rows=True, device=str(device))
     results, ok = [], True
     for row in rows:
         if row.tp == 1 and ctx.rank != 0:
             continue  # rank 0 alone measures the t = 1 row
-        got = measure_row(cfg, ctx.dims.tp_group if row.tp > 1 else None, row.sp, row.recompute_config, b, device)
+        got = measure_row(
+            cfg, ctx.dims.tp_group if row.tp > 1 else None, row.sp, row.recompute_config, b, device
+        )
         row_ok = got["meter_bytes"] == row.exact_bytes
         if "allocator_kept_bytes" in got:
-            got["allocator_step_peak_over_exact"] = got["allocator_step_peak_bytes"] / row.exact_bytes
+            got["allocator_step_peak_over_exact"] = (
+                got["allocator_step_peak_bytes"] / row.exact_bytes
+            )
             row_ok = row_ok and (abs(got["allocator_kept_bytes"] - got["allocator_expected_bytes"])
                                  <= got["allocator_tolerance_bytes"])
-        results.append({"row": row.row, "t": row.tp, "sp": row.sp, "recompute": row.recompute,
-                        "exact_bytes": row.exact_bytes, "formula_bytes": row.formula_bytes, **got, "ok": row_ok})
+        results.append(
+            {
+                "row": row.row,
+                "t": row.tp,
+                "sp": row.sp,
+                "recompute": row.recompute,
+                "exact_bytes": row.exact_bytes,
+                "formula_bytes": row.formula_bytes,
+                **got,
+                "ok": row_ok,
+            }
+        )
         ok = ok and row_ok
         if device.type != "cpu":
             torch.accelerator.empty_cache()
-    ways = "meter and allocator" if device.type != "cpu" else "meter (the CPU has no allocator statistics)"
+    ways = (
+        "meter and allocator"
+        if device.type != "cpu"
+        else "meter (the CPU has no allocator statistics)"
+    )
     figures = {"shape": _shape(cfg, b), "measured_with": ways, "rows": results}
     passed = sum(r["ok"] for r in results)
-    return ok, figures, f"{passed}/{len(results)} Table 2 rows at t={ctx.world}: {ways} == exact formula"
+    return (
+        ok,
+        figures,
+        f"{passed}/{len(results)} Table 2 rows at t={ctx.world}: {ways} == exact formula",
+    )
 
 
 def memory_info(device: torch.device) -> int:

@@ -2,7 +2,8 @@
 
 Three ways to start: in this process (one rank), ``run_ranks`` on N local devices (gloo on the
 CPU, the accelerator's backend otherwise), or as one rank of a ``torchrun`` job (any number of
-nodes). Every rank runs every check; a check's ``ok`` is the AND over ranks; the figures are rank 0's.
+nodes). Every rank runs every check; a check's ``ok`` is the AND over ranks; the figures are rank
+0's.
 """
 
 from __future__ import annotations
@@ -62,13 +63,20 @@ def _agree(ok: bool, device: torch.device) -> bool:
 
 
 def rank_main(rank: int, world: int, opts: dict) -> dict:
-    """Every check on this rank (collective over all ranks); returns this rank's device and checks."""
+    """Every check on this rank (collective over all ranks); returns this rank's device and
+    checks."""
     device = rank_device(opts["device_type"], opts["index"], rank)
     if device.type == "cuda":
         correctness.cublas_deterministic_env()
-    dims = ParallelDims.build(ParallelConfig(tp=world, sp=world > 1)) if world > 1 else ParallelDims.single()
+    dims = (
+        ParallelDims.build(ParallelConfig(tp=world, sp=world > 1))
+        if world > 1
+        else ParallelDims.single()
+    )
     memory = correctness.memory_info(device)
-    ctx = Context(rank, world, device, dims, sizes_for(device, world, opts["quick"], memory), opts["out_dir"])
+    ctx = Context(
+        rank, world, device, dims, sizes_for(device, world, opts["quick"], memory), opts["out_dir"]
+    )
     checks = []
     for name, check in CHECKS.items():
         if opts["only"] and name not in opts["only"]:
@@ -85,8 +93,13 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
         gc.collect()
         if device.type != "cpu":
             torch.accelerator.empty_cache()
-    described = {"type": device.type, "name": _device_name(device), "ranks": world,
-                 "backend": dist.get_backend() if dist.is_initialized() else None, "memory_bytes": memory or None}
+    described = {
+        "type": device.type,
+        "name": _device_name(device),
+        "ranks": world,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "memory_bytes": memory or None,
+    }
     return {"device": described, "checks": checks}
 
 
@@ -96,14 +109,22 @@ def _device_name(device: torch.device) -> str:
         return device_name(device)
     try:
         with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or "cpu"
 
 
-def run_selftest(device: str = "auto", nproc: int | None = None, quick: bool = False, only: tuple = (),
-                 out_dir: str | None = None) -> tuple[dict, bool]:
-    """The report ``{"device", "torch", "checks", "seconds"}`` and whether this process is rank 0."""
+def run_selftest(
+    device: str = "auto",
+    nproc: int | None = None,
+    quick: bool = False,
+    only: tuple = (),
+    out_dir: str | None = None,
+) -> tuple[dict, bool]:
+    """The report ``{"device", "torch", "checks", "seconds"}`` and whether this process is rank
+    0."""
     start = time.perf_counter()
     dev = resolve_device(device)
     with tempfile.TemporaryDirectory(prefix="seqpar-selftest-") as scratch:
@@ -131,8 +152,10 @@ def _under_torchrun(dev: torch.device, nproc: int | None, opts: dict) -> tuple[d
         raise ConfigError(f"--nproc {nproc} under torchrun: the launcher started {world} ranks "
                           "(leave --nproc out; torchrun's --nproc-per-node and --nnodes decide)")
     if dev.index is not None and world > 1:
-        raise ConfigError(f"--device {dev} names one device; under torchrun each rank takes device LOCAL_RANK "
-                          f"(--device {dev.type})")
+        raise ConfigError(
+            f"--device {dev} names one device; under torchrun each rank takes device LOCAL_RANK "
+            f"(--device {dev.type})"
+        )
     owns = init_distributed(world, rank_device(dev.type, dev.index, rank))
     completed = False
     try:
@@ -149,8 +172,11 @@ def render(report: dict) -> str:
     d = report["device"]
     ok = all(c["ok"] for c in report["checks"])
     backend = f" {d['backend']}" if d["backend"] else ""
-    lines = [f"seqpar selftest on {d['type']} ({d['name']}), {d['ranks']}{backend} rank(s) ({d['launcher']}), "
-             f"torch {report['torch']}: {'PASS' if ok else 'FAIL'} in {report['seconds']:.1f} s"]
+    lines = [
+        f"seqpar selftest on {d['type']} ({d['name']}), {d['ranks']}{backend} rank(s) "
+        f"({d['launcher']}), torch {report['torch']}: {'PASS' if ok else 'FAIL'} in "
+        f"{report['seconds']:.1f} s"
+    ]
     for c in report["checks"]:
         lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']:<9}{c['figures']['summary']} "
                      f"[{c['figures']['seconds']:.1f} s]")

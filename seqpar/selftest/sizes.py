@@ -36,14 +36,18 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise ConfigError(f"--device {name!r} is not a device name (auto, cpu, cuda, cuda:1, ...)") from None
+        raise ConfigError(
+            f"--device {name!r} is not a device name (auto, cpu, cuda, cuda:1, ...)"
+        ) from None
     if device.type == "cpu":
         if device.index not in (None, 0):
             raise ConfigError(f"--device {name!r}: the CPU has no index {device.index}")
         return torch.device("cpu")
     if acc != device.type:
-        raise ConfigError(f"--device {name!r}: no {device.type} device here (torch {torch.__version__} sees "
-                          f"{'a ' + acc + ' accelerator' if acc else 'only the CPU'})")
+        raise ConfigError(
+            f"--device {name!r}: no {device.type} device here (torch {torch.__version__} sees "
+            f"{'a ' + acc + ' accelerator' if acc else 'only the CPU'})"
+        )
     count = torch.accelerator.device_count()
     if device.index is not None and device.index >= count:
         raise ConfigError(f"--device {name!r}: this machine has {count} {device.type} device(s)")
@@ -64,11 +68,15 @@ def resolve_nproc(device: torch.device, nproc: int | None) -> int:
     count = torch.accelerator.device_count()
     if device.index is not None:
         if nproc not in (None, 1):
-            raise ConfigError(f"--device {device} names one device; --nproc {nproc} needs the device type "
-                              f"alone (--device {device.type})")
+            raise ConfigError(
+                f"--device {device} names one device; --nproc {nproc} needs the device type "
+                f"alone (--device {device.type})"
+            )
         return 1
     if nproc is not None and nproc > count:
-        raise ConfigError(f"--nproc {nproc} exceeds the {count} {device.type} device(s) of this machine")
+        raise ConfigError(
+            f"--nproc {nproc} exceeds the {count} {device.type} device(s) of this machine"
+        )
     return count if nproc is None else nproc
 
 
@@ -103,19 +111,53 @@ def sizes_for(device: torch.device, world: int, quick: bool, memory_bytes: int =
     t = world
     a = _multiple(4, t)
     # v = 101 is padded for every t > 1, so the vocabulary padding path runs too
-    parity = ModelConfig(vocab_size=101, hidden_size=8 * a, num_heads=a, num_layers=2, seq_len=_multiple(16, t),
-                         embd_dropout=0.0, attn_dropout=0.0, hidden_dropout=0.0, label_smoothing=0.1)
+    parity = ModelConfig(
+        vocab_size=101,
+        hidden_size=8 * a,
+        num_heads=a,
+        num_layers=2,
+        seq_len=_multiple(16, t),
+        embd_dropout=0.0,
+        attn_dropout=0.0,
+        hidden_dropout=0.0,
+        label_smoothing=0.1,
+    )
     if device.type == "cpu":
         heads = _multiple(4, t)
-        memory = ModelConfig(hidden_size=32 * heads, num_heads=heads, num_layers=1, seq_len=64 * t, dtype="bf16")
+        memory = ModelConfig(
+            hidden_size=32 * heads, num_heads=heads, num_layers=1, seq_len=64 * t, dtype="bf16"
+        )
         table4 = replace(memory, seq_len=128 * t)
-        return Sizes(parity, memory, 2, table4, 2, 2 if quick else 3, 1,
-                     mfu={"hidden_size": 128, "num_heads": 4, "num_layers": 2, "seq_len": 128, "vocab_size": 256,
-                          "dtype": "bf16"},
-                     mfu_micro_batch=2, mfu_steps=4, gemm_n=256, gemm_seconds=0.2,
-                     train={"hidden_size": 16 * heads, "num_heads": heads, "num_layers": 2, "seq_len": 32 * t,
-                            "vocab_size": 256, "dtype": "fp32"},
-                     train_micro_batch=4)
+        return Sizes(
+            parity,
+            memory,
+            2,
+            table4,
+            2,
+            2 if quick else 3,
+            1,
+            mfu={
+                "hidden_size": 128,
+                "num_heads": 4,
+                "num_layers": 2,
+                "seq_len": 128,
+                "vocab_size": 256,
+                "dtype": "bf16",
+            },
+            mfu_micro_batch=2,
+            mfu_steps=4,
+            gemm_n=256,
+            gemm_seconds=0.2,
+            train={
+                "hidden_size": 16 * heads,
+                "num_heads": heads,
+                "num_layers": 2,
+                "seq_len": 32 * t,
+                "vocab_size": 256,
+                "dtype": "fp32",
+            },
+            train_micro_batch=4,
+        )
     # An accelerator: the paper's 22B layer when it fits with room to spare, else narrower.
     if memory_bytes >= 70 * GiB:
         h, heads, s, b = 6144, 64, 2048, 4
@@ -124,17 +166,50 @@ def sizes_for(device: torch.device, world: int, quick: bool, memory_bytes: int =
     else:
         h, heads, s, b = 2048, 16, 1024, 2
     head_dim, heads = h // heads, _multiple(heads, t)
-    table4 = ModelConfig(hidden_size=head_dim * heads, num_heads=heads, num_layers=1, seq_len=_multiple(s, t),
-                         vocab_size=256, dtype="bf16")
+    table4 = ModelConfig(
+        hidden_size=head_dim * heads,
+        num_heads=heads,
+        num_layers=1,
+        seq_len=_multiple(s, t),
+        vocab_size=256,
+        dtype="bf16",
+    )
     mem_heads = _multiple(16, t)
-    memory = ModelConfig(hidden_size=128 * mem_heads, num_heads=mem_heads, num_layers=1, seq_len=_multiple(1024, t),
-                         dtype="bf16")
+    memory = ModelConfig(
+        hidden_size=128 * mem_heads,
+        num_heads=mem_heads,
+        num_layers=1,
+        seq_len=_multiple(1024, t),
+        dtype="bf16",
+    )
     train_heads = _multiple(16, t)
-    return Sizes(parity, memory, 2, table4, b, 3 if quick else 10, 1 if quick else 2,
-                 mfu={"hidden_size": table4.hidden_size, "num_heads": heads, "num_layers": 2, "seq_len": s,
-                      "vocab_size": 32768 if quick else 50304, "dtype": "bf16"},
-                 mfu_micro_batch=2 if memory_bytes >= 70 * GiB else 1, mfu_steps=4 if quick else 6,
-                 gemm_n=8192, gemm_seconds=0.5 if quick else 1.0,
-                 train={"hidden_size": 64 * train_heads, "num_heads": train_heads, "num_layers": 4,
-                        "seq_len": _multiple(1024, t), "vocab_size": 256, "dtype": "bf16"},
-                 train_micro_batch=8)
+    return Sizes(
+        parity,
+        memory,
+        2,
+        table4,
+        b,
+        3 if quick else 10,
+        1 if quick else 2,
+        mfu={
+            "hidden_size": table4.hidden_size,
+            "num_heads": heads,
+            "num_layers": 2,
+            "seq_len": s,
+            "vocab_size": 32768 if quick else 50304,
+            "dtype": "bf16",
+        },
+        mfu_micro_batch=2 if memory_bytes >= 70 * GiB else 1,
+        mfu_steps=4 if quick else 6,
+        gemm_n=8192,
+        gemm_seconds=0.5 if quick else 1.0,
+        train={
+            "hidden_size": 64 * train_heads,
+            "num_heads": train_heads,
+            "num_layers": 4,
+            "seq_len": _multiple(1024, t),
+            "vocab_size": 256,
+            "dtype": "bf16",
+        },
+        train_micro_batch=8,
+    )

@@ -51,7 +51,8 @@ def slowest(values: list[float], device: torch.device) -> list[float]:
 
 
 def timed(fn, device: torch.device) -> float:
-    """Seconds of ``fn()`` on ``device``, started with the other ranks, ended when the device is done."""
+    """Seconds of ``fn()`` on ``device``, started with the other ranks, ended when the device is
+    done."""
     barrier(device)
     sync(device)
     start = time.perf_counter()
@@ -71,16 +72,27 @@ def table4(ctx) -> tuple[bool, dict, str]:
     for name, sp, rc in rows:
         tp = TPContext(group, sp, RNGTracker(0))
         tracker = tp.tracker
-        layer = TransformerLayer(cfg, tp, RecomputePlan(RecomputeConfig(rc), tracker), device=device).train()
+        layer = TransformerLayer(
+            cfg, tp, RecomputePlan(RecomputeConfig(rc), tracker), device=device
+        ).train()
         init_parameters(layer, 0, ctx.dims.tp_rank, t)
-        fn = (lambda x, layer=layer, tracker=tracker: checkpoint(layer, x, tracker=tracker)) if rc == "full" else layer
+        fn = (
+            (lambda x, layer=layer, tracker=tracker: checkpoint(layer, x, tracker=tracker))
+            if rc == "full"
+            else layer
+        )
         s = cfg.seq_len // t if tp.sequence_parallel else cfg.seq_len
-        x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))  # [s(/t), b, h]
-        dy = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(torch_dtype(cfg.dtype))
+        x = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(
+            torch_dtype(cfg.dtype)
+        )  # [s(/t), b, h]
+        dy = torch.randn(s, b, cfg.hidden_size, generator=gen, device=device).to(
+            torch_dtype(cfg.dtype)
+        )
         runs[name] = (layer, fn, x, dy)
     fwd, bwd = {n: [] for n in runs}, {n: [] for n in runs}
     for i in range(ctx.sizes.warmup + ctx.sizes.repeats):
-        for name, (layer, fn, x, dy) in runs.items():  # round-robin: load changes hit every row alike
+        # round-robin: load changes hit every row alike
+        for name, (layer, fn, x, dy) in runs.items():
             x = x.detach().requires_grad_(True)
             out = []
             f = timed(lambda fn=fn, x=x, out=out: out.append(fn(x)), device)
@@ -96,9 +108,13 @@ def table4(ctx) -> tuple[bool, dict, str]:
         f, bt = slowest(fwd[name], device), slowest(bwd[name], device)
         combined = statistics.median([a + c for a, c in zip(f, bt, strict=True)])
         flops = 3 * layer_fwd + recompute_extra_flops(b, 1, s, h, rc, ffn)
-        results[name] = {"forward_ms": 1e3 * statistics.median(f), "backward_ms": 1e3 * statistics.median(bt),
-                         "combined_ms": 1e3 * combined, "flops": flops,
-                         "tflops_per_s_per_rank": flops / t / combined / 1e12}
+        results[name] = {
+            "forward_ms": 1e3 * statistics.median(f),
+            "backward_ms": 1e3 * statistics.median(bt),
+            "combined_ms": 1e3 * combined,
+            "flops": flops,
+            "tflops_per_s_per_rank": flops / t / combined / 1e12,
+        }
     base = results["baseline"]["combined_ms"]
     for r in results.values():
         r["overhead_pct"] = 100.0 * (r["combined_ms"] / base - 1.0)
@@ -108,15 +124,30 @@ def table4(ctx) -> tuple[bool, dict, str]:
     # the device is not shared with other work (an accelerator), reported everywhere.
     cheaper = results["selective"]["overhead_pct"] < results["full"]["overhead_pct"]
     ok = finite and (cheaper or device.type == "cpu")
-    figures = {"t": t, "shape": {"h": h, "a": cfg.num_heads, "s": s, "b": b, "dtype": cfg.dtype,
-                                 "dropout": cfg.hidden_dropout},
-               "repeats": ctx.sizes.repeats, "rows": results, "selective_cheaper_than_full": cheaper,
-               "claim_required": device.type != "cpu"}
-    summary = ", ".join(f"{n} {r['combined_ms']:.1f} ms ({r['overhead_pct']:+.0f}%)" for n, r in results.items())
+    figures = {
+        "t": t,
+        "shape": {
+            "h": h,
+            "a": cfg.num_heads,
+            "s": s,
+            "b": b,
+            "dtype": cfg.dtype,
+            "dropout": cfg.hidden_dropout,
+        },
+        "repeats": ctx.sizes.repeats,
+        "rows": results,
+        "selective_cheaper_than_full": cheaper,
+        "claim_required": device.type != "cpu",
+    }
+    summary = ", ".join(
+        f"{n} {r['combined_ms']:.1f} ms ({r['overhead_pct']:+.0f}%)" for n, r in results.items()
+    )
     return ok, figures, f"t={t} h={h} s={s} b={b}: {summary}"
 
 
-def gemm_peaks(device: torch.device, n: int, seconds: float) -> tuple[float, float | None, str | None]:
+def gemm_peaks(
+    device: torch.device, n: int, seconds: float
+) -> tuple[float, float | None, str | None]:
     """(measured bf16 GEMM FLOP/s, the data-sheet dense bf16 FLOP/s or None, its table key)."""
     measured = gemm_probe(device, torch.bfloat16, n=n, seconds=seconds)
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
@@ -126,11 +157,27 @@ def gemm_peaks(device: torch.device, n: int, seconds: float) -> tuple[float, flo
 def _trainer(ctx, model: dict, parallel: dict, recompute: dict, micro_batch: int, steps: int,
              peak_flops: float, lr: float = 3e-3, compile: bool = False):
     dp = parallel.get("dp", 1)
-    sections = {"model": model, "parallel": parallel, "recompute": recompute,
-                "train": {"steps": steps, "lr": lr, "min_lr": lr / 10, "warmup": 2, "micro_batch": micro_batch,
-                          "global_batch": micro_batch * dp, "eval_every": 0, "eval_batches": 1, "log_every": steps,
-                          "peak_tflops": peak_flops / 1e12, "progress": False, "plot": False,
-                          "out_dir": ctx.out_dir, "compile": compile}}
+    sections = {
+        "model": model,
+        "parallel": parallel,
+        "recompute": recompute,
+        "train": {
+            "steps": steps,
+            "lr": lr,
+            "min_lr": lr / 10,
+            "warmup": 2,
+            "micro_batch": micro_batch,
+            "global_batch": micro_batch * dp,
+            "eval_every": 0,
+            "eval_batches": 1,
+            "log_every": steps,
+            "peak_tflops": peak_flops / 1e12,
+            "progress": False,
+            "plot": False,
+            "out_dir": ctx.out_dir,
+            "compile": compile,
+        },
+    }
     return Trainer(build_job(sections), device=ctx.device, quiet=True)
 
 
@@ -139,7 +186,9 @@ def _steps(trainer, steps: int, device: torch.device) -> tuple[list[float], list
     losses, seconds = [], []
     for step in range(steps):
         out = []
-        seconds.append(timed(lambda step=step, out=out: out.append(trainer.train_step(step)), device))
+        seconds.append(
+            timed(lambda step=step, out=out: out.append(trainer.train_step(step)), device)
+        )
         loss, _norm, applied = out[0]
         losses.append(loss if applied else float("nan"))
     return losses, seconds
@@ -153,10 +202,19 @@ def mfu(ctx) -> tuple[bool, dict, str]:
     model = {**z.mfu, "embd_dropout": 0.1, "attn_dropout": 0.1, "hidden_dropout": 0.1}
 
     def run(compile: bool):
-        trainer = _trainer(ctx, model, {"dp": ctx.world}, {"granularity": "selective"}, z.mfu_micro_batch,
-                           z.mfu_steps, measured, compile=compile)
+        trainer = _trainer(
+            ctx,
+            model,
+            {"dp": ctx.world},
+            {"granularity": "selective"},
+            z.mfu_micro_batch,
+            z.mfu_steps,
+            measured,
+            compile=compile,
+        )
         losses, seconds = _steps(trainer, z.mfu_steps, device)
-        step_s = statistics.median(slowest(seconds[1:] or seconds, device))  # the first step warms up (compiles)
+        # the first step warms up (compiles)
+        step_s = statistics.median(slowest(seconds[1:] or seconds, device))
         rates = trainer.throughput.rates(step_s)
         return losses, {"step_ms": 1e3 * step_s, "tokens_per_s": rates["tokens_per_s"],
                         "mfu_vs_measured": rates["mfu"], "hfu_vs_measured": rates["hfu"],
@@ -166,24 +224,43 @@ def mfu(ctx) -> tuple[bool, dict, str]:
 
     losses, eager = run(False)
     rates = {"mfu": eager["mfu_vs_measured"], "hfu": eager["hfu_vs_measured"]}
-    # compiled, each layer one fused region (train.compile); on CPU the compile time outweighs a selftest's
-    # few steps, so it runs on accelerators only (CPU: benchmarks/RESULTS.md, "compile")
+    # compiled, each layer one fused region (train.compile); on CPU the compile time outweighs a
+    # selftest's few steps, so it runs on accelerators only (CPU: benchmarks/RESULTS.md, "compile")
     compiled = run(True)[1] if device.type != "cpu" else None
     finite = all(math.isfinite(x) for x in losses) and all(
         v is None or (math.isfinite(v) and v > 0) for v in eager.values())
     # a measured peak above the data sheet's means the probe or the table is wrong
     ok = finite and (sheet is None or measured <= 1.05 * sheet)
-    figures = {"gemm_n": z.gemm_n, "measured_bf16_peak_tflops": measured / 1e12,
-               "sheet_bf16_peak_tflops": sheet / 1e12 if sheet else None, "sheet_entry": key,
-               "device_name": device_name(device) or "cpu", "world": ctx.world,
-               "model": {**{k: z.mfu[k] for k in ("hidden_size", "num_heads", "num_layers", "seq_len", "vocab_size")},
-                         "micro_batch": z.mfu_micro_batch, "tp": 1, "dp": ctx.world, "recompute": "selective"},
-               "steps": z.mfu_steps, "eager": eager,
-               "compiled": compiled,
-               "compiled_note": "train.compile: each layer one fused region; first_step_s includes compiling"
-               if compiled else "not run on CPU (compile time exceeds the selftest's steps; see benchmarks/RESULTS.md)"}
-    sheet_text = f", data sheet {sheet / 1e12:.0f} ({key}): MFU {100 * eager['mfu_vs_sheet']:.1f}%" if sheet else \
-        ", no data-sheet entry"
+    figures = {
+        "gemm_n": z.gemm_n,
+        "measured_bf16_peak_tflops": measured / 1e12,
+        "sheet_bf16_peak_tflops": sheet / 1e12 if sheet else None,
+        "sheet_entry": key,
+        "device_name": device_name(device) or "cpu",
+        "world": ctx.world,
+        "model": {
+            **{
+                k: z.mfu[k]
+                for k in ("hidden_size", "num_heads", "num_layers", "seq_len", "vocab_size")
+            },
+            "micro_batch": z.mfu_micro_batch,
+            "tp": 1,
+            "dp": ctx.world,
+            "recompute": "selective",
+        },
+        "steps": z.mfu_steps,
+        "eager": eager,
+        "compiled": compiled,
+        "compiled_note": "train.compile: each layer one fused region; first_step_s includes "
+                         "compiling"
+        if compiled
+        else "not run on CPU (compile time exceeds the selftest's steps; see benchmarks/RESULTS.md)",
+    }
+    sheet_text = (
+        f", data sheet {sheet / 1e12:.0f} ({key}): MFU {100 * eager['mfu_vs_sheet']:.1f}%"
+        if sheet
+        else ", no data-sheet entry"
+    )
     return ok, figures, (f"bf16 GEMM {measured / 1e12:.3g} TFLOP/s: MFU {100 * rates['mfu']:.1f}% "
                          f"HFU {100 * rates['hfu']:.1f}%{sheet_text}")
 
@@ -203,4 +280,8 @@ def training(ctx) -> tuple[bool, dict, str]:
                "model": {**z.train, "micro_batch": z.train_micro_batch}, "steps": z.train_steps,
                "losses": losses, "first5_mean": first, "last5_mean": last,
                "step_ms_median": 1e3 * statistics.median(seconds)}
-    return ok, figures, f"{z.train_steps} steps tp={ctx.world} SP selective: loss {first:.3f} -> {last:.3f}"
+    return (
+        ok,
+        figures,
+        f"{z.train_steps} steps tp={ctx.world} SP selective: loss {first:.3f} -> {last:.3f}",
+    )

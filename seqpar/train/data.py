@@ -6,9 +6,10 @@ Sources (``load_tokens``):
   * ``--data FILE|DIR``: a text file, or every regular file of a folder (sorted), as bytes. Hidden
     files and everything under hidden folders are skipped, and so are files that are not text (a
     NUL byte, or a gzip/bzip2/xz/zip/zstd magic number); the source line counts and names them;
-  * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped, raw or llm.c (``seqpar.data.idfile``);
-  * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package (``seqpar.data.encode``,
-    the encoder ``seqpar prepare`` uses);
+  * ``*.bin``: pre-tokenized ``uint16``/``uint32`` ids, memory-mapped, raw or llm.c
+    (``seqpar.data.idfile``);
+  * with ``--tokenizer tokenizer.json``: text encoded by the ``tokenizers`` package
+    (``seqpar.data.encode``, the encoder ``seqpar prepare`` uses);
   * a prepared folder (``seqpar prepare``): sharded ids memory-mapped, whole documents held out for
     validation (``DocumentData``; it starts in seconds whatever the corpus size).
 
@@ -34,10 +35,25 @@ from seqpar.data.files import names, not_text, text_files
 from seqpar.data.idfile import load_ids
 from seqpar.data.prepared import Prepared, is_prepared
 from seqpar.data.records import kind_of
-from seqpar.data.windows import Spans, held_out, probe_offsets, split_for_rank, train_offsets, validation_offsets
+from seqpar.data.windows import (
+    Spans,
+    held_out,
+    probe_offsets,
+    split_for_rank,
+    train_offsets,
+    validation_offsets,
+)
 from seqpar.documents import Documents, label_mask
 
-__all__ = ["BYTE_VOCAB", "DataError", "DocumentData", "TokenData", "Windows", "load_tokens", "stdlib_files"]
+__all__ = [
+    "BYTE_VOCAB",
+    "DataError",
+    "DocumentData",
+    "TokenData",
+    "Windows",
+    "load_tokens",
+    "stdlib_files",
+]
 
 BYTE_VOCAB = 256
 
@@ -67,12 +83,16 @@ def _read_texts(paths: list[Path], root: Path) -> tuple[list[tuple[Path, bytes]]
         if not reason:
             texts.append((path, raw))
         elif path == root:
-            raise DataError(f"data file {path} is not text ({reason}); give text, or token ids as a .bin file")
+            raise DataError(
+                f"data file {path} is not text ({reason}); give text, or token ids as a .bin file"
+            )
         else:
             skipped.append(f"{path.relative_to(root)}: {reason}")
     if not texts:
-        raise DataError(f"data folder {root} holds no text files ({len(skipped)} skipped as not text: "
-                        f"{names(skipped)})")
+        raise DataError(
+            f"data folder {root} holds no text files ({len(skipped)} skipped as not text: "
+            f"{names(skipped)})"
+        )
     return texts, skipped
 
 
@@ -80,10 +100,14 @@ def _utf8(path: Path, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text") from None
+        raise DataError(
+            f"{path} is not UTF-8 text (byte {err.start}); a tokenizer needs text"
+        ) from None
 
 
-def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16") -> tuple[torch.Tensor, str]:
+def load_tokens(
+    data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
+) -> tuple[torch.Tensor, str]:
     """The whole token stream and a short description of where it came from."""
     if not data:
         files = stdlib_files()
@@ -94,13 +118,17 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
         if path.suffix == ".bin":
             tokens, source = load_ids(path, token_dtype)
         elif path.is_file() and kind_of(path) not in ("text", "skip"):
-            raise DataError(f"data {path} is a records file ({kind_of(path)}): its records are documents, not "
-                            f"one text; prepare it first (seqpar prepare {path} --field FIELD --out DIR), then "
-                            "--data DIR")
+            raise DataError(
+                f"data {path} is a records file ({kind_of(path)}): its records are documents, not "
+                f"one text; prepare it first (seqpar prepare {path} --field FIELD --out DIR), then "
+                "--data DIR"
+            )
         else:
             files, hidden = text_files(path)
             texts, binary = _read_texts(files, path)
-            tokens = Encoder(tokenizer).stream([_utf8(p, raw) if tokenizer else raw for p, raw in texts])
+            tokens = Encoder(tokenizer).stream(
+                [_utf8(p, raw) if tokenizer else raw for p, raw in texts]
+            )
             skipped = ([f"{len(hidden)} hidden ({names(hidden)})"] if hidden else []) + \
                 ([f"{len(binary)} not text ({names(binary)})"] if binary else [])
             source = (f"{path} ({len(texts)} file{'s' if len(texts) != 1 else ''}"
@@ -111,16 +139,16 @@ def load_tokens(data: str = "", tokenizer: str = "", token_dtype: str = "uint16"
 
 
 def validation_windows(train) -> int:
-    """The trainer's validation set: ``eval_batches × global_batch`` windows (Megatron's eval iterations
-    of a global batch each), whatever the layout and the micro-batch size (fewer when the split holds
-    fewer: ``validation_offsets``)."""
+    """The trainer's validation set: ``eval_batches × global_batch`` windows (Megatron's eval
+    iterations of a global batch each), whatever the layout and the micro-batch size (fewer when the
+    split holds fewer: ``validation_offsets``)."""
     return train.eval_batches * train.global_batch
 
 
 class Windows:
-    """The batch rule over any token source (``seqpar.data.windows``): a subclass gives its train and
-    validation spans and reads ids; training windows follow (seed, step), validation is a fixed set of
-    windows, both independent of the layout."""
+    """The batch rule over any token source (``seqpar.data.windows``): a subclass gives its train
+    and validation spans and reads ids; training windows follow (seed, step), validation is a fixed
+    set of windows, both independent of the layout."""
 
     seq_len: int
     source: str
@@ -144,29 +172,32 @@ class Windows:
         return self.val_spans().tokens
 
     def counted_tokens(self, offsets: torch.Tensor) -> int:
-        """The tokens the windows at ``offsets`` count (labels not ignored, ``pipeline.objective``), from the
-        document index alone (no id read): every label counts without packed documents."""
+        """The tokens the windows at ``offsets`` count (labels not ignored, ``pipeline.objective``),
+        from the document index alone (no id read): every label counts without packed documents."""
         return len(offsets) * self.seq_len
 
     def check_validation(self, windows: int) -> None:
-        """Refuse a validation set of ``windows`` windows that counts no token (its loss would read 0 and its
-        perplexity 1), in one line naming the numbers."""
+        """Refuse a validation set of ``windows`` windows that counts no token (its loss would read
+        0 and its perplexity 1), in one line naming the numbers."""
         offsets = validation_offsets(self.val_spans(), windows)  # [W]
         if self.counted_tokens(offsets) == 0:
             n = len(offsets)
-            raise DataError(f"the {n:,} validation windows of {self.source} count none of their {n * self.seq_len:,} "
-                            f"labels (seq_len {self.seq_len}): each is a document's first token, not predicted under "
-                            "data.document_mask, so validation would report loss 0 and perplexity 1; give longer "
-                            "validation documents, or no document masks")
+            raise DataError(
+                f"the {n:,} validation windows of {self.source} count none of their "
+                f"{n * self.seq_len:,} labels (seq_len {self.seq_len}): each is a document's first "
+                f"token, not predicted under "
+                "data.document_mask, so validation would report loss 0 and perplexity 1; give "
+                "longer validation documents, or no document masks"
+            )
 
     def document_starts(self, offsets: torch.Tensor, count: int) -> torch.Tensor | None:
-        """``[b, count]`` bool: where a document starts in the windows at ``offsets`` (packed documents,
-        ``data.document_mask``), or None: no document boundaries."""
+        """``[b, count]`` bool: where a document starts in the windows at ``offsets`` (packed
+        documents, ``data.document_mask``), or None: no document boundaries."""
         return None
 
     def _windows(self, split: str, offsets: torch.Tensor) -> tuple:
-        """(tokens [b, s], labels [b, s]), and with packed documents their ``Documents`` (the label of each
-        document's last token ignored: the next document is not predicted from this one)."""
+        """(tokens [b, s], labels [b, s]), and with packed documents their ``Documents`` (the label
+        of each document's last token ignored: the next document is not predicted from this one)."""
         s = self.seq_len
         rows = torch.stack([self.read(split, o, s + 1) for o in offsets.tolist()])  # [b, s + 1]
         tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # [b, s] each
@@ -184,26 +215,39 @@ class Windows:
         offsets = self.train_offsets(seed, step, global_batch)
         per_rank = global_batch // dp
         mine = offsets[dp_rank * per_rank:(dp_rank + 1) * per_rank]  # [B/dp]
-        return [self._windows("train", mine[i:i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+        return [
+            self._windows("train", mine[i : i + micro_batch])
+            for i in range(0, per_rank, micro_batch)
+        ]
 
     def validation_batches(self, windows: int, micro_batch: int, dp_rank: int = 0,
                            dp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """dp rank ``dp_rank``'s share of the fixed validation set of ``windows`` windows (evenly spaced
-        over the split, each at most once: all of the split's own when it holds fewer; the same set at every
-        layout, ``validation_offsets``), in microbatches of at most ``micro_batch``."""
+        """dp rank ``dp_rank``'s share of the fixed validation set of ``windows`` windows (evenly
+        spaced over the split, each at most once: all of the split's own when it holds fewer; the
+        same set at every layout, ``validation_offsets``), in microbatches of at most
+        ``micro_batch``."""
         mine = split_for_rank(validation_offsets(self.val_spans(), windows), dp_rank, dp)  # [~W/dp]
-        return [self._windows("val", mine[i:i + micro_batch]) for i in range(0, len(mine), micro_batch)]
+        return [
+            self._windows("val", mine[i : i + micro_batch])
+            for i in range(0, len(mine), micro_batch)
+        ]
 
     def validation_count(self, windows: int) -> int:
-        """How many windows the validation set of ``windows`` holds (fewer when the split holds fewer)."""
+        """How many windows the validation set of ``windows`` holds (fewer when the split holds
+        fewer)."""
         return min(windows, self.val_spans().total)
 
-    def probe_batches(self, windows: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``windows`` real validation windows in microbatches of ``micro_batch``, repeated where the split holds
-        fewer (``probe_offsets``): a step's shapes to run (compile warm-up, activation measurement), never
-        scored."""
+    def probe_batches(
+        self, windows: int, micro_batch: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``windows`` real validation windows in microbatches of ``micro_batch``, repeated where
+        the split holds fewer (``probe_offsets``): a step's shapes to run (compile warm-up,
+        activation measurement), never scored."""
         offsets = probe_offsets(self.val_spans(), windows)  # [W]
-        return [self._windows("val", offsets[i:i + micro_batch]) for i in range(0, windows, micro_batch)]
+        return [
+            self._windows("val", offsets[i : i + micro_batch])
+            for i in range(0, windows, micro_batch)
+        ]
 
 
 @dataclass
@@ -225,15 +269,26 @@ class TokenData(Windows):
         return (self.train if split == "train" else self.val)[start:start + count].to(torch.int64)
 
     @classmethod
-    def build(cls, seq_len: int, vocab_size: int, data: str = "", tokenizer: str = "", token_dtype: str = "uint16",
-              val_fraction: float = 0.05, document_mask: bool = False) -> Windows:
+    def build(
+        cls,
+        seq_len: int,
+        vocab_size: int,
+        data: str = "",
+        tokenizer: str = "",
+        token_dtype: str = "uint16",
+        val_fraction: float = 0.05,
+        document_mask: bool = False,
+    ) -> Windows:
         """The data at ``data``: a prepared folder (``DocumentData``), else a stream read whole;
         ``document_mask``: packed documents (a prepared folder's)."""
         if data and is_prepared(data):
             return DocumentData.open(data, seq_len, vocab_size, val_fraction, document_mask)
         if document_mask:
-            raise DataError(f"data.document_mask needs a prepared folder (seqpar prepare), whose end-of-document "
-                            f"token marks the documents; {data or 'the default data'} is a plain stream")
+            raise DataError(
+                f"data.document_mask needs a prepared folder (seqpar prepare), whose "
+                f"end-of-document token marks the documents; {data or 'the default data'} is a "
+                f"plain stream"
+            )
         tokens, source = load_tokens(data, tokenizer, token_dtype)
         # int64 holds every uint32 id (``.int()`` would wrap ids >= 2^31 to negative numbers)
         top = max(int(part.to(torch.int64).max()) for part in tokens.split(1 << 24))
@@ -249,21 +304,25 @@ class TokenData(Windows):
 
     @classmethod
     def for_job(cls, job, tokenizer: str | None = None) -> Windows:
-        """The data of a ``JobConfig``: its model's sequence length and vocabulary, its [train] source;
-        ``tokenizer``: the file to read text with (default ``train.tokenizer``; the run's resolved one)."""
+        """The data of a ``JobConfig``: its model's sequence length and vocabulary, its [train]
+        source; ``tokenizer``: the file to read text with (default ``train.tokenizer``; the run's
+        resolved one)."""
         m, t = job.model, job.train
         tokenizer = t.tokenizer if tokenizer is None else tokenizer
         data = cls.build(m.seq_len, m.vocab_size, t.data, tokenizer, t.token_dtype, t.val_fraction,
                          job.data.document_mask)
-        data.check_validation(validation_windows(t))  # before any process group: no validation of loss 0
+        # before any process group: no validation of loss 0
+        data.check_validation(validation_windows(t))
         return data
 
 
 class DocumentData(Windows):
-    """A prepared folder (``seqpar prepare``), memory-mapped: whole documents held out for validation
-    (``held_out``), windows read across shard boundaries."""
+    """A prepared folder (``seqpar prepare``), memory-mapped: whole documents held out for
+    validation (``held_out``), windows read across shard boundaries."""
 
-    def __init__(self, prepared: Prepared, seq_len: int, val_fraction: float, document_mask: bool = False):
+    def __init__(
+        self, prepared: Prepared, seq_len: int, val_fraction: float, document_mask: bool = False
+    ):
         self.prepared, self.seq_len, self.document_mask = prepared, seq_len, document_mask
         train, val = held_out(prepared.doc_ends, val_fraction)
         self._train, self._val = Spans(train, seq_len), Spans(val, seq_len)
@@ -273,16 +332,20 @@ class DocumentData(Windows):
                        + (f"tokenizer sha256 {tok['sha256'][:12]}...)" if tok else "bytes)"))
         for name, spans in (("train", self._train), ("validation", self._val)):
             if spans.total < 1:
-                raise DataError(f"the {name} documents of {prepared.path} ({spans.tokens} tokens) hold no window "
-                                f"of seq_len {seq_len} + 1 tokens (more data, or a smaller seq_len)")
+                raise DataError(
+                    f"the {name} documents of {prepared.path} ({spans.tokens} tokens) hold no "
+                    f"window of seq_len {seq_len} + 1 tokens (more data, or a smaller seq_len)"
+                )
 
     @classmethod
     def open(cls, path: str, seq_len: int, vocab_size: int, val_fraction: float,
              document_mask: bool = False) -> DocumentData:
         prepared = Prepared(path)
         if prepared.vocab_size > vocab_size:
-            raise DataError(f"{path} was prepared with a vocabulary of {prepared.vocab_size}, more than the model's "
-                            f"vocab_size {vocab_size}")
+            raise DataError(
+                f"{path} was prepared with a vocabulary of {prepared.vocab_size}, more than the "
+                f"model's vocab_size {vocab_size}"
+            )
         return cls(prepared, seq_len, val_fraction, document_mask)
 
     def train_spans(self) -> Spans:
@@ -295,12 +358,15 @@ class DocumentData(Windows):
         return self.prepared.read(start, count)
 
     def counted_tokens(self, offsets: torch.Tensor) -> int:
-        """Under document masks a label is ignored where a document starts (``label_mask``): window ``o``'s labels
-        are positions ``o + 1 .. o + s``, so it counts ``s`` less the document ends among them."""
+        """Under document masks a label is ignored where a document starts (``label_mask``): window
+        ``o``'s labels are positions ``o + 1 .. o + s``, so it counts ``s`` less the document ends
+        among them."""
         if not self.document_mask:
             return super().counted_tokens(offsets)
         ends = self.prepared.doc_ends  # [D], increasing
-        starts = torch.searchsorted(ends, offsets + self.seq_len, right=True) - torch.searchsorted(ends, offsets + 1)
+        starts = torch.searchsorted(ends, offsets + self.seq_len, right=True) - torch.searchsorted(
+            ends, offsets + 1
+        )
         return int((self.seq_len - starts).sum())  # [W] -> total
 
     def document_starts(self, offsets: torch.Tensor, count: int) -> torch.Tensor | None:

@@ -1,8 +1,9 @@
-"""Rank 0's metrics: a JSONL file, TensorBoard, Weights & Biases and a loss-curve PNG (the progress bar:
-``seqpar.progress``).
+"""Rank 0's metrics: a JSONL file, TensorBoard, Weights & Biases and a loss-curve PNG (the progress
+bar: ``seqpar.progress``).
 
 TensorBoard logs are written when the ``tensorboard`` package is installed, the PNG when
-``matplotlib`` is; W&B when asked for (``train.wandb``, ``seqpar.train.wandb_sink``). None of them is required.
+``matplotlib`` is; W&B when asked for (``train.wandb``, ``seqpar.train.wandb_sink``). None of them
+is required.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ class MetricsLog:
     """Appends one JSON object per record to ``out_dir/metrics.jsonl`` (and TensorBoard)."""
 
     def __init__(self, out_dir: str | Path, enabled: bool = True, start_step: int = 0, sink=None):
-        """A run starting at step 0 replaces an old metrics file. A run resumed at ``start_step`` keeps
-        the history up to that step (``records`` holds it, so the loss curve shows the whole run) and
-        drops what an earlier run logged after it (steps it repeats now), then appends. ``sink``: one more
-        receiver of every record (``log``, ``close``), e.g. ``WandbSink``."""
+        """A run starting at step 0 replaces an old metrics file. A run resumed at ``start_step``
+        keeps the history up to that step (``records`` holds it, so the loss curve shows the whole
+        run) and drops what an earlier run logged after it (steps it repeats now), then appends.
+        ``sink``: one more receiver of every record (``log``, ``close``), e.g. ``WandbSink``."""
         self.enabled, self.sink = enabled, sink
         self.path = Path(out_dir) / "metrics.jsonl"
         self.records: list[dict] = []
@@ -42,8 +43,9 @@ class MetricsLog:
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         try:
             from torch.utils.tensorboard import SummaryWriter  # optional extra, imported where used
-            # a resumed run's TensorBoard hides what an earlier attempt logged after start_step (steps it
-            # repeats now), as the JSONL above drops it: without it both copies of those steps are drawn
+            # a resumed run's TensorBoard hides what an earlier attempt logged after start_step
+            # (steps it repeats now), as the JSONL above drops it: without it both copies of those
+            # steps are drawn
             self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"),
                                      purge_step=start_step + 1 if start_step else None)
         except ImportError:
@@ -109,9 +111,15 @@ def plot_losses(records: list[dict], out: str | Path) -> Path | None:
 
 
 # how a progress line shows each value: the same units as the end-of-run summary
-_SHOWN = {"loss": ("loss", "{:.4f}"), "val_loss": ("val_loss", "{:.4f}"), "lr": ("lr", "{:.3g}"),
-          "tokens_per_s": ("tokens/s", "{:,.0f}"), "mfu": ("MFU", "{:.1%}"), "hfu": ("HFU", "{:.1%}"),
-          "grad_norm": ("grad_norm", "{:.3g}")}
+_SHOWN = {
+    "loss": ("loss", "{:.4f}"),
+    "val_loss": ("val_loss", "{:.4f}"),
+    "lr": ("lr", "{:.3g}"),
+    "tokens_per_s": ("tokens/s", "{:,.0f}"),
+    "mfu": ("MFU", "{:.1%}"),
+    "hfu": ("HFU", "{:.1%}"),
+    "grad_norm": ("grad_norm", "{:.3g}"),
+}
 
 
 def format_value(key: str, value) -> str:
@@ -121,5 +129,8 @@ def format_value(key: str, value) -> str:
 
 
 def format_record(record: dict, keys: tuple[str, ...]) -> str:
-    """``loss 2.3456 lr 0.003 tokens/s 11,210 MFU 12.3%``: percentages and plain numbers, as the summary."""
-    return " ".join(f"{_SHOWN.get(k, (k,))[0]} {format_value(k, record[k])}" for k in keys if k in record)
+    """``loss 2.3456 lr 0.003 tokens/s 11,210 MFU 12.3%``: percentages and plain numbers, as the
+    summary."""
+    return " ".join(
+        f"{_SHOWN.get(k, (k,))[0]} {format_value(k, record[k])}" for k in keys if k in record
+    )

@@ -1,5 +1,5 @@
-"""Throughput and MFU/HFU (Sec. 6.3) of a measured step against the peak FLOP/s (``mfu_peak``); activation
-memory is measured apart (``seqpar.measure.activations``).
+"""Throughput and MFU/HFU (Sec. 6.3) of a measured step against the peak FLOP/s (``mfu_peak``);
+activation memory is measured apart (``seqpar.measure.activations``).
 
 The peak FLOP/s is the user's ``peak_tflops``; else the accelerator's from the analysis table; else
 (CPU) a short fp32 GEMM probe, measured once per machine and cached (``cached_gemm_probe``) -- so a
@@ -24,7 +24,9 @@ from seqpar.dtypes import torch_dtype
 from seqpar.fileio import write_atomic
 
 
-def gemm_probe(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3) -> float:
+def gemm_probe(
+    device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512, seconds: float = 0.3
+) -> float:
     """FLOP/s of an ``n × n`` GEMM on ``device`` (best of a short loop)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -60,25 +62,34 @@ def device_name(device: torch.device) -> str:
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes bf16 natively: a GPU, or a CPU with AVX512-BF16 or AMX (x86); a CPU whose
-    kind torch cannot tell counts as native (no warning)."""
+    """Whether ``device`` computes bf16 natively: a GPU, or a CPU with AVX512-BF16 or AMX (x86); a
+    CPU whose kind torch cannot tell counts as native (no warning)."""
     if device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
         return True
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(probe() for probe in probes if probe is not None) or all(probe is None for probe in probes)
+    probes = [
+        getattr(torch.cpu, name, None)
+        for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
+    return any(probe() for probe in probes if probe is not None) or all(
+        probe is None for probe in probes
+    )
 
 
 def slow_dtype_note(job, device: torch.device) -> list[str]:
-    """The warning for bf16 on a CPU that emulates it (the issue-57 user's run was 8x slower than fp32)."""
+    """The warning for bf16 on a CPU that emulates it (the issue-57 user's run was 8x slower than
+    fp32)."""
     if job.model.dtype != "bf16" or native_bf16(device):
         return []
-    return ["bf16 on this CPU is emulated (no AVX512-BF16 or AMX instructions): its matmuls run several times "
-            "slower than fp32; --dtype fp32 trains faster here"]
+    return [
+        "bf16 on this CPU is emulated (no AVX512-BF16 or AMX instructions): its matmuls run "
+        "several times slower than fp32; --dtype fp32 trains faster here"
+    ]
 
 
 def mfu_peak(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """The peak FLOP/s a rank's MFU divides by, and where it came from: the user's ``peak_tflops``, else the spec
-    sheet's (``analysis.planning.hardware``, whose ``peak_flops`` names a GPU's), else the GEMM probe's (module doc)."""
+    """The peak FLOP/s a rank's MFU divides by, and where it came from: the user's ``peak_tflops``,
+    else the spec sheet's (``analysis.planning.hardware``, whose ``peak_flops`` names a GPU's), else
+    the GEMM probe's (module doc)."""
     if peak_tflops > 0:
         return peak_tflops * 1e12, "given"
     key = spec_sheet_key(device_name(device)) if device.type != "cpu" else None
@@ -89,7 +100,9 @@ def mfu_peak(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> tu
 
 def probe_cache_path() -> Path:
     """``$SEQPAR_CACHE_DIR/gemm_probe.json`` (default ``~/.cache/seqpar``)."""
-    root = os.environ.get("SEQPAR_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "seqpar")
+    root = os.environ.get("SEQPAR_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "seqpar"
+    )
     return Path(root) / "gemm_probe.json"
 
 
@@ -98,7 +111,9 @@ def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as fh:
-            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu
+            )
     except OSError:
         pass
     what = device_name(device) or cpu
@@ -106,8 +121,9 @@ def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def cached_gemm_probe(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """The GEMM probe measured once per machine (and device, dtype, thread count) and then read back,
-    so MFU does not move with the load of the moment (a fresh probe moved it by ±10% between runs)."""
+    """The GEMM probe measured once per machine (and device, dtype, thread count) and then read
+    back, so MFU does not move with the load of the moment (a fresh probe moved it by ±10% between
+    runs)."""
     path, key = probe_cache_path(), _machine_key(device, dtype)
     try:
         table = json.loads(path.read_text())
@@ -137,8 +153,11 @@ class Throughput:
 
     def __init__(self, job, device: torch.device):
         self.job = job
-        self.peak, self.peak_source = mfu_peak(job.train.peak_tflops, device, torch_dtype(job.model.dtype))
-        self.probed = self.peak_source.startswith("GEMM probe")  # an estimate the run's GEMMs may beat
+        self.peak, self.peak_source = mfu_peak(
+            job.train.peak_tflops, device, torch_dtype(job.model.dtype)
+        )
+        # an estimate the run's GEMMs may beat
+        self.probed = self.peak_source.startswith("GEMM probe")
         m, t = job.model, job.train
         self.tokens = t.global_batch * m.seq_len
         self.model_flops, self.hardware_flops = step_flops(job)
@@ -148,8 +167,8 @@ class Throughput:
                 "model_flops_per_step": self.model_flops, "world": self.job.parallel.world_size}
 
     def rates(self, step_seconds: float) -> dict:
-        """Tokens/s, MFU and HFU; a probed peak the run beat is raised to the run's rate (HFU 100%): a fraction
-        of a peak is never over 1."""
+        """Tokens/s, MFU and HFU; a probed peak the run beat is raised to the run's rate (HFU 100%):
+        a fraction of a peak is never over 1."""
         world = self.job.parallel.world_size
         peak = self.peak
         if self.probed:

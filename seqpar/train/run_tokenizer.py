@@ -1,8 +1,8 @@
 """Which tokenizer a training run reads, and the copy it keeps (``seqpar.data.tokenizer``).
 
 A resumed run reads its checkpoint's own copy (hash checked), so the original file may be gone; a
-``--tokenizer`` that differs from that copy is refused. A new run reads ``train.tokenizer`` or, for a
-prepared folder, the folder's copy (the two must agree when both are given). Rank 0 copies the
+``--tokenizer`` that differs from that copy is refused. A new run reads ``train.tokenizer`` or, for
+a prepared folder, the folder's copy (the two must agree when both are given). Rank 0 copies the
 file to ``OUT/tokenizer.json``; every checkpoint carries it too.
 """
 
@@ -26,8 +26,8 @@ def prepared_tokenizer(data: str) -> str:
 
 
 def resolve(train: TrainConfig, resume: str | Path | None = None) -> str:
-    """The tokenizer file this run reads ('' for bytes); a DataError line when it is missing, invalid
-    or not the one the checkpoint or the prepared data was made with."""
+    """The tokenizer file this run reads ('' for bytes); a DataError line when it is missing,
+    invalid or not the one the checkpoint or the prepared data was made with."""
     given = train.tokenizer
     if resume:
         from seqpar.train import checkpoint as ckpt  # torch: this module stays torch-free
@@ -37,16 +37,22 @@ def resolve(train: TrainConfig, resume: str | Path | None = None) -> str:
         if rec:
             copy = tokfile.checked_copy(folder, rec, "checkpoint")
             if given and Path(given).is_file() and not tokfile.same_file(given, copy):
-                raise DataError(f"tokenizer {given} is not the one checkpoint {folder} was trained with (SHA-256 "
-                                "differs); leave --tokenizer out to use the checkpoint's copy")
+                raise DataError(
+                    f"tokenizer {given} is not the one checkpoint {folder} was trained with "
+                    f"(SHA-256 "
+                    "differs); leave --tokenizer out to use the checkpoint's copy"
+                )
             return copy
     prepared = prepared_tokenizer(train.data)
     if prepared:
         if given:
             tokfile.load(given)  # exists and parses, or one line
         if given and not tokfile.same_file(given, prepared):
-            raise DataError(f"tokenizer {given} is not the one {train.data} was prepared with (SHA-256 differs); "
-                            "leave --tokenizer out")
+            raise DataError(
+                f"tokenizer {given} is not the one {train.data} was prepared with (SHA-256 "
+                f"differs); "
+                "leave --tokenizer out"
+            )
         return prepared
     if given:
         tokfile.load(given)  # exists and parses, or one line
@@ -55,7 +61,8 @@ def resolve(train: TrainConfig, resume: str | Path | None = None) -> str:
 
 def vocab_of(train: dict) -> int | None:
     """The vocabulary a ``[train]`` table's data implies (``--vocab`` unless given): its tokenizer's
-    size, else a prepared folder's recorded vocabulary; None when neither says (bytes: the default)."""
+    size, else a prepared folder's recorded vocabulary; None when neither says (bytes: the
+    default)."""
     if train.get("tokenizer"):
         return tokfile.record(train["tokenizer"])["vocab_size"]
     data = train.get("data", "")

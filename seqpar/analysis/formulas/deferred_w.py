@@ -1,8 +1,9 @@
-"""ZB-H1's deferred weight gradients (Qi et al. 2024; ``seqpar.parallel.weight_grad``): what a W unit keeps, and
-how many units pipeline rank S holds at its peak.
+"""ZB-H1's deferred weight gradients (Qi et al. 2024; ``seqpar.parallel.weight_grad``): what a W
+unit keeps, and how many units pipeline rank S holds at its peak.
 
-A unit is one chunk-microbatch whose B has run and whose W has not. Each deferred linear keeps its stored input X
-(under SP the ``[s/t, b, h]`` shard it gathers again) and its output gradient dY until W runs, on one tp rank:
+A unit is one chunk-microbatch whose B has run and whose W has not. Each deferred linear keeps its
+stored input X (under SP the ``[s/t, b, h]`` shard it gathers again) and its output gradient dY
+until W runs, on one tp rank:
 
   qkv       X: s·b·h/r          dY: s·b·(a/t + 2·kv_t)·d      (r = t under SP, else 1; kv_t kv heads per rank)
   out_proj  X: s·b·h/t          dY: s·b·h
@@ -10,14 +11,16 @@ A unit is one chunk-microbatch whose B has run and whose W has not. Each deferre
   fc2       X: s·b·f/t          dY: s·b·h                     (none when the activation is recomputed: that fc2
                                                                GEMM keeps its W in B)
 
-times the activation width; an MoE layer defers its attention's and its shared expert's (the routed experts'
-grouped GEMMs and the router run W in B). Under context parallelism s is the rank's s/cp tokens.
+times the activation width; an MoE layer defers its attention's and its shared expert's (the routed
+experts' grouped GEMMs and the router run W in B). Under context parallelism s is the rank's s/cp
+tokens.
 
-When: ZB-H1 (``seqpar.pipeline.schedule_zero_bubble``) keeps at most S units through its steady phase. Memory
-grows at two kinds of moment (``zb_h1_moments``): the end of a forward (p - S microbatches in flight at most, as in
-1F1B) and the end of a B, before any W runs (one microbatch fewer in flight, one unit more). Which is rank S's
-peak depends on whether a unit keeps more than a microbatch in flight: under full recompute, or with sequence
-parallelism (dY of out_proj and fc2 is whole-sequence), it can.
+When: ZB-H1 (``seqpar.pipeline.schedule_zero_bubble``) keeps at most S units through its steady
+phase. Memory grows at two kinds of moment (``zb_h1_moments``): the end of a forward (p - S
+microbatches in flight at most, as in 1F1B) and the end of a B, before any W runs (one microbatch
+fewer in flight, one unit more). Which is rank S's peak depends on whether a unit keeps more than a
+microbatch in flight: under full recompute, or with sequence parallelism (dY of out_proj and fc2 is
+whole-sequence), it can.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from seqpar.analysis.formulas.shapes import ActivationOptions, AnalysisError
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 
-def zb_h1_moments(rank: int, p: int, n: int | None) -> tuple[tuple[int, int], list[tuple[int, int]]]:
-    """(in flight, W units) at pipeline rank ``rank``'s fullest forward end, and at each distinct B end (before
-    its W), under ZB-H1, walking the schedule's order; ``n`` None: a long step (2p microbatches stand for it)."""
+def zb_h1_moments(
+    rank: int, p: int, n: int | None
+) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """(in flight, W units) at pipeline rank ``rank``'s fullest forward end, and at each distinct B
+    end (before its W), under ZB-H1, walking the schedule's order; ``n`` None: a long step (2p
+    microbatches stand for it)."""
     n = 2 * p if n is None else n
     warmup = min(p - rank - 1, n)
     k = u = 0
@@ -50,9 +56,16 @@ def zb_h1_moments(rank: int, p: int, n: int | None) -> tuple[tuple[int, int], li
     return max(forwards), sorted(backs)
 
 
-def linear_w_terms(shape: ModelConfig, par: ParallelConfig, b: int, act_bytes: int, rc: RecomputeConfig,
-                   ffn: int | None) -> dict[str, float]:
-    """Bytes one layer's deferred linears keep for W (module doc), per linear; ``ffn`` None: no MLP linears."""
+def linear_w_terms(
+    shape: ModelConfig,
+    par: ParallelConfig,
+    b: int,
+    act_bytes: int,
+    rc: RecomputeConfig,
+    ffn: int | None,
+) -> dict[str, float]:
+    """Bytes one layer's deferred linears keep for W (module doc), per linear; ``ffn`` None: no MLP
+    linears."""
     s, h, a, t = shape.seq_len // par.cp, shape.hidden_size, shape.num_heads, par.tp
     r, d = (t if par.sp and t > 1 else 1), h // a
     qkv = (a / t + 2 * kv_heads_per_rank(a, t, shape.kv_heads)) * d
@@ -65,15 +78,27 @@ def linear_w_terms(shape: ModelConfig, par: ParallelConfig, b: int, act_bytes: i
     return {k: act_bytes * v for k, v in terms.items()}
 
 
-def layer_w_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions, rc: RecomputeConfig,
-                  moe: bool) -> float:
+def layer_w_bytes(
+    shape: ModelConfig,
+    par: ParallelConfig,
+    b: int,
+    opts: ActivationOptions,
+    rc: RecomputeConfig,
+    moe: bool,
+) -> float:
     """Bytes one layer's W unit keeps (an MoE layer: attention and shared expert only)."""
     ffn = shape.shared_expert_ffn if moe else shape.ffn
     return sum(linear_w_terms(shape, par, b, opts.act_bytes, rc, ffn or None).values())
 
 
-def unit_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, opts: ActivationOptions,
-               layers: list[int]) -> float:
+def unit_bytes(
+    shape: ModelConfig,
+    par: ParallelConfig,
+    rc: RecomputeConfig,
+    b: int,
+    opts: ActivationOptions,
+    layers: list[int],
+) -> float:
     """What one W unit of a chunk holding the global ``layers`` keeps (0 under 1F1B)."""
     if par.pp_schedule == "1f1b" or not layers:
         return 0.0

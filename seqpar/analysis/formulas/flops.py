@@ -11,11 +11,20 @@ from seqpar.analysis.formulas.moe import moe_training_flops
 from seqpar.analysis.formulas.shapes import AnalysisError
 from seqpar.config import RECOMPUTE_GRANULARITIES, ModelConfig, ParallelConfig, RecomputeConfig
 
-# The GEMMs (keys of ``layer_forward_flops``) each selective-recompute module (config.RECOMPUTE_MODULES, the
-# same keys) runs again in backward: the norms and the activation are elementwise and add none.
-# "moe" (an MoE layer's GEMMs) is counted by ``seqpar.analysis.formulas.moe``; "mlp" applies to the dense layers.
-RECOMPUTED_GEMMS = {"core_attention": ("qk", "attention_v"), "norm": (), "activation": (), "mlp": ("mlp",),
-                    "moe": (), "dropout_mask": ()}  # dropout_mask: the mask is hashed again, element-wise, no GEMM
+# The GEMMs (keys of ``layer_forward_flops``) each selective-recompute module
+# (config.RECOMPUTE_MODULES, the same keys) runs again in backward: the norms and the activation are
+# elementwise and add none.
+# "moe" (an MoE layer's GEMMs) is counted by ``seqpar.analysis.formulas.moe``; "mlp" applies to the
+# dense layers.
+RECOMPUTED_GEMMS = {
+    "core_attention": ("qk", "attention_v"),
+    "norm": (),
+    "activation": (),
+    "mlp": ("mlp",),
+    # dropout_mask: the mask is hashed again, element-wise, no GEMM
+    "moe": (),
+    "dropout_mask": (),
+}
 
 
 def layer_forward_flops(B: float, s: int, h: int, f: int | None = None, *, kv_ratio: float = 1.0,
@@ -76,19 +85,34 @@ def model_flops_from_gemms(B: float, L: int, s: int, h: int, v: int, f: int | No
     return 3 * (L * layer + logits_forward_flops(B, s, h, v))
 
 
-def recompute_extra_flops(B: float, L: int, s: int, h: int, recompute: str,
-                          f: int | None = None, recomputed_layers: float | None = None, *,
-                          kv_ratio: float = 1.0, gated: bool = False, modules: tuple[str, ...] | None = None,
-                          fused_attention: bool = False) -> float:
+def recompute_extra_flops(
+    B: float,
+    L: int,
+    s: int,
+    h: int,
+    recompute: str,
+    f: int | None = None,
+    recomputed_layers: float | None = None,
+    *,
+    kv_ratio: float = 1.0,
+    gated: bool = False,
+    modules: tuple[str, ...] | None = None,
+    fused_attention: bool = False,
+) -> float:
     """FLOPs recompute adds: selective, the GEMMs each of its ``modules`` runs again per layer
-    (``RECOMPUTED_GEMMS``; the paper's ("core_attention",) by default: 4Bs^2h, Sec. 5; nothing for a fused
-    core, which is never checkpointed: ``memory.rebuilt``); full, one forward
-    of each recomputed layer (all L unless ``recomputed_layers``, e.g. the N block layers per chunk x chunks)."""
+    (``RECOMPUTED_GEMMS``; the paper's ("core_attention",) by default: 4Bs^2h, Sec. 5; nothing for a
+    fused core, which is never checkpointed: ``memory.rebuilt``); full, one forward
+    of each recomputed layer (all L unless ``recomputed_layers``, e.g. the N block layers per chunk
+    x chunks)."""
     if recompute == "none":
         return 0.0
     fwd = layer_forward_flops(B, s, h, f, kv_ratio=kv_ratio, gated=gated)
     if recompute == "selective":
-        modules = [m for m in modules or ("core_attention",) if not (m == "core_attention" and fused_attention)]
+        modules = [
+            m
+            for m in modules or ("core_attention",)
+            if not (m == "core_attention" and fused_attention)
+        ]
         return L * sum(fwd[gemm] for module in modules for gemm in RECOMPUTED_GEMMS[module])
     if recompute == "full":
         layers = L if recomputed_layers is None else recomputed_layers
@@ -96,9 +120,12 @@ def recompute_extra_flops(B: float, L: int, s: int, h: int, recompute: str,
     raise AnalysisError(f"recompute {recompute!r} is not one of {list(RECOMPUTE_GRANULARITIES)}")
 
 
-def training_flops(model: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, B: float) -> tuple[float, float]:
-    """Model FLOPs (Eq. 7, GEMM by GEMM: also right for GQA, SwiGLU and any FFN width) and hardware FLOPs
-    (plus what ``rc`` runs again: its selective modules, or the full-recomputed layers) of B samples."""
+def training_flops(
+    model: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, B: float
+) -> tuple[float, float]:
+    """Model FLOPs (Eq. 7, GEMM by GEMM: also right for GQA, SwiGLU and any FFN width) and hardware
+    FLOPs (plus what ``rc`` runs again: its selective modules, or the full-recomputed layers) of B
+    samples."""
     L, s, h = model.num_layers, model.seq_len, model.hidden_size
     arch = {"kv_ratio": model.kv_ratio, "gated": model.activation == "swiglu"}
     flops = model_flops_from_gemms(B, L, s, h, model.vocab_size, model.ffn, **arch)
@@ -106,9 +133,20 @@ def training_flops(model: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
     if rc.granularity == "full" and rc.method == "block":  # the first N layers of every chunk
         chunk = L // (par.pp * par.interleave)  # (the runtime may split unevenly: its mean chunk)
         layers = L * (min(rc.num_layers, chunk) / chunk)
-    extra = recompute_extra_flops(B, L, s, h, rc.granularity, model.ffn, layers, modules=rc.selective_modules,
-                                  fused_attention=model.fused_attention, **arch)
-    moe, moe_extra = moe_training_flops(B, model, rc, 1.0 if layers is None else layers / L)  # MoE layers
+    extra = recompute_extra_flops(
+        B,
+        L,
+        s,
+        h,
+        rc.granularity,
+        model.ffn,
+        layers,
+        modules=rc.selective_modules,
+        fused_attention=model.fused_attention,
+        **arch,
+    )
+    # MoE layers
+    moe, moe_extra = moe_training_flops(B, model, rc, 1.0 if layers is None else layers / L)
     return flops + moe, flops + moe + extra + moe_extra
 
 
@@ -116,7 +154,9 @@ def flops_utilization(flops: float, seconds: float, gpus: int, peak_flops_per_gp
     """Sec. 6.3: FLOPs per second over the peak of all devices; MFU with model FLOPs, HFU with
     hardware FLOPs."""
     if seconds <= 0 or gpus <= 0 or peak_flops_per_gpu <= 0:
-        raise AnalysisError(f"seconds {seconds}, gpus {gpus} and peak {peak_flops_per_gpu} must be positive")
+        raise AnalysisError(
+            f"seconds {seconds}, gpus {gpus} and peak {peak_flops_per_gpu} must be positive"
+        )
     return flops / (seconds * gpus * peak_flops_per_gpu)
 
 

@@ -25,12 +25,14 @@ def in_flight_chunks(rank: int, p: int, m: int = 1, n: int | None = None) -> int
 
 
 def peak_in_flight(rank: int, p: int, m: int, n: int | None, sizes: list[float]) -> float:
-    """The most bytes rank ``rank`` holds in chunk-microbatches over an interleaved 1F1B step whose chunks keep
-    ``sizes[c]`` each (they differ under an uneven split). Megatron's order: the k-th forward runs chunk
-    (k // p) mod m, the j-th backward chunk m - 1 - (j // p) mod m; ``in_flight_chunks`` - 1 warm-up forwards,
-    then one forward and one backward at a time. With equal sizes this is ``in_flight_chunks`` x the size."""
+    """The most bytes rank ``rank`` holds in chunk-microbatches over an interleaved 1F1B step whose
+    chunks keep ``sizes[c]`` each (they differ under an uneven split). Megatron's order: the k-th
+    forward runs chunk (k // p) mod m, the j-th backward chunk m - 1 - (j // p) mod m;
+    ``in_flight_chunks`` - 1 warm-up forwards, then one forward and one backward at a time. With
+    equal sizes this is ``in_flight_chunks`` x the size."""
     alive = in_flight_chunks(rank, p, m, n)
-    total = n * m if n is not None else alive + 2 * p * m  # unbounded: long enough for the steady state to cycle
+    # unbounded: long enough for the steady state to cycle
+    total = n * m if n is not None else alive + 2 * p * m
     held, peak, backward = 0.0, 0.0, 0
     for k in range(total):
         held += sizes[(k // p) % m]
@@ -42,12 +44,14 @@ def peak_in_flight(rank: int, p: int, m: int, n: int | None, sizes: list[float])
 
 
 def interleaving_factor(p: int, m: int) -> float:
-    """Sec. 4.2.3: the first stage of the interleaved schedule holds (1 + (p - 1)/(pm)) x L layers."""
+    """Sec. 4.2.3: the first stage of the interleaved schedule holds (1 + (p - 1)/(pm)) x L
+    layers."""
     return 1 + (p - 1) / (p * m)
 
 
 def first_chunk_in_flight(p: int, n: int | None = None, m: int = 1) -> int:
-    """Microbatches alive in the first model chunk on rank 0 (the embedding-dropout masks of Sec. 4.3).
+    """Microbatches alive in the first model chunk on rank 0 (the embedding-dropout masks of Sec.
+    4.3).
 
     1F1B: p, as the paper says. Interleaved: forwards go in groups of p per chunk, so by the first
     backward chunk 0 has run p + (p - 1) of them and one more in the first steady-state step: 2p.

@@ -70,27 +70,80 @@ EXTRA_SHAPES: dict[str, ModelConfig] = {
     "gpt3-6.7b": model_config(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200),
     "gpt3-13b": model_config(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200),
     # Llama-family shapes (public model cards): RMSNorm, SwiGLU, RoPE, no biases, untied output.
-    "llama2-7b": model_config(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=11008, arch="llama"),
-    "llama2-13b": model_config(layers=40, hidden=5120, heads=40, seq=4096, vocab=32000, ffn=13824, arch="llama"),
-    "llama2-70b": model_config(layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, ffn=28672,
-                              kv_heads=8, arch="llama"),
+    "llama2-7b": model_config(
+        layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=11008, arch="llama"
+    ),
+    "llama2-13b": model_config(
+        layers=40, hidden=5120, heads=40, seq=4096, vocab=32000, ffn=13824, arch="llama"
+    ),
+    "llama2-70b": model_config(
+        layers=80, hidden=8192, heads=64, seq=4096, vocab=32000, ffn=28672, kv_heads=8, arch="llama"
+    ),
     # Llama 3 rotates with theta 500000 (its model card's rope_theta), Llama 2 with 10000
-    "llama3-8b": replace(model_config(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336,
-                                      kv_heads=8, arch="llama"), rope_theta=500000.0),
-    "llama3-70b": replace(model_config(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn=28672,
-                                       kv_heads=8, arch="llama"), rope_theta=500000.0),
-    # 126 layers: no pp > 2 splits them evenly; Meta trained it at tp 8 x pp 16 with lighter end stages
-    "llama3-405b": replace(model_config(layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn=53248,
-                                        kv_heads=8, arch="llama"), rope_theta=500000.0),
-    # Mixture of experts (Mixtral-8x7B's model card): 8 experts of width 14336, top-2, every layer, theta 1e6
-    "mixtral-8x7b": replace(model_config(layers=32, hidden=4096, heads=32, seq=4096, vocab=32000, ffn=14336,
-                                         kv_heads=8, arch="llama"), rope_theta=1e6, experts=8, top_k=2),
+    "llama3-8b": replace(
+        model_config(
+            layers=32,
+            hidden=4096,
+            heads=32,
+            seq=8192,
+            vocab=128256,
+            ffn=14336,
+            kv_heads=8,
+            arch="llama",
+        ),
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": replace(
+        model_config(
+            layers=80,
+            hidden=8192,
+            heads=64,
+            seq=8192,
+            vocab=128256,
+            ffn=28672,
+            kv_heads=8,
+            arch="llama",
+        ),
+        rope_theta=500000.0,
+    ),
+    # 126 layers: no pp > 2 splits them evenly; Meta trained it at tp 8 x pp 16 with lighter end
+    # stages
+    "llama3-405b": replace(
+        model_config(
+            layers=126,
+            hidden=16384,
+            heads=128,
+            seq=8192,
+            vocab=128256,
+            ffn=53248,
+            kv_heads=8,
+            arch="llama",
+        ),
+        rope_theta=500000.0,
+    ),
+    # Mixture of experts (Mixtral-8x7B's model card): 8 experts of width 14336, top-2, every layer,
+    # theta 1e6
+    "mixtral-8x7b": replace(
+        model_config(
+            layers=32,
+            hidden=4096,
+            heads=32,
+            seq=4096,
+            vocab=32000,
+            ffn=14336,
+            kv_heads=8,
+            arch="llama",
+        ),
+        rope_theta=1e6,
+        experts=8,
+        top_k=2,
+    ),
 }
 
 
-# Peak learning rates the presets' papers published (what `plan --emit-config` writes; the others get a
-# "set lr" line): GPT-3 (Brown et al. 2020, Table 2.1), MT-NLG 530B (Smith et al. 2022), Llama 2 (Touvron
-# et al. 2023, Table 1), Llama 3 405B (Llama Team 2024, Sec. 3.4.1).
+# Peak learning rates the presets' papers published (what `plan --emit-config` writes; the others
+# get a "set lr" line): GPT-3 (Brown et al. 2020, Table 2.1), MT-NLG 530B (Smith et al. 2022), Llama
+# 2 (Touvron et al. 2023, Table 1), Llama 3 405B (Llama Team 2024, Sec. 3.4.1).
 PUBLISHED_LR: dict[str, float] = {
     "175b": 0.6e-4, "530b": 5.0e-5, "gpt3-6.7b": 1.2e-4, "gpt3-13b": 1.0e-4,
     "llama2-7b": 3.0e-4, "llama2-13b": 3.0e-4, "llama2-70b": 1.5e-4, "llama3-405b": 8.0e-5,

@@ -1,1 +1,2 @@
-"""The planner and its cost model: accelerators' data sheets, profiles and calibration, rank placement."""
+"""The planner and its cost model: accelerators' data sheets, profiles and calibration, rank
+placement."""

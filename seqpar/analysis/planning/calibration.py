@@ -1,12 +1,12 @@
 """The cost model calibrated against every time the paper measured (docs/analysis.md).
 
 Data points: Table 4 (one 22B layer at t = 8, b = 4: forward and backward for baseline TP, SP, full,
-selective, selective + SP), Table 5 (iteration seconds with full recompute and with SP + selective for
-22B, 175B, 530B, 1T at their Table 3 layouts) and Sec. 6.3 (530B with 8-way data parallelism on 2240
-GPUs, 39.15 s). Each point carries how the cost model predicts it from a ``Hardware``; ``fit`` finds
-the seven ``costmodel.FIT_PARAMETERS`` minimising the squared relative errors, with a weak pull towards
-the data-sheet prior (``PRIOR_WEIGHT`` per e-fold) so that a fit on few points stays defined.
-Nothing is stored: change a measured time and the fit, and every prediction, moves.
+selective, selective + SP), Table 5 (iteration seconds with full recompute and with SP + selective
+for 22B, 175B, 530B, 1T at their Table 3 layouts) and Sec. 6.3 (530B with 8-way data parallelism on
+2240 GPUs, 39.15 s). Each point carries how the cost model predicts it from a ``Hardware``; ``fit``
+finds the seven ``costmodel.FIT_PARAMETERS`` minimising the squared relative errors, with a weak
+pull towards the data-sheet prior (``PRIOR_WEIGHT`` per e-fold) so that a fit on few points stays
+defined. Nothing is stored: change a measured time and the fit, and every prediction, moves.
 """
 
 from __future__ import annotations
@@ -25,21 +25,30 @@ from seqpar.analysis.formulas.presets import (
     PaperSetup,
 )
 from seqpar.analysis.formulas.shapes import AnalysisError
-from seqpar.analysis.planning.costmodel import FIT_PARAMETERS, Hardware, iteration_time, layer_time_s
+from seqpar.analysis.planning.costmodel import (
+    FIT_PARAMETERS,
+    Hardware,
+    iteration_time,
+    layer_time_s,
+)
 from seqpar.analysis.planning.fit import least_squares
 from seqpar.analysis.planning.hardware import datasheet_hardware
 from seqpar.config import ParallelConfig, RecomputeConfig
 
-# residual per e-fold away from the prior: a factor 2 costs like a 7% error. Chosen by leave-one-model-out
-# cross-validation among 0.005, 0.02, 0.05, 0.1, 0.2 (held-out max error 22, 27, 8, 7, 8%).
+# residual per e-fold away from the prior: a factor 2 costs like a 7% error. Chosen by
+# leave-one-model-out cross-validation among 0.005, 0.02, 0.05, 0.1, 0.2 (held-out max error 22, 27,
+# 8, 7, 8%).
 PRIOR_WEIGHT = 0.1
 TABLE4_CONFIGS: dict[str, tuple[bool, str]] = {  # Table 4 row -> (SP, recompute)
-    "baseline": (False, "none"), "sp": (True, "none"), "full": (False, "full"), "selective": (False, "selective"),
+    "baseline": (False, "none"),
+    "sp": (True, "none"),
+    "full": (False, "full"),
+    "selective": (False, "selective"),
     "selective_sp": (True, "selective"),
 }
 
-# the accuracy goal of a calibrated machine: |predicted - measured| / measured step time, closed loop (seqpar bench
-# planner checks it; a calibration's profile reports it as its error_band)
+# the accuracy goal of a calibrated machine: |predicted - measured| / measured step time, closed
+# loop (seqpar bench planner checks it; a calibration's profile reports it as its error_band)
 CLOSED_LOOP_TARGET = 0.20
 
 
@@ -65,13 +74,22 @@ def _table4_point(name: str, sp: bool, rc: str, which: int, ms: float) -> DataPo
     return DataPoint("Table 4", "22B", label, ms / 1e3, predict)
 
 
-def _iteration_point(source: str, model: str, config: str, setup: PaperSetup, dp: int, sp: bool, rc: str,
-                     seconds: float) -> DataPoint:
+def _iteration_point(
+    source: str,
+    model: str,
+    config: str,
+    setup: PaperSetup,
+    dp: int,
+    sp: bool,
+    rc: str,
+    seconds: float,
+) -> DataPoint:
     par = ParallelConfig(tp=setup.tp, pp=setup.pp, dp=dp, sp=sp, interleave=setup.interleave)
 
     def predict(hw: Hardware) -> float:
-        return iteration_time(setup.shape, par, RecomputeConfig(rc), setup.micro_batch, setup.global_batch * dp,
-                              hw).total
+        return iteration_time(
+            setup.shape, par, RecomputeConfig(rc), setup.micro_batch, setup.global_batch * dp, hw
+        ).total
 
     return DataPoint(source, model, config, seconds, predict)
 
@@ -86,18 +104,42 @@ def paper_points(table4: Mapping[str, tuple[float, float]] = TABLE4_22B_LAYER_MS
             points.append(_table4_point(name, sp, rc, which, table4[name][which]))
     for model, (full, selective) in table5.items():
         setup = TABLE3[model]
-        points.append(_iteration_point("Table 5", model, "iteration, TP + full recompute", setup, 1, False, "full",
-                                       full))
-        points.append(_iteration_point("Table 5", model, "iteration, TP + SP + selective", setup, 1, True,
-                                       "selective", selective))
+        points.append(
+            _iteration_point(
+                "Table 5", model, "iteration, TP + full recompute", setup, 1, False, "full", full
+            )
+        )
+        points.append(
+            _iteration_point(
+                "Table 5",
+                model,
+                "iteration, TP + SP + selective",
+                setup,
+                1,
+                True,
+                "selective",
+                selective,
+            )
+        )
     setup = TABLE3["530B"]
     dp = DP8_GPUS // setup.gpus
-    points.append(_iteration_point("Sec. 6.3", "530B", f"iteration, SP + selective, dp={dp}", setup, dp, True,
-                                   "selective", dp8_seconds))
+    points.append(
+        _iteration_point(
+            "Sec. 6.3",
+            "530B",
+            f"iteration, SP + selective, dp={dp}",
+            setup,
+            dp,
+            True,
+            "selective",
+            dp8_seconds,
+        )
+    )
     return points
 
 
-FRACTIONS = ("gemm_efficiency", "attention_efficiency")  # fitted through a logistic: they stay in (0, 1)
+# fitted through a logistic: they stay in (0, 1)
+FRACTIONS = ("gemm_efficiency", "attention_efficiency")
 
 
 def _to_params(hw: Hardware, names: tuple[str, ...]) -> list[float]:
@@ -109,17 +151,23 @@ def _to_params(hw: Hardware, names: tuple[str, ...]) -> list[float]:
 
 
 def _from_params(x: list[float], names: tuple[str, ...]) -> dict[str, float]:
-    return {n: 1 / (1 + math.exp(-v)) if n in FRACTIONS else math.exp(v) for n, v in zip(names, x, strict=True)}
+    return {
+        n: 1 / (1 + math.exp(-v)) if n in FRACTIONS else math.exp(v)
+        for n, v in zip(names, x, strict=True)
+    }
 
 
 def fit(points: list[DataPoint], prior: Hardware, names: tuple[str, ...] = FIT_PARAMETERS,
         prior_weight: float = PRIOR_WEIGHT) -> Hardware:
-    """``prior`` with ``names`` refitted to ``points`` (least squares of relative errors + the prior's pull)."""
+    """``prior`` with ``names`` refitted to ``points`` (least squares of relative errors + the
+    prior's pull)."""
     if not points:
         raise AnalysisError("a fit needs at least one measured time")
     for p in points:
         if not (p.measured_s > 0 and math.isfinite(p.measured_s)):
-            raise AnalysisError(f"{p.source} {p.model} {p.config}: measured time {p.measured_s} must be positive")
+            raise AnalysisError(
+                f"{p.source} {p.model} {p.config}: measured time {p.measured_s} must be positive"
+            )
     x0 = _to_params(prior, names)
 
     def residuals(x):
@@ -146,8 +194,14 @@ class Row:
     heldout_predicted_s: float
 
     def to_json(self) -> dict:
-        return {"source": self.source, "model": self.model, "config": self.config, "measured_s": self.measured_s,
-                "predicted_s": self.predicted_s, "heldout_predicted_s": self.heldout_predicted_s}
+        return {
+            "source": self.source,
+            "model": self.model,
+            "config": self.config,
+            "measured_s": self.measured_s,
+            "predicted_s": self.predicted_s,
+            "heldout_predicted_s": self.heldout_predicted_s,
+        }
 
 
 @dataclass(frozen=True)

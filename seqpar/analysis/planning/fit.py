@@ -42,20 +42,33 @@ def least_squares(residuals: Callable[[Sequence[float]], list[float]], x0: Seque
             shifted = x[:]
             shifted[j] += step
             cols.append([(a - b) / step for a, b in zip(residuals(shifted), r, strict=True)])
-        jtj = [[sum(ci * cj for ci, cj in zip(cols[i], cols[j], strict=True)) for j in range(len(x))]
-               for i in range(len(x))]
+        jtj = [
+            [sum(ci * cj for ci, cj in zip(cols[i], cols[j], strict=True)) for j in range(len(x))]
+            for i in range(len(x))
+        ]
         jtr = [sum(c * v for c, v in zip(cols[i], r, strict=True)) for i in range(len(x))]
         improved = False
         while damping < 1e12:
-            a = [[jtj[i][j] + (damping * (jtj[i][i] + 1e-12) if i == j else 0.0) for j in range(len(x))]
-                 for i in range(len(x))]
+            a = [
+                [
+                    jtj[i][j] + (damping * (jtj[i][i] + 1e-12) if i == j else 0.0)
+                    for j in range(len(x))
+                ]
+                for i in range(len(x))
+            ]
             dx = _solve(a, [-g for g in jtr])
             trial = [xi + d for xi, d in zip(x, dx, strict=True)]
             r_trial = residuals(trial)
             cost_trial = sum(v * v for v in r_trial)
             if math.isfinite(cost_trial) and cost_trial < cost:
                 done = cost - cost_trial < 1e-12 * max(cost, 1e-30)
-                x, r, cost, damping, improved = trial, r_trial, cost_trial, max(damping / 3, 1e-9), True
+                x, r, cost, damping, improved = (
+                    trial,
+                    r_trial,
+                    cost_trial,
+                    max(damping / 3, 1e-9),
+                    True,
+                )
                 break
             damping *= 4
         if not improved or done:

@@ -8,7 +8,12 @@ computed by ``memory``, ``stage`` and ``flops``.
 from __future__ import annotations
 
 from seqpar.analysis.formulas.flops import hardware_flops, layer_forward_flops, mfu, model_flops
-from seqpar.analysis.formulas.memory import TABLE2_ROWS, layer_activation_bytes, table2_config, table2_row_bytes
+from seqpar.analysis.formulas.memory import (
+    TABLE2_ROWS,
+    layer_activation_bytes,
+    table2_config,
+    table2_row_bytes,
+)
 from seqpar.analysis.formulas.presets import (
     DP8_GPUS,
     DP8_ITERATION_S,
@@ -34,12 +39,16 @@ PAPER_GPU = "a100"
 
 def _layer(setup: PaperSetup, row: str) -> float:
     sh = setup.shape
-    return table2_row_bytes(row, sh.seq_len, setup.micro_batch, sh.hidden_size, sh.num_heads, setup.tp)
+    return table2_row_bytes(
+        row, sh.seq_len, setup.micro_batch, sh.hidden_size, sh.num_heads, setup.tp
+    )
 
 
 def table2() -> dict[str, dict[str, float]]:
     """Table 2 per layer per tp rank for each Table 3 model, derived per stored tensor (bytes)."""
-    return {name: {row: _layer(setup, row) for row in TABLE2_ROWS} for name, setup in TABLE3.items()}
+    return {
+        name: {row: _layer(setup, row) for row in TABLE2_ROWS} for name, setup in TABLE3.items()
+    }
 
 
 def figure7() -> dict[str, dict[str, float]]:
@@ -56,7 +65,9 @@ def figure1_stage(setup: PaperSetup, technique: str) -> StageMemory:
     _, sp, recompute = table2_config(technique)
     par = ParallelConfig(tp=setup.tp, pp=setup.pp, dp=setup.gpus // (setup.tp * setup.pp), sp=sp,
                          interleave=setup.interleave)
-    return stage_memory(setup.shape, par, RecomputeConfig(recompute), setup.micro_batch, setup.num_microbatches)
+    return stage_memory(
+        setup.shape, par, RecomputeConfig(recompute), setup.micro_batch, setup.num_microbatches
+    )
 
 
 def figure1(memory_bytes: float = GPU_MEMORY) -> dict[str, dict[str, dict]]:
@@ -111,14 +122,16 @@ def selective_savings() -> dict[str, dict[str, float]]:
         setup = TABLE3[name]
         sh, dims = setup.shape, _dims(setup)
         none = layer_activation_bytes(sh.seq_len, 1, sh.hidden_size, sh.num_heads)
-        kept = layer_activation_bytes(sh.seq_len, 1, sh.hidden_size, sh.num_heads, recompute="selective")
+        kept = layer_activation_bytes(
+            sh.seq_len, 1, sh.hidden_size, sh.num_heads, recompute="selective"
+        )
         model = model_flops(1, *dims)
         out[label] = {
             "five_as_over_h": 5 * sh.num_heads * sh.seq_len / sh.hidden_size,
             "memory_saved_pct": 100 * (1 - kept / none),
             "extra_flops_pct": 100 * (hardware_flops(1, *dims, "selective") / model - 1),
-            "extra_flops_as_printed_pct": 100 * (hardware_flops(1, *dims, "selective", as_printed=True)
-                                                 / model - 1),
+            "extra_flops_as_printed_pct": 100
+            * (hardware_flops(1, *dims, "selective", as_printed=True) / model - 1),
             "full_recompute_extra_flops_pct": 100 * (hardware_flops(1, *dims, "full") / model - 1),
         }
     return out
@@ -126,10 +139,13 @@ def selective_savings() -> dict[str, dict[str, float]]:
 
 def recompute_overhead_removed() -> dict[str, float]:
     """Headline "over 90% of the recompute overhead removed": from Table 4's measured 22B layer
-    times (SP + selective vs full, over the baseline), and from the FLOPs model (selective, corrected,
-    vs full) for each model."""
+    times (SP + selective vs full, over the baseline), and from the FLOPs model (selective,
+    corrected, vs full) for each model."""
     ms = {k: sum(v) for k, v in TABLE4_22B_LAYER_MS.items()}
-    out = {"22B_table4": 100 * (1 - (ms["selective_sp"] - ms["baseline"]) / (ms["full"] - ms["baseline"]))}
+    out = {
+        "22B_table4": 100
+        * (1 - (ms["selective_sp"] - ms["baseline"]) / (ms["full"] - ms["baseline"]))
+    }
     for name, setup in TABLE3.items():
         dims = _dims(setup)
         model = model_flops(1, *dims)
@@ -142,10 +158,10 @@ LLAMA_PRESETS = ("llama2-7b", "llama3-8b", "llama3-70b")
 
 
 def beyond_the_paper(t: int = 8) -> dict[str, dict[str, dict[str, float]]]:
-    """Not in the paper: Llama-style presets (``default_dropout("llama")``, 0), materialised vs fused
-    attention. Per layer per
-    tp rank, each technique as % of TP alone, and the GEMM FLOPs each recompute choice adds as % of the
-    layer's training FLOPs -- which recompute still pays off when attention is fused."""
+    """Not in the paper: Llama-style presets (``default_dropout("llama")``, 0), materialised vs
+    fused attention. Per layer per
+    tp rank, each technique as % of TP alone, and the GEMM FLOPs each recompute choice adds as % of
+    the layer's training FLOPs -- which recompute still pays off when attention is fused."""
     out = {}
     for name in LLAMA_PRESETS:
         sh = preset_shape(name)
@@ -153,8 +169,14 @@ def beyond_the_paper(t: int = 8) -> dict[str, dict[str, dict[str, float]]]:
         fwd = layer_forward_flops(1, s, h, sh.ffn, kv_ratio=sh.kv_ratio, gated=True)
         train = 3 * sum(fwd.values())
         for attention in ("materialized", "sdpa"):
-            kw = dict(ffn=sh.ffn, dropout=default_dropout(sh.arch) > 0, fused_attention=attention == "sdpa",
-                      kv_heads=sh.kv_heads, norm=sh.norm, activation=sh.activation)
+            kw = dict(
+                ffn=sh.ffn,
+                dropout=default_dropout(sh.arch) > 0,
+                fused_attention=attention == "sdpa",
+                kv_heads=sh.kv_heads,
+                norm=sh.norm,
+                activation=sh.activation,
+            )
 
             def layer(**more):
                 return layer_activation_bytes(s, 1, h, a, t, **kw, **more)  # noqa: B023

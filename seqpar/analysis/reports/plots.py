@@ -1,4 +1,5 @@
-"""PNG plots in the style of the paper's Figures 1 and 7, and of a plan's memory (matplotlib, optional)."""
+"""PNG plots in the style of the paper's Figures 1 and 7, and of a plan's memory (matplotlib,
+optional)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from seqpar.analysis.reports import paper
 from seqpar.analysis.text import GB
 from seqpar.optional import require
 
-LABELS = {"tp": "TP", "tp_sp": "TP+SP", "tp_selective": "TP+selective", "tp_sp_selective": "TP+SP+selective",
-          "full": "full recompute"}
+LABELS = {
+    "tp": "TP",
+    "tp_sp": "TP+SP",
+    "tp_selective": "TP+selective",
+    "tp_sp_selective": "TP+SP+selective",
+    "full": "full recompute",
+}
 
 
 def _pyplot():
@@ -46,7 +52,8 @@ def figure7(path: Path) -> Path:
 
 
 def figure1(path: Path, memory_bytes: float = paper.GPU_MEMORY) -> Path:
-    """Stacked bars per model and technique: model states + activations of the first stage vs 80 GB."""
+    """Stacked bars per model and technique: model states + activations of the first stage vs 80
+    GB."""
     plt = _pyplot()
     models, techs = list(TABLE3), paper.FIGURE1_TECHNIQUES
     fig, ax = plt.subplots(figsize=(10, 5))
@@ -59,7 +66,14 @@ def figure1(path: Path, memory_bytes: float = paper.GPU_MEMORY) -> Path:
         acts = [st.activations / GB for st in stages]
         ax.bar(xs, states, width, color="lightgray", edgecolor="gray",
                label="parameters + gradients + optimizer" if i == 0 else None)
-        ax.bar(xs, acts, width, bottom=states, color=colors[i % len(colors)], label=f"activations: {LABELS[tech]}")
+        ax.bar(
+            xs,
+            acts,
+            width,
+            bottom=states,
+            color=colors[i % len(colors)],
+            label=f"activations: {LABELS[tech]}",
+        )
     ax.axhline(memory_bytes / GB, color="red", linestyle="--", label=f"{memory_bytes / GB:.0f} GB")
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("GB per GPU (first pipeline stage)")
@@ -73,8 +87,10 @@ def figure1(path: Path, memory_bytes: float = paper.GPU_MEMORY) -> Path:
 
 def _short(position: int, plan) -> str:
     p = plan.par
-    return (f"#{position}: tp{p.tp} pp{p.pp} dp{p.dp} m{p.interleave}\nsp {'on' if p.sp else 'off'}, "
-            f"mb {plan.micro_batch}\n{plan.rc.label}")
+    return (
+        f"#{position}: tp{p.tp} pp{p.pp} dp{p.dp} m{p.interleave}\nsp {'on' if p.sp else 'off'}, "
+        f"mb {plan.micro_batch}\n{plan.rc.label}"
+    )
 
 
 def plan_memory(path: Path, evaluations: list, usable_bytes: float, memory_bytes: float) -> Path:
@@ -102,8 +118,11 @@ def plan_memory(path: Path, evaluations: list, usable_bytes: float, memory_bytes
     return path
 
 
-def stages_memory(path: Path, stages: list, usable_bytes: float, memory_bytes: float, title: str) -> Path:
-    """Stacked bars of every term on every pipeline rank of one plan (``seqpar plan --explain --plot``)."""
+def stages_memory(
+    path: Path, stages: list, usable_bytes: float, memory_bytes: float, title: str
+) -> Path:
+    """Stacked bars of every term on every pipeline rank of one plan
+    (``seqpar plan --explain --plot``)."""
     plt = _pyplot()
     terms: list[str] = []
     for st in stages:

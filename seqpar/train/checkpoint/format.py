@@ -1,4 +1,5 @@
-"""A checkpoint on disk: its names, its ``meta.json``, the model it records, and reading its tensors.
+"""A checkpoint on disk: its names, its ``meta.json``, the model it records, and reading its
+tensors.
 
 Layout on disk::
 
@@ -42,7 +43,9 @@ def recorded_model(path: Path, meta: dict) -> ModelConfig:
     try:
         return build_job({"model": config["model"]}).model.validate()
     except ConfigError as err:
-        raise CheckpointError(f"checkpoint {path}: the model config in {META} is invalid ({err})") from None
+        raise CheckpointError(
+            f"checkpoint {path}: the model config in {META} is invalid ({err})"
+        ) from None
 
 
 def read_meta(path: Path) -> dict:
@@ -52,8 +55,10 @@ def read_meta(path: Path) -> dict:
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({err})") from None
     if meta.get("format") not in READABLE:
-        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r} is not one seqpar reads "
-                              f"({', '.join(map(repr, READABLE))})")
+        raise CheckpointError(
+            f"checkpoint {path}: format {meta.get('format')!r} is not one seqpar reads "
+            f"({', '.join(map(repr, READABLE))})"
+        )
     return meta
 
 
@@ -62,22 +67,35 @@ def stored_keys(path: Path) -> dict[str, tuple[int, ...]]:
     try:
         md = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # noqa: BLE001 - any unpickling/IO failure means a damaged file
-        raise CheckpointError(f"checkpoint {path}: the DCP .metadata file is damaged ({err})") from None
+        raise CheckpointError(
+            f"checkpoint {path}: the DCP .metadata file is damaged ({err})"
+        ) from None
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
-def check_shape(path: Path, key: str, stored: dict[str, tuple[int, ...]], shape: tuple[int, ...]) -> None:
-    """A CheckpointError unless the checkpoint holds ``key`` at the full ``shape`` the model expects."""
+def check_shape(
+    path: Path, key: str, stored: dict[str, tuple[int, ...]], shape: tuple[int, ...]
+) -> None:
+    """A CheckpointError unless the checkpoint holds ``key`` at the full ``shape`` the model
+    expects."""
     if key not in stored:
         raise CheckpointError(f"checkpoint {path} holds no tensor {key}")
     if stored[key] != tuple(shape):
-        hint = (f" (its position table holds {stored[key][0]} positions; seq_len {shape[0]} needs {shape[0]})"
-                if key.endswith("embedding.position") else "")
-        raise CheckpointError(f"checkpoint {path}: {key} has shape {stored[key]}, the model expects "
-                              f"{tuple(shape)}{hint}")
+        hint = (
+            f" (its position table holds {stored[key][0]} positions; seq_len {shape[0]} needs "
+            f"{shape[0]})"
+            if key.endswith("embedding.position")
+            else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {path}: {key} has shape {stored[key]}, the model expects "
+            f"{tuple(shape)}{hint}"
+        )
 
 
-def load_full(path: Path, wanted: dict[str, tuple[int, ...]], local: bool = False) -> dict[str, torch.Tensor]:
+def load_full(
+    path: Path, wanted: dict[str, tuple[int, ...]], local: bool = False
+) -> dict[str, torch.Tensor]:
     """Read the full tensors ``wanted`` (key → expected full shape); every rank calls this, unless
     ``local`` (one process reads on its own, e.g. rank 0 sampling after training)."""
     stored = stored_keys(path)
@@ -96,14 +114,22 @@ def read_dcp(path: Path, state: dict, planner=None, local: bool = False) -> None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(path), planner=planner, no_dist=local or not dist.is_initialized())
+            dcp.load(
+                state,
+                checkpoint_id=str(path),
+                planner=planner,
+                no_dist=local or not dist.is_initialized(),
+            )
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises many types for damaged files
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         cause = lines[-1][:300] if lines else type(err).__name__
-        raise CheckpointError(f"checkpoint {path} could not be read (damaged or truncated file?): {cause}") from None
+        raise CheckpointError(
+            f"checkpoint {path} could not be read (damaged or truncated file?): {cause}"
+        ) from None
 
 
 def step_of(folder: Path) -> int | None:
-    """The step a ``step_N`` folder holds (N has at least 6 digits, more past step 999,999); None otherwise."""
+    """The step a ``step_N`` folder holds (N has at least 6 digits, more past step 999,999); None
+    otherwise."""
     digits = folder.name[len("step_"):]
     return int(digits) if folder.name.startswith("step_") and digits.isdigit() else None

@@ -1,6 +1,6 @@
-"""Integrity: SHA-256 per file recorded at save and checked before every load, the ``[model]`` config
-against its own checksum, the stored tensors against the model that config describes; ``verify``
-runs every check and reads every tensor (``seqpar verify``).
+"""Integrity: SHA-256 per file recorded at save and checked before every load, the ``[model]``
+config against its own checksum, the stored tensors against the model that config describes;
+``verify`` runs every check and reads every tensor (``seqpar verify``).
 
 Checkpoints written before checksums were recorded load with a one-line note.
 """
@@ -37,8 +37,13 @@ def is_rank0() -> bool:
 
 def files_in(folder: Path) -> list[str]:
     """Every file of a checkpoint folder but the marker, as sorted relative names."""
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                  if p.is_file() and p.name != META and not (p.name.startswith(META) and p.name.endswith(".tmp")))
+    return sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.name != META
+        and not (p.name.startswith(META) and p.name.endswith(".tmp"))
+    )
 
 
 def file_record(path: Path) -> dict | str:
@@ -51,8 +56,8 @@ def file_record(path: Path) -> dict | str:
 
 def over_ranks(fn, items: list, collective: bool = True, group=None) -> list:
     """``fn`` over ``items``, the items split over the ranks (``collective``, every rank calls this
-    with the same items; ``group``: a group over every rank to gather on, default the world's); every
-    rank gets all results, in item order. ``fn`` must not raise."""
+    with the same items; ``group``: a group over every rank to gather on, default the world's);
+    every rank gets all results, in item order. ``fn`` must not raise."""
     if not (collective and dist.is_initialized()) or dist.get_world_size() == 1:
         return [fn(x) for x in items]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -102,8 +107,13 @@ def file_problems(path: Path, meta: dict, collective: bool = False) -> list[str]
 
 def note_unchecked(path: Path) -> None:
     if is_rank0():
-        print(f"note: checkpoint {path} records no checksums (written before seqpar recorded them): a damaged "
-              "file may load unnoticed", file=sys.stderr, flush=True)
+        print(
+            f"note: checkpoint {path} records no checksums (written before seqpar recorded them): "
+            f"a damaged "
+            "file may load unnoticed",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def config_problem(path: Path, meta: dict) -> str:
@@ -111,25 +121,36 @@ def config_problem(path: Path, meta: dict) -> str:
     recorded = meta.get("model_sha256")
     model = meta.get("config", {}).get("model") if isinstance(meta.get("config"), dict) else None
     if recorded is not None and config_digest(model) != recorded:
-        return (f"the [model] config in {META} was edited after the save (it no longer matches the SHA-256 "
-                "recorded with it); the tensors were written for the saved config")
+        return (
+            f"the [model] config in {META} was edited after the save (it no longer matches the "
+            f"SHA-256 "
+            "recorded with it); the tensors were written for the saved config"
+        )
     return ""
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name → full shape of every tensor of the single-process model ``cfg`` (built on the meta device)."""
+    """Name → full shape of every tensor of the single-process model ``cfg`` (built on the meta
+    device)."""
     return {name: tuple(p.shape) for name, p in build_model(cfg, device="meta").named_parameters()}
 
 
 def model_problems(path: Path, meta: dict) -> list[str]:
-    """One line per way the checkpoint's model tensors disagree with the model its config describes."""
+    """One line per way the checkpoint's model tensors disagree with the model its config
+    describes."""
     cfg = recorded_model(path, meta)
     expected = expected_shapes(cfg)
     stored = {k[len("model."):]: v for k, v in stored_keys(path).items() if k.startswith("model.")}
     problems = [f"model.{name} is missing" for name in sorted(expected.keys() - stored.keys())]
-    problems += [f"model.{name} has no place in that model" for name in sorted(stored.keys() - expected.keys())]
-    problems += [f"model.{name} has shape {stored[name]}, that model's is {expected[name]}"
-                 for name in sorted(expected.keys() & stored.keys()) if stored[name] != expected[name]]
+    problems += [
+        f"model.{name} has no place in that model"
+        for name in sorted(stored.keys() - expected.keys())
+    ]
+    problems += [
+        f"model.{name} has shape {stored[name]}, that model's is {expected[name]}"
+        for name in sorted(expected.keys() & stored.keys())
+        if stored[name] != expected[name]
+    ]
     return problems
 
 
@@ -141,18 +162,26 @@ def check_before_load(path: Path, meta: dict, collective: bool = False) -> None:
     if problems is None:
         note_unchecked(path)
     elif problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}" + _more(problems, path))
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {problems[0]}" + _more(problems, path)
+        )
     problem = config_problem(path, meta)
     if problem:
         raise CheckpointError(f"checkpoint {path}: {problem}")
     problems = model_problems(path, meta)
     if problems:
-        raise CheckpointError(f"checkpoint {path}: its tensors do not fit the model config in {META}: "
-                              f"{problems[0]}" + _more(problems, path))
+        raise CheckpointError(
+            f"checkpoint {path}: its tensors do not fit the model config in {META}: "
+            f"{problems[0]}" + _more(problems, path)
+        )
 
 
 def _more(problems: list[str], path: Path) -> str:
-    return f" (and {len(problems) - 1} more; `seqpar verify {path}` lists them)" if len(problems) > 1 else ""
+    return (
+        f" (and {len(problems) - 1} more; `seqpar verify {path}` lists them)"
+        if len(problems) > 1
+        else ""
+    )
 
 
 def verify(path: str | Path) -> tuple[list[str], list[str]]:
@@ -166,8 +195,11 @@ def verify(path: str | Path) -> tuple[list[str], list[str]]:
     notes = []
     problems = file_problems(folder, meta)
     if problems is None:
-        notes.append(f"note: {folder} records no checksums (written before seqpar recorded them): damage inside "
-                     "its files is found only where it breaks the format or makes a value non-finite")
+        notes.append(
+            f"note: {folder} records no checksums (written before seqpar recorded them): damage "
+            f"inside "
+            "its files is found only where it breaks the format or makes a value non-finite"
+        )
     elif problems:  # the metadata and tensors of damaged files are not worth reading
         return [f"{folder}: {p}" for p in problems], notes
     problem = config_problem(folder, meta)
@@ -184,18 +216,23 @@ def verify(path: str | Path) -> tuple[list[str], list[str]]:
     if not problems:
         files = meta.get("files") or {}
         mib = sum(r["bytes"] for r in files.values()) / 2**20
-        notes.append(f"{folder}: ok -- step {meta.get('step')}; "
-                     + (f"{len(files)} files ({mib:.1f} MiB) match their SHA-256; " if files else "")
-                     + f"{len(stored)} tensors fit the model config and are finite")
+        notes.append(
+            f"{folder}: ok -- step {meta.get('step')}; "
+            + (f"{len(files)} files ({mib:.1f} MiB) match their SHA-256; " if files else "")
+            + f"{len(stored)} tensors fit the model config and are finite"
+        )
     return problems, notes
 
 
 def newest_verified(root: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint in ``root`` (a run's ``checkpoints/`` folder), at or before the one ``latest``
-    names, whose files match their SHA-256s and whose tensors fit its model (``check_before_load``);
-    None when none does. Also the one-line problem of each newer checkpoint passed over."""
+    """The newest checkpoint in ``root`` (a run's ``checkpoints/`` folder), at or before the one
+    ``latest`` names, whose files match their SHA-256s and whose tensors fit its model
+    (``check_before_load``); None when none does. Also the one-line problem of each newer checkpoint
+    passed over."""
     root = Path(root)
-    latest = step_of(Path((root / LATEST).read_text().strip())) if (root / LATEST).is_file() else None
+    latest = (
+        step_of(Path((root / LATEST).read_text().strip())) if (root / LATEST).is_file() else None
+    )
     if latest is None:
         return None, []
     steps = sorted((step, p) for p in root.glob("step_*")
@@ -205,6 +242,9 @@ def newest_verified(root: str | Path) -> tuple[Path | None, list[str]]:
         try:
             check_before_load(path, read_meta(path))
             return path, skipped
-        except (CheckpointError, OSError, ValueError) as err:  # damaged, or no meta.json (an interrupted save)
-            skipped.append(str(err).splitlines()[0] if str(err) else f"checkpoint {path}: {type(err).__name__}")
+        # damaged, or no meta.json (an interrupted save)
+        except (CheckpointError, OSError, ValueError) as err:
+            skipped.append(
+                str(err).splitlines()[0] if str(err) else f"checkpoint {path}: {type(err).__name__}"
+            )
     return None, skipped

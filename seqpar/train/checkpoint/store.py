@@ -1,9 +1,9 @@
 """Atomic write and read of checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Each rank writes only the chunks it holds, with their offsets in the full tensor, and reads into its
-own shards in place (``seqpar.train.optim.sharded``): no rank builds a full tensor of a split parameter or
-of its optimizer state. Chunks several ranks hold are written once. Checkpoints of the previous format
-(``seqpar-dcp-1``: whole tensors) load the same way.
+own shards in place (``seqpar.train.optim.sharded``): no rank builds a full tensor of a split
+parameter or of its optimizer state. Chunks several ranks hold are written once. Checkpoints of the
+previous format (``seqpar-dcp-1``: whole tensors) load the same way.
 
 Atomicity: every rank writes into ``step_N.tmp``; after a barrier the ranks checksum the files
 (SHA-256, split over the ranks), rank 0 adds ``meta.json`` (the completeness marker, holding the
@@ -57,17 +57,25 @@ def _barrier(group=None) -> None:
         barrier(group)
 
 
-def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedView], meta: dict, keep: int = 2,
-         written=None, files: dict[str, Path] | None = None, group=None) -> Path:
-    """Write ``tensors`` (this rank's shards, or full tensors) at ``root/step_N`` atomically; every rank
-    calls this.
+def save(
+    root: str | Path,
+    step: int,
+    tensors: dict[str, torch.Tensor | ShardedView],
+    meta: dict,
+    keep: int = 2,
+    written=None,
+    files: dict[str, Path] | None = None,
+    group=None,
+) -> Path:
+    """Write ``tensors`` (this rank's shards, or full tensors) at ``root/step_N`` atomically; every
+    rank calls this.
 
     A failed write (disk full, ...) removes the temporary folder and raises CheckpointError; the
     previous checkpoint and ``latest`` are untouched. ``written()`` (a test hook) runs on every rank
     once its part of the temporary folder is on disk, before the commit. ``files`` (name -> path):
-    copied in by rank 0 and checksummed with the rest (the run's tokenizer). ``group``: the process group
-    of the save's own collectives (a group over every rank; default the world's), e.g. the side group
-    a background save uses (``checkpoint.background``)."""
+    copied in by rank 0 and checksummed with the rest (the run's tokenizer). ``group``: the process
+    group of the save's own collectives (a group over every rank; default the world's), e.g. the
+    side group a background save uses (``checkpoint.background``)."""
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -77,18 +85,29 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             if tmp.exists():  # left by a save that was killed
                 shutil.rmtree(tmp)
         _barrier(group)
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        # "assuming the intent is to save in a single process": it is
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            views = {k: v if isinstance(v, ShardedView) else ShardedView(v.float()) for k, v in tensors.items()}
-            dcp.save(views, checkpoint_id=str(tmp), planner=SavePlanner(), no_dist=not dist.is_initialized(),
-                     process_group=group)
+            views = {
+                k: v if isinstance(v, ShardedView) else ShardedView(v.float())
+                for k, v in tensors.items()
+            }
+            dcp.save(
+                views,
+                checkpoint_id=str(tmp),
+                planner=SavePlanner(),
+                no_dist=not dist.is_initialized(),
+                process_group=group,
+            )
         if is_rank0():
             for name, source in (files or {}).items():
                 shutil.copyfile(source, tmp / name)
         if written is not None:
             written()
         _barrier(group)
-        records = dict(over_ranks(lambda name: (name, file_record(tmp / name)), files_in(tmp), group=group))
+        records = dict(
+            over_ranks(lambda name: (name, file_record(tmp / name)), files_in(tmp), group=group)
+        )
         unreadable = [record for record in records.values() if isinstance(record, str)]
         if unreadable:
             raise OSError(unreadable[0])
@@ -102,14 +121,17 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
             os.rename(tmp, final)
             write_atomic(root / LATEST, final.name + "\n")
             _prune(root, keep)
-    except (OSError, RuntimeError, CheckpointException) as err:  # DCP gathers every rank's write error into one
+    # DCP gathers every rank's write error into one
+    except (OSError, RuntimeError, CheckpointException) as err:
         if isinstance(err, RuntimeError) and not _disk_full(err):
             raise  # a lost peer, a bug: not a write failure
         if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         if _disk_full(err):
-            raise CheckpointError(f"could not write checkpoint {final}: no space left on device in {root}; "
-                                  f"{_last_good(root)}") from None
+            raise CheckpointError(
+                f"could not write checkpoint {final}: no space left on device in {root}; "
+                f"{_last_good(root)}"
+            ) from None
         raise CheckpointError(f"could not write checkpoint {final} ({_write_failure(err)}); "
                               f"{_last_good(root)}") from None
     _barrier(group)
@@ -117,19 +139,23 @@ def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor | ShardedV
 
 
 def _failures(err: BaseException) -> list[BaseException]:
-    """The errors behind ``err``: every rank's (DCP gathers them into one CheckpointException), or itself."""
+    """The errors behind ``err``: every rank's (DCP gathers them into one CheckpointException), or
+    itself."""
     if isinstance(err, CheckpointException):
         return [exc for _, (exc, _) in sorted(err.failures.items())]
     return [err]
 
 
 def _disk_full(err: BaseException) -> bool:
-    """Whether a write failed for want of space: ENOSPC, or its symptom in torch's zip writer, which notices
-    a short write only as ``unexpected pos N vs M`` (inline_container.cc)."""
+    """Whether a write failed for want of space: ENOSPC, or its symptom in torch's zip writer, which
+    notices a short write only as ``unexpected pos N vs M`` (inline_container.cc)."""
     for exc in _failures(err):
         while exc is not None:
-            if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc) \
-                    or "unexpected pos" in str(exc):
+            if (
+                getattr(exc, "errno", None) == errno.ENOSPC
+                or "No space left on device" in str(exc)
+                or "unexpected pos" in str(exc)
+            ):
                 return True
             exc = exc.__cause__ or exc.__context__
     return False
@@ -151,15 +177,17 @@ def _last_good(root: Path) -> str:
 def _prune(root: Path, keep: int) -> None:
     """Remove all but the ``keep`` newest complete checkpoints, newest by step number (not by name:
     ``step_1000000`` is newer than ``step_999999``)."""
-    done = sorted((step, p) for p in root.glob("step_*") if p.is_dir() and (step := step_of(p)) is not None)
+    done = sorted(
+        (step, p) for p in root.glob("step_*") if p.is_dir() and (step := step_of(p)) is not None
+    )
     for _, old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def load_shards(path: Path, views: dict[str, ShardedView], verified: bool = False) -> None:
-    """Read this rank's shards ``views`` (an optimizer's ``checkpoint_views``, or ``sharded_state``) into
-    their tensors, in place, after ``check_before_load`` (every rank calls this; ``verified``: the launcher
-    already checked the checkpoint, once, before it started the ranks)."""
+    """Read this rank's shards ``views`` (an optimizer's ``checkpoint_views``, or ``sharded_state``)
+    into their tensors, in place, after ``check_before_load`` (every rank calls this; ``verified``:
+    the launcher already checked the checkpoint, once, before it started the ranks)."""
     if not verified:
         check_before_load(path, read_meta(path), collective=True)
     stored = stored_keys(path)

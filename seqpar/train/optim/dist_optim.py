@@ -1,23 +1,25 @@
 """The distributed optimizer (ZeRO stage 1, Megatron-LM's distributed optimizer).
 
 The fp32 master weights and Adam's moments are sharded over the grad group (the dp × cp ranks
-holding the same parameters): the gradients live in flat fp32 buckets (``seqpar.parallel.grad_buffer``),
-each bucket padded to a multiple of N ranks and cut into N equal shards; the reduction is a
-reduce-scatter, so each rank receives the summed gradient of its shard only. A rank's shard of a
-bucket covers pieces of one or more parameters (*fragments*); each fragment has a 1-D fp32 master
-(for an fp32 parameter a view of the parameter itself, as ``MasterOptimizer`` uses the parameter
-as its own master), and torch.optim.AdamW updates the fragments -- Adam is elementwise, so the
-update equals the unsharded one. The updated weights are then all-gathered, bucket by bucket, into
-every rank's parameters: after the step, or with ``overlap_param_gather`` issued after the step and each
-bucket waited for at the first forward use of its parameters (``seqpar.train.optim.param_gather``). Per
-parameter and rank: 2 + 4 + 12/N bytes in bf16 (4 + 4 + 8/N in fp32).
+holding the same parameters): the gradients live in flat fp32 buckets
+(``seqpar.parallel.grad_buffer``), each bucket padded to a multiple of N ranks and cut into N equal
+shards; the reduction is a reduce-scatter, so each rank receives the summed gradient of its shard
+only. A rank's shard of a bucket covers pieces of one or more parameters (*fragments*); each
+fragment has a 1-D fp32 master (for an fp32 parameter a view of the parameter itself, as
+``MasterOptimizer`` uses the parameter as its own master), and torch.optim.AdamW updates the
+fragments -- Adam is elementwise, so the update equals the unsharded one. The updated weights are
+then all-gathered, bucket by bucket, into every rank's parameters: after the step, or with
+``overlap_param_gather`` issued after the step and each bucket waited for at the first forward use
+of its parameters (``seqpar.train.optim.param_gather``). Per parameter and rank: 2 + 4 + 12/N bytes
+in bf16 (4 + 4 + 8/N in fp32).
 
 Clipping and the non-finite skip stay global and exact: each rank adds the squares of the
 fragments it owns (the one counting rule, ``adam.counted_elements``: a tied copy never, a replicated
-parameter on tp rank 0, grouped k/v rows once) and the sum is reduced over the grad group as well as tp
-and pp (``adam.global_grad_norm``). Checkpoints stay layout-free and are written without gathering: each
-fragment is stored where it lies in the full tensor (``seqpar.train.optim.sharded.FragmentView``), and a
-load at any layout reads the stored pieces that overlap its own.
+parameter on tp rank 0, grouped k/v rows once) and the sum is reduced over the grad group as well as
+tp and pp (``adam.global_grad_norm``). Checkpoints stay layout-free and are written without
+gathering: each fragment is stored where it lies in the full tensor
+(``seqpar.train.optim.sharded.FragmentView``), and a load at any layout reads the stored pieces that
+overlap its own.
 
 Why not ``torch.distributed.optim.ZeroRedundancyOptimizer``: it assigns whole parameters to ranks
 (a large word embedding alone sets a rank's share, so the state is not halved at N = 2 on the
@@ -47,7 +49,8 @@ from seqpar.train.optim.sharded import KINDS, FragmentView, master_views
 
 @dataclass
 class Fragment:
-    """The piece [start, end) of a parameter (flat, tp-local) this rank's shard of its bucket covers."""
+    """The piece [start, end) of a parameter (flat, tp-local) this rank's shard of its bucket
+    covers."""
 
     index: int  # of the parameter in the optimizer's ``named``
     param: nn.Parameter
@@ -55,7 +58,8 @@ class Fragment:
     offset: int  # where the parameter starts in the bucket
     start: int
     end: int
-    counted: int  # the norm counts [start, min(end, counted)) (0: nothing): ``adam.counted_elements``
+    # the norm counts [start, min(end, counted)) (0: nothing): ``adam.counted_elements``
+    counted: int
     master: nn.Parameter  # fp32 [end - start]
 
     def grad(self) -> torch.Tensor:
@@ -64,11 +68,12 @@ class Fragment:
 
 
 class DistributedOptimizer(AdamOnMasters):
-    """AdamW on this rank's shard of the fp32 masters (fragments); the same interface as ``MasterOptimizer``."""
+    """AdamW on this rank's shard of the fp32 masters (fragments); the same interface as
+    ``MasterOptimizer``."""
 
     def __init__(self, chunks: list[nn.Module], cfg, dims):
-        """Always flat buckets (the reduction is a reduce-scatter to each shard's owner); a 1-D fp32 master per
-        fragment of this rank's shards."""
+        """Always flat buckets (the reduction is a reduce-scatter to each shard's owner); a 1-D fp32
+        master per fragment of this rank's shards."""
         super().__init__(chunks, cfg, dims)
         self.buffers = self.flat_buckets(chunks, shard=True)
         self.shard_groups = (dims.grad_group, dims.expert_grad_group)
@@ -83,10 +88,15 @@ class DistributedOptimizer(AdamOnMasters):
                 flat = p.detach().view(-1)[start:end]  # [end - start]
                 master = nn.Parameter(flat if p.dtype == torch.float32 else flat.float())
                 i = index[id(p)]
-                self.fragments.append(Fragment(i, p, bucket, offset, start, end, self.counted[i], master))
+                self.fragments.append(
+                    Fragment(i, p, bucket, offset, start, end, self.counted[i], master)
+                )
         self.start_adam([(f.param, f.master) for f in self.fragments])
-        # overlap_param_gather: the weights' all-gathers issued by the step, waited for by the next forward
-        self.gathers = ParamGathers(chunks, self.buffers.buckets) if cfg.overlap_param_gather else None
+        # overlap_param_gather: the weights' all-gathers issued by the step, waited for by the next
+        # forward
+        self.gathers = (
+            ParamGathers(chunks, self.buffers.buckets) if cfg.overlap_param_gather else None
+        )
 
     @property
     def mixed(self) -> bool:
@@ -100,8 +110,8 @@ class DistributedOptimizer(AdamOnMasters):
             f.grad().mul_(inv)
 
     def counted_grads(self) -> Iterator[tuple[torch.Tensor, bool]]:
-        """This rank's fragments' counted elements (summed over the grad group, the routed experts' over the
-        ranks holding the same experts: ``shard_groups``)."""
+        """This rank's fragments' counted elements (summed over the grad group, the routed experts'
+        over the ranks holding the same experts: ``shard_groups``)."""
         for f in self.fragments:
             end = min(f.end, f.counted)
             if end > f.start:
@@ -123,22 +133,24 @@ class DistributedOptimizer(AdamOnMasters):
         return lr
 
     def wait_params(self) -> None:
-        """Every weight gather still in flight (``overlap_param_gather``) waited for and copied into the
-        parameters: what reads the weights between steps calls it first."""
+        """Every weight gather still in flight (``overlap_param_gather``) waited for and copied into
+        the parameters: what reads the weights between steps calls it first."""
         if self.gathers is not None:
             self.gathers.wait_all()
 
     @torch.no_grad()
     def _gather_params(self, overlap: bool = False) -> None:
-        """Every rank's updated shard of every bucket into every rank's parameters; ``overlap``: each bucket's
-        all-gather issued only, waited for by the forward pre-hooks of ``gathers`` (a bucket no other rank
-        holds is copied at once: nothing to hide)."""
+        """Every rank's updated shard of every bucket into every rank's parameters; ``overlap``:
+        each bucket's all-gather issued only, waited for by the forward pre-hooks of ``gathers`` (a
+        bucket no other rank holds is copied at once: nothing to hide)."""
         by_bucket: dict[int, list[Fragment]] = {}
         for f in self.fragments:
             by_bucket.setdefault(id(f.bucket), []).append(f)
         for i, bucket in enumerate(self.buffers.buckets):
             lo, hi = bucket.shard_range(bucket.rank, bucket.world)
-            flat = torch.zeros(bucket.buffer.numel(), dtype=bucket.params[0].dtype, device=bucket.buffer.device)
+            flat = torch.zeros(
+                bucket.buffer.numel(), dtype=bucket.params[0].dtype, device=bucket.buffer.device
+            )
             for f in by_bucket.get(id(bucket), []):
                 flat[f.offset + f.start:f.offset + f.end].copy_(f.master)
             if bucket.world > 1 and overlap:
@@ -150,10 +162,12 @@ class DistributedOptimizer(AdamOnMasters):
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))  # [p.shape]
 
     # ---------------------------------------------------------------- state for checkpoints
-    def checkpoint_views(self, with_optimizer: bool = True, saving: bool = True) -> dict[str, FragmentView]:
+    def checkpoint_views(
+        self, with_optimizer: bool = True, saving: bool = True
+    ) -> dict[str, FragmentView]:
         """This rank's fragments of every checkpoint tensor, by DCP key, where they lie in the full
-        tensors: no gathering, so a save or load adds no optimizer-sized temporaries. A save writes each
-        element once, from the rank whose norm counts it (``Fragment.counted``: a replicated
+        tensors: no gathering, so a save or load adds no optimizer-sized temporaries. A save writes
+        each element once, from the rank whose norm counts it (``Fragment.counted``: a replicated
         parameter from tp rank 0, shared k/v rows from the first rank of their group, a tied copy
         never); a load reads every element of this rank's fragments."""
         self.wait_params()  # a fp32 parameter is its own master: written by its gather
@@ -161,14 +175,24 @@ class DistributedOptimizer(AdamOnMasters):
         out = {}
         for f in self.fragments:
             name, stop = self.named[f.index][0], min(f.end, f.counted) if saving else f.end
-            out |= master_views(name, f.master, self.opt.state, f.param, tuple(f.param.shape), f.start, stop,
-                                self.dims, kinds)
+            out |= master_views(
+                name,
+                f.master,
+                self.opt.state,
+                f.param,
+                tuple(f.param.shape),
+                f.start,
+                stop,
+                self.dims,
+                kinds,
+            )
         return out
 
     @torch.no_grad()
     def loaded(self, opt_step: int) -> None:
-        """After a checkpoint was read into ``checkpoint_views(saving=False)``, i.e. into this rank's
-        masters and moments: the step count, and every rank's masters all-gathered into the model."""
+        """After a checkpoint was read into ``checkpoint_views(saving=False)``, i.e. into this
+        rank's masters and moments: the step count, and every rank's masters all-gathered into the
+        model."""
         self.wait_params()
         for f in self.fragments:
             set_adam_step(self.opt.state[f.master], opt_step)

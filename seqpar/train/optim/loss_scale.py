@@ -21,11 +21,13 @@ class DynamicLossScaler:
     window: int = 2000  # good steps in a row before growing
     growth: float = 2.0
     backoff: float = 0.5
-    min_scale: float = 1.0  # below this an overflow is a real non-finite gradient, not a scale too high
+    # below this an overflow is a real non-finite gradient, not a scale too high
+    min_scale: float = 1.0
     good_steps: int = 0
 
     def update(self, finite: bool) -> bool:
-        """Record one step's outcome; returns False when an overflow cannot be cured by a lower scale."""
+        """Record one step's outcome; returns False when an overflow cannot be cured by a lower
+        scale."""
         if finite:
             self.good_steps += 1
             if self.good_steps >= self.window:

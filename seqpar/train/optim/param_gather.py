@@ -1,23 +1,25 @@
 """The distributed optimizer's weight all-gather overlapped with the next forward (Megatron's
 ``--overlap-param-gather``; ``train.overlap_param_gather``).
 
-Without it, ``DistributedOptimizer.step`` all-gathers every bucket's updated shards into the parameters before
-it returns. With it, the step only issues each bucket's all-gather (asynchronously, in bucket order: every rank
-of the group issues the same collectives in the same order) into a buffer of its own -- the bucket's padded
-size in the parameters' dtype, beside a copy of this rank's shard, the collective's input -- and a forward
-pre-hook on each *unit* of the model waits for the buckets its parameters lie in and copies them into the
-parameters: the first forward use of a weight waits for its own bucket only, the later buckets' gathers run
-under the earlier layers' forward. A unit is a transformer layer as a whole (a compiled layer is one region:
-its hook is the one graph break, at its start) or any other module holding parameters itself (the embedding,
-the final norm, the stage's output weight). The same bytes reach the same parameters as gathering after the
-step, before their first use: exact.
+Without it, ``DistributedOptimizer.step`` all-gathers every bucket's updated shards into the
+parameters before it returns. With it, the step only issues each bucket's all-gather
+(asynchronously, in bucket order: every rank of the group issues the same collectives in the same
+order) into a buffer of its own -- the bucket's padded size in the parameters' dtype, beside a copy
+of this rank's shard, the collective's input -- and a forward pre-hook on each *unit* of the model
+waits for the buckets its parameters lie in and copies them into the parameters: the first forward
+use of a weight waits for its own bucket only, the later buckets' gathers run under the earlier
+layers' forward. A unit is a transformer layer as a whole (a compiled layer is one region: its hook
+is the one graph break, at its start) or any other module holding parameters itself (the embedding,
+the final norm, the stage's output weight). The same bytes reach the same parameters as gathering
+after the step, before their first use: exact.
 
-Anything else that reads the weights between steps calls ``wait_all`` first: the checkpoint's views (a fp32
-parameter is its own master), a load, the next step (a parameter no forward used). Evaluation and ``sample``
-run the forward, whose hooks wait. The gradient buffers are not touched (the gathers have buffers of their
-own), so the next step's ``zero_grad`` and the gradient norm need no wait. A skipped step (non-finite values,
-fp16 overflow) updates nothing and issues nothing. The buffers' bytes (``nbytes``) are live from the step to
-the first microbatch's forward, which frees each at its wait: ``analysis.formulas.states.param_gather_bytes``.
+Anything else that reads the weights between steps calls ``wait_all`` first: the checkpoint's views
+(a fp32 parameter is its own master), a load, the next step (a parameter no forward used).
+Evaluation and ``sample`` run the forward, whose hooks wait. The gradient buffers are not touched
+(the gathers have buffers of their own), so the next step's ``zero_grad`` and the gradient norm need
+no wait. A skipped step (non-finite values, fp16 overflow) updates nothing and issues nothing. The
+buffers' bytes (``nbytes``) are live from the step to the first microbatch's forward, which frees
+each at its wait: ``analysis.formulas.states.param_gather_bytes``.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ class InFlight:
     """One bucket's all-gather between the step and the first use of its parameters."""
 
     work: object  # the async collective
-    flat: torch.Tensor  # [bucket's padded numel], the parameters' dtype: every rank's shard once it completes
-    shard: torch.Tensor  # [padded numel / world]: this rank's shard, the collective's input (kept until the wait)
+    # [bucket's padded numel], the parameters' dtype: every rank's shard once it completes
+    flat: torch.Tensor
+    # [padded numel / world]: this rank's shard, the collective's input (kept until the wait)
+    shard: torch.Tensor
 
 
 def hook_units(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, the parameters its forward pre-hook waits for): each transformer layer (``chunk.layers``) with
-    every parameter under it, then every other module with the parameters it holds itself."""
+    """(module, the parameters its forward pre-hook waits for): each transformer layer
+    (``chunk.layers``) with every parameter under it, then every other module with the parameters it
+    holds itself."""
     layers = list(getattr(chunk, "layers", {}).values())
     inside = {id(m) for layer in layers for m in layer.modules()}
     units = [(layer, list(layer.parameters())) for layer in layers]
@@ -55,8 +60,8 @@ def hook_units(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
 
 
 class ParamGathers:
-    """The in-flight weight all-gathers of the distributed optimizer's buckets and the forward pre-hooks that
-    wait for them (module doc)."""
+    """The in-flight weight all-gathers of the distributed optimizer's buckets and the forward
+    pre-hooks that wait for them (module doc)."""
 
     def __init__(self, chunks: list[nn.Module], buckets: list[Bucket]):
         self.buckets = buckets
@@ -83,8 +88,8 @@ class ParamGathers:
 
     @torch.no_grad()
     def wait(self, indices) -> None:
-        """Wait for the gathers of buckets ``indices`` still in flight, copy each into its parameters, free its
-        buffers."""
+        """Wait for the gathers of buckets ``indices`` still in flight, copy each into its
+        parameters, free its buffers."""
         for i in indices:
             pending = self.inflight.pop(i, None)
             if pending is None:
@@ -99,6 +104,7 @@ class ParamGathers:
         self.wait(sorted(self.inflight))
 
     def nbytes(self) -> int:
-        """Bytes of the buffers in flight (the gathered buckets and the shards they were gathered from)."""
+        """Bytes of the buffers in flight (the gathered buckets and the shards they were gathered
+        from)."""
         return sum(x.flat.numel() * x.flat.element_size() + x.shard.numel() * x.shard.element_size()
                    for x in self.inflight.values())

@@ -10,9 +10,9 @@ fp16 adds dynamic loss scaling (``seqpar.train.optim.loss_scale``).
 
 ``overlap_grad_reduce``: every ``main_grad`` (fp32 parameters' too) is a view of a flat bucket of
 ``seqpar.parallel.grad_buffer``, whose dp reduction starts during the last backward.
-``distributed_optimizer``: ``seqpar.train.optim.dist_optim.DistributedOptimizer`` shards the masters and
-Adam's moments over dp instead (``seqpar.train.optim.optimizers.build_optimizer`` chooses; what both share is
-``seqpar.train.optim.adam``).
+``distributed_optimizer``: ``seqpar.train.optim.dist_optim.DistributedOptimizer`` shards the masters
+and Adam's moments over dp instead (``seqpar.train.optim.optimizers.build_optimizer`` chooses; what
+both share is ``seqpar.train.optim.adam``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from torch import nn
 
 from seqpar.parallel.expert import is_expert
 from seqpar.parallel.main_grad import grad_of
-from seqpar.train.optim.adam import AdamOnMasters, accumulate_into_main_grad, set_adam_step, set_lr_and_clip_scale
+from seqpar.train.optim.adam import (
+    AdamOnMasters,
+    accumulate_into_main_grad,
+    set_adam_step,
+    set_lr_and_clip_scale,
+)
 from seqpar.train.optim.sharded import sharded_state
 
 
@@ -32,12 +37,16 @@ class MasterOptimizer(AdamOnMasters):
     """AdamW on a whole fp32 master of every parameter this rank holds (replicated over dp)."""
 
     def __init__(self, chunks: list[nn.Module], cfg, dims):
-        """Flat fp32 buckets when the dp reduction overlaps the backward (else per-parameter gradients, reduced
-        after the backward); one fp32 master per parameter (the parameter itself in fp32)."""
+        """Flat fp32 buckets when the dp reduction overlaps the backward (else per-parameter
+        gradients, reduced after the backward); one fp32 master per parameter (the parameter itself
+        in fp32)."""
         super().__init__(chunks, cfg, dims)
         if cfg.overlap_grad_reduce:
             self.buffers = self.flat_buckets(chunks, shard=False)
-        pairs = [(p, p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())) for _, p in self.named]
+        pairs = [
+            (p, p if p.dtype == torch.float32 else nn.Parameter(p.detach().float()))
+            for _, p in self.named
+        ]
         if self.buffers is None:
             for p, m in pairs:
                 if m is not p:
@@ -60,15 +69,16 @@ class MasterOptimizer(AdamOnMasters):
                 grad.mul_(inv)
 
     def counted_grads(self) -> Iterator[tuple[torch.Tensor, bool]]:
-        """Gradients are already reduced (identical over dp, and over tp for replicated parameters): each
-        parameter's counted prefix (``counted_elements``) of its whole fp32 gradient."""
+        """Gradients are already reduced (identical over dp, and over tp for replicated parameters):
+        each parameter's counted prefix (``counted_elements``) of its whole fp32 gradient."""
         for (_, p), counted in zip(self.named, self.counted, strict=True):
             grad = grad_of(p)
             if grad is not None and counted:
                 yield grad.reshape(-1)[:counted], is_expert(p)
 
     def step(self, step: int, grad_norm: torch.Tensor | None = None) -> float:
-        """Clip to ``grad_clip`` using ``grad_norm``, set the scheduled lr, update; returns the lr."""
+        """Clip to ``grad_clip`` using ``grad_norm``, set the scheduled lr, update; returns the
+        lr."""
         lr, scale = set_lr_and_clip_scale(self.opt, step, self.cfg, grad_norm)
         for (_, p), m in zip(self.named, self.masters, strict=True):
             grad = grad_of(p)
@@ -90,21 +100,25 @@ class MasterOptimizer(AdamOnMasters):
 
     # ---------------------------------------------------------------- state for checkpoints
     def local_state(self) -> list[tuple[str, nn.Parameter, dict[str, torch.Tensor]]]:
-        """(name, model parameter, {"weight": fp32 master, "exp_avg", "exp_avg_sq"}) per parameter: the
-        optimizer's own tensors (Adam's moments created as zeros before the first step), so that a
-        checkpoint is written from them and read into them in place."""
+        """(name, model parameter, {"weight": fp32 master, "exp_avg", "exp_avg_sq"}) per parameter:
+        the optimizer's own tensors (Adam's moments created as zeros before the first step), so that
+        a checkpoint is written from them and read into them in place."""
         out = []
         for (name, p), m in zip(self.named, self.masters, strict=True):
             state = self.opt.state[m]
             if "exp_avg" not in state:  # what AdamW's first step would create
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+                state.update(
+                    step=torch.tensor(0.0),
+                    exp_avg=torch.zeros_like(m),
+                    exp_avg_sq=torch.zeros_like(m),
+                )
             out.append((name, p, {"weight": m.detach(), "exp_avg": state["exp_avg"],
                                   "exp_avg_sq": state["exp_avg_sq"]}))
         return out
 
     def checkpoint_views(self, with_optimizer: bool = True, saving: bool = True) -> dict:
-        """This rank's part of every checkpoint tensor, by DCP key: views of ``local_state()``, which a
-        save writes from and a load reads into in place (the same views for both)."""
+        """This rank's part of every checkpoint tensor, by DCP key: views of ``local_state()``,
+        which a save writes from and a load reads into in place (the same views for both)."""
         return sharded_state(self.local_state(), self.dims, with_optimizer)
 
     @torch.no_grad()

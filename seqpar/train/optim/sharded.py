@@ -1,4 +1,5 @@
-"""This rank's shards of full tensors, described to ``torch.distributed.checkpoint`` by their offsets.
+"""This rank's shards of full tensors, described to ``torch.distributed.checkpoint`` by their
+offsets.
 
 A ``ShardedView`` wraps a local tensor (a parameter's fp32 master, an Adam moment) and its
 ``ParamLayout``. DCP sees the *full* (single-process) tensor, of which this rank holds the chunks
@@ -14,15 +15,19 @@ boxes at the block grid, so a rank writes and reads its fragments where they lie
 and never gathers a whole parameter's master or moments.
 
 DCP resolves a chunk of a tensor subclass through ``__get_tensor_shard__``; the views are not
-tensors, so the two planners below resolve their chunks instead (``lookup_object``/``lookup_tensor``,
-the extension points DCP's default planners name).
+tensors, so the two planners below resolve their chunks instead
+(``lookup_object``/``lookup_tensor``, the extension points DCP's default planners name).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from seqpar.parallel.dims import ParallelDims
@@ -36,18 +41,26 @@ def state_key(name: str, kind: str) -> str:
     return f"model.{name}" if kind == "weight" else f"optim.{name}.{kind}"
 
 
-def sharded_state(states, dims: ParallelDims, with_optimizer: bool = True) -> dict[str, ShardedView]:
-    """``states``: [(name, param, {"weight", "exp_avg", "exp_avg_sq"})] (fp32, local shapes) → this rank's
-    shards by DCP key, placed in the full tensors by each parameter's layout. No communication."""
+def sharded_state(
+    states, dims: ParallelDims, with_optimizer: bool = True
+) -> dict[str, ShardedView]:
+    """``states``: [(name, param, {"weight", "exp_avg", "exp_avg_sq"})] (fp32, local shapes) → this
+    rank's shards by DCP key, placed in the full tensors by each parameter's layout. No
+    communication."""
     kinds = KINDS if with_optimizer else KINDS[:1]
-    return {state_key(name, kind): ShardedView(tensors[kind], layout_of(param), dims.tp_rank, dims.tp)
-            for name, param, tensors in states for kind in kinds}
+    return {
+        state_key(name, kind): ShardedView(tensors[kind], layout_of(param), dims.tp_rank, dims.tp)
+        for name, param, tensors in states
+        for kind in kinds
+    }
 
 
-def flat_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def flat_boxes(
+    start: int, stop: int, shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, sizes) of boxes that cover the row-major flat range [start, stop) of a tensor of
-    ``shape`` exactly, without overlap: a partial leading row, whole rows, a partial trailing row, each
-    partial row cut the same way one dimension down."""
+    ``shape`` exactly, without overlap: a partial leading row, whole rows, a partial trailing row,
+    each partial row cut the same way one dimension down."""
     if start >= stop:
         return []
     if len(shape) == 1:
@@ -70,13 +83,18 @@ def flat_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tuple[tupl
 
 
 class ShardedView:
-    """``local`` (this rank's shard, local shape) as chunks of the full tensor ``layout`` describes."""
+    """``local`` (this rank's shard, local shape) as chunks of the full tensor ``layout``
+    describes."""
 
-    def __init__(self, local: torch.Tensor, layout: ParamLayout = REPLICATED, tp_rank: int = 0, tp: int = 1):
+    def __init__(
+        self, local: torch.Tensor, layout: ParamLayout = REPLICATED, tp_rank: int = 0, tp: int = 1
+    ):
         self.local, self.layout = local.detach(), layout
         shape = tuple(local.shape)
         self.full = torch.Size(layout.full_shape(shape, tp))
-        self.chunks: list[Piece] = [piece for _, piece in layout.blocks(shape, tp_rank, tp) if piece.length]
+        self.chunks: list[Piece] = [
+            piece for _, piece in layout.blocks(shape, tp_rank, tp) if piece.length
+        ]
         self._by_offset = {self._offsets(p): p for p in self.chunks}
 
     def size(self) -> torch.Size:
@@ -97,13 +115,22 @@ class ShardedView:
         piece = self._by_offset[torch.Size(offsets)]
         return self.local.narrow(self.layout.dim, piece.local, piece.length)
 
-    # DCP's _Checkpointable protocol (what DTensor implements): the chunks this rank writes and reads
+    # DCP's _Checkpointable protocol (what DTensor implements): the chunks this rank writes and
+    # reads
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, self._offsets(p)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(self._offsets(p), self._sizes(p)),
-                                                      properties=properties, size=self.full))
-                for p in self.chunks]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, self._offsets(p)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(self._offsets(p), self._sizes(p)),
+                    properties=properties,
+                    size=self.full,
+                ),
+            )
+            for p in self.chunks
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(self._offsets(p), self._sizes(p)) for p in self.chunks]
@@ -111,19 +138,23 @@ class ShardedView:
 
 class FragmentView(ShardedView):
     """Elements [start, stop) of the row-major flattening of a parameter's tp-local shard (shape
-    ``local_shape``), held in ``flat`` (``flat[i]`` is element ``start + i``, as a distributed optimizer's
-    fragment master or moment), as chunks of the full tensor ``layout`` describes."""
+    ``local_shape``), held in ``flat`` (``flat[i]`` is element ``start + i``, as a distributed
+    optimizer's fragment master or moment), as chunks of the full tensor ``layout`` describes."""
 
     def __init__(self, flat: torch.Tensor, local_shape: tuple[int, ...], start: int, stop: int,
                  layout: ParamLayout, tp_rank: int, tp: int):
         self.local, self.layout, self.start = flat.detach(), layout, start
         self.full = torch.Size(layout.full_shape(local_shape, tp))
         self.strides = torch.empty(local_shape, device="meta").stride()
-        self._boxes: dict[torch.Size, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # full offsets → local box
+        # full offsets → local box
+        self._boxes: dict[torch.Size, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         d = layout.dim
         for _, piece in layout.blocks(local_shape, tp_rank, tp):
             for offsets, sizes in flat_boxes(start, stop, local_shape):
-                lo, hi = max(offsets[d], piece.local), min(offsets[d] + sizes[d], piece.local + piece.length)
+                lo, hi = (
+                    max(offsets[d], piece.local),
+                    min(offsets[d] + sizes[d], piece.local + piece.length),
+                )
                 if lo < hi:
                     at, size = list(offsets), list(sizes)
                     at[d], size[d] = lo, hi - lo
@@ -142,25 +173,45 @@ class FragmentView(ShardedView):
         return self.local.as_strided(size, self.strides, self.local.storage_offset() + first)
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets, torch.Size(size)) for offsets, (_, size) in self._boxes.items()]
+        return [
+            ChunkStorageMetadata(offsets, torch.Size(size))
+            for offsets, (_, size) in self._boxes.items()
+        ]
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=properties, size=self.full))
-                for c in self.__create_chunk_list__()]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, c.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=c, properties=properties, size=self.full),
+            )
+            for c in self.__create_chunk_list__()
+        ]
 
 
 
-def master_views(name: str, master: torch.Tensor, opt_state, param: torch.Tensor, local_shape: tuple[int, ...],
-                 start: int, stop: int, dims: ParallelDims, kinds: tuple[str, ...] = KINDS) -> dict[str, FragmentView]:
-    """The checkpoint views of one flat fp32 master (elements [start, stop) of ``param``'s tp-local shard of
-    shape ``local_shape``) and of its Adam moments in ``opt_state`` (read for the moment kinds only), by DCP
-    key; empty views left out. The distributed and FSDP optimizers' fragments both come through here."""
+def master_views(
+    name: str,
+    master: torch.Tensor,
+    opt_state,
+    param: torch.Tensor,
+    local_shape: tuple[int, ...],
+    start: int,
+    stop: int,
+    dims: ParallelDims,
+    kinds: tuple[str, ...] = KINDS,
+) -> dict[str, FragmentView]:
+    """The checkpoint views of one flat fp32 master (elements [start, stop) of ``param``'s tp-local
+    shard of shape ``local_shape``) and of its Adam moments in ``opt_state`` (read for the moment
+    kinds only), by DCP key; empty views left out. The distributed and FSDP optimizers' fragments
+    both come through here."""
     out = {}
     for kind in kinds:
         flat = master.detach() if kind == "weight" else opt_state[master][kind]
-        view = FragmentView(flat.reshape(-1), local_shape, start, stop, layout_of(param), dims.tp_rank, dims.tp)
+        view = FragmentView(
+            flat.reshape(-1), local_shape, start, stop, layout_of(param), dims.tp_rank, dims.tp
+        )
         if not view.empty:
             out[state_key(name, kind)] = view
     return out
@@ -168,12 +219,17 @@ def master_views(name: str, master: torch.Tensor, opt_state, param: torch.Tensor
 class SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
-        return obj.chunk(index.offset) if isinstance(obj, ShardedView) else super().lookup_object(index)
+        return (
+            obj.chunk(index.offset)
+            if isinstance(obj, ShardedView)
+            else super().lookup_object(index)
+        )
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner on a flat state dict of ``ShardedView``s and tensors (its set-up would
-    replace objects it does not know by None, while materialising meta tensors, which we have none of)."""
+    """DCP's default load planner on a flat state dict of ``ShardedView``s and tensors (its set-up
+    would replace objects it does not know by None, while materialising meta tensors, which we have
+    none of)."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -184,4 +240,8 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
-        return obj.chunk(index.offset) if isinstance(obj, ShardedView) else super().lookup_tensor(index)
+        return (
+            obj.chunk(index.offset)
+            if isinstance(obj, ShardedView)
+            else super().lookup_tensor(index)
+        )

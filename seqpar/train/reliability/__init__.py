@@ -1,1 +1,2 @@
-"""What keeps a job going or stops it cleanly: supervision and restarts, heartbeats, stragglers, interrupts, faults."""
+"""What keeps a job going or stops it cleanly: supervision and restarts, heartbeats, stragglers,
+interrupts, faults."""

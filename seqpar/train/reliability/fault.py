@@ -1,8 +1,8 @@
 """TEST HOOK: make one rank fail at a chosen point, to show that a failing rank stops the whole job.
 
 ``SEQPAR_FAULT="rank=R,step=K[,at=step|save][,do=raise|kill|pause|spin|term|damage][,attempt=A]"``:
-``hooks_from_env`` turns it into a step hook (``seqpar.train.loop.StepHook``) that ``seqpar train`` gives its Trainer
-(``seqpar/train/start.py``); the Trainer itself knows nothing of faults.
+``hooks_from_env`` turns it into a step hook (``seqpar.train.loop.StepHook``) that ``seqpar train``
+gives its Trainer (``seqpar/train/start.py``); the Trainer itself knows nothing of faults.
 
 * ``at=step`` (default): rank R fails just before it runs step K (1-based, as logged);
 * ``at=save``: rank R fails while saving the checkpoint of step K, after its part of the temporary
@@ -10,16 +10,16 @@
 * ``do=raise`` raises RuntimeError (the default at a step); ``do=kill`` sends SIGKILL to the
   rank's own process (the default at a save: nothing gets to clean up); ``do=pause`` sleeps
   ``PAUSE_S`` seconds there (a slow save or step, for the Ctrl-C and hang tests); ``do=spin`` keeps
-  the CPU busy for ``SPIN_S`` seconds there (a straggler); ``do=term`` sends SIGTERM to the rank's own
-  process (a preemption that reached one rank: the job finishes the step, saves and exits 130);
-  ``do=damage`` flips one byte of the run's latest checkpoint (its first ``.distcp`` file, in the middle)
-  and then raises (a checkpoint damaged on disk, found by the restart that follows);
+  the CPU busy for ``SPIN_S`` seconds there (a straggler); ``do=term`` sends SIGTERM to the rank's
+  own process (a preemption that reached one rank: the job finishes the step, saves and exits 130);
+  ``do=damage`` flips one byte of the run's latest checkpoint (its first ``.distcp`` file, in the
+  middle) and then raises (a checkpoint damaged on disk, found by the restart that follows);
 * several faults, separated by ``;``, each fire at their own point;
 * ``attempt=A``: only in attempt A of the job (0: the first run, K: its K-th restart,
   ``seqpar.train.reliability.supervise.attempt``); without it, in every attempt.
 
-Unset in real runs; the reliability tests (``tests/test_reliability_*.py``, ``tests/test_train_interrupt.py``)
-set it for the ranks they start.
+Unset in real runs; the reliability tests (``tests/test_reliability_*.py``,
+``tests/test_train_interrupt.py``) set it for the ranks they start.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class Fault:
     at: str = "step"
     do: str = "raise"
     attempt: int | None = None  # None: every attempt
-    out_dir: str = field(default="", compare=False)  # the run's folder (do=damage), set by hooks_from_env
+    # the run's folder (do=damage), set by hooks_from_env
+    out_dir: str = field(default="", compare=False)
 
     def hit(self, rank: int, step: int, at: str) -> None:
         """Fail here if this is the chosen (rank, step, point) and attempt; else do nothing."""
@@ -74,7 +75,8 @@ class Fault:
         raise RuntimeError(f"{ENV}: injected failure on rank {rank} at {where}")
 
     def damage_latest(self) -> None:
-        """Flip one byte in the middle of the first ``.distcp`` file of the run's latest checkpoint."""
+        """Flip one byte in the middle of the first ``.distcp`` file of the run's latest
+        checkpoint."""
         # torch: the supervisor imports this module, which stays torch-free
         from seqpar.train.checkpoint import resolve
 
@@ -113,7 +115,8 @@ def parse(text: str) -> Fault:
 
 
 def from_env() -> Fault | None:
-    """The fault named by ``SEQPAR_FAULT``, or None when it is unset or empty (the first of several)."""
+    """The fault named by ``SEQPAR_FAULT``, or None when it is unset or empty (the first of
+    several)."""
     faults = hooks_from_env()
     return faults[0] if faults else None
 

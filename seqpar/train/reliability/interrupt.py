@@ -30,7 +30,8 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopFlag:
-    """Installs the handlers (main thread only) and tells the loop, on every rank alike, when to stop."""
+    """Installs the handlers (main thread only) and tells the loop, on every rank alike, when to
+    stop."""
 
     def __init__(self, abort_message: Callable[[], str | None] | None = None):
         self.first: float | None = None
@@ -75,34 +76,43 @@ class StopFlag:
         return bool(flag.item())
 
 
-RESUME_HINT_ENV = "SEQPAR_RESUME_HINT"  # set by a batch script seqpar plan wrote: "sbatch job.sbatch"
+# set by a batch script seqpar plan wrote: "sbatch job.sbatch"
+RESUME_HINT_ENV = "SEQPAR_RESUME_HINT"
 
 
 def resume_hint(out_dir: str, world: int) -> str:
-    """The command that continues a run in ``out_dir`` (its configuration comes from the checkpoint); in a
-    batch job ``seqpar plan --emit-slurm`` wrote, submitting that script again."""
+    """The command that continues a run in ``out_dir`` (its configuration comes from the
+    checkpoint); in a batch job ``seqpar plan --emit-slurm`` wrote, submitting that script again."""
     if os.environ.get(RESUME_HINT_ENV) and os.environ.get("SLURM_JOB_ID"):
         return f"{os.environ[RESUME_HINT_ENV]} (it resumes from {out_dir}'s latest checkpoint)"
     return f"seqpar train --resume {out_dir}" + (f" --nproc {world}" if world > 1 else "")
 
 
 def abort_line(out_dir: str) -> str:
-    """What a second signal leaves behind: the save it cut short (if any) and the last complete checkpoint."""
+    """What a second signal leaves behind: the save it cut short (if any) and the last complete
+    checkpoint."""
     root = Path(out_dir) / "checkpoints"
-    pending = sorted((p.name[: -len(".tmp")] for p in root.glob("step_*.tmp")), key=lambda n: (len(n), n)) \
-        if root.is_dir() else []  # by step: step_1000000 after step_999999
+    pending = (
+        sorted((p.name[: -len(".tmp")] for p in root.glob("step_*.tmp")), key=lambda n: (len(n), n))
+        if root.is_dir()
+        else []
+    )  # by step: step_1000000 after step_999999
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else ""
     text = "interrupted again: stopped at once"
     if pending:
         text += f" during the save of {pending[-1]}, which is abandoned"
     if latest:
-        return text + f"; the last complete checkpoint {root / latest} is kept (resume with --resume {out_dir})"
+        return (
+            text
+            + f"; the last complete checkpoint {root / latest} is kept (resume with --resume "
+              f"{out_dir})"
+        )
     return text + "; no checkpoint had been written"
 
 
 class Reached:
-    """The step hook that remembers the step this rank last arrived at (0: none yet): what a signal outside
-    the training loop (before its first step, or after a peer's failure ended it) names."""
+    """The step hook that remembers the step this rank last arrived at (0: none yet): what a signal
+    outside the training loop (before its first step, or after a peer's failure ended it) names."""
 
     def __init__(self):
         self.step = 0
@@ -121,13 +131,17 @@ class Reached:
 
 
 def stopped_line(out_dir: str, step: int, world: int) -> str:
-    """The line of a rank stopped at once by a signal outside the training loop: before the first step
-    (``step`` 0), or at ``step`` after training ended on an error (a peer's failure): the run's last
-    complete checkpoint, which it did not add to."""
+    """The line of a rank stopped at once by a signal outside the training loop: before the first
+    step (``step`` 0), or at ``step`` after training ended on an error (a peer's failure): the run's
+    last complete checkpoint, which it did not add to."""
     if not step:
         return "interrupted before the first step; nothing was saved"
     latest = Path(out_dir) / "checkpoints" / "latest"
     name = latest.read_text().strip() if latest.is_file() else ""
-    kept = (f"the last complete checkpoint {latest.parent / name} is kept (resume with: {resume_hint(out_dir, world)})"
-            if name else "no checkpoint had been written")
+    kept = (
+        f"the last complete checkpoint {latest.parent / name} is kept (resume with: "
+        f"{resume_hint(out_dir, world)})"
+        if name
+        else "no checkpoint had been written"
+    )
     return f"interrupted at step {step}, after training stopped on an error; nothing new was saved; {kept}"

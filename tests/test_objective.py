@@ -24,7 +24,7 @@ from _helpers import (
     word_documents,
 )
 
-from seqpar.commands.eval import evaluate_checkpoint
+from seqpar.commands.eval_checkpoint import evaluate_checkpoint
 from seqpar.data import tokenizer as tokfile
 
 STEPS = 3

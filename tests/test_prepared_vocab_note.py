@@ -46,7 +46,7 @@ def test_eval_scores_plain_text_of_a_document_masked_run_without_masks(tmp_path,
     """`seqpar eval RUN --data held_out.txt` of a --document-mask run was refused with a training
     message; plain text is scored as one stream (said on stderr), a prepared folder keeps the
     masks."""
-    from seqpar.commands.eval import _document_mask
+    from seqpar.commands.eval_checkpoint import _document_mask
 
     (tmp_path / "held_out.txt").write_text("text " * 100)
     assert (

@@ -743,7 +743,18 @@ class RunConfig:
         self.recompute.validate(
             min(n for n in self.parallel.layer_counts(self.model.num_layers) if n) or None
         )
+        zero_bubble_norm_refusal(self.parallel, self.recompute)
         return self
+
+
+def zero_bubble_norm_refusal(parallel: ParallelConfig, recompute: RecomputeConfig) -> None:
+    """A zero-bubble schedule defers qkv's and fc1's W, whose input is the norm's output: the
+    "norm" recompute module releases that output once the norm's backward has run, before the W."""
+    if parallel.pp_schedule != "1f1b" and "norm" in recompute.modules:
+        raise ConfigError(
+            f"pp_schedule {parallel.pp_schedule} with the recompute module norm is not supported: "
+            "the norm's output, released after its backward, is the input a deferred W needs"
+        )
 
 
 def validate_microbatches(n: int, pp: int, interleave: int = 1) -> None:

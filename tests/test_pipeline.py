@@ -13,8 +13,8 @@ layers' worth (× (1 + (p-1)/(pm)) interleaved). App. B: with freeing off every 
 with it on none does. App. C: the peak lies between the all-recomputed and all-stored figures, grows
 with K, and the loss is bit-identical.
 
-ZB-H1 (``pp_schedule`` zb-h1) on the one-chunk parity layouts: loss and every gradient bit-identical
-to 1F1B's.
+ZB-H1 and ZB-V (``pp_schedule`` zb-h1, zb-v) on the one-chunk parity layouts: loss and every
+gradient bit-identical to 1F1B's.
 """
 
 import functools
@@ -30,6 +30,7 @@ from seqpar.model import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import full_state_dict
+from seqpar.parallel.tied import canonical_name
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 
 SEL, FULL = RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)
@@ -105,15 +106,19 @@ def parity_here(cases):
 
 
 def zero_bubble_here(cases):
-    """ZB-H1 against 1F1B on the one-chunk parity layouts: the same loss and every gradient, bit for
-    bit (the W order moves no sum inside a microbatch, and microbatches accumulate in the same
-    order)."""
+    """ZB-H1 and ZB-V against 1F1B on the one-chunk parity layouts: the same loss and every
+    gradient, bit for bit (the W order moves no sum inside a microbatch, and microbatches
+    accumulate in the same order). ZB-V places the layers in a V, so each run returns its
+    gradients by (dp rank, tp rank, name) for the test to merge over the pipeline ranks (the tied
+    copy, on rank p - 1 under 1F1B and on rank 0 under ZB-V, by the embedding's name)."""
     out = {}
     for dp, pp, tp, m, *split in cases:
         if pp == 1 or m > 1:
             continue
-        runs = []
-        for schedule in ("1f1b", "zb-h1"):
+        runs = {}
+        for schedule in ("1f1b", "zb-h1", "zb-v"):
+            if schedule == "zb-v" and split:
+                continue  # the V's split has 2p entries: the even layouts check it
             parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, pp_schedule=schedule)
             dims = ParallelDims.build(parallel)
             chunks = build_stages(
@@ -122,10 +127,21 @@ def zero_bubble_here(cases):
             mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
             loss = forward_backward(chunks, global_batch(dp)[mine], dims, parallel)
             finalize_grads(chunks, dims)
-            runs.append((loss, {n: p.grad for c in chunks for n, p in c.named_parameters()}))
-        (loss_a, grads_a), (loss_b, grads_b) = runs
-        out[(dp, pp, tp, *split)] = loss_a == loss_b and grads_a.keys() == grads_b.keys() and all(
-            torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+            runs[schedule] = (loss, {(dims.dp_rank, dims.tp_rank, canonical_name(c, n)): p.grad
+                                     for c in chunks for n, p in c.named_parameters()})
+        out[(dp, pp, tp, *split)] = runs
+    return out
+
+
+def merged_runs(results: list[dict]) -> dict:
+    """Per case and schedule: the loss of each rank and every gradient merged over the ranks."""
+    out = {}
+    for res in results:
+        for case, runs in res.items():
+            for schedule, (loss, grads) in runs.items():
+                losses, merged = out.setdefault(case, {}).setdefault(schedule, ([], {}))
+                losses.append(loss)
+                merged.update(grads)
     return out
 
 
@@ -213,10 +229,22 @@ def test_parity_with_single_process_model(spawned):
         assert names == set(ref_keys), case  # every parameter is held by some rank and checked
 
 
-def test_zero_bubble_h1_is_bit_identical_to_1f1b(spawned):
+def test_zero_bubble_is_bit_identical_to_1f1b(spawned):
+    """ZB-H1 and ZB-V: every rank's loss and every gradient of the model bit-identical to 1F1B's."""
     world, _, _, zero_bubble, _ = spawned
-    for rank, same in enumerate(zero_bubble):
-        assert same and all(same.values()), (world, rank, same)
+    merged = merged_runs(zero_bubble)
+    assert merged, world
+    for case, runs in merged.items():
+        losses, grads = runs["1f1b"]
+        for schedule in ("zb-h1", "zb-v"):
+            if schedule not in runs:
+                continue
+            other_losses, other = runs[schedule]
+            assert other_losses == losses, (world, case, schedule)
+            assert other.keys() == grads.keys(), (case, schedule, other.keys() ^ grads.keys())
+            differ = [k for k in grads if not torch.equal(grads[k], other[k])]
+            assert not differ, (world, case, schedule, differ[:5])
+        assert "zb-v" in runs or len(case) > 3, case
 
 
 def test_zero_bubble_h1_peak_matches_exact_per_stage(spawned):

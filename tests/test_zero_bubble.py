@@ -11,6 +11,7 @@ import pytest
 
 from seqpar.config import ConfigError, ParallelConfig
 from seqpar.pipeline.schedule_1f1b import run_1f1b
+from seqpar.pipeline.schedule_zbv import run_zb_v
 from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 
 
@@ -47,6 +48,9 @@ class _Runner:
 
 class _Tensor:
     def requires_grad_(self, flag):
+        return self
+
+    def detach(self):  # ZB-V's turn at rank p - 1
         return self
 
 
@@ -114,9 +118,35 @@ def test_zero_bubble_refusals_name_the_rule():
     for keys, words in [({"pp": 1}, "needs pipeline parallelism (pp > 1)"),
                         ({"pp": 2, "interleave": 2}, "runs one chunk per rank, got interleave 2"),
                         ({"pp": 2, "dp": 2, "fsdp": True}, "with fsdp is not supported"),
-                        ({"pp": 2, "pp_schedule": "zb-h2"}, "is not one of")]:
+                        ({"pp": 2, "pp_schedule": "zb-h2"}, "is not one of"),
+                        ({"pp": 1, "pp_schedule": "zb-v"}, "zb-v needs pipeline parallelism"),
+                        ({"pp": 2, "interleave": 2, "pp_schedule": "zb-v"},
+                         "runs two chunks per rank in a V, got interleave 2"),
+                        ({"pp": 2, "tp": 2, "sp": True, "tp_comm_overlap": True,
+                          "pp_schedule": "zb-v"}, "zb-v with tp_comm_overlap is not supported")]:
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
             ParallelConfig(**({"pp_schedule": "zb-h1"} | keys)).validate()
+
+
+def test_zb_v_cuts_the_layers_into_a_v():
+    """The V's placement (rank r: virtual stages r and 2p - 1 - r, the loss on rank 0), its layer
+    counts (2p stages; an odd count refused in one line naming zb-v, an uneven split taken), and
+    the split that keeps 1F1B's layers per rank (the 119B's 92 layers on pp 4: 23 a rank)."""
+    from seqpar.analysis.formulas.zbv_order import v_split
+    from seqpar.config import ModelConfig
+    from seqpar.pipeline.split import loss_rank, stage_layers
+
+    assert stage_layers(8, 2, 2, v=True) == [[[0, 1], [6, 7]], [[2, 3], [4, 5]]]
+    assert stage_layers(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]  # interleaved: as it was
+    assert (loss_rank(4, "zb-v"), loss_rank(4, "zb-h1"), loss_rank(4)) == (0, 3, 3)
+    model = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=6, seq_len=16)
+    with pytest.raises(ConfigError, match=r"layers 6 are not divisible by pp 2 × 2 chunks \(zb-v\)"):
+        ParallelConfig(pp=2, pp_schedule="zb-v").validate(model)
+    with pytest.raises(ConfigError, match=r"virtual stage 2 \(pp rank 1, chunk 1\) has 0 layers"):
+        ParallelConfig(pp=2, pp_schedule="zb-v", layer_split=(3, 3, 0, 0)).validate(model)
+    assert ParallelConfig(pp=2, pp_schedule="zb-v", layer_split=(2, 1, 1, 2)).validate(model)
+    assert v_split([23] * 4) == (12, 12, 12, 12, 11, 11, 11, 11)
+    assert v_split([8, 8]) == () and v_split([2, 1]) is None
 
 
 def test_planner_prices_the_zb_h1_bubble_and_searches_it():
@@ -179,3 +209,103 @@ def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
     ratios = [z / o for z, o in zip(r["zb-h1"]["idle_s"], r["1f1b"]["idle_s"], strict=True)]
     assert r["zb-h1"]["idle_ratio"] == pytest.approx(ratios)
     assert (tmp_path / "schedule_timeline.png").stat().st_size > 0
+
+
+class _VRunner:
+    """Records F, B and W per (chunk, microbatch) of a rank's two chunks; each chunk's W units queue
+    as its ``WeightGradStore`` does."""
+
+    def __init__(self, n: int):
+        self.num_microbatches, self.ops, self.deferred = n, [], {0: [], 1: []}
+        self.flight, self.most = 0, 0  # chunk-microbatches in flight, their most
+
+    def forward(self, chunk, mb, x):
+        self.ops.append(("F", chunk, mb))
+        self.flight += 1
+        self.most = max(self.most, self.flight)
+        return _Tensor()
+
+    def release_output(self, chunk, out):
+        pass
+
+    def backward(self, chunk, mb, x, out, grad):
+        self.ops.append(("B", chunk, mb))
+        self.flight -= 1
+        self.last_b = mb
+        return _Tensor()
+
+    def seal_w(self, chunk):
+        self.deferred[chunk].append(self.last_b)
+
+    def deferred_w(self, chunk):
+        return len(self.deferred[chunk])
+
+    def weight_grads(self, chunk):
+        self.ops.append(("W", chunk, self.deferred[chunk].pop(0)))
+
+
+def simulate_v(ops: list[list[tuple[str, int, int]]], cost: float) -> list[float]:
+    """Each rank runs its ops in order, each ``cost`` long; the V's dependencies (written here, apart
+    from the schedule's): chunk 0's F on rank r waits for rank r - 1's, chunk 1's F for rank r + 1's
+    (rank p - 1's for its own chunk 0's), chunk 1's B for rank r - 1's (rank 0's for its own chunk 1
+    F: the loss), chunk 0's B for rank r + 1's (rank p - 1's for its own chunk 1 B), W for its B.
+    Returns each rank's idle time."""
+    p = len(ops)
+
+    def dep(r, kind, c, mb):
+        if kind == "W":
+            return r, "B", c, mb
+        down = (kind == "F") == (c == 0)  # the direction its input comes from: rank r - 1
+        turn = (c == 1 and kind == "F" and r == p - 1) or (c == 0 and kind == "B" and r == p - 1)
+        if turn:
+            return r, kind, 1 - c, mb
+        if kind == "B" and c == 1 and r == 0:
+            return r, "F", 1, mb
+        if (down and r == 0) or (not down and r == p - 1):
+            return None
+        return (r - 1 if down else r + 1), kind, c, mb
+
+    done, clock, idle, at = {}, [0.0] * p, [0.0] * p, [0] * p
+    while any(at[r] < len(ops[r]) for r in range(p)):
+        ready = []
+        for r in range(p):
+            if at[r] < len(ops[r]):
+                d = dep(r, *ops[r][at[r]])
+                if d is None or d in done:
+                    ready.append((max(clock[r], done.get(d, 0.0)), r))
+        assert ready, "the order deadlocks"
+        start, r = min(ready)
+        idle[r] += start - clock[r]
+        clock[r] = done[(r, *ops[r][at[r]])] = start + cost
+        at[r] += 1
+    end = max(clock)
+    return [idle[r] + end - clock[r] for r in range(p)]
+
+
+@pytest.mark.parametrize("p,n", [(2, 1), (2, 3), (2, 8), (3, 5), (4, 2), (4, 7), (4, 8), (4, 12),
+                                 (8, 16)])
+def test_zb_v_bubble_at_1f1bs_memory(p, n):
+    """ZB-V's order as ``run_zb_v`` takes it (recording fakes): every F, B, W of both chunks once,
+    each chunk's Ws in microbatch order; timed with T_F = T_B = T_W (a chunk is half a stage: half
+    the time of 1F1B's stage), from 2p - 1 microbatches on its idle time per rank is (p - 1)/2 of a
+    stage's F, a sixth of 1F1B's 3(p - 1), and it holds at most 2p chunk-microbatches in flight,
+    p stages' worth: 1F1B's first rank's."""
+    runners = []
+    for rank in range(p):
+        runner = _VRunner(n)
+        run_zb_v(runner, _Comm(rank, p))
+        runners.append(runner)
+    for rank, runner in enumerate(runners):
+        assert sorted(runner.ops) == sorted((k, c, i) for k in "FBW" for c in (0, 1)
+                                            for i in range(n)), rank
+        for c in (0, 1):
+            ws = [mb for k, cc, mb in runner.ops if k == "W" and cc == c]
+            assert ws == list(range(n)), (rank, c, ws)
+        assert runner.most <= 2 * p, (rank, runner.most)
+    idle_v = simulate_v([r.ops for r in runners], 0.5)
+    idle_1f1b = simulate([r.ops for r in orders(run_1f1b, p, n)],
+                         {"F": 1.0, "B": 2.0, "W": 1.0})[1]
+    assert idle_1f1b == [3.0 * (p - 1)] * p
+    if n >= 2 * p - 1:
+        assert idle_v == [0.5 * (p - 1)] * p, idle_v
+    assert all(v <= o / 3 for v, o in zip(idle_v, idle_1f1b, strict=True)) or n < p, idle_v

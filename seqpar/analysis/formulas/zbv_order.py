@@ -150,3 +150,18 @@ def held(rank: int, p: int, n: int) -> list[tuple[int, int, int, int]]:
             units[a.chunk] -= 1
         out.append((flight[0], flight[1], units[0], units[1]))
     return out
+
+
+def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
+    """The V's layers per virtual stage (2p entries, model order) that give each rank the layers
+    ``per_rank`` gives it under 1F1B (so each rank holds 1F1B's layers): rank r's chunk 0 the
+    larger half, ceil(c_r / 2), its chunk 1 the rest; () when that is even. None where a middle
+    stage would be empty (a rank of fewer than 2 layers, other than rank 0, whose chunk 1 is the
+    last stage)."""
+    p = len(per_rank)
+    counts = [0] * (2 * p)
+    for r, c in enumerate(per_rank):
+        counts[r], counts[2 * p - 1 - r] = -(-c // 2), c // 2
+    if any(c == 0 for c in counts[1:-1]):
+        return None
+    return () if len(set(counts)) == 1 else tuple(counts)

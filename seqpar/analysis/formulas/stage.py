@@ -233,10 +233,9 @@ def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
 
 def rank_chunk_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[int]:
     """Layers of each of pipeline rank ``rank``'s m chunks: virtual stage c·p + rank is its chunk
-    c."""
-    if par.layer_split:
-        counts = stage_layer_counts(shape, par)
-        return [counts[c * par.pp + rank] for c in range(par.interleave)]
+    c (zb-v: stages rank and 2p - 1 - rank)."""
+    if par.layer_split or par.pp_schedule == "zb-v":
+        return [len(ids) for ids in chunk_layer_ids(shape, par, rank)]
     return [layers_per_chunk(shape, par)] * par.interleave
 
 
@@ -454,6 +453,9 @@ def stage_memory(
     """Every term on one tp rank of pipeline rank ``rank``; ``n`` microbatches per iteration."""
     opts = opts or ActivationOptions()
     opt = opt or OptimizerOptions()
+    if par.pp_schedule == "zb-v":
+        raise AnalysisError("pp_schedule zb-v's stage memory (two half-stages in flight, the "
+                            "deferred W units, the head on rank 0) is not modelled yet")
     rc.validate(validate_layout(shape, par))
     if b < 1:
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")

@@ -110,10 +110,15 @@ def chunk_parameter_sizes(shape: ModelConfig, t: int, layer_ids: list[int], firs
 
 def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[list[int]]:
     """The global layers of each chunk of pipeline rank ``rank``, in order
-    (``seqpar.pipeline.split``'s rule: virtual stage c·p + r is chunk c of rank r)."""
+    (``seqpar.pipeline.split``'s rule: virtual stage c·p + r is chunk c of rank r; under zb-v's V
+    stages r and 2p - 1 - r)."""
     sizes = par.layer_counts(shape.num_layers)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    stages = [c * par.pp + rank for c in range(par.interleave)]
+    stages = (
+        [rank, 2 * par.pp - 1 - rank]  # zb-v's V (seqpar.pipeline.split.v_stage)
+        if par.pp_schedule == "zb-v"
+        else [c * par.pp + rank for c in range(par.interleave)]
+    )
     return [list(range(starts[v], starts[v] + sizes[v])) for v in stages]
 
 

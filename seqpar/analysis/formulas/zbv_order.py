@@ -165,3 +165,28 @@ def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
     if any(c == 0 for c in counts[1:-1]):
         return None
     return () if len(set(counts)) == 1 else tuple(counts)
+
+
+def idle_times(p: int, n: int, cost: dict[str, float]) -> list[float]:
+    """Each rank's idle time over one step when its order runs with ``cost`` seconds per chunk F, B
+    and W, each action as early as its rank's order and its input allow (the makespan less the
+    rank's work)."""
+    orders = [rank_order(r, p, n) for r in range(p)]
+    done: dict[tuple[int, str, int, int], float] = {}  # (rank, kind, chunk, mb) -> its end
+    at, clock = [0] * p, [0.0] * p
+    while any(at[r] < len(orders[r]) for r in range(p)):
+        progress = False
+        for r in range(p):
+            while at[r] < len(orders[r]):
+                a = orders[r][at[r]]
+                dep = source(a, r, p)
+                key = None if dep is None else (*dep, a.mb)
+                if key is not None and key not in done:
+                    break
+                start = max(clock[r], done[key] if key is not None else 0.0)
+                clock[r] = done[(r, a.kind, a.chunk, a.mb)] = start + cost[a.kind]
+                at[r], progress = at[r] + 1, True
+        if not progress:
+            raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
+    work = n * 2 * sum(cost.values())
+    return [max(clock) - work] * p

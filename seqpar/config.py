@@ -378,6 +378,12 @@ def layer_counts(
     return counts
 
 
+def loss_rank(pp: int, pp_schedule: str = "1f1b") -> int:
+    """The pipeline rank holding the last virtual stage (the output layer and the loss): p - 1, or
+    0 under zb-v's V (``seqpar.pipeline.split.v_stage``)."""
+    return 0 if pp_schedule == "zb-v" else pp - 1
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """world = dp × pp × cp × tp, tp innermost (consecutive ranks share a tensor-parallel group).
@@ -458,6 +464,11 @@ class ParallelConfig:
         """Model chunks per pipeline rank: ``interleave``, or 2 under zb-v (its V: rank r holds
         virtual stages r and 2p - 1 - r, ``seqpar.pipeline.split``)."""
         return 2 if self.pp_schedule == "zb-v" else self.interleave
+
+    @property
+    def loss_rank(self) -> int:
+        """The pipeline rank holding the last virtual stage (``loss_rank``)."""
+        return loss_rank(self.pp, self.pp_schedule)
 
     def layer_counts(self, num_layers: int) -> list[int]:
         """Layers of each virtual stage, in model order (validated)."""

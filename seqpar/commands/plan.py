@@ -41,6 +41,7 @@ from seqpar.analysis.reports.emit import (
 )
 from seqpar.analysis.reports.job_time import DEFAULT_WRITE_GBPS, parse_time
 from seqpar.analysis.reports.plots import plan_memory, stages_memory
+from seqpar.config import PP_SCHEDULES
 from seqpar.optional import require
 from seqpar.out_path import check_out_file, check_plot_folder, text_starting
 from seqpar.settings import add
@@ -180,10 +181,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         g,
         "--pp-schedule",
         default=None,
-        help="search only this pipeline schedule: 1f1b (interleaved with m > 1) or zb-h1, the "
-        "linears' weight gradients deferred into the bubble (default: both, zb-h1 where pp > 1 "
-        "with one chunk per rank and no fsdp); zb-v is not planned yet (its stage memory is not "
-        "modelled)",
+        help="search only this pipeline schedule: 1f1b (interleaved with m > 1), zb-h1, the "
+        "linears' weight gradients deferred into the bubble, or zb-v, two chunks per rank in a V "
+        "(default: all three, the zero-bubble ones where pp > 1 with one chunk per rank and no "
+        "fsdp)",
     )
     add(
         g,
@@ -379,9 +380,6 @@ def request_from_args(args):
         free_pipeline_outputs=not args.keep_pipeline_outputs,
     )
     opts = dataclasses.replace(opts, tp_comm_overlap=tp_comm_overlap_searched(args))
-    if args.pp_schedule and args.pp_schedule not in planner.SEARCHED_SCHEDULES:
-        raise AnalysisError(f"--pp-schedule {args.pp_schedule} is not planned: its stage memory is "
-                            "not modelled yet (docs/zero_bubble.md)")
     return Request(
         shape=shape,
         gpus=args.gpus,
@@ -398,7 +396,7 @@ def request_from_args(args):
         try_offload=offload_searched(args),
         max_micro_batch=args.max_micro_batch,
         name=model_name,
-        schedules=(args.pp_schedule,) if args.pp_schedule else planner.SEARCHED_SCHEDULES,
+        schedules=(args.pp_schedule,) if args.pp_schedule else PP_SCHEDULES,
     )
 
 

@@ -150,6 +150,7 @@ def implementation_terms(
     free_outputs: bool = True,
     device: str = "cpu",
     after_backward: int | None = None,
+    moment=None,
 ) -> dict[str, float]:
     """Small bytes this implementation keeps that the analytic model leaves out (all O(sb) or
     O(sbh)).
@@ -169,8 +170,14 @@ def implementation_terms(
     Under context parallelism each holds the rank's s/cp tokens. ``after_backward``: the peak is a
     B's end under a zero-bubble schedule (``StageMemory.after_backward``), with that many
     microbatches in flight: no output in transit, and the last rank's microbatch gone with its loss
-    head.
+    head. ``moment``: zb-v's peak (``StageMemory.moment``): an output in transit after a forward
+    that sends one (not rank 0's chunk 1, the loss, nor rank p - 1's chunk 0, handed over in the
+    formula), the embedding's for rank 0's chunk-0 microbatches in flight, the head's while rank
+    0's chunk 1 has one.
     """
+    if moment is not None:
+        return _zbv_implementation_terms(cfg, parallel, micro_batch, rank, free_outputs, device,
+                                         moment)
     s, b, h, t, p = (
         cfg.seq_len // parallel.cp,
         micro_batch,
@@ -194,6 +201,25 @@ def implementation_terms(
     elif rank == 0 and parallel.cp > 1:
         terms["embedding_indices"] = 8 * s * b * in_flight
     if rank == p - 1 and after_backward != 0:
+        stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
+        terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
+        v_pad = -(-cfg.vocab_size // t) * t
+        terms["loss_indices"] = (8 + 1 + 1) * s * b + v_pad // t
+    return terms
+
+
+def _zbv_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, b: int, rank: int,
+                              free_outputs: bool, device: str, moment) -> dict[str, float]:
+    """``implementation_terms`` at zb-v's peak ``moment`` (``zbv_order.Moment``)."""
+    s, h, t, p = cfg.seq_len // parallel.cp, cfg.hidden_size, parallel.tp, parallel.pp
+    rep = t if parallel.sp and t > 1 else 1
+    terms: dict[str, float] = {}
+    sends = not (rank == 0 and moment.chunk == 1) and not (rank == p - 1 and moment.chunk == 0)
+    if free_outputs and moment.kind == "F" and sends:
+        terms["output_in_transit"] = cfg.dtype_bytes * s * b * h / rep
+    if rank == 0 and (t > 1 or parallel.cp > 1):
+        terms["embedding_indices"] = (9 if t > 1 else 8) * s * b * moment.flight[0]
+    if rank == 0 and moment.flight[1]:
         stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
         terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
         v_pad = -(-cfg.vocab_size // t) * t
@@ -314,6 +340,7 @@ def report(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]], res
                     r,
                     free,
                     after_backward=memory.in_flight if memory.after_backward else None,
+                    moment=memory.moment,
                 )
                 host = formula_host_bytes(cfg, parallel, recompute, micro_batch, n, r, kept)
                 stages.append(

@@ -100,8 +100,8 @@ def _run(runner: StepRunner, state: _VState, action: Action, rank: int, p: int):
             runner.release_output(0, out)
             return None
         return out
-    x, out = state.kept.pop(key)
-    dx = runner.backward(action.chunk, action.mb, x, out, state.grads.pop(key, None))  # B only
+    # B only; no local keeps the input or the output past it (the meter counts what lives)
+    dx = runner.backward(action.chunk, action.mb, *state.kept.pop(key), state.grads.pop(key, None))
     runner.seal_w(action.chunk)
     if rank == p - 1 and action.chunk == 1:  # back down the V's turn
         state.grads[(0, action.mb)] = dx

@@ -13,7 +13,7 @@ back up p-1..0, and rank 0 holds the embedding and the output layer, and the los
 
 from __future__ import annotations
 
-from seqpar.config import layer_counts
+from seqpar.config import layer_counts, loss_rank
 
 __all__ = ["layer_counts", "loss_rank", "stage_layers", "v_stage", "virtual_stage"]
 
@@ -26,12 +26,6 @@ def virtual_stage(rank: int, chunk: int, pp: int) -> int:
 def v_stage(rank: int, chunk: int, pp: int) -> int:
     """ZB-V: index of chunk ``chunk`` (0 or 1) of pipeline rank ``rank`` in the model's order."""
     return rank if chunk == 0 else 2 * pp - 1 - rank
-
-
-def loss_rank(pp: int, pp_schedule: str = "1f1b") -> int:
-    """The pipeline rank holding the last virtual stage (the output layer and the loss): p - 1, or
-    0 under zb-v's V."""
-    return 0 if pp_schedule == "zb-v" else pp - 1
 
 
 def stage_layers(num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None,

@@ -38,6 +38,7 @@ from seqpar.analysis.formulas.shapes import (
     validate_layout,
 )
 from seqpar.analysis.formulas.states import chunk_layer_ids, param_gather_bytes, stage_state_bytes
+from seqpar.analysis.formulas.zbv_order import Moment, moments
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -63,6 +64,7 @@ class StageMemory:
     # offloaded activations in host memory (not in total)
     host: dict[str, float] = field(default_factory=dict)
     after_backward: bool = False  # zero bubble: the peak comes at the end of a B, not of a forward
+    moment: Moment | None = None  # zb-v: what the rank holds at its peak (zbv_order.moments)
 
     @property
     def host_total(self) -> float:
@@ -453,9 +455,6 @@ def stage_memory(
     """Every term on one tp rank of pipeline rank ``rank``; ``n`` microbatches per iteration."""
     opts = opts or ActivationOptions()
     opt = opt or OptimizerOptions()
-    if par.pp_schedule == "zb-v":
-        raise AnalysisError("pp_schedule zb-v's stage memory (two half-stages in flight, the "
-                            "deferred W units, the head on rank 0) is not modelled yet")
     rc.validate(validate_layout(shape, par))
     if b < 1:
         raise AnalysisError(f"micro batch must be a positive integer, got {b!r}")
@@ -468,6 +467,8 @@ def stage_memory(
     else:
         # distributed: over dp × cp (routed experts: dp·cp/ep)
         terms = stage_state_bytes(shape, par, rank, opt)
+    if par.pp_schedule == "zb-v":
+        return zbv_stage_memory(shape, par, rc, b, n, opts, opt, rank, terms)
     if uneven_chunks(par, shape):  # the schedule's peak over chunk-microbatches of different sizes
         if kept:
             raise AnalysisError(
@@ -548,6 +549,62 @@ def zero_bubble_peak(
         if held(t) > held(best):
             best, best_k, after = t, k, True
     return best, best_k, after
+
+
+def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                     n: int | None, opts: ActivationOptions, opt: OptimizerOptions, rank: int,
+                     terms: dict[str, float]) -> StageMemory:
+    """ZB-V's peak on pipeline rank ``rank`` (``terms``: its states so far): the most it holds at
+    any forward end or B end of its order (``zbv_order.moments``; ``n`` None: 2p microbatches stand
+    for a long step), each chunk's microbatches in flight (its own layers' bytes) and W units
+    (``deferred_w.unit_bytes``); rank 0 keeps the embedding-dropout masks of its chunk-0
+    microbatches and, while its chunk 1 (the last stage) has one in flight, the head; rank p - 1
+    the chunk-0 outputs handed to its chunk 1 not yet run (``handed_input``); with App. B off, the
+    sent outputs (``pipeline_outputs``)."""
+    if rc.keep_microbatches:
+        raise AnalysisError(f"App. C (keep_microbatches {rc.keep_microbatches}) with pp_schedule "
+                            "zb-v is not modelled")
+    if rc.offload_modules:
+        raise AnalysisError("activation offloading with pp_schedule zb-v is not modelled")
+    ids = chunk_layer_ids(shape, par, rank)
+    per_mb = [chunk_layers_bytes(shape, par, rc, b, opts, c) if c else 0.0 for c in ids]
+    unit = [unit_bytes(shape, par, rc, b, opts, c) for c in ids]
+    s, h, t = shape.seq_len // par.cp, shape.hidden_size, par.tp
+    rep = t if par.sp else 1
+    boundary = opts.act_bytes * s * b * h / rep
+    head = {"final_ln_input": boundary, "output_layer_input": boundary}
+    head |= loss_head_terms(s, b, shape.vocab_per_rank(t), opts)
+
+    def held_at(m: Moment) -> dict[str, float]:
+        out = {"layer_activations": m.flight[0] * per_mb[0] + m.flight[1] * per_mb[1],
+               "deferred_w": m.units[0] * unit[0] + m.units[1] * unit[1]}
+        if rank == 0 and opts.dropout:
+            out["embedding_dropout_mask"] = opts.mask_bytes * s * b * h / rep * m.flight[0]
+        if rank == 0 and m.flight[1]:
+            out |= head
+        if m.handed:
+            out["handed_input"] = boundary * m.handed
+        if not opts.free_pipeline_outputs:  # App. B off: each sent output kept until its B; rank 0's
+            # chunk 1 sends none, rank p - 1's chunk-0 output is its chunk 1's input (counted there
+            # or as handed) until chunk 1's B, then kept to chunk 0's
+            chunk0 = m.flight[0] - (m.flight[1] + m.handed if rank == par.pp - 1 else 0)
+            out["pipeline_outputs"] = boundary * (chunk0 + m.flight[1] * (rank > 0))
+        return out
+
+    steps = 2 * par.pp if n is None else n
+    best = max(moments(rank, par.pp, steps), key=lambda m: sum(held_at(m).values()))
+    terms = terms | held_at(best)
+    if sum(best.flight) and rc.granularity != "none":
+        terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
+    if par.a2a_size > 1 and any(ids):
+        terms["a2a_buffers"] = a2a_buffers(shape, par, b, opts)
+    excess = param_gather_excess(
+        shape, par, opt, rank, sum(v for k, v in terms.items() if k not in STATE_TERMS)
+    )
+    if excess > 0:
+        terms["param_gather_excess"] = excess
+    return StageMemory(rank=rank, in_flight=sum(best.flight), terms=terms,
+                       after_backward=best.kind == "B", moment=best)
 
 
 def param_gather_excess(shape: ModelConfig, par: ParallelConfig, opt: OptimizerOptions, rank: int,

@@ -137,10 +137,11 @@ def named_stage_parameters(
     shape: ModelConfig, par: ParallelConfig, rank: int
 ) -> tuple[tuple[str, int], ...]:
     """``stage_parameter_sizes`` as a tuple, computed once per (shape, layout, rank)."""
-    p, m = par.pp, par.interleave
+    p, m = par.pp, par.chunks
     out: list[tuple[str, int]] = []
     for c, ids in enumerate(chunk_layer_ids(shape, par, rank)):
-        v = c * p + rank  # the virtual stage (seqpar.pipeline.split.virtual_stage)
+        # the virtual stage (seqpar.pipeline.split.virtual_stage, v_stage under zb-v)
+        v = (2 * p - 1 - rank if c else rank) if par.pp_schedule == "zb-v" else c * p + rank
         out += chunk_parameter_sizes(
             shape, par.tp, ids, first=v == 0, last=v == p * m - 1, one_stage=p * m == 1, ep=par.ep
         )

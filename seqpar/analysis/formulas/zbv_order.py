@@ -135,20 +135,34 @@ def timetable(p: int, n: int) -> list[list[Action | None]]:
     return table
 
 
-def held(rank: int, p: int, n: int) -> list[tuple[int, int, int, int]]:
-    """After each action of rank ``rank``'s order, what it holds: (chunk-0 microbatches in flight,
-    chunk-1 microbatches in flight, chunk-0 W units, chunk-1 W units). A microbatch is in flight
-    from its forward to its B; a W unit from its B to its W."""
-    flight, units, out = [0, 0], [0, 0], []
+@dataclass(frozen=True)
+class Moment:
+    """What a rank holds at the end of a forward or of a B (before any W), the moments its
+    activation memory can peak: chunk-microbatches in flight per chunk (from a forward to its B),
+    W units per chunk (from a B to its W), and on rank p - 1 the chunk-0 outputs handed to its own
+    chunk 1 whose forward has not run yet (``handed``)."""
+
+    kind: str  # the action that just ended: F or B
+    chunk: int
+    flight: tuple[int, int]
+    units: tuple[int, int]
+    handed: int = 0
+
+
+def moments(rank: int, p: int, n: int) -> list[Moment]:
+    """Every forward end and B end of rank ``rank``'s order, with what it holds then."""
+    flight, units, handed, out = [0, 0], [0, 0], 0, []
     for a in rank_order(rank, p, n):
-        if a.kind == "F":
-            flight[a.chunk] += 1
-        elif a.kind == "B":
-            flight[a.chunk] -= 1
-            units[a.chunk] += 1
-        else:
+        if a.kind == "W":
             units[a.chunk] -= 1
-        out.append((flight[0], flight[1], units[0], units[1]))
+            continue
+        step = 1 if a.kind == "F" else -1
+        flight[a.chunk] += step
+        if a.kind == "B":
+            units[a.chunk] += 1
+        elif rank == p - 1:  # the V's turn: chunk 0's output waits for chunk 1's forward
+            handed += 1 if a.chunk == 0 else -1
+        out.append(Moment(a.kind, a.chunk, (flight[0], flight[1]), (units[0], units[1]), handed))
     return out
 
 

@@ -629,7 +629,7 @@ def rank_microbatch_s(
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}
     if rank == 0:
         terms["tp_comm"] += embedding_comm_s(shape, par, b, hw, opts)
-    if rank == par.pp - 1:
+    if rank == par.loss_rank:  # rank 0 under zb-v
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
     terms["recompute"] = rerun_s(

@@ -43,6 +43,7 @@ from seqpar.analysis.formulas.stage import (
     uneven_chunks,
 )
 from seqpar.analysis.formulas.states import bytes_per_parameter
+from seqpar.analysis.formulas.zbv_order import v_split
 from seqpar.analysis.planning.costmodel import (
     Hardware,
     IterationTime,
@@ -60,10 +61,6 @@ from seqpar.config import (
     validate_microbatches,
 )
 from seqpar.settings import label_keys, label_of
-
-# the schedules the planner searches: zb-v's stage memory is not modelled yet (stage_memory refuses
-# it), so it is not planned
-SEARCHED_SCHEDULES = tuple(s for s in PP_SCHEDULES if s != "zb-v")
 
 TIE_FRACTION = 0.01  # predicted times closer than 1% count as equal; less memory wins
 # --offload: the module sets each recompute option may also offload (``seqpar.recompute.offload``),
@@ -266,7 +263,7 @@ class Request:
     max_interleave: int = 8
     max_cp: int = 16
     # the pipeline schedules searched (where pp > 1, one chunk per rank)
-    schedules: tuple[str, ...] = SEARCHED_SCHEDULES
+    schedules: tuple[str, ...] = PP_SCHEDULES
     # what ``opt`` and ``opts.act_bytes`` stand for (reported, not re-derived)
     precision: str = "bf16"
     dropout: float = 0.1  # the probability behind ``opts.dropout`` (reported)
@@ -594,11 +591,11 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
             for dist in (False, True) if req.try_distributed_optimizer and group > 1 else (False,):
                 for gather in (False, True) if dist and req.try_overlap_param_gather else (False,):
                     for ep in eps:
-                        for sched in _schedules(req, replace(par, ep=ep)):
+                        for scheduled in _schedules(req, replace(par, ep=ep)):
                             yield with_tp_ring(
                                 req,
                                 Plan(
-                                    replace(par, ep=ep, pp_schedule=sched),
+                                    scheduled,
                                     RecomputeConfig(),
                                     mb,
                                     dist,
@@ -623,13 +620,33 @@ def with_tp_ring(req: Request, plan: Plan) -> Plan:
     )
 
 
-def _schedules(req: Request, par: ParallelConfig) -> list[str]:
-    """The pipeline schedules ``req`` searches that ``par`` can run: 1f1b always (there is no other
-    without a pipeline, or interleaved), a zero-bubble one where ``ParallelConfig.validate`` allows
-    it."""
-    return [
-        s for s in req.schedules if s == "1f1b" or not _refused(req, replace(par, pp_schedule=s))
-    ]
+def _schedules(req: Request, par: ParallelConfig) -> list[ParallelConfig]:
+    """``par`` under each pipeline schedule ``req`` searches that it can run: 1f1b always (there is
+    no other without a pipeline, or interleaved), a zero-bubble one where ``ParallelConfig.validate``
+    allows it (zb-v with its V split, ``scheduled``)."""
+    out = [par] if "1f1b" in req.schedules else []
+    for s in req.schedules:
+        other = None if s == "1f1b" else scheduled(par, s, req.shape.num_layers)
+        if other is not None and not _refused(req, other):
+            out.append(other)
+    return out
+
+
+def scheduled(par: ParallelConfig, schedule: str, num_layers: int) -> ParallelConfig | None:
+    """``par`` under pipeline schedule ``schedule`` at the same layers per rank: zb-v cuts each
+    rank's layers into its two chunks of the V (``zbv_order.v_split``; None where a middle chunk
+    would be empty), and back from zb-v each rank's two chunks make its stage."""
+    if schedule == par.pp_schedule:
+        return par
+    per_rank = par.layer_counts(num_layers) if par.layer_split else []
+    if par.pp_schedule == "zb-v" and per_rank:
+        p = par.pp
+        per_rank = [per_rank[r] + per_rank[2 * p - 1 - r] for r in range(p)]
+    if schedule == "zb-v":
+        split = v_split(per_rank or [num_layers // par.pp] * par.pp)
+        return None if split is None else replace(par, pp_schedule="zb-v", layer_split=split)
+    even = len(set(per_rank)) <= 1
+    return replace(par, pp_schedule=schedule, layer_split=() if even else tuple(per_rank))
 
 
 def _interleavings(
@@ -860,11 +877,13 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     elif p.pp == 1 and p.dp % 2 == 0 and req.shape.seq_len % 4 == 0:  # why not context parallelism
         deeper = replace(p, cp=2, dp=p.dp // 2)
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
-    # the other pipeline schedule: its bubble and its memory
+    # the other pipeline schedules: their bubble and their memory
     if p.pp > 1 and p.interleave == 1 and not p.fsdp:
-        other = "1f1b" if p.pp_schedule != "1f1b" else "zb-h1"
-        out[f"pp_schedule {other}, {plan.rc.label}"] = evaluate(req, _ringed(req, replace(
-            plan, par=replace(p, pp_schedule=other))))
+        for other in PP_SCHEDULES:
+            par = scheduled(p, other, req.shape.num_layers)
+            if other != p.pp_schedule and par is not None and not _refused(req, par):
+                out[f"pp_schedule {other}, {plan.rc.label}"] = evaluate(
+                    req, _ringed(req, replace(plan, par=par)))
     # why shard everything: the same plan with the states replicated, or only the optimizer's
     # sharded
     if p.fsdp:

@@ -178,7 +178,7 @@ def test_planner_prices_the_zb_h1_bubble_and_searches_it():
     assert b.memory_bytes > a.memory_bytes  # its W units' inputs
     assert "pp_schedule 1f1b, selective" in alternatives(req, zb)
     searched = {p.par.pp_schedule for p in layouts(req) if p.par.pp > 1 and p.par.interleave == 1}
-    assert searched == {"1f1b", "zb-h1"}
+    assert searched == {"1f1b", "zb-h1", "zb-v"}
     only = {p.par.pp_schedule for p in layouts(replace(req, schedules=("1f1b",)))}
     assert only == {"1f1b"}
 
@@ -309,3 +309,42 @@ def test_zb_v_bubble_at_1f1bs_memory(p, n):
     if n >= 2 * p - 1:
         assert idle_v == [0.5 * (p - 1)] * p, idle_v
     assert all(v <= o / 3 for v, o in zip(idle_v, idle_1f1b, strict=True)) or n < p, idle_v
+
+
+def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
+    """The planner writes and reads zb-v's label (its V split: 1F1B's layers per rank, the 119B's
+    92 layers on pp 4 as 12 + 11 a rank), prices its bubble by timing the V's order
+    (``zbv_order.idle_times``) and weighs the three schedules at a layout
+    (``schedule_bubbles``, ``--explain``'s table): at Megatron's published 119B layout (tp 8, pp 4,
+    dp 48, micro batch 1, no recompute; 16 microbatches) ZB-V's bubble is under a third of 1F1B's
+    (the issue's target), ZB-H1's above."""
+    from dataclasses import replace
+
+    from seqpar.analysis.planning.planner import (
+        Request,
+        parse_plan,
+        schedule_bubbles,
+        scheduled,
+    )
+    from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
+    from seqpar.analysis.reports.published import megatron_2024_runs
+
+    run = next(r for r in megatron_2024_runs() if "119B" in r.name)
+    hw = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == run.gpu))
+    req = Request(run.shape, run.gpus, run.global_batch, hw=hw, opts=run.opts(),
+                  opt=run.optimizer())
+    plan = parse_plan(run.layout, run.gpus)
+    v = scheduled(plan.par, "zb-v", run.shape.num_layers)
+    assert v.layer_split == (12, 12, 12, 12, 11, 11, 11, 11)
+    assert scheduled(v, "1f1b", run.shape.num_layers) == replace(plan.par, pp_schedule="1f1b")
+    labelled = replace(plan, par=v)
+    assert labelled.label.endswith(",sched=zb-v") and parse_plan(labelled.label, run.gpus) == labelled
+    runs = schedule_bubbles(req, plan)
+    assert set(runs) == {"1f1b", "zb-h1", "zb-v"} and all(r.fits for r in runs.values())
+    bubble = {k: r.time.terms["bubble"] for k, r in runs.items()}
+    print({k: round(b, 3) for k, b in bubble.items()},
+          {k: round(r.memory_bytes / 2**30, 2) for k, r in runs.items()})
+    assert bubble["zb-v"] <= bubble["1f1b"] / 3 < bubble["zb-h1"]
+    # T_F = T_B = T_W, the long step: a sixth of 1F1B's
+    from seqpar.analysis.formulas.zbv_order import idle_times
+    assert idle_times(4, 8, {"F": 0.5, "B": 0.5, "W": 0.5}) == [1.5] * 4

@@ -261,7 +261,8 @@ def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
     """The pipeline ranks that bound the others' memory and time: rank 0 (the most in flight, the
     embedding), the last (the output layer) and, under an uneven split, the first rank of each layer
     count (the in-flight count and the recomputed share fall with the rank, so later ranks of a
-    count hold and run less)."""
+    count hold and run less); under zb-v also the last of each count (the V's in-flight count and
+    W units grow with the rank)."""
     return list(_examined_ranks(shape, par))
 
 
@@ -271,6 +272,8 @@ def _examined_ranks(shape: ModelConfig, par: ParallelConfig) -> tuple[int, ...]:
     if par.layer_split:  # the first rank of each set of chunk sizes
         chunks = [tuple(rank_chunk_layers(shape, par, r)) for r in range(par.pp)]
         ranks |= {chunks.index(c) for c in set(chunks)}
+        if par.pp_schedule == "zb-v":  # the V's later ranks hold more in flight and more W units
+            ranks |= {par.pp - 1 - chunks[::-1].index(c) for c in set(chunks)}
     return tuple(sorted(ranks))
 
 

@@ -855,6 +855,27 @@ def _ringed(req: Request, plan: Plan) -> Plan:
     return with_tp_ring(req, replace(plan, par=replace(plan.par, tp_comm_overlap=False)))
 
 
+def schedule_bubbles(req: Request, plan: Plan) -> dict[str, Evaluation]:
+    """``plan``'s layout (tp, pp, dp, micro batch, recompute) under each pipeline schedule, one
+    chunk per rank: 1F1B (interleaving off), ZB-H1 and ZB-V (``scheduled``), each with the TP ring
+    where it may run it (``with_tp_ring``); empty without a pipeline or under FSDP. Their bubble
+    terms and memory side by side: what ``--explain`` weighs."""
+    p = plan.par
+    if p.pp == 1 or p.fsdp:
+        return {}
+    one = replace(p, interleave=1, tp_comm_overlap=False)
+    if one.layer_split and p.interleave > 1:  # an interleaved split: its stages' layers per rank
+        counts = p.layer_counts(req.shape.num_layers)
+        per_rank = [sum(counts[c * p.pp + r] for c in range(p.interleave)) for r in range(p.pp)]
+        one = replace(one, layer_split=() if len(set(per_rank)) == 1 else tuple(per_rank))
+    out = {}
+    for schedule in PP_SCHEDULES:
+        par = scheduled(one, schedule, req.shape.num_layers)
+        if par is not None and not _refused(req, par):
+            out[schedule] = evaluate(req, with_tp_ring(req, replace(plan, par=par)))
+    return out
+
+
 def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     """The paper's techniques at ``plan``'s layout: why TP alone (or no recompute) is not chosen."""
     variants = {

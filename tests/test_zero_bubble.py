@@ -185,8 +185,8 @@ def test_planner_prices_the_zb_h1_bubble_and_searches_it():
 
 def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
     """``seqpar bench schedule`` on 2 ranks (--quick): every rank's F and B of every microbatch in
-    its timeline, ZB-H1's W units too (none under 1F1B, whose W is inside B), the idle times and
-    their ratio, the picture."""
+    its timeline (ZB-V's on both chunks), the zero-bubble schedules' W units too (none under 1F1B,
+    whose W is inside B), the idle times and their ratios, the picture."""
     import argparse
 
     from seqpar.bench import add_arguments
@@ -199,15 +199,17 @@ def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
     )
     capsys.readouterr()
     n = r["config"]["microbatches"]
-    for sched in ("1f1b", "zb-h1"):
+    for sched in ("1f1b", "zb-h1", "zb-v"):
+        chunks = 2 if sched == "zb-v" else 1  # ZB-V: each microbatch on two chunks of each rank
         for events in r[sched]["events"]:
             kinds = sorted((k, mb) for k, mb, *_ in events if k != "W")
-            assert kinds == sorted((k, mb) for k in "FB" for mb in range(n)), sched
-            assert sum(k == "W" for k, *_ in events) == (n if sched == "zb-h1" else 0)
+            assert kinds == sorted((k, mb) for k in "FB" for mb in range(n) for _ in range(chunks))
+            assert sum(k == "W" for k, *_ in events) == (0 if sched == "1f1b" else n * chunks)
             assert all(0 <= start <= end for *_, start, end in events)
         assert all(0 <= idle < r[sched]["step_s"] for idle in r[sched]["idle_s"])
-    ratios = [z / o for z, o in zip(r["zb-h1"]["idle_s"], r["1f1b"]["idle_s"], strict=True)]
-    assert r["zb-h1"]["idle_ratio"] == pytest.approx(ratios)
+    for sched in ("zb-h1", "zb-v"):
+        ratios = [z / o for z, o in zip(r[sched]["idle_s"], r["1f1b"]["idle_s"], strict=True)]
+        assert r[sched]["idle_ratio"] == pytest.approx(ratios)
     assert (tmp_path / "schedule_timeline.png").stat().st_size > 0
 
 

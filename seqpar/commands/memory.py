@@ -448,6 +448,9 @@ def run_schedule(args) -> int:
             f"deferred linear's "
             "stored input and output gradient), at a forward's end or a backward's end, whichever "
             "holds more."
+            + (" zb-v: each chunk's own microbatches in flight and units, along the rank's order "
+               "(the V: rank 0 holds the head, rank p-1 the outputs it hands to its own chunk 1)."
+               if parallel.pp_schedule == "zb-v" else "")
         )
     return 0
 

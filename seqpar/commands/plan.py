@@ -510,6 +510,8 @@ def run(args) -> int:
             raise AnalysisError(planner.refusal(req, stats))
         if explain is not None:
             ev = planner.evaluate(req, explain, every_rank=True)
+            if ev.error and args.emit_config:  # nothing to emit: the model refuses the plan
+                raise AnalysisError(f"--explain {args.explain!r}: {ev.error}")
             _emit(args, req, ev.plan)
             if args.json:
                 print(json.dumps({"plan": ev.to_json(), "rank": planner.rank_of(ev, ranked),

@@ -208,6 +208,20 @@ def implementation_terms(
     return terms
 
 
+def peak_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig,
+                              recompute: RecomputeConfig, micro_batch: int, microbatches: int,
+                              rank: int, free_outputs: bool = True, keep: int = 0,
+                              device: str = "cpu") -> dict[str, float]:
+    """``implementation_terms`` at the formula's peak (``formula_stage_memory``): a zero-bubble
+    schedule's peak may be a B's end, and zb-v's a moment of its order."""
+    memory = formula_stage_memory(cfg, parallel, recompute, micro_batch, microbatches, rank,
+                                  free_outputs, keep, device)
+    return implementation_terms(
+        cfg, parallel, micro_batch, microbatches, rank, free_outputs, device,
+        after_backward=memory.in_flight if memory.after_backward else None, moment=memory.moment,
+    )
+
+
 def _zbv_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, b: int, rank: int,
                               free_outputs: bool, device: str, moment) -> dict[str, float]:
     """``implementation_terms`` at zb-v's peak ``moment`` (``zbv_order.Moment``)."""

@@ -31,7 +31,7 @@ from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import full_state_dict
 from seqpar.parallel.tied import canonical_name
-from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.pipeline import build_stages, finalize_grads, forward_backward, forward_only
 
 SEL, FULL = RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)
 
@@ -127,8 +127,13 @@ def zero_bubble_here(cases):
             mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
             loss = forward_backward(chunks, global_batch(dp)[mine], dims, parallel)
             finalize_grads(chunks, dims)
-            runs[schedule] = (loss, {(dims.dp_rank, dims.tp_rank, canonical_name(c, n)): p.grad
-                                     for c in chunks for n, p in c.named_parameters()})
+            grads = {(dims.dp_rank, dims.tp_rank, canonical_name(c, n)): p.grad
+                     for c in chunks for n, p in c.named_parameters()}
+            for c in chunks:
+                c.eval()
+            scores, _ = forward_only(chunks, global_batch(dp)[mine][:3], dims,
+                                     pp_schedule=schedule)  # evaluation: 3 microbatches
+            runs[schedule] = (loss, grads, None if scores is None else (dims.dp_rank, scores))
         out[(dp, pp, tp, *split)] = runs
     return out
 
@@ -138,10 +143,13 @@ def merged_runs(results: list[dict]) -> dict:
     out = {}
     for res in results:
         for case, runs in res.items():
-            for schedule, (loss, grads) in runs.items():
-                losses, merged = out.setdefault(case, {}).setdefault(schedule, ([], {}))
+            for schedule, (loss, grads, scores) in runs.items():
+                losses, merged, evaluated = out.setdefault(case, {}).setdefault(schedule,
+                                                                                ([], {}, {}))
                 losses.append(loss)
                 merged.update(grads)
+                if scores is not None:  # the rank holding the last stage: its dp rank's sums
+                    evaluated[scores[0]] = scores[1]
     return out
 
 
@@ -234,17 +242,21 @@ def test_parity_with_single_process_model(spawned):
 
 
 def test_zero_bubble_is_bit_identical_to_1f1b(spawned):
-    """ZB-H1 and ZB-V: every rank's loss and every gradient of the model bit-identical to 1F1B's."""
+    """ZB-H1 and ZB-V: every rank's loss and every gradient of the model bit-identical to 1F1B's, and
+    their forward-only mode's loss sums (evaluation) too."""
     world, _, _, zero_bubble, _ = spawned
     merged = merged_runs(zero_bubble)
     assert merged, world
     for case, runs in merged.items():
-        losses, grads = runs["1f1b"]
+        losses, grads, scores = runs["1f1b"]
         for schedule in ("zb-h1", "zb-v"):
             if schedule not in runs:
                 continue
-            other_losses, other = runs[schedule]
+            other_losses, other, other_scores = runs[schedule]
             assert other_losses == losses, (world, case, schedule)
+            # evaluation (the forward-only mode, ZB-V's down the V and back): the same sums
+            assert other_scores.keys() == scores.keys() and scores, (case, schedule)
+            assert all(torch.equal(other_scores[d], scores[d]) for d in scores), (case, schedule)
             assert other.keys() == grads.keys(), (case, schedule, other.keys() ^ grads.keys())
             differ = [k for k in grads if not torch.equal(grads[k], other[k])]
             assert not differ, (world, case, schedule, differ[:5])

@@ -226,7 +226,7 @@ def fit_pp_schedule(
             d.narrow("pp_schedule", "zb-h1", f"zb-v needs {2 * pp - 2} layers or more to cut into "
                      f"2 × pp {pp} chunks" if layers is not None else "the check gives no layers")
         else:
-            return {"pp_schedule": "zb-v", "layer_split": list(v)}
+            return {"pp_schedule": "zb-v", "layer_split": tuple(v)}  # replaces 1F1B's split
     return {} if d["pp_schedule"] == "1f1b" else {"pp_schedule": d["pp_schedule"]}
 
 

@@ -403,6 +403,7 @@ def run_schedule(args) -> int:
                 r,
                 free,
                 after_backward=memory.in_flight if memory.after_backward else None,
+                moment=memory.moment,
             )
             host = formula_host_bytes(
                 cfg, parallel, recompute, args.micro_batch, args.microbatches, r, keep

@@ -170,14 +170,12 @@ def implementation_terms(
     Under context parallelism each holds the rank's s/cp tokens. ``after_backward``: the peak is a
     B's end under a zero-bubble schedule (``StageMemory.after_backward``), with that many
     microbatches in flight: no output in transit, and the last rank's microbatch gone with its loss
-    head. ``moment``: zb-v's peak (``StageMemory.moment``): an output in transit after a forward
-    that sends one (not rank 0's chunk 1, the loss, nor rank p - 1's chunk 0, handed over in the
-    formula), the embedding's for rank 0's chunk-0 microbatches in flight, the head's while rank
-    0's chunk 1 has one.
+    head. ``moment``: zb-v's peak (``StageMemory.moment``; its output in transit is a formula term):
+    the embedding's for rank 0's chunk-0 microbatches in flight, the head's while rank 0's chunk 1
+    has one.
     """
     if moment is not None:
-        return _zbv_implementation_terms(cfg, parallel, micro_batch, rank, free_outputs, device,
-                                         moment)
+        return _zbv_implementation_terms(cfg, parallel, micro_batch, rank, device, moment)
     s, b, h, t, p = (
         cfg.seq_len // parallel.cp,
         micro_batch,
@@ -223,14 +221,11 @@ def peak_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig,
 
 
 def _zbv_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, b: int, rank: int,
-                              free_outputs: bool, device: str, moment) -> dict[str, float]:
+                              device: str, moment) -> dict[str, float]:
     """``implementation_terms`` at zb-v's peak ``moment`` (``zbv_order.Moment``)."""
-    s, h, t, p = cfg.seq_len // parallel.cp, cfg.hidden_size, parallel.tp, parallel.pp
+    s, t = cfg.seq_len // parallel.cp, parallel.tp
     rep = t if parallel.sp and t > 1 else 1
-    terms: dict[str, float] = {}
-    sends = not (rank == 0 and moment.chunk == 1) and not (rank == p - 1 and moment.chunk == 0)
-    if free_outputs and moment.kind == "F" and sends:
-        terms["output_in_transit"] = cfg.dtype_bytes * s * b * h / rep
+    terms: dict[str, float] = {}  # the output in transit: in zb-v's formula (it picks the moment)
     if rank == 0 and (t > 1 or parallel.cp > 1):
         terms["embedding_indices"] = (9 if t > 1 else 8) * s * b * moment.flight[0]
     if rank == 0 and moment.flight[1]:
@@ -323,7 +318,7 @@ def validate_jobs(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]
             )
         parallel.validate(cfg)
         for recompute, _, n, _, keep in runs:
-            recompute.validate(cfg.num_layers // (parallel.pp * parallel.interleave))
+            recompute.validate(cfg.num_layers // (parallel.pp * parallel.chunks))
             validate_microbatches(n, parallel.pp, parallel.interleave)
             for r in range(parallel.pp):
                 keep_for_rank(keep, r, parallel.pp)

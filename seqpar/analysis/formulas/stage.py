@@ -562,7 +562,8 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
     for a long step), each chunk's microbatches in flight (its own layers' bytes) and W units
     (``deferred_w.unit_bytes``); rank 0 keeps the embedding-dropout masks of its chunk-0
     microbatches and, while its chunk 1 (the last stage) has one in flight, the head; rank p - 1
-    the chunk-0 outputs handed to its chunk 1 not yet run (``handed_input``); with App. B off, the
+    the chunk-0 outputs handed to its chunk 1 not yet run (``handed_input``); after a forward that
+    sends its output, that output until it is sent (``output_in_transit``); with App. B off, the
     sent outputs (``pipeline_outputs``)."""
     if rc.keep_microbatches:
         raise AnalysisError(f"App. C (keep_microbatches {rc.keep_microbatches}) with pp_schedule "
@@ -587,6 +588,10 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
             out |= head
         if m.handed:
             out["handed_input"] = boundary * m.handed
+        sends = not (rank == 0 and m.chunk == 1) and not (rank == par.pp - 1 and m.chunk == 0)
+        if m.kind == "F" and sends and opts.free_pipeline_outputs:  # alive until it is sent (App.
+            # B): it can decide which moment is the peak, so the formula counts it
+            out["output_in_transit"] = boundary
         if not opts.free_pipeline_outputs:  # App. B off: each sent output kept until its B; rank 0's
             # chunk 1 sends none, rank p - 1's chunk-0 output is its chunk 1's input (counted there
             # or as handed) until chunk 1's B, then kept to chunk 0's

@@ -242,8 +242,8 @@ def test_parity_with_single_process_model(spawned):
 
 
 def test_zero_bubble_is_bit_identical_to_1f1b(spawned):
-    """ZB-H1 and ZB-V: every rank's loss and every gradient of the model bit-identical to 1F1B's, and
-    their forward-only mode's loss sums (evaluation) too."""
+    """ZB-H1 and ZB-V: every rank's loss and every gradient of the model bit-identical to 1F1B's,
+    and their forward-only mode's loss sums (evaluation) too."""
     world, _, _, zero_bubble, _ = spawned
     merged = merged_runs(zero_bubble)
     assert merged, world

@@ -140,7 +140,8 @@ def test_zb_v_cuts_the_layers_into_a_v():
     assert stage_layers(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]  # interleaved: as it was
     assert (loss_rank(4, "zb-v"), loss_rank(4, "zb-h1"), loss_rank(4)) == (0, 3, 3)
     model = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=6, seq_len=16)
-    with pytest.raises(ConfigError, match=r"layers 6 are not divisible by pp 2 × 2 chunks \(zb-v\)"):
+    with pytest.raises(ConfigError,
+                       match=r"layers 6 are not divisible by pp 2 × 2 chunks \(zb-v\)"):
         ParallelConfig(pp=2, pp_schedule="zb-v").validate(model)
     with pytest.raises(ConfigError, match=r"virtual stage 2 \(pp rank 1, chunk 1\) has 0 layers"):
         ParallelConfig(pp=2, pp_schedule="zb-v", layer_split=(3, 3, 0, 0)).validate(model)
@@ -247,11 +248,11 @@ class _VRunner:
 
 
 def simulate_v(ops: list[list[tuple[str, int, int]]], cost: float) -> list[float]:
-    """Each rank runs its ops in order, each ``cost`` long; the V's dependencies (written here, apart
-    from the schedule's): chunk 0's F on rank r waits for rank r - 1's, chunk 1's F for rank r + 1's
-    (rank p - 1's for its own chunk 0's), chunk 1's B for rank r - 1's (rank 0's for its own chunk 1
-    F: the loss), chunk 0's B for rank r + 1's (rank p - 1's for its own chunk 1 B), W for its B.
-    Returns each rank's idle time."""
+    """Each rank runs its ops in order, each ``cost`` long; the V's dependencies (written here,
+    apart from the schedule's): chunk 0's F on rank r waits for rank r - 1's, chunk 1's F for
+    rank r + 1's (rank p - 1's for its own chunk 0's), chunk 1's B for rank r - 1's (rank 0's for
+    its own chunk 1 F: the loss), chunk 0's B for rank r + 1's (rank p - 1's for its own chunk 1
+    B), W for its B. Returns each rank's idle time."""
     p = len(ops)
 
     def dep(r, kind, c, mb):
@@ -340,7 +341,8 @@ def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
     assert v.layer_split == (12, 12, 12, 12, 11, 11, 11, 11)
     assert scheduled(v, "1f1b", run.shape.num_layers) == replace(plan.par, pp_schedule="1f1b")
     labelled = replace(plan, par=v)
-    assert labelled.label.endswith(",sched=zb-v") and parse_plan(labelled.label, run.gpus) == labelled
+    assert labelled.label.endswith(",sched=zb-v")
+    assert parse_plan(labelled.label, run.gpus) == labelled
     runs = schedule_bubbles(req, plan)
     assert set(runs) == {"1f1b", "zb-h1", "zb-v"} and all(r.fits for r in runs.values())
     bubble = {k: r.time.terms["bubble"] for k, r in runs.items()}

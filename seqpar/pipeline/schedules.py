@@ -130,10 +130,11 @@ def forward_only(chunks, microbatches, dims: ParallelDims, counted: int | None =
     """Forward of every microbatch through this rank's ``chunks`` (in eval mode) with the schedule
     ``forward_backward`` runs, nothing kept for backward: 1F1B, or interleaved 1F1B with
     ``len(chunks)`` > 1, or ZB-V's V (``pp_schedule`` zb-v), in their forward-only mode. Any
-    number of microbatches, of any shapes (each boundary tensor sized by its own). Returns the last virtual stage's
-    ``[cross entropy, objective]`` sums ``[2]`` float64 over the first ``counted`` microbatches
-    (default all; the rest run unscored: lockstep padding) and the tokens they count; ``(None, 0)``
-    on the other ranks. ``done(windows)``: after each counted microbatch is scored."""
+    number of microbatches, of any shapes (each boundary tensor sized by its own). Returns the last
+    virtual stage's ``[cross entropy, objective]`` sums ``[2]`` float64 over the first ``counted``
+    microbatches (default all; the rest run unscored: lockstep padding) and the tokens they count;
+    ``(None, 0)`` on the other ranks. ``done(windows)``: after each counted microbatch is
+    scored."""
     n = len(microbatches)
     runner = ScoreRunner(chunks, list(microbatches), n if counted is None else counted, done)
     comm = None

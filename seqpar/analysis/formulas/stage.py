@@ -592,9 +592,9 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
         if m.kind == "F" and sends and opts.free_pipeline_outputs:  # alive until it is sent (App.
             # B): it can decide which moment is the peak, so the formula counts it
             out["output_in_transit"] = boundary
-        if not opts.free_pipeline_outputs:  # App. B off: each sent output kept until its B; rank 0's
-            # chunk 1 sends none, rank p - 1's chunk-0 output is its chunk 1's input (counted there
-            # or as handed) until chunk 1's B, then kept to chunk 0's
+        if not opts.free_pipeline_outputs:  # App. B off: each sent output kept until its B;
+            # rank 0's chunk 1 sends none, rank p - 1's chunk-0 output is its chunk 1's input
+            # (counted there or as handed) until chunk 1's B, then kept to chunk 0's
             chunk0 = m.flight[0] - (m.flight[1] + m.handed if rank == par.pp - 1 else 0)
             out["pipeline_outputs"] = boundary * (chunk0 + m.flight[1] * (rank > 0))
         return out

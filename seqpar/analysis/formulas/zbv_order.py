@@ -20,8 +20,8 @@ microbatches' gradients in 1F1B's order.
 
 ``timetable`` places each action in the earliest unit-time slot its order and its inputs allow
 (F = B = W = 1; a result crosses to a neighbour at the end of its slot): with F = B = W the V
-has (nearly) no bubble at 1F1B's activation memory (each chunk is half a stage: a rank holds about 2p
-half-stage microbatches, p stage ones). The schedule runs in these slots: in each, every rank
+has (nearly) no bubble at 1F1B's activation memory (each chunk is half a stage: a rank holds about
+2p half-stage microbatches, p stage ones). The schedule runs in these slots: in each, every rank
 runs its action and exchanges what the slot's actions send (``messages``).
 """
 

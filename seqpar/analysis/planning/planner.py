@@ -622,8 +622,8 @@ def with_tp_ring(req: Request, plan: Plan) -> Plan:
 
 def _schedules(req: Request, par: ParallelConfig) -> list[ParallelConfig]:
     """``par`` under each pipeline schedule ``req`` searches that it can run: 1f1b always (there is
-    no other without a pipeline, or interleaved), a zero-bubble one where ``ParallelConfig.validate``
-    allows it (zb-v with its V split, ``scheduled``)."""
+    no other without a pipeline, or interleaved), a zero-bubble one where
+    ``ParallelConfig.validate`` allows it (zb-v with its V split, ``scheduled``)."""
     out = [par] if "1f1b" in req.schedules else []
     for s in req.schedules:
         other = None if s == "1f1b" else scheduled(par, s, req.shape.num_layers)

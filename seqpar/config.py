@@ -61,10 +61,10 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 # cp_a2a_size and a ring across.
 CP_COMM_TYPES = ("ring", "a2a", "a2a+ring")
 # Pipeline schedules: 1f1b (Sec. 4.2.3; interleaved when interleave > 1) and the zero-bubble ones of
-# Qi et al.
-# 2024, which defer the linears' weight gradients (W) into the bubble
-# (seqpar/pipeline/schedule_zero_bubble.py).
-PP_SCHEDULES = ("1f1b", "zb-h1")
+# Qi et al. 2024, which defer the linears' weight gradients (W) into the bubble: zb-h1, one chunk
+# per rank (seqpar/pipeline/schedule_zero_bubble.py), and zb-v, two chunks per rank in a V
+# (seqpar/pipeline/schedule_zbv.py).
+PP_SCHEDULES = ("1f1b", "zb-h1", "zb-v")
 
 
 class ConfigError(ValueError):
@@ -340,21 +340,25 @@ class ModelConfig:
 
 
 def layer_counts(
-    num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None
+    num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None,
+    v: bool = False,
 ) -> list[int]:
-    """Layers per virtual stage (Sec. 4.2.3): even by default, or the explicit uneven ``counts``."""
+    """Layers per virtual stage (Sec. 4.2.3): even by default, or the explicit uneven ``counts``.
+    ``interleave``: the chunks per rank; ``v``: zb-v's V (2 chunks per rank, rank r holding virtual
+    stages r and 2p - 1 - r), named so in the messages."""
     stages = pp * interleave
+    unit = "2 chunks (zb-v)" if v else f"interleave {interleave}"
     if counts is None:
         if num_layers % stages:
             raise ConfigError(
-                f"layers {num_layers} are not divisible by pp {pp} × interleave {interleave} "
+                f"layers {num_layers} are not divisible by pp {pp} × {unit} "
                 f"= {stages}; pass an explicit uneven split"
             )
         return [num_layers // stages] * stages
     counts = list(counts)
     if len(counts) != stages:
         raise ConfigError(
-            f"uneven split has {len(counts)} entries, pp {pp} × interleave {interleave} "
+            f"uneven split has {len(counts)} entries, pp {pp} × {unit} "
             f"needs {stages}"
         )
     if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts):
@@ -366,11 +370,18 @@ def layer_counts(
     empty = [i for i in range(1, stages - 1) if counts[i] == 0]
     if empty:  # a middle chunk with no layers would hold no parameters and only pass activations on
         i = empty[0]
+        rank, chunk = (min(i, stages - 1 - i), i // pp) if v else (i % pp, i // pp)
         raise ConfigError(
-            f"uneven split {counts}: virtual stage {i} (pp rank {i % pp}, chunk {i // pp}) has 0 "
+            f"uneven split {counts}: virtual stage {i} (pp rank {rank}, chunk {chunk}) has 0 "
             "layers; only the first (embedding) and the last (output layer) stage may be empty"
         )
     return counts
+
+
+def loss_rank(pp: int, pp_schedule: str = "1f1b") -> int:
+    """The pipeline rank holding the last virtual stage (the output layer and the loss): p - 1, or
+    0 under zb-v's V (``seqpar.pipeline.split.v_stage``)."""
+    return 0 if pp_schedule == "zb-v" else pp - 1
 
 
 @dataclass(frozen=True)
@@ -399,8 +410,9 @@ class ParallelConfig:
     # (seqpar/parallel/expert.py)
     ep: int = 1
     interleave: int = 1  # m: virtual pipeline chunks per pipeline rank
-    # Layers per virtual stage in model order (pp × interleave entries) for an uneven split; empty:
-    # num_layers / (pp × interleave) each. Only the first and the last virtual stage may be empty.
+    # Layers per virtual stage in model order (pp × chunks entries, ``chunks``: interleave, 2 under
+    # zb-v) for an uneven split; empty: num_layers / (pp × chunks) each. Only the first and the
+    # last virtual stage may be empty.
     layer_split: tuple[int, ...] = ()
     # FSDP2 (``torch.distributed.fsdp.fully_shard``) over the dp × cp ranks: parameters, gradients
     # and optimizer state sharded (seqpar/parallel/fsdp.py). ``reshard_after_forward``: free each
@@ -411,7 +423,8 @@ class ParallelConfig:
     fsdp: bool = False
     reshard_after_forward: bool = True
     fsdp_shard_size: int = 0
-    pp_schedule: str = "1f1b"  # PP_SCHEDULES: 1f1b (interleaved when interleave > 1), zb-h1
+    # PP_SCHEDULES: 1f1b (interleaved when interleave > 1), zb-h1, zb-v (two chunks per rank)
+    pp_schedule: str = "1f1b"
 
     @property
     def world_size(self) -> int:
@@ -446,9 +459,21 @@ class ParallelConfig:
             )
         return f"dp {self.dp} × pp {self.pp}{cp} × tp {self.tp}"
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: ``interleave``, or 2 under zb-v (its V: rank r holds
+        virtual stages r and 2p - 1 - r, ``seqpar.pipeline.split``)."""
+        return 2 if self.pp_schedule == "zb-v" else self.interleave
+
+    @property
+    def loss_rank(self) -> int:
+        """The pipeline rank holding the last virtual stage (``loss_rank``)."""
+        return loss_rank(self.pp, self.pp_schedule)
+
     def layer_counts(self, num_layers: int) -> list[int]:
         """Layers of each virtual stage, in model order (validated)."""
-        return layer_counts(num_layers, self.pp, self.interleave, list(self.layer_split) or None)
+        return layer_counts(num_layers, self.pp, self.chunks, list(self.layer_split) or None,
+                            v=self.pp_schedule == "zb-v")
 
     def validate(
         self, model: ModelConfig | None = None, world_size: int | None = None
@@ -570,8 +595,9 @@ class ParallelConfig:
         if self.pp == 1:
             raise ConfigError(f"pp_schedule {kind} needs pipeline parallelism (pp > 1)")
         if self.interleave > 1:
+            chunks = "two chunks per rank in a V" if kind == "zb-v" else "one chunk per rank"
             raise ConfigError(
-                f"pp_schedule {kind} runs one chunk per rank, got interleave {self.interleave} "
+                f"pp_schedule {kind} runs {chunks}, got interleave {self.interleave} "
                 "(interleaved 1F1B is pp_schedule 1f1b)"
             )
         if self.fsdp:
@@ -728,7 +754,18 @@ class RunConfig:
         self.recompute.validate(
             min(n for n in self.parallel.layer_counts(self.model.num_layers) if n) or None
         )
+        zero_bubble_norm_refusal(self.parallel, self.recompute)
         return self
+
+
+def zero_bubble_norm_refusal(parallel: ParallelConfig, recompute: RecomputeConfig) -> None:
+    """A zero-bubble schedule defers qkv's and fc1's W, whose input is the norm's output: the
+    "norm" recompute module releases that output once the norm's backward has run, before the W."""
+    if parallel.pp_schedule != "1f1b" and "norm" in recompute.modules:
+        raise ConfigError(
+            f"pp_schedule {parallel.pp_schedule} with the recompute module norm is not supported: "
+            "the norm's output, released after its backward, is the input a deferred W needs"
+        )
 
 
 def validate_microbatches(n: int, pp: int, interleave: int = 1) -> None:

@@ -154,8 +154,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--pp-schedule",
         "parallel.pp_schedule",
         "pipeline schedule: 1f1b (interleaved with --interleave > 1), or zb-h1, zero bubble at "
-        "1F1B's activation memory: the linears' weight gradients deferred into the bubble "
-        "(docs/zero_bubble.md) {default}",
+        "1F1B's activation memory: the linears' weight gradients deferred into the bubble, or "
+        "zb-v, two chunks per rank in a V, the loss on rank 0 (docs/zero_bubble.md) {default}",
         choices=PP_SCHEDULES,
         labels=("sched", "pp_schedule"),
     ),

@@ -35,6 +35,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from seqpar.analysis.formulas.zbv_order import v_split
 from seqpar.config import OFFLOAD_INSIDE, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 
 AXES = {  # axis: the values a draw takes (the first is the default a narrowed draw falls back to)
@@ -52,8 +53,9 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "fsdp": ("off", "fsdp", "hsdp"),  # hsdp: FSDP2 sharded over groups of 2 of the dp × cp ranks
     "reshard_after_forward": (True, False),  # under fsdp: ZeRO-3 or ZeRO-2
     "ep": (1, 2, 4),  # expert parallelism (MoE checks)
-    # zb-h1: the linears' W deferred into the bubble (needs pp > 1, one chunk)
-    "pp_schedule": ("1f1b", "zb-h1"),
+    # zb-h1: the linears' W deferred into the bubble (needs pp > 1, one chunk); zb-v: two chunks
+    # per rank in a V (and its layer split, fit_pp_schedule)
+    "pp_schedule": ("1f1b", "zb-h1", "zb-v"),
     "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
     # the distributed optimizer's weight all-gather under the next forward
     # (train.overlap_param_gather)
@@ -191,11 +193,15 @@ def fit_fsdp(d: Draw, dp: int, cp: int, experts: int = 0) -> dict:
 
 
 def fit_pp_schedule(
-    d: Draw, pp: int, interleave: int, fsdp: bool, tp_comm_overlap: bool = False
+    d: Draw, pp: int, interleave: int, fsdp: bool, tp_comm_overlap: bool = False,
+    layers: int | None = None, split: tuple[int, ...] | list[int] = (), recompute_modules=(),
 ) -> dict:
     """The ``parallel`` keys of the drawn pipeline schedule: a zero-bubble one needs pp > 1, one
     chunk per rank, no FSDP and no TP-communication overlap (``ParallelConfig`` refuses the rest);
-    1f1b is the default, no key."""
+    1f1b is the default, no key. zb-v cuts the check's ``layers`` (split ``split`` over pp under
+    1F1B) into 2p chunks: its ``layer_split`` gives each rank 1F1B's layers (``zbv_order.v_split``),
+    or, where that leaves a middle chunk empty, one layer to each middle chunk and the rest to the
+    last (``v_layer_split``); a check that gives no ``layers`` (or too few) draws zb-h1 instead."""
     if d["pp_schedule"] != "1f1b":
         why = (
             "pp 1 has no pipeline schedule"
@@ -207,11 +213,33 @@ def fit_pp_schedule(
             else "zero bubble with tp_comm_overlap is refused (ParallelConfig: the ring computes W "
                  "in the backward)"
             if tp_comm_overlap
+            else "zero bubble with the recompute module norm is refused (RunConfig: its released "
+                 "output is a deferred W's input)"
+            if "norm" in recompute_modules
             else ""
         )
         if why:
             d.narrow("pp_schedule", "1f1b", why)
+    if d["pp_schedule"] == "zb-v":
+        v = None if layers is None else v_layer_split(layers, pp, split)
+        if v is None:
+            d.narrow("pp_schedule", "zb-h1", f"zb-v needs {2 * pp - 2} layers or more to cut into "
+                     f"2 × pp {pp} chunks" if layers is not None else "the check gives no layers")
+        else:
+            return {"pp_schedule": "zb-v", "layer_split": tuple(v)}  # replaces 1F1B's split
     return {} if d["pp_schedule"] == "1f1b" else {"pp_schedule": d["pp_schedule"]}
+
+
+def v_layer_split(layers: int, pp: int, split=()) -> tuple[int, ...] | None:
+    """zb-v's layer split (2p entries; () when even) for ``layers`` split ``split`` over pp ranks
+    under 1F1B (fit_pp_schedule); None when the layers are too few."""
+    per_rank = list(split) or [layers // pp + (r < layers % pp) for r in range(pp)]
+    v = v_split(per_rank)
+    if v is not None:
+        return v
+    if layers < 2 * pp - 2:
+        return None
+    return (0, *([1] * (2 * pp - 2)), layers - (2 * pp - 2))
 
 
 def fit_batch(d: Draw, dp: int, pp: int, interleave: int) -> int:

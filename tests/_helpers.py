@@ -222,17 +222,17 @@ def plan_vs_measured(stages: dict[int, dict], job, ranks: list[dict]) -> list[st
     optimizer state exactly per rank, or with the distributed optimizer summed over the dp × cp
     ranks that shard it (the padding holds none); the activation peak equal to the planned
     activations less the transients (``stage.TRANSIENT_TERMS``) plus the implementation's small
-    tensors (``seqpar.measure.stages.implementation_terms``)."""
+    tensors (``seqpar.measure.stages.peak_implementation_terms``)."""
     from seqpar.analysis.formulas.stage import STATE_TERMS, TRANSIENT_TERMS
-    from seqpar.measure.stages import implementation_terms
+    from seqpar.measure.stages import peak_implementation_terms
 
     p, t, bad, held = job.parallel, job.train, [], {}
     for x in ranks:
         plan, who = stages[x["pp_rank"]], f"rank {x['rank']} (pp {x['pp_rank']})"
         acts = sum(v for k, v in plan.items() if k not in STATE_TERMS + TRANSIENT_TERMS)
-        impl = sum(
-            implementation_terms(
-                job.model, p, t.micro_batch, t.microbatches(p.dp), x["pp_rank"]
+        impl = sum(  # at the formula's peak (a zero-bubble one may be a B's end)
+            peak_implementation_terms(
+                job.model, p, job.recompute, t.micro_batch, t.microbatches(p.dp), x["pp_rank"]
             ).values()
         )
         for name, got, want in (

@@ -13,8 +13,8 @@ layers' worth (× (1 + (p-1)/(pm)) interleaved). App. B: with freeing off every 
 with it on none does. App. C: the peak lies between the all-recomputed and all-stored figures, grows
 with K, and the loss is bit-identical.
 
-ZB-H1 (``pp_schedule`` zb-h1) on the one-chunk parity layouts: loss and every gradient bit-identical
-to 1F1B's.
+ZB-H1 and ZB-V (``pp_schedule`` zb-h1, zb-v) on the one-chunk parity layouts: loss and every
+gradient bit-identical to 1F1B's.
 """
 
 import functools
@@ -30,7 +30,8 @@ from seqpar.model import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
 from seqpar.parallel.sharding import full_state_dict
-from seqpar.pipeline import build_stages, finalize_grads, forward_backward
+from seqpar.parallel.tied import canonical_name
+from seqpar.pipeline import build_stages, finalize_grads, forward_backward, forward_only
 
 SEL, FULL = RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)
 
@@ -105,15 +106,19 @@ def parity_here(cases):
 
 
 def zero_bubble_here(cases):
-    """ZB-H1 against 1F1B on the one-chunk parity layouts: the same loss and every gradient, bit for
-    bit (the W order moves no sum inside a microbatch, and microbatches accumulate in the same
-    order)."""
+    """ZB-H1 and ZB-V against 1F1B on the one-chunk parity layouts: the same loss and every
+    gradient, bit for bit (the W order moves no sum inside a microbatch, and microbatches
+    accumulate in the same order). ZB-V places the layers in a V, so each run returns its
+    gradients by (dp rank, tp rank, name) for the test to merge over the pipeline ranks (the tied
+    copy, on rank p - 1 under 1F1B and on rank 0 under ZB-V, by the embedding's name)."""
     out = {}
     for dp, pp, tp, m, *split in cases:
         if pp == 1 or m > 1:
             continue
-        runs = []
-        for schedule in ("1f1b", "zb-h1"):
+        runs = {}
+        for schedule in ("1f1b", "zb-h1", "zb-v"):
+            if schedule == "zb-v" and split:
+                continue  # the V's split has 2p entries: the even layouts check it
             parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, pp_schedule=schedule)
             dims = ParallelDims.build(parallel)
             chunks = build_stages(
@@ -122,10 +127,29 @@ def zero_bubble_here(cases):
             mine = slice(dims.dp_rank * PER_DP, (dims.dp_rank + 1) * PER_DP)
             loss = forward_backward(chunks, global_batch(dp)[mine], dims, parallel)
             finalize_grads(chunks, dims)
-            runs.append((loss, {n: p.grad for c in chunks for n, p in c.named_parameters()}))
-        (loss_a, grads_a), (loss_b, grads_b) = runs
-        out[(dp, pp, tp, *split)] = loss_a == loss_b and grads_a.keys() == grads_b.keys() and all(
-            torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+            grads = {(dims.dp_rank, dims.tp_rank, canonical_name(c, n)): p.grad
+                     for c in chunks for n, p in c.named_parameters()}
+            for c in chunks:
+                c.eval()
+            scores, _ = forward_only(chunks, global_batch(dp)[mine][:3], dims,
+                                     pp_schedule=schedule)  # evaluation: 3 microbatches
+            runs[schedule] = (loss, grads, None if scores is None else (dims.dp_rank, scores))
+        out[(dp, pp, tp, *split)] = runs
+    return out
+
+
+def merged_runs(results: list[dict]) -> dict:
+    """Per case and schedule: the loss of each rank and every gradient merged over the ranks."""
+    out = {}
+    for res in results:
+        for case, runs in res.items():
+            for schedule, (loss, grads, scores) in runs.items():
+                losses, merged, evaluated = out.setdefault(case, {}).setdefault(schedule,
+                                                                                ([], {}, {}))
+                losses.append(loss)
+                merged.update(grads)
+                if scores is not None:  # the rank holding the last stage: its dp rank's sums
+                    evaluated[scores[0]] = scores[1]
     return out
 
 
@@ -163,11 +187,15 @@ ZB_RUNS = [(SEL, B, 8, True, 0), (RecomputeConfig("none"), 2, 6, True, 0), (FULL
 
 def zb_memory_jobs(world):
     """ZB-H1 at 1F1B's memory layouts of one chunk on 2 and 4 ranks (8 or 6 microbatches: every rank
-    holds its deferred W units; selective and full recompute where the peak is at a B's end)."""
+    holds its deferred W units; selective and full recompute where the peak is at a B's end); ZB-V
+    on the same runs (8 layers: 2p chunks at p 2 and 4), and on 2 ranks 3 microbatches too (fewer
+    than 2p - 1: the V not full)."""
     if world > 4:
         return []
     runs = ZB_RUNS if world == 2 else ZB_RUNS[::2]
-    return [(replace(parallel, pp_schedule="zb-h1"), runs) for parallel, _ in memory_jobs(world)
+    v_runs = ZB_RUNS + [(SEL, B, 3, True, 0)] if world == 2 else ZB_RUNS[::2]
+    return [(replace(parallel, pp_schedule=schedule), runs if schedule == "zb-h1" else v_runs)
+            for schedule in ("zb-h1", "zb-v") for parallel, _ in memory_jobs(world)
             if parallel.interleave == 1]
 
 
@@ -213,27 +241,48 @@ def test_parity_with_single_process_model(spawned):
         assert names == set(ref_keys), case  # every parameter is held by some rank and checked
 
 
-def test_zero_bubble_h1_is_bit_identical_to_1f1b(spawned):
+def test_zero_bubble_is_bit_identical_to_1f1b(spawned):
+    """ZB-H1 and ZB-V: every rank's loss and every gradient of the model bit-identical to 1F1B's,
+    and their forward-only mode's loss sums (evaluation) too."""
     world, _, _, zero_bubble, _ = spawned
-    for rank, same in enumerate(zero_bubble):
-        assert same and all(same.values()), (world, rank, same)
+    merged = merged_runs(zero_bubble)
+    assert merged, world
+    for case, runs in merged.items():
+        losses, grads, scores = runs["1f1b"]
+        for schedule in ("zb-h1", "zb-v"):
+            if schedule not in runs:
+                continue
+            other_losses, other, other_scores = runs[schedule]
+            assert other_losses == losses, (world, case, schedule)
+            # evaluation (the forward-only mode, ZB-V's down the V and back): the same sums
+            assert other_scores.keys() == scores.keys() and scores, (case, schedule)
+            assert all(torch.equal(other_scores[d], scores[d]) for d in scores), (case, schedule)
+            assert other.keys() == grads.keys(), (case, schedule, other.keys() ^ grads.keys())
+            differ = [k for k in grads if not torch.equal(grads[k], other[k])]
+            assert not differ, (world, case, schedule, differ[:5])
+        assert "zb-v" in runs or len(case) > 3, case
 
 
-def test_zero_bubble_h1_peak_matches_exact_per_stage(spawned):
-    """ZB-H1's measured peak per stage == exact (its ``deferred_w`` term: rank S's W units at the
-    peak), and the same loss as 1F1B's run of the layout (dropout on)."""
+def test_zero_bubble_peak_matches_exact_per_stage(spawned):
+    """ZB-H1's and ZB-V's measured peak per stage == exact (``deferred_w``: the W units at the peak;
+    ZB-V: each chunk's microbatches in flight, the head on rank 0, the outputs rank p - 1 hands to
+    its own chunk 1)."""
     world, _, _, _, measured = spawned
+    assert {p.pp_schedule for p, _ in zb_memory_jobs(world)} == ({"zb-h1", "zb-v"} if world <= 4
+                                                                 else set())
     for (parallel, runs), results in zip(zb_memory_jobs(world), measured, strict=True):
         for (rc, b, n, free, _), stages in zip(runs, results, strict=True):
             for st in stages:
                 print(
-                    f"zb-h1 p={parallel.pp} t={parallel.tp} {rc.label} b={b} n={n} free={free} "
-                    f"stage {st.stage}: measured {st.measured_peak_bytes} exact "
+                    f"{parallel.pp_schedule} p={parallel.pp} t={parallel.tp} {rc.label} b={b} "
+                    f"n={n} free={free} stage {st.stage}: measured {st.measured_peak_bytes} exact "
                     f"{st.exact_bytes:.0f} deferred_w {st.terms['deferred_w']:.0f}"
                 )
                 assert st.measured_peak_bytes == st.exact_bytes, (parallel, rc, b, n, free, st)
-                # rank S > 0 holds units at its peak
-                assert st.terms["deferred_w"] > 0 or st.stage == 0, st
+                # ZB-H1's rank S > 0 holds units at its peak
+                assert st.terms["deferred_w"] > 0 or st.stage == 0 or parallel.pp_schedule == "zb-v"
+                if parallel.pp_schedule == "zb-v" and st.stage == 0 and n > 1:  # the head is here
+                    assert st.terms.get("logits", 0) > 0 or st.terms["deferred_w"] > 0, st
 
 
 def test_peak_matches_formula_per_stage(spawned):

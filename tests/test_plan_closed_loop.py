@@ -29,6 +29,7 @@ import torch
 from _helpers import plan_vs_measured, random_tokens, run_cli
 from test_states_closed_loop import LAYOUTS, WORLD, start_record
 
+from seqpar.analysis.planning.planner import split_text
 from seqpar.analysis.text import exact_bytes
 from seqpar.config import ConfigError, RecomputeConfig
 from seqpar.train.config import build_job, load_toml
@@ -130,11 +131,16 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[list, str, dict]:
         f",recompute={recompute},mb={micro},distopt={'on' if distopt else 'off'}"
         + "".join(f",{k}={v}" for k, v in comm.items())
         + (f",offload={'/'.join(offload)}" if offload else "")
-        + "".join(
-            f",sched={v}" for v in _axes.fit_pp_schedule(axes, pp, interleave, fsdp=False).values()
-        )
+        + _schedule_keys(_axes.fit_pp_schedule(axes, pp, interleave, fsdp=False, layers=layers))
     )
     return argv, explain, {"label_smoothing": axes["label_smoothing"]}
+
+
+def _schedule_keys(parallel: dict) -> str:
+    """The drawn schedule's plan-label keys (zb-v with its layer split)."""
+    split = parallel.get("layer_split")
+    return (f",split={split_text(tuple(split))}" if split else "") + (
+        f",sched={parallel['pp_schedule']}" if "pp_schedule" in parallel else "")
 
 
 def planned(argv: list, explain: str, device: str, path=None) -> dict:

@@ -76,9 +76,12 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, ParallelCon
         pp=pp,
         sp=sp,
         **overlap,
-        **_axes.fit_pp_schedule(axes, pp, 1, fsdp=False, tp_comm_overlap=bool(overlap)),
+        **_axes.fit_pp_schedule(axes, pp, 1, fsdp=False, tp_comm_overlap=bool(overlap),
+                                layers=cfg.num_layers),
     )
     recompute = RecomputeConfig(rng.choice(["none", "selective", "full"]))
+    if parallel.pp_schedule == "zb-v":  # its stage formula refuses offloading
+        axes.narrow("offload", (), "zb-v's stage memory does not model offloading")
     recompute = replace(recompute, offload_modules=_axes.fit_offload(axes, recompute))
     run = (recompute, axes["micro_batch"], pp * rng.choice([1, 2]), True, 0)
     return cfg.validate(), parallel.validate(cfg), run
@@ -169,7 +172,9 @@ def test_stages_measured_equal_exact_and_parameters_equal_the_formula(record_pro
                 st.measured_host_bytes - st.host_bytes,
             )
         shape = cfg
-        par = ParallelConfig(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, cp=parallel.cp)
+        par = ParallelConfig(tp=parallel.tp, pp=parallel.pp, sp=parallel.sp, cp=parallel.cp,
+                             pp_schedule=parallel.pp_schedule,  # zb-v: the V's placement
+                             layer_split=parallel.layer_split)
         for r in results:
             _, stage, params = r[i]
             assert params == stage_parameters(shape, par, stage), (label, stage, params)

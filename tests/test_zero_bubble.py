@@ -11,6 +11,7 @@ import pytest
 
 from seqpar.config import ConfigError, ParallelConfig
 from seqpar.pipeline.schedule_1f1b import run_1f1b
+from seqpar.pipeline.schedule_zbv import run_zb_v
 from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 
 
@@ -47,6 +48,9 @@ class _Runner:
 
 class _Tensor:
     def requires_grad_(self, flag):
+        return self
+
+    def detach(self):  # ZB-V's turn at rank p - 1
         return self
 
 
@@ -114,9 +118,36 @@ def test_zero_bubble_refusals_name_the_rule():
     for keys, words in [({"pp": 1}, "needs pipeline parallelism (pp > 1)"),
                         ({"pp": 2, "interleave": 2}, "runs one chunk per rank, got interleave 2"),
                         ({"pp": 2, "dp": 2, "fsdp": True}, "with fsdp is not supported"),
-                        ({"pp": 2, "pp_schedule": "zb-h2"}, "is not one of")]:
+                        ({"pp": 2, "pp_schedule": "zb-h2"}, "is not one of"),
+                        ({"pp": 1, "pp_schedule": "zb-v"}, "zb-v needs pipeline parallelism"),
+                        ({"pp": 2, "interleave": 2, "pp_schedule": "zb-v"},
+                         "runs two chunks per rank in a V, got interleave 2"),
+                        ({"pp": 2, "tp": 2, "sp": True, "tp_comm_overlap": True,
+                          "pp_schedule": "zb-v"}, "zb-v with tp_comm_overlap is not supported")]:
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
             ParallelConfig(**({"pp_schedule": "zb-h1"} | keys)).validate()
+
+
+def test_zb_v_cuts_the_layers_into_a_v():
+    """The V's placement (rank r: virtual stages r and 2p - 1 - r, the loss on rank 0), its layer
+    counts (2p stages; an odd count refused in one line naming zb-v, an uneven split taken), and
+    the split that keeps 1F1B's layers per rank (the 119B's 92 layers on pp 4: 23 a rank)."""
+    from seqpar.analysis.formulas.zbv_order import v_split
+    from seqpar.config import ModelConfig
+    from seqpar.pipeline.split import loss_rank, stage_layers
+
+    assert stage_layers(8, 2, 2, v=True) == [[[0, 1], [6, 7]], [[2, 3], [4, 5]]]
+    assert stage_layers(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]  # interleaved: as it was
+    assert (loss_rank(4, "zb-v"), loss_rank(4, "zb-h1"), loss_rank(4)) == (0, 3, 3)
+    model = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_layers=6, seq_len=16)
+    with pytest.raises(ConfigError,
+                       match=r"layers 6 are not divisible by pp 2 × 2 chunks \(zb-v\)"):
+        ParallelConfig(pp=2, pp_schedule="zb-v").validate(model)
+    with pytest.raises(ConfigError, match=r"virtual stage 2 \(pp rank 1, chunk 1\) has 0 layers"):
+        ParallelConfig(pp=2, pp_schedule="zb-v", layer_split=(3, 3, 0, 0)).validate(model)
+    assert ParallelConfig(pp=2, pp_schedule="zb-v", layer_split=(2, 1, 1, 2)).validate(model)
+    assert v_split([23] * 4) == (12, 12, 12, 12, 11, 11, 11, 11)
+    assert v_split([8, 8]) == () and v_split([2, 1]) is None
 
 
 def test_planner_prices_the_zb_h1_bubble_and_searches_it():
@@ -148,15 +179,15 @@ def test_planner_prices_the_zb_h1_bubble_and_searches_it():
     assert b.memory_bytes > a.memory_bytes  # its W units' inputs
     assert "pp_schedule 1f1b, selective" in alternatives(req, zb)
     searched = {p.par.pp_schedule for p in layouts(req) if p.par.pp > 1 and p.par.interleave == 1}
-    assert searched == {"1f1b", "zb-h1"}
+    assert searched == {"1f1b", "zb-h1", "zb-v"}
     only = {p.par.pp_schedule for p in layouts(replace(req, schedules=("1f1b",)))}
     assert only == {"1f1b"}
 
 
 def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
     """``seqpar bench schedule`` on 2 ranks (--quick): every rank's F and B of every microbatch in
-    its timeline, ZB-H1's W units too (none under 1F1B, whose W is inside B), the idle times and
-    their ratio, the picture."""
+    its timeline (ZB-V's on both chunks), the zero-bubble schedules' W units too (none under 1F1B,
+    whose W is inside B), the idle times and their ratios, the picture."""
     import argparse
 
     from seqpar.bench import add_arguments
@@ -169,13 +200,155 @@ def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
     )
     capsys.readouterr()
     n = r["config"]["microbatches"]
-    for sched in ("1f1b", "zb-h1"):
+    for sched in ("1f1b", "zb-h1", "zb-v"):
+        chunks = 2 if sched == "zb-v" else 1  # ZB-V: each microbatch on two chunks of each rank
         for events in r[sched]["events"]:
             kinds = sorted((k, mb) for k, mb, *_ in events if k != "W")
-            assert kinds == sorted((k, mb) for k in "FB" for mb in range(n)), sched
-            assert sum(k == "W" for k, *_ in events) == (n if sched == "zb-h1" else 0)
+            assert kinds == sorted((k, mb) for k in "FB" for mb in range(n) for _ in range(chunks))
+            assert sum(k == "W" for k, *_ in events) == (0 if sched == "1f1b" else n * chunks)
             assert all(0 <= start <= end for *_, start, end in events)
         assert all(0 <= idle < r[sched]["step_s"] for idle in r[sched]["idle_s"])
-    ratios = [z / o for z, o in zip(r["zb-h1"]["idle_s"], r["1f1b"]["idle_s"], strict=True)]
-    assert r["zb-h1"]["idle_ratio"] == pytest.approx(ratios)
+    for sched in ("zb-h1", "zb-v"):
+        ratios = [z / o for z, o in zip(r[sched]["idle_s"], r["1f1b"]["idle_s"], strict=True)]
+        assert r[sched]["idle_ratio"] == pytest.approx(ratios)
     assert (tmp_path / "schedule_timeline.png").stat().st_size > 0
+
+
+class _VRunner:
+    """Records F, B and W per (chunk, microbatch) of a rank's two chunks; each chunk's W units queue
+    as its ``WeightGradStore`` does."""
+
+    def __init__(self, n: int):
+        self.num_microbatches, self.ops, self.deferred = n, [], {0: [], 1: []}
+        self.flight, self.most = 0, 0  # chunk-microbatches in flight, their most
+
+    def forward(self, chunk, mb, x):
+        self.ops.append(("F", chunk, mb))
+        self.flight += 1
+        self.most = max(self.most, self.flight)
+        return _Tensor()
+
+    def release_output(self, chunk, out):
+        pass
+
+    def backward(self, chunk, mb, x, out, grad):
+        self.ops.append(("B", chunk, mb))
+        self.flight -= 1
+        self.last_b = mb
+        return _Tensor()
+
+    def seal_w(self, chunk):
+        self.deferred[chunk].append(self.last_b)
+
+    def deferred_w(self, chunk):
+        return len(self.deferred[chunk])
+
+    def weight_grads(self, chunk):
+        self.ops.append(("W", chunk, self.deferred[chunk].pop(0)))
+
+
+def simulate_v(ops: list[list[tuple[str, int, int]]], cost: float) -> list[float]:
+    """Each rank runs its ops in order, each ``cost`` long; the V's dependencies (written here,
+    apart from the schedule's): chunk 0's F on rank r waits for rank r - 1's, chunk 1's F for
+    rank r + 1's (rank p - 1's for its own chunk 0's), chunk 1's B for rank r - 1's (rank 0's for
+    its own chunk 1 F: the loss), chunk 0's B for rank r + 1's (rank p - 1's for its own chunk 1
+    B), W for its B. Returns each rank's idle time."""
+    p = len(ops)
+
+    def dep(r, kind, c, mb):
+        if kind == "W":
+            return r, "B", c, mb
+        down = (kind == "F") == (c == 0)  # the direction its input comes from: rank r - 1
+        turn = (c == 1 and kind == "F" and r == p - 1) or (c == 0 and kind == "B" and r == p - 1)
+        if turn:
+            return r, kind, 1 - c, mb
+        if kind == "B" and c == 1 and r == 0:
+            return r, "F", 1, mb
+        if (down and r == 0) or (not down and r == p - 1):
+            return None
+        return (r - 1 if down else r + 1), kind, c, mb
+
+    done, clock, idle, at = {}, [0.0] * p, [0.0] * p, [0] * p
+    while any(at[r] < len(ops[r]) for r in range(p)):
+        ready = []
+        for r in range(p):
+            if at[r] < len(ops[r]):
+                d = dep(r, *ops[r][at[r]])
+                if d is None or d in done:
+                    ready.append((max(clock[r], done.get(d, 0.0)), r))
+        assert ready, "the order deadlocks"
+        start, r = min(ready)
+        idle[r] += start - clock[r]
+        clock[r] = done[(r, *ops[r][at[r]])] = start + cost
+        at[r] += 1
+    end = max(clock)
+    return [idle[r] + end - clock[r] for r in range(p)]
+
+
+@pytest.mark.parametrize("p,n", [(2, 1), (2, 3), (2, 8), (3, 5), (4, 2), (4, 7), (4, 8), (4, 12),
+                                 (8, 16)])
+def test_zb_v_bubble_at_1f1bs_memory(p, n):
+    """ZB-V's order as ``run_zb_v`` takes it (recording fakes): every F, B, W of both chunks once,
+    each chunk's Ws in microbatch order; timed with T_F = T_B = T_W (a chunk is half a stage: half
+    the time of 1F1B's stage), from 2p - 1 microbatches on its idle time per rank is (p - 1)/2 of a
+    stage's F, a sixth of 1F1B's 3(p - 1), and it holds at most 2p chunk-microbatches in flight,
+    p stages' worth: 1F1B's first rank's."""
+    runners = []
+    for rank in range(p):
+        runner = _VRunner(n)
+        run_zb_v(runner, _Comm(rank, p))
+        runners.append(runner)
+    for rank, runner in enumerate(runners):
+        assert sorted(runner.ops) == sorted((k, c, i) for k in "FBW" for c in (0, 1)
+                                            for i in range(n)), rank
+        for c in (0, 1):
+            ws = [mb for k, cc, mb in runner.ops if k == "W" and cc == c]
+            assert ws == list(range(n)), (rank, c, ws)
+        assert runner.most <= 2 * p, (rank, runner.most)
+    idle_v = simulate_v([r.ops for r in runners], 0.5)
+    idle_1f1b = simulate([r.ops for r in orders(run_1f1b, p, n)],
+                         {"F": 1.0, "B": 2.0, "W": 1.0})[1]
+    assert idle_1f1b == [3.0 * (p - 1)] * p
+    if n >= 2 * p - 1:
+        assert idle_v == [0.5 * (p - 1)] * p, idle_v
+    assert all(v <= o / 3 for v, o in zip(idle_v, idle_1f1b, strict=True)) or n < p, idle_v
+
+
+def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
+    """The planner writes and reads zb-v's label (its V split: 1F1B's layers per rank, the 119B's
+    92 layers on pp 4 as 12 + 11 a rank), prices its bubble by timing the V's order
+    (``zbv_order.idle_times``) and weighs the three schedules at a layout
+    (``schedule_bubbles``, ``--explain``'s table): at Megatron's published 119B layout (tp 8, pp 4,
+    dp 48, micro batch 1, no recompute; 16 microbatches) ZB-V's bubble is under a third of 1F1B's
+    (the issue's target), ZB-H1's above."""
+    from dataclasses import replace
+
+    from seqpar.analysis.planning.planner import (
+        Request,
+        parse_plan,
+        schedule_bubbles,
+        scheduled,
+    )
+    from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
+    from seqpar.analysis.reports.published import megatron_2024_runs
+
+    run = next(r for r in megatron_2024_runs() if "119B" in r.name)
+    hw = builtin_profile(next(k for k, v in BUILTIN_PROFILES.items() if v == run.gpu))
+    req = Request(run.shape, run.gpus, run.global_batch, hw=hw, opts=run.opts(),
+                  opt=run.optimizer())
+    plan = parse_plan(run.layout, run.gpus)
+    v = scheduled(plan.par, "zb-v", run.shape.num_layers)
+    assert v.layer_split == (12, 12, 12, 12, 11, 11, 11, 11)
+    assert scheduled(v, "1f1b", run.shape.num_layers) == replace(plan.par, pp_schedule="1f1b")
+    labelled = replace(plan, par=v)
+    assert labelled.label.endswith(",sched=zb-v")
+    assert parse_plan(labelled.label, run.gpus) == labelled
+    runs = schedule_bubbles(req, plan)
+    assert set(runs) == {"1f1b", "zb-h1", "zb-v"} and all(r.fits for r in runs.values())
+    bubble = {k: r.time.terms["bubble"] for k, r in runs.items()}
+    print({k: round(b, 3) for k, b in bubble.items()},
+          {k: round(r.memory_bytes / 2**30, 2) for k, r in runs.items()})
+    assert bubble["zb-v"] <= bubble["1f1b"] / 3 < bubble["zb-h1"]
+    # T_F = T_B = T_W, the long step: a sixth of 1F1B's
+    from seqpar.analysis.formulas.zbv_order import idle_times
+    assert idle_times(4, 8, {"F": 0.5, "B": 0.5, "W": 0.5}) == [1.5] * 4

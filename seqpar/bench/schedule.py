@@ -1,9 +1,10 @@
-"""bench schedule: one training step's per-rank timeline under each pipeline schedule (1F1B and
-ZB-H1), on p local gloo ranks (default 4, pp 4): what each rank did when
-(``seqpar.pipeline.timeline``: F, B, deferred W), and each rank's idle time -- the step's span, from
-a barrier to the last rank's end, less its F, B and W -- with ZB-H1's over 1F1B's per rank, the
-ratio the zero-bubble schedule is after. ``--plot DIR`` draws the timelines (matplotlib) as
-``schedule_timeline.png``; the text timeline is printed either way.
+"""bench schedule: one training step's per-rank timeline under each pipeline schedule (1F1B, ZB-H1
+and ZB-V), on p local gloo ranks (default 4, pp 4): what each rank did when
+(``seqpar.pipeline.timeline``: F, B, deferred W; ZB-V's two chunks each), and each rank's idle time
+-- the step's span, from a barrier to the last rank's end, less its F, B and W -- with each
+zero-bubble schedule's over 1F1B's per rank, the ratio it is after (ZB-V: 1/3 or less). ZB-V cuts
+the layers into 2p chunks at 1F1B's layers per rank (``planner.scheduled``). ``--plot DIR`` draws
+the timelines (matplotlib) as ``schedule_timeline.png``; the text timeline is printed either way.
 
 On CPU the ranks share the machine's cores: with fewer cores than ranks a waiting rank lends its
 core to a busy one, and the idle times measure that sharing as well as the schedule (the result
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from seqpar.analysis.planning.planner import scheduled
 from seqpar.bench.common import add_shape_arguments, add_timing_arguments, machine, median
-from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
+from seqpar.config import PP_SCHEDULES, ConfigError, ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.optional import require
 from seqpar.parallel import comm
 from seqpar.parallel.dims import ParallelDims
@@ -38,7 +40,7 @@ QUICK = {
     "warmup": 1,
     "microbatches": 8,
 }
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = PP_SCHEDULES  # 1f1b, zb-h1, zb-v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +71,7 @@ def _rank(rank: int, world: int, args) -> dict:
     mbs = [(t[:, :-1], t[:, 1:]) for t in tokens]
     out = {}
     for sched in SCHEDULES:
-        parallel = ParallelConfig(pp=world, pp_schedule=sched)
+        parallel = scheduled(ParallelConfig(pp=world), sched, cfg.num_layers)
         dims = ParallelDims.build(parallel)
         chunks = build_stages(cfg, parallel, RecomputeConfig("none"), dims, seed=1)
         steps = []
@@ -98,6 +100,9 @@ def _rank(rank: int, world: int, args) -> dict:
 
 
 def run(args) -> dict:
+    if scheduled(ParallelConfig(pp=args.pp), "zb-v", args.layers) is None:
+        raise ConfigError(f"bench schedule: {args.layers} layers on pp {args.pp} leave a chunk of "
+                          f"ZB-V's 2 × {args.pp} empty; give --layers {2 * args.pp} or more")
 
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                   if isinstance(v, int | float | str | bool | None)})  # picklable

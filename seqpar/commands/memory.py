@@ -403,6 +403,7 @@ def run_schedule(args) -> int:
                 r,
                 free,
                 after_backward=memory.in_flight if memory.after_backward else None,
+                moment=memory.moment,
             )
             host = formula_host_bytes(
                 cfg, parallel, recompute, args.micro_batch, args.microbatches, r, keep
@@ -448,6 +449,9 @@ def run_schedule(args) -> int:
             f"deferred linear's "
             "stored input and output gradient), at a forward's end or a backward's end, whichever "
             "holds more."
+            + (" zb-v: each chunk's own microbatches in flight and units, along the rank's order "
+               "(the V: rank 0 holds the head, rank p-1 the outputs it hands to its own chunk 1)."
+               if parallel.pp_schedule == "zb-v" else "")
         )
     return 0
 

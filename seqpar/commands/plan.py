@@ -181,9 +181,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         g,
         "--pp-schedule",
         default=None,
-        help="search only this pipeline schedule: 1f1b (interleaved with m > 1) or zb-h1, the "
-        "linears' weight gradients deferred into the bubble (default: both, zb-h1 where pp > 1 "
-        "with one chunk per rank and no fsdp)",
+        help="search only this pipeline schedule: 1f1b (interleaved with m > 1), zb-h1, the "
+        "linears' weight gradients deferred into the bubble, or zb-v, two chunks per rank in a V "
+        "(default: all three, the zero-bubble ones where pp > 1 with one chunk per rank and no "
+        "fsdp)",
     )
     add(
         g,
@@ -509,6 +510,8 @@ def run(args) -> int:
             raise AnalysisError(planner.refusal(req, stats))
         if explain is not None:
             ev = planner.evaluate(req, explain, every_rank=True)
+            if ev.error and args.emit_config:  # nothing to emit: the model refuses the plan
+                raise AnalysisError(f"--explain {args.explain!r}: {ev.error}")
             _emit(args, req, ev.plan)
             if args.json:
                 print(json.dumps({"plan": ev.to_json(), "rank": planner.rank_of(ev, ranked),

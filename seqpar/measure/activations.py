@@ -18,7 +18,7 @@ from seqpar.documents import Documents
 from seqpar.dtypes import torch_dtype
 from seqpar.measure.meter import SavedTensorMeter
 from seqpar.measure.saved import layernorm_stat_bytes, sdpa_kernel_for
-from seqpar.measure.stages import formula_stage_bytes, implementation_terms
+from seqpar.measure.stages import formula_stage_bytes, peak_implementation_terms
 from seqpar.parallel.comm import all_reduce
 from seqpar.pipeline import forward_backward
 from seqpar.pipeline.keep import keep_for_rank
@@ -169,12 +169,10 @@ def stage_peaks(job, chunks, data, dims, device: torch.device) -> dict:
                 device=device.type,
             )
             formula.append(f)
-            exact.append(
-                f
-                + sum(
-                    implementation_terms(m, p, t.micro_batch, n, rank, device=device.type).values()
-                )
-            )
+            keep = keep_for_rank(r.keep_microbatches, rank, p.pp)
+            extra = peak_implementation_terms(m, p, r, t.micro_batch, n, rank, keep=keep,
+                                              device=device.type)
+            exact.append(f + sum(extra.values()))
         except ConfigError:
             formula.append(None)
             exact.append(None)

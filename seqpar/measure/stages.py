@@ -150,6 +150,7 @@ def implementation_terms(
     free_outputs: bool = True,
     device: str = "cpu",
     after_backward: int | None = None,
+    moment=None,
 ) -> dict[str, float]:
     """Small bytes this implementation keeps that the analytic model leaves out (all O(sb) or
     O(sbh)).
@@ -169,8 +170,12 @@ def implementation_terms(
     Under context parallelism each holds the rank's s/cp tokens. ``after_backward``: the peak is a
     B's end under a zero-bubble schedule (``StageMemory.after_backward``), with that many
     microbatches in flight: no output in transit, and the last rank's microbatch gone with its loss
-    head.
+    head. ``moment``: zb-v's peak (``StageMemory.moment``; its output in transit is a formula term):
+    the embedding's for rank 0's chunk-0 microbatches in flight, the head's while rank 0's chunk 1
+    has one.
     """
+    if moment is not None:
+        return _zbv_implementation_terms(cfg, parallel, micro_batch, rank, device, moment)
     s, b, h, t, p = (
         cfg.seq_len // parallel.cp,
         micro_batch,
@@ -194,6 +199,36 @@ def implementation_terms(
     elif rank == 0 and parallel.cp > 1:
         terms["embedding_indices"] = 8 * s * b * in_flight
     if rank == p - 1 and after_backward != 0:
+        stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
+        terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
+        v_pad = -(-cfg.vocab_size // t) * t
+        terms["loss_indices"] = (8 + 1 + 1) * s * b + v_pad // t
+    return terms
+
+
+def peak_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig,
+                              recompute: RecomputeConfig, micro_batch: int, microbatches: int,
+                              rank: int, free_outputs: bool = True, keep: int = 0,
+                              device: str = "cpu") -> dict[str, float]:
+    """``implementation_terms`` at the formula's peak (``formula_stage_memory``): a zero-bubble
+    schedule's peak may be a B's end, and zb-v's a moment of its order."""
+    memory = formula_stage_memory(cfg, parallel, recompute, micro_batch, microbatches, rank,
+                                  free_outputs, keep, device)
+    return implementation_terms(
+        cfg, parallel, micro_batch, microbatches, rank, free_outputs, device,
+        after_backward=memory.in_flight if memory.after_backward else None, moment=memory.moment,
+    )
+
+
+def _zbv_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig, b: int, rank: int,
+                              device: str, moment) -> dict[str, float]:
+    """``implementation_terms`` at zb-v's peak ``moment`` (``zbv_order.Moment``)."""
+    s, t = cfg.seq_len // parallel.cp, parallel.tp
+    rep = t if parallel.sp and t > 1 else 1
+    terms: dict[str, float] = {}  # the output in transit: in zb-v's formula (it picks the moment)
+    if rank == 0 and (t > 1 or parallel.cp > 1):
+        terms["embedding_indices"] = (9 if t > 1 else 8) * s * b * moment.flight[0]
+    if rank == 0 and moment.flight[1]:
         stats = layernorm_stat_bytes(torch.device(device), torch_dtype(cfg.dtype))
         terms["final_ln_stats"] = s * b / rep * norm_stat_bytes(cfg.norm, stats)
         v_pad = -(-cfg.vocab_size // t) * t
@@ -283,7 +318,7 @@ def validate_jobs(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]
             )
         parallel.validate(cfg)
         for recompute, _, n, _, keep in runs:
-            recompute.validate(cfg.num_layers // (parallel.pp * parallel.interleave))
+            recompute.validate(cfg.num_layers // (parallel.pp * parallel.chunks))
             validate_microbatches(n, parallel.pp, parallel.interleave)
             for r in range(parallel.pp):
                 keep_for_rank(keep, r, parallel.pp)
@@ -314,6 +349,7 @@ def report(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]], res
                     r,
                     free,
                     after_backward=memory.in_flight if memory.after_backward else None,
+                    moment=memory.moment,
                 )
                 host = formula_host_bytes(cfg, parallel, recompute, micro_batch, n, r, kept)
                 stages.append(

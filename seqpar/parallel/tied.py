@@ -12,6 +12,10 @@ the two-rank group {first, last} of this pipeline, so the copies stay equal. Wha
 parameter once (the global gradient norm, the parameter count) counts the first stage's; the copy
 goes by the embedding's name in checkpoints. An untied model's ``output_weight`` is a weight of
 its own: no copy, no group.
+
+Under zb-v's V both stages are on pipeline rank 0 (``local``): the last chunk still holds a copy,
+and ``sum_grads`` adds the two on that rank (a + b, the very sum the two-rank all-reduce makes),
+so every gradient is bit-identical to 1F1B's.
 """
 
 from __future__ import annotations
@@ -37,18 +41,23 @@ def holds_copy(tie_embeddings: bool, first: bool, last: bool) -> bool:
 @dataclass(frozen=True)
 class TiedEmbedding:
     """This rank's view of the tied weight: the {first, last pipeline rank} group its copies sum
-    over (None when nothing is shared: p = 1, or an untied model)."""
+    over (None when nothing is shared: p = 1, or an untied model); ``local``: the two copies are on
+    this pipeline's one rank (zb-v), summed there."""
 
     group: object = None
+    local: bool = False
 
     @classmethod
-    def build(cls, tie_embeddings: bool, dims) -> TiedEmbedding:
-        """Create the groups {first, last pipeline rank}, one per pipeline; keep mine.
+    def build(cls, tie_embeddings: bool, dims, local: bool = False) -> TiedEmbedding:
+        """Create the groups {first, last pipeline rank}, one per pipeline; keep mine. ``local``:
+        the first and the last stage are on one rank (zb-v): no group.
 
         ``new_group`` is collective over the world: every rank creates every pipeline's group.
         """
         if dims.pp == 1 or not tie_embeddings:
             return cls()
+        if local:
+            return cls(local=dims.pp_rank == 0)
         mine = None
         for d in range(dims.dp):
             for c in range(dims.cp):
@@ -62,7 +71,7 @@ class TiedEmbedding:
     def weight(self, chunk) -> torch.nn.Parameter | None:
         """The copy of the shared weight ``chunk`` holds, when copies are summed (None
         otherwise)."""
-        if self.group is None:
+        if not self.shared:
             return None
         if chunk.first:
             return chunk.embedding.word.weight
@@ -71,15 +80,24 @@ class TiedEmbedding:
     def is_copy(self, chunk, name: str) -> bool:
         """``name`` in ``chunk`` is the last stage's copy, which the norm and the count leave
         out."""
-        return self.group is not None and name == COPY and chunk.last and not chunk.first
+        return self.shared and name == COPY and chunk.last and not chunk.first
+
+    @property
+    def shared(self) -> bool:
+        """Whether this rank holds a copy whose gradient is summed with another's."""
+        return self.group is not None or self.local
 
     def sum_grads(self, chunks) -> None:
-        """Add the copies' gradients over {first, last}: every copy then holds the whole
-        gradient."""
-        for chunk in chunks:
-            weight = self.weight(chunk)
-            if weight is not None:
-                all_reduce(grad_or_zeros(weight), group=self.group)
+        """Add the copies' gradients over {first, last} (``chunks``: this rank's): every copy then
+        holds the whole gradient."""
+        weights = [w for chunk in chunks if (w := self.weight(chunk)) is not None]
+        if self.local and weights:
+            embedding, copy = (grad_or_zeros(w) for w in weights)  # chunk 0's, then chunk 1's
+            embedding.add_(copy)
+            copy.copy_(embedding)
+            return
+        for weight in weights:
+            all_reduce(grad_or_zeros(weight), group=self.group)
 
 
 def canonical_name(chunk, name: str) -> str:

@@ -1,8 +1,8 @@
 """Build this rank's model chunks: stage split, recomputation, and the tied-weight group.
 
 With p > 1 the word embedding (virtual stage 0, on pipeline rank 0) and the output layer (the last
-virtual stage, on rank p-1) share one weight (Fig. 2): ``seqpar.parallel.tied.TiedEmbedding`` owns
-its copies and their group.
+virtual stage, on rank p-1; on rank 0 under zb-v's V) share one weight (Fig. 2):
+``seqpar.parallel.tied.TiedEmbedding`` owns its copies and their group.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.model.gpt import GPTStage, build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.tied import TiedEmbedding
-from seqpar.pipeline.split import stage_layers
+from seqpar.pipeline.split import stage_layers, v_stage, virtual_stage
 
 
 def build_stages(
@@ -25,8 +25,8 @@ def build_stages(
     device=None,
     layer_split: list[int] | None = None,
 ) -> list[GPTStage]:
-    """This rank's model chunks (one, or ``parallel.interleave``), each built with the ``recompute``
-    plan.
+    """This rank's model chunks (one, ``parallel.interleave``, or zb-v's two), each built with the
+    ``recompute`` plan.
 
     ``layer_split``: optional explicit layers per virtual stage (p·m entries, model order), for an
     uneven split; by default ``parallel.layer_split``, or L/(p·m) layers each. Every rank must call
@@ -36,16 +36,17 @@ def build_stages(
     if layer_split is not None:  # an explicit split given here replaces the configuration's
         parallel = dataclasses.replace(parallel, layer_split=tuple(layer_split))
     parallel.validate(cfg)
-    m, p = parallel.interleave, parallel.pp
+    m, p, v = parallel.chunks, parallel.pp, parallel.pp_schedule == "zb-v"
     counts = parallel.layer_counts(cfg.num_layers)
-    layers = stage_layers(cfg.num_layers, p, m, counts)[dims.pp_rank]
+    layers = stage_layers(cfg.num_layers, p, m, counts, v=v)[dims.pp_rank]
+    place = v_stage if v else virtual_stage
     # empty chunks checkpoint nothing
     recompute.validate(min((len(ids) for ids in layers if ids), default=None))
-    tied = TiedEmbedding.build(cfg.tie_embeddings, dims)
+    tied = TiedEmbedding.build(cfg.tie_embeddings, dims, local=v)
     chunks = []
     for c, ids in enumerate(layers):
-        first = dims.pp_rank == 0 and c == 0
-        last = dims.pp_rank == p - 1 and c == m - 1
+        first = place(dims.pp_rank, c, p) == 0
+        last = place(dims.pp_rank, c, p) == p * m - 1
         # dropout masks are keyed by global layer ids (seqpar.parallel.dropout): no per-stage seeds
         chunks.append(
             build_model(

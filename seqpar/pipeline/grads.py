@@ -6,7 +6,8 @@ the fp32 ``main_grad`` of a bf16/fp16 parameter (so every reduction runs in fp32
     shards) hold partial sums over the tp group: all-reduce them (Sec. 4.2.2,
     ``seqpar.parallel.sharding``);
   * the tied word-embedding / output weight (Fig. 2): with p > 1 its two copies, on the first and
-    the last pipeline rank, each hold part of the gradient: ``seqpar.parallel.tied`` sums them;
+    the last pipeline rank (both on rank 0 under zb-v), each hold part of the gradient:
+    ``seqpar.parallel.tied`` sums them;
   * data (and context) parallelism: average over the dp × cp group
     (``seqpar.parallel.data_parallel``; a cp rank holds cp times its own tokens' share of the
     gradient, see ``GPTStage.forward``).
@@ -35,8 +36,7 @@ def finalize_grads(chunks, dims: ParallelDims, buffers=None, dp_reduced: bool = 
         buffers.finish()
     for chunk in chunks:
         allreduce_sequence_parallel_grads(chunk, dims.tp_group)
-    for chunk in chunks:
-        chunk.tied.sum_grads([chunk])
+    chunks[0].tied.sum_grads(chunks)
     if buffers is None and not dp_reduced:
         params = [p for chunk in chunks for p in chunk.parameters()]
         average_gradients([p for p in params if not is_expert(p)], dims.grad_group)

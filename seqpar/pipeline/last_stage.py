@@ -1,6 +1,6 @@
 """The values every rank agrees on: a loss the last pipeline stage computed, on every rank of the
-pipeline (``from_last_stage``, the one broadcast of it), then averaged over the dp ranks
-(``dp_mean``).
+pipeline (``from_last_stage``, the one broadcast of it, from the rank ``split.loss_rank`` names:
+p - 1, or 0 under zb-v), then averaged over the dp ranks (``dp_mean``).
 
 The training step's loss is broadcast once, inside ``forward_backward``; evaluation's loss sums
 once, in ``train.evaluate``; the trainer then only averages the step's loss over dp.
@@ -12,13 +12,16 @@ import torch
 
 from seqpar.parallel.comm import all_reduce, broadcast
 from seqpar.parallel.dims import ParallelDims
+from seqpar.pipeline.split import loss_rank
 
 
-def from_last_stage(t: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """``t`` as the last pipeline stage holds it, on every rank of the pipeline (in place: each rank
-    passes a tensor of the same shape and dtype, whatever its values); returns ``t``."""
+def from_last_stage(t: torch.Tensor, dims: ParallelDims, pp_schedule: str = "1f1b") -> torch.Tensor:
+    """``t`` as the last pipeline stage holds it (on the rank ``loss_rank`` names for
+    ``pp_schedule``), on every rank of the pipeline (in place: each rank passes a tensor of the same
+    shape and dtype, whatever its values); returns ``t``."""
     if dims.pp > 1:
-        broadcast(t, src=dims.pp_ranks[-1], group=dims.pp_group)
+        src = dims.pp_ranks[loss_rank(dims.pp, pp_schedule)]
+        broadcast(t, src=src, group=dims.pp_group)
     return t
 
 

@@ -69,8 +69,10 @@ class PipeComm:
         shape: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Send an activation forward and/or a gradient backward; receive an activation from the
-        previous rank (of ``shape``, default ``self.shape``) and/or a gradient from the next.
-        Returns ``(from_prev, from_next)``."""
+        previous rank and/or a gradient from the next (each of ``shape``, default ``self.shape``).
+        Returns ``(from_prev, from_next)``. (ZB-V's chunk 1 runs the other way: its activations
+        go to the previous rank as ``send_prev``, its input gradients to the next as
+        ``send_next``; the tags follow the direction, so they pair up all the same.)"""
         return self.post(send_next, send_prev, recv_prev, recv_next, shape).wait()
 
     def post(
@@ -97,7 +99,7 @@ class PipeComm:
             from_prev = self._empty(shape)  # [s(/t), b, h]
             ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, group, ACTIVATION))
         if recv_next:
-            from_next = self._empty()  # [s(/t), b, h]
+            from_next = self._empty(shape)  # [s(/t), b, h]
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, group, GRADIENT))
         return Posted(dist.batch_isend_irecv(ops) if ops else [], from_prev, from_next)
 

@@ -45,6 +45,9 @@ def run_zb_h1(runner: StepRunner, comm: PipeComm) -> None:
         fwd_mb += 1
         x = None  # a local reference would keep the finished microbatch's graph alive
         dx = runner.backward(0, bwd_mb, inputs.pop(0), outputs.pop(0), grad)  # B only
+        # the received gradient is fc2's dY, which a W unit keeps while it is deferred: no local
+        # reference may keep it into the next forward once the W has run
+        grad = None
         runner.seal_w(0)
         bwd_mb += 1
         more = i < steady - 1

@@ -2,13 +2,14 @@
 ``forward_only``: the same schedules' forward-only mode (evaluation).
 
 No pipelining when p = 1, 1F1B when m = 1, interleaved 1F1B when m > 1 (Sec. 4.2.3), ZB-H1 with
-``pp_schedule`` zb-h1 (``pipeline.schedule_zero_bubble``). The step's
+``pp_schedule`` zb-h1 (``pipeline.schedule_zero_bubble``), ZB-V with zb-v
+(``pipeline.schedule_zbv``: two chunks per rank in a V, the loss on rank 0). The step's
 objective is the mean loss per counted token of the whole global batch (``pipeline.objective``):
 each microbatch's loss sum is scaled by ``Objective.weight`` (dp / the step's counted tokens), so
 that once ``finalize_grads`` averages over dp × cp the gradients are those of that mean, at any
 micro-batch size and layout. The returned loss is this dp rank's weighted sum (its average over dp
 is the step's loss: ``last_stage.dp_mean``); every pipeline rank returns it
-(``last_stage.from_last_stage``).
+(``last_stage.from_last_stage``, from the rank holding the loss).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from seqpar.pipeline.objective import Objective
 from seqpar.pipeline.p2p import PipeComm, boundary_shape
 from seqpar.pipeline.schedule_1f1b import run_1f1b, run_1f1b_forward, run_no_pipelining
 from seqpar.pipeline.schedule_interleaved import run_interleaved, run_interleaved_forward
+from seqpar.pipeline.schedule_zbv import run_zb_v, run_zb_v_forward
 from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 from seqpar.pipeline.step import ScoreRunner, StepRunner
 from seqpar.pipeline.timeline import Timeline
@@ -58,10 +60,13 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
     ``timeline``: records each forward, backward and deferred W of this rank
     (``seqpar.pipeline.timeline``).
     """
-    m = parallel.interleave
+    m = parallel.chunks
     if len(chunks) != m:
-        raise ConfigError(f"{len(chunks)} model chunks on this rank, interleave {m} needs {m}")
-    validate_microbatches(len(microbatches), parallel.pp, m)
+        raise ConfigError(
+            f"{len(chunks)} model chunks on this rank, "
+            f"{'zb-v' if parallel.pp_schedule == 'zb-v' else f'interleave {m}'} needs {m}"
+        )
+    validate_microbatches(len(microbatches), parallel.pp, parallel.interleave)
     # (tokens, labels[, documents])
     shapes = {(tuple(mb[0].shape), tuple(mb[1].shape)) for mb in microbatches}
     if len(shapes) != 1:
@@ -92,7 +97,7 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
         comm.init_communicator()
         run_schedule(runner, comm, parallel)
     balance = aux_loss(chunks, len(microbatches), dims, device)
-    loss = broadcast_loss(runner.mean_loss(), dims, device)
+    loss = broadcast_loss(runner.mean_loss(), dims, device, parallel.pp_schedule)
     if balance is not None:
         loss = loss + balance
         if aux is not None:
@@ -112,19 +117,24 @@ def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -
     with contextlib.ExitStack() as stack:
         for chunk in runner.chunks:
             stack.enter_context(chunk.tp.weight_grads.deferred())
-        run_zb_h1(runner, comm)
+        if parallel.pp_schedule == "zb-v":
+            run_zb_v(runner, comm)
+        else:
+            run_zb_h1(runner, comm)
 
 
 @torch.no_grad()
 def forward_only(chunks, microbatches, dims: ParallelDims, counted: int | None = None,
-                 done: Callable[[int], None] | None = None) -> tuple[torch.Tensor | None, int]:
+                 done: Callable[[int], None] | None = None, pp_schedule: str = "1f1b",
+                 ) -> tuple[torch.Tensor | None, int]:
     """Forward of every microbatch through this rank's ``chunks`` (in eval mode) with the schedule
     ``forward_backward`` runs, nothing kept for backward: 1F1B, or interleaved 1F1B with
-    ``len(chunks)`` > 1, in their forward-only mode. Any number of microbatches, of any shapes (each
-    boundary tensor sized by its own). Returns the last virtual stage's
-    ``[cross entropy, objective]`` sums ``[2]`` float64 over the first ``counted`` microbatches
-    (default all; the rest run unscored: lockstep padding) and the tokens they count; ``(None, 0)``
-    on the other ranks. ``done(windows)``: after each counted microbatch is scored."""
+    ``len(chunks)`` > 1, or ZB-V's V (``pp_schedule`` zb-v), in their forward-only mode. Any
+    number of microbatches, of any shapes (each boundary tensor sized by its own). Returns the last
+    virtual stage's ``[cross entropy, objective]`` sums ``[2]`` float64 over the first ``counted``
+    microbatches (default all; the rest run unscored: lockstep padding) and the tokens they count;
+    ``(None, 0)`` on the other ranks. ``done(windows)``: after each counted microbatch is
+    scored."""
     n = len(microbatches)
     runner = ScoreRunner(chunks, list(microbatches), n if counted is None else counted, done)
     comm = None
@@ -133,7 +143,9 @@ def forward_only(chunks, microbatches, dims: ParallelDims, counted: int | None =
             dims, None, torch_dtype(chunks[0].cfg.dtype), next(chunks[0].parameters()).device
         )
         comm.init_communicator()
-    if len(chunks) > 1:
+    if pp_schedule == "zb-v" and comm is not None:
+        run_zb_v_forward(runner, comm)
+    elif len(chunks) > 1:
         run_interleaved_forward(runner, comm, len(chunks))
     else:
         run_1f1b_forward(runner, comm)
@@ -157,12 +169,13 @@ def aux_loss(chunks, microbatches: int, dims: ParallelDims, device) -> torch.Ten
     return value[0]
 
 
-def broadcast_loss(loss: torch.Tensor | None, dims: ParallelDims, device) -> torch.Tensor:
-    """The last pipeline rank's loss (0-dim float64, None elsewhere) on every rank of the
-    pipeline."""
+def broadcast_loss(loss: torch.Tensor | None, dims: ParallelDims, device,
+                   pp_schedule: str = "1f1b") -> torch.Tensor:
+    """The loss of the pipeline rank holding the last stage (0-dim float64, None elsewhere) on every
+    rank of the pipeline."""
     value = (
         torch.zeros(1, dtype=torch.float64, device=device)
         if loss is None
         else loss.reshape(1).clone()
     )
-    return from_last_stage(value, dims)[0]
+    return from_last_stage(value, dims, pp_schedule)[0]

@@ -14,7 +14,7 @@ from seqpar.pipeline.last_stage import from_last_stage
 
 
 def mean_per_token(
-    totals: torch.Tensor | None, count: int, dims: ParallelDims, device
+    totals: torch.Tensor | None, count: int, dims: ParallelDims, device, pp_schedule: str = "1f1b"
 ) -> tuple[float, float]:
     """The last pipeline stage's loss sums ``totals`` ``[2]`` (cross entropy, objective) over its
     ``count`` counted tokens, all summed over the dp ranks: the means per counted token of one fixed
@@ -23,7 +23,7 @@ def mean_per_token(
     t = torch.full((3,), float("nan"), dtype=torch.float64, device=device)
     if totals is not None:
         t[:2], t[2] = totals.to(torch.float64), count
-    from_last_stage(t, dims)
+    from_last_stage(t, dims, pp_schedule)
     if dims.dp_group is not None:
         all_reduce(t, group=dims.dp_group)
     cross_entropy, objective = (t[:2] / t[2].clamp(min=1)).tolist()
@@ -47,21 +47,23 @@ def lockstep_padding(
 
 @torch.no_grad()
 def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
-             done=None) -> tuple[float, float]:
+             done=None, pp_schedule: str = "1f1b") -> tuple[float, float]:
     """(cross entropy, objective): mean losses per counted token over every dp rank's ``batches``
     (each its share of one window set; shares may differ by a window, or be empty); the same values
     on every rank, at every layout and micro-batch size (``pipeline.objective``). The cross entropy
     is plain (what validation loss, perplexity and bits per byte report); the objective is what
     training minimises (label smoothing included; equal to the cross entropy without it).
-    ``done(windows)``: called on the last stage after each batch is scored."""
+    ``done(windows)``: called on the last stage after each batch is scored. ``pp_schedule``: the
+    chunks' placement (zb-v's V, or the 1F1B/interleaved one)."""
     device = next(chunks[0].parameters()).device
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
     padded = list(batches) + lockstep_padding(chunks, len(batches), dims, device)
     try:
-        totals, count = forward_only(chunks, padded, dims, counted=len(batches), done=done)
+        totals, count = forward_only(chunks, padded, dims, counted=len(batches), done=done,
+                                     pp_schedule=pp_schedule)
     finally:
         for c, mode in zip(chunks, modes, strict=True):
             c.train(mode)
-    return mean_per_token(totals, count, dims, device)
+    return mean_per_token(totals, count, dims, device, pp_schedule)

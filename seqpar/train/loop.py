@@ -378,7 +378,8 @@ class Trainer:
         batches = self.data.validation_batches(
             validation_windows(t), t.micro_batch, self.dims.dp_rank, self.dims.dp
         )
-        return evaluate(self.chunks, batches, self.dims)
+        return evaluate(self.chunks, batches, self.dims,
+                        pp_schedule=self.job.parallel.pp_schedule)
 
     def validation_loss(self) -> float:
         """The validation loss: the plain cross entropy (``validation_scores``)."""

@@ -105,4 +105,7 @@ def unit_bytes(
     if rc.keep_microbatches:
         raise AnalysisError(f"App. C (keep_microbatches {rc.keep_microbatches}) with pp_schedule "
                             f"{par.pp_schedule} is not modelled")
+    if "norm" in rc.modules:  # config.zero_bubble_norm_refusal's rule
+        raise AnalysisError(f"pp_schedule {par.pp_schedule} with the recompute module norm is not "
+                            "supported: the norm's released output is a deferred W's input")
     return sum(layer_w_bytes(shape, par, b, opts, rc, shape.is_moe(i)) for i in layers)

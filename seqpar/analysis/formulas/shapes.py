@@ -55,11 +55,12 @@ def model_config(layers: int, hidden: int, heads: int, seq: int, vocab: int, ffn
 
 
 def layers_per_chunk(model: ModelConfig, par: ParallelConfig) -> int:
-    """L/(pm): the analytic model splits the layers evenly over the p·m virtual stages."""
-    chunks = par.pp * par.interleave
+    """L/(pm): the analytic model splits the layers evenly over the p·m virtual stages (m: 2 under
+    zb-v)."""
+    chunks = par.pp * par.chunks
     if model.num_layers % chunks:
         raise AnalysisError(f"layers {model.num_layers} are not divisible by pp {par.pp} x "
-                            f"interleave {par.interleave} = {chunks}")
+                            f"interleave {par.chunks} = {chunks}")
     return model.num_layers // chunks
 
 
@@ -75,7 +76,7 @@ def validate_layout(model: ModelConfig, par: ParallelConfig) -> int:
         par.validate(model)  # the split's own rules too
         return min((n for n in par.layer_counts(model.num_layers) if n), default=1)
     # every rule but the layer count
-    par.validate(replace(model, num_layers=max(1, par.pp * par.interleave)))
+    par.validate(replace(model, num_layers=max(1, par.pp * par.chunks)))
     return layers_per_chunk(model, par)
 
 

@@ -38,6 +38,7 @@ from seqpar.analysis.formulas.shapes import (
     validate_layout,
 )
 from seqpar.analysis.formulas.states import chunk_layer_ids, param_gather_bytes, stage_state_bytes
+from seqpar.analysis.formulas.zbv_order import Moment, moments
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -63,6 +64,7 @@ class StageMemory:
     # offloaded activations in host memory (not in total)
     host: dict[str, float] = field(default_factory=dict)
     after_backward: bool = False  # zero bubble: the peak comes at the end of a B, not of a forward
+    moment: Moment | None = None  # zb-v: what the rank holds at its peak (zbv_order.moments)
 
     @property
     def host_total(self) -> float:
@@ -233,10 +235,9 @@ def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
 
 def rank_chunk_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[int]:
     """Layers of each of pipeline rank ``rank``'s m chunks: virtual stage c·p + rank is its chunk
-    c."""
-    if par.layer_split:
-        counts = stage_layer_counts(shape, par)
-        return [counts[c * par.pp + rank] for c in range(par.interleave)]
+    c (zb-v: stages rank and 2p - 1 - rank)."""
+    if par.layer_split or par.pp_schedule == "zb-v":
+        return [len(ids) for ids in chunk_layer_ids(shape, par, rank)]
     return [layers_per_chunk(shape, par)] * par.interleave
 
 
@@ -260,7 +261,8 @@ def examined_ranks(shape: ModelConfig, par: ParallelConfig) -> list[int]:
     """The pipeline ranks that bound the others' memory and time: rank 0 (the most in flight, the
     embedding), the last (the output layer) and, under an uneven split, the first rank of each layer
     count (the in-flight count and the recomputed share fall with the rank, so later ranks of a
-    count hold and run less)."""
+    count hold and run less); under zb-v also the last of each count (the V's in-flight count and
+    W units grow with the rank)."""
     return list(_examined_ranks(shape, par))
 
 
@@ -270,6 +272,8 @@ def _examined_ranks(shape: ModelConfig, par: ParallelConfig) -> tuple[int, ...]:
     if par.layer_split:  # the first rank of each set of chunk sizes
         chunks = [tuple(rank_chunk_layers(shape, par, r)) for r in range(par.pp)]
         ranks |= {chunks.index(c) for c in set(chunks)}
+        if par.pp_schedule == "zb-v":  # the V's later ranks hold more in flight and more W units
+            ranks |= {par.pp - 1 - chunks[::-1].index(c) for c in set(chunks)}
     return tuple(sorted(ranks))
 
 
@@ -466,6 +470,8 @@ def stage_memory(
     else:
         # distributed: over dp × cp (routed experts: dp·cp/ep)
         terms = stage_state_bytes(shape, par, rank, opt)
+    if par.pp_schedule == "zb-v":
+        return zbv_stage_memory(shape, par, rc, b, n, opts, opt, rank, terms)
     if uneven_chunks(par, shape):  # the schedule's peak over chunk-microbatches of different sizes
         if kept:
             raise AnalysisError(
@@ -546,6 +552,67 @@ def zero_bubble_peak(
         if held(t) > held(best):
             best, best_k, after = t, k, True
     return best, best_k, after
+
+
+def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                     n: int | None, opts: ActivationOptions, opt: OptimizerOptions, rank: int,
+                     terms: dict[str, float]) -> StageMemory:
+    """ZB-V's peak on pipeline rank ``rank`` (``terms``: its states so far): the most it holds at
+    any forward end or B end of its order (``zbv_order.moments``; ``n`` None: 2p microbatches stand
+    for a long step), each chunk's microbatches in flight (its own layers' bytes) and W units
+    (``deferred_w.unit_bytes``); rank 0 keeps the embedding-dropout masks of its chunk-0
+    microbatches and, while its chunk 1 (the last stage) has one in flight, the head; rank p - 1
+    the chunk-0 outputs handed to its chunk 1 not yet run (``handed_input``); after a forward that
+    sends its output, that output until it is sent (``output_in_transit``); with App. B off, the
+    sent outputs (``pipeline_outputs``)."""
+    if rc.keep_microbatches:
+        raise AnalysisError(f"App. C (keep_microbatches {rc.keep_microbatches}) with pp_schedule "
+                            "zb-v is not modelled")
+    if rc.offload_modules:
+        raise AnalysisError("activation offloading with pp_schedule zb-v is not modelled")
+    ids = chunk_layer_ids(shape, par, rank)
+    per_mb = [chunk_layers_bytes(shape, par, rc, b, opts, c) if c else 0.0 for c in ids]
+    unit = [unit_bytes(shape, par, rc, b, opts, c) for c in ids]
+    s, h, t = shape.seq_len // par.cp, shape.hidden_size, par.tp
+    rep = t if par.sp else 1
+    boundary = opts.act_bytes * s * b * h / rep
+    head = {"final_ln_input": boundary, "output_layer_input": boundary}
+    head |= loss_head_terms(s, b, shape.vocab_per_rank(t), opts)
+
+    def held_at(m: Moment) -> dict[str, float]:
+        out = {"layer_activations": m.flight[0] * per_mb[0] + m.flight[1] * per_mb[1],
+               "deferred_w": m.units[0] * unit[0] + m.units[1] * unit[1]}
+        if rank == 0 and opts.dropout:
+            out["embedding_dropout_mask"] = opts.mask_bytes * s * b * h / rep * m.flight[0]
+        if rank == 0 and m.flight[1]:
+            out |= head
+        if m.handed:
+            out["handed_input"] = boundary * m.handed
+        sends = not (rank == 0 and m.chunk == 1) and not (rank == par.pp - 1 and m.chunk == 0)
+        if m.kind == "F" and sends and opts.free_pipeline_outputs:  # alive until it is sent (App.
+            # B): it can decide which moment is the peak, so the formula counts it
+            out["output_in_transit"] = boundary
+        if not opts.free_pipeline_outputs:  # App. B off: each sent output kept until its B;
+            # rank 0's chunk 1 sends none, rank p - 1's chunk-0 output is its chunk 1's input
+            # (counted there or as handed) until chunk 1's B, then kept to chunk 0's
+            chunk0 = m.flight[0] - (m.flight[1] + m.handed if rank == par.pp - 1 else 0)
+            out["pipeline_outputs"] = boundary * (chunk0 + m.flight[1] * (rank > 0))
+        return out
+
+    steps = 2 * par.pp if n is None else n
+    best = max(moments(rank, par.pp, steps), key=lambda m: sum(held_at(m).values()))
+    terms = terms | held_at(best)
+    if sum(best.flight) and rc.granularity != "none":
+        terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
+    if par.a2a_size > 1 and any(ids):
+        terms["a2a_buffers"] = a2a_buffers(shape, par, b, opts)
+    excess = param_gather_excess(
+        shape, par, opt, rank, sum(v for k, v in terms.items() if k not in STATE_TERMS)
+    )
+    if excess > 0:
+        terms["param_gather_excess"] = excess
+    return StageMemory(rank=rank, in_flight=sum(best.flight), terms=terms,
+                       after_backward=best.kind == "B", moment=best)
 
 
 def param_gather_excess(shape: ModelConfig, par: ParallelConfig, opt: OptimizerOptions, rank: int,

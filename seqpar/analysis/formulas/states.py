@@ -110,10 +110,15 @@ def chunk_parameter_sizes(shape: ModelConfig, t: int, layer_ids: list[int], firs
 
 def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[list[int]]:
     """The global layers of each chunk of pipeline rank ``rank``, in order
-    (``seqpar.pipeline.split``'s rule: virtual stage c·p + r is chunk c of rank r)."""
+    (``seqpar.pipeline.split``'s rule: virtual stage c·p + r is chunk c of rank r; under zb-v's V
+    stages r and 2p - 1 - r)."""
     sizes = par.layer_counts(shape.num_layers)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    stages = [c * par.pp + rank for c in range(par.interleave)]
+    stages = (
+        [rank, 2 * par.pp - 1 - rank]  # zb-v's V (seqpar.pipeline.split.v_stage)
+        if par.pp_schedule == "zb-v"
+        else [c * par.pp + rank for c in range(par.interleave)]
+    )
     return [list(range(starts[v], starts[v] + sizes[v])) for v in stages]
 
 
@@ -132,10 +137,11 @@ def named_stage_parameters(
     shape: ModelConfig, par: ParallelConfig, rank: int
 ) -> tuple[tuple[str, int], ...]:
     """``stage_parameter_sizes`` as a tuple, computed once per (shape, layout, rank)."""
-    p, m = par.pp, par.interleave
+    p, m = par.pp, par.chunks
     out: list[tuple[str, int]] = []
     for c, ids in enumerate(chunk_layer_ids(shape, par, rank)):
-        v = c * p + rank  # the virtual stage (seqpar.pipeline.split.virtual_stage)
+        # the virtual stage (seqpar.pipeline.split.virtual_stage, v_stage under zb-v)
+        v = (2 * p - 1 - rank if c else rank) if par.pp_schedule == "zb-v" else c * p + rank
         out += chunk_parameter_sizes(
             shape, par.tp, ids, first=v == 0, last=v == p * m - 1, one_stage=p * m == 1, ep=par.ep
         )

@@ -86,6 +86,7 @@ from seqpar.analysis.formulas.moe import dispatch_bytes, moe_gemms, moe_training
 from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions
 from seqpar.analysis.formulas.stage import chunk_bytes, examined_ranks, rank_chunk_layers
 from seqpar.analysis.formulas.states import named_stage_parameters, stage_parameters
+from seqpar.analysis.formulas.zbv_order import idle_times
 from seqpar.analysis.planning.placement import (
     a2a_spans_nodes,
     grad_group_spans_nodes,
@@ -628,7 +629,7 @@ def rank_microbatch_s(
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}
     if rank == 0:
         terms["tp_comm"] += embedding_comm_s(shape, par, b, hw, opts)
-    if rank == par.pp - 1:
+    if rank == par.loss_rank:  # rank 0 under zb-v
         for k, v in head_s(shape, par, b, hw, opts).items():
             terms[k] += v
     terms["recompute"] = rerun_s(
@@ -849,7 +850,7 @@ def iteration_time(
     mb = per_rank[slowest]
     t_mb = sum(mb.values())
     terms = {k: n * v for k, v in mb.items()}
-    terms["bubble"] = bubble_s(shape, par, rc, b, hw, opts, slowest, t_mb)
+    terms["bubble"] = bubble_s(shape, par, rc, b, hw, opts, slowest, t_mb, n)
     for k, v in step_collectives_s(par, hw).items():
         terms[k] += v
     windows = pass_windows_s(shape, par, rc, b, hw, opts, slowest, n)
@@ -867,14 +868,20 @@ def iteration_time(
 
 
 def bubble_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int, hw: Hardware,
-             opts: ActivationOptions, rank: int, t_mb: float) -> float:
+             opts: ActivationOptions, rank: int, t_mb: float, n: int | None = None) -> float:
     """The pipeline's idle time per iteration for the slowest rank's microbatch time ``t_mb``:
     1F1B's (p - 1)/m T_mb (Sec. 4.2.3), or ZB-H1's (p - 1)(T_F + T_B - T_W) = (p - 1)(T_mb - 2 T_W)
     (Qi et al. 2024, Sec. 3.1), its weight-gradient GEMMs T_W (``deferred_w_s``) filling the
-    rest."""
+    rest; ZB-V's: its order (``zbv_order.idle_times``) timed for ``n`` microbatches (default 2p)
+    with each chunk half a stage: T_W/2 per chunk W, and T_F = T_B the rest of T_mb halved."""
     if par.pp_schedule == "1f1b":
         return (par.pp - 1) / par.interleave * t_mb
-    return (par.pp - 1) * max(0.0, t_mb - 2 * deferred_w_s(shape, par, rc, b, hw, opts, rank))
+    t_w = deferred_w_s(shape, par, rc, b, hw, opts, rank)
+    if par.pp_schedule == "zb-v":
+        half = (t_mb - t_w) / 2  # T_F = T_B of a stage
+        n = 2 * par.pp if n is None else n
+        return max(idle_times(par.pp, n, {"F": half / 2, "B": half / 2, "W": t_w / 2}))
+    return (par.pp - 1) * max(0.0, t_mb - 2 * t_w)
 
 
 # the TP linears whose W a zero-bubble schedule defers

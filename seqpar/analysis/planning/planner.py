@@ -43,6 +43,7 @@ from seqpar.analysis.formulas.stage import (
     uneven_chunks,
 )
 from seqpar.analysis.formulas.states import bytes_per_parameter
+from seqpar.analysis.formulas.zbv_order import v_split
 from seqpar.analysis.planning.costmodel import (
     Hardware,
     IterationTime,
@@ -590,11 +591,11 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
             for dist in (False, True) if req.try_distributed_optimizer and group > 1 else (False,):
                 for gather in (False, True) if dist and req.try_overlap_param_gather else (False,):
                     for ep in eps:
-                        for sched in _schedules(req, replace(par, ep=ep)):
+                        for scheduled in _schedules(req, replace(par, ep=ep)):
                             yield with_tp_ring(
                                 req,
                                 Plan(
-                                    replace(par, ep=ep, pp_schedule=sched),
+                                    scheduled,
                                     RecomputeConfig(),
                                     mb,
                                     dist,
@@ -619,13 +620,33 @@ def with_tp_ring(req: Request, plan: Plan) -> Plan:
     )
 
 
-def _schedules(req: Request, par: ParallelConfig) -> list[str]:
-    """The pipeline schedules ``req`` searches that ``par`` can run: 1f1b always (there is no other
-    without a pipeline, or interleaved), a zero-bubble one where ``ParallelConfig.validate`` allows
-    it."""
-    return [
-        s for s in req.schedules if s == "1f1b" or not _refused(req, replace(par, pp_schedule=s))
-    ]
+def _schedules(req: Request, par: ParallelConfig) -> list[ParallelConfig]:
+    """``par`` under each pipeline schedule ``req`` searches that it can run: 1f1b always (there is
+    no other without a pipeline, or interleaved), a zero-bubble one where
+    ``ParallelConfig.validate`` allows it (zb-v with its V split, ``scheduled``)."""
+    out = [par] if "1f1b" in req.schedules else []
+    for s in req.schedules:
+        other = None if s == "1f1b" else scheduled(par, s, req.shape.num_layers)
+        if other is not None and not _refused(req, other):
+            out.append(other)
+    return out
+
+
+def scheduled(par: ParallelConfig, schedule: str, num_layers: int) -> ParallelConfig | None:
+    """``par`` under pipeline schedule ``schedule`` at the same layers per rank: zb-v cuts each
+    rank's layers into its two chunks of the V (``zbv_order.v_split``; None where a middle chunk
+    would be empty), and back from zb-v each rank's two chunks make its stage."""
+    if schedule == par.pp_schedule:
+        return par
+    per_rank = par.layer_counts(num_layers) if par.layer_split else []
+    if par.pp_schedule == "zb-v" and per_rank:
+        p = par.pp
+        per_rank = [per_rank[r] + per_rank[2 * p - 1 - r] for r in range(p)]
+    if schedule == "zb-v":
+        split = v_split(per_rank or [num_layers // par.pp] * par.pp)
+        return None if split is None else replace(par, pp_schedule="zb-v", layer_split=split)
+    even = len(set(per_rank)) <= 1
+    return replace(par, pp_schedule=schedule, layer_split=() if even else tuple(per_rank))
 
 
 def _interleavings(
@@ -834,6 +855,27 @@ def _ringed(req: Request, plan: Plan) -> Plan:
     return with_tp_ring(req, replace(plan, par=replace(plan.par, tp_comm_overlap=False)))
 
 
+def schedule_bubbles(req: Request, plan: Plan) -> dict[str, Evaluation]:
+    """``plan``'s layout (tp, pp, dp, micro batch, recompute) under each pipeline schedule, one
+    chunk per rank: 1F1B (interleaving off), ZB-H1 and ZB-V (``scheduled``), each with the TP ring
+    where it may run it (``with_tp_ring``); empty without a pipeline or under FSDP. Their bubble
+    terms and memory side by side: what ``--explain`` weighs."""
+    p = plan.par
+    if p.pp == 1 or p.fsdp:
+        return {}
+    one = replace(p, interleave=1, tp_comm_overlap=False)
+    if one.layer_split and p.interleave > 1:  # an interleaved split: its stages' layers per rank
+        counts = p.layer_counts(req.shape.num_layers)
+        per_rank = [sum(counts[c * p.pp + r] for c in range(p.interleave)) for r in range(p.pp)]
+        one = replace(one, layer_split=() if len(set(per_rank)) == 1 else tuple(per_rank))
+    out = {}
+    for schedule in PP_SCHEDULES:
+        par = scheduled(one, schedule, req.shape.num_layers)
+        if par is not None and not _refused(req, par):
+            out[schedule] = evaluate(req, with_tp_ring(req, replace(plan, par=par)))
+    return out
+
+
 def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     """The paper's techniques at ``plan``'s layout: why TP alone (or no recompute) is not chosen."""
     variants = {
@@ -856,11 +898,13 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
     elif p.pp == 1 and p.dp % 2 == 0 and req.shape.seq_len % 4 == 0:  # why not context parallelism
         deeper = replace(p, cp=2, dp=p.dp // 2)
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
-    # the other pipeline schedule: its bubble and its memory
+    # the other pipeline schedules: their bubble and their memory
     if p.pp > 1 and p.interleave == 1 and not p.fsdp:
-        other = "1f1b" if p.pp_schedule != "1f1b" else "zb-h1"
-        out[f"pp_schedule {other}, {plan.rc.label}"] = evaluate(req, _ringed(req, replace(
-            plan, par=replace(p, pp_schedule=other))))
+        for other in PP_SCHEDULES:
+            par = scheduled(p, other, req.shape.num_layers)
+            if other != p.pp_schedule and par is not None and not _refused(req, par):
+                out[f"pp_schedule {other}, {plan.rc.label}"] = evaluate(
+                    req, _ringed(req, replace(plan, par=par)))
     # why shard everything: the same plan with the states replicated, or only the optimizer's
     # sharded
     if p.fsdp:

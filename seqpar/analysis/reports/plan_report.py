@@ -11,6 +11,7 @@ from seqpar.analysis.planning.planner import (
     num_microbatches,
     rank_of,
     rejection_lines,
+    schedule_bubbles,
     settings,
 )
 from seqpar.analysis.text import exact_bytes, gib, human_bytes, pct_change, table
@@ -356,6 +357,9 @@ def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> st
     parts.append(time_terms(ev) + f"\npredicted MFU {100 * ev.mfu:.1f}%")
     if ev.fits and best is not None and ev.time.total > best.time.total * (1 + EXPLAIN_GAP):
         parts.append(gap_terms(ev, best))
+    schedules = schedule_table(req, ev)
+    if schedules:
+        parts.append(schedules)
     position = rank_of(ev, ranked)
     if position is not None:
         parts.append(
@@ -364,6 +368,26 @@ def render_explain(req: Request, ev: Evaluation, ranked: list[Evaluation]) -> st
             + (f" (best: {best.plan.label}, {best.time.total:.2f} s)" if best else "")
         )
     return "\n\n".join(parts)
+
+
+def schedule_table(req: Request, ev: Evaluation) -> str:
+    """The plan's layout under each pipeline schedule (``planner.schedule_bubbles``): bubble,
+    iteration and memory of the most loaded rank, the bubble against 1F1B's."""
+    runs = schedule_bubbles(req, ev.plan)
+    base = runs.get("1f1b")
+    if base is None or base.error or len(runs) < 2:
+        return ""
+    rows = []
+    for name, run in runs.items():
+        if run.error:
+            rows.append([name, "-", "-", "-", "-", run.error])
+            continue
+        bubble = run.time.terms["bubble"]
+        ratio = bubble / base.time.terms["bubble"] if base.time.terms["bubble"] else float("nan")
+        rows.append([name, f"{bubble:.3f}", f"{ratio:.2f}", f"{run.time.total:.2f}",
+                     gib(run.memory_bytes), "fits" if run.fits else "does not fit"])
+    return "pipeline schedules at this layout (one chunk per rank):\n" + table(
+        ["schedule", "bubble s", "vs 1f1b", "iteration s", "GiB", ""], rows, left=(0, 5))
 
 
 EXPLAIN_GAP = 0.10  # --explain names the terms behind a gap to the best plan larger than this

@@ -1,0 +1,206 @@
+"""ZB-V's order (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 6): what each
+pipeline rank runs, in which slot. Torch-free: the schedule (``seqpar.pipeline.schedule_zbv``)
+runs it, the memory formula (``deferred_w``) walks it.
+
+The model is cut into 2p chunks in a V: rank r holds chunk 0 = virtual stage r and chunk 1 =
+virtual stage 2p - 1 - r. A microbatch's forward goes down the ranks on chunk 0 and back up on chunk
+1 (rank p - 1 hands its chunk 0's output to its own chunk 1), its backward the other way round; the
+loss is on rank 0's chunk 1.
+
+Per rank r of p, n microbatches (``rank_order``; the counts are those of n' = max(n, 2p - 1), then
+every action of a microbatch >= n is dropped: with fewer microbatches the V is not full):
+  * warm-up: 2(p - r) - 1 chunk-0 forwards; then r pairs (chunk-1 forward, chunk-0 forward);
+    then p - r triples (chunk-1 forward, chunk-1 B, chunk-1 W);
+  * steady, while forwards remain: (chunk-0 forward while any is left, chunk-0 B, chunk-0 W,
+    chunk-1 forward, chunk-1 B, chunk-1 W);
+  * cool-down: r pairs (chunk-0 B, chunk-1 B), then p - r pairs (chunk-0 B, a chunk-0 W), then the
+    chunk-1 Ws left, then the chunk-0 Ws left, each chunk's in microbatch order.
+The Ws of each chunk run in microbatch order, as the Bs do: every parameter accumulates its
+microbatches' gradients in 1F1B's order.
+
+``timetable`` places each action in the earliest unit-time slot its order and its inputs allow
+(F = B = W = 1; a result crosses to a neighbour at the end of its slot): with F = B = W the V
+has (nearly) no bubble at 1F1B's activation memory (each chunk is half a stage: a rank holds about
+2p half-stage microbatches, p stage ones). The schedule runs in these slots: in each, every rank
+runs its action and exchanges what the slot's actions send (``messages``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of a rank's work: ``kind`` F (forward), B (input gradient) or W (weight
+    gradients) of ``chunk`` (0 or 1) on microbatch ``mb``."""
+
+    kind: str
+    chunk: int
+    mb: int
+
+
+def rank_order(rank: int, p: int, n: int) -> list[Action]:
+    """Pipeline rank ``rank``'s actions in order (module doc)."""
+    total = max(n, 2 * p - 1)
+    ops: list[Action] = []
+    f, b, w = [0, 0], [0, 0], [0, 0]  # next forward / B / W per chunk
+
+    def add(kind: str, chunk: int) -> None:
+        count = {"F": f, "B": b, "W": w}[kind]
+        ops.append(Action(kind, chunk, count[chunk]))
+        count[chunk] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        add("F", 0)
+    for _ in range(rank):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(p - rank):
+        add("F", 1)
+        add("B", 1)
+        add("W", 1)
+    while f[1] < f[0] or f[0] < total:
+        if f[0] < total:
+            add("F", 0)
+        add("B", 0)
+        add("W", 0)
+        add("F", 1)
+        add("B", 1)
+        add("W", 1)
+    for _ in range(rank):
+        add("B", 0)
+        add("B", 1)
+    for _ in range(p - rank):
+        add("B", 0)
+        add("W", 0)
+    while w[1] < b[1]:
+        add("W", 1)
+    while w[0] < b[0]:
+        add("W", 0)
+    return [a for a in ops if a.mb < n]
+
+
+def source(action: Action, rank: int, p: int) -> tuple[int, str, int] | None:
+    """The action whose result ``action`` waits for, as (rank, kind, chunk) on the same microbatch
+    (None: it waits for nothing but its rank's order: a first-stage forward)."""
+    kind, chunk = action.kind, action.chunk
+    if kind == "W":
+        return rank, "B", chunk
+    if kind == "F":
+        if chunk == 0:
+            return None if rank == 0 else (rank - 1, "F", 0)
+        return (rank, "F", 0) if rank == p - 1 else (rank + 1, "F", 1)
+    if chunk == 1:  # B: the gradient comes back down the V
+        return (rank, "F", 1) if rank == 0 else (rank - 1, "B", 1)
+    return (rank, "B", 1) if rank == p - 1 else (rank + 1, "B", 0)
+
+
+def message(action: Action, rank: int, p: int) -> str | None:
+    """Where ``action``'s result goes when another rank needs it: "up" (to rank + 1), "down" (to
+    rank - 1), or None (kept on this rank: the loss, the V's turn at rank p - 1, a first-stage dX,
+    a W)."""
+    if action.kind == "W":
+        return None
+    up = (action.kind == "F") == (action.chunk == 0)  # chunk 0's F and chunk 1's B go up the ranks
+    if up:
+        return "up" if rank < p - 1 else None
+    return "down" if rank > 0 else None
+
+
+def timetable(p: int, n: int) -> list[list[Action | None]]:
+    """``result[rank][slot]``: the action pipeline rank ``rank`` runs in that slot (None: it waits),
+    each as early as its rank's order and its input allow, every action one slot long; a result
+    sent to a neighbour is there in the next slot. Raises if the orders deadlock."""
+    orders = [rank_order(r, p, n) for r in range(p)]
+    done: dict[tuple[int, str, int, int], int] = {}  # (rank, kind, chunk, mb) -> its slot
+    at, free = [0] * p, [0] * p  # next action, first free slot, per rank
+    while any(at[r] < len(orders[r]) for r in range(p)):
+        progress = False
+        for r in range(p):
+            while at[r] < len(orders[r]):
+                a = orders[r][at[r]]
+                dep = source(a, r, p)
+                key = None if dep is None else (*dep, a.mb)
+                if key is not None and key not in done:
+                    break
+                slot = max(free[r], done[key] + 1 if key is not None else 0)
+                done[(r, a.kind, a.chunk, a.mb)] = slot
+                free[r], at[r], progress = slot + 1, at[r] + 1, True
+        if not progress:
+            raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
+    table: list[list[Action | None]] = [[None] * max(free) for _ in range(p)]
+    for (r, kind, chunk, mb), slot in done.items():
+        table[r][slot] = Action(kind, chunk, mb)
+    return table
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What a rank holds at the end of a forward or of a B (before any W), the moments its
+    activation memory can peak: chunk-microbatches in flight per chunk (from a forward to its B),
+    W units per chunk (from a B to its W), and on rank p - 1 the chunk-0 outputs handed to its own
+    chunk 1 whose forward has not run yet (``handed``)."""
+
+    kind: str  # the action that just ended: F or B
+    chunk: int
+    flight: tuple[int, int]
+    units: tuple[int, int]
+    handed: int = 0
+
+
+def moments(rank: int, p: int, n: int) -> list[Moment]:
+    """Every forward end and B end of rank ``rank``'s order, with what it holds then."""
+    flight, units, handed, out = [0, 0], [0, 0], 0, []
+    for a in rank_order(rank, p, n):
+        if a.kind == "W":
+            units[a.chunk] -= 1
+            continue
+        step = 1 if a.kind == "F" else -1
+        flight[a.chunk] += step
+        if a.kind == "B":
+            units[a.chunk] += 1
+        elif rank == p - 1:  # the V's turn: chunk 0's output waits for chunk 1's forward
+            handed += 1 if a.chunk == 0 else -1
+        out.append(Moment(a.kind, a.chunk, (flight[0], flight[1]), (units[0], units[1]), handed))
+    return out
+
+
+def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
+    """The V's layers per virtual stage (2p entries, model order) that give each rank the layers
+    ``per_rank`` gives it under 1F1B (so each rank holds 1F1B's layers): rank r's chunk 0 the
+    larger half, ceil(c_r / 2), its chunk 1 the rest; () when that is even. None where a middle
+    stage would be empty (a rank of fewer than 2 layers, other than rank 0, whose chunk 1 is the
+    last stage)."""
+    p = len(per_rank)
+    counts = [0] * (2 * p)
+    for r, c in enumerate(per_rank):
+        counts[r], counts[2 * p - 1 - r] = -(-c // 2), c // 2
+    if any(c == 0 for c in counts[1:-1]):
+        return None
+    return () if len(set(counts)) == 1 else tuple(counts)
+
+
+def idle_times(p: int, n: int, cost: dict[str, float]) -> list[float]:
+    """Each rank's idle time over one step when its order runs with ``cost`` seconds per chunk F, B
+    and W, each action as early as its rank's order and its input allow (the makespan less the
+    rank's work)."""
+    orders = [rank_order(r, p, n) for r in range(p)]
+    done: dict[tuple[int, str, int, int], float] = {}  # (rank, kind, chunk, mb) -> its end
+    at, clock = [0] * p, [0.0] * p
+    while any(at[r] < len(orders[r]) for r in range(p)):
+        progress = False
+        for r in range(p):
+            while at[r] < len(orders[r]):
+                a = orders[r][at[r]]
+                dep = source(a, r, p)
+                key = None if dep is None else (*dep, a.mb)
+                if key is not None and key not in done:
+                    break
+                start = max(clock[r], done[key] if key is not None else 0.0)
+                clock[r] = done[(r, a.kind, a.chunk, a.mb)] = start + cost[a.kind]
+                at[r], progress = at[r] + 1, True
+        if not progress:
+            raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
+    work = n * 2 * sum(cost.values())
+    return [max(clock) - work] * p

@@ -459,6 +459,16 @@ class ParallelConfig:
             )
         return f"dp {self.dp} × pp {self.pp}{cp} × tp {self.tp}"
 
+    def describe_extras(self) -> list[str]:
+        """What a layout line adds after ``describe_world`` when it is not the default: the
+        interleave, the pipeline schedule, the TP ring, ep (the trainer's banner and summary)."""
+        return (
+            [f"interleave {self.interleave}"] * (self.interleave > 1)
+            + [f"schedule {self.pp_schedule}"] * (self.pp_schedule != "1f1b")
+            + ["TP comm overlap"] * self.tp_comm_overlap
+            + [f"ep {self.ep} inside dp × cp"] * (self.ep > 1)
+        )
+
     @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank: ``interleave``, or 2 under zb-v (its V: rank r holds

@@ -74,3 +74,11 @@ def test_config_errors_name_the_rule_and_numbers(build, message):
     with pytest.raises(ConfigError) as err:
         build()
     assert message in str(err.value)
+
+
+def test_the_layout_line_names_what_is_not_the_default():
+    """The trainer's banner and summary say the schedule, the TP ring, the interleave and ep."""
+    assert ParallelConfig().describe_extras() == []
+    assert ParallelConfig(pp=2, pp_schedule="zb-v").describe_extras() == ["schedule zb-v"]
+    both = ParallelConfig(tp=2, sp=True, pp=2, interleave=2, tp_comm_overlap=True, ep=1)
+    assert both.describe_extras() == ["interleave 2", "TP comm overlap"]

@@ -227,8 +227,7 @@ class Trainer:
         m, p, r, t = self.job.model, self.job.parallel, self.job.recompute, self.job.train
         n = t.microbatches(p.dp)
         params = self.opt.num_parameters()
-        named = [f"interleave {p.interleave}"] * (p.interleave > 1) + [f"ep {p.ep}"] * (p.ep > 1)
-        # the order the summary's layout line uses
+        named = p.describe_extras()  # the summary's layout line says the same
         extras = f" ({', '.join(named)})" if named else ""
         lines = [
             f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s "

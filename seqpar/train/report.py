@@ -18,9 +18,10 @@ def print_summary(job: JobConfig, summary: dict, seconds: float) -> None:
         f"seqpar train: {m.num_layers} layers, h {m.hidden_size}, heads {m.num_heads}, s "
         f"{m.seq_len}, vocab {m.vocab_size}, {m.dtype}{moe}"
     )
-    ep = f" (ep {p.ep} inside dp × cp)" if p.ep > 1 else ""
+    named = p.describe_extras()  # the banner's layout line says the same
+    extras = f" ({', '.join(named)})" if named else ""
     print(
-        f"  layout {p.describe_world()}{ep}, sequence parallel "
+        f"  layout {p.describe_world()}{extras}, sequence parallel "
         f"{'on' if p.sp and p.tp > 1 else 'off'}, recompute {r.granularity}"
     )
     done = summary.get("step", t.steps)

@@ -45,9 +45,9 @@ Which draws run (environment):
   k-th, so n runs one after another (or on n machines) cover the selection, each with its share of
   every world size.
 
-Draws of one world size share launches of ranks, ``LAUNCH_DRAWS`` (10) per launch, each launched
-when its first test runs, under a timeout that grows with its work (``_helpers.Launches``: 120 s +
-``DRAW_S`` (60) s per draw per rank sharing a core, e.g. 2,520 s for 10 world-8 draws on 2 cores). A
+Draws of one world size share launches of ranks, ``LAUNCH_DRAWS`` (8) per launch, each launched when
+its first test runs, under a timeout that grows with its work (``_helpers.Launches``: 120 s +
+``DRAW_S`` (60) s per draw per rank sharing a core, e.g. 2,040 s for 8 world-8 draws on 2 cores). A
 launch that fails is rerun one draw at a time, so a failure or a timeout is reported against its own
 draw, and the launch's other draws still pass or fail on their own results.
 
@@ -309,9 +309,7 @@ def selected(env=os.environ) -> list[tuple[int, Combo]]:
 
 
 DRAWS = selected()
-# draws per launch (CI's sample of 10: one launch per world size, a launch's start costing more than
-# its draws); seconds a draw may take per rank sharing a core
-LAUNCH_DRAWS, DRAW_S = 10, 60.0
+LAUNCH_DRAWS, DRAW_S = 8, 60.0  # draws per launch; seconds a draw may take per rank sharing a core
 
 
 @pytest.fixture(scope="module")

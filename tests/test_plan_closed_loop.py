@@ -12,8 +12,10 @@ ranks (tp, SP, pp with interleaving, cp, dp, the distributed optimizer) × recom
   tensors).
 
 Dtype, micro-batch (1, 2, 4), global batch, label smoothing (set in the emitted config: the plan has
-no flag for it), the cp exchange and offloaded modules come from the shared axes
-(``tests/_axes.py``), fitted to the layout; what they narrow is printed per draw
+no flag for it), the cp exchange, offloaded modules, the pipeline schedule and the TP ring
+(``--tp-comm-overlap`` or ``--no-tp-comm-overlap``: the plan runs it at SP under 1F1B, prices its
+buffers and writes it into the config) come from the shared axes (``tests/_axes.py``), fitted to the
+layout; what they narrow is printed per draw
 (``narrowed (plan_loop ...)``) and recorded. The draws are seeded (an invalid one is drawn again);
 all of them train in one launch of 4 ranks. CI runs ``SEQPAR_PLAN_LOOP_DRAWS`` (default 4);
 ``SEQPAR_PLAN_LOOP_FULL=1`` runs ``FULL_DRAWS``."""
@@ -56,8 +58,6 @@ PLAN_LOOP = {  # the shared axes (tests/_axes.py) the loop does not take, and wh
     "compile": "eager",
     "overlap_param_gather": "one step measures states and activations; the gathers' buffers are "
     "freed in the next forward (tests/test_param_gather.py measures them)",
-    "tp_comm_overlap": "the plan's layouts run without it (plan prices the overlap, issue 54 item "
-                       "3)",
 }
 RECOMPUTE_CONFIGS = {
     "none": RecomputeConfig("none"),
@@ -126,12 +126,20 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[list, str, dict]:
     argv += ["--no-fsdp", "--no-offload"] + ["--no-distributed-optimizer"] * (not distopt)
     recompute = rng.choice(RECOMPUTE)
     offload = _axes.fit_offload(axes, RECOMPUTE_CONFIGS[recompute])
+    # SP drawn (on where the TP ring is drawn: the ring needs it); the plan runs the ring
+    # (planner.with_tp_ring) where the request searches it
+    sp = tp > 1 and (rng.random() < 0.5 or axes["tp_comm_overlap"])
+    ring = bool(_axes.fit_tp_comm_overlap(axes, tp, sp))
+    argv += ["--tp-comm-overlap" if ring else "--no-tp-comm-overlap"]
+    sched = _axes.fit_pp_schedule(
+        axes, pp, interleave, fsdp=False, tp_comm_overlap=ring, layers=layers
+    )
     explain = (
-        f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if tp > 1 and rng.random() < 0.5 else 'off'}"
+        f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if sp else 'off'}"
         f",recompute={recompute},mb={micro},distopt={'on' if distopt else 'off'}"
         + "".join(f",{k}={v}" for k, v in comm.items())
         + (f",offload={'/'.join(offload)}" if offload else "")
-        + _schedule_keys(_axes.fit_pp_schedule(axes, pp, interleave, fsdp=False, layers=layers))
+        + _schedule_keys(sched)
     )
     return argv, explain, {"label_smoothing": axes["label_smoothing"]}
 
@@ -238,6 +246,9 @@ def test_plan_dry_run_and_measured_bytes_agree(tmp_path, record_property):
     assert cores == {"materialized", "sdpa"} and any(
         c["job"].train.micro_batch > 1 for c in drawn
     ), cores
+    # the emitted config runs the TP ring where it was drawn (and the sample draws it)
+    rings = [(c["job"].parallel.tp_comm_overlap, c["axes"]["tp_comm_overlap"]) for c in drawn]
+    assert all(ran == want for ran, want in rings) and any(ran for ran, _ in rings), rings
     summaries = train_local_many(
         [c["sections"] for c in drawn], WORLD, timeout=300.0 + 30.0 * len(drawn)
     )

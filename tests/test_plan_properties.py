@@ -2,11 +2,15 @@
 profiles (issue 59 item 2): no collective hides under more work than runs (dp's buckets at most
 ``dp_overlap`` of it, and a smaller share never faster), MFU below the profile's bound
 (``costmodel.mfu_bound``), more data-parallel GPUs at a fixed per-rank layout never more memory per
-rank, a bigger micro-batch never less, and the search answers fast for any GPU count. Seeded draws:
-CI runs SEQPAR_PLAN_DRAWS=10 (default: 10 searches of small models, 100 evaluated layouts of Llama 3
-8B-405B, 3 GPU counts timed); SEQPAR_PLAN_DRAWS=N draws N, 10 N and N / 3."""
+rank, a bigger micro-batch never less, and the search answers fast for any GPU count. The reports:
+no row of a fitting plan's technique table ("why not") is invalid, and a plan that does not fit
+names the resource that is short (device or host memory). Seeded draws: CI runs
+SEQPAR_PLAN_DRAWS=10 (default: 10 searches of small models twice, 100 evaluated layouts of Llama 3
+8B-405B, 40 offloading plans short of memory, 3 GPU counts timed); SEQPAR_PLAN_DRAWS=N draws N,
+10 N, 4 N and N / 3."""
 
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -16,8 +20,17 @@ from hypothesis import strategies as st
 from seqpar.analysis.formulas.presets import preset_shape
 from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions, model_config
 from seqpar.analysis.planning.costmodel import mfu_bound
-from seqpar.analysis.planning.planner import Plan, Request, evaluate, num_microbatches, search
+from seqpar.analysis.planning.planner import (
+    OFFLOAD_CHOICES,
+    Plan,
+    Request,
+    evaluate,
+    num_microbatches,
+    search,
+)
 from seqpar.analysis.planning.profiles import BUILTIN_PROFILES, builtin_profile
+from seqpar.analysis.reports.plan_report import render_explain, why_not
+from seqpar.analysis.text import human_bytes
 from seqpar.config import ParallelConfig, RecomputeConfig
 
 DRAWS = int(os.environ.get("SEQPAR_PLAN_DRAWS", "10"))
@@ -30,6 +43,8 @@ MODELS = {
     "gpt-wide": model_config(layers=2, hidden=256, heads=8, seq=128, vocab=1024, ffn=768),
 }
 CHECKED = []  # draws that returned plans (a sweep where none did would prove nothing)
+RINGED = []  # plans with the TP ring whose technique table was checked
+SHORT = set()  # the resources drawn short: "device", "host"
 
 
 @st.composite
@@ -158,10 +173,89 @@ def _dp_hides_at_most_its_share(req: Request, ev) -> None:
     )
 
 
+@settings(max_examples=DRAWS, deadline=None, derandomize=True)
+@given(requests())
+def test_no_technique_row_of_a_valid_plan_is_invalid(req):
+    """The technique table ("why not", ``plan_report.why_not``) at a fitting plan's layout: every
+    variant is one the rules accept (a merge once left 'TP only' at an SP plan's layout with the
+    TP ring on: 'invalid: tp_comm_overlap needs sequence parallelism'). Checked at the best plan
+    and at the best plans with SP (with the ring where the request searches it)."""
+    ranked = search(req)
+    with_sp = [ev for ev in ranked if ev.plan.par.sp][:2]
+    for ev in ranked[:1] + with_sp:
+        rows = [line for line in why_not(req, ev).splitlines() if "invalid" in line]
+        assert not rows, (ev.plan.label, rows)
+        RINGED.extend([ev.plan.label] * ev.plan.par.tp_comm_overlap)
+
+
+@st.composite
+def short_of_memory(draw) -> tuple[Request, Plan]:
+    """A plan offloading activations on a machine whose device memory and host memory are each
+    drawn below or above what the plan needs (so either, both or neither binds)."""
+    shape = MODELS[draw(st.sampled_from(sorted(MODELS)))]
+    tp, pp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    par = ParallelConfig(tp=tp, pp=pp, dp=1, sp=tp > 1)
+    modules = draw(st.sampled_from(OFFLOAD_CHOICES))
+    # selective recomputation rebuilds the core: it is not offloaded too
+    granularity = (
+        "none" if "core_attention" in modules else draw(st.sampled_from(["none", "selective"]))
+    )
+    rc = RecomputeConfig(granularity, offload_modules=modules).validate()
+    plan = Plan(par, rc, draw(st.sampled_from([1, 2])))
+    req = Request(shape, par.world_size, 8 * plan.micro_batch, hw=builtin_profile("h100-80gb"))
+    need = evaluate(req, plan)  # the bytes on the device and on the host, at a roomy machine
+    device, host = (draw(st.sampled_from([0.5, 0.99, 1.01, 2.0])) for _ in range(2))
+    hw = req.hw
+    hw = replace(
+        hw,
+        memory_bytes=device * need.memory_bytes / (1 - hw.reserve_fraction),
+        host_memory_bytes=host * need.host_bytes * hw.gpus_per_node
+        / (1 - hw.host_reserve_fraction),
+    )
+    return replace(req, hw=hw), plan
+
+
+def _bytes(text: str) -> float:
+    """``human_bytes``'s text back to bytes (to its rounding)."""
+    value, unit = text.replace(",", "").split()
+    return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(unit)
+
+
+@settings(max_examples=4 * DRAWS, deadline=None, derandomize=True)
+@given(short_of_memory())
+def test_a_plan_that_does_not_fit_names_the_resource_that_is_short(case):
+    """``plan --explain``'s verdict on a plan that does not fit names what binds: device memory
+    when the device is short (the rank, its bytes, the usable bytes), host memory when offloaded
+    activations exceed the host's share (a bug once printed 'rank 0 needs 36.63 GiB > 67.06 GiB
+    usable' for a host shortfall); and every 'A > B' it prints holds."""
+    req, plan = case
+    ev = evaluate(req, plan, every_rank=True)
+    assert ev.error is None, ev.error
+    text = render_explain(req, ev, [])
+    verdict = next(x for x in text.split("\n\n") if x.startswith(("fits", "rejected: does not")))
+    device_short = ev.memory_bytes > req.hw.usable_bytes
+    host_short = ev.host_bytes > req.hw.host_usable_bytes
+    assert ev.fits == (not device_short and not host_short), (ev.fits, verdict)
+    for a, b in re.findall(r"([\d.,]+ [KMG]?i?B)[^>\d]* > ([\d.,]+ [KMG]?i?B)", verdict):
+        assert _bytes(a) >= _bytes(b), verdict
+    if device_short:
+        peak = ev.peak
+        assert f"rank {peak.rank} needs {human_bytes(peak.total)} > " in verdict, verdict
+        assert "host" not in verdict, verdict
+        SHORT.add("device")
+    elif host_short:
+        assert f"need {human_bytes(ev.host_bytes)} of host memory per GPU > " in verdict, verdict
+        assert f"> {human_bytes(req.hw.host_usable_bytes)} usable" in verdict, verdict
+        SHORT.add("host")
+    else:
+        assert verdict.startswith("fits"), verdict
+
+
 def test_the_sweep_checked_plans():
-    """Run after the sweep (file order): a sweep where no draw returned a plan would prove
-    nothing."""
-    assert CHECKED
+    """Run after the sweeps (file order): a sweep where no draw returned a plan, no technique table
+    was checked at a plan with the TP ring, or no draw was short of device or of host memory would
+    prove nothing."""
+    assert CHECKED and RINGED and sorted(SHORT) == ["device", "host"], (len(CHECKED), RINGED, SHORT)
 
 
 @settings(max_examples=max(3, DRAWS // 3), deadline=None, derandomize=True)

@@ -268,6 +268,8 @@ def rank_state_bytes(
             "optimizer_bytes": held * (opt.master_bytes + opt.adam_bytes)}
 
 
+# the planner asks it of every plan it examines: the same layout under each micro-batch and recompute
+@lru_cache(maxsize=4096)
 def param_gather_bytes(shape: ModelConfig, par: ParallelConfig, rank: int, opt: OptimizerOptions,
                        bucket_bytes: int = BUCKET_BYTES) -> int:
     """Bytes the distributed optimizer's overlapped weight gathers hold on pipeline rank ``rank``

@@ -23,7 +23,13 @@ from seqpar.measure.activations import measure_activations
 from seqpar.model.compile import compile_model, default_compile
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.fsdp import apply_fsdp
-from seqpar.parallel.launch import default_device, end_distributed, init_distributed, run_ranks
+from seqpar.parallel.launch import (
+    default_device,
+    end_distributed,
+    init_distributed,
+    release_groups_made_by,
+    run_ranks,
+)
 from seqpar.parallel.rng import SCHEME
 from seqpar.pipeline import build_stages, finalize_grads, forward_backward
 from seqpar.pipeline.last_stage import dp_mean
@@ -623,7 +629,11 @@ def train(
 
 # -------------------------------------------------------------------- from Python, on N local ranks
 def _rank_trains(rank: int, world: int, jobs: list[dict], resume: str) -> list[dict]:
-    return [train(build_job(sections), resume=resume, quiet=True) for sections in jobs]
+    # each job's groups released when it ends: the next job makes its own
+    return [
+        release_groups_made_by(lambda s=sections: train(build_job(s), resume=resume, quiet=True))
+        for sections in jobs
+    ]
 
 
 def train_local(sections: dict, world: int = 1, resume: str = "", timeout: float = 600.0) -> dict:

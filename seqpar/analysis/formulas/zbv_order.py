@@ -108,13 +108,14 @@ def message(action: Action, rank: int, p: int) -> str | None:
     return "down" if rank > 0 else None
 
 
-def timetable(p: int, n: int) -> list[list[Action | None]]:
-    """``result[rank][slot]``: the action pipeline rank ``rank`` runs in that slot (None: it waits),
-    each as early as its rank's order and its input allow, every action one slot long; a result
-    sent to a neighbour is there in the next slot. Raises if the orders deadlock."""
+def _as_early_as_possible(p: int, n: int, cost: dict[str, float]) -> dict[tuple, float]:
+    """(rank, kind, chunk, mb) -> the start of every action of the ranks' orders, each as early as
+    its rank's order and its input allow when a chunk's F, B and W take ``cost`` seconds (a result
+    sent to a neighbour is there when its action ends). Raises if the orders deadlock."""
     orders = [rank_order(r, p, n) for r in range(p)]
-    done: dict[tuple[int, str, int, int], int] = {}  # (rank, kind, chunk, mb) -> its slot
-    at, free = [0] * p, [0] * p  # next action, first free slot, per rank
+    start: dict[tuple[int, str, int, int], float] = {}
+    end: dict[tuple[int, str, int, int], float] = {}
+    at, clock = [0] * p, [0.0] * p  # next action and when the rank is free, per rank
     while any(at[r] < len(orders[r]) for r in range(p)):
         progress = False
         for r in range(p):
@@ -122,15 +123,24 @@ def timetable(p: int, n: int) -> list[list[Action | None]]:
                 a = orders[r][at[r]]
                 dep = source(a, r, p)
                 key = None if dep is None else (*dep, a.mb)
-                if key is not None and key not in done:
+                if key is not None and key not in end:
                     break
-                slot = max(free[r], done[key] + 1 if key is not None else 0)
-                done[(r, a.kind, a.chunk, a.mb)] = slot
-                free[r], at[r], progress = slot + 1, at[r] + 1, True
+                me = (r, a.kind, a.chunk, a.mb)
+                start[me] = max(clock[r], end[key] if key is not None else 0.0)
+                clock[r] = end[me] = start[me] + cost[a.kind]
+                at[r], progress = at[r] + 1, True
         if not progress:
             raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
-    table: list[list[Action | None]] = [[None] * max(free) for _ in range(p)]
-    for (r, kind, chunk, mb), slot in done.items():
+    return start
+
+
+def timetable(p: int, n: int) -> list[list[Action | None]]:
+    """``result[rank][slot]``: the action pipeline rank ``rank`` runs in that slot (None: it waits),
+    each as early as its rank's order and its input allow, every action one slot long; a result
+    sent to a neighbour is there in the next slot. Raises if the orders deadlock."""
+    slots = {k: int(v) for k, v in _as_early_as_possible(p, n, dict.fromkeys("FBW", 1.0)).items()}
+    table: list[list[Action | None]] = [[None] * (max(slots.values()) + 1) for _ in range(p)]
+    for (r, kind, chunk, mb), slot in slots.items():
         table[r][slot] = Action(kind, chunk, mb)
     return table
 
@@ -185,22 +195,7 @@ def idle_times(p: int, n: int, cost: dict[str, float]) -> list[float]:
     """Each rank's idle time over one step when its order runs with ``cost`` seconds per chunk F, B
     and W, each action as early as its rank's order and its input allow (the makespan less the
     rank's work)."""
-    orders = [rank_order(r, p, n) for r in range(p)]
-    done: dict[tuple[int, str, int, int], float] = {}  # (rank, kind, chunk, mb) -> its end
-    at, clock = [0] * p, [0.0] * p
-    while any(at[r] < len(orders[r]) for r in range(p)):
-        progress = False
-        for r in range(p):
-            while at[r] < len(orders[r]):
-                a = orders[r][at[r]]
-                dep = source(a, r, p)
-                key = None if dep is None else (*dep, a.mb)
-                if key is not None and key not in done:
-                    break
-                start = max(clock[r], done[key] if key is not None else 0.0)
-                clock[r] = done[(r, a.kind, a.chunk, a.mb)] = start + cost[a.kind]
-                at[r], progress = at[r] + 1, True
-        if not progress:
-            raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
+    starts = _as_early_as_possible(p, n, cost)
+    makespan = max(t + cost[kind] for (_, kind, _, _), t in starts.items())
     work = n * 2 * sum(cost.values())
-    return [max(clock) - work] * p
+    return [makespan - work] * p

@@ -11,7 +11,7 @@ from seqpar.parallel import comm
 from seqpar.parallel.cross_entropy import vocab_parallel_cross_entropy
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
-from seqpar.parallel.layers import ColumnParallelLinear, padded_vocab
+from seqpar.parallel.layers import ColumnParallelLinear, RowParallelLinear, padded_vocab
 from seqpar.parallel.layout import ParamLayout
 from seqpar.parallel.sharding import shard_tensor
 from seqpar.parallel.tp_context import TPContext
@@ -59,7 +59,33 @@ def _overlap_order(rank, world):
             y.backward(torch.ones_like(y))
     finally:
         comm.all_gather_seq, comm.reduce_scatter_seq = gather, scatter
-    return events, _deferred_sp(layer, x)
+    row = RowParallelLinear(12, 8, TPContext(group, sequence_parallel=True))
+    torch.manual_seed(rank)  # each rank its own input shard and weight shard
+    for p in row.parameters():
+        torch.nn.init.normal_(p)
+    return events, _deferred_sp(layer, x) + _deferred_row_sp(row, rank)
+
+
+def _deferred_row_sp(layer, rank):
+    """The row-parallel SP linear's W deferred: its unit keeps the ``[s/t, b, out]`` shard of the
+    output gradient (not the gathered ``[s, b, out]``) and W gathers it again; dX after B, dW and db
+    after W equal the undeferred backward's, bit for bit."""
+    gen = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(8, 3, 6, generator=gen, requires_grad=True)  # [s, b, 12/t]
+    dy = torch.randn(4, 3, 8, generator=gen)  # [s/t, b, out]
+    layer(x).backward(dy)
+    now = [t.grad.clone() for t in (x, layer.weight, layer.bias)]
+    for t in (x, layer.weight, layer.bias):
+        t.grad = None
+    store = layer.store
+    with store.deferred():
+        y = layer(x)  # [s/t, b, 8]
+        y.backward(dy)
+        store.seal()
+        kept = store.held_bytes == x.nbytes + dy.nbytes  # X [s, b, 12/t] + dY's shard
+        after_b = [kept, torch.equal(x.grad, now[0]), layer.weight.grad is None]
+        store.flush()
+    return after_b + [torch.equal(layer.weight.grad, now[1]), torch.equal(layer.bias.grad, now[2])]
 
 
 def _deferred_sp(layer, x):
@@ -119,7 +145,8 @@ class _VocabParam:
 
 def test_stored_input_trick_overlaps_collectives_with_gemms():
     events, deferred = run_ranks(_overlap_order, 2)[0]
-    assert all(deferred), deferred  # B: dX equal, no dW yet; W: dW and db equal
+    # column- then row-parallel: B: dX equal, no dW yet (the row unit keeps dY's shard); W: dW, db
+    assert all(deferred), deferred
     assert events == ["all-gather started", "gemm", "all-gather waited",
                       "reduce-scatter started", "gemm", "reduce-scatter waited"], events
 

@@ -88,6 +88,26 @@ class LinearWithGatheredInput(torch.autograd.Function):
         return grad_x_shard, grad_w, grad_b, None, None
 
 
+class LinearWithScatteredOutput(torch.autograd.Function):
+    """``ḡ(X_i W_i^T)`` under SP with W deferred (``parallel.weight_grad.deferral``): the row-parallel
+    GEMM and its reduce-scatter along s. Backward (B): all-gather the ``[s/t, b, out]`` output
+    gradient that arrived, ``dX = dY W``; W is queued with the shard, not the gathered ``dY``, and
+    gathers it again when it runs (the stored-input trick, applied to the output gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, deferred):
+        ctx.group, ctx.deferred = group, deferred
+        ctx.save_for_backward(x, weight)  # as F.linear keeps them
+        return comm.reduce_scatter_seq(F.linear(x, weight), group)  # [s/t, b, out]
+
+    @staticmethod
+    def backward(ctx, grad_shard):  # [s/t, b, out]
+        x, weight = ctx.saved_tensors
+        ctx.deferred.put(x, grad_shard, ctx.group, grad_shard=True)  # W later, from the shard
+        grad_out = comm.all_gather_seq(grad_shard, ctx.group)  # [s, b, out], freed after B
+        return grad_out.matmul(weight), None, None, None  # B: [s, b, in/t]
+
+
 def gathered_linear(
     x_shard: torch.Tensor, weight: torch.Tensor, bias, tp: TPContext
 ) -> torch.Tensor:
@@ -158,6 +178,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
             return self.overlapped(x)
+        if self.sequence_parallel:  # the store decides when W runs (parallel.weight_grad)
+            weight, _, deferred = deferral(self.store, self.weight, None)
+            if deferred is not None:  # W keeps dY's [s/t, b, out] shard
+                y = LinearWithScatteredOutput.apply(x, weight, self.group, deferred)
+                return y if self.bias is None else y + self.bias  # [s/t, b, out]
         # [s, b, out] partial sum, reduced
         return self.reduce(linear(x, self.weight, None, self.store))
 

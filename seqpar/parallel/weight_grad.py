@@ -6,7 +6,8 @@ A linear layer's backward is two steps (Qi et al. 2024, "Zero Bubble Pipeline Pa
     the pipeline's critical path, the previous stage waits for it;
   * **W** -- the weight (and bias) gradient ``dW = dY^T X`` from the stored input (under sequence
     parallelism the stored ``[s/t, b, h]`` shard, gathered again, as the stored-input trick's
-    backward already does) and ``dY``.
+    backward already does) and ``dY`` (a deferred row-parallel linear under SP keeps the
+    ``[s/t, b, out]`` shard of ``dY`` that arrived and gathers it again: the same trick).
 
 ``weight_grad`` is the W step, one plain function every caller shares (the layers' own backward, and
 a deferred W). ``WeightGradStore`` decides when it runs: while ``deferring`` (a zero-bubble
@@ -46,24 +47,29 @@ from seqpar.parallel import comm
 @dataclass
 class SavedForW:
     """What W needs, kept from the forward: the input (the ``[s/t, b, h]`` shard under SP, else
-    ``[s, b, in]``), the parameters it accumulates into, and the group the shard is gathered
-    over."""
+    ``[s, b, in]``), the parameters it accumulates into, and the group the shards are gathered
+    over; ``grad_shard``: the output gradient W is given is the ``[s/t, b, out]`` shard (a
+    row-parallel linear under SP), gathered again when W runs."""
 
     x: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None
     group: object = None
     sequence_parallel: bool = False
+    grad_shard: bool = False
 
 
 def weight_grad(saved: SavedForW, grad_out: torch.Tensor, gathered: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """W: ``(dW, db)`` from ``grad_out`` ``[s, b, out]`` and the stored input; under SP the shard is
-    gathered again (``gathered``: already gathered by the caller, whose gather overlapped its
-    input-gradient GEMM)."""
+    """W: ``(dW, db)`` from ``grad_out`` ``[s, b, out]`` (its ``[s/t, b, out]`` shard when
+    ``saved.grad_shard``: gathered again) and the stored input; under SP the shard is gathered again
+    (``gathered``: already gathered by the caller, whose gather overlapped its input-gradient
+    GEMM)."""
     x = saved.x
     if saved.sequence_parallel:
         x = comm.all_gather_seq(x, saved.group) if gathered is None else gathered  # [s, b, h]
+    if saved.grad_shard:
+        grad_out = comm.all_gather_seq(grad_out, saved.group)  # [s/t, b, out] -> [s, b, out]
     return gemm_grads(x, grad_out, saved.bias is not None)
 
 
@@ -163,10 +169,10 @@ class Deferral:
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def put(
-        self, x: torch.Tensor, grad_out: torch.Tensor, group=None, sequence_parallel: bool = False
-    ) -> None:
-        self.store.put(SavedForW(x, self.weight, self.bias, group, sequence_parallel), grad_out)
+    def put(self, x: torch.Tensor, grad_out: torch.Tensor, group=None,
+            sequence_parallel: bool = False, grad_shard: bool = False) -> None:
+        saved = SavedForW(x, self.weight, self.bias, group, sequence_parallel, grad_shard)
+        self.store.put(saved, grad_out)
 
 
 def deferral(store: WeightGradStore | None, weight: torch.Tensor, bias: torch.Tensor | None

@@ -3,13 +3,18 @@ unit keeps, and how many units pipeline rank S holds at its peak.
 
 A unit is one chunk-microbatch whose B has run and whose W has not. Each deferred linear keeps its
 stored input X (under SP the ``[s/t, b, h]`` shard it gathers again) and its output gradient dY
+(a row-parallel linear's under SP: the ``[s/t, b, h]`` shard that arrived, gathered again in W)
 until W runs, on one tp rank:
 
   qkv       X: s·b·h/r          dY: s·b·(a/t + 2·kv_t)·d      (r = t under SP, else 1; kv_t kv heads per rank)
-  out_proj  X: s·b·h/t          dY: s·b·h
+  out_proj  X: s·b·h/t          dY: s·b·h/r
   fc1       X: s·b·h/r          dY: s·b·f'/t                  (f' = 2f for SwiGLU)
-  fc2       X: s·b·f/t          dY: s·b·h                     (none when the activation is recomputed: that fc2
+  fc2       X: s·b·f/t          dY: s·b·h/r                   (none when the activation is recomputed: that fc2
                                                                GEMM keeps its W in B)
+
+W's re-gathers are transient (one linear's ``[s, b, h]`` at a time, freed by its GEMM) and left out,
+as B's working set is: both schedules run a W right after a B or another W, so a W starts holding no
+more than the B end before it, and its gather is no larger than the one that B made of the same dY.
 
 times the activation width; an MoE layer defers its attention's and its shared expert's (the routed
 experts' grouped GEMMs and the router run W in B). Under context parallelism s is the rank's s/cp
@@ -19,8 +24,7 @@ When: ZB-H1 (``seqpar.pipeline.schedule_zero_bubble``) keeps at most S units thr
 phase. Memory grows at two kinds of moment (``zb_h1_moments``): the end of a forward (p - S
 microbatches in flight at most, as in 1F1B) and the end of a B, before any W runs (one microbatch
 fewer in flight, one unit more). Which is rank S's peak depends on whether a unit keeps more than a
-microbatch in flight: under full recompute, or with sequence parallelism (dY of out_proj and fc2 is
-whole-sequence), it can.
+microbatch in flight: under full recompute it can.
 """
 
 from __future__ import annotations
@@ -69,12 +73,12 @@ def linear_w_terms(
     s, h, a, t = shape.seq_len // par.cp, shape.hidden_size, shape.num_heads, par.tp
     r, d = (t if par.sp and t > 1 else 1), h // a
     qkv = (a / t + 2 * kv_heads_per_rank(a, t, shape.kv_heads)) * d
-    terms = {"qkv": s * b * (h / r + qkv), "out_proj": s * b * (h / t + h)}
+    terms = {"qkv": s * b * (h / r + qkv), "out_proj": s * b * (h / t + h / r)}
     if ffn:
         parts = 2 if shape.activation == "swiglu" else 1
         terms["fc1"] = s * b * (h / r + parts * ffn / t)
         if "activation" not in rc.selective_modules:
-            terms["fc2"] = s * b * (ffn / t + h)
+            terms["fc2"] = s * b * (ffn / t + h / r)
     return {k: act_bytes * v for k, v in terms.items()}
 
 

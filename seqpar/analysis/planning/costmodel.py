@@ -34,7 +34,10 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 layer's (TP: f's all-reduce beside the logits' weight-gradient GEMM; SP: as a column-
                 parallel GEMM above) and the vocab-parallel cross entropy's 3 all-reduces of s b fp32
                 values; once per step the gradient norm's all-reduce over tp (and over pp), and under
-                SP the all-reduce of the replicated parameters' partial gradients. With ``tp_comm_overlap``
+                SP the all-reduce of the replicated parameters' partial gradients. A zero-bubble
+                schedule under SP adds, per deferred row-parallel GEMM (out_proj, fc2), the
+                re-gather of its output gradient's shard inside W, exposed as g-bar's gathers
+                of B are (``w_regather_s``). With ``tp_comm_overlap``
                 every SP collective of a layer, forward and backward, is a ring of t chunks pipelined with
                 its GEMM cut in t (``tp_ring_exposed_s``): each of the t - 1 exchanges beside one partial GEMM
     recompute   selective: the attention core's forward again (QK^T, softmax, dropout, attention*V);
@@ -59,7 +62,8 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
     log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble; ZB-H1's
-(p-1)(T_mb - 2 T_W), T_W its deferred weight-gradient GEMMs: ``bubble_s``) + the exposed part of
+(p-1)(T_mb - 2 T_W), T_W its deferred weight-gradient GEMMs and their SP re-gathers:
+``bubble_s``) + the exposed part of
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather``
 what the last microbatch's backward / the first one's forward does not hide, ``dp_overlap`` of what
 it covers, plus the last bucket; FSDP: per microbatch, each layer's prefetched gathers and
@@ -627,6 +631,7 @@ def rank_microbatch_s(
     p = layer_pass_s(shape, par, b, hw, opts)
     # PASS_TERMS (+ cp_comm)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}
+    terms["tp_comm"] += layers * w_regather_s(shape, par, rc, b, hw, opts)
     if rank == 0:
         terms["tp_comm"] += embedding_comm_s(shape, par, b, hw, opts)
     if rank == par.loss_rank:  # rank 0 under zb-v
@@ -893,15 +898,35 @@ def deferred_w_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     """Seconds of one microbatch's deferred weight-gradient GEMMs on pipeline rank ``rank`` (each as
     long as its forward GEMM): the layers' qkv, out_proj and dense fc1/fc2 (fc2 not when the
     activation is recomputed: that GEMM keeps its W in B; the experts' GEMMs and the output layer
-    neither; ``seqpar.parallel.weight_grad``)."""
-    dense = 1 - shape.moe_layers / shape.num_layers
-    share = {"fc1": dense, "fc2": 0.0 if "activation" in rc.selective_modules else dense}
+    neither; ``seqpar.parallel.weight_grad``), with their output gradients' re-gathers under SP
+    (``w_regather_s``)."""
+    share = deferred_shares(shape, rc)
     per_layer = sum(
         share.get(k, 1.0) * gemm_s(f, nb, hw)
         for k, (f, nb) in layer_gemms(shape, par.tp, b, opts, par.cp).items()
         if k in DEFERRED_GEMMS
-    )
+    ) + w_regather_s(shape, par, rc, b, hw, opts)
     return sum(rank_chunk_layers(shape, par, rank)) * per_layer
+
+
+def deferred_shares(shape: ModelConfig, rc: RecomputeConfig) -> dict[str, float]:
+    """The share of the layers whose fc1 / fc2 W a zero-bubble schedule defers (dense layers; fc2
+    none when the activation is recomputed); qkv and out_proj: every layer."""
+    dense = 1 - shape.moe_layers / shape.num_layers
+    return {"fc1": dense, "fc2": 0.0 if "activation" in rc.selective_modules else dense}
+
+
+def w_regather_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                 hw: Hardware, opts: ActivationOptions) -> float:
+    """Seconds one layer's deferred Ws spend gathering output gradients again: under SP a
+    zero-bubble schedule's row-parallel W (out_proj, and fc2 where deferred) keeps the
+    ``[s/t, b, h]`` shard of its dY and all-gathers it in W
+    (``parallel.layers.LinearWithScatteredOutput``), one [s, b, h] all-gather each, exposed as
+    g-bar's all-gathers in B are; 0 under 1F1B or without SP."""
+    if par.pp_schedule == "1f1b" or not par.sp:
+        return 0.0
+    gathers = 1 + deferred_shares(shape, rc)["fc2"]
+    return gathers * tp_collectives_s(shape, par, b, hw, opts)[1]
 
 
 COMM_TERMS = ("tp_comm", "cp_comm", "ep_comm")  # a pass's exchanges: each on its group's link

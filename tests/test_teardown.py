@@ -2,7 +2,9 @@
 its group while a gloo peer still completes the last collective can abort that peer (SIGABRT), and
 torchrun then reports a finished run as failed. Every entry point (trainer, self-test,
 ``run_ranks``) and the README's library example end through
-``seqpar.parallel.launch.end_distributed``; nothing else destroys a group."""
+``seqpar.parallel.launch.end_distributed``; a job's own groups inside a launch that runs many jobs
+(``train_local_many``) end the same way, a barrier then destroy, in ``release_groups_made_by``;
+nothing else destroys a group."""
 
 import ast
 from pathlib import Path
@@ -38,7 +40,14 @@ def calls(path: Path) -> list[tuple[str, str]]:
 def test_only_end_distributed_destroys_a_group():
     found = [(p.relative_to(ROOT), where) for p in SOURCES for where, name in calls(p)
              if name == "destroy_process_group"]
-    assert found == [(Path("seqpar/parallel/launch.py"), "end_distributed")]
+    assert sorted(found) == [
+        (Path("seqpar/parallel/launch.py"), "end_distributed"),
+        (Path("seqpar/parallel/launch.py"), "release_groups_made_by"),
+    ]
+    # both wait at a barrier first
+    for name in ("end_distributed", "release_groups_made_by"):
+        assert any(c == "barrier" for where, c in calls(ROOT / "seqpar/parallel/launch.py")
+                   if where == name), name
 
 
 def test_every_entry_point_that_starts_a_group_ends_it_the_same_way():

@@ -203,8 +203,9 @@ def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
+    folder = tmp_path / "new" / "folder"  # made by --plot
     r = run_benchmark(
-        parser.parse_args(["schedule", "--quick", "--json", "--pp", "2", "--plot", str(tmp_path)])
+        parser.parse_args(["schedule", "--quick", "--json", "--pp", "2", "--plot", str(folder)])
     )
     capsys.readouterr()
     n = r["config"]["microbatches"]
@@ -219,7 +220,10 @@ def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
     for sched in ("zb-h1", "zb-v"):
         ratios = [z / o for z, o in zip(r[sched]["idle_s"], r["1f1b"]["idle_s"], strict=True)]
         assert r[sched]["idle_ratio"] == pytest.approx(ratios)
-    assert (tmp_path / "schedule_timeline.png").stat().st_size > 0
+    assert (folder / "schedule_timeline.png").stat().st_size > 0
+    with pytest.raises(ConfigError, match="is a file, not a folder"):  # before any rank runs
+        png = str(folder / "schedule_timeline.png")
+        run_benchmark(parser.parse_args(["schedule", "--quick", "--plot", png]))
 
 
 class _VRunner:

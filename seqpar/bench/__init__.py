@@ -75,8 +75,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "schedule": (
         "seqpar.bench.schedule",
-        "one training step's per-rank timeline on pp 4 local ranks under 1F1B and "
-        "ZB-H1 (zero bubble): each rank's idle time and ZB-H1's over 1F1B's, drawn with --plot",
+        "one training step's per-rank timeline on pp 4 local ranks under 1F1B, ZB-H1 and ZB-V "
+        "(zero bubble): each rank's idle time and the zero-bubble ones' over 1F1B's, drawn with "
+        "--plot",
     ),
     "planner": (
         "seqpar.bench.planner",

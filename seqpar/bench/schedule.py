@@ -34,7 +34,7 @@ QUICK = {
     "heads": 4,
     "seq": 16,
     "micro_batch": 1,
-    "layers": 4,
+    "layers": 8,  # ZB-V at the default pp 4 cuts them into 8 chunks
     "vocab": 64,
     "repeats": 1,
     "warmup": 1,
@@ -103,6 +103,8 @@ def run(args) -> dict:
     if scheduled(ParallelConfig(pp=args.pp), "zb-v", args.layers) is None:
         raise ConfigError(f"bench schedule: {args.layers} layers on pp {args.pp} leave a chunk of "
                           f"ZB-V's 2 × {args.pp} empty; give --layers {2 * args.pp} or more")
+    if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
+        raise ConfigError(f"bench schedule: --plot {args.plot} is a file, not a folder")
 
     plain = argparse.Namespace(**{k: v for k, v in vars(args).items()
                                   if isinstance(v, int | float | str | bool | None)})  # picklable
@@ -197,6 +199,7 @@ def plot(r: dict, folder: str) -> str:
         ax.invert_yaxis()
     axes[-1].set_xlabel("seconds from the step's start (F blue, B orange, W green)")
     fig.tight_layout()
+    Path(folder).mkdir(parents=True, exist_ok=True)
     path = str(Path(folder) / "schedule_timeline.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -378,9 +378,28 @@ def layer_counts(
     return counts
 
 
+def virtual_stage(rank: int, chunk: int, pp: int, v: bool = False) -> int:
+    """Index in the model's order of chunk ``chunk`` of pipeline rank ``rank`` (Sec. 4.2.3): ``c·p +
+    r``, Megatron's round-robin of the interleaved schedule; ``v``: zb-v's V, rank r holding stages
+    r (chunk 0) and 2p - 1 - r (chunk 1). The one placement rule: the pipeline builds its chunks
+    and the analysis counts their layers and parameters with it."""
+    if v:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def chunk_layer_ranges(sizes: list[int], rank: int, pp: int, v: bool = False) -> list[list[int]]:
+    """The global layers of each chunk of pipeline rank ``rank``, in order, given ``sizes`` (the
+    layers of each virtual stage in model order, ``layer_counts``) and ``virtual_stage``'s
+    placement."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    stages = (virtual_stage(rank, c, pp, v) for c in range(len(sizes) // pp))
+    return [list(range(starts[i], starts[i] + sizes[i])) for i in stages]
+
+
 def loss_rank(pp: int, pp_schedule: str = "1f1b") -> int:
     """The pipeline rank holding the last virtual stage (the output layer and the loss): p - 1, or
-    0 under zb-v's V (``seqpar.pipeline.split.v_stage``)."""
+    0 under zb-v's V (``virtual_stage``)."""
     return 0 if pp_schedule == "zb-v" else pp - 1
 
 
@@ -474,6 +493,11 @@ class ParallelConfig:
         """Model chunks per pipeline rank: ``interleave``, or 2 under zb-v (its V: rank r holds
         virtual stages r and 2p - 1 - r, ``seqpar.pipeline.split``)."""
         return 2 if self.pp_schedule == "zb-v" else self.interleave
+
+    def virtual_stage(self, rank: int, chunk: int) -> int:
+        """Index of chunk ``chunk`` of pipeline rank ``rank`` in the model's order
+        (``virtual_stage``: round-robin, or zb-v's V)."""
+        return virtual_stage(rank, chunk, self.pp, v=self.pp_schedule == "zb-v")
 
     @property
     def loss_rank(self) -> int:

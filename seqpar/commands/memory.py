@@ -363,7 +363,11 @@ def run_schedule(args) -> int:
     P × T gloo ranks; per stage the measured peak next to the formula (Eq. 5/6, interleave factor,
     Sec. 4.3 terms; ``seqpar.measure.stages``)."""
     # torch: the stage table measures; the formula table stays torch-free
-    from seqpar.measure.stages import formula_stage_memory, implementation_terms, measure_schedules
+    from seqpar.measure.stages import (
+        formula_stage_memory,
+        implementation_terms_at,
+        measure_schedules,
+    )
 
     if args.cp > 1:
         raise ConfigError(
@@ -395,15 +399,8 @@ def run_schedule(args) -> int:
             )
             terms = memory.held_terms
             formula = sum(terms.values())
-            extra = implementation_terms(
-                cfg,
-                parallel,
-                args.micro_batch,
-                args.microbatches,
-                r,
-                free,
-                after_backward=memory.in_flight if memory.after_backward else None,
-                moment=memory.moment,
+            extra = implementation_terms_at(
+                memory, cfg, parallel, args.micro_batch, args.microbatches, r, free
             )
             host = formula_host_bytes(
                 cfg, parallel, recompute, args.micro_batch, args.microbatches, r, keep

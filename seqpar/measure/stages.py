@@ -214,6 +214,15 @@ def peak_implementation_terms(cfg: ModelConfig, parallel: ParallelConfig,
     schedule's peak may be a B's end, and zb-v's a moment of its order."""
     memory = formula_stage_memory(cfg, parallel, recompute, micro_batch, microbatches, rank,
                                   free_outputs, keep, device)
+    return implementation_terms_at(memory, cfg, parallel, micro_batch, microbatches, rank,
+                                   free_outputs, device)
+
+
+def implementation_terms_at(memory: StageMemory, cfg: ModelConfig, parallel: ParallelConfig,
+                            micro_batch: int, microbatches: int, rank: int,
+                            free_outputs: bool = True, device: str = "cpu") -> dict[str, float]:
+    """``implementation_terms`` at the peak ``memory`` (the formula's ``StageMemory`` of the rank)
+    names: a forward's end, a B's end (zero bubble) or a moment of zb-v's order."""
     return implementation_terms(
         cfg, parallel, micro_batch, microbatches, rank, free_outputs, device,
         after_backward=memory.in_flight if memory.after_backward else None, moment=memory.moment,
@@ -341,16 +350,7 @@ def report(cfg: ModelConfig, jobs: list[tuple[ParallelConfig, list[tuple]]], res
                 )
                 terms = memory.held_terms
                 formula = sum(terms.values())
-                extra = implementation_terms(
-                    cfg,
-                    parallel,
-                    micro_batch,
-                    n,
-                    r,
-                    free,
-                    after_backward=memory.in_flight if memory.after_backward else None,
-                    moment=memory.moment,
-                )
+                extra = implementation_terms_at(memory, cfg, parallel, micro_batch, n, r, free)
                 host = formula_host_bytes(cfg, parallel, recompute, micro_batch, n, r, kept)
                 stages.append(
                     StagePeak(

@@ -13,7 +13,7 @@ from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.model.gpt import GPTStage, build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.tied import TiedEmbedding
-from seqpar.pipeline.split import stage_layers, v_stage, virtual_stage
+from seqpar.pipeline.split import stage_layers
 
 
 def build_stages(
@@ -39,14 +39,13 @@ def build_stages(
     m, p, v = parallel.chunks, parallel.pp, parallel.pp_schedule == "zb-v"
     counts = parallel.layer_counts(cfg.num_layers)
     layers = stage_layers(cfg.num_layers, p, m, counts, v=v)[dims.pp_rank]
-    place = v_stage if v else virtual_stage
     # empty chunks checkpoint nothing
     recompute.validate(min((len(ids) for ids in layers if ids), default=None))
     tied = TiedEmbedding.build(cfg.tie_embeddings, dims, local=v)
     chunks = []
     for c, ids in enumerate(layers):
-        first = place(dims.pp_rank, c, p) == 0
-        last = place(dims.pp_rank, c, p) == p * m - 1
+        stage = parallel.virtual_stage(dims.pp_rank, c)
+        first, last = stage == 0, stage == p * m - 1
         # dropout masks are keyed by global layer ids (seqpar.parallel.dropout): no per-stage seeds
         chunks.append(
             build_model(

@@ -1,7 +1,7 @@
 """ZB-V, the zero-bubble schedule on two chunks per rank in a V (Qi et al., "Zero Bubble Pipeline
 Parallelism", ICLR 2024, Sec. 6).
 
-Rank r holds virtual stages r (chunk 0) and 2p - 1 - r (chunk 1) (``pipeline.split.v_stage``): the
+Rank r holds virtual stages r (chunk 0) and 2p - 1 - r (chunk 1) (``config.virtual_stage``): the
 forward goes down the ranks on chunk 0 and back up on chunk 1, the loss is on rank 0's chunk 1. The
 order and its slots are ``seqpar.analysis.formulas.zbv_order``'s: in slot k every rank runs its
 action (or none), then posts one exchange holding what the slot's actions send to it or from it

@@ -5,7 +5,8 @@ With p pipeline ranks and m chunks per rank (interleaved schedule) the model is 
 layout), so a microbatch visits rank 0, 1, ..., p-1, then rank 0 again for chunk 1, and so on.
 The embedding lives in virtual stage 0, the final LN, output layer and loss in virtual stage p·m-1.
 
-ZB-V (``pp_schedule`` zb-v) places its 2p virtual stages in a V instead (``v_stage``): rank r
+ZB-V (``pp_schedule`` zb-v) places its 2p virtual stages in a V instead (``virtual_stage`` with
+``v``): rank r
 holds stage r (chunk 0) and stage 2p - 1 - r (chunk 1), so a microbatch goes down ranks 0..p-1 and
 back up p-1..0, and rank 0 holds the embedding and the output layer, and the loss
 (``loss_rank``).
@@ -13,32 +14,14 @@ back up p-1..0, and rank 0 holds the embedding and the output layer, and the los
 
 from __future__ import annotations
 
-from seqpar.config import layer_counts, loss_rank
+from seqpar.config import chunk_layer_ranges, layer_counts, loss_rank, virtual_stage
 
-__all__ = ["layer_counts", "loss_rank", "stage_layers", "v_stage", "virtual_stage"]
-
-
-def virtual_stage(rank: int, chunk: int, pp: int) -> int:
-    """Index of chunk ``chunk`` of pipeline rank ``rank`` in the model's order (interleaved)."""
-    return chunk * pp + rank
-
-
-def v_stage(rank: int, chunk: int, pp: int) -> int:
-    """ZB-V: index of chunk ``chunk`` (0 or 1) of pipeline rank ``rank`` in the model's order."""
-    return rank if chunk == 0 else 2 * pp - 1 - rank
+__all__ = ["layer_counts", "loss_rank", "stage_layers", "virtual_stage"]
 
 
 def stage_layers(num_layers: int, pp: int, interleave: int = 1, counts: list[int] | None = None,
                  v: bool = False) -> list[list[list[int]]]:
     """``result[rank][chunk]`` = the global layer indices of that chunk, in order; ``v``: zb-v's
-    placement (``interleave`` 2, ``v_stage``) instead of the round-robin ``virtual_stage``."""
+    placement (``interleave`` 2, the V of ``virtual_stage``) instead of the round-robin."""
     sizes = layer_counts(num_layers, pp, interleave, counts, v=v)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    place = v_stage if v else virtual_stage
-    return [
-        [
-            list(range(starts[place(r, c, pp)], starts[place(r, c, pp)] + sizes[place(r, c, pp)]))
-            for c in range(interleave)
-        ]
-        for r in range(pp)
-    ]
+    return [chunk_layer_ranges(sizes, r, pp, v) for r in range(pp)]

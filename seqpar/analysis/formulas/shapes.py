@@ -59,8 +59,9 @@ def layers_per_chunk(model: ModelConfig, par: ParallelConfig) -> int:
     zb-v)."""
     chunks = par.pp * par.chunks
     if model.num_layers % chunks:
+        unit = "2 chunks (zb-v)" if par.pp_schedule == "zb-v" else f"interleave {par.interleave}"
         raise AnalysisError(f"layers {model.num_layers} are not divisible by pp {par.pp} x "
-                            f"interleave {par.chunks} = {chunks}")
+                            f"{unit} = {chunks}")
     return model.num_layers // chunks
 
 

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 from seqpar.analysis.formulas.moe import is_routed_expert, moe_parameter_sizes
 from seqpar.analysis.formulas.shapes import OptimizerOptions
-from seqpar.config import ModelConfig, ParallelConfig
+from seqpar.config import ModelConfig, ParallelConfig, chunk_layer_ranges
 
 BUCKET_BYTES = 25 * 2**20  # the runtime's default bucket (seqpar.parallel.grad_buffer.BUCKET_BYTES)
 TIED = "embedding.word.weight"  # the tied word embedding's name (seqpar.parallel.tied.NAME)
@@ -110,16 +110,10 @@ def chunk_parameter_sizes(shape: ModelConfig, t: int, layer_ids: list[int], firs
 
 def chunk_layer_ids(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[list[int]]:
     """The global layers of each chunk of pipeline rank ``rank``, in order
-    (``seqpar.pipeline.split``'s rule: virtual stage c·p + r is chunk c of rank r; under zb-v's V
-    stages r and 2p - 1 - r)."""
-    sizes = par.layer_counts(shape.num_layers)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    stages = (
-        [rank, 2 * par.pp - 1 - rank]  # zb-v's V (seqpar.pipeline.split.v_stage)
-        if par.pp_schedule == "zb-v"
-        else [c * par.pp + rank for c in range(par.interleave)]
+    (``ParallelConfig.virtual_stage``, the rule the pipeline builds its chunks by)."""
+    return chunk_layer_ranges(
+        par.layer_counts(shape.num_layers), rank, par.pp, par.pp_schedule == "zb-v"
     )
-    return [list(range(starts[v], starts[v] + sizes[v])) for v in stages]
 
 
 def stage_parameter_sizes(
@@ -140,8 +134,7 @@ def named_stage_parameters(
     p, m = par.pp, par.chunks
     out: list[tuple[str, int]] = []
     for c, ids in enumerate(chunk_layer_ids(shape, par, rank)):
-        # the virtual stage (seqpar.pipeline.split.virtual_stage, v_stage under zb-v)
-        v = (2 * p - 1 - rank if c else rank) if par.pp_schedule == "zb-v" else c * p + rank
+        v = par.virtual_stage(rank, c)
         out += chunk_parameter_sizes(
             shape, par.tp, ids, first=v == 0, last=v == p * m - 1, one_stage=p * m == 1, ep=par.ep
         )

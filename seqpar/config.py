@@ -504,6 +504,14 @@ class ParallelConfig:
         """The pipeline rank holding the last virtual stage (``loss_rank``)."""
         return loss_rank(self.pp, self.pp_schedule)
 
+    def layers_per_rank(self, num_layers: int) -> list[int]:
+        """Layers each pipeline rank holds over its chunks (``virtual_stage``'s placement)."""
+        counts = self.layer_counts(num_layers)
+        return [
+            sum(counts[self.virtual_stage(r, c)] for c in range(self.chunks))
+            for r in range(self.pp)
+        ]
+
     def layer_counts(self, num_layers: int) -> list[int]:
         """Layers of each virtual stage, in model order (validated)."""
         return layer_counts(num_layers, self.pp, self.chunks, list(self.layer_split) or None,

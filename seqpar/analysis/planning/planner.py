@@ -638,10 +638,7 @@ def scheduled(par: ParallelConfig, schedule: str, num_layers: int) -> ParallelCo
     would be empty), and back from zb-v each rank's two chunks make its stage."""
     if schedule == par.pp_schedule:
         return par
-    per_rank = par.layer_counts(num_layers) if par.layer_split else []
-    if par.pp_schedule == "zb-v" and per_rank:
-        p = par.pp
-        per_rank = [per_rank[r] + per_rank[2 * p - 1 - r] for r in range(p)]
+    per_rank = par.layers_per_rank(num_layers) if par.layer_split else []
     if schedule == "zb-v":
         split = v_split(per_rank or [num_layers // par.pp] * par.pp)
         return None if split is None else replace(par, pp_schedule="zb-v", layer_split=split)
@@ -865,8 +862,7 @@ def schedule_bubbles(req: Request, plan: Plan) -> dict[str, Evaluation]:
         return {}
     one = replace(p, interleave=1, tp_comm_overlap=False)
     if one.layer_split and p.interleave > 1:  # an interleaved split: its stages' layers per rank
-        counts = p.layer_counts(req.shape.num_layers)
-        per_rank = [sum(counts[c * p.pp + r] for c in range(p.interleave)) for r in range(p.pp)]
+        per_rank = p.layers_per_rank(req.shape.num_layers)
         one = replace(one, layer_split=() if len(set(per_rank)) == 1 else tuple(per_rank))
     out = {}
     for schedule in PP_SCHEDULES:

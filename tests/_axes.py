@@ -56,6 +56,9 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     # zb-h1: the linears' W deferred into the bubble (needs pp > 1, one chunk); zb-v: two chunks
     # per rank in a V (and its layer split, fit_pp_schedule)
     "pp_schedule": ("1f1b", "zb-h1", "zb-v"),
+    # zb-v's layer split: 1F1B's layers per rank halved, or the V's own balance as the planner
+    # weighs it (uneven.v_lighter_split: rank 0 a layer lighter, each chunk 1 the larger half)
+    "v_split": ("halves", "balanced"),
     "compile": (False, True),  # SEQPAR_AXES_COMPILE=1 only
     # the distributed optimizer's weight all-gather under the next forward
     # (train.overlap_param_gather)
@@ -69,7 +72,7 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "fault": ("none", "raise", "kill", "kill_in_save", "damaged_latest", "sigterm"),
 }
 # axes drawn for these checks only (the rest keep the default, unrecorded)
-ONLY = {"fault": ("faults",)}
+ONLY = {"fault": ("faults",), "v_split": ("stages", "resume")}
 COMPILE_SWITCH = "SEQPAR_AXES_COMPILE"
 TOLERANCE = 1e-5  # relative, fp32: every step's loss and grad norm, every final weight
 # relative, bf16 (one bf16 ulp is 7.8e-3), measured over the bf16 draws of the CI samples and the
@@ -220,8 +223,10 @@ def fit_pp_schedule(
         )
         if why:
             d.narrow("pp_schedule", "1f1b", why)
+    if d["pp_schedule"] != "zb-v":
+        d.narrow("v_split", "halves", "only zb-v cuts its layers in a V")
     if d["pp_schedule"] == "zb-v":
-        v = None if layers is None else v_layer_split(layers, pp, split)
+        v = None if layers is None else v_layer_split(layers, pp, split, d["v_split"])
         if v is None:
             d.narrow("pp_schedule", "zb-h1", f"zb-v needs {2 * pp - 2} layers or more to cut into "
                      f"2 × pp {pp} chunks" if layers is not None else "the check gives no layers")
@@ -230,11 +235,21 @@ def fit_pp_schedule(
     return {} if d["pp_schedule"] == "1f1b" else {"pp_schedule": d["pp_schedule"]}
 
 
-def v_layer_split(layers: int, pp: int, split=()) -> tuple[int, ...] | None:
+def v_layer_split(layers: int, pp: int, split=(), kind: str = "halves") -> tuple[int, ...] | None:
     """zb-v's layer split (2p entries; () when even) for ``layers`` split ``split`` over pp ranks
-    under 1F1B (fit_pp_schedule); None when the layers are too few."""
+    under 1F1B (fit_pp_schedule), each rank's layers halved (``kind`` balanced: a layer of rank 0's
+    moved to the last rank, each rank's chunk 1 the larger half, as the planner's V balance cuts
+    it); None when the layers are too few."""
     per_rank = list(split) or [layers // pp + (r < layers % pp) for r in range(pp)]
+    if kind == "balanced" and per_rank[0] > 1:
+        per_rank[0], per_rank[-1] = per_rank[0] - 1, per_rank[-1] + 1
     v = v_split(per_rank)
+    if v is not None and kind == "balanced":  # chunk 1 (stage 2p - 1 - r) the larger half
+        counts = list(v) or [layers // (2 * pp)] * (2 * pp)
+        for r in range(pp):
+            c = counts[r] + counts[2 * pp - 1 - r]
+            counts[r], counts[2 * pp - 1 - r] = c // 2, c - c // 2
+        return () if len(set(counts)) == 1 else tuple(counts)
     if v is not None:
         return v
     if layers < 2 * pp - 2:

@@ -95,8 +95,9 @@ def cp_draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, Parallel
     cfg = replace(cfg, num_layers=2 * pp, seq_len=16)
     comm = _axes.fit_cp_comm(axes, dataclasses.asdict(cfg), 1, cp)
     axes.narrow("tp_comm_overlap", False, "a cp draw runs at tp 1")
-    axes.narrow("pp_schedule", "1f1b", "a cp draw runs 1F1B")
-    parallel = ParallelConfig(pp=pp, cp=cp, **comm)
+    # the planner weighs zb-v at cp × pp (cp fills the V with microbatches)
+    sched = _axes.fit_pp_schedule(axes, pp, 1, fsdp=False, layers=cfg.num_layers)
+    parallel = ParallelConfig(pp=pp, cp=cp, **comm, **sched)
     return (
         cfg.validate(),
         parallel.validate(cfg),
@@ -141,6 +142,11 @@ def test_ci_sample_covers_the_three_claims():
     assert {r[1] for _, _, r in drawn} == set(_axes.AXES["micro_batch"]) and {
         c.dtype for c, _, _ in drawn
     } == set(_axes.AXES["dtype"])  # every micro-batch and dtype of the shared axes
+    # zb-v's both V splits: 1F1B's layers per rank halved and the V's own balance (a chunk 1
+    # larger than its rank's chunk 0, as the planner cuts it)
+    vs = [(p.pp, p.layer_split or (1,) * 2 * p.pp) for _, p, _ in drawn if p.pp_schedule == "zb-v"]
+    assert any(all(s[r] >= s[2 * pp - 1 - r] for r in range(pp)) for pp, s in vs)
+    assert any(s[r] < s[2 * pp - 1 - r] for pp, s in vs for r in range(pp))
 
 
 def test_stages_measured_equal_exact_and_parameters_equal_the_formula(record_property):

@@ -236,9 +236,14 @@ def rank_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> int:
 def rank_chunk_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> list[int]:
     """Layers of each of pipeline rank ``rank``'s m chunks: virtual stage c·p + rank is its chunk
     c (zb-v: stages rank and 2p - 1 - rank)."""
+    return list(_rank_chunk_layers(shape, par, rank))
+
+
+@lru_cache(maxsize=16384)  # the cost model asks it of every rank of every plan
+def _rank_chunk_layers(shape: ModelConfig, par: ParallelConfig, rank: int) -> tuple[int, ...]:
     if par.layer_split or par.pp_schedule == "zb-v":
-        return [len(ids) for ids in chunk_layer_ids(shape, par, rank)]
-    return [layers_per_chunk(shape, par)] * par.interleave
+        return tuple(len(ids) for ids in chunk_layer_ids(shape, par, rank))
+    return (layers_per_chunk(shape, par),) * par.interleave
 
 
 # validated once per layout: the planner asks each rank's chunks of every plan

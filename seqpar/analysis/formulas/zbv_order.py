@@ -28,6 +28,7 @@ runs its action and exchanges what the slot's actions send (``messages``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Action:
     mb: int
 
 
-def rank_order(rank: int, p: int, n: int) -> list[Action]:
+@lru_cache(maxsize=4096)  # the planner walks the same orders for every plan of a layout
+def rank_order(rank: int, p: int, n: int) -> tuple[Action, ...]:
     """Pipeline rank ``rank``'s actions in order (module doc)."""
     total = max(n, 2 * p - 1)
     ops: list[Action] = []
@@ -78,7 +80,7 @@ def rank_order(rank: int, p: int, n: int) -> list[Action]:
         add("W", 1)
     while w[0] < b[0]:
         add("W", 0)
-    return [a for a in ops if a.mb < n]
+    return tuple(a for a in ops if a.mb < n)
 
 
 def source(action: Action, rank: int, p: int) -> tuple[int, str, int] | None:
@@ -108,11 +110,27 @@ def message(action: Action, rank: int, p: int) -> str | None:
     return "down" if rank > 0 else None
 
 
-def _as_early_as_possible(p: int, n: int, cost: dict[str, float]) -> dict[tuple, float]:
+@lru_cache(maxsize=256)
+def _dependencies(p: int, n: int) -> tuple[tuple[tuple[tuple, tuple | None], ...], ...]:
+    """Per rank, each action of its order as ((rank, kind, chunk, mb), the (rank, kind, chunk, mb)
+    it waits for or None)."""
+    out = []
+    for r in range(p):
+        steps = []
+        for a in rank_order(r, p, n):
+            dep = source(a, r, p)
+            steps.append(((r, a.kind, a.chunk, a.mb), None if dep is None else (*dep, a.mb)))
+        out.append(tuple(steps))
+    return tuple(out)
+
+
+def _as_early_as_possible(p: int, n: int, cost: dict[str, float],
+                          scale: list[tuple[float, float]] | None = None) -> dict[tuple, float]:
     """(rank, kind, chunk, mb) -> the start of every action of the ranks' orders, each as early as
-    its rank's order and its input allow when a chunk's F, B and W take ``cost`` seconds (a result
-    sent to a neighbour is there when its action ends). Raises if the orders deadlock."""
-    orders = [rank_order(r, p, n) for r in range(p)]
+    its rank's order and its input allow when a chunk's F, B and W take ``cost`` seconds, times
+    ``scale[rank][chunk]`` where given (chunks of different layers; a result sent to a neighbour is
+    there when its action ends). Raises if the orders deadlock."""
+    orders = _dependencies(p, n)
     start: dict[tuple[int, str, int, int], float] = {}
     end: dict[tuple[int, str, int, int], float] = {}
     at, clock = [0] * p, [0.0] * p  # next action and when the rank is free, per rank
@@ -120,14 +138,12 @@ def _as_early_as_possible(p: int, n: int, cost: dict[str, float]) -> dict[tuple,
         progress = False
         for r in range(p):
             while at[r] < len(orders[r]):
-                a = orders[r][at[r]]
-                dep = source(a, r, p)
-                key = None if dep is None else (*dep, a.mb)
+                me, key = orders[r][at[r]]
                 if key is not None and key not in end:
                     break
-                me = (r, a.kind, a.chunk, a.mb)
                 start[me] = max(clock[r], end[key] if key is not None else 0.0)
-                clock[r] = end[me] = start[me] + cost[a.kind]
+                took = cost[me[1]] * (1.0 if scale is None else scale[r][me[2]])
+                clock[r] = end[me] = start[me] + took
                 at[r], progress = at[r] + 1, True
         if not progress:
             raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
@@ -159,7 +175,8 @@ class Moment:
     handed: int = 0
 
 
-def moments(rank: int, p: int, n: int) -> list[Moment]:
+@lru_cache(maxsize=4096)  # the memory formula walks it for every plan of a layout
+def moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
     """Every forward end and B end of rank ``rank``'s order, with what it holds then."""
     flight, units, handed, out = [0, 0], [0, 0], 0, []
     for a in rank_order(rank, p, n):
@@ -173,7 +190,7 @@ def moments(rank: int, p: int, n: int) -> list[Moment]:
         elif rank == p - 1:  # the V's turn: chunk 0's output waits for chunk 1's forward
             handed += 1 if a.chunk == 0 else -1
         out.append(Moment(a.kind, a.chunk, (flight[0], flight[1]), (units[0], units[1]), handed))
-    return out
+    return tuple(out)
 
 
 def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
@@ -191,11 +208,29 @@ def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
     return () if len(set(counts)) == 1 else tuple(counts)
 
 
-def idle_times(p: int, n: int, cost: dict[str, float]) -> list[float]:
+def chunk_cut(rank: int, p: int, n: int, layers: int, act: float, unit: float,
+              least: int = 1, spread: int = 2) -> int:
+    """How many of rank ``rank``'s ``layers`` its chunk 0 takes (chunk 1 the rest, each at least
+    ``least``, the two at most ``spread`` layers apart: a longer chunk lengthens the V's slots) so
+    that the most it holds at any forward or B end (``moments``) is least, a layer of a
+    chunk-microbatch in flight holding ``act`` bytes and of a W unit ``unit``; ties: the more even
+    cut."""
+    held = [(m.flight, m.units) for m in moments(rank, p, n)]
+
+    def peak(k: int) -> float:
+        return max((f[0] * k + f[1] * (layers - k)) * act + (u[0] * k + u[1] * (layers - k)) * unit
+                   for f, u in held)
+
+    cuts = [k for k in range(least, layers - least + 1) if abs(layers - 2 * k) <= max(spread, layers % 2)]
+    return min(cuts, key=lambda k: (peak(k), abs(2 * k - layers)))
+
+
+def idle_times(p: int, n: int, cost: dict[str, float],
+               scale: list[tuple[float, float]] | None = None) -> list[float]:
     """Each rank's idle time over one step when its order runs with ``cost`` seconds per chunk F, B
-    and W, each action as early as its rank's order and its input allow (the makespan less the
-    rank's work)."""
-    starts = _as_early_as_possible(p, n, cost)
-    makespan = max(t + cost[kind] for (_, kind, _, _), t in starts.items())
-    work = n * 2 * sum(cost.values())
-    return [makespan - work] * p
+    and W (times ``scale[rank][chunk]`` where given: chunks of different layers), each action as
+    early as its rank's order and its input allow (the makespan less the rank's work)."""
+    scale = scale or [(1.0, 1.0)] * p
+    starts = _as_early_as_possible(p, n, cost, scale)
+    makespan = max(t + cost[kind] * scale[r][c] for (r, kind, c, _), t in starts.items())
+    return [makespan - n * sum(cost.values()) * sum(scale[r]) for r in range(p)]

@@ -877,15 +877,21 @@ def bubble_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: in
     """The pipeline's idle time per iteration for the slowest rank's microbatch time ``t_mb``:
     1F1B's (p - 1)/m T_mb (Sec. 4.2.3), or ZB-H1's (p - 1)(T_F + T_B - T_W) = (p - 1)(T_mb - 2 T_W)
     (Qi et al. 2024, Sec. 3.1), its weight-gradient GEMMs T_W (``deferred_w_s``) filling the
-    rest; ZB-V's: its order (``zbv_order.idle_times``) timed for ``n`` microbatches (default 2p)
-    with each chunk half a stage: T_W/2 per chunk W, and T_F = T_B the rest of T_mb halved."""
+    rest; ZB-V's: the slowest rank's idle time in its order (``zbv_order.idle_times``) timed for
+    ``n`` microbatches (default 2p), each chunk's F, B and W the slowest rank's per layer times its
+    layers (an even V: each chunk half a stage, T_W/2 per chunk W and T_F = T_B the rest of T_mb
+    halved; a chunk of more layers runs longer)."""
     if par.pp_schedule == "1f1b":
         return (par.pp - 1) / par.interleave * t_mb
     t_w = deferred_w_s(shape, par, rc, b, hw, opts, rank)
     if par.pp_schedule == "zb-v":
         half = (t_mb - t_w) / 2  # T_F = T_B of a stage
         n = 2 * par.pp if n is None else n
-        return max(idle_times(par.pp, n, {"F": half / 2, "B": half / 2, "W": t_w / 2}))
+        per_chunk = sum(rank_chunk_layers(shape, par, rank)) / 2
+        scale = [tuple(c / per_chunk for c in rank_chunk_layers(shape, par, r))
+                 for r in range(par.pp)]
+        cost = {"F": half / 2, "B": half / 2, "W": t_w / 2}
+        return idle_times(par.pp, n, cost, scale)[rank]
     return (par.pp - 1) * max(0.0, t_mb - 2 * t_w)
 
 

@@ -50,7 +50,7 @@ from seqpar.analysis.planning.costmodel import (
     iteration_time,
     predicted_mfu,
 )
-from seqpar.analysis.planning.uneven import lighter_ends_split
+from seqpar.analysis.planning.uneven import lighter_ends_split, v_lighter_split
 from seqpar.analysis.text import human_bytes
 from seqpar.config import (
     PP_SCHEDULES,
@@ -591,7 +591,7 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
             for dist in (False, True) if req.try_distributed_optimizer and group > 1 else (False,):
                 for gather in (False, True) if dist and req.try_overlap_param_gather else (False,):
                     for ep in eps:
-                        for scheduled in _schedules(req, replace(par, ep=ep)):
+                        for scheduled in _schedules(req, replace(par, ep=ep), mb):
                             yield with_tp_ring(
                                 req,
                                 Plan(
@@ -620,14 +620,39 @@ def with_tp_ring(req: Request, plan: Plan) -> Plan:
     )
 
 
-def _schedules(req: Request, par: ParallelConfig) -> list[ParallelConfig]:
+def _schedules(req: Request, par: ParallelConfig, mb: int) -> list[ParallelConfig]:
     """``par`` under each pipeline schedule ``req`` searches that it can run: 1f1b always (there is
     no other without a pipeline, or interleaved), a zero-bubble one where
-    ``ParallelConfig.validate`` allows it (zb-v with its V split, ``scheduled``)."""
+    ``ParallelConfig.validate`` allows it (zb-v with each of its V splits, ``v_splits``)."""
     out = [par] if "1f1b" in req.schedules else []
     for s in req.schedules:
+        if s == "zb-v":
+            out += v_splits(req, par, mb)
+            continue
         other = None if s == "1f1b" else scheduled(par, s, req.shape.num_layers)
         if other is not None and not _refused(req, other):
+            out.append(other)
+    return out
+
+
+V_SPREADS = (0, 2)  # the V-balanced splits' cuts: chunk sizes at most this many layers apart
+
+
+def v_splits(req: Request, par: ParallelConfig, mb: int) -> list[ParallelConfig]:
+    """``par`` under zb-v with each V split the planner weighs: 1F1B's layers per rank, halved
+    (``scheduled``), and the V's own balance (``uneven.v_lighter_split``: rank 0, holding both ends
+    of the model, lighter; each rank's two chunks cut where its peak is least, at most each of
+    ``V_SPREADS`` layers apart), those the config allows, each once. The search prices every one
+    (a plan's label names its split)."""
+    plain = scheduled(par, "zb-v", req.shape.num_layers)
+    if plain is None or _refused(req, plain):
+        return []
+    out = [plain]
+    n = req.global_batch // (par.dp * mb)
+    for spread in V_SPREADS:
+        split = v_lighter_split(req.shape, plain, RecomputeConfig(), mb, n, req.opts, spread)
+        other = None if split is None else replace(plain, layer_split=split)
+        if other is not None and other not in out and not _refused(req, other):
             out.append(other)
     return out
 
@@ -677,18 +702,24 @@ def _microbatches_ok(n: int, pp: int, interleave: int) -> bool:
 
 def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[ParallelConfig]:
     """(tp, cp, pp, layer split, dp) for ``tp``: cp = 1 with each pp, split evenly and with the ends
-    lighter (``uneven.lighter_ends_split``) when that differs and the config allows each; or cp > 1
-    (up to ``max_cp``) with pp = 1 (keeps the search small; ``--explain`` evaluates cp with pp)."""
+    lighter (``uneven.lighter_ends_split``) when that differs and the config allows each, and where
+    zb-v is searched and dp leaves a pipeline fewer microbatches than the V fills, also with the
+    cp that fills it (``_filling_cp``); or cp > 1 (up to ``max_cp``) with pp = 1 (keeps the search
+    small; ``--explain`` evaluates cp with pp)."""
     rest = req.gpus // tp
     for pp in _divisors(rest):
         split = lighter_ends_split(req.shape, pp, tp)
         splits = [(), split] if split and len(set(split)) > 1 else [()]
+        cps = [1] + [cp for cp in [_filling_cp(req, pp, rest)] if cp > 1]
         allowed = [
             par
             for s in splits
-            if not _refused(req, par := ParallelConfig(tp=tp, pp=pp, dp=rest // pp, layer_split=s))
+            for cp in cps
+            if not _refused(
+                req, par := ParallelConfig(tp=tp, cp=cp, pp=pp, dp=rest // (pp * cp), layer_split=s)
+            )
         ]
-        if not allowed:  # no split of the layers over pp stages: pp above the layers
+        if not any(par.cp == 1 for par in allowed):  # no split of the layers over pp stages
             rejected["pp_layers"] += 1
         yield from allowed
     for cp in _divisors(rest)[1:]:
@@ -701,6 +732,22 @@ def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[
                 for comm in _a2a_kinds(cp)
                 if not _refused(req, replace(par, **comm))
             )
+
+
+def _filling_cp(req: Request, pp: int, rest: int) -> int:
+    """The least cp (up to ``max_cp``, dividing dp) that gives a zb-v pipeline of ``pp`` ranks the
+    2p - 1 microbatches of one sample its V fills, where dp alone (``rest`` / pp GPUs) leaves it
+    fewer (cp takes its GPUs from dp: each pipeline then holds more of the global batch); 1 where
+    dp leaves enough, zb-v is not searched or no cp fills it."""
+    dp = rest // pp
+    if pp == 1 or "zb-v" not in req.schedules or req.global_batch // dp >= 2 * pp - 1:
+        return 1
+    for cp in _divisors(dp)[1:]:
+        if cp > req.max_cp:
+            break
+        if req.global_batch // (dp // cp) >= 2 * pp - 1 and req.shape.seq_len % (2 * cp) == 0:
+            return cp
+    return 1
 
 
 def _a2a_kinds(cp: int) -> list[dict]:
@@ -869,6 +916,8 @@ def schedule_bubbles(req: Request, plan: Plan) -> dict[str, Evaluation]:
         par = scheduled(one, schedule, req.shape.num_layers)
         if par is not None and not _refused(req, par):
             out[schedule] = evaluate(req, with_tp_ring(req, replace(plan, par=par)))
+    for par in v_splits(req, one, plan.micro_batch)[1:]:  # the V's own balance
+        out[f"zb-v split={split_text(par.layer_split)}"] = evaluate(req, replace(plan, par=par))
     return out
 
 

@@ -362,7 +362,8 @@ def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
     assert all(r.fits for r in runs.values())
     bubble = {k: r.time.terms["bubble"] for k, r in runs.items()}
     gib = {k: r.memory_bytes for k, r in runs.items()}
-    print({k: round(b, 3) for k, b in bubble.items()}, {k: round(g / 2**30, 2) for k, g in gib.items()})
+    print({k: round(b, 3) for k, b in bubble.items()},
+          {k: round(g / 2**30, 2) for k, g in gib.items()})
     assert bubble["zb-v"] <= bubble["1f1b"] / 3 < bubble["zb-h1"]
     # the units keep SP shards of X and dY: ZB-H1 at 1F1B's memory; the V at 1F1B's layers per
     # rank, halved, above it (rank 0 holds both ends of the model, each chunk 0 the most in flight)

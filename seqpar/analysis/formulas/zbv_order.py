@@ -221,7 +221,8 @@ def chunk_cut(rank: int, p: int, n: int, layers: int, act: float, unit: float,
         return max((f[0] * k + f[1] * (layers - k)) * act + (u[0] * k + u[1] * (layers - k)) * unit
                    for f, u in held)
 
-    cuts = [k for k in range(least, layers - least + 1) if abs(layers - 2 * k) <= max(spread, layers % 2)]
+    apart = max(spread, layers % 2)  # an odd count's halves are 1 apart
+    cuts = [k for k in range(least, layers - least + 1) if abs(layers - 2 * k) <= apart]
     return min(cuts, key=lambda k: (peak(k), abs(2 * k - layers)))
 
 

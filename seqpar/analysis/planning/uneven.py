@@ -51,7 +51,8 @@ def _water_filled(n_layers: int, extra: list[float], least: list[int]) -> tuple[
     pp = len(extra)
 
     def capacity(load: float) -> list[int]:
-        return [max(least_i, math.floor(load - e + 1e-9)) for e, least_i in zip(extra, least, strict=True)]
+        pairs = zip(extra, least, strict=True)
+        return [max(low, math.floor(load - e + 1e-9)) for e, low in pairs]
 
     # the smallest load whose capacities hold every layer: one of k + extra_i for a whole k
     candidates = sorted({k + e for e in set(extra) for k in range(n_layers + 1)})

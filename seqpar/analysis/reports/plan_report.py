@@ -65,7 +65,7 @@ def searched(req: Request) -> str:
             ]
         )
         + f"; micro batch <= {req.max_micro_batch}, interleave <= {req.max_interleave}, cp <= "
-          f"{req.max_cp} (pp 1)"
+          f"{req.max_cp} (pp 1; with pp, the least that fills zb-v's V)"
     )
 
 

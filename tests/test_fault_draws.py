@@ -98,10 +98,11 @@ def sections_at(
     train["overlap_param_gather"] = _axes.fit_param_gather(
         axes, train["distributed_optimizer"], dp, cp
     )
-    parallel |= _axes.fit_pp_schedule(
-        axes, pp, 1, bool(fsdp), bool(parallel.get("tp_comm_overlap"))
-    )
     recompute = dict(eq.RECOMPUTE[rng.choice(RECOMPUTE)])
+    parallel |= _axes.fit_pp_schedule(
+        axes, pp, 1, bool(fsdp), bool(parallel.get("tp_comm_overlap")), model["num_layers"],
+        recompute_modules=recompute.get("modules", ()),
+    )
     recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in recompute.items()})))
     data = {"document_mask": True} if axes["data"] == "documents" else {}

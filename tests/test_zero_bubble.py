@@ -152,7 +152,7 @@ def test_zb_v_cuts_the_layers_into_a_v():
 
 def test_planner_prices_the_zb_h1_bubble_and_searches_it():
     """The cost model's ZB-H1 bubble is (p - 1)(T_mb - 2 T_W) (T_W: the deferred weight-gradient
-    GEMMs and, under SP, the row-parallel output gradients' re-gathers), below 1F1B's (p - 1) T_mb
+    GEMMs and, under SP, the exposed part of their gathers), below 1F1B's (p - 1) T_mb
     at the same layout, at the memory of its W units; the planner
     writes and reads the schedule in a plan's label, searches it and weighs the other schedule in
     ``--explain``'s alternatives."""
@@ -408,7 +408,8 @@ def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
     assert set(runs) == {"1f1b", "zb-h1", "zb-v"} and all(r.fits for r in runs.values())
     bubble = {k: r.time.terms["bubble"] for k, r in runs.items()}
     print({k: round(b, 3) for k, b in bubble.items()},
-          {k: round(r.memory_bytes / 2**30, 2) for k, r in runs.items()})
+          {k: round(r.memory_bytes / 2**30, 2) for k, r in runs.items()},
+          {k: (round(r.time.terms["tp_comm"], 3), round(r.time.total, 2)) for k, r in runs.items()})
     assert bubble["zb-v"] <= bubble["1f1b"] / 3 < bubble["zb-h1"]
     # the units keep SP shards of X and dY: ZB-H1 at 1F1B's memory; ZB-V's later ranks hold up to
     # 2p - 1 units, above it (docs/zero_bubble.md, "The issue's target")

@@ -35,9 +35,13 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 parallel GEMM above) and the vocab-parallel cross entropy's 3 all-reduces of s b fp32
                 values; once per step the gradient norm's all-reduce over tp (and over pp), and under
                 SP the all-reduce of the replicated parameters' partial gradients. A zero-bubble
-                schedule under SP adds, per deferred row-parallel GEMM (out_proj, fc2), the
-                re-gather of its output gradient's shard inside W, exposed as g-bar's gathers
-                of B are (``w_regather_s``). With ``tp_comm_overlap``
+                schedule defers the weight-gradient GEMMs (W) of qkv, out_proj, fc1, fc2: under SP
+                each deferred linear gathers one [s, b, h] again inside W (qkv, fc1 their stored
+                input's shard; out_proj, fc2 their output gradient's), started beside the W GEMM
+                before it in its unit (``WeightGradStore.run_next``), the unit's first exposed
+                (``w_gathers_s``); its B re-gathers no input of qkv and fc1, and their input
+                gradient's reduce-scatter (TP: f's all-reduce), with no weight-gradient GEMM beside
+                it in B, is exposed. With ``tp_comm_overlap``
                 every SP collective of a layer, forward and backward, is a ring of t chunks pipelined with
                 its GEMM cut in t (``tp_ring_exposed_s``): each of the t - 1 exchanges beside one partial GEMM
     recompute   selective: the attention core's forward again (QK^T, softmax, dropout, attention*V);
@@ -62,7 +66,7 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
     log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble; ZB-H1's
-(p-1)(T_mb - 2 T_W), T_W its deferred weight-gradient GEMMs and their SP re-gathers:
+(p-1)(T_mb - 2 T_W), T_W its deferred weight-gradient GEMMs and their SP gathers' exposed part:
 ``bubble_s``) + the exposed part of
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather``
 what the last microbatch's backward / the first one's forward does not hide, ``dp_overlap`` of what

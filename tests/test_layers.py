@@ -1,5 +1,5 @@
-"""Parallel layers: the stored-input trick's overlap order (and its W deferred), vocab-parallel
-cross entropy."""
+"""Parallel layers: the stored-input trick's overlap order (and its W deferred; a deferred unit's W
+with its gathers prefetched), vocab-parallel cross entropy."""
 
 import pytest
 import torch

@@ -20,9 +20,11 @@ row-parallel dY), and ``WeightGradStore.run_next`` starts the next linear's gath
 GEMM, so during a GEMM its two operands, its dW and at most one more gathered ``[s, b, h]`` (e·s·b·h
 bytes) are alive. Measured on ``seqpar memory``'s layer (h 512, s 256, b 2, t 2, bf16: bytes
 allocated inside one layer's step, the grads already allocated): its W 1,572,864 B gathering each
-operand in place, 2,097,152 B prefetched (+524,288 = e·s·b·h), the B before it at least 2,359,296 B;
-and ``memory --measure --pp 4 --microbatches 8 --pp-schedule zb-h1 | zb-v`` (with and without
-``--tp 2 --sp``) measure - exact = 0 on every rank, as before the prefetch.
+operand in place, 2,097,152 B prefetched (+524,288 = e·s·b·h), the B before it at least 2,359,296 B
+(at this shape: W's dW grows with h², B's tensors with s·b·h); and ``memory --measure --pp 4
+--microbatches 8 --pp-schedule zb-h1 | zb-v`` (with and without ``--tp 2 --sp``) measure - exact = 0
+on every rank, as before the prefetch: the held bytes are the same, the prefetch only adds to W's
+transient working set.
 
 times the activation width; an MoE layer defers its attention's and its shared expert's (the routed
 experts' grouped GEMMs and the router run W in B). Under context parallelism s is the rank's s/cp

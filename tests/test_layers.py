@@ -1,5 +1,5 @@
-"""Parallel layers: the stored-input trick's overlap order (and its W deferred), vocab-parallel
-cross entropy."""
+"""Parallel layers: the stored-input trick's overlap order (and its W deferred; a deferred unit's W
+with its gathers prefetched), vocab-parallel cross entropy."""
 
 import pytest
 import torch
@@ -63,7 +63,46 @@ def _overlap_order(rank, world):
     torch.manual_seed(rank)  # each rank its own input shard and weight shard
     for p in row.parameters():
         torch.nn.init.normal_(p)
-    return events, _deferred_sp(layer, x) + _deferred_row_sp(row, rank)
+    return events, _deferred_sp(layer, x) + _deferred_row_sp(row, rank), _prefetched_unit(group, rank)
+
+
+def _prefetched_unit(group, rank):
+    """A unit of three deferred SP linears (column, row, column: qkv, out_proj, fc1's pattern) run by
+    ``run_next``: each step's gathers start before the previous step's GEMM and are waited for just
+    before its own (one set in flight); every gradient equals the undeferred backward's, bit for
+    bit. Returns (the checks, the W's event order)."""
+    tp = TPContext(group, sequence_parallel=True)
+    torch.manual_seed(7 + rank)  # each rank its own shards
+    layers = [ColumnParallelLinear(8, 12, tp), RowParallelLinear(12, 8, tp),
+              ColumnParallelLinear(8, 12, tp)]
+    for p in (p for layer in layers for p in layer.parameters()):
+        torch.nn.init.normal_(p)
+    x = torch.randn(4, 3, 8, requires_grad=True)  # [s/t, b, h]
+    dy = torch.randn(8, 3, 6)  # [s, b, 12/t]
+    params = [x, *(p for layer in layers for p in layer.parameters())]
+
+    def backward():
+        y = x
+        for layer in layers:
+            y = layer(y)  # [s, b, 6] -> [s/t, b, 8] -> [s, b, 6]
+        y.backward(dy)
+
+    backward()
+    now = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    events = []
+    with tp.weight_grads.deferred():
+        backward()
+        tp.weight_grads.seal()
+        gather = comm.all_gather_seq
+        comm.all_gather_seq = _record(events, "all-gather", gather)
+        try:
+            with _GemmLog(events):
+                tp.weight_grads.run_next()
+        finally:
+            comm.all_gather_seq = gather
+    return [torch.equal(p.grad, g) for p, g in zip(params, now, strict=True)], events
 
 
 def _deferred_row_sp(layer, rank):
@@ -144,9 +183,15 @@ class _VocabParam:
 
 
 def test_stored_input_trick_overlaps_collectives_with_gemms():
-    events, deferred = run_ranks(_overlap_order, 2)[0]
+    events, deferred, (unit_equal, unit_events) = run_ranks(_overlap_order, 2)[0]
     # column- then row-parallel: B: dX equal, no dW yet (the row unit keeps dY's shard); W: dW, db
     assert all(deferred), deferred
+    # a unit's W (column, row, column queued last to first): the next step's gather in flight during
+    # each GEMM, the first exposed; gradients bit for bit the undeferred backward's
+    assert all(unit_equal), unit_equal
+    step = ["all-gather started", "gemm", "all-gather waited"]
+    assert unit_events == ["all-gather started", "all-gather waited", *step, *step, "gemm"], (
+        unit_events)
     assert events == ["all-gather started", "gemm", "all-gather waited",
                       "reduce-scatter started", "gemm", "reduce-scatter waited"], events
 

@@ -152,14 +152,15 @@ def test_zb_v_cuts_the_layers_into_a_v():
 
 def test_planner_prices_the_zb_h1_bubble_and_searches_it():
     """The cost model's ZB-H1 bubble is (p - 1)(T_mb - 2 T_W) (T_W: the deferred weight-gradient
-    GEMMs and, under SP, the row-parallel output gradients' re-gathers), below 1F1B's (p - 1) T_mb
+    GEMMs and, under SP, the exposed part of their gathers), below 1F1B's (p - 1) T_mb
     at the same layout, at the memory of its W units; the planner
     writes and reads the schedule in a plan's label, searches it and weighs the other schedule in
     ``--explain``'s alternatives."""
     from dataclasses import replace
 
     from seqpar.analysis.formulas.presets import preset_shape
-    from seqpar.analysis.planning.costmodel import deferred_w_s, w_regather_s
+    from seqpar.analysis.formulas.stage import rank_chunk_layers
+    from seqpar.analysis.planning.costmodel import deferred_w_s, layer_pass_s, w_gathers_s
     from seqpar.analysis.planning.planner import (
         Request,
         alternatives,
@@ -175,13 +176,17 @@ def test_planner_prices_the_zb_h1_bubble_and_searches_it():
     a, b = evaluate(req, one), evaluate(req, zb)
     t_mb = a.time.microbatch_s
     t_w = deferred_w_s(req.shape, zb.par, zb.rc, 1, req.hw, req.opts, a.time.slowest_rank)
-    # under SP its W gathers out_proj's and fc2's output-gradient shards again: tp work 1F1B has not
-    regather = w_regather_s(req.shape, zb.par, zb.rc, 1, req.hw, req.opts)
-    layers = req.shape.num_layers // 4
-    assert regather > 0 and b.time.microbatch_s == pytest.approx(t_mb + layers * regather)
+    # under SP its W gathers each deferred linear's shard again (qkv's and fc1's X, out_proj's and
+    # fc2's dY), and B no longer gathers qkv's and fc1's X: the microbatch moves by both
+    chunks = rank_chunk_layers(req.shape, zb.par, a.time.slowest_rank)
+    gathers = w_gathers_s(req.shape, zb.par, zb.rc, 1, req.hw, req.opts, chunks)
+    b_comm = {k: layer_pass_s(req.shape, e.plan.par, 1, req.hw, req.opts)["backward"]["tp_comm"]
+              for k, e in (("1f1b", a), ("zb-h1", b))}
+    moved = gathers + sum(chunks) * (b_comm["zb-h1"] - b_comm["1f1b"])
+    assert gathers > 0 and b.time.microbatch_s == pytest.approx(t_mb + moved)
     assert a.time.terms["bubble"] == pytest.approx(3 * t_mb)
     assert b.time.terms["bubble"] == pytest.approx(3 * (b.time.microbatch_s - 2 * t_w))
-    assert layers * regather < t_w < t_mb / 3
+    assert gathers < t_w < t_mb / 3
     # its W units keep the SP shards of X and dY: the later ranks' units stay under what rank 0
     # (no unit) holds, so the most loaded rank holds 1F1B's bytes (whole-sequence dY: more)
     assert b.memory_bytes == a.memory_bytes
@@ -190,6 +195,49 @@ def test_planner_prices_the_zb_h1_bubble_and_searches_it():
     assert searched == {"1f1b", "zb-h1", "zb-v"}
     only = {p.par.pp_schedule for p in layouts(replace(req, schedules=("1f1b",)))}
     assert only == {"1f1b"}
+
+
+def test_cost_model_hides_zero_bubble_w_gathers_beside_w_gemms():
+    """Under SP a zero-bubble W gathers each deferred linear's shard again, each started beside the
+    W GEMM before it in its unit (``WeightGradStore.run_next``): with ``comm_overlap`` 1 only each
+    unit's first gather shows (one a chunk: ZB-V two), with 0 every one (4 a layer; 3 when fc2's W
+    stays in B); B no longer gathers qkv's and fc1's input again, and their reduce-scatter, with no
+    weight-gradient GEMM beside it in B, shows whole."""
+    from dataclasses import replace
+
+    from seqpar.analysis.formulas.presets import preset_shape
+    from seqpar.analysis.formulas.shapes import ActivationOptions
+    from seqpar.analysis.planning.costmodel import (
+        Hardware,
+        layer_pass_s,
+        tp_collectives_s,
+        w_gathers_s,
+    )
+    from seqpar.config import ParallelConfig, RecomputeConfig
+
+    shape, opts = preset_shape("22b"), ActivationOptions()
+    keep, act = RecomputeConfig("none"), RecomputeConfig("selective", modules=("activation",))
+    one = ParallelConfig(tp=2, pp=2, sp=True)  # t 2: every W GEMM longer than a gather
+    zb, zbv = replace(one, pp_schedule="zb-h1"), replace(one, pp_schedule="zb-v")
+    layers = shape.num_layers // 2
+    for overlap in (1.0, 0.0):
+        hw = replace(Hardware(), comm_overlap=overlap)
+        gather = tp_collectives_s(shape, zb, 1, hw, opts)[1]
+        w = {k: w_gathers_s(shape, par, rc, 1, hw, opts, chunks)
+             for k, par, rc, chunks in (("zb-h1", zb, keep, [layers]),
+                                        ("zb-v", zbv, keep, [layers // 2] * 2),
+                                        ("fc2 in B", zb, act, [layers]))}
+        back = {k: layer_pass_s(shape, par, 1, hw, opts)["backward"]["tp_comm"]
+                for k, par in (("1f1b", one), ("zb-h1", zb))}
+        if overlap:
+            assert w == pytest.approx({"zb-h1": gather, "zb-v": 2 * gather, "fc2 in B": gather})
+            # 1F1B: g-bar's 2 gathers; the re-gathers and reduce-scatters beside GEMMs
+            assert back == pytest.approx({"1f1b": 2 * gather, "zb-h1": 4 * gather})
+        else:
+            assert w == pytest.approx({"zb-h1": 4 * layers * gather, "zb-v": 4 * layers * gather,
+                                       "fc2 in B": 3 * layers * gather})
+            assert back == pytest.approx({"1f1b": 6 * gather, "zb-h1": 4 * gather})
+    assert w_gathers_s(shape, one, keep, 1, hw, opts, [layers]) == 0.0
 
 
 def test_bench_schedule_records_each_ranks_timeline(capsys, tmp_path):
@@ -363,7 +411,8 @@ def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
     bubble = {k: r.time.terms["bubble"] for k, r in runs.items()}
     gib = {k: r.memory_bytes for k, r in runs.items()}
     print({k: round(b, 3) for k, b in bubble.items()},
-          {k: round(g / 2**30, 2) for k, g in gib.items()})
+          {k: round(g / 2**30, 2) for k, g in gib.items()},
+          {k: (round(r.time.terms["tp_comm"], 3), round(r.time.total, 2)) for k, r in runs.items()})
     assert bubble["zb-v"] <= bubble["1f1b"] / 3 < bubble["zb-h1"]
     # the units keep SP shards of X and dY: ZB-H1 at 1F1B's memory; the V at 1F1B's layers per
     # rank, halved, above it (rank 0 holds both ends of the model, each chunk 0 the most in flight)

@@ -15,7 +15,7 @@ from seqpar.parallel import comm, tp_overlap
 from seqpar.parallel.dims import group_size
 from seqpar.parallel.layout import ParamLayout
 from seqpar.parallel.tp_context import TPContext
-from seqpar.parallel.weight_grad import SavedForW, deferral, linear, weight_grad
+from seqpar.parallel.weight_grad import Operands, SavedForW, deferral, linear, weight_grad
 
 
 def mark(
@@ -83,7 +83,8 @@ class LinearWithGatheredInput(torch.autograd.Function):
         gather.wait()
         grad_x_shard, scatter = comm.reduce_scatter_seq(grad_x, group, async_op=True)  # [s/t, b, h]
         saved = SavedForW(x_shard, weight, ctx.bias, group, sequence_parallel=True)
-        grad_w, grad_b = weight_grad(saved, grad_out, gathered=x)  # overlaps the reduce-scatter
+        # overlaps the reduce-scatter
+        grad_w, grad_b = weight_grad(saved, grad_out, gathered=Operands(x, grad_out))
         scatter.wait()
         return grad_x_shard, grad_w, grad_b, None, None
 

@@ -15,6 +15,16 @@ schedule's step), a linear's backward queues its W (keeping ``X`` and ``dY`` unt
 no weight gradient; ``seal`` closes the chunk-microbatch whose B just ran into one W unit;
 ``run_next`` runs the oldest unit at the schedule's W slot.
 
+Under SP a unit's W steps gather again (``start_gathers``); ``run_next`` pipelines them with the
+GEMMs at depth one: it starts step i + 1's gathers (``comm.all_gather_seq(..., async_op=True)``)
+before step i's GEMM and waits for them just before step i + 1's, so each gather but the unit's
+first runs beside the GEMM before it (``analysis.planning.costmodel.w_gathers_s`` prices it so).
+Same operands, same GEMMs, same accumulation order: bit for bit the gradients of a W that gathers
+right before its GEMM. Every TP rank runs the same unit in the same order, so the gathers meet in
+the same order on every rank (gloo and NCCL alike). The price in memory: step i + 1's gathered
+operands live during step i's GEMM (``analysis.formulas.deferred_w``'s module doc: why that does
+not raise the peak).
+
 A deferred W accumulates through autograd itself (``torch.autograd.backward`` on the parameter
 leaf): the same ``AccumulateGrad`` node adds into ``.grad`` and fires the same post-accumulate-grad
 hooks (the fp32 ``main_grad`` of ``train.optim``, the gradient buckets of ``parallel.grad_buffer``
@@ -59,18 +69,45 @@ class SavedForW:
     grad_shard: bool = False
 
 
-def weight_grad(saved: SavedForW, grad_out: torch.Tensor, gathered: torch.Tensor | None = None
+@dataclass
+class Operands:
+    """W's two GEMM operands, gathered over the TP group where W keeps shards: ``x`` ``[s, b, in]``
+    and ``grad_out`` ``[s, b, out]``; ``works``: the gathers still in flight (``wait``)."""
+
+    x: torch.Tensor
+    grad_out: torch.Tensor
+    works: tuple = ()
+
+    def wait(self) -> Operands:
+        for work in self.works:
+            work.wait()
+        self.works = ()
+        return self
+
+
+def start_gathers(saved: SavedForW, grad_out: torch.Tensor) -> Operands:
+    """Start W's gathers without waiting: under SP the stored input's ``[s/t, b, h]`` shard, and
+    when ``saved.grad_shard`` the output gradient's ``[s/t, b, out]`` shard (none: the operands
+    as kept)."""
+    x, works = saved.x, []
+    if saved.sequence_parallel:
+        x, work = comm.all_gather_seq(x, saved.group, async_op=True)  # [s, b, h], in flight
+        works.append(work)
+    if saved.grad_shard:
+        grad_out, work = comm.all_gather_seq(grad_out, saved.group, async_op=True)  # [s, b, out]
+        works.append(work)
+    return Operands(x, grad_out, tuple(works))
+
+
+def weight_grad(saved: SavedForW, grad_out: torch.Tensor, gathered: Operands | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """W: ``(dW, db)`` from ``grad_out`` ``[s, b, out]`` (its ``[s/t, b, out]`` shard when
-    ``saved.grad_shard``: gathered again) and the stored input; under SP the shard is gathered again
-    (``gathered``: already gathered by the caller, whose gather overlapped its input-gradient
-    GEMM)."""
-    x = saved.x
-    if saved.sequence_parallel:
-        x = comm.all_gather_seq(x, saved.group) if gathered is None else gathered  # [s, b, h]
-    if saved.grad_shard:
-        grad_out = comm.all_gather_seq(grad_out, saved.group)  # [s/t, b, out] -> [s, b, out]
-    return gemm_grads(x, grad_out, saved.bias is not None)
+    ``saved.grad_shard``) and the stored input (its ``[s/t, b, h]`` shard under SP), each shard
+    gathered again here (``start_gathers``), or ``gathered``: the operands a caller gathered
+    already, ahead of this GEMM (the layer's own backward, its gather beside the input-gradient
+    GEMM; a deferred unit's prefetch, beside the previous W's GEMM)."""
+    ops = (start_gathers(saved, grad_out) if gathered is None else gathered).wait()
+    return gemm_grads(ops.x, ops.grad_out, saved.bias is not None)
 
 
 def gemm_grads(
@@ -150,9 +187,16 @@ class WeightGradStore:
 
     @torch.no_grad()
     def run_next(self) -> None:
-        """Run the oldest sealed unit's W steps (in the order its backward queued them)."""
-        for saved, grad_out in self.units.popleft():
-            accumulate(saved, *weight_grad(saved, grad_out))
+        """Run the oldest sealed unit's W steps (in the order its backward queued them), each GEMM
+        beside the next step's gathers (a pipeline of depth one: one prefetched set in flight; the
+        first step's gathers exposed)."""
+        unit = self.units.popleft()
+        ahead = start_gathers(*unit[0]) if unit else None
+        for i, (saved, _) in enumerate(unit):
+            ops = ahead.wait()  # this step's operands, gathered
+            # the next step's gathers, in flight during this step's GEMM
+            ahead = start_gathers(*unit[i + 1]) if i + 1 < len(unit) else None
+            accumulate(saved, *weight_grad(saved, ops.grad_out, gathered=ops))
 
     def flush(self) -> None:
         while self.units:

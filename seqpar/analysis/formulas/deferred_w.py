@@ -12,9 +12,19 @@ until W runs, on one tp rank:
   fc2       X: s·b·f/t          dY: s·b·h/r                   (none when the activation is recomputed: that fc2
                                                                GEMM keeps its W in B)
 
-W's re-gathers are transient (one linear's ``[s, b, h]`` at a time, freed by its GEMM) and left out,
-as B's working set is: both schedules run a W right after a B or another W, so a W starts holding no
-more than the B end before it, and its gather is no larger than the one that B made of the same dY.
+W's re-gathers are transient and left out, as B's working set is (``measure.meter`` counts what the
+schedule holds across steps, read where that grows: forward ends and B ends); both schedules run a W
+right after a B or another W, so a W starts holding no more than the B end before it. Its working
+set: under SP each deferred linear gathers one ``[s, b, h]`` tensor (a column-parallel X, a
+row-parallel dY), and ``WeightGradStore.run_next`` starts the next linear's gather before this one's
+GEMM, so during a GEMM its two operands, its dW and at most one more gathered ``[s, b, h]`` (e·s·b·h
+bytes) are alive. Measured on ``seqpar memory``'s layer (h 512, s 256, b 2, t 2, bf16: bytes
+allocated inside one layer's step, the grads already allocated): its W 1,572,864 B gathering each
+operand in place, 2,097,152 B prefetched (+524,288 = e·s·b·h), the B before it at least 2,359,296 B
+(at this shape: W's dW grows with h², B's tensors with s·b·h); and ``memory --measure --pp 4
+--microbatches 8 --pp-schedule zb-h1 | zb-v`` (with and without ``--tp 2 --sp``) measure - exact = 0
+on every rank, as before the prefetch: the held bytes are the same, the prefetch only adds to W's
+transient working set.
 
 times the activation width; an MoE layer defers its attention's and its shared expert's (the routed
 experts' grouped GEMMs and the router run W in B). Under context parallelism s is the rank's s/cp

@@ -35,9 +35,13 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 parallel GEMM above) and the vocab-parallel cross entropy's 3 all-reduces of s b fp32
                 values; once per step the gradient norm's all-reduce over tp (and over pp), and under
                 SP the all-reduce of the replicated parameters' partial gradients. A zero-bubble
-                schedule under SP adds, per deferred row-parallel GEMM (out_proj, fc2), the
-                re-gather of its output gradient's shard inside W, exposed as g-bar's gathers
-                of B are (``w_regather_s``). With ``tp_comm_overlap``
+                schedule defers the weight-gradient GEMMs (W) of qkv, out_proj, fc1, fc2: under SP
+                each deferred linear gathers one [s, b, h] again inside W (qkv, fc1 their stored
+                input's shard; out_proj, fc2 their output gradient's), started beside the W GEMM
+                before it in its unit (``WeightGradStore.run_next``), the unit's first exposed
+                (``w_gathers_s``); its B re-gathers no input of qkv and fc1, and their input
+                gradient's reduce-scatter (TP: f's all-reduce), with no weight-gradient GEMM beside
+                it in B, is exposed. With ``tp_comm_overlap``
                 every SP collective of a layer, forward and backward, is a ring of t chunks pipelined with
                 its GEMM cut in t (``tp_ring_exposed_s``): each of the t - 1 exchanges beside one partial GEMM
     recompute   selective: the attention core's forward again (QK^T, softmax, dropout, attention*V);
@@ -62,7 +66,7 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
     log-sum-exp: backward compute adds that GEMM once.
 The last rank adds the logits GEMM and the cross entropy over fp32 logits. The slowest rank's
 microbatch time T_mb sets the pace: iteration = n T_mb + (p-1)/m T_mb (the 1F1B bubble; ZB-H1's
-(p-1)(T_mb - 2 T_W), T_W its deferred weight-gradient GEMMs and their SP re-gathers:
+(p-1)(T_mb - 2 T_W), T_W its deferred weight-gradient GEMMs and their SP gathers' exposed part:
 ``bubble_s``) + the exposed part of
 the dp collectives over dp x cp (whole, or with ``overlap_grad_reduce`` / ``overlap_param_gather``
 what the last microbatch's backward / the first one's forward does not hide, ``dp_overlap`` of what
@@ -401,6 +405,9 @@ def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()
     }
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
+    # the share of the layers whose column-parallel W a zero-bubble schedule defers out of B
+    zb = par.pp_schedule != "1f1b"
+    deferred = {"qkv": 1.0 if zb else 0.0, "fc1": (1 - moe) if zb else 0.0}
     # each collective a ring pipelined with the GEMM it feeds or follows (1F1B: zb-h1 is refused
     # with it)
     if par.sp and (par.tp_comm_overlap or opts.tp_comm_overlap) and par.pp_schedule == "1f1b":
@@ -415,13 +422,21 @@ def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         bwd_comm = 2 * (ring["qkv"] + ring["fc1"]) + ring["out_proj"] + ring["fc2"]
     # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
     elif par.sp:
-        # and per column-parallel GEMM the re-gather beside dgrad, the reduce-scatter beside wgrad
+        # and per column-parallel GEMM the re-gather beside dgrad, the reduce-scatter beside wgrad;
+        # a deferred one (zero bubble) gathers in W (w_gathers_s), its B the reduce-scatter alone
         fwd_comm = 4 * gather
-        bwd_comm = 2 * gather + sum(2 * beside_gemm_s(gather, g[k], hw) for k in ("qkv", "fc1"))
+        bwd_comm = 2 * gather + sum(
+            deferred[k] * gather + (1 - deferred[k]) * 2 * beside_gemm_s(gather, g[k], hw)
+            for k in ("qkv", "fc1")
+        )
     # f-bar's 2 all-reduces; backward f's all-reduce beside the weight-gradient GEMM of QKV and fc1
+    # (a deferred one's: alone in B)
     else:
         fwd_comm = 2 * allreduce
-        bwd_comm = sum(beside_gemm_s(allreduce, g[k], hw) for k in ("qkv", "fc1"))
+        bwd_comm = sum(
+            deferred[k] * allreduce + (1 - deferred[k]) * beside_gemm_s(allreduce, g[k], hw)
+            for k in ("qkv", "fc1")
+        )
     fwd = {"compute": sum(g.values()), "elementwise": sum(el.values()), "tp_comm": fwd_comm,
            "overhead": hw.layer_overhead}
     bwd = {
@@ -631,7 +646,7 @@ def rank_microbatch_s(
     p = layer_pass_s(shape, par, b, hw, opts)
     # PASS_TERMS (+ cp_comm)
     terms = {k: layers * (p["forward"][k] + p["backward"][k]) for k in p["forward"]}
-    terms["tp_comm"] += layers * w_regather_s(shape, par, rc, b, hw, opts)
+    terms["tp_comm"] += w_gathers_s(shape, par, rc, b, hw, opts, chunks)
     if rank == 0:
         terms["tp_comm"] += embedding_comm_s(shape, par, b, hw, opts)
     if rank == par.loss_rank:  # rank 0 under zb-v
@@ -904,15 +919,22 @@ def deferred_w_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
     """Seconds of one microbatch's deferred weight-gradient GEMMs on pipeline rank ``rank`` (each as
     long as its forward GEMM): the layers' qkv, out_proj and dense fc1/fc2 (fc2 not when the
     activation is recomputed: that GEMM keeps its W in B; the experts' GEMMs and the output layer
-    neither; ``seqpar.parallel.weight_grad``), with their output gradients' re-gathers under SP
-    (``w_regather_s``)."""
+    neither; ``seqpar.parallel.weight_grad``), with their SP re-gathers (``w_gathers_s``)."""
+    chunks = rank_chunk_layers(shape, par, rank)
+    w = deferred_gemms_s(shape, par, b, hw, opts)
     share = deferred_shares(shape, rc)
-    per_layer = sum(
-        share.get(k, 1.0) * gemm_s(f, nb, hw)
+    per_layer = sum(share.get(k, 1.0) * v for k, v in w.items())
+    return sum(chunks) * per_layer + w_gathers_s(shape, par, rc, b, hw, opts, chunks)
+
+
+def deferred_gemms_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
+                     opts: ActivationOptions) -> dict[str, float]:
+    """Seconds of each deferred linear's W GEMM in one layer (as long as its forward GEMM)."""
+    return {
+        k: gemm_s(f, nb, hw)
         for k, (f, nb) in layer_gemms(shape, par.tp, b, opts, par.cp).items()
         if k in DEFERRED_GEMMS
-    ) + w_regather_s(shape, par, rc, b, hw, opts)
-    return sum(rank_chunk_layers(shape, par, rank)) * per_layer
+    }
 
 
 def deferred_shares(shape: ModelConfig, rc: RecomputeConfig) -> dict[str, float]:
@@ -922,17 +944,32 @@ def deferred_shares(shape: ModelConfig, rc: RecomputeConfig) -> dict[str, float]
     return {"fc1": dense, "fc2": 0.0 if "activation" in rc.selective_modules else dense}
 
 
-def w_regather_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
-                 hw: Hardware, opts: ActivationOptions) -> float:
-    """Seconds one layer's deferred Ws spend gathering output gradients again: under SP a
-    zero-bubble schedule's row-parallel W (out_proj, and fc2 where deferred) keeps the
-    ``[s/t, b, h]`` shard of its dY and all-gathers it in W
-    (``parallel.layers.LinearWithScatteredOutput``), one [s, b, h] all-gather each, exposed as
-    g-bar's all-gathers in B are; 0 under 1F1B or without SP."""
+def w_gathers_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                hw: Hardware, opts: ActivationOptions, chunks: list[int] | tuple[int, ...]
+                ) -> float:
+    """Exposed seconds a rank's deferred Ws of one microbatch spend gathering again under SP: each
+    deferred linear gathers one ``[s, b, h]`` in W (qkv and fc1 their stored input's shard, out_proj
+    and fc2 their output gradient's: ``parallel.layers.LinearWithScatteredOutput``), and
+    ``WeightGradStore.run_next`` starts it beside the W GEMM before it in its unit
+    (``beside_gemm_s``); a unit runs its layers' Ws in backward order (fc2, fc1, out_proj, qkv,
+    then the layer below's fc2), and its first gather has no GEMM before it: exposed. ``chunks``:
+    the layers of each of the rank's chunks (one unit each per microbatch). 0 under 1F1B or
+    without SP."""
     if par.pp_schedule == "1f1b" or not par.sp:
         return 0.0
-    gathers = 1 + deferred_shares(shape, rc)["fc2"]
-    return gathers * tp_collectives_s(shape, par, b, hw, opts)[1]
+    gather = tp_collectives_s(shape, par, b, hw, opts)[1]
+    w = deferred_gemms_s(shape, par, b, hw, opts)
+
+    def chain_s(steps: tuple[str, ...]) -> float:
+        # one layer's gathers, each beside the previous W GEMM (the first: the layer above's qkv)
+        return sum(beside_gemm_s(gather, w[prev], hw) for prev in ("qkv", *steps[:-1]))
+
+    dense = 1 - shape.moe_layers / shape.num_layers  # an MoE layer defers attention's two
+    fc2 = ("fc2",) if deferred_shares(shape, rc)["fc2"] else ()
+    per_layer = (dense * chain_s((*fc2, "fc1", "out_proj", "qkv"))
+                 + (1 - dense) * chain_s(("out_proj", "qkv")))
+    first = gather - beside_gemm_s(gather, w["qkv"], hw)  # a unit's first: nothing before it
+    return sum(layers * per_layer + first for layers in chunks if layers)
 
 
 COMM_TERMS = ("tp_comm", "cp_comm", "ep_comm")  # a pass's exchanges: each on its group's link

@@ -72,7 +72,7 @@ AXES = {  # axis: the values a draw takes (the first is the default a narrowed d
     "fault": ("none", "raise", "kill", "kill_in_save", "damaged_latest", "sigterm"),
 }
 # axes drawn for these checks only (the rest keep the default, unrecorded)
-ONLY = {"fault": ("faults",), "v_split": ("stages", "resume")}
+ONLY = {"fault": ("faults",), "v_split": ("stages", "resume", "plan_loop")}
 COMPILE_SWITCH = "SEQPAR_AXES_COMPILE"
 TOLERANCE = 1e-5  # relative, fp32: every step's loss and grad norm, every final weight
 # relative, bf16 (one bf16 ulp is 7.8e-3), measured over the bf16 draws of the CI samples and the

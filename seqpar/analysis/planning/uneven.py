@@ -78,7 +78,7 @@ def v_lighter_split(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig
     extra = [0.0] * p
     extra[0] = sum(end_weights(shape, p, par.tp))
     per_rank = _water_filled(layers, extra, [1] * p)
-    one = [0]  # a dense layer's bytes stand for every layer's: the cut is a choice, priced exactly
+    one = [0]  # layer 0's bytes stand for every layer's: the cut is a choice, priced exactly after
     act = chunk_layers_bytes(shape, par, rc, b, opts, one)
     unit = unit_bytes(shape, replace(par, pp_schedule="zb-v"), rc, b, opts, one)
     counts = [0] * (2 * p)

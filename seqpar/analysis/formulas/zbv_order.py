@@ -27,6 +27,7 @@ runs its action and exchanges what the slot's actions send (``messages``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -42,6 +43,11 @@ class Action:
 
 def rank_order(rank: int, p: int, n: int) -> list[Action]:
     """Pipeline rank ``rank``'s actions in order (module doc)."""
+    return list(_rank_order(rank, p, n))
+
+
+@functools.cache  # the planner asks for the same few (rank, p, n) thousands of times
+def _rank_order(rank: int, p: int, n: int) -> tuple[Action, ...]:
     total = max(n, 2 * p - 1)
     ops: list[Action] = []
     f, b, w = [0, 0], [0, 0], [0, 0]  # next forward / B / W per chunk
@@ -78,7 +84,7 @@ def rank_order(rank: int, p: int, n: int) -> list[Action]:
         add("W", 1)
     while w[0] < b[0]:
         add("W", 0)
-    return [a for a in ops if a.mb < n]
+    return tuple(a for a in ops if a.mb < n)
 
 
 def source(action: Action, rank: int, p: int) -> tuple[int, str, int] | None:
@@ -112,10 +118,25 @@ def _as_early_as_possible(p: int, n: int, cost: dict[str, float]) -> dict[tuple,
     """(rank, kind, chunk, mb) -> the start of every action of the ranks' orders, each as early as
     its rank's order and its input allow when a chunk's F, B and W take ``cost`` seconds (a result
     sent to a neighbour is there when its action ends). Raises if the orders deadlock."""
-    orders = [rank_order(r, p, n) for r in range(p)]
     start: dict[tuple[int, str, int, int], float] = {}
     end: dict[tuple[int, str, int, int], float] = {}
-    at, clock = [0] * p, [0.0] * p  # next action and when the rank is free, per rank
+    clock = [0.0] * p  # when the rank is free
+    for r, me, dep in _visit_order(p, n):  # the order of _visit_order, which no cost changes
+        start[me] = max(clock[r], end[dep] if dep is not None else 0.0)
+        clock[r] = end[me] = start[me] + cost[me[1]]
+    return start
+
+
+@functools.cache  # a pure function of (p, n), walked once per cost by the planner
+def _visit_order(p: int, n: int) -> tuple[tuple[int, tuple, tuple | None], ...]:
+    """Every action as (rank, (rank, kind, chunk, mb), the key of the action it waits for or None),
+    in an order that places each after its input: sweeps over the ranks, each rank running its order
+    until an input is missing. Which inputs exist depends on the order alone, never on the actions'
+    times, so one walk serves every ``cost``. Raises if the orders deadlock."""
+    orders = [_rank_order(r, p, n) for r in range(p)]
+    done: set[tuple[int, str, int, int]] = set()
+    out: list[tuple[int, tuple, tuple | None]] = []
+    at = [0] * p  # next action per rank
     while any(at[r] < len(orders[r]) for r in range(p)):
         progress = False
         for r in range(p):
@@ -123,15 +144,15 @@ def _as_early_as_possible(p: int, n: int, cost: dict[str, float]) -> dict[tuple,
                 a = orders[r][at[r]]
                 dep = source(a, r, p)
                 key = None if dep is None else (*dep, a.mb)
-                if key is not None and key not in end:
+                if key is not None and key not in done:
                     break
                 me = (r, a.kind, a.chunk, a.mb)
-                start[me] = max(clock[r], end[key] if key is not None else 0.0)
-                clock[r] = end[me] = start[me] + cost[a.kind]
+                out.append((r, me, key))
+                done.add(me)
                 at[r], progress = at[r] + 1, True
         if not progress:
             raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
-    return start
+    return tuple(out)
 
 
 def timetable(p: int, n: int) -> list[list[Action | None]]:
@@ -159,10 +180,11 @@ class Moment:
     handed: int = 0
 
 
-def moments(rank: int, p: int, n: int) -> list[Moment]:
+@functools.cache  # the planner's memory formula asks for the same (rank, p, n) many times
+def moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
     """Every forward end and B end of rank ``rank``'s order, with what it holds then."""
     flight, units, handed, out = [0, 0], [0, 0], 0, []
-    for a in rank_order(rank, p, n):
+    for a in _rank_order(rank, p, n):
         if a.kind == "W":
             units[a.chunk] -= 1
             continue
@@ -173,7 +195,7 @@ def moments(rank: int, p: int, n: int) -> list[Moment]:
         elif rank == p - 1:  # the V's turn: chunk 0's output waits for chunk 1's forward
             handed += 1 if a.chunk == 0 else -1
         out.append(Moment(a.kind, a.chunk, (flight[0], flight[1]), (units[0], units[1]), handed))
-    return out
+    return tuple(out)
 
 
 def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:

@@ -198,6 +198,13 @@ def moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
     return tuple(out)
 
 
+@functools.cache
+def distinct_moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
+    """``moments``' distinct values in the order each first occurs: the first fullest of them is
+    the first fullest of all (the steady state repeats the same few)."""
+    return tuple(dict.fromkeys(moments(rank, p, n)))
+
+
 def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
     """The V's layers per virtual stage (2p entries, model order) that give each rank the layers
     ``per_rank`` gives it under 1F1B (so each rank holds 1F1B's layers): rank r's chunk 0 the

@@ -38,7 +38,7 @@ from seqpar.analysis.formulas.shapes import (
     validate_layout,
 )
 from seqpar.analysis.formulas.states import chunk_layer_ids, param_gather_bytes, stage_state_bytes
-from seqpar.analysis.formulas.zbv_order import Moment, moments
+from seqpar.analysis.formulas.zbv_order import Moment, distinct_moments
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 STATE_TERMS = ("parameters", "gradients", "optimizer_states")
@@ -605,7 +605,7 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
         return out
 
     steps = 2 * par.pp if n is None else n
-    best = max(moments(rank, par.pp, steps), key=lambda m: sum(held_at(m).values()))
+    best = max(distinct_moments(rank, par.pp, steps), key=lambda m: sum(held_at(m).values()))
     terms = terms | held_at(best)
     if sum(best.flight) and rc.granularity != "none":
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)

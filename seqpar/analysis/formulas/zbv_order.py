@@ -27,8 +27,8 @@ runs its action and exchanges what the slot's actions send (``messages``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,13 @@ class Action:
     mb: int
 
 
-@lru_cache(maxsize=4096)  # the planner walks the same orders for every plan of a layout
-def rank_order(rank: int, p: int, n: int) -> tuple[Action, ...]:
+def rank_order(rank: int, p: int, n: int) -> list[Action]:
     """Pipeline rank ``rank``'s actions in order (module doc)."""
+    return list(_rank_order(rank, p, n))
+
+
+@functools.cache  # the planner asks for the same few (rank, p, n) thousands of times
+def _rank_order(rank: int, p: int, n: int) -> tuple[Action, ...]:
     total = max(n, 2 * p - 1)
     ops: list[Action] = []
     f, b, w = [0, 0], [0, 0], [0, 0]  # next forward / B / W per chunk
@@ -110,44 +114,48 @@ def message(action: Action, rank: int, p: int) -> str | None:
     return "down" if rank > 0 else None
 
 
-@lru_cache(maxsize=256)
-def _dependencies(p: int, n: int) -> tuple[tuple[tuple[tuple, tuple | None], ...], ...]:
-    """Per rank, each action of its order as ((rank, kind, chunk, mb), the (rank, kind, chunk, mb)
-    it waits for or None)."""
-    out = []
-    for r in range(p):
-        steps = []
-        for a in rank_order(r, p, n):
-            dep = source(a, r, p)
-            steps.append(((r, a.kind, a.chunk, a.mb), None if dep is None else (*dep, a.mb)))
-        out.append(tuple(steps))
-    return tuple(out)
-
-
 def _as_early_as_possible(p: int, n: int, cost: dict[str, float],
                           scale: list[tuple[float, float]] | None = None) -> dict[tuple, float]:
     """(rank, kind, chunk, mb) -> the start of every action of the ranks' orders, each as early as
     its rank's order and its input allow when a chunk's F, B and W take ``cost`` seconds, times
     ``scale[rank][chunk]`` where given (chunks of different layers; a result sent to a neighbour is
     there when its action ends). Raises if the orders deadlock."""
-    orders = _dependencies(p, n)
     start: dict[tuple[int, str, int, int], float] = {}
     end: dict[tuple[int, str, int, int], float] = {}
-    at, clock = [0] * p, [0.0] * p  # next action and when the rank is free, per rank
+    clock = [0.0] * p  # when the rank is free
+    for r, me, dep in _visit_order(p, n):  # the order of _visit_order, which no cost changes
+        start[me] = max(clock[r], end[dep] if dep is not None else 0.0)
+        took = cost[me[1]] * (1.0 if scale is None else scale[r][me[2]])
+        clock[r] = end[me] = start[me] + took
+    return start
+
+
+@functools.cache  # a pure function of (p, n), walked once per cost by the planner
+def _visit_order(p: int, n: int) -> tuple[tuple[int, tuple, tuple | None], ...]:
+    """Every action as (rank, (rank, kind, chunk, mb), the key of the action it waits for or None),
+    in an order that places each after its input: sweeps over the ranks, each rank running its order
+    until an input is missing. Which inputs exist depends on the order alone, never on the actions'
+    times, so one walk serves every ``cost``. Raises if the orders deadlock."""
+    orders = [_rank_order(r, p, n) for r in range(p)]
+    done: set[tuple[int, str, int, int]] = set()
+    out: list[tuple[int, tuple, tuple | None]] = []
+    at = [0] * p  # next action per rank
     while any(at[r] < len(orders[r]) for r in range(p)):
         progress = False
         for r in range(p):
             while at[r] < len(orders[r]):
-                me, key = orders[r][at[r]]
-                if key is not None and key not in end:
+                a = orders[r][at[r]]
+                dep = source(a, r, p)
+                key = None if dep is None else (*dep, a.mb)
+                if key is not None and key not in done:
                     break
-                start[me] = max(clock[r], end[key] if key is not None else 0.0)
-                took = cost[me[1]] * (1.0 if scale is None else scale[r][me[2]])
-                clock[r] = end[me] = start[me] + took
+                me = (r, a.kind, a.chunk, a.mb)
+                out.append((r, me, key))
+                done.add(me)
                 at[r], progress = at[r] + 1, True
         if not progress:
             raise RuntimeError(f"ZB-V's order deadlocks at p {p}, n {n}")
-    return start
+    return tuple(out)
 
 
 def timetable(p: int, n: int) -> list[list[Action | None]]:
@@ -175,11 +183,11 @@ class Moment:
     handed: int = 0
 
 
-@lru_cache(maxsize=4096)  # the memory formula walks it for every plan of a layout
+@functools.cache  # the planner's memory formula asks for the same (rank, p, n) many times
 def moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
     """Every forward end and B end of rank ``rank``'s order, with what it holds then."""
     flight, units, handed, out = [0, 0], [0, 0], 0, []
-    for a in rank_order(rank, p, n):
+    for a in _rank_order(rank, p, n):
         if a.kind == "W":
             units[a.chunk] -= 1
             continue
@@ -191,6 +199,13 @@ def moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
             handed += 1 if a.chunk == 0 else -1
         out.append(Moment(a.kind, a.chunk, (flight[0], flight[1]), (units[0], units[1]), handed))
     return tuple(out)
+
+
+@functools.cache
+def distinct_moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
+    """``moments``' distinct values in the order each first occurs: the first fullest of them is
+    the first fullest of all (the steady state repeats the same few)."""
+    return tuple(dict.fromkeys(moments(rank, p, n)))
 
 
 def v_split(per_rank: list[int] | tuple[int, ...]) -> tuple[int, ...] | None:
@@ -215,7 +230,7 @@ def chunk_cut(rank: int, p: int, n: int, layers: int, act: float, unit: float,
     that the most it holds at any forward or B end (``moments``) is least, a layer of a
     chunk-microbatch in flight holding ``act`` bytes and of a W unit ``unit``; ties: the more even
     cut."""
-    held = [(m.flight, m.units) for m in moments(rank, p, n)]
+    held = {(m.flight, m.units) for m in distinct_moments(rank, p, n)}
 
     def peak(k: int) -> float:
         return max((f[0] * k + f[1] * (layers - k)) * act + (u[0] * k + u[1] * (layers - k)) * unit

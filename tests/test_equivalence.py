@@ -34,7 +34,8 @@ replaced by a rule) is printed as ``narrowed (equivalence N): ...`` and recorded
 Which draws run (environment):
 
 * default (CI): a seeded sample of ``SEQPAR_EQUIV_DRAWS`` combinations (default 10, world sizes ≤
-  4), chosen greedily to take every axis value (enumerated or shared, as fitted) at least once;
+  4), chosen greedily to take every axis value (enumerated or shared, as fitted) at least once, the
+  cheapest (steps × global batch) where several take as many new values;
 * ``SEQPAR_EQUIV_FULL=1``: every combination (600, world sizes ≤ 8);
 * ``SEQPAR_EQUIV_WORLD=8`` (or a list, ``1,2,4``): every combination of those world sizes (342 at 8,
   258 at ≤ 4);
@@ -253,16 +254,27 @@ def values_of(index: int, c: Combo) -> set:
     }
 
 
+def cost(index: int, c: Combo) -> int:
+    """A draw's work for the sample's choice: its steps × global batch (the run's and its
+    reference's samples trained)."""
+    train = draw(index, c)["train"]
+    return train["steps"] * train["global_batch"]
+
+
 def sample(n: int) -> list[tuple[int, Combo]]:
     """CI's ``n`` combinations of world size ≤ 4: greedily the one taking the most axis values
-    (enumerated or drawn) not yet taken, until every value is, then the next ones in a seeded
-    shuffle."""
+    (enumerated or drawn) not yet taken, the cheapest (``cost``) of those that take as many, until
+    every value is, then the next ones in a seeded shuffle. (The cost only breaks ties: the same
+    values are taken, at fewer steps × samples.)"""
     every = list(enumerate(combinations(4)))
     random.Random(2205_05198).shuffle(every)
     chosen, seen = [], set()
     while len(chosen) < n:
         best = max(
-            every, key=lambda item: len(values_of(*item) - seen) if item not in chosen else -1
+            every,
+            key=lambda item: (len(values_of(*item) - seen), -cost(*item))
+            if item not in chosen
+            else (-1, 0),
         )
         if not values_of(*best) - seen:
             break

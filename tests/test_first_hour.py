@@ -21,9 +21,9 @@ from seqpar.train.config import build_job, inert_settings, load_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "configs" / "default.toml"
-# plans narrowed to replicated states kept on the GPU where the emitted files, not the search's
-# breadth, are under test
-NARROW = ("--no-fsdp", "--no-distributed-optimizer", "--no-offload")
+# plans narrowed to replicated states kept on the GPU and 1F1B (no zero-bubble schedule to price)
+# where the emitted files, not the search's breadth, are under test
+NARROW = ("--no-fsdp", "--no-distributed-optimizer", "--no-offload", "--pp-schedule", "1f1b")
 
 
 # ------------------------------------------------------------ 1. the demo shows what the paper buys

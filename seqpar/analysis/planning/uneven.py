@@ -78,6 +78,8 @@ def v_lighter_split(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig
     extra = [0.0] * p
     extra[0] = sum(end_weights(shape, p, par.tp))
     per_rank = _water_filled(layers, extra, [1] * p)
+    if any(c < 2 for c in per_rank[1:]):  # a middle rank's two chunks need a layer each
+        return None
     one = [0]  # layer 0's bytes stand for every layer's: the cut is a choice, priced exactly after
     act = chunk_layers_bytes(shape, par, rc, b, opts, one)
     unit = unit_bytes(shape, replace(par, pp_schedule="zb-v"), rc, b, opts, one)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from seqpar.config import ConfigError, ParallelConfig
+from seqpar.config import ConfigError, ParallelConfig, RecomputeConfig
 from seqpar.pipeline.schedule_1f1b import run_1f1b
 from seqpar.pipeline.schedule_zbv import run_zb_v
 from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
@@ -423,3 +423,36 @@ def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
     # T_F = T_B = T_W, the long step: a sixth of 1F1B's
     from seqpar.analysis.formulas.zbv_order import idle_times
     assert idle_times(4, 8, {"F": 0.5, "B": 0.5, "W": 0.5}) == [1.5] * 4
+
+
+def test_the_v_balance_is_a_valid_split_and_uneven_chunks_are_priced():
+    """``uneven.v_lighter_split`` gives every (L, p) a split ``ParallelConfig`` runs (2p entries
+    summing to L, middle stages non-empty, rank 0 no heavier than any other rank, each rank's
+    chunk 1 at least its chunk 0, the two at most the spread apart), or None; and the cost model's
+    V timing (``zbv_order.idle_times``' scale) charges a lopsided cut: at F = B = W, chunks of
+    half and one and a half a stage idle longer than even ones."""
+    from dataclasses import replace
+
+    from seqpar.analysis.formulas.shapes import ActivationOptions
+    from seqpar.analysis.formulas.zbv_order import idle_times
+    from seqpar.analysis.planning.uneven import v_lighter_split
+    from seqpar.config import ModelConfig
+
+    for layers in range(4, 14):
+        for p in (2, 3, 4):
+            shape = ModelConfig(vocab_size=4096, hidden_size=64, num_heads=4, num_layers=layers,
+                                seq_len=16)
+            par = ParallelConfig(pp=p, pp_schedule="zb-v")
+            for spread in (0, 2):
+                split = v_lighter_split(shape, par, RecomputeConfig(), 1, 2 * p, ActivationOptions(),
+                                        spread)
+                if split is None:
+                    continue
+                ranks = [(split[r], split[2 * p - 1 - r]) for r in range(p)]
+                assert sum(split) == layers and all(split[1:-1])
+                assert replace(par, layer_split=split).validate(shape)
+                assert sum(ranks[0]) <= min(sum(c) for c in ranks[1:])
+                assert all(0 <= b - a <= max(spread, (a + b) % 2) for a, b in ranks), split
+    cost = dict.fromkeys("FBW", 0.5)
+    even, lopsided = idle_times(4, 8, cost), idle_times(4, 8, cost, [(0.5, 1.5)] * 4)
+    assert max(lopsided) > max(even)

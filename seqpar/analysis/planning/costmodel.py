@@ -964,8 +964,9 @@ def w_gathers_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
         # one layer's gathers, each beside the previous W GEMM (the first: the layer above's qkv)
         return sum(beside_gemm_s(gather, w[prev], hw) for prev in ("qkv", *steps[:-1]))
 
-    dense = 1 - shape.moe_layers / shape.num_layers  # an MoE layer defers attention's two
-    fc2 = ("fc2",) if deferred_shares(shape, rc)["fc2"] else ()
+    share = deferred_shares(shape, rc)
+    dense = share["fc1"]  # the dense layers' share; an MoE layer defers attention's two
+    fc2 = ("fc2",) if share["fc2"] else ()
     per_layer = (dense * chain_s((*fc2, "fc1", "out_proj", "qkv"))
                  + (1 - dense) * chain_s(("out_proj", "qkv")))
     first = gather - beside_gemm_s(gather, w["qkv"], hw)  # a unit's first: nothing before it

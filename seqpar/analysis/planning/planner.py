@@ -710,7 +710,7 @@ def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[
     for pp in _divisors(rest):
         split = lighter_ends_split(req.shape, pp, tp)
         splits = [(), split] if split and len(set(split)) > 1 else [()]
-        cps = [1] + [cp for cp in [_filling_cp(req, pp, rest)] if cp > 1]
+        cps = [1] + [cp for cp in [_filling_cp(req, tp, pp, rest)] if cp > 1]
         allowed = [
             par
             for s in splits
@@ -734,18 +734,20 @@ def _context_and_pipeline(req: Request, tp: int, rejected: Counter) -> Iterator[
             )
 
 
-def _filling_cp(req: Request, pp: int, rest: int) -> int:
-    """The least cp (up to ``max_cp``, dividing dp) that gives a zb-v pipeline of ``pp`` ranks the
-    2p - 1 microbatches of one sample its V fills, where dp alone (``rest`` / pp GPUs) leaves it
-    fewer (cp takes its GPUs from dp: each pipeline then holds more of the global batch); 1 where
-    dp leaves enough, zb-v is not searched or no cp fills it."""
+def _filling_cp(req: Request, tp: int, pp: int, rest: int) -> int:
+    """The least cp (up to ``max_cp``, dividing dp, one ``ParallelConfig.validate`` allows at
+    ``tp``) that gives a zb-v pipeline of ``pp`` ranks the 2p - 1 microbatches of one sample its V
+    fills, where dp alone (``rest`` / pp GPUs) leaves it fewer (cp takes its GPUs from dp: each
+    pipeline then holds more of the global batch); 1 where dp leaves enough, zb-v is not searched
+    or no cp fills it."""
     dp = rest // pp
     if pp == 1 or "zb-v" not in req.schedules or req.global_batch // dp >= 2 * pp - 1:
         return 1
     for cp in _divisors(dp)[1:]:
         if cp > req.max_cp:
             break
-        if req.global_batch // (dp // cp) >= 2 * pp - 1 and req.shape.seq_len % (2 * cp) == 0:
+        fills = req.global_batch // (dp // cp) >= 2 * pp - 1
+        if fills and not _refused(req, ParallelConfig(tp=tp, cp=cp, dp=rest // cp)):
             return cp
     return 1
 

@@ -62,7 +62,7 @@ class _Comm:
         return _Tensor(), _Tensor()
 
     def post(self, **kwargs):
-        return SimpleNamespace(wait=lambda: (_Tensor(), _Tensor()))
+        return SimpleNamespace(wait=lambda: (_Tensor(), _Tensor()), done=lambda: True)
 
 
 def orders(schedule, p: int, n: int) -> list[_Runner]:
@@ -372,6 +372,80 @@ def test_zb_v_bubble_at_1f1bs_memory(p, n):
     if n >= 2 * p - 1:
         assert idle_v == [0.5 * (p - 1)] * p, idle_v
     assert all(v <= o / 3 for v, o in zip(idle_v, idle_1f1b, strict=True)) or n < p, idle_v
+
+
+class _LinkComm:
+    """Records, in issue order, each operation ``run_zb_v`` posts (one per ``post``: the link, the
+    peer's side, send or receive, the direction) and each wait; its sends report not done until
+    waited (a dX send is then waited at the step's end)."""
+
+    def __init__(self, rank: int, p: int):
+        self.dims = SimpleNamespace(pp_rank=rank, pp=p)
+        self.program: list[tuple] = []  # ("post", link, index on it, op) | ("wait", link, index)
+        self.count: dict[int, int] = {}
+
+    def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+        ops = [("send", "up")] * (send_next is not None) + [("send", "down")] * (
+            send_prev is not None) + [("recv", "up")] * recv_prev + [("recv", "down")] * recv_next
+        assert len(ops) == 1, ops  # one operation a post: each link's order is the issue order
+        (what, direction), = ops
+        rank = self.dims.pp_rank
+        lower = rank if (what == "send") == (direction == "up") else rank - 1
+        k = self.count.get(lower, 0)
+        self.count[lower] = k + 1
+        self.program.append(("post", lower, k, what, direction))
+
+        def wait():
+            self.program.append(("wait", lower, k))
+            return _Tensor(), _Tensor()
+
+        return SimpleNamespace(wait=wait, done=lambda: False)
+
+
+def _rendezvous(programs: list[list[tuple]]) -> None:
+    """Runs the ranks' programs where an operation completes once both ends of its link have
+    posted it and every earlier operation on the link has completed (NCCL: a link's operations in
+    issue order on one stream, each waiting for its peer; gloo: a send completes once its receive
+    is posted), and a wait blocks its rank until its operation completes. Fails on a deadlock."""
+    at = [0] * len(programs)
+    posted: dict[tuple[int, int], int] = {}  # (link, rank) -> operations posted
+    while any(at[r] < len(prog) for r, prog in enumerate(programs)):
+        moved = False
+        for r, prog in enumerate(programs):
+            while at[r] < len(prog):
+                event = prog[at[r]]
+                if event[0] == "wait":
+                    _, lower, k = event
+                    if min(posted.get((lower, lower), 0), posted.get((lower, lower + 1), 0)) <= k:
+                        break
+                else:
+                    posted[(event[1], r)] = posted.get((event[1], r), 0) + 1
+                at[r], moved = at[r] + 1, True
+        assert moved, f"deadlock at {[prog[a] for prog, a in zip(programs, at, strict=True)]}"
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_v_links_pair_in_one_order_and_never_deadlock(p):
+    """``run_zb_v`` as it runs on each rank (recording fakes): one operation per post; on every
+    link both ends issue the same messages in the same order (``zbv_order.link_order``: the k-th
+    send of one end is the k-th receive of the other, whichever direction), so NCCL pairs each,
+    every receive is posted before its wait, and the ranks' programs run to the end where an
+    operation needs both ends and completes in the link's order. p 2-8, n 1-39."""
+    for n in range(1, 40):
+        comms = [_LinkComm(rank, p) for rank in range(p)]
+        for comm in comms:
+            run_zb_v(_VRunner(n), comm)
+        for lower in range(p - 1):
+            ends = [[e[3:] for e in c.program if e[0] == "post" and e[1] == lower]
+                    for c in comms[lower:lower + 2]]
+            flip = {"send": "recv", "recv": "send"}
+            assert [(flip[w], d) for w, d in ends[0]] == ends[1], (p, n, lower)
+            assert len(ends[0]) == 4 * n  # F and B across it, both chunks
+        for c in comms:
+            posts = {(e[1], e[2]) for e in c.program if e[0] == "post"}
+            waits = [(e[1], e[2]) for e in c.program if e[0] == "wait"]
+            assert set(waits) == posts and len(waits) == len(posts), (p, n)
+        _rendezvous([c.program for c in comms])
 
 
 def test_planner_prices_zb_v_and_cuts_the_119b_bubble():

@@ -112,6 +112,10 @@ class Posted:
     from_prev: torch.Tensor | None
     from_next: torch.Tensor | None
 
+    def done(self) -> bool:
+        """Whether every operation has completed (without waiting)."""
+        return all(req.is_completed() for req in self.requests)
+
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Wait for every operation, sends included (a sent tensor may be freed afterwards, App.
         B)."""

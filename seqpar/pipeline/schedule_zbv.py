@@ -2,111 +2,150 @@
 Parallelism", ICLR 2024, Sec. 6).
 
 Rank r holds virtual stages r (chunk 0) and 2p - 1 - r (chunk 1) (``config.virtual_stage``): the
-forward goes down the ranks on chunk 0 and back up on chunk 1, the loss is on rank 0's chunk 1. The
-order and its slots are ``seqpar.analysis.formulas.zbv_order``'s: in slot k every rank runs its
-action (or none), then posts one exchange holding what the slot's actions send to it or from it
--- an activation or an input gradient travels "up" (to rank + 1: chunk 0's forward output, chunk
-1's dX) or "down" (to rank - 1: chunk 1's output, chunk 0's dX) -- so every send is paired in the
-same slot on both sides, whatever the backend (``PipeComm.post``'s fixed order). Rank p - 1 hands
-its chunk 0's output to its own chunk 1 and chunk 1's dX back to chunk 0 locally. A W runs while
-the previous slot's exchange is in flight. Each B is the input gradient alone
-(``seqpar.parallel.weight_grad``); each chunk's W units run in microbatch order, as its Bs, so each
-parameter accumulates 1F1B's gradients in 1F1B's order: the same numbers. Every W has run when
-``run_zb_v`` returns (the optimizer's clip and non-finite skip see them all).
+forward goes down the ranks on chunk 0 and back up on chunk 1, the loss is on rank 0's chunk 1. Each
+rank runs its order (``seqpar.analysis.formulas.zbv_order.rank_order``) as its inputs arrive: an F or
+a B waits only for the activation or gradient it needs, a W for nothing. A result travels "up" (to
+rank + 1: chunk 0's forward output, chunk 1's dX) or "down" (to rank - 1: chunk 1's output, chunk 0's
+dX), with the direction's tag (``PipeComm.post``); rank p - 1 hands its chunk 0's output to its own
+chunk 1 and chunk 1's dX back to chunk 0 locally.
+
+Each side of a link posts its sends and receives in the order ``zbv_order.link_order`` gives both
+(the slots of the unit-time timetable): NCCL pairs a link's operations in the order each side issues
+them. A rank posts every receive of a link ahead of its own next send there (the buffers are ready
+before the neighbour sends: gloo completes a send once its receive is posted), and waits for its
+sends before its next F or B, where App. B frees a sent output: what a rank holds at each forward
+end and B end is what ``zbv_order.moments`` counts, whatever the timing.
+
+Each B is the input gradient alone (``seqpar.parallel.weight_grad``); each chunk's W units run in
+microbatch order, as its Bs, so each parameter accumulates 1F1B's gradients in 1F1B's order: the
+same numbers. Every W has run when ``run_zb_v`` returns (the optimizer's clip and non-finite skip see
+them all).
 
 Forward-only (evaluation, ``run_zb_v_forward``): one microbatch at a time down the V and back.
 """
 
 from __future__ import annotations
 
-from seqpar.analysis.formulas.zbv_order import Action, message, timetable
-from seqpar.pipeline.p2p import PipeComm
+from seqpar.analysis.formulas.zbv_order import Action, link_order, message, rank_order, source
+from seqpar.pipeline.p2p import PipeComm, Posted
 from seqpar.pipeline.step import ScoreRunner, StepRunner, as_input
 
 
-class _VState:
-    """What one rank's two chunks hold between slots: per (chunk, microbatch), the received or
-    handed-over input and output gradient, and the input and output of a forward until its B."""
+class _Link:
+    """One neighbour: this rank's operations with it in ``link_order``, posted up to the next send
+    (receives ahead of need), and the receives in flight, by the action whose result they are."""
 
-    def __init__(self):
-        self.inputs, self.grads = {}, {}  # (chunk, mb) -> received input / output gradient
-        self.kept = {}  # (chunk, mb) -> (input, output) of a forward, until its B
+    def __init__(self, comm: PipeComm, lower: int, up: bool, n: int):
+        self.comm, self.up = comm, up  # up: the neighbour is rank + 1 (this rank sends up)
+        self.ops = link_order(lower, comm.dims.pp, n)
+        self.mine = "up" if up else "down"  # the direction this rank sends in
+        self.at, self.posted = 0, {}  # next op; (kind, chunk, mb) -> Posted receive
+        self._post_receives()
 
-    def file(self, action: Action | None, tensor) -> None:
-        """File what a neighbour's ``action`` sent this rank."""
-        if action is None or tensor is None:
-            return
-        key = (action.chunk, action.mb)
-        if action.kind == "F":
-            self.inputs[key] = as_input(tensor)
-        else:
-            self.grads[key] = tensor
+    def _post_receives(self) -> None:
+        while self.at < len(self.ops) and self.ops[self.at][0] != self.mine:
+            a = self.ops[self.at][1]
+            self.posted[(a.kind, a.chunk, a.mb)] = self.comm.post(recv_next=self.up,
+                                                                  recv_prev=not self.up)
+            self.at += 1
+
+    def send(self, action: Action, tensor) -> Posted:
+        direction, expected = self.ops[self.at]
+        if (direction, expected) != (self.mine, action):  # the order of rank_order and the slots
+            raise RuntimeError(f"ZB-V's link order expected {expected}, not {action}")
+        self.at += 1
+        out = self.comm.post(send_next=tensor if self.up else None,
+                             send_prev=None if self.up else tensor)
+        self._post_receives()
+        return out
+
+    def receive(self, kind: str, chunk: int, mb: int):
+        from_prev, from_next = self.posted.pop((kind, chunk, mb)).wait()
+        return from_next if self.up else from_prev
 
 
 def run_zb_v(runner: StepRunner, comm: PipeComm) -> None:
     """Two chunks per rank in a V, p > 1; every W unit has run when it returns."""
-    p, rank = comm.dims.pp, comm.dims.pp_rank
-    table = timetable(p, runner.num_microbatches)
-    state, posted, sent = _VState(), None, None
-    for slot in range(len(table[rank])):
-        action = table[rank][slot]
-        if action is not None and action.kind == "W":
-            runner.weight_grads(action.chunk)  # W under the previous slot's exchange
-        _settle(runner, state, posted, sent)
-        out = None if action is None or action.kind == "W" else _run(runner, state, action, rank, p)
-        direction = None if action is None else message(action, rank, p)
-        below = table[rank - 1][slot] if rank > 0 else None  # what rank - 1 may send up
-        above = table[rank + 1][slot] if rank < p - 1 else None  # what rank + 1 may send down
-        from_prev = below if below is not None and message(below, rank - 1, p) == "up" else None
-        from_next = above if above is not None and message(above, rank + 1, p) == "down" else None
-        posted = (
-            comm.post(
-                send_next=out if direction == "up" else None,
-                send_prev=out if direction == "down" else None,
-                recv_prev=from_prev is not None,
-                recv_next=from_next is not None,
-            ),
-            from_prev,
-            from_next,
-        )
-        sent = (action, out) if direction is not None and action.kind == "F" else None
-        out = None  # the state keeps what its B needs
-    _settle(runner, state, posted, sent)
+    p, rank, n = comm.dims.pp, comm.dims.pp_rank, runner.num_microbatches
+    links = {}
+    if rank < p - 1:
+        links["up"] = _Link(comm, rank, True, n)
+    if rank > 0:
+        links["down"] = _Link(comm, rank - 1, False, n)
+    state = _VState()
+    sending: list = []  # (Posted, chunk, output or None) not yet waited for
+    for action in rank_order(rank, p, n):
+        if action.kind == "W":
+            runner.weight_grads(action.chunk)  # under the sends and receives in flight
+            continue
+        received = _input(action, rank, p, links, state)
+        _finish_sends(runner, sending, outputs_only=True)
+        out = _run(runner, state, action, received, rank, p)
+        direction = message(action, rank, p)
+        if direction is not None:
+            sent = links[direction].send(action, out)
+            sending.append((sent, action.chunk, out if action.kind == "F" else None))
+        received = out = None  # the state keeps what the B needs
+    _finish_sends(runner, sending)
 
 
-def _settle(runner: StepRunner, state: _VState, posted, sent) -> None:
-    """Wait for the exchange in flight, ``posted`` = (``Posted``, the actions whose results it
-    receives from the previous and the next rank), sends included (App. B frees a sent output
-    after), and file what it received."""
-    if posted is None:
-        return
-    exchange, from_prev, from_next = posted
-    x_prev, x_next = exchange.wait()
-    state.file(from_prev, x_prev)
-    state.file(from_next, x_next)
-    if sent is not None:
-        runner.release_output(sent[0].chunk, sent[1])
+class _VState:
+    """What one rank's two chunks hold between actions: per (chunk, microbatch), the input and
+    output gradient handed over by the rank's other chunk (rank p - 1), and the input and output of
+    a forward until its B."""
+
+    def __init__(self):
+        self.inputs, self.grads = {}, {}  # (chunk, mb) -> handed-over input / output gradient
+        self.kept = {}  # (chunk, mb) -> (input, output) of a forward, until its B
 
 
-def _run(runner: StepRunner, state: _VState, action: Action, rank: int, p: int):
-    """Run a forward or a B; returns what it sends to a neighbour (None: nothing)."""
+def _run(runner: StepRunner, state: _VState, action: Action, received, rank: int, p: int):
+    """Run a forward or a B on its ``received`` input or output gradient; returns its result (what
+    it sends to a neighbour; None where it stays on this rank)."""
     key = (action.chunk, action.mb)
     if action.kind == "F":
-        x = state.inputs.pop(key, None)  # None: the first stage reads tokens
+        x = as_input(received)  # None: the first stage reads tokens
         out = runner.forward(action.chunk, action.mb, x)
         state.kept[key] = (x, out)
         if rank == p - 1 and action.chunk == 0:  # the V's turn: chunk 1 of this rank goes on
-            state.inputs[(1, action.mb)] = as_input(out.detach())
+            state.inputs[(1, action.mb)] = out.detach()
             runner.release_output(0, out)
             return None
         return out
     # B only; no local keeps the input or the output past it (the meter counts what lives)
-    dx = runner.backward(action.chunk, action.mb, *state.kept.pop(key), state.grads.pop(key, None))
+    dx = runner.backward(action.chunk, action.mb, *state.kept.pop(key), received)
     runner.seal_w(action.chunk)
     if rank == p - 1 and action.chunk == 1:  # back down the V's turn
         state.grads[(0, action.mb)] = dx
         return None
     return dx
+
+
+def _input(action: Action, rank: int, p: int, links: dict, state: _VState):
+    """What ``action`` (an F or a B) needs from another rank or chunk: the received or handed-over
+    input of an F (None: the first stage reads tokens), the output gradient of a B (None: the
+    loss)."""
+    src = source(action, rank, p)
+    key = (action.chunk, action.mb)
+    if src is None or src[0] == rank:
+        return (state.inputs if action.kind == "F" else state.grads).pop(key, None)
+    link = links["up" if src[0] == rank + 1 else "down"]
+    return link.receive(src[1], src[2], action.mb)
+
+
+def _finish_sends(runner: StepRunner, sending: list, outputs_only: bool = False) -> None:
+    """Wait for the sends in flight, App. B freeing each sent output after. ``outputs_only`` (before
+    an F or a B): the outputs' sends, so no output in transit outlives the forward end after which
+    it was sent (``moments``); a dX's send, which no meter counts, only where it is done: the rank
+    goes on while its neighbour has not posted the receive."""
+    left = []
+    for posted, chunk, out in sending:
+        if outputs_only and out is None and not posted.done():
+            left.append((posted, chunk, out))
+            continue
+        posted.wait()
+        runner.release_output(chunk, out)
+    sending[:] = left
 
 
 def run_zb_v_forward(runner: ScoreRunner, comm: PipeComm) -> None:

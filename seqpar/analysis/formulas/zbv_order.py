@@ -1,5 +1,5 @@
 """ZB-V's order (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 6): what each
-pipeline rank runs, in which slot. Torch-free: the schedule (``seqpar.pipeline.schedule_zbv``)
+pipeline rank runs, in which order. Torch-free: the schedule (``seqpar.pipeline.schedule_zbv``)
 runs it, the memory formula (``deferred_w``) walks it.
 
 The model is cut into 2p chunks in a V: rank r holds chunk 0 = virtual stage r and chunk 1 =
@@ -18,11 +18,11 @@ every action of a microbatch >= n is dropped: with fewer microbatches the V is n
 The Ws of each chunk run in microbatch order, as the Bs do: every parameter accumulates its
 microbatches' gradients in 1F1B's order.
 
-``timetable`` places each action in the earliest unit-time slot its order and its inputs allow
-(F = B = W = 1; a result crosses to a neighbour at the end of its slot): with F = B = W the V
-has (nearly) no bubble at 1F1B's activation memory (each chunk is half a stage: a rank holds about
-2p half-stage microbatches, p stage ones). The schedule runs in these slots: in each, every rank
-runs its action and exchanges what the slot's actions send (``messages``).
+Each action's unit-time slot (``_slots``) is the earliest its order and its inputs allow (F = B = W
+= 1; a result crosses to a neighbour at the end of its slot): with F = B = W the V has (nearly) no
+bubble at 1F1B's activation memory (each chunk is half a stage: a rank holds about 2p half-stage
+microbatches, p stage ones). The schedule runs each rank's order as its inputs arrive; the slots
+give the order in which both ends of a link post its messages (``link_order``).
 """
 
 from __future__ import annotations
@@ -158,15 +158,35 @@ def _visit_order(p: int, n: int) -> tuple[tuple[int, tuple, tuple | None], ...]:
     return tuple(out)
 
 
-def timetable(p: int, n: int) -> list[list[Action | None]]:
-    """``result[rank][slot]``: the action pipeline rank ``rank`` runs in that slot (None: it waits),
-    each as early as its rank's order and its input allow, every action one slot long; a result
-    sent to a neighbour is there in the next slot. Raises if the orders deadlock."""
-    slots = {k: int(v) for k, v in _as_early_as_possible(p, n, dict.fromkeys("FBW", 1.0)).items()}
-    table: list[list[Action | None]] = [[None] * (max(slots.values()) + 1) for _ in range(p)]
-    for (r, kind, chunk, mb), slot in slots.items():
-        table[r][slot] = Action(kind, chunk, mb)
-    return table
+def link_order(lower: int, p: int, n: int) -> tuple[tuple[str, Action], ...]:
+    """The messages between ranks ``lower`` and ``lower + 1``, both directions, in one order both
+    sides derive: each as (its direction, the action whose result it is), ordered by the unit-time
+    slot of that action (module doc), "up" (sent by ``lower``) before "down" in one slot.
+
+    Each side posts its sends and receives on the link in this order (``run_zb_v``), so NCCL,
+    which pairs a pair's operations in the order each side issues them, pairs every one. A
+    rank's own sends come in its order (slots rise along it), and every message a rank receives
+    comes before its own sends of later slots, which its action needing it follows: it may post
+    every receive ahead of its next send, and it has when it needs one."""
+    return _link_order(lower, p, n)
+
+
+@functools.cache
+def _link_order(lower: int, p: int, n: int) -> tuple[tuple[str, Action], ...]:
+    slots = _slots(p, n)
+    out = []
+    for r, d in ((lower, "up"), (lower + 1, "down")):
+        for a in _rank_order(r, p, n):
+            if message(a, r, p) == d:
+                out.append((slots[(r, a.kind, a.chunk, a.mb)], d == "down", (d, a)))
+    return tuple(m for *_, m in sorted(out, key=lambda m: m[:2]))
+
+
+@functools.cache
+def _slots(p: int, n: int) -> dict[tuple[int, str, int, int], int]:
+    """(rank, kind, chunk, mb) -> the unit-time slot of every action (module doc). Raises if the
+    orders deadlock."""
+    return {k: int(v) for k, v in _as_early_as_possible(p, n, dict.fromkeys("FBW", 1.0)).items()}
 
 
 @dataclass(frozen=True)

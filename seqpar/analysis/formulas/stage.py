@@ -48,9 +48,9 @@ STATE_TERMS = ("parameters", "gradients", "optimizer_states")
 # holds between passes -- what ``seqpar.measure.meter`` measures -- does not. And the distributed
 # optimizer's overlapped weight gathers (``param_gather_excess``): live from the step to the first
 # forward, when no activation is, so only what they hold beyond the activations' peak adds to the
-# total.
+# total; as do ZB-V's receives posted ahead (``receive_buffers``), communication buffers.
 TRANSIENT_TERMS = ("recompute_working", "offload_reload_working", "a2a_buffers", "tp_ring_buffers",
-                   "param_gather_excess")
+                   "param_gather_excess", "receive_buffers")
 NONE, FULL = RecomputeConfig("none"), RecomputeConfig("full")
 
 
@@ -569,7 +569,9 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
     microbatches and, while its chunk 1 (the last stage) has one in flight, the head; rank p - 1
     the chunk-0 outputs handed to its chunk 1 not yet run (``handed_input``); after a forward that
     sends its output, that output until it is sent (``output_in_transit``); with App. B off, the
-    sent outputs (``pipeline_outputs``)."""
+    sent outputs (``pipeline_outputs``); beside them the receives posted ahead
+    (``zbv_order.posted_ahead``; ``receive_buffers``: what they add beyond the activations' peak, a
+    transient term the meter leaves out)."""
     if rc.keep_microbatches:
         raise AnalysisError(f"App. C (keep_microbatches {rc.keep_microbatches}) with pp_schedule "
                             "zb-v is not modelled")
@@ -605,8 +607,14 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
         return out
 
     steps = 2 * par.pp if n is None else n
-    best = max(distinct_moments(rank, par.pp, steps), key=lambda m: sum(held_at(m).values()))
+    held = {m: sum(held_at(m).values()) for m in distinct_moments(rank, par.pp, steps)}
+    best = max(held, key=held.get)
     terms = terms | held_at(best)
+    # the receives posted ahead (run_zb_v): communication buffers, not activations (no meter counts
+    # them); what they add beyond the activations' peak, at whichever moment holds the most of both
+    ahead = max(v + boundary * m.waiting for m, v in held.items()) - held[best]
+    if ahead > 0:
+        terms["receive_buffers"] = ahead
     if sum(best.flight) and rc.granularity != "none":
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
     if par.a2a_size > 1 and any(ids):

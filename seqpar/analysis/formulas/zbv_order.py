@@ -193,20 +193,23 @@ def _slots(p: int, n: int) -> dict[tuple[int, str, int, int], int]:
 class Moment:
     """What a rank holds at the end of a forward or of a B (before any W), the moments its
     activation memory can peak: chunk-microbatches in flight per chunk (from a forward to its B),
-    W units per chunk (from a B to its W), and on rank p - 1 the chunk-0 outputs handed to its own
-    chunk 1 whose forward has not run yet (``handed``)."""
+    W units per chunk (from a B to its W), on rank p - 1 the chunk-0 outputs handed to its own
+    chunk 1 whose forward has not run yet (``handed``), and the receives posted ahead whose F or B
+    has not run yet (``waiting``: ``posted_ahead``)."""
 
     kind: str  # the action that just ended: F or B
     chunk: int
     flight: tuple[int, int]
     units: tuple[int, int]
     handed: int = 0
+    waiting: int = 0
 
 
 @functools.cache  # the planner's memory formula asks for the same (rank, p, n) many times
 def moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
     """Every forward end and B end of rank ``rank``'s order, with what it holds then."""
     flight, units, handed, out = [0, 0], [0, 0], 0, []
+    waiting = iter(posted_ahead(rank, p, n))
     for a in _rank_order(rank, p, n):
         if a.kind == "W":
             units[a.chunk] -= 1
@@ -217,7 +220,46 @@ def moments(rank: int, p: int, n: int) -> tuple[Moment, ...]:
             units[a.chunk] += 1
         elif rank == p - 1:  # the V's turn: chunk 0's output waits for chunk 1's forward
             handed += 1 if a.chunk == 0 else -1
-        out.append(Moment(a.kind, a.chunk, (flight[0], flight[1]), (units[0], units[1]), handed))
+        out.append(Moment(a.kind, a.chunk, (flight[0], flight[1]), (units[0], units[1]), handed,
+                          next(waiting)))
+    return tuple(out)
+
+
+@functools.cache
+def posted_ahead(rank: int, p: int, n: int) -> tuple[int, ...]:
+    """At the end of each F and B of rank ``rank``'s order, the receives it has posted whose F or
+    B has not run (the schedule's rule, ``run_zb_v``: on each link every receive ahead of its own
+    next send there, posted at the start and after each send): each an activation or a gradient at
+    the boundary. At most 2(p - 1), in the warm-up (rank 1 takes rank 0's first chunk-0 outputs
+    before its first send down)."""
+    links = {}  # direction this rank sends in -> [its link's order, next op]
+    if rank < p - 1:
+        links["up"] = [_link_order(rank, p, n), 0]
+    if rank > 0:
+        links["down"] = [_link_order(rank - 1, p, n), 0]
+    waiting: set[tuple[str, int, int]] = set()
+
+    def post(mine: str) -> None:
+        ops, at = links[mine]
+        while at < len(ops) and ops[at][0] != mine:
+            waiting.add((ops[at][1].kind, ops[at][1].chunk, ops[at][1].mb))
+            at += 1
+        links[mine][1] = at
+
+    for mine in links:
+        post(mine)
+    out = []
+    for a in _rank_order(rank, p, n):
+        if a.kind == "W":
+            continue
+        src = source(a, rank, p)
+        if src is not None and src[0] != rank:
+            waiting.remove((src[1], src[2], a.mb))
+        out.append(len(waiting))
+        sent = message(a, rank, p)
+        if sent is not None:
+            links[sent][1] += 1
+            post(sent)
     return tuple(out)
 
 

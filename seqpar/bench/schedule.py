@@ -8,7 +8,10 @@ the timelines (matplotlib) as ``schedule_timeline.png``; the text timeline is pr
 
 On CPU the ranks share the machine's cores: with fewer cores than ranks a waiting rank lends its
 core to a busy one, and the idle times measure that sharing as well as the schedule (the result
-records cores and load)."""
+records cores and load). Under the V rank 0 holds both ends of the model (the embedding, the output
+layer and the loss): with a large ``--vocab`` it is the slowest rank and the others wait for it
+(``--vocab 64`` leaves the layers to weigh alone; the planner balances real models,
+``uneven.v_lighter_split``)"""
 
 from __future__ import annotations
 

@@ -892,7 +892,8 @@ def bubble_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: in
     """The pipeline's idle time per iteration for the slowest rank's microbatch time ``t_mb``:
     1F1B's (p - 1)/m T_mb (Sec. 4.2.3), or ZB-H1's (p - 1)(T_F + T_B - T_W) = (p - 1)(T_mb - 2 T_W)
     (Qi et al. 2024, Sec. 3.1), its weight-gradient GEMMs T_W (``deferred_w_s``) filling the
-    rest; ZB-V's: the slowest rank's idle time in its order (``zbv_order.idle_times``) timed for
+    rest; ZB-V's: the slowest rank's idle time in its order run as its inputs arrive, as the
+    schedule runs it (``zbv_order.idle_times``), timed for
     ``n`` microbatches (default 2p), each chunk's F, B and W the slowest rank's per layer times its
     layers (an even V: each chunk half a stage, T_W/2 per chunk W and T_F = T_B the rest of T_mb
     halved; a chunk of more layers runs longer)."""

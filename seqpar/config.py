@@ -647,11 +647,6 @@ class ParallelConfig:
                 f"pp_schedule {kind} with fsdp is not supported: FSDP2 reduce-scatters a layer's "
                 "gradients when its backward ends, before the deferred weight gradients run"
             )
-        if self.tp_comm_overlap:
-            raise ConfigError(
-                f"pp_schedule {kind} with tp_comm_overlap is not supported: the TP ring's linears "
-                "compute their weight gradients inside the backward, so none would be deferred"
-            )
 
     def _validate_fsdp(self) -> None:
         group = self.dp * self.cp

@@ -196,11 +196,12 @@ def fit_fsdp(d: Draw, dp: int, cp: int, experts: int = 0) -> dict:
 
 
 def fit_pp_schedule(
-    d: Draw, pp: int, interleave: int, fsdp: bool, tp_comm_overlap: bool = False,
-    layers: int | None = None, split: tuple[int, ...] | list[int] = (), recompute_modules=(),
+    d: Draw, pp: int, interleave: int, fsdp: bool, layers: int | None = None,
+    split: tuple[int, ...] | list[int] = (), recompute_modules=(),
 ) -> dict:
     """The ``parallel`` keys of the drawn pipeline schedule: a zero-bubble one needs pp > 1, one
-    chunk per rank, no FSDP and no TP-communication overlap (``ParallelConfig`` refuses the rest);
+    chunk per rank and no FSDP (``ParallelConfig`` refuses the rest; the TP ring defers its W as
+    the plain linears do);
     1f1b is the default, no key. zb-v cuts the check's ``layers`` (split ``split`` over pp under
     1F1B) into 2p chunks: its ``layer_split`` gives each rank 1F1B's layers (``zbv_order.v_split``),
     or, where that leaves a middle chunk empty, one layer to each middle chunk and the rest to the
@@ -213,9 +214,6 @@ def fit_pp_schedule(
             if interleave > 1
             else "zero bubble with fsdp is refused (ParallelConfig)"
             if fsdp
-            else "zero bubble with tp_comm_overlap is refused (ParallelConfig: the ring computes W "
-                 "in the backward)"
-            if tp_comm_overlap
             else "zero bubble with the recompute module norm is refused (RunConfig: its released "
                  "output is a deferred W's input)"
             if "norm" in recompute_modules

@@ -182,7 +182,7 @@ def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
         axes, reduction["distributed_optimizer"], c.dp, c.cp
     )
     parallel |= _axes.fit_pp_schedule(
-        axes, pp, interleave, bool(fsdp), bool(parallel.get("tp_comm_overlap")), layers, split,
+        axes, pp, interleave, bool(fsdp), layers, split,
         RECOMPUTE[c.recompute].get("modules", ()),
     )
     reduction |= {

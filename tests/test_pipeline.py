@@ -108,18 +108,20 @@ def parity_here(cases):
 def zero_bubble_here(cases):
     """ZB-H1 and ZB-V against 1F1B on the one-chunk parity layouts: the same loss and every
     gradient, bit for bit (the W order moves no sum inside a microbatch, and microbatches
-    accumulate in the same order). ZB-V places the layers in a V, so each run returns its
-    gradients by (dp rank, tp rank, name) for the test to merge over the pipeline ranks (the tied
-    copy, on rank p - 1 under 1F1B and on rank 0 under ZB-V, by the embedding's name)."""
+    accumulate in the same order); at tp > 1 also with the TP ring (``tp_comm_overlap``: its B
+    alone, W deferred, against 1F1B's ring). ZB-V places the layers in a V, so each run returns
+    its gradients by (dp rank, tp rank, name) for the test to merge over the pipeline ranks (the
+    tied copy, on rank p - 1 under 1F1B and on rank 0 under ZB-V, by the embedding's name)."""
     out = {}
-    for dp, pp, tp, m, *split in cases:
-        if pp == 1 or m > 1:
+    for (dp, pp, tp, m, *split), ring in ((c, r) for c in cases for r in (False, True)):
+        if pp == 1 or m > 1 or (ring and tp == 1):
             continue
         runs = {}
         for schedule in ("1f1b", "zb-h1", "zb-v"):
             if schedule == "zb-v" and split:
                 continue  # the V's split has 2p entries: the even layouts check it
-            parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, pp_schedule=schedule)
+            parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, pp_schedule=schedule,
+                                      tp_comm_overlap=ring)
             dims = ParallelDims.build(parallel)
             chunks = build_stages(
                 PARITY_CFG, parallel, SEL, dims, seed=5, layer_split=split[0] if split else None
@@ -134,7 +136,7 @@ def zero_bubble_here(cases):
             scores, _ = forward_only(chunks, global_batch(dp)[mine][:3], dims,
                                      pp_schedule=schedule)  # evaluation: 3 microbatches
             runs[schedule] = (loss, grads, None if scores is None else (dims.dp_rank, scores))
-        out[(dp, pp, tp, *split)] = runs
+        out[(dp, pp, tp, *split, *(("ring",) * ring))] = runs
     return out
 
 
@@ -260,7 +262,8 @@ def test_zero_bubble_is_bit_identical_to_1f1b(spawned):
             assert other.keys() == grads.keys(), (case, schedule, other.keys() ^ grads.keys())
             differ = [k for k in grads if not torch.equal(grads[k], other[k])]
             assert not differ, (world, case, schedule, differ[:5])
-        assert "zb-v" in runs or len(case) > 3, case
+        assert "zb-v" in runs or isinstance(case[3], tuple), case  # a split: 1F1B's only
+    assert world == 2 or any(case[-1] == "ring" for case in merged), world  # the TP ring's B and W
 
 
 def test_zero_bubble_peak_matches_exact_per_stage(spawned):

@@ -121,9 +121,7 @@ def test_zero_bubble_refusals_name_the_rule():
                         ({"pp": 2, "pp_schedule": "zb-h2"}, "is not one of"),
                         ({"pp": 1, "pp_schedule": "zb-v"}, "zb-v needs pipeline parallelism"),
                         ({"pp": 2, "interleave": 2, "pp_schedule": "zb-v"},
-                         "runs two chunks per rank in a V, got interleave 2"),
-                        ({"pp": 2, "tp": 2, "sp": True, "tp_comm_overlap": True,
-                          "pp_schedule": "zb-v"}, "zb-v with tp_comm_overlap is not supported")]:
+                         "runs two chunks per rank in a V, got interleave 2")]:
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
             ParallelConfig(**({"pp_schedule": "zb-h1"} | keys)).validate()
 
@@ -509,16 +507,19 @@ def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
           {k: round(g / 2**30, 2) for k, g in gib.items()},
           {k: (round(r.time.terms["tp_comm"], 3), round(r.time.total, 2)) for k, r in runs.items()})
     assert bubble["zb-v"] <= bubble["1f1b"] / 3 < bubble["zb-h1"]
-    # the units keep SP shards of X and dY: ZB-H1 at 1F1B's memory; the V at 1F1B's layers per
-    # rank, halved, above it (rank 0 holds both ends of the model, each chunk 0 the most in flight)
-    assert gib["zb-h1"] <= gib["1f1b"] < gib["zb-v"] < 1.05 * gib["1f1b"]
+    # every schedule runs the TP ring (the plan's; a zero-bubble B alone, its W deferred)
+    assert all(r.plan.par.tp_comm_overlap for r in runs.values())
+    # the units keep SP shards of X and dY: ZB-H1 at 1F1B's memory (within 0.1%: 36.72 GiB
+    # against 36.71); the V at 1F1B's layers per rank, halved, above it (rank 0 holds both ends of
+    # the model, each chunk 0 the most in flight)
+    assert gib["zb-h1"] <= 1.001 * gib["1f1b"] < gib["zb-v"] < 1.05 * gib["1f1b"]
     # the V's own balance (uneven.v_lighter_split): the target, a third of 1F1B's bubble
-    # at 1F1B's memory on every rank: its activations and states no more than 1F1B's (36.69 GiB
-    # against 36.71), and beside them the receives ZB-V posts ahead (two boundary buffers at the
-    # peak, 20 MiB: stage.zbv_stage_memory's receive_buffers; 1F1B's formula leaves its own
-    # received gradient out), 0.02% above 1F1B's
-    assert any(bubble[k] <= bubble["1f1b"] / 3 and gib[k] <= 1.0005 * gib["1f1b"]
-               for k in balanced)
+    # at 1F1B's memory, within 0.2% (36.743 GiB against 36.706, +0.10%: its activations and
+    # states 18 MiB more on its most loaded rank, and the receives ZB-V posts ahead, two boundary
+    # buffers at the peak, 20 MiB: stage.zbv_stage_memory's receive_buffers), and a shorter
+    # iteration: the ring hides the zero-bubble B's collectives as 1F1B's
+    assert any(bubble[k] <= bubble["1f1b"] / 3 and gib[k] <= 1.002 * gib["1f1b"]
+               and runs[k].time.total < runs["1f1b"].time.total for k in balanced)
     # T_F = T_B = T_W, the long step: a sixth of 1F1B's
     from seqpar.analysis.formulas.zbv_order import idle_times
     assert idle_times(4, 8, {"F": 0.5, "B": 0.5, "W": 0.5}) == [1.5] * 4

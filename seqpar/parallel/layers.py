@@ -138,11 +138,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = mark(_param((out,), dtype, device), split_dim=0, init="zeros") if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # W in the backward: zb-h1 refuses the overlap
-        if self.sequence_parallel and self.tp.comm_overlap:
-            return gathered_linear(x, self.weight, self.bias, self.tp)
         if self.sequence_parallel:  # the store decides when W runs (parallel.weight_grad)
             weight, bias, deferred = deferral(self.store, self.weight, self.bias)
+            if self.tp.comm_overlap:
+                return tp_overlap.gathered_linear(x, weight, bias, self.group, deferred)
             return LinearWithGatheredInput.apply(x, weight, bias, self.group, deferred)
         return linear(comm.f(x, self.group), self.weight, self.bias, self.store)
 
@@ -189,8 +188,11 @@ class RowParallelLinear(nn.Module):
 
     def overlapped(self, x: torch.Tensor, act=None) -> torch.Tensor:
         """``ḡ(act(x) W^T) + b`` with the reduce-scatter in ring chunks pipelined with the GEMM
-        (``seqpar.parallel.tp_overlap``; ``act`` applied per chunk, recomputed in backward)."""
-        y = tp_overlap.scattered_linear(x, self.weight, self.group, act)  # [s/t, b, out]
+        (``seqpar.parallel.tp_overlap``; ``act`` applied per chunk, recomputed in backward, its W
+        in B: the store defers the plain linear's, ``parallel.weight_grad``)."""
+        weight, _, deferred = (self.weight, None, None) if act is not None else deferral(
+            self.store, self.weight, None)
+        y = tp_overlap.scattered_linear(x, weight, self.group, act, deferred)  # [s/t, b, out]
         return y if self.bias is None else y + self.bias
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:

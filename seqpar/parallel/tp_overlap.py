@@ -167,9 +167,9 @@ class _GatheredLinear(torch.autograd.Function):
     keeps only the shard (the stored-input trick, as ``layers.LinearWithGatheredInput``)."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group):  # x_shard [s/t, b, h]
+    def forward(ctx, x_shard, weight, bias, group, deferred=None):  # x_shard [s/t, b, h]
         ring, rows = Ring(group), x_shard.shape[0]
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.deferred = group, bias is not None, deferred
         ctx.save_for_backward(x_shard, weight)  # only [s/t, b, h] is kept
         y = torch.empty(
             (rows * ring.size, *x_shard.shape[1:-1], weight.shape[0]),
@@ -189,6 +189,11 @@ class _GatheredLinear(torch.autograd.Function):
         x_shard, weight = ctx.saved_tensors
         ring, rows = Ring(ctx.group), x_shard.shape[0]
         grad_out = grad_out.contiguous()
+        if ctx.deferred is not None:  # B: the reduce-scattered input gradient; W at its slot
+            ctx.deferred.put(x_shard, grad_out, ctx.group, sequence_parallel=True)
+            grad_x_shard = _ring_scatter(lambda c: _rows(grad_out, c, rows).matmul(weight), rows,
+                                         ring)  # [s/t, b, h]
+            return grad_x_shard, None, None, None, None
         x = _gathered_like(x_shard, ring.size)  # [s, b, h]: re-gathered chunk by chunk beside B
         gather = _RegatherSteps(x_shard, ring, x)
 
@@ -200,7 +205,7 @@ class _GatheredLinear(torch.autograd.Function):
         grad_x_shard = _ring_scatter(input_grad, rows, ring)  # [s/t, b, h]
         gather.finish()
         grad_w, grad_b = column_weight_grad(x_shard, grad_out, ctx.group, ctx.has_bias, x)  # W
-        return grad_x_shard, grad_w, grad_b, None
+        return grad_x_shard, grad_w, grad_b, None, None
 
 
 class _RegatherSteps:
@@ -244,10 +249,10 @@ class _ScatteredLinear(torch.autograd.Function):
     ``model.mlp``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, act):  # x [s, b, in/t]
+    def forward(ctx, x, weight, group, act, deferred=None):  # x [s, b, in/t]
         ring = Ring(group)
         rows = x.shape[0] // ring.size
-        ctx.group, ctx.act = group, act
+        ctx.group, ctx.act, ctx.deferred = group, act, deferred
         ctx.save_for_backward(x, weight)
         with torch.no_grad():
             return _ring_scatter(lambda c: F.linear(_applied(act, _rows(x, c, rows)), weight), rows,
@@ -277,7 +282,10 @@ class _ScatteredLinear(torch.autograd.Function):
             _rows(grad_x, j, rows).copy_(xj.grad)
 
         _ring_gather(grad_shard.contiguous(), ring, input_grad, grad)
-        return grad_x, row_weight_grad(z, grad), None, None
+        if ctx.deferred is not None:  # W at its slot, from dY's shard gathered again
+            ctx.deferred.put(x, grad_shard, ctx.group, grad_shard=True)
+            return grad_x, None, None, None, None
+        return grad_x, row_weight_grad(z, grad), None, None, None
 
 
 def _applied(act, x: torch.Tensor) -> torch.Tensor:
@@ -286,15 +294,20 @@ def _applied(act, x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- what the layers call
 @torch.compiler.disable  # point-to-point inside: runs eagerly, as the ring attention cores do
-def gathered_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias, group) -> torch.Tensor:
+def gathered_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias, group, deferred=None
+                    ) -> torch.Tensor:
     """Column-parallel ``[s/t, b, h]`` -> ``[s, b, out/t]`` under SP, the gather pipelined with the
-    GEMM."""
-    return _GatheredLinear.apply(x_shard, weight, bias, group)
+    GEMM; ``deferred`` (``weight_grad.deferral``, the weight and bias given detached): B alone in
+    the backward, W queued."""
+    return _GatheredLinear.apply(x_shard, weight, bias, group, deferred)
 
 
 @torch.compiler.disable  # point-to-point inside: runs eagerly
-def scattered_linear(x: torch.Tensor, weight: torch.Tensor, group, act=None) -> torch.Tensor:
+def scattered_linear(x: torch.Tensor, weight: torch.Tensor, group, act=None, deferred=None
+                     ) -> torch.Tensor:
     """Row-parallel ``[s, b, in/t]`` -> ``[s/t, b, h]`` (the reduced sum, no bias) under SP, ``act``
     applied to the input first (recomputed in backward), the reduce-scatter pipelined with the
-    GEMM."""
-    return _ScatteredLinear.apply(x, weight, group, act)
+    GEMM; ``deferred`` (without ``act``: W needs the activation B rebuilds): B alone, W queued."""
+    if deferred is not None and act is not None:
+        raise ValueError("a deferred W needs the linear's input kept: no recomputed activation")
+    return _ScatteredLinear.apply(x, weight, group, act, deferred)

@@ -619,6 +619,10 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
     if par.a2a_size > 1 and any(ids):
         terms["a2a_buffers"] = a2a_buffers(shape, par, b, opts)
+    if par.tp_comm_overlap and any(ids):
+        terms["tp_ring_buffers"] = tp_ring_buffer_bytes(
+            shape.seq_len // par.cp, b, shape.hidden_size, par.tp, opts.act_bytes
+        )
     excess = param_gather_excess(
         shape, par, opt, rank, sum(v for k, v in terms.items() if k not in STATE_TERMS)
     )

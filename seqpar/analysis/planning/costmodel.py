@@ -408,18 +408,19 @@ def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
     # the share of the layers whose column-parallel W a zero-bubble schedule defers out of B
     zb = par.pp_schedule != "1f1b"
     deferred = {"qkv": 1.0 if zb else 0.0, "fc1": (1 - moe) if zb else 0.0}
-    # each collective a ring pipelined with the GEMM it feeds or follows (1F1B: zb-h1 is refused
-    # with it)
-    if par.sp and (par.tp_comm_overlap or opts.tp_comm_overlap) and par.pp_schedule == "1f1b":
+    # each collective a ring pipelined with the GEMM it feeds or follows
+    if par.sp and (par.tp_comm_overlap or opts.tp_comm_overlap):
         ring = {
             k: tp_ring_exposed_s(gather, g[k], t, hw) for k in ("qkv", "out_proj", "fc1", "fc2")
         }
         # g's gathers into QKV and fc1, g-bar's reduce-scatters after out-proj and fc2
         fwd_comm = sum(ring.values())
-        # backward: per column-parallel GEMM the stored input's re-gather (beside the input
-        # gradient's partial GEMMs) and the input gradient's reduce-scatter; per row-parallel GEMM
-        # g-bar's gather of the output gradient
-        bwd_comm = 2 * (ring["qkv"] + ring["fc1"]) + ring["out_proj"] + ring["fc2"]
+        # backward: per column-parallel GEMM the input gradient's reduce-scatter and, unless its W
+        # is deferred (it gathers in W then: w_gathers_s), the stored input's re-gather, both
+        # beside the input gradient's partial GEMMs; per row-parallel GEMM g-bar's gather of the
+        # output gradient
+        bwd_comm = sum((2 - deferred[k]) * ring[k] for k in ("qkv", "fc1")) + (
+            ring["out_proj"] + ring["fc2"])
     # g (2 all-gathers) + g-bar (2 reduce-scatters); backward: g-bar's all-gathers exposed,
     elif par.sp:
         # and per column-parallel GEMM the re-gather beside dgrad, the reduce-scatter beside wgrad;

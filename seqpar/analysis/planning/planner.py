@@ -608,11 +608,10 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
 
 def with_tp_ring(req: Request, plan: Plan) -> Plan:
     """``plan`` with the TP ring on (``parallel.tp_comm_overlap``) where ``req`` searches it and the
-    plan can run it: SP at tp > 1 under 1F1B (a zero-bubble schedule defers W, which the ring's
-    linears compute in the backward: ``ParallelConfig`` refuses the two together). Its buffers then
-    count in the plan's memory."""
+    plan can run it: SP at tp > 1 (under a zero-bubble schedule the ring's B alone, its W deferred
+    as the plain linears'). Its buffers then count in the plan's memory."""
     p = plan.par
-    ring = req.opts.tp_comm_overlap and p.sp and p.tp > 1 and p.pp_schedule == "1f1b"
+    ring = req.opts.tp_comm_overlap and p.sp and p.tp > 1
     return (
         replace(plan, par=replace(p, tp_comm_overlap=True))
         if ring and not p.tp_comm_overlap
@@ -897,7 +896,7 @@ def rank_of(ev: Evaluation, ranked: list[Evaluation]) -> int | None:
 
 def _ringed(req: Request, plan: Plan) -> Plan:
     """A variant of a plan with the TP ring as the search would give it (``with_tp_ring``): off
-    where the variant has no SP or runs zb-h1, on where it can run it."""
+    where the variant has no SP, on where it can run it."""
     return with_tp_ring(req, replace(plan, par=replace(plan.par, tp_comm_overlap=False)))
 
 
@@ -919,7 +918,8 @@ def schedule_bubbles(req: Request, plan: Plan) -> dict[str, Evaluation]:
         if par is not None and not _refused(req, par):
             out[schedule] = evaluate(req, with_tp_ring(req, replace(plan, par=par)))
     for par in v_splits(req, one, plan.micro_batch)[1:]:  # the V's own balance
-        out[f"zb-v split={split_text(par.layer_split)}"] = evaluate(req, replace(plan, par=par))
+        out[f"zb-v split={split_text(par.layer_split)}"] = evaluate(
+            req, with_tp_ring(req, replace(plan, par=par)))
     return out
 
 

@@ -23,6 +23,10 @@ input gradient as a reduce-scattered GEMM, the stored shard re-gathered in fligh
 overlap). The row-parallel one (``scattered_linear``): forward = reduce-scattered GEMM; backward B =
 the output gradient gathered around the ring, each chunk's input gradient computed as it arrives; W
 = ``row_weight_grad`` (one GEMM). A layer asks through one switch, ``TPContext.comm_overlap``.
+Under a zero-bubble schedule (``deferred``, ``seqpar.parallel.weight_grad.deferral``) B runs alone
+-- the column-parallel one without the re-gather -- and W is queued as the plain linears queue it:
+the stored shard and ``dY`` (the row-parallel one: ``dY``'s ``[s/t, b, h]`` shard), gathered again
+when the W runs.
 
 The ring holds two chunk buffers ([s/t, b, h]: the one sent, the one received) per direction in
 flight; the backward of the column-parallel linear runs its re-gather and its reduce-scatter rings

@@ -43,7 +43,8 @@ LLAMA405_SHAPE = preset_shape("llama3-405b")
 
 def test_llama3_405b_on_16384_gpus_has_plans_with_lighter_end_stages(tmp_path):
     path = tmp_path / "405b.toml"
-    code, out, err = run_cli([*LLAMA405, "--json", "--emit-config", path])
+    # 1F1B's schedules (issue 49's interleaving): a zero-bubble V with the TP ring ranks above them
+    code, out, err = run_cli([*LLAMA405, "--pp-schedule", "1f1b", "--json", "--emit-config", path])
     assert code == 0, err
     plans = json.loads(out)["plans"]
     assert plans and all(p["fits"] for p in plans)

@@ -382,10 +382,12 @@ class _LinkComm:
         self.program: list[tuple] = []  # ("post", link, index on it, op) | ("wait", link, index)
         self.count: dict[int, int] = {}
 
-    def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
+    def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, alone=False):
         ops = [("send", "up")] * (send_next is not None) + [("send", "down")] * (
             send_prev is not None) + [("recv", "up")] * recv_prev + [("recv", "down")] * recv_next
-        assert len(ops) == 1, ops  # one operation a post: each link's order is the issue order
+        # one operation a post, alone (NCCL: on its pair's own stream, so each link's order is
+        # the order of its operations as issued, apart from the other link's)
+        assert len(ops) == 1 and alone, ops
         (what, direction), = ops
         rank = self.dims.pp_rank
         lower = rank if (what == "send") == (direction == "up") else rank - 1
@@ -445,7 +447,9 @@ def _rendezvous(programs: list[list[tuple]]) -> None:
 
 @pytest.mark.parametrize("p", range(2, 9))
 def test_zb_v_links_pair_in_one_order_and_never_deadlock(p):
-    """``run_zb_v`` as it runs on each rank (recording fakes): one operation per post; on every
+    """``run_zb_v`` as it runs on each rank (recording fakes): one operation per post, alone (a
+    batch would put both links on one NCCL stream, where a receive posted ahead holds up the other
+    link); on every
     link both ends issue the same messages in the same order (``zbv_order.link_order``: the k-th
     send of one end is the k-th receive of the other, whichever direction), so NCCL pairs each,
     every receive is posted before its wait, and the ranks' programs run to the end where an

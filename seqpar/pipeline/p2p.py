@@ -82,9 +82,17 @@ class PipeComm:
         recv_prev: bool = False,
         recv_next: bool = False,
         shape: tuple[int, ...] | None = None,
+        alone: bool = False,
     ) -> Posted:
         """``exchange`` started, not waited for: compute may run while it is in flight (the
-        zero-bubble schedules' W steps); ``.wait()`` returns what ``exchange`` returns."""
+        zero-bubble schedules' W steps); ``.wait()`` returns what ``exchange`` returns.
+
+        ``alone``: each operation posted by itself (``isend`` / ``irecv``), not as one batch. NCCL
+        runs a batch on the pipeline group's communicator, one stream a rank, so a receive posted
+        ahead would hold up every later operation of the rank, to either neighbour; a lone
+        operation runs on its pair's own communicator and stream, in the order the rank issues its
+        operations with that neighbour (ZB-V posts receives ahead: ``schedule_zbv``). gloo pairs
+        either by tag."""
         group = self.dims.pp_group
         ops, from_prev, from_next = [], None, None
         if send_next is not None:
@@ -101,7 +109,11 @@ class PipeComm:
         if recv_next:
             from_next = self._empty(shape)  # [s(/t), b, h]
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, group, GRADIENT))
-        return Posted(dist.batch_isend_irecv(ops) if ops else [], from_prev, from_next)
+        if alone:
+            requests = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        else:
+            requests = dist.batch_isend_irecv(ops) if ops else []
+        return Posted(requests, from_prev, from_next)
 
 
 @dataclass

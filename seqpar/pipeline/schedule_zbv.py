@@ -10,7 +10,8 @@ dX), with the direction's tag (``PipeComm.post``); rank p - 1 hands its chunk 0'
 chunk 1 and chunk 1's dX back to chunk 0 locally.
 
 Each side of a link posts its sends and receives in the order ``zbv_order.link_order`` gives both
-(the slots of the unit-time timetable): NCCL pairs a link's operations in the order each side issues
+(the slots of the unit-time timetable), each operation alone (``PipeComm.post(alone=True)``): NCCL
+runs a pair's lone operations on the pair's own stream, pairing them in the order each side issues
 them. A rank posts every receive of a link ahead of its own next send there (the buffers are ready
 before the neighbour sends: gloo completes a send once its receive is posted), and waits for its
 sends before its next F or B, where App. B frees a sent output: what a rank holds at each forward
@@ -45,8 +46,8 @@ class _Link:
     def _post_receives(self) -> None:
         while self.at < len(self.ops) and self.ops[self.at][0] != self.mine:
             a = self.ops[self.at][1]
-            self.posted[(a.kind, a.chunk, a.mb)] = self.comm.post(recv_next=self.up,
-                                                                  recv_prev=not self.up)
+            self.posted[(a.kind, a.chunk, a.mb)] = self.comm.post(
+                recv_next=self.up, recv_prev=not self.up, alone=True)
             self.at += 1
 
     def send(self, action: Action, tensor) -> Posted:
@@ -55,7 +56,7 @@ class _Link:
             raise RuntimeError(f"ZB-V's link order expected {expected}, not {action}")
         self.at += 1
         out = self.comm.post(send_next=tensor if self.up else None,
-                             send_prev=None if self.up else tensor)
+                             send_prev=None if self.up else tensor, alone=True)
         self._post_receives()
         return out
 

@@ -42,8 +42,10 @@ One layer on one tensor-parallel rank, one microbatch of b samples:
                 (``w_gathers_s``); its B re-gathers no input of qkv and fc1, and their input
                 gradient's reduce-scatter (TP: f's all-reduce), with no weight-gradient GEMM beside
                 it in B, is exposed. With ``tp_comm_overlap``
-                every SP collective of a layer, forward and backward, is a ring of t chunks pipelined with
-                its GEMM cut in t (``tp_ring_exposed_s``): each of the t - 1 exchanges beside one partial GEMM
+                every SP collective of a layer, forward and backward, is a ring of t chunks pipelined
+                with its GEMM cut in t (``tp_ring_exposed_s``): each of the t - 1 exchanges beside one
+                partial GEMM shows what ``comm_overlap`` of it does not hide; a deferred
+                column-parallel B runs its reduce-scatter's ring alone, its W gathering as above.
     recompute   selective: the attention core's forward again (QK^T, softmax, dropout, attention*V);
                 full: each recomputed layer's whole forward (GEMMs, element-wise, collectives, overhead);
                 App. C kept chunk-microbatches are not recomputed

@@ -78,6 +78,8 @@ def test_the_validation_loss_of_one_checkpoint_is_the_same_at_every_layout(tmp_p
         "tp 2 + sp": {"tp": 2, "sp": True},
         "cp 2": {"cp": 2},
         "pp 2 interleaved": {"pp": 2, "interleave": 2, "layer_split": [0, 1, 1, 0]},
+        # the V's forward-only order (microbatches overlapping down and up the V), a short last one
+        "pp 2 zb-v": {"pp": 2, "pp_schedule": "zb-v", "layer_split": [0, 1, 1, 0]},
     }
     jobs = [
         {

@@ -11,7 +11,7 @@ import pytest
 
 from seqpar.config import ConfigError, ParallelConfig, RecomputeConfig
 from seqpar.pipeline.schedule_1f1b import run_1f1b
-from seqpar.pipeline.schedule_zbv import run_zb_v
+from seqpar.pipeline.schedule_zbv import run_zb_v, run_zb_v_forward
 from seqpar.pipeline.schedule_zero_bubble import run_zb_h1
 
 
@@ -382,7 +382,8 @@ class _LinkComm:
         self.program: list[tuple] = []  # ("post", link, index on it, op) | ("wait", link, index)
         self.count: dict[int, int] = {}
 
-    def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, alone=False):
+    def post(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False, shape=None,
+             alone=False):
         ops = [("send", "up")] * (send_next is not None) + [("send", "down")] * (
             send_prev is not None) + [("recv", "up")] * recv_prev + [("recv", "down")] * recv_next
         # one operation a post, alone (NCCL: on its pair's own stream, so each link's order is
@@ -405,6 +406,21 @@ class _LinkComm:
         """Receives posted and not yet waited for."""
         posts = {(e[1], e[2]) for e in self.program if e[0] == "post" and e[3] == "recv"}
         return len(posts - {(e[1], e[2]) for e in self.program if e[0] == "wait"})
+
+
+class _ScoreRunner:
+    """Records the forward-only Fs per (chunk, microbatch); each microbatch's boundary shape its
+    own."""
+
+    def __init__(self, n: int):
+        self.num_microbatches, self.ops = n, []
+
+    def boundary_shape(self, mb):
+        return (mb + 1, 1, 4)
+
+    def forward(self, chunk, mb, x):
+        self.ops.append(("F", chunk, mb))
+        return _Tensor()
 
 
 class _WaitingRunner(_VRunner):
@@ -447,28 +463,48 @@ def _rendezvous(programs: list[list[tuple]]) -> None:
 
 @pytest.mark.parametrize("p", range(2, 9))
 def test_zb_v_links_pair_in_one_order_and_never_deadlock(p):
-    """``run_zb_v`` as it runs on each rank (recording fakes): one operation per post, alone (a
-    batch would put both links on one NCCL stream, where a receive posted ahead holds up the other
-    link); on every
-    link both ends issue the same messages in the same order (``zbv_order.link_order``: the k-th
-    send of one end is the k-th receive of the other, whichever direction), so NCCL pairs each,
-    every receive is posted before its wait, and the ranks' programs run to the end where an
-    operation needs both ends and completes in the link's order. p 2-8, n 1-39."""
+    """``run_zb_v`` and its forward-only ``run_zb_v_forward`` as they run on each rank (recording
+    fakes): one operation per post, alone (a batch would put both links on one NCCL stream, where
+    a receive posted ahead holds up the other link); on every link both ends issue the same
+    messages in the same order (``zbv_order.link_order``: the k-th send of one end is the k-th
+    receive of the other, whichever direction), so NCCL pairs each; every receive is posted
+    before its wait; the ranks' programs run to the end where an operation needs both ends and
+    completes in the link's order; and at every F and B end a rank holds posted the receives the
+    memory formula counts (``zbv_order.posted_ahead``, ``zbv_stage_memory``'s receive_buffers).
+    p 2-8, n 1-39."""
+    from seqpar.analysis.formulas.zbv_order import posted_ahead
+
     for n in range(1, 40):
         comms = [_LinkComm(rank, p) for rank in range(p)]
+        for rank, comm in enumerate(comms):
+            runner = _WaitingRunner(n, comm)
+            run_zb_v(runner, comm)
+            assert tuple(runner.waiting) == posted_ahead(rank, p, n), (p, n, rank)
+        _check_links(comms, p, n, 4 * n)  # F and B across each link, both chunks
+        # forward-only (evaluation): the order's forwards, posted by the same rules
+        comms = [_LinkComm(rank, p) for rank in range(p)]
         for comm in comms:
-            run_zb_v(_VRunner(n), comm)
-        for lower in range(p - 1):
-            ends = [[e[3:] for e in c.program if e[0] == "post" and e[1] == lower]
-                    for c in comms[lower:lower + 2]]
-            flip = {"send": "recv", "recv": "send"}
-            assert [(flip[w], d) for w, d in ends[0]] == ends[1], (p, n, lower)
-            assert len(ends[0]) == 4 * n  # F and B across it, both chunks
-        for c in comms:
-            posts = {(e[1], e[2]) for e in c.program if e[0] == "post"}
-            waits = [(e[1], e[2]) for e in c.program if e[0] == "wait"]
-            assert set(waits) == posts and len(waits) == len(posts), (p, n)
-        _rendezvous([c.program for c in comms])
+            scorer = _ScoreRunner(n)
+            run_zb_v_forward(scorer, comm)
+            assert sorted(scorer.ops) == sorted(("F", c, i) for c in (0, 1) for i in range(n))
+        _check_links(comms, p, n, 2 * n)
+
+
+def _check_links(comms: list, p: int, n: int, per_link: int) -> None:
+    """Both ends of every link issue the same ``per_link`` messages in one order, each receive is
+    waited for once after its post, and the programs never deadlock (``_rendezvous``)."""
+    flip = {"send": "recv", "recv": "send"}
+    for lower in range(p - 1):
+        ends = [[e[3:] for e in c.program if e[0] == "post" and e[1] == lower]
+                for c in comms[lower:lower + 2]]
+        assert [(flip[w], d) for w, d in ends[0]] == ends[1], (p, n, lower)
+        assert len(ends[0]) == per_link, (p, n, lower)
+    for c in comms:
+        recvs = {(e[1], e[2]) for e in c.program if e[0] == "post" and e[3] == "recv"}
+        posts = {(e[1], e[2]) for e in c.program if e[0] == "post"}
+        waits = [(e[1], e[2]) for e in c.program if e[0] == "wait"]
+        assert recvs <= set(waits) <= posts and len(waits) == len(set(waits)), (p, n)
+    _rendezvous([c.program for c in comms])
 
 
 def test_planner_prices_zb_v_and_cuts_the_119b_bubble():

@@ -30,6 +30,10 @@ from seqpar.parallel.main_grad import grad_or_zeros
 
 NAME = "embedding.word.weight"  # the weight's name in the single-process model
 COPY = "output_weight"  # the output layer's weight (the last stage's copy when tied)
+# zb-v's local copy in a rank's checkpoint keys: the embedding's key again, marked so that the two
+# stay apart (a load reads the copy from the embedding's key, ``checkpoint.load_shards``; a save
+# writes the embedding only, as every layout does)
+TWIN = "#twin"
 
 
 def holds_copy(tie_embeddings: bool, first: bool, last: bool) -> bool:
@@ -103,3 +107,16 @@ class TiedEmbedding:
 def canonical_name(chunk, name: str) -> str:
     """A parameter's name in the single-process model: a tied copy goes by the embedding's."""
     return NAME if name == COPY and chunk.cfg.tie_embeddings else name
+
+
+def checkpoint_names(chunks) -> list[tuple[str, torch.nn.Parameter]]:
+    """(checkpoint name, parameter) of every chunk of this rank, in order: the canonical name, and
+    for a second parameter of one name -- zb-v's copy of the tied weight, beside the embedding on
+    rank 0 -- that name with ``TWIN``."""
+    out, seen = [], set()
+    for chunk in chunks:
+        for n, p in chunk.named_parameters():
+            name = canonical_name(chunk, n)
+            out.append((name + TWIN if name in seen else name, p))
+            seen.add(name)
+    return out

@@ -64,4 +64,6 @@ def build_stages(
         )
     for chunk in chunks[1:]:  # one host pool and one count of offloaded bytes per rank
         chunk.recompute.offloader.share(chunks[0].recompute.offloader)
+    for chunk in chunks:  # placed in zb-v's V: its forward-only mode must be the V's
+        chunk.in_v = v  # (schedules.placed_schedule)
     return chunks

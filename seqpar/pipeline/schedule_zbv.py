@@ -22,7 +22,7 @@ microbatch order, as its Bs, so each parameter accumulates 1F1B's gradients in 1
 same numbers. Every W has run when ``run_zb_v`` returns (the optimizer's clip and non-finite skip see
 them all).
 
-Forward-only (evaluation, ``run_zb_v_forward``): one microbatch at a time down the V and back.
+Forward-only (evaluation, ``run_zb_v_forward``): the order's forwards, each as its input arrives.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ class _Link:
     """One neighbour: this rank's operations with it in ``link_order``, posted up to the next send
     (receives ahead of need), and the receives in flight, by the action whose result they are."""
 
-    def __init__(self, comm: PipeComm, lower: int, up: bool, n: int):
+    def __init__(self, comm: PipeComm, lower: int, up: bool, n: int, shape_of=None):
         self.comm, self.up = comm, up  # up: the neighbour is rank + 1 (this rank sends up)
         self.ops = link_order(lower, comm.dims.pp, n)
+        if shape_of is not None:  # forward-only: the forwards' messages, each of its own shape
+            self.ops = tuple(op for op in self.ops if op[1].kind == "F")
+        self.shape_of = shape_of  # mb -> its boundary shape (None: the comm's one)
         self.mine = "up" if up else "down"  # the direction this rank sends in
         self.at, self.posted = 0, {}  # next op; (kind, chunk, mb) -> Posted receive
         self._post_receives()
@@ -46,8 +49,9 @@ class _Link:
     def _post_receives(self) -> None:
         while self.at < len(self.ops) and self.ops[self.at][0] != self.mine:
             a = self.ops[self.at][1]
+            shape = None if self.shape_of is None else self.shape_of(a.mb)
             self.posted[(a.kind, a.chunk, a.mb)] = self.comm.post(
-                recv_next=self.up, recv_prev=not self.up, alone=True)
+                recv_next=self.up, recv_prev=not self.up, shape=shape, alone=True)
             self.at += 1
 
     def send(self, action: Action, tensor) -> Posted:
@@ -68,13 +72,9 @@ class _Link:
 def run_zb_v(runner: StepRunner, comm: PipeComm) -> None:
     """Two chunks per rank in a V, p > 1; every W unit has run when it returns."""
     p, rank, n = comm.dims.pp, comm.dims.pp_rank, runner.num_microbatches
-    links = {}
-    if rank < p - 1:
-        links["up"] = _Link(comm, rank, True, n)
-    if rank > 0:
-        links["down"] = _Link(comm, rank - 1, False, n)
+    links = _links(comm, n)
     state = _VState()
-    sending: list = []  # (Posted, chunk, output or None) not yet waited for
+    sending: list = []  # (Posted, chunk, the tensor sent, whether an output) not waited for
     for action in rank_order(rank, p, n):
         if action.kind == "W":
             runner.weight_grads(action.chunk)  # under the sends and receives in flight
@@ -85,9 +85,19 @@ def run_zb_v(runner: StepRunner, comm: PipeComm) -> None:
         direction = message(action, rank, p)
         if direction is not None:
             sent = links[direction].send(action, out)
-            sending.append((sent, action.chunk, out if action.kind == "F" else None))
+            sending.append((sent, action.chunk, out, action.kind == "F"))
         received = out = None  # the state keeps what the B needs
     _finish_sends(runner, sending)
+
+
+def _links(comm: PipeComm, n: int, shape_of=None) -> dict[str, _Link]:
+    """This rank's links by the direction it sends in: "up" to rank + 1, "down" to rank - 1."""
+    p, rank, links = comm.dims.pp, comm.dims.pp_rank, {}
+    if rank < p - 1:
+        links["up"] = _Link(comm, rank, True, n, shape_of)
+    if rank > 0:
+        links["down"] = _Link(comm, rank - 1, False, n, shape_of)
+    return links
 
 
 class _VState:
@@ -140,26 +150,40 @@ def _finish_sends(runner: StepRunner, sending: list, outputs_only: bool = False)
     it was sent (``moments``); a dX's send, which no meter counts, only where it is done: the rank
     goes on while its neighbour has not posted the receive."""
     left = []
-    for posted, chunk, out in sending:
-        if outputs_only and out is None and not posted.done():
-            left.append((posted, chunk, out))
+    for posted, chunk, tensor, output in sending:
+        if outputs_only and not output and not posted.done():
+            left.append((posted, chunk, tensor, output))  # the dX kept until its send is done
             continue
         posted.wait()
-        runner.release_output(chunk, out)
+        if output:
+            runner.release_output(chunk, tensor)
     sending[:] = left
 
 
 def run_zb_v_forward(runner: ScoreRunner, comm: PipeComm) -> None:
-    """Forward-only (evaluation): each microbatch down the V on chunk 0 and back up on chunk 1,
-    one after the other; each received activation sized by its own microbatch."""
-    p, rank = comm.dims.pp, comm.dims.pp_rank
-    for mb in range(runner.num_microbatches):
-        shape = runner.boundary_shape(mb)
-        x = None if rank == 0 else comm.exchange(recv_prev=True, shape=shape)[0]
-        out = runner.forward(0, mb, x)
-        if rank < p - 1:
-            comm.exchange(send_next=out)
-            out = comm.exchange(recv_next=True, shape=shape)[1]
-        out = runner.forward(1, mb, out)
-        if rank > 0:
-            comm.exchange(send_prev=out)
+    """Forward-only (evaluation): the forwards of the training order (``rank_order``'s Fs: chunk 0's
+    warm-up, then chunk 1's and chunk 0's in turn), each as its input arrives, posted as
+    ``run_zb_v`` posts them; each received activation sized by its own microbatch."""
+    p, rank, n = comm.dims.pp, comm.dims.pp_rank, runner.num_microbatches
+    links = _links(comm, n, runner.boundary_shape)
+    handed, sending = {}, []  # rank p - 1: chunk 0's outputs for its own chunk 1; sends in flight
+    for action in rank_order(rank, p, n):
+        if action.kind != "F":
+            continue
+        src = source(action, rank, p)
+        if src is None:
+            x = None  # the first stage reads tokens
+        elif src[0] == rank:
+            x = handed.pop(action.mb)
+        else:
+            x = links["up" if src[0] == rank + 1 else "down"].receive("F", src[2], action.mb)
+        out = runner.forward(action.chunk, action.mb, x)
+        if rank == p - 1 and action.chunk == 0:  # the V's turn
+            handed[action.mb] = out
+            continue
+        direction = message(action, rank, p)
+        if direction is not None:
+            sending.append((links[direction].send(action, out), out))  # kept until sent
+        sending = [(posted, sent) for posted, sent in sending if not posted.done()]
+    for posted, _ in sending:
+        posted.wait()

@@ -123,9 +123,23 @@ def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -
             run_zb_h1(runner, comm)
 
 
+def placed_schedule(chunks, pp_schedule: str | None = None) -> str:
+    """The schedule whose placement ``chunks`` have (``build_stages``): zb-v where they are cut in
+    a V, else 1f1b (zb-h1 places and runs its forwards as 1F1B does); ``pp_schedule`` given: checked
+    against it, refused in one line where it names the other placement (the forward-only mode of
+    one placement on the other's chunks would pair the wrong ranks)."""
+    v = any(getattr(c, "in_v", False) for c in chunks)
+    if pp_schedule is None:
+        return "zb-v" if v else "1f1b"
+    if (pp_schedule == "zb-v") != v:
+        built = "in zb-v's V" if v else f"for {'interleaved ' if len(chunks) > 1 else ''}1F1B"
+        raise ValueError(f"pp_schedule {pp_schedule} does not match the chunks, built {built}")
+    return pp_schedule
+
+
 @torch.no_grad()
 def forward_only(chunks, microbatches, dims: ParallelDims, counted: int | None = None,
-                 done: Callable[[int], None] | None = None, pp_schedule: str = "1f1b",
+                 done: Callable[[int], None] | None = None, pp_schedule: str | None = None,
                  ) -> tuple[torch.Tensor | None, int]:
     """Forward of every microbatch through this rank's ``chunks`` (in eval mode) with the schedule
     ``forward_backward`` runs, nothing kept for backward: 1F1B, or interleaved 1F1B with
@@ -134,7 +148,8 @@ def forward_only(chunks, microbatches, dims: ParallelDims, counted: int | None =
     virtual stage's ``[cross entropy, objective]`` sums ``[2]`` float64 over the first ``counted``
     microbatches (default all; the rest run unscored: lockstep padding) and the tokens they count;
     ``(None, 0)`` on the other ranks. ``done(windows)``: after each counted microbatch is
-    scored."""
+    scored. ``pp_schedule``: None takes the chunks' placement (``placed_schedule``)."""
+    pp_schedule = placed_schedule(chunks, pp_schedule)
     n = len(microbatches)
     runner = ScoreRunner(chunks, list(microbatches), n if counted is None else counted, done)
     comm = None

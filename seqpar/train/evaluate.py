@@ -11,6 +11,7 @@ from seqpar.parallel.comm import MAX, all_reduce
 from seqpar.parallel.dims import ParallelDims
 from seqpar.pipeline import forward_only
 from seqpar.pipeline.last_stage import from_last_stage
+from seqpar.pipeline.schedules import placed_schedule
 
 
 def mean_per_token(
@@ -47,14 +48,16 @@ def lockstep_padding(
 
 @torch.no_grad()
 def evaluate(chunks: list, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
-             done=None, pp_schedule: str = "1f1b") -> tuple[float, float]:
+             done=None, pp_schedule: str | None = None) -> tuple[float, float]:
     """(cross entropy, objective): mean losses per counted token over every dp rank's ``batches``
     (each its share of one window set; shares may differ by a window, or be empty); the same values
     on every rank, at every layout and micro-batch size (``pipeline.objective``). The cross entropy
     is plain (what validation loss, perplexity and bits per byte report); the objective is what
     training minimises (label smoothing included; equal to the cross entropy without it).
     ``done(windows)``: called on the last stage after each batch is scored. ``pp_schedule``: the
-    chunks' placement (zb-v's V, or the 1F1B/interleaved one)."""
+    chunks' placement (zb-v's V, or the 1F1B/interleaved one); None: as the chunks were built
+    (``pipeline.schedules.placed_schedule``, which refuses a schedule that contradicts them)."""
+    pp_schedule = placed_schedule(chunks, pp_schedule)
     device = next(chunks[0].parameters()).device
     modes = [c.training for c in chunks]
     for c in chunks:

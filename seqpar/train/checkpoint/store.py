@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from seqpar.fileio import write_atomic
 from seqpar.parallel.comm import barrier
+from seqpar.parallel.tied import TWIN
 from seqpar.train.checkpoint.format import (
     FORMAT,
     LATEST,
@@ -192,8 +193,12 @@ def load_shards(path: Path, views: dict[str, ShardedView], verified: bool = Fals
         check_before_load(path, read_meta(path), collective=True)
     stored = stored_keys(path)
     for key, view in views.items():
-        check_shape(path, key, stored, tuple(view.size()))
-    read_dcp(path, views, planner=LoadPlanner())
+        check_shape(path, key.replace(TWIN, ""), stored, tuple(view.size()))
+    read_dcp(path, {k: v for k, v in views.items() if TWIN not in k}, planner=LoadPlanner())
+    # zb-v's local copy of the tied weight reads the embedding's key, in a second read (a state
+    # dict holds a key once); every rank takes part, most with nothing to read
+    read_dcp(path, {k.replace(TWIN, ""): v for k, v in views.items() if TWIN in k},
+             planner=LoadPlanner())
     for key, view in views.items():
         if not torch.isfinite(view.local).all():
             raise CheckpointError(f"checkpoint {path}: {key} holds non-finite values")

@@ -31,7 +31,7 @@ from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.grad_buffer import GradBuffers
 from seqpar.parallel.layout import layout_of
-from seqpar.parallel.tied import canonical_name
+from seqpar.parallel.tied import checkpoint_names
 from seqpar.train.config import TrainConfig
 from seqpar.train.optim.loss_scale import DynamicLossScaler
 from seqpar.train.optim.lr_schedule import learning_rate
@@ -58,8 +58,9 @@ def set_lr_and_clip_scale(opt: torch.optim.Optimizer, step: int, cfg: TrainConfi
 
 
 def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """(canonical name, parameter) of every chunk this rank holds, in a fixed order."""
-    return [(canonical_name(chunk, n), p) for chunk in chunks for n, p in chunk.named_parameters()]
+    """(checkpoint name, parameter) of every chunk this rank holds, in a fixed order
+    (``tied.checkpoint_names``: the canonical name; zb-v's local tied copy marked ``TWIN``)."""
+    return checkpoint_names(chunks)
 
 
 def counted_elements(p: torch.Tensor, tp_rank: int, tied_copy: bool) -> int:

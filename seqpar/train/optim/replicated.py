@@ -24,6 +24,7 @@ from torch import nn
 
 from seqpar.parallel.expert import is_expert
 from seqpar.parallel.main_grad import grad_of
+from seqpar.parallel.tied import TWIN
 from seqpar.train.optim.adam import (
     AdamOnMasters,
     accumulate_into_main_grad,
@@ -118,8 +119,10 @@ class MasterOptimizer(AdamOnMasters):
 
     def checkpoint_views(self, with_optimizer: bool = True, saving: bool = True) -> dict:
         """This rank's part of every checkpoint tensor, by DCP key: views of ``local_state()``,
-        which a save writes from and a load reads into in place (the same views for both)."""
-        return sharded_state(self.local_state(), self.dims, with_optimizer)
+        which a save writes from and a load reads into in place (the same views for both; zb-v's
+        local tied copy, ``tied.TWIN``, only read: the embedding is written)."""
+        views = sharded_state(self.local_state(), self.dims, with_optimizer)
+        return {k: v for k, v in views.items() if not (saving and TWIN in k)}
 
     @torch.no_grad()
     def loaded(self, opt_step: int) -> None:

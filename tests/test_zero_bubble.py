@@ -596,3 +596,19 @@ def test_the_v_balance_is_a_valid_split_and_uneven_chunks_are_priced():
     cost = dict.fromkeys("FBW", 0.5)
     even, lopsided = idle_times(4, 8, cost), idle_times(4, 8, cost, [(0.5, 1.5)] * 4)
     assert max(lopsided) > max(even)
+
+
+def test_evaluation_takes_the_schedule_from_the_chunks():
+    """``placed_schedule``: chunks ``build_stages`` cut in a V run zb-v's forward-only mode, others
+    1F1B's (zb-h1's forwards are 1F1B's); a schedule that contradicts the chunks is refused in one
+    line (the other placement's forward-only mode would pair the wrong ranks)."""
+    from seqpar.pipeline.schedules import placed_schedule
+
+    v, plain = [SimpleNamespace(in_v=True)] * 2, [SimpleNamespace(in_v=False)]
+    assert placed_schedule(v) == "zb-v" and placed_schedule(plain) == "1f1b"
+    assert placed_schedule(plain, "zb-h1") == "zb-h1" and placed_schedule([object()]) == "1f1b"
+    with pytest.raises(ValueError, match="pp_schedule 1f1b does not match the chunks, built in "
+                                         "zb-v's V"):
+        placed_schedule(v, "1f1b")
+    with pytest.raises(ValueError, match="built for interleaved 1F1B"):
+        placed_schedule([SimpleNamespace(in_v=False)] * 2, "zb-v")

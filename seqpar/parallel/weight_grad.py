@@ -31,7 +31,8 @@ hooks (the fp32 ``main_grad`` of ``train.optim``, the gradient buckets of ``para
 with their overlapped reduction), once per microbatch, in microbatch order -- as without deferral,
 so the sums are bit for bit the same.
 
-What defers: the transformer layers' column- and row-parallel linears (``parallel.layers``). What
+What defers: the transformer layers' column- and row-parallel linears (``parallel.layers``), with or
+without the TP ring (``parallel.tp_overlap``: its B alone, the same W queued). What
 runs its W in B, as before: the output layer (its weight may be the tied word embedding, whose two
 gradients must meet in one accumulation), the MoE experts' grouped GEMMs and router, the fc2 GEMM
 whose input the "activation" recompute rebuilds in backward. FSDP2 reduce-scatters a layer's

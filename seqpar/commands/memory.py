@@ -416,7 +416,8 @@ def run_schedule(args) -> int:
     s, b, h, a = cfg.seq_len, args.micro_batch, cfg.hidden_size, cfg.num_heads
     print(
         f"one step, {args.pp_schedule}, p={args.pp} t={args.tp} sp={'on' if args.sp else 'off'} "
-        f"m={args.interleave} n={args.microbatches} recompute={args.recompute} "
+        + ("TP ring " if args.tp_comm_overlap else "")
+        + f"m={args.interleave} n={args.microbatches} recompute={args.recompute} "
         f"App.B={'on' if free else 'off'} App.C K={keep}: L={cfg.num_layers} s={s} b={b} h={h} "
         f"a={a} v={cfg.vocab_size} {cfg.dtype}, {dropouts(cfg)}"
     )

@@ -612,3 +612,36 @@ def test_evaluation_takes_the_schedule_from_the_chunks():
         placed_schedule(v, "1f1b")
     with pytest.raises(ValueError, match="built for interleaved 1F1B"):
         placed_schedule([SimpleNamespace(in_v=False)] * 2, "zb-v")
+
+
+def test_cost_model_defers_the_shared_experts_w():
+    """An MoE layer's shared expert is an MLP of the layer's own linears (``model.moe``), whose W a
+    zero-bubble schedule defers as a dense MLP's: T_W (``deferred_w_s``) holds its fc1 and fc2 W
+    GEMMs (fc2's not when the activation is recomputed: that GEMM keeps W in B) and, under SP, one
+    gather each (with ``comm_overlap`` 0 every gather shows)."""
+    from dataclasses import replace
+
+    from seqpar.analysis.formulas.moe import moe_gemms
+    from seqpar.analysis.formulas.shapes import ActivationOptions
+    from seqpar.analysis.planning.costmodel import (
+        Hardware,
+        deferred_w_s,
+        gemm_s,
+        tp_collectives_s,
+    )
+    from seqpar.config import ModelConfig
+
+    routed = ModelConfig(vocab_size=4096, hidden_size=1024, num_heads=8, num_layers=8,
+                         seq_len=2048, experts=8, moe_every=2, moe_ffn_hidden_size=1024)
+    shared = replace(routed, shared_expert_ffn=2048)
+    par, opts = ParallelConfig(tp=2, pp=2, sp=True, pp_schedule="zb-h1"), ActivationOptions()
+    hw = replace(Hardware(), comm_overlap=0.0)
+    moe_layers = shared.moe_layers // par.pp  # on rank 0
+    gemms = {k: gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shared, par, 1, 2).items()}
+    gather = tp_collectives_s(shared, par, 1, hw, opts)[1]
+    for rc, kinds in ((RecomputeConfig("none"), ("shared_fc1", "shared_fc2")),
+                      (RecomputeConfig("selective", modules=("activation",)), ("shared_fc1",))):
+        extra = (deferred_w_s(shared, par, rc, 1, hw, opts, 0)
+                 - deferred_w_s(routed, par, rc, 1, hw, opts, 0))
+        want = moe_layers * sum(gemms[k] + gather for k in kinds)
+        assert extra == pytest.approx(want, rel=1e-9), (rc, extra, want)

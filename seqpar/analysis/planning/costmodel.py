@@ -407,9 +407,11 @@ def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()
     }
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
-    # the share of the layers whose column-parallel W a zero-bubble schedule defers out of B
+    # the share of the layers whose column-parallel W a zero-bubble schedule defers out of B (an
+    # MoE layer's: its shared expert's fc1, when it has one)
     zb = par.pp_schedule != "1f1b"
-    deferred = {"qkv": 1.0 if zb else 0.0, "fc1": (1 - moe) if zb else 0.0}
+    mlp = 1 - moe + (moe if shape.shared_expert_ffn else 0.0)
+    deferred = {"qkv": 1.0 if zb else 0.0, "fc1": mlp if zb else 0.0}
     # each collective a ring pipelined with the GEMM it feeds or follows
     if par.sp and (par.tp_comm_overlap or opts.tp_comm_overlap):
         ring = {
@@ -933,19 +935,31 @@ def deferred_w_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b
 
 def deferred_gemms_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
                      opts: ActivationOptions) -> dict[str, float]:
-    """Seconds of each deferred linear's W GEMM in one layer (as long as its forward GEMM)."""
-    return {
+    """Seconds of each deferred linear's W GEMM in one layer (as long as its forward GEMM); an MoE
+    layer's shared expert (an MLP of the layer's linears, ``model.moe``): its fc1 and fc2 too."""
+    out = {
         k: gemm_s(f, nb, hw)
         for k, (f, nb) in layer_gemms(shape, par.tp, b, opts, par.cp).items()
         if k in DEFERRED_GEMMS
     }
+    if shape.moe_layers and shape.shared_expert_ffn:
+        out |= {k: gemm_s(f, nb, hw) for k, (f, nb) in moe_gemms(shape, par, b, opts.act_bytes).items()
+                if k in SHARED_GEMMS}
+    return out
+
+
+# an MoE layer's shared expert's linears, whose W a zero-bubble schedule defers as a dense MLP's
+SHARED_GEMMS = ("shared_fc1", "shared_fc2")
 
 
 def deferred_shares(shape: ModelConfig, rc: RecomputeConfig) -> dict[str, float]:
     """The share of the layers whose fc1 / fc2 W a zero-bubble schedule defers (dense layers; fc2
-    none when the activation is recomputed); qkv and out_proj: every layer."""
+    none when the activation is recomputed), and the shared expert's (MoE layers, the same rule);
+    qkv and out_proj: every layer."""
     dense = 1 - shape.moe_layers / shape.num_layers
-    return {"fc1": dense, "fc2": 0.0 if "activation" in rc.selective_modules else dense}
+    fc2 = "activation" not in rc.selective_modules
+    moe = 1 - dense if shape.shared_expert_ffn else 0.0
+    return {"fc1": dense, "fc2": dense * fc2, "shared_fc1": moe, "shared_fc2": moe * fc2}
 
 
 def w_gathers_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
@@ -969,10 +983,13 @@ def w_gathers_s(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
         return sum(beside_gemm_s(gather, w[prev], hw) for prev in ("qkv", *steps[:-1]))
 
     share = deferred_shares(shape, rc)
-    dense = share["fc1"]  # the dense layers' share; an MoE layer defers attention's two
+    dense = share["fc1"]  # the dense layers' share; an MoE layer defers attention's two and its
+    # shared expert's (when it has one)
     fc2 = ("fc2",) if share["fc2"] else ()
+    shared = (("shared_fc2",) if share["shared_fc2"] else ()) + (
+        ("shared_fc1",) if share["shared_fc1"] else ())
     per_layer = (dense * chain_s((*fc2, "fc1", "out_proj", "qkv"))
-                 + (1 - dense) * chain_s(("out_proj", "qkv")))
+                 + (1 - dense) * chain_s((*shared, "out_proj", "qkv")))
     first = gather - beside_gemm_s(gather, w["qkv"], hw)  # a unit's first: nothing before it
     return sum(layers * per_layer + first for layers in chunks if layers)
 

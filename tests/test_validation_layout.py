@@ -78,14 +78,17 @@ def test_the_validation_loss_of_one_checkpoint_is_the_same_at_every_layout(tmp_p
         "tp 2 + sp": {"tp": 2, "sp": True},
         "cp 2": {"cp": 2},
         "pp 2 interleaved": {"pp": 2, "interleave": 2, "layer_split": [0, 1, 1, 0]},
-        # the V's forward-only order (microbatches overlapping down and up the V), a short last one
+        # the V's forward-only order (microbatches overlapping down and up the V), a short last one;
+        # rank 0 holds the tied embedding and its copy, each read from the embedding's key
         "pp 2 zb-v": {"pp": 2, "pp_schedule": "zb-v", "layer_split": [0, 1, 1, 0]},
+        "pp 2 zb-v distopt": {"pp": 2, "pp_schedule": "zb-v", "layer_split": [0, 1, 1, 0]},
     }
     jobs = [
         {
             "model": MODEL,
             "parallel": par,
-            "train": more | {"out_dir": str(tmp_path / name.replace(" ", ""))},
+            "train": more | {"out_dir": str(tmp_path / name.replace(" ", ""))}
+            | ({"distributed_optimizer": True} if name.endswith("distopt") else {}),
         }
         for name, par in layouts.items()
     ]

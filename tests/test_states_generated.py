@@ -25,8 +25,8 @@ from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 from seqpar.model.gpt import build_model
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.launch import run_ranks
+from seqpar.parallel.tied import checkpoint_names
 from seqpar.pipeline.build import build_stages
-from seqpar.train.optim.adam import named_parameters
 
 WORLD = 4
 DRAWS = int(os.environ.get("SEQPAR_DRAWS", "6"))
@@ -97,7 +97,7 @@ def _worker(rank, world, cfgs):
         for par in layouts(cfg, i):
             dims = ParallelDims.build(par)
             chunks = build_stages(cfg, par, RecomputeConfig(), dims, seed=0)
-            out.append((dims.pp_rank, [(name, p.numel()) for name, p in named_parameters(chunks)]))
+            out.append((dims.pp_rank, [(name, p.numel()) for name, p in checkpoint_names(chunks)]))
     return out
 
 
@@ -105,7 +105,7 @@ def _worker(rank, world, cfgs):
           suppress_health_check=[HealthCheck.too_slow])
 @given(models())
 def test_single_process_model_equals_the_formula(cfg):
-    held = [(name, p.numel()) for name, p in named_parameters([build_model(cfg)])]
+    held = [(name, p.numel()) for name, p in checkpoint_names([build_model(cfg)])]
     assert held == stage_parameter_sizes(cfg, ParallelConfig(), 0), cfg
     assert sum(n for _, n in held) == model_parameters(cfg)
 

@@ -11,7 +11,7 @@ core to a busy one, and the idle times measure that sharing as well as the sched
 records cores and load). Under the V rank 0 holds both ends of the model (the embedding, the output
 layer and the loss): with a large ``--vocab`` it is the slowest rank and the others wait for it
 (``--vocab 64`` leaves the layers to weigh alone; the planner balances real models,
-``uneven.v_lighter_split``)"""
+``uneven.v_lighter_split``)."""
 
 from __future__ import annotations
 

@@ -407,11 +407,13 @@ def _layer_pass_s(shape: ModelConfig, par: ParallelConfig, b: int, hw: Hardware,
         for k, v in layer_elementwise_bytes(shape, t, par.sp, b, opts, par.cp).items()
     }
     allreduce, gather = tp_collectives_s(shape, par, b, hw, opts)
-    # the share of the layers whose column-parallel W a zero-bubble schedule defers out of B (an
-    # MoE layer's: its shared expert's fc1, when it has one)
+    # the share of the layers whose column-parallel W a zero-bubble schedule defers out of B: qkv
+    # every layer's, fc1 the dense layers' and the MoE layers' shared expert's (deferred_shares;
+    # no recompute choice keeps an fc1's W in B)
     zb = par.pp_schedule != "1f1b"
-    mlp = 1 - moe + (moe if shape.shared_expert_ffn else 0.0)
-    deferred = {"qkv": 1.0 if zb else 0.0, "fc1": mlp if zb else 0.0}
+    share = deferred_shares(shape, RecomputeConfig())
+    deferred = {"qkv": 1.0 if zb else 0.0,
+                "fc1": share["fc1"] + share["shared_fc1"] if zb else 0.0}
     # each collective a ring pipelined with the GEMM it feeds or follows
     if par.sp and (par.tp_comm_overlap or opts.tp_comm_overlap):
         ring = {

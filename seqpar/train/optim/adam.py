@@ -57,12 +57,6 @@ def set_lr_and_clip_scale(opt: torch.optim.Optimizer, step: int, cfg: TrainConfi
     return lr, scale
 
 
-def named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """(checkpoint name, parameter) of every chunk this rank holds, in a fixed order
-    (``tied.checkpoint_names``: the canonical name; zb-v's local tied copy marked ``TWIN``)."""
-    return checkpoint_names(chunks)
-
-
 def counted_elements(p: torch.Tensor, tp_rank: int, tied_copy: bool) -> int:
     """The gradient-counting rule: how many leading elements of ``p``'s tp-local flat gradient the
     global norm counts on this rank, so that every unique element counts once -- a tied copy none
@@ -138,7 +132,9 @@ class AdamOnMasters:
 
     def __init__(self, chunks: list[nn.Module], cfg: TrainConfig, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims
-        self.named = named_parameters(chunks)
+        # (checkpoint name, parameter) in a fixed order: the canonical name, zb-v's local tied copy
+        # marked (tied.checkpoint_names)
+        self.named = checkpoint_names(chunks)
         self.tied_copies = {id(p) for chunk in chunks for n, p in chunk.named_parameters()
                             if chunk.tied.is_copy(chunk, n)}  # counted with their first-stage twin
         self.counted = [

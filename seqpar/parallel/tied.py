@@ -91,6 +91,13 @@ class TiedEmbedding:
         """Whether this rank holds a copy whose gradient is summed with another's."""
         return self.group is not None or self.local
 
+    def copies_agree(self, chunks) -> bool:
+        """Whether this rank's two copies (zb-v's ``local``: the embedding and the output layer's
+        copy, both here) hold the same values, as every step leaves them: a checkpoint load that
+        filled one and not the other would not (True where this rank holds fewer than two)."""
+        weights = [w for chunk in chunks if (w := self.weight(chunk)) is not None]
+        return not self.local or len(weights) < 2 or torch.equal(*weights)
+
     def sum_grads(self, chunks) -> None:
         """Add the copies' gradients over {first, last} (``chunks``: this rank's): every copy then
         holds the whole gradient."""

@@ -169,6 +169,9 @@ class Trainer:
         # it: the step)
         updates = int(meta.get("optimizer_steps", step))
         self.opt.loaded(updates if has_opt else 0)
+        if not self.chunks[0].tied.copies_agree(self.chunks):  # exact, at any precision
+            raise ckpt.CheckpointError(f"checkpoint {path}: the tied embedding and its copy on this "
+                                       "rank differ after loading (one was not read)")
         self.state.step = step if has_opt else 0
         self.state.skipped = int(meta.get("skipped", 0))
         self.state.skipped_in_row = int(meta.get("skipped_in_row", 0)) if has_opt else 0

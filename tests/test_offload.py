@@ -189,6 +189,30 @@ def test_stage_formula_moves_host_bytes_per_microbatch_in_flight():
     assert not plain.host and "offload_reload_working" not in plain.terms
 
 
+def test_a_later_stages_input_stays_on_the_device():
+    """Where "layer_input" offloads, a later pipeline stage's input (received, kept by the schedule
+    for its gradient) stays on the device (``GPTChunk.run_layers`` spares it): the formula moves
+    one boundary tensor per in-flight microbatch back from the host to the device term
+    ``stage_inputs`` on ranks past the first, and on interleaved rank 0 for its later chunks'
+    microbatches at the peak (``first_chunk_at_peaks``); the first stage's input goes."""
+    from seqpar.analysis.formulas.in_flight import first_chunk_at_peaks
+    from seqpar.analysis.formulas.stage import boundary_bytes, offloaded_bytes
+
+    shape = ModelConfig(hidden_size=256, num_heads=4, seq_len=128, vocab_size=512, num_layers=8)
+    opts, rc = ActivationOptions(), RecomputeConfig(offload_modules=("layer_input",))
+    for par in (ParallelConfig(pp=4), ParallelConfig(pp=4, interleave=2)):
+        edge = boundary_bytes(shape, par, 2, opts)
+        layer_in = chunk_bytes(shape, par, rc, 2, opts, host=True)  # per chunk-microbatch
+        for rank in range(4):
+            m = stage_memory(shape, par, rc, 2, 8, opts, rank=rank)
+            fewest, most = first_chunk_at_peaks(4, 2, 8) if par.interleave > 1 else (m.in_flight,) * 2
+            kept = (m.in_flight - (fewest if rank == 0 else 0), m.in_flight - (most if rank == 0 else 0))
+            assert m.terms.get("stage_inputs", 0) == kept[0] * edge, (par.interleave, rank)
+            assert m.host_total == m.in_flight * layer_in - kept[1] * edge, (par.interleave, rank)
+            assert offloaded_bytes(shape, par, rc, 2, opts, rank) == par.interleave * layer_in - (
+                par.interleave - (rank == 0)) * edge
+
+
 STEPS = 4
 ACCEPTANCE = {  # name: (world, parallel, recompute)
     "mlp": (1, {}, {"offload_modules": ["mlp"]}),

@@ -549,14 +549,14 @@ def test_planner_prices_zb_v_and_cuts_the_119b_bubble():
     assert bubble["zb-v"] <= bubble["1f1b"] / 3 < bubble["zb-h1"]
     # every schedule runs the TP ring (the plan's; a zero-bubble B alone, its W deferred)
     assert all(r.plan.par.tp_comm_overlap for r in runs.values())
-    # the units keep SP shards of X and dY: ZB-H1 at 1F1B's memory (within 0.1%: 36.72 GiB
-    # against 36.71); the V at 1F1B's layers per rank, halved, above it (rank 0 holds both ends of
+    # the units keep SP shards of X and dY: ZB-H1 at 1F1B's memory (within 0.1%: 36.721 GiB
+    # against 36.715); the V at 1F1B's layers per rank, halved, above it (rank 0 holds both ends of
     # the model, each chunk 0 the most in flight)
     assert gib["zb-h1"] <= 1.001 * gib["1f1b"] < gib["zb-v"] < 1.05 * gib["1f1b"]
     # the V's own balance (uneven.v_lighter_split): the target, a third of 1F1B's bubble
-    # at 1F1B's memory, within 0.2% (36.743 GiB against 36.706, +0.10%: its activations and
-    # states 18 MiB more on its most loaded rank, and the receives ZB-V posts ahead, two boundary
-    # buffers at the peak, 20 MiB: stage.zbv_stage_memory's receive_buffers), and a shorter
+    # at 1F1B's memory, within 0.2% (36.743 GiB against 36.715, +0.08%: its activations and
+    # states 18 MiB more on its most loaded rank, and the receives beside the peak,
+    # receive_buffers: ZB-V's two posted ahead, 20 MiB, 1F1B's one, its next B's gradient), and a shorter
     # iteration: the ring hides the zero-bubble B's collectives as 1F1B's
     assert any(bubble[k] <= bubble["1f1b"] / 3 and gib[k] <= 1.002 * gib["1f1b"]
                and runs[k].time.total < runs["1f1b"].time.total for k in balanced)

@@ -151,6 +151,7 @@ def implementation_terms(
     device: str = "cpu",
     after_backward: int | None = None,
     moment=None,
+    first_chunk: int | None = None,
 ) -> dict[str, float]:
     """Small bytes this implementation keeps that the analytic model leaves out (all O(sb) or
     O(sbh)).
@@ -172,7 +173,9 @@ def implementation_terms(
     microbatches in flight: no output in transit, and the last rank's microbatch gone with its loss
     head. ``moment``: zb-v's peak (``StageMemory.moment``; its output in transit is a formula term):
     the embedding's for rank 0's chunk-0 microbatches in flight, the head's while rank 0's chunk 1
-    has one.
+    has one. ``first_chunk``: interleaved rank 0's chunk-0 microbatches at the peak
+    (``StageMemory.first_chunk``: fewer than ``first_chunk_in_flight`` where its later chunks'
+    inputs stay on the device).
     """
     if moment is not None:
         return _zbv_implementation_terms(cfg, parallel, micro_batch, rank, device, moment)
@@ -189,9 +192,9 @@ def implementation_terms(
     if free_outputs and rank < p - 1 and after_backward is None:
         terms["output_in_transit"] = act * s * b * h / rep
     in_flight = (
-        first_chunk_in_flight(p, microbatches, parallel.interleave)
-        if after_backward is None
-        else after_backward
+        after_backward if after_backward is not None
+        else first_chunk if first_chunk is not None
+        else first_chunk_in_flight(p, microbatches, parallel.interleave)
     )
     if rank == 0 and t > 1:
         terms["embedding_indices"] = (8 + 1) * s * b * in_flight
@@ -226,6 +229,7 @@ def implementation_terms_at(memory: StageMemory, cfg: ModelConfig, parallel: Par
     return implementation_terms(
         cfg, parallel, micro_batch, microbatches, rank, free_outputs, device,
         after_backward=memory.in_flight if memory.after_backward else None, moment=memory.moment,
+        first_chunk=memory.first_chunk,
     )
 
 

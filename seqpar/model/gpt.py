@@ -7,6 +7,8 @@ layer (sharing the word-embedding weight) and the loss. With one stage it is the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,8 +106,12 @@ class GPTStage(nn.Module):
         return self.embedding.word.weight if self.output_weight is None else self.output_weight
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)  # [s(/t), b, h]
+        # a later stage's input (received, or handed over by the rank's other chunk) stays on the
+        # device whatever offloads: the schedule keeps it for its gradient, so a host copy of the
+        # first layer's save of it would free nothing
+        with contextlib.nullcontext() if self.first else self.recompute.offloader.spared(x):
+            for block in self.blocks:
+                x = block(x)  # [s(/t), b, h]
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

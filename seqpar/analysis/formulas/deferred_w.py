@@ -46,10 +46,12 @@ from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
 def zb_h1_moments(
     rank: int, p: int, n: int | None
-) -> tuple[tuple[int, int], list[tuple[int, int]]]:
-    """(in flight, W units) at pipeline rank ``rank``'s fullest forward end, and at each distinct B
-    end (before its W), under ZB-H1, walking the schedule's order; ``n`` None: a long step (2p
-    microbatches stand for it)."""
+) -> tuple[tuple[int, int], list[tuple[int, int, int]]]:
+    """(in flight, W units) at pipeline rank ``rank``'s fullest forward end, and (in flight, W
+    units, receives posted) at each distinct B end (before its W), under ZB-H1, walking the
+    schedule's order; ``n`` None: a long step (2p microbatches stand for it). A steady B's exchange
+    posts the next forward's input (``run_zb_h1``: rank > 0, while forwards remain), received while
+    the W runs: one receive buffer beside that B end's holdings."""
     n = 2 * p if n is None else n
     warmup = min(p - rank - 1, n)
     k = u = 0
@@ -57,15 +59,15 @@ def zb_h1_moments(
     for _ in range(warmup):
         k += 1
         forwards.append((k, u))
-    for _ in range(n - warmup):
+    for i in range(n - warmup):
         k += 1
         forwards.append((k, u))
         k, u = k - 1, u + 1
-        backs.add((k, u))
+        backs.add((k, u, int(rank > 0 and i < n - warmup - 1)))
         u = min(u, rank)  # W down to the rank's limit
     for _ in range(warmup):
         k, u = k - 1, u + 1
-        backs.add((k, u))
+        backs.add((k, u, 0))
         u -= 1  # one W per cool-down B
     return max(forwards), sorted(backs)
 

@@ -43,6 +43,24 @@ def peak_in_flight(rank: int, p: int, m: int, n: int | None, sizes: list[float])
     return peak
 
 
+def first_chunk_at_peaks(p: int, m: int, n: int | None) -> tuple[int, int]:
+    """(fewest, most) chunk-0 microbatches rank 0 holds at the forward ends where it holds
+    ``in_flight_chunks`` chunk-microbatches (``peak_in_flight``'s order): its later chunks' inputs
+    stay on the device (``stage.spared_inputs``), which weigh more than chunk 0's dropout masks,
+    so the device peaks where chunk 0 holds fewest."""
+    alive = in_flight_chunks(0, p, m, n)
+    total = n * m if n is not None else alive + 2 * p * m
+    counts, seen, backward = [0] * m, [], 0
+    for k in range(total):
+        counts[(k // p) % m] += 1
+        if sum(counts) == alive:
+            seen.append(counts[0])
+        if k >= alive - 1:
+            counts[m - 1 - (backward // p) % m] -= 1
+            backward += 1
+    return min(seen), max(seen)
+
+
 def interleaving_factor(p: int, m: int) -> float:
     """Sec. 4.2.3: the first stage of the interleaved schedule holds (1 + (p - 1)/(pm)) x L
     layers."""

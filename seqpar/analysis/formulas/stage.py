@@ -17,6 +17,7 @@ from functools import lru_cache
 from seqpar.analysis.formulas.deferred_w import unit_bytes, zb_h1_moments
 from seqpar.analysis.formulas.fsdp_states import in_flight_bytes, stage_fsdp_state_bytes
 from seqpar.analysis.formulas.in_flight import (
+    first_chunk_at_peaks,
     first_chunk_in_flight,
     in_flight_chunks,
     peak_in_flight,
@@ -48,7 +49,9 @@ STATE_TERMS = ("parameters", "gradients", "optimizer_states")
 # holds between passes -- what ``seqpar.measure.meter`` measures -- does not. And the distributed
 # optimizer's overlapped weight gathers (``param_gather_excess``): live from the step to the first
 # forward, when no activation is, so only what they hold beyond the activations' peak adds to the
-# total; as do ZB-V's receives posted ahead (``receive_buffers``), communication buffers.
+# total; as do the receives posted beside the peak (``receive_buffers``: every pipeline schedule's
+# output gradient received for the next backward, ZB-V's receives posted ahead), communication
+# buffers.
 TRANSIENT_TERMS = ("recompute_working", "offload_reload_working", "a2a_buffers", "tp_ring_buffers",
                    "param_gather_excess", "receive_buffers")
 NONE, FULL = RecomputeConfig("none"), RecomputeConfig("full")
@@ -65,6 +68,9 @@ class StageMemory:
     host: dict[str, float] = field(default_factory=dict)
     after_backward: bool = False  # zero bubble: the peak comes at the end of a B, not of a forward
     moment: Moment | None = None  # zb-v: what the rank holds at its peak (zbv_order.moments)
+    # interleaved rank 0 whose later chunks' inputs stay on the device: chunk 0's microbatches at
+    # the peak (``first_chunk_at_peaks``; None: ``first_chunk_in_flight``)
+    first_chunk: int | None = None
 
     @property
     def host_total(self) -> float:
@@ -312,6 +318,32 @@ def chunk_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b:
     return chunk_layers_bytes(shape, par, rc, b, opts, list(range(n_layers)), host)
 
 
+def offloaded_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
+                    opts: ActivationOptions, rank: int = 0) -> float:
+    """Host bytes one microbatch offloads on pipeline rank ``rank``, over all its chunks (zb-v's
+    two of different sizes among them): what goes out in its forwards and back in its Bs."""
+    if not rc.offload_modules:
+        return 0.0
+    return sum(chunk_layers_bytes(shape, par, rc, b, opts, ids, host=True)
+               for ids in chunk_layer_ids(shape, par, rank) if ids) - boundary_bytes(
+        shape, par, b, opts) * sum(spared_inputs(shape, par, rc, rank))
+
+
+def spared_inputs(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig,
+                  rank: int) -> list[bool]:
+    """Per chunk of pipeline rank ``rank``: whether its input, where an offloaded module saves it
+    ("layer_input"; "norm", ln1's input, unless full recompute checkpoints the first layer), stays
+    on the device: a later stage's input (received, or handed over by the rank's other chunk),
+    which the schedule keeps for its gradient, so the chunk spares its first layer's save of it
+    (``GPTChunk.run_layers``); the first stage's (the embedding's output) goes to the host."""
+    ids = chunk_layer_ids(shape, par, rank)
+    first_checkpointed = rc.granularity == "full" and (rc.method == "uniform" or rc.num_layers)
+    if not ("layer_input" in rc.offload_modules
+            or ("norm" in rc.offload_modules and not first_checkpointed)):
+        return [False] * len(ids)
+    return [bool(c) and par.virtual_stage(rank, k) > 0 for k, c in enumerate(ids)]
+
+
 def chunk_bytes_each(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfig, b: int,
                      opts: ActivationOptions, rank: int = 0) -> list[float]:
     """Bytes one chunk-microbatch keeps under ``rc``, for each of rank ``rank``'s chunks
@@ -428,6 +460,14 @@ def sec43_extra_bytes_paper(shape: ModelConfig, t: int, p: int, b: int) -> float
     return s * b * h * n_layers / t * (p / n_layers + head)
 
 
+def boundary_bytes(shape: ModelConfig, par: ParallelConfig, b: int,
+                   opts: ActivationOptions) -> float:
+    """One microbatch's activation (or its gradient) crossing a stage boundary: ``[s/cp, b, h]``,
+    the ``[s/t]`` shard under SP."""
+    return opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size / (
+        par.tp if par.sp else 1)
+
+
 def pipeline_output_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions,
                           rank: int, in_flight: int) -> float:
     """App. B: each sent stage output whose data is kept (only when App. B's freeing is off)."""
@@ -439,15 +479,7 @@ def pipeline_output_bytes(shape: ModelConfig, par: ParallelConfig, b: int, opts:
         sent = max(0, in_flight - 1)  # every chunk but the model's last one sends its output
     else:
         sent = 0
-    return (
-        opts.act_bytes
-        * shape.seq_len
-        // par.cp
-        * b
-        * shape.hidden_size
-        / (par.tp if par.sp else 1)
-        * sent
-    )
+    return boundary_bytes(shape, par, b, opts) * sent
 
 
 def stage_memory(
@@ -505,19 +537,41 @@ def stage_memory(
         terms["tp_ring_buffers"] = tp_ring_buffer_bytes(
             shape.seq_len // par.cp, b, shape.hidden_size, par.tp, opts.act_bytes
         )
-    host = {}
+    host, first_chunk = {}, None
     if rc.offload_modules and r:
         host = offload_host_terms(shape, par, rc, b, opts, rank, r - kept, kept)
         terms["offload_reload_working"] = offload_reload_bytes(shape, par, rc, b, opts, rank)
+        # the chunk-microbatches in flight whose input stays on the device: all of them, or on
+        # rank 0 (interleaved) its later chunks': the device peaks where chunk 0 holds fewest, the
+        # host where it holds most (``first_chunk_at_peaks``)
+        fewest, most = (first_chunk_at_peaks(par.pp, par.interleave, n) if rank == 0
+                        else (0, 0))
+        if any(spared_inputs(shape, par, rc, rank)) and r > fewest:
+            first_chunk = fewest if rank == 0 else None
+            terms["stage_inputs"] = (r - fewest) * boundary_bytes(shape, par, b, opts)
+            if "embedding_dropout_mask" in terms:  # chunk 0's at that moment
+                terms["embedding_dropout_mask"] *= fewest / most
+            left = (r - most) * boundary_bytes(shape, par, b, opts)  # off the host: the
+            for name in ("offloaded_activations", "offloaded_kept_microbatches"):  # recomputing
+                cut = min(left, host.get(name, 0.0))  # ones' first
+                if cut:
+                    host[name] -= cut
+                    left -= cut
     after = False
     if par.pp_schedule != "1f1b":  # zero bubble: the W units' stored inputs and output gradients
         terms, r, after = zero_bubble_peak(shape, par, rc, b, n, opts, rank, terms)
+    elif par.pp > 1 and (par.interleave > 1 or rank < par.pp - 1):
+        # the output gradient of the next backward, received beside the fullest forward's end
+        # (1F1B: posted with that forward's output send; interleaved: held from the exchange
+        # before it): a communication buffer, which no meter counts
+        terms["receive_buffers"] = boundary_bytes(shape, par, b, opts)
     excess = param_gather_excess(
         shape, par, opt, rank, sum(v for k, v in terms.items() if k not in STATE_TERMS)
     )
     if excess > 0:
         terms["param_gather_excess"] = excess
-    return StageMemory(rank=rank, in_flight=r, terms=terms, host=host, after_backward=after)
+    return StageMemory(rank=rank, in_flight=r, terms=terms, host=host, after_backward=after,
+                       first_chunk=first_chunk)
 
 
 # the last stage's microbatch in flight
@@ -537,8 +591,9 @@ def zero_bubble_peak(
     """ZB-H1's peak on pipeline rank ``rank`` (``deferred_w.zb_h1_moments``): at its fullest forward
     end, 1F1B's terms plus its W units (``deferred_w``), or at a B end, before the W runs, where one
     microbatch fewer is in flight (its layers, embedding mask, App. B output; on the last rank its
-    head) and one unit more is kept, whichever holds more. Returns the terms, the microbatches in
-    flight and whether a B end is the peak."""
+    head) and one unit more is kept, whichever holds more; beside it the receives posted there
+    (``receive_buffers``: what they add beyond that peak, a transient term, as under 1F1B and
+    ZB-V). Returns the terms, the microbatches in flight and whether a B end is the peak."""
     unit = unit_bytes(shape, par, rc, b, opts, chunk_layer_ids(shape, par, rank)[0])
     (r, units), backs = zb_h1_moments(rank, par.pp, n)
     per_mb = chunk_bytes(shape, par, rc, b, opts, rank)
@@ -547,15 +602,23 @@ def zero_bubble_peak(
     def held(t: dict[str, float]) -> float:
         return sum(v for k, v in t.items() if k not in STATE_TERMS + TRANSIENT_TERMS)
 
-    for k, u in backs:
+    # (held, receives posted): the fullest forward end posts the next B's gradient receive
+    beside = [(held(best), int(rank < par.pp - 1))]
+    for k, u, x in backs:
         t = {name: v for name, v in terms.items() if not (name in HEAD_TERMS and k == 0)}
         t |= {"layer_activations": k * per_mb, "deferred_w": u * unit}
         if "embedding_dropout_mask" in t:
             t["embedding_dropout_mask"] *= k / r
+        if "stage_inputs" in t:  # every microbatch in flight on a rank past the first
+            t["stage_inputs"] *= k / r
         if "pipeline_outputs" in t:
             t["pipeline_outputs"] = pipeline_output_bytes(shape, par, b, opts, rank, k)
+        beside.append((held(t), x))
         if held(t) > held(best):
             best, best_k, after = t, k, True
+    ahead = max(v + x * boundary_bytes(shape, par, b, opts) for v, x in beside) - held(best)
+    if ahead > 0:
+        best = best | {"receive_buffers": ahead}
     return best, best_k, after
 
 
@@ -571,24 +634,33 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
     sends its output, that output until it is sent (``output_in_transit``); with App. B off, the
     sent outputs (``pipeline_outputs``); beside them the receives posted ahead
     (``zbv_order.posted_ahead``; ``receive_buffers``: what they add beyond the activations' peak, a
-    transient term the meter leaves out)."""
+    transient term the meter leaves out). Offloaded modules: each chunk's microbatches in flight
+    keep their device bytes on the device and the rest in host memory, whose peak is the moment
+    with the most of them (``host``), and a B reloads two units of its chunk ahead
+    (``offload_reload_working``, transient)."""
     if rc.keep_microbatches:
         raise AnalysisError(f"App. C (keep_microbatches {rc.keep_microbatches}) with pp_schedule "
                             "zb-v is not modelled")
-    if rc.offload_modules:
-        raise AnalysisError("activation offloading with pp_schedule zb-v is not modelled")
     ids = chunk_layer_ids(shape, par, rank)
     per_mb = [chunk_layers_bytes(shape, par, rc, b, opts, c) if c else 0.0 for c in ids]
+    # offloaded: what each chunk-microbatch keeps in host memory until its B reloads it, but a
+    # later stage's input (``spared_inputs``: on the device, ``stage_inputs``)
+    spared = spared_inputs(shape, par, rc, rank)
+    per_mb_host = [chunk_layers_bytes(shape, par, rc, b, opts, c, host=True)
+                   - spared[k] * boundary_bytes(shape, par, b, opts)
+                   if c and rc.offload_modules else 0.0 for k, c in enumerate(ids)]
     unit = [unit_bytes(shape, par, rc, b, opts, c) for c in ids]
     s, h, t = shape.seq_len // par.cp, shape.hidden_size, par.tp
     rep = t if par.sp else 1
-    boundary = opts.act_bytes * s * b * h / rep
+    boundary = boundary_bytes(shape, par, b, opts)
     head = {"final_ln_input": boundary, "output_layer_input": boundary}
     head |= loss_head_terms(s, b, shape.vocab_per_rank(t), opts)
 
     def held_at(m: Moment) -> dict[str, float]:
         out = {"layer_activations": m.flight[0] * per_mb[0] + m.flight[1] * per_mb[1],
                "deferred_w": m.units[0] * unit[0] + m.units[1] * unit[1]}
+        if any(spared):
+            out["stage_inputs"] = boundary * (m.flight[0] * spared[0] + m.flight[1] * spared[1])
         if rank == 0 and opts.dropout:
             out["embedding_dropout_mask"] = opts.mask_bytes * s * b * h / rep * m.flight[0]
         if rank == 0 and m.flight[1]:
@@ -617,6 +689,12 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
         terms["receive_buffers"] = ahead
     if sum(best.flight) and rc.granularity != "none":
         terms["recompute_working"] = recompute_working_bytes(shape, par, rc, b, opts, rank)
+    host = {}
+    if any(per_mb_host):  # the host's peak: the moment with the most offloaded in flight
+        host["offloaded_activations"] = max(m.flight[0] * per_mb_host[0]
+                                            + m.flight[1] * per_mb_host[1] for m in held)
+        terms["offload_reload_working"] = max(
+            reload_bytes(rc, len(c), h) for c, h in zip(ids, per_mb_host, strict=True))
     if par.a2a_size > 1 and any(ids):
         terms["a2a_buffers"] = a2a_buffers(shape, par, b, opts)
     if par.tp_comm_overlap and any(ids):
@@ -628,7 +706,7 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
     )
     if excess > 0:
         terms["param_gather_excess"] = excess
-    return StageMemory(rank=rank, in_flight=sum(best.flight), terms=terms,
+    return StageMemory(rank=rank, in_flight=sum(best.flight), terms=terms, host=host,
                        after_backward=best.kind == "B", moment=best)
 
 
@@ -673,13 +751,19 @@ def offload_reload_bytes(shape: ModelConfig, par: ParallelConfig, rc: RecomputeC
     full-recompute uniform group) whose backward runs and the one before it, brought back ahead of
     its backward (``Offloader._unpack``); units of a chunk taken alike (their average, for a model
     of mixed layers)."""
-    layers = rank_layers(shape, par, rank)
+    return reload_bytes(rc, rank_layers(shape, par, rank),
+                        chunk_bytes(shape, par, rc, b, opts, rank, host=True))
+
+
+def reload_bytes(rc: RecomputeConfig, layers: int, host_bytes: float) -> float:
+    """``offload_reload_bytes`` of a chunk of ``layers`` layers whose microbatch offloads
+    ``host_bytes``: two of its units (or all, when fewer)."""
     units = (
         math.ceil(layers / rc.num_layers)
         if rc.granularity == "full" and rc.method == "uniform"
         else layers
     )
-    return min(2, units) * chunk_bytes(shape, par, rc, b, opts, rank, host=True) / max(units, 1)
+    return min(2, units) * host_bytes / max(units, 1)
 
 
 def a2a_buffers(shape: ModelConfig, par: ParallelConfig, b: int, opts: ActivationOptions) -> float:

@@ -94,7 +94,11 @@ from seqpar.analysis.formulas.in_flight import in_flight_chunks
 from seqpar.analysis.formulas.memory import a2a_kv_heads, kv_heads_per_rank
 from seqpar.analysis.formulas.moe import dispatch_bytes, moe_gemms, moe_training_flops
 from seqpar.analysis.formulas.shapes import ActivationOptions, OptimizerOptions
-from seqpar.analysis.formulas.stage import chunk_bytes, examined_ranks, rank_chunk_layers
+from seqpar.analysis.formulas.stage import (
+    examined_ranks,
+    offloaded_bytes,
+    rank_chunk_layers,
+)
 from seqpar.analysis.formulas.states import named_stage_parameters, stage_parameters
 from seqpar.analysis.formulas.zbv_order import idle_times
 from seqpar.analysis.planning.placement import (
@@ -667,14 +671,14 @@ def rank_microbatch_s(
         recomputed_fraction(rc, in_flight_chunks(rank, par.pp, par.interleave, n)),
     )
     if rc.offload_modules:
-        moved = par.interleave * chunk_bytes(shape, par, rc, b, opts, rank, host=True)
+        moved = offloaded_bytes(shape, par, rc, b, opts, rank)
         fwd = layers * sum(p["forward"].values())
         terms["offload"] = offload_exposed_s(
             moved, fwd, terms["recompute"] + layers * sum(p["backward"].values()), hw
         )
     p2p_bw = link_bw(hw, spans_nodes(par, "pp", hw.gpus_per_node))
     msg = opts.act_bytes * shape.seq_len // par.cp * b * shape.hidden_size / par.tp
-    terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.interleave * (hw.comm_latency + msg / p2p_bw)
+    terms["pp_p2p"] = 0.0 if par.pp == 1 else 2 * par.chunks * (hw.comm_latency + msg / p2p_bw)
     return terms
 
 

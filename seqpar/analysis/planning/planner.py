@@ -36,9 +36,9 @@ from seqpar.analysis.formulas.shapes import (
 from seqpar.analysis.formulas.stage import (
     StageMemory,
     all_stages,
-    chunk_bytes,
     examined_ranks,
     most_loaded,
+    offloaded_bytes,
     stage_memory,
     uneven_chunks,
 )
@@ -425,13 +425,8 @@ def offload_bytes_per_step(req: Request, plan: Plan) -> float:
     activations out during its forward and back during its backward (the examined rank that moves
     the most)."""
     n, p = num_microbatches(req, plan), plan.par
-    return max(
-        2
-        * n
-        * p.interleave
-        * chunk_bytes(req.shape, p, plan.rc, plan.micro_batch, req.opts, r, host=True)
-        for r in examined_ranks(req.shape, p)
-    )
+    return max(2 * n * offloaded_bytes(req.shape, p, plan.rc, plan.micro_batch, req.opts, r)
+               for r in examined_ranks(req.shape, p))
 
 
 def offload_options(req: Request, options: list[RecomputeConfig]) -> list[RecomputeConfig]:

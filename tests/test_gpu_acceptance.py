@@ -117,6 +117,10 @@ def test_part2_figures(out):
         e > 0 for e in tpo["gemm_efficiency"].values())
     assert tpo["step"]["plain_ms"] > 0 and tpo["step"]["overlap_ms"] > 0
     assert all(len(v) == 2 and min(v) >= 0 for v in tpo["step"]["exposed_comm_ms"].values())
+    # issue 55's CPU target, on the machine's cores: each zero-bubble schedule's idle over 1F1B's
+    sched = f["schedule_idle"]
+    assert sched["cores"] >= 1 and set(sched["mean_idle_ratio"]) == {"zb-h1", "zb-v"}
+    assert len(sched["idle_ratio"]["zb-v"]) == 4 and all(r >= 0 for r in sched["idle_ratio"]["zb-v"])
 
 
 def test_a_failing_child_is_one_line():

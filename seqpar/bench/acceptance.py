@@ -162,6 +162,7 @@ def part_steps(part: int) -> list[Step]:
         Step("llama_layer_eager", 45, llama_eager),
         Step("attention_efficiency", 100, attention_efficiency),
         Step("tp_overlap", 50, tp_overlap),
+        Step("schedule_idle", 45, schedule_idle),
         Step("llama_layer_compiled", 150, llama_compiled, compiled=True),
     ]
 
@@ -413,6 +414,23 @@ def tp_overlap(ctx: Context, timeout: float) -> dict:
         else {k: step[k] for k in ("plain_ms", "overlap_ms", "speedup", "exposed_comm_ms")},
         "step_skipped": r.get("step_skipped"),
         "result": r,
+    }
+
+
+def schedule_idle(ctx: Context, timeout: float) -> dict:
+    """``bench schedule``: one step of 1F1B, ZB-H1 and ZB-V on 4 gloo ranks of this machine's CPU
+    (pp 4, a rank a core where it has 4 or more; the CPU target of issue 55, ZB-V's idle time at most a
+    third of 1F1B's, which a 2-core machine cannot show): each zero-bubble schedule's idle time per
+    rank over 1F1B's. The ranks run on the CPU whatever the device."""
+    size = ["--repeats", "5"] if ctx.real else ["--quick"]
+    r = ctx.json(["bench", "schedule", *size, "--json"], timeout)
+    return {
+        "cores": r["machine"].get("cores"),
+        "step_s": {k: r[k]["step_s"] for k in ("1f1b", "zb-h1", "zb-v")},
+        "idle_ratio": {k: r[k]["idle_ratio"] for k in ("zb-h1", "zb-v")},
+        "mean_idle_ratio": {k: r[k]["mean_idle_ratio"] for k in ("zb-h1", "zb-v")},
+        "result": {k: v for k, v in r.items() if k not in ("1f1b", "zb-h1", "zb-v")}
+        | {k: {f: x for f, x in r[k].items() if f != "events"} for k in ("1f1b", "zb-h1", "zb-v")},
     }
 
 
@@ -745,6 +763,15 @@ def _tp_overlap_line(f: dict) -> str:
     )
 
 
+def _schedule_line(f: dict) -> str:
+    ratio = ", ".join(f"{r:.2f}" for r in f["idle_ratio"]["zb-v"])
+    return (
+        f"{f['cores']} cores, 4 ranks: idle / 1F1B's zb-h1 {f['mean_idle_ratio']['zb-h1']:.2f}, "
+        f"zb-v {f['mean_idle_ratio']['zb-v']:.2f} (per rank {ratio}; target <= 0.33), step "
+        f"{f['step_s']['1f1b']:.3f} / {f['step_s']['zb-h1']:.3f} / {f['step_s']['zb-v']:.3f} s"
+    )
+
+
 def _attention_line(f: dict) -> str:
     return (
         f"attention_efficiency {f['attention_efficiency']:.3f} (built-in "
@@ -766,5 +793,6 @@ SUMMARY = {
     "llama_layer_eager": _llama_line,
     "llama_layer_compiled": _llama_line,
     "tp_overlap": _tp_overlap_line,
+    "schedule_idle": _schedule_line,
     "attention_efficiency": _attention_line,
 }

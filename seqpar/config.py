@@ -642,11 +642,6 @@ class ParallelConfig:
                 f"pp_schedule {kind} runs {chunks}, got interleave {self.interleave} "
                 "(interleaved 1F1B is pp_schedule 1f1b)"
             )
-        if self.fsdp:
-            raise ConfigError(
-                f"pp_schedule {kind} with fsdp is not supported: FSDP2 reduce-scatters a layer's "
-                "gradients when its backward ends, before the deferred weight gradients run"
-            )
 
     def _validate_fsdp(self) -> None:
         group = self.dp * self.cp

@@ -196,12 +196,12 @@ def fit_fsdp(d: Draw, dp: int, cp: int, experts: int = 0) -> dict:
 
 
 def fit_pp_schedule(
-    d: Draw, pp: int, interleave: int, fsdp: bool, layers: int | None = None,
+    d: Draw, pp: int, interleave: int, layers: int | None = None,
     split: tuple[int, ...] | list[int] = (), recompute_modules=(),
 ) -> dict:
-    """The ``parallel`` keys of the drawn pipeline schedule: a zero-bubble one needs pp > 1, one
-    chunk per rank and no FSDP (``ParallelConfig`` refuses the rest; the TP ring defers its W as
-    the plain linears do);
+    """The ``parallel`` keys of the drawn pipeline schedule: a zero-bubble one needs pp > 1 and one
+    chunk per rank (``ParallelConfig`` refuses the rest; the TP ring defers its W as the plain
+    linears do; FSDP reduce-scatters once every W has run);
     1f1b is the default, no key. zb-v cuts the check's ``layers`` (split ``split`` over pp under
     1F1B) into 2p chunks: its ``layer_split`` gives each rank 1F1B's layers (``zbv_order.v_split``),
     or, where that leaves a middle chunk empty, one layer to each middle chunk and the rest to the
@@ -212,8 +212,6 @@ def fit_pp_schedule(
             if pp == 1
             else f"interleave {interleave} runs interleaved 1F1B"
             if interleave > 1
-            else "zero bubble with fsdp is refused (ParallelConfig)"
-            if fsdp
             else "zero bubble with the recompute module norm is refused (RunConfig: its released "
                  "output is a deferred W's input)"
             if "norm" in recompute_modules

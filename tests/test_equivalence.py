@@ -182,7 +182,7 @@ def drawn(index: int, c: Combo) -> tuple[dict, _axes.Draw]:
         axes, reduction["distributed_optimizer"], c.dp, c.cp
     )
     parallel |= _axes.fit_pp_schedule(
-        axes, pp, interleave, bool(fsdp), layers, split,
+        axes, pp, interleave, layers, split,
         RECOMPUTE[c.recompute].get("modules", ()),
     )
     reduction |= {

@@ -117,7 +117,7 @@ def drawn(index: int, combo: tuple) -> tuple[dict, _axes.Draw]:
     }
     parallel |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, experts)
     parallel |= _axes.fit_tp_comm_overlap(axes, tp, sp)
-    parallel |= _axes.fit_pp_schedule(axes, pp, interleave, bool(parallel.get("fsdp")),
+    parallel |= _axes.fit_pp_schedule(axes, pp, interleave,
                                       model["num_layers"])
     grads = random.Random(f"moe grads {index}")
     reduction = {

@@ -100,7 +100,7 @@ def sections_at(
     )
     recompute = dict(eq.RECOMPUTE[rng.choice(RECOMPUTE)])
     parallel |= _axes.fit_pp_schedule(
-        axes, pp, 1, bool(fsdp), model["num_layers"],
+        axes, pp, 1, model["num_layers"],
         recompute_modules=recompute.get("modules", ()),
     )
     recompute["offload_modules"] = list(_axes.fit_offload(axes, RecomputeConfig(**{

@@ -1,5 +1,5 @@
 """FSDP2 (``parallel.fsdp``) against the single process: dp 2 and 4, alone and with tp 2 + SP, pp 2
-(1F1B on an uneven split, and interleaved), cp 2 and HSDP; every recompute mode, tied and untied
+(1F1B on an uneven split, interleaved, ZB-H1 and ZB-V), cp 2 and HSDP; every recompute mode, tied and untied
 embeddings, grouped kv.
 
 Each case trains 5 fp32 steps with clipping binding at every step (the equivalence suite's job,
@@ -96,6 +96,13 @@ CASES = {
         {"num_layers": 3},
     ),
     "dp2-pp2-interleave": ({"dp": 2, "pp": 2, "interleave": 2}, {}, {"num_layers": 4}),
+    # zero bubble: reduce-scattered once the step's last W has run (parallel.fsdp.reduced_after_w)
+    "dp2-pp2-zbh1-zero2": (
+        {"dp": 2, "pp": 2, "pp_schedule": "zb-h1", "reshard_after_forward": False},
+        {"granularity": "selective"},
+        {},
+    ),
+    "dp2-pp2-zbv": ({"dp": 2, "pp": 2, "pp_schedule": "zb-v"}, FULL, {**LLAMA, "num_layers": 4}),
     "dp2-cp2": ({"dp": 2, "cp": 2}, FULL, {"attention": "sdpa", "position": "rope"}),
 }
 
@@ -275,16 +282,37 @@ def test_checkpoint_resumes_across_fsdp(name, resumed):
 # ---------------------------------------------------------------------- model states per rank
 def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
     """Each job's start-record figures on this rank after one step (FSDP's gradients exist after a
-    backward: measured then, not copied from the parameters' bytes before any exists, issue 43)."""
+    backward: measured then, not copied from the parameters' bytes before any exists, issue 43);
+    and the unsharded gradient bytes each reduce-scatter of the step found accumulated (FSDP2's
+    param groups' ``post_backward``, recorded where it reduces), with the stage formula's
+    ``fsdp_unsharded_grads``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from seqpar.analysis.formulas.stage import stage_memory
+    from seqpar.config import RecomputeConfig
     from seqpar.train.config import build_job
     from seqpar.train.loop import Trainer
     from seqpar.train.states import state_record
+    reduced, post_backward = [], FSDPParamGroup.post_backward
+
+    def recording(group, *args):
+        if group.reduce_grads:
+            reduced.append(sum(p.unsharded_accumulated_grad.nbytes for p in group.fsdp_params
+                               if p.unsharded_accumulated_grad is not None))
+        return post_backward(group, *args)
+
+    FSDPParamGroup.post_backward = recording
     out = []
     for sections in runs:
         trainer = Trainer(build_job(sections), quiet=True)
+        reduced.clear()
         trainer.train_step(0)
+        job = trainer.job
         out.append(
-            state_record(trainer.job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank)
+            state_record(job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank)
+            | {"unsharded_grads_bytes": sum(reduced), "unsharded_grads_predicted": stage_memory(
+                job.model, job.parallel, RecomputeConfig(), 1, rank=trainer.dims.pp_rank
+            ).terms.get("fsdp_unsharded_grads", 0.0)}
         )
     return out
 
@@ -317,14 +345,19 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
             ("dp", {}),
             ("fsdp", {"fsdp": True}),
             ("hsdp", {"fsdp": True, "fsdp_shard_size": 2}),
+            # zero bubble: every unit reduces once, its gradients accumulated unsharded in fp32
+            ("fsdp-zbh1", {"dp": 2, "pp": 2, "fsdp": True, "pp_schedule": "zb-h1"}),
         )
     ]
     ranks = run_ranks(_states, 4, jobs, timeout=600)
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes")
-    for j, name in enumerate(("dp", "fsdp", "hsdp")):
+    for j, name in enumerate(("dp", "fsdp", "hsdp", "fsdp-zbh1")):
         for rank, got in enumerate(ranks):
             r = got[j]
             assert [r[k] for k in keys] == [r[f"{k}_predicted"] for k in keys], (name, rank, r)
+    for rank, got in enumerate(ranks):  # 1F1B reduces each microbatch's backward: none unsharded
+        assert got[1]["unsharded_grads_predicted"] == 0 < got[3]["unsharded_grads_predicted"]
+        assert got[3]["unsharded_grads_bytes"] == got[3]["unsharded_grads_predicted"], (rank, got[3])
     plain = sum(ranks[0][0][k] for k in keys)
     for rank, got in enumerate(ranks):
         sharded = sum(got[1][k] for k in keys)

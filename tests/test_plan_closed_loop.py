@@ -132,7 +132,7 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[list, str, dict]:
     ring = bool(_axes.fit_tp_comm_overlap(axes, tp, sp))
     argv += ["--tp-comm-overlap" if ring else "--no-tp-comm-overlap"]
     sched = _axes.fit_pp_schedule(
-        axes, pp, interleave, fsdp=False, layers=layers
+        axes, pp, interleave, layers=layers
     )
     explain = (
         f"tp={tp},pp={pp},cp={cp},dp={dp},m={interleave},sp={'on' if sp else 'off'}"

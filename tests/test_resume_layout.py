@@ -198,7 +198,7 @@ def resumed(i: int) -> tuple[dict, dict, list[str], _axes.Draw]:
     par |= _axes.fit_cp_comm(axes, model, tp, cp) | _axes.fit_fsdp(axes, dp, cp, model["experts"])
     par |= _axes.fit_tp_comm_overlap(axes, tp, par["sp"])
     par |= _axes.fit_pp_schedule(
-        axes, pp, 1, bool(par.get("fsdp")), model["num_layers"]
+        axes, pp, 1, model["num_layers"]
     )
     ParallelConfig(**par).validate(ModelConfig(**model))  # the checkpoint's layout ran
     asked = dict(zip(("tp", "pp", "dp", "cp"), rng.choice(LAYOUTS), strict=True))

@@ -76,7 +76,7 @@ def draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, ParallelCon
         pp=pp,
         sp=sp,
         **overlap,
-        **_axes.fit_pp_schedule(axes, pp, 1, fsdp=False, layers=cfg.num_layers),
+        **_axes.fit_pp_schedule(axes, pp, 1, layers=cfg.num_layers),
     )
     recompute = RecomputeConfig(rng.choice(["none", "selective", "full"]))
     recompute = replace(recompute, offload_modules=_axes.fit_offload(axes, recompute))
@@ -93,7 +93,7 @@ def cp_draw(rng: random.Random, axes: _axes.Draw) -> tuple[ModelConfig, Parallel
     comm = _axes.fit_cp_comm(axes, dataclasses.asdict(cfg), 1, cp)
     axes.narrow("tp_comm_overlap", False, "a cp draw runs at tp 1")
     # the planner weighs zb-v at cp × pp (cp fills the V with microbatches)
-    sched = _axes.fit_pp_schedule(axes, pp, 1, fsdp=False, layers=cfg.num_layers)
+    sched = _axes.fit_pp_schedule(axes, pp, 1, layers=cfg.num_layers)
     parallel = ParallelConfig(pp=pp, cp=cp, **comm, **sched)
     return (
         cfg.validate(),

@@ -29,12 +29,13 @@ not inside FSDP.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from seqpar.analysis.formulas.fsdp_states import chunk_rows
 from seqpar.config import ParallelConfig
@@ -110,3 +111,69 @@ def apply_fsdp(chunks: list[nn.Module], dims: ParallelDims, parallel: ParallelCo
                 )
             p.parallel_layout = replace(layouts[name], fsdp=FSDPShard(shape, row0, rows))
     return mesh
+
+
+# ---------------------------------------------------------------- zero bubble: reduce after every W
+# FSDP2 reduce-scatters a unit's gradients when its backward ends; under a zero-bubble schedule the
+# linears' W comes later. seqpar then turns the per-microbatch reduction off for the step (the
+# public ``set_requires_gradient_sync``: each unit's gradients accumulate unsharded, in the reduce
+# dtype, as FSDP's own gradient accumulation keeps them), folds each W's gradients into that
+# accumulation as the W runs (``fold_w``), and reduce-scatters once every W has run
+# (``reduced_after_w``). No public FSDP2 API runs a unit's post-backward by hand: the param groups'
+# ``post_backward`` and the root's final callback are FSDP2's internals, which torch's own
+# pipelining (``torch.distributed.pipelining.stage``'s ``perform_reduce_grad``) calls the same way.
+
+
+def _param_groups(chunk) -> list:
+    """FSDP2's parameter groups of every unit of ``chunk`` (its layers', then the root's)."""
+    out = []
+    for module in chunk.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch before the plural (one group a unit)
+                groups = [g for g in (state._fsdp_param_group,) if g is not None]
+            out += [g for g in groups if g not in out]
+    return out
+
+
+def fold_w(chunk) -> None:
+    """After a deferred W of ``chunk``: move the gradients it left in the unsharded parameters'
+    ``.grad`` into each parameter's unsharded accumulated gradient (in the reduce dtype, fp32 under
+    mixed precision), as FSDP's post-backward does with a backward's when it does not reduce, so no
+    two microbatches' gradients add in the 16-bit compute dtype."""
+    if not isinstance(chunk, FSDPModule):
+        return
+    for group in _param_groups(chunk):
+        for fsdp_param in group.fsdp_params:
+            param = getattr(fsdp_param, "_unsharded_param", None)
+            grad = None if param is None else param.grad
+            if grad is None:
+                continue
+            acc = fsdp_param.unsharded_accumulated_grad
+            if acc is None:
+                dtype = fsdp_param.reduce_dtype or grad.dtype
+                fsdp_param.unsharded_accumulated_grad = grad.to(dtype)
+            else:
+                acc += grad
+            param.grad = None
+
+
+@contextlib.contextmanager
+def reduced_after_w(chunk):
+    """A zero-bubble step of ``chunk`` under FSDP: no unit reduces when its backward ends; every
+    unit's accumulated gradients are reduce-scattered (HSDP: and all-reduced) once the step's last
+    W has run and been folded (``fold_w``), into the sharded gradients the optimizer reads."""
+    if not isinstance(chunk, FSDPModule):
+        yield
+        return
+    chunk.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        chunk.set_requires_gradient_sync(True)
+    fold_w(chunk)  # the B-time gradients (norms) a W never folded: the last backward's
+    groups = _param_groups(chunk)
+    for group in reversed(groups):  # the backward's order: the last unit first
+        group.post_backward()
+    chunk._get_fsdp_state()._root_post_backward_final_callback()

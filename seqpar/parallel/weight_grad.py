@@ -36,8 +36,9 @@ without the TP ring (``parallel.tp_overlap``: its B alone, the same W queued). W
 runs its W in B, as before: the output layer (its weight may be the tied word embedding, whose two
 gradients must meet in one accumulation), the MoE experts' grouped GEMMs and router, the fc2 GEMM
 whose input the "activation" recompute rebuilds in backward. FSDP2 reduce-scatters a layer's
-gradients when its backward ends: a deferred W would come after it, so a zero-bubble schedule
-refuses fsdp (``config.ParallelConfig``).
+gradients when its backward ends, before a deferred W: under a zero-bubble schedule it accumulates
+them unsharded for the step instead, each W folded in as it runs, and reduce-scatters once every W
+has run (``parallel.fsdp.reduced_after_w``, ``fold_w``).
 
 One store per model chunk, held by its ``TPContext`` (decided per forward, read in backward: no
 thread-local state, so backward on an autograd device thread sees it).

@@ -23,6 +23,7 @@ from seqpar.config import ConfigError, ParallelConfig, validate_microbatches
 from seqpar.dtypes import torch_dtype
 from seqpar.parallel.comm import all_reduce
 from seqpar.parallel.dims import ParallelDims
+from seqpar.parallel.fsdp import reduced_after_w
 from seqpar.pipeline.keep import KeepPolicy, keep_for_rank
 from seqpar.pipeline.last_stage import from_last_stage
 from seqpar.pipeline.objective import Objective
@@ -107,7 +108,8 @@ def forward_backward(chunks, microbatches, dims: ParallelDims, parallel: Paralle
 
 def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -> None:
     """p > 1: the configured schedule (``parallel.pp_schedule``); a zero-bubble one with every
-    chunk's linears deferring their weight gradients for the step (each has run when it returns)."""
+    chunk's linears deferring their weight gradients for the step (each has run when it returns;
+    under FSDP reduce-scattered then, ``parallel.fsdp.reduced_after_w``)."""
     if parallel.pp_schedule == "1f1b":
         if parallel.interleave == 1:
             run_1f1b(runner, comm)
@@ -115,6 +117,8 @@ def run_schedule(runner: StepRunner, comm: PipeComm, parallel: ParallelConfig) -
             run_interleaved(runner, comm, parallel.interleave)
         return
     with contextlib.ExitStack() as stack:
+        for chunk in runner.chunks:  # FSDP: reduce-scattered once the step's last W has run
+            stack.enter_context(reduced_after_w(chunk))
         for chunk in runner.chunks:
             stack.enter_context(chunk.tp.weight_grads.deferred())
         if parallel.pp_schedule == "zb-v":

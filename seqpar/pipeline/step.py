@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from seqpar.parallel.fsdp import fold_w
 from seqpar.pipeline.keep import KeepPolicy
 from seqpar.pipeline.objective import Objective, counted
 from seqpar.pipeline.p2p import boundary_shape
@@ -135,6 +136,7 @@ class StepRunner:
         """W: the oldest deferred chunk-microbatch's weight gradients of chunk ``chunk_id``."""
         with self._span("W", chunk_id, -1):
             self.chunks[chunk_id].tp.weight_grads.run_next()
+            fold_w(self.chunks[chunk_id])  # FSDP: into the unsharded accumulation, in fp32
 
     @staticmethod
     def _device(chunk) -> torch.device:

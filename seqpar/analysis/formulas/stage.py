@@ -38,7 +38,12 @@ from seqpar.analysis.formulas.shapes import (
     layers_per_chunk,
     validate_layout,
 )
-from seqpar.analysis.formulas.states import chunk_layer_ids, param_gather_bytes, stage_state_bytes
+from seqpar.analysis.formulas.states import (
+    chunk_layer_ids,
+    param_gather_bytes,
+    stage_parameters,
+    stage_state_bytes,
+)
 from seqpar.analysis.formulas.zbv_order import Moment, distinct_moments
 from seqpar.config import ModelConfig, ParallelConfig, RecomputeConfig
 
@@ -504,6 +509,11 @@ def stage_memory(
     if par.fsdp:
         terms = {k: float(v) for k, v in stage_fsdp_state_bytes(shape, par, rank).items()}
         terms["fsdp_in_flight"] = float(in_flight_bytes(shape, par, opt.param_bytes, rank=rank))
+        if par.pp_schedule != "1f1b":  # zero bubble: reduce-scattered once every W has run
+            # (``parallel.fsdp.reduced_after_w``): until then each unit's gradients accumulate
+            # unsharded in fp32 (FSDP's reduce dtype), from the step's first B on, so across the
+            # steady phase, where the activations peak
+            terms["fsdp_unsharded_grads"] = 4.0 * stage_parameters(shape, par, rank)
     else:
         # distributed: over dp × cp (routed experts: dp·cp/ep)
         terms = stage_state_bytes(shape, par, rank, opt)

@@ -811,18 +811,12 @@ def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, op
     reduce-scattered. The next unit's gather is prefetched beside a layer's forward
     (``windows[0]``), its gather and the previous unit's reduce-scatter beside a layer's backward
     with its recompute (``windows[1]``): the first gather and the last reduce-scatter are exposed,
-    and what a layer's compute does not cover. Without ``windows`` nothing is hidden."""
-    ranks = par.fsdp_shards
-    params = largest_stage_parameters(shape, par)
-    # HSDP's shard groups: one rail each, at most
-    bw = (grad_group_bw(hw, par) if not par.fsdp_shard_size
-          else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node)))
+    and what a layer's compute does not cover. Without ``windows`` nothing is hidden. Under a
+    zero-bubble schedule no microbatch reduces (``fsdp_step_reduce_s``)."""
+    gather, reduce, units = _fsdp_unit_s(shape, par, hw, opt)
+    if par.pp_schedule != "1f1b":
+        reduce = 0.0
     gathers = 2 if par.reshard_after_forward else 1
-    units = shape.num_layers // par.pp + 1
-    steps = grad_group_steps_s(hw, par, ranks)  # a unit's ring (or PAT) steps over the shards
-    # one unit's
-    gather = hw.comm_latency + steps + ring_gather_s(params / units * opt.param_bytes, ranks, bw)
-    reduce = hw.comm_latency + steps + ring_gather_s(params / units * 4, ranks, bw)
     full = units * (gathers * gather + reduce)
     if windows is None:
         return full, 0.0
@@ -834,6 +828,33 @@ def fsdp_collectives_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware, op
         + reduce
     )
     return fwd + bwd, full - fwd - bwd
+
+
+def _fsdp_unit_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware,
+                 opt: OptimizerOptions) -> tuple[float, float, int]:
+    """(gather s, reduce-scatter s, units) of one FSDP unit of the largest stage: its weights
+    all-gathered in the compute dtype, its fp32 gradients reduce-scattered."""
+    ranks = par.fsdp_shards
+    params = largest_stage_parameters(shape, par)
+    # HSDP's shard groups: one rail each, at most
+    bw = (grad_group_bw(hw, par) if not par.fsdp_shard_size
+          else link_bw(hw, grad_group_spans_nodes(par, hw.gpus_per_node)))
+    units = shape.num_layers // par.pp + 1
+    steps = grad_group_steps_s(hw, par, ranks)  # a unit's ring (or PAT) steps over the shards
+    gather = hw.comm_latency + steps + ring_gather_s(params / units * opt.param_bytes, ranks, bw)
+    reduce = hw.comm_latency + steps + ring_gather_s(params / units * 4, ranks, bw)
+    return gather, reduce, units
+
+
+def fsdp_step_reduce_s(shape: ModelConfig, par: ParallelConfig, hw: Hardware,
+                       opt: OptimizerOptions) -> float:
+    """Under a zero-bubble schedule FSDP reduce-scatters once a step, after its last W
+    (``parallel.fsdp.reduced_after_w``): every unit's, exposed (no compute is left beside it);
+    0 under 1F1B (each microbatch reduces, ``fsdp_collectives_s``)."""
+    if par.pp_schedule == "1f1b":
+        return 0.0
+    _, reduce, units = _fsdp_unit_s(shape, par, hw, opt)
+    return units * reduce
 
 
 def optimizer_bytes_per_parameter(opt: OptimizerOptions, dp: int = 1) -> float:
@@ -888,7 +909,7 @@ def iteration_time(
     # every microbatch gathers and reduces the stage's weights, prefetched layer by layer
     if par.fsdp:
         exposed, hidden = fsdp_collectives_s(shape, par, hw, opt, windows[2:])
-        exposed, hidden = n * exposed, n * hidden
+        exposed, hidden = n * exposed + fsdp_step_reduce_s(shape, par, hw, opt), n * hidden
     else:
         exposed, hidden = dp_exposed_s(shape, par, hw, opt, windows[:2])
     terms["dp_allreduce"] = exposed

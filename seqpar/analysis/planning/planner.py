@@ -598,7 +598,8 @@ def _variants(req: Request, base: ParallelConfig, mb: int, rejected: Counter) ->
                                 ),
                             )
             if req.try_fsdp and not _refused(req, replace(par, fsdp=True)):
-                yield with_tp_ring(req, Plan(replace(par, fsdp=True), RecomputeConfig(), mb))
+                for scheduled in _schedules(req, replace(par, fsdp=True), mb):
+                    yield with_tp_ring(req, Plan(scheduled, RecomputeConfig(), mb))
 
 
 def with_tp_ring(req: Request, plan: Plan) -> Plan:
@@ -898,10 +899,10 @@ def _ringed(req: Request, plan: Plan) -> Plan:
 def schedule_bubbles(req: Request, plan: Plan) -> dict[str, Evaluation]:
     """``plan``'s layout (tp, pp, dp, micro batch, recompute) under each pipeline schedule, one
     chunk per rank: 1F1B (interleaving off), ZB-H1 and ZB-V (``scheduled``), each with the TP ring
-    where it may run it (``with_tp_ring``); empty without a pipeline or under FSDP. Their bubble
-    terms and memory side by side: what ``--explain`` weighs."""
+    where it may run it (``with_tp_ring``); empty without a pipeline. Their bubble terms and memory
+    side by side: what ``--explain`` weighs."""
     p = plan.par
-    if p.pp == 1 or p.fsdp:
+    if p.pp == 1:
         return {}
     one = replace(p, interleave=1, tp_comm_overlap=False)
     if one.layer_split and p.interleave > 1:  # an interleaved split: its stages' layers per rank
@@ -941,7 +942,7 @@ def alternatives(req: Request, plan: Plan) -> dict[str, Evaluation]:
         deeper = replace(p, cp=2, dp=p.dp // 2)
         out[f"cp 2 (dp {deeper.dp}), {plan.rc.label}"] = evaluate(req, replace(plan, par=deeper))
     # the other pipeline schedules: their bubble and their memory
-    if p.pp > 1 and p.interleave == 1 and not p.fsdp:
+    if p.pp > 1 and p.interleave == 1:
         for other in PP_SCHEDULES:
             par = scheduled(p, other, req.shape.num_layers)
             if other != p.pp_schedule and par is not None and not _refused(req, par):

@@ -121,6 +121,9 @@ def test_part2_figures(out):
     sched = f["schedule_idle"]
     assert sched["cores"] >= 1 and set(sched["mean_idle_ratio"]) == {"zb-h1", "zb-v"}
     assert len(sched["idle_ratio"]["zb-v"]) == 4 and all(r >= 0 for r in sched["idle_ratio"]["zb-v"])
+    # FSDP under a zero-bubble schedule on this torch (FSDP2's internals): 1F1B's losses
+    zbf = f["zb_fsdp_cpu"]
+    assert len(zbf["losses"]["zb-h1"]) == 3 and zbf["worst_rel"] <= 1e-5
 
 
 def test_a_failing_child_is_one_line():

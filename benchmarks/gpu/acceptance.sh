@@ -5,7 +5,8 @@
 # Part 1: versions, the SDPA backend of the fused core, selftest --quick, host syncs per step, a MoE step,
 # offloading (bytes saved vs predicted, time), compiled vs eager. Part 2: Table 4's layer, a Llama-3-8B layer
 # eager/compiled vs plain PyTorch, the fused attention efficiency (calibrate) vs the built-in 0.18, the TP
-# overlap, the pipeline schedules' idle time on 4 CPU ranks (issue 55: needs a core a rank).
+# overlap, the pipeline schedules' idle time on 4 CPU ranks (issue 55: needs a core a rank), FSDP under
+# zb-h1 against 1F1B on 4 CPU ranks with this torch (FSDP2's internals).
 # Writes OUT/acceptance-partN.json (every figure) and OUT/acceptance-partN.txt (the summary, also printed);
 # progress on stderr. Each step is bounded and guarded (seqpar/bench/acceptance.py); --device cpu runs
 # tiny shapes (under 3 minutes on 2 cores). docs/gpu.md, "The acceptance run", says how to run it.

@@ -172,7 +172,7 @@ def reduced_after_w(chunk):
         yield
     finally:
         chunk.set_requires_gradient_sync(True)
-    fold_w(chunk)  # the B-time gradients (norms) a W never folded: the last backward's
+    fold_w(chunk)  # what is left in .grad: B-time gradients since the last W (fp32 keeps them)
     groups = _param_groups(chunk)
     for group in reversed(groups):  # the backward's order: the last unit first
         group.post_backward()

@@ -554,9 +554,10 @@ def stage_memory(
         # the chunk-microbatches in flight whose input stays on the device: all of them, or on
         # rank 0 (interleaved) its later chunks': the device peaks where chunk 0 holds fewest, the
         # host where it holds most (``first_chunk_at_peaks``)
-        fewest, most = (first_chunk_at_peaks(par.pp, par.interleave, n) if rank == 0
+        spared = any(spared_inputs(shape, par, rc, rank))
+        fewest, most = (first_chunk_at_peaks(par.pp, par.interleave, n) if spared and rank == 0
                         else (0, 0))
-        if any(spared_inputs(shape, par, rc, rank)) and r > fewest:
+        if spared and r > fewest:
             first_chunk = fewest if rank == 0 else None
             terms["stage_inputs"] = (r - fewest) * boundary_bytes(shape, par, b, opts)
             if "embedding_dropout_mask" in terms:  # chunk 0's at that moment

@@ -10,13 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from seqpar.analysis.formulas.memory import tp_ring_buffer_bytes
-from seqpar.config import ConfigError, ParallelConfig
+from seqpar.config import ConfigError, ModelConfig, ParallelConfig
+from seqpar.model.mlp import activation
 from seqpar.parallel import comm, tp_overlap
 from seqpar.parallel.dims import ParallelDims
 from seqpar.parallel.layers import LinearWithGatheredInput
 from seqpar.parallel.tp_context import TPContext
 
 S, B, H, OUT = 16, 3, 24, 40  # [s, b, h]; the GEMM's output features per rank
+SWIGLU = ModelConfig(vocab_size=8, hidden_size=8, num_heads=2, num_layers=1, seq_len=4,
+                     activation="swiglu")  # only its activation is read
 TOLERANCE = 1e-5  # tests/_axes.py's fp32 equivalence tolerance (relative)
 
 
@@ -104,15 +107,19 @@ def ring_checks(rank, world, dtype_name="float32"):
     z = _randn(B, S, OUT, seed=40 + rank, dtype=dtype).transpose(0, 1)
     w2 = _randn(H, OUT, seed=50 + rank, dtype=dtype)
     g2 = _randn(rows, B, H, seed=60 + rank, dtype=dtype)
-    for name, act in (("row", None), ("row_gelu", F.gelu)):
+    # SwiGLU halves the last dim: the recomputed activation W reads is [s, b, in/2t], not X's shape
+    # (a drawn ring × "activation" recompute × SwiGLU layout found it failing)
+    w2_half = _randn(H, OUT // 2, seed=70 + rank, dtype=dtype)
+    for name, act, weight in (("row", None, w2), ("row_gelu", F.gelu, w2),
+                              ("row_swiglu", activation(SWIGLU), w2_half)):
         want = _grads(
             lambda a, c, f=act: comm.g_bar(F.linear(a if f is None else f(a), c), group),
             z,
-            w2,
+            weight,
             grad=g2,
         )
         got = _grads(
-            lambda a, c, f=act: tp_overlap.scattered_linear(a, c, group, f), z, w2, grad=g2
+            lambda a, c, f=act: tp_overlap.scattered_linear(a, c, group, f), z, weight, grad=g2
         )
         out[name] = {
             k: (torch.equal(a, c), _rel(a, c))
@@ -122,7 +129,7 @@ def ring_checks(rank, world, dtype_name="float32"):
 
 
 GATHER_SIDE = {"column": ("y", "w", "b", "w_deferred_True", "w_deferred_False"), "row": ("x", "w"),
-               "row_gelu": ("x", "w")}
+               "row_gelu": ("x", "w"), "row_swiglu": ("x", "w")}
 
 
 def check_ring(results: list, world: int) -> None:

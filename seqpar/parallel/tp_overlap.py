@@ -270,10 +270,12 @@ class _ScatteredLinear(torch.autograd.Function):
         grad = _gathered_like(grad_shard, ring.size)  # [s, b, h]
         # [s, b, in/t]: rows written in place
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-        z = x if act is None else torch.empty_like(grad_x)  # the recomputed activation, for W
+        # the recomputed activation, for W: act's shape, not X's (SwiGLU halves the last dim)
+        z = x if act is None else None
 
         # B of chunk j, beside the next chunk's transfer
         def input_grad(j: int, chunk: torch.Tensor) -> None:
+            nonlocal z
             if act is None:
                 torch.matmul(chunk, weight, out=_rows(grad_x, j, rows))  # [s/t, b, in/t]
                 return
@@ -281,6 +283,8 @@ class _ScatteredLinear(torch.autograd.Function):
             with torch.enable_grad():
                 xj = _rows(x, j, rows).detach().requires_grad_(True)
                 zj = act(xj)
+            if z is None:
+                z = zj.new_empty((x.shape[0], *zj.shape[1:]))  # [s, b, in/t]
             _rows(z, j, rows).copy_(zj.detach())
             zj.backward(grad_z)
             _rows(grad_x, j, rows).copy_(xj.grad)

@@ -290,10 +290,11 @@ def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
 
     from seqpar.analysis.formulas.stage import stage_memory
     from seqpar.config import RecomputeConfig
+    from seqpar.parallel import fsdp
     from seqpar.train.config import build_job
     from seqpar.train.loop import Trainer
     from seqpar.train.states import state_record
-    reduced, post_backward = [], FSDPParamGroup.post_backward
+    reduced, post_backward, real = [], FSDPParamGroup.post_backward, fsdp.reads_unsharded_only
 
     def recording(group, *args):
         if group.reduce_grads:
@@ -304,15 +305,21 @@ def _states(rank: int, size: int, runs: list[dict]) -> list[dict]:
     FSDPParamGroup.post_backward = recording
     out = []
     for sections in runs:
+        regather = sections.pop("regather", False)
+        # an older FSDP2 (it reads only gathered units' gradients): reduced_after_w gathers the
+        # resharded units again first; counted where it does
+        gathered = []
+        fsdp.reads_unsharded_only = (lambda seen=gathered: seen.append(1) or True) if regather \
+            else real
         trainer = Trainer(build_job(sections), quiet=True)
         reduced.clear()
-        trainer.train_step(0)
+        loss, norm, _ = trainer.train_step(0)
         job = trainer.job
         out.append(
             state_record(job, trainer.opt, trainer.dims.pp_rank, trainer.dims.grad_rank)
             | {"unsharded_grads_bytes": sum(reduced), "unsharded_grads_predicted": stage_memory(
                 job.model, job.parallel, RecomputeConfig(), 1, rank=trainer.dims.pp_rank
-            ).terms.get("fsdp_unsharded_grads", 0.0)}
+            ).terms.get("fsdp_unsharded_grads", 0.0), "step": (loss, norm), "regathered": len(gathered)}
         )
     return out
 
@@ -349,6 +356,9 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
             ("fsdp-zbh1", {"dp": 2, "pp": 2, "fsdp": True, "pp_schedule": "zb-h1"}),
         )
     ]
+    # the same under an older FSDP2's rule (reduced_after_w gathers the resharded units first)
+    jobs.append({**jobs[-1], "train": {**jobs[-1]["train"], "out_dir": str(tmp_path / "regather")},
+                 "regather": True})
     ranks = run_ranks(_states, 4, jobs, timeout=600)
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes")
     for j, name in enumerate(("dp", "fsdp", "hsdp", "fsdp-zbh1")):
@@ -358,6 +368,8 @@ def test_state_bytes_per_rank_measured_equal_predicted(tmp_path, data):
     for rank, got in enumerate(ranks):  # 1F1B reduces each microbatch's backward: none unsharded
         assert got[1]["unsharded_grads_predicted"] == 0 < got[3]["unsharded_grads_predicted"]
         assert got[3]["unsharded_grads_bytes"] == got[3]["unsharded_grads_predicted"], (rank, got[3])
+        # gathering again changes no number
+        assert got[4]["regathered"] > 0 == got[3]["regathered"] and got[4]["step"] == got[3]["step"]
     plain = sum(ranks[0][0][k] for k in keys)
     for rank, got in enumerate(ranks):
         sharded = sum(got[1][k] for k in keys)

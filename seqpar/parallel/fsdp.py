@@ -30,6 +30,7 @@ not inside FSDP.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 
 import torch
@@ -175,5 +176,20 @@ def reduced_after_w(chunk):
     fold_w(chunk)  # what is left in .grad: B-time gradients since the last W (fp32 keeps them)
     groups = _param_groups(chunk)
     for group in reversed(groups):  # the backward's order: the last unit first
+        if group.is_sharded and reads_unsharded_only():
+            # an older FSDP2 reads a unit's accumulated gradient only while its weights are
+            # gathered: gather them again for that (correct, one all-gather a unit dearer)
+            group.unshard()
+            group.wait_for_unshard()
         group.post_backward()
     chunk._get_fsdp_state()._root_post_backward_final_callback()
+
+
+@functools.cache
+def reads_unsharded_only() -> bool:
+    """Whether this torch's FSDP2 asserts a parameter is gathered when its post-backward reads the
+    unsharded gradient (older releases' ``FSDPParam.unsharded_param``; 2.13's does not): then
+    ``reduced_after_w`` gathers a resharded unit again before reducing it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return "_assert_in_states" in FSDPParam.unsharded_param.fget.__code__.co_names

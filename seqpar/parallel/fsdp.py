@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
 from seqpar.analysis.formulas.fsdp_states import chunk_rows
 from seqpar.config import ParallelConfig
@@ -190,6 +191,4 @@ def reads_unsharded_only() -> bool:
     """Whether this torch's FSDP2 asserts a parameter is gathered when its post-backward reads the
     unsharded gradient (older releases' ``FSDPParam.unsharded_param``; 2.13's does not): then
     ``reduced_after_w`` gathers a resharded unit again before reducing it."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
     return "_assert_in_states" in FSDPParam.unsharded_param.fget.__code__.co_names

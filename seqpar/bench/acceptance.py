@@ -296,9 +296,9 @@ def compile_vs_eager(ctx: Context, timeout: float) -> dict:
 
 
 def train_steps(ctx: Context, name: str, flags: list[str], steps: int, timeout: float) -> dict:
-    """``seqpar train`` of configs/tiny.toml with ``flags`` for ``steps`` steps on one process: its
-    own records (metrics.jsonl): the median step time after the first, tokens/s, losses, activation
-    bytes."""
+    """``seqpar train`` of configs/tiny.toml with ``flags`` for ``steps`` steps (one process unless
+    ``flags`` ask more): its own records (metrics.jsonl): the median step time after the first,
+    tokens/s, losses, activation bytes."""
     out = ctx.scratch / name
     start = time.monotonic()
     ctx.seqpar(
@@ -336,6 +336,7 @@ def train_steps(ctx: Context, name: str, flags: list[str], steps: int, timeout: 
         "mfu": rows[-1].get("mfu"),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
+        "losses": [r["loss"] for r in rows],
         "aux_loss": rows[-1].get("aux_loss"),
         "act_bytes_predicted": start_rec.get("act_bytes_predicted"),
         "act_bytes_measured": start_rec.get("act_bytes_measured"),
@@ -444,18 +445,10 @@ def zb_fsdp_cpu(ctx: Context, timeout: float) -> dict:
     start, losses = time.monotonic(), {}
     on_cpu = replace(ctx, env=ctx.env | {"CUDA_VISIBLE_DEVICES": ""})
     for sched in ("1f1b", "zb-h1"):
-        out = ctx.scratch / f"zb_fsdp_{sched}"
-        left = timeout - (time.monotonic() - start)
-        on_cpu.seqpar(
-            ["train", "--config", str(ROOT / "configs" / "tiny.toml"), "--nproc", "4", "--dp", "2",
-             "--pp", "2", "--fsdp", "--pp-schedule", sched, "--dtype", "fp32", "--steps", "3",
-             "--overwrite", *_sets(out_dir=out, log_every=1, eval_every=0, progress="false",
-                                   plot="false", peak_tflops=0)],
-            left,
-        )
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-                if line.strip()]
-        losses[sched] = [r["loss"] for r in rows if "step" in r and "event" not in r]
+        flags = ["--nproc", "4", "--dp", "2", "--pp", "2", "--fsdp", "--pp-schedule", sched,
+                 "--dtype", "fp32"]
+        run = train_steps(on_cpu, f"zb_fsdp_{sched}", flags, 3, timeout - (time.monotonic() - start))
+        losses[sched] = run["losses"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["zb-h1"], losses["1f1b"], strict=True))
     if worst > 1e-5:
         raise StepError(f"zb-h1 under FSDP differs from 1F1B by {worst:.1e} relative in loss")

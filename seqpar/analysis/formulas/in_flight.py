@@ -24,40 +24,49 @@ def in_flight_chunks(rank: int, p: int, m: int = 1, n: int | None = None) -> int
     return count if n is None else min(count, n * m)
 
 
+def _interleaved_order(rank: int, p: int, m: int, n: int | None):
+    """Rank ``rank``'s interleaved 1F1B step as (chunk of the k-th forward, chunk of the backward
+    after it, None in the warm-up). Megatron's order: the k-th forward runs chunk (k // p) mod m,
+    the j-th backward chunk m - 1 - (j // p) mod m; ``in_flight_chunks`` - 1 warm-up forwards, then
+    one forward and one backward at a time (``n`` None: long enough for the steady state to
+    cycle)."""
+    alive = in_flight_chunks(rank, p, m, n)
+    total = n * m if n is not None else alive + 2 * p * m
+    backward = 0
+    for k in range(total):
+        back = None
+        if k >= alive - 1:  # steady state: a backward follows each forward
+            back = m - 1 - (backward // p) % m
+            backward += 1
+        yield (k // p) % m, back
+
+
 def peak_in_flight(rank: int, p: int, m: int, n: int | None, sizes: list[float]) -> float:
     """The most bytes rank ``rank`` holds in chunk-microbatches over an interleaved 1F1B step whose
-    chunks keep ``sizes[c]`` each (they differ under an uneven split). Megatron's order: the k-th
-    forward runs chunk (k // p) mod m, the j-th backward chunk m - 1 - (j // p) mod m;
-    ``in_flight_chunks`` - 1 warm-up forwards, then one forward and one backward at a time. With
-    equal sizes this is ``in_flight_chunks`` x the size."""
-    alive = in_flight_chunks(rank, p, m, n)
-    # unbounded: long enough for the steady state to cycle
-    total = n * m if n is not None else alive + 2 * p * m
-    held, peak, backward = 0.0, 0.0, 0
-    for k in range(total):
-        held += sizes[(k // p) % m]
+    chunks keep ``sizes[c]`` each (they differ under an uneven split), along
+    ``_interleaved_order``. With equal sizes this is ``in_flight_chunks`` x the size."""
+    held, peak = 0.0, 0.0
+    for forward, back in _interleaved_order(rank, p, m, n):
+        held += sizes[forward]
         peak = max(peak, held)
-        if k >= alive - 1:  # steady state: a backward follows each forward
-            held -= sizes[m - 1 - (backward // p) % m]
-            backward += 1
+        if back is not None:
+            held -= sizes[back]
     return peak
 
 
 def first_chunk_at_peaks(p: int, m: int, n: int | None) -> tuple[int, int]:
     """(fewest, most) chunk-0 microbatches rank 0 holds at the forward ends where it holds
-    ``in_flight_chunks`` chunk-microbatches (``peak_in_flight``'s order): its later chunks' inputs
-    stay on the device (``stage.spared_inputs``), which weigh more than chunk 0's dropout masks,
-    so the device peaks where chunk 0 holds fewest."""
+    ``in_flight_chunks`` chunk-microbatches (``_interleaved_order``): its later chunks' inputs stay
+    on the device (``stage.spared_inputs``), which weigh more than chunk 0's dropout masks, so the
+    device peaks where chunk 0 holds fewest."""
     alive = in_flight_chunks(0, p, m, n)
-    total = n * m if n is not None else alive + 2 * p * m
-    counts, seen, backward = [0] * m, [], 0
-    for k in range(total):
-        counts[(k // p) % m] += 1
+    counts, seen = [0] * m, []
+    for forward, back in _interleaved_order(0, p, m, n):
+        counts[forward] += 1
         if sum(counts) == alive:
             seen.append(counts[0])
-        if k >= alive - 1:
-            counts[m - 1 - (backward // p) % m] -= 1
-            backward += 1
+        if back is not None:
+            counts[back] -= 1
     return min(seen), max(seen)
 
 

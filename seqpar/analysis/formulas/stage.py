@@ -422,8 +422,7 @@ def sec43_extra_terms(shape: ModelConfig, par: ParallelConfig, b: int, opts: Act
         first_chunk = first_chunk_in_flight(p, n, par.interleave)
         terms["embedding_dropout_mask"] = opts.mask_bytes * s * b * h / rep * first_chunk
     if rank == p - 1:
-        terms["final_ln_input"] = opts.act_bytes * s * b * h / rep
-        terms["output_layer_input"] = opts.act_bytes * s * b * h / rep
+        terms["final_ln_input"] = terms["output_layer_input"] = boundary_bytes(shape, par, b, opts)
         terms |= loss_head_terms(s, b, shape.vocab_per_rank(t), opts)
     return terms
 
@@ -627,7 +626,8 @@ def zero_bubble_peak(
         beside.append((held(t), x))
         if held(t) > held(best):
             best, best_k, after = t, k, True
-    ahead = max(v + x * boundary_bytes(shape, par, b, opts) for v, x in beside) - held(best)
+    boundary = boundary_bytes(shape, par, b, opts)
+    ahead = max(v + x * boundary for v, x in beside) - held(best)
     if ahead > 0:
         best = best | {"receive_buffers": ahead}
     return best, best_k, after
@@ -653,17 +653,16 @@ def zbv_stage_memory(shape: ModelConfig, par: ParallelConfig, rc: RecomputeConfi
         raise AnalysisError(f"App. C (keep_microbatches {rc.keep_microbatches}) with pp_schedule "
                             "zb-v is not modelled")
     ids = chunk_layer_ids(shape, par, rank)
+    boundary = boundary_bytes(shape, par, b, opts)
     per_mb = [chunk_layers_bytes(shape, par, rc, b, opts, c) if c else 0.0 for c in ids]
     # offloaded: what each chunk-microbatch keeps in host memory until its B reloads it, but a
     # later stage's input (``spared_inputs``: on the device, ``stage_inputs``)
     spared = spared_inputs(shape, par, rc, rank)
-    per_mb_host = [chunk_layers_bytes(shape, par, rc, b, opts, c, host=True)
-                   - spared[k] * boundary_bytes(shape, par, b, opts)
+    per_mb_host = [chunk_layers_bytes(shape, par, rc, b, opts, c, host=True) - spared[k] * boundary
                    if c and rc.offload_modules else 0.0 for k, c in enumerate(ids)]
     unit = [unit_bytes(shape, par, rc, b, opts, c) for c in ids]
     s, h, t = shape.seq_len // par.cp, shape.hidden_size, par.tp
     rep = t if par.sp else 1
-    boundary = boundary_bytes(shape, par, b, opts)
     head = {"final_ln_input": boundary, "output_layer_input": boundary}
     head |= loss_head_terms(s, b, shape.vocab_per_rank(t), opts)
 
